@@ -1,0 +1,662 @@
+// AVX2 + FMA + F16C level. Compiled with -mavx2 -mfma -mf16c only.
+//
+// Reduction order (what makes matmul batch-invariant): for one (row, token)
+// every kernel below runs the same sequence of vector operations whatever the
+// tile it sits in; tiles only interleave independent (row, token) chains.
+// - F32/F16/BF16 weights: one 8-lane accumulator over k in steps of 8, then
+//   hsum(acc) (fixed tree), then the n_in % 8 tail added in order.
+// - Q4_0, Q8_0: acc += cvt(int lane sums of block b) * (d_w d_x), block by
+//   block; result hsum(acc).
+// - Q4_1: the same, plus a scalar sm += m_w s_x per block; result hsum(acc) + sm.
+// - Q4_K, Q6_K: exact integer sums per super-block, then the scalar level's
+//   own float expression, so these agree bit for bit with Isa::Scalar.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "kernels_impl.h"
+
+namespace duet::cpu::avx2 {
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Small helpers
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }  // equals half_to_float, in one instruction
+
+// 32 floats times id, rounded to nearest even, to 32 int8 in order; returns the
+// four int32 vectors' sum vector (callers that need sums use it).
+inline __m256i quant32(const float* x, float id, int8_t* out, __m256i* i32 /* [4] or null */) {
+    const __m256 m = _mm256_set1_ps(id);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 0), m));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), m));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), m));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), m));
+    // packs works within 128-bit lanes; the permute restores element order.
+    const __m256i p01 = _mm256_packs_epi32(i0, i1);
+    const __m256i p23 = _mm256_packs_epi32(i2, i3);
+    __m256i b = _mm256_packs_epi16(p01, p23);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+    if (i32 != nullptr) {
+        i32[0] = i0;
+        i32[1] = i1;
+        i32[2] = i2;
+        i32[3] = i3;
+    }
+    return _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+}
+
+inline float absmax32(const float* x) {
+    __m256 m = abs_ps(_mm256_loadu_ps(x));
+    m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 8)));
+    m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 16)));
+    m = _mm256_max_ps(m, abs_ps(_mm256_loadu_ps(x + 24)));
+    return hmax(m);
+}
+
+// exp for float lanes: Cephes-style range reduction and degree-6 polynomial,
+// about 2 ulp. Results below 2.5e-38 (x < -86.64, and -inf) are flushed to
+// exactly 0; x past ln(FLT_MAX) gives inf; NaN stays NaN.
+inline __m256 exp_ps(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228391f);
+    const __m256 lo = _mm256_set1_ps(-86.64f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(hi, x);  // operand order keeps NaN inputs NaN
+    x = _mm256_max_ps(lo, x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // Scale by 2^n, n in [-125, 128], as 2^(n-1) * 2 so that both factors
+    // are normal floats.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    p = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
+    return _mm256_andnot_ps(under, p);
+}
+
+// Scratch for repacked activations: on the stack when small, else the heap.
+class Scratch {
+   public:
+    explicit Scratch(size_t n) {
+        if (n <= sizeof(buf_)) {
+            p_ = buf_;
+        } else {
+            p_ = static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) & ~size_t{63}));
+            if (p_ == nullptr) kernel_fail("matmul: out of memory for activation scratch");
+        }
+    }
+    ~Scratch() {
+        if (p_ != buf_) std::free(p_);
+    }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    uint8_t* data() { return p_; }
+
+   private:
+    alignas(64) uint8_t buf_[16384];
+    uint8_t* p_;
+};
+
+// Rows per block so that a block of weight rows stays in L2 while every token
+// tile passes over it.
+int64_t row_block(size_t row_bytes) {
+    const int64_t rb = static_cast<int64_t>((256 * 1024) / std::max<size_t>(row_bytes, 1));
+    return std::max<int64_t>(rb, 16);
+}
+
+// ---------------------------------------------------------------------------
+// Float weights: F32, F16, BF16 times F32 activations.
+
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w, DType t) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    if (t == DType::F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float load1(const void* w, DType t, int64_t k) {
+    switch (t) {
+        case DType::F32: return static_cast<const float*>(w)[k];
+        case DType::F16: return half_to_float(static_cast<const uint16_t*>(w)[k]);
+        default: return bf16_to_float(static_cast<const uint16_t*>(w)[k]);
+    }
+}
+
+template <int R, int T>
+void float_tile(DType t, const char* w, size_t w_stride, int64_t n, const char* x, size_t x_stride, float* y,
+                size_t ldy, int64_t r) {
+    const void* wr[R];
+    const float* xr[T];
+    for (int i = 0; i < R; ++i) wr[i] = w + static_cast<size_t>(r + i) * w_stride;
+    for (int j = 0; j < T; ++j) xr[j] = reinterpret_cast<const float*>(x + static_cast<size_t>(j) * x_stride);
+    __m256 acc[R][T];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < T; ++j) acc[i][j] = _mm256_setzero_ps();
+    const int64_t n8 = n & ~int64_t{7};
+    for (int64_t k = 0; k < n8; k += 8) {
+        __m256 xv[T];
+        for (int j = 0; j < T; ++j) xv[j] = _mm256_loadu_ps(xr[j] + k);
+        for (int i = 0; i < R; ++i) {
+            const __m256 wv = t == DType::F32 ? load8(static_cast<const float*>(wr[i]) + k)
+                                              : load8(static_cast<const uint16_t*>(wr[i]) + k, t);
+            for (int j = 0; j < T; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        for (int j = 0; j < T; ++j) {
+            float s = hsum(acc[i][j]);
+            for (int64_t k = n8; k < n; ++k) s += load1(wr[i], t, k) * xr[j][k];
+            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r + i)] = s;
+        }
+    }
+}
+
+template <int T>
+void float_rows(DType t, const char* w, size_t w_stride, int64_t n, const char* x, size_t x_stride, float* y,
+                size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int R = T == 1 ? 8 : 4;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) float_tile<R, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+    for (; r < r1; ++r) float_tile<1, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+}
+
+void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void* xq, size_t xq_stride, int n_tok,
+                  float* y, size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 3;
+    const char* wb = static_cast<const char*>(w);
+    const char* xb = static_cast<const char*>(xq);
+    const int64_t rb = row_block(w_stride);
+    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+        const int64_t b1 = std::min(r1, b0 + rb);
+        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+            const char* x = xb + static_cast<size_t>(t0) * xq_stride;
+            float* yt = y + static_cast<size_t>(t0) * ldy;
+            switch (std::min(kT, n_tok - t0)) {
+                case 3: float_rows<3>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
+                case 2: float_rows<2>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
+                default: float_rows<1>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Q4_0, Q4_1, Q8_0 weights. Activation scales are converted to float once per
+// call (dx, and sx for Q8_1) into scratch: [token][block] floats.
+
+inline __m256i ones16() { return _mm256_set1_epi16(1); }
+
+inline __m256i nibbles32(const uint8_t* qs) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// Q4_1 x Q8_1, T tokens.
+template <int T>
+void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
+               float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const BlockQ8_1* xr[T];
+    const float* dx[T];
+    const float* sx[T];
+    for (int j = 0; j < T; ++j) {
+        xr[j] = reinterpret_cast<const BlockQ8_1*>(x + static_cast<size_t>(j) * x_stride);
+        dx[j] = xf + static_cast<size_t>(j) * 2 * nb;
+        sx[j] = dx[j] + nb;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ4_1* wr = reinterpret_cast<const BlockQ4_1*>(w + static_cast<size_t>(r) * w_stride);
+        __m256 acc[T];
+        float sm[T];
+        for (int j = 0; j < T; ++j) {
+            acc[j] = _mm256_setzero_ps();
+            sm[j] = 0.0f;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            const __m256i wv = nibbles32(wr[b].qs);
+            const float dw = h2f(wr[b].d);
+            const float mw = h2f(wr[b].m);
+            for (int j = 0; j < T; ++j) {
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones16());
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[j][b]), acc[j]);
+                sm[j] += mw * sx[j][b];
+            }
+        }
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]) + sm[j];
+    }
+}
+
+// Q4_0 x Q8_0 and Q8_0 x Q8_0: signed weights, so |w| * sign(x, w) feeds
+// maddubs (at most 2 * 128 * 127 per pair: no saturation).
+template <int T, DType W>
+void q8s_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
+              float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const BlockQ8_0* xr[T];
+    const float* dx[T];
+    for (int j = 0; j < T; ++j) {
+        xr[j] = reinterpret_cast<const BlockQ8_0*>(x + static_cast<size_t>(j) * x_stride);
+        dx[j] = xf + static_cast<size_t>(j) * nb;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+        const char* wr = w + static_cast<size_t>(r) * w_stride;
+        __m256 acc[T];
+        for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256i wv;
+            float dw;
+            if constexpr (W == DType::Q4_0) {
+                const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
+                wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
+                dw = h2f(blk->d);
+            } else {
+                const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
+                wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
+                dw = h2f(blk->d);
+            }
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int j = 0; j < T; ++j) {
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones16());
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[j][b]), acc[j]);
+            }
+        }
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
+    }
+}
+
+template <int T>
+void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
+            float* y, size_t ldy, int64_t r0, int64_t r1) {
+    switch (t) {
+        case DType::Q4_1: q4_1_rows<T>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
+        case DType::Q4_0: q8s_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
+        default: q8s_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
+    }
+}
+
+void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+                float* y, size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 4;
+    const int64_t nb = n_in / kQK;
+    const int per_tok = t == DType::Q4_1 ? 2 : 1;  // floats per block per token
+    Scratch scratch(static_cast<size_t>(n_tok) * static_cast<size_t>(nb) * per_tok * sizeof(float));
+    float* xf = reinterpret_cast<float*>(scratch.data());
+    const char* xb = static_cast<const char*>(xq);
+    for (int j = 0; j < n_tok; ++j) {
+        float* f = xf + static_cast<size_t>(j) * nb * per_tok;
+        if (t == DType::Q4_1) {
+            const BlockQ8_1* xr = reinterpret_cast<const BlockQ8_1*>(xb + static_cast<size_t>(j) * xq_stride);
+            for (int64_t b = 0; b < nb; ++b) {
+                f[b] = h2f(xr[b].d);
+                f[nb + b] = h2f(xr[b].s);
+            }
+        } else {
+            const BlockQ8_0* xr = reinterpret_cast<const BlockQ8_0*>(xb + static_cast<size_t>(j) * xq_stride);
+            for (int64_t b = 0; b < nb; ++b) f[b] = h2f(xr[b].d);
+        }
+    }
+    const char* wb = static_cast<const char*>(w);
+    const int64_t rb = row_block(w_stride);
+    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+        const int64_t b1 = std::min(r1, b0 + rb);
+        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+            const char* x = xb + static_cast<size_t>(t0) * xq_stride;
+            const float* f = xf + static_cast<size_t>(t0) * nb * per_tok;
+            float* yt = y + static_cast<size_t>(t0) * ldy;
+            switch (std::min(kT, n_tok - t0)) {
+                case 4: q_rows<4>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
+                case 3: q_rows<3>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
+                case 2: q_rows<2>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
+                default: q_rows<1>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// K-quants. Integer sums per super-block are exact; the float step is the
+// scalar level's expression, so results equal Isa::Scalar's bit for bit.
+
+// sum_j sc_j * dot_j over the 8 sub-blocks of one Q4_K super-block.
+inline int q4k_sumi(const BlockQ4_K& w, const BlockQ8_K& x, const int* sc) {
+    __m256i acc = _mm256_setzero_si256();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + 32 * c));
+        const __m256i lo = _mm256_and_si256(q, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + 64 * c));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + 64 * c + 32));
+        // maddubs pairs are at most 2 * 15 * 127; times a 6-bit scale in madd.
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c])));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1])));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
+    }
+    return hsum_i32(acc);
+}
+
+float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) q4k_scale_min(j, w[b].scales, &sc[j], &mn[j]);
+        const int sumi = q4k_sumi(w[b], x[b], sc);
+        int summ = 0;
+        for (int j = 0; j < 8; ++j) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        const float d = half_to_float(w[b].d) * x[b].d;
+        const float dm = half_to_float(w[b].dmin) * x[b].d;
+        s += d * static_cast<float>(sumi) - dm * static_cast<float>(summ);
+    }
+    return s;
+}
+
+float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qh + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            for (int k = 0; k < 4; ++k) {
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 128 * h + 32 * k));
+                const int8_t* sc = w[b].scales + 8 * h + 2 * k;
+                // First 16 values use sc[0], next 16 sc[1]; maddubs pairs <= 2*63*127.
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+            }
+        }
+        int corr = 0;
+        for (int g = 0; g < 16; ++g) corr += w[b].scales[g] * x[b].bsums[g];
+        const int sumi = hsum_i32(acc) - 32 * corr;
+        s += (half_to_float(w[b].d) * x[b].d) * static_cast<float>(sumi);
+    }
+    return s;
+}
+
+void matmul_k(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+              float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const int64_t nb = n_in / kQKK;
+    const char* wb = static_cast<const char*>(w);
+    const char* xb = static_cast<const char*>(xq);
+    const int64_t rb = row_block(w_stride);
+    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+        const int64_t b1 = std::min(r1, b0 + rb);
+        for (int j = 0; j < n_tok; ++j) {
+            const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(j) * xq_stride);
+            for (int64_t r = b0; r < b1; ++r) {
+                const void* wr = wb + static_cast<size_t>(r) * w_stride;
+                y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] =
+                    t == DType::Q4_K ? dot_q4_k(static_cast<const BlockQ4_K*>(wr), x, nb)
+                                     : dot_q6_k(static_cast<const BlockQ6_K*>(wr), x, nb);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Quantizers. Activation types reproduce scalar.cpp bit for bit: the same scalar
+// scale arithmetic, one IEEE multiply per value, and vcvtps2dq's ties-to-even.
+
+void quantize_row(DType t, const float* src, void* dst, int64_t n) {
+    switch (t) {
+        case DType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * 4); return;
+        case DType::F16: fp32_to_fp16_row(src, static_cast<uint16_t*>(dst), n); return;
+        case DType::BF16: {
+            uint16_t* out = static_cast<uint16_t*>(dst);
+            int64_t i = 0;
+            for (; i + 16 <= n; i += 16) {
+                __m256i r[2];
+                for (int h = 0; h < 2; ++h) {
+                    const __m256 f = _mm256_loadu_ps(src + i + 8 * h);
+                    const __m256i v = _mm256_castps_si256(f);
+                    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(1));
+                    const __m256i rn = _mm256_srli_epi32(_mm256_add_epi32(v, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+                    const __m256i qn = _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(0x40));
+                    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+                    r[h] = _mm256_blendv_epi8(rn, qn, nan);
+                }
+                const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), p);
+            }
+            for (; i < n; ++i) out[i] = float_to_bf16(src[i]);
+            return;
+        }
+        case DType::Q8_0: {
+            BlockQ8_0* y = static_cast<BlockQ8_0*>(dst);
+            for (int64_t b = 0; b < n / kQK; ++b, src += kQK) {
+                const float amax = absmax32(src);
+                const float d = amax / 127.0f;
+                const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+                y[b].d = float_to_half(d);
+                quant32(src, id, y[b].qs, nullptr);
+            }
+            return;
+        }
+        case DType::Q8_1: {
+            BlockQ8_1* y = static_cast<BlockQ8_1*>(dst);
+            for (int64_t b = 0; b < n / kQK; ++b, src += kQK) {
+                const float amax = absmax32(src);
+                const float d = amax / 127.0f;
+                const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+                const int sum = hsum_i32(quant32(src, id, y[b].qs, nullptr));
+                y[b].d = float_to_half(d);
+                y[b].s = float_to_half(d * static_cast<float>(sum));
+            }
+            return;
+        }
+        case DType::Q8_K: {
+            BlockQ8_K* y = static_cast<BlockQ8_K*>(dst);
+            for (int64_t b = 0; b < n / kQKK; ++b, src += kQKK) {
+                float amax = 0.0f;
+                for (int c = 0; c < kQKK / 32; ++c) amax = std::max(amax, absmax32(src + 32 * c));
+                if (amax == 0.0f) {
+                    std::memset(&y[b], 0, sizeof(BlockQ8_K));
+                    continue;
+                }
+                const float iscale = 127.0f / amax;
+                for (int c = 0; c < kQKK / 32; ++c) {
+                    __m256i v[4];
+                    quant32(src + 32 * c, iscale, y[b].qs + 32 * c, v);
+                    y[b].bsums[2 * c] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(v[0], v[1])));
+                    y[b].bsums[2 * c + 1] = static_cast<int16_t>(hsum_i32(_mm256_add_epi32(v[2], v[3])));
+                }
+                y[b].d = 1.0f / iscale;
+            }
+            return;
+        }
+        default:
+            // Weight types (Q4_0, Q4_1) are only quantized to build tests.
+            scalar::quantize_row(t, src, dst, n);
+            return;
+    }
+}
+
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride,
+            int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1) {
+    switch (wtype) {
+        case DType::F32: case DType::F16: case DType::BF16:
+            matmul_float(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            return;
+        case DType::Q4_0: case DType::Q4_1: case DType::Q8_0:
+            matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            return;
+        case DType::Q4_K: case DType::Q6_K:
+            matmul_k(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            return;
+        default: kernel_fail("matmul: unsupported weight type");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Float row ops.
+
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    float ss = hsum(_mm256_add_ps(a0, a1));
+    for (; i < n; ++i) ss += x[i] * x[i];
+    const float scale = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const __m256 sv = _mm256_set1_ps(scale);
+    i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv), _mm256_loadu_ps(w + i)));
+    }
+    for (; i < n; ++i) y[i] = x[i] * scale * w[i];
+}
+
+// Bit-identical to the scalar level: the same products, added in the same
+// pairs (x*c + (-(y*s)) is x*c - y*s exactly).
+void rope(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq) {
+    alignas(32) float c[512], s[512], cc[1024], ss[1024];
+    for (int i0 = 0; i0 < rot_dim / 2; i0 += 512) {
+        const int m = std::min(512, rot_dim / 2 - i0);
+        rope_angles(pos, inv_freq + i0, m, c, s);
+        for (int i = 0; i < m; ++i) {
+            cc[2 * i] = c[i];
+            cc[2 * i + 1] = c[i];
+            ss[2 * i] = -s[i];
+            ss[2 * i + 1] = s[i];
+        }
+        for (int h = 0; h < n_heads; ++h) {
+            float* v = x + static_cast<int64_t>(h) * head_dim + 2 * i0;
+            int k = 0;
+            for (; k + 8 <= 2 * m; k += 8) {
+                const __m256 a = _mm256_loadu_ps(v + k);
+                const __m256 sw = _mm256_permute_ps(a, 0xB1);  // swap each pair
+                const __m256 r = _mm256_add_ps(_mm256_mul_ps(a, _mm256_load_ps(cc + k)),
+                                               _mm256_mul_ps(sw, _mm256_load_ps(ss + k)));
+                _mm256_storeu_ps(v + k, r);
+            }
+            for (int i = k / 2; i < m; ++i) {
+                const float a = v[2 * i], b = v[2 * i + 1];
+                v[2 * i] = a * c[i] - b * s[i];
+                v[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+void swiglu(const float* gate, const float* up, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void add(float* y, const float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; ++i) y[i] += x[i];
+}
+
+void softmax(float* x, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    float mx = hmax(mv);
+    for (; i < n; ++i) mx = std::max(mx, x[i]);
+    if (mx == -INFINITY) {
+        for (i = 0; i < n; ++i) x[i] = 0.0f;
+        return;
+    }
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+        _mm256_storeu_ps(x + i, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; i < n; ++i) {
+        x[i] = std::exp(x[i] - mx);
+        sum += x[i];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; ++i) x[i] *= 1.0f / sum;
+}
+
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i, DType::F16), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8, DType::F16), s1);
+    }
+    float s = hsum(_mm256_add_ps(s0, s1));
+    for (; i < n; ++i) s += a[i] * half_to_float(b[i]);
+    return s;
+}
+
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i, DType::F16), _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; ++i) y[i] += a * half_to_float(x[i]);
+}
+
+void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; ++i) y[i] = float_to_half(x[i]);
+}
+
+}  // namespace duet::cpu::avx2

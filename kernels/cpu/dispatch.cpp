@@ -1,0 +1,299 @@
+// Run-time choice of instruction set, argument checks, and the kernels that
+// have a single (scalar) implementation: conversions and dequantization.
+#include <cpuid.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels.h"
+#include "kernels_impl.h"
+
+namespace duet::cpu {
+
+namespace {
+
+// F16C is not among the names Clang 14's __builtin_cpu_supports knows: read
+// CPUID leaf 1, ECX bit 29. (AVX state being enabled by the OS is implied by
+// __builtin_cpu_supports("avx2"), which checks XCR0.)
+bool cpu_has_f16c() {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    return (c & (1u << 29)) != 0;
+}
+
+struct IsaInfo {
+    bool avx2 = false;
+    bool avx512 = false;
+    Isa best = Isa::Scalar;
+};
+
+// Detected once; DUET_ISA=scalar|avx2|avx512 caps `best` (tests, benchmarks).
+const IsaInfo& isa_info() {
+    static const IsaInfo info = [] {
+        IsaInfo r;
+#if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
+        __builtin_cpu_init();
+        r.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+        r.avx512 = r.avx2 && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+#endif
+        r.best = r.avx512 ? Isa::Avx512 : r.avx2 ? Isa::Avx2 : Isa::Scalar;
+        if (const char* cap = std::getenv("DUET_ISA"); cap != nullptr && *cap != '\0') {
+            Isa want;
+            if (std::strcmp(cap, "scalar") == 0) {
+                want = Isa::Scalar;
+            } else if (std::strcmp(cap, "avx2") == 0) {
+                want = Isa::Avx2;
+            } else if (std::strcmp(cap, "avx512") == 0) {
+                want = Isa::Avx512;
+            } else {
+                std::fprintf(stderr,
+                             "duet: DUET_ISA=%s is not one of scalar, avx2, avx512; "
+                             "ignoring it and using %s\n",
+                             cap, isa_name(r.best));
+                return r;
+            }
+            if (static_cast<int>(want) < static_cast<int>(r.best)) r.best = want;
+        }
+        return r;
+    }();
+    return info;
+}
+
+void check_isa(Isa isa) {
+    if (!isa_supported(isa)) kernel_fail("called with an instruction set this CPU or build lacks");
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::Scalar: return "scalar";
+        case Isa::Avx2: return "avx2";
+        case Isa::Avx512: return "avx512";
+    }
+    return "unknown";
+}
+
+bool isa_supported(Isa isa) {
+    switch (isa) {
+        case Isa::Scalar: return true;
+        case Isa::Avx2: return isa_info().avx2;
+        case Isa::Avx512: return isa_info().avx512;
+    }
+    return false;
+}
+
+Isa isa_best() { return isa_info().best; }
+
+float fp16_to_fp32(uint16_t h) { return half_to_float(h); }
+uint16_t fp32_to_fp16(float f) { return float_to_half(f); }
+float bf16_to_fp32(uint16_t h) { return bf16_to_float(h); }
+uint16_t fp32_to_bf16(float f) { return float_to_bf16(f); }
+
+DType vec_dot_type(DType w) {
+    switch (w) {
+        case DType::Q4_0: case DType::Q8_0: return DType::Q8_0;
+        case DType::Q4_1: return DType::Q8_1;
+        case DType::Q4_K: case DType::Q6_K: return DType::Q8_K;
+        default: return DType::F32;
+    }
+}
+
+void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
+    const int64_t be = dtype_block_elems(t);
+    if (be == 0 || n % be != 0) kernel_fail("dequantize_row: unsupported type or n not a multiple of its block");
+    const int64_t nb = n / be;
+    switch (t) {
+        case DType::F32:
+            std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+            return;
+        case DType::F16: {
+            const uint16_t* s = static_cast<const uint16_t*>(src);
+            for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
+            return;
+        }
+        case DType::BF16: {
+            const uint16_t* s = static_cast<const uint16_t*>(src);
+            for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+            return;
+        }
+        case DType::Q4_0: {
+            const BlockQ4_0* b = static_cast<const BlockQ4_0*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQK) {
+                const float d = half_to_float(b[i].d);
+                for (int j = 0; j < kQK / 2; ++j) {
+                    dst[j] = static_cast<float>((b[i].qs[j] & 15) - 8) * d;
+                    dst[j + 16] = static_cast<float>((b[i].qs[j] >> 4) - 8) * d;
+                }
+            }
+            return;
+        }
+        case DType::Q4_1: {
+            const BlockQ4_1* b = static_cast<const BlockQ4_1*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQK) {
+                const float d = half_to_float(b[i].d);
+                const float m = half_to_float(b[i].m);
+                for (int j = 0; j < kQK / 2; ++j) {
+                    dst[j] = static_cast<float>(b[i].qs[j] & 15) * d + m;
+                    dst[j + 16] = static_cast<float>(b[i].qs[j] >> 4) * d + m;
+                }
+            }
+            return;
+        }
+        case DType::Q8_0: {
+            const BlockQ8_0* b = static_cast<const BlockQ8_0*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQK) {
+                const float d = half_to_float(b[i].d);
+                for (int j = 0; j < kQK; ++j) dst[j] = static_cast<float>(b[i].qs[j]) * d;
+            }
+            return;
+        }
+        case DType::Q8_1: {
+            const BlockQ8_1* b = static_cast<const BlockQ8_1*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQK) {
+                const float d = half_to_float(b[i].d);
+                for (int j = 0; j < kQK; ++j) dst[j] = static_cast<float>(b[i].qs[j]) * d;
+            }
+            return;
+        }
+        case DType::Q8_K: {
+            const BlockQ8_K* b = static_cast<const BlockQ8_K*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQKK) {
+                for (int j = 0; j < kQKK; ++j) dst[j] = static_cast<float>(b[i].qs[j]) * b[i].d;
+            }
+            return;
+        }
+        case DType::Q4_K: {
+            // 4 chunks of 64 values; chunk c: 32 low nibbles of qs[32c..32c+32)
+            // with scale/min 2c, then the 32 high nibbles with scale/min 2c+1.
+            const BlockQ4_K* b = static_cast<const BlockQ4_K*>(src);
+            for (int64_t i = 0; i < nb; ++i) {
+                const float d = half_to_float(b[i].d);
+                const float dmin = half_to_float(b[i].dmin);
+                for (int c = 0; c < 4; ++c) {
+                    int sc0, m0, sc1, m1;
+                    q4k_scale_min(2 * c, b[i].scales, &sc0, &m0);
+                    q4k_scale_min(2 * c + 1, b[i].scales, &sc1, &m1);
+                    const float d0 = d * static_cast<float>(sc0), mm0 = dmin * static_cast<float>(m0);
+                    const float d1 = d * static_cast<float>(sc1), mm1 = dmin * static_cast<float>(m1);
+                    const uint8_t* q = b[i].qs + 32 * c;
+                    for (int l = 0; l < 32; ++l) *dst++ = d0 * static_cast<float>(q[l] & 15) - mm0;
+                    for (int l = 0; l < 32; ++l) *dst++ = d1 * static_cast<float>(q[l] >> 4) - mm1;
+                }
+            }
+            return;
+        }
+        case DType::Q6_K: {
+            // Two halves of 128 values. In half h, for l < 32: value 32k + l
+            // (k = 0..3) takes 4 low bits from ql[64h + l + 32(k&1)] (low nibble
+            // for k < 2, high for k >= 2) and 2 high bits from qh[32h + l] bits
+            // 2k..2k+1; minus 32; scale scales[8h + 2k + l/16].
+            const BlockQ6_K* b = static_cast<const BlockQ6_K*>(src);
+            for (int64_t i = 0; i < nb; ++i) {
+                const float d = half_to_float(b[i].d);
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* ql = b[i].ql + 64 * h;
+                    const uint8_t* qh = b[i].qh + 32 * h;
+                    const int8_t* sc = b[i].scales + 8 * h;
+                    for (int l = 0; l < 32; ++l) {
+                        const int is = l / 16;
+                        const int q0 = ((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                        const int q1 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                        const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                        const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                        dst[l] = d * static_cast<float>(sc[is + 0]) * static_cast<float>(q0);
+                        dst[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q1);
+                        dst[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q2);
+                        dst[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q3);
+                    }
+                    dst += 128;
+                }
+            }
+            return;
+        }
+        default:
+            kernel_fail("dequantize_row: unsupported type");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Routing. Checks that are cheap and catch caller mistakes live here, once.
+
+#if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
+#define DUET_ROUTE(isa, call)                           \
+    switch (isa) {                                      \
+        case Isa::Avx512: return avx512::call;          \
+        case Isa::Avx2: return avx2::call;              \
+        case Isa::Scalar: break;                        \
+    }                                                   \
+    return scalar::call
+#else
+#define DUET_ROUTE(isa, call) return scalar::call
+#endif
+
+void quantize_row(Isa isa, DType t, const float* src, void* dst, int64_t n) {
+    check_isa(isa);
+    const int64_t be = dtype_block_elems(t);
+    const bool ok = t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_0 ||
+                    t == DType::Q4_1 || t == DType::Q8_0 || t == DType::Q8_1 || t == DType::Q8_K;
+    if (!ok || n % be != 0) kernel_fail("quantize_row: unsupported type or n not a multiple of its block");
+    DUET_ROUTE(isa, quantize_row(t, src, dst, n));
+}
+
+void matmul(Isa isa, DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
+            size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1) {
+    check_isa(isa);
+    const bool ok = wtype == DType::F32 || wtype == DType::F16 || wtype == DType::BF16 ||
+                    wtype == DType::Q4_0 || wtype == DType::Q4_1 || wtype == DType::Q8_0 ||
+                    wtype == DType::Q4_K || wtype == DType::Q6_K;
+    if (!ok) kernel_fail("matmul: unsupported weight type");
+    if (n_in <= 0 || n_in % dtype_block_elems(wtype) != 0) kernel_fail("matmul: n_in must be a positive multiple of the weight block");
+    if (r1 <= r0 || n_tok <= 0) return;
+    DUET_ROUTE(isa, matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1));
+}
+
+void rms_norm(Isa isa, const float* x, const float* w, float* y, int64_t n, float eps) {
+    check_isa(isa);
+    DUET_ROUTE(isa, rms_norm(x, w, y, n, eps));
+}
+
+void rope(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq) {
+    check_isa(isa);
+    if (rot_dim > head_dim || rot_dim % 2 != 0) kernel_fail("rope: rot_dim must be even and <= head_dim");
+    DUET_ROUTE(isa, rope(x, n_heads, head_dim, rot_dim, pos, inv_freq));
+}
+
+void swiglu(Isa isa, const float* gate, const float* up, float* out, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, swiglu(gate, up, out, n));
+}
+
+void add(Isa isa, float* y, const float* x, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, add(y, x, n));
+}
+
+void softmax(Isa isa, float* x, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, softmax(x, n));
+}
+
+float dot_f32_f16(Isa isa, const float* a, const uint16_t* b, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, dot_f32_f16(a, b, n));
+}
+
+void axpy_f16(Isa isa, float a, const uint16_t* x, float* y, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, axpy_f16(a, x, y, n));
+}
+
+void fp32_to_fp16_row(Isa isa, const float* x, uint16_t* y, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, fp32_to_fp16_row(x, y, n));
+}
+
+}  // namespace duet::cpu

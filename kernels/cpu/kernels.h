@@ -1,0 +1,75 @@
+// CPU compute kernels, dispatched by instruction set at run time.
+//
+// Every function takes the Isa to use; the caller picks one per process
+// (isa_best(), or a lower level for tests) and keeps it. All results for one
+// output element are computed in an order that depends only on the Isa and the
+// reduction length: never on how many rows or tokens are in the call, nor on the
+// row range a thread was given. That is what makes a sequence's logits the same
+// whatever batch it runs in and however its tokens were chunked.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "quant_types.h"
+
+namespace duet::cpu {
+
+enum class Isa : int {
+    Scalar = 0,  // portable C++, the reference the SIMD levels are tested against
+    Avx2 = 1,    // AVX2 + FMA + F16C
+    Avx512 = 2,  // AVX-512 F/BW/VL/DQ + VNNI
+};
+
+const char* isa_name(Isa isa);
+bool isa_supported(Isa isa);  // by this CPU and this build
+Isa isa_best();               // the highest supported level
+
+// IEEE half and bfloat16 conversions (round to nearest even).
+float fp16_to_fp32(uint16_t h);
+uint16_t fp32_to_fp16(float f);
+float bf16_to_fp32(uint16_t h);
+uint16_t fp32_to_bf16(float f);
+
+// Rows of n values of type t to float (any supported type; scalar code).
+void dequantize_row(DType t, const void* src, float* dst, int64_t n);
+// Float to a storage type (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q8_1, Q8_K); used to
+// build test weights and to quantize activations.
+void quantize_row(Isa isa, DType t, const float* src, void* dst, int64_t n);
+
+// The type activations are quantized to before a product with weights of type w:
+// Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K, F32 otherwise.
+DType vec_dot_type(DType w);
+
+// y[t * ldy + r] = sum_k W[r][k] * X[t][k] for r in [r0, r1), t in [0, n_tok).
+// W row r starts at (const char*)w + r * w_stride; it holds n_in values of wtype.
+// X row t starts at (const char*)xq + t * xq_stride and holds n_in values of
+// vec_dot_type(wtype), produced by quantize_row with the same isa.
+void matmul(Isa isa, DType wtype, const void* w, size_t w_stride, int64_t n_in,
+            const void* xq, size_t xq_stride, int n_tok, float* y, size_t ldy,
+            int64_t r0, int64_t r1);
+
+// y = x / sqrt(mean(x^2) + eps) * w
+void rms_norm(Isa isa, const float* x, const float* w, float* y, int64_t n, float eps);
+
+// Rotary embedding, llama "normal" pairing: for each of n_heads heads of head_dim
+// values in x, rotate pairs (x[2i], x[2i+1]) for i < rot_dim / 2 by angle
+// pos * inv_freq[i]. Pairs past rot_dim are left alone.
+void rope(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos,
+          const float* inv_freq);
+
+// out = silu(gate) * up
+void swiglu(Isa isa, const float* gate, const float* up, float* out, int64_t n);
+
+// y += x
+void add(Isa isa, float* y, const float* x, int64_t n);
+
+// In place: x = exp(x - max) / sum; returns nothing, handles -inf entries.
+void softmax(Isa isa, float* x, int64_t n);
+
+// Attention helpers over f16 KV rows.
+float dot_f32_f16(Isa isa, const float* a, const uint16_t* b, int64_t n);
+void axpy_f16(Isa isa, float a, const uint16_t* x, float* y, int64_t n);  // y += a*x
+void fp32_to_fp16_row(Isa isa, const float* x, uint16_t* y, int64_t n);
+
+}  // namespace duet::cpu

@@ -1,0 +1,168 @@
+// Internal to duet_kernels_cpu: the per-ISA entry points that dispatch.cpp
+// routes to, and small scalar helpers every level shares.
+//
+// Each level lives in its own translation unit compiled with its own -m flags.
+// Everything defined in this header is `static inline` on purpose: an inline
+// function with external linkage compiled in avx512.cpp could be the copy the
+// linker keeps for scalar.cpp too, and then a CPU without AVX-512 faults. For the
+// same reason the SIMD files avoid out-of-line standard library templates
+// (std::vector growth and the like) and allocate scratch with std::malloc.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace duet::cpu {
+
+// ---------------------------------------------------------------------------
+// Per-level entry points. Preconditions are checked once in dispatch.cpp.
+
+namespace scalar {
+void quantize_row(DType t, const float* src, void* dst, int64_t n);
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
+            size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
+void rope(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq);
+void swiglu(const float* gate, const float* up, float* out, int64_t n);
+void add(float* y, const float* x, int64_t n);
+void softmax(float* x, int64_t n);
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
+void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+}  // namespace scalar
+
+namespace avx2 {
+void quantize_row(DType t, const float* src, void* dst, int64_t n);
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
+            size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
+void rope(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq);
+void swiglu(const float* gate, const float* up, float* out, int64_t n);
+void add(float* y, const float* x, int64_t n);
+void softmax(float* x, int64_t n);
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
+void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+}  // namespace avx2
+
+namespace avx512 {
+void quantize_row(DType t, const float* src, void* dst, int64_t n);
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
+            size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
+void rope(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq);
+void swiglu(const float* gate, const float* up, float* out, int64_t n);
+void add(float* y, const float* x, int64_t n);
+void softmax(float* x, int64_t n);
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
+void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
+void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+}  // namespace avx512
+
+// ---------------------------------------------------------------------------
+// Scalar helpers shared by all levels.
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// IEEE binary16 -> binary32, exact. NaNs come out quiet with their payload,
+// which is what F16C's vcvtph2ps does, so scalar and SIMD agree bit for bit.
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1Fu;
+    const uint32_t m = h & 0x3FFu;
+    if (e == 0x1F) {
+        return f32_from_bits(sign | 0x7F800000u | (m ? 0x00400000u | (m << 13) : 0u));
+    }
+    if (e == 0) {
+        // Zero or subnormal: m * 2^-24 is exact in float.
+        return f32_from_bits(sign | f32_bits(static_cast<float>(m) * 0x1p-24f));
+    }
+    return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// IEEE binary32 -> binary16, round to nearest even; overflow goes to infinity;
+// NaNs come out quiet with the top of their payload (as vcvtps2ph does).
+// Assumes the FPU is in its default round-to-nearest mode.
+static inline uint16_t float_to_half(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
+    if (ax < 0x38800000u) {
+        // Below the smallest normal half (2^-14): adding 0.5f, whose ulp is
+        // 2^-24, rounds |f| to a multiple of 2^-24 (nearest even); the low bits
+        // of the sum are then the half's subnormal mantissa (0x400 when it
+        // rounds up to the smallest normal, which is also the right encoding).
+        const float t = f32_from_bits(ax) + 0.5f;
+        return static_cast<uint16_t>(sign | (f32_bits(t) - 0x3F000000u));
+    }
+    const uint32_t odd = (ax >> 13) & 1u;
+    const uint32_t r = ax + 0xC8000FFFu + odd;  // rebias exponent (-112 << 23), round half even
+    return static_cast<uint16_t>(sign | (r >> 13));
+}
+
+static inline float bf16_to_float(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even; NaNs stay NaN (quiet).
+static inline uint16_t float_to_bf16(float f) {
+    const uint32_t x = f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);
+    return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+// Nearest integer, ties to even, for |v| < 2^22 (the same rounding as
+// vcvtps2dq under the default MXCSR), so scalar and SIMD quantizers agree.
+static inline int round_even(float v) {
+    const float t = v + 12582912.0f;  // 1.5 * 2^23: the sum's low mantissa bits are the integer
+    return static_cast<int>(f32_bits(t) & 0x007FFFFFu) - 0x00400000;
+}
+
+// Q4_K: the j-th (0..7) 6-bit scale and min of a super-block, from its 12
+// packed bytes. Bytes 0-3: scales 0-3 (low 6 bits), top 2 bits = high bits of
+// scales 4-7; bytes 4-7: mins 0-3, top 2 bits = high bits of mins 4-7;
+// bytes 8-11: low nibble = low 4 bits of scale 4-7, high nibble = of min 4-7.
+static inline void q4k_scale_min(int j, const uint8_t* s, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// cos and sin of pos * inv_freq[i] for i < half. The angle is formed and
+// reduced to [-pi, pi] in double (pos can be large), then sin/cos are taken in
+// float. Every level uses this one function, so rope angles agree across levels.
+static inline void rope_angles(int64_t pos, const float* inv_freq, int half, float* c, float* s) {
+    constexpr double kTwoPi = 6.283185307179586476925286766559;
+    for (int i = 0; i < half; ++i) {
+        double th = static_cast<double>(pos) * static_cast<double>(inv_freq[i]);
+        th -= kTwoPi * std::nearbyint(th / kTwoPi);
+        const float t = static_cast<float>(th);
+        c[i] = std::cos(t);
+        s[i] = std::sin(t);
+    }
+}
+
+[[noreturn]] static inline void kernel_fail(const char* what) {
+    std::fprintf(stderr, "duet kernels: %s\n", what);
+    std::abort();
+}
+
+}  // namespace duet::cpu

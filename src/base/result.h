@@ -1,0 +1,69 @@
+// Result<T>: a value or an error message, for functions that can fail.
+// GCC 12 / Clang 14 do not both ship <expected> in C++20 mode, so this is the
+// small subset of std::expected the engine uses.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <variant>
+
+#include <fmt/format.h>
+
+namespace duet {
+
+struct Error {
+    std::string message;
+};
+
+template <typename... Args>
+Error make_error(fmt::format_string<Args...> f, Args&&... args) {
+    return Error{fmt::format(f, std::forward<Args>(args)...)};
+}
+
+template <typename T>
+class [[nodiscard]] Result {
+public:
+    Result(T value) : v_(std::move(value)) {}
+    Result(Error e) : v_(std::move(e)) {}
+
+    bool ok() const { return v_.index() == 0; }
+    explicit operator bool() const { return ok(); }
+
+    T& value() & { check(); return std::get<0>(v_); }
+    const T& value() const& { check(); return std::get<0>(v_); }
+    T&& value() && { check(); return std::get<0>(std::move(v_)); }
+    T& operator*() & { return value(); }
+    const T& operator*() const& { return value(); }
+    T* operator->() { return &value(); }
+    const T* operator->() const { return &value(); }
+
+    const Error& error() const { return std::get<1>(v_); }
+
+private:
+    void check() const {
+        if (!ok()) {
+            std::fprintf(stderr, "duet: value() on an error result: %s\n",
+                         std::get<1>(v_).message.c_str());
+            std::abort();
+        }
+    }
+    std::variant<T, Error> v_;
+};
+
+// Status: a Result with no value.
+class [[nodiscard]] Status {
+public:
+    Status() = default;
+    Status(Error e) : err_(std::move(e)), ok_(false) {}
+    bool ok() const { return ok_; }
+    explicit operator bool() const { return ok_; }
+    const Error& error() const { return err_; }
+
+private:
+    Error err_;
+    bool ok_ = true;
+};
+
+}  // namespace duet

@@ -1,0 +1,137 @@
+#include "base/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DUET_PAUSE() _mm_pause()
+#else
+#define DUET_PAUSE() ((void)0)
+#endif
+
+namespace duet {
+
+namespace {
+
+constexpr int kSpinBeforeWait = 1 << 14;
+
+void pin_to(std::thread::native_handle_type h, int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(h, sizeof(set), &set);  // best effort: a cgroup may forbid it
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads, std::vector<int> cpus) : n_(n_threads < 1 ? 1 : n_threads) {
+    if (!cpus.empty()) pin_to(pthread_self(), cpus[0]);
+    for (int t = 1; t < n_; ++t) {
+        threads_.emplace_back([this, t] { worker(t); });
+        if (!cpus.empty()) pin_to(threads_.back().native_handle(), cpus[t % cpus.size()]);
+    }
+}
+
+ThreadPool::~ThreadPool() {
+    stop_.store(true, std::memory_order_relaxed);
+    // release: pairs with the acquire load of job_ in worker(), which then sees stop_.
+    job_.fetch_add(1, std::memory_order_release);
+    job_.notify_all();
+    for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::worker(int tid) {
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t j;
+        int spins = 0;
+        // acquire: pairs with the release increment in run(), publishing fn_.
+        while ((j = job_.load(std::memory_order_acquire)) == seen) {
+            if (++spins < kSpinBeforeWait) {
+                DUET_PAUSE();
+            } else {
+                job_.wait(seen, std::memory_order_acquire);
+            }
+        }
+        seen = j;
+        if (stop_.load(std::memory_order_relaxed)) return;
+        (*fn_)(tid, n_);
+        // release: pairs with the acquire load in run(), publishing this thread's writes.
+        done_.fetch_add(1, std::memory_order_release);
+    }
+}
+
+void ThreadPool::run(const std::function<void(int, int)>& fn) {
+    if (n_ == 1) {
+        fn(0, 1);
+        return;
+    }
+    fn_ = &fn;
+    done_.store(0, std::memory_order_relaxed);
+    // release: pairs with the acquire load of job_ in worker(), publishing fn_ and done_.
+    job_.fetch_add(1, std::memory_order_release);
+    job_.notify_all();
+    fn(0, n_);
+    // acquire: pairs with each worker's release increment of done_.
+    while (done_.load(std::memory_order_acquire) != n_ - 1) DUET_PAUSE();
+}
+
+void ThreadPool::barrier() {
+    if (n_ == 1) return;
+    // acquire: pairs with the release store of the phase by the last arriver.
+    uint32_t phase = barrier_phase_.load(std::memory_order_acquire);
+    // acq_rel: orders this thread's writes before the arrival and sees the others'.
+    if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+        barrier_count_.store(0, std::memory_order_relaxed);
+        // release: pairs with the acquire loads of waiters below.
+        barrier_phase_.store(phase + 1, std::memory_order_release);
+        return;
+    }
+    int spins = 0;
+    // acquire: pairs with the release store of the last arriver.
+    while (barrier_phase_.load(std::memory_order_acquire) == phase) {
+        DUET_PAUSE();
+        if (++spins > kSpinBeforeWait) std::this_thread::yield();
+    }
+}
+
+void ThreadPool::split(int64_t n, int tid, int nth, int64_t& begin, int64_t& end, int64_t align) {
+    int64_t units = (n + align - 1) / align;
+    int64_t b = units * tid / nth;
+    int64_t e = units * (tid + 1) / nth;
+    begin = std::min(n, b * align);
+    end = std::min(n, e * align);
+}
+
+Result<std::vector<int>> parse_cpu_list(const std::string& s) {
+    std::vector<int> out;
+    size_t i = 0;
+    while (i < s.size()) {
+        size_t j = s.find(',', i);
+        if (j == std::string::npos) j = s.size();
+        std::string part = s.substr(i, j - i);
+        size_t dash = part.find('-');
+        try {
+            if (dash == std::string::npos) {
+                out.push_back(std::stoi(part));
+            } else {
+                int a = std::stoi(part.substr(0, dash)), b = std::stoi(part.substr(dash + 1));
+                if (b < a || b - a > 4096) return make_error("bad CPU range '{}' in '{}'", part, s);
+                for (int c = a; c <= b; ++c) out.push_back(c);
+            }
+        } catch (...) {
+            return make_error("bad CPU list '{}': expected e.g. 0-3,6", s);
+        }
+        i = j + 1;
+    }
+    for (int c : out)
+        if (c < 0 || c >= CPU_SETSIZE) return make_error("CPU id {} in '{}' is out of range", c, s);
+    if (out.empty()) return make_error("empty CPU list");
+    return out;
+}
+
+}  // namespace duet

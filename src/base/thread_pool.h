@@ -1,0 +1,58 @@
+// A fixed team of threads that run one function together (SPMD, as ggml does):
+// run(fn) calls fn(tid, n_threads) on every thread, the caller being tid 0, and
+// returns when all have finished. Inside fn, barrier() separates phases, so a
+// whole forward pass costs one dispatch plus one barrier per phase instead of a
+// dispatch per operation.
+//
+// Workers spin briefly waiting for work, then block on an atomic wait (a futex),
+// so an idle engine uses no CPU. Threads can be pinned to given CPUs.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "base/result.h"
+
+namespace duet {
+
+class ThreadPool {
+public:
+    // n_threads >= 1. cpus: CPU ids to pin thread i to cpus[i % size]; empty = no pinning.
+    explicit ThreadPool(int n_threads, std::vector<int> cpus = {});
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    int size() const { return n_; }
+
+    // Runs fn(tid, n) on all threads; not reentrant.
+    void run(const std::function<void(int tid, int n)>& fn);
+
+    // All threads of the current run() wait here until every one has arrived.
+    void barrier();
+
+    // [begin, end) share of thread tid when n items are split into nth parts,
+    // optionally in multiples of `align` items.
+    static void split(int64_t n, int tid, int nth, int64_t& begin, int64_t& end, int64_t align = 1);
+
+private:
+    void worker(int tid);
+
+    int n_;
+    std::vector<std::thread> threads_;
+    const std::function<void(int, int)>* fn_ = nullptr;
+    // Bumped by run() to start a job; workers wait for it to change.
+    alignas(64) std::atomic<uint32_t> job_{0};
+    alignas(64) std::atomic<int> done_{0};
+    alignas(64) std::atomic<int> barrier_count_{0};
+    alignas(64) std::atomic<uint32_t> barrier_phase_{0};
+    std::atomic<bool> stop_{false};
+};
+
+// Parses a CPU list such as "0-3,6,8-9".
+Result<std::vector<int>> parse_cpu_list(const std::string& s);
+
+}  // namespace duet

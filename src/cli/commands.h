@@ -1,0 +1,39 @@
+// The CLI subcommands. Each returns the process exit status and prints its own
+// errors to stderr.
+#pragma once
+
+#include <string>
+
+#include "engine/engine.h"
+
+namespace duet {
+
+struct RunArgs {
+    std::string model;
+    std::string prompt;
+    bool chat = false;
+    std::string system;
+    std::string chat_template;
+    int64_t max_tokens = 128;
+    bool ignore_eos = false;
+    SamplingParams sampling;
+    std::string cpus;
+    EngineOptions engine;
+};
+
+struct BenchArgs {
+    std::string model;
+    int n_prompt = 512;
+    int n_gen = 128;
+    int reps = 3;
+    bool json = false;
+    std::string cpus;
+    EngineOptions engine;
+};
+
+int cmd_run(RunArgs args);
+int cmd_info(const std::string& model);
+int cmd_tokenize(const std::string& model, std::string text, bool have_text, bool parse_special);
+int cmd_bench_model(BenchArgs args);
+
+}  // namespace duet

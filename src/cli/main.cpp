@@ -1,0 +1,94 @@
+// duet: one binary, subcommands. Exceptions stop here (argument parsing).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "base/thread_pool.h"
+#include "cli/commands.h"
+
+using namespace duet;
+
+int main(int argc, char** argv) {
+    CLI::App app{"duet: LLM inference on one box"};
+    app.require_subcommand(1);
+    app.set_version_flag("--version", "duet 0.1.0");
+
+    const std::string default_model = DUET_DEFAULT_MODEL;
+
+    // duet run
+    RunArgs run;
+    run.model = default_model;
+    CLI::App* c_run = app.add_subcommand("run", "generate text from a prompt");
+    c_run->add_option("-m,--model", run.model, "GGUF model file")->capture_default_str();
+    c_run->add_option("-p,--prompt", run.prompt, "prompt text (default: read standard input)");
+    c_run->add_flag("--chat", run.chat, "wrap the prompt as a user message in the model's chat template");
+    c_run->add_option("--system", run.system, "system message for --chat");
+    c_run->add_option("--chat-template", run.chat_template, "override the chat template (chatml, smollm2, qwen2, llama3)");
+    c_run->add_option("-n,--max-tokens", run.max_tokens, "tokens to generate")->capture_default_str()->check(CLI::Range(0, 1 << 20));
+    c_run->add_option("--temperature", run.sampling.temperature, "0 is greedy")->capture_default_str();
+    c_run->add_option("--top-k", run.sampling.top_k, "0 disables")->capture_default_str();
+    c_run->add_option("--top-p", run.sampling.top_p, "1 disables")->capture_default_str();
+    c_run->add_option("--min-p", run.sampling.min_p, "0 disables")->capture_default_str();
+    c_run->add_option("--repeat-penalty", run.sampling.repetition_penalty, "1 disables")->capture_default_str();
+    c_run->add_option("--frequency-penalty", run.sampling.frequency_penalty)->capture_default_str();
+    c_run->add_option("--presence-penalty", run.sampling.presence_penalty)->capture_default_str();
+    c_run->add_option("--seed", run.sampling.seed, "random seed")->capture_default_str();
+    c_run->add_option("-t,--threads", run.engine.threads, "compute threads (default: one per CPU)");
+    c_run->add_option("--cpus", run.cpus, "pin threads to these CPUs, e.g. 0-3");
+    c_run->add_option("--ctx", run.engine.n_ctx, "context size in tokens (default: min(model, 4096))");
+    c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c_run->add_flag("--ignore-eos", run.ignore_eos, "keep generating past end-of-generation tokens");
+
+    // duet info
+    std::string info_model = default_model;
+    CLI::App* c_info = app.add_subcommand("info", "print a GGUF file's metadata and tensor table");
+    c_info->add_option("-m,--model", info_model, "GGUF model file")->capture_default_str();
+
+    // duet tokenize
+    std::string tok_model = default_model, tok_text;
+    bool tok_special = true;
+    CLI::App* c_tok = app.add_subcommand("tokenize", "print the token ids of a text");
+    c_tok->add_option("-m,--model", tok_model, "GGUF model file")->capture_default_str();
+    c_tok->add_option("text", tok_text, "text to tokenize (default: standard input)");
+    c_tok->add_option("--parse-special", tok_special, "recognize special token texts")->capture_default_str();
+
+    // duet bench model
+    BenchArgs bench;
+    bench.model = default_model;
+    CLI::App* c_bench = app.add_subcommand("bench", "benchmarks");
+    c_bench->require_subcommand(1);
+    CLI::App* c_bm = c_bench->add_subcommand("model", "prompt processing and generation tokens/s");
+    c_bm->add_option("-m,--model", bench.model, "GGUF model file")->capture_default_str();
+    c_bm->add_option("-p,--n-prompt", bench.n_prompt, "prompt tokens")->capture_default_str();
+    c_bm->add_option("-n,--n-gen", bench.n_gen, "generated tokens")->capture_default_str();
+    c_bm->add_option("-r,--repetitions", bench.reps, "repetitions")->capture_default_str();
+    c_bm->add_option("-t,--threads", bench.engine.threads, "compute threads")->capture_default_str();
+    c_bm->add_option("--cpus", bench.cpus, "pin threads to these CPUs");
+    c_bm->add_option("--isa", bench.engine.isa, "kernel level");
+    c_bm->add_flag("--json", bench.json, "print one JSON object");
+
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+        return app.exit(e);
+    }
+
+    try {
+        if (c_run->parsed()) return cmd_run(run);
+        if (c_info->parsed()) return cmd_info(info_model);
+        if (c_tok->parsed()) return cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
+        if (c_bm->parsed()) return cmd_bench_model(bench);
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "duet: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,107 @@
+#include "engine/engine.h"
+
+#include <unistd.h>
+
+#include <chrono>
+
+namespace duet {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+Result<cpu::Isa> parse_isa(const std::string& name) {
+    cpu::Isa isa;
+    if (name.empty()) return cpu::isa_best();
+    if (name == "scalar") isa = cpu::Isa::Scalar;
+    else if (name == "avx2") isa = cpu::Isa::Avx2;
+    else if (name == "avx512") isa = cpu::Isa::Avx512;
+    else return make_error("unknown ISA '{}': expected scalar, avx2 or avx512", name);
+    if (!cpu::isa_supported(isa)) return make_error("this CPU (or build) does not support {}", name);
+    return isa;
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
+    std::unique_ptr<Engine> e(new Engine());
+    auto isa = parse_isa(opts.isa);
+    if (!isa) return isa.error();
+    auto model = Model::load(opts.model_path);
+    if (!model) return model.error();
+    e->model_ = std::move(model).value();
+    auto tok = Tokenizer::from_gguf(e->model_->file());
+    if (!tok) return make_error("{}: {}", opts.model_path, tok.error().message);
+    e->tok_ = std::move(tok).value();
+    if (e->tok_->n_vocab() != e->model_->config().n_vocab)
+        return make_error("{}: tokenizer has {} tokens but the model's vocabulary is {}", opts.model_path,
+                          e->tok_->n_vocab(), e->model_->config().n_vocab);
+
+    int64_t n_ctx = opts.n_ctx > 0 ? opts.n_ctx : std::min<int64_t>(e->model_->config().n_ctx_train, 4096);
+    if (n_ctx > e->model_->config().n_ctx_train)
+        return make_error("context of {} tokens is more than the model's {}", n_ctx, e->model_->config().n_ctx_train);
+    e->n_ctx_ = n_ctx;
+    KvLayout layout = CpuBackend::kv_layout(*e->model_);
+    auto pool = KvPool::create(layout, static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens));
+    if (!pool) return pool.error();
+    e->pool_ = std::move(pool).value();
+
+    int n_threads = opts.threads;
+    if (n_threads <= 0)
+        n_threads = opts.cpus.empty() ? static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) : static_cast<int>(opts.cpus.size());
+    e->threads_ = std::make_unique<ThreadPool>(n_threads, opts.cpus);
+    e->backend_ = std::make_unique<CpuBackend>(*e->model_, *e->pool_, *e->threads_, *isa);
+    return e;
+}
+
+Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts,
+                                       const std::function<bool(int32_t)>& on_token) {
+    if (Status s = opts.sampling.validate(); !s) return s.error();
+    if (prompt.empty()) return make_error("the prompt is empty: at least one token is needed");
+    if (static_cast<int64_t>(prompt.size()) >= n_ctx_)
+        return make_error("the prompt has {} tokens; the context holds {}", prompt.size(), n_ctx_);
+    GenerateStats st;
+    st.prompt_tokens = static_cast<int64_t>(prompt.size());
+    KvSeq seq;
+    std::vector<float> logits;
+    std::vector<int32_t> out;
+    auto fail = [&](const Error& e) {
+        seq.release(*pool_);
+        return e;
+    };
+
+    auto t0 = std::chrono::steady_clock::now();
+    const int64_t chunk = std::max<int64_t>(1, opts.prefill_chunk);
+    for (int64_t i = 0; i < st.prompt_tokens; i += chunk) {
+        SeqBatch b{&seq, prompt.data() + i, static_cast<int32_t>(std::min(chunk, st.prompt_tokens - i)), false};
+        if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());
+    }
+    const int64_t budget = std::min(opts.max_tokens, n_ctx_ - st.prompt_tokens);
+    auto t1 = t0;
+    while (st.generated < budget) {
+        int32_t id = sampler_.sample(logits.data(), backend_->n_vocab(), opts.sampling, prompt, out,
+                                     static_cast<uint64_t>(st.generated));
+        if (st.generated == 0) {
+            st.prompt_seconds = seconds_since(t0);
+            t1 = std::chrono::steady_clock::now();
+        }
+        out.push_back(id);
+        ++st.generated;
+        const bool eog = opts.stop_at_eog && tok_->is_eog(id);
+        if (!on_token(id)) break;
+        if (eog) {
+            st.stopped_at_eog = true;
+            break;
+        }
+        if (st.generated == budget) break;
+        SeqBatch b{&seq, &out.back(), 1, false};
+        if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());
+    }
+    st.generate_seconds = st.generated > 1 ? seconds_since(t1) : 0.0;
+    seq.release(*pool_);
+    return st;
+}
+
+}  // namespace duet

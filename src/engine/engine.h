@@ -1,0 +1,77 @@
+// A single-process engine: the model, its tokenizer, a KV pool, a thread team and
+// the CPU backend, plus a one-sequence generate loop. `duet run` and `duet bench
+// model` use it; the serving roles build on the same pieces.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "base/thread_pool.h"
+#include "kernels.h"
+#include "kv/kv_pool.h"
+#include "model/cpu_backend.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+
+namespace duet {
+
+struct EngineOptions {
+    std::string model_path;
+    int threads = 0;              // 0: one per CPU in `cpus`, or all online CPUs
+    std::vector<int> cpus;        // pin threads here; empty: no pinning
+    int64_t n_ctx = 0;            // KV capacity in tokens; 0: min(model's, 4096)
+    std::string isa;              // "", "scalar", "avx2", "avx512"
+};
+
+struct GenerateOptions {
+    int64_t max_tokens = 128;
+    SamplingParams sampling;
+    int64_t prefill_chunk = 512;  // tokens per prefill forward pass
+    bool stop_at_eog = true;
+};
+
+struct GenerateStats {
+    int64_t prompt_tokens = 0;
+    int64_t generated = 0;
+    double prompt_seconds = 0;    // prefill, up to the first sampled token
+    double generate_seconds = 0;  // the decode steps after it
+    bool stopped_at_eog = false;
+};
+
+class Engine {
+public:
+    static Result<std::unique_ptr<Engine>> create(const EngineOptions& opts);
+
+    const Model& model() const { return *model_; }
+    const Tokenizer& tokenizer() const { return *tok_; }
+    KvPool& pool() { return *pool_; }
+    ThreadPool& threads() { return *threads_; }
+    CpuBackend& backend() { return *backend_; }
+    int64_t n_ctx() const { return n_ctx_; }
+
+    // Prefills prompt (in chunks), then samples and decodes until max_tokens, an
+    // end-of-generation token, or on_token returning false. on_token sees each
+    // generated token id (including a final end-of-generation token).
+    Result<GenerateStats> generate(const std::vector<int32_t>& prompt, const GenerateOptions& opts,
+                                   const std::function<bool(int32_t)>& on_token);
+
+private:
+    Engine() = default;
+
+    std::unique_ptr<Model> model_;
+    std::unique_ptr<Tokenizer> tok_;
+    std::unique_ptr<KvPool> pool_;
+    std::unique_ptr<ThreadPool> threads_;
+    std::unique_ptr<CpuBackend> backend_;
+    int64_t n_ctx_ = 0;
+    Sampler sampler_;
+};
+
+// Parses "scalar" / "avx2" / "avx512" / "" (best); an Error when the CPU lacks it.
+Result<cpu::Isa> parse_isa(const std::string& name);
+
+}  // namespace duet

@@ -1,0 +1,329 @@
+#include "model/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace duet {
+
+using cpu::Isa;
+
+namespace {
+
+// A growable 64-byte aligned buffer.
+class Buf {
+public:
+    ~Buf() { std::free(p_); }
+    void* get(size_t bytes) {
+        if (bytes > cap_) {
+            std::free(p_);
+            cap_ = (bytes + 4095) / 4096 * 4096;
+            p_ = std::aligned_alloc(64, cap_);
+            if (!p_) std::abort();
+        }
+        return p_;
+    }
+    template <typename T>
+    T* as() const { return static_cast<T*>(p_); }
+
+private:
+    void* p_ = nullptr;
+    size_t cap_ = 0;
+};
+
+}  // namespace
+
+// Per-forward state shared by the threads of one run().
+struct CpuBackend::Scratch {
+    // Inputs of the current pass, flattened over the batch.
+    int64_t T = 0;                    // tokens in the batch
+    std::vector<int32_t> tok;         // [T] token ids
+    std::vector<int64_t> pos;         // [T] position of each token
+    std::vector<int32_t> seq;         // [T] sequence index
+    std::vector<const KvSeq*> seqs;   // per sequence
+    std::vector<int64_t> out_rows;    // token indices whose logits are wanted
+    float* logits = nullptr;
+
+    Buf x, xn, q, k, v, att, tmp, gate, up, xq, xo, scores, q16;
+    size_t xq_stride = 0;
+    int64_t scores_n = 0;  // floats of attention scores per thread
+};
+
+CpuBackend::CpuBackend(const Model& model, KvPool& pool, ThreadPool& threads, Isa isa)
+    : model_(model), pool_(pool), threads_(threads), isa_(isa), s_(std::make_unique<Scratch>()) {}
+
+CpuBackend::~CpuBackend() = default;
+
+int64_t CpuBackend::n_vocab() const { return model_.config().n_vocab; }
+
+KvLayout CpuBackend::kv_layout(const Model& model, int32_t block_tokens) {
+    const ModelConfig& c = model.config();
+    KvLayout l;
+    l.n_layer = static_cast<int32_t>(c.n_layer);
+    l.n_head_kv = static_cast<int32_t>(c.n_head_kv);
+    l.head_dim = static_cast<int32_t>(c.head_dim);
+    l.block_tokens = block_tokens;
+    return l;
+}
+
+Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits) {
+    Scratch& s = *s_;
+    const ModelConfig& c = model_.config();
+    int64_t T = 0;
+    int64_t n_out = 0;
+    for (const SeqBatch& b : batch) {
+        if (!b.kv || b.n_tokens < 0 || (b.n_tokens > 0 && !b.tokens))
+            return make_error("forward: malformed batch entry");
+        for (int32_t i = 0; i < b.n_tokens; ++i)
+            if (b.tokens[i] < 0 || b.tokens[i] >= c.n_vocab)
+                return make_error("token id {} is out of range (vocabulary of {})", b.tokens[i], c.n_vocab);
+        T += b.n_tokens;
+        n_out += b.n_tokens == 0 ? 0 : (b.all_logits ? b.n_tokens : 1);
+    }
+    // Room for the new positions, all or nothing.
+    size_t prepared = 0;
+    for (; prepared < batch.size(); ++prepared) {
+        SeqBatch& b = batch[prepared];
+        const int64_t from = b.kv->n_tokens();
+        if (Status st = b.kv->prepare_append(pool_, from, from + b.n_tokens); !st) {
+            for (size_t j = 0; j < prepared; ++j) batch[j].kv->truncate(pool_, batch[j].kv->n_tokens());
+            return st;
+        }
+    }
+    logits.resize(static_cast<size_t>(n_out * c.n_vocab));
+    if (T == 0) return {};
+
+    s.T = T;
+    s.tok.resize(T);
+    s.pos.resize(T);
+    s.seq.resize(T);
+    s.seqs.resize(batch.size());
+    s.out_rows.clear();
+    int64_t t = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+        const SeqBatch& b = batch[i];
+        s.seqs[i] = b.kv;
+        for (int32_t j = 0; j < b.n_tokens; ++j, ++t) {
+            s.tok[t] = b.tokens[j];
+            s.pos[t] = b.kv->n_tokens() + j;
+            s.seq[t] = static_cast<int32_t>(i);
+            if (b.all_logits || j == b.n_tokens - 1) s.out_rows.push_back(t);
+        }
+    }
+    s.logits = logits.data();
+
+    const int64_t E = c.n_embd, Q = c.n_head * c.head_dim, KV = c.n_head_kv * c.head_dim, F = c.n_ff;
+    s.x.get(sizeof(float) * T * E);
+    s.xn.get(sizeof(float) * T * E);
+    s.q.get(sizeof(float) * T * Q);
+    s.k.get(sizeof(float) * T * KV);
+    s.v.get(sizeof(float) * T * KV);
+    s.att.get(sizeof(float) * T * Q);
+    s.q16.get(sizeof(uint16_t) * threads_.size() * Q);
+    s.tmp.get(sizeof(float) * T * E);
+    s.gate.get(sizeof(float) * T * F);
+    s.up.get(sizeof(float) * T * F);
+    // Quantized activations: the widest row any matrix of the model takes.
+    size_t xq_stride = 0;
+    auto widen = [&](const GgufTensor* w) {
+        if (w) xq_stride = std::max(xq_stride, dtype_row_bytes(cpu::vec_dot_type(w->type), w->ne[0]));
+    };
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+        const LayerWeights& w = model_.layer(l);
+        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) widen(m);
+    }
+    widen(&model_.output());
+    s.xq_stride = (xq_stride + 63) / 64 * 64;
+    s.xq.get(s.xq_stride * T);
+    s.xo.get(sizeof(float) * std::max<int64_t>(1, static_cast<int64_t>(s.out_rows.size())) * E);
+    int64_t max_ctx = 0;
+    for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
+    s.scores_n = (max_ctx + 15) / 16 * 16;
+    s.scores.get(sizeof(float) * threads_.size() * s.scores_n);
+
+    threads_.run([this](int tid, int nth) { run(tid, nth); });
+
+    for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
+    return {};
+}
+
+void CpuBackend::run(int tid, int nth) {
+    Scratch& s = *s_;
+    const ModelConfig& c = model_.config();
+    const Isa isa = isa_;
+    const int64_t T = s.T;
+    const int64_t E = c.n_embd, HD = c.head_dim, NH = c.n_head, NKV = c.n_head_kv;
+    const int64_t Q = NH * HD, KV = NKV * HD, F = c.n_ff;
+    const int64_t group = NH / NKV;
+    const float eps = static_cast<float>(c.rms_eps);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+    const int32_t bt = pool_.layout().block_tokens;
+
+    float* x = s.x.as<float>();
+    float* xn = s.xn.as<float>();
+    float* q = s.q.as<float>();
+    float* k = s.k.as<float>();
+    float* v = s.v.as<float>();
+    float* att = s.att.as<float>();
+    float* tmp = s.tmp.as<float>();
+    float* gate = s.gate.as<float>();
+    float* up = s.up.as<float>();
+    char* xq = s.xq.as<char>();
+    const size_t xqs = s.xq_stride;
+    uint16_t* qh16 = s.q16.as<uint16_t>() + static_cast<size_t>(tid) * Q;
+
+    int64_t t0, t1;  // this thread's tokens
+    ThreadPool::split(T, tid, nth, t0, t1);
+
+    // Quantizes rows [t0, t1) of src (n values each) for products with w.
+    auto quantize = [&](const float* src, int64_t n, const GgufTensor* w) {
+        const DType vt = cpu::vec_dot_type(w->type);
+        for (int64_t i = t0; i < t1; ++i) cpu::quantize_row(isa, vt, src + i * n, xq + i * xqs, n);
+    };
+    // y[T][rows of w] = w · xq, this thread's share of the rows.
+    auto matmul = [&](const GgufTensor* w, float* y) {
+        const int64_t rows = w->ne[1];
+        int64_t r0, r1;
+        ThreadPool::split(rows, tid, nth, r0, r1, 16);
+        if (r0 < r1)
+            cpu::matmul(isa, w->type, w->data, w->row_bytes(), w->ne[0], xq, xqs, static_cast<int>(T), y,
+                        static_cast<size_t>(rows), r0, r1);
+    };
+    auto f32 = [](const GgufTensor* t) { return reinterpret_cast<const float*>(t->data); };
+
+    // Embeddings.
+    const GgufTensor& emb = model_.tok_embd();
+    for (int64_t i = t0; i < t1; ++i)
+        cpu::dequantize_row(emb.type, emb.data + static_cast<size_t>(s.tok[i]) * emb.row_bytes(), x + i * E, E);
+
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+        const LayerWeights& w = model_.layer(l);
+        // Attention block: norm, q/k/v projections.
+        for (int64_t i = t0; i < t1; ++i) cpu::rms_norm(isa, x + i * E, f32(w.attn_norm), xn + i * E, E, eps);
+        quantize(xn, E, w.wq);
+        threads_.barrier();
+        matmul(w.wq, q);
+        if (cpu::vec_dot_type(w.wk->type) != cpu::vec_dot_type(w.wq->type)) {
+            threads_.barrier();
+            quantize(xn, E, w.wk);
+            threads_.barrier();
+        }
+        matmul(w.wk, k);
+        if (cpu::vec_dot_type(w.wv->type) != cpu::vec_dot_type(w.wk->type)) {
+            threads_.barrier();
+            quantize(xn, E, w.wv);
+            threads_.barrier();
+        }
+        matmul(w.wv, v);
+        threads_.barrier();
+
+        // Bias, RoPE, and this token's K/V into its KV block (f16). Attention then
+        // reads every position, this one included, from the f16 cache, so a token's
+        // result does not depend on whether its neighbours came in the same chunk.
+        for (int64_t i = t0; i < t1; ++i) {
+            float* qi = q + i * Q;
+            float* ki = k + i * KV;
+            float* vi = v + i * KV;
+            if (w.bq) {
+                cpu::add(isa, qi, f32(w.bq), Q);
+                cpu::add(isa, ki, f32(w.bk), KV);
+                cpu::add(isa, vi, f32(w.bv), KV);
+            }
+            cpu::rope(isa, qi, static_cast<int>(NH), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
+                      model_.rope_inv_freq().data());
+            cpu::rope(isa, ki, static_cast<int>(NKV), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
+                      model_.rope_inv_freq().data());
+            // Q is rounded to f16 like the K it meets (llama.cpp's CPU path and
+            // flash-attention kernels do the same), so duet agrees with them closely.
+            cpu::fp32_to_fp16_row(isa, qi, qh16, Q);
+            for (int64_t d = 0; d < Q; ++d) qi[d] = cpu::fp16_to_fp32(qh16[d]);
+            const KvSeq* sq = s.seqs[s.seq[i]];
+            const int32_t blk = sq->blocks()[s.pos[i] / bt];
+            const int64_t slot = s.pos[i] % bt;
+            for (int64_t h = 0; h < NKV; ++h) {
+                cpu::fp32_to_fp16_row(isa, ki + h * HD, pool_.k(blk, static_cast<int32_t>(l), static_cast<int32_t>(h)) + slot * HD, HD);
+                cpu::fp32_to_fp16_row(isa, vi + h * HD, pool_.v(blk, static_cast<int32_t>(l), static_cast<int32_t>(h)) + slot * HD, HD);
+            }
+        }
+        threads_.barrier();
+
+        // Attention: one (token, head) item at a time, positions in order.
+        {
+            int64_t a0, a1;
+            ThreadPool::split(T * NH, tid, nth, a0, a1);
+            float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * s.scores_n;
+            for (int64_t it = a0; it < a1; ++it) {
+                const int64_t i = it / NH, h = it % NH, kvh = h / group;
+                const float* qh = q + i * Q + h * HD;
+                const KvSeq* sq = s.seqs[s.seq[i]];
+                const int64_t n_ctx = s.pos[i] + 1;
+                for (int64_t j = 0; j < n_ctx; ++j) {
+                    const int32_t blk = sq->blocks()[j / bt];
+                    const uint16_t* kr = pool_.k(blk, static_cast<int32_t>(l), static_cast<int32_t>(kvh)) + (j % bt) * HD;
+                    sc[j] = cpu::dot_f32_f16(isa, qh, kr, HD) * scale;
+                }
+                cpu::softmax(isa, sc, n_ctx);
+                // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
+                for (int64_t j = 0; j < n_ctx; ++j) sc[j] = cpu::fp16_to_fp32(cpu::fp32_to_fp16(sc[j]));
+                float* out = att + i * Q + h * HD;
+                std::memset(out, 0, sizeof(float) * HD);
+                for (int64_t j = 0; j < n_ctx; ++j) {
+                    const int32_t blk = sq->blocks()[j / bt];
+                    const uint16_t* vr = pool_.v(blk, static_cast<int32_t>(l), static_cast<int32_t>(kvh)) + (j % bt) * HD;
+                    cpu::axpy_f16(isa, sc[j], vr, out, HD);
+                }
+            }
+        }
+        threads_.barrier();
+        quantize(att, Q, w.wo);
+        threads_.barrier();
+        matmul(w.wo, tmp);
+        threads_.barrier();
+
+        // Residual, then the MLP block.
+        for (int64_t i = t0; i < t1; ++i) {
+            cpu::add(isa, x + i * E, tmp + i * E, E);
+            cpu::rms_norm(isa, x + i * E, f32(w.ffn_norm), xn + i * E, E, eps);
+        }
+        quantize(xn, E, w.w_gate);
+        threads_.barrier();
+        matmul(w.w_gate, gate);
+        if (cpu::vec_dot_type(w.w_up->type) != cpu::vec_dot_type(w.w_gate->type)) {
+            threads_.barrier();
+            quantize(xn, E, w.w_up);
+            threads_.barrier();
+        }
+        matmul(w.w_up, up);
+        threads_.barrier();
+        for (int64_t i = t0; i < t1; ++i) cpu::swiglu(isa, gate + i * F, up + i * F, gate + i * F, F);
+        quantize(gate, F, w.w_down);
+        threads_.barrier();
+        matmul(w.w_down, tmp);
+        threads_.barrier();
+        for (int64_t i = t0; i < t1; ++i) cpu::add(isa, x + i * E, tmp + i * E, E);
+    }
+
+    threads_.barrier();  // x rows change hands: tokens split above, output rows below
+
+    // Output head for the rows whose logits are wanted.
+    const int64_t n_out = static_cast<int64_t>(s.out_rows.size());
+    float* xo = s.xo.as<float>();
+    const GgufTensor* out = &model_.output();
+    const DType vt = cpu::vec_dot_type(out->type);
+    int64_t o0, o1;
+    ThreadPool::split(n_out, tid, nth, o0, o1);
+    for (int64_t r = o0; r < o1; ++r) {
+        cpu::rms_norm(isa, x + s.out_rows[r] * E, reinterpret_cast<const float*>(model_.output_norm().data),
+                      xo + r * E, E, eps);
+        cpu::quantize_row(isa, vt, xo + r * E, xq + r * xqs, E);
+    }
+    threads_.barrier();
+    int64_t r0, r1;
+    ThreadPool::split(out->ne[1], tid, nth, r0, r1, 16);
+    if (r0 < r1)
+        cpu::matmul(isa, out->type, out->data, out->row_bytes(), E, xq, xqs, static_cast<int>(n_out), s.logits,
+                    static_cast<size_t>(out->ne[1]), r0, r1);
+}
+
+}  // namespace duet

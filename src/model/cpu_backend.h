@@ -1,0 +1,37 @@
+// The CPU backend: Llama-family forward pass on kernels/cpu, threads in a
+// ThreadPool working SPMD with a barrier between phases.
+#pragma once
+
+#include <memory>
+
+#include "base/thread_pool.h"
+#include "kernels.h"
+#include "model/backend.h"
+#include "model/model.h"
+
+namespace duet {
+
+class CpuBackend final : public Backend {
+public:
+    CpuBackend(const Model& model, KvPool& pool, ThreadPool& threads, cpu::Isa isa);
+    ~CpuBackend() override;
+
+    Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
+    int64_t n_vocab() const override;
+    cpu::Isa isa() const { return isa_; }
+
+    // The KV layout this model needs.
+    static KvLayout kv_layout(const Model& model, int32_t block_tokens = 16);
+
+private:
+    struct Scratch;
+    void run(int tid, int nth);
+
+    const Model& model_;
+    KvPool& pool_;
+    ThreadPool& threads_;
+    cpu::Isa isa_;
+    std::unique_ptr<Scratch> s_;
+};
+
+}  // namespace duet

@@ -1,0 +1,131 @@
+#include "model/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace duet {
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+}  // namespace
+
+Status SamplingParams::validate() const {
+    if (!(temperature >= 0.0f && temperature <= 100.0f))
+        return make_error("temperature must be between 0 and 100, got {}", temperature);
+    if (top_k < 0) return make_error("top_k must be >= 0 (0 disables it), got {}", top_k);
+    if (!(top_p > 0.0f && top_p <= 1.0f)) return make_error("top_p must be in (0, 1], got {}", top_p);
+    if (!(min_p >= 0.0f && min_p <= 1.0f)) return make_error("min_p must be in [0, 1], got {}", min_p);
+    if (!(repetition_penalty > 0.0f && repetition_penalty <= 10.0f))
+        return make_error("repetition_penalty must be in (0, 10], got {}", repetition_penalty);
+    if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f))
+        return make_error("frequency_penalty must be between -2 and 2, got {}", frequency_penalty);
+    if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f))
+        return make_error("presence_penalty must be between -2 and 2, got {}", presence_penalty);
+    return {};
+}
+
+double sample_uniform(uint64_t seed, uint64_t index) {
+    uint64_t r = splitmix64(splitmix64(seed) ^ splitmix64(index ^ 0x5851f42d4c957f2dull));
+    return static_cast<double>(r >> 11) * 0x1.0p-53;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n_vocab, const SamplingParams& p,
+                        std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index) {
+    const bool penalize = p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+    const float* l = logits;
+    if (penalize) {
+        work_.assign(logits, logits + n_vocab);
+        counts_.assign(n_vocab, 0);
+        for (int32_t t : output)
+            if (t >= 0 && t < n_vocab) ++counts_[t];
+        if (p.repetition_penalty != 1.0f) {
+            // Divide positive logits, multiply negative ones (CTRL / HF semantics),
+            // once per distinct token seen in prompt or output.
+            std::vector<bool> seen(static_cast<size_t>(n_vocab), false);
+            auto mark = [&](int32_t t) {
+                if (t < 0 || t >= n_vocab || seen[t]) return;
+                seen[t] = true;
+                work_[t] = work_[t] > 0 ? work_[t] / p.repetition_penalty : work_[t] * p.repetition_penalty;
+            };
+            for (int32_t t : prompt) mark(t);
+            for (int32_t t : output) mark(t);
+        }
+        for (int64_t t = 0; t < n_vocab; ++t)
+            if (counts_[t] > 0)
+                work_[t] -= p.frequency_penalty * static_cast<float>(counts_[t]) + p.presence_penalty;
+        l = work_.data();
+    }
+
+    if (p.temperature <= 0.0f) {
+        int32_t best = 0;
+        for (int64_t t = 1; t < n_vocab; ++t)
+            if (l[t] > l[best]) best = static_cast<int32_t>(t);
+        return best;
+    }
+
+    // Tempered, max-subtracted logits of the candidates, best first when filtered.
+    const float inv_t = 1.0f / p.temperature;
+    cand_.resize(static_cast<size_t>(n_vocab));
+    for (int64_t t = 0; t < n_vocab; ++t) cand_[t] = {l[t] * inv_t, static_cast<int32_t>(t)};
+    auto better = [](const Cand& a, const Cand& b) { return a.logit > b.logit || (a.logit == b.logit && a.id < b.id); };
+    size_t n = cand_.size();
+    bool sorted = false;
+    if (p.top_k > 0 && static_cast<size_t>(p.top_k) < n) {
+        std::partial_sort(cand_.begin(), cand_.begin() + p.top_k, cand_.end(), better);
+        n = static_cast<size_t>(p.top_k);
+        sorted = true;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < n; ++i) mx = std::max(mx, cand_[i].logit);
+    double sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(cand_[i].logit - mx));
+
+    if (p.top_p < 1.0f) {
+        // Grow a sorted prefix until it holds top_p of the mass: the usual case
+        // needs only a few dozen candidates, not a sort of the whole vocabulary.
+        size_t k = std::min<size_t>(n, 64);
+        for (;;) {
+            if (!sorted || k > n) std::partial_sort(cand_.begin(), cand_.begin() + k, cand_.begin() + n, better);
+            double cum = 0;
+            size_t keep = 0;
+            while (keep < k) {
+                cum += std::exp(static_cast<double>(cand_[keep].logit - mx)) / sum;
+                ++keep;
+                if (cum >= p.top_p) break;
+            }
+            if (cum >= p.top_p || k == n) {
+                n = keep;
+                break;
+            }
+            k = std::min(n, k * 4);
+            sorted = false;
+        }
+    }
+    if (p.min_p > 0.0f) {
+        // Keep candidates with probability >= min_p * p_max, i.e. logit >= mx + log(min_p).
+        const float cut = mx + std::log(p.min_p);
+        size_t w = 0;
+        for (size_t i = 0; i < n; ++i)
+            if (cand_[i].logit >= cut) cand_[w++] = cand_[i];
+        n = w;
+    }
+    double total = 0;
+    for (size_t i = 0; i < n; ++i) total += std::exp(static_cast<double>(cand_[i].logit - mx));
+    const double u = sample_uniform(p.seed, index) * total;
+    double cum = 0;
+    for (size_t i = 0; i < n; ++i) {
+        cum += std::exp(static_cast<double>(cand_[i].logit - mx));
+        if (u < cum) return cand_[i].id;
+    }
+    return cand_[n - 1].id;
+}
+
+}  // namespace duet

@@ -1,0 +1,55 @@
+// Token sampling: greedy, temperature, top-k, top-p, min-p, and repetition /
+// frequency / presence penalties.
+//
+// The random draw for output token i of a request depends only on (seed, i), so
+// a request gives the same tokens whatever batch it runs in, and a request
+// re-driven after a worker crash continues the same stream.
+//
+// Order of operations (vLLM's, OpenAI semantics): penalties on the raw logits,
+// then temperature, then top-k, top-p and min-p filters on the tempered
+// distribution, then one draw. temperature 0 is greedy (ties: lowest id).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "base/result.h"
+
+namespace duet {
+
+struct SamplingParams {
+    float temperature = 1.0f;        // 0: greedy
+    int32_t top_k = 0;               // 0: off
+    float top_p = 1.0f;              // 1: off
+    float min_p = 0.0f;              // 0: off
+    float repetition_penalty = 1.0f; // 1: off; over prompt and output tokens
+    float frequency_penalty = 0.0f;  // over output tokens
+    float presence_penalty = 0.0f;   // over output tokens
+    uint64_t seed = 0;
+
+    // An Error naming the parameter and its allowed range.
+    Status validate() const;
+};
+
+// A uniform draw in [0, 1) for output token `index` of a request with `seed`.
+double sample_uniform(uint64_t seed, uint64_t index);
+
+class Sampler {
+public:
+    // Picks a token from logits[n_vocab]. prompt and output are the request's
+    // tokens so far (for penalties); index is the output position being sampled.
+    int32_t sample(const float* logits, int64_t n_vocab, const SamplingParams& p,
+                   std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index);
+
+private:
+    struct Cand {
+        float logit;
+        int32_t id;
+    };
+    std::vector<Cand> cand_;
+    std::vector<float> work_;
+    std::vector<int32_t> counts_;
+};
+
+}  // namespace duet

@@ -1,0 +1,224 @@
+// The model on the real default model: logits and greedy continuations against
+// llama.cpp's (tests/fixtures, made by scripts/make-references.py), and the
+// batch- and chunk-invariance contract that crash recovery relies on.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+
+using namespace duet;
+using nlohmann::json;
+
+namespace {
+
+Engine& engine() {
+    static std::unique_ptr<Engine> e = [] {
+        EngineOptions o;
+        o.model_path = DUET_MODEL_PATH;
+        o.threads = 2;
+        o.n_ctx = 2048;
+        auto r = Engine::create(o);
+        if (!r) {
+            ADD_FAILURE() << r.error().message;
+            std::abort();
+        }
+        return std::move(r).value();
+    }();
+    return *e;
+}
+
+json load_fixture(const std::string& name) {
+    std::ifstream in(std::string(DUET_FIXTURES) + "/" + name);
+    if (!in) {
+        ADD_FAILURE() << "missing fixture " << name << ": run scripts/make-references.py";
+        return json();
+    }
+    return json::parse(in);
+}
+
+std::vector<int32_t> prompt_ids(int n, int salt) {
+    std::vector<int32_t> v(n);
+    for (int i = 0; i < n; ++i) v[i] = (i * 7919 + salt * 104729 + 17) % 49152;
+    return v;
+}
+
+// All-position logits of one sequence, fed in chunks of `chunk` tokens.
+std::vector<float> run_chunked(Engine& e, const std::vector<int32_t>& toks, int chunk) {
+    KvSeq seq;
+    std::vector<float> all, l;
+    for (size_t i = 0; i < toks.size(); i += chunk) {
+        int n = static_cast<int>(std::min<size_t>(chunk, toks.size() - i));
+        SeqBatch b{&seq, toks.data() + i, n, true};
+        Status s = e.backend().forward({&b, 1}, l);
+        EXPECT_TRUE(s.ok()) << s.error().message;
+        all.insert(all.end(), l.begin(), l.end());
+    }
+    seq.release(e.pool());
+    return all;
+}
+
+}  // namespace
+
+TEST(Model, LoadsSmolLM2Hyperparameters) {
+    const ModelConfig& c = engine().model().config();
+    EXPECT_EQ(c.arch, "llama");
+    EXPECT_EQ(c.n_layer, 30);
+    EXPECT_EQ(c.n_embd, 576);
+    EXPECT_EQ(c.n_head, 9);
+    EXPECT_EQ(c.n_head_kv, 3);
+    EXPECT_EQ(c.head_dim, 64);
+    EXPECT_EQ(c.n_vocab, 49152);
+    EXPECT_EQ(c.rope_base, 100000.0);
+    EXPECT_TRUE(c.tied_output);
+}
+
+// A token's logits must not depend on how its sequence was chunked: a re-driven
+// request re-prefills its answer and must continue it token for token.
+TEST(Model, LogitsAreBitwiseIndependentOfChunking) {
+    Engine& e = engine();
+    auto toks = prompt_ids(40, 1);
+    auto whole = run_chunked(e, toks, 40);
+    auto ones = run_chunked(e, toks, 1);
+    auto sevens = run_chunked(e, toks, 7);
+    ASSERT_EQ(whole.size(), ones.size());
+    ASSERT_EQ(whole.size(), sevens.size());
+    EXPECT_EQ(0, std::memcmp(whole.data(), ones.data(), whole.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(whole.data(), sevens.data(), whole.size() * sizeof(float)));
+}
+
+// ...nor on what else is in the batch.
+TEST(Model, LogitsAreBitwiseIndependentOfBatch) {
+    Engine& e = engine();
+    auto a = prompt_ids(23, 2), b = prompt_ids(37, 3), c = prompt_ids(5, 4);
+    auto alone = run_chunked(e, a, 23);
+    KvSeq sa, sb, sc;
+    // b and c first get some history, then all three go in one batch.
+    std::vector<float> l;
+    SeqBatch pre[2] = {{&sb, b.data(), 30, false}, {&sc, c.data(), 2, false}};
+    ASSERT_TRUE(e.backend().forward(pre, l).ok());
+    SeqBatch mixed[3] = {{&sb, b.data() + 30, 7, false}, {&sa, a.data(), 23, true}, {&sc, c.data() + 2, 3, true}};
+    ASSERT_TRUE(e.backend().forward(mixed, l).ok());
+    const int64_t nv = e.model().config().n_vocab;
+    ASSERT_EQ(l.size(), static_cast<size_t>((1 + 23 + 3) * nv));
+    EXPECT_EQ(0, std::memcmp(alone.data(), l.data() + nv, alone.size() * sizeof(float)));
+    // And c's rows equal c alone.
+    auto c_alone = run_chunked(e, c, 5);
+    EXPECT_EQ(0, std::memcmp(c_alone.data() + 2 * nv, l.data() + 24 * nv, 3 * nv * sizeof(float)));
+    sa.release(e.pool());
+    sb.release(e.pool());
+    sc.release(e.pool());
+}
+
+TEST(Model, ForwardRejectsBadTokenIdsAndKeepsState) {
+    Engine& e = engine();
+    KvSeq s;
+    std::vector<int32_t> bad = {1, 2, 49152};
+    std::vector<float> l;
+    SeqBatch b{&s, bad.data(), 3, false};
+    Status st = e.backend().forward({&b, 1}, l);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("49152"), std::string::npos);
+    EXPECT_EQ(s.n_tokens(), 0);
+    EXPECT_TRUE(s.blocks().empty());
+}
+
+namespace {
+
+// log(sum(exp(l))) in float64.
+double lse(const float* l, int64_t n) {
+    double mx = l[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, static_cast<double>(l[i]));
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += std::exp(l[i] - mx);
+    return mx + std::log(s);
+}
+
+}  // namespace
+
+// Logits against llama.cpp's at 5 positions of 4 prompts. duet rounds
+// activations to 8 bits for the integer dot products and Q and the attention
+// probabilities to f16, as llama.cpp does, so the first positions agree to the
+// bit; later ones drift by llama.cpp's own run-to-run envelope, which the fixture
+// measured (incremental_vs_batch: up to 1.4 in one logit between its own two
+// paths). Held to: every compared log-prob within 1.4, their mean within 0.3,
+// the top-1 id equal wherever llama.cpp's top-1/top-2 gap exceeds 0.5, and the
+// log-sum-exp within 0.5. (Measured 2026-11-29: worst mean 0.24, worst max 0.75.)
+TEST(Model, LogitsMatchLlamaCpp) {
+    Engine& e = engine();
+    json fx = load_fixture("logits.json");
+    ASSERT_FALSE(fx.is_null());
+    const int64_t nv = e.model().config().n_vocab;
+    double worst_mean = 0, worst_max = 0;
+    for (const json& p : fx["prompts"]) {
+        std::vector<int32_t> ids = p["ids"].get<std::vector<int32_t>>();
+        auto logits = run_chunked(e, ids, static_cast<int>(ids.size()));
+        for (const json& at : p["positions"]) {
+            const int pos = at["pos"];
+            const float* l = logits.data() + static_cast<size_t>(pos) * nv;
+            const double my_lse = lse(l, nv);
+            const double ref_lse = at["lse"];
+            EXPECT_NEAR(my_lse, ref_lse, 0.5) << p["name"] << " pos " << pos;
+            // Compare log-probabilities (logit - lse) so a uniform shift is not an error.
+            double sum = 0, mx = 0;
+            int n = 0;
+            auto cmp = [&](int id, double ref) {
+                double d = std::abs((l[id] - my_lse) - (ref - ref_lse));
+                sum += d;
+                mx = std::max(mx, d);
+                ++n;
+            };
+            for (const json& t : at["top"]) cmp(t[0].get<int>(), t[1].get<double>());
+            const int start = fx["meta"]["fixed_ids"]["start"], stride = fx["meta"]["fixed_ids"]["stride"];
+            for (size_t k = 0; k < at["fixed"].size(); ++k) cmp(start + static_cast<int>(k) * stride, at["fixed"][k].get<double>());
+            EXPECT_LE(sum / n, 0.3) << p["name"] << " pos " << pos;
+            EXPECT_LE(mx, 1.4) << p["name"] << " pos " << pos;
+            worst_mean = std::max(worst_mean, sum / n);
+            worst_max = std::max(worst_max, mx);
+            const double gap = at["top"][0][1].get<double>() - at["top"][1][1].get<double>();
+            int my_top = static_cast<int>(std::max_element(l, l + nv) - l);
+            if (gap > 0.5) {
+                EXPECT_EQ(my_top, at["top"][0][0].get<int>()) << p["name"] << " pos " << pos << " gap " << gap;
+            }
+        }
+    }
+    std::printf("logits vs llama.cpp: worst mean |dlogprob| %.4f, worst max %.4f\n", worst_mean, worst_max);
+}
+
+// 64-token greedy continuations against llama.cpp's: identical up to the first
+// step where llama.cpp's own top-1/top-2 gap is below 0.5 (a near-tie, where
+// 8-bit activation rounding decides: llama.cpp's own two paths differ by up to
+// 1.4 in a logit); a divergence at a larger gap is a bug.
+TEST(Model, GreedyContinuationsMatchLlamaCpp) {
+    Engine& e = engine();
+    json fx = load_fixture("greedy.json");
+    ASSERT_FALSE(fx.is_null());
+    for (const json& r : fx["runs"]) {
+        std::vector<int32_t> prompt = r["prompt_ids"].get<std::vector<int32_t>>();
+        std::vector<int32_t> want = r["ids"].get<std::vector<int32_t>>();
+        std::vector<double> gap = r["gap"].get<std::vector<double>>();
+        GenerateOptions g;
+        g.max_tokens = static_cast<int64_t>(want.size());
+        g.sampling.temperature = 0;
+        g.stop_at_eog = false;
+        std::vector<int32_t> got;
+        auto st = e.generate(prompt, g, [&](int32_t id) {
+            got.push_back(id);
+            return true;
+        });
+        ASSERT_TRUE(st.ok()) << st.error().message;
+        ASSERT_EQ(got.size(), want.size());
+        size_t same = 0;
+        while (same < want.size() && got[same] == want[same]) ++same;
+        if (same < want.size()) {
+            // The contexts are identical up to here, so only this step's own margin
+            // can explain a different argmax.
+            EXPECT_LT(gap[same], 0.5) << r["name"] << ": diverges at step " << same << " (got " << got[same]
+                                      << ", llama.cpp " << want[same] << ") where llama.cpp's top-1/top-2 gap is "
+                                      << gap[same];
+        }
+        std::printf("greedy %s: %zu of %zu tokens identical\n", r["name"].get<std::string>().c_str(), same, want.size());
+    }
+}

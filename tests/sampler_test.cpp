@@ -1,0 +1,155 @@
+// Sampling: each filter against a float64 computation written in the test, the
+// (seed, index) determinism contract, and the empirical distribution.
+#include "model/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <numeric>
+
+using namespace duet;
+
+namespace {
+
+std::vector<double> softmax64(const std::vector<float>& l, double temp) {
+    double mx = *std::max_element(l.begin(), l.end());
+    std::vector<double> p(l.size());
+    double s = 0;
+    for (size_t i = 0; i < l.size(); ++i) s += p[i] = std::exp((l[i] - mx) / temp);
+    for (double& x : p) x /= s;
+    return p;
+}
+
+}  // namespace
+
+TEST(Sampler, GreedyPicksArgmaxLowestIdOnTies) {
+    Sampler s;
+    std::vector<float> l = {0.1f, 3.0f, -1.0f, 3.0f};
+    SamplingParams p;
+    p.temperature = 0;
+    EXPECT_EQ(s.sample(l.data(), 4, p, {}, {}, 0), 1);
+}
+
+TEST(Sampler, SameSeedAndIndexSameToken) {
+    Sampler s1, s2;
+    std::vector<float> l(1000);
+    for (size_t i = 0; i < l.size(); ++i) l[i] = static_cast<float>(std::sin(i * 0.37) * 3);
+    SamplingParams p;
+    p.seed = 42;
+    for (uint64_t i = 0; i < 50; ++i) EXPECT_EQ(s1.sample(l.data(), 1000, p, {}, {}, i), s2.sample(l.data(), 1000, p, {}, {}, i));
+    // A different index or seed changes the draw.
+    EXPECT_NE(sample_uniform(1, 0), sample_uniform(1, 1));
+    EXPECT_NE(sample_uniform(1, 0), sample_uniform(2, 0));
+}
+
+TEST(Sampler, UniformDrawsAreUniform) {
+    std::vector<int> bins(20, 0);
+    const int n = 200000;
+    for (int i = 0; i < n; ++i) {
+        double u = sample_uniform(7, static_cast<uint64_t>(i));
+        ASSERT_GE(u, 0.0);
+        ASSERT_LT(u, 1.0);
+        ++bins[static_cast<int>(u * 20)];
+    }
+    double chi2 = 0, e = n / 20.0;
+    for (int b : bins) chi2 += (b - e) * (b - e) / e;
+    EXPECT_LT(chi2, 43.8);  // p = 0.001 for 19 degrees of freedom
+}
+
+TEST(Sampler, TemperatureMatchesSoftmaxDistribution) {
+    Sampler s;
+    std::vector<float> l = {1.0f, 2.0f, 0.5f, -1.0f, 1.5f};
+    SamplingParams p;
+    p.temperature = 0.7f;
+    p.seed = 3;
+    std::vector<double> want = softmax64(l, 0.7);
+    std::vector<int> got(5, 0);
+    const int n = 100000;
+    for (int i = 0; i < n; ++i) ++got[s.sample(l.data(), 5, p, {}, {}, static_cast<uint64_t>(i))];
+    double chi2 = 0;
+    for (int k = 0; k < 5; ++k) chi2 += (got[k] - n * want[k]) * (got[k] - n * want[k]) / (n * want[k]);
+    EXPECT_LT(chi2, 18.5);  // p = 0.001 for 4 degrees of freedom
+}
+
+TEST(Sampler, TopKTopPMinPKeepTheRightSets) {
+    Sampler s;
+    // Probabilities at T=1 (float64): computed in the test from these logits.
+    std::vector<float> l = {2.0f, 1.0f, 0.0f, -1.0f, 3.0f, -2.0f};
+    std::vector<double> pr = softmax64(l, 1.0);
+    auto support = [&](SamplingParams p) {
+        std::map<int, int> seen;
+        for (int i = 0; i < 20000; ++i) ++seen[s.sample(l.data(), 6, p, {}, {}, static_cast<uint64_t>(i))];
+        std::vector<int> ids;
+        for (auto& [k, v] : seen) ids.push_back(k);
+        return ids;
+    };
+    SamplingParams p;
+    p.top_k = 2;
+    EXPECT_EQ(support(p), (std::vector<int>{0, 4}));
+    p = {};
+    p.top_k = 1;
+    EXPECT_EQ(support(p), (std::vector<int>{4}));
+    // top_p: smallest set of most likely tokens whose mass reaches top_p.
+    p = {};
+    p.top_p = static_cast<float>(pr[4] + pr[0] * 0.5);  // needs ids 4 and 0
+    EXPECT_EQ(support(p), (std::vector<int>{0, 4}));
+    p.top_p = static_cast<float>(pr[4] * 0.99);
+    EXPECT_EQ(support(p), (std::vector<int>{4}));
+    // min_p: p >= min_p * p_max. pr[1] / pr[4] = e^-2 ~ 0.135.
+    p = {};
+    p.min_p = 0.13f;
+    EXPECT_EQ(support(p), (std::vector<int>{0, 1, 4}));
+    p.min_p = 0.14f;
+    EXPECT_EQ(support(p), (std::vector<int>{0, 4}));
+}
+
+TEST(Sampler, PenaltiesChangeLogitsAsSpecified) {
+    Sampler s;
+    SamplingParams p;
+    p.temperature = 0;
+    // Repetition: positive logits divided, negative multiplied.
+    {
+        std::vector<float> l = {2.0f, 1.9f, -0.1f};
+        std::vector<int32_t> prompt = {0};
+        p.repetition_penalty = 1.1f;  // 2.0/1.1 = 1.818 < 1.9
+        EXPECT_EQ(s.sample(l.data(), 3, p, prompt, {}, 0), 1);
+        p.repetition_penalty = 1.0f;
+        EXPECT_EQ(s.sample(l.data(), 3, p, prompt, {}, 0), 0);
+    }
+    // Frequency: subtract count * penalty; presence: subtract once.
+    {
+        std::vector<float> l = {2.0f, 1.5f, 0.0f};
+        std::vector<int32_t> out = {0, 0};
+        p = {};
+        p.temperature = 0;
+        p.frequency_penalty = 0.2f;  // 2.0 - 0.4 = 1.6 > 1.5
+        EXPECT_EQ(s.sample(l.data(), 3, p, {}, out, 0), 0);
+        p.frequency_penalty = 0.3f;  // 2.0 - 0.6 = 1.4 < 1.5
+        EXPECT_EQ(s.sample(l.data(), 3, p, {}, out, 0), 1);
+        p.frequency_penalty = 0;
+        p.presence_penalty = 0.6f;  // 2.0 - 0.6 = 1.4 < 1.5, once whatever the count
+        EXPECT_EQ(s.sample(l.data(), 3, p, {}, out, 0), 1);
+        p.presence_penalty = 0.4f;
+        EXPECT_EQ(s.sample(l.data(), 3, p, {}, out, 0), 0);
+    }
+}
+
+TEST(Sampler, ValidateRejectsAbsurdParameters) {
+    SamplingParams p;
+    EXPECT_TRUE(p.validate().ok());
+    p.temperature = -1;
+    EXPECT_FALSE(p.validate().ok());
+    p = {};
+    p.top_p = 0;
+    EXPECT_FALSE(p.validate().ok());
+    p = {};
+    p.top_p = std::nanf("");
+    EXPECT_FALSE(p.validate().ok());
+    p = {};
+    p.top_k = -3;
+    EXPECT_NE(p.validate().error().message.find("top_k"), std::string::npos);
+    p = {};
+    p.frequency_penalty = 3;
+    EXPECT_FALSE(p.validate().ok());
+}
