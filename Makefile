@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: all deps model configure build run test bench clean
+.PHONY: all deps model configure build run test fuzz-smoke bench clean
 
 all: build
 
@@ -28,6 +28,20 @@ run: build model
 
 test: build model
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE 'soak|fuzz'
+	$(MAKE) --no-print-directory fuzz-smoke
+
+# The GGUF reader under libFuzzer + ASan/UBSan (clang), briefly. Longer runs:
+# build-fuzz/tests/gguf_fuzz -max_total_time=3600
+FUZZ_SECONDS ?= 20
+fuzz-smoke: deps
+	@test -f build-fuzz/build.ninja || cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DDUET_FUZZ=ON -DDUET_CUDA=OFF \
+	  -DDUET_BENCH=OFF >/dev/null
+	cmake --build build-fuzz --target gguf_fuzz
+	mkdir -p build-fuzz/corpus && cp tests/fuzz/seeds/* build-fuzz/corpus/
+	@build-fuzz/tests/gguf_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 build-fuzz/corpus \
+	  > build-fuzz/fuzz.log 2>&1 || { tail -n 60 build-fuzz/fuzz.log; echo "fuzz-smoke: gguf_fuzz FAILED"; exit 1; }
+	@echo "fuzz-smoke: gguf_fuzz: $$(grep -E '^Done' build-fuzz/fuzz.log)"
 
 bench: build model
 	scripts/bench-vs-llama-cpp

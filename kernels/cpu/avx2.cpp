@@ -46,7 +46,10 @@ inline float hmax(__m256 v) {
 
 inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
 
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }  // equals half_to_float, in one instruction
+// half_to_float and float_to_half in one F16C instruction each (same bits;
+// see the Fp16 tests).
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t f2h(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
 
 // 32 floats times id, rounded to nearest even, to 32 int8 in order; returns the
 // four int32 vectors' sum vector (callers that need sums use it).
@@ -129,6 +132,15 @@ class Scratch {
     uint8_t* p_;
 };
 
+// Decode streams each weight row once from memory; prefetching kPrefetchAhead
+// bytes past the current row keeps more cache lines in flight than the
+// out-of-order window alone does (see avx512.cpp). Prefetches never fault.
+constexpr size_t kPrefetchAhead = 4096;
+inline void prefetch_row(const void* row, size_t bytes) {
+    const char* p = static_cast<const char*>(row) + kPrefetchAhead;
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 // Rows per block so that a block of weight rows stays in L2 while every token
 // tile passes over it.
 int64_t row_block(size_t row_bytes) {
@@ -185,10 +197,14 @@ void float_tile(DType t, const char* w, size_t w_stride, int64_t n, const char* 
 
 template <int T>
 void float_rows(DType t, const char* w, size_t w_stride, int64_t n, const char* x, size_t x_stride, float* y,
-                size_t ldy, int64_t r0, int64_t r1) {
+                size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     constexpr int R = T == 1 ? 8 : 4;
+    const size_t row_bytes = static_cast<size_t>(n) * (t == DType::F32 ? 4 : 2);
     int64_t r = r0;
-    for (; r + R <= r1; r += R) float_tile<R, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+    for (; r + R <= r1; r += R) {
+        if (prefetch) prefetch_row(w + static_cast<size_t>(r) * w_stride, R * row_bytes);
+        float_tile<R, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+    }
     for (; r < r1; ++r) float_tile<1, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
 }
 
@@ -197,16 +213,17 @@ void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void
     constexpr int kT = 3;
     const char* wb = static_cast<const char*>(w);
     const char* xb = static_cast<const char*>(xq);
-    const int64_t rb = row_block(w_stride);
+    const bool single_pass = n_tok <= kT;  // decode: weights stream from memory once
+    const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
         for (int t0 = 0; t0 < n_tok; t0 += kT) {
             const char* x = xb + static_cast<size_t>(t0) * xq_stride;
             float* yt = y + static_cast<size_t>(t0) * ldy;
             switch (std::min(kT, n_tok - t0)) {
-                case 3: float_rows<3>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
-                case 2: float_rows<2>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
-                default: float_rows<1>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1); break;
+                case 3: float_rows<3>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
+                case 2: float_rows<2>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
+                default: float_rows<1>(t, wb, w_stride, n, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
             }
         }
     }
@@ -218,16 +235,18 @@ void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
 
+// 16 bytes of nibbles to 32 bytes, low nibbles first: a broadcast load (no ALU
+// work), a shift of the upper half only, a mask.
 inline __m256i nibbles32(const uint8_t* qs) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i shifted = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
 }
 
 // Q4_1 x Q8_1, T tokens.
 template <int T>
 void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
-               float* y, size_t ldy, int64_t r0, int64_t r1) {
+               float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     const BlockQ8_1* xr[T];
     const float* dx[T];
     const float* sx[T];
@@ -238,6 +257,7 @@ void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t
     }
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ4_1* wr = reinterpret_cast<const BlockQ4_1*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(BlockQ4_1));
         __m256 acc[T];
         float sm[T];
         for (int j = 0; j < T; ++j) {
@@ -246,12 +266,16 @@ void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t
         }
         for (int64_t b = 0; b < nb; ++b) {
             const __m256i wv = nibbles32(wr[b].qs);
-            const float dw = h2f(wr[b].d);
-            const float mw = h2f(wr[b].m);
+            // d and m (adjacent f16s) in one conversion.
+            int32_t dm_bits;
+            std::memcpy(&dm_bits, &wr[b].d, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+            const __m256 dw = _mm256_broadcastss_ps(dm);
+            const float mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
             for (int j = 0; j < T; ++j) {
                 const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones16());
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[j][b]), acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&dx[j][b])), acc[j]);
                 sm[j] += mw * sx[j][b];
             }
         }
@@ -263,7 +287,7 @@ void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t
 // maddubs (at most 2 * 128 * 127 per pair: no saturation).
 template <int T, DType W>
 void q8s_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
-              float* y, size_t ldy, int64_t r0, int64_t r1) {
+              float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     const BlockQ8_0* xr[T];
     const float* dx[T];
     for (int j = 0; j < T; ++j) {
@@ -272,25 +296,26 @@ void q8s_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t 
     }
     for (int64_t r = r0; r < r1; ++r) {
         const char* wr = w + static_cast<size_t>(r) * w_stride;
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * (W == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0)));
         __m256 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m256i wv;
-            float dw;
+            __m256 dw;
             if constexpr (W == DType::Q4_0) {
                 const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
                 wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
-                dw = h2f(blk->d);
+                dw = _mm256_set1_ps(h2f(blk->d));
             } else {
                 const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
                 wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
-                dw = h2f(blk->d);
+                dw = _mm256_set1_ps(h2f(blk->d));
             }
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int j = 0; j < T; ++j) {
                 const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones16());
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[j][b]), acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&dx[j][b])), acc[j]);
             }
         }
         for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
@@ -299,11 +324,11 @@ void q8s_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t 
 
 template <int T>
 void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
-            float* y, size_t ldy, int64_t r0, int64_t r1) {
+            float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     switch (t) {
-        case DType::Q4_1: q4_1_rows<T>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
-        case DType::Q4_0: q8s_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
-        default: q8s_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1); return;
+        case DType::Q4_1: q4_1_rows<T>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
+        case DType::Q4_0: q8s_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
+        default: q8s_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
     }
 }
 
@@ -329,7 +354,8 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
         }
     }
     const char* wb = static_cast<const char*>(w);
-    const int64_t rb = row_block(w_stride);
+    const bool single_pass = n_tok <= kT;  // decode: weights stream from memory once
+    const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
         for (int t0 = 0; t0 < n_tok; t0 += kT) {
@@ -337,10 +363,10 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
             const float* f = xf + static_cast<size_t>(t0) * nb * per_tok;
             float* yt = y + static_cast<size_t>(t0) * ldy;
             switch (std::min(kT, n_tok - t0)) {
-                case 4: q_rows<4>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
-                case 3: q_rows<3>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
-                case 2: q_rows<2>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
-                default: q_rows<1>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1); break;
+                case 4: q_rows<4>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
+                case 3: q_rows<3>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
+                case 2: q_rows<2>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
+                default: q_rows<1>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
             }
         }
     }
@@ -427,6 +453,7 @@ void matmul_k(DType t, const void* w, size_t w_stride, int64_t n_in, const void*
             const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(j) * xq_stride);
             for (int64_t r = b0; r < b1; ++r) {
                 const void* wr = wb + static_cast<size_t>(r) * w_stride;
+                if (n_tok == 1) prefetch_row(wr, static_cast<size_t>(nb) * (t == DType::Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ6_K)));
                 y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] =
                     t == DType::Q4_K ? dot_q4_k(static_cast<const BlockQ4_K*>(wr), x, nb)
                                      : dot_q6_k(static_cast<const BlockQ6_K*>(wr), x, nb);
@@ -471,7 +498,7 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
                 const float amax = absmax32(src);
                 const float d = amax / 127.0f;
                 const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-                y[b].d = float_to_half(d);
+                y[b].d = f2h(d);
                 quant32(src, id, y[b].qs, nullptr);
             }
             return;
@@ -483,8 +510,8 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
                 const float d = amax / 127.0f;
                 const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
                 const int sum = hsum_i32(quant32(src, id, y[b].qs, nullptr));
-                y[b].d = float_to_half(d);
-                y[b].s = float_to_half(d * static_cast<float>(sum));
+                y[b].d = f2h(d);
+                y[b].s = f2h(d * static_cast<float>(sum));
             }
             return;
         }
@@ -657,6 +684,41 @@ void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     }
     for (; i < n; ++i) y[i] = float_to_half(x[i]);
+}
+
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores) {
+    for (int64_t j = 0; j < n; ++j) scores[j] = scale * dot_f32_f16(q, k + static_cast<size_t>(j) * stride, head_dim);
+}
+
+// out stays in registers across the rows, 32 values at a time; each element
+// sees the same fma (or, in the tail, mul and add) sequence as axpy_f16.
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
+    int64_t i = 0;
+    for (; i + 32 <= head_dim; i += 32) {
+        __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
+        __m256 o2 = _mm256_loadu_ps(out + i + 16), o3 = _mm256_loadu_ps(out + i + 24);
+        for (int64_t j = 0; j < n; ++j) {
+            const uint16_t* vj = v + static_cast<size_t>(j) * stride + i;
+            const __m256 a = _mm256_set1_ps(p[j]);
+            o0 = _mm256_fmadd_ps(a, load8(vj, DType::F16), o0);
+            o1 = _mm256_fmadd_ps(a, load8(vj + 8, DType::F16), o1);
+            o2 = _mm256_fmadd_ps(a, load8(vj + 16, DType::F16), o2);
+            o3 = _mm256_fmadd_ps(a, load8(vj + 24, DType::F16), o3);
+        }
+        _mm256_storeu_ps(out + i, o0);
+        _mm256_storeu_ps(out + i + 8, o1);
+        _mm256_storeu_ps(out + i + 16, o2);
+        _mm256_storeu_ps(out + i + 24, o3);
+    }
+    for (; i + 8 <= head_dim; i += 8) {
+        __m256 o = _mm256_loadu_ps(out + i);
+        for (int64_t j = 0; j < n; ++j) o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + static_cast<size_t>(j) * stride + i, DType::F16), o);
+        _mm256_storeu_ps(out + i, o);
+    }
+    for (; i < head_dim; ++i) {
+        for (int64_t j = 0; j < n; ++j) out[i] += p[j] * half_to_float(v[static_cast<size_t>(j) * stride + i]);
+    }
 }
 
 }  // namespace duet::cpu::avx2

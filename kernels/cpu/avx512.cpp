@@ -3,30 +3,34 @@
 // The quantized products Q4_0, Q4_1 and Q8_0 use vpdpbusd (unsigned byte x
 // signed byte, four products summed into each 32-bit lane):
 //
-// - Weights are read straight from the GGUF rows. Four 32-value blocks (Q4_0,
-//   Q4_1) or two (Q8_0) are loaded with one 64-byte load plus a short one, and a
-//   word permute (vpermt2w; every block field sits at an even offset) gathers
-//   their quants into one register: 128-bit lane k holds block k's 16 nibble
-//   bytes (Q4) or 256-bit half k holds block k's 32 bytes (Q8). The same load
-//   feeds a word permute that broadcasts each block's f16 scale (and min) to
-//   that block's lanes.
-// - Activations are repacked once per call into the matching order ("groups"):
-//   for Q4, lo[64] = the first 16 quants of 4 blocks, hi[64] = their last 16, so
-//   low nibbles meet lo and high nibbles meet hi; scales as 16 floats, one per
-//   lane. Signed weights become unsigned by an offset whose correction,
-//   -offset * (sum of the lane's 4 activations), is precomputed as the lane's
-//   starting value: -8 for Q4_0 nibbles, -128 for Q8_0 bytes (w ^ 0x80 = w + 128).
+// - Weights are read straight from the GGUF rows. Q4: four 32-value blocks come
+//   from one 64-byte load plus a 16-byte one, and a word permute (vpermt2w;
+//   every field sits at an even offset) gathers their nibbles so that 128-bit
+//   lane k holds block k's 16 bytes. Q8_0: two blocks' 32 quant bytes fill the
+//   two 256-bit halves. Masked word permutes of the same loads collect the
+//   blocks' f16 scales (and mins).
+// - Activations are repacked once per call into the matching order: for Q4,
+//   lo[64] = the first 16 quants of 4 blocks, hi[64] = their last 16, so low
+//   nibbles meet lo and high nibbles meet hi. Signed weights become unsigned by
+//   an offset whose correction, -offset * (sum of the lane's activations), is
+//   precomputed as the lane's starting value: -8 for Q4_0 nibbles, -128 for Q8_0
+//   bytes (w ^ 0x80 = w + 128).
 //
 // Reduction order for one (row, token), the same in every tile shape:
-//   acc (16 float lanes) = 0
-//   for each group g: acc = fma(cvt(int lanes of g), d_w[lane] * d_x[lane], acc)
-//   Q4_1 only, after each 4 groups (16 blocks) and after the last group:
-//     acc = fma(m_w[16 blocks], s_x[16 blocks], acc)
-//   result = reduce_add(acc)
+// - Per full chunk of 16 blocks: the 16 blocks' exact integer dots land in the
+//   16 lanes of one vector (see q4_rows and q8_chunk_full for the lane order),
+//   then acc = fma(cvt(dots), d_w * d_x, acc) and, Q4_1 only,
+//   acc = fma(m_w, s_x, acc).
+// - The rest of the row: Q4 with 1-2 blocks left, per lane with the row's lanes
+//   fixed by its parity (q4_short_tail); Q4 with 3-15 left, as a chunk whose
+//   missing blocks are zero; Q8_0, pair by pair, per lane.
+// - The result is hsum(acc), a fixed tree (hsum16 computes the same 16 at once).
 // Tiles (1 row x T tokens) reuse one unpacked weight group across T tokens.
+// Decode (one pass over the rows) prefetches rows ahead.
 //
 // F32/F16/BF16 weights and the K-quants use the AVX2 level's kernels (same
 // results as Isa::Avx2).
+
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
 // (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
 // (GCC bug 105593, fixed in 13). The warning is about the header, not us.
@@ -50,6 +54,40 @@ namespace duet::cpu::avx512 {
 namespace {
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+// float_to_half in one F16C instruction (same bits; see the Fp16 tests).
+inline uint16_t f2h(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+
+// Sum of 16 lanes with a pinned tree: (l + l+8), then + 4, + 2, + 1. Not
+// _mm512_reduce_add_ps, whose association is left to the compiler.
+inline float hsum(__m512 v) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    return _mm_cvtss_f32(s4);
+}
+
+// hsum of 16 vectors at once (out[i] = hsum(v[i]) bit for bit): the same
+// pairings, (l, l+8), (l, l+4), (l, l+2), (l, l+1), done across registers.
+inline void hsum16(const __m512* v, float* out) {
+    __m512 u[8], w[4], z[2];
+    for (int i = 0; i < 8; ++i) {  // lanes 0-7: row 2i, l + (l+8); lanes 8-15: row 2i+1
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 4; ++i) {  // 128-bit lane k: row 4i + k, l + (l+4)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    }
+    for (int i = 0; i < 2; ++i) {  // lane k: [row 8i+k: l0+l2, l1+l3, row 8i+4+k: l0+l2, l1+l3]
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    }
+    // lane 4k + m: row 4m + k; permute to row order.
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, t));
+}
 
 // Scratch for repacked activations: on the stack when small, else the heap.
 class Scratch {
@@ -81,6 +119,20 @@ int64_t row_block(size_t row_bytes) {
 
 inline __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64{0} : ((__mmask64{1} << n) - 1); }
 
+// Decode streams each weight row once from memory. With compute between the
+// loads, the out-of-order window holds few cache lines in flight and one core
+// falls well short of the bandwidth a plain read gets; prefetching each row's
+// bytes kPrefetchAhead (4 KiB) ahead, in one burst at the row's start, recovers
+// part of it (interleaved A/B runs on the build machine, cold Q4_1 576x1536:
+// +6% to +23%; spreading the prefetches over the row gained nothing).
+// Prefetches never fault, so running past the matrix end is harmless.
+constexpr size_t kPrefetchAhead = 4096;
+inline void prefetch_row(const uint8_t* row, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead + off), _MM_HINT_T0);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Repacked activations.
 
@@ -95,15 +147,13 @@ struct alignas(64) XChunk4 {
 };
 static_assert(sizeof(XChunk4) == 896);
 
-// Two blocks, for Q8_0 weights.
-struct alignas(64) XGroup2 {
-    int8_t q[64];      // block k's 32 quants at [32k, 32k + 32)
-    float dx[16];      // lanes 8k..8k+7: block k's scale
-    int32_t init[16];  // -128 * (sum of the lane's 4 activations)
-};
-static_assert(sizeof(XGroup2) == 192);
-
 size_t q4_token_bytes(int64_t nb) { return static_cast<size_t>((nb + 15) / 16) * sizeof(XChunk4); }
+
+// A row whose last chunk holds only 1 or 2 blocks ends in a "short tail" (see
+// q4_short_tail): that chunk's group 0 repeats the tail blocks in slots 0-1 and
+// 2-3 (slot k holds tail block k & 1), dx holds slot k's d in lanes 4k..4k+3,
+// and sx slot k's s in lane 4k (zeros elsewhere).
+inline bool q4_short_tail_rows(int64_t nb) { return nb % 16 == 1 || nb % 16 == 2; }
 
 template <DType W>
 void repack_q4(const void* xrow, int64_t nb, uint8_t* out) {
@@ -111,14 +161,22 @@ void repack_q4(const void* xrow, int64_t nb, uint8_t* out) {
     const XBlock* x = static_cast<const XBlock*>(xrow);
     XChunk4* xc = reinterpret_cast<XChunk4*>(out);
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t c = 0; c < (nb + 15) / 16; ++c) {
+    const int64_t nc = (nb + 15) / 16;
+    const int64_t ntail = nb % 16;
+    for (int64_t c = 0; c < nc; ++c) {
         XChunk4& ch = xc[c];
+        const bool short_tail = c == nc - 1 && q4_short_tail_rows(nb);
+        if (short_tail) {
+            std::memset(ch.dx, 0, sizeof ch.dx);
+            std::memset(ch.sx, 0, sizeof ch.sx);
+        }
         for (int g = 0; g < 4; ++g) {
             for (int k = 0; k < 4; ++k) {
-                const int64_t b = 16 * c + 4 * g + k;
+                const int64_t b = short_tail ? 16 * c + (k & 1) : 16 * c + 4 * g + k;
+                const bool valid = short_tail ? g == 0 && (k & 1) < ntail : b < nb;
                 __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
                 float d = 0.0f, sum = 0.0f;
-                if (b < nb) {
+                if (valid) {
                     lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].qs));
                     hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].qs + 16));
                     d = h2f(x[b].d);
@@ -126,8 +184,13 @@ void repack_q4(const void* xrow, int64_t nb, uint8_t* out) {
                 }
                 _mm_store_si128(reinterpret_cast<__m128i*>(ch.lo[g] + 16 * k), lo);
                 _mm_store_si128(reinterpret_cast<__m128i*>(ch.hi[g] + 16 * k), hi);
-                ch.dx[4 * k + g] = d;
-                ch.sx[4 * k + g] = sum;
+                if (!short_tail) {
+                    ch.dx[4 * k + g] = d;
+                    ch.sx[4 * k + g] = sum;
+                } else if (g == 0) {
+                    for (int i = 0; i < 4; ++i) ch.dx[4 * k + i] = d;
+                    ch.sx[4 * k] = sum;
+                }
             }
             __m512i init = _mm512_setzero_si512();
             if constexpr (W == DType::Q4_0) {
@@ -140,26 +203,42 @@ void repack_q4(const void* xrow, int64_t nb, uint8_t* out) {
     }
 }
 
-size_t q8_token_bytes(int64_t nb) { return static_cast<size_t>((nb + 1) / 2) * sizeof(XGroup2); }
+// Sixteen blocks as eight pairs, for Q8_0 weights.
+struct alignas(64) XChunk8 {
+    int8_t q[8][64];       // pair p: blocks 2p and 2p + 1, 32 quants each
+    int32_t init[8][16];   // -128 * (sum of the 4 quants lane i of pair p meets)
+    float dx[16];          // full chunks: lane 4q + i holds block 8(q >> 1) + 2i + (q & 1)'s d
+    float dxr[8][16];      // per pair: lanes 0-7 block 2p's d, lanes 8-15 block 2p + 1's
+};
+static_assert(sizeof(XChunk8) == 1600);
+
+size_t q8_token_bytes(int64_t nb) { return static_cast<size_t>((nb + 15) / 16) * sizeof(XChunk8); }
 
 void repack_q8(const void* xrow, int64_t nb, uint8_t* out) {
     const BlockQ8_0* x = static_cast<const BlockQ8_0*>(xrow);
-    XGroup2* g = reinterpret_cast<XGroup2*>(out);
+    XChunk8* xc = reinterpret_cast<XChunk8*>(out);
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t pi = 0; pi < (nb + 1) / 2; ++pi) {
-        for (int k = 0; k < 2; ++k) {
-            const int64_t b = 2 * pi + k;
-            __m256i q = _mm256_setzero_si256();
-            float d = 0.0f;
-            if (b < nb) {
-                q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs));
-                d = h2f(x[b].d);
+    for (int64_t c = 0; c < (nb + 15) / 16; ++c) {
+        XChunk8& ch = xc[c];
+        float d[16];
+        for (int p = 0; p < 8; ++p) {
+            for (int k = 0; k < 2; ++k) {
+                const int64_t b = 16 * c + 2 * p + k;
+                __m256i q = _mm256_setzero_si256();
+                d[2 * p + k] = 0.0f;
+                if (b < nb) {
+                    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs));
+                    d[2 * p + k] = h2f(x[b].d);
+                }
+                _mm256_store_si256(reinterpret_cast<__m256i*>(ch.q[p] + 32 * k), q);
+                _mm256_store_ps(ch.dxr[p] + 8 * k, _mm256_set1_ps(d[2 * p + k]));
             }
-            _mm256_store_si256(reinterpret_cast<__m256i*>(g[pi].q + 32 * k), q);
-            _mm256_store_ps(g[pi].dx + 8 * k, _mm256_set1_ps(d));
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_load_si512(ch.q[p]));
+            _mm512_store_si512(ch.init[p], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
         }
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_load_si512(g[pi].q));
-        _mm512_store_si512(g[pi].init, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
+        for (int q = 0; q < 4; ++q) {
+            for (int i = 0; i < 4; ++i) ch.dx[4 * q + i] = d[8 * (q >> 1) + 2 * i + (q & 1)];
+        }
     }
 }
 
@@ -172,8 +251,9 @@ inline __m512i idx_words(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v)
 // Q4_1, 20-byte blocks: block k = words 10k..10k+9: d, m, 8 words of quants.
 alignas(64) constexpr uint16_t kQ41Qs[32] = {2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19,
                                              22, 23, 24, 25, 26, 27, 28, 29, 32, 33, 34, 35, 36, 37, 38, 39};
-// Chunk scales: word 4k + g of the result takes block k's d from group g's
-// first 64 bytes (written with mask 0x1111 << g); words 16 + 4k + g its m.
+// Scales, two uses. Chunks: word 4k + g of the result takes block k's d from
+// group g's first 64 bytes (written with mask 0x1111 << g), word 16 + 4k + g
+// its m. Short tails: words 4k..4k+3 broadcast slot k's d, 16 + 4k.. its m.
 alignas(64) constexpr uint16_t kQ41Dm[32] = {0,  0,  0,  0,  10, 10, 10, 10, 20, 20, 20, 20, 30, 30, 30, 30,
                                              1,  1,  1,  1,  11, 11, 11, 11, 21, 21, 21, 21, 31, 31, 31, 31};
 // Q4_0, 18-byte blocks: block k = words 9k..9k+8: d, 8 words of quants.
@@ -182,26 +262,24 @@ alignas(64) constexpr uint16_t kQ40Qs[32] = {1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
 alignas(64) constexpr uint16_t kQ40Dm[32] = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27,
                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 // Q8_0, 34-byte blocks: block k = words 17k..17k+16: d, 16 words of quants.
-alignas(64) constexpr uint16_t kQ80Qs[32] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
-                                             18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33};
+// Full chunks: lane 4q + i takes the d at word 17 * (q & 1) of pair 4(q >> 1) + i's
+// 64-byte load (written with that pair's mask).
+alignas(64) constexpr uint16_t kQ80Dm[32] = {0, 0, 0, 0, 17, 17, 17, 17, 0, 0, 0, 0, 17, 17, 17, 17,
+                                             0, 0, 0, 0, 0,  0,  0,  0,  0, 0, 0, 0, 0,  0,  0,  0};
 alignas(64) constexpr uint16_t kQ80D[32] = {0, 0, 0, 0, 0, 0, 0, 0, 17, 17, 17, 17, 17, 17, 17, 17,
                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
-// Loads `n` bytes (n <= 64 + tail_max) of a weight group into A (first 64) and
-// B (the rest). Full groups use plain loads; a row's last, partial group uses
+// Loads the n bytes of a Q4 weight group into A (first 64) and B (the rest). Full groups use plain loads; a row's last, partial group uses
 // masked loads so nothing past the row is touched.
 template <int kGroupBytes>
 inline void load_group(const uint8_t* p, int n, __m512i* a, __m512i* b) {
+    static_assert(kGroupBytes == 80 || kGroupBytes == 72, "four Q4_1 or Q4_0 blocks");
     if (n == kGroupBytes) {
         *a = _mm512_loadu_si512(p);
         if constexpr (kGroupBytes == 80) {
             *b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-        } else if constexpr (kGroupBytes == 72) {
-            *b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
         } else {
-            int32_t t;
-            std::memcpy(&t, p + 64, 4);
-            *b = _mm512_zextsi128_si512(_mm_cvtsi32_si128(t));
+            *b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
         }
     } else {
         *a = _mm512_maskz_loadu_epi8(bytes_mask(n), p);
@@ -226,26 +304,10 @@ struct Q4Traits {
     static constexpr int kBlockBytes = W == DType::Q4_1 ? 20 : 18;
 };
 
-// Loads group g of chunk c (fewer blocks at the end of a row), splits the
-// nibbles, and merges the group's scales (and mins) into dm.
-template <DType W>
-inline void q4_load_group(const uint8_t* wr, int64_t c, int g, int64_t nbc, const __m512i& idx_qs,
-                          const __m512i& idx_dm, const __m512i& m4, __m512i* lo, __m512i* hi, __m512i* dm) {
-    constexpr int kBB = Q4Traits<W>::kBlockBytes;
-    const int nbytes = static_cast<int>(std::min<int64_t>(4, nbc - 4 * g)) * kBB;
-    __m512i a, b;
-    load_group<4 * kBB>(wr + (16 * c + 4 * g) * kBB, nbytes, &a, &b);
-    const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
-    *lo = _mm512_and_si512(qs, m4);
-    *hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
-    const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
-    *dm = _mm512_mask_permutexvar_epi16(*dm, mask, idx_dm, a);
-}
-
-template <DType W>
+// The lanes' starting value comes from memory (init: -8 * sums for Q4_0, zeros
+// for Q4_1): a load instead of a register copy of zero.
 inline __m512i q4_group_dot(const __m512i& lo, const __m512i& hi, const XChunk4& x, int g) {
-    __m512i p = W == DType::Q4_0 ? _mm512_load_si512(x.init[g]) : _mm512_setzero_si512();
-    p = _mm512_dpbusd_epi32(p, lo, _mm512_load_si512(x.lo[g]));
+    __m512i p = _mm512_dpbusd_epi32(_mm512_load_si512(x.init[g]), lo, _mm512_load_si512(x.lo[g]));
     return _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(x.hi[g]));
 }
 
@@ -253,102 +315,386 @@ inline __m512i pair_sum(const __m512i& a, const __m512i& b) {
     return _mm512_madd_epi16(_mm512_packs_epi32(a, b), _mm512_set1_epi16(1));
 }
 
+// The float step of a chunk, once its integer sums s are formed.
+template <DType W>
+inline void q4_chunk_float(const __m512i& dm, const __m512i& s, const XChunk4& x, __m512* acc) {
+    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_load_ps(x.dx)), *acc);
+    if constexpr (W == DType::Q4_1) {
+        *acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)), _mm512_load_ps(x.sx), *acc);
+    }
+}
+
+// A full chunk (16 blocks) of one row against T tokens.
 template <DType W, int T>
-__attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
-                                       size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1) {
-    constexpr bool kQ41 = W == DType::Q4_1;
-    const int64_t nc = (nb + 15) / 16;
-    const __m512i idx_qs = idx_words(kQ41 ? kQ41Qs : kQ40Qs);
-    const __m512i idx_dm = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+inline void q4_chunk_full(const uint8_t* wc, const XChunk4* const* xc, int64_t c, const __m512i& idx_qs,
+                          const __m512i& idx_dm, __m512* acc) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i dm = _mm512_setzero_si512();
+    __m512i l01[T], l23[T];
+    for (int g = 0; g < 4; ++g) {
+        const uint8_t* p = wc + 4 * g * kBB;
+        const __m512i a = _mm512_loadu_si512(p);
+        __m512i b;
+        if constexpr (W == DType::Q4_1) {
+            b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+        } else {
+            b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
+        }
+        const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
+        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
+        const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+        const __m512i lo = _mm512_and_si512(qs, m4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+        for (int j = 0; j < T; ++j) {
+            const __m512i d = q4_group_dot(lo, hi, xc[j][c], g);
+            if (g == 0) l01[j] = d;
+            if (g == 1) l01[j] = pair_sum(l01[j], d);
+            if (g == 2) l23[j] = d;
+            if (g == 3) l23[j] = pair_sum(l23[j], d);
+        }
+    }
+    for (int j = 0; j < T; ++j) q4_chunk_float<W>(dm, pair_sum(l01[j], l23[j]), xc[j][c], &acc[j]);
+}
+
+// The last, partial chunk: nbc < 16 blocks, masked loads, missing groups are 0.
+template <DType W, int T>
+inline void q4_chunk_tail(const uint8_t* wc, int64_t nbc, const XChunk4* const* xc, int64_t c,
+                          const __m512i& idx_qs, const __m512i& idx_dm, __m512* acc) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i zero = _mm512_setzero_si512();
+    const int ng = static_cast<int>((nbc + 3) / 4);
+    __m512i dm = zero;
+    __m512i l01[T], l23[T];
+    for (int j = 0; j < T; ++j) l01[j] = l23[j] = zero;
+    for (int g = 0; g < ng; ++g) {
+        const int nbytes = static_cast<int>(std::min<int64_t>(4, nbc - 4 * g)) * kBB;
+        __m512i a, b;
+        load_group<4 * kBB>(wc + 4 * g * kBB, nbytes, &a, &b);
+        const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
+        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
+        const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+        const __m512i lo = _mm512_and_si512(qs, m4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+        for (int j = 0; j < T; ++j) {
+            const __m512i d = q4_group_dot(lo, hi, xc[j][c], g);
+            if (g < 2) {
+                l01[j] = g == 0 ? d : pair_sum(l01[j], d);
+            } else {
+                l23[j] = g == 2 ? d : pair_sum(l23[j], d);
+            }
+        }
+    }
+    // Same pairing as a full chunk, with zeros for the missing groups.
+    for (int j = 0; j < T; ++j) {
+        if (ng == 1) l01[j] = pair_sum(l01[j], zero);
+        if (ng == 3) l23[j] = pair_sum(l23[j], zero);
+        q4_chunk_float<W>(dm, pair_sum(l01[j], l23[j]), xc[j][c], &acc[j]);
+    }
+}
+
+// Short tails (a row's last 1 or 2 blocks after its full chunks). They fill
+// one group of four slots: an even row's tail blocks take slots 0-1 and an odd
+// row's slots 2-3, always, so that with T = 1 the tails of rows 2i and 2i + 1
+// share one group load and one conversion. Each row then adds its slots with a
+// masked fma (lanes 0-7 even, 8-15 odd) on the per-lane products
+// cvt(int lanes) * d_w * d_x, and, Q4_1, m_w * s_x on lane 4k of slot k. A row's
+// lanes and float steps are the same whether or not its neighbour is present.
+template <DType W>
+inline void q4_short_tail_load(const uint8_t* ta, const uint8_t* tb, int ntail, __m512i* a, __m512i* b) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const int n = ntail * kBB;  // bytes of one row's tail
+    __m512i va = _mm512_setzero_si512(), vb = _mm512_setzero_si512();
+    if (ta != nullptr) va = _mm512_maskz_loadu_epi8(bytes_mask(n), ta);
+    if (tb != nullptr) {
+        constexpr int kOff = 2 * kBB;  // byte offset of slot 2
+        const int na = std::min(n, 64 - kOff);
+        // Masked-off bytes are never touched, so basing the load kOff bytes
+        // before tb reads only tb[0, na).
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(tb) - kOff);
+        va = _mm512_mask_loadu_epi8(va, bytes_mask(na) << kOff, base);
+        if (n > na) vb = _mm512_maskz_loadu_epi8(bytes_mask(n - na), tb + na);
+    }
+    *a = va;
+    *b = vb;
+}
+
+template <DType W, int T>
+inline void q4_short_tail(const uint8_t* ta, const uint8_t* tb, int ntail, const XChunk4* const* xc, int64_t c,
+                          const __m512i& idx_qs, const __m512i& idx_rep, __m512* acc_a, __m512* acc_b) {
+    constexpr __mmask16 kEven = 0x00FF, kOdd = 0xFF00;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i a, b;
+    q4_short_tail_load<W>(ta, tb, ntail, &a, &b);
+    const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+    const __m512i lo = _mm512_and_si512(qs, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+    const __m512i rep = _mm512_permutexvar_epi16(idx_rep, a);
+    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(rep));
+    [[maybe_unused]] __m512 mw;
+    if constexpr (W == DType::Q4_1) mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(rep, 1));
+    for (int j = 0; j < T; ++j) {
+        const XChunk4& x = xc[j][c];
+        const __m512 f = _mm512_cvtepi32_ps(q4_group_dot(lo, hi, x, 0));
+        const __m512 sc = _mm512_mul_ps(dw, _mm512_load_ps(x.dx));
+        if (ta != nullptr) {
+            acc_a[j] = _mm512_mask3_fmadd_ps(f, sc, acc_a[j], kEven);
+            if constexpr (W == DType::Q4_1) acc_a[j] = _mm512_mask3_fmadd_ps(mw, _mm512_load_ps(x.sx), acc_a[j], kEven);
+        }
+        if (tb != nullptr) {
+            acc_b[j] = _mm512_mask3_fmadd_ps(f, sc, acc_b[j], kOdd);
+            if constexpr (W == DType::Q4_1) acc_b[j] = _mm512_mask3_fmadd_ps(mw, _mm512_load_ps(x.sx), acc_b[j], kOdd);
+        }
+    }
+}
+
+template <DType W, int T>
+__attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
+                                       size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
+                                       bool prefetch) {
+    constexpr bool kQ41 = W == DType::Q4_1;
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const bool short_tail = q4_short_tail_rows(nb);
+    const __m512i idx_qs = idx_words(kQ41 ? kQ41Qs : kQ40Qs);
+    const __m512i idx_dm = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+    const __m512i idx_rep = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
     const XChunk4* xc[T];
     for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk4*>(xp + static_cast<size_t>(j) * xp_stride);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * kBB);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nc; ++c) {
-            const int64_t nbc = std::min<int64_t>(16, nb - 16 * c);
-            const int ng = static_cast<int>((nbc + 3) / 4);
-            __m512i dm = zero, lo, hi;
-            __m512i l01[T], l23[T];
-            q4_load_group<W>(wr, c, 0, nbc, idx_qs, idx_dm, m4, &lo, &hi, &dm);
-            for (int j = 0; j < T; ++j) l01[j] = q4_group_dot<W>(lo, hi, xc[j][c], 0);
-            if (ng > 1) {
-                q4_load_group<W>(wr, c, 1, nbc, idx_qs, idx_dm, m4, &lo, &hi, &dm);
-                for (int j = 0; j < T; ++j) l01[j] = pair_sum(l01[j], q4_group_dot<W>(lo, hi, xc[j][c], 1));
-            } else {
-                for (int j = 0; j < T; ++j) l01[j] = pair_sum(l01[j], zero);
-            }
-            if (ng > 2) {
-                q4_load_group<W>(wr, c, 2, nbc, idx_qs, idx_dm, m4, &lo, &hi, &dm);
-                for (int j = 0; j < T; ++j) l23[j] = q4_group_dot<W>(lo, hi, xc[j][c], 2);
-                if (ng > 3) {
-                    q4_load_group<W>(wr, c, 3, nbc, idx_qs, idx_dm, m4, &lo, &hi, &dm);
-                    for (int j = 0; j < T; ++j) l23[j] = pair_sum(l23[j], q4_group_dot<W>(lo, hi, xc[j][c], 3));
-                } else {
-                    for (int j = 0; j < T; ++j) l23[j] = pair_sum(l23[j], zero);
-                }
-            } else {
-                for (int j = 0; j < T; ++j) l23[j] = zero;
-            }
-            const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
-            [[maybe_unused]] __m512 mw;
-            if constexpr (kQ41) mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
-            for (int j = 0; j < T; ++j) {
-                const __m512 s = _mm512_cvtepi32_ps(pair_sum(l01[j], l23[j]));
-                acc[j] = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, _mm512_load_ps(xc[j][c].dx)), acc[j]);
-                if constexpr (kQ41) acc[j] = _mm512_fmadd_ps(mw, _mm512_load_ps(xc[j][c].sx), acc[j]);
-            }
+        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc);
+        const uint8_t* tail = wr + nfull * 16 * kBB;
+        if (short_tail) {
+            const bool odd = (r & 1) != 0;
+            q4_short_tail<W, T>(odd ? nullptr : tail, odd ? tail : nullptr, static_cast<int>(ntail), xc, nfull, idx_qs,
+                                idx_rep, acc, acc);
+        } else if (ntail != 0) {
+            q4_chunk_tail<W, T>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
         }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = _mm512_reduce_add_ps(acc[j]);
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
     }
 }
 
-// Q8_0 x Q8_0: one row, T tokens; groups of two blocks.
+// One token (decode): the same per-row operations as q4_rows<W, 1>, with two
+// savings that leave every row's result unchanged: short tails of rows 2i and
+// 2i + 1 share a group, and the final sums run 16 rows at a time (hsum16).
+template <DType W>
+__attribute__((noinline)) void q4_rows_t1(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y,
+                                          int64_t r0, int64_t r1, bool prefetch) {
+    constexpr bool kQ41 = W == DType::Q4_1;
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const bool short_tail = q4_short_tail_rows(nb);
+    const size_t row_bytes = static_cast<size_t>(nb) * kBB;
+    const __m512i idx_qs = idx_words(kQ41 ? kQ41Qs : kQ40Qs);
+    const __m512i idx_dm = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+    const __m512i idx_rep = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+    const XChunk4* const xc[1] = {reinterpret_cast<const XChunk4*>(xp)};
+    __m512 accs[17];     // rows b0 .. b0 + 16 (one past a batch, for a pair that straddles)
+    alignas(64) float sums[16];
+    int64_t b0 = r0;     // first row of the current batch
+    auto row_start = [&](int64_t r) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, row_bytes);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, 1>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, &acc);
+        return acc;
+    };
+    auto flush = [&](int64_t n) {  // rows b0 .. b0 + n - 1 are done
+        for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
+        hsum16(accs, sums);
+        for (int64_t i = 0; i < n; ++i) y[b0 + i] = sums[i];
+    };
+    int64_t r = r0;
+    while (r < r1) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        const uint8_t* tail = wr + nfull * 16 * kBB;
+        int step = 1;
+        __m512* acc = &accs[r - b0];
+        acc[0] = row_start(r);
+        if (short_tail && (r & 1) == 0 && r + 1 < r1) {
+            acc[1] = row_start(r + 1);
+            q4_short_tail<W, 1>(tail, tail + w_stride, static_cast<int>(ntail), xc, nfull, idx_qs, idx_rep, &acc[0],
+                                &acc[1]);
+            step = 2;
+        } else if (short_tail) {
+            const bool odd = (r & 1) != 0;
+            q4_short_tail<W, 1>(odd ? nullptr : tail, odd ? tail : nullptr, static_cast<int>(ntail), xc, nfull, idx_qs,
+                                idx_rep, acc, acc);
+        } else if (ntail != 0) {
+            q4_chunk_tail<W, 1>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
+        }
+        r += step;
+        if (r - b0 >= 16) {
+            flush(16);
+            accs[0] = accs[16];
+            b0 += 16;
+        }
+    }
+    if (r1 > b0) flush(r1 - b0);
+}
+
+// Q8_0 x Q8_0: one row, T tokens.
+//
+// Full chunks (16 blocks = 8 pairs): pair p's 64 quant bytes (w ^ 0x80) meet its
+// activations in one vpdpbusd, giving int32 lanes 0-7 for block 2p and 8-15 for
+// block 2p + 1. Lane values reach 4 * 128 * 127, too wide for the int16 trick of
+// the Q4 kernels, so an unpack tree adds them exactly: unpack(lo, hi) + add per
+// pair of pairs, the same on 64-bit units, then 128-bit lane swaps; block
+// 8(q >> 1) + 2i + (q & 1)'s dot ends in lane 4q + i. Then one float step:
+// acc = fma(cvt(dots), d_w * d_x, acc).
+// The last, partial chunk goes pair by pair: acc = fma(cvt(int lanes of pair p),
+// d_w * d_x per lane, acc).
+inline __m512i add_unpack32(const __m512i& a, const __m512i& b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i add_unpack64(const __m512i& a, const __m512i& b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
 template <int T>
-__attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride, float* y, size_t ldy,
-             int64_t r0, int64_t r1) {
-    const int64_t np = (nb + 1) / 2;
-    const __m512i idx_qs = idx_words(kQ80Qs);
-    const __m512i idx_d = idx_words(kQ80D);
+inline void q8_chunk_full(const uint8_t* wc, const XChunk8* const* xc, int64_t c, const __m512i& idx_dm,
+                          __m512* acc) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    const XGroup2* xg[T];
-    for (int j = 0; j < T; ++j) xg[j] = reinterpret_cast<const XGroup2*>(xp + static_cast<size_t>(j) * xp_stride);
+    __m512i dm = _mm512_setzero_si512();
+    // Pair p's weights (w + 128 as unsigned bytes); merges its two d into dm.
+    auto load_pair = [&](int p) {
+        const uint8_t* bp = wc + 68 * p;
+        __m512i qs = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 2)));
+        qs = _mm512_inserti64x4(qs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 36)), 1);
+        const __mmask32 mask = (0x11u << (p & 3)) << (8 * (p >> 2));
+        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, _mm512_loadu_si512(bp));
+        return _mm512_xor_si512(qs, bias);
+    };
+    auto dot = [&](int j, int p, const __m512i& wq) {
+        return _mm512_dpbusd_epi32(_mm512_load_si512(xc[j][c].init[p]), wq, _mm512_load_si512(xc[j][c].q[p]));
+    };
+    __m512i r0[T], r1[T], r2[T];
+    __m512i wq = load_pair(0);
+    for (int j = 0; j < T; ++j) r0[j] = dot(j, 0, wq);
+    wq = load_pair(1);
+    for (int j = 0; j < T; ++j) r0[j] = add_unpack32(r0[j], dot(j, 1, wq));
+    wq = load_pair(2);
+    for (int j = 0; j < T; ++j) r1[j] = dot(j, 2, wq);
+    wq = load_pair(3);
+    for (int j = 0; j < T; ++j) r0[j] = add_unpack64(r0[j], add_unpack32(r1[j], dot(j, 3, wq)));
+    wq = load_pair(4);
+    for (int j = 0; j < T; ++j) r1[j] = dot(j, 4, wq);
+    wq = load_pair(5);
+    for (int j = 0; j < T; ++j) r1[j] = add_unpack32(r1[j], dot(j, 5, wq));
+    wq = load_pair(6);
+    for (int j = 0; j < T; ++j) r2[j] = dot(j, 6, wq);
+    wq = load_pair(7);
+    for (int j = 0; j < T; ++j) r1[j] = add_unpack64(r1[j], add_unpack32(r2[j], dot(j, 7, wq)));
+    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    for (int j = 0; j < T; ++j) {
+        const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i32x4(r0[j], r1[j], 0x88), _mm512_shuffle_i32x4(r0[j], r1[j], 0xDD));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, _mm512_load_ps(xc[j][c].dx)), acc[j]);
+    }
+}
+
+// The last, partial chunk (ntail < 16 blocks), pair by pair, per lane.
+template <int T>
+inline void q8_chunk_tail(const uint8_t* wc, int64_t ntail, const XChunk8* const* xc, int64_t c,
+                          const __m512i& idx_d, __m512* acc) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int p = 0; p < (ntail + 1) / 2; ++p) {
+        const uint8_t* bp = wc + 68 * p;
+        __m512i qs = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 2)));
+        __m512i hdr;
+        if (ntail - 2 * p >= 2) {
+            qs = _mm512_inserti64x4(qs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 36)), 1);
+            hdr = _mm512_loadu_si512(bp);
+        } else {
+            qs = _mm512_zextsi256_si512(_mm512_castsi512_si256(qs));
+            hdr = _mm512_maskz_loadu_epi8(bytes_mask(34), bp);
+        }
+        const __m512i wq = _mm512_xor_si512(qs, bias);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx_d, hdr)));
+        for (int j = 0; j < T; ++j) {
+            const XChunk8& x = xc[j][c];
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_load_si512(x.init[p]), wq, _mm512_load_si512(x.q[p]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, _mm512_load_ps(x.dxr[p])), acc[j]);
+        }
+    }
+}
+
+template <int T>
+__attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
+                                       size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
+                                       bool prefetch) {
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const __m512i idx_dm = idx_words(kQ80Dm);
+    const __m512i idx_d = idx_words(kQ80D);
+    const XChunk8* xc[T];
+    for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk8*>(xp + static_cast<size_t>(j) * xp_stride);
+    __m512 accs[16];
+    alignas(64) float sums[16];
+    int64_t b0 = r0;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * 34);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t pi = 0; pi < np; ++pi) {
-            const int nbytes = static_cast<int>(std::min<int64_t>(2, nb - 2 * pi)) * 34;
-            __m512i a, b;
-            load_group<68>(wr + pi * 68, nbytes, &a, &b);
-            const __m512i wq = _mm512_xor_si512(_mm512_permutex2var_epi16(a, idx_qs, b), bias);
-            const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx_d, a)));
-            for (int j = 0; j < T; ++j) {
-                const XGroup2& x = xg[j][pi];
-                const __m512i dp = _mm512_dpbusd_epi32(_mm512_load_si512(x.init), wq, _mm512_load_si512(x.q));
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(dw, _mm512_load_ps(x.dx)), acc[j]);
+        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc);
+        if (ntail != 0) q8_chunk_tail<T>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
+        if constexpr (T == 1) {
+            // Decode: sum 16 rows at once (hsum16 equals hsum per row).
+            accs[r - b0] = acc[0];
+            if (r - b0 == 15 || r == r1 - 1) {
+                const int64_t n = r - b0 + 1;
+                for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
+                hsum16(accs, sums);
+                for (int64_t i = 0; i < n; ++i) y[b0 + i] = sums[i];
+                b0 = r + 1;
             }
+        } else {
+            for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
         }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = _mm512_reduce_add_ps(acc[j]);
     }
 }
 
 template <int T>
 void rows_dispatch(DType t, const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride, float* y,
-                   size_t ldy, int64_t r0, int64_t r1) {
+                   size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     switch (t) {
-        case DType::Q4_1: q4_rows<DType::Q4_1, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1); return;
-        case DType::Q4_0: q4_rows<DType::Q4_0, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1); return;
-        default: q8_rows<T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1); return;
+        case DType::Q4_1:
+            if constexpr (T == 1) {
+                q4_rows_t1<DType::Q4_1>(w, w_stride, nb, xp, y, r0, r1, prefetch);
+            } else {
+                q4_rows<DType::Q4_1, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+            }
+            return;
+        case DType::Q4_0:
+            if constexpr (T == 1) {
+                q4_rows_t1<DType::Q4_0>(w, w_stride, nb, xp, y, r0, r1, prefetch);
+            } else {
+                q4_rows<DType::Q4_0, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+            }
+            return;
+        default:
+            if constexpr (T <= 4) {
+                q8_rows<T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+            } else {
+                kernel_fail("matmul: Q8_0 tiles hold at most 4 tokens");
+            }
+            return;
     }
 }
 
 void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                 float* y, size_t ldy, int64_t r0, int64_t r1) {
-    constexpr int kT = 8;
+    // Tokens per tile: 8 for Q4 (two live sums per token), 4 for Q8_0 (three).
+    const int kT = t == DType::Q8_0 ? 4 : 8;
     const int64_t nb = n_in / kQK;
     const size_t tok_bytes = t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb);
     Scratch scratch(static_cast<size_t>(n_tok) * tok_bytes);
@@ -364,21 +710,23 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
         }
     }
     const char* wb = static_cast<const char*>(w);
-    const int64_t rb = n_tok <= kT ? r1 - r0 : row_block(w_stride);
+    // One pass over the rows (decode): weights come from memory, prefetch them.
+    const bool single_pass = n_tok <= kT;
+    const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
         for (int t0 = 0; t0 < n_tok; t0 += kT) {
             const uint8_t* x = xp + static_cast<size_t>(t0) * tok_bytes;
             float* yt = y + static_cast<size_t>(t0) * ldy;
             switch (std::min(kT, n_tok - t0)) {
-                case 8: rows_dispatch<8>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 7: rows_dispatch<7>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 6: rows_dispatch<6>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 5: rows_dispatch<5>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 4: rows_dispatch<4>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 3: rows_dispatch<3>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                case 2: rows_dispatch<2>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
-                default: rows_dispatch<1>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1); break;
+                case 8: rows_dispatch<8>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 7: rows_dispatch<7>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 6: rows_dispatch<6>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 5: rows_dispatch<5>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 4: rows_dispatch<4>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 3: rows_dispatch<3>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 2: rows_dispatch<2>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                default: rows_dispatch<1>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
             }
         }
     }
@@ -443,7 +791,7 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
                 const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
                 __m512i i0, i1;
                 quant32(src, id, y[b].qs, &i0, &i1);
-                y[b].d = float_to_half(d);
+                y[b].d = f2h(d);
             }
             return;
         }
@@ -456,8 +804,8 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
                 __m512i i0, i1;
                 quant32(src, id, y[b].qs, &i0, &i1);
                 const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-                y[b].d = float_to_half(d);
-                y[b].s = float_to_half(d * static_cast<float>(sum));
+                y[b].d = f2h(d);
+                y[b].s = f2h(d * static_cast<float>(sum));
             }
             return;
         }
@@ -512,7 +860,7 @@ void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
         const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
         a0 = _mm512_fmadd_ps(v, v, a0);
     }
-    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    const float ss = hsum(_mm512_add_ps(a0, a1));
     const __m512 sv = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(n) + eps));
     for (i = 0; i < n; i += 16) {
         const __mmask16 k = tail_mask(n - i);
@@ -580,7 +928,7 @@ void softmax(float* x, int64_t n) {
         _mm512_mask_storeu_ps(x + i, k, e);
         sv = _mm512_add_ps(sv, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+    const __m512 inv = _mm512_set1_ps(1.0f / hsum(sv));
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = tail_mask(n - i);
         _mm512_mask_storeu_ps(x + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
@@ -600,7 +948,7 @@ float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
         const __mmask16 k = tail_mask(n - i);
         s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, b + i)), s0);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    return hsum(_mm512_add_ps(s0, s1));
 }
 
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
@@ -617,6 +965,32 @@ void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n) {
         const __mmask16 k = tail_mask(n - i);
         const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(k, x + i), _MM_FROUND_TO_NEAREST_INT);
         _mm256_mask_storeu_epi16(y + i, k, h);
+    }
+}
+
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores) {
+    for (int64_t j = 0; j < n; ++j) scores[j] = scale * dot_f32_f16(q, k + static_cast<size_t>(j) * stride, head_dim);
+}
+
+// out stays in registers across the rows, 64 values at a time; each element
+// sees the same fma sequence as axpy_f16.
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
+    for (int64_t i = 0; i < head_dim; i += 64) {
+        __mmask16 km[4];
+        __m512 o[4];
+        for (int c = 0; c < 4; ++c) {
+            km[c] = i + 16 * c < head_dim ? tail_mask(head_dim - i - 16 * c) : __mmask16{0};
+            o[c] = _mm512_maskz_loadu_ps(km[c], out + i + 16 * c);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const uint16_t* vj = v + static_cast<size_t>(j) * stride + i;
+            const __m512 a = _mm512_set1_ps(p[j]);
+            for (int c = 0; c < 4; ++c) {
+                o[c] = _mm512_fmadd_ps(a, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(km[c], vj + 16 * c)), o[c]);
+            }
+        }
+        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + i + 16 * c, km[c], o[c]);
     }
 }
 

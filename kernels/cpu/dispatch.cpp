@@ -266,6 +266,12 @@ void rope(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos
     DUET_ROUTE(isa, rope(x, n_heads, head_dim, rot_dim, pos, inv_freq));
 }
 
+void rope_neox(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq) {
+    (void)isa;
+    if (rot_dim > head_dim || rot_dim % 2 != 0) kernel_fail("rope_neox: rot_dim must be even and <= head_dim");
+    scalar::rope_neox(x, n_heads, head_dim, rot_dim, pos, inv_freq);
+}
+
 void swiglu(Isa isa, const float* gate, const float* up, float* out, int64_t n) {
     check_isa(isa);
     DUET_ROUTE(isa, swiglu(gate, up, out, n));
@@ -294,6 +300,18 @@ void axpy_f16(Isa isa, float a, const uint16_t* x, float* y, int64_t n) {
 void fp32_to_fp16_row(Isa isa, const float* x, uint16_t* y, int64_t n) {
     check_isa(isa);
     DUET_ROUTE(isa, fp32_to_fp16_row(x, y, n));
+}
+
+void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim,
+                     float scale, float* scores) {
+    check_isa(isa);
+    DUET_ROUTE(isa, attn_scores_f16(q, k, stride, n, head_dim, scale, scores));
+}
+
+void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
+                    float* out) {
+    check_isa(isa);
+    DUET_ROUTE(isa, attn_accum_f16(p, v, stride, n, head_dim, out));
 }
 
 }  // namespace duet::cpu

@@ -57,6 +57,10 @@ void rms_norm(Isa isa, const float* x, const float* w, float* y, int64_t n, floa
 // pos * inv_freq[i]. Pairs past rot_dim are left alone.
 void rope(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos,
           const float* inv_freq);
+// The same rotation with NEOX pairing: (x[i], x[i + rot_dim/2]) for i < rot_dim/2
+// (Qwen2 and other models whose q/k weights GGUF leaves unpermuted).
+void rope_neox(Isa isa, float* x, int n_heads, int head_dim, int rot_dim, int64_t pos,
+               const float* inv_freq);
 
 // out = silu(gate) * up
 void swiglu(Isa isa, const float* gate, const float* up, float* out, int64_t n);
@@ -71,5 +75,15 @@ void softmax(Isa isa, float* x, int64_t n);
 float dot_f32_f16(Isa isa, const float* a, const uint16_t* b, int64_t n);
 void axpy_f16(Isa isa, float a, const uint16_t* x, float* y, int64_t n);  // y += a*x
 void fp32_to_fp16_row(Isa isa, const float* x, uint16_t* y, int64_t n);
+
+// The same over n KV rows of one head at once (row j starts at k + j * stride,
+// in elements, and holds head_dim values), saving a call per key. Results are
+// bit-identical to the one-row forms:
+//   scores[j] = scale * dot_f32_f16(isa, q, k_j, head_dim)
+//   out: axpy_f16(isa, p[j], v_j, out, head_dim) for j = 0, 1, ..., n - 1 in order
+void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim,
+                     float scale, float* scores);
+void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
+                    float* out);
 
 }  // namespace duet::cpu

@@ -23,6 +23,9 @@ namespace duet::cpu {
 // Per-level entry points. Preconditions are checked once in dispatch.cpp.
 
 namespace scalar {
+// NEOX pairing is one scalar implementation for every level (it is cheap and so
+// gives the same bits everywhere).
+void rope_neox(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq);
 void quantize_row(DType t, const float* src, void* dst, int64_t n);
 void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
             size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);
@@ -34,6 +37,9 @@ void softmax(float* x, int64_t n);
 float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
 void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores);
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
 }  // namespace scalar
 
 namespace avx2 {
@@ -48,6 +54,9 @@ void softmax(float* x, int64_t n);
 float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
 void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores);
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
 }  // namespace avx2
 
 namespace avx512 {
@@ -62,6 +71,9 @@ void softmax(float* x, int64_t n);
 float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n);
 void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores);
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
 }  // namespace avx512
 
 // ---------------------------------------------------------------------------

@@ -294,6 +294,23 @@ void rope(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const f
     }
 }
 
+void rope_neox(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq) {
+    float c[512], s[512];
+    const int half = rot_dim / 2;
+    for (int i0 = 0; i0 < half; i0 += 512) {
+        const int m = std::min(512, half - i0);
+        rope_angles(pos, inv_freq + i0, m, c, s);
+        for (int h = 0; h < n_heads; ++h) {
+            float* v = x + static_cast<int64_t>(h) * head_dim + i0;
+            for (int i = 0; i < m; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
 void swiglu(const float* gate, const float* up, float* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
@@ -332,6 +349,15 @@ void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
 
 void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = float_to_half(x[i]);
+}
+
+void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
+                     float* scores) {
+    for (int64_t j = 0; j < n; ++j) scores[j] = scale * dot_f32_f16(q, k + static_cast<size_t>(j) * stride, head_dim);
+}
+
+void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
+    for (int64_t j = 0; j < n; ++j) axpy_f16(p[j], v + static_cast<size_t>(j) * stride, out, head_dim);
 }
 
 }  // namespace duet::cpu::scalar

@@ -230,10 +230,11 @@ void CpuBackend::run(int tid, int nth) {
                 cpu::add(isa, ki, f32(w.bk), KV);
                 cpu::add(isa, vi, f32(w.bv), KV);
             }
-            cpu::rope(isa, qi, static_cast<int>(NH), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
-                      model_.rope_inv_freq().data());
-            cpu::rope(isa, ki, static_cast<int>(NKV), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
-                      model_.rope_inv_freq().data());
+            auto rope = c.rope_neox ? cpu::rope_neox : cpu::rope;
+            rope(isa, qi, static_cast<int>(NH), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
+                 model_.rope_inv_freq().data());
+            rope(isa, ki, static_cast<int>(NKV), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
+                 model_.rope_inv_freq().data());
             // Q is rounded to f16 like the K it meets (llama.cpp's CPU path and
             // flash-attention kernels do the same), so duet agrees with them closely.
             cpu::fp32_to_fp16_row(isa, qi, qh16, Q);

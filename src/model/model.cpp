@@ -121,6 +121,7 @@ Status Model::init() {
     }
 
     cfg_.qkv_bias = f.tensor("blk.0.attn_q.bias") != nullptr;
+    cfg_.rope_neox = cfg_.arch == "qwen2";
     layers_.resize(cfg_.n_layer);
     for (int64_t l = 0; l < cfg_.n_layer; ++l) {
         LayerWeights& w = layers_[l];

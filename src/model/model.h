@@ -29,6 +29,10 @@ struct ModelConfig {
     double rms_eps = 1e-5;
     bool tied_output = false;  // output head reuses token_embd
     bool qkv_bias = false;
+    // RoPE pairing. llama.cpp's converter permutes the q/k rows of llama-arch
+    // models so that consecutive values (x[2i], x[2i+1]) pair up ("normal"); it
+    // leaves qwen2's alone, which pair x[i] with x[i + rot_dim/2] ("neox").
+    bool rope_neox = false;
 };
 
 struct LayerWeights {
