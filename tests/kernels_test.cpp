@@ -854,4 +854,73 @@ TEST(RowOps, BatchedAttentionEqualsOneRowForms) {
 }
 
 }  // namespace
+TEST(RowOps, RopeNeoxMatchesFloat64AndIsIdenticalAcrossIsas) {
+    const int head_dim = 64;
+    for (int rot_dim : {64, 32}) {
+        for (int64_t pos : {0, 3, 4095}) {
+            std::vector<float> inv(static_cast<size_t>(rot_dim / 2));
+            for (int i = 0; i < rot_dim / 2; ++i) inv[i] = static_cast<float>(std::pow(1e6, -2.0 * i / rot_dim));
+            const std::vector<float> x0 = random_floats(2 * head_dim, static_cast<uint32_t>(pos) + 11);
+            std::vector<float> first;
+            for (Isa isa : supported_isas()) {
+                std::vector<float> x = x0;
+                rope_neox(isa, x.data(), 2, head_dim, rot_dim, pos, inv.data());
+                const int half = rot_dim / 2;
+                for (int h = 0; h < 2; ++h) {
+                    const float* in = x0.data() + h * head_dim;
+                    const float* out = x.data() + h * head_dim;
+                    for (int i = 0; i < half; ++i) {
+                        const double th = static_cast<double>(pos) * inv[i];
+                        // NEOX pairs value i with value i + rot_dim/2.
+                        ASSERT_NEAR(out[i], in[i] * std::cos(th) - in[i + half] * std::sin(th), 1e-6);
+                        ASSERT_NEAR(out[i + half], in[i] * std::sin(th) + in[i + half] * std::cos(th), 1e-6);
+                    }
+                    for (int i = rot_dim; i < head_dim; ++i) ASSERT_EQ(out[i], in[i]);
+                }
+                if (first.empty()) {
+                    first = x;
+                } else {
+                    ASSERT_EQ(0, std::memcmp(first.data(), x.data(), x.size() * 4)) << isa_str(isa);
+                }
+            }
+        }
+    }
+}
+
+TEST(RowOps, RoundFp16EqualsConversionRoundTripAtEveryIsa) {
+    for (int64_t n : {1, 7, 16, 33, 1000}) {
+        std::vector<float> x0 = random_floats(static_cast<size_t>(n), static_cast<uint32_t>(n));
+        x0[0] = 65520.0f;  // rounds to inf in f16
+        if (n > 3) {
+            x0[1] = 1e-8f;  // f16 denormal range
+            x0[2] = -0.0f;
+        }
+        for (Isa isa : supported_isas()) {
+            std::vector<float> x = x0;
+            round_fp16(isa, x.data(), n);
+            for (int64_t i = 0; i < n; ++i) {
+                const float want = fp16_to_fp32(fp32_to_fp16(x0[i]));
+                ASSERT_EQ(0, std::memcmp(&want, &x[i], 4)) << isa_str(isa) << " i " << i << " x " << x0[i];
+            }
+        }
+    }
+}
+
+TEST(RowOps, ReadFoldIsTheXorOfTheBytesAtEveryIsa) {
+    std::vector<uint8_t> buf(10000);
+    for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + 7);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{256}, size_t{1000}, size_t{9999}}) {
+        // The fold of a buffer is an xor of 64-bit words and bytes: compare folds
+        // folded down to one byte, which every grouping of the xor agrees on.
+        uint8_t want = 0;
+        for (size_t i = 0; i < n; ++i) want ^= buf[i];
+        for (Isa isa : supported_isas()) {
+            uint64_t f = read_fold(isa, buf.data(), n);
+            uint8_t got = 0;
+            for (int b = 0; b < 8; ++b) got ^= static_cast<uint8_t>(f >> (8 * b));
+            ASSERT_EQ(got, want) << isa_str(isa) << " n " << n;
+        }
+    }
+}
+
 }  // namespace duet::cpu

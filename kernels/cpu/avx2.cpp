@@ -721,4 +721,30 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
+uint64_t read_fold(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
+        a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 96)));
+    }
+    __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    uint64_t r = static_cast<uint64_t>(_mm256_extract_epi64(a, 0)) ^ static_cast<uint64_t>(_mm256_extract_epi64(a, 1)) ^
+                 static_cast<uint64_t>(_mm256_extract_epi64(a, 2)) ^ static_cast<uint64_t>(_mm256_extract_epi64(a, 3));
+    for (; i < n; ++i) r ^= b[i];
+    return r;
+}
+
+void round_fp16(float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+    }
+    for (; i < n; ++i) x[i] = h2f(f2h(x[i]));
+}
+
 }  // namespace duet::cpu::avx2

@@ -994,4 +994,36 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
+uint64_t read_fold(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(b + i));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(b + i + 64));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(b + i + 128));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(b + i + 192));
+    }
+    __m512i a = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+    alignas(64) uint64_t lanes[8];
+    _mm512_store_si512(lanes, a);
+    uint64_t r = 0;
+    for (uint64_t l : lanes) r ^= l;
+    for (; i < n; ++i) r ^= b[i];
+    return r;
+}
+
+void round_fp16(float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm512_storeu_ps(x + i, _mm512_cvtph_ps(h));
+    }
+    if (i < n) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_cvtph_ps(h));
+    }
+}
+
 }  // namespace duet::cpu::avx512

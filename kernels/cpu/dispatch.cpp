@@ -314,4 +314,14 @@ void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, i
     DUET_ROUTE(isa, attn_accum_f16(p, v, stride, n, head_dim, out));
 }
 
+uint64_t read_fold(Isa isa, const void* p, size_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, read_fold(p, n));
+}
+
+void round_fp16(Isa isa, float* x, int64_t n) {
+    check_isa(isa);
+    DUET_ROUTE(isa, round_fp16(x, n));
+}
+
 }  // namespace duet::cpu

@@ -86,4 +86,13 @@ void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, 
 void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
                     float* out);
 
+// x = fp16_to_fp32(fp32_to_fp16(x)) elementwise: values meeting f16 data are
+// rounded like it (round to nearest even; identical bits at every level).
+void round_fp16(Isa isa, float* x, int64_t n);
+
+// Reads n bytes at p with the widest loads this level has and returns an xor
+// fold of them (so the reads cannot be optimized away): the memory-read floor
+// that benchmarks compare the model's weight reads against.
+uint64_t read_fold(Isa isa, const void* p, size_t n);
+
 }  // namespace duet::cpu

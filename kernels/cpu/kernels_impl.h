@@ -23,6 +23,8 @@ namespace duet::cpu {
 // Per-level entry points. Preconditions are checked once in dispatch.cpp.
 
 namespace scalar {
+void round_fp16(float* x, int64_t n);
+uint64_t read_fold(const void* p, size_t n);
 // NEOX pairing is one scalar implementation for every level (it is cheap and so
 // gives the same bits everywhere).
 void rope_neox(float* x, int n_heads, int head_dim, int rot_dim, int64_t pos, const float* inv_freq);
@@ -43,6 +45,8 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
 }  // namespace scalar
 
 namespace avx2 {
+void round_fp16(float* x, int64_t n);
+uint64_t read_fold(const void* p, size_t n);
 void quantize_row(DType t, const float* src, void* dst, int64_t n);
 void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
             size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);
@@ -60,6 +64,8 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
 }  // namespace avx2
 
 namespace avx512 {
+void round_fp16(float* x, int64_t n);
+uint64_t read_fold(const void* p, size_t n);
 void quantize_row(DType t, const float* src, void* dst, int64_t n);
 void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
             size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1);

@@ -360,4 +360,22 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     for (int64_t j = 0; j < n; ++j) axpy_f16(p[j], v + static_cast<size_t>(j) * stride, out, head_dim);
 }
 
+uint64_t read_fold(const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    uint64_t acc[4] = {0, 0, 0, 0};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; ++j) {
+            uint64_t v;
+            std::memcpy(&v, b + i + 8 * j, 8);
+            acc[j] ^= v;
+        }
+    for (; i < n; ++i) acc[0] ^= b[i];
+    return acc[0] ^ acc[1] ^ acc[2] ^ acc[3];
+}
+
+void round_fp16(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = half_to_float(float_to_half(x[i]));
+}
+
 }  // namespace duet::cpu::scalar

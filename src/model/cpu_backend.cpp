@@ -45,7 +45,7 @@ struct CpuBackend::Scratch {
     std::vector<int64_t> out_rows;    // token indices whose logits are wanted
     float* logits = nullptr;
 
-    Buf x, xn, q, k, v, att, tmp, gate, up, xq, xo, scores, q16;
+    Buf x, xn, q, k, v, att, tmp, gate, up, xq, xo, scores;
     size_t xq_stride = 0;
     int64_t scores_n = 0;  // floats of attention scores per thread
 };
@@ -120,7 +120,6 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.k.get(sizeof(float) * T * KV);
     s.v.get(sizeof(float) * T * KV);
     s.att.get(sizeof(float) * T * Q);
-    s.q16.get(sizeof(uint16_t) * threads_.size() * Q);
     s.tmp.get(sizeof(float) * T * E);
     s.gate.get(sizeof(float) * T * F);
     s.up.get(sizeof(float) * T * F);
@@ -171,7 +170,6 @@ void CpuBackend::run(int tid, int nth) {
     float* up = s.up.as<float>();
     char* xq = s.xq.as<char>();
     const size_t xqs = s.xq_stride;
-    uint16_t* qh16 = s.q16.as<uint16_t>() + static_cast<size_t>(tid) * Q;
 
     int64_t t0, t1;  // this thread's tokens
     ThreadPool::split(T, tid, nth, t0, t1);
@@ -237,8 +235,7 @@ void CpuBackend::run(int tid, int nth) {
                  model_.rope_inv_freq().data());
             // Q is rounded to f16 like the K it meets (llama.cpp's CPU path and
             // flash-attention kernels do the same), so duet agrees with them closely.
-            cpu::fp32_to_fp16_row(isa, qi, qh16, Q);
-            for (int64_t d = 0; d < Q; ++d) qi[d] = cpu::fp16_to_fp32(qh16[d]);
+            cpu::round_fp16(isa, qi, Q);
             const KvSeq* sq = s.seqs[s.seq[i]];
             const int32_t blk = sq->blocks()[s.pos[i] / bt];
             const int64_t slot = s.pos[i] % bt;
@@ -249,30 +246,31 @@ void CpuBackend::run(int tid, int nth) {
         }
         threads_.barrier();
 
-        // Attention: one (token, head) item at a time, positions in order.
+        // Attention: one (token, head) item at a time, positions in order, one
+        // KV block (16 positions) per kernel call.
         {
             int64_t a0, a1;
             ThreadPool::split(T * NH, tid, nth, a0, a1);
             float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * s.scores_n;
+            const int32_t li = static_cast<int32_t>(l);
             for (int64_t it = a0; it < a1; ++it) {
-                const int64_t i = it / NH, h = it % NH, kvh = h / group;
+                const int64_t i = it / NH, h = it % NH;
+                const int32_t kvh = static_cast<int32_t>(h / group);
                 const float* qh = q + i * Q + h * HD;
-                const KvSeq* sq = s.seqs[s.seq[i]];
+                const std::vector<int32_t>& blocks = s.seqs[s.seq[i]]->blocks();
                 const int64_t n_ctx = s.pos[i] + 1;
-                for (int64_t j = 0; j < n_ctx; ++j) {
-                    const int32_t blk = sq->blocks()[j / bt];
-                    const uint16_t* kr = pool_.k(blk, static_cast<int32_t>(l), static_cast<int32_t>(kvh)) + (j % bt) * HD;
-                    sc[j] = cpu::dot_f32_f16(isa, qh, kr, HD) * scale;
+                for (int64_t j = 0; j < n_ctx; j += bt) {
+                    const int64_t n = std::min<int64_t>(bt, n_ctx - j);
+                    cpu::attn_scores_f16(isa, qh, pool_.k(blocks[j / bt], li, kvh), HD, n, HD, scale, sc + j);
                 }
                 cpu::softmax(isa, sc, n_ctx);
                 // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
-                for (int64_t j = 0; j < n_ctx; ++j) sc[j] = cpu::fp16_to_fp32(cpu::fp32_to_fp16(sc[j]));
+                cpu::round_fp16(isa, sc, n_ctx);
                 float* out = att + i * Q + h * HD;
                 std::memset(out, 0, sizeof(float) * HD);
-                for (int64_t j = 0; j < n_ctx; ++j) {
-                    const int32_t blk = sq->blocks()[j / bt];
-                    const uint16_t* vr = pool_.v(blk, static_cast<int32_t>(l), static_cast<int32_t>(kvh)) + (j % bt) * HD;
-                    cpu::axpy_f16(isa, sc[j], vr, out, HD);
+                for (int64_t j = 0; j < n_ctx; j += bt) {
+                    const int64_t n = std::min<int64_t>(bt, n_ctx - j);
+                    cpu::attn_accum_f16(isa, sc + j, pool_.v(blocks[j / bt], li, kvh), HD, n, HD, out);
                 }
             }
         }
