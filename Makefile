@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: all deps model configure build run test fuzz-smoke bench clean
+.PHONY: all deps model configure build run test sanitize fuzz-smoke bench clean
 
 all: build
 
@@ -28,7 +28,21 @@ run: build model
 
 test: build model
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE 'soak|fuzz'
+	$(MAKE) --no-print-directory sanitize
 	$(MAKE) --no-print-directory fuzz-smoke
+
+# The suites again under ASan+UBSan (all but the per-level model reruns) and the
+# threaded ones under TSan. Each is a whole extra build (ccache keeps repeats cheap).
+SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BENCH=OFF
+sanitize: deps model
+	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
+	cmake --build build-asan -j $(JOBS)
+	ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' -E 'model_test_(scalar|avx2)'
+	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
+	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test
+	build-tsan/tests/thread_pool_test --gtest_brief=1
+	build-tsan/tests/model_test --gtest_brief=1 --gtest_filter='*Bitwise*:*BadToken*'
+	build-tsan/tests/tokenizer_test --gtest_brief=1
 
 # The GGUF reader under libFuzzer + ASan/UBSan (clang), briefly. Longer runs:
 # build-fuzz/tests/gguf_fuzz -max_total_time=3600

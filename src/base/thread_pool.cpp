@@ -77,7 +77,12 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     job_.notify_all();
     fn(0, n_);
     // acquire: pairs with each worker's release increment of done_.
-    while (done_.load(std::memory_order_acquire) != n_ - 1) DUET_PAUSE();
+    int spins = 0;
+    while (done_.load(std::memory_order_acquire) != n_ - 1) {
+        DUET_PAUSE();
+        // A descheduled worker (more threads than free cores) needs this core.
+        if (++spins > kSpinBeforeWait) std::this_thread::yield();
+    }
 }
 
 void ThreadPool::barrier() {

@@ -11,6 +11,9 @@ using cpu::Isa;
 
 namespace {
 
+// Batches of at most this many tokens run with replicated per-token work.
+constexpr int64_t kReplicateTokens = 8;
+
 // A growable 64-byte aligned buffer.
 class Buf {
 public:
@@ -45,7 +48,9 @@ struct CpuBackend::Scratch {
     std::vector<int64_t> out_rows;    // token indices whose logits are wanted
     float* logits = nullptr;
 
-    Buf x, xn, q, k, v, att, tmp, gate, up, xq, xo, scores;
+    // x, xn, hs and xq hold one copy per thread when `replicate` (see run()).
+    Buf x, xn, hs, q, k, v, att, tmp, gate, up, xq, scores;
+    bool replicate = false;
     size_t xq_stride = 0;
     int64_t scores_n = 0;  // floats of attention scores per thread
 };
@@ -114,8 +119,12 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.logits = logits.data();
 
     const int64_t E = c.n_embd, Q = c.n_head * c.head_dim, KV = c.n_head_kv * c.head_dim, F = c.n_ff;
-    s.x.get(sizeof(float) * T * E);
-    s.xn.get(sizeof(float) * T * E);
+    // Few tokens: every thread keeps private copies of the per-token state.
+    s.replicate = T <= kReplicateTokens && threads_.size() > 1;
+    const size_t copies = s.replicate ? static_cast<size_t>(threads_.size()) : 1;
+    s.x.get(sizeof(float) * copies * T * E);
+    s.xn.get(sizeof(float) * copies * T * E);
+    s.hs.get(sizeof(float) * copies * T * F);
     s.q.get(sizeof(float) * T * Q);
     s.k.get(sizeof(float) * T * KV);
     s.v.get(sizeof(float) * T * KV);
@@ -134,8 +143,7 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     }
     widen(&model_.output());
     s.xq_stride = (xq_stride + 63) / 64 * 64;
-    s.xq.get(s.xq_stride * T);
-    s.xo.get(sizeof(float) * std::max<int64_t>(1, static_cast<int64_t>(s.out_rows.size())) * E);
+    s.xq.get(s.xq_stride * copies * T);
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
     s.scores_n = (max_ctx + 15) / 16 * 16;
@@ -158,9 +166,23 @@ void CpuBackend::run(int tid, int nth) {
     const float eps = static_cast<float>(c.rms_eps);
     const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
     const int32_t bt = pool_.layout().block_tokens;
+    const size_t xqs = s.xq_stride;
 
-    float* x = s.x.as<float>();
-    float* xn = s.xn.as<float>();
+    // Two ways to share the per-token work (norms, quantization, residuals):
+    // with few tokens (decode), every thread does all of it on private copies, so
+    // only the matrix products, the KV write and attention need barriers; with many
+    // (prefill), threads split the tokens and meet at a barrier before each
+    // product. Either way each token's values are computed by the same code in the
+    // same order, so the choice never changes a result.
+    const bool rep = s.replicate;
+    int64_t t0, t1;  // this thread's tokens for shared writes
+    ThreadPool::split(T, tid, nth, t0, t1);
+    const int64_t r0 = rep ? 0 : t0, r1 = rep ? T : t1;  // rows of the per-token work
+    const size_t priv = rep ? static_cast<size_t>(tid) : 0;
+    float* x = s.x.as<float>() + priv * T * E;
+    float* xn = s.xn.as<float>() + priv * T * E;
+    float* hs = s.hs.as<float>() + priv * T * F;
+    char* xq = s.xq.as<char>() + priv * T * xqs;
     float* q = s.q.as<float>();
     float* k = s.k.as<float>();
     float* v = s.v.as<float>();
@@ -168,57 +190,58 @@ void CpuBackend::run(int tid, int nth) {
     float* tmp = s.tmp.as<float>();
     float* gate = s.gate.as<float>();
     float* up = s.up.as<float>();
-    char* xq = s.xq.as<char>();
-    const size_t xqs = s.xq_stride;
+    auto sync_rows = [&] {
+        if (!rep) threads_.barrier();
+    };
 
-    int64_t t0, t1;  // this thread's tokens
-    ThreadPool::split(T, tid, nth, t0, t1);
-
-    // Quantizes rows [t0, t1) of src (n values each) for products with w.
+    // Quantizes rows [r0, r1) of src (n values each) for products with w.
     auto quantize = [&](const float* src, int64_t n, const GgufTensor* w) {
         const DType vt = cpu::vec_dot_type(w->type);
-        for (int64_t i = t0; i < t1; ++i) cpu::quantize_row(isa, vt, src + i * n, xq + i * xqs, n);
+        for (int64_t i = r0; i < r1; ++i) cpu::quantize_row(isa, vt, src + i * n, xq + i * xqs, n);
     };
-    // y[T][rows of w] = w · xq, this thread's share of the rows.
-    auto matmul = [&](const GgufTensor* w, float* y) {
+    // y[n_tok][rows of w] = w · xq, this thread's share of the rows of w.
+    auto matmul_n = [&](const GgufTensor* w, float* y, int64_t n_tok) {
         const int64_t rows = w->ne[1];
-        int64_t r0, r1;
-        ThreadPool::split(rows, tid, nth, r0, r1, 16);
-        if (r0 < r1)
-            cpu::matmul(isa, w->type, w->data, w->row_bytes(), w->ne[0], xq, xqs, static_cast<int>(T), y,
-                        static_cast<size_t>(rows), r0, r1);
+        int64_t w0, w1;
+        ThreadPool::split(rows, tid, nth, w0, w1, 16);
+        if (w0 < w1)
+            cpu::matmul(isa, w->type, w->data, w->row_bytes(), w->ne[0], xq, xqs, static_cast<int>(n_tok), y,
+                        static_cast<size_t>(rows), w0, w1);
+    };
+    auto matmul = [&](const GgufTensor* w, float* y) { matmul_n(w, y, T); };
+    // Products of the same input with two matrices, re-quantizing between them
+    // only when their activation types differ.
+    auto requantize_if = [&](const GgufTensor* prev, const GgufTensor* next, const float* src, int64_t n) {
+        if (cpu::vec_dot_type(next->type) == cpu::vec_dot_type(prev->type)) return;
+        threads_.barrier();  // every thread is done reading xq
+        quantize(src, n, next);
+        sync_rows();
     };
     auto f32 = [](const GgufTensor* t) { return reinterpret_cast<const float*>(t->data); };
 
-    // Embeddings.
     const GgufTensor& emb = model_.tok_embd();
-    for (int64_t i = t0; i < t1; ++i)
+    for (int64_t i = r0; i < r1; ++i)
         cpu::dequantize_row(emb.type, emb.data + static_cast<size_t>(s.tok[i]) * emb.row_bytes(), x + i * E, E);
 
     for (int64_t l = 0; l < c.n_layer; ++l) {
         const LayerWeights& w = model_.layer(l);
-        // Attention block: norm, q/k/v projections.
-        for (int64_t i = t0; i < t1; ++i) cpu::rms_norm(isa, x + i * E, f32(w.attn_norm), xn + i * E, E, eps);
+        const int32_t li = static_cast<int32_t>(l);
+
+        // q, k, v projections of the normed residual.
+        for (int64_t i = r0; i < r1; ++i) cpu::rms_norm(isa, x + i * E, f32(w.attn_norm), xn + i * E, E, eps);
         quantize(xn, E, w.wq);
-        threads_.barrier();
+        sync_rows();
         matmul(w.wq, q);
-        if (cpu::vec_dot_type(w.wk->type) != cpu::vec_dot_type(w.wq->type)) {
-            threads_.barrier();
-            quantize(xn, E, w.wk);
-            threads_.barrier();
-        }
+        requantize_if(w.wq, w.wk, xn, E);
         matmul(w.wk, k);
-        if (cpu::vec_dot_type(w.wv->type) != cpu::vec_dot_type(w.wk->type)) {
-            threads_.barrier();
-            quantize(xn, E, w.wv);
-            threads_.barrier();
-        }
+        requantize_if(w.wk, w.wv, xn, E);
         matmul(w.wv, v);
         threads_.barrier();
 
         // Bias, RoPE, and this token's K/V into its KV block (f16). Attention then
         // reads every position, this one included, from the f16 cache, so a token's
         // result does not depend on whether its neighbours came in the same chunk.
+        auto rope = c.rope_neox ? cpu::rope_neox : cpu::rope;
         for (int64_t i = t0; i < t1; ++i) {
             float* qi = q + i * Q;
             float* ki = k + i * KV;
@@ -228,7 +251,6 @@ void CpuBackend::run(int tid, int nth) {
                 cpu::add(isa, ki, f32(w.bk), KV);
                 cpu::add(isa, vi, f32(w.bv), KV);
             }
-            auto rope = c.rope_neox ? cpu::rope_neox : cpu::rope;
             rope(isa, qi, static_cast<int>(NH), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
                  model_.rope_inv_freq().data());
             rope(isa, ki, static_cast<int>(NKV), static_cast<int>(HD), static_cast<int>(c.rot_dim), s.pos[i],
@@ -236,12 +258,11 @@ void CpuBackend::run(int tid, int nth) {
             // Q is rounded to f16 like the K it meets (llama.cpp's CPU path and
             // flash-attention kernels do the same), so duet agrees with them closely.
             cpu::round_fp16(isa, qi, Q);
-            const KvSeq* sq = s.seqs[s.seq[i]];
-            const int32_t blk = sq->blocks()[s.pos[i] / bt];
+            const int32_t blk = s.seqs[s.seq[i]]->blocks()[s.pos[i] / bt];
             const int64_t slot = s.pos[i] % bt;
-            for (int64_t h = 0; h < NKV; ++h) {
-                cpu::fp32_to_fp16_row(isa, ki + h * HD, pool_.k(blk, static_cast<int32_t>(l), static_cast<int32_t>(h)) + slot * HD, HD);
-                cpu::fp32_to_fp16_row(isa, vi + h * HD, pool_.v(blk, static_cast<int32_t>(l), static_cast<int32_t>(h)) + slot * HD, HD);
+            for (int32_t h = 0; h < NKV; ++h) {
+                cpu::fp32_to_fp16_row(isa, ki + h * HD, pool_.k(blk, li, h) + slot * HD, HD);
+                cpu::fp32_to_fp16_row(isa, vi + h * HD, pool_.v(blk, li, h) + slot * HD, HD);
             }
         }
         threads_.barrier();
@@ -252,7 +273,6 @@ void CpuBackend::run(int tid, int nth) {
             int64_t a0, a1;
             ThreadPool::split(T * NH, tid, nth, a0, a1);
             float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * s.scores_n;
-            const int32_t li = static_cast<int32_t>(l);
             for (int64_t it = a0; it < a1; ++it) {
                 const int64_t i = it / NH, h = it % NH;
                 const int32_t kvh = static_cast<int32_t>(h / group);
@@ -275,54 +295,46 @@ void CpuBackend::run(int tid, int nth) {
             }
         }
         threads_.barrier();
+
+        // Output projection.
         quantize(att, Q, w.wo);
-        threads_.barrier();
+        sync_rows();
         matmul(w.wo, tmp);
         threads_.barrier();
 
         // Residual, then the MLP block.
-        for (int64_t i = t0; i < t1; ++i) {
+        for (int64_t i = r0; i < r1; ++i) {
             cpu::add(isa, x + i * E, tmp + i * E, E);
             cpu::rms_norm(isa, x + i * E, f32(w.ffn_norm), xn + i * E, E, eps);
         }
         quantize(xn, E, w.w_gate);
-        threads_.barrier();
+        sync_rows();
         matmul(w.w_gate, gate);
-        if (cpu::vec_dot_type(w.w_up->type) != cpu::vec_dot_type(w.w_gate->type)) {
-            threads_.barrier();
-            quantize(xn, E, w.w_up);
-            threads_.barrier();
-        }
+        requantize_if(w.w_gate, w.w_up, xn, E);
         matmul(w.w_up, up);
         threads_.barrier();
-        for (int64_t i = t0; i < t1; ++i) cpu::swiglu(isa, gate + i * F, up + i * F, gate + i * F, F);
-        quantize(gate, F, w.w_down);
-        threads_.barrier();
+        for (int64_t i = r0; i < r1; ++i) cpu::swiglu(isa, gate + i * F, up + i * F, hs + i * F, F);
+        quantize(hs, F, w.w_down);
+        sync_rows();
         matmul(w.w_down, tmp);
         threads_.barrier();
-        for (int64_t i = t0; i < t1; ++i) cpu::add(isa, x + i * E, tmp + i * E, E);
+        for (int64_t i = r0; i < r1; ++i) cpu::add(isa, x + i * E, tmp + i * E, E);
     }
 
-    threads_.barrier();  // x rows change hands: tokens split above, output rows below
-
-    // Output head for the rows whose logits are wanted.
+    // Output head for the rows whose logits are wanted; output row r is packed at
+    // row r of xn / xq.
+    sync_rows();  // split: x rows change hands (tokens above, output rows below)
     const int64_t n_out = static_cast<int64_t>(s.out_rows.size());
-    float* xo = s.xo.as<float>();
     const GgufTensor* out = &model_.output();
+    int64_t o0 = 0, o1 = n_out;
+    if (!rep) ThreadPool::split(n_out, tid, nth, o0, o1);
     const DType vt = cpu::vec_dot_type(out->type);
-    int64_t o0, o1;
-    ThreadPool::split(n_out, tid, nth, o0, o1);
     for (int64_t r = o0; r < o1; ++r) {
-        cpu::rms_norm(isa, x + s.out_rows[r] * E, reinterpret_cast<const float*>(model_.output_norm().data),
-                      xo + r * E, E, eps);
-        cpu::quantize_row(isa, vt, xo + r * E, xq + r * xqs, E);
+        cpu::rms_norm(isa, x + s.out_rows[r] * E, f32(&model_.output_norm()), xn + r * E, E, eps);
+        cpu::quantize_row(isa, vt, xn + r * E, xq + r * xqs, E);
     }
-    threads_.barrier();
-    int64_t r0, r1;
-    ThreadPool::split(out->ne[1], tid, nth, r0, r1, 16);
-    if (r0 < r1)
-        cpu::matmul(isa, out->type, out->data, out->row_bytes(), E, xq, xqs, static_cast<int>(n_out), s.logits,
-                    static_cast<size_t>(out->ne[1]), r0, r1);
+    sync_rows();
+    matmul_n(out, s.logits, n_out);
 }
 
 }  // namespace duet
