@@ -11,19 +11,34 @@
 // - DecodeStep/SmolLM2-135M: every matmul of one decode step of the default
 //   model (30 layers of Q4_1 q,k,v,o,gate,up,down and the Q8_0 tied head;
 //   ~96 MB of distinct weights), n_tok = 1.
+// - L3Decode/<isa>/threads:<n>: the n_tok = 1 matmuls of one decode step of
+//   SmolLM2-135M on buffers the size of its weights (30 layers of Q4_1 q, k, v,
+//   o, gate, up, down, 66 MB, laid out in GGUF file order and run in execution
+//   order, then the 49152 x 576 Q8_0 output head, 30 MB), and in the same
+//   iteration read_fold over the same bytes, n threads splitting each matrix's
+//   rows as duet does. The weights fit in L3 on the build machine, as they do
+//   during decode. Counters per type: <type>_GBps and <type>_ratio (the kernel's
+//   rate over read_fold's on the same bytes, the figure that matters), and both
+//   together: read_GBps, ratio. The time is the kernels'.
 // - Prefill/<type>/<n_in>x<rows>/<n_tok>: matmul on hot weights; "ops" counts
 //   2 * rows * n_in * n_tok per iteration (GOPS). n_tok = 1 here is the decode
 //   kernel's speed when weights come from cache (its compute ceiling).
-// Times are CPU time of the one thread (robust to sharing the machine).
+// Times are CPU time of the one thread (robust to sharing the machine), except
+// L3Decode's: wall time of the kernel part.
 #include <benchmark/benchmark.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels.h"
@@ -201,6 +216,167 @@ void BM_DecodeStep(benchmark::State& st, Isa isa) {
     st.counters["MB"] = static_cast<double>(total) / 1e6;
 }
 
+// Runs job(tid) on n threads (this one and n - 1 workers that spin between
+// jobs, like duet's pool during decode) and returns when all are done.
+class SpinTeam {
+   public:
+    explicit SpinTeam(int n) : n_(n), passed_(static_cast<size_t>(n), 0) {
+        for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { work(i); });
+    }
+    ~SpinTeam() {
+        stop_.store(true, std::memory_order_relaxed);
+        gen_.fetch_add(1, std::memory_order_release);  // pairs with the acquire load in work()
+        for (std::thread& t : workers_) t.join();
+    }
+    SpinTeam(const SpinTeam&) = delete;
+    SpinTeam& operator=(const SpinTeam&) = delete;
+    int size() const { return n_; }
+    template <class F>
+    void run(F&& job) {
+        job_ = [&job](int tid) { job(tid); };
+        left_.store(n_ - 1, std::memory_order_relaxed);
+        gen_.fetch_add(1, std::memory_order_release);  // publishes job_; pairs with work()'s acquire load
+        job(0);
+        while (left_.load(std::memory_order_acquire) != 0) {  // pairs with work()'s release decrement
+        }
+    }
+    // All n threads meet here (thread tid's k-th call meets the others' k-th).
+    void barrier(int tid) {
+        const uint64_t target = ++passed_[static_cast<size_t>(tid)] * static_cast<uint64_t>(n_);
+        bar_.fetch_add(1, std::memory_order_acq_rel);  // orders this thread's writes before the others pass
+        while (bar_.load(std::memory_order_acquire) < target) {  // pairs with the other threads' fetch_add
+        }
+    }
+
+   private:
+    void work(int tid) {
+        uint64_t seen = 0;
+        for (;;) {
+            uint64_t g;
+            while ((g = gen_.load(std::memory_order_acquire)) == seen) {  // pairs with run()'s release increment
+            }
+            seen = g;
+            if (stop_.load(std::memory_order_relaxed)) return;
+            job_(tid);
+            left_.fetch_sub(1, std::memory_order_release);  // pairs with run()'s acquire load
+        }
+    }
+    int n_;
+    std::vector<std::thread> workers_;
+    std::function<void(int)> job_;
+    std::atomic<uint64_t> gen_{0};
+    std::atomic<int> left_{0};
+    std::vector<uint64_t> passed_;  // barriers passed, per thread (each touches its own)
+    std::atomic<uint64_t> bar_{0};
+    std::atomic<bool> stop_{false};
+};
+
+// Rows [b, e) of n for thread tid of nth, in multiples of 16 (as duet splits).
+void split_rows(int64_t n, int tid, int nth, int64_t* b, int64_t* e) {
+    const int64_t per = (n / nth + 15) / 16 * 16;
+    *b = std::min(n, per * tid);
+    *e = tid == nth - 1 ? n : std::min(n, per * (tid + 1));
+}
+
+// One decode step's matmuls (see L3Decode above) against read_fold over the
+// same bytes, in decode's order: the Q4_1 layers, then the Q8_0 head.
+void BM_L3Decode(benchmark::State& st, Isa isa, int nth) {
+    struct Mat {
+        DType t;
+        int64_t n_in, rows;
+        size_t off;
+    };
+    // Execution order q, k, v, o, gate, up, down; file order down, gate, up, k, o, q, v.
+    const Mat layer[] = {{DType::Q4_1, 576, 576, 0},  {DType::Q4_1, 576, 192, 0},  {DType::Q4_1, 576, 192, 0},
+                         {DType::Q4_1, 576, 576, 0},  {DType::Q4_1, 576, 1536, 0}, {DType::Q4_1, 576, 1536, 0},
+                         {DType::Q4_1, 1536, 576, 0}};
+    const int file_order[] = {6, 4, 5, 1, 3, 0, 2};
+    std::vector<Mat> mats;
+    size_t total = 0;
+    for (int l = 0; l < 30; ++l) {
+        Mat m[7];
+        std::copy(std::begin(layer), std::end(layer), m);
+        for (int i : file_order) {
+            m[i].off = total;
+            total += duet::dtype_row_bytes(m[i].t, m[i].n_in) * static_cast<size_t>(m[i].rows);
+        }
+        mats.insert(mats.end(), m, m + 7);
+    }
+    const size_t q4_bytes = total;
+    mats.push_back({DType::Q8_0, 576, 49152, total});
+    total += duet::dtype_row_bytes(DType::Q8_0, 576) * 49152;
+    AlignedBuf pool(total);
+    for (size_t i = 0; i < mats.size(); ++i) {  // 8 distinct matrices, the layers' copied into every layer
+        const Mat& m = mats[i];
+        const size_t bytes = duet::dtype_row_bytes(m.t, m.n_in) * static_cast<size_t>(m.rows);
+        if (i < 7 || m.t == DType::Q8_0) {
+            auto one = make_matrix(m.t, m.rows, m.n_in);
+            std::memcpy(pool.p + m.off, one->p, bytes);
+        } else {
+            std::memcpy(pool.p + m.off, pool.p + mats[i % 7].off, bytes);
+        }
+    }
+    auto x576 = make_acts(isa, DType::Q4_1, 1, 576);
+    auto x1536 = make_acts(isa, DType::Q4_1, 1, 1536);
+    auto xh = make_acts(isa, DType::Q8_0, 1, 576);
+    std::vector<float> y(49152);
+    SpinTeam team(nth);
+    std::vector<uint64_t> sink(static_cast<size_t>(nth) * 8);
+    const size_t n4 = mats.size() - 1;  // mats [0, n4) are Q4_1, the last the head
+    auto kernel = [&](size_t m0, size_t m1) {
+        return [&, m0, m1](int tid) {
+            for (size_t i = m0; i < m1; ++i) {
+                const Mat& m = mats[i];
+                int64_t b, e;
+                split_rows(m.rows, tid, nth, &b, &e);
+                const uint8_t* x = m.t == DType::Q8_0 ? xh->p : m.n_in == 1536 ? x1536->p : x576->p;
+                duet::cpu::matmul(isa, m.t, pool.p + m.off, duet::dtype_row_bytes(m.t, m.n_in), m.n_in, x,
+                                  duet::dtype_row_bytes(duet::cpu::vec_dot_type(m.t), m.n_in), 1, y.data(),
+                                  static_cast<size_t>(m.rows), b, e);
+                if (nth > 1) team.barrier(tid);
+            }
+        };
+    };
+    auto read = [&](size_t m0, size_t m1) {
+        return [&, m0, m1](int tid) {
+            uint64_t acc = 0;
+            for (size_t i = m0; i < m1; ++i) {
+                const Mat& m = mats[i];
+                int64_t b, e;
+                split_rows(m.rows, tid, nth, &b, &e);
+                const size_t rb = duet::dtype_row_bytes(m.t, m.n_in);
+                acc ^= duet::cpu::read_fold(isa, pool.p + m.off + static_cast<size_t>(b) * rb,
+                                            static_cast<size_t>(e - b) * rb);
+            }
+            sink[static_cast<size_t>(tid) * 8] ^= acc;
+        };
+    };
+    using Clock = std::chrono::steady_clock;
+    auto timed = [&](auto job) {
+        const auto t0 = Clock::now();
+        team.run(job);
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    double k4 = 0, k8 = 0, r4 = 0, r8 = 0;
+    for (auto _ : st) {
+        const double a = timed(kernel(0, n4)), b = timed(kernel(n4, n4 + 1));
+        r4 += timed(read(0, n4));
+        r8 += timed(read(n4, n4 + 1));
+        st.SetIterationTime(a + b);
+        k4 += a;
+        k8 += b;
+    }
+    benchmark::DoNotOptimize(sink.data());
+    const double it = static_cast<double>(st.iterations());
+    const double b4 = static_cast<double>(q4_bytes) * it, b8 = static_cast<double>(total - q4_bytes) * it;
+    st.counters["Q4_1_GBps"] = b4 / k4 / 1e9;
+    st.counters["Q4_1_ratio"] = r4 / k4;
+    st.counters["Q8_0_GBps"] = b8 / k8 / 1e9;
+    st.counters["Q8_0_ratio"] = r8 / k8;
+    st.counters["read_GBps"] = (b4 + b8) / (r4 + r8) / 1e9;
+    st.counters["ratio"] = (r4 + r8) / (k4 + k8);
+}
+
 void BM_Quantize(benchmark::State& st, Isa isa, DType t, int64_t n) {
     const std::vector<float> f = random_floats(static_cast<size_t>(n), 5);
     std::vector<uint8_t> q(duet::dtype_row_bytes(t, n));
@@ -244,6 +420,14 @@ int main(int argc, char** argv) {
         }
         benchmark::RegisterBenchmark(("DecodeStep/" + in + "/SmolLM2-135M").c_str(), BM_DecodeStep, isa)
             ->Unit(benchmark::kMillisecond);
+        if (isa != Isa::Scalar) {
+            for (int nth : {1, 2}) {
+                const std::string name = "L3Decode/" + in + "/threads:" + std::to_string(nth);
+                benchmark::RegisterBenchmark(name.c_str(), BM_L3Decode, isa, nth)
+                    ->UseManualTime()
+                    ->Unit(benchmark::kMillisecond);
+            }
+        }
         if (isa == Isa::Scalar) continue;
         for (const Shape& s : prefill) {
             for (int n_tok : {1, 64, 512}) {

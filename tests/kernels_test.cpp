@@ -2,6 +2,8 @@
 // the scalar level and against float64 references built here from the
 // documented formulas (never from the code under test).
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -673,6 +675,114 @@ TEST(Matmul, RandomShapesAgreeAndAreBatchInvariant) {
                 for (int64_t r = r0; r < r1; ++r) {
                     ASSERT_EQ(bits(single[r]), bits(y[static_cast<size_t>(tk) * ldy + r]))
                         << dtype_name(t) << " " << isa_str(isa) << " n_in " << n_in << " r " << r << " t " << tk;
+                }
+            }
+        }
+    }
+}
+
+// Rows that end in 1 or 2 blocks past their 16-block chunks (SmolLM2's 576
+// values is 16 + 2) take their own path in AVX-512 decode: the tails of 8 rows
+// are gathered into one chunk, 16 rows at a time. Every row must still get the
+// bits a one-row call gives it and the bits the tiled (n_tok > 1) path gives it,
+// whatever the row range (partial batches, odd starts, fewer than 8 rows), and
+// stay within rounding of float64.
+TEST(Matmul, ShortTailRowsInDecodeEqualOneRowCallsAndTiles) {
+    struct Range {
+        int64_t r0, r1;
+    };
+    for (DType t : {DType::Q4_0, DType::Q4_1}) {
+        const DType xt = vec_dot_type(t);
+        for (int64_t nb : {1, 2, 17, 18, 34, 50}) {
+            const int64_t n_in = 32 * nb, rows = 53;
+            for (size_t pad : {size_t{0}, size_t{4}}) {
+                const size_t ws = row_bytes(t, n_in) + pad, xs = row_bytes(xt, n_in);
+                const std::vector<uint8_t> w = make_weights(t, rows, n_in, ws, 5 + static_cast<uint32_t>(nb));
+                std::vector<double> ref, mag;
+                const std::vector<uint8_t> x0 = make_acts(Isa::Scalar, xt, 3, n_in, xs, 9);
+                reference_matmul(t, w, ws, x0, xs, n_in, rows, 3, &ref, &mag);
+                for (Isa isa : supported_isas()) {
+                    const std::vector<uint8_t> x = make_acts(isa, xt, 3, n_in, xs, 9);
+                    std::vector<float> one(static_cast<size_t>(rows), NAN), tiled(static_cast<size_t>(rows) * 3, NAN);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        matmul(isa, t, w.data(), ws, n_in, x.data(), xs, 1, one.data(), 0, r, r + 1);
+                    }
+                    const size_t ldy = static_cast<size_t>(rows);
+                    matmul(isa, t, w.data(), ws, n_in, x.data(), xs, 3, tiled.data(), ldy, 0, rows);
+                    for (const Range& rg : {Range{0, rows}, Range{3, 53}, Range{5, 12}, Range{17, 18}, Range{44, 53},
+                                            Range{16, 48}, Range{1, 40}}) {
+                        std::vector<float> y(static_cast<size_t>(rows), NAN);
+                        matmul(isa, t, w.data(), ws, n_in, x.data(), xs, 1, y.data(), 0, rg.r0, rg.r1);
+                        for (int64_t r = 0; r < rows; ++r) {
+                            const size_t i = static_cast<size_t>(r);
+                            if (r < rg.r0 || r >= rg.r1) {
+                                ASSERT_TRUE(std::isnan(y[i])) << "wrote outside [r0, r1)";
+                                continue;
+                            }
+                            ASSERT_EQ(bits(y[i]), bits(one[i])) << dtype_name(t) << " " << isa_str(isa) << " nb " << nb
+                                                                << " rows [" << rg.r0 << ", " << rg.r1 << ") r " << r;
+                            ASSERT_EQ(bits(y[i]), bits(tiled[i]))
+                                << dtype_name(t) << " " << isa_str(isa) << " nb " << nb << " r " << r;
+                            const double extra = t == DType::Q4_1 ? 2e-3 * mag[i] : 0.0;  // s = f16(d * sum q)
+                            ASSERT_NEAR(y[i], ref[i], 2e-5 * mag[i] + extra + 1e-30)
+                                << dtype_name(t) << " " << isa_str(isa);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Bytes copied between two unmapped pages, against the first (at_end false) or
+// the second: reading one byte before or past them faults.
+class Guarded {
+   public:
+    Guarded(const std::vector<uint8_t>& src, bool at_end) {
+        const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        const size_t span = (src.size() + page - 1) / page * page;
+        size_ = span + 2 * page;
+        void* m = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) std::abort();
+        base_ = static_cast<uint8_t*>(m);
+        if (mprotect(base_, page, PROT_NONE) != 0 || mprotect(base_ + page + span, page, PROT_NONE) != 0) std::abort();
+        data_ = base_ + page + (at_end ? span - src.size() : 0);
+        std::memcpy(data_, src.data(), src.size());
+    }
+    ~Guarded() { munmap(base_, size_); }
+    Guarded(const Guarded&) = delete;
+    Guarded& operator=(const Guarded&) = delete;
+    const uint8_t* data() const { return data_; }
+
+   private:
+    uint8_t* base_;
+    uint8_t* data_;
+    size_t size_;
+};
+
+// Weights and activations placed against unmapped pages: a kernel that reads a
+// byte before the first row or past the last one (its last group, its tail, a
+// padded load) faults here, not only under a sanitizer. Prefetches may reach
+// past the rows; they never fault.
+TEST(Matmul, ReadsNothingOutsideItsRows) {
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::Q4_K, DType::Q6_K}) {
+        const DType xt = vec_dot_type(t);
+        const int64_t be = dtype_block_elems(t);
+        for (int64_t n_in : {be, 2 * be, 17 * be, 18 * be, 48 * be}) {
+            for (int n_tok : {1, 3, 9}) {
+                const int64_t rows = 21;
+                const size_t ws = row_bytes(t, n_in), xs = row_bytes(xt, n_in);
+                const std::vector<uint8_t> w = make_weights(t, rows, n_in, ws, 7);
+                for (bool at_end : {false, true}) {
+                    const Guarded gw(w, at_end);
+                    for (Isa isa : supported_isas()) {
+                        const Guarded gx(make_acts(isa, xt, n_tok, n_in, xs, 8), at_end);
+                        std::vector<float> y(static_cast<size_t>(rows) * n_tok, NAN);
+                        const size_t ldy = static_cast<size_t>(rows);
+                        matmul(isa, t, gw.data(), ws, n_in, gx.data(), xs, n_tok, y.data(), ldy, 0, rows);
+                        matmul(isa, t, gw.data(), ws, n_in, gx.data(), xs, n_tok, y.data(), ldy, rows - 1, rows);
+                        for (float v : y) ASSERT_FALSE(std::isnan(v)) << dtype_name(t) << " " << isa_str(isa);
+                    }
                 }
             }
         }

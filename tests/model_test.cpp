@@ -192,11 +192,13 @@ TEST(Model, LogitsMatchLlamaCpp) {
 // Accuracy against exact arithmetic: at every stored position, duet's log-probs
 // are compared with a float64 forward pass (tests/fixtures/logits_f64.json, numpy,
 // no code shared with duet) and so are llama.cpp's. duet must be about as accurate
-// as llama.cpp: per prompt, its mean |dlogprob| from float64 within 1.25x
-// llama.cpp's + 0.02; a single logit within llama.cpp's worst + 1.0 (one flipped
-// 8-bit rounding moves a logit by up to 1.4 in llama.cpp itself, see above).
-// Measured 2026-11-29: duet's prompt means 0.10-0.19 at every level, llama.cpp's
-// 0.10-0.18; worst logits 0.46-1.61 vs llama.cpp's 0.49-0.90.
+// as llama.cpp. Over all 4 prompts (5,920 log-probs), duet's mean |dlogprob| from
+// float64 must be within 1.1x llama.cpp's. Per prompt the mean moves by about
+// +-0.02 whenever a kernel's summation order changes (measured while tuning the
+// AVX-512 kernels), so a prompt is held to 1.5x llama.cpp's + 0.02; a single logit
+// to llama.cpp's worst + 1.0 (one flipped 8-bit rounding moves a logit by up to
+// 1.4 in llama.cpp itself, see above). Measured 2026-11-29, avx512: duet 0.135
+// overall vs llama.cpp 0.146; worst logits 0.50-0.89 vs llama.cpp's 0.49-0.90.
 TEST(Model, LogitsAsAccurateAsLlamaCpp) {
     Engine& e = engine();
     json ref = load_fixture("logits.json");
@@ -205,6 +207,8 @@ TEST(Model, LogitsAsAccurateAsLlamaCpp) {
     ASSERT_FALSE(f64.is_null());
     const int64_t nv = e.model().config().n_vocab;
     const int start = ref["meta"]["fixed_ids"]["start"], stride = ref["meta"]["fixed_ids"]["stride"];
+    double duet_all = 0, llama_all = 0;
+    int n_all = 0;
     for (size_t pi = 0; pi < ref["prompts"].size(); ++pi) {
         const json& p = ref["prompts"][pi];
         const json& x = f64["prompts"][pi];
@@ -235,9 +239,14 @@ TEST(Model, LogitsAsAccurateAsLlamaCpp) {
         }
         std::printf("%-10s vs float64: duet mean %.4f max %.4f | llama.cpp mean %.4f max %.4f\n",
                     p["name"].get<std::string>().c_str(), duet_sum / n, duet_max, llama_sum / n, llama_max);
-        EXPECT_LE(duet_sum / n, 1.25 * llama_sum / n + 0.02) << p["name"];
+        EXPECT_LE(duet_sum / n, 1.5 * llama_sum / n + 0.02) << p["name"];
         EXPECT_LE(duet_max, llama_max + 1.0) << p["name"];
+        duet_all += duet_sum;
+        llama_all += llama_sum;
+        n_all += n;
     }
+    std::printf("all prompts vs float64: duet mean %.4f | llama.cpp mean %.4f\n", duet_all / n_all, llama_all / n_all);
+    EXPECT_LE(duet_all / n_all, 1.1 * llama_all / n_all);
 }
 
 // 64-token greedy continuations against llama.cpp's: identical up to the first

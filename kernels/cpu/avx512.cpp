@@ -4,11 +4,12 @@
 // signed byte, four products summed into each 32-bit lane):
 //
 // - Weights are read straight from the GGUF rows. Q4: four 32-value blocks come
-//   from one 64-byte load plus a 16-byte one, and a word permute (vpermt2w;
-//   every field sits at an even offset) gathers their nibbles so that 128-bit
-//   lane k holds block k's 16 bytes. Q8_0: two blocks' 32 quant bytes fill the
-//   two 256-bit halves. Masked word permutes of the same loads collect the
-//   blocks' f16 scales (and mins).
+//   from one 64-byte load plus a 16-byte one, and a permute gathers their
+//   nibbles so that 128-bit lane k holds block k's 16 bytes: a dword permute
+//   (vpermt2d) for Q4_1, whose 20-byte blocks keep every field dword-aligned,
+//   a word permute (vpermt2w, twice the cost) for Q4_0's 18-byte ones. Q8_0:
+//   two blocks' 32 quant bytes fill the two 256-bit halves. Masked word
+//   permutes of the same loads collect the blocks' f16 scales (and mins).
 // - Activations are repacked once per call into the matching order: for Q4,
 //   lo[64] = the first 16 quants of 4 blocks, hi[64] = their last 16, so low
 //   nibbles meet lo and high nibbles meet hi. Signed weights become unsigned by
@@ -21,12 +22,14 @@
 //   16 lanes of one vector (see q4_rows and q8_chunk_full for the lane order),
 //   then acc = fma(cvt(dots), d_w * d_x, acc) and, Q4_1 only,
 //   acc = fma(m_w, s_x, acc).
-// - The rest of the row: Q4 with 1-2 blocks left, per lane with the row's lanes
-//   fixed by its parity (q4_short_tail); Q4 with 3-15 left, as a chunk whose
-//   missing blocks are zero; Q8_0, pair by pair, per lane.
-// - The result is hsum(acc), a fixed tree (hsum16 computes the same 16 at once).
+// - The rest of the row: Q4 with 3-15 blocks left, as a chunk whose missing
+//   blocks are zero; Q8_0, pair by pair, per lane.
+// - The result is hsum(acc), a fixed tree (hsum16 computes the same 16 at once),
+//   except that a Q4 row with 1-2 blocks left (a "short tail", as SmolLM2's 576
+//   = 16 + 2 blocks) ends as hsum(acc) + (v_0 + v_1), one float v_t per tail
+//   block (see q4_tails8); decode gathers 8 rows' tails into one chunk.
 // Tiles (1 row x T tokens) reuse one unpacked weight group across T tokens.
-// Decode (one pass over the rows) prefetches rows ahead.
+// Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
 // F32/F16/BF16 weights and the K-quants use the AVX2 level's kernels (same
 // results as Isa::Avx2).
@@ -67,9 +70,9 @@ inline float hsum(__m512 v) {
     return _mm_cvtss_f32(s4);
 }
 
-// hsum of 16 vectors at once (out[i] = hsum(v[i]) bit for bit): the same
+// hsum of 16 vectors at once (lane i = hsum(v[i]) bit for bit): the same
 // pairings, (l, l+8), (l, l+4), (l, l+2), (l, l+1), done across registers.
-inline void hsum16(const __m512* v, float* out) {
+inline __m512 hsum16(const __m512* v) {
     __m512 u[8], w[4], z[2];
     for (int i = 0; i < 8; ++i) {  // lanes 0-7: row 2i, l + (l+8); lanes 8-15: row 2i+1
         u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -86,7 +89,7 @@ inline void hsum16(const __m512* v, float* out) {
     // lane 4k + m: row 4m + k; permute to row order.
     const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, t));
+    return _mm512_permutexvar_ps(order, t);
 }
 
 // Scratch for repacked activations: on the stack when small, else the heap.
@@ -119,17 +122,55 @@ int64_t row_block(size_t row_bytes) {
 
 inline __mmask64 bytes_mask(int n) { return n >= 64 ? ~__mmask64{0} : ((__mmask64{1} << n) - 1); }
 
-// Decode streams each weight row once from memory. With compute between the
-// loads, the out-of-order window holds few cache lines in flight and one core
-// falls well short of the bandwidth a plain read gets; prefetching each row's
-// bytes kPrefetchAhead (4 KiB) ahead, in one burst at the row's start, recovers
-// part of it (interleaved A/B runs on the build machine, cold Q4_1 576x1536:
-// +6% to +23%; spreading the prefetches over the row gained nothing).
-// Prefetches never fault, so running past the matrix end is harmless.
-constexpr size_t kPrefetchAhead = 4096;
-inline void prefetch_row(const uint8_t* row, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchAhead + off), _MM_HINT_T0);
+// Decode streams each weight row once from memory (from L3 on the build
+// machine, where the whole model fits). With compute between the loads, the
+// out-of-order window holds few cache lines in flight and a core falls well
+// short of the rate a plain read gets. So decode prefetches: for each 64 bytes
+// of a row's work (a group of Q4 blocks, a pair of Q8_0 blocks), the line
+// kPrefetchL2 ahead into L2 and the line kPrefetchL1 ahead into L1, issued among
+// the row's own instructions (prefetch_ahead); and a call first starts its
+// rows' first kPrefetchL2 bytes on their way (prefetch_start, before the
+// activations' repack, which then overlaps the wait). Lines past the call's
+// last row are not fetched (row_prefetch): past it lie another thread's rows or
+// another tensor (GGUF order is not execution order).
+// bench_kernels L3Decode/avx512/threads:2 (Q4_1 / Q8_0 kernel rate over
+// read_fold's, interleaved A/B runs on the build machine): one burst per row of
+// L1 prefetches 4 KiB ahead, which this replaced, 0.69-0.73 / 0.84-0.88; bursts
+// into L2 and L1, clamped, 0.74-0.79 / 0.95-1.0; spread as now 0.78-0.85 /
+// 1.02-1.11 (read_fold issues no prefetches). kPrefetchL2 of 8-16 KiB measure
+// the same, 4 KiB and 32 KiB 5-10% lower; without the L1 prefetch Q8_0 loses 4%.
+constexpr uintptr_t kPrefetchL2 = 12288;
+constexpr uintptr_t kPrefetchL1 = 1024;
+
+// Which of a row's prefetches to issue: those whose lines stay inside the call's
+// rows, which end at byte last (0: no prefetching).
+struct RowPrefetch {
+    bool l2 = false, l1 = false;
+};
+inline RowPrefetch row_prefetch(const uint8_t* row, size_t bytes, uintptr_t last) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(row) + bytes;
+    return {last != 0 && end + kPrefetchL2 <= last + 1, last != 0 && end + kPrefetchL1 <= last + 1};
+}
+
+inline void prefetch_ahead(const uint8_t* p, RowPrefetch pf) {
+    if (pf.l2) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2), _MM_HINT_T1);
+    if (pf.l1) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL1), _MM_HINT_T0);
+}
+
+// prefetch_ahead for bytes [from, to) of a row (the part its chunks do not cover).
+inline void prefetch_ahead_rest(const uint8_t* row, size_t from, size_t to, RowPrefetch pf) {
+    for (size_t off = from; off < to; off += 64) prefetch_ahead(row + off, pf);
+}
+
+// The lines the rows before first would have prefetched, up to byte last.
+inline void prefetch_start(const uint8_t* first, uintptr_t last) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(first);
+    for (uintptr_t off = 0; off < kPrefetchL2 && p + off <= last; off += 64) {
+        if (off < kPrefetchL1) {
+            _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+        } else {
+            _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+        }
     }
 }
 
@@ -150,9 +191,9 @@ static_assert(sizeof(XChunk4) == 896);
 size_t q4_token_bytes(int64_t nb) { return static_cast<size_t>((nb + 15) / 16) * sizeof(XChunk4); }
 
 // A row whose last chunk holds only 1 or 2 blocks ends in a "short tail" (see
-// q4_short_tail): that chunk's group 0 repeats the tail blocks in slots 0-1 and
-// 2-3 (slot k holds tail block k & 1), dx holds slot k's d in lanes 4k..4k+3,
-// and sx slot k's s in lane 4k (zeros elsewhere).
+// q4_tails8): that chunk's group 0 repeats the tail blocks in slots 0-1 and
+// 2-3 (slot k holds tail block k & 1), and dx / sx hold slot k's d / s in lanes
+// 4k..4k+3 (zeros for a missing second block).
 inline bool q4_short_tail_rows(int64_t nb) { return nb % 16 == 1 || nb % 16 == 2; }
 
 template <DType W>
@@ -188,8 +229,10 @@ void repack_q4(const void* xrow, int64_t nb, uint8_t* out) {
                     ch.dx[4 * k + g] = d;
                     ch.sx[4 * k + g] = sum;
                 } else if (g == 0) {
-                    for (int i = 0; i < 4; ++i) ch.dx[4 * k + i] = d;
-                    ch.sx[4 * k] = sum;
+                    for (int i = 0; i < 4; ++i) {
+                        ch.dx[4 * k + i] = d;
+                        ch.sx[4 * k + i] = sum;
+                    }
                 }
             }
             __m512i init = _mm512_setzero_si512();
@@ -243,24 +286,34 @@ void repack_q8(const void* xrow, int64_t nb, uint8_t* out) {
 }
 
 // ---------------------------------------------------------------------------
-// Word-permute index vectors (word i of the result takes word idx[i]; indices
-// 32..63 select the second source).
+// Permute index vectors (element i of the result takes element idx[i];
+// indices 16..31 (dwords) or 32..63 (words) select the second source).
 
 inline __m512i idx_words(const uint16_t (&v)[32]) { return _mm512_loadu_si512(v); }
+inline __m512i idx_dwords(const uint32_t (&v)[16]) { return _mm512_loadu_si512(v); }
 
-// Q4_1, 20-byte blocks: block k = words 10k..10k+9: d, m, 8 words of quants.
-alignas(64) constexpr uint16_t kQ41Qs[32] = {2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 17, 18, 19,
-                                             22, 23, 24, 25, 26, 27, 28, 29, 32, 33, 34, 35, 36, 37, 38, 39};
-// Scales, two uses. Chunks: word 4k + g of the result takes block k's d from
-// group g's first 64 bytes (written with mask 0x1111 << g), word 16 + 4k + g
-// its m. Short tails: words 4k..4k+3 broadcast slot k's d, 16 + 4k.. its m.
+// Q4_1, 20-byte blocks: block k = dwords 5k..5k+4: (d, m), 4 dwords of quants.
+// Every field is dword-aligned, so the quants are gathered with a dword
+// permute, one uop where the word permute is two.
+alignas(64) constexpr uint32_t kQ41Qs[16] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19};
+// Scales. Chunks: word 4k + g of the result takes block k's d from group g's
+// first 64 bytes (written with mask 0x11111111 << g), word 16 + 4k + g its m.
 alignas(64) constexpr uint16_t kQ41Dm[32] = {0,  0,  0,  0,  10, 10, 10, 10, 20, 20, 20, 20, 30, 30, 30, 30,
                                              1,  1,  1,  1,  11, 11, 11, 11, 21, 21, 21, 21, 31, 31, 31, 31};
+// Short tails (see q4_tails8): slots 0-1 come from the first source, 2-3 from
+// the second, each holding a row's tail blocks 0-1.
+alignas(64) constexpr uint32_t kQ41TailQs[16] = {1, 2, 3, 4, 6, 7, 8, 9, 17, 18, 19, 20, 22, 23, 24, 25};
+alignas(64) constexpr uint16_t kQ41TailDm[32] = {0, 0, 0, 0, 10, 10, 10, 10, 0, 0, 0, 0, 10, 10, 10, 10,
+                                                 1, 1, 1, 1, 11, 11, 11, 11, 1, 1, 1, 1, 11, 11, 11, 11};
 // Q4_0, 18-byte blocks: block k = words 9k..9k+8: d, 8 words of quants.
 alignas(64) constexpr uint16_t kQ40Qs[32] = {1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17,
                                              19, 20, 21, 22, 23, 24, 25, 26, 28, 29, 30, 31, 32, 33, 34, 35};
 alignas(64) constexpr uint16_t kQ40Dm[32] = {0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27,
                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+alignas(64) constexpr uint16_t kQ40TailQs[32] = {1,  2,  3,  4,  5,  6,  7,  8,  10, 11, 12, 13, 14, 15, 16, 17,
+                                                 33, 34, 35, 36, 37, 38, 39, 40, 42, 43, 44, 45, 46, 47, 48, 49};
+alignas(64) constexpr uint16_t kQ40TailDm[32] = {0, 0, 0, 0, 9, 9, 9, 9, 0, 0, 0, 0, 9, 9, 9, 9,
+                                                 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 // Q8_0, 34-byte blocks: block k = words 17k..17k+16: d, 16 words of quants.
 // Full chunks: lane 4q + i takes the d at word 17 * (q & 1) of pair 4(q >> 1) + i's
 // 64-byte load (written with that pair's mask).
@@ -304,6 +357,26 @@ struct Q4Traits {
     static constexpr int kBlockBytes = W == DType::Q4_1 ? 20 : 18;
 };
 
+template <DType W>
+inline __m512i q4_idx_qs() {
+    if constexpr (W == DType::Q4_1) {
+        return idx_dwords(kQ41Qs);
+    } else {
+        return idx_words(kQ40Qs);
+    }
+}
+
+// The quants of four blocks (a: their first 64 bytes, b: the rest) with block
+// k's 16 bytes in 128-bit lane k, or with the tail index, see q4_tails8.
+template <DType W>
+inline __m512i q4_gather_qs(const __m512i& a, const __m512i& idx, const __m512i& b) {
+    if constexpr (W == DType::Q4_1) {
+        return _mm512_permutex2var_epi32(a, idx, b);
+    } else {
+        return _mm512_permutex2var_epi16(a, idx, b);
+    }
+}
+
 // The lanes' starting value comes from memory (init: -8 * sums for Q4_0, zeros
 // for Q4_1): a load instead of a register copy of zero.
 inline __m512i q4_group_dot(const __m512i& lo, const __m512i& hi, const XChunk4& x, int g) {
@@ -328,12 +401,15 @@ inline void q4_chunk_float(const __m512i& dm, const __m512i& s, const XChunk4& x
 // A full chunk (16 blocks) of one row against T tokens.
 template <DType W, int T>
 inline void q4_chunk_full(const uint8_t* wc, const XChunk4* const* xc, int64_t c, const __m512i& idx_qs,
-                          const __m512i& idx_dm, __m512* acc) {
+                          const __m512i& idx_dm, __m512* acc, RowPrefetch pf) {
     constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
     __m512i l01[T], l23[T];
     for (int g = 0; g < 4; ++g) {
+        // One line per 64 bytes of the chunk (320 for Q4_1, 288 for Q4_0).
+        prefetch_ahead(wc + 64 * g, pf);
+        if (g == 3) prefetch_ahead(wc + 256, pf);
         const uint8_t* p = wc + 4 * g * kBB;
         const __m512i a = _mm512_loadu_si512(p);
         __m512i b;
@@ -344,7 +420,7 @@ inline void q4_chunk_full(const uint8_t* wc, const XChunk4* const* xc, int64_t c
         }
         const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
         dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
-        const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+        const __m512i qs = q4_gather_qs<W>(a, idx_qs, b);
         const __m512i lo = _mm512_and_si512(qs, m4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
         for (int j = 0; j < T; ++j) {
@@ -375,7 +451,7 @@ inline void q4_chunk_tail(const uint8_t* wc, int64_t nbc, const XChunk4* const* 
         load_group<4 * kBB>(wc + 4 * g * kBB, nbytes, &a, &b);
         const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
         dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
-        const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+        const __m512i qs = q4_gather_qs<W>(a, idx_qs, b);
         const __m512i lo = _mm512_and_si512(qs, m4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
         for (int j = 0; j < T; ++j) {
@@ -395,57 +471,118 @@ inline void q4_chunk_tail(const uint8_t* wc, int64_t nbc, const XChunk4* const* 
     }
 }
 
-// Short tails (a row's last 1 or 2 blocks after its full chunks). They fill
-// one group of four slots: an even row's tail blocks take slots 0-1 and an odd
-// row's slots 2-3, always, so that with T = 1 the tails of rows 2i and 2i + 1
-// share one group load and one conversion. Each row then adds its slots with a
-// masked fma (lanes 0-7 even, 8-15 odd) on the per-lane products
-// cvt(int lanes) * d_w * d_x, and, Q4_1, m_w * s_x on lane 4k of slot k. A row's
-// lanes and float steps are the same whether or not its neighbour is present.
-template <DType W>
-inline void q4_short_tail_load(const uint8_t* ta, const uint8_t* tb, int ntail, __m512i* a, __m512i* b) {
-    constexpr int kBB = Q4Traits<W>::kBlockBytes;
-    const int n = ntail * kBB;  // bytes of one row's tail
-    __m512i va = _mm512_setzero_si512(), vb = _mm512_setzero_si512();
-    if (ta != nullptr) va = _mm512_maskz_loadu_epi8(bytes_mask(n), ta);
-    if (tb != nullptr) {
-        constexpr int kOff = 2 * kBB;  // byte offset of slot 2
-        const int na = std::min(n, 64 - kOff);
-        // Masked-off bytes are never touched, so basing the load kOff bytes
-        // before tb reads only tb[0, na).
-        const uint8_t* base = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(tb) - kOff);
-        va = _mm512_mask_loadu_epi8(va, bytes_mask(na) << kOff, base);
-        if (n > na) vb = _mm512_maskz_loadu_epi8(bytes_mask(n - na), tb + na);
-    }
-    *a = va;
-    *b = vb;
-}
+// Short tails: a row that ends in 1 or 2 blocks past its full chunks (576
+// values, SmolLM2's width, is 16 + 2 blocks). Those tail blocks t = 0, 1 stay
+// out of the row's accumulator: each gives, from its exact integer dot S_t,
+//   v_t = fma(m_w, s_x, float(S_t) * (d_w * d_x))   (Q4_0: float(S_t) * (d_w * d_x))
+// (the d term, then the m term fused, as a chunk's float step; +0 for a missing
+// second block), and the row's result is
+//   y = hsum(acc) + (v_0 + v_1).
+// Decode gathers the tails of 8 rows into one chunk (q4_tails8), so they cost
+// what any 16 blocks cost instead of a half-empty group per row pair; tiles
+// (q4_tail_tokens) compute the same values token by token. The activations'
+// tail chunk holds its group 0 as slots 0-3 = tail blocks 0, 1, 0, 1, with
+// d_x and s_x of slot k in lanes 4k..4k+3.
 
-template <DType W, int T>
-inline void q4_short_tail(const uint8_t* ta, const uint8_t* tb, int ntail, const XChunk4* const* xc, int64_t c,
-                          const __m512i& idx_qs, const __m512i& idx_rep, __m512* acc_a, __m512* acc_b) {
-    constexpr __mmask16 kEven = 0x00FF, kOdd = 0xFF00;
+// Rows ra and rb's tails as one group: slots 0-1 from ra, 2-3 from rb. ka/kb
+// are the byte masks of the loads (0 for an absent row: a masked-off load
+// touches no memory).
+template <DType W>
+inline __m512i q4_tail_group(const uint8_t* ta, __mmask64 ka, const uint8_t* tb, __mmask64 kb, const __m512i& idx_qs,
+                             const __m512i& idx_dm, __mmask32 dm_a, __mmask32 dm_b, __m512i* dm, const XChunk4& xt) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i a, b;
-    q4_short_tail_load<W>(ta, tb, ntail, &a, &b);
-    const __m512i qs = _mm512_permutex2var_epi16(a, idx_qs, b);
+    const __m512i a = _mm512_maskz_loadu_epi8(ka, ta);
+    const __m512i b = _mm512_maskz_loadu_epi8(kb, tb);
+    *dm = _mm512_mask_permutexvar_epi16(*dm, dm_a, idx_dm, a);
+    *dm = _mm512_mask_permutexvar_epi16(*dm, dm_b, idx_dm, b);
+    const __m512i qs = q4_gather_qs<W>(a, idx_qs, b);
     const __m512i lo = _mm512_and_si512(qs, m4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
-    const __m512i rep = _mm512_permutexvar_epi16(idx_rep, a);
-    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(rep));
-    [[maybe_unused]] __m512 mw;
-    if constexpr (W == DType::Q4_1) mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(rep, 1));
-    for (int j = 0; j < T; ++j) {
-        const XChunk4& x = xc[j][c];
-        const __m512 f = _mm512_cvtepi32_ps(q4_group_dot(lo, hi, x, 0));
-        const __m512 sc = _mm512_mul_ps(dw, _mm512_load_ps(x.dx));
-        if (ta != nullptr) {
-            acc_a[j] = _mm512_mask3_fmadd_ps(f, sc, acc_a[j], kEven);
-            if constexpr (W == DType::Q4_1) acc_a[j] = _mm512_mask3_fmadd_ps(mw, _mm512_load_ps(x.sx), acc_a[j], kEven);
-        }
-        if (tb != nullptr) {
-            acc_b[j] = _mm512_mask3_fmadd_ps(f, sc, acc_b[j], kOdd);
-            if constexpr (W == DType::Q4_1) acc_b[j] = _mm512_mask3_fmadd_ps(mw, _mm512_load_ps(x.sx), acc_b[j], kOdd);
+    return q4_group_dot(lo, hi, xt, 0);
+}
+
+// v for the 16 lanes of a tail chunk from its integer sums s (lane 4k + j:
+// slot k of group j) and scales dm (words 4k + j: d, 16 + 4k + j: m).
+template <DType W>
+inline __m512 q4_tail_values(const __m512i& s, const __m512i& dm, const __m512& dx, const __m512& sx) {
+    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    if constexpr (W == DType::Q4_1) {
+        const __m512 mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+        return _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx)));
+    } else {
+        (void)sx;
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx));
+    }
+}
+
+// v_0 + v_1 of the two rows of each group: lanes 0-3 (slot 0) + 4-7 (slot 1) are
+// rows 2j (lane j), lanes 8-11 + 12-15 rows 2j + 1 (lane 8 + j).
+inline __m512 q4_tail_pair_sums(const __m512& v) { return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1)); }
+
+template <DType W>
+struct Q4Tail {
+    __m512i idx_qs, idx_dm;
+    __mmask64 bytes;  // a row's tail
+    explicit Q4Tail(int ntail)
+        : idx_qs(W == DType::Q4_1 ? idx_dwords(kQ41TailQs) : idx_words(kQ40TailQs)),
+          idx_dm(idx_words(W == DType::Q4_1 ? kQ41TailDm : kQ40TailDm)),
+          bytes(bytes_mask(ntail * Q4Traits<W>::kBlockBytes)) {}
+    // Words group j takes from its first / second row.
+    static __mmask32 dm_a(int j) { return W == DType::Q4_1 ? (0x00110011u << j) : (0x0011u << j); }
+    static __mmask32 dm_b(int j) { return W == DType::Q4_1 ? (0x11001100u << j) : (0x1100u << j); }
+};
+
+// Tails of rows 0 .. n - 1 (n <= 8), row i's at t + i * stride; returns
+// q4_tail_pair_sums, the tail sum of row 2j in lane j and of row 2j + 1 in lane 8 + j.
+template <DType W>
+inline __m512 q4_tails8(const uint8_t* t, size_t stride, int n, const Q4Tail<W>& tl, const XChunk4& xt) {
+    __m512i dm = _mm512_setzero_si512();
+    __m512i p[4];
+    for (int j = 0; j < 4; ++j) {
+        // An absent row loads nothing, from row 0's address (one past the matrix may not exist).
+        const bool va = 2 * j < n, vb = 2 * j + 1 < n;
+        const uint8_t* ta = va ? t + static_cast<size_t>(2 * j) * stride : t;
+        const uint8_t* tb = vb ? t + static_cast<size_t>(2 * j + 1) * stride : t;
+        p[j] = q4_tail_group<W>(ta, va ? tl.bytes : 0, tb, vb ? tl.bytes : 0, tl.idx_qs, tl.idx_dm, Q4Tail<W>::dm_a(j),
+                                Q4Tail<W>::dm_b(j), &dm, xt);
+    }
+    const __m512i s = pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3]));
+    return q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(xt.dx), _mm512_load_ps(xt.sx)));
+}
+
+// One row's tail against T tokens: out[j] = v_0 + v_1 for token j. dx4/sx4
+// hold, per four tokens q, lane 4k + i = d_x / s_x of tail block k of token
+// 4q + i (k < 2; zero elsewhere), see q4_tail_token_scales.
+template <DType W, int T>
+inline void q4_tail_tokens(const uint8_t* t, const Q4Tail<W>& tl, const XChunk4* const* xc, int64_t c,
+                           const float (*dx4)[16], const float (*sx4)[16], float* out) {
+    __m512i dm = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
+    // Slots 0-1 hold the row, 2-3 nothing; group j of the tree is token 4q + j.
+    const __m512i a = _mm512_maskz_loadu_epi8(tl.bytes, t);
+    dm = _mm512_mask_permutexvar_epi16(dm, Q4Tail<W>::dm_a(0) * 0xF, tl.idx_dm, a);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i qs = q4_gather_qs<W>(a, tl.idx_qs, zero);
+    const __m512i lo = _mm512_and_si512(qs, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+    for (int q = 0; q < (T + 3) / 4; ++q) {
+        __m512i p[4];
+        for (int i = 0; i < 4; ++i) p[i] = 4 * q + i < T ? q4_group_dot(lo, hi, xc[4 * q + i][c], 0) : zero;
+        const __m512i s = pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3]));
+        alignas(64) float v[16];
+        _mm512_store_ps(v, q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(dx4[q]), _mm512_load_ps(sx4[q]))));
+        for (int i = 0; i < 4 && 4 * q + i < T; ++i) out[4 * q + i] = v[i];
+    }
+}
+
+template <int T>
+inline void q4_tail_token_scales(const XChunk4* const* xc, int64_t c, float (*dx4)[16], float (*sx4)[16]) {
+    for (int q = 0; q < (T + 3) / 4; ++q) {
+        for (int l = 0; l < 16; ++l) {
+            const int k = l / 4, j = 4 * q + l % 4;
+            const bool on = k < 2 && j < T;
+            dx4[q][l] = on ? xc[j][c].dx[4 * k] : 0.0f;
+            sx4[q][l] = on ? xc[j][c].sx[4 * k] : 0.0f;
         }
     }
 }
@@ -453,93 +590,83 @@ inline void q4_short_tail(const uint8_t* ta, const uint8_t* tb, int ntail, const
 template <DType W, int T>
 __attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
                                        size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
-                                       bool prefetch) {
-    constexpr bool kQ41 = W == DType::Q4_1;
+                                       uintptr_t pf_last) {
     constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const int64_t nfull = nb / 16;
     const int64_t ntail = nb % 16;
     const bool short_tail = q4_short_tail_rows(nb);
-    const __m512i idx_qs = idx_words(kQ41 ? kQ41Qs : kQ40Qs);
-    const __m512i idx_dm = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
-    const __m512i idx_rep = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+    const __m512i idx_qs = q4_idx_qs<W>();
+    const __m512i idx_dm = idx_words(W == DType::Q4_1 ? kQ41Dm : kQ40Dm);
+    const Q4Tail<W> tl(static_cast<int>(ntail));
     const XChunk4* xc[T];
     for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk4*>(xp + static_cast<size_t>(j) * xp_stride);
+    alignas(64) float dx4[(T + 3) / 4][16], sx4[(T + 3) / 4][16];
+    if (short_tail) q4_tail_token_scales<T>(xc, nfull, dx4, sx4);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * kBB);
+        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
+        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc);
+        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc, pf);
         const uint8_t* tail = wr + nfull * 16 * kBB;
+        float tails[T] = {};
         if (short_tail) {
-            const bool odd = (r & 1) != 0;
-            q4_short_tail<W, T>(odd ? nullptr : tail, odd ? tail : nullptr, static_cast<int>(ntail), xc, nfull, idx_qs,
-                                idx_rep, acc, acc);
+            q4_tail_tokens<W, T>(tail, tl, xc, nfull, dx4, sx4, tails);
         } else if (ntail != 0) {
             q4_chunk_tail<W, T>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
         }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
+        for (int j = 0; j < T; ++j) {
+            const float h = hsum(acc[j]);
+            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = short_tail ? h + tails[j] : h;
+        }
     }
 }
 
-// One token (decode): the same per-row operations as q4_rows<W, 1>, with two
-// savings that leave every row's result unchanged: short tails of rows 2i and
-// 2i + 1 share a group, and the final sums run 16 rows at a time (hsum16).
+// One token (decode): the same per-row operations as q4_rows<W, 1>, 16 rows at
+// a time: their final sums in one hsum16 and, for short tails, their tails in
+// two q4_tails8 chunks.
 template <DType W>
 __attribute__((noinline)) void q4_rows_t1(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y,
-                                          int64_t r0, int64_t r1, bool prefetch) {
-    constexpr bool kQ41 = W == DType::Q4_1;
+                                          int64_t r0, int64_t r1, uintptr_t pf_last) {
     constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const int64_t nfull = nb / 16;
     const int64_t ntail = nb % 16;
     const bool short_tail = q4_short_tail_rows(nb);
     const size_t row_bytes = static_cast<size_t>(nb) * kBB;
-    const __m512i idx_qs = idx_words(kQ41 ? kQ41Qs : kQ40Qs);
-    const __m512i idx_dm = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
-    const __m512i idx_rep = idx_words(kQ41 ? kQ41Dm : kQ40Dm);
+    const __m512i idx_qs = q4_idx_qs<W>();
+    const __m512i idx_dm = idx_words(W == DType::Q4_1 ? kQ41Dm : kQ40Dm);
+    const Q4Tail<W> tl(static_cast<int>(ntail));
+    // Row 2i of 16 in lane i of the first q4_tails8 result, row 2i + 1 in lane 8 + i; rows 8-15 likewise in the second.
+    const __m512i idx_rows = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
     const XChunk4* const xc[1] = {reinterpret_cast<const XChunk4*>(xp)};
-    __m512 accs[17];     // rows b0 .. b0 + 16 (one past a batch, for a pair that straddles)
-    alignas(64) float sums[16];
-    int64_t b0 = r0;     // first row of the current batch
-    auto row_start = [&](int64_t r) {
-        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        if (prefetch) prefetch_row(wr, row_bytes);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, 1>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, &acc);
-        return acc;
-    };
-    auto flush = [&](int64_t n) {  // rows b0 .. b0 + n - 1 are done
-        for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
-        hsum16(accs, sums);
-        for (int64_t i = 0; i < n; ++i) y[b0 + i] = sums[i];
-    };
-    int64_t r = r0;
-    while (r < r1) {
-        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        const uint8_t* tail = wr + nfull * 16 * kBB;
-        int step = 1;
-        __m512* acc = &accs[r - b0];
-        acc[0] = row_start(r);
-        if (short_tail && (r & 1) == 0 && r + 1 < r1) {
-            acc[1] = row_start(r + 1);
-            q4_short_tail<W, 1>(tail, tail + w_stride, static_cast<int>(ntail), xc, nfull, idx_qs, idx_rep, &acc[0],
-                                &acc[1]);
-            step = 2;
-        } else if (short_tail) {
-            const bool odd = (r & 1) != 0;
-            q4_short_tail<W, 1>(odd ? nullptr : tail, odd ? tail : nullptr, static_cast<int>(ntail), xc, nfull, idx_qs,
-                                idx_rep, acc, acc);
-        } else if (ntail != 0) {
-            q4_chunk_tail<W, 1>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
+    for (int64_t b0 = r0; b0 < r1; b0 += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, r1 - b0));
+        const uint8_t* wb = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(b0) * w_stride);
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+            acc[i] = _mm512_setzero_ps();
+            if (i >= n) continue;
+            const uint8_t* wr = wb + static_cast<size_t>(i) * w_stride;
+            const RowPrefetch pf = row_prefetch(wr, row_bytes, pf_last);
+            prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
+            for (int64_t c = 0; c < nfull; ++c) {
+                q4_chunk_full<W, 1>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, &acc[i], pf);
+            }
+            if (!short_tail && ntail != 0) {
+                q4_chunk_tail<W, 1>(wr + nfull * 16 * kBB, ntail, xc, nfull, idx_qs, idx_dm, &acc[i]);
+            }
         }
-        r += step;
-        if (r - b0 >= 16) {
-            flush(16);
-            accs[0] = accs[16];
-            b0 += 16;
+        __m512 s = hsum16(acc);
+        if (short_tail) {
+            const uint8_t* t = wb + nfull * 16 * kBB;
+            const __m512 ta = q4_tails8<W>(t, w_stride, std::min(n, 8), tl, xc[0][nfull]);
+            const __m512 tb =
+                n > 8 ? q4_tails8<W>(t + 8 * w_stride, w_stride, n - 8, tl, xc[0][nfull]) : _mm512_setzero_ps();
+            s = _mm512_add_ps(s, _mm512_permutex2var_ps(ta, idx_rows, tb));
         }
+        _mm512_mask_storeu_ps(y + b0, static_cast<__mmask16>((1u << n) - 1), s);
     }
-    if (r1 > b0) flush(r1 - b0);
 }
 
 // Q8_0 x Q8_0: one row, T tokens.
@@ -562,11 +689,13 @@ inline __m512i add_unpack64(const __m512i& a, const __m512i& b) {
 
 template <int T>
 inline void q8_chunk_full(const uint8_t* wc, const XChunk8* const* xc, int64_t c, const __m512i& idx_dm,
-                          __m512* acc) {
+                          __m512* acc, RowPrefetch pf) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i dm = _mm512_setzero_si512();
     // Pair p's weights (w + 128 as unsigned bytes); merges its two d into dm.
     auto load_pair = [&](int p) {
+        prefetch_ahead(wc + 64 * p, pf);
+        if (p == 7) prefetch_ahead(wc + 512, pf);
         const uint8_t* bp = wc + 68 * p;
         __m512i qs = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 2)));
         qs = _mm512_inserti64x4(qs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 36)), 1);
@@ -630,7 +759,7 @@ inline void q8_chunk_tail(const uint8_t* wc, int64_t ntail, const XChunk8* const
 template <int T>
 __attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
                                        size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
-                                       bool prefetch) {
+                                       uintptr_t pf_last) {
     const int64_t nfull = nb / 16;
     const int64_t ntail = nb % 16;
     const __m512i idx_dm = idx_words(kQ80Dm);
@@ -638,14 +767,14 @@ __attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t n
     const XChunk8* xc[T];
     for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk8*>(xp + static_cast<size_t>(j) * xp_stride);
     __m512 accs[16];
-    alignas(64) float sums[16];
     int64_t b0 = r0;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * 34);
+        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * 34, pf_last);
+        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc);
+        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
         if (ntail != 0) q8_chunk_tail<T>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
         if constexpr (T == 1) {
             // Decode: sum 16 rows at once (hsum16 equals hsum per row).
@@ -653,8 +782,7 @@ __attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t n
             if (r - b0 == 15 || r == r1 - 1) {
                 const int64_t n = r - b0 + 1;
                 for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
-                hsum16(accs, sums);
-                for (int64_t i = 0; i < n; ++i) y[b0 + i] = sums[i];
+                _mm512_mask_storeu_ps(y + b0, static_cast<__mmask16>((1u << n) - 1), hsum16(accs));
                 b0 = r + 1;
             }
         } else {
@@ -665,25 +793,25 @@ __attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t n
 
 template <int T>
 void rows_dispatch(DType t, const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride, float* y,
-                   size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
+                   size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
     switch (t) {
         case DType::Q4_1:
             if constexpr (T == 1) {
-                q4_rows_t1<DType::Q4_1>(w, w_stride, nb, xp, y, r0, r1, prefetch);
+                q4_rows_t1<DType::Q4_1>(w, w_stride, nb, xp, y, r0, r1, pf_last);
             } else {
-                q4_rows<DType::Q4_1, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+                q4_rows<DType::Q4_1, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
             }
             return;
         case DType::Q4_0:
             if constexpr (T == 1) {
-                q4_rows_t1<DType::Q4_0>(w, w_stride, nb, xp, y, r0, r1, prefetch);
+                q4_rows_t1<DType::Q4_0>(w, w_stride, nb, xp, y, r0, r1, pf_last);
             } else {
-                q4_rows<DType::Q4_0, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+                q4_rows<DType::Q4_0, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
             }
             return;
         default:
             if constexpr (T <= 4) {
-                q8_rows<T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, prefetch);
+                q8_rows<T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
             } else {
                 kernel_fail("matmul: Q8_0 tiles hold at most 4 tokens");
             }
@@ -697,6 +825,14 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
     const int kT = t == DType::Q8_0 ? 4 : 8;
     const int64_t nb = n_in / kQK;
     const size_t tok_bytes = t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb);
+    const char* wb = static_cast<const char*>(w);
+    // One pass over the rows (decode): weights come from memory, prefetch them.
+    const bool single_pass = n_tok <= kT;
+    const uintptr_t pf_last =
+        single_pass && r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
+    if (pf_last != 0) {
+        prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
+    }
     Scratch scratch(static_cast<size_t>(n_tok) * tok_bytes);
     uint8_t* xp = scratch.data();
     const char* xb = static_cast<const char*>(xq);
@@ -709,9 +845,6 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
             default: repack_q8(xr, nb, out); break;
         }
     }
-    const char* wb = static_cast<const char*>(w);
-    // One pass over the rows (decode): weights come from memory, prefetch them.
-    const bool single_pass = n_tok <= kT;
     const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
@@ -719,14 +852,14 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
             const uint8_t* x = xp + static_cast<size_t>(t0) * tok_bytes;
             float* yt = y + static_cast<size_t>(t0) * ldy;
             switch (std::min(kT, n_tok - t0)) {
-                case 8: rows_dispatch<8>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 7: rows_dispatch<7>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 6: rows_dispatch<6>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 5: rows_dispatch<5>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 4: rows_dispatch<4>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 3: rows_dispatch<3>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                case 2: rows_dispatch<2>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
-                default: rows_dispatch<1>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, single_pass); break;
+                case 8: rows_dispatch<8>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 7: rows_dispatch<7>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 6: rows_dispatch<6>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 5: rows_dispatch<5>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 4: rows_dispatch<4>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 3: rows_dispatch<3>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                case 2: rows_dispatch<2>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
+                default: rows_dispatch<1>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
             }
         }
     }
