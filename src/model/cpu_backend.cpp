@@ -56,7 +56,19 @@ struct CpuBackend::Scratch {
 };
 
 CpuBackend::CpuBackend(const Model& model, KvPool& pool, ThreadPool& threads, Isa isa)
-    : model_(model), pool_(pool), threads_(threads), isa_(isa), s_(std::make_unique<Scratch>()) {}
+    : model_(model), pool_(pool), threads_(threads), isa_(isa), s_(std::make_unique<Scratch>()) {
+    // Quantized activations: rows as wide as the widest any matrix of the model takes.
+    size_t xq_stride = 0;
+    auto widen = [&](const GgufTensor* w) {
+        if (w) xq_stride = std::max(xq_stride, dtype_row_bytes(cpu::vec_dot_type(w->type), w->ne[0]));
+    };
+    for (int64_t l = 0; l < model.config().n_layer; ++l) {
+        const LayerWeights& w = model.layer(l);
+        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) widen(m);
+    }
+    widen(&model.output());
+    s_->xq_stride = (xq_stride + 63) / 64 * 64;
+}
 
 CpuBackend::~CpuBackend() = default;
 
@@ -132,17 +144,6 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.tmp.get(sizeof(float) * T * E);
     s.gate.get(sizeof(float) * T * F);
     s.up.get(sizeof(float) * T * F);
-    // Quantized activations: the widest row any matrix of the model takes.
-    size_t xq_stride = 0;
-    auto widen = [&](const GgufTensor* w) {
-        if (w) xq_stride = std::max(xq_stride, dtype_row_bytes(cpu::vec_dot_type(w->type), w->ne[0]));
-    };
-    for (int64_t l = 0; l < c.n_layer; ++l) {
-        const LayerWeights& w = model_.layer(l);
-        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) widen(m);
-    }
-    widen(&model_.output());
-    s.xq_stride = (xq_stride + 63) / 64 * 64;
     s.xq.get(s.xq_stride * copies * T);
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
