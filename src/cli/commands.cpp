@@ -9,7 +9,6 @@
 #include <cstring>
 #include <iostream>
 #include <iterator>
-#include <numeric>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -60,8 +59,7 @@ int cmd_run(RunArgs a) {
 
     std::vector<int32_t> prompt;
     if (a.chat) {
-        auto tmpl = a.chat_template.empty() ? ChatTemplate::from_gguf(e.model().file())
-                                            : ChatTemplate::from_name(a.chat_template);
+        auto tmpl = ChatTemplate::from_gguf(e.model().file(), a.chat_template);
         if (!tmpl) {
             std::fprintf(stderr, "duet: %s\n", tmpl.error().message.c_str());
             return 2;
@@ -74,7 +72,8 @@ int cmd_run(RunArgs a) {
             std::fprintf(stderr, "duet: %s\n", text.error().message.c_str());
             return 2;
         }
-        prompt = tok.encode(*text, true, true);
+        // A template that writes its own BOS (Llama-3) must not get a second one.
+        prompt = tok.encode(*text, !tmpl->includes_bos(), true);
     } else {
         prompt = tok.encode(a.prompt, true, false);
     }

@@ -1,17 +1,10 @@
 // duet: one binary, subcommands. Exceptions stop here (argument parsing).
-#include <unistd.h>
-
-#include <chrono>
 #include <cstdio>
-#include <iostream>
-#include <iterator>
+#include <exception>
 #include <string>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
-#include "base/thread_pool.h"
 #include "cli/commands.h"
 
 using namespace duet;
