@@ -1,0 +1,67 @@
+// Doorbell: how a consumer that found nothing to do sleeps, and how a producer wakes
+// it without a system call when it is awake. One doorbell per consuming process
+// serves all the rings it reads. The argument that no wake-up is lost, and the
+// Promela model that checks it, are in shm/DOORBELL.md and shm/doorbell.pml.
+//
+// The word is 0 while the consumer is awake and 1 while it is (about to be) asleep.
+// Consumer: word = 1; seq_cst fence; re-check the rings; futex_wait(word, 1).
+// Producer: publish; seq_cst fence; if word == 1 and exchange(word, 0) == 1: wake.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace duet::shm {
+
+struct Doorbell {
+    std::atomic<uint32_t> word;
+};
+static_assert(sizeof(Doorbell) == 4 && std::atomic<uint32_t>::is_always_lock_free);
+
+// futex(2) on a word in shared memory (no FUTEX_PRIVATE_FLAG: the kernel keys it by
+// physical page, so waiters in other processes match). timeout_ns < 0: no timeout.
+// Returns false on timeout.
+bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns);
+void futex_wake(std::atomic<uint32_t>* word, int n);
+
+// Producer side, after publishing (the ring's release store of its tail): wakes the
+// consumer if it is asleep. Costs one fence and one load when it is awake.
+inline bool doorbell_ring(Doorbell& d) {
+    // Pairs with the fence in doorbell_wait: either this load sees word == 1, or the
+    // consumer's re-check sees what we published (store-buffering pattern).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (d.word.load(std::memory_order_relaxed) == 0) return false;
+    // Of several producers, only the one that flips 1 -> 0 makes the system call.
+    if (d.word.exchange(0, std::memory_order_relaxed) != 1) return false;
+    futex_wake(&d.word, 1);
+    return true;
+}
+
+// Consumer side: returns when ready() is true (true), or after timeout_ns of sleeping
+// (false; timeout_ns < 0 waits for ever). Spins for spin_iters checks first, so a
+// busy consumer makes no system calls. ready() must only read shared state (ring
+// indices) with acquire loads.
+template <typename Ready>
+bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_ns) {
+    for (int i = 0; i < spin_iters; ++i) {
+        if (ready()) return true;
+        __builtin_ia32_pause();
+    }
+    for (;;) {
+        if (ready()) return true;
+        d.word.store(1, std::memory_order_relaxed);
+        // Pairs with the fence in doorbell_ring (see there).
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        if (ready()) {
+            d.word.store(0, std::memory_order_relaxed);
+            return true;
+        }
+        // Sleeps only if no producer has flipped the word back to 0 since our store;
+        // a producer that did so has woken, or will wake, this futex.
+        bool woke = futex_wait(&d.word, 1, timeout_ns);
+        d.word.store(0, std::memory_order_relaxed);
+        if (!woke) return ready();
+    }
+}
+
+}  // namespace duet::shm

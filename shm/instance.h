@@ -1,0 +1,74 @@
+// One duet instance's shared memory: the control segment /dev/shm/duet.<name>
+// (header, process registry, rings, request table, one KV arena's metadata and
+// prefix index per device) and, for the CPU device, the KV data segment
+// /dev/shm/duet.<name>.kv (GPU arenas keep their data in device memory).
+//
+// Every process of the instance attaches with the same InstanceConfig; its
+// fingerprint is in the segment header, so a process built or configured
+// differently refuses to attach and says which values differ.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "shm/kv_arena.h"
+#include "shm/registry.h"
+#include "shm/request_table.h"
+#include "shm/segment.h"
+#include "shm/spsc_ring.h"
+
+namespace duet::shm {
+
+// Bumped whenever any structure in the control segment changes shape.
+inline constexpr uint32_t kLayoutVersion = 1;
+
+struct InstanceConfig {
+    std::string name;                 // segments are duet.<name> and duet.<name>.kv
+    uint32_t registry_slots = 32;
+    uint32_t n_rings = 16;
+    uint32_t ring_capacity = 1024;
+    uint32_t ring_record_bytes = 64;
+    RequestTableConfig requests;
+    std::vector<ArenaConfig> arenas;  // one per device; arenas[0] is the CPU's when cpu_kv_bytes > 0
+    uint64_t cpu_kv_bytes = 0;        // size of the CPU KV data segment (0: none)
+    uint64_t model_fingerprint = 0;
+    bool huge_pages = true;
+
+    // FNV-1a over every field that shapes the segments.
+    uint64_t fingerprint() const;
+};
+
+class Instance {
+public:
+    // Creates both segments (replacing stale ones, refusing live ones).
+    static Result<Instance> create(const InstanceConfig& c);
+    // Attaches to a live instance made with the same configuration.
+    static Result<Instance> open(const InstanceConfig& c);
+    // Removes both names (the creator does this at a clean shutdown).
+    static void unlink(const std::string& name);
+
+    const InstanceConfig& config() const { return cfg_; }
+    Registry& registry() { return registry_; }
+    RequestTable& requests() { return requests_; }
+    KvArena& arena(size_t device) { return arenas_[device]; }
+    size_t n_arenas() const { return arenas_.size(); }
+    RingHeader* ring(uint32_t i) const;
+    uint8_t* cpu_kv_data() const { return kv_seg_.payload(); }
+    const Segment& control_segment() const { return seg_; }
+    const Segment& kv_segment() const { return kv_seg_; }
+
+private:
+    Status map_sections(bool init);
+
+    InstanceConfig cfg_;
+    Segment seg_;
+    Segment kv_seg_;
+    Registry registry_;
+    RequestTable requests_;
+    std::vector<KvArena> arenas_;
+    std::vector<uint64_t> ring_off_;
+};
+
+}  // namespace duet::shm

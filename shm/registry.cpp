@@ -1,0 +1,248 @@
+#include "shm/registry.h"
+
+#include <poll.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <sstream>
+
+namespace duet::shm {
+
+namespace {
+
+constexpr uint32_t kRegistryMagic = 0x67657270;  // "preg"
+
+uint64_t pack_sg(uint32_t gen, ProcState s) { return (static_cast<uint64_t>(gen) << 8) | static_cast<uint64_t>(s); }
+uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 8); }
+ProcState state_of(uint64_t sg) { return static_cast<ProcState>(sg & 0xff); }
+bool is_live(ProcState s) { return s == ProcState::Starting || s == ProcState::Running; }
+
+int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+
+}  // namespace
+
+const char* role_name(Role r) {
+    switch (r) {
+    case Role::None: return "none";
+    case Role::Launcher: return "launcher";
+    case Role::Front: return "front";
+    case Role::Prefill: return "prefill";
+    case Role::Decode: return "decode";
+    case Role::Runner: return "runner";
+    case Role::Tool: return "tool";
+    }
+    return "?";
+}
+
+const char* proc_state_name(ProcState s) {
+    switch (s) {
+    case ProcState::Free: return "free";
+    case ProcState::Starting: return "starting";
+    case ProcState::Running: return "running";
+    case ProcState::Dead: return "dead";
+    }
+    return "?";
+}
+
+uint64_t monotonic_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+uint64_t process_start_ticks(pid_t pid) {
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+    std::ifstream f(path);
+    std::string s;
+    if (!std::getline(f, s)) return 0;
+    // The command name (field 2) may hold spaces and parentheses: fields resume after
+    // the last ')'. starttime is field 22, the 20th after it.
+    size_t p = s.rfind(')');
+    if (p == std::string::npos) return 0;
+    std::istringstream in(s.substr(p + 1));
+    std::string field;
+    for (int i = 3; i <= 22; ++i)
+        if (!(in >> field)) return 0;
+    return std::strtoull(field.c_str(), nullptr, 10);
+}
+
+size_t Registry::bytes(uint32_t n_slots) { return sizeof(RegistryHeader) + sizeof(ProcSlot) * n_slots; }
+
+Status Registry::init(void* mem, uint32_t n_slots) {
+    if (n_slots == 0 || n_slots > 4096) return make_error("registry needs 1-4096 slots, got {}", n_slots);
+    std::memset(mem, 0, bytes(n_slots));
+    auto* h = new (mem) RegistryHeader{};
+    h->n_slots = n_slots;
+    auto* slots = reinterpret_cast<ProcSlot*>(h + 1);
+    for (uint32_t i = 0; i < n_slots; ++i) {
+        new (&slots[i]) ProcSlot{};
+        slots[i].device.store(-1, std::memory_order_relaxed);
+    }
+    h->magic = kRegistryMagic;
+    return {};
+}
+
+Result<Registry> Registry::attach(void* mem) {
+    Registry r;
+    r.hdr_ = static_cast<RegistryHeader*>(mem);
+    if (r.hdr_->magic != kRegistryMagic) return make_error("not a process registry (magic {:#x})", r.hdr_->magic);
+    r.slots_ = reinterpret_cast<ProcSlot*>(r.hdr_ + 1);
+    return r;
+}
+
+Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid) {
+    uint64_t ticks = process_start_ticks(pid);
+    for (uint32_t i = 0; i < n_slots(); ++i) {
+        ProcSlot& s = slots_[i];
+        uint64_t sg = s.state_gen.load(std::memory_order_relaxed);
+        if (state_of(sg) != ProcState::Free) continue;
+        uint32_t gen = gen_of(sg) + 1;
+        if (gen >= (1u << 24)) gen = 1;  // 24 bits of generation fit the word
+        // Acquire pairs with the release of the slot's last release()/reclaim(): the
+        // previous owner's writes are done. STARTING first, so nobody else claims it.
+        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, ProcState::Starting), std::memory_order_acquire,
+                                                 std::memory_order_relaxed))
+            continue;
+        s.pid.store(pid, std::memory_order_relaxed);
+        s.role.store(static_cast<uint32_t>(role), std::memory_order_relaxed);
+        s.device.store(device, std::memory_order_relaxed);
+        s.start_ticks.store(ticks, std::memory_order_relaxed);
+        s.exit_code.store(0, std::memory_order_relaxed);
+        s.doorbell.word.store(0, std::memory_order_relaxed);
+        // Release pairs with readers' acquire of heartbeat: the fields above are set.
+        s.heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
+        return ProcRef{i, gen};
+    }
+    return make_error("all {} process registry slots are in use", n_slots());
+}
+
+namespace {
+bool transition(std::atomic<uint64_t>& w, ProcRef r, bool (*from_ok)(ProcState), ProcState to) {
+    uint64_t sg = w.load(std::memory_order_relaxed);
+    for (;;) {
+        if (gen_of(sg) != r.gen || !from_ok(state_of(sg))) return false;
+        // acq_rel: a transition publishes this process's prior writes (release) and
+        // sees the previous holder's (acquire).
+        if (w.compare_exchange_weak(sg, pack_sg(r.gen, to), std::memory_order_acq_rel, std::memory_order_relaxed))
+            return true;
+    }
+}
+}  // namespace
+
+bool Registry::set_running(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, [](ProcState s) { return s == ProcState::Starting; },
+                      ProcState::Running);
+}
+bool Registry::release(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, is_live, ProcState::Free);
+}
+bool Registry::mark_dead(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, is_live, ProcState::Dead);
+}
+bool Registry::reclaim(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, [](ProcState s) { return s == ProcState::Dead; },
+                      ProcState::Free);
+}
+
+ProcState Registry::state(uint32_t slot) const {
+    return state_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with transition()
+}
+ProcRef Registry::current(uint32_t slot) const {
+    return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_acquire))};  // pairs with claim()
+}
+bool Registry::alive(ProcRef r) const {
+    if (r.slot >= n_slots()) return false;
+    uint64_t sg = slots_[r.slot].state_gen.load(std::memory_order_acquire);  // pairs with transition()
+    return gen_of(sg) == r.gen && is_live(state_of(sg));
+}
+void Registry::heartbeat(ProcRef r) const {
+    slots_[r.slot].heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
+}
+
+std::vector<ProcRef> Registry::sweep_dead() {
+    std::vector<ProcRef> dead;
+    for (uint32_t i = 0; i < n_slots(); ++i) {
+        ProcSlot& s = slots_[i];
+        // Pairs with the release store of heartbeat in claim(): pid and ticks are set.
+        s.heartbeat_ns.load(std::memory_order_acquire);
+        uint64_t sg = s.state_gen.load(std::memory_order_acquire);
+        if (!is_live(state_of(sg))) continue;
+        pid_t pid = s.pid.load(std::memory_order_relaxed);
+        uint64_t ticks = s.start_ticks.load(std::memory_order_relaxed);
+        uint64_t now = pid > 0 ? process_start_ticks(pid) : 0;
+        if (pid > 0 && now != 0 && now == ticks) continue;
+        ProcRef r{i, gen_of(sg)};
+        if (mark_dead(r)) dead.push_back(r);
+    }
+    return dead;
+}
+
+LivenessMonitor::~LivenessMonitor() {
+    for (auto& it : items_)
+        if (it.pidfd >= 0) ::close(it.pidfd);
+}
+
+Status LivenessMonitor::watch(const Registry& reg, ProcRef r) {
+    if (r.slot >= reg.n_slots()) return make_error("registry slot {} out of range", r.slot);
+    const ProcSlot& s = reg.slot(r.slot);
+    s.heartbeat_ns.load(std::memory_order_acquire);  // pairs with claim(): pid and ticks set
+    pid_t pid = s.pid.load(std::memory_order_relaxed);
+    int fd = pid > 0 ? pidfd_open(pid) : -1;
+    if (fd < 0 && errno != ESRCH) return make_error("pidfd_open({}) failed: {}", pid, std::strerror(errno));
+    // The pidfd now pins this pid: if its start time still matches, it is our process
+    // and the fd will report its exit; otherwise ours exited before we looked.
+    if (fd >= 0 && process_start_ticks(pid) != s.start_ticks.load(std::memory_order_relaxed)) {
+        ::close(fd);
+        fd = -1;
+    }
+    if (!reg.alive(r) && fd >= 0) {
+        ::close(fd);
+        fd = -1;
+    }
+    items_.push_back({r, fd});
+    return {};
+}
+
+void LivenessMonitor::unwatch(ProcRef r) {
+    for (size_t i = 0; i < items_.size(); ++i)
+        if (items_[i].ref == r) {
+            if (items_[i].pidfd >= 0) ::close(items_[i].pidfd);
+            items_.erase(items_.begin() + static_cast<long>(i));
+            return;
+        }
+}
+
+std::vector<ProcRef> LivenessMonitor::wait(int timeout_ms) {
+    std::vector<ProcRef> out;
+    std::vector<pollfd> fds;
+    for (auto& it : items_) {
+        if (it.pidfd < 0) out.push_back(it.ref);
+        fds.push_back({it.pidfd, POLLIN, 0});  // poll ignores negative fds
+    }
+    if (out.empty()) {
+        int n = poll(fds.data(), fds.size(), timeout_ms);
+        if (n < 0 && errno != EINTR) return out;
+    }
+    std::vector<Item> keep;
+    for (size_t i = 0; i < items_.size(); ++i) {
+        auto& it = items_[i];
+        if (it.pidfd < 0) continue;  // reported above
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
+            ::close(it.pidfd);
+            out.push_back(it.ref);
+        } else {
+            keep.push_back(it);
+        }
+    }
+    items_ = std::move(keep);
+    return out;
+}
+
+}  // namespace duet::shm

@@ -1,0 +1,128 @@
+// Process registry: one slot per process of an instance (role, device, pid,
+// generation, state, heartbeat, doorbell), and a liveness monitor on pidfds.
+//
+// A slot's state and generation share one atomic word, so "is (slot, gen) alive"
+// is one load, and every transition is a compare-and-swap that names the
+// generation it expects: a message or reference from an earlier generation of a
+// slot can never act on its successor. The generation is bumped at every claim.
+//
+// Slot life: FREE -claim-> STARTING -> RUNNING -release-> FREE (clean exit)
+//                                  \-> DEAD (process died; set by whoever saw it)
+//            DEAD -reclaimed(after its resources are returned)-> FREE
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "shm/doorbell.h"
+
+namespace duet::shm {
+
+enum class ProcState : uint32_t { Free = 0, Starting = 1, Running = 2, Dead = 3 };
+enum class Role : uint32_t { None = 0, Launcher = 1, Front = 2, Prefill = 3, Decode = 4, Runner = 5, Tool = 6 };
+const char* role_name(Role r);
+const char* proc_state_name(ProcState s);
+
+// (slot, generation): how every cross-process reference names a process. Packed in
+// 64 bits so it can be stored and compared atomically; 0 is "nobody" (generations
+// start at 1).
+struct ProcRef {
+    uint32_t slot = 0;
+    uint32_t gen = 0;
+    uint64_t pack() const { return (static_cast<uint64_t>(gen) << 32) | slot; }
+    static ProcRef unpack(uint64_t v) { return {static_cast<uint32_t>(v), static_cast<uint32_t>(v >> 32)}; }
+    bool valid() const { return gen != 0; }
+    friend bool operator==(ProcRef a, ProcRef b) { return a.slot == b.slot && a.gen == b.gen; }
+};
+
+struct alignas(64) ProcSlot {
+    std::atomic<uint64_t> state_gen;  // (generation << 8) | ProcState
+    std::atomic<int32_t> pid;
+    std::atomic<uint32_t> role;
+    std::atomic<int32_t> device;  // -1: CPU
+    uint32_t pad_;
+    std::atomic<uint64_t> start_ticks;   // /proc/<pid>/stat starttime: tells a reused pid apart
+    std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
+    std::atomic<uint64_t> exit_code;
+    alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
+};
+static_assert(sizeof(ProcSlot) == 128);
+
+struct RegistryHeader {
+    uint32_t magic;
+    uint32_t n_slots;
+    uint8_t pad_[56];
+};
+
+uint64_t monotonic_ns();
+// starttime (field 22 of /proc/<pid>/stat), 0 when the process does not exist.
+uint64_t process_start_ticks(pid_t pid);
+
+class Registry {
+public:
+    static size_t bytes(uint32_t n_slots);
+    static Status init(void* mem, uint32_t n_slots);
+    static Result<Registry> attach(void* mem);
+
+    uint32_t n_slots() const { return hdr_->n_slots; }
+    ProcSlot& slot(uint32_t i) const { return slots_[i]; }
+
+    // Claims a FREE slot for process pid (STARTING, new generation).
+    Result<ProcRef> claim(Role role, int32_t device, pid_t pid);
+    // STARTING -> RUNNING.
+    bool set_running(ProcRef r);
+    // A clean exit: any live state of this generation -> FREE.
+    bool release(ProcRef r);
+    // Any live state of this generation -> DEAD. True if this call made the change.
+    bool mark_dead(ProcRef r);
+    // DEAD -> FREE once whatever the dead process held has been returned.
+    bool reclaim(ProcRef r);
+
+    ProcState state(uint32_t slot) const;
+    ProcRef current(uint32_t slot) const;  // the slot's generation now
+    bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation
+    void heartbeat(ProcRef r) const;
+    Doorbell& doorbell(uint32_t slot) const { return slots_[slot].doorbell; }
+
+    // Checks every live slot's pid against the OS (exists, same start time) and marks
+    // the dead ones DEAD; returns them. For a process that starts after others died
+    // unseen (no monitor was running).
+    std::vector<ProcRef> sweep_dead();
+
+private:
+    RegistryHeader* hdr_ = nullptr;
+    ProcSlot* slots_ = nullptr;
+};
+
+// Watches processes through pidfds: poll() reports an exit within the scheduler's
+// wake-up latency (microseconds), with no heartbeat timeouts to tune. Process-local.
+class LivenessMonitor {
+public:
+    LivenessMonitor() = default;
+    ~LivenessMonitor();
+    LivenessMonitor(const LivenessMonitor&) = delete;
+    LivenessMonitor& operator=(const LivenessMonitor&) = delete;
+
+    // Starts watching the process in registry slot r. A process already gone (or a
+    // pid now used by another process) is reported by the next wait().
+    Status watch(const Registry& reg, ProcRef r);
+    void unwatch(ProcRef r);
+    // Waits up to timeout_ms (-1: for ever) and returns the watched processes that
+    // have exited, no longer watched.
+    std::vector<ProcRef> wait(int timeout_ms);
+    size_t size() const { return items_.size(); }
+
+private:
+    struct Item {
+        ProcRef ref;
+        int pidfd;  // -1: already known dead
+    };
+    std::vector<Item> items_;
+};
+
+}  // namespace duet::shm

@@ -1,0 +1,214 @@
+#include "shm/request_table.h"
+
+#include <cstring>
+#include <new>
+
+namespace duet::shm {
+
+namespace {
+
+constexpr uint32_t kReqMagic = 0x74716572;  // "reqt"
+
+// owner: registry slot + 1, 0 for none.
+uint64_t pack_sg(uint32_t gen, uint32_t owner, ReqState s) {
+    return (static_cast<uint64_t>(gen) << 24) | (static_cast<uint64_t>(owner & 0xffff) << 8) |
+           static_cast<uint64_t>(s);
+}
+uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 24); }
+uint32_t owner_of(uint64_t sg) { return static_cast<uint32_t>((sg >> 8) & 0xffff); }
+ReqState state_of(uint64_t sg) { return static_cast<ReqState>(sg & 0xff); }
+
+size_t slot_bytes(uint32_t max_tokens, uint32_t max_blocks) {
+    size_t b = sizeof(ReqSlot) + 4ull * max_tokens + 4ull * max_blocks;
+    return (b + 63) / 64 * 64;
+}
+
+}  // namespace
+
+const char* req_state_name(ReqState s) {
+    switch (s) {
+    case ReqState::Free: return "FREE";
+    case ReqState::Queued: return "QUEUED";
+    case ReqState::Prefilling: return "PREFILLING";
+    case ReqState::Decoding: return "DECODING";
+    case ReqState::Finished: return "FINISHED";
+    case ReqState::Failed: return "FAILED";
+    case ReqState::Cancelled: return "CANCELLED";
+    }
+    return "?";
+}
+
+bool req_transition_allowed(ReqState from, ReqState to) {
+    using S = ReqState;
+    switch (from) {
+    case S::Free: return false;  // only submit() leaves FREE (with a new generation)
+    case S::Queued: return to == S::Prefilling || to == S::Failed || to == S::Cancelled;
+    case S::Prefilling:
+        return to == S::Decoding || to == S::Finished || to == S::Failed || to == S::Cancelled || to == S::Queued;
+    case S::Decoding: return to == S::Finished || to == S::Failed || to == S::Cancelled || to == S::Queued;
+    case S::Finished:
+    case S::Failed:
+    case S::Cancelled: return to == S::Free;
+    }
+    return false;
+}
+
+size_t RequestTable::bytes(const RequestTableConfig& c) {
+    uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
+    return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots;
+}
+
+Status RequestTable::init(void* mem, const RequestTableConfig& c) {
+    if (c.n_slots == 0 || c.max_tokens == 0 || c.block_tokens == 0)
+        return make_error("request table needs slots, tokens and a block size (got {}, {}, {})", c.n_slots,
+                          c.max_tokens, c.block_tokens);
+    std::memset(mem, 0, bytes(c));
+    auto* h = new (mem) RequestTableHeader{};
+    h->n_slots = c.n_slots;
+    h->max_tokens = c.max_tokens;
+    h->max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
+    h->slot_bytes = slot_bytes(h->max_tokens, h->max_blocks);
+    for (uint32_t i = 0; i < c.n_slots; ++i)
+        new (reinterpret_cast<uint8_t*>(h + 1) + i * h->slot_bytes) ReqSlot{};
+    h->magic = kReqMagic;
+    return {};
+}
+
+Result<RequestTable> RequestTable::attach(void* mem) {
+    RequestTable t;
+    t.h_ = static_cast<RequestTableHeader*>(mem);
+    if (t.h_->magic != kReqMagic) return make_error("not a request table (magic {:#x})", t.h_->magic);
+    return t;
+}
+
+Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32_t n_prompt, const void* params,
+                                    uint32_t params_bytes) {
+    if (n_prompt == 0) return make_error("the prompt is empty");
+    if (n_prompt > h_->max_tokens)
+        return make_error("the prompt has {} tokens; a request slot holds {}", n_prompt, h_->max_tokens);
+    if (params_bytes > kReqParamBytes)
+        return make_error("sampling parameters are {} bytes; a slot holds {}", params_bytes, kReqParamBytes);
+    if (!owner.valid() || owner.slot >= 0xffff) return make_error("a request needs a registered owner");
+    for (uint32_t k = 0; k < h_->n_slots; ++k) {
+        uint32_t i = (hint_ + k) % h_->n_slots;
+        ReqSlot& s = slot(i);
+        uint64_t sg = s.state_gen.load(std::memory_order_relaxed);
+        if (state_of(sg) != ReqState::Free) continue;
+        uint32_t gen = gen_of(sg) + 1;
+        if (gen == 0) gen = 1;  // 40 bits of generation; a u32 here wraps after 4e9 reuses
+        // Acquire pairs with the release of the transition that freed the slot. The
+        // slot is QUEUED as soon as the CAS lands; nobody acts on it before the
+        // submitter announces it (a ring message carries (slot, gen)), which it does
+        // after the writes below, ordered by that message's release.
+        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, owner.slot + 1, ReqState::Queued),
+                                                 std::memory_order_acquire, std::memory_order_relaxed))
+            continue;
+        s.n_output.store(0, std::memory_order_relaxed);
+        s.n_blocks.store(0, std::memory_order_relaxed);
+        s.error_code.store(0, std::memory_order_relaxed);
+        s.submit_ns = monotonic_ns();
+        std::memset(s.params, 0, kReqParamBytes);
+        if (params_bytes) std::memcpy(s.params, params, params_bytes);
+        std::memcpy(tokens(i), prompt, 4ull * n_prompt);
+        // Release pairs with readers' acquire of n_prompt: the prompt is written.
+        s.n_prompt.store(n_prompt, std::memory_order_release);
+        hint_ = i + 1;
+        return ReqRef{i, gen};
+    }
+    return make_error("all {} request slots are in use; retry later", h_->n_slots);
+}
+
+bool RequestTable::transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner) {
+    if (r.slot >= h_->n_slots || !req_transition_allowed(from, to)) return false;
+    ReqSlot& s = slot(r.slot);
+    uint64_t w = s.state_gen.load(std::memory_order_relaxed);
+    for (;;) {
+        if (gen_of(w) != r.gen || state_of(w) != from) return false;
+        uint32_t owner = owner_of(w);
+        if (new_owner.valid()) owner = new_owner.slot + 1;
+        if (to == ReqState::Free || (to == ReqState::Queued && !new_owner.valid())) owner = 0;
+        // acq_rel: publishes the actor's writes to the slot (release) and sees the
+        // previous actor's (acquire).
+        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, owner, to), std::memory_order_acq_rel,
+                                              std::memory_order_relaxed))
+            return true;
+    }
+}
+
+int32_t RequestTable::owner_slot(uint32_t i) const {
+    return static_cast<int32_t>(owner_of(slot(i).state_gen.load(std::memory_order_acquire))) - 1;  // pairs with transition()
+}
+
+ReqState RequestTable::state(uint32_t i) const {
+    return state_of(slot(i).state_gen.load(std::memory_order_acquire));  // pairs with transition()
+}
+
+ReqRef RequestTable::current(uint32_t i) const {
+    return ReqRef{i, gen_of(slot(i).state_gen.load(std::memory_order_acquire))};  // pairs with submit()
+}
+
+bool RequestTable::is(ReqRef r, ReqState st) const {
+    if (r.slot >= h_->n_slots) return false;
+    uint64_t w = slot(r.slot).state_gen.load(std::memory_order_acquire);  // pairs with transition()
+    return gen_of(w) == r.gen && state_of(w) == st;
+}
+
+Status RequestTable::append_output(ReqRef r, const int32_t* toks, uint32_t n) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
+    ReqSlot& s = slot(r.slot);
+    uint64_t w = s.state_gen.load(std::memory_order_relaxed);
+    if (gen_of(w) != r.gen) return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
+    if (state_of(w) != ReqState::Prefilling && state_of(w) != ReqState::Decoding)
+        return make_error("request {}.{} is {}: only a running request takes output", r.slot, r.gen,
+                          req_state_name(state_of(w)));
+    uint32_t np = s.n_prompt.load(std::memory_order_relaxed);
+    uint32_t no = s.n_output.load(std::memory_order_relaxed);  // ours alone
+    if (np + no + n > h_->max_tokens)
+        return make_error("request {}.{} would hold {} tokens; a slot holds {}", r.slot, r.gen, np + no + n,
+                          h_->max_tokens);
+    std::memcpy(tokens(r.slot) + np + no, toks, 4ull * n);
+    // Release pairs with read_output()'s acquire: the tokens are written first.
+    s.n_output.store(no + n, std::memory_order_release);
+    return {};
+}
+
+uint32_t RequestTable::read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const {
+    const ReqSlot& s = slot(r.slot);
+    uint32_t n = s.n_output.load(std::memory_order_acquire);  // pairs with append_output()
+    uint32_t np = s.n_prompt.load(std::memory_order_acquire);  // pairs with submit()
+    const int32_t* t = tokens(r.slot) + np;
+    for (uint32_t i = from; i < n; ++i) out.push_back(t[i]);
+    return n;
+}
+
+Status RequestTable::set_blocks(ReqRef r, const int32_t* b, uint32_t n) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
+    if (n > h_->max_blocks) return make_error("{} blocks; a slot's block table holds {}", n, h_->max_blocks);
+    ReqSlot& s = slot(r.slot);
+    std::memcpy(blocks(r.slot), b, 4ull * n);
+    // Release pairs with readers' acquire of n_blocks.
+    s.n_blocks.store(n, std::memory_order_release);
+    return {};
+}
+
+void RequestTable::cancel(ReqRef r) {
+    if (r.slot >= h_->n_slots) return;
+    // Names the generation, so a cancel that arrives after the slot was reused does
+    // not touch the new request. A flag only: the owner acts on it by a transition.
+    slot(r.slot).cancel.store(r.gen, std::memory_order_relaxed);
+}
+
+bool RequestTable::cancelled(ReqRef r) const {
+    return r.slot < h_->n_slots && slot(r.slot).cancel.load(std::memory_order_relaxed) == r.gen;
+}
+
+std::vector<ReqRef> RequestTable::owned_by(uint32_t registry_slot) const {
+    std::vector<ReqRef> out;
+    for (uint32_t i = 0; i < h_->n_slots; ++i) {
+        uint64_t sg = slot(i).state_gen.load(std::memory_order_acquire);  // pairs with transition()
+        if (owner_of(sg) == registry_slot + 1) out.push_back({i, gen_of(sg)});
+    }
+    return out;
+}
+
+}  // namespace duet::shm

@@ -1,0 +1,124 @@
+// Request table: fixed slots, one per request in flight. The slot is the truth about
+// a request (rings only carry events that point at it as (slot, generation)).
+//
+// State and generation share one atomic word; every transition is a CAS naming the
+// generation and the state it expects, so a stale message (older generation) or a
+// second actor racing for the same transition loses cleanly. The generation is
+// bumped when a FREE slot is taken.
+//
+//   FREE -> QUEUED -> PREFILLING -> DECODING -> FINISHED -> FREE
+//   QUEUED | PREFILLING | DECODING -> FAILED | CANCELLED -> FREE
+//   PREFILLING | DECODING -> QUEUED   (re-driven after its worker died)
+//   PREFILLING -> FINISHED            (a request that ends at its first token)
+//
+// Output tokens are appended by the one process that owns the request, then the
+// count is published with a release store; readers load the count with acquire
+// and read that many tokens.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "base/result.h"
+#include "shm/registry.h"
+
+namespace duet::shm {
+
+enum class ReqState : uint32_t { Free = 0, Queued, Prefilling, Decoding, Finished, Failed, Cancelled };
+const char* req_state_name(ReqState s);
+bool req_transition_allowed(ReqState from, ReqState to);
+
+inline constexpr uint32_t kReqParamBytes = 256;  // sampling parameters, opaque to shm
+
+struct ReqRef {
+    uint32_t slot = 0;
+    uint32_t gen = 0;
+    friend bool operator==(ReqRef a, ReqRef b) { return a.slot == b.slot && a.gen == b.gen; }
+};
+
+struct alignas(64) ReqSlot {
+    // (generation << 24) | (owner registry slot + 1) << 8 | ReqState. The owner is in
+    // the state word so that taking a request and naming its owner is one CAS: no
+    // crash can leave a request that nobody owns. (A registry slot is reused only
+    // after its dead process's requests were recovered, so the slot index alone
+    // names the process.)
+    std::atomic<uint64_t> state_gen;
+    std::atomic<uint32_t> cancel;     // the generation whose cancellation was asked for (0: none)
+    uint32_t pad0_;
+    std::atomic<uint32_t> n_prompt;
+    std::atomic<uint32_t> n_output;   // published count of output tokens
+    std::atomic<uint32_t> n_blocks;   // published count of block-table entries
+    std::atomic<int32_t> error_code;
+    uint32_t pad_;
+    uint64_t submit_ns;
+    uint8_t params[kReqParamBytes];
+    // Followed by int32 tokens[max_tokens] (prompt, then output) and int32
+    // blocks[max_blocks], at offsets given by the table header.
+};
+
+struct RequestTableConfig {
+    uint32_t n_slots = 64;
+    uint32_t max_tokens = 4096;  // prompt + output per request
+    uint32_t block_tokens = 16;
+};
+
+struct RequestTableHeader {
+    uint32_t magic;
+    uint32_t n_slots;
+    uint32_t max_tokens;
+    uint32_t max_blocks;
+    uint64_t slot_bytes;
+    uint8_t pad_[40];
+};
+
+class RequestTable {
+public:
+    static size_t bytes(const RequestTableConfig& c);
+    static Status init(void* mem, const RequestTableConfig& c);
+    static Result<RequestTable> attach(void* mem);
+
+    uint32_t n_slots() const { return h_->n_slots; }
+    uint32_t max_tokens() const { return h_->max_tokens; }
+    uint32_t max_blocks() const { return h_->max_blocks; }
+    ReqSlot& slot(uint32_t i) const {
+        return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
+    }
+    int32_t* tokens(uint32_t i) const { return reinterpret_cast<int32_t*>(&slot(i) + 1); }
+    int32_t* blocks(uint32_t i) const { return tokens(i) + h_->max_tokens; }
+
+    // Takes a FREE slot (new generation) for owner and fills the prompt and
+    // parameters; the request is QUEUED when this returns. Errors: table full,
+    // prompt too long, params too big.
+    Result<ReqRef> submit(ProcRef owner, const int32_t* prompt, uint32_t n_prompt, const void* params,
+                          uint32_t params_bytes);
+    // CAS from `from` to `to` at r's generation; false if the slot is elsewhere (or
+    // the transition is not allowed). new_owner, when valid, becomes the owner; a
+    // request going to FREE, or back to QUEUED with no new owner, has none.
+    bool transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner = {});
+    ReqState state(uint32_t slot) const;
+    // The owner's registry slot, or -1.
+    int32_t owner_slot(uint32_t slot) const;
+    ReqRef current(uint32_t slot) const;
+    bool is(ReqRef r, ReqState s) const;
+
+    // Owner only: appends output tokens and publishes the new count.
+    Status append_output(ReqRef r, const int32_t* toks, uint32_t n);
+    // Output tokens published so far, copied into out (appended).
+    uint32_t read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const;
+    // Owner only: sets the block table (n entries) and publishes its count.
+    Status set_blocks(ReqRef r, const int32_t* b, uint32_t n);
+
+    void cancel(ReqRef r);
+    bool cancelled(ReqRef r) const;
+
+    // Requests owned by registry slot `slot` (for re-driving or failing them after
+    // its process died).
+    std::vector<ReqRef> owned_by(uint32_t registry_slot) const;
+
+private:
+    RequestTableHeader* h_ = nullptr;
+    uint32_t hint_ = 0;  // this process's next slot to try
+};
+
+}  // namespace duet::shm
