@@ -11,6 +11,20 @@
 #include <atomic>
 #include <cstdint>
 
+// ThreadSanitizer does not model fences. Under it, both sides use an acq_rel
+// read-modify-write of the word instead (consumer: exchange(1); producer:
+// fetch_or(0)): RMWs of one word are totally ordered, and whichever comes second
+// reads the first's value with acquire, which gives the same either-or guarantee.
+// It is not the default because it makes every producer write the doorbell's cache
+// line, where the fence form only reads it while the consumer is awake.
+#if defined(__SANITIZE_THREAD__)
+#define DUET_DOORBELL_RMW 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define DUET_DOORBELL_RMW 1
+#endif
+#endif
+
 namespace duet::shm {
 
 struct Doorbell {
@@ -27,10 +41,15 @@ void futex_wake(std::atomic<uint32_t>* word, int n);
 // Producer side, after publishing (the ring's release store of its tail): wakes the
 // consumer if it is asleep. Costs one fence and one load when it is awake.
 inline bool doorbell_ring(Doorbell& d) {
+#ifdef DUET_DOORBELL_RMW
+    // Pairs with the consumer's exchange (see above).
+    if (d.word.fetch_or(0, std::memory_order_acq_rel) == 0) return false;
+#else
     // Pairs with the fence in doorbell_wait: either this load sees word == 1, or the
     // consumer's re-check sees what we published (store-buffering pattern).
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (d.word.load(std::memory_order_relaxed) == 0) return false;
+#endif
     // Of several producers, only the one that flips 1 -> 0 makes the system call.
     if (d.word.exchange(0, std::memory_order_relaxed) != 1) return false;
     futex_wake(&d.word, 1);
@@ -49,9 +68,13 @@ bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_n
     }
     for (;;) {
         if (ready()) return true;
+#ifdef DUET_DOORBELL_RMW
+        d.word.exchange(1, std::memory_order_acq_rel);  // pairs with the producer's fetch_or
+#else
         d.word.store(1, std::memory_order_relaxed);
         // Pairs with the fence in doorbell_ring (see there).
         std::atomic_thread_fence(std::memory_order_seq_cst);
+#endif
         if (ready()) {
             d.word.store(0, std::memory_order_relaxed);
             return true;

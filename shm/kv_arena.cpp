@@ -322,6 +322,15 @@ uint64_t KvArena::recover_user(uint32_t user) {
     return dropped;
 }
 
+uint32_t KvArena::unindexed_free() const {
+    uint32_t n = 0;
+    for (uint32_t b = 0; b < h_->n_blocks; ++b)
+        if (blocks_[b].word.load(std::memory_order_relaxed) == 0 &&
+            !(bits_[b / 64].load(std::memory_order_relaxed) & (1ull << (b % 64))))
+            ++n;
+    return n;
+}
+
 ArenaCensus KvArena::census() const {
     ArenaCensus c;
     c.total = h_->n_blocks;

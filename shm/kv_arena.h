@@ -124,6 +124,9 @@ public:
 
     // Counts every block's state (exact when no operation is in flight).
     ArenaCensus census() const;
+    // Free blocks whose free bit is clear, i.e. lost to the allocator (must be 0 when
+    // no operation is in flight and every dead user has been recovered).
+    uint32_t unindexed_free() const;
 
 private:
     uint64_t one(uint32_t u) const { return 1ull << (u * h_->count_bits); }

@@ -18,8 +18,14 @@ namespace {
 
 constexpr uint32_t kRegistryMagic = 0x67657270;  // "preg"
 
-uint64_t pack_sg(uint32_t gen, ProcState s) { return (static_cast<uint64_t>(gen) << 8) | static_cast<uint64_t>(s); }
-uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 8); }
+// [pid:32][generation:24][state:8]: the claim names the process in the same CAS, so
+// no instant exists at which a slot is taken by an unknown process.
+uint64_t pack_sg(uint32_t pid, uint32_t gen, ProcState s) {
+    return (static_cast<uint64_t>(pid) << 32) | (static_cast<uint64_t>(gen & 0xffffff) << 8) |
+           static_cast<uint64_t>(s);
+}
+uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 8) & 0xffffff; }
+pid_t pid_of(uint64_t sg) { return static_cast<pid_t>(sg >> 32); }
 ProcState state_of(uint64_t sg) { return static_cast<ProcState>(sg & 0xff); }
 bool is_live(ProcState s) { return s == ProcState::Starting || s == ProcState::Running; }
 
@@ -107,13 +113,12 @@ Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid) {
         if (gen >= (1u << 24)) gen = 1;  // 24 bits of generation fit the word
         // Acquire pairs with the release of the slot's last release()/reclaim(): the
         // previous owner's writes are done. STARTING first, so nobody else claims it.
-        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, ProcState::Starting), std::memory_order_acquire,
-                                                 std::memory_order_relaxed))
+        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(static_cast<uint32_t>(pid), gen, ProcState::Starting),
+                                                 std::memory_order_acquire, std::memory_order_relaxed))
             continue;
-        s.pid.store(pid, std::memory_order_relaxed);
         s.role.store(static_cast<uint32_t>(role), std::memory_order_relaxed);
         s.device.store(device, std::memory_order_relaxed);
-        s.start_ticks.store(ticks, std::memory_order_relaxed);
+        s.start_ticks.store((ticks << 24) | gen, std::memory_order_relaxed);
         s.exit_code.store(0, std::memory_order_relaxed);
         s.doorbell.word.store(0, std::memory_order_relaxed);
         // Release pairs with readers' acquire of heartbeat: the fields above are set.
@@ -130,7 +135,8 @@ bool transition(std::atomic<uint64_t>& w, ProcRef r, bool (*from_ok)(ProcState),
         if (gen_of(sg) != r.gen || !from_ok(state_of(sg))) return false;
         // acq_rel: a transition publishes this process's prior writes (release) and
         // sees the previous holder's (acquire).
-        if (w.compare_exchange_weak(sg, pack_sg(r.gen, to), std::memory_order_acq_rel, std::memory_order_relaxed))
+        if (w.compare_exchange_weak(sg, pack_sg(static_cast<uint32_t>(pid_of(sg)), r.gen, to), std::memory_order_acq_rel,
+                                    std::memory_order_relaxed))
             return true;
     }
 }
@@ -157,6 +163,9 @@ ProcState Registry::state(uint32_t slot) const {
 ProcRef Registry::current(uint32_t slot) const {
     return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_acquire))};  // pairs with claim()
 }
+pid_t Registry::pid(uint32_t slot) const {
+    return pid_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with claim()
+}
 bool Registry::alive(ProcRef r) const {
     if (r.slot >= n_slots()) return false;
     uint64_t sg = slots_[r.slot].state_gen.load(std::memory_order_acquire);  // pairs with transition()
@@ -170,14 +179,15 @@ std::vector<ProcRef> Registry::sweep_dead() {
     std::vector<ProcRef> dead;
     for (uint32_t i = 0; i < n_slots(); ++i) {
         ProcSlot& s = slots_[i];
-        // Pairs with the release store of heartbeat in claim(): pid and ticks are set.
-        s.heartbeat_ns.load(std::memory_order_acquire);
         uint64_t sg = s.state_gen.load(std::memory_order_acquire);
         if (!is_live(state_of(sg))) continue;
-        pid_t pid = s.pid.load(std::memory_order_relaxed);
-        uint64_t ticks = s.start_ticks.load(std::memory_order_relaxed);
+        pid_t pid = pid_of(sg);
+        uint64_t st = s.start_ticks.load(std::memory_order_relaxed);
         uint64_t now = pid > 0 ? process_start_ticks(pid) : 0;
-        if (pid > 0 && now != 0 && now == ticks) continue;
+        // A start time of another generation: claimed a moment ago and not stored
+        // yet; the pid was set by the claim itself, so its existence decides.
+        bool recorded = (st & 0xffffff) == gen_of(sg);
+        if (now != 0 && (!recorded || now == (st >> 24))) continue;
         ProcRef r{i, gen_of(sg)};
         if (mark_dead(r)) dead.push_back(r);
     }
@@ -192,13 +202,14 @@ LivenessMonitor::~LivenessMonitor() {
 Status LivenessMonitor::watch(const Registry& reg, ProcRef r) {
     if (r.slot >= reg.n_slots()) return make_error("registry slot {} out of range", r.slot);
     const ProcSlot& s = reg.slot(r.slot);
-    s.heartbeat_ns.load(std::memory_order_acquire);  // pairs with claim(): pid and ticks set
-    pid_t pid = s.pid.load(std::memory_order_relaxed);
+    s.heartbeat_ns.load(std::memory_order_acquire);  // pairs with claim(): ticks set
+    pid_t pid = pid_of(s.state_gen.load(std::memory_order_acquire));  // pairs with claim()'s CAS
     int fd = pid > 0 ? pidfd_open(pid) : -1;
     if (fd < 0 && errno != ESRCH) return make_error("pidfd_open({}) failed: {}", pid, std::strerror(errno));
     // The pidfd now pins this pid: if its start time still matches, it is our process
     // and the fd will report its exit; otherwise ours exited before we looked.
-    if (fd >= 0 && process_start_ticks(pid) != s.start_ticks.load(std::memory_order_relaxed)) {
+    uint64_t st = s.start_ticks.load(std::memory_order_relaxed);
+    if (fd >= 0 && (st & 0xffffff) == r.gen && process_start_ticks(pid) != (st >> 24)) {
         ::close(fd);
         fd = -1;
     }

@@ -41,12 +41,12 @@ struct ProcRef {
 };
 
 struct alignas(64) ProcSlot {
-    std::atomic<uint64_t> state_gen;  // (generation << 8) | ProcState
-    std::atomic<int32_t> pid;
+    std::atomic<uint64_t> state_gen;  // (pid << 32) | (generation << 8) | ProcState
     std::atomic<uint32_t> role;
+    uint32_t pad1_;
     std::atomic<int32_t> device;  // -1: CPU
     uint32_t pad_;
-    std::atomic<uint64_t> start_ticks;   // /proc/<pid>/stat starttime: tells a reused pid apart
+    std::atomic<uint64_t> start_ticks;   // (/proc/<pid>/stat starttime << 24) | its generation: tells a reused pid apart
     std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
     std::atomic<uint64_t> exit_code;
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
@@ -85,6 +85,7 @@ public:
 
     ProcState state(uint32_t slot) const;
     ProcRef current(uint32_t slot) const;  // the slot's generation now
+    pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation
     void heartbeat(ProcRef r) const;
     Doorbell& doorbell(uint32_t slot) const { return slots_[slot].doorbell; }

@@ -94,15 +94,16 @@ Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32
         ReqSlot& s = slot(i);
         uint64_t sg = s.state_gen.load(std::memory_order_relaxed);
         if (state_of(sg) != ReqState::Free) continue;
+        if (owner_of(sg) != 0) continue;  // reserved by a submitter
         uint32_t gen = gen_of(sg) + 1;
         if (gen == 0) gen = 1;  // 40 bits of generation; a u32 here wraps after 4e9 reuses
-        // Acquire pairs with the release of the transition that freed the slot. The
-        // slot is QUEUED as soon as the CAS lands; nobody acts on it before the
-        // submitter announces it (a ring message carries (slot, gen)), which it does
-        // after the writes below, ordered by that message's release.
-        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, owner.slot + 1, ReqState::Queued),
+        // Reserve: still FREE, but with a new generation and us as owner, so no other
+        // submitter takes it and nobody acts on it while we fill it. Acquire pairs
+        // with the release of the transition that freed it.
+        if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, owner.slot + 1, ReqState::Free),
                                                  std::memory_order_acquire, std::memory_order_relaxed))
             continue;
+        s.cancel.store(0, std::memory_order_relaxed);
         s.n_output.store(0, std::memory_order_relaxed);
         s.n_blocks.store(0, std::memory_order_relaxed);
         s.error_code.store(0, std::memory_order_relaxed);
@@ -110,8 +111,10 @@ Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32
         std::memset(s.params, 0, kReqParamBytes);
         if (params_bytes) std::memcpy(s.params, params, params_bytes);
         std::memcpy(tokens(i), prompt, 4ull * n_prompt);
-        // Release pairs with readers' acquire of n_prompt: the prompt is written.
-        s.n_prompt.store(n_prompt, std::memory_order_release);
+        s.n_prompt.store(n_prompt, std::memory_order_relaxed);
+        // Release pairs with the acquire of whoever takes the request next (its
+        // transition CAS or state load): the slot is filled before it is QUEUED.
+        s.state_gen.store(pack_sg(gen, owner.slot + 1, ReqState::Queued), std::memory_order_release);
         hint_ = i + 1;
         return ReqRef{i, gen};
     }
@@ -175,7 +178,7 @@ Status RequestTable::append_output(ReqRef r, const int32_t* toks, uint32_t n) {
 uint32_t RequestTable::read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const {
     const ReqSlot& s = slot(r.slot);
     uint32_t n = s.n_output.load(std::memory_order_acquire);  // pairs with append_output()
-    uint32_t np = s.n_prompt.load(std::memory_order_acquire);  // pairs with submit()
+    uint32_t np = s.n_prompt.load(std::memory_order_relaxed);  // set before QUEUED was published
     const int32_t* t = tokens(r.slot) + np;
     for (uint32_t i = from; i < n; ++i) out.push_back(t[i]);
     return n;
@@ -200,6 +203,15 @@ void RequestTable::cancel(ReqRef r) {
 
 bool RequestTable::cancelled(ReqRef r) const {
     return r.slot < h_->n_slots && slot(r.slot).cancel.load(std::memory_order_relaxed) == r.gen;
+}
+
+bool RequestTable::unreserve(ReqRef r) {
+    if (r.slot >= h_->n_slots) return false;
+    uint64_t w = slot(r.slot).state_gen.load(std::memory_order_relaxed);
+    if (gen_of(w) != r.gen || state_of(w) != ReqState::Free || owner_of(w) == 0) return false;
+    // Relaxed: the dead submitter's partial writes are overwritten by the next submit.
+    return slot(r.slot).state_gen.compare_exchange_strong(w, pack_sg(r.gen, 0, ReqState::Free),
+                                                         std::memory_order_relaxed);
 }
 
 std::vector<ReqRef> RequestTable::owned_by(uint32_t registry_slot) const {

@@ -87,9 +87,9 @@ public:
     int32_t* tokens(uint32_t i) const { return reinterpret_cast<int32_t*>(&slot(i) + 1); }
     int32_t* blocks(uint32_t i) const { return tokens(i) + h_->max_tokens; }
 
-    // Takes a FREE slot (new generation) for owner and fills the prompt and
-    // parameters; the request is QUEUED when this returns. Errors: table full,
-    // prompt too long, params too big.
+    // Takes a FREE slot for owner: reserves it (still FREE, new generation, owner
+    // set) in one CAS, fills the prompt and parameters, then publishes it QUEUED.
+    // Errors: table full, prompt too long, params too big.
     Result<ReqRef> submit(ProcRef owner, const int32_t* prompt, uint32_t n_prompt, const void* params,
                           uint32_t params_bytes);
     // CAS from `from` to `to` at r's generation; false if the slot is elsewhere (or
@@ -112,7 +112,10 @@ public:
     void cancel(ReqRef r);
     bool cancelled(ReqRef r) const;
 
-    // Requests owned by registry slot `slot` (for re-driving or failing them after
+    // A FREE slot still reserved by a submitter that died while filling it: makes
+    // it available again.
+    bool unreserve(ReqRef r);
+    // Requests (and reservations) owned by registry slot `slot` (for re-driving or failing them after
     // its process died).
     std::vector<ReqRef> owned_by(uint32_t registry_slot) const;
 

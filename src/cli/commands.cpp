@@ -56,6 +56,7 @@ int cmd_run(RunArgs a) {
     }
     Engine& e = **eng;
     const Tokenizer& tok = e.tokenizer();
+    std::fprintf(stderr, "duet: %s\n", e.shm().describe().c_str());
 
     std::vector<int32_t> prompt;
     if (a.chat) {

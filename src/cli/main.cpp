@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_shm.h"
 #include "cli/commands.h"
 
 using namespace duet;
@@ -38,6 +39,9 @@ int main(int argc, char** argv) {
     c_run->add_option("--cpus", run.cpus, "pin threads to these CPUs, e.g. 0-3");
     c_run->add_option("--ctx", run.engine.n_ctx, "context size in tokens (default: min(model, 4096))");
     c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c_run->add_option("--instance", run.engine.instance,
+                      "shared-memory instance name: segments /dev/shm/duet.<name>[.kv] (default: run-<pid>-0)");
+    c_run->add_flag("!--no-huge-pages", run.engine.huge_pages, "keep the KV segment on 4 KiB pages");
     c_run->add_flag("--ignore-eos", run.ignore_eos, "keep generating past end-of-generation tokens");
 
     // duet info
@@ -68,6 +72,16 @@ int main(int argc, char** argv) {
     c_bm->add_option("--isa", bench.engine.isa, "kernel level");
     c_bm->add_flag("--json", bench.json, "print one JSON object");
 
+    // duet bench shm
+    ShmBenchOptions shm_bench;
+    bool shm_quick = false;
+    CLI::App* c_bs = c_bench->add_subcommand("shm", "shared-memory rings, doorbell and KV arena against Boost");
+    c_bs->add_option("--seconds", shm_bench.seconds, "length of each timed run")->capture_default_str()->check(CLI::Range(0.01, 60.0));
+    c_bs->add_option("-r,--repetitions", shm_bench.reps, "runs per ring throughput figure (median kept)")->capture_default_str()->check(CLI::Range(1, 100));
+    c_bs->add_option("--wakes", shm_bench.wakes, "doorbell wake-ups per implementation")->capture_default_str()->check(CLI::Range(1, 20000));
+    c_bs->add_flag("--quick", shm_quick, "short runs (--seconds 0.05 -r 1 --wakes 300)");
+    c_bs->add_flag("--json", shm_bench.json, "print one JSON object");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -79,6 +93,10 @@ int main(int argc, char** argv) {
         if (c_info->parsed()) return cmd_info(info_model);
         if (c_tok->parsed()) return cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
         if (c_bm->parsed()) return cmd_bench_model(bench);
+        if (c_bs->parsed()) {
+            if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
+            return cmd_bench_shm(shm_bench);
+        }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "duet: %s\n", e.what());
         return 1;

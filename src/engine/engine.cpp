@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 
 namespace duet {
@@ -44,15 +45,20 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
         return make_error("context of {} tokens is more than the model's {}", n_ctx, e->model_->config().n_ctx_train);
     e->n_ctx_ = n_ctx;
     KvLayout layout = CpuBackend::kv_layout(*e->model_);
-    auto pool = KvPool::create(layout, static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens));
-    if (!pool) return pool.error();
-    e->pool_ = std::move(pool).value();
+    ShmKvOptions so;
+    static std::atomic<int> n_engines{0};
+    so.instance = opts.instance.empty() ? fmt::format("run-{}-{}", getpid(), n_engines++) : opts.instance;
+    so.model_fingerprint = e->model_->fingerprint();
+    so.huge_pages = opts.huge_pages;
+    auto kv = ShmKv::create(layout, static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens), so);
+    if (!kv) return kv.error();
+    e->shm_ = std::move(kv).value();
 
     int n_threads = opts.threads;
     if (n_threads <= 0)
         n_threads = opts.cpus.empty() ? static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) : static_cast<int>(opts.cpus.size());
     e->threads_ = std::make_unique<ThreadPool>(n_threads, opts.cpus);
-    e->backend_ = std::make_unique<CpuBackend>(*e->model_, *e->pool_, *e->threads_, *isa);
+    e->backend_ = std::make_unique<CpuBackend>(*e->model_, e->shm_->pool(), *e->threads_, *isa);
     return e;
 }
 
@@ -68,7 +74,7 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
     std::vector<float> logits;
     std::vector<int32_t> out;
     auto fail = [&](const Error& e) {
-        seq.release(*pool_);
+        seq.release(pool());
         return e;
     };
 
@@ -100,7 +106,7 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
         if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());
     }
     st.generate_seconds = st.generated > 1 ? seconds_since(t1) : 0.0;
-    seq.release(*pool_);
+    seq.release(pool());
     return st;
 }
 

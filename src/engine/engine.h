@@ -12,6 +12,7 @@
 #include "base/thread_pool.h"
 #include "kernels.h"
 #include "kv/kv_pool.h"
+#include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -25,6 +26,8 @@ struct EngineOptions {
     std::vector<int> cpus;        // pin threads here; empty: no pinning
     int64_t n_ctx = 0;            // KV capacity in tokens; 0: min(model's, 4096)
     std::string isa;              // "", "scalar", "avx2", "avx512"
+    std::string instance;         // shm instance name (segments duet.<name>); "": run-<pid>-<n>
+    bool huge_pages = true;       // for the KV data segment, when the system has them
 };
 
 struct GenerateOptions {
@@ -48,7 +51,8 @@ public:
 
     const Model& model() const { return *model_; }
     const Tokenizer& tokenizer() const { return *tok_; }
-    KvPool& pool() { return *pool_; }
+    KvPool& pool() { return shm_->pool(); }
+    const ShmKv& shm() const { return *shm_; }
     ThreadPool& threads() { return *threads_; }
     CpuBackend& backend() { return *backend_; }
     int64_t n_ctx() const { return n_ctx_; }
@@ -64,7 +68,7 @@ private:
 
     std::unique_ptr<Model> model_;
     std::unique_ptr<Tokenizer> tok_;
-    std::unique_ptr<KvPool> pool_;
+    std::unique_ptr<ShmKv> shm_;  // the KV pool, on the shared-memory arena
     std::unique_ptr<ThreadPool> threads_;
     std::unique_ptr<CpuBackend> backend_;
     int64_t n_ctx_ = 0;

@@ -1,0 +1,86 @@
+#include "kv/shm_kv.h"
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace duet {
+
+bool ShmBlockAllocator::alloc(int32_t n, int32_t* out) {
+    if (n < 0) return false;
+    return arena_.alloc(user_, static_cast<uint32_t>(n), out);
+}
+
+void ShmBlockAllocator::ref(int32_t block) {
+    // A per-process count saturates at 2^15 - 1 references to one block (4 users):
+    // far beyond any fork fan-out this process makes; reaching it is a bug.
+    if (!arena_.ref(user_, block)) {
+        std::fprintf(stderr, "duet: KV block %d has too many references from this process\n", block);
+        std::abort();
+    }
+}
+
+int remove_stale_segments(const std::string& prefix) {
+    DIR* d = opendir("/dev/shm");
+    if (!d) return 0;
+    int n = 0;
+    const std::string full = "duet." + prefix;
+    while (dirent* e = readdir(d)) {
+        std::string name = e->d_name;
+        if (name.rfind(full, 0) != 0) continue;
+        if (shm::Segment::in_use(name)) continue;
+        if (shm::Segment::unlink(name).ok()) ++n;
+    }
+    closedir(d);
+    return n;
+}
+
+Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_blocks, const ShmKvOptions& o) {
+    if (n_blocks <= 0) return make_error("KV pool needs at least one block, got {}", n_blocks);
+    remove_stale_segments("run-");
+    shm::InstanceConfig c;
+    c.name = o.instance;
+    c.registry_slots = 8;
+    c.n_rings = 2;
+    c.ring_capacity = 64;
+    c.requests.n_slots = 4;
+    c.requests.max_tokens = static_cast<uint32_t>(n_blocks) * static_cast<uint32_t>(layout.block_tokens);
+    c.requests.block_tokens = static_cast<uint32_t>(layout.block_tokens);
+    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(n_blocks), 4, 0});
+    c.cpu_kv_bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<size_t>(layout.n_layer) * n_blocks;
+    c.model_fingerprint = o.model_fingerprint;
+    c.huge_pages = o.huge_pages;
+    auto inst = shm::Instance::create(c);
+    if (!inst) return inst.error();
+    std::unique_ptr<ShmKv> kv(new ShmKv());
+    kv->inst_ = std::move(*inst);
+    auto self = kv->inst_.registry().claim(shm::Role::Runner, -1, getpid());
+    if (!self) return self.error();
+    kv->self_ = *self;
+    kv->inst_.registry().set_running(kv->self_);
+    auto user = kv->inst_.arena(0).join(kv->self_);
+    if (!user) return user.error();
+    kv->user_ = *user;
+    kv->pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(kv->inst_.cpu_kv_data()),
+                                         std::make_unique<ShmBlockAllocator>(kv->inst_.arena(0), kv->user_));
+    return kv;
+}
+
+ShmKv::~ShmKv() {
+    pool_.reset();
+    inst_.arena(0).leave(user_);
+    inst_.registry().release(self_);
+    shm::Instance::unlink(inst_.config().name);
+}
+
+std::string ShmKv::describe() const {
+    const auto& cs = inst_.control_segment();
+    const auto& ks = inst_.kv_segment();
+    return fmt::format("shm: {} ({} KiB), KV {} ({:.1f} MiB, {} blocks, {})", cs.path(), cs.payload_bytes() >> 10,
+                       ks.path(), ks.payload_bytes() / 1048576.0, pool_->allocator().n_blocks(),
+                       shm::page_mode_name(ks.page_mode()));
+}
+
+}  // namespace duet

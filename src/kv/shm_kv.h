@@ -1,0 +1,62 @@
+// The runtime's KV pool on the shared-memory arena: a KvBlockAllocator over a
+// shm::KvArena user slot, and ShmKv, which creates an instance's segments (control +
+// CPU KV data), registers this process and builds a KvPool whose blocks and data
+// live in /dev/shm. `duet run` and `duet bench model` use it.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+#include "shm/instance.h"
+
+namespace duet {
+
+class ShmBlockAllocator final : public KvBlockAllocator {
+public:
+    ShmBlockAllocator(shm::KvArena arena, uint32_t user) : arena_(arena), user_(user) {}
+    int32_t n_blocks() const override { return static_cast<int32_t>(arena_.n_blocks()); }
+    int32_t n_free() const override { return static_cast<int32_t>(arena_.n_free()); }
+    bool alloc(int32_t n, int32_t* out) override;
+    void ref(int32_t block) override;
+    void unref(int32_t block) override { arena_.unref(user_, block); }
+    int32_t refcount(int32_t block) const override { return static_cast<int32_t>(arena_.refcount(block)); }
+
+private:
+    shm::KvArena arena_;
+    uint32_t user_;
+};
+
+struct ShmKvOptions {
+    std::string instance;       // segment names duet.<instance>[.kv]
+    uint64_t model_fingerprint = 0;
+    bool huge_pages = true;
+};
+
+class ShmKv {
+public:
+    // Removes leftover segments of dead `duet run` processes (names duet.run-*),
+    // creates the instance, registers this process and joins the CPU arena.
+    static Result<std::unique_ptr<ShmKv>> create(const KvLayout& layout, int32_t n_blocks, const ShmKvOptions& o);
+    ~ShmKv();  // gives the blocks back, leaves the registry, removes the segments
+
+    KvPool& pool() { return *pool_; }
+    shm::Instance& instance() { return inst_; }
+    shm::ProcRef self() const { return self_; }
+    // One line for the log: where the segments are, their sizes and page mode.
+    std::string describe() const;
+
+private:
+    ShmKv() = default;
+    shm::Instance inst_;
+    shm::ProcRef self_;
+    uint32_t user_ = 0;
+    std::unique_ptr<KvPool> pool_;
+};
+
+// Unlinks /dev/shm/duet.<prefix>* segments that no live process has attached.
+// Returns how many were removed.
+int remove_stale_segments(const std::string& prefix);
+
+}  // namespace duet
