@@ -52,7 +52,7 @@ public:
     const Model& model() const { return *model_; }
     const Tokenizer& tokenizer() const { return *tok_; }
     KvPool& pool() { return shm_->pool(); }
-    const ShmKv& shm() const { return *shm_; }
+    ShmKv& shm() { return *shm_; }
     ThreadPool& threads() { return *threads_; }
     CpuBackend& backend() { return *backend_; }
     int64_t n_ctx() const { return n_ctx_; }
