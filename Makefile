@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: all deps model configure build run test sanitize fuzz-smoke bench clean
+.PHONY: all deps model configure build run test sanitize fuzz-smoke soak bench clean
 
 all: build
 
@@ -59,6 +59,10 @@ fuzz-smoke: deps
 	@build-fuzz/tests/gguf_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 build-fuzz/corpus \
 	  > build-fuzz/fuzz.log 2>&1 || { tail -n 60 build-fuzz/fuzz.log; echo "fuzz-smoke: gguf_fuzz FAILED"; exit 1; }
 	@echo "fuzz-smoke: gguf_fuzz: $$(grep -E '^Done' build-fuzz/fuzz.log)"
+
+# Long runs of the shm stress and kill suites (DUET_STRESS_SCALE=20), not in `make test`.
+soak: build
+	ctest --test-dir $(BUILD) --output-on-failure -L soak
 
 bench: build model
 	scripts/bench-vs-llama-cpp
