@@ -1,5 +1,9 @@
 #include "shm/instance.h"
 
+#include <cstdio>
+#include <cstring>
+#include <new>
+
 namespace duet::shm {
 
 namespace {
@@ -18,6 +22,57 @@ struct Fnv {
     }
 };
 
+// The configuration, stored at the start of the payload so tools can attach by name.
+struct StoredConfig {
+    uint32_t magic;
+    uint32_t n_arenas;
+    uint32_t registry_slots, n_rings, ring_capacity, ring_record_bytes;
+    uint32_t req_slots, req_max_tokens, req_block_tokens, huge_pages;
+    uint64_t cpu_kv_bytes, model_fingerprint;
+    ArenaConfig arenas[kMaxArenas];
+    char name[256];
+};
+static_assert(sizeof(StoredConfig) <= 4096);
+constexpr uint32_t kConfigMagic = 0x666e6f63;  // "conf"
+
+void store_config(void* mem, const InstanceConfig& c) {
+    auto* s = new (mem) StoredConfig{};
+    s->n_arenas = static_cast<uint32_t>(c.arenas.size());
+    s->registry_slots = c.registry_slots;
+    s->n_rings = c.n_rings;
+    s->ring_capacity = c.ring_capacity;
+    s->ring_record_bytes = c.ring_record_bytes;
+    s->req_slots = c.requests.n_slots;
+    s->req_max_tokens = c.requests.max_tokens;
+    s->req_block_tokens = c.requests.block_tokens;
+    s->huge_pages = c.huge_pages;
+    s->cpu_kv_bytes = c.cpu_kv_bytes;
+    s->model_fingerprint = c.model_fingerprint;
+    for (size_t i = 0; i < c.arenas.size(); ++i) s->arenas[i] = c.arenas[i];
+    std::snprintf(s->name, sizeof s->name, "%s", c.name.c_str());
+    s->magic = kConfigMagic;
+}
+
+Result<InstanceConfig> load_config(const void* mem) {
+    const auto* s = static_cast<const StoredConfig*>(mem);
+    if (s->magic != kConfigMagic) return make_error("no instance configuration in the control segment");
+    if (s->n_arenas > kMaxArenas) return make_error("bad arena count {}", s->n_arenas);
+    InstanceConfig c;
+    c.name = std::string(s->name, strnlen(s->name, sizeof s->name));
+    c.registry_slots = s->registry_slots;
+    c.n_rings = s->n_rings;
+    c.ring_capacity = s->ring_capacity;
+    c.ring_record_bytes = s->ring_record_bytes;
+    c.requests.n_slots = s->req_slots;
+    c.requests.max_tokens = s->req_max_tokens;
+    c.requests.block_tokens = s->req_block_tokens;
+    c.huge_pages = s->huge_pages;
+    c.cpu_kv_bytes = s->cpu_kv_bytes;
+    c.model_fingerprint = s->model_fingerprint;
+    c.arenas.assign(s->arenas, s->arenas + s->n_arenas);
+    return c;
+}
+
 // Section offsets within the payload, in order: registry, rings, request table, arenas.
 struct Sections {
     size_t registry = 0, rings = 0, ring_bytes = 0, requests = 0;
@@ -27,7 +82,7 @@ struct Sections {
 
 Sections plan(const InstanceConfig& c) {
     Sections s;
-    size_t off = 0;
+    size_t off = 4096;  // the stored configuration
     s.registry = off;
     off = align(off + Registry::bytes(c.registry_slots), 4096);
     s.rings = off;
@@ -71,19 +126,22 @@ RingHeader* Instance::ring(uint32_t i) const {
     return reinterpret_cast<RingHeader*>(seg_.payload() + ring_off_.at(i));
 }
 
-Status Instance::map_sections(bool init) {
+static Status format_sections(uint8_t* base, const InstanceConfig& c) {
+    Sections s = plan(c);
+    store_config(base, c);
+    if (Status st = Registry::init(base + s.registry, c.registry_slots); !st) return st;
+    for (uint32_t i = 0; i < c.n_rings; ++i)
+        if (Status st = ring_init(base + s.rings + i * s.ring_bytes, c.ring_record_bytes, c.ring_capacity); !st)
+            return st;
+    if (Status st = RequestTable::init(base + s.requests, c.requests); !st) return st;
+    for (size_t d = 0; d < c.arenas.size(); ++d)
+        if (Status st = KvArena::init(base + s.arenas[d], c.arenas[d]); !st) return st;
+    return {};
+}
+
+Status Instance::map_sections() {
     Sections s = plan(cfg_);
     uint8_t* base = seg_.payload();
-    if (init) {
-        if (Status st = Registry::init(base + s.registry, cfg_.registry_slots); !st) return st;
-        for (uint32_t i = 0; i < cfg_.n_rings; ++i)
-            if (Status st = ring_init(base + s.rings + i * s.ring_bytes, cfg_.ring_record_bytes, cfg_.ring_capacity);
-                !st)
-                return st;
-        if (Status st = RequestTable::init(base + s.requests, cfg_.requests); !st) return st;
-        for (size_t d = 0; d < cfg_.arenas.size(); ++d)
-            if (Status st = KvArena::init(base + s.arenas[d], cfg_.arenas[d]); !st) return st;
-    }
     auto reg = Registry::attach(base + s.registry);
     if (!reg) return reg.error();
     registry_ = *reg;
@@ -105,6 +163,7 @@ Status Instance::map_sections(bool init) {
 }
 
 Result<Instance> Instance::create(const InstanceConfig& c) {
+    if (c.arenas.size() > kMaxArenas) return make_error("at most {} KV arenas, got {}", kMaxArenas, c.arenas.size());
     Instance in;
     in.cfg_ = c;
     Sections s = plan(c);
@@ -115,13 +174,8 @@ Result<Instance> Instance::create(const InstanceConfig& c) {
     so.layout_version = kLayoutVersion;
     so.config_fingerprint = c.fingerprint();
     so.huge_pages = false;
-    // The segment's magic is stored last (release) inside Segment::create, but the
-    // sections are formatted after that; nobody attaches before they are because
-    // open() also needs the KV segment, which is created after the sections.
-    auto seg = Segment::create("duet." + c.name, so);
-    if (!seg) return seg.error();
-    in.seg_ = std::move(*seg);
-    if (Status st = in.map_sections(true); !st) return st.error();
+    // The KV data segment first: a process that finds the control segment finds
+    // both. The control segment's sections are formatted before it is named.
     if (c.cpu_kv_bytes) {
         SegmentOptions ko;
         ko.payload_bytes = c.cpu_kv_bytes;
@@ -129,12 +183,17 @@ Result<Instance> Instance::create(const InstanceConfig& c) {
         ko.config_fingerprint = c.fingerprint();
         ko.huge_pages = c.huge_pages;
         auto kv = Segment::create(kv_name(c.name), ko);
-        if (!kv) {
-            (void)Segment::unlink("duet." + c.name);
-            return kv.error();
-        }
+        if (!kv) return kv.error();
         in.kv_seg_ = std::move(*kv);
     }
+    so.init = [&](uint8_t* payload, size_t) { return format_sections(payload, c); };
+    auto seg = Segment::create("duet." + c.name, so);
+    if (!seg) {
+        if (c.cpu_kv_bytes) (void)Segment::unlink(kv_name(c.name));
+        return seg.error();
+    }
+    in.seg_ = std::move(*seg);
+    if (Status st = in.map_sections(); !st) return st.error();
     return in;
 }
 
@@ -151,7 +210,29 @@ Result<Instance> Instance::open(const InstanceConfig& c) {
     }
     if (in.seg_.payload_bytes() < plan(c).total)
         return make_error("{} is smaller than its configuration needs", in.seg_.path());
-    if (Status st = in.map_sections(false); !st) return st.error();
+    if (Status st = in.map_sections(); !st) return st.error();
+    return in;
+}
+
+Result<Instance> Instance::attach(const std::string& name) {
+    auto seg = Segment::open("duet." + name, kLayoutVersion, 0, false);
+    if (!seg) return seg.error();
+    if (seg->payload_bytes() < 4096) return make_error("{} is too small for a control segment", seg->path());
+    auto c = load_config(seg->payload());
+    if (!c) return make_error("{}: {}", seg->path(), c.error().message);
+    if (c->fingerprint() != seg->header().config_fingerprint)
+        return make_error("{}: stored configuration does not match the header's fingerprint", seg->path());
+    if (seg->payload_bytes() < plan(*c).total)
+        return make_error("{} is smaller than its configuration needs", seg->path());
+    Instance in;
+    in.cfg_ = *c;
+    in.seg_ = std::move(*seg);
+    if (c->cpu_kv_bytes) {
+        auto kv = Segment::open(kv_name(name), kLayoutVersion, c->fingerprint());
+        if (!kv) return kv.error();
+        in.kv_seg_ = std::move(*kv);
+    }
+    if (Status st = in.map_sections(); !st) return st.error();
     return in;
 }
 

@@ -24,6 +24,8 @@ namespace duet::shm {
 // Bumped whenever any structure in the control segment changes shape.
 inline constexpr uint32_t kLayoutVersion = 1;
 
+inline constexpr uint32_t kMaxArenas = 16;
+
 struct InstanceConfig {
     std::string name;                 // segments are duet.<name> and duet.<name>.kv
     uint32_t registry_slots = 32;
@@ -46,6 +48,9 @@ public:
     static Result<Instance> create(const InstanceConfig& c);
     // Attaches to a live instance made with the same configuration.
     static Result<Instance> open(const InstanceConfig& c);
+    // Attaches to a live instance by name alone, taking its configuration from the
+    // control segment (for tools: `duet shm status`).
+    static Result<Instance> attach(const std::string& name);
     // Removes both names (the creator does this at a clean shutdown).
     static void unlink(const std::string& name);
 
@@ -60,7 +65,7 @@ public:
     const Segment& kv_segment() const { return kv_seg_; }
 
 private:
-    Status map_sections(bool init);
+    Status map_sections();
 
     InstanceConfig cfg_;
     Segment seg_;

@@ -185,6 +185,12 @@ Result<Segment> Segment::create(const std::string& name, const SegmentOptions& o
     if (s.page_mode_ == PageMode::TransparentHuge && madvise(s.base_, size, MADV_HUGEPAGE) != 0)
         s.page_mode_ = PageMode::Small;
 
+    if (opts.init) {
+        if (Status st = opts.init(s.payload(), s.payload_bytes()); !st) {
+            ::unlink(tmp.c_str());
+            return st.error();
+        }
+    }
     auto* h = static_cast<SegmentHeader*>(s.base_);
     h->layout_version = opts.layout_version;
     h->header_bytes = kSegmentHeaderBytes;
@@ -207,7 +213,8 @@ Result<Segment> Segment::create(const std::string& name, const SegmentOptions& o
     return s;
 }
 
-Result<Segment> Segment::open(const std::string& name, uint32_t layout_version, uint64_t config_fingerprint) {
+Result<Segment> Segment::open(const std::string& name, uint32_t layout_version, uint64_t config_fingerprint,
+                              bool check_fingerprint) {
     if (!valid_name(name)) return make_error("bad segment name '{}'", name);
     Segment s;
     s.name_ = name;
@@ -250,7 +257,7 @@ Result<Segment> Segment::open(const std::string& name, uint32_t layout_version, 
     if (h->layout_version != layout_version)
         return make_error("{} has layout version {}, this build expects {}: restart the instance with this build",
                           s.path_, h->layout_version, layout_version);
-    if (h->config_fingerprint != config_fingerprint)
+    if (check_fingerprint && h->config_fingerprint != config_fingerprint)
         return make_error("{} was made with config fingerprint {:#018x}, this process has {:#018x}: "
                           "start it with the instance's configuration",
                           s.path_, h->config_fingerprint, config_fingerprint);

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "base/result.h"
@@ -47,6 +48,9 @@ struct SegmentOptions {
     uint64_t config_fingerprint = 0;
     bool huge_pages = true;  // try hugetlbfs, then transparent huge pages, then 4 KiB pages
     mode_t mode = 0600;
+    // Formats the payload before the segment gets its public name, so nobody can
+    // attach to a half-made one. May be empty.
+    std::function<Status(uint8_t* payload, size_t bytes)> init;
 };
 
 class Segment {
@@ -54,8 +58,11 @@ public:
     // Creates the segment. A stale one of the same name (no live process attached)
     // is replaced; a live one is an error naming its creator's pid.
     static Result<Segment> create(const std::string& name, const SegmentOptions& opts);
-    // Attaches to a ready segment made with this layout version and fingerprint.
-    static Result<Segment> open(const std::string& name, uint32_t layout_version, uint64_t config_fingerprint);
+    // Attaches to a ready segment made with this layout version and fingerprint
+    // (any fingerprint when check_fingerprint is false: for tools that read the
+    // configuration from the segment itself).
+    static Result<Segment> open(const std::string& name, uint32_t layout_version, uint64_t config_fingerprint,
+                                bool check_fingerprint = true);
     // Removes the name (mappings stay valid until unmapped). Missing is not an error.
     static Status unlink(const std::string& name);
     // True when a segment of this name exists and a live process is attached to it.

@@ -721,6 +721,14 @@ TEST(Instance, CreateOpenAndConfigMismatch) {
     ASSERT_TRUE(q.try_pop(r));
     EXPECT_EQ(r.seq, 9u);
 
+    // A tool attaches by name alone and reads the same configuration.
+    auto t = Instance::attach(c.name);
+    ASSERT_TRUE(t.ok()) << t.error().message;
+    EXPECT_EQ(t->config().fingerprint(), c.fingerprint());
+    EXPECT_EQ(t->config().arenas.size(), 1u);
+    EXPECT_EQ(t->arena(0).refcount(blk), 1u);
+    EXPECT_FALSE(Instance::attach(unique_name("none")).ok());
+
     InstanceConfig other = c;
     other.requests.n_slots = 9;
     auto bad = Instance::open(other);
