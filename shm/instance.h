@@ -30,7 +30,7 @@ struct InstanceConfig {
     std::string name;                 // segments are duet.<name> and duet.<name>.kv
     uint32_t registry_slots = 32;
     uint32_t n_rings = 16;
-    uint32_t ring_capacity = 1024;
+    uint32_t ring_capacity = 4096;    // 256 KiB of 64-byte records: see bench/RESULTS.md for why not 1024
     uint32_t ring_record_bytes = 64;
     RequestTableConfig requests;
     std::vector<ArenaConfig> arenas;  // one per device; arenas[0] is the CPU's when cpu_kv_bytes > 0

@@ -3,6 +3,8 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -30,29 +32,44 @@ uint64_t index_capacity(const ArenaConfig& c) {
 
 }  // namespace
 
-BlockHash block_hash(const BlockHash& parent, const int32_t* tokens, size_t n_tokens, uint64_t model_fingerprint,
-                     std::string_view salt) {
-    // Length-prefixed fields, so no two different inputs share a byte string.
-    std::vector<uint8_t> buf;
-    auto put = [&](const void* p, size_t n) {
-        const auto* b = static_cast<const uint8_t*>(p);
-        buf.insert(buf.end(), b, b + n);
-    };
-    uint64_t n = n_tokens, ns = salt.size();
-    put(&parent.lo, 8);
-    put(&parent.hi, 8);
-    put(&model_fingerprint, 8);
-    put(&ns, 8);
-    put(salt.data(), salt.size());
-    put(&n, 8);
-    put(tokens, n_tokens * sizeof(int32_t));
+BlockHasher::BlockHasher() : md_(EVP_MD_fetch(nullptr, "SHA256", nullptr)), ctx_(EVP_MD_CTX_new()) {
+    if (!md_ || !ctx_) {
+        std::fprintf(stderr, "duet: OpenSSL has no SHA-256\n");
+        std::abort();
+    }
+}
+
+BlockHasher::~BlockHasher() {
+    EVP_MD_CTX_free(ctx_);
+    EVP_MD_free(md_);
+}
+
+BlockHash BlockHasher::hash(const BlockHash& parent, const int32_t* tokens, size_t n_tokens,
+                            uint64_t model_fingerprint, std::string_view salt) {
+    // Length-prefixed fields, so no two different inputs share a byte string:
+    // parent (16), fingerprint (8), salt length (8), salt, token count (8), tokens.
+    const uint64_t ns = salt.size(), n = n_tokens;
+    EVP_DigestInit_ex(ctx_, md_, nullptr);
+    EVP_DigestUpdate(ctx_, &parent.lo, 8);
+    EVP_DigestUpdate(ctx_, &parent.hi, 8);
+    EVP_DigestUpdate(ctx_, &model_fingerprint, 8);
+    EVP_DigestUpdate(ctx_, &ns, 8);
+    EVP_DigestUpdate(ctx_, salt.data(), salt.size());
+    EVP_DigestUpdate(ctx_, &n, 8);
+    EVP_DigestUpdate(ctx_, tokens, n_tokens * sizeof(int32_t));
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int md_len = 0;
-    EVP_Digest(buf.data(), buf.size(), md, &md_len, EVP_sha256(), nullptr);
+    EVP_DigestFinal_ex(ctx_, md, &md_len);
     BlockHash h;
     std::memcpy(&h.lo, md, 8);
     std::memcpy(&h.hi, md + 8, 8);
     return h;
+}
+
+BlockHash block_hash(const BlockHash& parent, const int32_t* tokens, size_t n_tokens, uint64_t model_fingerprint,
+                     std::string_view salt) {
+    BlockHasher h;
+    return h.hash(parent, tokens, n_tokens, model_fingerprint, salt);
 }
 
 size_t KvArena::bytes(const ArenaConfig& c) {
@@ -105,8 +122,12 @@ Result<uint32_t> KvArena::join(ProcRef who) {
         // acq_rel: pairs with the release in recover_user()/leave() that emptied the
         // slot (its counts are all zero by then).
         if (h_->users[u].compare_exchange_strong(expect, who.pack(), std::memory_order_acq_rel,
-                                                 std::memory_order_relaxed))
+                                                 std::memory_order_relaxed)) {
+            // Start this process's scan in its own part of the bitmap, so users that
+            // allocate at once do not take (and free) the same blocks and bitmap word.
+            cursor_ = static_cast<uint64_t>(u) * h_->bitmap_words / h_->n_users;
             return u;
+        }
     }
     return make_error("all {} KV arena user slots are taken", h_->n_users);
 }

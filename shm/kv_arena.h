@@ -32,6 +32,9 @@
 #include "base/result.h"
 #include "shm/registry.h"
 
+struct evp_md_st;
+struct evp_md_ctx_st;
+
 namespace duet::shm {
 
 inline constexpr uint32_t kArenaMaxUsers = 6;
@@ -47,6 +50,22 @@ struct BlockHash {
     uint64_t lo = 0, hi = 0;
     friend bool operator==(const BlockHash& a, const BlockHash& b) { return a.lo == b.lo && a.hi == b.hi; }
 };
+// Hashes blocks with one OpenSSL context reused across calls (one per thread that
+// hashes; ~0.1 us for a 16-token block instead of ~0.4 us with a fresh context).
+class BlockHasher {
+public:
+    BlockHasher();
+    ~BlockHasher();
+    BlockHasher(const BlockHasher&) = delete;
+    BlockHasher& operator=(const BlockHasher&) = delete;
+    BlockHash hash(const BlockHash& parent, const int32_t* tokens, size_t n_tokens, uint64_t model_fingerprint,
+                   std::string_view salt);
+
+private:
+    evp_md_st* md_;
+    evp_md_ctx_st* ctx_;
+};
+// One-off form (makes a context each call).
 BlockHash block_hash(const BlockHash& parent, const int32_t* tokens, size_t n_tokens, uint64_t model_fingerprint,
                      std::string_view salt);
 

@@ -55,8 +55,10 @@ Status ring_check(const void* mem, uint32_t record_bytes);
 inline uint8_t* ring_records(RingHeader* h) { return reinterpret_cast<uint8_t*>(h) + sizeof(RingHeader); }
 
 // Producer endpoint; T is the record type (trivially copyable, sizeof(T) == record_bytes).
+// Endpoints are cache-line aligned: two of them side by side in one process (a
+// thread per side) would otherwise share a line of private indices.
 template <typename T>
-class SpscProducer {
+class alignas(kCacheLine) SpscProducer {
     static_assert(std::is_trivially_copyable_v<T>);
 
 public:
@@ -109,7 +111,7 @@ private:
 
 // Consumer endpoint.
 template <typename T>
-class SpscConsumer {
+class alignas(kCacheLine) SpscConsumer {
     static_assert(std::is_trivially_copyable_v<T>);
 
 public:

@@ -56,7 +56,9 @@ struct ShmLatency {
 // 64-byte records from producer (peer) to consumer (measuring side), one at a time
 // (batch 1: try_push/try_pop, Boost's push/pop of one) or batch at a time
 // (push(n)/pop(n) on both). The consumer checks every sequence number.
-Result<ShmRate> bench_ring_throughput(const ShmBenchSite& s, ShmImpl impl, ShmPeer peer, uint32_t batch);
+// capacity: 1024 (the instance's default) or 4096 records, the same for Boost.
+Result<ShmRate> bench_ring_throughput(const ShmBenchSite& s, ShmImpl impl, ShmPeer peer, uint32_t batch,
+                                      uint64_t capacity = 1024);
 // Ping-pong over two rings, one record in flight; per round trip, timed with rdtsc.
 Result<ShmLatency> bench_ring_round_trip(const ShmBenchSite& s, ShmImpl impl, ShmPeer peer);
 // A consumer process asleep (duet: doorbell_wait with no spinning; Boost: an
