@@ -7,6 +7,7 @@
 
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
+#include "cli/shm_status.h"
 
 using namespace duet;
 
@@ -82,6 +83,15 @@ int main(int argc, char** argv) {
     c_bs->add_flag("--quick", shm_quick, "short runs (--seconds 0.05 -r 1 --wakes 300)");
     c_bs->add_flag("--json", shm_bench.json, "print one JSON object");
 
+    // duet shm status
+    std::string shm_instance;
+    bool shm_json = false;
+    CLI::App* c_shm = app.add_subcommand("shm", "inspect an instance's shared memory");
+    c_shm->require_subcommand(1);
+    CLI::App* c_ss = c_shm->add_subcommand("status", "processes, KV arenas, requests and rings of a live instance");
+    c_ss->add_option("instance", shm_instance, "instance name (segments /dev/shm/duet.<name>)")->required();
+    c_ss->add_flag("--json", shm_json, "print one JSON object");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -97,6 +107,7 @@ int main(int argc, char** argv) {
             if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
             return cmd_bench_shm(shm_bench);
         }
+        if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "duet: %s\n", e.what());
         return 1;

@@ -102,6 +102,7 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
             break;
         }
         if (st.generated == budget) break;
+        shm_->instance().registry().heartbeat(shm_->self());  // `duet shm status` shows it
         SeqBatch b{&seq, &out.back(), 1, false};
         if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());
     }
