@@ -289,6 +289,63 @@ struct BoostSpscN {
 };
 using BoostSpsc = BoostSpscN<kRingCap>;
 
+// A reference for the cache-line transfer rate between two cores: a ring with no
+// index lines at all, each slot carrying its own full/empty flag (its seq + 1, 0
+// when empty), so the only lines that move are the records themselves. Not a usable
+// ring (no batch publication, no cheap emptiness check across many rings); it shows
+// how close an index ring is to what moving the records alone costs here.
+template <uint64_t N>
+struct FloorRingN {
+    static Status format(uint8_t* at) {
+        std::memset(at, 0, N * sizeof(Record64));
+        return {};
+    }
+    struct Tx {
+        Record64* s;
+        uint64_t i = 0;
+        explicit Tx(uint8_t* at) : s(reinterpret_cast<Record64*>(at)) {}
+        bool push(const Record64& r) {
+            Record64& d = s[i & (N - 1)];
+            std::atomic_ref<uint64_t> flag(d.seq);
+            if (flag.load(std::memory_order_acquire) != 0) return false;  // pairs with the consumer's release
+            d.stamp_ns = r.stamp_ns;
+            d.last = r.last;
+            std::memcpy(d.payload, r.payload, sizeof d.payload);
+            flag.store(r.seq + 1, std::memory_order_release);  // pairs with the consumer's acquire
+            ++i;
+            return true;
+        }
+        size_t push(const Record64* r, size_t n) {
+            size_t k = 0;
+            while (k < n && push(r[k])) ++k;
+            return k;
+        }
+    };
+    struct Rx {
+        Record64* s;
+        uint64_t i = 0;
+        explicit Rx(uint8_t* at) : s(reinterpret_cast<Record64*>(at)) {}
+        bool pop(Record64& out) {
+            Record64& d = s[i & (N - 1)];
+            std::atomic_ref<uint64_t> flag(d.seq);
+            uint64_t v = flag.load(std::memory_order_acquire);  // pairs with the producer's release
+            if (v == 0) return false;
+            out.stamp_ns = d.stamp_ns;
+            out.last = d.last;
+            std::memcpy(out.payload, d.payload, sizeof out.payload);
+            out.seq = v - 1;
+            flag.store(0, std::memory_order_release);  // pairs with the producer's acquire
+            ++i;
+            return true;
+        }
+        size_t pop(Record64* r, size_t n) {
+            size_t k = 0;
+            while (k < n && pop(r[k])) ++k;
+            return k;
+        }
+    };
+};
+
 template <class Tx>
 bool push_all(Tx& tx, Record64* buf, uint32_t n, Spin& spin) {
     if (n == 1) {
@@ -773,6 +830,7 @@ double median(std::vector<double> v) {
 }
 
 struct Extra {
+    double floor_proc_one = 0, floor_proc_batch32 = 0;  // records/s of FloorRingN (the line reference)
     uint64_t doorbell_wakes = 0, doorbell_futex_wakes = 0, doorbell_duet_sleeps = 0, doorbell_boost_sleeps = 0;
     uint64_t rtt_samples_thread = 0, rtt_samples_proc = 0;
 };
@@ -811,6 +869,17 @@ Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figu
         // The target is for the instance's rings (capacity kRingCap) across processes.
         add(key, label, "/s", median(d), median(b), proc && row.cap == kRingCap ? Goal::RatioAtLeast : Goal::None,
             1.5);
+    }
+
+    // The line-transfer reference across processes, for the same record and capacity.
+    for (uint32_t batch : {1u, 32u}) {
+        std::vector<double> f;
+        for (int r = 0; r < o.reps; ++r) {
+            auto rf = ring_throughput<FloorRingN<kRingCap>>(s, ShmPeer::Process, batch);
+            if (!rf) return rf.error();
+            f.push_back(rf->per_s);
+        }
+        (batch == 1 ? x.floor_proc_one : x.floor_proc_batch32) = median(f);
     }
 
     // Round trip.
@@ -981,6 +1050,18 @@ int cmd_bench_shm(const ShmBenchOptions& o) {
             e["pass"] = f.has_goal() ? nlohmann::ordered_json(f.pass()) : nlohmann::ordered_json(nullptr);
             j[f.key] = e;
         }
+        auto fig = [&](const char* key) {
+            for (const Figure& f : figs)
+                if (f.key == key) return f;
+            return Figure{};
+        };
+        const Figure one = fig("ring_proc_msgs_per_s"), b32 = fig("ring_proc_batch32_msgs_per_s");
+        j["ring_line_reference"] = {{"proc_one_msgs_per_s", x.floor_proc_one},
+                           {"proc_batch32_msgs_per_s", x.floor_proc_batch32},
+                           {"duet_one_of_reference", one.duet / x.floor_proc_one},
+                           {"boost_one_of_reference", one.boost / x.floor_proc_one},
+                           {"duet_batch32_of_reference", b32.duet / x.floor_proc_batch32},
+                           {"boost_batch32_of_reference", b32.boost / x.floor_proc_batch32}};
         j["doorbell_check"] = {{"wakes", x.doorbell_wakes},
                                {"duet_futex_wakes", x.doorbell_futex_wakes},
                                {"duet_consumer_sleeps", x.doorbell_duet_sleeps},
@@ -998,8 +1079,18 @@ int cmd_bench_shm(const ShmBenchOptions& o) {
     for (const Figure& f : figs)
         fmt::print("{:<52} {:>12} {:>12} {:>10.2f} {:>16} {:>6}\n", f.label, value_str(f, f.duet),
                    value_str(f, f.boost), f.ratio(), f.target(), f.has_goal() ? (f.pass() ? "pass" : "MISS") : "");
+    for (const Figure& f : figs) {
+        if (f.key == "ring_proc_msgs_per_s" || f.key == "ring_proc_batch32_msgs_per_s") {
+            const double fl = f.key == "ring_proc_msgs_per_s" ? x.floor_proc_one : x.floor_proc_batch32;
+            fmt::print("{:<52} {:>12} {:>12} {:>10}   duet {:.0f}%, Boost {:.0f}% of it\n",
+                       fmt::format("  line reference (flag ring), {}", f.key == "ring_proc_msgs_per_s" ? "one" : "32"),
+                       value_str(f, fl), "", "", 100 * f.duet / fl, 100 * f.boost / fl);
+        }
+    }
     fmt::print(
         "\nratio: duet / Boost (higher is better for /s, lower for ns).\n"
+        "line reference: the same records between the same two processes through slots that carry their own "
+        "full/empty flag, so only record lines move (no index lines): about what moving the records alone costs here.\n"
         "ring: 64-byte records, capacity {} unless stated (Boost: spsc_queue capacity<{}>), in {}; throughput is the median of {} "
         "runs, duet and Boost alternating; the consumer checks every sequence number.\n"
         "round trip: one record in flight over two rings, rdtsc per round trip (calibrated against CLOCK_MONOTONIC), "
