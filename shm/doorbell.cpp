@@ -23,6 +23,12 @@ bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_
     return r == 0 || errno != ETIMEDOUT;
 }
 
+uint64_t doorbell_now_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 void futex_wake(std::atomic<uint32_t>* word, int n) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, n > 0 ? n : INT_MAX, nullptr, nullptr, 0);
 }

@@ -37,6 +37,7 @@ static_assert(sizeof(Doorbell) == 4 && std::atomic<uint32_t>::is_always_lock_fre
 // Returns false on timeout.
 bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns);
 void futex_wake(std::atomic<uint32_t>* word, int n);
+uint64_t doorbell_now_ns();  // CLOCK_MONOTONIC
 
 // Producer side, after publishing (the ring's release store of its tail): wakes the
 // consumer if it is asleep. Costs one fence and one load when it is awake.
@@ -56,16 +57,19 @@ inline bool doorbell_ring(Doorbell& d) {
     return true;
 }
 
-// Consumer side: returns when ready() is true (true), or after timeout_ns of sleeping
-// (false; timeout_ns < 0 waits for ever). Spins for spin_iters checks first, so a
-// busy consumer makes no system calls. ready() must only read shared state (ring
-// indices) with acquire loads.
+// Consumer side: returns true as soon as ready() is true, or false once timeout_ns
+// have passed (timeout_ns < 0 waits for ever) — false even if work arrived just
+// then, so a caller that had a producer running can tell a lost wake-up from a
+// prompt one. Spins for spin_iters checks first, so a busy consumer makes no system
+// calls. ready() must only read shared state (ring indices) with acquire loads.
+// One waiting thread per doorbell: a second waiter could swallow the first's wake.
 template <typename Ready>
 bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_ns) {
     for (int i = 0; i < spin_iters; ++i) {
         if (ready()) return true;
         __builtin_ia32_pause();
     }
+    const uint64_t deadline = timeout_ns < 0 ? 0 : doorbell_now_ns() + static_cast<uint64_t>(timeout_ns);
     for (;;) {
         if (ready()) return true;
 #ifdef DUET_DOORBELL_RMW
@@ -81,9 +85,14 @@ bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_n
         }
         // Sleeps only if no producer has flipped the word back to 0 since our store;
         // a producer that did so has woken, or will wake, this futex.
-        bool woke = futex_wait(&d.word, 1, timeout_ns);
+        int64_t left = -1;
+        if (timeout_ns >= 0) {
+            uint64_t now = doorbell_now_ns();
+            left = now >= deadline ? 0 : static_cast<int64_t>(deadline - now);
+        }
+        bool woke = left != 0 && futex_wait(&d.word, 1, left);
         d.word.store(0, std::memory_order_relaxed);
-        if (!woke) return ready();
+        if (!woke) return false;
     }
 }
 

@@ -236,6 +236,52 @@ Result<Instance> Instance::attach(const std::string& name) {
     return in;
 }
 
+Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive) {
+    RecoveryReport rep;
+    if (dead.slot >= registry_.n_slots()) return make_error("registry slot {} out of range", dead.slot);
+    if (registry_.current(dead.slot).gen != dead.gen) return rep;  // already recovered, slot reused
+    if (registry_.alive(dead)) {
+        if (registry_.process_running(dead))
+            return make_error("process {} (registry slot {}) is alive: not recovering it", registry_.pid(dead.slot),
+                              dead.slot);
+        registry_.mark_dead(dead);
+    }
+    if (registry_.state(dead.slot) != ProcState::Dead) return rep;  // reclaimed meanwhile
+    for (KvArena& a : arenas_) {
+        int32_t u = a.user_of(dead);
+        if (u >= 0) rep.refs_dropped += a.recover_user(static_cast<uint32_t>(u));
+    }
+    // The dead process changes nothing now, but a live one may race a transition (a
+    // front cancelling): a request whose CAS lost is seen again on the next pass.
+    for (int pass = 0; pass < 8; ++pass) {
+        const std::vector<ReqRef> owned = requests_.owned_by(dead.slot);
+        if (owned.empty()) break;
+        for (ReqRef q : owned) {
+            ReqState st = requests_.state(q.slot);
+            switch (st) {
+            case ReqState::Free:
+                rep.unreserved += requests_.unreserve(q);
+                break;
+            case ReqState::Prefilling:
+            case ReqState::Decoding:
+                if (redrive) {
+                    (void)requests_.reset_blocks(q);  // its block references were just dropped
+                    rep.redriven += requests_.transition(q, st, ReqState::Queued, by);
+                } else {
+                    rep.failed += requests_.transition(q, st, ReqState::Failed, by);
+                }
+                break;
+            default:  // QUEUED, FINISHED, FAILED, CANCELLED: the recoverer owns them now
+                rep.adopted += requests_.adopt(q, by);
+            }
+        }
+    }
+    if (!requests_.owned_by(dead.slot).empty())
+        return make_error("requests of registry slot {} keep changing: recovery not finished", dead.slot);
+    registry_.reclaim(dead);
+    return rep;
+}
+
 void Instance::unlink(const std::string& name) {
     (void)Segment::unlink("duet." + name);
     (void)Segment::unlink(kv_name(name));

@@ -42,6 +42,15 @@ struct InstanceConfig {
     uint64_t fingerprint() const;
 };
 
+// What Instance::recover() did.
+struct RecoveryReport {
+    uint64_t refs_dropped = 0;  // KV block references, all arenas
+    uint32_t redriven = 0;      // running requests sent back to QUEUED
+    uint32_t failed = 0;        // running requests marked FAILED
+    uint32_t adopted = 0;       // queued or finished requests now owned by the recoverer
+    uint32_t unreserved = 0;    // reservations of a submission the dead process never finished
+};
+
 class Instance {
 public:
     // Creates both segments (replacing stale ones, refusing live ones).
@@ -62,6 +71,16 @@ public:
     RingHeader* ring(uint32_t i) const;
     uint8_t* cpu_kv_data() const { return kv_seg_.payload(); }
     const Segment& control_segment() const { return seg_; }
+
+    // Everything the front does when a process of the instance has died: marks its
+    // registry slot DEAD (if nobody has), returns every KV block reference it held in
+    // every arena, undoes a half-made submission, hands its requests to `by` (running
+    // ones back to QUEUED with an empty block table when redrive, else FAILED;
+    // queued and finished ones adopted so their clients can still read them), then
+    // frees the registry slot. Idempotent: a second recoverer, or one resuming after
+    // a recoverer died (Registry::dead_slots()), finds nothing left to do. An error
+    // if `dead` is still alive by its pid.
+    Result<RecoveryReport> recover(ProcRef dead, ProcRef by, bool redrive);
     const Segment& kv_segment() const { return kv_seg_; }
 
 private:

@@ -17,6 +17,14 @@ constexpr uint64_t kCached = 1ull << 63;
 // Prefix index entries: 0 empty, kTomb erased, otherwise block id + 1.
 constexpr uint32_t kEmpty = 0;
 constexpr uint32_t kTomb = 0xffffffffu;
+// Probes per index operation. Tombstones are only reused by inserts, so a long-lived
+// index fills with them; a bound keeps every lookup O(1) (and a prompt crafted to
+// collide cannot make lookups scan the table). Past it, a block is cached but only
+// reachable by eviction.
+constexpr uint64_t kMaxProbe = 64;
+// Blocks evicted beyond the need per scan of the block metadata (they become free),
+// so a steady state with every idle block cached does not scan on every allocation.
+constexpr uint32_t kEvictBatch = 32;
 
 size_t align64(size_t x) { return (x + 63) / 64 * 64; }
 
@@ -117,6 +125,7 @@ Result<KvArena> KvArena::attach(void* mem) {
 }
 
 Result<uint32_t> KvArena::join(ProcRef who) {
+    if (int32_t u = user_of(who); u >= 0) return static_cast<uint32_t>(u);
     for (uint32_t u = 0; u < h_->n_users; ++u) {
         uint64_t expect = 0;
         // acq_rel: pairs with the release in recover_user()/leave() that emptied the
@@ -125,7 +134,8 @@ Result<uint32_t> KvArena::join(ProcRef who) {
                                                  std::memory_order_relaxed)) {
             // Start this process's scan in its own part of the bitmap, so users that
             // allocate at once do not take (and free) the same blocks and bitmap word.
-            cursor_ = static_cast<uint64_t>(u) * h_->bitmap_words / h_->n_users;
+            h_->cursor[u].word.store(static_cast<uint64_t>(u) * h_->bitmap_words / h_->n_users,
+                                     std::memory_order_relaxed);
             return u;
         }
     }
@@ -162,8 +172,9 @@ bool KvArena::alloc(uint32_t user, uint32_t n, int32_t* out) {
     uint32_t got = 0;
     const uint64_t words = h_->bitmap_words;
     const uint64_t mine = one(user);
+    std::atomic<uint64_t>& cursor = h_->cursor[user].word;  // a hint: relaxed
+    uint64_t wi = cursor.load(std::memory_order_relaxed) % words;
     for (uint64_t scanned = 0; scanned < words && got < n; ++scanned) {
-        uint64_t wi = cursor_;
         uint64_t bits = bits_[wi].load(std::memory_order_relaxed);
         while (bits && got < n) {
             int bit = __builtin_ctzll(bits);
@@ -178,8 +189,9 @@ bool KvArena::alloc(uint32_t user, uint32_t n, int32_t* out) {
             bits_[wi].fetch_and(~(1ull << bit), std::memory_order_relaxed);  // a hint (see header)
             out[got++] = b;
         }
-        if (got < n) cursor_ = (cursor_ + 1) % words;
+        if (got < n) wi = (wi + 1) % words;
     }
+    cursor.store(wi, std::memory_order_relaxed);
     if (got < n) got += evict_into(user, n - got, out + got);
     if (got < n) {
         unref(user, out, got);
@@ -198,8 +210,39 @@ bool KvArena::ref(uint32_t user, int32_t b) {
 void KvArena::unref(uint32_t user, int32_t b) {
     // Release pairs with the acquire of the CAS that next allocates or evicts the
     // block: our accesses to its data happen before its next holder's.
-    uint64_t w = blocks_[b].word.fetch_sub(one(user), std::memory_order_acq_rel) - one(user);
-    after_drop(b, w);
+    uint64_t old = blocks_[b].word.fetch_sub(one(user), std::memory_order_acq_rel);
+    if ((old & field(user)) == 0) {
+        // The subtraction borrowed from the next user's field (or CACHED): undo it and
+        // stop before anyone acts on the corrupted word.
+        blocks_[b].word.fetch_add(one(user), std::memory_order_relaxed);
+        std::fprintf(stderr, "duet: KV arena: user %u dropped a reference to block %d it does not hold\n", user, b);
+        std::abort();
+    }
+    after_drop(b, old - one(user));
+}
+
+bool KvArena::share(uint32_t from, uint32_t to, int32_t b) {
+    std::atomic<uint64_t>& word = blocks_[b].word;
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+        if ((w & field(from)) == 0 || (w & field(to)) == field(to)) return false;
+        // acq_rel, as transfer(): one more RMW in the word's release sequence.
+        if (word.compare_exchange_weak(w, w + one(to), std::memory_order_acq_rel, std::memory_order_relaxed))
+            return true;
+    }
+}
+
+bool KvArena::transfer(uint32_t from, uint32_t to, int32_t b) {
+    if (from == to) return refs_of(from, b) > 0;
+    std::atomic<uint64_t>& word = blocks_[b].word;
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+        if ((w & field(from)) == 0 || (w & field(to)) == field(to)) return false;
+        // acq_rel: the giver's accesses happen before the receiver's.
+        if (word.compare_exchange_weak(w, w - one(from) + one(to), std::memory_order_acq_rel,
+                                       std::memory_order_relaxed))
+            return true;
+    }
 }
 
 void KvArena::unref(uint32_t user, const int32_t* b, uint32_t n) {
@@ -237,9 +280,10 @@ uint32_t KvArena::evict_into(uint32_t user, uint32_t n, int32_t* out) {
         if (blocks_[b].word.load(std::memory_order_relaxed) == kCached)
             cands.push_back({blocks_[b].last_use_ns.load(std::memory_order_relaxed), static_cast<int32_t>(b)});
     std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) { return a.t < b.t || (a.t == b.t && a.b < b.b); });
-    uint32_t got = 0;
+    uint32_t got = 0, extra = 0;
+    const uint32_t extra_max = std::min<uint32_t>(kEvictBatch, h_->n_blocks / 64);  // at most 1/64 of the cache
     for (const Cand& c : cands) {
-        if (got == n) break;
+        if (got == n && extra >= extra_max) break;
         uint64_t expect = kCached;
         // Acquire pairs with the release of the unref that left it unreferenced. The
         // CAS clears CACHED and names us in one step: a reader racing for the block
@@ -248,14 +292,19 @@ uint32_t KvArena::evict_into(uint32_t user, uint32_t n, int32_t* out) {
                                                        std::memory_order_relaxed))
             continue;
         index_erase(c.b, blocks_[c.b].hash_lo.load(std::memory_order_relaxed));
-        out[got++] = c.b;
+        if (got < n) {
+            out[got++] = c.b;
+        } else {
+            ++extra;
+            unref(user, c.b);  // evicted ahead of need: free for the next allocations
+        }
     }
     return got;
 }
 
 void KvArena::index_erase(int32_t b, uint64_t hash_lo) {
     const uint64_t mask = h_->index_capacity - 1;
-    for (uint64_t i = 0; i <= mask; ++i) {
+    for (uint64_t i = 0; i <= mask && i < kMaxProbe; ++i) {
         std::atomic<uint32_t>& e = index_[(hash_lo + i) & mask];
         uint32_t v = e.load(std::memory_order_relaxed);
         if (v == kEmpty) return;
@@ -280,19 +329,19 @@ bool KvArena::publish(uint32_t user, int32_t b, const BlockHash& h) {
     // that takes a reference while CACHED is set.
     m.word.fetch_or(kCached, std::memory_order_release);
     const uint64_t mask = h_->index_capacity - 1;
-    for (uint64_t i = 0; i <= mask; ++i) {
+    for (uint64_t i = 0; i <= mask && i < kMaxProbe; ++i) {
         std::atomic<uint32_t>& e = index_[(h.lo + i) & mask];
         uint32_t v = e.load(std::memory_order_relaxed);
         if (v == static_cast<uint32_t>(b) + 1) return true;
         if (v != kEmpty && v != kTomb) continue;
         if (e.compare_exchange_strong(v, static_cast<uint32_t>(b) + 1, std::memory_order_relaxed)) return true;
     }
-    return true;  // index full: the block is cached but only reachable by eviction
+    return true;  // no room within the probe bound: cached, but only reachable by eviction
 }
 
 int32_t KvArena::acquire_cached(uint32_t user, const BlockHash& h) {
     const uint64_t mask = h_->index_capacity - 1;
-    for (uint64_t i = 0; i <= mask; ++i) {
+    for (uint64_t i = 0; i <= mask && i < kMaxProbe; ++i) {
         uint32_t v = index_[(h.lo + i) & mask].load(std::memory_order_relaxed);
         if (v == kEmpty) return -1;
         if (v == kTomb) continue;
@@ -325,13 +374,16 @@ uint64_t KvArena::recover_user(uint32_t user) {
     for (uint32_t b = 0; b < h_->n_blocks; ++b) {
         std::atomic<uint64_t>& word = blocks_[b].word;
         uint64_t w = word.load(std::memory_order_relaxed);
-        uint64_t c = (w & field(user)) >> shift;
-        if (c == 0) continue;
-        // acq_rel: as unref(). Others only touch their own fields, so one fetch_sub of
-        // the whole count is exact.
-        w = word.fetch_sub(c << shift, std::memory_order_acq_rel) - (c << shift);
-        dropped += c;
-        after_drop(static_cast<int32_t>(b), w);
+        // A CAS, not a fetch_sub of what we read: a second recoverer (or one resuming
+        // after a recoverer died) finds the field already clear and does nothing.
+        for (uint64_t c; (c = w & field(user)) != 0;) {
+            // acq_rel: as unref().
+            if (word.compare_exchange_weak(w, w - c, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+                dropped += c >> shift;
+                after_drop(static_cast<int32_t>(b), w - c);
+                break;
+            }
+        }
     }
     // A process that died between a free's word store and its bit store left a free
     // block out of the index: put every free block's bit back (idempotent).

@@ -85,6 +85,9 @@ struct alignas(64) ArenaHeader {
     uint64_t index_capacity;
     uint64_t off_blocks, off_bitmap, off_index;  // from the header's address
     alignas(64) std::atomic<uint64_t> users[kArenaMaxUsers];  // ProcRef::pack() of each user slot's holder
+    struct alignas(64) Cursor {
+        std::atomic<uint64_t> word;  // where this user's next bitmap scan starts (a hint)
+    } cursor[kArenaMaxUsers];
 };
 
 struct ArenaCensus {
@@ -104,7 +107,8 @@ public:
     uint32_t n_blocks() const { return h_->n_blocks; }
     uint32_t n_users() const { return h_->n_users; }
 
-    // Takes a user slot for process `who`; its references are counted there.
+    // Takes a user slot for process `who`; its references are counted there. A
+    // process that already holds one gets the same slot back.
     Result<uint32_t> join(ProcRef who);
     // The user slot held by `who`, or -1.
     int32_t user_of(ProcRef who) const;
@@ -115,18 +119,27 @@ public:
     // Takes n blocks (all or nothing) with one reference each for user; evicts cached
     // blocks, least recently used first, when there are not enough free ones.
     bool alloc(uint32_t user, uint32_t n, int32_t* out);
-    // Adds a reference to a block that is already held. False if user's count for it
-    // is at its maximum (2^count_bits - 1).
+    // Adds a reference to a block that the caller (user) already holds. False if
+    // user's count for it is at its maximum (2^count_bits - 1).
     bool ref(uint32_t user, int32_t b);
+    // Hand-off between processes: gives `to` a reference to b only while `from` still
+    // holds one (one CAS), so a block whose holder died and was recovered (and maybe
+    // reallocated) is never co-owned by mistake. False if from holds none (or to's
+    // count is at its maximum).
+    bool share(uint32_t from, uint32_t to, int32_t b);
+    // Moves one of from's references to `to` in one CAS; false as share().
+    bool transfer(uint32_t from, uint32_t to, int32_t b);
     // Drops one of user's references; the block is free (or, if cached, evictable)
-    // when no references remain.
+    // when no references remain. Dropping a reference the user does not hold is a
+    // bug that would corrupt another user's count: it aborts with a message.
     void unref(uint32_t user, int32_t b);
     void unref(uint32_t user, const int32_t* b, uint32_t n);
 
     uint32_t refcount(int32_t b) const;
     uint32_t refs_of(uint32_t user, int32_t b) const;
     bool cached(int32_t b) const;
-    // Blocks whose free bit is set: exact when no operation is in flight.
+    // Blocks whose free bit is set: a hint (a recovery sweep racing a free can leave a
+    // bit set on a held block; it clears when that block is freed and taken again).
     uint32_t n_free() const;
 
     // Prefix cache. publish(): user holds b and its content is final; registers it
@@ -137,8 +150,9 @@ public:
 
     // After user's process died: drops every reference it held (including a block it
     // had just taken), puts blocks left free back in the free index, and frees the
-    // user slot. Must not run while that process may still be live. Returns the
-    // number of references dropped.
+    // user slot. Must not run while that process may still be live. Idempotent and
+    // safe to run from two recoverers at once or to resume after a recoverer died
+    // (each block's field is cleared by a CAS). Returns the references it dropped.
     uint64_t recover_user(uint32_t user);
 
     // Counts every block's state (exact when no operation is in flight).
@@ -160,7 +174,6 @@ private:
     BlockMeta* blocks_ = nullptr;
     std::atomic<uint64_t>* bits_ = nullptr;
     std::atomic<uint32_t>* index_ = nullptr;
-    uint64_t cursor_ = 0;  // this process's next bitmap word to look at
 };
 
 }  // namespace duet::shm

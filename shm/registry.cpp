@@ -74,7 +74,8 @@ uint64_t process_start_ticks(pid_t pid) {
     if (p == std::string::npos) return 0;
     std::istringstream in(s.substr(p + 1));
     std::string field;
-    for (int i = 3; i <= 22; ++i)
+    if (!(in >> field) || field == "Z" || field == "X" || field == "x") return 0;  // field 3: state
+    for (int i = 4; i <= 22; ++i)
         if (!(in >> field)) return 0;
     return std::strtoull(field.c_str(), nullptr, 10);
 }
@@ -158,13 +159,14 @@ bool Registry::reclaim(ProcRef r) {
 }
 
 ProcState Registry::state(uint32_t slot) const {
-    return state_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with transition()
+    return state_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with transition()'s release
 }
 ProcRef Registry::current(uint32_t slot) const {
-    return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_acquire))};  // pairs with claim()
+    // Relaxed: the generation and pid travel in the word itself; nothing else is read.
+    return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_relaxed))};
 }
 pid_t Registry::pid(uint32_t slot) const {
-    return pid_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with claim()
+    return pid_of(slots_[slot].state_gen.load(std::memory_order_relaxed));  // as current()
 }
 bool Registry::alive(ProcRef r) const {
     if (r.slot >= n_slots()) return false;
@@ -172,7 +174,32 @@ bool Registry::alive(ProcRef r) const {
     return gen_of(sg) == r.gen && is_live(state_of(sg));
 }
 void Registry::heartbeat(ProcRef r) const {
-    slots_[r.slot].heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
+    // Release, like claim()'s store: a reader that acquires any heartbeat sees the
+    // fields claim() set.
+    slots_[r.slot].heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
+}
+
+bool Registry::process_running(ProcRef r) const {
+    if (r.slot >= n_slots()) return false;
+    const ProcSlot& s = slots_[r.slot];
+    uint64_t sg = s.state_gen.load(std::memory_order_acquire);  // pairs with transition()'s release
+    if (gen_of(sg) != r.gen) return false;
+    pid_t pid = pid_of(sg);
+    uint64_t st = s.start_ticks.load(std::memory_order_relaxed);
+    uint64_t now = pid > 0 ? process_start_ticks(pid) : 0;
+    // A start time of another generation: claimed a moment ago and not stored yet;
+    // the pid was set by the claim itself, so its existence decides.
+    bool recorded = (st & 0xffffff) == r.gen;
+    return now != 0 && (!recorded || now == (st >> 24));
+}
+
+std::vector<ProcRef> Registry::dead_slots() const {
+    std::vector<ProcRef> out;
+    for (uint32_t i = 0; i < n_slots(); ++i) {
+        uint64_t sg = slots_[i].state_gen.load(std::memory_order_acquire);  // pairs with transition()
+        if (state_of(sg) == ProcState::Dead) out.push_back({i, gen_of(sg)});
+    }
+    return out;
 }
 
 std::vector<ProcRef> Registry::sweep_dead() {
@@ -181,14 +208,8 @@ std::vector<ProcRef> Registry::sweep_dead() {
         ProcSlot& s = slots_[i];
         uint64_t sg = s.state_gen.load(std::memory_order_acquire);
         if (!is_live(state_of(sg))) continue;
-        pid_t pid = pid_of(sg);
-        uint64_t st = s.start_ticks.load(std::memory_order_relaxed);
-        uint64_t now = pid > 0 ? process_start_ticks(pid) : 0;
-        // A start time of another generation: claimed a moment ago and not stored
-        // yet; the pid was set by the claim itself, so its existence decides.
-        bool recorded = (st & 0xffffff) == gen_of(sg);
-        if (now != 0 && (!recorded || now == (st >> 24))) continue;
         ProcRef r{i, gen_of(sg)};
+        if (process_running(r)) continue;
         if (mark_dead(r)) dead.push_back(r);
     }
     return dead;
@@ -202,8 +223,8 @@ LivenessMonitor::~LivenessMonitor() {
 Status LivenessMonitor::watch(const Registry& reg, ProcRef r) {
     if (r.slot >= reg.n_slots()) return make_error("registry slot {} out of range", r.slot);
     const ProcSlot& s = reg.slot(r.slot);
-    s.heartbeat_ns.load(std::memory_order_acquire);  // pairs with claim(): ticks set
-    pid_t pid = pid_of(s.state_gen.load(std::memory_order_acquire));  // pairs with claim()'s CAS
+    s.heartbeat_ns.load(std::memory_order_acquire);  // pairs with claim()'s / heartbeat()'s release: ticks set
+    pid_t pid = pid_of(s.state_gen.load(std::memory_order_relaxed));  // the claim's own word
     int fd = pid > 0 ? pidfd_open(pid) : -1;
     if (fd < 0 && errno != ESRCH) return make_error("pidfd_open({}) failed: {}", pid, std::strerror(errno));
     // The pidfd now pins this pid: if its start time still matches, it is our process

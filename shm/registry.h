@@ -60,7 +60,8 @@ struct RegistryHeader {
 };
 
 uint64_t monotonic_ns();
-// starttime (field 22 of /proc/<pid>/stat), 0 when the process does not exist.
+// starttime (field 22 of /proc/<pid>/stat), 0 when the process does not exist or
+// is a zombie (dead, not yet reaped).
 uint64_t process_start_ticks(pid_t pid);
 
 class Registry {
@@ -87,13 +88,19 @@ public:
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation
+    // Whether the process that claimed r still runs, by the OS: its pid exists, is
+    // not a zombie, and has the start time recorded at the claim.
+    bool process_running(ProcRef r) const;
     void heartbeat(ProcRef r) const;
     Doorbell& doorbell(uint32_t slot) const { return slots_[slot].doorbell; }
 
-    // Checks every live slot's pid against the OS (exists, same start time) and marks
-    // the dead ones DEAD; returns them. For a process that starts after others died
-    // unseen (no monitor was running).
+    // Checks every live slot's pid against the OS (exists and is not a zombie, same
+    // start time) and marks the dead ones DEAD; returns them. For a process that
+    // starts after others died unseen (no monitor was running).
     std::vector<ProcRef> sweep_dead();
+    // Slots left DEAD: deaths whose recovery has not finished (its recoverer may have
+    // died too). Recovery is idempotent, so a new recoverer simply runs it again.
+    std::vector<ProcRef> dead_slots() const;
 
 private:
     RegistryHeader* hdr_ = nullptr;

@@ -54,6 +54,7 @@ bool req_transition_allowed(ReqState from, ReqState to) {
 }
 
 size_t RequestTable::bytes(const RequestTableConfig& c) {
+    if (c.block_tokens == 0) return sizeof(RequestTableHeader);  // init() rejects it
     uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
     return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots;
 }
@@ -88,37 +89,58 @@ Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32
         return make_error("the prompt has {} tokens; a request slot holds {}", n_prompt, h_->max_tokens);
     if (params_bytes > kReqParamBytes)
         return make_error("sampling parameters are {} bytes; a slot holds {}", params_bytes, kReqParamBytes);
+    auto r = reserve(owner);
+    if (!r) return r.error();
+    if (Status st = queue(*r, prompt, n_prompt, params, params_bytes); !st) return st.error();
+    return r;
+}
+
+Result<ReqRef> RequestTable::reserve(ProcRef owner) {
     if (!owner.valid() || owner.slot >= 0xffff) return make_error("a request needs a registered owner");
+    const uint32_t start = h_->hint.load(std::memory_order_relaxed);
     for (uint32_t k = 0; k < h_->n_slots; ++k) {
-        uint32_t i = (hint_ + k) % h_->n_slots;
+        uint32_t i = (start + k) % h_->n_slots;
         ReqSlot& s = slot(i);
         uint64_t sg = s.state_gen.load(std::memory_order_relaxed);
-        if (state_of(sg) != ReqState::Free) continue;
-        if (owner_of(sg) != 0) continue;  // reserved by a submitter
+        if (state_of(sg) != ReqState::Free || owner_of(sg) != 0) continue;  // busy, or reserved by a submitter
         uint32_t gen = gen_of(sg) + 1;
-        if (gen == 0) gen = 1;  // 40 bits of generation; a u32 here wraps after 4e9 reuses
-        // Reserve: still FREE, but with a new generation and us as owner, so no other
-        // submitter takes it and nobody acts on it while we fill it. Acquire pairs
-        // with the release of the transition that freed it.
+        if (gen == 0) gen = 1;  // 32 bits of generation are used; wraps after 4e9 reuses
+        // Acquire pairs with the release of the transition that freed the slot.
         if (!s.state_gen.compare_exchange_strong(sg, pack_sg(gen, owner.slot + 1, ReqState::Free),
                                                  std::memory_order_acquire, std::memory_order_relaxed))
             continue;
-        s.cancel.store(0, std::memory_order_relaxed);
-        s.n_output.store(0, std::memory_order_relaxed);
-        s.n_blocks.store(0, std::memory_order_relaxed);
-        s.error_code.store(0, std::memory_order_relaxed);
-        s.submit_ns = monotonic_ns();
-        std::memset(s.params, 0, kReqParamBytes);
-        if (params_bytes) std::memcpy(s.params, params, params_bytes);
-        std::memcpy(tokens(i), prompt, 4ull * n_prompt);
-        s.n_prompt.store(n_prompt, std::memory_order_relaxed);
-        // Release pairs with the acquire of whoever takes the request next (its
-        // transition CAS or state load): the slot is filled before it is QUEUED.
-        s.state_gen.store(pack_sg(gen, owner.slot + 1, ReqState::Queued), std::memory_order_release);
-        hint_ = i + 1;
+        h_->hint.store(i + 1, std::memory_order_relaxed);
         return ReqRef{i, gen};
     }
     return make_error("all {} request slots are in use; retry later", h_->n_slots);
+}
+
+Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, const void* params,
+                           uint32_t params_bytes) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
+    if (n_prompt == 0 || n_prompt > h_->max_tokens)
+        return make_error("the prompt has {} tokens; a request slot holds 1 to {}", n_prompt, h_->max_tokens);
+    if (params_bytes > kReqParamBytes)
+        return make_error("sampling parameters are {} bytes; a slot holds {}", params_bytes, kReqParamBytes);
+    ReqSlot& s = slot(r.slot);
+    const uint64_t sg = s.state_gen.load(std::memory_order_relaxed);
+    if (gen_of(sg) != r.gen || state_of(sg) != ReqState::Free || owner_of(sg) == 0)
+        return make_error("request {}.{} is not reserved", r.slot, r.gen);
+    s.cancel.store(0, std::memory_order_relaxed);
+    s.n_output.store(0, std::memory_order_relaxed);
+    s.n_blocks.store(0, std::memory_order_relaxed);
+    s.error_code.store(0, std::memory_order_relaxed);
+    s.submit_ns = monotonic_ns();
+    std::memset(s.params, 0, kReqParamBytes);
+    if (params_bytes) std::memcpy(s.params, params, params_bytes);
+    std::memcpy(tokens(r.slot), prompt, 4ull * n_prompt);
+    s.n_prompt.store(n_prompt, std::memory_order_relaxed);
+    // Release pairs with the acquire of whoever takes the request next (its
+    // transition CAS or state load): the slot is filled before it is QUEUED. A plain
+    // store: nobody else writes a reserved slot's word (unreserve() only after the
+    // reserver died).
+    s.state_gen.store(pack_sg(r.gen, owner_of(sg), ReqState::Queued), std::memory_order_release);
+    return {};
 }
 
 bool RequestTable::transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner) {
@@ -129,11 +151,24 @@ bool RequestTable::transition(ReqRef r, ReqState from, ReqState to, ProcRef new_
         if (gen_of(w) != r.gen || state_of(w) != from) return false;
         uint32_t owner = owner_of(w);
         if (new_owner.valid()) owner = new_owner.slot + 1;
-        if (to == ReqState::Free || (to == ReqState::Queued && !new_owner.valid())) owner = 0;
+        if (to == ReqState::Free) owner = 0;
         // acq_rel: publishes the actor's writes to the slot (release) and sees the
         // previous actor's (acquire).
         if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, owner, to), std::memory_order_acq_rel,
                                               std::memory_order_relaxed))
+            return true;
+    }
+}
+
+bool RequestTable::adopt(ReqRef r, ProcRef new_owner) {
+    if (r.slot >= h_->n_slots || !new_owner.valid()) return false;
+    ReqSlot& s = slot(r.slot);
+    uint64_t w = s.state_gen.load(std::memory_order_relaxed);
+    for (;;) {
+        if (gen_of(w) != r.gen || state_of(w) == ReqState::Free) return false;
+        // acq_rel: as transition().
+        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, new_owner.slot + 1, state_of(w)),
+                                              std::memory_order_acq_rel, std::memory_order_relaxed))
             return true;
     }
 }
@@ -156,14 +191,19 @@ bool RequestTable::is(ReqRef r, ReqState st) const {
     return gen_of(w) == r.gen && state_of(w) == st;
 }
 
-Status RequestTable::append_output(ReqRef r, const int32_t* toks, uint32_t n) {
+Status RequestTable::check_running(ReqRef r) const {
     if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
-    ReqSlot& s = slot(r.slot);
-    uint64_t w = s.state_gen.load(std::memory_order_relaxed);
+    uint64_t w = slot(r.slot).state_gen.load(std::memory_order_relaxed);
     if (gen_of(w) != r.gen) return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
     if (state_of(w) != ReqState::Prefilling && state_of(w) != ReqState::Decoding)
-        return make_error("request {}.{} is {}: only a running request takes output", r.slot, r.gen,
+        return make_error("request {}.{} is {}: only a running request takes output or blocks", r.slot, r.gen,
                           req_state_name(state_of(w)));
+    return {};
+}
+
+Status RequestTable::append_output(ReqRef r, const int32_t* toks, uint32_t n) {
+    if (Status st = check_running(r); !st) return st;
+    ReqSlot& s = slot(r.slot);
     uint32_t np = s.n_prompt.load(std::memory_order_relaxed);
     uint32_t no = s.n_output.load(std::memory_order_relaxed);  // ours alone
     if (np + no + n > h_->max_tokens)
@@ -175,30 +215,55 @@ Status RequestTable::append_output(ReqRef r, const int32_t* toks, uint32_t n) {
     return {};
 }
 
-uint32_t RequestTable::read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const {
+Result<uint32_t> RequestTable::read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
     const ReqSlot& s = slot(r.slot);
+    auto same = [&] { return gen_of(s.state_gen.load(std::memory_order_acquire)) == r.gen; };  // pairs with transitions
+    if (!same()) return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
     uint32_t n = s.n_output.load(std::memory_order_acquire);  // pairs with append_output()
     uint32_t np = s.n_prompt.load(std::memory_order_relaxed);  // set before QUEUED was published
+    const size_t before = out.size();
     const int32_t* t = tokens(r.slot) + np;
-    for (uint32_t i = from; i < n; ++i) out.push_back(t[i]);
+    for (uint32_t i = from; i < n && np + i < h_->max_tokens; ++i) out.push_back(t[i]);
+    // The slot may have been freed and reused while we copied: then the copy may hold
+    // another request's tokens. Fence so the copy's loads are ordered before the check.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (!same()) {
+        out.resize(before);
+        return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
+    }
     return n;
 }
 
-Status RequestTable::set_blocks(ReqRef r, const int32_t* b, uint32_t n) {
-    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
-    if (n > h_->max_blocks) return make_error("{} blocks; a slot's block table holds {}", n, h_->max_blocks);
+Status RequestTable::append_blocks(ReqRef r, const int32_t* b, uint32_t n) {
+    if (Status st = check_running(r); !st) return st;
     ReqSlot& s = slot(r.slot);
-    std::memcpy(blocks(r.slot), b, 4ull * n);
+    uint32_t have = s.n_blocks.load(std::memory_order_relaxed);  // ours alone
+    if (have + n > h_->max_blocks)
+        return make_error("{} blocks; a slot's block table holds {}", have + n, h_->max_blocks);
+    std::memcpy(blocks(r.slot) + have, b, 4ull * n);
     // Release pairs with readers' acquire of n_blocks.
-    s.n_blocks.store(n, std::memory_order_release);
+    s.n_blocks.store(have + n, std::memory_order_release);
+    return {};
+}
+
+Status RequestTable::reset_blocks(ReqRef r) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
+    uint64_t w = slot(r.slot).state_gen.load(std::memory_order_relaxed);
+    if (gen_of(w) != r.gen) return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
+    slot(r.slot).n_blocks.store(0, std::memory_order_release);  // pairs with readers' acquire
     return {};
 }
 
 void RequestTable::cancel(ReqRef r) {
     if (r.slot >= h_->n_slots) return;
     // Names the generation, so a cancel that arrives after the slot was reused does
-    // not touch the new request. A flag only: the owner acts on it by a transition.
-    slot(r.slot).cancel.store(r.gen, std::memory_order_relaxed);
+    // not touch the new request, and never replaces a newer request's cancel. A flag
+    // only: the owner acts on it by a transition.
+    std::atomic<uint32_t>& c = slot(r.slot).cancel;
+    uint32_t cur = c.load(std::memory_order_relaxed);
+    while (cur != r.gen && (cur == 0 || static_cast<int32_t>(r.gen - cur) > 0))
+        if (c.compare_exchange_weak(cur, r.gen, std::memory_order_relaxed)) break;
 }
 
 bool RequestTable::cancelled(ReqRef r) const {

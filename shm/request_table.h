@@ -69,8 +69,10 @@ struct RequestTableHeader {
     uint32_t max_tokens;
     uint32_t max_blocks;
     uint64_t slot_bytes;
-    uint8_t pad_[40];
+    std::atomic<uint32_t> hint;  // where the next reserve() starts looking (relaxed: a hint)
+    uint8_t pad_[36];
 };
+static_assert(sizeof(RequestTableHeader) == 64);
 
 class RequestTable {
 public:
@@ -87,27 +89,41 @@ public:
     int32_t* tokens(uint32_t i) const { return reinterpret_cast<int32_t*>(&slot(i) + 1); }
     int32_t* blocks(uint32_t i) const { return tokens(i) + h_->max_tokens; }
 
-    // Takes a FREE slot for owner: reserves it (still FREE, new generation, owner
-    // set) in one CAS, fills the prompt and parameters, then publishes it QUEUED.
-    // Errors: table full, prompt too long, params too big.
+    // reserve() + queue(): the usual way in. Errors: table full, prompt too long or
+    // empty, params too big.
     Result<ReqRef> submit(ProcRef owner, const int32_t* prompt, uint32_t n_prompt, const void* params,
                           uint32_t params_bytes);
+    // Takes a FREE slot for owner in one CAS: still FREE, but with a new generation
+    // and the owner set, so no other submitter takes it and nobody acts on it.
+    Result<ReqRef> reserve(ProcRef owner);
+    // Fills a reserved slot (prompt, parameters) and publishes it QUEUED with a
+    // release store.
+    Status queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, const void* params, uint32_t params_bytes);
     // CAS from `from` to `to` at r's generation; false if the slot is elsewhere (or
-    // the transition is not allowed). new_owner, when valid, becomes the owner; a
-    // request going to FREE, or back to QUEUED with no new owner, has none.
+    // the transition is not allowed). Every request that is not FREE has an owner:
+    // new_owner, when valid, becomes it; otherwise the owner stays.
     bool transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner = {});
+    // Makes new_owner the owner without changing the state (a recoverer adopting a
+    // dead worker's finished requests, so their clients can still read them).
+    bool adopt(ReqRef r, ProcRef new_owner);
     ReqState state(uint32_t slot) const;
     // The owner's registry slot, or -1.
     int32_t owner_slot(uint32_t slot) const;
     ReqRef current(uint32_t slot) const;
     bool is(ReqRef r, ReqState s) const;
 
-    // Owner only: appends output tokens and publishes the new count.
+    // Owner only, while PREFILLING or DECODING: appends output tokens and publishes
+    // the new count.
     Status append_output(ReqRef r, const int32_t* toks, uint32_t n);
-    // Output tokens published so far, copied into out (appended).
-    uint32_t read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const;
-    // Owner only: sets the block table (n entries) and publishes its count.
-    Status set_blocks(ReqRef r, const int32_t* b, uint32_t n);
+    // Output tokens [from, published) appended to out; returns the published count.
+    // An error if the slot no longer holds request r (reused: its tokens are another
+    // request's), checked after the copy.
+    Result<uint32_t> read_output(ReqRef r, uint32_t from, std::vector<int32_t>& out) const;
+    // Owner only, while PREFILLING or DECODING: appends block-table entries (entries
+    // already published are never rewritten, so readers need no lock) and publishes
+    // the new count. reset_blocks() empties the table (before a re-drive).
+    Status append_blocks(ReqRef r, const int32_t* b, uint32_t n);
+    Status reset_blocks(ReqRef r);
 
     void cancel(ReqRef r);
     bool cancelled(ReqRef r) const;
@@ -120,8 +136,8 @@ public:
     std::vector<ReqRef> owned_by(uint32_t registry_slot) const;
 
 private:
+    Status check_running(ReqRef r) const;
     RequestTableHeader* h_ = nullptr;
-    uint32_t hint_ = 0;  // this process's next slot to try
 };
 
 }  // namespace duet::shm

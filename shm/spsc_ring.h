@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -54,6 +56,17 @@ Status ring_check(const void* mem, uint32_t record_bytes);
 
 inline uint8_t* ring_records(RingHeader* h) { return reinterpret_cast<uint8_t*>(h) + sizeof(RingHeader); }
 
+// An endpoint of the wrong record type would write past the ring into whatever
+// follows it in the segment: refuse loudly (a build mismatch, caught at attach).
+inline RingHeader* ring_checked(RingHeader* h, size_t record_bytes) {
+    if (h->magic != kRingMagic || h->record_bytes != record_bytes) {
+        std::fprintf(stderr, "duet: ring at %p holds %u-byte records (magic %#x); this endpoint uses %zu\n",
+                     static_cast<void*>(h), h->record_bytes, h->magic, record_bytes);
+        std::abort();
+    }
+    return h;
+}
+
 // Producer endpoint; T is the record type (trivially copyable, sizeof(T) == record_bytes).
 // Endpoints are cache-line aligned: two of them side by side in one process (a
 // thread per side) would otherwise share a line of private indices.
@@ -64,7 +77,7 @@ class alignas(kCacheLine) SpscProducer {
 public:
     SpscProducer() = default;
     explicit SpscProducer(RingHeader* h)
-        : h_(h), recs_(reinterpret_cast<T*>(ring_records(h))), mask_(h->mask), cap_(h->capacity) {
+        : h_(ring_checked(h, sizeof(T))), recs_(reinterpret_cast<T*>(ring_records(h))), mask_(h->mask), cap_(h->capacity) {
         tail_ = h_->tail.load(std::memory_order_relaxed);  // ours alone: a restart continues here
         // Pairs with the consumer's release store of head.
         head_cache_ = h_->head.load(std::memory_order_acquire);
@@ -117,7 +130,7 @@ class alignas(kCacheLine) SpscConsumer {
 public:
     SpscConsumer() = default;
     explicit SpscConsumer(RingHeader* h)
-        : h_(h), recs_(reinterpret_cast<const T*>(ring_records(h))), mask_(h->mask), cap_(h->capacity) {
+        : h_(ring_checked(h, sizeof(T))), recs_(reinterpret_cast<const T*>(ring_records(h))), mask_(h->mask), cap_(h->capacity) {
         head_ = h_->head.load(std::memory_order_relaxed);  // ours alone
         // Pairs with the producer's release store of tail.
         tail_cache_ = h_->tail.load(std::memory_order_acquire);

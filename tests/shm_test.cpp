@@ -493,6 +493,66 @@ TEST_F(Arena, RecoverUserReturnsEverythingADeadUserHeld) {
     ASSERT_TRUE(again.ok());
 }
 
+TEST_F(Arena, JoiningTwiceGivesTheSameSlot) {
+    make(8);
+    auto a = arena.join(ProcRef{5, 2});
+    auto b = arena.join(ProcRef{5, 2});
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(*a, *b);
+}
+
+TEST_F(Arena, RecoveryIsIdempotent) {
+    make(16);
+    auto dead = arena.join(ProcRef{3, 1});
+    auto live = arena.join(ProcRef{4, 1});
+    int32_t b[4];
+    ASSERT_TRUE(arena.alloc(*dead, 4, b));
+    ASSERT_TRUE(arena.ref(*dead, b[0]));
+    ASSERT_TRUE(arena.share(*dead, *live, b[1]));
+    // Two recoverers (or one resuming after another died) drop each reference once.
+    EXPECT_EQ(arena.recover_user(*dead), 5u);
+    EXPECT_EQ(arena.recover_user(*dead), 0u);
+    ArenaCensus c = arena.census();
+    EXPECT_EQ(c.refs_by_user[*live], 1u);
+    EXPECT_EQ(c.held, 1u);
+    EXPECT_EQ(c.free, 15u);
+}
+
+TEST_F(Arena, ShareAndTransferNeedTheGiverToStillHoldTheBlock) {
+    make(8);
+    auto p = arena.join(ProcRef{1, 1});  // prefill
+    auto d = arena.join(ProcRef{2, 1});  // decode
+    int32_t b;
+    ASSERT_TRUE(arena.alloc(*p, 1, &b));
+    EXPECT_TRUE(arena.transfer(*p, *d, b));
+    EXPECT_EQ(arena.refs_of(*p, b), 0u);
+    EXPECT_EQ(arena.refs_of(*d, b), 1u);
+    EXPECT_FALSE(arena.transfer(*p, *d, b)) << "prefill no longer holds it";
+    EXPECT_FALSE(arena.share(*p, *d, b));
+    EXPECT_TRUE(arena.share(*d, *p, b));
+    EXPECT_EQ(arena.refcount(b), 2u);
+    // The giver died and was recovered, the block freed and taken by someone else: a
+    // late hand-off must not make the receiver co-own the new holder's block.
+    auto other = arena.join(ProcRef{3, 1});
+    arena.unref(*p, b);
+    arena.recover_user(*d);
+    int32_t again;
+    ASSERT_TRUE(arena.alloc(*other, 1, &again));
+    ASSERT_EQ(again, b);
+    EXPECT_FALSE(arena.share(*d, *p, b));
+    EXPECT_EQ(arena.refcount(b), 1u);
+}
+
+TEST_F(Arena, DroppingAReferenceNotHeldAborts) {
+    make(4);
+    auto u = arena.join(ProcRef{1, 1});
+    auto v = arena.join(ProcRef{2, 1});
+    int32_t b;
+    ASSERT_TRUE(arena.alloc(*v, 1, &b));
+    EXPECT_DEATH(arena.unref(*u, b), "does not hold");
+    EXPECT_EQ(arena.refs_of(*v, b), 1u);
+}
+
 TEST_F(Arena, UserSlotsRunOut) {
     make(4, 2);
     ASSERT_TRUE(arena.join(ProcRef{1, 1}).ok());
@@ -622,7 +682,7 @@ TEST_F(Requests, LifecycleByCasAndGenerations) {
     EXPECT_TRUE(table.transition(*r, ReqState::Prefilling, ReqState::Decoding));
     ASSERT_TRUE(table.append_output(*r, out, 1).ok());
     std::vector<int32_t> got;
-    EXPECT_EQ(table.read_output(*r, 0, got), 3u);
+    EXPECT_EQ(*table.read_output(*r, 0, got), 3u);
     EXPECT_EQ(got, (std::vector<int32_t>{100, 101, 100}));
     EXPECT_TRUE(table.transition(*r, ReqState::Decoding, ReqState::Finished));
     EXPECT_TRUE(table.transition(*r, ReqState::Finished, ReqState::Free));
@@ -671,10 +731,65 @@ TEST_F(Requests, OwnedByFindsADeadWorkersRequestsForReDrive) {
     ASSERT_EQ(mine.size(), 1u);
     EXPECT_EQ(mine[0], *a);
     EXPECT_EQ(table.owned_by(front.slot).size(), 1u);  // b, still queued by the front
-    EXPECT_TRUE(table.transition(*a, ReqState::Decoding, ReqState::Queued));
-    EXPECT_EQ(table.owner_slot(a->slot), -1);
+    // Re-driven by the front, which becomes the owner: no request is ever ownerless.
+    EXPECT_TRUE(table.transition(*a, ReqState::Decoding, ReqState::Queued, front));
+    EXPECT_EQ(table.owner_slot(a->slot), 0);
     EXPECT_TRUE(table.owned_by(worker.slot).empty());
     (void)b;
+}
+
+TEST_F(Requests, AReservationOfADeadSubmitterIsFoundAndUndone) {
+    auto r = table.reserve(worker);  // the submitter "dies" here, before queue()
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(table.state(r->slot), ReqState::Free);
+    auto owned = table.owned_by(worker.slot);
+    ASSERT_EQ(owned.size(), 1u);
+    EXPECT_EQ(owned[0], *r);
+    // Nobody else takes a reserved slot.
+    int32_t p[1] = {1};
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(table.submit(front, p, 1, nullptr, 0).ok());
+    EXPECT_FALSE(table.submit(front, p, 1, nullptr, 0).ok()) << "3 free + 1 reserved of 4";
+    EXPECT_TRUE(table.unreserve(*r));
+    EXPECT_FALSE(table.unreserve(*r));
+    EXPECT_TRUE(table.owned_by(worker.slot).empty());
+    auto again = table.submit(front, p, 1, nullptr, 0);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->slot, r->slot);
+    EXPECT_FALSE(table.queue(*r, p, 1, nullptr, 0).ok()) << "the old reservation is gone";
+}
+
+TEST_F(Requests, AdoptCancelBlocksAndReadsAfterReuse) {
+    int32_t p[2] = {1, 2};
+    auto r = table.submit(front, p, 2, nullptr, 0);
+    ASSERT_TRUE(table.transition(*r, ReqState::Queued, ReqState::Prefilling, worker));
+    int32_t b1[2] = {10, 11}, b2[1] = {12};
+    EXPECT_TRUE(table.append_blocks(*r, b1, 2).ok());
+    EXPECT_TRUE(table.append_blocks(*r, b2, 1).ok());
+    EXPECT_EQ(table.slot(r->slot).n_blocks.load(), 3u);
+    EXPECT_EQ(table.blocks(r->slot)[2], 12);
+    int32_t t[1] = {42};
+    ASSERT_TRUE(table.append_output(*r, t, 1).ok());
+    ASSERT_TRUE(table.transition(*r, ReqState::Prefilling, ReqState::Finished));
+    EXPECT_FALSE(table.append_blocks(*r, b2, 1).ok()) << "a finished request takes no blocks";
+    // The worker died: the front adopts the finished request so its client can read it.
+    EXPECT_TRUE(table.adopt(*r, front));
+    EXPECT_EQ(table.owner_slot(r->slot), 0);
+    std::vector<int32_t> got;
+    EXPECT_EQ(*table.read_output(*r, 0, got), 1u);
+    ASSERT_TRUE(table.transition(*r, ReqState::Finished, ReqState::Free));
+    // Reused: reads of the old request fail instead of returning the new one's tokens.
+    ReqRef old = *r;
+    std::vector<ReqRef> mine;
+    for (int i = 0; i < 4; ++i) mine.push_back(*table.submit(front, p, 2, nullptr, 0));
+    got.clear();
+    EXPECT_FALSE(table.read_output(old, 0, got).ok());
+    EXPECT_TRUE(got.empty());
+    EXPECT_FALSE(table.adopt(old, worker));
+    // A late cancel of an older generation never replaces a newer one's.
+    ReqRef now = table.current(old.slot);
+    table.cancel(now);
+    table.cancel(old);
+    EXPECT_TRUE(table.cancelled(now));
 }
 
 TEST(ReqState, OnlyTheDocumentedTransitionsAreAllowed) {
