@@ -1,5 +1,6 @@
 #include "shm/segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -79,26 +80,76 @@ int creator_pid_of(int fd) {
     return h.creator_pid;
 }
 
+// The name still refers to the file open as fd (nobody replaced it meanwhile).
+bool same_file(int fd, const std::string& path) {
+    struct stat a {}, b {};
+    return fstat(fd, &a) == 0 && ::stat(path.c_str(), &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+// Segments are trusted memory: refuse one that another user made or can write.
+Status check_owner(int fd, const std::string& path) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0) return make_error("cannot stat {}: {}", path, errno_str(errno));
+    if (st.st_uid != geteuid())
+        return make_error("{} belongs to uid {}, not to this process's uid {}: refusing it", path, st.st_uid,
+                          geteuid());
+    if (st.st_mode & S_IWOTH) return make_error("{} is writable by other users (mode {:o}): refusing it", path,
+                                                st.st_mode & 07777);
+    return {};
+}
+
 // Either removes `path` as stale (no process holds a lock on it) or reports that it is
 // live. ENOENT counts as removed.
 Status clear_if_stale(const std::string& path, bool* replaced) {
-    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) {
-        if (errno == ENOENT) return {};
-        return make_error("cannot open existing segment {}: {}", path, errno_str(errno));
-    }
-    if (!lock_byte0(fd, F_WRLCK)) {
-        int pid = creator_pid_of(fd);
+    for (int attempt = 0; attempt < 8; ++attempt) {
+        int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0) {
+            if (errno == ENOENT) return {};
+            return make_error("cannot open existing segment {}: {}", path, errno_str(errno));
+        }
+        if (Status st = check_owner(fd, path); !st) {
+            ::close(fd);
+            return st;
+        }
+        if (!lock_byte0(fd, F_WRLCK)) {
+            int pid = creator_pid_of(fd);
+            ::close(fd);
+            return make_error("shared-memory segment {} is in use by a live instance (created by pid {}); "
+                              "stop that instance or choose another instance name",
+                              path, pid);
+        }
+        // Another creator may have replaced the stale file with a live one between our
+        // open and our lock: then the lock we hold is on the old file. Look again.
+        if (!same_file(fd, path)) {
+            ::close(fd);
+            continue;
+        }
+        // Nobody is attached: a dead instance's segment. Never reuse it.
+        int rc = ::unlink(path.c_str());
+        int e = errno;
         ::close(fd);
-        return make_error("shared-memory segment {} is in use by a live instance (created by pid {}); "
-                          "stop that instance or choose another instance name",
-                          path, pid);
+        if (rc != 0 && e != ENOENT) return make_error("cannot remove the stale segment {}: {}", path, errno_str(e));
+        *replaced = true;
+        return {};
     }
-    // Nobody is attached: a dead instance's segment. Never reuse it.
-    ::unlink(path.c_str());
-    ::close(fd);
-    *replaced = true;
-    return {};
+    return make_error("{} keeps being replaced by other processes; try again", path);
+}
+
+// Removes `.<name>.tmp.<pid>` files that creators died with (no lock held on them).
+void clear_stale_tmp(const char* dir, const std::string& name) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    const std::string prefix = "." + name + ".tmp.";
+    while (dirent* e = readdir(d)) {
+        std::string f = e->d_name;
+        if (f.rfind(prefix, 0) != 0) continue;
+        std::string path = std::string(dir) + f;
+        int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0) continue;
+        if (check_owner(fd, path).ok() && lock_byte0(fd, F_WRLCK) && same_file(fd, path)) ::unlink(path.c_str());
+        ::close(fd);
+    }
+    closedir(d);
 }
 
 }  // namespace
@@ -145,41 +196,49 @@ Result<Segment> Segment::create(const std::string& name, const SegmentOptions& o
                           name);
     Segment s;
     s.name_ = name;
-    for (const char* dir : {kShmDir, kHugeDir})
+    for (const char* dir : {kShmDir, kHugeDir}) {
         if (Status st = clear_if_stale(std::string(dir) + name, &s.replaced_stale_); !st) return st.error();
-
-    size_t size = kSegmentHeaderBytes + opts.payload_bytes;
-    size = (size + 4095) / 4096 * 4096;
-    const char* dir = kShmDir;
-    s.page_mode_ = PageMode::Small;
-    if (opts.huge_pages) {
-        if (hugetlbfs_fits((size + kHugePage - 1) / kHugePage * kHugePage)) {
-            dir = kHugeDir;
-            s.page_mode_ = PageMode::HugeTlb;
-            size = (size + kHugePage - 1) / kHugePage * kHugePage;
-        } else if (shmem_thp_enabled()) {
-            s.page_mode_ = PageMode::TransparentHuge;
-        }
+        clear_stale_tmp(dir, name);
     }
-    // Built under a private name and linked into place only when ready, so the public
-    // name never shows a half-initialized segment.
-    std::string tmp = std::string(dir) + "." + name + ".tmp." + std::to_string(getpid());
-    s.path_ = std::string(dir) + name;
-    ::unlink(tmp.c_str());
-    s.fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, opts.mode);
-    if (s.fd_ < 0) return make_error("cannot create {}: {}", tmp, errno_str(errno));
+
+    const size_t small_size = (kSegmentHeaderBytes + opts.payload_bytes + 4095) / 4096 * 4096;
+    const size_t huge_size = (small_size + kHugePage - 1) / kHugePage * kHugePage;
+    bool try_hugetlb = opts.huge_pages && hugetlbfs_fits(huge_size);
+    std::string tmp;
+    size_t size = 0;
     auto fail = [&](std::string what) -> Result<Segment> {
         int e = errno;
         ::unlink(tmp.c_str());
         return make_error("{} {}: {}", what, tmp, errno_str(e));
     };
-    if (fchmod(s.fd_, opts.mode) != 0) return fail("cannot set the mode of");
-    if (!lock_byte0(s.fd_, F_WRLCK)) return fail("cannot lock");
-    if (ftruncate(s.fd_, static_cast<off_t>(size)) != 0) return fail("cannot size");
-    s.base_ = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd_, 0);
-    if (s.base_ == MAP_FAILED) {
-        s.base_ = nullptr;
-        return fail("cannot map");
+    for (;;) {
+        const char* dir = try_hugetlb ? kHugeDir : kShmDir;
+        size = try_hugetlb ? huge_size : small_size;
+        s.page_mode_ = try_hugetlb ? PageMode::HugeTlb
+                       : (opts.huge_pages && shmem_thp_enabled()) ? PageMode::TransparentHuge
+                                                                  : PageMode::Small;
+        // Built under a private name and linked into place only when ready, so the
+        // public name never shows a half-initialized segment.
+        tmp = std::string(dir) + "." + name + ".tmp." + std::to_string(getpid());
+        s.path_ = std::string(dir) + name;
+        ::unlink(tmp.c_str());
+        s.fd_ = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, opts.mode);
+        if (s.fd_ < 0) return make_error("cannot create {}: {}", tmp, errno_str(errno));
+        if (fchmod(s.fd_, opts.mode) != 0) return fail("cannot set the mode of");
+        if (!lock_byte0(s.fd_, F_WRLCK)) return fail("cannot lock");
+        bool ok = ftruncate(s.fd_, static_cast<off_t>(size)) == 0;
+        if (ok) {
+            s.base_ = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, s.fd_, 0);
+            ok = s.base_ != MAP_FAILED;
+            if (!ok) s.base_ = nullptr;
+        }
+        if (ok) break;
+        if (!try_hugetlb) return fail("cannot size or map");
+        // Huge pages taken by someone else since we looked: fall back to tmpfs.
+        ::unlink(tmp.c_str());
+        ::close(s.fd_);
+        s.fd_ = -1;
+        try_hugetlb = false;
     }
     s.size_ = size;
     if (s.page_mode_ == PageMode::TransparentHuge && madvise(s.base_, size, MADV_HUGEPAGE) != 0)
@@ -229,6 +288,7 @@ Result<Segment> Segment::open(const std::string& name, uint32_t layout_version, 
     if (s.fd_ < 0)
         return make_error("no shared-memory segment named {} (in {} or {}): is the instance running?", name, kShmDir,
                           kHugeDir);
+    if (Status st = check_owner(s.fd_, s.path_); !st) return st.error();
     // A write lock we can take means nobody is attached: a dead instance's segment.
     if (lock_byte0(s.fd_, F_WRLCK))
         return make_error("shared-memory segment {} is stale: the instance that made it (pid {}) is gone", s.path_,
@@ -274,6 +334,20 @@ Status Segment::unlink(const std::string& name) {
         if (::unlink(p.c_str()) != 0 && errno != ENOENT) return make_error("cannot remove {}: {}", p, errno_str(errno));
     }
     return {};
+}
+
+Result<bool> Segment::remove_if_stale(const std::string& name) {
+    if (!valid_name(name)) return make_error("bad segment name '{}'", name);
+    bool removed = false;
+    for (const char* dir : {kShmDir, kHugeDir}) {
+        Status st = clear_if_stale(std::string(dir) + name, &removed);
+        if (!st) {
+            if (st.error().message.find("in use by a live instance") != std::string::npos) return false;
+            return st.error();
+        }
+        clear_stale_tmp(dir, name);
+    }
+    return removed;
 }
 
 bool Segment::in_use(const std::string& name) {

@@ -11,7 +11,8 @@
 // converts it to a read lock (atomic for fcntl locks). The kernel drops the lock
 // when the process dies, however it dies. A segment whose byte 0 can be
 // write-locked has no live user: create() replaces it (never reuses it), open()
-// refuses it unless its header says it is ready.
+// refuses it as stale. Segments must belong to this process's user and not be
+// writable by others: their contents are trusted.
 #pragma once
 
 #include <sys/types.h>
@@ -67,6 +68,9 @@ public:
     static Status unlink(const std::string& name);
     // True when a segment of this name exists and a live process is attached to it.
     static bool in_use(const std::string& name);
+    // Removes the segment (from /dev/shm and /dev/hugepages) and any half-made
+    // temporary of it, if no live process is attached. True if something was removed.
+    static Result<bool> remove_if_stale(const std::string& name);
 
     Segment() = default;
     ~Segment();

@@ -25,9 +25,12 @@ EngineOptions options(const std::string& instance) {
     return o;
 }
 
+// A segment lives in /dev/shm, or in /dev/hugepages where hugetlbfs has room.
 bool exists(const std::string& path) {
     struct stat st {};
-    return stat(path.c_str(), &st) == 0;
+    if (stat(path.c_str(), &st) == 0) return true;
+    const std::string shm = "/dev/shm/";
+    return path.rfind(shm, 0) == 0 && stat(("/dev/hugepages/" + path.substr(shm.size())).c_str(), &st) == 0;
 }
 
 }  // namespace

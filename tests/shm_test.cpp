@@ -1,6 +1,7 @@
 // Unit tests of the shared-memory substrate, one structure at a time, in one process
 // (the multi-thread, multi-process and kill tests are in shm_stress_test.cpp and
 // shm_kill_test.cpp).
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -128,6 +129,46 @@ TEST(Segment, StaleSegmentOfADeadProcessIsReplacedNotReused) {
     EXPECT_STREQ(reinterpret_cast<const char*>(s->payload()), "") << "old contents must not be reused";
 }
 
+TEST(Segment, RefusesSegmentsOfOtherUsersOrWritableByOthers) {
+    std::string name = unique_name("seg");
+    Unlinker u{name};
+    {
+        auto a = Segment::create(name, opts(100));
+        ASSERT_TRUE(a.ok());
+        ASSERT_EQ(chmod(a->path().c_str(), 0666), 0);
+        auto b = Segment::open(name, 7, 42);
+        ASSERT_FALSE(b.ok());
+        EXPECT_NE(b.error().message.find("writable by other users"), std::string::npos) << b.error().message;
+    }
+    if (geteuid() != 0) GTEST_SKIP() << "the other-owner case needs root to chown";
+    std::string path = "/dev/shm/" + name;
+    ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+    ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+    auto c = Segment::create(name, opts(100));
+    ASSERT_FALSE(c.ok()) << "a stale segment of another user is neither reused nor removed";
+    EXPECT_NE(c.error().message.find("belongs to uid 65534"), std::string::npos) << c.error().message;
+    auto d = Segment::open(name, 7, 42);
+    ASSERT_FALSE(d.ok());
+    EXPECT_NE(d.error().message.find("belongs to uid 65534"), std::string::npos) << d.error().message;
+}
+
+TEST(Segment, HalfMadeTemporariesOfDeadCreatorsAreRemoved) {
+    std::string name = unique_name("seg");
+    Unlinker u{name};
+    std::string tmp = "/dev/shm/." + name + ".tmp.999999";
+    int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 1 << 20), 0);
+    ::close(fd);
+    auto a = Segment::create(name, opts(100));
+    ASSERT_TRUE(a.ok()) << a.error().message;
+    struct stat st {};
+    EXPECT_NE(stat(tmp.c_str(), &st), 0) << tmp << " should be gone";
+    auto r = Segment::remove_if_stale(name);
+    ASSERT_TRUE(r.ok());
+    EXPECT_FALSE(*r) << "live: not removed";
+}
+
 TEST(Segment, RejectsBadNamesAndReportsMissing) {
     EXPECT_FALSE(Segment::create("../etc/passwd", opts(10)).ok());
     EXPECT_FALSE(Segment::create("", opts(10)).ok());
@@ -189,9 +230,15 @@ TEST(Registry, FullRegistryIsAnError) {
     EXPECT_NE(c.error().message.find("2 process registry slots"), std::string::npos);
 }
 
-TEST(Registry, ProcessStartTicksTellPidsApart) {
+TEST(Registry, ProcessStartTicksTellPidsApartAndZombiesAreDead) {
     EXPECT_GT(process_start_ticks(getpid()), 0u);
     EXPECT_EQ(process_start_ticks(0x3fffffff), 0u);
+    pid_t child = fork();
+    if (child == 0) _exit(0);
+    // Not reaped yet: a zombie, whose /proc entry still shows its start time.
+    for (int i = 0; i < 1000 && process_start_ticks(child) != 0; ++i) usleep(1000);
+    EXPECT_EQ(process_start_ticks(child), 0u) << "a zombie counts as dead";
+    waitpid(child, nullptr, 0);
 }
 
 TEST(Registry, LivenessMonitorReportsADeathWithinMilliseconds) {

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 namespace duet {
 
@@ -23,17 +24,22 @@ void ShmBlockAllocator::ref(int32_t block) {
 }
 
 int remove_stale_segments(const std::string& prefix) {
-    DIR* d = opendir("/dev/shm");
-    if (!d) return 0;
-    int n = 0;
     const std::string full = "duet." + prefix;
-    while (dirent* e = readdir(d)) {
-        std::string name = e->d_name;
-        if (name.rfind(full, 0) != 0) continue;
-        if (shm::Segment::in_use(name)) continue;
-        if (shm::Segment::unlink(name).ok()) ++n;
+    std::vector<std::string> names;
+    for (const char* dir : {"/dev/shm", "/dev/hugepages"}) {
+        DIR* d = opendir(dir);
+        if (!d) continue;
+        while (dirent* e = readdir(d)) {
+            std::string name = e->d_name;
+            if (name.rfind(full, 0) == 0) names.push_back(name);
+        }
+        closedir(d);
     }
-    closedir(d);
+    int n = 0;
+    for (const std::string& name : names) {
+        auto r = shm::Segment::remove_if_stale(name);  // checks liveness and identity under the lock
+        n += r.ok() && *r;
+    }
     return n;
 }
 
@@ -63,6 +69,7 @@ Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_b
     auto user = kv->inst_.arena(0).join(kv->self_);
     if (!user) return user.error();
     kv->user_ = *user;
+    kv->joined_ = true;
     kv->pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(kv->inst_.cpu_kv_data()),
                                          std::make_unique<ShmBlockAllocator>(kv->inst_.arena(0), kv->user_));
     return kv;
@@ -70,9 +77,9 @@ Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_b
 
 ShmKv::~ShmKv() {
     pool_.reset();
-    inst_.arena(0).leave(user_);
-    inst_.registry().release(self_);
-    shm::Instance::unlink(inst_.config().name);
+    if (joined_) inst_.arena(0).leave(user_);
+    if (self_.valid()) inst_.registry().release(self_);
+    shm::Instance::unlink(inst_.config().name);  // this object created the instance
 }
 
 std::string ShmKv::describe() const {

@@ -52,11 +52,12 @@ private:
     shm::Instance inst_;
     shm::ProcRef self_;
     uint32_t user_ = 0;
+    bool joined_ = false;  // user_ is ours only once join() succeeded
     std::unique_ptr<KvPool> pool_;
 };
 
-// Unlinks /dev/shm/duet.<prefix>* segments that no live process has attached.
-// Returns how many were removed.
+// Unlinks duet.<prefix>* segments (in /dev/shm and /dev/hugepages) that no live
+// process has attached. Returns how many were removed.
 int remove_stale_segments(const std::string& prefix);
 
 }  // namespace duet
