@@ -18,10 +18,10 @@
 // It is not the default because it makes every producer write the doorbell's cache
 // line, where the fence form only reads it while the consumer is awake.
 #if defined(__SANITIZE_THREAD__)
-#define DUET_DOORBELL_RMW 1
+#define DUET_TSAN 1
 #elif defined(__has_feature)
 #if __has_feature(thread_sanitizer)
-#define DUET_DOORBELL_RMW 1
+#define DUET_TSAN 1
 #endif
 #endif
 
@@ -42,7 +42,7 @@ uint64_t doorbell_now_ns();  // CLOCK_MONOTONIC
 // Producer side, after publishing (the ring's release store of its tail): wakes the
 // consumer if it is asleep. Costs one fence and one load when it is awake.
 inline bool doorbell_ring(Doorbell& d) {
-#ifdef DUET_DOORBELL_RMW
+#ifdef DUET_TSAN
     // Pairs with the consumer's exchange (see above).
     if (d.word.fetch_or(0, std::memory_order_acq_rel) == 0) return false;
 #else
@@ -72,7 +72,7 @@ bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_n
     const uint64_t deadline = timeout_ns < 0 ? 0 : doorbell_now_ns() + static_cast<uint64_t>(timeout_ns);
     for (;;) {
         if (ready()) return true;
-#ifdef DUET_DOORBELL_RMW
+#ifdef DUET_TSAN
         d.word.exchange(1, std::memory_order_acq_rel);  // pairs with the producer's fetch_or
 #else
         d.word.store(1, std::memory_order_relaxed);

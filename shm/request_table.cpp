@@ -1,5 +1,7 @@
 #include "shm/request_table.h"
 
+#include "shm/doorbell.h"  // DUET_TSAN: defined when built under ThreadSanitizer
+
 #include <cstring>
 #include <new>
 
@@ -226,9 +228,16 @@ Result<uint32_t> RequestTable::read_output(ReqRef r, uint32_t from, std::vector<
     const int32_t* t = tokens(r.slot) + np;
     for (uint32_t i = from; i < n && np + i < h_->max_tokens; ++i) out.push_back(t[i]);
     // The slot may have been freed and reused while we copied: then the copy may hold
-    // another request's tokens. Fence so the copy's loads are ordered before the check.
+    // another request's tokens. The check must come after the copy's loads: a fence
+    // (seqlock reader), or under ThreadSanitizer, which does not model fences, an
+    // acq_rel RMW that leaves the word as it is.
+#ifdef DUET_TSAN
+    const bool still = gen_of(const_cast<ReqSlot&>(s).state_gen.fetch_add(0, std::memory_order_acq_rel)) == r.gen;
+#else
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (!same()) {
+    const bool still = same();
+#endif
+    if (!still) {
         out.resize(before);
         return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
     }
