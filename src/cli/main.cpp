@@ -8,6 +8,7 @@
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
 #include "cli/shm_status.h"
+#include "cli/topo.h"
 
 using namespace duet;
 
@@ -92,6 +93,16 @@ int main(int argc, char** argv) {
     c_ss->add_option("instance", shm_instance, "instance name (segments /dev/shm/duet.<name>)")->required();
     c_ss->add_flag("--json", shm_json, "print one JSON object");
 
+    // duet topo
+    TopoArgs topo;
+    CLI::App* c_topo = app.add_subcommand("topo", "the machine (hwloc) and where front, prefill and decode would run");
+    c_topo->add_option("--synthetic", topo.synthetic, "plan for an hwloc synthetic topology, e.g. \"pack:2 core:8 pu:2\"");
+    c_topo->add_option("--devices", topo.devices, "GPUs to serve on, e.g. 0-3 (default: the CPU)");
+    c_topo->add_option("--front-cpus", topo.front_cpus, "pin the front here");
+    c_topo->add_option("--prefill-cpus", topo.prefill_cpus, "pin prefill here (CPU serving)");
+    c_topo->add_option("--decode-cpus", topo.decode_cpus, "pin decode here (CPU serving); disjoint from prefill");
+    c_topo->add_flag("--json", topo.json, "print one JSON object");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -108,6 +119,7 @@ int main(int argc, char** argv) {
             return cmd_bench_shm(shm_bench);
         }
         if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
+        if (c_topo->parsed()) return cmd_topo(topo);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "duet: %s\n", e.what());
         return 1;

@@ -1,0 +1,68 @@
+// Where each process of an instance runs: the machine as hwloc sees it (cores,
+// NUMA nodes, GPUs and the cores close to them), and the plan that puts the front,
+// and a prefill and a decode process per device, on cores of their own. `duet topo`
+// prints the plan; `duet serve` will start the roles with it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+
+namespace duet {
+
+struct MachineCore {
+    int numa = 0;          // NUMA node (logical index)
+    std::vector<int> pus;  // OS indices of its hardware threads, first one first
+};
+
+struct MachineGpu {
+    int device = 0;         // CUDA ordinal, by PCI bus order
+    std::string pci;        // domain:bus:dev.fn
+    std::vector<int> pus;   // OS indices of the hardware threads close to it
+};
+
+struct Machine {
+    std::vector<MachineCore> cores;
+    int n_numa = 1;
+    std::vector<MachineGpu> gpus;
+    std::string source;  // "this machine" or the synthetic description
+
+    // This machine, by hwloc (with NVIDIA GPUs found on its PCI bus).
+    static Result<Machine> detect();
+    // An hwloc synthetic topology, e.g. "pack:2 numa:1 core:8 pu:2" (for tests and
+    // for planning another machine's layout).
+    static Result<Machine> synthetic(const std::string& description);
+};
+
+struct Placement {
+    std::string role;       // "front", "prefill", "decode"
+    int device = -1;        // -1: CPU
+    std::vector<int> cpus;  // OS indices of the hardware threads it is pinned to
+    int threads = 1;        // compute threads
+    int numa = 0;
+};
+
+struct PlanOptions {
+    std::vector<int> devices;  // GPUs to serve on; empty: the CPU
+    // Overrides (CPU serving): explicit CPU lists for the roles.
+    std::vector<int> front_cpus, prefill_cpus, decode_cpus;
+};
+
+struct Plan {
+    std::vector<Placement> roles;
+    std::vector<std::string> notes;  // compromises the plan had to make
+};
+
+// The placement of front, prefill and decode processes. On CPU: one hardware thread
+// per core (SMT siblings would share the SIMD units), prefill and decode on disjoint
+// cores of one NUMA node (they share the KV arena), the front on a core of its own
+// when there is one to spare. On GPUs: a prefill and a decode process per device,
+// each on a core close to its GPU. Errors: overlapping prefill/decode overrides,
+// CPUs or devices the machine does not have.
+Result<Plan> plan_placement(const Machine& m, const PlanOptions& o);
+
+// "0-3,8,10-11" as in --cpus.
+std::string format_cpu_list(const std::vector<int>& cpus);
+
+}  // namespace duet

@@ -1,0 +1,121 @@
+// Process placement on hwloc synthetic topologies and hand-made GPU machines: who
+// gets which cores, and the errors for impossible requests.
+#include "roles/placement.h"
+
+#include <algorithm>
+
+#include <gtest/gtest.h>
+
+using namespace duet;
+
+namespace {
+
+const Placement& role(const Plan& p, const std::string& name, int device = -1) {
+    for (const Placement& r : p.roles)
+        if (r.role == name && r.device == device) return r;
+    static Placement none;
+    ADD_FAILURE() << "no " << name << " for device " << device;
+    return none;
+}
+
+bool disjoint(const std::vector<int>& a, const std::vector<int>& b) {
+    for (int x : a)
+        if (std::find(b.begin(), b.end(), x) != b.end()) return false;
+    return true;
+}
+
+}  // namespace
+
+TEST(Placement, TwoCoresPrefillAndDecodeApartFrontSharesPrefill) {
+    auto m = Machine::synthetic("pack:1 core:2 pu:1");
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    auto p = plan_placement(*m, {});
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(role(*p, "prefill").cpus, std::vector<int>{0});
+    EXPECT_EQ(role(*p, "decode").cpus, std::vector<int>{1});
+    EXPECT_EQ(role(*p, "front").cpus, std::vector<int>{0});
+    EXPECT_EQ(p->notes.size(), 1u);
+}
+
+TEST(Placement, SmtSiblingsAreNotUsedAndTheFrontGetsACoreWhenThereAreThree) {
+    auto m = Machine::synthetic("pack:1 core:5 pu:2");  // PUs 0..9, core k = PUs 2k, 2k+1
+    ASSERT_TRUE(m.ok());
+    auto p = plan_placement(*m, {});
+    ASSERT_TRUE(p.ok());
+    const auto& pre = role(*p, "prefill").cpus;
+    const auto& dec = role(*p, "decode").cpus;
+    const auto& fr = role(*p, "front").cpus;
+    EXPECT_EQ(pre, (std::vector<int>{0, 2}));
+    EXPECT_EQ(dec, (std::vector<int>{4, 6}));
+    EXPECT_EQ(fr, std::vector<int>{8});
+    EXPECT_EQ(role(*p, "prefill").threads, 2);
+    for (int c : pre) EXPECT_EQ(c % 2, 0) << "one hardware thread per core";
+    EXPECT_TRUE(disjoint(pre, dec) && disjoint(fr, pre) && disjoint(fr, dec));
+    EXPECT_TRUE(p->notes.empty());
+}
+
+TEST(Placement, PrefillAndDecodeStayOnOneNumaNodeAndTheFrontGoesElsewhere) {
+    auto m = Machine::synthetic("pack:2 numa:1 core:4 pu:1");
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_EQ(m->n_numa, 2);
+    auto p = plan_placement(*m, {});
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(role(*p, "prefill").numa, role(*p, "decode").numa);
+    EXPECT_NE(role(*p, "front").numa, role(*p, "prefill").numa);
+    EXPECT_EQ(role(*p, "prefill").cpus.size() + role(*p, "decode").cpus.size(), 4u);
+}
+
+TEST(Placement, OverridesAreCheckedAndMustKeepPrefillAndDecodeApart) {
+    auto m = Machine::synthetic("pack:1 core:4 pu:1");
+    ASSERT_TRUE(m.ok());
+    PlanOptions o;
+    o.prefill_cpus = {0, 1};
+    o.decode_cpus = {1, 2};
+    auto bad = plan_placement(*m, o);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find("overlap at CPU 1"), std::string::npos) << bad.error().message;
+    o.decode_cpus = {7};
+    auto missing = plan_placement(*m, o);
+    ASSERT_FALSE(missing.ok());
+    EXPECT_NE(missing.error().message.find("CPU 7 is not on this machine"), std::string::npos);
+    o.decode_cpus = {3};
+    auto ok = plan_placement(*m, o);
+    ASSERT_TRUE(ok.ok());
+    EXPECT_EQ(role(*ok, "prefill").cpus, (std::vector<int>{0, 1}));
+    EXPECT_EQ(role(*ok, "decode").cpus, std::vector<int>{3});
+}
+
+TEST(Placement, GpuRolesRunOnCoresCloseToTheirGpu) {
+    Machine m;
+    m.source = "two sockets, a GPU on each";
+    m.n_numa = 2;
+    for (int i = 0; i < 8; ++i) m.cores.push_back({i / 4, {i}});
+    m.gpus.push_back({0, "0000:17:00.0", {0, 1, 2, 3}});
+    m.gpus.push_back({1, "0000:b1:00.0", {4, 5, 6, 7}});
+    PlanOptions o;
+    o.devices = {0, 1};
+    auto p = plan_placement(m, o);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    for (int d : {0, 1})
+        for (const char* r : {"prefill", "decode"}) {
+            const Placement& pl = role(*p, r, d);
+            ASSERT_EQ(pl.cpus.size(), 1u);
+            EXPECT_EQ(pl.numa, d) << r << " of GPU " << d << " is on CPU " << pl.cpus[0];
+        }
+    EXPECT_FALSE(plan_placement(m, PlanOptions{{2}, {}, {}, {}}).ok()) << "GPU 2 does not exist";
+}
+
+TEST(Placement, ThisMachineCanBePlanned) {
+    auto m = Machine::detect();
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_FALSE(m->cores.empty());
+    auto p = plan_placement(*m, {});
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->roles.size(), 3u);
+}
+
+TEST(Placement, CpuListFormatting) {
+    EXPECT_EQ(format_cpu_list({3, 0, 1, 2, 8, 10, 11}), "0-3,8,10-11");
+    EXPECT_EQ(format_cpu_list({5}), "5");
+    EXPECT_EQ(format_cpu_list({}), "");
+}
