@@ -17,6 +17,11 @@ uint64_t pack_sg(uint32_t gen, uint32_t owner, ReqState s) {
            static_cast<uint64_t>(s);
 }
 uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 24); }
+// Bits 56..63: the attempt, bumped each time a running request goes back to QUEUED,
+// so a message about an earlier attempt (a stale hand-off) can be told apart even
+// when the same request is being prefilled again by a process in the same slot.
+constexpr uint64_t kAttemptMask = 0xffull << 56;
+uint32_t attempt_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 56); }
 uint32_t owner_of(uint64_t sg) { return static_cast<uint32_t>((sg >> 8) & 0xffff); }
 ReqState state_of(uint64_t sg) { return static_cast<ReqState>(sg & 0xff); }
 
@@ -154,9 +159,11 @@ bool RequestTable::transition(ReqRef r, ReqState from, ReqState to, ProcRef new_
         uint32_t owner = owner_of(w);
         if (new_owner.valid()) owner = new_owner.slot + 1;
         if (to == ReqState::Free) owner = 0;
+        uint64_t attempt = w & kAttemptMask;
+        if (to == ReqState::Queued) attempt = static_cast<uint64_t>((attempt_of(w) + 1) & 0xff) << 56;
         // acq_rel: publishes the actor's writes to the slot (release) and sees the
         // previous actor's (acquire).
-        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, owner, to), std::memory_order_acq_rel,
+        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, owner, to) | attempt, std::memory_order_acq_rel,
                                               std::memory_order_relaxed))
             return true;
     }
@@ -169,10 +176,29 @@ bool RequestTable::adopt(ReqRef r, ProcRef new_owner) {
     for (;;) {
         if (gen_of(w) != r.gen || state_of(w) == ReqState::Free) return false;
         // acq_rel: as transition().
-        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, new_owner.slot + 1, state_of(w)),
+        if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, new_owner.slot + 1, state_of(w)) | (w & kAttemptMask),
                                               std::memory_order_acq_rel, std::memory_order_relaxed))
             return true;
     }
+}
+
+uint32_t RequestTable::attempt(uint32_t i) const {
+    return attempt_of(slot(i).state_gen.load(std::memory_order_acquire));  // pairs with transition()
+}
+
+bool RequestTable::is_with(ReqRef r, uint32_t att, ReqState st, ProcRef owner) const {
+    if (r.slot >= h_->n_slots) return false;
+    uint64_t w = slot(r.slot).state_gen.load(std::memory_order_acquire);  // pairs with transition()
+    return gen_of(w) == r.gen && attempt_of(w) == att && state_of(w) == st && owner_of(w) == owner.slot + 1;
+}
+
+bool RequestTable::commit(ReqRef r, uint32_t att, ReqState from, ProcRef from_owner, ReqState to, ProcRef to_owner) {
+    if (r.slot >= h_->n_slots || !req_transition_allowed(from, to) || !to_owner.valid()) return false;
+    uint64_t expect = pack_sg(r.gen, from_owner.slot + 1, from) | (static_cast<uint64_t>(att & 0xff) << 56);
+    // acq_rel: as transition(). One exact CAS: generation, attempt, state and owner.
+    return slot(r.slot).state_gen.compare_exchange_strong(
+        expect, pack_sg(r.gen, to_owner.slot + 1, to) | (static_cast<uint64_t>(att & 0xff) << 56),
+        std::memory_order_acq_rel, std::memory_order_relaxed);
 }
 
 int32_t RequestTable::owner_slot(uint32_t i) const {

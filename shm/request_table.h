@@ -38,7 +38,7 @@ struct ReqRef {
 };
 
 struct alignas(64) ReqSlot {
-    // (generation << 24) | (owner registry slot + 1) << 8 | ReqState. The owner is in
+    // (attempt << 56) | (generation << 24) | (owner registry slot + 1) << 8 | ReqState. The owner is in
     // the state word so that taking a request and naming its owner is one CAS: no
     // crash can leave a request that nobody owns. (A registry slot is reused only
     // after its dead process's requests were recovered, so the slot index alone
@@ -107,6 +107,14 @@ public:
     // dead worker's finished requests, so their clients can still read them).
     bool adopt(ReqRef r, ProcRef new_owner);
     ReqState state(uint32_t slot) const;
+    // The attempt (0-255, wrapping): bumped whenever a running request goes back to
+    // QUEUED, so messages about an earlier attempt are recognisably stale.
+    uint32_t attempt(uint32_t slot) const;
+    // Whether r is exactly (attempt, state, owner) now.
+    bool is_with(ReqRef r, uint32_t attempt, ReqState s, ProcRef owner) const;
+    // One exact CAS from (r.gen, attempt, from, from_owner) to (to, to_owner): what a
+    // hand-off commits with, so it cannot act on a later attempt of the request.
+    bool commit(ReqRef r, uint32_t attempt, ReqState from, ProcRef from_owner, ReqState to, ProcRef to_owner);
     // The owner's registry slot, or -1.
     int32_t owner_slot(uint32_t slot) const;
     ReqRef current(uint32_t slot) const;
