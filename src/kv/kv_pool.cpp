@@ -109,6 +109,20 @@ void KvSeq::truncate(KvPool& pool, int64_t n) {
     n_tokens_ = std::min(n_tokens_, n);
 }
 
+KvSeq KvSeq::adopt(std::vector<int32_t> blocks, int64_t n_tokens) {
+    KvSeq s;
+    s.blocks_ = std::move(blocks);
+    s.n_tokens_ = n_tokens;
+    return s;
+}
+
+std::vector<int32_t> KvSeq::detach() {
+    std::vector<int32_t> b = std::move(blocks_);
+    blocks_.clear();
+    n_tokens_ = 0;
+    return b;
+}
+
 KvSeq KvSeq::fork(KvPool& pool) const {
     KvSeq s;
     s.blocks_ = blocks_;

@@ -133,6 +133,12 @@ public:
     // A copy-on-write fork: shares every block.
     KvSeq fork(KvPool& pool) const;
     void release(KvPool& pool) { truncate(pool, 0); }
+    // A sequence over blocks whose references the caller already holds (a hand-off
+    // from another process), with positions [0, n_tokens) valid.
+    static KvSeq adopt(std::vector<int32_t> blocks, int64_t n_tokens);
+    // Gives up the block list without dropping the references (they now belong to
+    // the caller, e.g. until a hand-off settles).
+    std::vector<int32_t> detach();
 
 private:
     std::vector<int32_t> blocks_;

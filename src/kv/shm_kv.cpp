@@ -23,6 +23,21 @@ void ShmBlockAllocator::ref(int32_t block) {
     }
 }
 
+int32_t ShmBlockAllocator::refcount(int32_t block) const {
+    int32_t n = static_cast<int32_t>(arena_.refcount(block));
+    for (const auto& [b, giver] : handed_)
+        if (b == block) n -= static_cast<int32_t>(arena_.refs_of(giver, block));
+    return n;
+}
+
+void ShmBlockAllocator::handed_by(uint32_t giver_user, const std::vector<int32_t>& blocks) {
+    // Prune entries whose giver has let go (or whose block we no longer hold).
+    std::erase_if(handed_, [&](const std::pair<int32_t, uint32_t>& e) {
+        return arena_.refs_of(e.second, e.first) == 0 || arena_.refs_of(user_, e.first) == 0;
+    });
+    for (int32_t b : blocks) handed_.emplace_back(b, giver_user);
+}
+
 int remove_stale_segments(const std::string& prefix) {
     const std::string full = "duet." + prefix;
     std::vector<std::string> names;

@@ -21,11 +21,19 @@ public:
     bool alloc(int32_t n, int32_t* out) override;
     void ref(int32_t block) override;
     void unref(int32_t block) override { arena_.unref(user_, block); }
-    int32_t refcount(int32_t block) const override { return static_cast<int32_t>(arena_.refcount(block)); }
+    // For copy-on-write decisions: every reference, except those a hand-off's giver
+    // still holds on blocks it handed to us (it never touches them again and drops
+    // them once the hand-off settles), so a handed block is written in place.
+    int32_t refcount(int32_t block) const override;
+    // Blocks handed to us by `giver_user`: its lingering references do not count.
+    void handed_by(uint32_t giver_user, const std::vector<int32_t>& blocks);
+    uint32_t user() const { return user_; }
+    shm::KvArena& arena() { return arena_; }
 
 private:
     shm::KvArena arena_;
     uint32_t user_;
+    std::vector<std::pair<int32_t, uint32_t>> handed_;  // (block, giver user), pruned when the giver lets go
 };
 
 struct ShmKvOptions {

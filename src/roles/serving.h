@@ -1,0 +1,53 @@
+// What the serving roles (front, prefill, decode) agree on: the instance layout they
+// share, the ring each message kind travels on, the message record, and the request
+// parameters stored in a request slot.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "model/model.h"
+#include "model/sampler.h"
+#include "shm/instance.h"
+
+namespace duet {
+
+inline constexpr uint32_t kRingToPrefill = 0;  // front -> prefill: a request is QUEUED
+inline constexpr uint32_t kRingToDecode = 1;   // prefill -> decode: a hand-off
+
+struct ServeLayout {
+    std::string instance;
+    uint32_t n_requests = 64;  // request slots
+    int64_t n_ctx = 2048;      // tokens per request (prompt + output)
+    uint32_t n_blocks = 0;     // KV blocks; 0: enough for every slot at full context, capped at 8 GiB of KV
+};
+
+// The shm instance for serving `model` with this layout.
+shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model);
+
+// A ring record (one cache line).
+struct WireMsg {
+    uint32_t slot, gen;
+    uint32_t attempt;                        // hand-off: the attempt prefilled
+    uint32_t from_slot, from_gen, from_user;  // hand-off: the giver
+    uint32_t pad[10];
+};
+static_assert(sizeof(WireMsg) == 64 && std::is_trivially_copyable_v<WireMsg>);
+
+// Stored in a request slot's params bytes.
+struct RequestParams {
+    SamplingParams sampling;
+    uint32_t max_tokens = 128;
+    uint32_t stop_at_eog = 1;
+};
+static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
+
+inline RequestParams request_params(const shm::RequestTable& t, uint32_t slot) {
+    RequestParams p;
+    std::memcpy(&p, t.slot(slot).params, sizeof p);
+    return p;
+}
+
+}  // namespace duet

@@ -1,0 +1,106 @@
+// The prefill and decode workers: each is one process's loop over the shared
+// instance. Prefill takes QUEUED requests (prompt + any output already produced,
+// so a re-driven request continues where it stopped), runs the forward pass in
+// chunks, samples the next token and hands the request and its KV blocks to
+// decode (shm/handoff.h: no copy, no crash window). Decode runs every request it
+// holds one token per step in one batched forward pass (continuous batching: a new
+// request joins at the next step boundary), until end of generation, max_tokens or
+// cancel. Output tokens go into the request slot; sampling is keyed by (seed,
+// output index), so a re-driven stream is the same stream.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "base/thread_pool.h"
+#include "kernels.h"
+#include "kv/shm_kv.h"
+#include "model/cpu_backend.h"
+#include "model/tokenizer.h"
+#include "roles/serving.h"
+#include "shm/handoff.h"
+
+namespace duet {
+
+struct WorkerOptions {
+    int threads = 1;
+    std::vector<int> cpus;
+    cpu::Isa isa = cpu::Isa::Scalar;
+    int64_t prefill_chunk = 512;
+};
+
+// What both workers share: registration, the arena user, a KV pool over the
+// instance's KV data, the backend.
+class WorkerBase {
+public:
+    virtual ~WorkerBase();
+    shm::ProcRef self() const { return self_; }
+    // Loops on step() until *stop, sleeping on this process's doorbell when idle.
+    Status run(const std::atomic<bool>& stop);
+    virtual Result<bool> step() = 0;
+
+protected:
+    Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
+    virtual bool has_work() = 0;
+
+    shm::Instance* inst_ = nullptr;
+    const Model* model_ = nullptr;
+    shm::ProcRef self_;
+    uint32_t user_ = 0;
+    bool joined_ = false;
+    ShmBlockAllocator* alloc_ = nullptr;  // owned by pool_
+    std::unique_ptr<KvPool> pool_;
+    std::unique_ptr<ThreadPool> threads_;
+    std::unique_ptr<CpuBackend> backend_;
+    std::unique_ptr<Tokenizer> tok_;
+    Sampler sampler_;
+    std::vector<float> logits_;
+    WorkerOptions opts_;
+};
+
+class PrefillWorker final : public WorkerBase {
+public:
+    static Result<std::unique_ptr<PrefillWorker>> create(shm::Instance& inst, const Model& model,
+                                                         const WorkerOptions& o);
+    ~PrefillWorker();
+    // Settles finished hand-offs and prefills at most one queued request; false when
+    // there was nothing to do.
+    Result<bool> step() override;
+
+private:
+    bool has_work() override;
+    struct Pending {
+        shm::Handoff h;
+        std::vector<int32_t> blocks;
+    };
+    void settle();
+    shm::SpscConsumer<WireMsg> in_;
+    shm::SpscProducer<WireMsg> out_;
+    std::vector<Pending> pending_;
+};
+
+class DecodeWorker final : public WorkerBase {
+public:
+    static Result<std::unique_ptr<DecodeWorker>> create(shm::Instance& inst, const Model& model,
+                                                        const WorkerOptions& o);
+    ~DecodeWorker();
+    // Takes new hand-offs and runs one decode step over every request it holds;
+    // false when it holds none.
+    Result<bool> step() override;
+    size_t active() const { return active_.size(); }
+
+private:
+    bool has_work() override;
+    struct Active {
+        shm::ReqRef req;
+        KvSeq seq;
+        RequestParams params;
+        std::vector<int32_t> prompt, output;
+    };
+    void finish(size_t i, shm::ReqState to);
+    shm::SpscConsumer<WireMsg> in_;
+    std::vector<Active> active_;
+};
+
+}  // namespace duet

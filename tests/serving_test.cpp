@@ -1,0 +1,214 @@
+// Prefill and decode as separate processes over one shm instance, on the real
+// model, with this test as the front: greedy outputs equal the single-process
+// engine's (duet run's path) token for token, several requests are decoded in one
+// batch, and a SIGKILLed decode or prefill worker loses nothing — its requests are
+// re-driven from prompt + tokens already produced and finish with exactly the same
+// tokens — and every KV block is free again at the end.
+#include <signal.h>
+
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "engine/engine.h"
+#include "roles/workers.h"
+#include "shm_test_util.h"
+
+using namespace duet;
+using namespace duet::shm::testing;
+
+namespace {
+
+const std::vector<std::string> kPrompts = {
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+};
+constexpr uint32_t kMaxTokens = 24;
+
+struct Flags {
+    std::atomic<bool> stop;
+};
+
+struct Serving {
+    std::unique_ptr<Model> model;
+    shm::InstanceConfig cfg;
+    shm::Instance inst;
+    SegmentGuard flags_guard{unique_name("srvflags")};
+    shm::Segment flags_seg;
+    Flags* flags = nullptr;
+    shm::ProcRef front;
+    shm::SpscProducer<WireMsg> to_prefill;
+
+    void start() {
+        auto m = Model::load(DUET_MODEL_PATH);
+        ASSERT_TRUE(m.ok()) << m.error().message;
+        model = std::move(m).value();
+        ServeLayout l;
+        l.instance = unique_name("serve");
+        l.n_requests = 8;
+        l.n_ctx = 256;
+        cfg = serve_instance_config(l, *model);
+        auto in = shm::Instance::create(cfg);
+        ASSERT_TRUE(in.ok()) << in.error().message;
+        inst = std::move(*in);
+        shm::SegmentOptions o;
+        o.payload_bytes = 4096;
+        auto f = shm::Segment::create(flags_guard.name, o);
+        ASSERT_TRUE(f.ok());
+        flags_seg = std::move(*f);
+        flags = new (flags_seg.payload()) Flags{};
+        auto fr = inst.registry().claim(shm::Role::Front, -1, getpid());
+        ASSERT_TRUE(fr.ok());
+        front = *fr;
+        inst.registry().set_running(front);
+        to_prefill = shm::SpscProducer<WireMsg>(inst.ring(kRingToPrefill));
+    }
+    ~Serving() { shm::Instance::unlink(cfg.name); }
+
+    pid_t spawn(bool prefill, int cpu) {
+        return fork_run([this, prefill, cpu] {
+            WorkerOptions o;
+            o.threads = 1;
+            o.cpus = {cpu};
+            o.isa = cpu::isa_best();
+            std::unique_ptr<WorkerBase> w;
+            if (prefill) {
+                auto p = PrefillWorker::create(inst, *model, o);
+                if (!p) return 2;
+                w = std::move(*p);
+            } else {
+                auto d = DecodeWorker::create(inst, *model, o);
+                if (!d) return 2;
+                w = std::move(*d);
+            }
+            return w->run(flags->stop).ok() ? 0 : 1;
+        });
+    }
+
+    void send(shm::ReqRef r) {
+        WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
+        while (!to_prefill.try_push(m)) usleep(100);
+        for (uint32_t s = 0; s < inst.registry().n_slots(); ++s)
+            if (inst.registry().state(s) == shm::ProcState::Running &&
+                inst.registry().slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
+                shm::doorbell_ring(inst.registry().doorbell(s));
+    }
+
+    shm::ReqRef submit(const std::vector<int32_t>& prompt) {
+        RequestParams p;
+        p.sampling.temperature = 0.0f;
+        p.max_tokens = kMaxTokens;
+        auto r = inst.requests().submit(front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
+        EXPECT_TRUE(r.ok()) << r.error().message;
+        send(*r);
+        return *r;
+    }
+
+    // Waits until r is FINISHED (60 s at most), returns its output and frees the slot.
+    std::vector<int32_t> collect(shm::ReqRef r) {
+        shm::RequestTable& t = inst.requests();
+        for (int i = 0; i < 60000 && !t.is(r, shm::ReqState::Finished); ++i) {
+            if (t.is(r, shm::ReqState::Failed)) break;
+            usleep(1000);
+        }
+        std::vector<int32_t> out;
+        EXPECT_TRUE(t.is(r, shm::ReqState::Finished)) << "request " << r.slot << " is " << shm::req_state_name(t.state(r.slot));
+        (void)t.read_output(r, 0, out);
+        t.transition(r, shm::ReqState::Finished, shm::ReqState::Free);
+        return out;
+    }
+
+    // What the front does when a worker dies.
+    uint32_t recover(pid_t pid) {
+        uint32_t redriven = 0;
+        shm::Registry& reg = inst.registry();
+        for (uint32_t s = 0; s < reg.n_slots(); ++s)
+            if (reg.pid(s) == pid && reg.state(s) != shm::ProcState::Free) {
+                auto rep = inst.recover(reg.current(s), front, true);
+                EXPECT_TRUE(rep.ok()) << rep.error().message;
+                if (rep.ok()) redriven += rep->redriven;
+            }
+        for (uint32_t s = 0; s < inst.requests().n_slots(); ++s)
+            if (inst.requests().state(s) == shm::ReqState::Queued) send(inst.requests().current(s));
+        return redriven;
+    }
+};
+
+}  // namespace
+
+TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
+    Serving sv;
+    sv.start();
+    if (::testing::Test::HasFatalFailure()) return;
+    // Workers first: this process is still single-threaded, so fork() is safe.
+    pid_t prefill = sv.spawn(true, 0);
+    pid_t decode = sv.spawn(false, 1);
+    struct Reaper {
+        pid_t* p[2];
+        ~Reaper() {
+            for (pid_t* x : p)
+                if (*x > 0 && kill(*x, SIGKILL) == 0) wait_exit(*x);
+        }
+    } reaper{{&prefill, &decode}};
+
+    // References from the single-process engine (its threads end before any later fork).
+    std::vector<std::vector<int32_t>> prompts, want;
+    {
+        EngineOptions eo;
+        eo.model_path = DUET_MODEL_PATH;
+        eo.threads = 1;
+        eo.n_ctx = 256;
+        auto e = Engine::create(eo);
+        ASSERT_TRUE(e.ok()) << e.error().message;
+        for (const std::string& text : kPrompts) {
+            prompts.push_back((*e)->tokenizer().encode(text, true, false));
+            GenerateOptions g;
+            g.max_tokens = kMaxTokens;
+            g.sampling.temperature = 0.0f;
+            std::vector<int32_t> out;
+            ASSERT_TRUE((*e)->generate(prompts.back(), g, [&](int32_t id) {
+                out.push_back(id);
+                return true;
+            }).ok());
+            want.push_back(out);
+        }
+    }
+
+    // All four at once: decode runs them as one batch.
+    std::vector<shm::ReqRef> reqs;
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i];
+
+    // SIGKILL decode mid-stream, then prefill; every stream finishes identically.
+    uint32_t redriven = 0;
+    for (bool kill_decode : {true, false}) {
+        reqs.clear();
+        for (auto& p : prompts) reqs.push_back(sv.submit(p));
+        shm::RequestTable& t = sv.inst.requests();
+        if (kill_decode) {  // wait until some tokens have been produced by decode
+            for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+        } else {
+            usleep(2000);
+        }
+        pid_t& victim = kill_decode ? decode : prefill;
+        kill(victim, SIGKILL);
+        EXPECT_EQ(wait_exit(victim), 128 + SIGKILL);
+        redriven += sv.recover(victim);
+        victim = sv.spawn(!kill_decode, kill_decode ? 1 : 0);
+        for (size_t i = 0; i < reqs.size(); ++i)
+            EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << (kill_decode ? " (decode killed)" : " (prefill killed)");
+    }
+    EXPECT_GT(redriven, 0u) << "the kills should have caught requests in flight";
+    std::printf("2 worker kills re-drove %u requests; all outputs equal the engine's\n", redriven);
+
+    sv.flags->stop.store(true);
+    EXPECT_EQ(wait_exit(prefill), 0);
+    EXPECT_EQ(wait_exit(decode), 0);
+    prefill = decode = 0;
+    shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.free, c.total) << c.held << " KV blocks still held";
+    for (uint32_t s = 0; s < sv.inst.requests().n_slots(); ++s)
+        EXPECT_EQ(sv.inst.requests().state(s), shm::ReqState::Free);
+}
