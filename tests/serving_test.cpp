@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine.h"
+#include "roles/supervisor.h"
 #include "roles/workers.h"
 #include "shm_test_util.h"
 
@@ -136,6 +137,34 @@ struct Serving {
     }
 };
 
+// The single-process engine's greedy outputs (duet run's path), computed once; the
+// engine's threads are gone when this returns.
+void engine_reference(std::vector<std::vector<int32_t>>& prompts, std::vector<std::vector<int32_t>>& want) {
+    static std::vector<std::vector<int32_t>> p0, w0;
+    if (p0.empty()) {
+        EngineOptions eo;
+        eo.model_path = DUET_MODEL_PATH;
+        eo.threads = 1;
+        eo.n_ctx = 256;
+        auto e = Engine::create(eo);
+        ASSERT_TRUE(e.ok()) << e.error().message;
+        for (const std::string& text : kPrompts) {
+            p0.push_back((*e)->tokenizer().encode(text, true, false));
+            GenerateOptions g;
+            g.max_tokens = kMaxTokens;
+            g.sampling.temperature = 0.0f;
+            std::vector<int32_t> out;
+            ASSERT_TRUE((*e)->generate(p0.back(), g, [&](int32_t id) {
+                out.push_back(id);
+                return true;
+            }).ok());
+            w0.push_back(out);
+        }
+    }
+    prompts = p0;
+    want = w0;
+}
+
 }  // namespace
 
 TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
@@ -155,26 +184,8 @@ TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
 
     // References from the single-process engine (its threads end before any later fork).
     std::vector<std::vector<int32_t>> prompts, want;
-    {
-        EngineOptions eo;
-        eo.model_path = DUET_MODEL_PATH;
-        eo.threads = 1;
-        eo.n_ctx = 256;
-        auto e = Engine::create(eo);
-        ASSERT_TRUE(e.ok()) << e.error().message;
-        for (const std::string& text : kPrompts) {
-            prompts.push_back((*e)->tokenizer().encode(text, true, false));
-            GenerateOptions g;
-            g.max_tokens = kMaxTokens;
-            g.sampling.temperature = 0.0f;
-            std::vector<int32_t> out;
-            ASSERT_TRUE((*e)->generate(prompts.back(), g, [&](int32_t id) {
-                out.push_back(id);
-                return true;
-            }).ok());
-            want.push_back(out);
-        }
-    }
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
 
     // All four at once: decode runs them as one batch.
     std::vector<shm::ReqRef> reqs;
@@ -211,4 +222,61 @@ TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
     EXPECT_EQ(c.free, c.total) << c.held << " KV blocks still held";
     for (uint32_t s = 0; s < sv.inst.requests().n_slots(); ++s)
         EXPECT_EQ(sv.inst.requests().state(s), shm::ReqState::Free);
+}
+
+// The same with the real `duet prefill` and `duet decode` executables under the
+// Supervisor: a SIGKILLed decode is noticed, recovered, its requests re-driven and
+// the role restarted, and the streams still equal the engine's; SIGTERM stops both
+// cleanly.
+TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
+    std::vector<std::vector<int32_t>> prompts, want;
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
+    Serving sv;
+    sv.start();
+    if (::testing::Test::HasFatalFailure()) return;
+    Supervisor sup(sv.inst, sv.front, [&](shm::ReqRef r) { sv.send(r); });
+    const std::string bin = DUET_BINARY;
+    for (auto [role, cpu] : {std::pair{"prefill", "0"}, std::pair{"decode", "1"}})
+        ASSERT_TRUE(sup.start({role, {bin, role, "--instance", sv.cfg.name, "-m", DUET_MODEL_PATH, "-t", "1",
+                                      "--cpus", cpu}})
+                        .ok());
+    auto collect = [&](shm::ReqRef r) {  // as Serving::collect, polling the supervisor meanwhile
+        shm::RequestTable& t = sv.inst.requests();
+        for (int i = 0; i < 60000 && !t.is(r, shm::ReqState::Finished) && !t.is(r, shm::ReqState::Failed); ++i) {
+            sup.poll();
+            usleep(1000);
+        }
+        return sv.collect(r);
+    };
+    std::vector<shm::ReqRef> reqs;
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    shm::RequestTable& t = sv.inst.requests();
+    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) {
+        sup.poll();
+        usleep(500);
+    }
+    pid_t dec = sup.pid_of("decode");
+    ASSERT_GT(dec, 0);
+    kill(dec, SIGKILL);
+    std::vector<Supervisor::Event> ev;
+    for (int i = 0; i < 5000 && ev.empty(); ++i) {
+        ev = sup.poll();
+        usleep(1000);
+    }
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_EQ(ev[0].role, "decode");
+    EXPECT_TRUE(WIFSIGNALED(ev[0].status) && WTERMSIG(ev[0].status) == SIGKILL);
+    EXPECT_GT(ev[0].restarted_as, 0);
+    EXPECT_GT(ev[0].recovered.redriven + ev[0].recovered.adopted, 0u) << "decode held requests when killed";
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(collect(reqs[i]), want[i]) << kPrompts[i];
+    EXPECT_EQ(sup.restarts(), 1u);
+    Status st = sup.stop_all(10000);
+    EXPECT_TRUE(st.ok()) << st.error().message;
+    shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.free, c.total) << c.held << " KV blocks still held";
+    for (uint32_t s = 0; s < sv.inst.registry().n_slots(); ++s)
+        if (s != sv.front.slot) {
+            EXPECT_EQ(sv.inst.registry().state(s), shm::ProcState::Free) << "registry slot " << s;
+        }
 }

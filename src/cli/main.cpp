@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "cli/shm_status.h"
 #include "cli/topo.h"
+#include "cli/worker_roles.h"
 
 using namespace duet;
 
@@ -103,6 +104,19 @@ int main(int argc, char** argv) {
     c_topo->add_option("--decode-cpus", topo.decode_cpus, "pin decode here (CPU serving); disjoint from prefill");
     c_topo->add_flag("--json", topo.json, "print one JSON object");
 
+    // duet prefill / duet decode
+    WorkerArgs worker;
+    worker.model = default_model;
+    CLI::App* c_prefill = app.add_subcommand("prefill", "a prefill worker of a running instance");
+    CLI::App* c_decode = app.add_subcommand("decode", "a decode worker of a running instance");
+    for (CLI::App* c : {c_prefill, c_decode}) {
+        c->add_option("--instance", worker.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
+        c->add_option("-m,--model", worker.model, "GGUF model file (the instance's)")->capture_default_str();
+        c->add_option("-t,--threads", worker.threads, "compute threads")->capture_default_str();
+        c->add_option("--cpus", worker.cpus, "pin threads to these CPUs");
+        c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    }
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -120,6 +134,8 @@ int main(int argc, char** argv) {
         }
         if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
         if (c_topo->parsed()) return cmd_topo(topo);
+        if (c_prefill->parsed()) return cmd_worker(worker, true);
+        if (c_decode->parsed()) return cmd_worker(worker, false);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "duet: %s\n", e.what());
         return 1;

@@ -1,0 +1,80 @@
+#include "cli/worker_roles.h"
+
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+
+#include "engine/engine.h"
+#include "roles/workers.h"
+
+namespace duet {
+
+namespace {
+std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
+void on_signal(int) { g_stop.store(true); }
+}  // namespace
+
+int cmd_worker(const WorkerArgs& a, bool prefill) {
+    const char* role = prefill ? "prefill" : "decode";
+    auto inst = shm::Instance::attach(a.instance);
+    if (!inst) {
+        std::fprintf(stderr, "duet %s: %s\n", role, inst.error().message.c_str());
+        return 1;
+    }
+    auto model = Model::load(a.model);
+    if (!model) {
+        std::fprintf(stderr, "duet %s: %s\n", role, model.error().message.c_str());
+        return 1;
+    }
+    if ((*model)->fingerprint() != inst->config().model_fingerprint) {
+        std::fprintf(stderr, "duet %s: %s is not the model instance %s serves (fingerprint %016llx, expected %016llx)\n",
+                     role, a.model.c_str(), a.instance.c_str(),
+                     static_cast<unsigned long long>((*model)->fingerprint()),
+                     static_cast<unsigned long long>(inst->config().model_fingerprint));
+        return 2;
+    }
+    WorkerOptions o;
+    o.threads = a.threads;
+    if (!a.cpus.empty()) {
+        auto list = parse_cpu_list(a.cpus);
+        if (!list) {
+            std::fprintf(stderr, "duet %s: --cpus: %s\n", role, list.error().message.c_str());
+            return 2;
+        }
+        o.cpus = *list;
+    }
+    auto isa = parse_isa(a.isa);
+    if (!isa) {
+        std::fprintf(stderr, "duet %s: %s\n", role, isa.error().message.c_str());
+        return 2;
+    }
+    o.isa = *isa;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
+    Status st;
+    if (prefill) {
+        auto w = PrefillWorker::create(*inst, **model, o);
+        if (!w) {
+            std::fprintf(stderr, "duet prefill: %s\n", w.error().message.c_str());
+            return 1;
+        }
+        st = (*w)->run(g_stop);
+    } else {
+        auto w = DecodeWorker::create(*inst, **model, o);
+        if (!w) {
+            std::fprintf(stderr, "duet decode: %s\n", w.error().message.c_str());
+            return 1;
+        }
+        st = (*w)->run(g_stop);
+    }
+    if (!st) {
+        std::fprintf(stderr, "duet %s: %s\n", role, st.error().message.c_str());
+        return 1;
+    }
+    return 0;
+}
+
+}  // namespace duet

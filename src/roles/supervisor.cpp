@@ -1,0 +1,116 @@
+#include "roles/supervisor.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+namespace duet {
+
+Supervisor::Supervisor(shm::Instance& inst, shm::ProcRef front, std::function<void(shm::ReqRef)> resend)
+    : inst_(inst), front_(front), resend_(std::move(resend)) {}
+
+Supervisor::~Supervisor() { (void)stop_all(5000); }
+
+Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
+    if (spec.argv.empty()) return make_error("role {}: no command", spec.name);
+    std::vector<char*> argv;
+    for (const std::string& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    pid_t pid = fork();
+    if (pid < 0) return make_error("role {}: fork failed: {}", spec.name, std::strerror(errno));
+    if (pid == 0) {
+        execv(argv[0], argv.data());
+        _exit(127);
+    }
+    return pid;
+}
+
+Result<pid_t> Supervisor::start(const RoleSpec& spec) {
+    auto pid = spawn(spec);
+    if (!pid) return pid.error();
+    children_.push_back(Child{spec, *pid, {}, false});
+    return *pid;
+}
+
+shm::RecoveryReport Supervisor::recover(pid_t pid) {
+    shm::RecoveryReport total;
+    shm::Registry& reg = inst_.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        if (reg.pid(s) != pid || reg.state(s) == shm::ProcState::Free) continue;
+        auto r = inst_.recover(reg.current(s), front_, true);
+        if (!r) continue;  // alive by its pid: not ours to recover (cannot happen for a reaped child)
+        total.refs_dropped += r->refs_dropped;
+        total.redriven += r->redriven;
+        total.failed += r->failed;
+        total.adopted += r->adopted;
+        total.unreserved += r->unreserved;
+    }
+    shm::RequestTable& t = inst_.requests();
+    for (uint32_t s = 0; s < t.n_slots(); ++s)
+        if (t.state(s) == shm::ReqState::Queued && t.owner_slot(s) == static_cast<int32_t>(front_.slot))
+            resend_(t.current(s));
+    return total;
+}
+
+std::vector<Supervisor::Event> Supervisor::poll() {
+    std::vector<Event> events;
+    for (Child& c : children_) {
+        if (c.pid <= 0) continue;
+        int status = 0;
+        pid_t r = waitpid(c.pid, &status, WNOHANG);
+        if (r != c.pid) continue;
+        Event e;
+        e.role = c.spec.name;
+        e.pid = c.pid;
+        e.status = status;
+        e.recovered = recover(c.pid);
+        c.pid = 0;
+        const uint64_t now = shm::monotonic_ns();
+        c.deaths_ns.push_back(now);
+        std::erase_if(c.deaths_ns, [&](uint64_t t) { return now - t > 10'000'000'000ull; });
+        if (c.deaths_ns.size() >= 5) {
+            c.given_up = true;
+        } else if (auto p = spawn(c.spec); p.ok()) {
+            c.pid = *p;
+            e.restarted_as = *p;
+            ++restarts_;
+        }
+        events.push_back(std::move(e));
+    }
+    return events;
+}
+
+Status Supervisor::stop_all(int grace_ms) {
+    std::string unclean;
+    for (Child& c : children_)
+        if (c.pid > 0) kill(c.pid, SIGTERM);
+    const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(grace_ms) * 1000000ull;
+    for (Child& c : children_) {
+        if (c.pid <= 0) continue;
+        int status = 0;
+        pid_t r = 0;
+        while ((r = waitpid(c.pid, &status, WNOHANG)) == 0 && shm::monotonic_ns() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        if (r == 0) {
+            kill(c.pid, SIGKILL);
+            waitpid(c.pid, &status, 0);
+        }
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) unclean += " " + c.spec.name;
+        recover(c.pid);  // a clean exit left nothing; a killed one may have
+        c.pid = 0;
+    }
+    if (!unclean.empty()) return make_error("roles did not exit cleanly:{}", unclean);
+    return {};
+}
+
+pid_t Supervisor::pid_of(const std::string& role) const {
+    for (const Child& c : children_)
+        if (c.spec.name == role) return c.pid;
+    return 0;
+}
+
+}  // namespace duet

@@ -1,0 +1,68 @@
+// The process manager's side of the failure model: starts worker roles as child
+// processes, notices a death at once (SIGCHLD-free: waitpid polling), recovers
+// what the dead process held (shm::Instance::recover, re-driving its requests),
+// hands the re-driven requests back to the front to send again, and restarts the
+// role. A role that keeps dying (5 deaths within 10 s) is not restarted again.
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "shm/instance.h"
+
+namespace duet {
+
+struct RoleSpec {
+    std::string name;               // for messages: "prefill", "decode", ...
+    std::vector<std::string> argv;  // argv[0] is the executable's path
+};
+
+class Supervisor {
+public:
+    // front: the process that owns re-driven requests (the caller, usually).
+    // resend: called for each request the front owns in QUEUED after a recovery.
+    Supervisor(shm::Instance& inst, shm::ProcRef front, std::function<void(shm::ReqRef)> resend);
+    ~Supervisor();  // stops every role (SIGTERM, then SIGKILL after 5 s)
+    Supervisor(const Supervisor&) = delete;
+    Supervisor& operator=(const Supervisor&) = delete;
+
+    Result<pid_t> start(const RoleSpec& spec);
+
+    struct Event {
+        std::string role;
+        pid_t pid = 0;
+        int status = 0;  // as from waitpid
+        shm::RecoveryReport recovered;
+        pid_t restarted_as = 0;  // 0: not restarted
+    };
+    // Reaps children that ended, recovers and restarts them. Non-blocking.
+    std::vector<Event> poll();
+    // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
+    // recovers whatever they left. Errors name roles that did not exit cleanly.
+    Status stop_all(int grace_ms);
+
+    pid_t pid_of(const std::string& role) const;
+    size_t restarts() const { return restarts_; }
+
+private:
+    struct Child {
+        RoleSpec spec;
+        pid_t pid = 0;
+        std::vector<uint64_t> deaths_ns;
+        bool given_up = false;
+    };
+    Result<pid_t> spawn(const RoleSpec& spec);
+    shm::RecoveryReport recover(pid_t pid);
+
+    shm::Instance& inst_;
+    shm::ProcRef front_;
+    std::function<void(shm::ReqRef)> resend_;
+    std::vector<Child> children_;
+    size_t restarts_ = 0;
+};
+
+}  // namespace duet
