@@ -1,11 +1,11 @@
-# The two commands of README.md: `make run` and `make test`. Each installs missing
+# The two commands of README.md: `make serve` and `make test` (and `make run`). Each installs missing
 # Debian packages, fetches the default model, builds, and runs.
 BUILD ?= build
 JOBS ?= $(shell nproc)
 MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: all deps model configure build run test sanitize fuzz-smoke soak bench clean
+.PHONY: all deps model configure build run serve test sanitize fuzz-smoke soak bench clean
 
 all: build
 
@@ -25,6 +25,12 @@ build: configure
 
 run: build model
 	$(BUILD)/duet run --model $(MODEL) --chat -p "$(PROMPT)" --max-tokens 128
+
+# The OpenAI API on 127.0.0.1:8080 (HOST= and PORT= to change); Ctrl-C drains and stops.
+HOST ?= 127.0.0.1
+PORT ?= 8080
+serve: build model
+	$(BUILD)/duet serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: build model
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE 'soak|fuzz'

@@ -7,6 +7,7 @@
 
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
+#include "cli/serve.h"
 #include "cli/shm_status.h"
 #include "cli/topo.h"
 #include "cli/worker_roles.h"
@@ -104,6 +105,23 @@ int main(int argc, char** argv) {
     c_topo->add_option("--decode-cpus", topo.decode_cpus, "pin decode here (CPU serving); disjoint from prefill");
     c_topo->add_flag("--json", topo.json, "print one JSON object");
 
+    // duet serve
+    ServeArgs serve;
+    serve.model = default_model;
+    CLI::App* c_serve = app.add_subcommand("serve", "serve the OpenAI API: front, prefill and decode processes");
+    c_serve->add_option("-m,--model", serve.model, "GGUF model file")->capture_default_str();
+    c_serve->add_option("--host", serve.host, "address to listen on")->capture_default_str();
+    c_serve->add_option("--port", serve.port, "port (0: any free one)")->capture_default_str()->check(CLI::Range(0, 65535));
+    c_serve->add_option("--ctx", serve.ctx, "tokens per request (prompt + output)")->capture_default_str();
+    c_serve->add_option("--slots", serve.slots, "requests in flight at most")->capture_default_str()->check(CLI::Range(1, 4096));
+    c_serve->add_option("--io-threads", serve.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
+    c_serve->add_option("--grace", serve.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
+    c_serve->add_option("--instance", serve.instance, "shared-memory instance name (default serve-<pid>)");
+    c_serve->add_option("--prefill-cpus", serve.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
+    c_serve->add_option("--decode-cpus", serve.decode_cpus, "pin decode here; disjoint from prefill");
+    c_serve->add_option("--isa", serve.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c_serve->add_option("--chat-template", serve.chat_template, "override the chat template");
+
     // duet prefill / duet decode
     WorkerArgs worker;
     worker.model = default_model;
@@ -134,6 +152,7 @@ int main(int argc, char** argv) {
         }
         if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
         if (c_topo->parsed()) return cmd_topo(topo);
+        if (c_serve->parsed()) return cmd_serve(serve);
         if (c_prefill->parsed()) return cmd_worker(worker, true);
         if (c_decode->parsed()) return cmd_worker(worker, false);
     } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 #include "roles/supervisor.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +24,10 @@ Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
     pid_t pid = fork();
     if (pid < 0) return make_error("role {}: fork failed: {}", spec.name, std::strerror(errno));
     if (pid == 0) {
+        // A role must not outlive its supervisor (a launcher killed with SIGKILL would
+        // otherwise leave workers running against a segment nobody serves).
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() == 1) _exit(127);  // the supervisor is already gone
         execv(argv[0], argv.data());
         _exit(127);
     }

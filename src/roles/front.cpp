@@ -1,0 +1,432 @@
+#include <utility>  // Boost 1.74's asio/awaitable.hpp uses std::exchange without including it
+
+#include "roles/front.h"
+
+#include <time.h>
+#include <unistd.h>
+
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <nlohmann/json.hpp>
+
+#include "roles/openai.h"
+#include "shm/doorbell.h"
+
+namespace duet {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using asio::awaitable;
+using asio::use_awaitable;
+using nlohmann::json;
+
+struct Front::Impl {
+    asio::io_context io;
+    tcp::acceptor acceptor{io};
+};
+
+namespace {
+
+using Request = http::request<http::string_body>;
+
+http::response<http::string_body> make_response(http::status st, std::string body, const Request& req,
+                                                const char* type = "application/json") {
+    http::response<http::string_body> res{st, req.version()};
+    res.set(http::field::server, "duet");
+    res.set(http::field::content_type, type);
+    res.keep_alive(req.keep_alive());
+    res.body() = std::move(body);
+    res.prepare_payload();
+    return res;
+}
+
+http::status status_of(int code) { return static_cast<http::status>(code); }
+
+// Built outside the coroutines: GCC 12 miscompiles braced aggregates of string
+// literals inside a coroutine body ("array used as initializer").
+ApiError api_error(int status, std::string type, std::string message, std::string param = {}, std::string code = {}) {
+    ApiError e;
+    e.status = status;
+    e.type = std::move(type);
+    e.message = std::move(message);
+    e.param = std::move(param);
+    e.code = std::move(code);
+    return e;
+}
+
+std::string request_id() {
+    static std::atomic<uint64_t> n{0};
+    return fmt::format("cmpl-{:x}{:06x}", static_cast<uint64_t>(time(nullptr)), n.fetch_add(1));
+}
+
+// JSON bodies are built outside the coroutines (see api_error).
+std::string models_json(const std::string& id, uint32_t max_len) {
+    json j = {{"object", "list"},
+              {"data", json::array({{{"id", id},
+                                     {"object", "model"},
+                                     {"created", 0},
+                                     {"owned_by", "duet"},
+                                     {"max_model_len", max_len}}})}};
+    return j.dump();
+}
+std::string tokens_json(const std::vector<int32_t>& ids) { return json({{"tokens", ids}, {"count", ids.size()}}).dump(); }
+std::string text_json(const std::string& text) {
+    return json({{"prompt", text}}).dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+bool role_running(shm::Registry& reg, shm::Role role) {
+    for (uint32_t s = 0; s < reg.n_slots(); ++s)
+        if (reg.state(s) == shm::ProcState::Running && reg.slot(s).role.load() == static_cast<uint32_t>(role))
+            return true;
+    return false;
+}
+
+}  // namespace
+
+awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
+                               std::string type, bool retry_after) {
+    auto res = make_response(st, std::move(body), req, type.c_str());
+    if (retry_after) res.set(http::field::retry_after, "1");
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload) {
+    std::string ev = "data: " + payload + "\n\n";
+    beast::error_code ec;
+    co_await asio::async_write(stream, http::make_chunk(asio::buffer(ev)), asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+// The coroutines that serve one connection; a friend of Front.
+struct FrontSession {
+    static awaitable<bool> error(Front& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
+        f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+        const bool retry = e.status == 429 || e.status == 503;
+        co_return co_await write_response(stream, req, status_of(e.status), error_json(e), "application/json", retry);
+    }
+    static awaitable<void> listen(Front& f);
+    static awaitable<void> serve(Front& f, tcp::socket sock);
+    static awaitable<bool> handle(Front& f, beast::tcp_stream& stream, Request& req);
+    static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat);
+};
+
+Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
+    : impl_(std::make_unique<Impl>()), inst_(inst), self_(self), tok_(tok), tmpl_(std::move(tmpl)),
+      opts_(std::move(o)), to_prefill_(inst.ring(kRingToPrefill)) {}
+
+Front::~Front() { stop(); }
+
+Status Front::start() {
+    beast::error_code ec;
+    auto addr = asio::ip::make_address(opts_.host, ec);
+    if (ec) return make_error("--host {}: {}", opts_.host, ec.message());
+    tcp::endpoint ep{addr, opts_.port};
+    impl_->acceptor.open(ep.protocol(), ec);
+    if (!ec) impl_->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) impl_->acceptor.bind(ep, ec);
+    if (!ec) impl_->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
+    port_ = impl_->acceptor.local_endpoint().port();
+    asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
+    for (int i = 0; i < std::max(1, opts_.io_threads); ++i) threads_.emplace_back([this] { impl_->io.run(); });
+    return {};
+}
+
+void Front::stop() {
+    impl_->io.stop();
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+}
+
+void Front::cancel_all() {
+    shm::RequestTable& t = inst_.requests();
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        shm::ReqState st = t.state(s);
+        if (st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding)
+            t.cancel(t.current(s));
+    }
+}
+
+void Front::send(shm::ReqRef r) {
+    {
+        std::lock_guard<std::mutex> lock(send_mu_);
+        WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
+        while (!to_prefill_.try_push(m)) usleep(100);  // prefill drains one per step
+    }
+    shm::Registry& reg = inst_.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s)
+        if (reg.state(s) == shm::ProcState::Running &&
+            reg.slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
+            shm::doorbell_ring(reg.doorbell(s));
+}
+
+awaitable<void> FrontSession::listen(Front& f) {
+    for (;;) {
+        beast::error_code ec;
+        tcp::socket s = co_await f.impl_->acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+        if (ec) {
+            if (ec == asio::error::operation_aborted) co_return;
+            continue;
+        }
+        asio::co_spawn(f.impl_->io, serve(f, std::move(s)), asio::detached);
+    }
+}
+
+awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
+    beast::tcp_stream stream(std::move(sock));
+    beast::flat_buffer buf;
+    for (;;) {
+        http::request_parser<http::string_body> parser;
+        parser.body_limit(f.opts_.max_body_bytes);
+        stream.expires_after(std::chrono::seconds(60));  // a slow or idle client
+        beast::error_code ec;
+        co_await http::async_read(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+        if (ec == http::error::body_limit) {
+            Request dummy;
+            ApiError e = api_error(413, "invalid_request_error",
+                                   fmt::format("the request body is larger than {} bytes", f.opts_.max_body_bytes));
+            auto res = make_response(http::status::payload_too_large, error_json(e), dummy);
+            res.keep_alive(false);
+            co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+            break;
+        }
+        if (ec) break;  // end of stream, timeout, malformed HTTP
+        Request req = parser.release();
+        stream.expires_never();
+        bool ok = co_await handle(f, stream, req);
+        if (!ok || !req.keep_alive()) break;
+    }
+    beast::error_code ec;
+    stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+}
+
+awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Request& req) {
+    std::string path(req.target());
+    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
+    const std::string js = "application/json";
+    if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
+        co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
+    if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
+    if (get && (path == "/ready" || path == "/readiness")) {
+        bool ready = !f.draining_.load() && role_running(f.inst_.registry(), shm::Role::Prefill) &&
+                     role_running(f.inst_.registry(), shm::Role::Decode);
+        co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
+                                          std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
+    }
+    if (get && path == "/v1/models") {
+        co_return co_await write_response(stream, req, http::status::ok,
+                                          models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens), js,
+                                          false);
+    }
+    if (get && path == "/metrics") {
+        FrontCounters& c = f.counters_;
+        shm::ArenaCensus a = f.inst_.arena(0).census();
+        std::string m = fmt::format(
+            "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
+            "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"
+            "# TYPE duet_requests_finished_total counter\nduet_requests_finished_total {}\n"
+            "# TYPE duet_requests_cancelled_total counter\nduet_requests_cancelled_total {}\n"
+            "# TYPE duet_requests_failed_total counter\nduet_requests_failed_total {}\n"
+            "# TYPE duet_requests_rejected_busy_total counter\nduet_requests_rejected_busy_total {}\n"
+            "# TYPE duet_generated_tokens_total counter\nduet_generated_tokens_total {}\n"
+            "# TYPE duet_worker_restarts_total counter\nduet_worker_restarts_total {}\n"
+            "# TYPE duet_requests_redriven_total counter\nduet_requests_redriven_total {}\n"
+            "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
+            "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
+            "duet_kv_blocks{{state=\"held\"}} {}\n",
+            c.requests.load(), c.errors.load(), c.finished.load(), c.cancelled.load(), c.failed.load(),
+            c.rejected_busy.load(), c.tokens.load(), c.worker_restarts.load(), c.redriven.load(), f.in_flight(),
+            a.free, a.cached, a.held);
+        co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);
+    }
+    if (post && (path == "/tokenize" || path == "/detokenize")) {
+        json j = json::parse(req.body(), nullptr, false);
+        if (j.is_discarded() || !j.is_object())
+            co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "the request body is not a JSON object", "", ""));
+        if (path == "/tokenize") {
+            if (!j.contains("prompt") || !j["prompt"].is_string())
+                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "'prompt' must be a string", "prompt", ""));
+            bool add_special = j.value("add_special_tokens", true);
+            auto ids = f.tok_.encode(j["prompt"].get<std::string>(), add_special, false);
+            co_return co_await write_response(stream, req, http::status::ok, tokens_json(ids), js, false);
+        }
+        if (!j.contains("tokens") || !j["tokens"].is_array())
+            co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "'tokens' must be an array", "tokens", ""));
+        std::vector<int32_t> ids;
+        for (const json& x : j["tokens"]) {
+            if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= f.tok_.n_vocab())
+                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                          fmt::format("token ids must be integers in [0, {})", f.tok_.n_vocab()),
+                                          "tokens", ""));
+            ids.push_back(x.get<int32_t>());
+        }
+        co_return co_await write_response(stream, req, http::status::ok, text_json(f.tok_.decode(ids, false)), js,
+                                          false);
+    }
+    co_return co_await error(f, stream, req, api_error(404, "not_found_error",
+                              fmt::format("no route for {} {}", std::string(req.method_string()), path), "", ""));
+}
+
+awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
+    beast::error_code ec;
+    if (f.draining_.load()) co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
+    auto parsed = parse_completion(req.body(), chat);
+    if (auto* e = std::get_if<ApiError>(&parsed)) co_return co_await error(f, stream, req, *e);
+    CompletionRequest& r = std::get<CompletionRequest>(parsed);
+    if (!r.model.empty() && r.model != f.opts_.model_id)
+        co_return co_await error(f, stream, req, api_error(404, "invalid_request_error",
+                                       fmt::format("the model '{}' does not exist; this server has '{}'", r.model,
+                                                   f.opts_.model_id),
+                                       "model", "model_not_found"));
+    std::vector<int32_t> prompt;
+    if (chat) {
+        auto text = f.tmpl_.apply(r.messages, true);
+        if (!text) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", text.error().message, "messages", ""));
+        prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
+    } else {
+        prompt = f.tok_.encode(r.prompt, true, false);
+    }
+    const int64_t n_ctx = f.inst_.config().requests.max_tokens;
+    const int64_t room = n_ctx - static_cast<int64_t>(prompt.size());
+    if (room < 1)
+        co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                       fmt::format("the prompt has {} tokens; this model's context is {} tokens",
+                                                   prompt.size(), n_ctx),
+                                       chat ? "messages" : "prompt", "context_length_exceeded"));
+    if (r.max_tokens > room)
+        co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                       fmt::format("the prompt ({} tokens) plus max_tokens ({}) exceed the context "
+                                                   "of {} tokens",
+                                                   prompt.size(), r.max_tokens, n_ctx),
+                                       "max_tokens", "context_length_exceeded"));
+    RequestParams params;
+    params.sampling = r.sampling;
+    params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
+    shm::RequestTable& t = f.inst_.requests();
+    auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
+    if (!sub) {
+        f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
+        co_return co_await error(f, stream, req, api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", ""));
+    }
+    const shm::ReqRef ref = *sub;
+    f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    f.in_flight_.fetch_add(1);
+    f.send(ref);
+
+    const std::string id = request_id();
+    const int64_t created = static_cast<int64_t>(time(nullptr));
+    Detokenizer detok(f.tok_);
+    std::string text;     // generated text, stop strings applied
+    size_t emitted = 0;   // bytes of text already sent (streaming)
+    size_t max_stop = 0;  // text that could still become a stop string is held back
+    for (const std::string& s : r.stop) max_stop = std::max(max_stop, s.size());
+    std::vector<int32_t> out;
+    uint32_t have = 0;
+    std::string finish;
+    bool client_gone = false, stopped = false, first = true;
+    asio::steady_timer timer(stream.get_executor());
+    if (r.stream) {
+        http::response<http::empty_body> head{http::status::ok, req.version()};
+        head.set(http::field::server, "duet");
+        head.set(http::field::content_type, "text/event-stream");
+        head.set(http::field::cache_control, "no-cache");
+        head.keep_alive(req.keep_alive());
+        head.chunked(true);
+        http::response_serializer<http::empty_body> sr{head};
+        co_await http::async_write_header(stream, sr, asio::redirect_error(use_awaitable, ec));
+        client_gone = static_cast<bool>(ec);
+    }
+    const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull;
+    shm::ReqState final_state = shm::ReqState::Free;
+    for (;;) {
+        shm::ReqState st = t.state(ref.slot);
+        bool terminal = st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled;
+        size_t before = out.size();
+        auto n = t.read_output(ref, have, out);
+        if (n) have = *n;
+        if (!stopped) {
+            for (size_t i = before; i < out.size(); ++i) text += detok.push(out[i]);
+            if (terminal) text += detok.finish();
+            for (const std::string& s : r.stop) {
+                size_t at = text.find(s, emitted > s.size() ? emitted - s.size() : 0);
+                if (at != std::string::npos) {
+                    text.resize(at);
+                    stopped = true;
+                    finish = "stop";
+                }
+            }
+            if (stopped && !terminal) {
+                t.cancel(ref);
+                t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+            }
+        }
+        if (r.stream && !client_gone) {
+            size_t safe = (terminal || stopped) ? text.size() : (text.size() > max_stop ? text.size() - max_stop : 0);
+            // Never split a UTF-8 character when holding back.
+            while (safe > emitted && safe < text.size() && (static_cast<unsigned char>(text[safe]) & 0xC0) == 0x80) --safe;
+            if (safe > emitted || first) {
+                if (!co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id,
+                                                              text.substr(emitted, safe - emitted), "", first)))
+                    client_gone = true;
+                emitted = safe;
+                first = false;
+            }
+        }
+        if (client_gone && !terminal) {
+            t.cancel(ref);
+            t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+        }
+        if (terminal) {
+            final_state = st;
+            break;
+        }
+        if (shm::monotonic_ns() > deadline) {
+            t.cancel(ref);
+            t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+        }
+        timer.expires_after(std::chrono::microseconds(300));
+        co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+    }
+    if (finish.empty()) {
+        if (final_state == shm::ReqState::Finished)
+            finish = (!out.empty() && f.tok_.is_eog(out.back())) ? "stop" : "length";
+        else if (final_state == shm::ReqState::Cancelled)
+            finish = "stop";
+    }
+    Usage u{static_cast<int64_t>(prompt.size()), static_cast<int64_t>(out.size())};
+    f.counters_.tokens.fetch_add(out.size(), std::memory_order_relaxed);
+    if (final_state == shm::ReqState::Finished) f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
+    if (final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
+    const bool failed = final_state == shm::ReqState::Failed;
+    if (failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
+    t.transition(ref, final_state, shm::ReqState::Free);
+    f.in_flight_.fetch_sub(1);
+
+    if (r.stream) {
+        if (client_gone) co_return false;
+        bool ok = true;
+        if (failed) {
+            ApiError e = api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
+            ok = co_await write_event(stream, error_json(e));
+        } else {
+            ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, text.substr(emitted), finish, false));
+            if (ok && r.include_usage) ok = co_await write_event(stream, usage_chunk_json(r, id, created, f.opts_.model_id, u));
+        }
+        if (ok) ok = co_await write_event(stream, "[DONE]");
+        if (!ok) co_return false;
+        co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
+        co_return !ec;
+    }
+    if (failed)
+        co_return co_await error(f, stream, req, api_error(500, "server_error", "generation failed (out of KV cache or a worker error)", "", ""));
+    auto res = make_response(http::status::ok, completion_json(r, id, created, f.opts_.model_id, text, finish, u), req);
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+}  // namespace duet

@@ -1,0 +1,73 @@
+// The front: the HTTP server speaking the OpenAI API (Boost.Beast on Asio, one
+// coroutine per connection on a few threads). It tokenizes, puts each request in a
+// request slot, sends it to prefill, and streams the output tokens it finds in the
+// slot (detokenized incrementally, never splitting a UTF-8 character; stop strings
+// checked on the text). A client that goes away cancels its request.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/result.h"
+#include "model/chat_template.h"
+#include "model/tokenizer.h"
+#include "roles/serving.h"
+
+namespace duet {
+
+struct FrontOptions {
+    std::string host = "127.0.0.1";
+    uint16_t port = 8080;  // 0: any free port
+    int io_threads = 2;
+    std::string model_id;
+    size_t max_body_bytes = 1 << 20;
+    int request_timeout_s = 600;  // a request running longer is cancelled
+};
+
+struct FrontCounters {
+    std::atomic<uint64_t> requests{0}, errors{0}, finished{0}, cancelled{0}, failed{0}, tokens{0}, rejected_busy{0};
+    std::atomic<uint64_t> worker_restarts{0}, redriven{0};
+};
+
+class Front {
+public:
+    Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o);
+    ~Front();
+    // Binds and starts the I/O threads.
+    Status start();
+    uint16_t port() const { return port_; }
+    // New requests get 503 from now on; running ones continue.
+    void drain() { draining_.store(true); }
+    // Cancels every running request (after a drain's grace period).
+    void cancel_all();
+    void stop();
+    size_t in_flight() const { return in_flight_.load(); }
+    // Sends a QUEUED request to prefill (thread-safe: the ring has one producer).
+    void send(shm::ReqRef r);
+    FrontCounters& counters() { return counters_; }
+
+private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+    shm::Instance& inst_;
+    shm::ProcRef self_;
+    const Tokenizer& tok_;
+    ChatTemplate tmpl_;
+    FrontOptions opts_;
+    uint16_t port_ = 0;
+    std::atomic<bool> draining_{false};
+    std::atomic<size_t> in_flight_{0};
+    std::mutex send_mu_;
+    shm::SpscProducer<WireMsg> to_prefill_;
+    FrontCounters counters_;
+    std::vector<std::thread> threads_;
+
+    friend struct FrontSession;
+};
+
+}  // namespace duet

@@ -1,0 +1,200 @@
+#include "roles/openai.h"
+
+#include <nlohmann/json.hpp>
+
+namespace duet {
+
+using nlohmann::json;
+
+namespace {
+
+ApiError bad(std::string param, std::string message) {
+    ApiError e;
+    e.param = std::move(param);
+    e.message = std::move(message);
+    return e;
+}
+
+// Reads an optional number field into out; an error if present with another type or
+// outside [lo, hi].
+template <typename T>
+std::optional<ApiError> number(const json& j, const char* key, T& out, double lo, double hi) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    if (!it->is_number()) return bad(key, std::string("'") + key + "' must be a number");
+    if constexpr (std::is_integral_v<T>) {
+        if (!it->is_number_integer()) return bad(key, std::string("'") + key + "' must be an integer");
+    }
+    double v = it->get<double>();
+    if (v < lo || v > hi)
+        return bad(key, fmt::format("'{}' must be between {} and {}, got {}", key, lo, hi, it->dump()));
+    out = it->get<T>();
+    return std::nullopt;
+}
+
+}  // namespace
+
+std::string error_json(const ApiError& e) {
+    json j = {{"error",
+               {{"message", e.message},
+                {"type", e.type},
+                {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+                {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+    return j.dump();
+}
+
+std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat) {
+    json j = json::parse(body, nullptr, false);
+    if (j.is_discarded()) return bad("", "the request body is not valid JSON");
+    if (!j.is_object()) return bad("", "the request body must be a JSON object");
+    CompletionRequest r;
+    r.chat = chat;
+    if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
+        if (!it->is_string()) return bad("model", "'model' must be a string");
+        r.model = it->get<std::string>();
+    }
+    if (chat) {
+        auto it = j.find("messages");
+        if (it == j.end() || !it->is_array() || it->empty())
+            return bad("messages", "'messages' must be a non-empty array of {role, content} objects");
+        for (const json& m : *it) {
+            if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+                return bad("messages", "each message needs a string 'role'");
+            ChatMessage msg;
+            msg.role = m["role"].get<std::string>();
+            const json& c = m.value("content", json(nullptr));
+            if (c.is_string()) {
+                msg.content = c.get<std::string>();
+            } else if (c.is_array()) {  // content parts: only text is understood
+                for (const json& part : c) {
+                    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+                        !part["text"].is_string())
+                        return bad("messages", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported");
+                    msg.content += part["text"].get<std::string>();
+                }
+            } else if (!c.is_null()) {
+                return bad("messages", "a message's 'content' must be a string or an array of text parts");
+            }
+            r.messages.push_back(std::move(msg));
+        }
+    } else {
+        auto it = j.find("prompt");
+        if (it == j.end()) return bad("prompt", "'prompt' is required");
+        if (it->is_string()) {
+            r.prompt = it->get<std::string>();
+        } else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
+            r.prompt = (*it)[0].get<std::string>();
+        } else {
+            return bad("prompt", "'prompt' must be a string (or an array of exactly one string)");
+        }
+        if (r.prompt.empty()) return bad("prompt", "'prompt' is empty");
+    }
+    // max_completion_tokens (chat) takes precedence over the older max_tokens.
+    for (const char* key : {"max_tokens", "max_completion_tokens"})
+        if (auto e = number<int64_t>(j, key, r.max_tokens, 1, 1e9)) return *e;
+    if (!chat && !j.contains("max_tokens")) r.max_tokens = 16;  // the completions API's documented default
+    SamplingParams& s = r.sampling;
+    if (auto e = number<float>(j, "temperature", s.temperature, 0, 2)) return *e;
+    if (auto e = number<float>(j, "top_p", s.top_p, 0, 1)) return *e;
+    if (auto e = number<int32_t>(j, "top_k", s.top_k, 0, 1e6)) return *e;
+    if (auto e = number<float>(j, "min_p", s.min_p, 0, 1)) return *e;
+    if (auto e = number<float>(j, "presence_penalty", s.presence_penalty, -2, 2)) return *e;
+    if (auto e = number<float>(j, "frequency_penalty", s.frequency_penalty, -2, 2)) return *e;
+    if (auto e = number<float>(j, "repetition_penalty", s.repetition_penalty, 0.01, 10)) return *e;
+    if (auto it = j.find("seed"); it != j.end() && !it->is_null()) {
+        if (!it->is_number_integer()) return bad("seed", "'seed' must be an integer");
+        s.seed = static_cast<uint64_t>(it->get<int64_t>());
+    }
+    if (s.top_p == 0) return bad("top_p", "'top_p' must be greater than 0");
+    if (Status st = s.validate(); !st) return bad("", st.error().message);
+    if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
+        if (it->is_string()) {
+            r.stop.push_back(it->get<std::string>());
+        } else if (it->is_array() && it->size() <= 4) {
+            for (const json& x : *it) {
+                if (!x.is_string()) return bad("stop", "'stop' must be a string or an array of up to 4 strings");
+                r.stop.push_back(x.get<std::string>());
+            }
+        } else {
+            return bad("stop", "'stop' must be a string or an array of up to 4 strings");
+        }
+        for (const std::string& x : r.stop)
+            if (x.empty()) return bad("stop", "stop strings must not be empty");
+    }
+    if (auto it = j.find("stream"); it != j.end() && !it->is_null()) {
+        if (!it->is_boolean()) return bad("stream", "'stream' must be a boolean");
+        r.stream = it->get<bool>();
+    }
+    if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
+        if (!it->is_object()) return bad("stream_options", "'stream_options' must be an object");
+        if (auto u = it->find("include_usage"); u != it->end()) {
+            if (!u->is_boolean()) return bad("stream_options", "'stream_options.include_usage' must be a boolean");
+            r.include_usage = u->get<bool>();
+        }
+    }
+    if (auto it = j.find("n"); it != j.end() && !it->is_null()) {
+        if (!it->is_number_integer() || it->get<int64_t>() < 1) return bad("n", "'n' must be a positive integer");
+        if (it->get<int64_t>() != 1) return bad("n", "only n = 1 is supported by this server so far");
+    }
+    for (const char* key : {"logprobs", "top_logprobs", "tools", "functions", "response_format"}) {
+        auto it = j.find(key);
+        if (it == j.end() || it->is_null() || (it->is_boolean() && !it->get<bool>())) continue;
+        return bad(key, fmt::format("'{}' is not supported by this server so far", key));
+    }
+    return r;
+}
+
+namespace {
+json base(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model, bool chunk) {
+    return {{"id", id},
+            {"object", r.chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+            {"created", created},
+            {"model", model}};
+}
+json usage(const Usage& u) {
+    return {{"prompt_tokens", u.prompt_tokens},
+            {"completion_tokens", u.completion_tokens},
+            {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+}
+}  // namespace
+
+std::string completion_json(const CompletionRequest& r, const std::string& id, int64_t created,
+                            const std::string& model, const std::string& text, const std::string& finish_reason,
+                            const Usage& u) {
+    json j = base(r, id, created, model, false);
+    json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
+    if (r.chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
+    else choice["text"] = text;
+    j["choices"] = json::array({choice});
+    j["usage"] = usage(u);
+    return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model,
+                       const std::string& text, const std::string& finish_reason, bool first) {
+    json j = base(r, id, created, model, true);
+    json choice = {{"index", 0},
+                   {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
+                   {"logprobs", nullptr}};
+    if (r.chat) {
+        json delta = json::object();
+        if (first) delta["role"] = "assistant";
+        if (!text.empty() || first) delta["content"] = text;
+        choice["delta"] = delta;
+    } else {
+        choice["text"] = text;
+    }
+    j["choices"] = json::array({choice});
+    if (r.include_usage) j["usage"] = nullptr;
+    return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string usage_chunk_json(const CompletionRequest& r, const std::string& id, int64_t created,
+                             const std::string& model, const Usage& u) {
+    json j = base(r, id, created, model, true);
+    j["choices"] = json::array();
+    j["usage"] = usage(u);
+    return j.dump();
+}
+
+}  // namespace duet
