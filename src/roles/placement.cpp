@@ -1,8 +1,12 @@
 #include "roles/placement.h"
 
+#include "base/thread_pool.h"  // parse_cpu_list
+
 #include <hwloc.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -38,16 +42,25 @@ Result<Machine> from_topology(hwloc_topology_t t, std::string source) {
         m.cores.push_back(std::move(core));
     }
     if (m.cores.empty()) return make_error("hwloc found no cores in {}", m.source);
-    // NVIDIA display/3D controllers, in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID).
-    for (hwloc_obj_t d = hwloc_get_next_pcidev(t, nullptr); d; d = hwloc_get_next_pcidev(t, d)) {
-        const auto& p = d->attr->pcidev;
-        if (p.vendor_id != 0x10de || (p.class_id >> 8) != 0x03) continue;
-        MachineGpu g;
-        char bus[32];
-        std::snprintf(bus, sizeof bus, "%04x:%02x:%02x.%x", p.domain, p.bus, p.dev, p.func);
-        g.pci = bus;
-        if (hwloc_obj_t near = hwloc_get_non_io_ancestor_obj(t, d)) g.pus = pus_of(near->cpuset);
-        m.gpus.push_back(std::move(g));
+    // NVIDIA display/3D controllers, in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID),
+    // read from sysfs: hwloc's own PCI discovery leaks memory on every load (seen by
+    // LeakSanitizer) and needs nothing it adds here.
+    if (std::string(m.source) == "this machine") {
+        namespace fs = std::filesystem;
+        std::error_code ec;
+        for (const auto& d : fs::directory_iterator("/sys/bus/pci/devices", ec)) {
+            auto read = [&](const char* f) {
+                std::ifstream in(d.path() / f);
+                std::string v;
+                std::getline(in, v);
+                return v;
+            };
+            if (read("vendor") != "0x10de" || read("class").rfind("0x03", 0) != 0) continue;
+            MachineGpu g;
+            g.pci = d.path().filename().string();
+            if (auto cpus = parse_cpu_list(read("local_cpulist")); cpus.ok()) g.pus = *cpus;
+            m.gpus.push_back(std::move(g));
+        }
     }
     std::sort(m.gpus.begin(), m.gpus.end(), [](const MachineGpu& a, const MachineGpu& b) { return a.pci < b.pci; });
     for (size_t i = 0; i < m.gpus.size(); ++i) m.gpus[i].device = static_cast<int>(i);
@@ -78,7 +91,6 @@ Status check_cpus(const Machine& m, const std::vector<int>& cpus, const char* wh
 Result<Machine> Machine::detect() {
     Topology tp;
     if (hwloc_topology_init(&tp.t) != 0) return make_error("hwloc_topology_init failed");
-    hwloc_topology_set_io_types_filter(tp.t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
     if (hwloc_topology_load(tp.t) != 0) return make_error("hwloc could not read this machine's topology");
     return from_topology(tp.t, "this machine");
 }

@@ -45,8 +45,8 @@ def request(port, method, path, body=None, raw=None):
         return e.code, e.read().decode()
 
 
-def stream(port, path, body):
-    """Returns (text, events) of an SSE response."""
+def stream(port, path, body, progress=None):
+    """Returns (text, events) of an SSE response; progress(text so far) after each event."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     text, events = "", []
@@ -66,6 +66,8 @@ def stream(port, path, body):
                     text += ch["delta"].get("content") or ""
                 else:
                     text += ch.get("text", "")
+            if progress:
+                progress(text)
     return text, events
 
 
@@ -190,9 +192,11 @@ def run(port, server):
     baseline_free = [a["free"] for a in shm_processes()["arenas"]]
     import threading
     got = {}
-    t = threading.Thread(target=lambda: got.update(text=stream(port, "/v1/chat/completions", dict(story, stream=True))[0]))
+    seen = threading.Event()
+    t = threading.Thread(target=lambda: got.update(text=stream(
+        port, "/v1/chat/completions", dict(story, stream=True), lambda txt: len(txt) > 40 and seen.set())[0]))
     t.start()
-    time.sleep(0.3)
+    check(seen.wait(120), "the stream did not start")  # decode is producing tokens now
     decode = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "decode"]
     check(len(decode) == 1, f"one decode worker: {decode}")
     os.kill(decode[0], signal.SIGKILL)
