@@ -161,6 +161,13 @@ bool Registry::reclaim(ProcRef r) {
 ProcState Registry::state(uint32_t slot) const {
     return state_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with transition()'s release
 }
+int32_t Registry::find_running(Role role) const {
+    for (uint32_t s = 0; s < n_slots(); ++s)
+        if (state(s) == ProcState::Running && slots_[s].role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role))
+            return static_cast<int32_t>(s);
+    return -1;
+}
+
 ProcRef Registry::current(uint32_t slot) const {
     // Relaxed: the generation and pid travel in the word itself; nothing else is read.
     return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_relaxed))};

@@ -85,6 +85,8 @@ public:
     bool reclaim(ProcRef r);
 
     ProcState state(uint32_t slot) const;
+    // The first RUNNING slot with this role, or -1.
+    int32_t find_running(Role role) const;
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation

@@ -91,10 +91,8 @@ struct Serving {
     void send(shm::ReqRef r) {
         WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
         while (!to_prefill.try_push(m)) usleep(100);
-        for (uint32_t s = 0; s < inst.registry().n_slots(); ++s)
-            if (inst.registry().state(s) == shm::ProcState::Running &&
-                inst.registry().slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
-                shm::doorbell_ring(inst.registry().doorbell(s));
+        if (int32_t s = inst.registry().find_running(shm::Role::Prefill); s >= 0)
+            shm::doorbell_ring(inst.registry().doorbell(static_cast<uint32_t>(s)));
     }
 
     shm::ReqRef submit(const std::vector<int32_t>& prompt) {

@@ -197,8 +197,11 @@ TEST(Registry, ClaimBumpsGenerationAndStaleRefsLose) {
     auto a = reg->claim(Role::Prefill, 0, getpid());
     ASSERT_TRUE(a.ok());
     EXPECT_EQ(reg->state(a->slot), ProcState::Starting);
+    EXPECT_EQ(reg->find_running(Role::Prefill), -1) << "STARTING is not running yet";
     EXPECT_TRUE(reg->set_running(*a));
     EXPECT_TRUE(reg->alive(*a));
+    EXPECT_EQ(reg->find_running(Role::Prefill), static_cast<int32_t>(a->slot));
+    EXPECT_EQ(reg->find_running(Role::Decode), -1);
     EXPECT_TRUE(reg->release(*a));
     EXPECT_FALSE(reg->alive(*a));
     auto b = reg->claim(Role::Decode, 0, getpid());

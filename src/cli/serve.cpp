@@ -20,12 +20,6 @@ namespace {
 std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
 void on_signal(int) { g_stop.store(true); }
 
-bool role_running(shm::Registry& reg, shm::Role role) {
-    for (uint32_t s = 0; s < reg.n_slots(); ++s)
-        if (reg.state(s) == shm::ProcState::Running && reg.slot(s).role.load() == static_cast<uint32_t>(role))
-            return true;
-    return false;
-}
 }  // namespace
 
 int cmd_serve(const ServeArgs& a) {
@@ -96,8 +90,8 @@ int cmd_serve(const ServeArgs& a) {
             if (auto st = sup.start({role, argv}); !st) return fail(st.error().message);
         }
         if (Status st = front.start(); !st) return fail(st.error().message);
-        for (int i = 0; i < 3000 && !(role_running(inst->registry(), shm::Role::Prefill) &&
-                                      role_running(inst->registry(), shm::Role::Decode));
+        for (int i = 0; i < 3000 && !(inst->registry().find_running(shm::Role::Prefill) >= 0 &&
+                                      inst->registry().find_running(shm::Role::Decode) >= 0);
              ++i) {
             sup.poll();
             std::this_thread::sleep_for(std::chrono::milliseconds(10));

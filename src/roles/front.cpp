@@ -76,12 +76,6 @@ std::string text_json(const std::string& text) {
     return json({{"prompt", text}}).dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-bool role_running(shm::Registry& reg, shm::Role role) {
-    for (uint32_t s = 0; s < reg.n_slots(); ++s)
-        if (reg.state(s) == shm::ProcState::Running && reg.slot(s).role.load() == static_cast<uint32_t>(role))
-            return true;
-    return false;
-}
 
 }  // namespace
 
@@ -158,10 +152,7 @@ void Front::send(shm::ReqRef r) {
         while (!to_prefill_.try_push(m)) usleep(100);  // prefill drains one per step
     }
     shm::Registry& reg = inst_.registry();
-    for (uint32_t s = 0; s < reg.n_slots(); ++s)
-        if (reg.state(s) == shm::ProcState::Running &&
-            reg.slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
-            shm::doorbell_ring(reg.doorbell(s));
+    if (int32_t s = reg.find_running(shm::Role::Prefill); s >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
 }
 
 awaitable<void> FrontSession::listen(Front& f) {
@@ -213,8 +204,8 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
-        bool ready = !f.draining_.load() && role_running(f.inst_.registry(), shm::Role::Prefill) &&
-                     role_running(f.inst_.registry(), shm::Role::Decode);
+        bool ready = !f.draining_.load() && f.inst_.registry().find_running(shm::Role::Prefill) >= 0 &&
+                     f.inst_.registry().find_running(shm::Role::Decode) >= 0;
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
                                           std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
     }

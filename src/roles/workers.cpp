@@ -6,19 +6,6 @@
 
 namespace duet {
 
-namespace {
-
-// The doorbell of the first live process with this role, if any.
-shm::Doorbell* doorbell_of(shm::Registry& reg, shm::Role role) {
-    for (uint32_t s = 0; s < reg.n_slots(); ++s)
-        if (reg.state(s) == shm::ProcState::Running &&
-            reg.slot(s).role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role))
-            return &reg.doorbell(s);
-    return nullptr;
-}
-
-}  // namespace
-
 shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
     KvLayout kv = CpuBackend::kv_layout(model);
     const uint64_t block_bytes = kv.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kv.n_layer);
@@ -165,7 +152,9 @@ Result<bool> PrefillWorker::step() {
                 const uint32_t att = t.attempt(r.slot);
                 WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
                 while (!out_.try_push(h)) usleep(50);  // decode drains it every step
-                if (shm::Doorbell* d = doorbell_of(inst_->registry(), shm::Role::Decode)) shm::doorbell_ring(*d);
+                shm::Registry& reg = inst_->registry();
+                if (int32_t s = reg.find_running(shm::Role::Decode); s >= 0)
+                    shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
                 pending_.push_back({shm::Handoff{r, att, self_, user_}, seq.detach()});
             }
         }
