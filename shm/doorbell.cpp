@@ -23,7 +23,7 @@ bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_
     return r == 0 || errno != ETIMEDOUT;
 }
 
-uint64_t doorbell_now_ns() {
+uint64_t monotonic_ns() {
     timespec ts{};
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);

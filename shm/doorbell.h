@@ -37,7 +37,7 @@ static_assert(sizeof(Doorbell) == 4 && std::atomic<uint32_t>::is_always_lock_fre
 // Returns false on timeout.
 bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns);
 void futex_wake(std::atomic<uint32_t>* word, int n);
-uint64_t doorbell_now_ns();  // CLOCK_MONOTONIC
+uint64_t monotonic_ns();  // CLOCK_MONOTONIC: one clock for every process of the box
 
 // Producer side, after publishing (the ring's release store of its tail): wakes the
 // consumer if it is asleep. Costs one fence and one load when it is awake.
@@ -69,7 +69,7 @@ bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_n
         if (ready()) return true;
         __builtin_ia32_pause();
     }
-    const uint64_t deadline = timeout_ns < 0 ? 0 : doorbell_now_ns() + static_cast<uint64_t>(timeout_ns);
+    const uint64_t deadline = timeout_ns < 0 ? 0 : monotonic_ns() + static_cast<uint64_t>(timeout_ns);
     for (;;) {
         if (ready()) return true;
 #ifdef DUET_TSAN
@@ -87,7 +87,7 @@ bool doorbell_wait(Doorbell& d, Ready&& ready, int spin_iters, int64_t timeout_n
         // a producer that did so has woken, or will wake, this futex.
         int64_t left = -1;
         if (timeout_ns >= 0) {
-            uint64_t now = doorbell_now_ns();
+            uint64_t now = monotonic_ns();
             left = now >= deadline ? 0 : static_cast<int64_t>(deadline - now);
         }
         bool woke = left != 0 && futex_wait(&d.word, 1, left);

@@ -49,6 +49,15 @@ struct RecoveryReport {
     uint32_t failed = 0;        // running requests marked FAILED
     uint32_t adopted = 0;       // queued or finished requests now owned by the recoverer
     uint32_t unreserved = 0;    // reservations of a submission the dead process never finished
+
+    RecoveryReport& operator+=(const RecoveryReport& o) {
+        refs_dropped += o.refs_dropped;
+        redriven += o.redriven;
+        failed += o.failed;
+        adopted += o.adopted;
+        unreserved += o.unreserved;
+        return *this;
+    }
 };
 
 class Instance {

@@ -59,7 +59,6 @@ struct RegistryHeader {
     uint8_t pad_[56];
 };
 
-uint64_t monotonic_ns();
 // starttime (field 22 of /proc/<pid>/stat), 0 when the process does not exist or
 // is a zombie (dead, not yet reaped).
 uint64_t process_start_ticks(pid_t pid);

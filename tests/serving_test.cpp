@@ -172,13 +172,7 @@ TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
     // Workers first: this process is still single-threaded, so fork() is safe.
     pid_t prefill = sv.spawn(true, 0);
     pid_t decode = sv.spawn(false, 1);
-    struct Reaper {
-        pid_t* p[2];
-        ~Reaper() {
-            for (pid_t* x : p)
-                if (*x > 0 && kill(*x, SIGKILL) == 0) wait_exit(*x);
-        }
-    } reaper{{&prefill, &decode}};
+    ChildReaper reaper{{&prefill, &decode}};
 
     // References from the single-process engine (its threads end before any later fork).
     std::vector<std::vector<int32_t>> prompts, want;

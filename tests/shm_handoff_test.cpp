@@ -238,14 +238,7 @@ TEST(ShmHandoff, RequestsSurviveWorkerKillsWithExactOutputsAndNoLeakedBlock) {
     SpscProducer<Msg> to_prefill(w.inst.ring(0));
     pid_t prefill = fork_run([&] { return prefill_worker(w); });
     pid_t decode = fork_run([&] { return decode_worker(w); });
-    struct Reaper {
-        pid_t* a;
-        pid_t* b;
-        ~Reaper() {
-            for (pid_t* p : {a, b})
-                if (*p > 0 && kill(*p, SIGKILL) == 0) wait_exit(*p);
-        }
-    } reaper{&prefill, &decode};
+    ChildReaper reaper{{&prefill, &decode}};
 
     std::mt19937_64 rng(2026);
     const uint32_t total = static_cast<uint32_t>(scaled(500));

@@ -297,11 +297,7 @@ void recover(World& w, pid_t pid, ProcRef front, bool redrive, std::mt19937_64& 
     for (ProcRef d : dead) {
         auto r = w.inst.recover(d, front, redrive);
         ASSERT_TRUE(r.ok()) << r.error().message;
-        total->refs_dropped += r->refs_dropped;
-        total->redriven += r->redriven;
-        total->failed += r->failed;
-        total->adopted += r->adopted;
-        total->unreserved += r->unreserved;
+        *total += *r;
         auto again = w.inst.recover(d, front, redrive);  // a second recoverer finds nothing
         ASSERT_TRUE(again.ok());
         EXPECT_EQ(again->refs_dropped + again->redriven + again->failed + again->adopted + again->unreserved, 0u);
@@ -326,12 +322,7 @@ void recover(World& w, pid_t pid, ProcRef front, bool redrive, std::mt19937_64& 
 TEST(ShmKill, RandomSigkillsLoseNothing) {
     World w;
     pid_t surv = fork_run([&] { return survivor(w); });
-    struct Reaper {  // a failed assertion must not leave the survivor running
-        pid_t pid;
-        ~Reaper() {
-            if (pid > 0 && kill(pid, SIGKILL) == 0) wait_exit(pid);
-        }
-    } reaper{surv};
+    ChildReaper reaper{{&surv}};
     while (w.inst.registry().state(0) != ProcState::Running) std::this_thread::sleep_for(std::chrono::microseconds(50));
     auto front = w.inst.registry().claim(Role::Front, -1, getpid());
     ASSERT_TRUE(front.ok());
@@ -403,7 +394,7 @@ TEST(ShmKill, RandomSigkillsLoseNothing) {
 
     w.ctl->stop.store(2, std::memory_order_release);
     EXPECT_EQ(wait_exit(surv), 0);
-    reaper.pid = 0;
+    surv = 0;
     c = arena.census();
     EXPECT_EQ(c.held, 0u);
     EXPECT_EQ(c.free + c.cached, c.total);

@@ -1,6 +1,7 @@
 // Helpers shared by the shm stress and kill tests.
 #pragma once
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <vector>
 #include <string>
 
 #include "shm/segment.h"
@@ -76,6 +78,16 @@ inline int wait_exit(pid_t pid) {
     if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
     return -1;
 }
+
+// SIGKILLs and reaps the children whose pids these variables hold (0: none) when a
+// test ends early, so a failed assertion never leaves a worker running.
+struct ChildReaper {
+    std::vector<pid_t*> pids;
+    ~ChildReaper() {
+        for (pid_t* p : pids)
+            if (*p > 0 && kill(*p, SIGKILL) == 0) wait_exit(*p);
+    }
+};
 
 struct SegmentGuard {
     std::string name;

@@ -321,6 +321,11 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     std::string finish;
     bool client_gone = false, stopped = false, first = true;
     asio::steady_timer timer(stream.get_executor());
+    // Asks the worker to stop; a request no worker has taken yet is cancelled here.
+    auto cancel = [&] {
+        t.cancel(ref);
+        t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+    };
     if (r.stream) {
         http::response<http::empty_body> head{http::status::ok, req.version()};
         head.set(http::field::server, "duet");
@@ -351,10 +356,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                     finish = "stop";
                 }
             }
-            if (stopped && !terminal) {
-                t.cancel(ref);
-                t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-            }
+            if (stopped && !terminal) cancel();
         }
         if (r.stream && !client_gone) {
             size_t safe = (terminal || stopped) ? text.size() : (text.size() > max_stop ? text.size() - max_stop : 0);
@@ -368,18 +370,12 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                 first = false;
             }
         }
-        if (client_gone && !terminal) {
-            t.cancel(ref);
-            t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-        }
+        if (client_gone && !terminal) cancel();
         if (terminal) {
             final_state = st;
             break;
         }
-        if (shm::monotonic_ns() > deadline) {
-            t.cancel(ref);
-            t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-        }
+        if (shm::monotonic_ns() > deadline) cancel();
         timer.expires_after(std::chrono::microseconds(300));
         co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
     }

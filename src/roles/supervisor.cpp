@@ -47,12 +47,7 @@ shm::RecoveryReport Supervisor::recover(pid_t pid) {
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (reg.pid(s) != pid || reg.state(s) == shm::ProcState::Free) continue;
         auto r = inst_.recover(reg.current(s), front_, true);
-        if (!r) continue;  // alive by its pid: not ours to recover (cannot happen for a reaped child)
-        total.refs_dropped += r->refs_dropped;
-        total.redriven += r->redriven;
-        total.failed += r->failed;
-        total.adopted += r->adopted;
-        total.unreserved += r->unreserved;
+        if (r) total += *r;  // an error: alive by its pid (cannot happen for a reaped child)
     }
     shm::RequestTable& t = inst_.requests();
     for (uint32_t s = 0; s < t.n_slots(); ++s)
