@@ -22,7 +22,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;  // 2: phase times in request slots
 
 inline constexpr uint32_t kMaxArenas = 16;
 

@@ -134,9 +134,13 @@ Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, c
     if (gen_of(sg) != r.gen || state_of(sg) != ReqState::Free || owner_of(sg) == 0)
         return make_error("request {}.{} is not reserved", r.slot, r.gen);
     s.cancel.store(0, std::memory_order_relaxed);
+    s.n_cached.store(0, std::memory_order_relaxed);
     s.n_output.store(0, std::memory_order_relaxed);
     s.n_blocks.store(0, std::memory_order_relaxed);
     s.error_code.store(0, std::memory_order_relaxed);
+    s.prefill_ns.store(0, std::memory_order_relaxed);
+    s.handoff_ns.store(0, std::memory_order_relaxed);
+    s.first_step_ns.store(0, std::memory_order_relaxed);
     s.submit_ns = monotonic_ns();
     std::memset(s.params, 0, kReqParamBytes);
     if (params_bytes) std::memcpy(s.params, params, params_bytes);

@@ -45,13 +45,18 @@ struct alignas(64) ReqSlot {
     // names the process.)
     std::atomic<uint64_t> state_gen;
     std::atomic<uint32_t> cancel;     // the generation whose cancellation was asked for (0: none)
-    uint32_t pad0_;
+    std::atomic<uint32_t> n_cached;   // prompt tokens whose KV came from the prefix cache
     std::atomic<uint32_t> n_prompt;
     std::atomic<uint32_t> n_output;   // published count of output tokens
     std::atomic<uint32_t> n_blocks;   // published count of block-table entries
     std::atomic<int32_t> error_code;
     uint32_t pad_;
-    uint64_t submit_ns;
+    // Phase times (monotonic_ns), written by whoever runs the phase before its
+    // state transition publishes them; 0 until then. For latency metrics only.
+    uint64_t submit_ns;      // queued by the front
+    std::atomic<uint64_t> prefill_ns;     // taken by prefill (the latest attempt)
+    std::atomic<uint64_t> handoff_ns;     // hand-off sent by prefill
+    std::atomic<uint64_t> first_step_ns;  // decode's first step with it began
     uint8_t params[kReqParamBytes];
     // Followed by int32 tokens[max_tokens] (prompt, then output) and int32
     // blocks[max_blocks], at offsets given by the table header.

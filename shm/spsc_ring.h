@@ -56,6 +56,14 @@ Status ring_check(const void* mem, uint32_t record_bytes);
 
 inline uint8_t* ring_records(RingHeader* h) { return reinterpret_cast<uint8_t*>(h) + sizeof(RingHeader); }
 
+// Records published and not yet released, for gauges (a snapshot: either side may
+// move on at once).
+inline uint64_t ring_occupancy(const RingHeader* h) {
+    const uint64_t head = h->head.load(std::memory_order_acquire);
+    const uint64_t tail = h->tail.load(std::memory_order_acquire);
+    return tail >= head ? tail - head : 0;
+}
+
 // An endpoint of the wrong record type would write past the ring into whatever
 // follows it in the segment: refuse loudly (a build mismatch, caught at attach).
 inline RingHeader* ring_checked(RingHeader* h, size_t record_bytes) {

@@ -25,7 +25,13 @@ const std::vector<std::string> kPrompts = {
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
     "The three primary colors are",
+    // Long enough for several KV blocks and several prefill chunks.
+    "Shared memory lets two processes on one machine read and write the same pages without copying. "
+    "A ring buffer with one producer and one consumer needs no locks: the producer writes a record, then "
+    "publishes its index with a release store, and the consumer reads the index with an acquire load. "
+    "In an inference server this means that",
 };
+constexpr size_t kLong = 4;  // index of the long prompt
 constexpr uint32_t kMaxTokens = 24;
 
 struct Flags {
@@ -68,9 +74,8 @@ struct Serving {
     }
     ~Serving() { shm::Instance::unlink(cfg.name); }
 
-    pid_t spawn(bool prefill, int cpu) {
-        return fork_run([this, prefill, cpu] {
-            WorkerOptions o;
+    pid_t spawn(bool prefill, int cpu, WorkerOptions o = {}) {
+        return fork_run([this, prefill, cpu, o]() mutable {
             o.threads = 1;
             o.cpus = {cpu};
             o.isa = cpu::isa_best();
@@ -211,9 +216,73 @@ TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
     EXPECT_EQ(wait_exit(decode), 0);
     prefill = decode = 0;
     shm::ArenaCensus c = sv.inst.arena(0).census();
-    EXPECT_EQ(c.free, c.total) << c.held << " KV blocks still held";
+    EXPECT_EQ(c.held, 0u) << c.held << " KV blocks still held";
+    EXPECT_EQ(c.free + c.cached, c.total);
     for (uint32_t s = 0; s < sv.inst.requests().n_slots(); ++s)
         EXPECT_EQ(sv.inst.requests().state(s), shm::ReqState::Free);
+}
+
+// Prefill packs several requests into each forward pass within its token budget,
+// earliest deadline first (a short prompt sent just after a long one is handed off
+// first), and takes the full blocks of prompts it has seen from the prefix cache:
+// outputs are still the engine's, and two identical prompts sent together (what
+// n = 2 does) share their prompt's blocks.
+TEST(Serving, PrefillPacksRequestsAndReusesCachedPrefixes) {
+    Serving sv;
+    sv.start();
+    if (::testing::Test::HasFatalFailure()) return;
+    WorkerOptions po;
+    po.prefill_chunk = 16;  // the long prompt takes several passes
+    pid_t prefill = sv.spawn(true, 0, po);
+    pid_t decode = sv.spawn(false, 1);
+    ChildReaper reaper{{&prefill, &decode}};
+    std::vector<std::vector<int32_t>> prompts, want;
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_GT(prompts[kLong].size(), 3u * 16u);
+    shm::RequestTable& t = sv.inst.requests();
+    const uint32_t bt = sv.cfg.requests.block_tokens;
+
+    // Long first, then the short ones: all packed, the short ones handed off first.
+    std::vector<shm::ReqRef> reqs(prompts.size());
+    reqs[kLong] = sv.submit(prompts[kLong]);
+    for (size_t i = 0; i < prompts.size(); ++i)
+        if (i != kLong) reqs[i] = sv.submit(prompts[i]);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        for (int k = 0; k < 60000 && t.slot(reqs[i].slot).handoff_ns.load() == 0 && !t.is(reqs[i], shm::ReqState::Finished); ++k)
+            usleep(1000);
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+        if (i == kLong) continue;
+        EXPECT_LT(t.slot(reqs[i].slot).handoff_ns.load(), t.slot(reqs[kLong].slot).handoff_ns.load())
+            << kPrompts[i] << ": a short prompt waited for the long one";
+        EXPECT_EQ(t.slot(reqs[i].slot).n_cached.load(), 0u);
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i];
+
+    // The long prompt again, twice at once: both take its full blocks from the cache
+    // (all but the block holding the last token, which is computed for its logits).
+    const uint32_t cacheable = static_cast<uint32_t>((prompts[kLong].size() - 1) / bt * bt);
+    shm::ReqRef a = sv.submit(prompts[kLong]), b = sv.submit(prompts[kLong]);
+    for (int k = 0; k < 60000 && !(t.slot(a.slot).handoff_ns.load() && t.slot(b.slot).handoff_ns.load()); ++k) usleep(1000);
+    EXPECT_EQ(t.slot(a.slot).n_cached.load(), cacheable);
+    EXPECT_EQ(t.slot(b.slot).n_cached.load(), cacheable);
+    // Decode holds both: their leading blocks are the same blocks.
+    const uint32_t nfull = cacheable / bt;
+    ASSERT_GE(t.slot(a.slot).n_blocks.load(), nfull);
+    ASSERT_GE(t.slot(b.slot).n_blocks.load(), nfull);
+    for (uint32_t i = 0; i < nfull; ++i) EXPECT_EQ(t.blocks(a.slot)[i], t.blocks(b.slot)[i]) << "block " << i;
+    EXPECT_EQ(sv.collect(a), want[kLong]);
+    EXPECT_EQ(sv.collect(b), want[kLong]);
+
+    sv.flags->stop.store(true);
+    EXPECT_EQ(wait_exit(prefill), 0);
+    EXPECT_EQ(wait_exit(decode), 0);
+    prefill = decode = 0;
+    shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.held, 0u);
+    EXPECT_GE(c.cached, prompts[kLong].size() / bt) << "the long prompt's full blocks stay cached";
+    EXPECT_EQ(c.free + c.cached, c.total);
 }
 
 // The same with the real `duet prefill` and `duet decode` executables under the
@@ -266,7 +335,8 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     Status st = sup.stop_all(10000);
     EXPECT_TRUE(st.ok()) << st.error().message;
     shm::ArenaCensus c = sv.inst.arena(0).census();
-    EXPECT_EQ(c.free, c.total) << c.held << " KV blocks still held";
+    EXPECT_EQ(c.held, 0u) << c.held << " KV blocks still held";
+    EXPECT_EQ(c.free + c.cached, c.total);
     for (uint32_t s = 0; s < sv.inst.registry().n_slots(); ++s)
         if (s != sv.front.slot) {
             EXPECT_EQ(sv.inst.registry().state(s), shm::ProcState::Free) << "registry slot " << s;

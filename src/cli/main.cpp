@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_serve.h"
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
 #include "cli/serve.h"
@@ -86,6 +87,32 @@ int main(int argc, char** argv) {
     c_bs->add_flag("--quick", shm_quick, "short runs (--seconds 0.05 -r 1 --wakes 300)");
     c_bs->add_flag("--json", shm_bench.json, "print one JSON object");
 
+    // duet bench serve
+    ServeBenchOptions sb;
+    CLI::App* c_bsv = c_bench->add_subcommand("serve", "load generator for an OpenAI-compatible server: TTFT, inter-token latency, throughput");
+    c_bsv->add_option("--host", sb.host, "server address")->capture_default_str();
+    c_bsv->add_option("--port", sb.port, "server port")->capture_default_str()->check(CLI::Range(1, 65535));
+    c_bsv->add_option("--model", sb.model, "model name to send (default: the server's first in /v1/models)");
+    c_bsv->add_option("--scenario", sb.scenario, "mixed (decode streams + arriving long prompts) or poisson")->capture_default_str();
+    c_bsv->add_option("--label", sb.label, "name of this run in the output");
+    c_bsv->add_option("--duration", sb.duration_s, "seconds of arrivals")->capture_default_str()->check(CLI::Range(1.0, 86400.0));
+    c_bsv->add_option("--warmup", sb.warmup_s, "requests starting earlier are not counted")->capture_default_str();
+    c_bsv->add_option("--rate", sb.rate, "arrivals per second (mixed: of long prompts)")->capture_default_str()->check(CLI::Range(0.0, 1e6));
+    c_bsv->add_option("--prompt-min", sb.prompt_min, "prompt tokens, lower bound")->capture_default_str();
+    c_bsv->add_option("--prompt-max", sb.prompt_max, "prompt tokens, upper bound")->capture_default_str();
+    c_bsv->add_option("--output-min", sb.output_min, "output tokens, lower bound")->capture_default_str();
+    c_bsv->add_option("--output-max", sb.output_max, "output tokens, upper bound")->capture_default_str();
+    c_bsv->add_option("--streams", sb.streams, "mixed: decode streams kept running")->capture_default_str()->check(CLI::Range(0, 4096));
+    c_bsv->add_option("--stream-prompt", sb.stream_prompt, "mixed: prompt tokens of a decode stream")->capture_default_str();
+    c_bsv->add_option("--stream-output", sb.stream_output, "mixed: output tokens per decode-stream request")->capture_default_str();
+    c_bsv->add_option("--slo-ttft", sb.slo_ttft_ms, "goodput: TTFT bound, ms")->capture_default_str();
+    c_bsv->add_option("--slo-tpot", sb.slo_tpot_ms, "goodput: time per output token bound, ms")->capture_default_str();
+    c_bsv->add_option("--token-lo", sb.token_lo, "prompt token ids drawn from [lo, hi)")->capture_default_str();
+    c_bsv->add_option("--token-hi", sb.token_hi)->capture_default_str();
+    c_bsv->add_option("--seed", sb.seed, "seed of arrivals, lengths and prompts")->capture_default_str();
+    c_bsv->add_option("--timeout", sb.timeout_s, "per-request limit, seconds")->capture_default_str();
+    c_bsv->add_option("--json", sb.json_path, "write summary and per-request timings here");
+
     // duet shm status
     std::string shm_instance;
     bool shm_json = false;
@@ -146,6 +173,7 @@ int main(int argc, char** argv) {
         if (c_info->parsed()) return cmd_info(info_model);
         if (c_tok->parsed()) return cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
         if (c_bm->parsed()) return cmd_bench_model(bench);
+        if (c_bsv->parsed()) return cmd_bench_serve(sb);
         if (c_bs->parsed()) {
             if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
             return cmd_bench_shm(shm_bench);

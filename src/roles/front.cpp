@@ -22,9 +22,56 @@ using asio::awaitable;
 using asio::use_awaitable;
 using nlohmann::json;
 
+// A request's coroutine waiting for its slot to change: the notifier thread cancels
+// the timer (on the connection's strand) once the slot's output count or state
+// differs from what the coroutine last read.
+struct Waiter {
+    uint32_t slot;
+    uint32_t seen_out;
+    shm::ReqState seen_state;
+    std::shared_ptr<asio::steady_timer> timer;
+};
+
 struct Front::Impl {
     asio::io_context io;
     tcp::acceptor acceptor{io};
+    std::mutex mu;
+    std::vector<std::shared_ptr<Waiter>> waiters;
+
+    static bool changed(const shm::RequestTable& t, const Waiter& w) {
+        return t.slot(w.slot).n_output.load(std::memory_order_acquire) != w.seen_out || t.state(w.slot) != w.seen_state;
+    }
+    void add(std::shared_ptr<Waiter> w) {
+        std::lock_guard<std::mutex> lock(mu);
+        waiters.push_back(std::move(w));
+    }
+    void remove(const std::shared_ptr<Waiter>& w) {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = std::find(waiters.begin(), waiters.end(), w);
+        if (it != waiters.end()) {
+            *it = std::move(waiters.back());
+            waiters.pop_back();
+        }
+    }
+    bool any_changed(const shm::RequestTable& t) {
+        std::lock_guard<std::mutex> lock(mu);
+        for (const auto& w : waiters)
+            if (changed(t, *w)) return true;
+        return false;
+    }
+    // Wakes (and forgets) every waiter whose slot changed.
+    void wake_changed(const shm::RequestTable& t) {
+        std::lock_guard<std::mutex> lock(mu);
+        for (size_t i = 0; i < waiters.size();) {
+            if (changed(t, *waiters[i])) {
+                asio::post(waiters[i]->timer->get_executor(), [tm = waiters[i]->timer] { tm->cancel(); });
+                waiters[i] = std::move(waiters.back());
+                waiters.pop_back();
+            } else {
+                ++i;
+            }
+        }
+    }
 };
 
 namespace {
@@ -77,6 +124,19 @@ std::string text_json(const std::string& text) {
 }
 
 
+std::string metrics_histograms(const FrontCounters& c) {
+    return c.ttft.prometheus("duet_time_to_first_token_seconds", "request arrival to its first token, seen by the front") +
+           c.itl.prometheus("duet_inter_token_latency_seconds", "between successive tokens of a request, seen by the front") +
+           c.e2e.prometheus("duet_request_duration_seconds", "request arrival to its last token") +
+           c.queue.prometheus("duet_queue_time_seconds", "queued until a prefill worker took it") +
+           c.prefill.prometheus("duet_prefill_time_seconds", "prefill worker took it until its hand-off to decode") +
+           c.handoff.prometheus("duet_handoff_latency_seconds", "hand-off sent by prefill until decode's first step with it began") +
+           c.admit.prometheus("duet_front_admit_seconds", "the front's parse + template + tokenize + enqueue per request") +
+           c.stream_event.prometheus("duet_front_stream_event_seconds", "the front's read + detokenize + write per streamed event");
+}
+
+double seconds_between(uint64_t a_ns, uint64_t b_ns) { return static_cast<double>(b_ns - a_ns) * 1e-9; }
+
 }  // namespace
 
 awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
@@ -126,11 +186,30 @@ Status Front::start() {
     if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
     port_ = impl_->acceptor.local_endpoint().port();
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
+    quit_.store(false);
+    notifier_ = std::thread([this] { notify_loop(); });
     for (int i = 0; i < std::max(1, opts_.io_threads); ++i) threads_.emplace_back([this] { impl_->io.run(); });
     return {};
 }
 
+// Sleeps on this process's doorbell, which prefill and decode ring after writing
+// tokens or changing a request's state; wakes the coroutines whose slots changed.
+void Front::notify_loop() {
+    shm::Doorbell& bell = inst_.registry().doorbell(self_.slot);
+    const shm::RequestTable& t = inst_.requests();
+    while (!quit_.load(std::memory_order_relaxed)) {
+        shm::doorbell_wait(bell, [&] { return impl_->any_changed(t) || quit_.load(std::memory_order_relaxed); }, 64,
+                           2'000'000);
+        impl_->wake_changed(t);
+    }
+}
+
 void Front::stop() {
+    if (notifier_.joinable()) {
+        quit_.store(true);
+        shm::doorbell_ring(inst_.registry().doorbell(self_.slot));
+        notifier_.join();
+    }
     impl_->io.stop();
     for (std::thread& t : threads_) t.join();
     threads_.clear();
@@ -158,12 +237,15 @@ void Front::send(shm::ReqRef r) {
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {
         beast::error_code ec;
-        tcp::socket s = co_await f.impl_->acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+        // Each connection on its own strand: the notifier posts to it.
+        tcp::socket s = co_await f.impl_->acceptor.async_accept(asio::make_strand(f.impl_->io),
+                                                                 asio::redirect_error(use_awaitable, ec));
         if (ec) {
             if (ec == asio::error::operation_aborted) co_return;
             continue;
         }
-        asio::co_spawn(f.impl_->io, serve(f, std::move(s)), asio::detached);
+        auto ex = s.get_executor();
+        asio::co_spawn(ex, serve(f, std::move(s)), asio::detached);
     }
 }
 
@@ -233,6 +315,12 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             c.requests.load(), c.errors.load(), c.finished.load(), c.cancelled.load(), c.failed.load(),
             c.rejected_busy.load(), c.tokens.load(), c.worker_restarts.load(), c.redriven.load(), f.in_flight(),
             a.free, a.cached, a.held);
+        m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n"
+                         "# TYPE duet_queue_depth gauge\nduet_queue_depth{{queue=\"prefill\"}} {}\n"
+                         "duet_queue_depth{{queue=\"decode\"}} {}\n",
+                         c.prompt_tokens.load(), shm::ring_occupancy(f.inst_.ring(kRingToPrefill)),
+                         shm::ring_occupancy(f.inst_.ring(kRingToDecode)));
+        m += metrics_histograms(c);
         co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);
     }
     if (post && (path == "/tokenize" || path == "/detokenize")) {
@@ -265,6 +353,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
 
 awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
     beast::error_code ec;
+    const uint64_t arrived = shm::monotonic_ns();
     if (f.draining_.load()) co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
     auto parsed = parse_completion(req.body(), chat);
     if (auto* e = std::get_if<ApiError>(&parsed)) co_return co_await error(f, stream, req, *e);
@@ -279,6 +368,14 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         auto text = f.tmpl_.apply(r.messages, true);
         if (!text) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", text.error().message, "messages", ""));
         prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
+    } else if (!r.prompt_ids.empty()) {
+        for (int32_t id : r.prompt_ids)
+            if (id >= f.tok_.n_vocab())
+                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                               fmt::format("token id {} is outside the vocabulary [0, {})", id,
+                                                           f.tok_.n_vocab()),
+                                               "prompt", ""));
+        prompt = std::move(r.prompt_ids);
     } else {
         prompt = f.tok_.encode(r.prompt, true, false);
     }
@@ -298,6 +395,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     RequestParams params;
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
+    params.stop_at_eog = r.ignore_eos ? 0 : 1;
     shm::RequestTable& t = f.inst_.requests();
     auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
     if (!sub) {
@@ -306,8 +404,11 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     }
     const shm::ReqRef ref = *sub;
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    f.counters_.prompt_tokens.fetch_add(prompt.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1);
     f.send(ref);
+    f.counters_.admit.observe(seconds_between(arrived, shm::monotonic_ns()));
+    uint64_t last_token_ns = 0;
 
     const std::string id = request_id();
     const int64_t created = static_cast<int64_t>(time(nullptr));
@@ -320,7 +421,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     uint32_t have = 0;
     std::string finish;
     bool client_gone = false, stopped = false, first = true;
-    asio::steady_timer timer(stream.get_executor());
+    auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
     // Asks the worker to stop; a request no worker has taken yet is cancelled here.
     auto cancel = [&] {
         t.cancel(ref);
@@ -345,6 +446,16 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         size_t before = out.size();
         auto n = t.read_output(ref, have, out);
         if (n) have = *n;
+        const uint64_t seen_ns = shm::monotonic_ns();
+        if (out.size() > before) {
+            if (last_token_ns == 0) {
+                f.counters_.ttft.observe(seconds_between(arrived, seen_ns));
+            } else {  // several tokens at once share the gap
+                const double gap = seconds_between(last_token_ns, seen_ns) / static_cast<double>(out.size() - before);
+                for (size_t i = before; i < out.size(); ++i) f.counters_.itl.observe(gap);
+            }
+            last_token_ns = seen_ns;
+        }
         if (!stopped) {
             for (size_t i = before; i < out.size(); ++i) text += detok.push(out[i]);
             if (terminal) text += detok.finish();
@@ -368,6 +479,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                     client_gone = true;
                 emitted = safe;
                 first = false;
+                f.counters_.stream_event.observe(seconds_between(seen_ns, shm::monotonic_ns()));
             }
         }
         if (client_gone && !terminal) cancel();
@@ -376,12 +488,30 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             break;
         }
         if (shm::monotonic_ns() > deadline) cancel();
-        timer.expires_after(std::chrono::microseconds(300));
-        co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+        // Sleep until the notifier sees the slot change (or 20 ms pass: deadlines,
+        // recoveries). Re-checked after registering, so no change is missed.
+        auto w = std::make_shared<Waiter>(Waiter{ref.slot, have, st, timer});
+        f.impl_->add(w);
+        if (Front::Impl::changed(t, *w)) {
+            f.impl_->remove(w);
+            continue;
+        }
+        timer->expires_after(std::chrono::milliseconds(20));
+        co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
+        f.impl_->remove(w);
+    }
+    {
+        const shm::ReqSlot& s = t.slot(ref.slot);
+        const uint64_t q = s.prefill_ns.load(std::memory_order_relaxed), h = s.handoff_ns.load(std::memory_order_relaxed),
+                       d = s.first_step_ns.load(std::memory_order_relaxed);
+        f.counters_.e2e.observe(seconds_between(arrived, shm::monotonic_ns()));
+        if (q >= s.submit_ns && q != 0) f.counters_.queue.observe(seconds_between(s.submit_ns, q));
+        if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
+        if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
     }
     if (finish.empty()) {
         if (final_state == shm::ReqState::Finished)
-            finish = (!out.empty() && f.tok_.is_eog(out.back())) ? "stop" : "length";
+            finish = (!r.ignore_eos && !out.empty() && f.tok_.is_eog(out.back())) ? "stop" : "length";
         else if (final_state == shm::ReqState::Cancelled)
             finish = "stop";
     }

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/histogram.h"
 #include "base/result.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
@@ -31,7 +32,17 @@ struct FrontOptions {
 
 struct FrontCounters {
     std::atomic<uint64_t> requests{0}, errors{0}, finished{0}, cancelled{0}, failed{0}, tokens{0}, rejected_busy{0};
+    std::atomic<uint64_t> prompt_tokens{0};
     std::atomic<uint64_t> worker_restarts{0}, redriven{0};
+    // Seen by the front: from the request's arrival (body read) to its first token,
+    // between tokens, to its end.
+    Histogram ttft, itl, e2e;
+    // From the slot's phase times: queued -> taken by prefill, prefill's work,
+    // hand-off sent -> decode's first step with it.
+    Histogram queue, prefill, handoff;
+    // The front's own work: parse + template + tokenize + enqueue per request, and
+    // read + detokenize + write per streamed event.
+    Histogram admit, stream_event;
 };
 
 class Front {
@@ -66,6 +77,9 @@ private:
     shm::SpscProducer<WireMsg> to_prefill_;
     FrontCounters counters_;
     std::vector<std::thread> threads_;
+    std::thread notifier_;
+    std::atomic<bool> quit_{false};
+    void notify_loop();
 
     friend struct FrontSession;
 };

@@ -84,10 +84,18 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
             r.prompt = it->get<std::string>();
         } else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) {
             r.prompt = (*it)[0].get<std::string>();
+        } else if (it->is_array() && !it->empty() && ((*it)[0].is_number() || (*it)[0].is_array())) {
+            // Token ids: [1, 2, 3], or one such array inside another.
+            const json& ids = (*it)[0].is_array() && it->size() == 1 ? (*it)[0] : *it;
+            for (const json& x : ids) {
+                if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > INT32_MAX)
+                    return bad("prompt", "a token-id prompt must be an array of non-negative integers");
+                r.prompt_ids.push_back(x.get<int32_t>());
+            }
         } else {
-            return bad("prompt", "'prompt' must be a string (or an array of exactly one string)");
+            return bad("prompt", "'prompt' must be a string, an array of one string, or an array of token ids");
         }
-        if (r.prompt.empty()) return bad("prompt", "'prompt' is empty");
+        if (r.prompt.empty() && r.prompt_ids.empty()) return bad("prompt", "'prompt' is empty");
     }
     // max_completion_tokens (chat) takes precedence over the older max_tokens.
     for (const char* key : {"max_tokens", "max_completion_tokens"})
@@ -124,6 +132,10 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     if (auto it = j.find("stream"); it != j.end() && !it->is_null()) {
         if (!it->is_boolean()) return bad("stream", "'stream' must be a boolean");
         r.stream = it->get<bool>();
+    }
+    if (auto it = j.find("ignore_eos"); it != j.end() && !it->is_null()) {
+        if (!it->is_boolean()) return bad("ignore_eos", "'ignore_eos' must be a boolean");
+        r.ignore_eos = it->get<bool>();
     }
     if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
         if (!it->is_object()) return bad("stream_options", "'stream_options' must be an object");

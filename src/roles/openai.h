@@ -26,13 +26,15 @@ std::string error_json(const ApiError& e);
 struct CompletionRequest {
     bool chat = false;
     std::string model;
-    std::string prompt;                 // completions
+    std::string prompt;                 // completions: text, or
+    std::vector<int32_t> prompt_ids;    // completions: token ids (OpenAI's array-of-integers prompt)
     std::vector<ChatMessage> messages;  // chat
     int64_t max_tokens = -1;            // -1: until the context is full
     SamplingParams sampling;
     std::vector<std::string> stop;
     bool stream = false;
     bool include_usage = false;
+    bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
 };
 
 // Parses and validates a request body. Errors name the parameter and what was

@@ -60,6 +60,11 @@ WorkerBase::~WorkerBase() {
     if (inst_ && self_.valid()) inst_->registry().release(self_);
 }
 
+void WorkerBase::ring(shm::Role role) {
+    shm::Registry& reg = inst_->registry();
+    if (int32_t s = reg.find_running(role); s >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
+}
+
 Status WorkerBase::run(const std::atomic<bool>& stop) {
     shm::Doorbell& bell = inst_->registry().doorbell(self_.slot);
     while (!stop.load(std::memory_order_relaxed)) {
@@ -86,9 +91,10 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
 PrefillWorker::~PrefillWorker() {
     for (Pending& p : pending_)
         for (int32_t b : p.blocks) pool_->allocator().unref(b);
+    for (Job& j : jobs_) j.seq.release(*pool_);
 }
 
-bool PrefillWorker::has_work() { return in_.readable(); }
+bool PrefillWorker::has_work() { return in_.readable() || !jobs_.empty(); }
 
 void PrefillWorker::settle() {
     shm::RequestTable& t = inst_->requests();
@@ -103,63 +109,186 @@ void PrefillWorker::settle() {
     }
 }
 
-Result<bool> PrefillWorker::step() {
-    settle();
-    size_t n = 0;
-    const WireMsg* m = in_.peek(&n);
-    if (n == 0) return false;
+bool PrefillWorker::admit() {
     shm::RequestTable& t = inst_->requests();
-    const shm::ReqRef r{m->slot, m->gen};
-    // A message for a request another prefill took, or that was re-driven and sent
-    // again, loses this CAS and is dropped.
-    if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
-        const RequestParams p = request_params(t, r.slot);
-        const uint32_t np = t.slot(r.slot).n_prompt.load(std::memory_order_relaxed);
-        std::vector<int32_t> prompt(t.tokens(r.slot), t.tokens(r.slot) + np), output;
-        auto no = t.read_output(r, 0, output);
-        auto done_already = [&] {
-            return output.size() >= p.max_tokens || (p.stop_at_eog && !output.empty() && tok_->is_eog(output.back()));
-        };
-        if (!no || done_already()) {  // re-driven after its last token was written
-            t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
-        } else {
-            std::vector<int32_t> all = prompt;
-            all.insert(all.end(), output.begin(), output.end());
-            KvSeq seq;
-            Status st;
-            for (size_t i = 0; i < all.size() && st.ok(); i += static_cast<size_t>(opts_.prefill_chunk)) {
-                SeqBatch b{&seq, all.data() + i,
-                           static_cast<int32_t>(std::min<size_t>(static_cast<size_t>(opts_.prefill_chunk), all.size() - i)),
-                           false};
-                st = backend_->forward({&b, 1}, logits_);
-            }
-            int32_t next = -1;
-            if (st.ok()) {
-                next = sampler_.sample(logits_.data(), backend_->n_vocab(), p.sampling, prompt, output, output.size());
-                st = t.append_output(r, &next, 1);
-            }
-            if (st.ok()) st = t.append_blocks(r, seq.blocks().data(), static_cast<uint32_t>(seq.blocks().size()));
-            if (!st.ok()) {
-                t.slot(r.slot).error_code.store(1, std::memory_order_relaxed);
-                t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Failed);
-                seq.release(*pool_);
-            } else if (output.size() + 1 >= p.max_tokens || (p.stop_at_eog && tok_->is_eog(next)) ||
-                       t.cancelled(r)) {
-                t.transition(r, shm::ReqState::Prefilling,
-                             t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
-                seq.release(*pool_);
+    const int64_t bt = pool_->layout().block_tokens;
+    bool any = false;
+    while (jobs_.size() < static_cast<size_t>(std::max(1, opts_.max_prefills))) {
+        size_t n = 0;
+        const WireMsg* m = in_.peek(&n);
+        if (n == 0) break;
+        any = true;
+        const shm::ReqRef r{m->slot, m->gen};
+        // A message for a request another prefill took, or that was re-driven and
+        // sent again, loses this CAS and is dropped. Once the CAS is won the request
+        // is ours (owner in the state word): if we die from here on, recovery
+        // re-drives it, so the message can go.
+        if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
+            shm::ReqSlot& slot = t.slot(r.slot);
+            slot.prefill_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+            Job j;
+            j.req = r;
+            j.params = request_params(t, r.slot);
+            const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
+            j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
+            auto no = t.read_output(r, 0, j.output);
+            const bool done_already =
+                !no || j.output.size() >= j.params.max_tokens ||
+                (j.params.stop_at_eog && !j.output.empty() && tok_->is_eog(j.output.back()));
+            if (done_already) {  // re-driven after its last token was written
+                t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
+                ring(shm::Role::Front);
             } else {
-                const uint32_t att = t.attempt(r.slot);
-                WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
-                while (!out_.try_push(h)) usleep(50);  // decode drains it every step
-                shm::Registry& reg = inst_->registry();
-                if (int32_t s = reg.find_running(shm::Role::Decode); s >= 0)
-                    shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
-                pending_.push_back({shm::Handoff{r, att, self_, user_}, seq.detach()});
+                j.all = j.prompt;
+                j.all.insert(j.all.end(), j.output.begin(), j.output.end());
+                j.deadline_ns = slot.submit_ns + static_cast<uint64_t>(opts_.deadline_ns_per_token) * j.all.size();
+                if (opts_.prefix_cache) {
+                    shm::BlockHash h;
+                    for (size_t at = 0; at + static_cast<size_t>(bt) <= j.all.size(); at += static_cast<size_t>(bt)) {
+                        h = hasher_.hash(h, j.all.data() + at, static_cast<size_t>(bt), model_->fingerprint(), {});
+                        j.hashes.push_back(h);
+                    }
+                }
+                jobs_.push_back(std::move(j));
             }
         }
+        in_.release(1);
     }
-    in_.release(1);  // only now: a prefill that dies before this leaves the message to its successor
+    return any;
+}
+
+// Takes references on the longest run of this request's leading blocks that the
+// prefix index holds; at least the last token is left to compute (its logits
+// give the first output token).
+void PrefillWorker::lookup_prefix(Job& j) {
+    j.looked_up = true;
+    if (j.hashes.empty()) return;
+    const int64_t bt = pool_->layout().block_tokens;
+    const size_t max_blocks = (j.all.size() - 1) / static_cast<size_t>(bt);
+    std::vector<int32_t> got;
+    for (size_t i = 0; i < std::min(max_blocks, j.hashes.size()); ++i) {
+        const int32_t b = alloc_->arena().acquire_cached(user_, j.hashes[i]);
+        if (b < 0) break;
+        got.push_back(b);
+    }
+    if (got.empty()) return;
+    j.done = got.size() * static_cast<size_t>(bt);
+    j.published = got.size();
+    j.seq = KvSeq::adopt(std::move(got), static_cast<int64_t>(j.done));
+    inst_->requests().slot(j.req.slot).n_cached.store(static_cast<uint32_t>(std::min(j.done, j.prompt.size())),
+                                                      std::memory_order_relaxed);
+}
+
+// Registers the request's newly completed full blocks in the prefix index.
+void PrefillWorker::publish_blocks(Job& j) {
+    const size_t bt = static_cast<size_t>(pool_->layout().block_tokens);
+    const size_t full = std::min(j.done / bt, j.hashes.size());
+    for (; j.published < full; ++j.published)
+        alloc_->arena().publish(user_, j.seq.blocks()[j.published], j.hashes[j.published]);
+}
+
+void PrefillWorker::fail(Job& j) {
+    shm::RequestTable& t = inst_->requests();
+    t.slot(j.req.slot).error_code.store(1, std::memory_order_relaxed);
+    t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
+    j.seq.release(*pool_);
+}
+
+void PrefillWorker::complete(Job& j, const float* logits) {
+    shm::RequestTable& t = inst_->requests();
+    const shm::ReqRef r = j.req;
+    const int32_t next =
+        sampler_.sample(logits, backend_->n_vocab(), j.params.sampling, j.prompt, j.output, j.output.size());
+    Status st = t.append_output(r, &next, 1);
+    if (st.ok()) st = t.append_blocks(r, j.seq.blocks().data(), static_cast<uint32_t>(j.seq.blocks().size()));
+    if (!st.ok()) {
+        fail(j);
+    } else if (j.output.size() + 1 >= j.params.max_tokens || (j.params.stop_at_eog && tok_->is_eog(next)) ||
+               t.cancelled(r)) {
+        t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
+        j.seq.release(*pool_);
+    } else {
+        const uint32_t att = t.attempt(r.slot);
+        WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
+        t.slot(r.slot).handoff_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+        while (!out_.try_push(h)) usleep(50);  // decode drains it every step
+        ring(shm::Role::Decode);
+        pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach()});
+    }
+}
+
+// One forward pass over up to prefill_chunk tokens of the requests in hand,
+// earliest deadline first; requests whose prompt completes are handed off.
+Result<bool> PrefillWorker::step() {
+    settle();
+    const bool took = admit();
+    shm::RequestTable& t = inst_->requests();
+    bool dropped = false;
+    for (size_t i = 0; i < jobs_.size();) {
+        if (t.cancelled(jobs_[i].req)) {
+            t.transition(jobs_[i].req, shm::ReqState::Prefilling, shm::ReqState::Cancelled);
+            jobs_[i].seq.release(*pool_);
+            jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(i));
+            dropped = true;
+        } else {
+            ++i;
+        }
+    }
+    if (jobs_.empty()) {
+        if (dropped || took) ring(shm::Role::Front);
+        return took;
+    }
+    std::vector<size_t> order(jobs_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return jobs_[a].deadline_ns < jobs_[b].deadline_ns; });
+    // A request whose prompt ends in the same full block as an earlier one's still
+    // being computed waits for it, then takes its blocks from the prefix cache (n > 1
+    // choices, or the same prompt sent twice at once).
+    auto follows = [&](size_t k) {
+        const Job& j = jobs_[k];
+        if (j.looked_up || j.hashes.empty()) return false;
+        for (size_t i = 0; i < jobs_.size(); ++i)
+            if (i != k && jobs_[i].looked_up && jobs_[i].hashes.size() >= j.hashes.size() &&
+                jobs_[i].hashes[j.hashes.size() - 1] == j.hashes.back() && jobs_[i].done < jobs_[i].all.size())
+                return true;
+        return false;
+    };
+    std::vector<SeqBatch> batch;
+    std::vector<size_t> in_batch;
+    int64_t budget = opts_.prefill_chunk;
+    for (size_t k : order) {
+        if (budget <= 0) break;
+        if (follows(k)) continue;
+        Job& j = jobs_[k];
+        if (!j.looked_up && opts_.prefix_cache) lookup_prefix(j);
+        j.looked_up = true;
+        const int64_t n = std::min<int64_t>(budget, static_cast<int64_t>(j.all.size() - j.done));
+        batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(n), false});
+        in_batch.push_back(k);
+        budget -= n;
+    }
+    if (batch.empty()) return true;  // only followers: their leaders are not in hand (cannot happen)
+    if (Status st = backend_->forward(batch, logits_); !st) {
+        // Out of KV blocks: fail the request with the latest deadline in the batch.
+        fail(jobs_[in_batch.back()]);
+        jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.back()));
+        ring(shm::Role::Front);
+        return true;
+    }
+    std::vector<size_t> finished;
+    for (size_t i = 0; i < in_batch.size(); ++i) {
+        Job& j = jobs_[in_batch[i]];
+        j.done += static_cast<size_t>(batch[i].n_tokens);
+        if (opts_.prefix_cache) publish_blocks(j);
+        if (j.done == j.all.size()) {
+            complete(j, logits_.data() + static_cast<int64_t>(i) * backend_->n_vocab());
+            finished.push_back(in_batch[i]);
+        }
+    }
+    std::sort(finished.begin(), finished.end());
+    for (size_t k = finished.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(finished[k]));
+    if (!finished.empty()) ring(shm::Role::Front);  // first tokens (or ends) are in the slots
     return true;
 }
 
@@ -204,20 +333,35 @@ Result<bool> DecodeWorker::step() {
         alloc_->handed_by(h.from_user, blocks);
         // Every token but the newest output has its KV in the blocks.
         a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
+        a.fresh = true;
         active_.push_back(std::move(a));
     }
     in_.release(n);
+    bool dropped = false;
     for (size_t i = 0; i < active_.size();) {
-        if (t.cancelled(active_[i].req)) finish(i, shm::ReqState::Cancelled);
-        else ++i;
+        if (t.cancelled(active_[i].req)) {
+            finish(i, shm::ReqState::Cancelled);
+            dropped = true;
+        } else {
+            ++i;
+        }
     }
-    if (active_.empty()) return false;
+    if (active_.empty()) {
+        if (dropped) ring(shm::Role::Front);  // the cancellations are visible
+        return false;
+    }
     std::vector<SeqBatch> batch;
-    for (Active& a : active_) batch.push_back(SeqBatch{&a.seq, &a.output.back(), 1, false});
+    const uint64_t step_ns = shm::monotonic_ns();
+    for (Active& a : active_) {
+        batch.push_back(SeqBatch{&a.seq, &a.output.back(), 1, false});
+        if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
+        a.fresh = false;
+    }
     if (Status st = backend_->forward(batch, logits_); !st) {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
         t.slot(active_.back().req.slot).error_code.store(2, std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
+        ring(shm::Role::Front);
         return true;
     }
     const int64_t nv = backend_->n_vocab();
@@ -232,6 +376,7 @@ Result<bool> DecodeWorker::step() {
             done.push_back(i);
     }
     for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
+    ring(shm::Role::Front);
     return true;
 }
 

@@ -27,7 +27,16 @@ struct WorkerOptions {
     int threads = 1;
     std::vector<int> cpus;
     cpu::Isa isa = cpu::Isa::Scalar;
+    // Prefill: tokens per forward pass, shared by the requests packed into it.
     int64_t prefill_chunk = 512;
+    // Prefill: requests being prefilled at once (taken from the queue, scheduled by
+    // deadline within the token budget).
+    int max_prefills = 16;
+    // Prefill: a request's deadline is its submit time + this per token to prefill;
+    // earliest deadline first (short prompts overtake long ones that arrived about
+    // as early, and nothing waits for ever).
+    int64_t deadline_ns_per_token = 1'000'000;
+    bool prefix_cache = true;
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
@@ -43,6 +52,8 @@ public:
 protected:
     Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
     virtual bool has_work() = 0;
+    // Wakes the running process of `role` if it sleeps on its doorbell.
+    void ring(shm::Role role);
 
     shm::Instance* inst_ = nullptr;
     const Model* model_ = nullptr;
@@ -74,10 +85,31 @@ private:
         shm::Handoff h;
         std::vector<int32_t> blocks;
     };
+    // A request being prefilled.
+    struct Job {
+        shm::ReqRef req;
+        RequestParams params;
+        std::vector<int32_t> prompt, output, all;  // all: prompt + output already produced (re-drive)
+        std::vector<shm::BlockHash> hashes;        // of all's full blocks, chained
+        KvSeq seq;
+        size_t done = 0;  // tokens of `all` with KV in seq
+        uint64_t deadline_ns = 0;
+        bool looked_up = false;  // prefix cache consulted
+        size_t published = 0;    // full blocks registered in the prefix index
+    };
     void settle();
+    // Takes queued requests while there is room; false if the ring was empty.
+    bool admit();
+    void lookup_prefix(Job& j);
+    void publish_blocks(Job& j);
+    // Samples the first token and hands the request to decode (or ends it).
+    void complete(Job& j, const float* logits);
+    void fail(Job& j);
     shm::SpscConsumer<WireMsg> in_;
     shm::SpscProducer<WireMsg> out_;
     std::vector<Pending> pending_;
+    std::vector<Job> jobs_;
+    shm::BlockHasher hasher_;
 };
 
 class DecodeWorker final : public WorkerBase {
@@ -97,6 +129,7 @@ private:
         KvSeq seq;
         RequestParams params;
         std::vector<int32_t> prompt, output;
+        bool fresh = false;  // not yet in a step
     };
     void finish(size_t i, shm::ReqState to);
     shm::SpscConsumer<WireMsg> in_;

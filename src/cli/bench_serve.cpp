@@ -1,0 +1,343 @@
+#include <utility>  // Boost 1.74's asio/awaitable.hpp uses std::exchange without including it
+
+#include "cli/bench_serve.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "base/result.h"
+
+namespace duet {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using asio::awaitable;
+using asio::use_awaitable;
+using nlohmann::json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Record {
+    bool stream = false;  // mixed: one of the long-running decode streams
+    int prompt = 0, max_tokens = 0;
+    double start = 0;                // seconds since the run began
+    std::vector<double> events;      // arrival of each text event, seconds since the run began
+    int64_t completion_tokens = -1;  // from the usage chunk
+    int64_t prompt_tokens = -1;
+    std::string error;  // "" when it completed
+};
+
+struct Run {
+    Run(const ServeBenchOptions& opts, asio::io_context& ctx, tcp::endpoint e, std::string m)
+        : o(opts), io(ctx), ep(e), model(std::move(m)) {
+        rng.seed(o.seed);
+    }
+    const ServeBenchOptions& o;
+    asio::io_context& io;
+    tcp::endpoint ep;
+    std::string model;
+    Clock::time_point t0 = Clock::now();
+    std::mt19937_64 rng;
+    std::vector<std::unique_ptr<Record>> records;
+    int in_flight = 0;
+    std::string server;  // the Server header of the first response
+
+    double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+    int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+};
+
+std::string request_body(Run& run, const Record& r) {
+    std::vector<int32_t> ids(static_cast<size_t>(r.prompt));
+    std::uniform_int_distribution<int32_t> tok(run.o.token_lo, run.o.token_hi - 1);
+    for (int32_t& id : ids) id = tok(run.rng);
+    json j = {{"model", run.model},   {"prompt", ids},        {"max_tokens", r.max_tokens},
+              {"temperature", 0},     {"ignore_eos", true},   {"stream", true},
+              {"stream_options", {{"include_usage", true}}}};
+    return j.dump();
+}
+
+// Consumes complete "data: ..." events from buf; t: when these bytes arrived.
+void take_events(std::string& buf, Record& r, double t, bool& done) {
+    size_t at;
+    while ((at = buf.find("\n\n")) != std::string::npos) {
+        std::string ev = buf.substr(0, at);
+        buf.erase(0, at + 2);
+        if (ev.rfind("data: ", 0) != 0) continue;
+        std::string_view data(ev);
+        data.remove_prefix(6);
+        if (data == "[DONE]") {
+            done = true;
+            continue;
+        }
+        json j = json::parse(data, nullptr, false);
+        if (j.is_discarded()) continue;
+        if (j.contains("error")) {
+            r.error = j["error"].dump();
+            continue;
+        }
+        if (auto u = j.find("usage"); u != j.end() && u->is_object()) {
+            r.completion_tokens = u->value("completion_tokens", int64_t{-1});
+            r.prompt_tokens = u->value("prompt_tokens", int64_t{-1});
+        }
+        if (auto c = j.find("choices"); c != j.end() && c->is_array() && !c->empty()) {
+            const json& ch = (*c)[0];
+            std::string text;
+            if (ch.contains("text") && ch["text"].is_string()) text = ch["text"].get<std::string>();
+            else if (ch.contains("delta") && ch["delta"].contains("content") && ch["delta"]["content"].is_string())
+                text = ch["delta"]["content"].get<std::string>();
+            if (!text.empty()) r.events.push_back(t);
+        }
+    }
+}
+
+awaitable<void> one_request(Run& run, Record& r) {
+    ++run.in_flight;
+    std::string body = request_body(run, r);
+    beast::error_code ec;
+    beast::tcp_stream stream(run.io);
+    stream.expires_after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(run.o.timeout_s)));
+    r.start = run.now();
+    co_await stream.async_connect(run.ep, asio::redirect_error(use_awaitable, ec));
+    if (!ec) {
+        http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+        req.set(http::field::host, run.o.host);
+        req.set(http::field::content_type, "application/json");
+        req.body() = std::move(body);
+        req.prepare_payload();
+        co_await http::async_write(stream, req, asio::redirect_error(use_awaitable, ec));
+    }
+    if (ec) {
+        r.error = "connect/write: " + ec.message();
+        --run.in_flight;
+        co_return;
+    }
+    beast::flat_buffer buf;
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(64u << 20);
+    std::string sse;
+    bool done = false;
+    auto on_chunk = [&](std::uint64_t, beast::string_view data, beast::error_code&) -> std::size_t {
+        sse.append(data.data(), data.size());
+        take_events(sse, r, run.now(), done);
+        return data.size();
+    };
+    parser.on_chunk_body(on_chunk);
+    co_await http::async_read_header(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+    if (!ec && run.server.empty()) run.server = std::string(parser.get()[http::field::server]);
+    while (!ec && !parser.is_done())
+        co_await http::async_read_some(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+    if (ec && r.error.empty()) r.error = "read: " + ec.message();
+    if (!ec && parser.get().result() != http::status::ok && r.error.empty())
+        r.error = fmt::format("HTTP {}: {}", parser.get().result_int(), parser.get().body());
+    if (r.error.empty() && !done) r.error = "the stream ended without [DONE]";
+    if (r.error.empty() && r.completion_tokens != r.max_tokens)
+        r.error = fmt::format("{} tokens generated, {} asked for", r.completion_tokens, r.max_tokens);
+    stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+    --run.in_flight;
+}
+
+Record& add(Run& run, bool stream, int prompt, int max_tokens) {
+    auto r = std::make_unique<Record>();
+    r->stream = stream;
+    r->prompt = prompt;
+    r->max_tokens = max_tokens;
+    run.records.push_back(std::move(r));
+    return *run.records.back();
+}
+
+awaitable<void> decode_stream(Run& run) {
+    while (run.now() < run.o.duration_s) co_await one_request(run, add(run, true, run.o.stream_prompt, run.o.stream_output));
+}
+
+awaitable<void> arrivals(Run& run) {
+    std::exponential_distribution<double> gap(run.o.rate);
+    asio::steady_timer timer(run.io);
+    double next = run.o.scenario == "mixed" ? 1.0 : 0.0;  // mixed: let the streams start first
+    for (;;) {
+        next += gap(run.rng);
+        if (next >= run.o.duration_s) break;
+        timer.expires_at(run.t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(next)));
+        co_await timer.async_wait(use_awaitable);
+        Record& r = add(run, false, run.uniform(run.o.prompt_min, run.o.prompt_max),
+                        run.uniform(run.o.output_min, run.o.output_max));
+        asio::co_spawn(run.io, one_request(run, r), asio::detached);
+    }
+}
+
+// Nearest-rank percentile of sorted values.
+double pct(const std::vector<double>& v, double p) {
+    if (v.empty()) return NAN;
+    size_t i = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+    return v[std::min(v.size() - 1, i == 0 ? 0 : i - 1)];
+}
+
+json dist(std::vector<double> v) {  // milliseconds
+    std::sort(v.begin(), v.end());
+    double sum = 0;
+    for (double x : v) sum += x;
+    return {{"n", v.size()},
+            {"mean", v.empty() ? NAN : sum / static_cast<double>(v.size())},
+            {"p50", pct(v, 50)},
+            {"p90", pct(v, 90)},
+            {"p99", pct(v, 99)},
+            {"max", v.empty() ? NAN : v.back()}};
+}
+
+Status fetch_model(const ServeBenchOptions& o, const tcp::endpoint& ep, std::string& model) {
+    asio::io_context io;
+    beast::tcp_stream s(io);
+    beast::error_code ec;
+    s.connect(ep, ec);
+    if (ec) return make_error("cannot connect to {}:{}: {}", o.host, o.port, ec.message());
+    http::request<http::empty_body> req{http::verb::get, "/v1/models", 11};
+    req.set(http::field::host, o.host);
+    http::write(s, req, ec);
+    beast::flat_buffer buf;
+    http::response<http::string_body> res;
+    if (!ec) http::read(s, buf, res, ec);
+    if (ec) return make_error("GET /v1/models: {}", ec.message());
+    json j = json::parse(res.body(), nullptr, false);
+    if (j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+        !j["data"][0].contains("id"))
+        return make_error("GET /v1/models answered {} {}", res.result_int(), res.body());
+    model = j["data"][0]["id"].get<std::string>();
+    return {};
+}
+
+}  // namespace
+
+int cmd_bench_serve(const ServeBenchOptions& o) {
+    auto fail = [](const std::string& m) {
+        std::fprintf(stderr, "duet bench serve: %s\n", m.c_str());
+        return 1;
+    };
+    if (o.scenario != "mixed" && o.scenario != "poisson") return fail("--scenario must be mixed or poisson");
+    if (o.prompt_min < 1 || o.prompt_max < o.prompt_min || o.output_min < 1 || o.output_max < o.output_min)
+        return fail("length ranges must be 1 <= min <= max");
+    if (o.token_lo < 0 || o.token_hi <= o.token_lo) return fail("--token-range must be lo < hi");
+    beast::error_code ec;
+    auto addr = asio::ip::make_address(o.host, ec);
+    if (ec) return fail(fmt::format("--host {}: {}", o.host, ec.message()));
+    tcp::endpoint ep{addr, static_cast<uint16_t>(o.port)};
+    std::string model = o.model;
+    if (model.empty())
+        if (Status st = fetch_model(o, ep, model); !st) return fail(st.error().message);
+
+    asio::io_context io;
+    Run run(o, io, ep, model);
+    if (o.scenario == "mixed")
+        for (int i = 0; i < o.streams; ++i) asio::co_spawn(io, decode_stream(run), asio::detached);
+    if (o.rate > 0) asio::co_spawn(io, arrivals(run), asio::detached);
+    std::fprintf(stderr, "duet bench serve: %s for %.0f s against %s:%d (%s)\n", o.scenario.c_str(), o.duration_s,
+                 o.host.c_str(), o.port, model.c_str());
+    io.run();
+    const double end = run.now();
+
+    // Summary over requests that started after the warm-up.
+    std::vector<double> ttft, itl, itl_streams, tpot;
+    int64_t tokens = 0, ok = 0, good = 0, errors = 0, counted = 0;
+    double window_end = o.warmup_s;
+    for (const auto& rp : run.records) {
+        const Record& r = *rp;
+        if (r.start < o.warmup_s) continue;
+        ++counted;
+        if (!r.error.empty() || r.events.empty()) {
+            ++errors;
+            continue;
+        }
+        ++ok;
+        tokens += r.completion_tokens;
+        window_end = std::max(window_end, r.events.back());
+        const double t1 = (r.events.front() - r.start) * 1e3;
+        if (!r.stream || o.scenario == "poisson") ttft.push_back(t1);
+        for (size_t i = 1; i < r.events.size(); ++i) {
+            double g = (r.events[i] - r.events[i - 1]) * 1e3;
+            itl.push_back(g);
+            if (r.stream) itl_streams.push_back(g);
+        }
+        double tp = r.completion_tokens > 1
+                        ? (r.events.back() - r.events.front()) * 1e3 / static_cast<double>(r.completion_tokens - 1)
+                        : 0;
+        tpot.push_back(tp);
+        if (t1 <= o.slo_ttft_ms && tp <= o.slo_tpot_ms) ++good;
+    }
+    const double window = std::max(1e-9, window_end - o.warmup_s);
+    json summary = {{"requests", counted},
+                    {"completed", ok},
+                    {"errors", errors},
+                    {"ttft_ms", dist(ttft)},
+                    {"itl_ms", dist(itl)},
+                    {"itl_streams_ms", dist(itl_streams)},
+                    {"tpot_ms", dist(tpot)},
+                    {"output_tokens_per_s", static_cast<double>(tokens) / window},
+                    {"requests_per_s", static_cast<double>(ok) / window},
+                    {"goodput_requests_per_s", static_cast<double>(good) / window}};
+    json opts = {{"host", o.host},
+                 {"port", o.port},
+                 {"model", model},
+                 {"scenario", o.scenario},
+                 {"duration_s", o.duration_s},
+                 {"warmup_s", o.warmup_s},
+                 {"rate", o.rate},
+                 {"prompt", {o.prompt_min, o.prompt_max}},
+                 {"output", {o.output_min, o.output_max}},
+                 {"streams", o.streams},
+                 {"stream_prompt", o.stream_prompt},
+                 {"stream_output", o.stream_output},
+                 {"slo_ttft_ms", o.slo_ttft_ms},
+                 {"slo_tpot_ms", o.slo_tpot_ms},
+                 {"seed", o.seed}};
+    const std::string label = o.label.empty() ? (run.server.empty() ? "server" : run.server) : o.label;
+
+    std::printf("%s: %lld requests (%lld completed, %lld errors) in %.1f s; %.1f output tokens/s, goodput %.3f req/s\n",
+                label.c_str(), static_cast<long long>(counted), static_cast<long long>(ok),
+                static_cast<long long>(errors), end, summary["output_tokens_per_s"].get<double>(),
+                summary["goodput_requests_per_s"].get<double>());
+    for (const char* k : {"ttft_ms", "itl_ms", "itl_streams_ms", "tpot_ms"}) {
+        const json& d = summary[k];
+        if (d["n"].get<size_t>() == 0) continue;
+        std::printf("  %-15s n=%-6zu p50 %9.2f  p90 %9.2f  p99 %9.2f  max %9.2f  mean %9.2f\n", k,
+                    d["n"].get<size_t>(), d["p50"].get<double>(), d["p90"].get<double>(), d["p99"].get<double>(),
+                    d["max"].get<double>(), d["mean"].get<double>());
+    }
+    for (const auto& rp : run.records)
+        if (!rp->error.empty()) {
+            std::printf("  first error: %s\n", rp->error.c_str());
+            break;
+        }
+    if (!o.json_path.empty()) {
+        json reqs = json::array();
+        for (const auto& rp : run.records) {
+            const Record& r = *rp;
+            reqs.push_back({{"stream", r.stream},
+                            {"prompt", r.prompt},
+                            {"max_tokens", r.max_tokens},
+                            {"start", r.start},
+                            {"events", r.events},
+                            {"completion_tokens", r.completion_tokens},
+                            {"error", r.error}});
+        }
+        json all = {{"label", label}, {"server", run.server}, {"options", opts}, {"summary", summary}, {"requests", reqs}};
+        std::ofstream f(o.json_path);
+        f << all.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
+        if (!f) return fail("cannot write " + o.json_path);
+    }
+    return errors == 0 ? 0 : 2;
+}
+
+}  // namespace duet
