@@ -63,14 +63,18 @@ bool req_transition_allowed(ReqState from, ReqState to) {
 size_t RequestTable::bytes(const RequestTableConfig& c) {
     if (c.block_tokens == 0) return sizeof(RequestTableHeader);  // init() rejects it
     uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
-    return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots;
+    return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots +
+           sizeof(TokenLogprob) * kLogprobRow * c.max_tokens * c.n_slots;
 }
 
 Status RequestTable::init(void* mem, const RequestTableConfig& c) {
     if (c.n_slots == 0 || c.max_tokens == 0 || c.block_tokens == 0)
         return make_error("request table needs slots, tokens and a block size (got {}, {}, {})", c.n_slots,
                           c.max_tokens, c.block_tokens);
-    std::memset(mem, 0, bytes(c));
+    // Header and slots; the log-probability rows after them are read only where
+    // written (and a new segment is zero anyway), so their pages stay untouched.
+    const uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
+    std::memset(mem, 0, sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots);
     auto* h = new (mem) RequestTableHeader{};
     h->n_slots = c.n_slots;
     h->max_tokens = c.max_tokens;

@@ -31,6 +31,17 @@ bool req_transition_allowed(ReqState from, ReqState to);
 
 inline constexpr uint32_t kReqParamBytes = 256;  // sampling parameters, opaque to shm
 
+// Log-probabilities of output tokens, for requests that ask for them: per output
+// token a row of 1 + kMaxTopLogprobs entries, the sampled token first, then the most
+// likely ones (id -1 past those asked for). Written by the owner before it publishes
+// the token's count, like the token itself.
+inline constexpr uint32_t kMaxTopLogprobs = 20;
+struct TokenLogprob {
+    int32_t id;
+    float logprob;
+};
+inline constexpr uint32_t kLogprobRow = 1 + kMaxTopLogprobs;
+
 struct ReqRef {
     uint32_t slot = 0;
     uint32_t gen = 0;
@@ -93,6 +104,11 @@ public:
     }
     int32_t* tokens(uint32_t i) const { return reinterpret_cast<int32_t*>(&slot(i) + 1); }
     int32_t* blocks(uint32_t i) const { return tokens(i) + h_->max_tokens; }
+    // The log-probability row of output token `out_index` of slot i (kLogprobRow entries).
+    TokenLogprob* logprobs(uint32_t i, uint32_t out_index) const {
+        auto* base = reinterpret_cast<TokenLogprob*>(reinterpret_cast<uint8_t*>(h_ + 1) + h_->n_slots * h_->slot_bytes);
+        return base + (static_cast<size_t>(i) * h_->max_tokens + out_index) * kLogprobRow;
+    }
 
     // reserve() + queue(): the usual way in. Errors: table full, prompt too long or
     // empty, params too big.

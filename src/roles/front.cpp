@@ -155,6 +155,48 @@ awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload) {
     co_return !ec;
 }
 
+// One choice of a completion: its request and what the front has made of its tokens.
+struct Choice {
+    explicit Choice(const Tokenizer& tok) : detok(tok) {}
+    shm::ReqRef ref;
+    Detokenizer detok;
+    std::vector<int32_t> out;
+    uint32_t have = 0;                             // output tokens read
+    shm::ReqState seen_state = shm::ReqState::Free;  // as last read
+    std::string text;                              // generated text, stop strings applied
+    size_t emitted = 0;                            // bytes of text already streamed
+    std::string finish;
+    bool stopped = false, first = true, done = false;
+    shm::ReqState final_state = shm::ReqState::Free;
+    uint64_t last_token_ns = 0;
+    std::vector<LogprobToken> lps;  // one per output token, when asked for
+    size_t lps_sent = 0;            // streamed so far
+    int64_t text_bytes = 0;         // bytes of the tokens so far (text_offset)
+    std::vector<LogprobToken> unsent() const { return {lps.begin() + static_cast<std::ptrdiff_t>(lps_sent), lps.end()}; }
+    // Asks the worker to stop; a request no worker has taken yet is cancelled here.
+    void cancel(shm::RequestTable& t) const {
+        t.cancel(ref);
+        t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+    }
+};
+
+static_assert(kMaxTopLogprobs == static_cast<int>(shm::kMaxTopLogprobs));
+
+// Turns the log-probability rows of output tokens [from, to) into API entries.
+void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, int top, size_t from, size_t to) {
+    for (size_t i = from; i < to; ++i) {
+        const shm::TokenLogprob* row = t.logprobs(c.ref.slot, static_cast<uint32_t>(i));
+        LogprobToken lt;
+        lt.token = std::string(tok.piece(row[0].id));
+        lt.logprob = row[0].logprob;
+        for (int k = 0; k < top && row[1 + k].id >= 0; ++k)
+            lt.top.emplace_back(std::string(tok.piece(row[1 + k].id)), row[1 + k].logprob);
+        lt.text_offset = c.text_bytes;
+        c.text_bytes += static_cast<int64_t>(lt.token.size());
+        c.lps.push_back(std::move(lt));
+    }
+}
+
 // The coroutines that serve one connection; a friend of Front.
 struct FrontSession {
     static awaitable<bool> error(Front& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
@@ -396,37 +438,37 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
+    params.logprobs = r.logprobs;
     shm::RequestTable& t = f.inst_.requests();
-    auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
-    if (!sub) {
-        f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
-        co_return co_await error(f, stream, req, api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", ""));
+    // One request per choice; choice i samples with its own seed, so choices differ
+    // unless decoding is greedy. Sent after all are in: the later ones then find the
+    // first one's prompt blocks in the prefix cache (prefill waits for them).
+    std::vector<Choice> ch(static_cast<size_t>(r.n), Choice(f.tok_));
+    for (size_t i = 0; i < ch.size(); ++i) {
+        params.sampling.seed = r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
+        auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
+        if (!sub) {
+            for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them
+                t.transition(ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                t.transition(ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
+            }
+            f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
+            co_return co_await error(f, stream, req, api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", ""));
+        }
+        ch[i].ref = *sub;
     }
-    const shm::ReqRef ref = *sub;
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
-    f.counters_.prompt_tokens.fetch_add(prompt.size(), std::memory_order_relaxed);
+    f.counters_.prompt_tokens.fetch_add(prompt.size() * ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1);
-    f.send(ref);
+    for (const Choice& c : ch) f.send(c.ref);
     f.counters_.admit.observe(seconds_between(arrived, shm::monotonic_ns()));
-    uint64_t last_token_ns = 0;
 
     const std::string id = request_id();
     const int64_t created = static_cast<int64_t>(time(nullptr));
-    Detokenizer detok(f.tok_);
-    std::string text;     // generated text, stop strings applied
-    size_t emitted = 0;   // bytes of text already sent (streaming)
     size_t max_stop = 0;  // text that could still become a stop string is held back
     for (const std::string& s : r.stop) max_stop = std::max(max_stop, s.size());
-    std::vector<int32_t> out;
-    uint32_t have = 0;
-    std::string finish;
-    bool client_gone = false, stopped = false, first = true;
+    bool client_gone = false;
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
-    // Asks the worker to stop; a request no worker has taken yet is cancelled here.
-    auto cancel = [&] {
-        t.cancel(ref);
-        t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-    };
     if (r.stream) {
         http::response<http::empty_body> head{http::status::ok, req.version()};
         head.set(http::field::server, "duet");
@@ -439,89 +481,113 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         client_gone = static_cast<bool>(ec);
     }
     const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull;
-    shm::ReqState final_state = shm::ReqState::Free;
+    std::vector<std::shared_ptr<Waiter>> waiting;
     for (;;) {
-        shm::ReqState st = t.state(ref.slot);
-        bool terminal = st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled;
-        size_t before = out.size();
-        auto n = t.read_output(ref, have, out);
-        if (n) have = *n;
-        const uint64_t seen_ns = shm::monotonic_ns();
-        if (out.size() > before) {
-            if (last_token_ns == 0) {
-                f.counters_.ttft.observe(seconds_between(arrived, seen_ns));
-            } else {  // several tokens at once share the gap
-                const double gap = seconds_between(last_token_ns, seen_ns) / static_cast<double>(out.size() - before);
-                for (size_t i = before; i < out.size(); ++i) f.counters_.itl.observe(gap);
+        bool all_done = true;
+        for (size_t ci = 0; ci < ch.size(); ++ci) {
+            Choice& c = ch[ci];
+            if (c.done) continue;
+            const shm::ReqState st = t.state(c.ref.slot);
+            c.seen_state = st;
+            const bool terminal =
+                st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled;
+            const size_t before = c.out.size();
+            if (auto n = t.read_output(c.ref, c.have, c.out)) c.have = *n;
+            const uint64_t seen_ns = shm::monotonic_ns();
+            if (c.out.size() > before) {
+                if (c.last_token_ns == 0) {
+                    f.counters_.ttft.observe(seconds_between(arrived, seen_ns));
+                } else {  // several tokens at once share the gap
+                    const double gap = seconds_between(c.last_token_ns, seen_ns) / static_cast<double>(c.out.size() - before);
+                    for (size_t i = before; i < c.out.size(); ++i) f.counters_.itl.observe(gap);
+                }
+                c.last_token_ns = seen_ns;
+                if (r.logprobs >= 0) read_logprobs(t, f.tok_, c, r.logprobs, before, c.out.size());
             }
-            last_token_ns = seen_ns;
-        }
-        if (!stopped) {
-            for (size_t i = before; i < out.size(); ++i) text += detok.push(out[i]);
-            if (terminal) text += detok.finish();
-            for (const std::string& s : r.stop) {
-                size_t at = text.find(s, emitted > s.size() ? emitted - s.size() : 0);
-                if (at != std::string::npos) {
-                    text.resize(at);
-                    stopped = true;
-                    finish = "stop";
+            if (!c.stopped) {
+                for (size_t i = before; i < c.out.size(); ++i) c.text += c.detok.push(c.out[i]);
+                if (terminal) c.text += c.detok.finish();
+                for (const std::string& s : r.stop) {
+                    size_t at = c.text.find(s, c.emitted > s.size() ? c.emitted - s.size() : 0);
+                    if (at != std::string::npos) {
+                        c.text.resize(at);
+                        c.stopped = true;
+                        c.finish = "stop";
+                    }
+                }
+                if (c.stopped && !terminal) c.cancel(t);
+            }
+            if (r.stream && !client_gone) {
+                size_t safe = (terminal || c.stopped) ? c.text.size()
+                                                      : (c.text.size() > max_stop ? c.text.size() - max_stop : 0);
+                // Never split a UTF-8 character when holding back.
+                while (safe > c.emitted && safe < c.text.size() && (static_cast<unsigned char>(c.text[safe]) & 0xC0) == 0x80)
+                    --safe;
+                if (safe > c.emitted || c.first) {
+                    if (!co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
+                                                                  c.text.substr(c.emitted, safe - c.emitted), "", c.first,
+                                                                  c.unsent())))
+                        client_gone = true;
+                    c.lps_sent = c.lps.size();
+                    c.emitted = safe;
+                    c.first = false;
+                    f.counters_.stream_event.observe(seconds_between(seen_ns, shm::monotonic_ns()));
                 }
             }
-            if (stopped && !terminal) cancel();
-        }
-        if (r.stream && !client_gone) {
-            size_t safe = (terminal || stopped) ? text.size() : (text.size() > max_stop ? text.size() - max_stop : 0);
-            // Never split a UTF-8 character when holding back.
-            while (safe > emitted && safe < text.size() && (static_cast<unsigned char>(text[safe]) & 0xC0) == 0x80) --safe;
-            if (safe > emitted || first) {
-                if (!co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id,
-                                                              text.substr(emitted, safe - emitted), "", first)))
-                    client_gone = true;
-                emitted = safe;
-                first = false;
-                f.counters_.stream_event.observe(seconds_between(seen_ns, shm::monotonic_ns()));
+            if (client_gone && !terminal) c.cancel(t);
+            if (terminal) {
+                c.done = true;
+                c.final_state = st;
+            } else {
+                all_done = false;
+                if (shm::monotonic_ns() > deadline) c.cancel(t);
             }
         }
-        if (client_gone && !terminal) cancel();
-        if (terminal) {
-            final_state = st;
-            break;
-        }
-        if (shm::monotonic_ns() > deadline) cancel();
-        // Sleep until the notifier sees the slot change (or 20 ms pass: deadlines,
+        if (all_done) break;
+        // Sleep until the notifier sees a slot change (or 20 ms pass: deadlines,
         // recoveries). Re-checked after registering, so no change is missed.
-        auto w = std::make_shared<Waiter>(Waiter{ref.slot, have, st, timer});
-        f.impl_->add(w);
-        if (Front::Impl::changed(t, *w)) {
-            f.impl_->remove(w);
-            continue;
+        waiting.clear();
+        bool changed = false;
+        for (const Choice& c : ch)
+            if (!c.done) {
+                waiting.push_back(std::make_shared<Waiter>(Waiter{c.ref.slot, c.have, c.seen_state, timer}));
+                f.impl_->add(waiting.back());
+                changed = changed || Front::Impl::changed(t, *waiting.back());
+            }
+        if (!changed) {
+            timer->expires_after(std::chrono::milliseconds(20));
+            co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
         }
-        timer->expires_after(std::chrono::milliseconds(20));
-        co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
-        f.impl_->remove(w);
+        for (const auto& w : waiting) f.impl_->remove(w);
     }
-    {
-        const shm::ReqSlot& s = t.slot(ref.slot);
+    Usage u{static_cast<int64_t>(prompt.size()), 0, 0};
+    bool failed = false;
+    std::vector<ChoiceText> texts;
+    for (Choice& c : ch) {
+        const shm::ReqSlot& s = t.slot(c.ref.slot);
         const uint64_t q = s.prefill_ns.load(std::memory_order_relaxed), h = s.handoff_ns.load(std::memory_order_relaxed),
                        d = s.first_step_ns.load(std::memory_order_relaxed);
         f.counters_.e2e.observe(seconds_between(arrived, shm::monotonic_ns()));
         if (q >= s.submit_ns && q != 0) f.counters_.queue.observe(seconds_between(s.submit_ns, q));
         if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
         if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
+        u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
+        if (c.finish.empty()) {
+            if (c.final_state == shm::ReqState::Finished)
+                c.finish = (!r.ignore_eos && !c.out.empty() && f.tok_.is_eog(c.out.back())) ? "stop" : "length";
+            else if (c.final_state == shm::ReqState::Cancelled)
+                c.finish = "stop";
+        }
+        u.completion_tokens += static_cast<int64_t>(c.out.size());
+        f.counters_.tokens.fetch_add(c.out.size(), std::memory_order_relaxed);
+        if (c.final_state == shm::ReqState::Failed) failed = true;
+        t.transition(c.ref, c.final_state, shm::ReqState::Free);
+        texts.push_back({c.text, c.finish, std::move(c.lps)});
     }
-    if (finish.empty()) {
-        if (final_state == shm::ReqState::Finished)
-            finish = (!r.ignore_eos && !out.empty() && f.tok_.is_eog(out.back())) ? "stop" : "length";
-        else if (final_state == shm::ReqState::Cancelled)
-            finish = "stop";
-    }
-    Usage u{static_cast<int64_t>(prompt.size()), static_cast<int64_t>(out.size())};
-    f.counters_.tokens.fetch_add(out.size(), std::memory_order_relaxed);
-    if (final_state == shm::ReqState::Finished) f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
-    if (final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
-    const bool failed = final_state == shm::ReqState::Failed;
+    u.cached_tokens = std::min<int64_t>(u.cached_tokens, u.prompt_tokens);  // one prompt, however many choices
     if (failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
-    t.transition(ref, final_state, shm::ReqState::Free);
+    else if (ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
+    else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
     f.in_flight_.fetch_sub(1);
 
     if (r.stream) {
@@ -531,7 +597,10 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             ApiError e = api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
             ok = co_await write_event(stream, error_json(e));
         } else {
-            ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, text.substr(emitted), finish, false));
+            for (size_t ci = 0; ok && ci < ch.size(); ++ci)
+                ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
+                                                             ch[ci].text.substr(ch[ci].emitted), ch[ci].finish, false,
+                                                             ch[ci].unsent()));
             if (ok && r.include_usage) ok = co_await write_event(stream, usage_chunk_json(r, id, created, f.opts_.model_id, u));
         }
         if (ok) ok = co_await write_event(stream, "[DONE]");
@@ -541,7 +610,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     }
     if (failed)
         co_return co_await error(f, stream, req, api_error(500, "server_error", "generation failed (out of KV cache or a worker error)", "", ""));
-    auto res = make_response(http::status::ok, completion_json(r, id, created, f.opts_.model_id, text, finish, u), req);
+    auto res = make_response(http::status::ok, completion_json(r, id, created, f.opts_.model_id, texts, u), req);
     co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
     co_return !ec;
 }

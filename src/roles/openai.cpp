@@ -145,10 +145,28 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
         }
     }
     if (auto it = j.find("n"); it != j.end() && !it->is_null()) {
-        if (!it->is_number_integer() || it->get<int64_t>() < 1) return bad("n", "'n' must be a positive integer");
-        if (it->get<int64_t>() != 1) return bad("n", "only n = 1 is supported by this server so far");
+        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > kMaxChoices)
+            return bad("n", fmt::format("'n' must be an integer from 1 to {}", kMaxChoices));
+        r.n = it->get<int>();
     }
-    for (const char* key : {"logprobs", "top_logprobs", "tools", "functions", "response_format"}) {
+    if (auto it = j.find("logprobs"); it != j.end() && !it->is_null()) {
+        if (chat) {
+            if (!it->is_boolean()) return bad("logprobs", "'logprobs' must be a boolean");
+            if (it->get<bool>()) r.logprobs = 0;
+        } else {
+            if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > kMaxTopLogprobs)
+                return bad("logprobs", fmt::format("'logprobs' must be an integer from 0 to {}", kMaxTopLogprobs));
+            r.logprobs = it->get<int>();
+        }
+    }
+    if (auto it = j.find("top_logprobs"); it != j.end() && !it->is_null()) {
+        if (!chat) return bad("top_logprobs", "'top_logprobs' belongs to chat completions; use 'logprobs': N here");
+        if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > kMaxTopLogprobs)
+            return bad("top_logprobs", fmt::format("'top_logprobs' must be an integer from 0 to {}", kMaxTopLogprobs));
+        if (r.logprobs < 0) return bad("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+        r.logprobs = it->get<int>();
+    }
+    for (const char* key : {"tools", "functions", "response_format"}) {
         auto it = j.find(key);
         if (it == j.end() || it->is_null() || (it->is_boolean() && !it->get<bool>())) continue;
         return bad(key, fmt::format("'{}' is not supported by this server so far", key));
@@ -166,28 +184,64 @@ json base(const CompletionRequest& r, const std::string& id, int64_t created, co
 json usage(const Usage& u) {
     return {{"prompt_tokens", u.prompt_tokens},
             {"completion_tokens", u.completion_tokens},
-            {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+            {"total_tokens", u.prompt_tokens + u.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+json bytes_of(const std::string& s) {
+    json b = json::array();
+    for (unsigned char c : s) b.push_back(c);
+    return b;
+}
+
+// The choice's "logprobs" member: chat's {"content": [...]}, or the completions
+// API's parallel arrays.
+json logprobs_json(const CompletionRequest& r, const std::vector<LogprobToken>& lps) {
+    if (r.logprobs < 0) return nullptr;
+    if (r.chat) {
+        json content = json::array();
+        for (const LogprobToken& t : lps) {
+            json top = json::array();
+            for (const auto& [tok, lp] : t.top) top.push_back({{"token", tok}, {"logprob", lp}, {"bytes", bytes_of(tok)}});
+            content.push_back({{"token", t.token}, {"logprob", t.logprob}, {"bytes", bytes_of(t.token)}, {"top_logprobs", top}});
+        }
+        return {{"content", content}};
+    }
+    json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
+    for (const LogprobToken& t : lps) {
+        tokens.push_back(t.token);
+        token_lps.push_back(t.logprob);
+        json top = json::object();
+        for (const auto& [tok, lp] : t.top) top[tok] = lp;
+        tops.push_back(std::move(top));
+        offsets.push_back(t.text_offset);
+    }
+    return {{"tokens", tokens}, {"token_logprobs", token_lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
 }
 }  // namespace
 
 std::string completion_json(const CompletionRequest& r, const std::string& id, int64_t created,
-                            const std::string& model, const std::string& text, const std::string& finish_reason,
-                            const Usage& u) {
+                            const std::string& model, const std::vector<ChoiceText>& choices, const Usage& u) {
     json j = base(r, id, created, model, false);
-    json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
-    if (r.chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
-    else choice["text"] = text;
-    j["choices"] = json::array({choice});
+    j["choices"] = json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+        json choice = {{"index", i},
+                       {"finish_reason", choices[i].finish_reason},
+                       {"logprobs", logprobs_json(r, choices[i].logprobs)}};
+        if (r.chat) choice["message"] = {{"role", "assistant"}, {"content", choices[i].text}};
+        else choice["text"] = choices[i].text;
+        j["choices"].push_back(std::move(choice));
+    }
     j["usage"] = usage(u);
     return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model,
-                       const std::string& text, const std::string& finish_reason, bool first) {
+                       int index, const std::string& text, const std::string& finish_reason, bool first,
+                       const std::vector<LogprobToken>& logprobs) {
     json j = base(r, id, created, model, true);
-    json choice = {{"index", 0},
+    json choice = {{"index", index},
                    {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
-                   {"logprobs", nullptr}};
+                   {"logprobs", logprobs_json(r, logprobs)}};
     if (r.chat) {
         json delta = json::object();
         if (first) delta["role"] = "assistant";

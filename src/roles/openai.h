@@ -35,23 +35,43 @@ struct CompletionRequest {
     bool stream = false;
     bool include_usage = false;
     bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
+    int n = 1;                // choices, each its own request sharing the prompt's cached blocks
+    int logprobs = -1;        // -1: none; else log-probabilities with this many top alternatives
 };
+inline constexpr int kMaxChoices = 16;
+inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 
 // Parses and validates a request body. Errors name the parameter and what was
-// expected; unsupported options (n > 1, logprobs) are errors, never ignored.
+// expected; unsupported options (tools, response_format) are errors, never ignored.
 std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat);
 
 struct Usage {
     int64_t prompt_tokens = 0, completion_tokens = 0;
+    int64_t cached_tokens = 0;  // prompt tokens whose KV came from the prefix cache
 };
 
-// A whole (non-streamed) response.
+// One output token's log-probability, with its top alternatives (token texts are
+// the tokens' bytes, which may be part of a UTF-8 character).
+struct LogprobToken {
+    std::string token;
+    float logprob = 0;
+    std::vector<std::pair<std::string, float>> top;
+    int64_t text_offset = 0;  // completions API: where the token starts in the text
+};
+
+struct ChoiceText {
+    std::string text, finish_reason;
+    std::vector<LogprobToken> logprobs;  // used when the request asked for them
+};
+
+// A whole (non-streamed) response, choices in index order.
 std::string completion_json(const CompletionRequest& r, const std::string& id, int64_t created,
-                            const std::string& model, const std::string& text, const std::string& finish_reason,
-                            const Usage& u);
-// One stream chunk: text (may be empty) and a finish reason ("" while running).
+                            const std::string& model, const std::vector<ChoiceText>& choices, const Usage& u);
+// One stream chunk of choice `index`: text (may be empty) and a finish reason (""
+// while running).
 std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model,
-                       const std::string& text, const std::string& finish_reason, bool first);
+                       int index, const std::string& text, const std::string& finish_reason, bool first,
+                       const std::vector<LogprobToken>& logprobs = {});
 // The usage chunk sent last when stream_options.include_usage is set.
 std::string usage_chunk_json(const CompletionRequest& r, const std::string& id, int64_t created,
                              const std::string& model, const Usage& u);

@@ -41,7 +41,13 @@ struct RequestParams {
     SamplingParams sampling;
     uint32_t max_tokens = 128;
     uint32_t stop_at_eog = 1;
+    int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
 };
+
+// Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
+// model's distribution (log-softmax of the raw logits, before any sampling
+// parameter), the sampled token first, then the `top` most likely, most likely first.
+void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 
 inline RequestParams request_params(const shm::RequestTable& t, uint32_t slot) {

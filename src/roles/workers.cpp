@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace duet {
 
@@ -25,6 +26,25 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     c.cpu_kv_bytes = block_bytes * blocks;
     c.model_fingerprint = model.fingerprint();
     return c;
+}
+
+void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
+    float mx = logits[0];
+    for (int64_t i = 1; i < n_vocab; ++i) mx = std::max(mx, logits[i]);
+    double sum = 0;
+    for (int64_t i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - mx));
+    const double lse = static_cast<double>(mx) + std::log(sum);
+    auto lp = [&](int32_t id) { return static_cast<float>(static_cast<double>(logits[id]) - lse); };
+    row[0] = {sampled, lp(sampled)};
+    top = std::clamp(top, 0, static_cast<int>(shm::kMaxTopLogprobs));
+    std::vector<int32_t> ids(static_cast<size_t>(n_vocab));
+    for (int64_t i = 0; i < n_vocab; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    const auto k = static_cast<ptrdiff_t>(std::min<int64_t>(top, n_vocab));
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (uint32_t i = 0; i < shm::kMaxTopLogprobs; ++i)
+        row[1 + i] = static_cast<ptrdiff_t>(i) < k ? shm::TokenLogprob{ids[i], lp(ids[i])} : shm::TokenLogprob{-1, 0.0f};
 }
 
 // ---------------------------------------------------------------- shared
@@ -199,6 +219,9 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     const shm::ReqRef r = j.req;
     const int32_t next =
         sampler_.sample(logits, backend_->n_vocab(), j.params.sampling, j.prompt, j.output, j.output.size());
+    if (j.params.logprobs >= 0 && j.prompt.size() + j.output.size() < t.max_tokens())
+        fill_logprobs(logits, backend_->n_vocab(), next, j.params.logprobs,
+                      t.logprobs(r.slot, static_cast<uint32_t>(j.output.size())));
     Status st = t.append_output(r, &next, 1);
     if (st.ok()) st = t.append_blocks(r, j.seq.blocks().data(), static_cast<uint32_t>(j.seq.blocks().size()));
     if (!st.ok()) {
@@ -368,8 +391,10 @@ Result<bool> DecodeWorker::step() {
     std::vector<size_t> done;
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
-        int32_t next = sampler_.sample(logits_.data() + static_cast<int64_t>(i) * nv, nv, a.params.sampling, a.prompt,
-                                       a.output, a.output.size());
+        const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
+        int32_t next = sampler_.sample(row, nv, a.params.sampling, a.prompt, a.output, a.output.size());
+        if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
+            fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
         a.output.push_back(next);
         if (!t.append_output(a.req, &next, 1).ok() || a.output.size() >= a.params.max_tokens ||
             (a.params.stop_at_eog && tok_->is_eog(next)))

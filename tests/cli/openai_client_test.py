@@ -61,6 +61,20 @@ try:
     check(a.choices[0].text == b.choices[0].text, "same seed, same text")
     print("completions, seed reproducibility: ok")
 
+    two = c.chat.completions.create(model=model, messages=msgs, max_tokens=32, temperature=0, n=2,
+                                    logprobs=True, top_logprobs=2)
+    check([ch.index for ch in two.choices] == [0, 1], "n=2 indexes")
+    check(all(ch.message.content == content for ch in two.choices), "n=2 greedy choices equal the n=1 answer")
+    check(two.usage.completion_tokens == 2 * whole.usage.completion_tokens, "n=2 usage")
+    check(two.usage.prompt_tokens_details.cached_tokens > 0, "n=2: the prompt's blocks came from the cache")
+    lp = two.choices[0].logprobs.content
+    check(len(lp) == two.usage.completion_tokens // 2 and all(len(e.top_logprobs) == 2 for e in lp), "chat logprobs")
+    check(all(e.logprob == max(t.logprob for t in e.top_logprobs) for e in lp), "greedy picks the top token")
+    clp = c.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
+                               logprobs=3).choices[0].logprobs
+    check(len(clp.tokens) == 4 and len(clp.top_logprobs[0]) == 3 and clp.token_logprobs[0] <= 0, "completion logprobs")
+    print("n = 2 and logprobs through the client: ok")
+
     try:
         c.completions.create(model=model, prompt="x", max_tokens=-5)
         check(False, "negative max_tokens accepted")

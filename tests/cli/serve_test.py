@@ -3,14 +3,17 @@
 
 Starts the server on a free port, then checks: health, readiness and models; greedy
 completions equal `duet run`'s text; chat streamed and not streamed agree, with usage;
-stop strings; OpenAI-style errors with the right status codes; a SIGKILLed decode
-worker in the middle of a stream (the stream completes with exactly the text of an
-undisturbed run, /metrics counts the restart and the re-drive, the KV blocks all come
-back); SIGTERM drains, exits 0 and leaves nothing in /dev/shm.
+stop strings; n = 2; logprobs against llama.cpp's fixture; the prefix cache in usage;
+OpenAI-style errors with the right status codes; a SIGKILLed decode worker in the
+middle of a stream, and a SIGKILLed prefill worker under 16 streams (the streams
+complete with exactly the text of an undisturbed run, /metrics counts the restarts
+and re-drives, the KV blocks all come back); SIGTERM drains, exits 0 and leaves
+nothing in /dev/shm.
 
 Usage: serve_test.py path/to/duet
 """
 import json
+import math
 import os
 import re
 import signal
@@ -139,7 +142,11 @@ def run(port, server):
     check(events[-1] == "[DONE]", "stream ends with [DONE]")
     check(text == content, f"streamed {text!r} != whole {content!r}")
     usage = json.loads(events[-2])["usage"]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    check(whole["usage"].pop("prompt_tokens_details")["cached_tokens"] == 0, "the first chat request found a cache")
     check(usage == whole["usage"], f"stream usage {usage} != {whole['usage']}")
+    # The same prompt again: all its full blocks but the last token's came from the prefix cache.
+    check(cached == (usage["prompt_tokens"] - 1) // 16 * 16, f"cached tokens {cached} of {usage['prompt_tokens']}")
     print("chat streamed and whole agree, with usage: ok")
 
     # Stop strings: cut at the first occurrence, finish_reason "stop".
@@ -150,6 +157,63 @@ def run(port, server):
     check(s["message"]["content"] == content[:content.index(stop)], f"stop: {s['message']['content']!r}")
     check(s["finish_reason"] == "stop", "stop reason")
     print("stop strings: ok")
+
+    # n = 2: greedy, both choices are the n = 1 answer, and the second took the
+    # prompt's full blocks from the prefix cache (usage says how many tokens).
+    st, body = request(port, "POST", "/v1/chat/completions", dict(chat, n=2))
+    check(st == 200, f"n=2: {st} {body}")
+    two = json.loads(body)
+    check([c["index"] for c in two["choices"]] == [0, 1], f"n=2 indexes: {two['choices']}")
+    check(all(c["message"]["content"] == content for c in two["choices"]), f"n=2 greedy: {two['choices']}")
+    check(two["usage"]["completion_tokens"] == 2 * whole["usage"]["completion_tokens"], f"n=2 usage {two['usage']}")
+    check(two["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16, f"n=2 cached tokens: {two['usage']}")
+    # Sampled with a seed: reproducible, and the choices differ from each other.
+    sampled = dict(chat, n=2, temperature=1.0, seed=7, max_tokens=24)
+    texts = [[c["message"]["content"] for c in json.loads(request(port, "POST", "/v1/chat/completions", sampled)[1])["choices"]]
+             for _ in range(2)]
+    check(texts[0] == texts[1], f"n=2 with a seed is not reproducible: {texts}")
+    check(texts[0][0] != texts[0][1], f"n=2 sampled choices are identical: {texts[0]}")
+    # Streamed: each index's deltas add up to that choice's whole text.
+    _, events = stream(port, "/v1/chat/completions", dict(sampled, stream=True))
+    per = {}
+    for ev in events[:-1]:
+        for c in json.loads(ev)["choices"]:
+            per[c["index"]] = per.get(c["index"], "") + (c["delta"].get("content") or "")
+    check([per.get(0), per.get(1)] == texts[0], f"n=2 streamed {per} != whole {texts[0]}")
+    print("n = 2 (shared prompt blocks, seeds, streaming): ok")
+
+    # logprobs, on the chat prompt of llama.cpp's logits fixture (as token ids): the
+    # first token's log-probability is llama.cpp's log-softmax within 0.1, greedy
+    # picks the top alternative, the arrays line up with the text.
+    fx = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "logits.json")))
+    fp = next(p for p in fx["prompts"] if p["name"] == "chat")
+    last = fp["positions"][-1]
+    check(last["pos"] == len(fp["ids"]) - 1, "fixture: the last position")
+    st, body = request(port, "POST", "/v1/completions",
+                       {"prompt": fp["ids"], "max_tokens": 6, "temperature": 0, "logprobs": 5})
+    check(st == 200, f"logprobs: {st} {body}")
+    c = json.loads(body)["choices"][0]
+    lp = c["logprobs"]
+    check(all(len(lp[k]) == 6 for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")), f"logprobs shape {lp}")
+    ref_id, ref_logit = last["top"][0]
+    ref_tok = json.loads(request(port, "POST", "/detokenize", {"tokens": [ref_id]})[1])["prompt"]
+    check(lp["tokens"][0] == ref_tok, f"first token {lp['tokens'][0]!r}, llama.cpp's argmax {ref_tok!r}")
+    check(abs(lp["token_logprobs"][0] - (ref_logit - last["lse"])) < 0.1,
+          f"first token logprob {lp['token_logprobs'][0]} vs llama.cpp {ref_logit - last['lse']}")
+    for i in range(6):
+        top = lp["top_logprobs"][i]
+        check(len(top) == 5 and all(v <= 0 for v in top.values()), f"top_logprobs[{i}] = {top}")
+        check(abs(max(top.values()) - lp["token_logprobs"][i]) < 1e-6, f"greedy token {i} is not the top one: {top}")
+        check(sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5, f"top probabilities add up past 1: {top}")
+    check(lp["text_offset"] == [sum(len(t.encode()) for t in lp["tokens"][:i]) for i in range(6)], f"offsets {lp}")
+    check("".join(lp["tokens"]) == c["text"], f"tokens {lp['tokens']} vs text {c['text']!r}")
+    st, body = request(port, "POST", "/v1/chat/completions", dict(chat, logprobs=True, top_logprobs=3, max_tokens=5))
+    content_lp = json.loads(body)["choices"][0]["logprobs"]["content"]
+    check(len(content_lp) == 5 and all(len(e["top_logprobs"]) == 3 and e["bytes"] == list(e["token"].encode())
+                                       for e in content_lp), f"chat logprobs {content_lp}")
+    check(request(port, "POST", "/v1/chat/completions", dict(chat, top_logprobs=3))[0] == 400,
+          "top_logprobs without logprobs")
+    print("logprobs (against llama.cpp's fixture): ok")
 
     # Errors.
     cases = [
@@ -237,6 +301,47 @@ def run(port, server):
         time.sleep(0.05)
     check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
     print(f"decode killed mid-stream: identical text, {restarts} restart(s), {redriven} re-drive(s): ok")
+
+    # SIGKILL prefill while it works through 16 streams' prompts (distinct from their
+    # first block on, so nothing is cached): every stream completes, each with the
+    # text an undisturbed request gets afterwards.
+    body_text = ("Shared memory lets two processes on one machine read and write the same pages without "
+                 "copying, and a ring with one producer and one consumer needs no locks. ") * 3
+    prompts = [f"Note {i}: {body_text} Summary {i}:" for i in range(16)]
+    got16 = [None] * 16
+    started = threading.Event()
+
+    def streamer(i):
+        try:
+            got16[i] = stream(port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12, "temperature": 0,
+                                                         "stream": True}, lambda txt: txt and started.set())[0]
+        except Exception as e:  # reported below
+            got16[i] = f"error: {e}"
+    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    check(started.wait(120), "no stream started")
+    prefill = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "prefill"]
+    check(len(prefill) == 1, f"one prefill worker: {prefill}")
+    os.kill(prefill[0], signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    pending = sum(1 for g in got16 if g is None)
+    check(pending == 0, f"{pending} streams did not finish")
+    for i in range(16):
+        want16 = json.loads(request(port, "POST", "/v1/completions",
+                                    {"prompt": prompts[i], "max_tokens": 12, "temperature": 0})[1])["choices"][0]["text"]
+        check(got16[i] == want16, f"stream {i} after the prefill kill: {got16[i]!r} != {want16!r}")
+    metrics = request(port, "GET", "/metrics")[1]
+    restarts2 = int(re.search(r"^duet_worker_restarts_total (\d+)", metrics, re.M).group(1))
+    redriven2 = int(re.search(r"^duet_requests_redriven_total (\d+)", metrics, re.M).group(1))
+    check(restarts2 == restarts + 1 and redriven2 > redriven, f"metrics: restarts {restarts2}, redriven {redriven2}")
+    for _ in range(100):
+        if reclaimable() == baseline:
+            break
+        time.sleep(0.05)
+    check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
+    print(f"prefill killed under 16 streams: identical texts, {redriven2 - redriven} re-drive(s): ok")
 
     # SIGTERM: drain, exit 0, nothing left in /dev/shm.
     server.send_signal(signal.SIGTERM)
