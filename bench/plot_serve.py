@@ -62,6 +62,7 @@ def main():
     ap.add_argument("duet")
     ap.add_argument("reference")
     ap.add_argument("--metrics")
+    ap.add_argument("--probe-metrics", help="/metrics of a duet serve that got one request at a time")
     ap.add_argument("--png")
     a = ap.parse_args()
     d, r = load(a.duet), load(a.reference)
@@ -101,6 +102,12 @@ def main():
             if q:
                 print(f"| {name} | " + " | ".join(f"{x * 1e6:.1f} µs" if x < 1e-3 else f"{x * 1e3:.2f} ms"
                                                   for x in q) + " |")
+
+    if a.probe_metrics:
+        q = hist_quantiles(open(a.probe_metrics).read(), "duet_handoff_latency_seconds")
+        if q:
+            print(f"\nHand-off with decode idle (requests one at a time): p50 {q[0] * 1e6:.1f} µs, "
+                  f"p90 {q[1] * 1e6:.1f} µs, p99 {q[2] * 1e6:.1f} µs (target p50 ≤ 50 µs).")
 
     if a.png:
         import matplotlib

@@ -45,26 +45,30 @@ struct Record {
 struct Run {
     Run(const ServeBenchOptions& opts, asio::io_context& ctx, tcp::endpoint e, std::string m)
         : o(opts), io(ctx), ep(e), model(std::move(m)) {
-        rng.seed(o.seed);
+        arrivals_rng.seed(o.seed);
+        tokens_rng.seed(o.seed ^ 0x9E3779B97F4A7C15ull);
     }
     const ServeBenchOptions& o;
     asio::io_context& io;
     tcp::endpoint ep;
     std::string model;
     Clock::time_point t0 = Clock::now();
-    std::mt19937_64 rng;
+    // Arrival times and lengths of the long prompts come from their own generator,
+    // so every server sees the same schedule however many stream requests it ran.
+    std::mt19937_64 arrivals_rng, tokens_rng;
     std::vector<std::unique_ptr<Record>> records;
     int in_flight = 0;
     std::string server;  // the Server header of the first response
 
     double now() const { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-    int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+    int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(arrivals_rng); }
 };
 
 std::string request_body(Run& run, const Record& r) {
     std::vector<int32_t> ids(static_cast<size_t>(r.prompt));
     std::uniform_int_distribution<int32_t> tok(run.o.token_lo, run.o.token_hi - 1);
-    for (int32_t& id : ids) id = tok(run.rng);
+    std::mt19937_64& rng = r.stream ? run.tokens_rng : run.arrivals_rng;  // long prompts: the same on every server
+    for (int32_t& id : ids) id = tok(rng);
     json j = {{"model", run.model},   {"prompt", ids},        {"max_tokens", r.max_tokens},
               {"temperature", 0},     {"ignore_eos", true},   {"stream", true},
               {"stream_options", {{"include_usage", true}}}};
@@ -169,7 +173,7 @@ awaitable<void> arrivals(Run& run) {
     asio::steady_timer timer(run.io);
     double next = run.o.scenario == "mixed" ? 1.0 : 0.0;  // mixed: let the streams start first
     for (;;) {
-        next += gap(run.rng);
+        next += gap(run.arrivals_rng);
         if (next >= run.o.duration_s) break;
         timer.expires_at(run.t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(next)));
         co_await timer.async_wait(use_awaitable);

@@ -148,6 +148,8 @@ int main(int argc, char** argv) {
     c_serve->add_option("--decode-cpus", serve.decode_cpus, "pin decode here; disjoint from prefill");
     c_serve->add_option("--isa", serve.isa, "kernel level: scalar, avx2, avx512 (default: best)");
     c_serve->add_option("--chat-template", serve.chat_template, "override the chat template");
+    c_serve->add_option("--prefill-budget", serve.prefill_budget, "tokens per prefill forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
+    c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
 
     // duet prefill / duet decode
     WorkerArgs worker;
@@ -161,6 +163,8 @@ int main(int argc, char** argv) {
         c->add_option("--cpus", worker.cpus, "pin threads to these CPUs");
         c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
     }
+    c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
+    c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");
 
     try {
         app.parse(argc, argv);

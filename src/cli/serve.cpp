@@ -82,11 +82,15 @@ int cmd_serve(const ServeArgs& a) {
     if (ec) return fail("cannot find this executable: " + ec.message());
     int rc = 0;
     {
-        Supervisor sup(*inst, *self, [&](shm::ReqRef r) { front.send(r); });
+        Supervisor sup(*inst, *self, [&](shm::ReqRef r) { (void)front.send(r); });
         for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {
             std::vector<std::string> argv = {exe, role, "--instance", layout.instance, "-m", a.model, "-t",
                                              std::to_string(cpus->size()), "--cpus", format_cpu_list(*cpus)};
             if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
+            if (std::string(role) == "prefill") {
+                argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
+                if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
+            }
             if (auto st = sup.start({role, argv}); !st) return fail(st.error().message);
         }
         if (Status st = front.start(); !st) return fail(st.error().message);
@@ -108,6 +112,16 @@ int cmd_serve(const ServeArgs& a) {
                              WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status),
                              static_cast<unsigned long long>(e.recovered.refs_dropped), e.recovered.redriven,
                              e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as).c_str() : "not restarted");
+                if (!e.restarted_as) {
+                    // It kept dying: nothing can serve requests. Fail them all with a
+                    // clear error, stop, exit 1 (systemd restarts the whole service).
+                    std::fprintf(stderr, "duet serve: giving up on %s; failing %zu requests in flight\n", e.role.c_str(),
+                                 front.in_flight());
+                    front.drain();
+                    front.fail_all(ReqError::NoWorker);
+                    rc = 1;
+                    g_stop.store(true);
+                }
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }

@@ -21,6 +21,8 @@ struct ServeArgs {
     std::string prefill_cpus, decode_cpus;
     std::string isa;
     std::string chat_template;
+    int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
+    bool prefix_cache = true;
 };
 
 int cmd_serve(const ServeArgs& a);

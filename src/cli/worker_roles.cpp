@@ -50,6 +50,8 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
         return 2;
     }
     o.isa = *isa;
+    o.prefill_chunk = a.budget;
+    o.prefix_cache = a.prefix_cache;
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigaction(SIGTERM, &sa, nullptr);

@@ -13,6 +13,8 @@ struct WorkerArgs {
     int threads = 1;
     std::string cpus;
     std::string isa;
+    int64_t budget = 512;      // prefill: tokens per forward pass
+    bool prefix_cache = true;  // prefill: reuse and publish cached prompt blocks
 };
 
 int cmd_worker(const WorkerArgs& a, bool prefill);

@@ -124,6 +124,19 @@ std::string text_json(const std::string& text) {
 }
 
 
+ApiError failure(int32_t code) {
+    switch (static_cast<ReqError>(code)) {
+    case ReqError::NoWorker:
+        return api_error(503, "server_error", "a worker process died and could not be restarted; the server is stopping");
+    case ReqError::NotSent:
+        return api_error(503, "server_error", "the prefill queue is not moving (prefill worker unavailable)");
+    case ReqError::Decode:
+        return api_error(500, "server_error", "decode ran out of KV cache for this request");
+    default:
+        return api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
+    }
+}
+
 std::string metrics_histograms(const FrontCounters& c) {
     return c.ttft.prometheus("duet_time_to_first_token_seconds", "request arrival to its first token, seen by the front") +
            c.itl.prometheus("duet_inter_token_latency_seconds", "between successive tokens of a request, seen by the front") +
@@ -266,14 +279,35 @@ void Front::cancel_all() {
     }
 }
 
-void Front::send(shm::ReqRef r) {
+bool Front::send(shm::ReqRef r) {
+    bool sent = false;
     {
         std::lock_guard<std::mutex> lock(send_mu_);
         WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
-        while (!to_prefill_.try_push(m)) usleep(100);  // prefill drains one per step
+        const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
+        while (!(sent = to_prefill_.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);
     }
     shm::Registry& reg = inst_.registry();
     if (int32_t s = reg.find_running(shm::Role::Prefill); s >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
+    if (!sent) {
+        shm::RequestTable& t = inst_.requests();
+        t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
+        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+    }
+    return sent;
+}
+
+void Front::fail_all(ReqError why) {
+    shm::RequestTable& t = inst_.requests();
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        const shm::ReqRef r = t.current(s);
+        for (shm::ReqState from : {shm::ReqState::Queued, shm::ReqState::Prefilling, shm::ReqState::Decoding}) {
+            if (t.state(s) != from) continue;
+            t.slot(s).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
+            t.transition(r, from, shm::ReqState::Failed);
+        }
+    }
+    shm::doorbell_ring(inst_.registry().doorbell(self_.slot));
 }
 
 awaitable<void> FrontSession::listen(Front& f) {
@@ -562,6 +596,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     }
     Usage u{static_cast<int64_t>(prompt.size()), 0, 0};
     bool failed = false;
+    int32_t error_code = 0;
     std::vector<ChoiceText> texts;
     for (Choice& c : ch) {
         const shm::ReqSlot& s = t.slot(c.ref.slot);
@@ -580,7 +615,10 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         }
         u.completion_tokens += static_cast<int64_t>(c.out.size());
         f.counters_.tokens.fetch_add(c.out.size(), std::memory_order_relaxed);
-        if (c.final_state == shm::ReqState::Failed) failed = true;
+        if (c.final_state == shm::ReqState::Failed) {
+            failed = true;
+            error_code = t.slot(c.ref.slot).error_code.load(std::memory_order_relaxed);
+        }
         t.transition(c.ref, c.final_state, shm::ReqState::Free);
         texts.push_back({c.text, c.finish, std::move(c.lps)});
     }
@@ -594,8 +632,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         if (client_gone) co_return false;
         bool ok = true;
         if (failed) {
-            ApiError e = api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
-            ok = co_await write_event(stream, error_json(e));
+            ok = co_await write_event(stream, error_json(failure(error_code)));
         } else {
             for (size_t ci = 0; ok && ci < ch.size(); ++ci)
                 ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
@@ -608,8 +645,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
         co_return !ec;
     }
-    if (failed)
-        co_return co_await error(f, stream, req, api_error(500, "server_error", "generation failed (out of KV cache or a worker error)", "", ""));
+    if (failed) co_return co_await error(f, stream, req, failure(error_code));
     auto res = make_response(http::status::ok, completion_json(r, id, created, f.opts_.model_id, texts, u), req);
     co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
     co_return !ec;

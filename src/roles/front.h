@@ -59,7 +59,11 @@ public:
     void stop();
     size_t in_flight() const { return in_flight_.load(); }
     // Sends a QUEUED request to prefill (thread-safe: the ring has one producer).
-    void send(shm::ReqRef r);
+    // If the ring stays full for 2 s (prefill gone), fails the request instead and
+    // returns false.
+    bool send(shm::ReqRef r);
+    // Fails every request in flight with `why` (a worker role is gone for good).
+    void fail_all(ReqError why);
     FrontCounters& counters() { return counters_; }
 
 private:

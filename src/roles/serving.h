@@ -36,6 +36,15 @@ struct WireMsg {
 };
 static_assert(sizeof(WireMsg) == 64 && std::is_trivially_copyable_v<WireMsg>);
 
+// Why a request FAILED (its slot's error_code).
+enum class ReqError : int32_t {
+    None = 0,
+    Prefill = 1,      // prefill could not run it (out of KV blocks, say)
+    Decode = 2,       // decode ran out of KV blocks
+    NoWorker = 3,     // a worker role died and could not be restarted
+    NotSent = 4,      // the queue to prefill stayed full
+};
+
 // Stored in a request slot's params bytes.
 struct RequestParams {
     SamplingParams sampling;

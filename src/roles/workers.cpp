@@ -209,7 +209,7 @@ void PrefillWorker::publish_blocks(Job& j) {
 
 void PrefillWorker::fail(Job& j) {
     shm::RequestTable& t = inst_->requests();
-    t.slot(j.req.slot).error_code.store(1, std::memory_order_relaxed);
+    t.slot(j.req.slot).error_code.store(static_cast<int32_t>(ReqError::Prefill), std::memory_order_relaxed);
     t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
     j.seq.release(*pool_);
 }
@@ -382,7 +382,7 @@ Result<bool> DecodeWorker::step() {
     }
     if (Status st = backend_->forward(batch, logits_); !st) {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
-        t.slot(active_.back().req.slot).error_code.store(2, std::memory_order_relaxed);
+        t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
         ring(shm::Role::Front);
         return true;

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -79,8 +80,8 @@ def shm_processes():
     return json.loads(out.stdout)
 
 
-def main():
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", INSTANCE, "--grace", "10"],
+def serving(instance, test):
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", instance, "--grace", "10"],
                               stderr=subprocess.PIPE, text=True)
     try:
         port = None
@@ -94,15 +95,55 @@ def main():
                 port = int(m.group(1))
                 break
         check(port, "no 'listening on' line")
-        run(port, server)
+        test(port, server)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
         for d in ("/dev/shm", "/dev/hugepages"):
-            for f in (f"duet.{INSTANCE}", f"duet.{INSTANCE}.kv"):
+            for f in (f"duet.{instance}", f"duet.{instance}.kv"):
                 if os.path.exists(os.path.join(d, f)):
                     os.unlink(os.path.join(d, f))
+
+
+def main():
+    serving(INSTANCE, run)
+    serving(INSTANCE + "-g", give_up)
+
+
+def give_up(port, server):
+    # A decode worker that keeps dying (5 deaths in 10 s): the launcher gives up,
+    # the stream in flight ends with a clear error instead of hanging, the server
+    # exits 1 (for systemd to restart it) and leaves nothing in /dev/shm.
+    instance = INSTANCE + "-g"
+    events = []
+    t = threading.Thread(target=lambda: events.extend(stream(
+        port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                                  "ignore_eos": True, "stream": True})[1]))
+    t.start()
+    killed = set()
+    deadline = time.time() + 60
+    while len(killed) < 5 and time.time() < deadline and server.poll() is None:
+        try:
+            procs = json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True,
+                                              text=True).stdout)["processes"]
+        except (ValueError, KeyError):
+            procs = []
+        for p in procs:
+            if p["role"] == "decode" and p["pid"] not in killed:
+                os.kill(p["pid"], signal.SIGKILL)
+                killed.add(p["pid"])
+        time.sleep(0.02)
+    check(len(killed) == 5, f"killed {len(killed)} decode workers")
+    check(server.wait(60) == 1, f"exit status {server.returncode} after giving up")
+    t.join(60)
+    check(events and events[-1] == "[DONE]", f"the stream did not end: {events[-3:]}")
+    err = json.loads(events[-2]).get("error", {})
+    check("could not be restarted" in err.get("message", ""), f"the stream's last event: {events[-2]}")
+    for d in ("/dev/shm", "/dev/hugepages"):
+        left = [f for f in os.listdir(d) if instance in f] if os.path.isdir(d) else []
+        check(not left, f"left in {d}: {left}")
+    print("a decode worker that keeps dying: the stream gets a clear error, exit 1, no segments left: ok")
 
 
 def run(port, server):
