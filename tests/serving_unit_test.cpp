@@ -1,0 +1,129 @@
+// Unit tests of the serving pieces that need no processes: the OpenAI request
+// parser's newer options (n, logprobs, token-id prompts, ignore_eos), the
+// log-probability rows workers write, and the /metrics histogram.
+#include <cmath>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "base/histogram.h"
+#include "roles/openai.h"
+#include "roles/serving.h"
+
+using namespace duet;
+using nlohmann::json;
+
+namespace {
+
+CompletionRequest parse_ok(const std::string& body, bool chat) {
+    auto r = parse_completion(body, chat);
+    if (auto* e = std::get_if<ApiError>(&r)) ADD_FAILURE() << body << ": " << e->message;
+    return std::holds_alternative<CompletionRequest>(r) ? std::get<CompletionRequest>(r) : CompletionRequest{};
+}
+
+std::string parse_err(const std::string& body, bool chat) {
+    auto r = parse_completion(body, chat);
+    if (auto* e = std::get_if<ApiError>(&r)) return e->param;
+    ADD_FAILURE() << body << " was accepted";
+    return "";
+}
+
+}  // namespace
+
+TEST(OpenAiParse, ChoicesLogprobsAndTokenPrompts) {
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "n": 3})", false).n, 3);
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "n": 0})", false), "n");
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "n": 17})", false), "n");
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "n": 1.5})", false), "n");
+
+    EXPECT_EQ(parse_ok(R"({"prompt": "x"})", false).logprobs, -1);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "logprobs": 0})", false).logprobs, 0);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "logprobs": 5})", false).logprobs, 5);
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "logprobs": 21})", false), "logprobs");
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "logprobs": true})", false), "logprobs");
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "top_logprobs": 2})", false), "top_logprobs");
+    const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+    EXPECT_EQ(parse_ok("{" + msgs + R"(, "logprobs": false})", true).logprobs, -1);
+    EXPECT_EQ(parse_ok("{" + msgs + R"(, "logprobs": true})", true).logprobs, 0);
+    EXPECT_EQ(parse_ok("{" + msgs + R"(, "logprobs": true, "top_logprobs": 20})", true).logprobs, 20);
+    EXPECT_EQ(parse_err("{" + msgs + R"(, "top_logprobs": 2})", true), "top_logprobs");
+    EXPECT_EQ(parse_err("{" + msgs + R"(, "logprobs": 3})", true), "logprobs");
+
+    EXPECT_EQ(parse_ok(R"({"prompt": [1, 2, 3]})", false).prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+    EXPECT_EQ(parse_ok(R"({"prompt": [[7, 8]]})", false).prompt_ids, (std::vector<int32_t>{7, 8}));
+    EXPECT_EQ(parse_err(R"({"prompt": [1, -2]})", false), "prompt");
+    EXPECT_EQ(parse_err(R"({"prompt": [1, "a"]})", false), "prompt");
+    EXPECT_EQ(parse_err(R"({"prompt": [1.5]})", false), "prompt");
+    EXPECT_EQ(parse_err(R"({"prompt": []})", false), "prompt");
+
+    EXPECT_TRUE(parse_ok(R"({"prompt": "x", "ignore_eos": true})", false).ignore_eos);
+    EXPECT_EQ(parse_err(R"({"prompt": "x", "ignore_eos": 1})", false), "ignore_eos");
+}
+
+TEST(OpenAiJson, LogprobsInBothApis) {
+    LogprobToken t{"He", -0.5f, {{"He", -0.5f}, {"Hi", -1.25f}}, 0};
+    LogprobToken u{"llo", -0.25f, {{"llo", -0.25f}, {"y", -2.0f}}, 2};
+    CompletionRequest chat;
+    chat.chat = true;
+    chat.logprobs = 2;
+    json c = json::parse(completion_json(chat, "id", 0, "m", {{"Hello", "stop", {t, u}}}, {}));
+    const json& content = c["choices"][0]["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 2u);
+    EXPECT_EQ(content[0]["token"], "He");
+    EXPECT_EQ(content[0]["bytes"], json({72, 101}));
+    EXPECT_EQ(content[1]["top_logprobs"][1]["token"], "y");
+    EXPECT_FLOAT_EQ(content[1]["top_logprobs"][1]["logprob"].get<float>(), -2.0f);
+
+    CompletionRequest comp;
+    comp.logprobs = 2;
+    json k = json::parse(chunk_json(comp, "id", 0, "m", 1, "Hello", "", false, {t, u}));
+    const json& lp = k["choices"][0]["logprobs"];
+    EXPECT_EQ(k["choices"][0]["index"], 1);
+    EXPECT_EQ(lp["tokens"], json({"He", "llo"}));
+    EXPECT_EQ(lp["text_offset"], json({0, 2}));
+    EXPECT_FLOAT_EQ(lp["top_logprobs"][0]["Hi"].get<float>(), -1.25f);
+    comp.logprobs = -1;
+    EXPECT_TRUE(json::parse(chunk_json(comp, "id", 0, "m", 0, "x", "", false))["choices"][0]["logprobs"].is_null());
+}
+
+TEST(Logprobs, RowsAreTheLogSoftmaxSampledFirstThenTheTop) {
+    const std::vector<float> logits = {1.0f, 3.0f, -2.0f, 3.0f, 0.5f, 2.5f};
+    double sum = 0;
+    for (float x : logits) sum += std::exp(static_cast<double>(x));
+    auto want = [&](int id) { return static_cast<double>(logits[id]) - std::log(sum); };
+    shm::TokenLogprob row[shm::kLogprobRow];
+    fill_logprobs(logits.data(), static_cast<int64_t>(logits.size()), 4, 3, row);
+    EXPECT_EQ(row[0].id, 4);
+    EXPECT_NEAR(row[0].logprob, want(4), 1e-6);
+    // Most likely first; a tie goes to the lower id.
+    EXPECT_EQ(row[1].id, 1);
+    EXPECT_EQ(row[2].id, 3);
+    EXPECT_EQ(row[3].id, 5);
+    for (int i = 1; i <= 3; ++i) EXPECT_NEAR(row[i].logprob, want(row[i].id), 1e-6);
+    for (uint32_t i = 4; i < shm::kLogprobRow; ++i) EXPECT_EQ(row[i].id, -1);
+    fill_logprobs(logits.data(), static_cast<int64_t>(logits.size()), 0, 100, row);  // more than the vocabulary
+    EXPECT_EQ(row[6].id, 2);
+    EXPECT_EQ(row[7].id, -1);
+}
+
+TEST(Histogram, QuantilesAndPrometheusText) {
+    Histogram h;
+    EXPECT_TRUE(std::isnan(h.quantile(0.5)));
+    for (int i = 0; i < 90; ++i) h.observe(30e-6);  // bucket (20 µs, 50 µs]
+    for (int i = 0; i < 10; ++i) h.observe(3.0);    // bucket (2 s, 5 s]
+    h.observe(1000);                                // past every bound
+    EXPECT_EQ(h.count(), 101u);
+    const double p50 = h.quantile(0.5);
+    EXPECT_GT(p50, 20e-6);
+    EXPECT_LE(p50, 50e-6);
+    EXPECT_GT(h.quantile(0.95), 2.0);
+    EXPECT_LE(h.quantile(0.95), 5.0);
+    EXPECT_EQ(h.quantile(1.0), 100.0);
+    const std::string text = h.prometheus("x_seconds", "help");
+    EXPECT_NE(text.find("# TYPE x_seconds histogram\n"), std::string::npos);
+    EXPECT_NE(text.find("x_seconds_bucket{le=\"2e-05\"} 0\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("x_seconds_bucket{le=\"5e-05\"} 90\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("x_seconds_bucket{le=\"5\"} 100\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("x_seconds_bucket{le=\"+Inf\"} 101\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("x_seconds_count 101\n"), std::string::npos);
+}
