@@ -384,6 +384,24 @@ def run(port, server):
     check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
     print(f"prefill killed under 16 streams: identical texts, {redriven2 - redriven} re-drive(s): ok")
 
+    # The load generator (duet bench serve) against this server: every request
+    # completes with exactly the tokens asked for, and the JSON adds up.
+    out = f"/tmp/{INSTANCE}.bench.json"
+    bench = subprocess.run([DUET, "bench", "serve", "--port", str(port), "--scenario", "mixed", "--streams", "2",
+                            "--stream-prompt", "16", "--stream-output", "24", "--rate", "4", "--duration", "3",
+                            "--warmup", "0", "--prompt-min", "20", "--prompt-max", "60", "--output-min", "2",
+                            "--output-max", "6", "--json", out], capture_output=True, text=True, timeout=120)
+    check(bench.returncode == 0, f"duet bench serve: {bench.returncode} {bench.stdout} {bench.stderr}")
+    rec = json.load(open(out))
+    os.unlink(out)
+    reqs = rec["requests"]
+    check(rec["summary"]["errors"] == 0 and rec["summary"]["completed"] == len(reqs) > 4, f"bench summary {rec['summary']}")
+    check(all(r["completion_tokens"] == r["max_tokens"] and len(r["events"]) >= 1 for r in reqs), "bench requests")
+    check(any(r["stream"] for r in reqs) and any(not r["stream"] for r in reqs), "bench: both kinds of request")
+    check(rec["summary"]["itl_streams_ms"]["n"] == sum(len(r["events"]) - 1 for r in reqs if r["stream"]),
+          "bench: one gap per pair of events")
+    print(f"duet bench serve against it: {len(reqs)} requests, no errors: ok")
+
     # SIGTERM: drain, exit 0, nothing left in /dev/shm.
     server.send_signal(signal.SIGTERM)
     check(server.wait(60) == 0, f"exit status {server.returncode}")
