@@ -22,7 +22,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 2;  // 2: phase times in request slots
+inline constexpr uint32_t kLayoutVersion = 3;  // 2: phase times in request slots; 3: clients, serving counters
 
 inline constexpr uint32_t kMaxArenas = 16;
 

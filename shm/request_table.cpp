@@ -102,7 +102,7 @@ Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32
         return make_error("sampling parameters are {} bytes; a slot holds {}", params_bytes, kReqParamBytes);
     auto r = reserve(owner);
     if (!r) return r.error();
-    if (Status st = queue(*r, prompt, n_prompt, params, params_bytes); !st) return st.error();
+    if (Status st = queue(*r, prompt, n_prompt, params, params_bytes, owner); !st) return st.error();
     return r;
 }
 
@@ -127,7 +127,7 @@ Result<ReqRef> RequestTable::reserve(ProcRef owner) {
 }
 
 Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, const void* params,
-                           uint32_t params_bytes) {
+                           uint32_t params_bytes, ProcRef client) {
     if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
     if (n_prompt == 0 || n_prompt > h_->max_tokens)
         return make_error("the prompt has {} tokens; a request slot holds 1 to {}", n_prompt, h_->max_tokens);
@@ -145,6 +145,7 @@ Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, c
     s.prefill_ns.store(0, std::memory_order_relaxed);
     s.handoff_ns.store(0, std::memory_order_relaxed);
     s.first_step_ns.store(0, std::memory_order_relaxed);
+    s.client.store(client.pack(), std::memory_order_relaxed);
     s.submit_ns = monotonic_ns();
     std::memset(s.params, 0, kReqParamBytes);
     if (params_bytes) std::memcpy(s.params, params, params_bytes);

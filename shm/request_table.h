@@ -68,6 +68,10 @@ struct alignas(64) ReqSlot {
     std::atomic<uint64_t> prefill_ns;     // taken by prefill (the latest attempt)
     std::atomic<uint64_t> handoff_ns;     // hand-off sent by prefill
     std::atomic<uint64_t> first_step_ns;  // decode's first step with it began
+    // ProcRef::pack() of the front that submitted it and answers its client (0:
+    // none): when that process is gone, nobody will read the request, and the
+    // launcher cancels and frees it.
+    std::atomic<uint64_t> client;
     uint8_t params[kReqParamBytes];
     // Followed by int32 tokens[max_tokens] (prompt, then output) and int32
     // blocks[max_blocks], at offsets given by the table header.
@@ -86,7 +90,11 @@ struct RequestTableHeader {
     uint32_t max_blocks;
     uint64_t slot_bytes;
     std::atomic<uint32_t> hint;  // where the next reserve() starts looking (relaxed: a hint)
-    uint8_t pad_[36];
+    // Serving statistics, here because every role maps this table: the launcher
+    // counts, the front reports them in /metrics.
+    std::atomic<uint32_t> worker_restarts;
+    std::atomic<uint64_t> redriven;
+    uint8_t pad_[24];
 };
 static_assert(sizeof(RequestTableHeader) == 64);
 
@@ -99,6 +107,8 @@ public:
     uint32_t n_slots() const { return h_->n_slots; }
     uint32_t max_tokens() const { return h_->max_tokens; }
     uint32_t max_blocks() const { return h_->max_blocks; }
+    std::atomic<uint32_t>& worker_restarts() const { return h_->worker_restarts; }
+    std::atomic<uint64_t>& redriven() const { return h_->redriven; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }
@@ -119,7 +129,9 @@ public:
     Result<ReqRef> reserve(ProcRef owner);
     // Fills a reserved slot (prompt, parameters) and publishes it QUEUED with a
     // release store.
-    Status queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, const void* params, uint32_t params_bytes);
+    // client: the process that will read the request (see ReqSlot::client).
+    Status queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, const void* params, uint32_t params_bytes,
+                 ProcRef client = {});
     // CAS from `from` to `to` at r's generation; false if the slot is elsewhere (or
     // the transition is not allowed). Every request that is not FREE has an owner:
     // new_owner, when valid, becomes it; otherwise the owner stays.

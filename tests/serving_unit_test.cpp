@@ -1,6 +1,8 @@
 // Unit tests of the serving pieces that need no processes: the OpenAI request
 // parser's newer options (n, logprobs, token-id prompts, ignore_eos), the
 // log-probability rows workers write, and the /metrics histogram.
+#include <unistd.h>
+
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -126,4 +128,55 @@ TEST(Histogram, QuantilesAndPrometheusText) {
     EXPECT_NE(text.find("x_seconds_bucket{le=\"5\"} 100\n"), std::string::npos) << text;
     EXPECT_NE(text.find("x_seconds_bucket{le=\"+Inf\"} 101\n"), std::string::npos) << text;
     EXPECT_NE(text.find("x_seconds_count 101\n"), std::string::npos);
+}
+
+// A front that died leaves requests nobody will read: the launcher's sweep cancels
+// the running ones (a queued one at once, a prefilling or decoding one through its
+// cancel flag, which its worker obeys) and frees the ended ones; another front's
+// requests are left alone.
+TEST(Orphans, ADeadFrontsRequestsAreCancelledAndFreed) {
+    shm::InstanceConfig c;
+    c.name = fmt::format("orphans-{}", getpid());
+    c.registry_slots = 8;
+    c.n_rings = 3;
+    c.ring_capacity = 64;
+    c.requests.n_slots = 8;
+    c.requests.max_tokens = 64;
+    c.arenas.push_back(shm::ArenaConfig{64, 4, 0});
+    c.cpu_kv_bytes = 1 << 16;
+    auto inst = shm::Instance::create(c);
+    ASSERT_TRUE(inst.ok()) << inst.error().message;
+    shm::Registry& reg = inst->registry();
+    shm::RequestTable& t = inst->requests();
+    auto dead = reg.claim(shm::Role::Front, -1, getpid());
+    auto live = reg.claim(shm::Role::Front, -1, getpid());
+    auto worker = reg.claim(shm::Role::Prefill, -1, getpid());
+    ASSERT_TRUE(dead.ok() && live.ok() && worker.ok());
+    for (auto r : {*dead, *live, *worker}) reg.set_running(r);
+    const int32_t prompt[2] = {1, 2};
+    auto submit = [&](shm::ProcRef by) {
+        auto r = t.submit(by, prompt, 2, nullptr, 0);
+        EXPECT_TRUE(r.ok());
+        return *r;
+    };
+    const shm::ReqRef queued = submit(*dead), running = submit(*dead), ended = submit(*dead), other = submit(*live);
+    ASSERT_TRUE(t.transition(running, shm::ReqState::Queued, shm::ReqState::Prefilling, *worker));
+    ASSERT_TRUE(t.transition(ended, shm::ReqState::Queued, shm::ReqState::Prefilling, *worker));
+    ASSERT_TRUE(t.transition(ended, shm::ReqState::Prefilling, shm::ReqState::Finished));
+
+    EXPECT_EQ(sweep_orphans(*inst), 0u) << "its front is alive";
+    ASSERT_TRUE(reg.release(*dead));
+    EXPECT_EQ(sweep_orphans(*inst), 3u);
+    EXPECT_TRUE(t.is(queued, shm::ReqState::Cancelled));
+    EXPECT_TRUE(t.is(running, shm::ReqState::Prefilling));
+    EXPECT_TRUE(t.cancelled(running)) << "its worker drops it at the next step";
+    EXPECT_EQ(t.state(ended.slot), shm::ReqState::Free);
+    EXPECT_TRUE(t.is(other, shm::ReqState::Queued)) << "a live front's request";
+    // The worker obeys the cancel; the next sweep frees both.
+    ASSERT_TRUE(t.transition(running, shm::ReqState::Prefilling, shm::ReqState::Cancelled));
+    EXPECT_EQ(sweep_orphans(*inst), 2u);
+    EXPECT_EQ(t.state(queued.slot), shm::ReqState::Free);
+    EXPECT_EQ(t.state(running.slot), shm::ReqState::Free);
+    EXPECT_TRUE(t.is(other, shm::ReqState::Queued));
+    shm::Instance::unlink(c.name);
 }

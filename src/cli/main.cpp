@@ -151,6 +151,18 @@ int main(int argc, char** argv) {
     c_serve->add_option("--prefill-budget", serve.prefill_budget, "tokens per prefill forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
 
+    // duet front
+    FrontArgs front;
+    front.model = default_model;
+    CLI::App* c_front = app.add_subcommand("front", "the HTTP front (OpenAI API) of a running instance");
+    c_front->add_option("--instance", front.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
+    c_front->add_option("-m,--model", front.model, "GGUF model file (the instance's)")->capture_default_str();
+    c_front->add_option("--host", front.host, "address to listen on")->capture_default_str();
+    c_front->add_option("--port", front.port, "port")->capture_default_str()->check(CLI::Range(1, 65535));
+    c_front->add_option("--io-threads", front.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
+    c_front->add_option("--grace", front.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
+    c_front->add_option("--chat-template", front.chat_template, "override the chat template");
+
     // duet prefill / duet decode
     WorkerArgs worker;
     worker.model = default_model;
@@ -185,6 +197,7 @@ int main(int argc, char** argv) {
         if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
         if (c_topo->parsed()) return cmd_topo(topo);
         if (c_serve->parsed()) return cmd_serve(serve);
+        if (c_front->parsed()) return cmd_front(front);
         if (c_prefill->parsed()) return cmd_worker(worker, true);
         if (c_decode->parsed()) return cmd_worker(worker, false);
     } catch (const std::exception& e) {

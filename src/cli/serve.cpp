@@ -1,11 +1,16 @@
 #include "cli/serve.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <thread>
 
@@ -20,6 +25,36 @@ namespace {
 std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
 void on_signal(int) { g_stop.store(true); }
 
+void handle_signals() {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+// A port the kernel says is free now (for --port 0: the front, which may be
+// restarted, needs one fixed number).
+Result<int> free_port(const std::string& host) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return make_error("socket: {}", std::strerror(errno));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) {
+        close(fd);
+        return make_error("--host {}: not an IPv4 address (give --port explicitly)", host);
+    }
+    socklen_t len = sizeof sa;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+        const std::string err = std::strerror(errno);
+        close(fd);
+        return make_error("cannot find a free port on {}: {}", host, err);
+    }
+    close(fd);
+    return static_cast<int>(ntohs(sa.sin_port));
+}
+
 }  // namespace
 
 int cmd_serve(const ServeArgs& a) {
@@ -29,12 +64,19 @@ int cmd_serve(const ServeArgs& a) {
     };
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);
+    // The front loads these too; failing here gives the error before anything starts.
     auto tok = Tokenizer::from_gguf((*model)->file());
     if (!tok) return fail(tok.error().message);
     auto tmpl = ChatTemplate::from_gguf((*model)->file(), a.chat_template);
     if (!tmpl) return fail(tmpl.error().message);
     if (a.ctx < 16 || a.ctx > (*model)->config().n_ctx_train)
         return fail(fmt::format("--ctx must be between 16 and the model's {} tokens", (*model)->config().n_ctx_train));
+    int port = a.port;
+    if (port == 0) {
+        auto p = free_port(a.host);
+        if (!p) return fail(p.error().message);
+        port = *p;
+    }
 
     // Placement: prefill and decode on disjoint cores.
     auto machine = Machine::detect();
@@ -60,29 +102,35 @@ int cmd_serve(const ServeArgs& a) {
     layout.n_ctx = a.ctx;
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
-    auto self = inst->registry().claim(shm::Role::Front, -1, getpid());
+    auto self = inst->registry().claim(shm::Role::Launcher, -1, getpid());
     if (!self) return fail(self.error().message);
     inst->registry().set_running(*self);
-
-    FrontOptions fo;
-    fo.host = a.host;
-    fo.port = static_cast<uint16_t>(a.port);
-    fo.io_threads = a.io_threads;
-    fo.model_id = std::filesystem::path(a.model).stem().string();
-    Front front(*inst, *self, **tok, *tmpl, fo);
-
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
-    signal(SIGPIPE, SIG_IGN);
+    handle_signals();
 
     std::error_code ec;
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
     if (ec) return fail("cannot find this executable: " + ec.message());
+    const std::string model_id = std::filesystem::path(a.model).stem().string();
+    shm::RequestTable& t = inst->requests();
     int rc = 0;
     {
-        Supervisor sup(*inst, *self, [&](shm::ReqRef r) { (void)front.send(r); });
+        // Re-driven requests go back to prefill on the launcher's own ring (the
+        // front's ring has one producer: the front).
+        shm::SpscProducer<WireMsg> redrive(inst->ring(kRingRedrive));
+        auto resend = [&](shm::ReqRef r) {
+            WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
+            const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
+            bool sent = false;
+            while (!(sent = redrive.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);
+            shm::Registry& reg = inst->registry();
+            if (int32_t s = reg.find_running(shm::Role::Prefill); s >= 0)
+                shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
+            if (!sent) {
+                t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
+                t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+            }
+        };
+        Supervisor sup(*inst, *self, resend);
         for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {
             std::vector<std::string> argv = {exe, role, "--instance", layout.instance, "-m", a.model, "-t",
                                              std::to_string(cpus->size()), "--cpus", format_cpu_list(*cpus)};
@@ -93,54 +141,70 @@ int cmd_serve(const ServeArgs& a) {
             }
             if (auto st = sup.start({role, argv}); !st) return fail(st.error().message);
         }
-        if (Status st = front.start(); !st) return fail(st.error().message);
-        for (int i = 0; i < 3000 && !(inst->registry().find_running(shm::Role::Prefill) >= 0 &&
-                                      inst->registry().find_running(shm::Role::Decode) >= 0);
-             ++i) {
+        std::vector<std::string> front_argv = {exe,         "front",      "--instance", layout.instance,
+                                               "-m",        a.model,      "--host",     a.host,
+                                               "--port",    std::to_string(port), "--io-threads",
+                                               std::to_string(a.io_threads), "--grace", std::to_string(a.grace_s)};
+        if (!a.chat_template.empty()) front_argv.insert(front_argv.end(), {"--chat-template", a.chat_template});
+        if (auto st = sup.start({"front", front_argv}); !st) return fail(st.error().message);
+        shm::Registry& reg = inst->registry();
+        auto all_running = [&] {
+            return reg.find_running(shm::Role::Front) >= 0 && reg.find_running(shm::Role::Prefill) >= 0 &&
+                   reg.find_running(shm::Role::Decode) >= 0;
+        };
+        for (int i = 0; i < 3000 && !all_running() && !g_stop.load(); ++i) {
             sup.poll();
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
-        std::fprintf(stderr, "duet serve: listening on http://%s:%u (model %s, instance %s, prefill on CPUs %s, decode on %s)\n",
-                     a.host.c_str(), front.port(), fo.model_id.c_str(), layout.instance.c_str(),
+        std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, prefill on CPUs %s, decode on %s)\n",
+                     a.host.c_str(), port, model_id.c_str(), layout.instance.c_str(),
                      format_cpu_list(prefill_cpus).c_str(), format_cpu_list(decode_cpus).c_str());
-        while (!g_stop.load()) {
+        bool draining = false, front_done = false;
+        uint64_t drain_deadline = 0, next_sweep = 0;
+        while (!front_done) {
+            if (g_stop.load() && !draining) {
+                // Drain: the front stops admitting, gives running requests the grace
+                // period, cancels the rest and exits; it is not restarted.
+                draining = true;
+                drain_deadline = shm::monotonic_ns() + static_cast<uint64_t>(a.grace_s + 15) * 1'000'000'000ull;
+                std::fprintf(stderr, "duet serve: draining (grace %d s)\n", a.grace_s);
+                if (!sup.retire("front")) break;
+            }
             for (const Supervisor::Event& e : sup.poll()) {
-                front.counters().worker_restarts.fetch_add(e.restarted_as ? 1 : 0);
-                front.counters().redriven.fetch_add(e.recovered.redriven);
+                if (draining && e.role == "front") {  // drained and gone
+                    front_done = true;
+                    continue;
+                }
+                if (e.restarted_as) t.worker_restarts().fetch_add(1);
+                t.redriven().fetch_add(e.recovered.redriven);
                 std::fprintf(stderr, "duet serve: %s (pid %d) died (%s %d); recovered %llu KV references, re-drove %u requests; %s\n",
                              e.role.c_str(), e.pid, WIFSIGNALED(e.status) ? "signal" : "exit",
                              WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status),
                              static_cast<unsigned long long>(e.recovered.refs_dropped), e.recovered.redriven,
                              e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as).c_str() : "not restarted");
-                if (!e.restarted_as) {
+                if (e.role == "front") sweep_orphans(*inst);  // its clients are gone
+                if (!e.restarted_as && !draining) {
                     // It kept dying: nothing can serve requests. Fail them all with a
-                    // clear error, stop, exit 1 (systemd restarts the whole service).
-                    std::fprintf(stderr, "duet serve: giving up on %s; failing %zu requests in flight\n", e.role.c_str(),
-                                 front.in_flight());
-                    front.drain();
-                    front.fail_all(ReqError::NoWorker);
+                    // clear error, drain, exit 1 (systemd restarts the whole service).
+                    std::fprintf(stderr, "duet serve: giving up on %s; failing the requests in flight\n", e.role.c_str());
+                    fail_in_flight(*inst, ReqError::NoWorker);
                     rc = 1;
                     g_stop.store(true);
                 }
             }
+            const uint64_t now = shm::monotonic_ns();
+            if (now >= next_sweep) {  // requests of a dead front that ended since
+                sweep_orphans(*inst);
+                next_sweep = now + 50'000'000;
+            }
+            if (draining && now > drain_deadline) {
+                std::fprintf(stderr, "duet serve: the front outlived its drain; killing it\n");
+                sup.kill_role("front");
+                drain_deadline = UINT64_MAX;
+            }
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
         }
-        // Drain.
-        std::fprintf(stderr, "duet serve: draining (%zu requests in flight, grace %d s)\n", front.in_flight(), a.grace_s);
-        front.drain();
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.grace_s);
-        while (front.in_flight() > 0 && std::chrono::steady_clock::now() < deadline) {
-            sup.poll();
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-        if (front.in_flight() > 0) {
-            front.cancel_all();
-            for (int i = 0; i < 1000 && front.in_flight() > 0; ++i) {
-                sup.poll();
-                std::this_thread::sleep_for(std::chrono::milliseconds(5));
-            }
-        }
-        front.stop();
+        sweep_orphans(*inst);
         if (Status st = sup.stop_all(10000); !st) {
             std::fprintf(stderr, "duet serve: %s\n", st.error().message.c_str());
             rc = 1;
@@ -149,6 +213,55 @@ int cmd_serve(const ServeArgs& a) {
     inst->registry().release(*self);
     shm::Instance::unlink(layout.instance);
     std::fprintf(stderr, "duet serve: stopped\n");
+    return rc;
+}
+
+int cmd_front(const FrontArgs& a) {
+    auto fail = [](const std::string& m) {
+        std::fprintf(stderr, "duet front: %s\n", m.c_str());
+        return 1;
+    };
+    auto inst = shm::Instance::attach(a.instance);
+    if (!inst) return fail(inst.error().message);
+    auto model = Model::load(a.model);
+    if (!model) return fail(model.error().message);
+    if ((*model)->fingerprint() != inst->config().model_fingerprint)
+        return fail(fmt::format("{} is not the model instance {} serves", a.model, a.instance));
+    auto tok = Tokenizer::from_gguf((*model)->file());
+    if (!tok) return fail(tok.error().message);
+    auto tmpl = ChatTemplate::from_gguf((*model)->file(), a.chat_template);
+    if (!tmpl) return fail(tmpl.error().message);
+    auto self = inst->registry().claim(shm::Role::Front, -1, getpid());
+    if (!self) return fail(self.error().message);
+    handle_signals();
+    int rc = 0;
+    {
+        FrontOptions fo;
+        fo.host = a.host;
+        fo.port = static_cast<uint16_t>(a.port);
+        fo.io_threads = a.io_threads;
+        fo.model_id = std::filesystem::path(a.model).stem().string();
+        Front front(*inst, *self, **tok, *tmpl, fo);
+        if (Status st = front.start(); !st) {
+            inst->registry().release(*self);
+            return fail(st.error().message);
+        }
+        inst->registry().set_running(*self);
+        while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        std::fprintf(stderr, "duet front: draining (%zu requests in flight, grace %d s)\n", front.in_flight(), a.grace_s);
+        front.drain();
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.grace_s);
+        while (front.in_flight() > 0 && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (front.in_flight() > 0) {
+            front.cancel_all();
+            for (int i = 0; i < 1000 && front.in_flight() > 0; ++i)
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            if (front.in_flight() > 0) rc = 1;
+        }
+        front.stop();
+    }
+    inst->registry().release(*self);
     return rc;
 }
 

@@ -1,10 +1,17 @@
-// `duet serve`: the launcher. Creates the instance's shared memory, starts prefill
-// and decode as child processes (placed by the hwloc plan), runs the HTTP front,
-// restarts a worker that dies (recovering and re-driving its requests), and on
-// SIGTERM or SIGINT drains: new requests get 503, running ones get a grace period,
-// the rest are cancelled, everything stops, the segments are removed, exit 0.
+// `duet serve`: the launcher. Creates the instance's shared memory, starts the
+// front, prefill and decode as child processes (`duet front`, `duet prefill`,
+// `duet decode`; prefill and decode placed by the hwloc plan), restarts a role that
+// dies (recovering and re-driving its requests; a dead front's requests are
+// cancelled and freed, their clients being gone), and on SIGTERM or SIGINT drains:
+// the front answers 503 to new requests, running ones get a grace period, the rest
+// are cancelled, everything stops, the segments are removed, exit 0. A role that
+// keeps dying fails the requests in flight and stops the launcher with exit 1.
+//
+// `duet front`: the HTTP front of a running instance (the OpenAI API); drains on
+// SIGTERM.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace duet {
@@ -26,5 +33,17 @@ struct ServeArgs {
 };
 
 int cmd_serve(const ServeArgs& a);
+
+struct FrontArgs {
+    std::string instance;
+    std::string model;
+    std::string host = "127.0.0.1";
+    int port = 8080;
+    int io_threads = 2;
+    int grace_s = 30;
+    std::string chat_template;
+};
+
+int cmd_front(const FrontArgs& a);
 
 }  // namespace duet

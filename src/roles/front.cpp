@@ -297,18 +297,7 @@ bool Front::send(shm::ReqRef r) {
     return sent;
 }
 
-void Front::fail_all(ReqError why) {
-    shm::RequestTable& t = inst_.requests();
-    for (uint32_t s = 0; s < t.n_slots(); ++s) {
-        const shm::ReqRef r = t.current(s);
-        for (shm::ReqState from : {shm::ReqState::Queued, shm::ReqState::Prefilling, shm::ReqState::Decoding}) {
-            if (t.state(s) != from) continue;
-            t.slot(s).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
-            t.transition(r, from, shm::ReqState::Failed);
-        }
-    }
-    shm::doorbell_ring(inst_.registry().doorbell(self_.slot));
-}
+void Front::fail_all(ReqError why) { fail_in_flight(inst_, why); }
 
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {
@@ -389,7 +378,8 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
             "duet_kv_blocks{{state=\"held\"}} {}\n",
             c.requests.load(), c.errors.load(), c.finished.load(), c.cancelled.load(), c.failed.load(),
-            c.rejected_busy.load(), c.tokens.load(), c.worker_restarts.load(), c.redriven.load(), f.in_flight(),
+            c.rejected_busy.load(), c.tokens.load(), f.inst_.requests().worker_restarts().load(),
+            f.inst_.requests().redriven().load(), f.in_flight(),
             a.free, a.cached, a.held);
         m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n"
                          "# TYPE duet_queue_depth gauge\nduet_queue_depth{{queue=\"prefill\"}} {}\n"

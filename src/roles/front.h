@@ -33,7 +33,6 @@ struct FrontOptions {
 struct FrontCounters {
     std::atomic<uint64_t> requests{0}, errors{0}, finished{0}, cancelled{0}, failed{0}, tokens{0}, rejected_busy{0};
     std::atomic<uint64_t> prompt_tokens{0};
-    std::atomic<uint64_t> worker_restarts{0}, redriven{0};
     // Seen by the front: from the request's arrival (body read) to its first token,
     // between tokens, to its end.
     Histogram ttft, itl, e2e;

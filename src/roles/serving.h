@@ -16,6 +16,7 @@ namespace duet {
 
 inline constexpr uint32_t kRingToPrefill = 0;  // front -> prefill: a request is QUEUED
 inline constexpr uint32_t kRingToDecode = 1;   // prefill -> decode: a hand-off
+inline constexpr uint32_t kRingRedrive = 2;    // launcher -> prefill: a re-driven request is QUEUED again
 
 struct ServeLayout {
     std::string instance;
@@ -52,6 +53,15 @@ struct RequestParams {
     uint32_t stop_at_eog = 1;
     int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
 };
+
+// Fails every request in flight (QUEUED, PREFILLING, DECODING) with `why`, and
+// wakes the front to answer their clients.
+void fail_in_flight(shm::Instance& inst, ReqError why);
+
+// Requests whose client (the front that submitted them) is gone: running ones are
+// cancelled, finished ones freed. The launcher calls this after a front died, and
+// now and then for those that ended later. Returns how many it touched.
+uint32_t sweep_orphans(shm::Instance& inst);
 
 // Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
 // model's distribution (log-softmax of the raw logits, before any sampling

@@ -50,9 +50,12 @@ shm::RecoveryReport Supervisor::recover(pid_t pid) {
         if (r) total += *r;  // an error: alive by its pid (cannot happen for a reaped child)
     }
     shm::RequestTable& t = inst_.requests();
-    for (uint32_t s = 0; s < t.n_slots(); ++s)
-        if (t.state(s) == shm::ReqState::Queued && t.owner_slot(s) == static_cast<int32_t>(front_.slot))
-            resend_(t.current(s));
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        if (t.state(s) != shm::ReqState::Queued || t.owner_slot(s) != static_cast<int32_t>(front_.slot)) continue;
+        // Not a request whose client is gone (a dead front's): sweep_orphans() ends those.
+        const uint64_t client = t.slot(s).client.load(std::memory_order_relaxed);
+        if (client == 0 || reg.alive(shm::ProcRef::unpack(client))) resend_(t.current(s));
+    }
     return total;
 }
 
@@ -72,7 +75,7 @@ std::vector<Supervisor::Event> Supervisor::poll() {
         const uint64_t now = shm::monotonic_ns();
         c.deaths_ns.push_back(now);
         std::erase_if(c.deaths_ns, [&](uint64_t t) { return now - t > 10'000'000'000ull; });
-        if (c.deaths_ns.size() >= 5) {
+        if (c.given_up || c.deaths_ns.size() >= 5) {
             c.given_up = true;
         } else if (auto p = spawn(c.spec); p.ok()) {
             c.pid = *p;
@@ -84,6 +87,20 @@ std::vector<Supervisor::Event> Supervisor::poll() {
     return events;
 }
 
+bool Supervisor::reap(Child& c, uint64_t deadline_ns) {
+    int status = 0;
+    pid_t r = 0;
+    while ((r = waitpid(c.pid, &status, WNOHANG)) == 0 && shm::monotonic_ns() < deadline_ns)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (r == 0) {
+        kill(c.pid, SIGKILL);
+        waitpid(c.pid, &status, 0);
+    }
+    recover(c.pid);  // a clean exit left nothing; a killed one may have
+    c.pid = 0;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
 Status Supervisor::stop_all(int grace_ms) {
     std::string unclean;
     for (Child& c : children_)
@@ -91,20 +108,25 @@ Status Supervisor::stop_all(int grace_ms) {
     const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(grace_ms) * 1000000ull;
     for (Child& c : children_) {
         if (c.pid <= 0) continue;
-        int status = 0;
-        pid_t r = 0;
-        while ((r = waitpid(c.pid, &status, WNOHANG)) == 0 && shm::monotonic_ns() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
-        if (r == 0) {
-            kill(c.pid, SIGKILL);
-            waitpid(c.pid, &status, 0);
-        }
-        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) unclean += " " + c.spec.name;
-        recover(c.pid);  // a clean exit left nothing; a killed one may have
-        c.pid = 0;
+        if (!reap(c, deadline)) unclean += " " + c.spec.name;
     }
     if (!unclean.empty()) return make_error("roles did not exit cleanly:{}", unclean);
     return {};
+}
+
+bool Supervisor::retire(const std::string& role) {
+    for (Child& c : children_)
+        if (c.spec.name == role && c.pid > 0) {
+            c.given_up = true;
+            kill(c.pid, SIGTERM);
+            return true;
+        }
+    return false;
+}
+
+void Supervisor::kill_role(const std::string& role) {
+    for (Child& c : children_)
+        if (c.spec.name == role && c.pid > 0) kill(c.pid, SIGKILL);
 }
 
 pid_t Supervisor::pid_of(const std::string& role) const {

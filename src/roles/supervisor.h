@@ -23,8 +23,8 @@ struct RoleSpec {
 
 class Supervisor {
 public:
-    // front: the process that owns re-driven requests (the caller, usually).
-    // resend: called for each request the front owns in QUEUED after a recovery.
+    // owner: the process that owns re-driven requests (the caller: the launcher).
+    // resend: called for each request it owns in QUEUED after a recovery.
     Supervisor(shm::Instance& inst, shm::ProcRef front, std::function<void(shm::ReqRef)> resend);
     ~Supervisor();  // stops every role (SIGTERM, then SIGKILL after 5 s)
     Supervisor(const Supervisor&) = delete;
@@ -44,6 +44,11 @@ public:
     // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
     // recovers whatever they left. Errors name roles that did not exit cleanly.
     Status stop_all(int grace_ms);
+    // Sends SIGTERM to a role that is not to be restarted when it exits (a drain:
+    // poll() reports its exit with restarted_as 0). True if it was running.
+    bool retire(const std::string& role);
+    // SIGKILL to a role (one that outlived its drain).
+    void kill_role(const std::string& role);
 
     pid_t pid_of(const std::string& role) const;
     size_t restarts() const { return restarts_; }
@@ -53,9 +58,12 @@ private:
         RoleSpec spec;
         pid_t pid = 0;
         std::vector<uint64_t> deaths_ns;
-        bool given_up = false;
+        bool given_up = false;  // not restarted (kept dying, or retired)
     };
     Result<pid_t> spawn(const RoleSpec& spec);
+    // Waits for a signalled child until deadline_ns, then SIGKILLs it; recovers what
+    // it left. True if it exited with status 0.
+    bool reap(Child& c, uint64_t deadline_ns);
     shm::RecoveryReport recover(pid_t pid);
 
     shm::Instance& inst_;

@@ -7,27 +7,6 @@
 
 namespace duet {
 
-shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
-    KvLayout kv = CpuBackend::kv_layout(model);
-    const uint64_t block_bytes = kv.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kv.n_layer);
-    uint64_t blocks = l.n_blocks;
-    if (blocks == 0) {
-        blocks = static_cast<uint64_t>(l.n_requests) * static_cast<uint64_t>((l.n_ctx + kv.block_tokens - 1) / kv.block_tokens);
-        blocks = std::min<uint64_t>(blocks, (8ull << 30) / block_bytes);
-    }
-    shm::InstanceConfig c;
-    c.name = l.instance;
-    c.registry_slots = 16;
-    c.n_rings = 2;
-    c.requests.n_slots = l.n_requests;
-    c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
-    c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
-    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), 4, 0});
-    c.cpu_kv_bytes = block_bytes * blocks;
-    c.model_fingerprint = model.fingerprint();
-    return c;
-}
-
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
     float mx = logits[0];
     for (int64_t i = 1; i < n_vocab; ++i) mx = std::max(mx, logits[i]);
@@ -104,6 +83,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
     std::unique_ptr<PrefillWorker> w(new PrefillWorker());
     if (Status st = w->init(inst, model, shm::Role::Prefill, o); !st) return st.error();
     w->in_ = shm::SpscConsumer<WireMsg>(inst.ring(kRingToPrefill));
+    w->redo_ = shm::SpscConsumer<WireMsg>(inst.ring(kRingRedrive));
     w->out_ = shm::SpscProducer<WireMsg>(inst.ring(kRingToDecode));
     return w;
 }
@@ -114,7 +94,7 @@ PrefillWorker::~PrefillWorker() {
     for (Job& j : jobs_) j.seq.release(*pool_);
 }
 
-bool PrefillWorker::has_work() { return in_.readable() || !jobs_.empty(); }
+bool PrefillWorker::has_work() { return redo_.readable() || in_.readable() || !jobs_.empty(); }
 
 void PrefillWorker::settle() {
     shm::RequestTable& t = inst_->requests();
@@ -135,7 +115,12 @@ bool PrefillWorker::admit() {
     bool any = false;
     while (jobs_.size() < static_cast<size_t>(std::max(1, opts_.max_prefills))) {
         size_t n = 0;
-        const WireMsg* m = in_.peek(&n);
+        shm::SpscConsumer<WireMsg>* from = &redo_;  // re-driven requests first: they were admitted earlier
+        const WireMsg* m = redo_.peek(&n);
+        if (n == 0) {
+            from = &in_;
+            m = in_.peek(&n);
+        }
         if (n == 0) break;
         any = true;
         const shm::ReqRef r{m->slot, m->gen};
@@ -172,7 +157,7 @@ bool PrefillWorker::admit() {
                 jobs_.push_back(std::move(j));
             }
         }
-        in_.release(1);
+        from->release(1);
     }
     return any;
 }

@@ -105,7 +105,8 @@ private:
     // Samples the first token and hands the request to decode (or ends it).
     void complete(Job& j, const float* logits);
     void fail(Job& j);
-    shm::SpscConsumer<WireMsg> in_;
+    shm::SpscConsumer<WireMsg> in_;     // from the front
+    shm::SpscConsumer<WireMsg> redo_;   // from the launcher: re-driven requests
     shm::SpscProducer<WireMsg> out_;
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;

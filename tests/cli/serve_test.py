@@ -384,6 +384,49 @@ def run(port, server):
     check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
     print(f"prefill killed under 16 streams: identical texts, {redriven2 - redriven} re-drive(s): ok")
 
+    # SIGKILL the front (its own process) in the middle of a stream: that client's
+    # connection is lost with it, but the launcher restarts the front on the same
+    # port, cancels and frees the orphaned request (no slot, no KV block left
+    # held), and the next requests are served.
+    broke = {}
+    seen = threading.Event()
+
+    def doomed():
+        try:
+            _, evs = stream(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400,
+                                                      "temperature": 0, "ignore_eos": True, "stream": True},
+                            lambda txt: txt and seen.set())
+            broke["how"] = "completed" if evs and evs[-1] == "[DONE]" else "cut short"
+        except Exception as e:  # the connection dies with the front
+            broke["how"] = repr(e)
+    t = threading.Thread(target=doomed)
+    t.start()
+    check(seen.wait(60), "the stream did not start")
+    front = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "front"]
+    check(len(front) == 1, f"one front process: {front}")
+    os.kill(front[0], signal.SIGKILL)
+    t.join(60)
+    check(broke.get("how") not in (None, "completed"), f"the stream outlived its front: {broke}")
+    for _ in range(200):
+        try:
+            if request(port, "GET", "/ready")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    st, body = request(port, "POST", "/v1/completions", ref_body)
+    check(st == 200 and json.loads(body)["choices"][0]["text"] == ref, f"after the front restart: {st} {body[:200]}")
+    for _ in range(200):
+        busy = {k: v for k, v in shm_processes()["requests"]["by_state"].items() if k != "FREE" and v}
+        if not busy and reclaimable() == baseline:
+            break
+        time.sleep(0.05)
+    check(not busy, f"requests left after the front died: {busy}")
+    check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
+    restarts3 = int(re.search(r"^duet_worker_restarts_total (\d+)", request(port, "GET", "/metrics")[1], re.M).group(1))
+    check(restarts3 == restarts2 + 1, f"restarts {restarts3}, expected {restarts2 + 1}")
+    print("front killed mid-stream: restarted on the same port, the orphaned request freed: ok")
+
     # The load generator (duet bench serve) against this server: every request
     # completes with exactly the tokens asked for, and the JSON adds up.
     out = f"/tmp/{INSTANCE}.bench.json"
