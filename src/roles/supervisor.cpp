@@ -28,6 +28,9 @@ Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
         // otherwise leave workers running against a segment nobody serves).
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (getppid() == 1) _exit(127);  // the supervisor is already gone
+        // Its own process group: a Ctrl-C at the terminal reaches the launcher alone,
+        // which drains and then stops the roles in order.
+        setpgid(0, 0);
         execv(argv[0], argv.data());
         _exit(127);
     }
