@@ -144,6 +144,7 @@ int main(int argc, char** argv) {
     c_serve->add_option("--io-threads", serve.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
     c_serve->add_option("--grace", serve.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
     c_serve->add_option("--instance", serve.instance, "shared-memory instance name (default serve-<pid>)");
+    c_serve->add_option("--front-cpus", serve.front_cpus, "pin the front here (default: the hwloc plan)");
     c_serve->add_option("--prefill-cpus", serve.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
     c_serve->add_option("--decode-cpus", serve.decode_cpus, "pin decode here; disjoint from prefill");
     c_serve->add_option("--isa", serve.isa, "kernel level: scalar, avx2, avx512 (default: best)");
@@ -162,6 +163,7 @@ int main(int argc, char** argv) {
     c_front->add_option("--io-threads", front.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
     c_front->add_option("--grace", front.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
     c_front->add_option("--chat-template", front.chat_template, "override the chat template");
+    c_front->add_option("--cpus", front.cpus, "pin the front (all its threads) to these CPUs");
 
     // duet prefill / duet decode
     WorkerArgs worker;

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -82,7 +83,8 @@ int cmd_serve(const ServeArgs& a) {
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
     PlanOptions po;
-    for (auto [text, out] : {std::pair{&a.prefill_cpus, &po.prefill_cpus}, std::pair{&a.decode_cpus, &po.decode_cpus}}) {
+    for (auto [text, out] : {std::pair{&a.front_cpus, &po.front_cpus}, std::pair{&a.prefill_cpus, &po.prefill_cpus},
+                             std::pair{&a.decode_cpus, &po.decode_cpus}}) {
         if (text->empty()) continue;
         auto l = parse_cpu_list(*text);
         if (!l) return fail(l.error().message);
@@ -90,8 +92,9 @@ int cmd_serve(const ServeArgs& a) {
     }
     auto plan = plan_placement(*machine, po);
     if (!plan) return fail(plan.error().message);
-    std::vector<int> prefill_cpus, decode_cpus;
+    std::vector<int> front_cpus, prefill_cpus, decode_cpus;
     for (const Placement& p : plan->roles) {
+        if (p.role == "front") front_cpus = p.cpus;
         if (p.role == "prefill") prefill_cpus = p.cpus;
         if (p.role == "decode") decode_cpus = p.cpus;
     }
@@ -146,6 +149,7 @@ int cmd_serve(const ServeArgs& a) {
                                                "--port",    std::to_string(port), "--io-threads",
                                                std::to_string(a.io_threads), "--grace", std::to_string(a.grace_s)};
         if (!a.chat_template.empty()) front_argv.insert(front_argv.end(), {"--chat-template", a.chat_template});
+        if (!front_cpus.empty()) front_argv.insert(front_argv.end(), {"--cpus", format_cpu_list(front_cpus)});
         if (auto st = sup.start({"front", front_argv}); !st) return fail(st.error().message);
         shm::Registry& reg = inst->registry();
         auto all_running = [&] {
@@ -156,9 +160,10 @@ int cmd_serve(const ServeArgs& a) {
             sup.poll();
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
-        std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, prefill on CPUs %s, decode on %s)\n",
+        std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, front on CPUs %s, prefill on %s, decode on %s)\n",
                      a.host.c_str(), port, model_id.c_str(), layout.instance.c_str(),
-                     format_cpu_list(prefill_cpus).c_str(), format_cpu_list(decode_cpus).c_str());
+                     format_cpu_list(front_cpus).c_str(), format_cpu_list(prefill_cpus).c_str(),
+                     format_cpu_list(decode_cpus).c_str());
         bool draining = false, front_done = false;
         uint64_t drain_deadline = 0, next_sweep = 0;
         while (!front_done) {
@@ -231,6 +236,14 @@ int cmd_front(const FrontArgs& a) {
     if (!tok) return fail(tok.error().message);
     auto tmpl = ChatTemplate::from_gguf((*model)->file(), a.chat_template);
     if (!tmpl) return fail(tmpl.error().message);
+    if (!a.cpus.empty()) {  // before any thread starts: they all inherit it
+        auto cpus = parse_cpu_list(a.cpus);
+        if (!cpus) return fail("--cpus: " + cpus.error().message);
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int c : *cpus) CPU_SET(c, &set);
+        if (sched_setaffinity(0, sizeof set, &set) != 0) return fail(fmt::format("--cpus {}: {}", a.cpus, std::strerror(errno)));
+    }
     auto self = inst->registry().claim(shm::Role::Front, -1, getpid());
     if (!self) return fail(self.error().message);
     handle_signals();

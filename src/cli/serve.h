@@ -25,7 +25,7 @@ struct ServeArgs {
     int io_threads = 2;
     int grace_s = 30;
     std::string instance;  // default serve-<pid>
-    std::string prefill_cpus, decode_cpus;
+    std::string front_cpus, prefill_cpus, decode_cpus;
     std::string isa;
     std::string chat_template;
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
@@ -42,6 +42,7 @@ struct FrontArgs {
     int io_threads = 2;
     int grace_s = 30;
     std::string chat_template;
+    std::string cpus;  // pin the process (all its threads) here
 };
 
 int cmd_front(const FrontArgs& a);

@@ -159,6 +159,24 @@ def run(port, server):
     check(st == 200 and model, "models")
     print("health, ready, models: ok")
 
+    # Placement: every thread of every role runs within the CPUs of the hwloc plan (duet topo).
+    def cpu_set(text):
+        out = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+    plan = {r["role"]: cpu_set(r["cpus"]) for r in json.loads(subprocess.run(
+        [DUET, "topo", "--json"], capture_output=True, text=True, check=True).stdout)["roles"]}
+    for p in shm_processes()["processes"]:
+        if p["role"] not in plan:
+            continue
+        for tid in os.listdir(f"/proc/{p['pid']}/task"):
+            with open(f"/proc/{p['pid']}/task/{tid}/status") as f:
+                allowed = cpu_set(re.search(r"^Cpus_allowed_list:\s*(\S+)", f.read(), re.M).group(1))
+            check(allowed <= plan[p["role"]], f"{p['role']} thread {tid} may run on {allowed}, the plan says {plan[p['role']]}")
+    print("each role on its planned CPUs: ok")
+
     # Greedy completions equal duet run's text.
     prompt = "The capital of France is"
     st, body = request(port, "POST", "/v1/completions",
