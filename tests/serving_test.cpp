@@ -332,6 +332,28 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     EXPECT_GT(ev[0].recovered.redriven + ev[0].recovered.adopted, 0u) << "decode held requests when killed";
     for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(collect(reqs[i]), want[i]) << kPrompts[i];
     EXPECT_EQ(sup.restarts(), 1u);
+
+    // A worker that stops cleanly (SIGTERM) in the middle of its requests keeps its
+    // registry slot, so they are recovered and re-driven like a crash's.
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) {
+        sup.poll();
+        usleep(500);
+    }
+    dec = sup.pid_of("decode");
+    ASSERT_GT(dec, 0);
+    kill(dec, SIGTERM);
+    ev.clear();
+    for (int i = 0; i < 5000 && ev.empty(); ++i) {
+        ev = sup.poll();
+        usleep(1000);
+    }
+    ASSERT_EQ(ev.size(), 1u);
+    EXPECT_TRUE(WIFEXITED(ev[0].status) && WEXITSTATUS(ev[0].status) == 0);
+    EXPECT_GT(ev[0].recovered.redriven, 0u) << "decode held requests when it stopped";
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(collect(reqs[i]), want[i]) << kPrompts[i] << " (decode stopped)";
+    EXPECT_EQ(sup.restarts(), 2u);
     Status st = sup.stop_all(10000);
     EXPECT_TRUE(st.ok()) << st.error().message;
     shm::ArenaCensus c = sv.inst.arena(0).census();

@@ -134,46 +134,58 @@ int cmd_serve(const ServeArgs& a) {
             }
         };
         Supervisor sup(*inst, *self, resend);
-        for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {
-            std::vector<std::string> argv = {exe, role, "--instance", layout.instance, "-m", a.model, "-t",
-                                             std::to_string(cpus->size()), "--cpus", format_cpu_list(*cpus)};
-            if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
-            if (std::string(role) == "prefill") {
-                argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
-                if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
+        auto start_roles = [&]() -> Status {
+            for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {
+                std::vector<std::string> argv = {exe, role, "--instance", layout.instance, "-m", a.model, "-t",
+                                                 std::to_string(cpus->size()), "--cpus", format_cpu_list(*cpus)};
+                if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
+                if (std::string(role) == "prefill") {
+                    argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
+                    if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
+                }
+                if (auto st = sup.start({role, argv}); !st) return st.error();
             }
-            if (auto st = sup.start({role, argv}); !st) return fail(st.error().message);
-        }
-        std::vector<std::string> front_argv = {exe,         "front",      "--instance", layout.instance,
-                                               "-m",        a.model,      "--host",     a.host,
-                                               "--port",    std::to_string(port), "--io-threads",
-                                               std::to_string(a.io_threads), "--grace", std::to_string(a.grace_s)};
-        if (!a.chat_template.empty()) front_argv.insert(front_argv.end(), {"--chat-template", a.chat_template});
-        if (!front_cpus.empty()) front_argv.insert(front_argv.end(), {"--cpus", format_cpu_list(front_cpus)});
-        if (auto st = sup.start({"front", front_argv}); !st) return fail(st.error().message);
+            std::vector<std::string> argv = {exe,    "front",  "--instance", layout.instance,        "-m",
+                                             a.model, "--host", a.host,       "--port",               std::to_string(port),
+                                             "--io-threads", std::to_string(a.io_threads), "--grace", std::to_string(a.grace_s)};
+            if (!a.chat_template.empty()) argv.insert(argv.end(), {"--chat-template", a.chat_template});
+            if (!front_cpus.empty()) argv.insert(argv.end(), {"--cpus", format_cpu_list(front_cpus)});
+            if (auto st = sup.start({"front", argv}); !st) return st.error();
+            return {};
+        };
         shm::Registry& reg = inst->registry();
         auto all_running = [&] {
             return reg.find_running(shm::Role::Front) >= 0 && reg.find_running(shm::Role::Prefill) >= 0 &&
                    reg.find_running(shm::Role::Decode) >= 0;
         };
-        for (int i = 0; i < 3000 && !all_running() && !g_stop.load(); ++i) {
-            sup.poll();
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        if (Status st = start_roles(); !st) {
+            std::fprintf(stderr, "duet serve: %s\n", st.error().message.c_str());
+            rc = 1;
+            g_stop.store(true);
         }
-        std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, front on CPUs %s, prefill on %s, decode on %s)\n",
-                     a.host.c_str(), port, model_id.c_str(), layout.instance.c_str(),
-                     format_cpu_list(front_cpus).c_str(), format_cpu_list(prefill_cpus).c_str(),
-                     format_cpu_list(decode_cpus).c_str());
-        bool draining = false, front_done = false;
+        const uint64_t start_deadline = shm::monotonic_ns() + 60'000'000'000ull;
+        bool listening = false, draining = false, front_done = false;
         uint64_t drain_deadline = 0, next_sweep = 0;
         while (!front_done) {
+            if (!listening && all_running()) {
+                listening = true;
+                std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, front on CPUs %s, prefill on %s, decode on %s)\n",
+                             a.host.c_str(), port, model_id.c_str(), layout.instance.c_str(),
+                             format_cpu_list(front_cpus).c_str(), format_cpu_list(prefill_cpus).c_str(),
+                             format_cpu_list(decode_cpus).c_str());
+            }
+            if (!listening && !g_stop.load() && shm::monotonic_ns() > start_deadline) {
+                std::fprintf(stderr, "duet serve: the roles did not all start within 60 s\n");
+                rc = 1;
+                g_stop.store(true);
+            }
             if (g_stop.load() && !draining) {
                 // Drain: the front stops admitting, gives running requests the grace
                 // period, cancels the rest and exits; it is not restarted.
                 draining = true;
                 drain_deadline = shm::monotonic_ns() + static_cast<uint64_t>(a.grace_s + 15) * 1'000'000'000ull;
                 std::fprintf(stderr, "duet serve: draining (grace %d s)\n", a.grace_s);
-                if (!sup.retire("front")) break;
+                if (!sup.retire("front")) break;  // no front (it gave up, or never started)
             }
             for (const Supervisor::Event& e : sup.poll()) {
                 if (draining && e.role == "front") {  // drained and gone
@@ -188,9 +200,10 @@ int cmd_serve(const ServeArgs& a) {
                              static_cast<unsigned long long>(e.recovered.refs_dropped), e.recovered.redriven,
                              e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as).c_str() : "not restarted");
                 if (e.role == "front") sweep_orphans(*inst);  // its clients are gone
-                if (!e.restarted_as && !draining) {
-                    // It kept dying: nothing can serve requests. Fail them all with a
-                    // clear error, drain, exit 1 (systemd restarts the whole service).
+                if (!e.restarted_as) {
+                    // It kept dying (at start, say the front cannot bind its port): nothing
+                    // can serve requests. Fail them all with a clear error, drain, exit 1
+                    // (systemd restarts the whole service).
                     std::fprintf(stderr, "duet serve: giving up on %s; failing the requests in flight\n", e.role.c_str());
                     fail_in_flight(*inst, ReqError::NoWorker);
                     rc = 1;

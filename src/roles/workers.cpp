@@ -56,7 +56,10 @@ WorkerBase::~WorkerBase() {
     backend_.reset();
     pool_.reset();
     if (inst_ && joined_) inst_->arena(0).leave(user_);
-    if (inst_ && self_.valid()) inst_->registry().release(self_);
+    // Requests still in hand (stopped mid-work): keep the registry slot, so that
+    // whoever recovers this process (the supervisor, on seeing it exit) finds them
+    // and re-drives them; releasing it would leave them owned by nobody.
+    if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
 }
 
 void WorkerBase::ring(shm::Role role) {
@@ -229,7 +232,8 @@ void PrefillWorker::complete(Job& j, const float* logits) {
 // earliest deadline first; requests whose prompt completes are handed off.
 Result<bool> PrefillWorker::step() {
     settle();
-    const bool took = admit();
+    if (jobs_.empty()) kv_short_ = false;
+    const bool took = !kv_short_ && admit();
     shm::RequestTable& t = inst_->requests();
     bool dropped = false;
     for (size_t i = 0; i < jobs_.size();) {
@@ -258,15 +262,15 @@ Result<bool> PrefillWorker::step() {
         if (j.looked_up || j.hashes.empty()) return false;
         for (size_t i = 0; i < jobs_.size(); ++i)
             if (i != k && jobs_[i].looked_up && jobs_[i].hashes.size() >= j.hashes.size() &&
-                jobs_[i].hashes[j.hashes.size() - 1] == j.hashes.back() && jobs_[i].done < jobs_[i].all.size())
-                return true;
+                jobs_[i].hashes[j.hashes.size() - 1] == j.hashes.back() && jobs_[i].published < j.hashes.size())
+                return true;  // i has yet to publish the block j would share
         return false;
     };
     std::vector<SeqBatch> batch;
     std::vector<size_t> in_batch;
     int64_t budget = opts_.prefill_chunk;
     for (size_t k : order) {
-        if (budget <= 0) break;
+        if (budget <= 0 || (kv_short_ && !batch.empty())) break;  // short of KV: one request at a time
         if (follows(k)) continue;
         Job& j = jobs_[k];
         if (!j.looked_up && opts_.prefix_cache) lookup_prefix(j);
@@ -278,12 +282,19 @@ Result<bool> PrefillWorker::step() {
     }
     if (batch.empty()) return true;  // only followers: their leaders are not in hand (cannot happen)
     if (Status st = backend_->forward(batch, logits_); !st) {
-        // Out of KV blocks: fail the request with the latest deadline in the batch.
-        fail(jobs_[in_batch.back()]);
-        jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.back()));
+        // Out of KV blocks (forward() changes nothing then). With several requests in
+        // the pass, run the next pass with the earliest-deadline one alone, taking no
+        // new ones; a request that cannot run even alone fails (freeing its blocks).
+        if (batch.size() > 1) {
+            kv_short_ = true;
+            return true;
+        }
+        fail(jobs_[in_batch.front()]);
+        jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.front()));
         ring(shm::Role::Front);
         return true;
     }
+    kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
     std::vector<size_t> finished;
     for (size_t i = 0; i < in_batch.size(); ++i) {
         Job& j = jobs_[in_batch[i]];

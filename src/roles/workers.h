@@ -110,6 +110,7 @@ private:
     shm::SpscProducer<WireMsg> out_;
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
+    bool kv_short_ = false;  // the last packed pass ran out of KV blocks
     shm::BlockHasher hasher_;
 };
 

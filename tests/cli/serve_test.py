@@ -109,6 +109,29 @@ def serving(instance, test):
 def main():
     serving(INSTANCE, run)
     serving(INSTANCE + "-g", give_up)
+    port_taken()
+
+
+def port_taken():
+    # A port someone else holds: the front cannot listen, keeps dying, and the
+    # launcher says so and exits 1 instead of waiting for ever; nothing is left.
+    import socket
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    instance = INSTANCE + "-p"
+    try:
+        r = subprocess.run([DUET, "serve", "--port", str(port), "--ctx", "256", "--instance", instance],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    check(r.returncode == 1, f"exit status {r.returncode} with the port taken: {r.stderr[-500:]}")
+    check("cannot listen" in r.stderr and "giving up on front" in r.stderr, f"messages: {r.stderr[-800:]}")
+    for d in ("/dev/shm", "/dev/hugepages"):
+        left = [f for f in os.listdir(d) if instance in f] if os.path.isdir(d) else []
+        check(not left, f"left in {d}: {left}")
+    print("the port taken: the front gives up, the launcher exits 1, nothing left: ok")
 
 
 def give_up(port, server):
