@@ -562,6 +562,9 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             if (terminal) {
                 c.done = true;
                 c.final_state = st;
+                if (st == shm::ReqState::Failed)  // the response is an error: stop the other choices
+                    for (const Choice& o : ch)
+                        if (!o.done) o.cancel(t);
             } else {
                 all_done = false;
                 if (shm::monotonic_ns() > deadline) c.cancel(t);
