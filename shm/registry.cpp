@@ -162,6 +162,10 @@ int32_t Registry::find_running(Role role) const {
     return -1;
 }
 
+void Registry::wake(Role role) {
+    if (int32_t s = find_running(role); s >= 0) doorbell_ring(doorbell(static_cast<uint32_t>(s)));
+}
+
 ProcRef Registry::current(uint32_t slot) const {
     // Relaxed: the generation and pid travel in the word itself; nothing else is read.
     return ProcRef{slot, gen_of(slots_[slot].state_gen.load(std::memory_order_relaxed))};

@@ -86,6 +86,9 @@ public:
     ProcState state(uint32_t slot) const;
     // The first RUNNING slot with this role, or -1.
     int32_t find_running(Role role) const;
+    // Rings the doorbell of the running process of `role` (if any): after
+    // publishing something it consumes.
+    void wake(Role role);
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation

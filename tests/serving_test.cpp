@@ -93,12 +93,7 @@ struct Serving {
         });
     }
 
-    void send(shm::ReqRef r) {
-        WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
-        while (!to_prefill.try_push(m)) usleep(100);
-        if (int32_t s = inst.registry().find_running(shm::Role::Prefill); s >= 0)
-            shm::doorbell_ring(inst.registry().doorbell(static_cast<uint32_t>(s)));
-    }
+    void send(shm::ReqRef r) { EXPECT_TRUE(send_to_prefill(inst, to_prefill, r)); }
 
     shm::ReqRef submit(const std::vector<int32_t>& prompt) {
         RequestParams p;

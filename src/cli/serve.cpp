@@ -120,19 +120,7 @@ int cmd_serve(const ServeArgs& a) {
         // Re-driven requests go back to prefill on the launcher's own ring (the
         // front's ring has one producer: the front).
         shm::SpscProducer<WireMsg> redrive(inst->ring(kRingRedrive));
-        auto resend = [&](shm::ReqRef r) {
-            WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
-            const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
-            bool sent = false;
-            while (!(sent = redrive.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);
-            shm::Registry& reg = inst->registry();
-            if (int32_t s = reg.find_running(shm::Role::Prefill); s >= 0)
-                shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
-            if (!sent) {
-                t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
-                t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
-            }
-        };
+        auto resend = [&](shm::ReqRef r) { (void)send_to_prefill(*inst, redrive, r); };
         Supervisor sup(*inst, *self, resend);
         auto start_roles = [&]() -> Status {
             for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {

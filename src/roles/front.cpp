@@ -280,24 +280,10 @@ void Front::cancel_all() {
 }
 
 bool Front::send(shm::ReqRef r) {
-    bool sent = false;
-    {
-        std::lock_guard<std::mutex> lock(send_mu_);
-        WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
-        const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
-        while (!(sent = to_prefill_.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);
-    }
-    shm::Registry& reg = inst_.registry();
-    if (int32_t s = reg.find_running(shm::Role::Prefill); s >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
-    if (!sent) {
-        shm::RequestTable& t = inst_.requests();
-        t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
-        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
-    }
-    return sent;
+    std::lock_guard<std::mutex> lock(send_mu_);  // the ring has one producer: this process
+    return send_to_prefill(inst_, to_prefill_, r);
 }
 
-void Front::fail_all(ReqError why) { fail_in_flight(inst_, why); }
 
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {

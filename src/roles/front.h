@@ -61,8 +61,6 @@ public:
     // If the ring stays full for 2 s (prefill gone), fails the request instead and
     // returns false.
     bool send(shm::ReqRef r);
-    // Fails every request in flight with `why` (a worker role is gone for good).
-    void fail_all(ReqError why);
     FrontCounters& counters() { return counters_; }
 
 private:

@@ -1,5 +1,7 @@
 #include "roles/serving.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "model/cpu_backend.h"
@@ -28,6 +30,20 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     return c;
 }
 
+bool send_to_prefill(shm::Instance& inst, shm::SpscProducer<WireMsg>& ring, shm::ReqRef r) {
+    const WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
+    const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
+    bool sent = false;
+    while (!(sent = ring.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);  // prefill drains it every step
+    inst.registry().wake(shm::Role::Prefill);
+    if (!sent) {
+        shm::RequestTable& t = inst.requests();
+        t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
+        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+    }
+    return sent;
+}
+
 void fail_in_flight(shm::Instance& inst, ReqError why) {
     shm::RequestTable& t = inst.requests();
     for (uint32_t s = 0; s < t.n_slots(); ++s) {
@@ -38,8 +54,7 @@ void fail_in_flight(shm::Instance& inst, ReqError why) {
             t.transition(r, from, shm::ReqState::Failed);
         }
     }
-    shm::Registry& reg = inst.registry();
-    if (int32_t f = reg.find_running(shm::Role::Front); f >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(f)));
+    inst.registry().wake(shm::Role::Front);
 }
 
 uint32_t sweep_orphans(shm::Instance& inst) {

@@ -54,6 +54,11 @@ struct RequestParams {
     int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
 };
 
+// Sends a QUEUED request to prefill on `ring` (the caller is its one producer) and
+// wakes prefill. If the ring stays full for 2 s (prefill gone), fails the request
+// instead (ReqError::NotSent) and returns false.
+bool send_to_prefill(shm::Instance& inst, shm::SpscProducer<WireMsg>& ring, shm::ReqRef r);
+
 // Fails every request in flight (QUEUED, PREFILLING, DECODING) with `why`, and
 // wakes the front to answer their clients.
 void fail_in_flight(shm::Instance& inst, ReqError why);

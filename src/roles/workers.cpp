@@ -62,11 +62,6 @@ WorkerBase::~WorkerBase() {
     if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
 }
 
-void WorkerBase::ring(shm::Role role) {
-    shm::Registry& reg = inst_->registry();
-    if (int32_t s = reg.find_running(role); s >= 0) shm::doorbell_ring(reg.doorbell(static_cast<uint32_t>(s)));
-}
-
 Status WorkerBase::run(const std::atomic<bool>& stop) {
     shm::Doorbell& bell = inst_->registry().doorbell(self_.slot);
     while (!stop.load(std::memory_order_relaxed)) {
@@ -145,7 +140,7 @@ bool PrefillWorker::admit() {
                 (j.params.stop_at_eog && !j.output.empty() && tok_->is_eog(j.output.back()));
             if (done_already) {  // re-driven after its last token was written
                 t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
-                ring(shm::Role::Front);
+                inst_->registry().wake(shm::Role::Front);
             } else {
                 j.all = j.prompt;
                 j.all.insert(j.all.end(), j.output.begin(), j.output.end());
@@ -223,7 +218,7 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
         t.slot(r.slot).handoff_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
         while (!out_.try_push(h)) usleep(50);  // decode drains it every step
-        ring(shm::Role::Decode);
+        inst_->registry().wake(shm::Role::Decode);
         pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach()});
     }
 }
@@ -247,7 +242,7 @@ Result<bool> PrefillWorker::step() {
         }
     }
     if (jobs_.empty()) {
-        if (dropped || took) ring(shm::Role::Front);
+        if (dropped || took) inst_->registry().wake(shm::Role::Front);
         return took;
     }
     std::vector<size_t> order(jobs_.size());
@@ -291,7 +286,7 @@ Result<bool> PrefillWorker::step() {
         }
         fail(jobs_[in_batch.front()]);
         jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.front()));
-        ring(shm::Role::Front);
+        inst_->registry().wake(shm::Role::Front);
         return true;
     }
     kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
@@ -307,7 +302,7 @@ Result<bool> PrefillWorker::step() {
     }
     std::sort(finished.begin(), finished.end());
     for (size_t k = finished.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(finished[k]));
-    if (!finished.empty()) ring(shm::Role::Front);  // first tokens (or ends) are in the slots
+    if (!finished.empty()) inst_->registry().wake(shm::Role::Front);  // first tokens (or ends) are in the slots
     return true;
 }
 
@@ -366,7 +361,7 @@ Result<bool> DecodeWorker::step() {
         }
     }
     if (active_.empty()) {
-        if (dropped) ring(shm::Role::Front);  // the cancellations are visible
+        if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
         return false;
     }
     std::vector<SeqBatch> batch;
@@ -380,7 +375,7 @@ Result<bool> DecodeWorker::step() {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
         t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
-        ring(shm::Role::Front);
+        inst_->registry().wake(shm::Role::Front);
         return true;
     }
     const int64_t nv = backend_->n_vocab();
@@ -397,7 +392,7 @@ Result<bool> DecodeWorker::step() {
             done.push_back(i);
     }
     for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
-    ring(shm::Role::Front);
+    inst_->registry().wake(shm::Role::Front);
     return true;
 }
 

@@ -52,8 +52,6 @@ public:
 protected:
     Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
     virtual bool has_work() = 0;
-    // Wakes the running process of `role` if it sleeps on its doorbell.
-    void ring(shm::Role role);
 
     shm::Instance* inst_ = nullptr;
     const Model* model_ = nullptr;

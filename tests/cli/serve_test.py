@@ -75,6 +75,11 @@ def stream(port, path, body, progress=None):
     return text, events
 
 
+def counter(port, name):
+    """A counter's value from /metrics."""
+    return int(re.search(rf"^{name} (\d+)", request(port, "GET", "/metrics")[1], re.M).group(1))
+
+
 def shm_processes():
     out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -361,6 +366,13 @@ def run(port, server):
         return [(a["held"], a["free"] + a["cached"] == a["blocks"]) for a in shm_processes()["arenas"]]
     baseline = reclaimable()
     check(all(held == 0 and whole for held, whole in baseline), f"idle arena: {baseline}")
+
+    def wait_reclaimed():
+        for _ in range(100):
+            if reclaimable() == baseline:
+                break
+            time.sleep(0.05)
+        check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
     import threading
     got = {}
     seen = threading.Event()
@@ -373,15 +385,9 @@ def run(port, server):
     os.kill(decode[0], signal.SIGKILL)
     t.join(120)
     check(got.get("text") == want, f"after the kill: {got.get('text', '')[:120]!r}... != {want[:120]!r}...")
-    metrics = request(port, "GET", "/metrics")[1]
-    restarts = int(re.search(r"^duet_worker_restarts_total (\d+)", metrics, re.M).group(1))
-    redriven = int(re.search(r"^duet_requests_redriven_total (\d+)", metrics, re.M).group(1))
+    restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts >= 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
-    for _ in range(100):
-        if reclaimable() == baseline:
-            break
-        time.sleep(0.05)
-    check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
+    wait_reclaimed()
     print(f"decode killed mid-stream: identical text, {restarts} restart(s), {redriven} re-drive(s): ok")
 
     # SIGKILL prefill while it works through 16 streams' prompts (distinct from their
@@ -414,15 +420,9 @@ def run(port, server):
         want16 = json.loads(request(port, "POST", "/v1/completions",
                                     {"prompt": prompts[i], "max_tokens": 12, "temperature": 0})[1])["choices"][0]["text"]
         check(got16[i] == want16, f"stream {i} after the prefill kill: {got16[i]!r} != {want16!r}")
-    metrics = request(port, "GET", "/metrics")[1]
-    restarts2 = int(re.search(r"^duet_worker_restarts_total (\d+)", metrics, re.M).group(1))
-    redriven2 = int(re.search(r"^duet_requests_redriven_total (\d+)", metrics, re.M).group(1))
+    restarts2, redriven2 = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts2 == restarts + 1 and redriven2 > redriven, f"metrics: restarts {restarts2}, redriven {redriven2}")
-    for _ in range(100):
-        if reclaimable() == baseline:
-            break
-        time.sleep(0.05)
-    check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
+    wait_reclaimed()
     print(f"prefill killed under 16 streams: identical texts, {redriven2 - redriven} re-drive(s): ok")
 
     # SIGKILL the front (its own process) in the middle of a stream: that client's
@@ -464,7 +464,7 @@ def run(port, server):
         time.sleep(0.05)
     check(not busy, f"requests left after the front died: {busy}")
     check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
-    restarts3 = int(re.search(r"^duet_worker_restarts_total (\d+)", request(port, "GET", "/metrics")[1], re.M).group(1))
+    restarts3 = counter(port, "duet_worker_restarts_total")
     check(restarts3 == restarts2 + 1, f"restarts {restarts3}, expected {restarts2 + 1}")
     print("front killed mid-stream: restarted on the same port, the orphaned request freed: ok")
 
