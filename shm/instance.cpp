@@ -29,6 +29,7 @@ struct StoredConfig {
     uint32_t registry_slots, n_rings, ring_capacity, ring_record_bytes;
     uint32_t req_slots, req_max_tokens, req_block_tokens, huge_pages;
     uint64_t cpu_kv_bytes, model_fingerprint;
+    uint32_t prefill_workers, decode_workers;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -48,6 +49,8 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->huge_pages = c.huge_pages;
     s->cpu_kv_bytes = c.cpu_kv_bytes;
     s->model_fingerprint = c.model_fingerprint;
+    s->prefill_workers = c.prefill_workers;
+    s->decode_workers = c.decode_workers;
     for (size_t i = 0; i < c.arenas.size(); ++i) s->arenas[i] = c.arenas[i];
     std::snprintf(s->name, sizeof s->name, "%s", c.name.c_str());
     s->magic = kConfigMagic;
@@ -69,6 +72,8 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.huge_pages = s->huge_pages;
     c.cpu_kv_bytes = s->cpu_kv_bytes;
     c.model_fingerprint = s->model_fingerprint;
+    c.prefill_workers = s->prefill_workers;
+    c.decode_workers = s->decode_workers;
     c.arenas.assign(s->arenas, s->arenas + s->n_arenas);
     return c;
 }
@@ -119,6 +124,8 @@ uint64_t InstanceConfig::fingerprint() const {
     }
     f.add(cpu_kv_bytes);
     f.add(model_fingerprint);
+    f.add(prefill_workers);
+    f.add(decode_workers);
     return f.h;
 }
 

@@ -22,7 +22,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 3;  // 2: phase times in request slots; 3: clients, serving counters
+inline constexpr uint32_t kLayoutVersion = 4;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges
 
 inline constexpr uint32_t kMaxArenas = 16;
 
@@ -36,6 +36,9 @@ struct InstanceConfig {
     std::vector<ArenaConfig> arenas;  // one per device; arenas[0] is the CPU's when cpu_kv_bytes > 0
     uint64_t cpu_kv_bytes = 0;        // size of the CPU KV data segment (0: none)
     uint64_t model_fingerprint = 0;
+    // How many prefill and decode workers serve on this instance (their rings and
+    // registry indices follow from these; src/roles/serving.h). 0: not a serving instance.
+    uint32_t prefill_workers = 0, decode_workers = 0;
     bool huge_pages = true;
 
     // FNV-1a over every field that shapes the segments.

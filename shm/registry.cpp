@@ -98,7 +98,7 @@ Result<Registry> Registry::attach(void* mem) {
     return r;
 }
 
-Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid) {
+Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid, uint32_t index) {
     uint64_t ticks = process_start_ticks(pid);
     for (uint32_t i = 0; i < n_slots(); ++i) {
         ProcSlot& s = slots_[i];
@@ -114,7 +114,11 @@ Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid) {
         s.role.store(static_cast<uint32_t>(role), std::memory_order_relaxed);
         s.device.store(device, std::memory_order_relaxed);
         s.start_ticks.store((ticks << 24) | gen, std::memory_order_relaxed);
-        s.exit_code.store(0, std::memory_order_relaxed);
+        s.index.store(index, std::memory_order_relaxed);
+        s.load_items.store(0, std::memory_order_relaxed);
+        s.load_tokens.store(0, std::memory_order_relaxed);
+        s.served.store(0, std::memory_order_relaxed);
+        s.max_items.store(0, std::memory_order_relaxed);
         s.doorbell.word.store(0, std::memory_order_relaxed);
         // Release pairs with readers' acquire of heartbeat: the fields above are set.
         s.heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
@@ -155,15 +159,22 @@ bool Registry::reclaim(ProcRef r) {
 ProcState Registry::state(uint32_t slot) const {
     return state_of(slots_[slot].state_gen.load(std::memory_order_acquire));  // pairs with transition()'s release
 }
-int32_t Registry::find_running(Role role) const {
+namespace {
+bool is_worker(const ProcSlot& s, Role role, int32_t index) {
+    return s.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
+           (index < 0 || s.index.load(std::memory_order_relaxed) == static_cast<uint32_t>(index));
+}
+}  // namespace
+
+int32_t Registry::find_running(Role role, int32_t index) const {
     for (uint32_t s = 0; s < n_slots(); ++s)
-        if (state(s) == ProcState::Running && slots_[s].role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role))
-            return static_cast<int32_t>(s);
+        if (state(s) == ProcState::Running && is_worker(slots_[s], role, index)) return static_cast<int32_t>(s);
     return -1;
 }
 
-void Registry::wake(Role role) {
-    if (int32_t s = find_running(role); s >= 0) doorbell_ring(doorbell(static_cast<uint32_t>(s)));
+void Registry::wake(Role role, int32_t index) {
+    for (uint32_t s = 0; s < n_slots(); ++s)
+        if (state(s) == ProcState::Running && is_worker(slots_[s], role, index)) doorbell_ring(doorbell(s));
 }
 
 ProcRef Registry::current(uint32_t slot) const {

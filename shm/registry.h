@@ -43,13 +43,18 @@ struct ProcRef {
 struct alignas(64) ProcSlot {
     std::atomic<uint64_t> state_gen;  // (pid << 32) | (generation << 8) | ProcState
     std::atomic<uint32_t> role;
-    uint32_t pad1_;
+    std::atomic<uint32_t> index;  // which of its role's workers (its rings follow from it)
     std::atomic<int32_t> device;  // -1: CPU
-    uint32_t pad_;
+    // Load gauges, written by the process itself (with its heartbeat, on this line),
+    // read by whoever routes work to it. Meaning by role: prefill: requests in hand /
+    // tokens they still have to prefill; decode: sequences held / tokens they hold.
+    std::atomic<uint32_t> load_items;
     std::atomic<uint64_t> start_ticks;   // (/proc/<pid>/stat starttime << 24) | its generation: tells a reused pid apart
     std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
-    std::atomic<uint64_t> exit_code;
+    std::atomic<uint64_t> load_tokens;
+    std::atomic<uint64_t> served;  // requests it has taken since it started (prefill: admitted; decode: accepted)
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
+    std::atomic<uint32_t> max_items;  // the most load_items it takes (decode: its batch); set once at start
 };
 static_assert(sizeof(ProcSlot) == 128);
 
@@ -72,8 +77,9 @@ public:
     uint32_t n_slots() const { return hdr_->n_slots; }
     ProcSlot& slot(uint32_t i) const { return slots_[i]; }
 
-    // Claims a FREE slot for process pid (STARTING, new generation).
-    Result<ProcRef> claim(Role role, int32_t device, pid_t pid);
+    // Claims a FREE slot for process pid (STARTING, new generation), as worker `index`
+    // of its role; the load gauges start at zero.
+    Result<ProcRef> claim(Role role, int32_t device, pid_t pid, uint32_t index = 0);
     // STARTING -> RUNNING.
     bool set_running(ProcRef r);
     // A clean exit: any live state of this generation -> FREE.
@@ -84,11 +90,11 @@ public:
     bool reclaim(ProcRef r);
 
     ProcState state(uint32_t slot) const;
-    // The first RUNNING slot with this role, or -1.
-    int32_t find_running(Role role) const;
-    // Rings the doorbell of the running process of `role` (if any): after
-    // publishing something it consumes.
-    void wake(Role role);
+    // The first RUNNING slot with this role (and worker index, when index >= 0), or -1.
+    int32_t find_running(Role role, int32_t index = -1) const;
+    // Rings the doorbell of every running process of `role` (only worker `index`'s
+    // when index >= 0): after publishing something it consumes.
+    void wake(Role role, int32_t index = -1);
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation

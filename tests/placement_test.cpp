@@ -119,3 +119,73 @@ TEST(Placement, CpuListFormatting) {
     EXPECT_EQ(format_cpu_list({5}), "5");
     EXPECT_EQ(format_cpu_list({}), "");
 }
+
+TEST(Placement, SeveralWorkersSplitTheCoresOfANode) {
+    auto m = Machine::synthetic("pack:1 core:9 pu:1");
+    ASSERT_TRUE(m.ok());
+    PlanOptions o;
+    o.prefill_workers = 2;
+    o.decode_workers = 2;
+    auto p = plan_placement(*m, o);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    std::vector<std::vector<int>> pre, dec;
+    for (const Placement& r : p->roles) {
+        if (r.role == "prefill") {
+            EXPECT_EQ(r.index, static_cast<int>(pre.size()));
+            pre.push_back(r.cpus);
+        }
+        if (r.role == "decode") {
+            EXPECT_EQ(r.index, static_cast<int>(dec.size()));
+            dec.push_back(r.cpus);
+        }
+    }
+    ASSERT_EQ(pre.size(), 2u);
+    ASSERT_EQ(dec.size(), 2u);
+    EXPECT_EQ(role(*p, "front").cpus, std::vector<int>{8});
+    std::vector<int> all = role(*p, "front").cpus;
+    for (auto* v : {&pre, &dec})
+        for (const auto& c : *v) {
+            EXPECT_EQ(c.size(), 2u) << "8 cores, 4 workers";
+            all.insert(all.end(), c.begin(), c.end());
+        }
+    std::sort(all.begin(), all.end());
+    EXPECT_EQ(std::unique(all.begin(), all.end()), all.end()) << "no core shared";
+    EXPECT_TRUE(p->notes.empty());
+}
+
+TEST(Placement, WorkerPairsSpreadOverNumaNodes) {
+    auto m = Machine::synthetic("pack:2 numa:1 core:4 pu:1");
+    ASSERT_TRUE(m.ok());
+    PlanOptions o;
+    o.prefill_workers = 2;
+    o.decode_workers = 2;
+    auto p = plan_placement(*m, o);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    int numa[2][2] = {{-1, -1}, {-1, -1}};
+    for (const Placement& r : p->roles)
+        if (r.role != "front") {
+            for (int c : r.cpus) EXPECT_EQ(r.numa, c / 4);
+            numa[r.role == "decode"][r.index] = r.numa;
+        }
+    EXPECT_EQ(numa[0][0], numa[1][0]) << "pair 0 on one node";
+    EXPECT_EQ(numa[0][1], numa[1][1]) << "pair 1 on one node";
+    EXPECT_NE(numa[0][0], numa[0][1]) << "the pairs on different nodes";
+    // A role with more workers than cores shares them, and says so.
+    o.prefill_workers = 3;
+    o.decode_workers = 3;
+    auto small = plan_placement(*Machine::synthetic("pack:1 core:2 pu:1"), o);
+    ASSERT_TRUE(small.ok()) << small.error().message;
+    bool noted = false;
+    for (const std::string& n : small->notes) noted = noted || n.find("share cores") != std::string::npos;
+    EXPECT_TRUE(noted);
+    // Overrides are split among a role's workers.
+    o.prefill_workers = 2;
+    o.decode_workers = 1;
+    o.prefill_cpus = {0, 1, 2, 3};
+    o.decode_cpus = {4, 5};
+    auto over = plan_placement(*m, o);
+    ASSERT_TRUE(over.ok()) << over.error().message;
+    EXPECT_EQ(over->roles[1].cpus, (std::vector<int>{0, 1}));
+    EXPECT_EQ(over->roles[2].cpus, (std::vector<int>{2, 3}));
+    EXPECT_EQ(over->roles[3].cpus, (std::vector<int>{4, 5}));
+}

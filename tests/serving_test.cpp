@@ -46,9 +46,9 @@ struct Serving {
     shm::Segment flags_seg;
     Flags* flags = nullptr;
     shm::ProcRef front;
-    shm::SpscProducer<WireMsg> to_prefill;
+    std::unique_ptr<PrefillRouter> router;
 
-    void start() {
+    void start(uint32_t n_prefill = 1, uint32_t n_decode = 1) {
         auto m = Model::load(DUET_MODEL_PATH);
         ASSERT_TRUE(m.ok()) << m.error().message;
         model = std::move(m).value();
@@ -56,6 +56,8 @@ struct Serving {
         l.instance = unique_name("serve");
         l.n_requests = 8;
         l.n_ctx = 256;
+        l.n_prefill = n_prefill;
+        l.n_decode = n_decode;
         cfg = serve_instance_config(l, *model);
         auto in = shm::Instance::create(cfg);
         ASSERT_TRUE(in.ok()) << in.error().message;
@@ -70,7 +72,7 @@ struct Serving {
         ASSERT_TRUE(fr.ok());
         front = *fr;
         inst.registry().set_running(front);
-        to_prefill = shm::SpscProducer<WireMsg>(inst.ring(kRingToPrefill));
+        router = std::make_unique<PrefillRouter>(inst, /*redrive=*/false);
     }
     ~Serving() { shm::Instance::unlink(cfg.name); }
 
@@ -93,7 +95,7 @@ struct Serving {
         });
     }
 
-    void send(shm::ReqRef r) { EXPECT_TRUE(send_to_prefill(inst, to_prefill, r)); }
+    void send(shm::ReqRef r) { EXPECT_TRUE(router->send(r)); }
 
     shm::ReqRef submit(const std::vector<int32_t>& prompt) {
         RequestParams p;
@@ -358,4 +360,95 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
         if (s != sv.front.slot) {
             EXPECT_EQ(sv.inst.registry().state(s), shm::ProcState::Free) << "registry slot " << s;
         }
+}
+
+// Two prefill and two decode workers: the front routes each request to the prefill
+// worker with the least work ahead (or the one already computing its prefix), and
+// prefill hands each off to the decode worker with the most room. Both workers of
+// each role take requests; a prompt sent twice at once goes to one prefill worker,
+// which computes its blocks once; outputs equal the engine's; a SIGKILLed decode
+// worker's requests are re-driven and finish identically while the other keeps
+// decoding; every block is returned.
+TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
+    Serving sv;
+    sv.start(2, 2);
+    if (::testing::Test::HasFatalFailure()) return;
+    shm::Registry& reg = sv.inst.registry();
+    auto spawn = [&](bool prefill, uint32_t index) {
+        WorkerOptions o;
+        o.index = index;
+        if (prefill) o.prefill_chunk = 16;  // the long prompt takes several passes
+        return sv.spawn(prefill, prefill ? 0 : 1, o);
+    };
+    pid_t pre[2] = {spawn(true, 0), spawn(true, 1)};
+    pid_t dec[2] = {spawn(false, 0), spawn(false, 1)};
+    ChildReaper reaper{{&pre[0], &pre[1], &dec[0], &dec[1]}};
+    std::vector<std::vector<int32_t>> prompts, want;
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
+    for (int i = 0; i < 10000; ++i) {  // all four registered
+        bool all = true;
+        for (int32_t k = 0; k < 2; ++k)
+            all = all && reg.find_running(shm::Role::Prefill, k) >= 0 && reg.find_running(shm::Role::Decode, k) >= 0;
+        if (all) break;
+        usleep(1000);
+    }
+    auto served = [&](shm::Role role, int32_t index) -> uint64_t {
+        const int32_t s = reg.find_running(role, index);
+        EXPECT_GE(s, 0) << shm::role_name(role) << " " << index << " is not running";
+        return s < 0 ? 0 : reg.slot(static_cast<uint32_t>(s)).served.load();
+    };
+    shm::RequestTable& t = sv.inst.requests();
+    const uint32_t bt = sv.cfg.requests.block_tokens;
+
+    // A prompt nobody has computed, twice at once: one prefill worker takes both; the
+    // second waits for the first's blocks and shares them.
+    const uint64_t p0 = served(shm::Role::Prefill, 0), p1 = served(shm::Role::Prefill, 1);
+    shm::ReqRef a = sv.submit(prompts[kLong]), b = sv.submit(prompts[kLong]);
+    for (int k = 0; k < 60000 && !(t.slot(a.slot).handoff_ns.load() && t.slot(b.slot).handoff_ns.load()); ++k) usleep(1000);
+    const uint64_t d0 = served(shm::Role::Prefill, 0) - p0, d1 = served(shm::Role::Prefill, 1) - p1;
+    EXPECT_TRUE((d0 == 2 && d1 == 0) || (d0 == 0 && d1 == 2)) << "prefill 0 took " << d0 << ", prefill 1 took " << d1;
+    const uint32_t cacheable = static_cast<uint32_t>((prompts[kLong].size() - 1) / bt * bt);
+    EXPECT_EQ(std::max(t.slot(a.slot).n_cached.load(), t.slot(b.slot).n_cached.load()), cacheable);
+    for (uint32_t i = 0; i < cacheable / bt; ++i) EXPECT_EQ(t.blocks(a.slot)[i], t.blocks(b.slot)[i]) << "block " << i;
+    EXPECT_EQ(sv.collect(a), want[kLong]);
+    EXPECT_EQ(sv.collect(b), want[kLong]);
+
+    // Every prompt at once: both prefill and both decode workers take some.
+    std::vector<shm::ReqRef> reqs;
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i];
+    for (int32_t k = 0; k < 2; ++k) {
+        EXPECT_GT(served(shm::Role::Prefill, k), 0u) << "prefill " << k << " took no request";
+        EXPECT_GT(served(shm::Role::Decode, k), 0u) << "decode " << k << " took no request";
+    }
+
+    // SIGKILL the decode worker holding a request mid-stream: re-driven, identical.
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+    int k = -1;  // a decode worker holding one of them now
+    for (const shm::ReqRef& r : reqs) {
+        const int32_t owner = t.owner_slot(r.slot);
+        if (k < 0 && t.is(r, shm::ReqState::Decoding) && owner >= 0)
+            k = reg.pid(static_cast<uint32_t>(owner)) == dec[0] ? 0 : reg.pid(static_cast<uint32_t>(owner)) == dec[1] ? 1 : -1;
+    }
+    ASSERT_GE(k, 0) << "no request was being decoded";
+    const uint64_t other_before = served(shm::Role::Decode, 1 - k);
+    kill(dec[k], SIGKILL);
+    EXPECT_EQ(wait_exit(dec[k]), 128 + SIGKILL);
+    EXPECT_GT(sv.recover(dec[k]), 0u) << "the killed decode worker held requests";
+    dec[k] = spawn(false, static_cast<uint32_t>(k));
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (decode " << k << " killed)";
+    EXPECT_GT(served(shm::Role::Decode, 1 - k) + served(shm::Role::Decode, k), other_before)
+        << "the re-driven requests were decoded again";
+
+    sv.flags->stop.store(true);
+    for (pid_t* p : {&pre[0], &pre[1], &dec[0], &dec[1]}) {
+        EXPECT_EQ(wait_exit(*p), 0);
+        *p = 0;
+    }
+    shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.held, 0u) << c.held << " KV blocks still held";
+    EXPECT_EQ(c.free + c.cached, c.total);
 }

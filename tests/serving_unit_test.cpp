@@ -180,3 +180,81 @@ TEST(Orphans, ADeadFrontsRequestsAreCancelledAndFreed) {
     EXPECT_TRUE(t.is(other, shm::ReqState::Queued));
     shm::Instance::unlink(c.name);
 }
+
+// Ring layout: every (role, worker) pair has its own ring, none shared, all within
+// the count the instance is made with.
+TEST(Routing, RingsOfSeveralWorkersAreDistinct) {
+    for (uint32_t np = 1; np <= 3; ++np)
+        for (uint32_t nd = 1; nd <= 3; ++nd) {
+            const ServeRings r{np, nd};
+            std::vector<int> seen(r.count(), 0);
+            for (uint32_t p = 0; p < np; ++p) {
+                ++seen.at(r.to_prefill(p));
+                ++seen.at(r.redrive(p));
+                for (uint32_t d = 0; d < nd; ++d) ++seen.at(r.to_decode(p, d));
+            }
+            for (uint32_t i = 0; i < r.count(); ++i) EXPECT_EQ(seen[i], 1) << np << "x" << nd << " ring " << i;
+        }
+}
+
+TEST(Routing, PrefillGoesToTheShortestQueueUnlessACachedPrefixSavesMore) {
+    // Nothing cached: the least work ahead; ties to the lowest index.
+    EXPECT_EQ(pick_prefill({{true, 900, 100}, {true, 300, 100}, {true, 500, 100}}), 1u);
+    EXPECT_EQ(pick_prefill({{true, 0, 100}, {true, 0, 100}}), 0u);
+    // Worker 0 is computing this prompt's 1000-token prefix: 40 tokens left there.
+    // Busy by 600 tokens, it still wins (600 + 2*40 < 0 + 2*1040)...
+    EXPECT_EQ(pick_prefill({{true, 600, 40}, {true, 0, 1040}}), 0u);
+    // ... but not when it is busier than the compute the prefix saves, twice over.
+    EXPECT_EQ(pick_prefill({{true, 2100, 40}, {true, 0, 1040}}), 1u);
+    // A worker being restarted is chosen only when none runs.
+    EXPECT_EQ(pick_prefill({{false, 0, 10}, {true, 5000, 10}}), 1u);
+    EXPECT_EQ(pick_prefill({{false, 300, 10}, {false, 100, 10}}), 1u);
+}
+
+TEST(Routing, DecodeGoesToARunningWorkerWithRoomThenTheSmallestBatch) {
+    // {running, items, max_items, tokens}
+    EXPECT_EQ(pick_decode({{true, 5, 64, 100}, {true, 3, 64, 900}}), 1u);     // fewer sequences
+    EXPECT_EQ(pick_decode({{true, 3, 64, 900}, {true, 3, 64, 100}}), 1u);     // then fewer tokens
+    EXPECT_EQ(pick_decode({{true, 8, 8, 10}, {true, 30, 64, 5000}}), 1u);     // a full batch last
+    EXPECT_EQ(pick_decode({{false, 0, 0, 0}, {true, 30, 64, 5000}}), 1u);    // a dead one last
+    EXPECT_EQ(pick_decode({{true, 2, 0, 0}, {true, 1, 0, 0}}), 1u);           // batch size not known yet
+}
+
+TEST(Routing, PrefixAffinityFindsTheLongestSharedLeadingBlocks) {
+    std::vector<int32_t> a(100), b(100);
+    for (int i = 0; i < 100; ++i) a[i] = b[i] = 1000 + i;
+    b[40] = 7;  // b shares a's first two 16-token blocks, not the third
+    const auto ka = PrefixAffinity::block_keys(a.data(), a.size(), 16);
+    const auto kb = PrefixAffinity::block_keys(b.data(), b.size(), 16);
+    ASSERT_EQ(ka.size(), 6u);  // full blocks only
+    EXPECT_EQ(PrefixAffinity::block_keys(a.data(), 15, 16).size(), 0u);
+    EXPECT_EQ(ka[0], kb[0]);
+    EXPECT_EQ(ka[1], kb[1]);
+    for (size_t i = 2; i < ka.size(); ++i) EXPECT_NE(ka[i], kb[i]) << "keys are chained: block " << i;
+    // The same block at another position is another key.
+    EXPECT_NE(PrefixAffinity::block_keys(a.data() + 16, 16, 16)[0], ka[1]);
+
+    PrefixAffinity aff;
+    const uint64_t t0 = 1'000'000'000;
+    EXPECT_EQ(aff.find(kb, t0).worker, -1);
+    aff.note(ka, 1, t0);
+    PrefixAffinity::Match m = aff.find(kb, t0 + 1);
+    EXPECT_EQ(m.worker, 1);
+    EXPECT_EQ(m.blocks, 2u);
+    aff.note(kb, 0, t0 + 2);  // b's own blocks; the two shared ones now point at worker 0
+    m = aff.find(ka, t0 + 3);
+    EXPECT_EQ(m.worker, 1);
+    EXPECT_EQ(m.blocks, 6u);
+    EXPECT_EQ(aff.find({ka[0], ka[1]}, t0 + 3).worker, 0);
+    // Entries expire.
+    EXPECT_EQ(aff.find(ka, t0 + PrefixAffinity::kTtlNs + 1).worker, 0) << "b's notes are 2 ns younger";
+    EXPECT_EQ(aff.find(ka, t0 + 2 + PrefixAffinity::kTtlNs).worker, -1);
+    // Bounded: past kMaxKeys, expired entries go, then everything.
+    std::vector<uint64_t> many(PrefixAffinity::kMaxKeys - 4);
+    for (size_t i = 0; i < many.size(); ++i) many[i] = 0x5000000 + i;
+    aff.note(many, 1, t0 + 10);
+    EXPECT_LE(aff.size(), PrefixAffinity::kMaxKeys);
+    aff.note(kb, 0, t0 + 11);
+    EXPECT_LE(aff.size(), PrefixAffinity::kMaxKeys);
+    EXPECT_EQ(aff.find(kb, t0 + 12).worker, 0);
+}

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -64,9 +65,14 @@ struct CheckedRec {
 static_assert(sizeof(CheckedRec) == 64);
 
 // Runs fn in a child process; the child exits with fn's return value.
+// The child dies with the test process (a failed assertion that aborts it would
+// otherwise leave its workers running, holding the test's output pipe open).
 inline pid_t fork_run(const std::function<int()>& fn) {
     pid_t pid = fork();
-    if (pid == 0) _exit(fn());
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        _exit(fn());
+    }
     return pid;
 }
 

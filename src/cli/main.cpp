@@ -130,6 +130,8 @@ int main(int argc, char** argv) {
     c_topo->add_option("--front-cpus", topo.front_cpus, "pin the front here");
     c_topo->add_option("--prefill-cpus", topo.prefill_cpus, "pin prefill here (CPU serving)");
     c_topo->add_option("--decode-cpus", topo.decode_cpus, "pin decode here (CPU serving); disjoint from prefill");
+    c_topo->add_option("--prefill-workers", topo.prefill_workers, "prefill processes (CPU serving)")->capture_default_str()->check(CLI::Range(1, 5));
+    c_topo->add_option("--decode-workers", topo.decode_workers, "decode processes (CPU serving)")->capture_default_str()->check(CLI::Range(1, 5));
     c_topo->add_flag("--json", topo.json, "print one JSON object");
 
     // duet serve
@@ -151,6 +153,8 @@ int main(int argc, char** argv) {
     c_serve->add_option("--chat-template", serve.chat_template, "override the chat template");
     c_serve->add_option("--prefill-budget", serve.prefill_budget, "tokens per prefill forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
+    c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
+    c_serve->add_option("--decode-workers", serve.decode_workers, "decode processes (hand-offs routed by batch room)")->capture_default_str()->check(CLI::Range(1, 5));
 
     // duet front
     FrontArgs front;
@@ -176,6 +180,7 @@ int main(int argc, char** argv) {
         c->add_option("-t,--threads", worker.threads, "compute threads")->capture_default_str();
         c->add_option("--cpus", worker.cpus, "pin threads to these CPUs");
         c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+        c->add_option("--index", worker.index, "which of the instance's workers of this role")->capture_default_str();
     }
     c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");

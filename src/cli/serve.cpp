@@ -56,6 +56,11 @@ Result<int> free_port(const std::string& host) {
     return static_cast<int>(ntohs(sa.sin_port));
 }
 
+// "prefill" when the role has one worker, else "prefill 1": for messages.
+std::string worker_name(const std::string& role, int index, int n) {
+    return n > 1 ? fmt::format("{} {}", role, index) : role;
+}
+
 }  // namespace
 
 int cmd_serve(const ServeArgs& a) {
@@ -82,7 +87,12 @@ int cmd_serve(const ServeArgs& a) {
     // Placement: prefill and decode on disjoint cores.
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
+    if (a.prefill_workers + a.decode_workers > static_cast<int>(kMaxServeWorkers))
+        return fail(fmt::format("--prefill-workers + --decode-workers is at most {} (they share one KV arena), got {} + {}",
+                                kMaxServeWorkers, a.prefill_workers, a.decode_workers));
     PlanOptions po;
+    po.prefill_workers = a.prefill_workers;
+    po.decode_workers = a.decode_workers;
     for (auto [text, out] : {std::pair{&a.front_cpus, &po.front_cpus}, std::pair{&a.prefill_cpus, &po.prefill_cpus},
                              std::pair{&a.decode_cpus, &po.decode_cpus}}) {
         if (text->empty()) continue;
@@ -92,17 +102,22 @@ int cmd_serve(const ServeArgs& a) {
     }
     auto plan = plan_placement(*machine, po);
     if (!plan) return fail(plan.error().message);
-    std::vector<int> front_cpus, prefill_cpus, decode_cpus;
+    std::vector<int> front_cpus;
+    std::vector<Placement> workers;  // prefill 0..P-1, then decode 0..D-1
+    std::string placed;
     for (const Placement& p : plan->roles) {
         if (p.role == "front") front_cpus = p.cpus;
-        if (p.role == "prefill") prefill_cpus = p.cpus;
-        if (p.role == "decode") decode_cpus = p.cpus;
+        else workers.push_back(p);
+        placed += fmt::format(", {} on CPUs {}", worker_name(p.role, p.index, p.role == "prefill" ? a.prefill_workers : p.role == "decode" ? a.decode_workers : 1),
+                              format_cpu_list(p.cpus));
     }
 
     ServeLayout layout;
     layout.instance = a.instance.empty() ? fmt::format("serve-{}", getpid()) : a.instance;
     layout.n_requests = static_cast<uint32_t>(a.slots);
     layout.n_ctx = a.ctx;
+    layout.n_prefill = static_cast<uint32_t>(a.prefill_workers);
+    layout.n_decode = static_cast<uint32_t>(a.decode_workers);
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
     auto self = inst->registry().claim(shm::Role::Launcher, -1, getpid());
@@ -117,21 +132,23 @@ int cmd_serve(const ServeArgs& a) {
     shm::RequestTable& t = inst->requests();
     int rc = 0;
     {
-        // Re-driven requests go back to prefill on the launcher's own ring (the
-        // front's ring has one producer: the front).
-        shm::SpscProducer<WireMsg> redrive(inst->ring(kRingRedrive));
-        auto resend = [&](shm::ReqRef r) { (void)send_to_prefill(*inst, redrive, r); };
+        // Re-driven requests go back to prefill on the launcher's own rings (the
+        // front's rings have one producer: the front), to the least busy worker.
+        PrefillRouter redrive(*inst, /*redrive=*/true);
+        auto resend = [&](shm::ReqRef r) { (void)redrive.send(r); };
         Supervisor sup(*inst, *self, resend);
         auto start_roles = [&]() -> Status {
-            for (auto [role, cpus] : {std::pair{"prefill", &prefill_cpus}, std::pair{"decode", &decode_cpus}}) {
-                std::vector<std::string> argv = {exe, role, "--instance", layout.instance, "-m", a.model, "-t",
-                                                 std::to_string(cpus->size()), "--cpus", format_cpu_list(*cpus)};
+            for (const Placement& w : workers) {
+                const int n = w.role == "prefill" ? a.prefill_workers : a.decode_workers;
+                std::vector<std::string> argv = {exe, w.role, "--instance", layout.instance, "-m", a.model,
+                                                 "--index", std::to_string(w.index), "-t", std::to_string(w.cpus.size()),
+                                                 "--cpus", format_cpu_list(w.cpus)};
                 if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
-                if (std::string(role) == "prefill") {
+                if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
                     if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
                 }
-                if (auto st = sup.start({role, argv}); !st) return st.error();
+                if (auto st = sup.start({worker_name(w.role, w.index, n), argv}); !st) return st.error();
             }
             std::vector<std::string> argv = {exe,    "front",  "--instance", layout.instance,        "-m",
                                              a.model, "--host", a.host,       "--port",               std::to_string(port),
@@ -143,8 +160,10 @@ int cmd_serve(const ServeArgs& a) {
         };
         shm::Registry& reg = inst->registry();
         auto all_running = [&] {
-            return reg.find_running(shm::Role::Front) >= 0 && reg.find_running(shm::Role::Prefill) >= 0 &&
-                   reg.find_running(shm::Role::Decode) >= 0;
+            bool all = reg.find_running(shm::Role::Front) >= 0;
+            for (int i = 0; i < a.prefill_workers; ++i) all = all && reg.find_running(shm::Role::Prefill, i) >= 0;
+            for (int i = 0; i < a.decode_workers; ++i) all = all && reg.find_running(shm::Role::Decode, i) >= 0;
+            return all;
         };
         if (Status st = start_roles(); !st) {
             std::fprintf(stderr, "duet serve: %s\n", st.error().message.c_str());
@@ -157,10 +176,8 @@ int cmd_serve(const ServeArgs& a) {
         while (!front_done) {
             if (!listening && all_running()) {
                 listening = true;
-                std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s, front on CPUs %s, prefill on %s, decode on %s)\n",
-                             a.host.c_str(), port, model_id.c_str(), layout.instance.c_str(),
-                             format_cpu_list(front_cpus).c_str(), format_cpu_list(prefill_cpus).c_str(),
-                             format_cpu_list(decode_cpus).c_str());
+                std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s%s)\n", a.host.c_str(),
+                             port, model_id.c_str(), layout.instance.c_str(), placed.c_str());
             }
             if (!listening && !g_stop.load() && shm::monotonic_ns() > start_deadline) {
                 std::fprintf(stderr, "duet serve: the roles did not all start within 60 s\n");

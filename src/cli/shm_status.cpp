@@ -39,8 +39,12 @@ int cmd_shm_status(const std::string& name, bool as_json) {
                                   {"generation", reg.current(s).gen},
                                   {"state", shm::proc_state_name(st)},
                                   {"role", shm::role_name(static_cast<shm::Role>(ps.role.load()))},
+                                  {"index", ps.index.load()},
                                   {"device", ps.device.load()},
                                   {"pid", reg.pid(s)},
+                                  {"load_items", ps.load_items.load()},
+                                  {"load_tokens", ps.load_tokens.load()},
+                                  {"served", ps.served.load()},
                                   {"heartbeat_age_ms", hb && now > hb ? (now - hb) / 1e6 : 0.0}});
     }
     j["arenas"] = nlohmann::json::array();

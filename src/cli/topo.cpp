@@ -17,6 +17,8 @@ int cmd_topo(const TopoArgs& a) {
         return 1;
     }
     PlanOptions o;
+    o.prefill_workers = a.prefill_workers;
+    o.decode_workers = a.decode_workers;
     for (auto [text, out, what] : {std::tuple{&a.devices, &o.devices, "devices"},
                                    std::tuple{&a.front_cpus, &o.front_cpus, "front-cpus"},
                                    std::tuple{&a.prefill_cpus, &o.prefill_cpus, "prefill-cpus"},
@@ -43,6 +45,7 @@ int cmd_topo(const TopoArgs& a) {
         j["roles"] = nlohmann::json::array();
         for (const Placement& r : plan->roles)
             j["roles"].push_back({{"role", r.role},
+                                  {"index", r.index},
                                   {"device", r.device < 0 ? nlohmann::json("cpu") : nlohmann::json(r.device)},
                                   {"cpus", format_cpu_list(r.cpus)},
                                   {"threads", r.threads},
@@ -57,9 +60,9 @@ int cmd_topo(const TopoArgs& a) {
                pus, m->n_numa, m->gpus.size());
     for (const MachineGpu& g : m->gpus)
         fmt::print("  GPU {}  {}  near CPUs {}\n", g.device, g.pci, format_cpu_list(g.pus));
-    fmt::print("\n{:<8} {:<7} {:<16} {:>7} {:>5}\n", "role", "device", "cpus", "threads", "numa");
+    fmt::print("\n{:<8} {:>5} {:<7} {:<16} {:>7} {:>5}\n", "role", "index", "device", "cpus", "threads", "numa");
     for (const Placement& r : plan->roles)
-        fmt::print("{:<8} {:<7} {:<16} {:>7} {:>5}\n", r.role, r.device < 0 ? "cpu" : std::to_string(r.device),
+        fmt::print("{:<8} {:>5} {:<7} {:<16} {:>7} {:>5}\n", r.role, r.index, r.device < 0 ? "cpu" : std::to_string(r.device),
                    format_cpu_list(r.cpus), r.threads, r.numa);
     for (const std::string& n : plan->notes) fmt::print("note: {}\n", n);
     return 0;

@@ -9,6 +9,7 @@ struct TopoArgs {
     std::string synthetic;  // plan for an hwloc synthetic topology instead of this machine
     std::string devices;    // GPUs, e.g. "0-3"; empty: CPU serving
     std::string front_cpus, prefill_cpus, decode_cpus;
+    int prefill_workers = 1, decode_workers = 1;
     bool json = false;
 };
 

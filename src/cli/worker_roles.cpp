@@ -35,6 +35,7 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
         return 2;
     }
     WorkerOptions o;
+    o.index = a.index;
     o.threads = a.threads;
     if (!a.cpus.empty()) {
         auto list = parse_cpu_list(a.cpus);

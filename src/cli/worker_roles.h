@@ -10,6 +10,7 @@ namespace duet {
 struct WorkerArgs {
     std::string instance;
     std::string model;
+    uint32_t index = 0;  // which of its role's workers
     int threads = 1;
     std::string cpus;
     std::string isa;

@@ -225,7 +225,7 @@ struct FrontSession {
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
     : impl_(std::make_unique<Impl>()), inst_(inst), self_(self), tok_(tok), tmpl_(std::move(tmpl)),
-      opts_(std::move(o)), to_prefill_(inst.ring(kRingToPrefill)) {}
+      opts_(std::move(o)), router_(inst, /*redrive=*/false) {}
 
 Front::~Front() { stop(); }
 
@@ -279,11 +279,41 @@ void Front::cancel_all() {
     }
 }
 
-bool Front::send(shm::ReqRef r) {
-    std::lock_guard<std::mutex> lock(send_mu_);  // the ring has one producer: this process
-    return send_to_prefill(inst_, to_prefill_, r);
-}
+bool Front::send(shm::ReqRef r) { return router_.send(r); }
 
+
+// Per worker: queue depth (messages waiting in its rings), load gauges, requests
+// taken since it started, requests this front routed to it.
+static std::string metrics_workers(shm::Instance& inst, const std::vector<uint64_t>& routed) {
+    const ServeRings rings = ServeRings::of(inst.config());
+    shm::Registry& reg = inst.registry();
+    std::string queue = "# TYPE duet_queue_depth gauge\n", items = "# TYPE duet_worker_requests gauge\n",
+                tokens = "# TYPE duet_worker_tokens gauge\n", served = "# TYPE duet_worker_served_total counter\n",
+                up = "# TYPE duet_worker_up gauge\n", sent = "# TYPE duet_worker_routed_total counter\n";
+    auto add = [&](const char* role, shm::Role r, uint32_t i, uint64_t queued) {
+        const int32_t s = reg.find_running(r, static_cast<int32_t>(i));
+        const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
+        queue += fmt::format("duet_queue_depth{} {}\n", labels, queued);
+        up += fmt::format("duet_worker_up{} {}\n", labels, s >= 0 ? 1 : 0);
+        if (s < 0) return;
+        const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+        items += fmt::format("duet_worker_requests{} {}\n", labels, ps.load_items.load(std::memory_order_relaxed));
+        tokens += fmt::format("duet_worker_tokens{} {}\n", labels, ps.load_tokens.load(std::memory_order_relaxed));
+        served += fmt::format("duet_worker_served_total{} {}\n", labels, ps.served.load(std::memory_order_relaxed));
+    };
+    for (uint32_t p = 0; p < rings.n_prefill; ++p) {
+        add("prefill", shm::Role::Prefill, p,
+            shm::ring_occupancy(inst.ring(rings.to_prefill(p))) + shm::ring_occupancy(inst.ring(rings.redrive(p))));
+        sent += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p,
+                            p < routed.size() ? routed[p] : 0);
+    }
+    for (uint32_t d = 0; d < rings.n_decode; ++d) {
+        uint64_t q = 0;
+        for (uint32_t p = 0; p < rings.n_prefill; ++p) q += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
+        add("decode", shm::Role::Decode, d, q);
+    }
+    return queue + up + items + tokens + served + sent;
+}
 
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {
@@ -337,8 +367,13 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
-        bool ready = !f.draining_.load() && f.inst_.registry().find_running(shm::Role::Prefill) >= 0 &&
-                     f.inst_.registry().find_running(shm::Role::Decode) >= 0;
+        // Ready when every worker runs (one being restarted: its requests wait).
+        const ServeRings rings = ServeRings::of(f.inst_.config());
+        bool ready = !f.draining_.load();
+        for (uint32_t p = 0; p < rings.n_prefill; ++p)
+            ready = ready && f.inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
+        for (uint32_t d = 0; d < rings.n_decode; ++d)
+            ready = ready && f.inst_.registry().find_running(shm::Role::Decode, static_cast<int32_t>(d)) >= 0;
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
                                           std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
     }
@@ -367,11 +402,9 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             c.rejected_busy.load(), c.tokens.load(), f.inst_.requests().worker_restarts().load(),
             f.inst_.requests().redriven().load(), f.in_flight(),
             a.free, a.cached, a.held);
-        m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n"
-                         "# TYPE duet_queue_depth gauge\nduet_queue_depth{{queue=\"prefill\"}} {}\n"
-                         "duet_queue_depth{{queue=\"decode\"}} {}\n",
-                         c.prompt_tokens.load(), shm::ring_occupancy(f.inst_.ring(kRingToPrefill)),
-                         shm::ring_occupancy(f.inst_.ring(kRingToDecode)));
+        m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
+                         c.prompt_tokens.load());
+        m += metrics_workers(f.inst_, f.router_.sent_counts());
         m += metrics_histograms(c);
         co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);
     }

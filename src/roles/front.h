@@ -74,8 +74,7 @@ private:
     uint16_t port_ = 0;
     std::atomic<bool> draining_{false};
     std::atomic<size_t> in_flight_{0};
-    std::mutex send_mu_;
-    shm::SpscProducer<WireMsg> to_prefill_;
+    PrefillRouter router_;
     FrontCounters counters_;
     std::vector<std::thread> threads_;
     std::thread notifier_;

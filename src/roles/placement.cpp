@@ -137,44 +137,91 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
     for (const MachineCore& c : m.cores) by_node[c.numa].push_back(c.pus.front());
 
     if (o.devices.empty()) {
-        // The node with the most cores holds prefill and decode (they share the KV arena).
-        int home = by_node.begin()->first;
-        for (auto& [node, cpus] : by_node)
-            if (cpus.size() > by_node[home].size()) home = node;
-        std::vector<int> pool = by_node[home];
+        const int P = o.prefill_workers, D = o.decode_workers;
+        if (P < 1 || D < 1) return make_error("at least one prefill and one decode worker (asked for {} and {})", P, D);
+        // Nodes by core count, largest first (ties: lower node first).
+        std::vector<int> nodes;
+        for (auto& [node, cpus] : by_node) nodes.push_back(node);
+        std::stable_sort(nodes.begin(), nodes.end(),
+                         [&](int a, int b) { return by_node[a].size() > by_node[b].size(); });
+        const size_t used = std::min(nodes.size(), static_cast<size_t>(std::max(P, D)));
+        // Workers per node: index i on nodes[i % used].
+        std::vector<int> np(used, 0), nd(used, 0);
+        for (int i = 0; i < P; ++i) ++np[static_cast<size_t>(i) % used];
+        for (int i = 0; i < D; ++i) ++nd[static_cast<size_t>(i) % used];
+        // The front: a core of a node no worker uses, else the last core of the
+        // largest node when that leaves at least a core per worker there (and three
+        // cores in all, as before: two cores are better spent on prefill and decode).
         std::vector<int> front;
-        for (auto& [node, cpus] : by_node)
-            if (node != home && front.empty()) front = {cpus.front()};
-        if (front.empty() && pool.size() >= 3) {
-            front = {pool.back()};
-            pool.pop_back();
+        if (nodes.size() > used) front = {by_node[nodes[used]].front()};
+        std::vector<std::vector<int>> pools(used);
+        for (size_t k = 0; k < used; ++k) pools[k] = by_node[nodes[k]];
+        if (front.empty() && pools[0].size() >= 3 && pools[0].size() > static_cast<size_t>(np[0] + nd[0])) {
+            front = {pools[0].back()};
+            pools[0].pop_back();
         }
-        std::vector<int> prefill, decode;
-        if (pool.size() == 1) {
-            prefill = decode = pool;
-            plan.notes.push_back("one core: prefill and decode share it");
-        } else {
-            // Decode is bound by memory bandwidth, which a few cores saturate; prefill by
-            // arithmetic, which wants every core it can get. Even split, prefill first.
-            size_t n_decode = pool.size() / 2;
-            prefill.assign(pool.begin(), pool.end() - static_cast<long>(n_decode));
-            decode.assign(pool.end() - static_cast<long>(n_decode), pool.end());
+        // Splits `cpus` among n workers: even shares, or shared cores when too few.
+        auto split = [&](const std::vector<int>& cpus, int n, const char* role) {
+            std::vector<std::vector<int>> out(static_cast<size_t>(n));
+            if (static_cast<int>(cpus.size()) >= n) {
+                size_t at = 0;
+                for (int w = 0; w < n; ++w) {
+                    const size_t share = cpus.size() / static_cast<size_t>(n) + (static_cast<size_t>(w) < cpus.size() % static_cast<size_t>(n) ? 1 : 0);
+                    out[static_cast<size_t>(w)].assign(cpus.begin() + static_cast<long>(at), cpus.begin() + static_cast<long>(at + share));
+                    at += share;
+                }
+            } else {
+                for (int w = 0; w < n; ++w) out[static_cast<size_t>(w)] = {cpus[static_cast<size_t>(w) % cpus.size()]};
+                plan.notes.push_back(fmt::format("{} {} workers on {} core(s): they share cores", n, role, cpus.size()));
+            }
+            return out;
+        };
+        std::vector<std::vector<int>> prefill(static_cast<size_t>(P)), decode(static_cast<size_t>(D));
+        for (size_t k = 0; k < used; ++k) {
+            std::vector<int> pre, dec;
+            const std::vector<int>& pool = pools[k];
+            if (pool.size() == 1) {
+                pre = dec = pool;
+                plan.notes.push_back(fmt::format("one core on NUMA node {}: prefill and decode share it", nodes[k]));
+            } else {
+                // Decode is bound by memory bandwidth, which a few cores saturate;
+                // prefill by arithmetic, which wants every core it can get. Even split
+                // (by worker count), prefill first.
+                size_t n_dec = pool.size() * static_cast<size_t>(nd[k]) / static_cast<size_t>(np[k] + nd[k]);
+                n_dec = std::clamp<size_t>(n_dec, 1, pool.size() - 1);
+                pre.assign(pool.begin(), pool.end() - static_cast<long>(n_dec));
+                dec.assign(pool.end() - static_cast<long>(n_dec), pool.end());
+            }
+            auto ps = split(pre, np[k], "prefill");
+            auto ds = split(dec, nd[k], "decode");
+            for (int i = static_cast<int>(k), j = 0; i < P; i += static_cast<int>(used), ++j)
+                prefill[static_cast<size_t>(i)] = ps[static_cast<size_t>(j)];
+            for (int i = static_cast<int>(k), j = 0; i < D; i += static_cast<int>(used), ++j)
+                decode[static_cast<size_t>(i)] = ds[static_cast<size_t>(j)];
         }
+        if (!o.prefill_cpus.empty()) prefill = split(o.prefill_cpus, P, "prefill");
+        if (!o.decode_cpus.empty()) decode = split(o.decode_cpus, D, "decode");
         if (front.empty()) {
-            front = prefill;
+            front = {prefill[0].front()};
             plan.notes.push_back("no core to spare for the front: it shares the prefill cores (it mostly sleeps)");
         }
         if (!o.front_cpus.empty()) front = o.front_cpus;
-        if (!o.prefill_cpus.empty()) prefill = o.prefill_cpus;
-        if (!o.decode_cpus.empty()) decode = o.decode_cpus;
         if (!o.prefill_cpus.empty() || !o.decode_cpus.empty()) {
-            for (int c : prefill)
-                if (std::find(decode.begin(), decode.end(), c) != decode.end())
-                    return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
+            for (const auto& pre : prefill)
+                for (const auto& dec : decode)
+                    for (int c : pre)
+                        if (std::find(dec.begin(), dec.end(), c) != dec.end())
+                            return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
         }
-        plan.roles.push_back({"front", -1, front, 1, numa_of_cpu(m, front.front())});
-        plan.roles.push_back({"prefill", -1, prefill, static_cast<int>(prefill.size()), numa_of_cpu(m, prefill.front())});
-        plan.roles.push_back({"decode", -1, decode, static_cast<int>(decode.size()), numa_of_cpu(m, decode.front())});
+        plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
+        for (int i = 0; i < P; ++i) {
+            const auto& c = prefill[static_cast<size_t>(i)];
+            plan.roles.push_back({"prefill", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
+        }
+        for (int i = 0; i < D; ++i) {
+            const auto& c = decode[static_cast<size_t>(i)];
+            plan.roles.push_back({"decode", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
+        }
         return plan;
     }
 
@@ -201,7 +248,7 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         int c = take_near(by_node.begin()->second, -1);
         front = {c};
     }
-    plan.roles.push_back({"front", -1, front, 1, numa_of_cpu(m, front.front())});
+    plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
     for (int d : o.devices) {
         if (d < 0 || d >= static_cast<int>(m.gpus.size()))
             return make_error("GPU {} does not exist: {} has {} NVIDIA GPU(s)", d, m.source, m.gpus.size());
@@ -209,7 +256,7 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         for (const char* role : {"prefill", "decode"}) {
             int c = take_near(g.pus, d);
             if (c < 0) return make_error("not enough cores for a prefill and a decode process per GPU");
-            plan.roles.push_back({role, d, {c}, 1, numa_of_cpu(m, c)});
+            plan.roles.push_back({role, 0, d, {c}, 1, numa_of_cpu(m, c)});
         }
     }
     return plan;

@@ -37,6 +37,7 @@ struct Machine {
 
 struct Placement {
     std::string role;       // "front", "prefill", "decode"
+    int index = 0;          // which of its role's workers
     int device = -1;        // -1: CPU
     std::vector<int> cpus;  // OS indices of the hardware threads it is pinned to
     int threads = 1;        // compute threads
@@ -45,8 +46,11 @@ struct Placement {
 
 struct PlanOptions {
     std::vector<int> devices;  // GPUs to serve on; empty: the CPU
-    // Overrides (CPU serving): explicit CPU lists for the roles.
+    // Overrides (CPU serving): explicit CPU lists for the roles (split evenly among
+    // a role's workers).
     std::vector<int> front_cpus, prefill_cpus, decode_cpus;
+    // CPU serving: prefill and decode workers (each a process with its own rings).
+    int prefill_workers = 1, decode_workers = 1;
 };
 
 struct Plan {
@@ -55,9 +59,13 @@ struct Plan {
 };
 
 // The placement of front, prefill and decode processes. On CPU: one hardware thread
-// per core (SMT siblings would share the SIMD units), prefill and decode on disjoint
-// cores of one NUMA node (they share the KV arena), the front on a core of its own
-// when there is one to spare. On GPUs: a prefill and a decode process per device,
+// per core (SMT siblings would share the SIMD units); workers spread over the NUMA
+// nodes, largest first (worker i of each role on node i mod nodes, so a prefill and a
+// decode worker of the same index share a node: one worker each is one node, as the
+// KV arena's pages are best local to both); on each node prefill and decode workers
+// on disjoint cores, the cores split evenly among a role's workers (workers share
+// cores only when there are fewer cores than workers, with a note); the front on a
+// core of its own when there is one to spare. On GPUs: a prefill and a decode process per device,
 // each on a core close to its GPU. Errors: overlapping prefill/decode overrides,
 // CPUs or devices the machine does not have.
 Result<Plan> plan_placement(const Machine& m, const PlanOptions& o);

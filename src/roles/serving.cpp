@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "model/cpu_backend.h"
 #include "shm/doorbell.h"
@@ -19,29 +20,151 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     }
     shm::InstanceConfig c;
     c.name = l.instance;
+    const ServeRings rings{l.n_prefill, l.n_decode};
     c.registry_slots = 16;
-    c.n_rings = 3;
+    c.n_rings = rings.count();
+    c.prefill_workers = l.n_prefill;
+    c.decode_workers = l.n_decode;
     c.requests.n_slots = l.n_requests;
     c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
     c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
-    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), 4, 0});
+    // Every worker joins the arena; one user more, so that a restarted worker can join
+    // while the dead one's user is being recovered.
+    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), std::min(kMaxServeWorkers, l.n_prefill + l.n_decode + 1), 0});
     c.cpu_kv_bytes = block_bytes * blocks;
     c.model_fingerprint = model.fingerprint();
     return c;
 }
 
-bool send_to_prefill(shm::Instance& inst, shm::SpscProducer<WireMsg>& ring, shm::ReqRef r) {
-    const WireMsg m{r.slot, r.gen, 0, 0, 0, 0, {}};
-    const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
+// ---------------------------------------------------------------- routing
+
+uint32_t pick_prefill(const std::vector<PrefillView>& v) {
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < v.size(); ++i) {
+        const PrefillView &a = v[i], &b = v[best];
+        if (a.running != b.running) {
+            if (a.running) best = i;
+            continue;
+        }
+        if (a.ahead + 2 * a.to_compute < b.ahead + 2 * b.to_compute) best = i;
+    }
+    return best;
+}
+
+uint32_t pick_decode(const std::vector<DecodeView>& v) {
+    auto rank = [](const DecodeView& x) {
+        const bool room = x.max_items == 0 || x.items < x.max_items;
+        return std::tuple(!x.running, !room, x.items, x.tokens);
+    };
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < v.size(); ++i)
+        if (rank(v[i]) < rank(v[best])) best = i;
+    return best;
+}
+
+DecodeView decode_view(shm::Instance& inst, uint32_t d) {
+    const ServeRings rings = ServeRings::of(inst.config());
+    DecodeView v;
+    for (uint32_t p = 0; p < rings.n_prefill; ++p) v.items += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
+    shm::Registry& reg = inst.registry();
+    if (int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d)); s >= 0) {
+        const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+        v.running = true;
+        v.items += ps.load_items.load(std::memory_order_relaxed);
+        v.tokens = ps.load_tokens.load(std::memory_order_relaxed);
+        v.max_items = ps.max_items.load(std::memory_order_relaxed);
+    }
+    return v;
+}
+
+std::vector<uint64_t> PrefixAffinity::block_keys(const int32_t* tokens, size_t n, size_t block_tokens) {
+    std::vector<uint64_t> keys;
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+    for (size_t at = 0; block_tokens > 0 && at + block_tokens <= n; at += block_tokens) {
+        for (size_t i = 0; i < block_tokens; ++i) {  // splitmix64 over (previous, token): chained, so a key names its whole prefix
+            uint64_t z = h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[at + i])) + 0x9e3779b97f4a7c15ull);
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            h = z ^ (z >> 31);
+        }
+        keys.push_back(h);
+    }
+    return keys;
+}
+
+PrefixAffinity::Match PrefixAffinity::find(const std::vector<uint64_t>& keys, uint64_t now_ns) const {
+    for (size_t i = keys.size(); i-- > 0;) {
+        auto it = map_.find(keys[i]);
+        if (it != map_.end() && now_ns - it->second.stamp_ns < kTtlNs)
+            return {static_cast<int32_t>(it->second.worker), i + 1};
+    }
+    return {};
+}
+
+void PrefixAffinity::note(const std::vector<uint64_t>& keys, uint32_t worker, uint64_t now_ns) {
+    if (map_.size() + keys.size() > kMaxKeys) {
+        std::erase_if(map_, [&](const auto& e) { return now_ns - e.second.stamp_ns >= kTtlNs; });
+        if (map_.size() + keys.size() > kMaxKeys) map_.clear();
+    }
+    for (uint64_t k : keys) map_[k] = Entry{worker, now_ns};
+}
+
+PrefillRouter::PrefillRouter(shm::Instance& inst, bool redrive) : inst_(inst), rings_(ServeRings::of(inst.config())) {
+    for (uint32_t p = 0; p < rings_.n_prefill; ++p)
+        out_.emplace_back(inst.ring(redrive ? rings_.redrive(p) : rings_.to_prefill(p)));
+    queued_.resize(rings_.n_prefill);
+    sent_.assign(rings_.n_prefill, 0);
+}
+
+std::vector<uint64_t> PrefillRouter::sent_counts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sent_;
+}
+
+bool PrefillRouter::send(shm::ReqRef r) {
+    std::lock_guard<std::mutex> lock(mu_);  // each ring has one producer: this process
+    shm::RequestTable& t = inst_.requests();
+    shm::Registry& reg = inst_.registry();
+    const uint32_t n_prompt = t.slot(r.slot).n_prompt.load(std::memory_order_relaxed);
+    const uint64_t n_all = n_prompt + t.slot(r.slot).n_output.load(std::memory_order_acquire);
+    const uint32_t n = rings_.n_prefill;
+    uint32_t p = 0;
+    std::vector<uint64_t> keys;
+    const uint64_t now = shm::monotonic_ns();
+    if (n > 1) {
+        keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, inst_.config().requests.block_tokens);
+        const PrefixAffinity::Match m = affinity_.find(keys, now);
+        std::vector<PrefillView> v(n);
+        for (uint32_t i = 0; i < n; ++i) {
+            // Requests sent but not taken yet: the worker's gauge does not count them.
+            std::deque<Sent>& q = queued_[i];
+            std::erase_if(q, [&](const Sent& s) { return !t.is(s.req, shm::ReqState::Queued); });
+            for (const Sent& s : q) v[i].ahead += s.tokens;
+            if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
+                v[i].running = true;
+                v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
+            }
+            const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * inst_.config().requests.block_tokens : 0;
+            v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
+        }
+        p = pick_prefill(v);
+    }
+    const WireMsg msg{r.slot, r.gen, 0, 0, 0, 0, {}};
+    const uint64_t give_up = now + 2'000'000'000ull;
     bool sent = false;
-    while (!(sent = ring.try_push(m)) && shm::monotonic_ns() < give_up) usleep(100);  // prefill drains it every step
-    inst.registry().wake(shm::Role::Prefill);
+    while (!(sent = out_[p].try_push(msg)) && shm::monotonic_ns() < give_up) usleep(100);  // prefill drains it every step
+    reg.wake(shm::Role::Prefill, static_cast<int32_t>(p));
     if (!sent) {
-        shm::RequestTable& t = inst.requests();
         t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
         t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+        return false;
     }
-    return sent;
+    ++sent_[p];
+    if (n > 1) {
+        queued_[p].push_back({r, n_all});
+        affinity_.note(keys, p, now);
+    }
+    return true;
 }
 
 void fail_in_flight(shm::Instance& inst, ReqError why) {

@@ -5,8 +5,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
+#include <vector>
 
 #include "model/model.h"
 #include "model/sampler.h"
@@ -14,15 +18,30 @@
 
 namespace duet {
 
-inline constexpr uint32_t kRingToPrefill = 0;  // front -> prefill: a request is QUEUED
-inline constexpr uint32_t kRingToDecode = 1;   // prefill -> decode: a hand-off
-inline constexpr uint32_t kRingRedrive = 2;    // launcher -> prefill: a re-driven request is QUEUED again
+// Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
+// prefill and decode workers together.
+inline constexpr uint32_t kMaxServeWorkers = shm::kArenaMaxUsers;
+
+// The rings of a serving instance with P prefill and D decode workers (each ring has
+// one producer and one consumer):
+//   to_prefill(p)     front -> prefill p: a request is QUEUED
+//   redrive(p)        launcher -> prefill p: a re-driven request is QUEUED again
+//   to_decode(p, d)   prefill p -> decode d: a hand-off
+struct ServeRings {
+    uint32_t n_prefill = 1, n_decode = 1;
+    static ServeRings of(const shm::InstanceConfig& c) { return {c.prefill_workers, c.decode_workers}; }
+    uint32_t to_prefill(uint32_t p) const { return p; }
+    uint32_t redrive(uint32_t p) const { return n_prefill + p; }
+    uint32_t to_decode(uint32_t p, uint32_t d) const { return 2 * n_prefill + p * n_decode + d; }
+    uint32_t count() const { return 2 * n_prefill + n_prefill * n_decode; }
+};
 
 struct ServeLayout {
     std::string instance;
     uint32_t n_requests = 64;  // request slots
     int64_t n_ctx = 2048;      // tokens per request (prompt + output)
     uint32_t n_blocks = 0;     // KV blocks; 0: enough for every slot at full context, capped at 8 GiB of KV
+    uint32_t n_prefill = 1, n_decode = 1;  // workers (P + D <= kMaxServeWorkers)
 };
 
 // The shm instance for serving `model` with this layout.
@@ -54,10 +73,88 @@ struct RequestParams {
     int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
 };
 
-// Sends a QUEUED request to prefill on `ring` (the caller is its one producer) and
-// wakes prefill. If the ring stays full for 2 s (prefill gone), fails the request
-// instead (ReqError::NotSent) and returns false.
-bool send_to_prefill(shm::Instance& inst, shm::SpscProducer<WireMsg>& ring, shm::ReqRef r);
+// ---------------------------------------------------------------- routing
+
+// What the router knows of one prefill worker for one request.
+struct PrefillView {
+    bool running = false;      // a live process holds this index (else it is being restarted)
+    uint64_t ahead = 0;        // tokens it has to prefill before this request's
+    uint64_t to_compute = 0;   // this request's tokens it would compute (less what it has cached)
+};
+// Least (ahead + 2 x to_compute): when this request would be done there (ahead +
+// to_compute) plus the compute it takes from every later request (to_compute again).
+// So the longest cached prefix wins unless its worker is busier by more than twice
+// the work the prefix saves, and with nothing cached the shortest queue wins. Running
+// workers before restarting ones; lowest index on ties.
+uint32_t pick_prefill(const std::vector<PrefillView>& v);
+
+// What a prefill worker knows of one decode worker when handing a request off.
+struct DecodeView {
+    bool running = false;
+    uint64_t items = 0;      // sequences it holds plus hand-offs waiting in its rings
+    uint64_t max_items = 0;  // its batch size (0: not known yet)
+    uint64_t tokens = 0;     // tokens in the sequences it holds
+};
+// A running worker with room in its batch, the fewest sequences, then the fewest
+// tokens (the shortest steps); all KV blocks of a device's decode workers come from
+// one arena, so free blocks do not tell them apart on one device.
+uint32_t pick_decode(const std::vector<DecodeView>& v);
+DecodeView decode_view(shm::Instance& inst, uint32_t d);
+
+// Which prefill worker was last sent a prompt with the same leading full blocks: a
+// request that shares a prefix with one still being prefilled waits for its blocks
+// on that worker instead of computing them again elsewhere (n choices, the same
+// system prompt arriving in a burst). Keys are chained 64-bit hashes of the token
+// blocks (a routing hint only: the prefix cache itself uses SHA-256 block hashes).
+class PrefixAffinity {
+public:
+    static std::vector<uint64_t> block_keys(const int32_t* tokens, size_t n, size_t block_tokens);
+    struct Match {
+        int32_t worker = -1;
+        size_t blocks = 0;  // leading blocks in common
+    };
+    Match find(const std::vector<uint64_t>& keys, uint64_t now_ns) const;
+    void note(const std::vector<uint64_t>& keys, uint32_t worker, uint64_t now_ns);
+    size_t size() const { return map_.size(); }
+
+    static constexpr uint64_t kTtlNs = 60'000'000'000ull;
+    static constexpr size_t kMaxKeys = 1u << 16;
+
+private:
+    struct Entry {
+        uint32_t worker;
+        uint64_t stamp_ns;
+    };
+    std::unordered_map<uint64_t, Entry> map_;
+};
+
+// Sends QUEUED requests to the prefill workers, one router per producing process
+// (the front, or the launcher for re-driven requests): it owns the producer end of
+// its ring to every prefill worker. Thread-safe.
+class PrefillRouter {
+public:
+    // redrive: the launcher's rings; else the front's.
+    PrefillRouter(shm::Instance& inst, bool redrive);
+    // Picks a worker (pick_prefill), pushes the request on its ring and wakes it. If
+    // the ring stays full for 2 s (the worker gone for good), fails the request
+    // (ReqError::NotSent) and returns false.
+    bool send(shm::ReqRef r);
+    // Requests sent to each worker so far (for tests and /metrics).
+    std::vector<uint64_t> sent_counts();
+
+private:
+    struct Sent {
+        shm::ReqRef req;
+        uint64_t tokens;
+    };
+    shm::Instance& inst_;
+    ServeRings rings_;
+    std::mutex mu_;
+    std::vector<shm::SpscProducer<WireMsg>> out_;
+    std::vector<std::deque<Sent>> queued_;  // per worker: sent, maybe not taken yet
+    std::vector<uint64_t> sent_;
+    PrefixAffinity affinity_;
+};
 
 // Fails every request in flight (QUEUED, PREFILLING, DECODING) with `why`, and
 // wakes the front to answer their clients.

@@ -35,7 +35,12 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     auto tok = Tokenizer::from_gguf(model.file());
     if (!tok) return tok.error();
     tok_ = std::move(tok).value();
-    auto self = inst.registry().claim(role, -1, getpid());
+    rings_ = ServeRings::of(inst.config());
+    const uint32_t n_workers = role == shm::Role::Prefill ? rings_.n_prefill : rings_.n_decode;
+    if (o.index >= n_workers)
+        return make_error("{} worker {} does not exist: instance {} has {} (0 to {})", shm::role_name(role), o.index,
+                          inst.config().name, n_workers, static_cast<int>(n_workers) - 1);
+    auto self = inst.registry().claim(role, -1, getpid(), o.index);
     if (!self) return self.error();
     self_ = *self;
     auto user = inst.arena(0).join(self_);
@@ -62,6 +67,12 @@ WorkerBase::~WorkerBase() {
     if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
 }
 
+void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
+    shm::ProcSlot& s = inst_->registry().slot(self_.slot);
+    s.load_items.store(items, std::memory_order_relaxed);
+    s.load_tokens.store(tokens, std::memory_order_relaxed);
+}
+
 Status WorkerBase::run(const std::atomic<bool>& stop) {
     shm::Doorbell& bell = inst_->registry().doorbell(self_.slot);
     while (!stop.load(std::memory_order_relaxed)) {
@@ -80,9 +91,11 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
                                                              const WorkerOptions& o) {
     std::unique_ptr<PrefillWorker> w(new PrefillWorker());
     if (Status st = w->init(inst, model, shm::Role::Prefill, o); !st) return st.error();
-    w->in_ = shm::SpscConsumer<WireMsg>(inst.ring(kRingToPrefill));
-    w->redo_ = shm::SpscConsumer<WireMsg>(inst.ring(kRingRedrive));
-    w->out_ = shm::SpscProducer<WireMsg>(inst.ring(kRingToDecode));
+    const uint32_t p = o.index;
+    w->in_ = shm::SpscConsumer<WireMsg>(inst.ring(w->rings_.to_prefill(p)));
+    w->redo_ = shm::SpscConsumer<WireMsg>(inst.ring(w->rings_.redrive(p)));
+    for (uint32_t d = 0; d < w->rings_.n_decode; ++d) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
+    w->publish_load();
     return w;
 }
 
@@ -93,6 +106,12 @@ PrefillWorker::~PrefillWorker() {
 }
 
 bool PrefillWorker::has_work() { return redo_.readable() || in_.readable() || !jobs_.empty(); }
+
+void PrefillWorker::publish_load() {
+    uint64_t tokens = 0;
+    for (const Job& j : jobs_) tokens += j.all.size() - j.done;
+    WorkerBase::publish_load(static_cast<uint32_t>(jobs_.size()), tokens);
+}
 
 void PrefillWorker::settle() {
     shm::RequestTable& t = inst_->requests();
@@ -129,6 +148,7 @@ bool PrefillWorker::admit() {
         if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
             shm::ReqSlot& slot = t.slot(r.slot);
             slot.prefill_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
             Job j;
             j.req = r;
             j.params = request_params(t, r.slot);
@@ -157,6 +177,7 @@ bool PrefillWorker::admit() {
         }
         from->release(1);
     }
+    if (any) publish_load();
     return any;
 }
 
@@ -215,10 +236,15 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         j.seq.release(*pool_);
     } else {
         const uint32_t att = t.attempt(r.slot);
+        // To the decode worker with room and the least work; it takes the blocks as
+        // they are (one arena per device: no copy).
+        std::vector<DecodeView> views;
+        for (uint32_t d = 0; d < rings_.n_decode; ++d) views.push_back(decode_view(*inst_, d));
+        const uint32_t d = pick_decode(views);
         WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
         t.slot(r.slot).handoff_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
-        while (!out_.try_push(h)) usleep(50);  // decode drains it every step
-        inst_->registry().wake(shm::Role::Decode);
+        while (!out_[d].try_push(h)) usleep(50);  // decode drains it every step
+        inst_->registry().wake(shm::Role::Decode, static_cast<int32_t>(d));
         pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach()});
     }
 }
@@ -242,6 +268,7 @@ Result<bool> PrefillWorker::step() {
         }
     }
     if (jobs_.empty()) {
+        if (dropped) publish_load();
         if (dropped || took) inst_->registry().wake(shm::Role::Front);
         return took;
     }
@@ -286,6 +313,7 @@ Result<bool> PrefillWorker::step() {
         }
         fail(jobs_[in_batch.front()]);
         jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.front()));
+        publish_load();
         inst_->registry().wake(shm::Role::Front);
         return true;
     }
@@ -302,6 +330,7 @@ Result<bool> PrefillWorker::step() {
     }
     std::sort(finished.begin(), finished.end());
     for (size_t k = finished.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(finished[k]));
+    publish_load();
     if (!finished.empty()) inst_->registry().wake(shm::Role::Front);  // first tokens (or ends) are in the slots
     return true;
 }
@@ -312,7 +341,10 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
                                                            const WorkerOptions& o) {
     std::unique_ptr<DecodeWorker> w(new DecodeWorker());
     if (Status st = w->init(inst, model, shm::Role::Decode, o); !st) return st.error();
-    w->in_ = shm::SpscConsumer<WireMsg>(inst.ring(kRingToDecode));
+    for (uint32_t p = 0; p < w->rings_.n_prefill; ++p) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
+    inst.registry().slot(w->self_.slot).max_items.store(static_cast<uint32_t>(std::max(1, o.max_batch)),
+                                                         std::memory_order_relaxed);
+    w->publish_load();
     return w;
 }
 
@@ -320,7 +352,18 @@ DecodeWorker::~DecodeWorker() {
     for (Active& a : active_) a.seq.release(*pool_);
 }
 
-bool DecodeWorker::has_work() { return !active_.empty() || in_.readable(); }
+bool DecodeWorker::has_work() {
+    if (!active_.empty()) return true;
+    for (auto& in : in_)
+        if (in.readable()) return true;
+    return false;
+}
+
+void DecodeWorker::publish_load() {
+    uint64_t tokens = 0;
+    for (const Active& a : active_) tokens += static_cast<uint64_t>(a.seq.n_tokens());
+    WorkerBase::publish_load(static_cast<uint32_t>(active_.size()), tokens);
+}
 
 void DecodeWorker::finish(size_t i, shm::ReqState to) {
     inst_->requests().transition(active_[i].req, shm::ReqState::Decoding, to);
@@ -331,26 +374,35 @@ void DecodeWorker::finish(size_t i, shm::ReqState to) {
 
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
-    size_t n = 0;
-    const WireMsg* m = in_.peek(&n);
-    for (size_t i = 0; i < n; ++i) {
-        shm::Handoff h{{m[i].slot, m[i].gen}, m[i].attempt, {m[i].from_slot, m[i].from_gen}, m[i].from_user};
-        if (!shm::handoff_accept(inst_->arena(0), t, h, self_, user_)) continue;
-        Active a;
-        a.req = h.req;
-        a.params = request_params(t, h.req.slot);
-        const uint32_t np = t.slot(h.req.slot).n_prompt.load(std::memory_order_relaxed);
-        a.prompt.assign(t.tokens(h.req.slot), t.tokens(h.req.slot) + np);
-        (void)t.read_output(h.req, 0, a.output);
-        const uint32_t nb = t.slot(h.req.slot).n_blocks.load(std::memory_order_acquire);
-        std::vector<int32_t> blocks(t.blocks(h.req.slot), t.blocks(h.req.slot) + nb);
-        alloc_->handed_by(h.from_user, blocks);
-        // Every token but the newest output has its KV in the blocks.
-        a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
-        a.fresh = true;
-        active_.push_back(std::move(a));
+    // New hand-offs join at this step boundary, up to the batch size (the rest wait
+    // in their rings).
+    const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
+    for (auto& in : in_) {
+        size_t n = 0;
+        const WireMsg* m = in.peek(&n);
+        size_t used = 0;
+        for (; used < n && active_.size() < room; ++used) {
+            const WireMsg& w = m[used];
+            shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
+            if (!shm::handoff_accept(inst_->arena(0), t, h, self_, user_)) continue;
+            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+            Active a;
+            a.req = h.req;
+            a.params = request_params(t, h.req.slot);
+            const uint32_t np = t.slot(h.req.slot).n_prompt.load(std::memory_order_relaxed);
+            a.prompt.assign(t.tokens(h.req.slot), t.tokens(h.req.slot) + np);
+            (void)t.read_output(h.req, 0, a.output);
+            const uint32_t nb = t.slot(h.req.slot).n_blocks.load(std::memory_order_acquire);
+            std::vector<int32_t> blocks(t.blocks(h.req.slot), t.blocks(h.req.slot) + nb);
+            alloc_->handed_by(h.from_user, blocks);
+            // Every token but the newest output has its KV in the blocks.
+            a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
+            a.fresh = true;
+            active_.push_back(std::move(a));
+        }
+        in.release(used);
     }
-    in_.release(n);
+    publish_load();  // before the step: what it holds now, for routing while it runs
     bool dropped = false;
     for (size_t i = 0; i < active_.size();) {
         if (t.cancelled(active_[i].req)) {
@@ -361,6 +413,7 @@ Result<bool> DecodeWorker::step() {
         }
     }
     if (active_.empty()) {
+        publish_load();
         if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
         return false;
     }
@@ -392,6 +445,7 @@ Result<bool> DecodeWorker::step() {
             done.push_back(i);
     }
     for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
+    publish_load();
     inst_->registry().wake(shm::Role::Front);
     return true;
 }

@@ -24,6 +24,7 @@
 namespace duet {
 
 struct WorkerOptions {
+    uint32_t index = 0;  // which of its role's workers (its rings follow from it)
     int threads = 1;
     std::vector<int> cpus;
     cpu::Isa isa = cpu::Isa::Scalar;
@@ -37,6 +38,9 @@ struct WorkerOptions {
     // as early, and nothing waits for ever).
     int64_t deadline_ns_per_token = 1'000'000;
     bool prefix_cache = true;
+    // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
+    // routing sends them to a decode worker with room).
+    int max_batch = 256;
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
@@ -52,6 +56,9 @@ public:
 protected:
     Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
     virtual bool has_work() = 0;
+    // Load gauges in this process's registry slot, for routing.
+    void publish_load(uint32_t items, uint64_t tokens);
+    ServeRings rings_;
 
     shm::Instance* inst_ = nullptr;
     const Model* model_ = nullptr;
@@ -103,9 +110,10 @@ private:
     // Samples the first token and hands the request to decode (or ends it).
     void complete(Job& j, const float* logits);
     void fail(Job& j);
+    void publish_load();
     shm::SpscConsumer<WireMsg> in_;     // from the front
     shm::SpscConsumer<WireMsg> redo_;   // from the launcher: re-driven requests
-    shm::SpscProducer<WireMsg> out_;
+    std::vector<shm::SpscProducer<WireMsg>> out_;  // to each decode worker
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
     bool kv_short_ = false;  // the last packed pass ran out of KV blocks
@@ -132,7 +140,8 @@ private:
         bool fresh = false;  // not yet in a step
     };
     void finish(size_t i, shm::ReqState to);
-    shm::SpscConsumer<WireMsg> in_;
+    void publish_load();
+    std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     std::vector<Active> active_;
 };
 

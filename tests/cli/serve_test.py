@@ -85,9 +85,9 @@ def shm_processes():
     return json.loads(out.stdout)
 
 
-def serving(instance, test):
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", instance, "--grace", "10"],
-                              stderr=subprocess.PIPE, text=True)
+def serving(instance, test, extra=()):
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", instance, "--grace", "10",
+                               *extra], stderr=subprocess.PIPE, text=True)
     try:
         port = None
         deadline = time.time() + 120
@@ -113,8 +113,85 @@ def serving(instance, test):
 
 def main():
     serving(INSTANCE, run)
+    serving(INSTANCE + "-w", several_workers, ("--prefill-workers", "2", "--decode-workers", "2"))
     serving(INSTANCE + "-g", give_up)
     port_taken()
+
+
+def worker_metric(port, name, role, index):
+    m = re.search(rf'^{name}{{role="{role}",worker="{index}"}} (\d+)', request(port, "GET", "/metrics")[1], re.M)
+    return int(m.group(1)) if m else None
+
+
+def several_workers(port, server):
+    # Two prefill and two decode workers: requests are spread over both of each role;
+    # a decode worker SIGKILLed while it holds streams loses nothing (its requests
+    # are re-driven, the other keeps decoding, it is restarted); every text equals an
+    # undisturbed request's; every KV block comes back.
+    instance = INSTANCE + "-w"
+    for _ in range(200):
+        if request(port, "GET", "/ready")[0] == 200:
+            break
+        time.sleep(0.1)
+    check(request(port, "GET", "/ready")[0] == 200, "ready with four workers")
+
+    def procs():
+        return json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,
+                                         check=True).stdout)
+    workers = sorted((p["role"], p["index"]) for p in procs()["processes"] if p["role"] in ("prefill", "decode"))
+    check(workers == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)], f"workers: {workers}")
+    body_text = "A ring with one producer and one consumer needs no locks, and shared memory needs no copies. " * 2
+    prompts = [f"Item {i}: {body_text} In short, item {i}" for i in range(16)]
+    import threading
+    got = [None] * 16
+    started = threading.Event()
+
+    def streamer(i):
+        try:
+            got[i] = stream(port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 24, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True},
+                            lambda txt: len(txt) > 10 and started.set())[0]
+        except Exception as e:  # reported below
+            got[i] = f"error: {e}"
+    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    check(started.wait(120), "no stream started")
+    victim = None
+    for _ in range(500):  # a decode worker holding sequences
+        busy = [p for p in procs()["processes"] if p["role"] == "decode" and p["load_items"] > 0]
+        if busy:
+            victim = busy[0]
+            break
+        time.sleep(0.01)
+    check(victim, "no decode worker held a sequence")
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    pending = sum(1 for g in got if g is None)
+    check(pending == 0, f"{pending} streams did not finish")
+    for i in range(16):
+        want = json.loads(request(port, "POST", "/v1/completions",
+                                  {"prompt": prompts[i], "max_tokens": 24, "temperature": 0,
+                                   "ignore_eos": True})[1])["choices"][0]["text"]
+        check(got[i] == want, f"stream {i} after decode {victim['index']} was killed: {got[i]!r} != {want!r}")
+    restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
+    check(restarts == 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
+    for role in ("prefill", "decode"):
+        for k in (0, 1):
+            n = worker_metric(port, "duet_worker_served_total", role, k)
+            check(n and n > 0, f"{role} {k} served {n} requests")
+    routed = [worker_metric(port, "duet_worker_routed_total", "prefill", k) for k in (0, 1)]
+    check(all(r and r >= 4 for r in routed), f"requests routed to each prefill worker: {routed}")
+    check(request(port, "GET", "/ready")[0] == 200, "ready again after the restart")
+    for _ in range(100):
+        arenas = procs()["arenas"]
+        if all(a["held"] == 0 for a in arenas):
+            break
+        time.sleep(0.05)
+    check(all(a["held"] == 0 and a["free"] + a["cached"] == a["blocks"] for a in arenas), f"arena: {arenas}")
+    print(f"2 prefill + 2 decode workers: both of each served, routed {routed}; decode {victim['index']} killed "
+          f"holding {victim['load_items']} sequence(s): identical texts, {redriven} re-drive(s): ok")
 
 
 def port_taken():
