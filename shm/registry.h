@@ -52,9 +52,10 @@ struct alignas(64) ProcSlot {
     std::atomic<uint64_t> start_ticks;   // (/proc/<pid>/stat starttime << 24) | its generation: tells a reused pid apart
     std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
     std::atomic<uint64_t> load_tokens;
-    std::atomic<uint64_t> served;  // requests it has taken since it started (prefill: admitted; decode: accepted)
-    alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
+    std::atomic<uint64_t> served;     // requests it has taken since it started (prefill: admitted; decode: accepted)
     std::atomic<uint32_t> max_items;  // the most load_items it takes (decode: its batch); set once at start
+    std::atomic<int32_t> numa;        // the NUMA node of its CPUs (-1: not known); set once at start
+    alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
 static_assert(sizeof(ProcSlot) == 128);
 
@@ -78,7 +79,8 @@ public:
     ProcSlot& slot(uint32_t i) const { return slots_[i]; }
 
     // Claims a FREE slot for process pid (STARTING, new generation), as worker `index`
-    // of its role; the load gauges start at zero.
+    // of its role; the load gauges start at zero. (Which processes may hold which
+    // index is the roles' business: see WorkerBase::init.)
     Result<ProcRef> claim(Role role, int32_t device, pid_t pid, uint32_t index = 0);
     // STARTING -> RUNNING.
     bool set_running(ProcRef r);

@@ -368,7 +368,8 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
 // each role take requests; a prompt sent twice at once goes to one prefill worker,
 // which computes its blocks once; outputs equal the engine's; a SIGKILLed decode
 // worker's requests are re-driven and finish identically while the other keeps
-// decoding; every block is returned.
+// decoding; hand-offs sent to a decode worker that dies before taking them go to the
+// other; every block is returned.
 TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     Serving sv;
     sv.start(2, 2);
@@ -442,6 +443,25 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (decode " << k << " killed)";
     EXPECT_GT(served(shm::Role::Decode, 1 - k) + served(shm::Role::Decode, k), other_before)
         << "the re-driven requests were decoded again";
+
+    // A decode worker that dies before taking the hand-offs sent to it: prefill sends
+    // them to the other one, without waiting for a restart (the copies left in the
+    // dead one's ring are dropped by its successor).
+    const int j = 1 - k;
+    kill(dec[j], SIGSTOP);
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (int i = 0; i < 20000 && queued_for_decode(sv.inst, static_cast<uint32_t>(j)) == 0; ++i) usleep(500);
+    ASSERT_GT(queued_for_decode(sv.inst, static_cast<uint32_t>(j)), 0u) << "nothing was handed to the stopped worker";
+    kill(dec[j], SIGKILL);
+    EXPECT_EQ(wait_exit(dec[j]), 128 + SIGKILL);
+    sv.recover(dec[j]);
+    dec[j] = 0;
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (decode " << j << " dead)";
+    dec[j] = spawn(false, static_cast<uint32_t>(j));
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (decode " << j << " back)";
 
     sv.flags->stop.store(true);
     for (pid_t* p : {&pre[0], &pre[1], &dec[0], &dec[1]}) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -218,6 +219,9 @@ TEST(Routing, DecodeGoesToARunningWorkerWithRoomThenTheSmallestBatch) {
     EXPECT_EQ(pick_decode({{true, 8, 8, 10}, {true, 30, 64, 5000}}), 1u);     // a full batch last
     EXPECT_EQ(pick_decode({{false, 0, 0, 0}, {true, 30, 64, 5000}}), 1u);    // a dead one last
     EXPECT_EQ(pick_decode({{true, 2, 0, 0}, {true, 1, 0, 0}}), 1u);           // batch size not known yet
+    // On prefill's NUMA node first (where the KV pages it wrote are), unless full.
+    EXPECT_EQ(pick_decode({{true, 1, 64, 10, false}, {true, 9, 64, 900, true}}), 1u);
+    EXPECT_EQ(pick_decode({{true, 1, 64, 10, false}, {true, 64, 64, 900, true}}), 0u);
 }
 
 TEST(Routing, PrefixAffinityFindsTheLongestSharedLeadingBlocks) {
@@ -234,27 +238,37 @@ TEST(Routing, PrefixAffinityFindsTheLongestSharedLeadingBlocks) {
     // The same block at another position is another key.
     EXPECT_NE(PrefixAffinity::block_keys(a.data() + 16, 16, 16)[0], ka[1]);
 
+    // Requests being prefilled (slot numbers here): a match counts only while its
+    // request is; after that its blocks are in the prefix index, every worker's alike.
+    std::set<uint32_t> live_slots;
+    auto live = [&](shm::ReqRef r) { return live_slots.count(r.slot) > 0; };
     PrefixAffinity aff;
-    const uint64_t t0 = 1'000'000'000;
-    EXPECT_EQ(aff.find(kb, t0).worker, -1);
-    aff.note(ka, 1, t0);
-    PrefixAffinity::Match m = aff.find(kb, t0 + 1);
+    EXPECT_EQ(aff.find(kb, live).worker, -1);
+    live_slots = {1, 2};
+    aff.note(ka, 1, {1, 1}, live);
+    PrefixAffinity::Match m = aff.find(kb, live);
     EXPECT_EQ(m.worker, 1);
     EXPECT_EQ(m.blocks, 2u);
-    aff.note(kb, 0, t0 + 2);  // b's own blocks; the two shared ones now point at worker 0
-    m = aff.find(ka, t0 + 3);
+    aff.note(kb, 0, {2, 1}, live);  // b's own blocks; the two shared ones now point at worker 0
+    m = aff.find(ka, live);
     EXPECT_EQ(m.worker, 1);
     EXPECT_EQ(m.blocks, 6u);
-    EXPECT_EQ(aff.find({ka[0], ka[1]}, t0 + 3).worker, 0);
-    // Entries expire.
-    EXPECT_EQ(aff.find(ka, t0 + PrefixAffinity::kTtlNs + 1).worker, 0) << "b's notes are 2 ns younger";
-    EXPECT_EQ(aff.find(ka, t0 + 2 + PrefixAffinity::kTtlNs).worker, -1);
-    // Bounded: past kMaxKeys, expired entries go, then everything.
+    EXPECT_EQ(aff.find(std::vector<uint64_t>{ka[0], ka[1]}, live).worker, 0);
+    // a's request is handed off: its blocks favour nobody; b's shared ones still do.
+    live_slots = {2};
+    m = aff.find(ka, live);
+    EXPECT_EQ(m.worker, 0);
+    EXPECT_EQ(m.blocks, 2u);
+    live_slots.clear();
+    EXPECT_EQ(aff.find(ka, live).worker, -1);
+    // Bounded: past kMaxKeys, entries of finished requests go, then everything.
     std::vector<uint64_t> many(PrefixAffinity::kMaxKeys - 4);
     for (size_t i = 0; i < many.size(); ++i) many[i] = 0x5000000 + i;
-    aff.note(many, 1, t0 + 10);
+    live_slots = {3};
+    aff.note(many, 1, {3, 1}, live);
+    EXPECT_EQ(aff.size(), many.size()) << "a's and b's entries (finished) went first";
+    live_slots = {3, 4};
+    aff.note(kb, 0, {4, 1}, live);
     EXPECT_LE(aff.size(), PrefixAffinity::kMaxKeys);
-    aff.note(kb, 0, t0 + 11);
-    EXPECT_LE(aff.size(), PrefixAffinity::kMaxKeys);
-    EXPECT_EQ(aff.find(kb, t0 + 12).worker, 0);
+    EXPECT_EQ(aff.find(kb, live).worker, 0);
 }

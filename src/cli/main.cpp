@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
         c->add_option("--cpus", worker.cpus, "pin threads to these CPUs");
         c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
         c->add_option("--index", worker.index, "which of the instance's workers of this role")->capture_default_str();
+        c->add_option("--numa", worker.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
     }
     c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");

@@ -56,11 +56,6 @@ Result<int> free_port(const std::string& host) {
     return static_cast<int>(ntohs(sa.sin_port));
 }
 
-// "prefill" when the role has one worker, else "prefill 1": for messages.
-std::string worker_name(const std::string& role, int index, int n) {
-    return n > 1 ? fmt::format("{} {}", role, index) : role;
-}
-
 }  // namespace
 
 int cmd_serve(const ServeArgs& a) {
@@ -87,9 +82,7 @@ int cmd_serve(const ServeArgs& a) {
     // Placement: prefill and decode on disjoint cores.
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
-    if (a.prefill_workers + a.decode_workers > static_cast<int>(kMaxServeWorkers))
-        return fail(fmt::format("--prefill-workers + --decode-workers is at most {} (they share one KV arena), got {} + {}",
-                                kMaxServeWorkers, a.prefill_workers, a.decode_workers));
+    if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
     PlanOptions po;
     po.prefill_workers = a.prefill_workers;
     po.decode_workers = a.decode_workers;
@@ -105,11 +98,14 @@ int cmd_serve(const ServeArgs& a) {
     std::vector<int> front_cpus;
     std::vector<Placement> workers;  // prefill 0..P-1, then decode 0..D-1
     std::string placed;
+    auto name_of = [&](const Placement& p) {  // "prefill" when the role has one worker, else "prefill 1"
+        const int n = p.role == "prefill" ? a.prefill_workers : p.role == "decode" ? a.decode_workers : 1;
+        return n > 1 ? fmt::format("{} {}", p.role, p.index) : p.role;
+    };
     for (const Placement& p : plan->roles) {
         if (p.role == "front") front_cpus = p.cpus;
         else workers.push_back(p);
-        placed += fmt::format(", {} on CPUs {}", worker_name(p.role, p.index, p.role == "prefill" ? a.prefill_workers : p.role == "decode" ? a.decode_workers : 1),
-                              format_cpu_list(p.cpus));
+        placed += fmt::format(", {} on CPUs {}", name_of(p), format_cpu_list(p.cpus));
     }
 
     ServeLayout layout;
@@ -139,16 +135,15 @@ int cmd_serve(const ServeArgs& a) {
         Supervisor sup(*inst, *self, resend);
         auto start_roles = [&]() -> Status {
             for (const Placement& w : workers) {
-                const int n = w.role == "prefill" ? a.prefill_workers : a.decode_workers;
                 std::vector<std::string> argv = {exe, w.role, "--instance", layout.instance, "-m", a.model,
-                                                 "--index", std::to_string(w.index), "-t", std::to_string(w.cpus.size()),
-                                                 "--cpus", format_cpu_list(w.cpus)};
+                                                 "--index", std::to_string(w.index), "--numa", std::to_string(w.numa),
+                                                 "-t", std::to_string(w.cpus.size()), "--cpus", format_cpu_list(w.cpus)};
                 if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
                 if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
                     if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
                 }
-                if (auto st = sup.start({worker_name(w.role, w.index, n), argv}); !st) return st.error();
+                if (auto st = sup.start({name_of(w), argv}); !st) return st.error();
             }
             std::vector<std::string> argv = {exe,    "front",  "--instance", layout.instance,        "-m",
                                              a.model, "--host", a.host,       "--port",               std::to_string(port),
@@ -159,12 +154,7 @@ int cmd_serve(const ServeArgs& a) {
             return {};
         };
         shm::Registry& reg = inst->registry();
-        auto all_running = [&] {
-            bool all = reg.find_running(shm::Role::Front) >= 0;
-            for (int i = 0; i < a.prefill_workers; ++i) all = all && reg.find_running(shm::Role::Prefill, i) >= 0;
-            for (int i = 0; i < a.decode_workers; ++i) all = all && reg.find_running(shm::Role::Decode, i) >= 0;
-            return all;
-        };
+        auto all_running = [&] { return reg.find_running(shm::Role::Front) >= 0 && workers_running(*inst, /*all=*/true); };
         if (Status st = start_roles(); !st) {
             std::fprintf(stderr, "duet serve: %s\n", st.error().message.c_str());
             rc = 1;
@@ -246,6 +236,10 @@ int cmd_front(const FrontArgs& a) {
     };
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) return fail(inst.error().message);
+    if (Status st = check_worker_counts(static_cast<int>(inst->config().prefill_workers),
+                                        static_cast<int>(inst->config().decode_workers));
+        !st)
+        return fail(fmt::format("instance {} is not a serving instance: {}", a.instance, st.error().message));
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);
     if ((*model)->fingerprint() != inst->config().model_fingerprint)

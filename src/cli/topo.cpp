@@ -7,6 +7,7 @@
 
 #include "base/thread_pool.h"
 #include "roles/placement.h"
+#include "roles/serving.h"
 
 namespace duet {
 
@@ -15,6 +16,10 @@ int cmd_topo(const TopoArgs& a) {
     if (!m) {
         std::fprintf(stderr, "duet: %s\n", m.error().message.c_str());
         return 1;
+    }
+    if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) {
+        std::fprintf(stderr, "duet: %s\n", st.error().message.c_str());
+        return 2;
     }
     PlanOptions o;
     o.prefill_workers = a.prefill_workers;

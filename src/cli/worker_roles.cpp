@@ -36,6 +36,7 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
     }
     WorkerOptions o;
     o.index = a.index;
+    o.numa = a.numa;
     o.threads = a.threads;
     if (!a.cpus.empty()) {
         auto list = parse_cpu_list(a.cpus);

@@ -11,6 +11,7 @@ struct WorkerArgs {
     std::string instance;
     std::string model;
     uint32_t index = 0;  // which of its role's workers
+    int numa = -1;       // its CPUs' NUMA node (for routing; -1: unknown)
     int threads = 1;
     std::string cpus;
     std::string isa;

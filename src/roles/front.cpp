@@ -302,16 +302,11 @@ static std::string metrics_workers(shm::Instance& inst, const std::vector<uint64
         served += fmt::format("duet_worker_served_total{} {}\n", labels, ps.served.load(std::memory_order_relaxed));
     };
     for (uint32_t p = 0; p < rings.n_prefill; ++p) {
-        add("prefill", shm::Role::Prefill, p,
-            shm::ring_occupancy(inst.ring(rings.to_prefill(p))) + shm::ring_occupancy(inst.ring(rings.redrive(p))));
+        add("prefill", shm::Role::Prefill, p, queued_for_prefill(inst, p));
         sent += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p,
                             p < routed.size() ? routed[p] : 0);
     }
-    for (uint32_t d = 0; d < rings.n_decode; ++d) {
-        uint64_t q = 0;
-        for (uint32_t p = 0; p < rings.n_prefill; ++p) q += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
-        add("decode", shm::Role::Decode, d, q);
-    }
+    for (uint32_t d = 0; d < rings.n_decode; ++d) add("decode", shm::Role::Decode, d, queued_for_decode(inst, d));
     return queue + up + items + tokens + served + sent;
 }
 
@@ -367,13 +362,9 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
-        // Ready when every worker runs (one being restarted: its requests wait).
-        const ServeRings rings = ServeRings::of(f.inst_.config());
-        bool ready = !f.draining_.load();
-        for (uint32_t p = 0; p < rings.n_prefill; ++p)
-            ready = ready && f.inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
-        for (uint32_t d = 0; d < rings.n_decode; ++d)
-            ready = ready && f.inst_.registry().find_running(shm::Role::Decode, static_cast<int32_t>(d)) >= 0;
+        // Ready while a worker of each role runs (requests are routed around one being
+        // restarted).
+        const bool ready = !f.draining_.load() && workers_running(f.inst_, /*all=*/false);
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
                                           std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
     }

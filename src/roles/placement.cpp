@@ -180,7 +180,9 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         for (size_t k = 0; k < used; ++k) {
             std::vector<int> pre, dec;
             const std::vector<int>& pool = pools[k];
-            if (pool.size() == 1) {
+            if (np[k] == 0 || nd[k] == 0) {  // this node runs one role only
+                (np[k] ? pre : dec) = pool;
+            } else if (pool.size() == 1) {
                 pre = dec = pool;
                 plan.notes.push_back(fmt::format("one core on NUMA node {}: prefill and decode share it", nodes[k]));
             } else {
@@ -192,8 +194,8 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
                 pre.assign(pool.begin(), pool.end() - static_cast<long>(n_dec));
                 dec.assign(pool.end() - static_cast<long>(n_dec), pool.end());
             }
-            auto ps = split(pre, np[k], "prefill");
-            auto ds = split(dec, nd[k], "decode");
+            auto ps = np[k] ? split(pre, np[k], "prefill") : std::vector<std::vector<int>>{};
+            auto ds = nd[k] ? split(dec, nd[k], "decode") : std::vector<std::vector<int>>{};
             for (int i = static_cast<int>(k), j = 0; i < P; i += static_cast<int>(used), ++j)
                 prefill[static_cast<size_t>(i)] = ps[static_cast<size_t>(j)];
             for (int i = static_cast<int>(k), j = 0; i < D; i += static_cast<int>(used), ++j)

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <tuple>
 
 #include "model/cpu_backend.h"
@@ -28,9 +30,9 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     c.requests.n_slots = l.n_requests;
     c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
     c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
-    // Every worker joins the arena; one user more, so that a restarted worker can join
-    // while the dead one's user is being recovered.
-    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), std::min(kMaxServeWorkers, l.n_prefill + l.n_decode + 1), 0});
+    // Every worker is a user of the arena (a dead one's user is recovered before it is
+    // restarted); fewer users leave more bits for each one's reference counts.
+    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), l.n_prefill + l.n_decode, 0});
     c.cpu_kv_bytes = block_bytes * blocks;
     c.model_fingerprint = model.fingerprint();
     return c;
@@ -54,7 +56,7 @@ uint32_t pick_prefill(const std::vector<PrefillView>& v) {
 uint32_t pick_decode(const std::vector<DecodeView>& v) {
     auto rank = [](const DecodeView& x) {
         const bool room = x.max_items == 0 || x.items < x.max_items;
-        return std::tuple(!x.running, !room, x.items, x.tokens);
+        return std::tuple(!x.running, !room, !x.near, x.items, x.tokens);
     };
     uint32_t best = 0;
     for (uint32_t i = 1; i < v.size(); ++i)
@@ -62,10 +64,9 @@ uint32_t pick_decode(const std::vector<DecodeView>& v) {
     return best;
 }
 
-DecodeView decode_view(shm::Instance& inst, uint32_t d) {
-    const ServeRings rings = ServeRings::of(inst.config());
+DecodeView decode_view(shm::Instance& inst, uint32_t d, int numa) {
     DecodeView v;
-    for (uint32_t p = 0; p < rings.n_prefill; ++p) v.items += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
+    v.items = queued_for_decode(inst, d);
     shm::Registry& reg = inst.registry();
     if (int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d)); s >= 0) {
         const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
@@ -73,8 +74,43 @@ DecodeView decode_view(shm::Instance& inst, uint32_t d) {
         v.items += ps.load_items.load(std::memory_order_relaxed);
         v.tokens = ps.load_tokens.load(std::memory_order_relaxed);
         v.max_items = ps.max_items.load(std::memory_order_relaxed);
+        const int32_t node = ps.numa.load(std::memory_order_relaxed);
+        v.near = numa < 0 || node < 0 || node == numa;
     }
     return v;
+}
+
+uint64_t queued_for_prefill(shm::Instance& inst, uint32_t p) {
+    const ServeRings rings = ServeRings::of(inst.config());
+    return shm::ring_occupancy(inst.ring(rings.to_prefill(p))) + shm::ring_occupancy(inst.ring(rings.redrive(p)));
+}
+
+uint64_t queued_for_decode(shm::Instance& inst, uint32_t d) {
+    const ServeRings rings = ServeRings::of(inst.config());
+    uint64_t n = 0;
+    for (uint32_t p = 0; p < rings.n_prefill; ++p) n += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
+    return n;
+}
+
+Status check_worker_counts(int n_prefill, int n_decode) {
+    if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > static_cast<int>(kMaxServeWorkers))
+        return make_error("{} prefill + {} decode workers: at least one of each, and at most {} in all (they share one KV arena)",
+                          n_prefill, n_decode, kMaxServeWorkers);
+    return {};
+}
+
+bool workers_running(shm::Instance& inst, bool all) {
+    const ServeRings rings = ServeRings::of(inst.config());
+    shm::Registry& reg = inst.registry();
+    for (auto [role, n] : {std::pair{shm::Role::Prefill, rings.n_prefill}, std::pair{shm::Role::Decode, rings.n_decode}}) {
+        if (!all) {
+            if (reg.find_running(role) < 0) return false;
+            continue;
+        }
+        for (uint32_t i = 0; i < n; ++i)
+            if (reg.find_running(role, static_cast<int32_t>(i)) < 0) return false;
+    }
+    return true;
 }
 
 std::vector<uint64_t> PrefixAffinity::block_keys(const int32_t* tokens, size_t n, size_t block_tokens) {
@@ -92,24 +128,11 @@ std::vector<uint64_t> PrefixAffinity::block_keys(const int32_t* tokens, size_t n
     return keys;
 }
 
-PrefixAffinity::Match PrefixAffinity::find(const std::vector<uint64_t>& keys, uint64_t now_ns) const {
-    for (size_t i = keys.size(); i-- > 0;) {
-        auto it = map_.find(keys[i]);
-        if (it != map_.end() && now_ns - it->second.stamp_ns < kTtlNs)
-            return {static_cast<int32_t>(it->second.worker), i + 1};
-    }
-    return {};
-}
-
-void PrefixAffinity::note(const std::vector<uint64_t>& keys, uint32_t worker, uint64_t now_ns) {
-    if (map_.size() + keys.size() > kMaxKeys) {
-        std::erase_if(map_, [&](const auto& e) { return now_ns - e.second.stamp_ns >= kTtlNs; });
-        if (map_.size() + keys.size() > kMaxKeys) map_.clear();
-    }
-    for (uint64_t k : keys) map_[k] = Entry{worker, now_ns};
-}
-
 PrefillRouter::PrefillRouter(shm::Instance& inst, bool redrive) : inst_(inst), rings_(ServeRings::of(inst.config())) {
+    if (rings_.n_prefill == 0) {  // checked by whoever attaches (cmd_front): no ring to send on
+        std::fprintf(stderr, "duet: instance %s has no prefill workers\n", inst.config().name.c_str());
+        std::abort();
+    }
     for (uint32_t p = 0; p < rings_.n_prefill; ++p)
         out_.emplace_back(inst.ring(redrive ? rings_.redrive(p) : rings_.to_prefill(p)));
     queued_.resize(rings_.n_prefill);
@@ -128,29 +151,36 @@ bool PrefillRouter::send(shm::ReqRef r) {
     const uint32_t n_prompt = t.slot(r.slot).n_prompt.load(std::memory_order_relaxed);
     const uint64_t n_all = n_prompt + t.slot(r.slot).n_output.load(std::memory_order_acquire);
     const uint32_t n = rings_.n_prefill;
+    const uint32_t bt = inst_.config().requests.block_tokens;
     uint32_t p = 0;
+    uint64_t to_compute = n_all;
     std::vector<uint64_t> keys;
-    const uint64_t now = shm::monotonic_ns();
+    // A request another is waiting behind: not yet taken, or being prefilled.
+    auto live = [&](shm::ReqRef q) { return t.is(q, shm::ReqState::Queued) || t.is(q, shm::ReqState::Prefilling); };
     if (n > 1) {
-        keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, inst_.config().requests.block_tokens);
-        const PrefixAffinity::Match m = affinity_.find(keys, now);
+        keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
+        const PrefixAffinity::Match m = affinity_.find(keys, live);
         std::vector<PrefillView> v(n);
         for (uint32_t i = 0; i < n; ++i) {
-            // Requests sent but not taken yet: the worker's gauge does not count them.
+            // Requests sent but not taken yet (the worker's gauge does not count them);
+            // one sent again (re-driven: a new attempt) counts where it went last.
             std::deque<Sent>& q = queued_[i];
-            std::erase_if(q, [&](const Sent& s) { return !t.is(s.req, shm::ReqState::Queued); });
+            std::erase_if(q, [&](const Sent& s) {
+                return !t.is(s.req, shm::ReqState::Queued) || t.attempt(s.req.slot) != s.attempt || s.req == r;
+            });
             for (const Sent& s : q) v[i].ahead += s.tokens;
             if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
                 v[i].running = true;
                 v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
             }
-            const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * inst_.config().requests.block_tokens : 0;
+            const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
             v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
         }
         p = pick_prefill(v);
+        to_compute = v[p].to_compute;
     }
     const WireMsg msg{r.slot, r.gen, 0, 0, 0, 0, {}};
-    const uint64_t give_up = now + 2'000'000'000ull;
+    const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
     bool sent = false;
     while (!(sent = out_[p].try_push(msg)) && shm::monotonic_ns() < give_up) usleep(100);  // prefill drains it every step
     reg.wake(shm::Role::Prefill, static_cast<int32_t>(p));
@@ -161,8 +191,8 @@ bool PrefillRouter::send(shm::ReqRef r) {
     }
     ++sent_[p];
     if (n > 1) {
-        queued_[p].push_back({r, n_all});
-        affinity_.note(keys, p, now);
+        queued_[p].push_back({r, t.attempt(r.slot), to_compute});
+        affinity_.note(keys, p, r, live);
     }
     return true;
 }

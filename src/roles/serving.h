@@ -94,18 +94,34 @@ struct DecodeView {
     uint64_t items = 0;      // sequences it holds plus hand-offs waiting in its rings
     uint64_t max_items = 0;  // its batch size (0: not known yet)
     uint64_t tokens = 0;     // tokens in the sequences it holds
+    bool near = true;        // on the prefill worker's NUMA node (or either is not known)
 };
-// A running worker with room in its batch, the fewest sequences, then the fewest
-// tokens (the shortest steps); all KV blocks of a device's decode workers come from
+// A running worker with room in its batch, on the prefill worker's NUMA node (the KV
+// pages prefill wrote are local there), with the fewest sequences, then the fewest
+// tokens (the shortest steps). All KV blocks of a device's decode workers come from
 // one arena, so free blocks do not tell them apart on one device.
 uint32_t pick_decode(const std::vector<DecodeView>& v);
-DecodeView decode_view(shm::Instance& inst, uint32_t d);
+// Decode worker d as seen from a prefill worker on NUMA node `numa` (-1: unknown).
+DecodeView decode_view(shm::Instance& inst, uint32_t d, int numa);
 
-// Which prefill worker was last sent a prompt with the same leading full blocks: a
-// request that shares a prefix with one still being prefilled waits for its blocks
-// on that worker instead of computing them again elsewhere (n choices, the same
-// system prompt arriving in a burst). Keys are chained 64-bit hashes of the token
-// blocks (a routing hint only: the prefix cache itself uses SHA-256 block hashes).
+// Messages waiting for prefill worker p (from the front and the launcher), and for
+// decode worker d (from every prefill worker).
+uint64_t queued_for_prefill(shm::Instance& inst, uint32_t p);
+uint64_t queued_for_decode(shm::Instance& inst, uint32_t d);
+// Whether a process runs for every worker index of both roles (all: the launcher's
+// "started"), or for at least one of each (the front's readiness: requests are
+// routed around a worker being restarted).
+bool workers_running(shm::Instance& inst, bool all);
+// At least one prefill and one decode worker, at most kMaxServeWorkers in all.
+Status check_worker_counts(int n_prefill, int n_decode);
+
+// Which prefill worker is computing a prompt with the same leading full blocks: a
+// request that shares a prefix with one still being prefilled waits there for its
+// blocks instead of computing them again elsewhere (n choices, the same system
+// prompt arriving in a burst). Once prefilled, the blocks are in the arena's prefix
+// index, which every worker of the device uses alike: no worker is favoured then.
+// Keys are chained 64-bit hashes of the token blocks (a routing hint only: the
+// prefix cache itself uses SHA-256 block hashes).
 class PrefixAffinity {
 public:
     static std::vector<uint64_t> block_keys(const int32_t* tokens, size_t n, size_t block_tokens);
@@ -113,17 +129,33 @@ public:
         int32_t worker = -1;
         size_t blocks = 0;  // leading blocks in common
     };
-    Match find(const std::vector<uint64_t>& keys, uint64_t now_ns) const;
-    void note(const std::vector<uint64_t>& keys, uint32_t worker, uint64_t now_ns);
+    // The longest match whose request `live` says is still being prefilled.
+    template <typename Live>
+    Match find(const std::vector<uint64_t>& keys, Live&& live) const {
+        for (size_t i = keys.size(); i-- > 0;) {
+            auto it = map_.find(keys[i]);
+            if (it != map_.end() && live(it->second.req)) return {static_cast<int32_t>(it->second.worker), i + 1};
+        }
+        return {};
+    }
+    // Records that `req`, on `worker`, computes these blocks; past kMaxKeys, the
+    // entries whose requests `live` no longer holds go first, then all.
+    template <typename Live>
+    void note(const std::vector<uint64_t>& keys, uint32_t worker, shm::ReqRef req, Live&& live) {
+        if (map_.size() + keys.size() > kMaxKeys) {
+            std::erase_if(map_, [&](const auto& e) { return !live(e.second.req); });
+            if (map_.size() + keys.size() > kMaxKeys) map_.clear();
+        }
+        for (uint64_t k : keys) map_[k] = Entry{worker, req};
+    }
     size_t size() const { return map_.size(); }
 
-    static constexpr uint64_t kTtlNs = 60'000'000'000ull;
     static constexpr size_t kMaxKeys = 1u << 16;
 
 private:
     struct Entry {
         uint32_t worker;
-        uint64_t stamp_ns;
+        shm::ReqRef req;
     };
     std::unordered_map<uint64_t, Entry> map_;
 };
@@ -145,7 +177,8 @@ public:
 private:
     struct Sent {
         shm::ReqRef req;
-        uint64_t tokens;
+        uint32_t attempt;
+        uint64_t tokens;  // what the worker would compute of it
     };
     shm::Instance& inst_;
     ServeRings rings_;

@@ -43,6 +43,20 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     auto self = inst.registry().claim(role, -1, getpid(), o.index);
     if (!self) return self.error();
     self_ = *self;
+    // One process per (role, index): its rings have one consumer and one producer.
+    shm::Registry& reg = inst.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcSlot& ps = reg.slot(s);
+        const shm::ProcState st = reg.state(s);
+        if (s != self_.slot && (st == shm::ProcState::Starting || st == shm::ProcState::Running) &&
+            ps.role.load() == static_cast<uint32_t>(role) && ps.index.load() == o.index) {
+            reg.release(self_);
+            self_ = {};
+            return make_error("{} worker {} of instance {} is already running (pid {})", shm::role_name(role), o.index,
+                              inst.config().name, reg.pid(s));
+        }
+    }
+    reg.slot(self_.slot).numa.store(o.numa, std::memory_order_relaxed);
     auto user = inst.arena(0).join(self_);
     if (!user) return user.error();
     user_ = *user;
@@ -107,23 +121,55 @@ PrefillWorker::~PrefillWorker() {
 
 bool PrefillWorker::has_work() { return redo_.readable() || in_.readable() || !jobs_.empty(); }
 
+bool PrefillWorker::follows(size_t k) const {
+    const Job& j = jobs_[k];
+    if (j.looked_up || j.hashes.empty()) return false;
+    for (size_t i = 0; i < jobs_.size(); ++i)
+        if (i != k && jobs_[i].looked_up && jobs_[i].hashes.size() >= j.hashes.size() &&
+            jobs_[i].hashes[j.hashes.size() - 1] == j.hashes.back() && jobs_[i].published < j.hashes.size())
+            return true;  // i has yet to publish the block j would share
+    return false;
+}
+
+// Tokens still to compute: a follower only what its leader's blocks leave (what the
+// router counted when it sent it here).
 void PrefillWorker::publish_load() {
+    const size_t bt = static_cast<size_t>(pool_->layout().block_tokens);
     uint64_t tokens = 0;
-    for (const Job& j : jobs_) tokens += j.all.size() - j.done;
+    for (size_t k = 0; k < jobs_.size(); ++k) {
+        const Job& j = jobs_[k];
+        tokens += follows(k) ? j.all.size() - std::min(j.hashes.size() * bt, j.all.size() - 1) : j.all.size() - j.done;
+    }
     WorkerBase::publish_load(static_cast<uint32_t>(jobs_.size()), tokens);
 }
 
 void PrefillWorker::settle() {
     shm::RequestTable& t = inst_->requests();
+    shm::Registry& reg = inst_->registry();
     for (size_t i = 0; i < pending_.size();) {
-        if (shm::handoff_settled(t, pending_[i].h)) {
-            for (int32_t b : pending_[i].blocks) pool_->allocator().unref(b);
+        Pending& p = pending_[i];
+        if (shm::handoff_settled(t, p.h)) {
+            for (int32_t b : p.blocks) pool_->allocator().unref(b);
             pending_[i] = std::move(pending_.back());
             pending_.pop_back();
-        } else {
-            ++i;
+            continue;
         }
+        // Its decode worker died before taking it: to a live one (a copy left in the
+        // dead one's ring loses handoff_accept's exact CAS and is dropped).
+        if (!reg.alive(p.to) && reg.find_running(shm::Role::Decode) >= 0) p.to = send_handoff(p.msg);
+        ++i;
     }
+}
+
+shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m) {
+    shm::Registry& reg = inst_->registry();
+    std::vector<DecodeView> views;
+    for (uint32_t d = 0; d < rings_.n_decode; ++d) views.push_back(decode_view(*inst_, d, opts_.numa));
+    const uint32_t d = pick_decode(views);
+    const int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d));
+    while (!out_[d].try_push(m)) usleep(50);  // decode drains it every step
+    reg.wake(shm::Role::Decode, static_cast<int32_t>(d));
+    return s < 0 ? shm::ProcRef{} : reg.current(static_cast<uint32_t>(s));
 }
 
 bool PrefillWorker::admit() {
@@ -238,14 +284,10 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         const uint32_t att = t.attempt(r.slot);
         // To the decode worker with room and the least work; it takes the blocks as
         // they are (one arena per device: no copy).
-        std::vector<DecodeView> views;
-        for (uint32_t d = 0; d < rings_.n_decode; ++d) views.push_back(decode_view(*inst_, d));
-        const uint32_t d = pick_decode(views);
-        WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
+        const WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
         t.slot(r.slot).handoff_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
-        while (!out_[d].try_push(h)) usleep(50);  // decode drains it every step
-        inst_->registry().wake(shm::Role::Decode, static_cast<int32_t>(d));
-        pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach()});
+        const shm::ProcRef to = send_handoff(h);
+        pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach(), h, to});
     }
 }
 
@@ -279,15 +321,6 @@ Result<bool> PrefillWorker::step() {
     // A request whose prompt ends in the same full block as an earlier one's still
     // being computed waits for it, then takes its blocks from the prefix cache (n > 1
     // choices, or the same prompt sent twice at once).
-    auto follows = [&](size_t k) {
-        const Job& j = jobs_[k];
-        if (j.looked_up || j.hashes.empty()) return false;
-        for (size_t i = 0; i < jobs_.size(); ++i)
-            if (i != k && jobs_[i].looked_up && jobs_[i].hashes.size() >= j.hashes.size() &&
-                jobs_[i].hashes[j.hashes.size() - 1] == j.hashes.back() && jobs_[i].published < j.hashes.size())
-                return true;  // i has yet to publish the block j would share
-        return false;
-    };
     std::vector<SeqBatch> batch;
     std::vector<size_t> in_batch;
     int64_t budget = opts_.prefill_chunk;
@@ -377,7 +410,8 @@ Result<bool> DecodeWorker::step() {
     // New hand-offs join at this step boundary, up to the batch size (the rest wait
     // in their rings).
     const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
-    for (auto& in : in_) {
+    for (size_t r = 0; r < in_.size(); ++r) {
+        auto& in = in_[(first_in_ + r) % in_.size()];
         size_t n = 0;
         const WireMsg* m = in.peek(&n);
         size_t used = 0;
@@ -402,6 +436,7 @@ Result<bool> DecodeWorker::step() {
         }
         in.release(used);
     }
+    first_in_ = (first_in_ + 1) % in_.size();
     publish_load();  // before the step: what it holds now, for routing while it runs
     bool dropped = false;
     for (size_t i = 0; i < active_.size();) {

@@ -25,6 +25,7 @@ namespace duet {
 
 struct WorkerOptions {
     uint32_t index = 0;  // which of its role's workers (its rings follow from it)
+    int numa = -1;       // the NUMA node of its CPUs, for routing (-1: not known)
     int threads = 1;
     std::vector<int> cpus;
     cpu::Isa isa = cpu::Isa::Scalar;
@@ -89,6 +90,8 @@ private:
     struct Pending {
         shm::Handoff h;
         std::vector<int32_t> blocks;
+        WireMsg msg;
+        shm::ProcRef to;  // the decode process it was sent to (invalid: none was running)
     };
     // A request being prefilled.
     struct Job {
@@ -102,7 +105,16 @@ private:
         bool looked_up = false;  // prefix cache consulted
         size_t published = 0;    // full blocks registered in the prefix index
     };
+    // Drops the blocks of hand-offs decode took (or that were re-driven); sends again
+    // those whose decode worker died before taking them.
     void settle();
+    // Sends a hand-off to the decode worker with room and the least work; the ref of
+    // the process it went to (invalid if no decode worker runs: it waits in the ring
+    // of the one being restarted).
+    shm::ProcRef send_handoff(const WireMsg& m);
+    // Whether job k waits for another job's blocks (its prompt ends in a full block
+    // another job in hand has yet to publish).
+    bool follows(size_t k) const;
     // Takes queued requests while there is room; false if the ring was empty.
     bool admit();
     void lookup_prefix(Job& j);
@@ -142,6 +154,7 @@ private:
     void finish(size_t i, shm::ReqState to);
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
+    size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)
     std::vector<Active> active_;
 };
 

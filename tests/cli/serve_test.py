@@ -177,10 +177,12 @@ def several_workers(port, server):
         check(got[i] == want, f"stream {i} after decode {victim['index']} was killed: {got[i]!r} != {want!r}")
     restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts == 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
-    for role in ("prefill", "decode"):
-        for k in (0, 1):
-            n = worker_metric(port, "duet_worker_served_total", role, k)
-            check(n and n > 0, f"{role} {k} served {n} requests")
+    # Requests each worker took: the killed decode worker's count is from before the
+    # kill (a restarted process counts from 0).
+    check(victim["served"] > 0, f"decode {victim['index']} served {victim['served']} before the kill")
+    for role, k in (("prefill", 0), ("prefill", 1), ("decode", 1 - victim["index"])):
+        n = worker_metric(port, "duet_worker_served_total", role, k)
+        check(n and n > 0, f"{role} {k} served {n} requests")
     routed = [worker_metric(port, "duet_worker_routed_total", "prefill", k) for k in (0, 1)]
     check(all(r and r >= 4 for r in routed), f"requests routed to each prefill worker: {routed}")
     check(request(port, "GET", "/ready")[0] == 200, "ready again after the restart")
