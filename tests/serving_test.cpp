@@ -463,6 +463,26 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
     for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (decode " << j << " back)";
 
+    // The same for a prefill worker: requests sent to it and not taken when it died
+    // are sent to the other one (the front's resend_stranded()), no restart needed.
+    kill(pre[j], SIGSTOP);
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    ASSERT_GT(queued_for_prefill(sv.inst, static_cast<uint32_t>(j)), 0u) << "nothing was sent to the stopped worker";
+    kill(pre[j], SIGKILL);
+    EXPECT_EQ(wait_exit(pre[j]), 128 + SIGKILL);
+    for (uint32_t s = 0; s < reg.n_slots(); ++s)  // recovery only (Serving::recover would send QUEUED requests again)
+        if (reg.pid(s) == pre[j] && reg.state(s) != shm::ProcState::Free) {
+            EXPECT_TRUE(sv.inst.recover(reg.current(s), sv.front, true).ok());
+        }
+    pre[j] = 0;
+    EXPECT_GT(sv.router->resend_stranded(), 0u);
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (prefill " << j << " dead)";
+    pre[j] = spawn(true, static_cast<uint32_t>(j));
+    reqs.clear();
+    for (auto& p : prompts) reqs.push_back(sv.submit(p));
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (prefill " << j << " back)";
+
     sv.flags->stop.store(true);
     for (pid_t* p : {&pre[0], &pre[1], &dec[0], &dec[1]}) {
         EXPECT_EQ(wait_exit(*p), 0);

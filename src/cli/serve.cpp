@@ -206,8 +206,9 @@ int cmd_serve(const ServeArgs& a) {
                 }
             }
             const uint64_t now = shm::monotonic_ns();
-            if (now >= next_sweep) {  // requests of a dead front that ended since
+            if (now >= next_sweep) {  // requests of a dead front that ended since; re-drives stranded on a dead prefill
                 sweep_orphans(*inst);
+                redrive.resend_stranded();
                 next_sweep = now + 50'000'000;
             }
             if (draining && now > drain_deadline) {

@@ -249,13 +249,19 @@ Status Front::start() {
 
 // Sleeps on this process's doorbell, which prefill and decode ring after writing
 // tokens or changing a request's state; wakes the coroutines whose slots changed.
+// Every 50 ms, sends requests stranded on a dead prefill worker's ring to a live one.
 void Front::notify_loop() {
     shm::Doorbell& bell = inst_.registry().doorbell(self_.slot);
     const shm::RequestTable& t = inst_.requests();
+    uint64_t next_rescue = 0;
     while (!quit_.load(std::memory_order_relaxed)) {
         shm::doorbell_wait(bell, [&] { return impl_->any_changed(t) || quit_.load(std::memory_order_relaxed); }, 64,
                            2'000'000);
         impl_->wake_changed(t);
+        if (const uint64_t now = shm::monotonic_ns(); now >= next_rescue) {
+            router_.resend_stranded();
+            next_rescue = now + 50'000'000;
+        }
     }
 }
 

@@ -144,57 +144,94 @@ std::vector<uint64_t> PrefillRouter::sent_counts() {
     return sent_;
 }
 
-bool PrefillRouter::send(shm::ReqRef r) {
-    std::lock_guard<std::mutex> lock(mu_);  // each ring has one producer: this process
+PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
     shm::RequestTable& t = inst_.requests();
     shm::Registry& reg = inst_.registry();
     const uint32_t n_prompt = t.slot(r.slot).n_prompt.load(std::memory_order_relaxed);
     const uint64_t n_all = n_prompt + t.slot(r.slot).n_output.load(std::memory_order_acquire);
     const uint32_t n = rings_.n_prefill;
     const uint32_t bt = inst_.config().requests.block_tokens;
-    uint32_t p = 0;
-    uint64_t to_compute = n_all;
-    std::vector<uint64_t> keys;
-    // A request another is waiting behind: not yet taken, or being prefilled.
-    auto live = [&](shm::ReqRef q) { return t.is(q, shm::ReqState::Queued) || t.is(q, shm::ReqState::Prefilling); };
-    if (n > 1) {
-        keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
-        const PrefixAffinity::Match m = affinity_.find(keys, live);
-        std::vector<PrefillView> v(n);
-        for (uint32_t i = 0; i < n; ++i) {
-            // Requests sent but not taken yet (the worker's gauge does not count them);
-            // one sent again (re-driven: a new attempt) counts where it went last.
-            std::deque<Sent>& q = queued_[i];
-            std::erase_if(q, [&](const Sent& s) {
-                return !t.is(s.req, shm::ReqState::Queued) || t.attempt(s.req.slot) != s.attempt || s.req == r;
-            });
-            for (const Sent& s : q) v[i].ahead += s.tokens;
-            if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
-                v[i].running = true;
-                v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
-            }
-            const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
-            v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
+    Choice c;
+    c.to_compute = n_all;
+    if (n == 1) return c;
+    if (with_affinity) c.keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
+    const PrefixAffinity::Match m = affinity_.find(c.keys, [&](shm::ReqRef q) { return being_prefilled(q); });
+    std::vector<PrefillView> v(n);
+    for (uint32_t i = 0; i < n; ++i) {
+        // Requests sent but not taken yet (the worker's gauge does not count them);
+        // one sent again (re-driven: a new attempt) counts where it went last.
+        std::deque<Sent>& q = queued_[i];
+        std::erase_if(q, [&](const Sent& s) {
+            return !t.is(s.req, shm::ReqState::Queued) || t.attempt(s.req.slot) != s.attempt || s.req == r;
+        });
+        for (const Sent& s : q) v[i].ahead += s.tokens;
+        if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
+            v[i].running = true;
+            v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
         }
-        p = pick_prefill(v);
-        to_compute = v[p].to_compute;
+        const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
+        v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
     }
+    c.worker = pick_prefill(v);
+    c.running = v[c.worker].running;
+    c.to_compute = v[c.worker].to_compute;
+    return c;
+}
+
+bool PrefillRouter::being_prefilled(shm::ReqRef q) const {
+    const shm::RequestTable& t = inst_.requests();
+    return t.is(q, shm::ReqState::Queued) || t.is(q, shm::ReqState::Prefilling);
+}
+
+bool PrefillRouter::send(shm::ReqRef r) {
+    std::lock_guard<std::mutex> lock(mu_);  // each ring has one producer: this process
+    shm::RequestTable& t = inst_.requests();
+    const Choice c = choose(r, /*with_affinity=*/true);
+    const uint32_t p = c.worker;
     const WireMsg msg{r.slot, r.gen, 0, 0, 0, 0, {}};
     const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
     bool sent = false;
     while (!(sent = out_[p].try_push(msg)) && shm::monotonic_ns() < give_up) usleep(100);  // prefill drains it every step
-    reg.wake(shm::Role::Prefill, static_cast<int32_t>(p));
+    inst_.registry().wake(shm::Role::Prefill, static_cast<int32_t>(p));
     if (!sent) {
         t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
         t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
         return false;
     }
     ++sent_[p];
-    if (n > 1) {
-        queued_[p].push_back({r, t.attempt(r.slot), to_compute});
-        affinity_.note(keys, p, r, live);
+    if (rings_.n_prefill > 1) {
+        queued_[p].push_back({r, t.attempt(r.slot), c.to_compute});
+        affinity_.note(c.keys, p, r, [&](shm::ReqRef q) { return being_prefilled(q); });
     }
     return true;
+}
+
+uint32_t PrefillRouter::resend_stranded() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rings_.n_prefill < 2) return 0;
+    shm::RequestTable& t = inst_.requests();
+    shm::Registry& reg = inst_.registry();
+    uint32_t moved = 0;
+    for (uint32_t p = 0; p < rings_.n_prefill; ++p) {
+        if (queued_[p].empty() || reg.find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0) continue;
+        std::deque<Sent> stranded;
+        stranded.swap(queued_[p]);
+        for (const Sent& s : stranded) {
+            if (!t.is(s.req, shm::ReqState::Queued) || t.attempt(s.req.slot) != s.attempt) continue;
+            const Choice c = choose(s.req, /*with_affinity=*/false);
+            // The copy left in p's ring loses prefill's QUEUED -> PREFILLING CAS to
+            // whichever worker takes the request first, and is dropped.
+            if (!c.running || !out_[c.worker].try_push(WireMsg{s.req.slot, s.req.gen, 0, 0, 0, 0, {}})) {
+                queued_[p].push_back(s);  // no live worker (or its ring full): it waits for p
+                continue;
+            }
+            reg.wake(shm::Role::Prefill, static_cast<int32_t>(c.worker));
+            queued_[c.worker].push_back({s.req, s.attempt, c.to_compute});
+            ++sent_[c.worker];
+            ++moved;
+        }
+    }
+    return moved;
 }
 
 void fail_in_flight(shm::Instance& inst, ReqError why) {

@@ -171,10 +171,23 @@ public:
     // the ring stays full for 2 s (the worker gone for good), fails the request
     // (ReqError::NotSent) and returns false.
     bool send(shm::ReqRef r);
+    // Requests sent to a worker that is no longer running and not taken yet: sends
+    // them to a running one (instead of waiting for the restart). Returns how many.
+    // Called now and then by the front and the launcher.
+    uint32_t resend_stranded();
     // Requests sent to each worker so far (for tests and /metrics).
     std::vector<uint64_t> sent_counts();
 
 private:
+    struct Choice {
+        uint32_t worker = 0;
+        bool running = false;
+        uint64_t to_compute = 0;
+        std::vector<uint64_t> keys;  // of the prompt's full blocks (with_affinity)
+    };
+    // pick_prefill over every worker for request r (caller holds mu_).
+    Choice choose(shm::ReqRef r, bool with_affinity);
+    bool being_prefilled(shm::ReqRef q) const;
     struct Sent {
         shm::ReqRef req;
         uint32_t attempt;
