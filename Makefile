@@ -45,9 +45,10 @@ sanitize: deps model
 	cmake --build build-asan -j $(JOBS)
 	ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' -E 'model_test_(scalar|avx2)'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
-	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_stress_test shm_kill_test shm_handoff_test
+	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test
 	build-tsan/tests/thread_pool_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_test --gtest_brief=1
+	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_fd_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_stress_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_kill_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_handoff_test --gtest_brief=1

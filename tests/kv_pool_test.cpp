@@ -1,7 +1,13 @@
-// Paged KV pool: block accounting, copy-on-write forks, truncation, layout.
+// Paged KV pool: block accounting, copy-on-write forks, truncation, layout; copy
+// plans between arenas.
 #include "kv/kv_pool.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include <gtest/gtest.h>
+
+#include "kv/kv_copy.h"
 
 using namespace duet;
 
@@ -82,3 +88,74 @@ TEST(KvPool, ForkSharesBlocksAndCopiesOnWrite) {
 }
 
 TEST(KvPool, RejectsEmptyPool) { EXPECT_FALSE(KvPool::create(small_layout(), 0).ok()); }
+
+// Copy plans between two arenas of different sizes: executed with memcpy, every
+// tile of the named blocks lands in its destination block, layer by layer, nothing
+// else is touched, and consecutive ids merge into one run.
+TEST(KvCopy, LayerPlansMoveExactlyTheNamedBlocks) {
+    KvLayout l;
+    l.n_layer = 3;
+    l.n_head_kv = 2;
+    l.head_dim = 8;
+    l.block_tokens = 4;
+    auto src = KvPool::create(l, 12);
+    auto dst = KvPool::create(l, 10);
+    ASSERT_TRUE(src.ok() && dst.ok());
+    const size_t tile = l.tile_elems();
+    uint16_t* s = (*src)->k(0, 0, 0);
+    uint16_t* d = (*dst)->k(0, 0, 0);
+    for (size_t i = 0; i < tile * 12 * 3; ++i) s[i] = static_cast<uint16_t>(i * 7 + 1);
+    std::fill(d, d + tile * 10 * 3, 0);
+    const std::vector<int32_t> from = {3, 4, 5, 9}, to = {0, 1, 7, 8};
+    auto plan = plan_copy(l, 12, 10, from, to);
+    ASSERT_TRUE(plan.ok()) << plan.error().message;
+    ASSERT_EQ(plan->size(), 3u);
+    const uint64_t tb = tile * sizeof(uint16_t);
+    // Layer 1: 3,4 -> 0,1 is one run; 5 -> 7 and 9 -> 8 are not consecutive on both sides.
+    const std::vector<CopyRun> want1 = {{(12 + 3) * tb, (10 + 0) * tb, 2 * tb}, {(12 + 5) * tb, (10 + 7) * tb, tb},
+                                        {(12 + 9) * tb, (10 + 8) * tb, tb}};
+    EXPECT_EQ((*plan)[1], want1);
+    for (const auto& layer : *plan)
+        for (const CopyRun& r : layer)
+            std::memcpy(reinterpret_cast<uint8_t*>(d) + r.dst, reinterpret_cast<const uint8_t*>(s) + r.src, r.bytes);
+    for (int32_t layer = 0; layer < 3; ++layer)
+        for (int32_t b = 0; b < 10; ++b) {
+            const auto it = std::find(to.begin(), to.end(), b);
+            for (int32_t h = 0; h < 2; ++h)
+                for (size_t e = 0; e < static_cast<size_t>(l.block_tokens * l.head_dim); ++e) {
+                    const uint16_t got_k = (*dst)->k(b, layer, h)[e], got_v = (*dst)->v(b, layer, h)[e];
+                    if (it == to.end()) {
+                        ASSERT_EQ(got_k | got_v, 0) << "block " << b << " was not to be touched";
+                    } else {
+                        const int32_t sb = from[static_cast<size_t>(it - to.begin())];
+                        ASSERT_EQ(got_k, (*src)->k(sb, layer, h)[e]) << "layer " << layer << " block " << b;
+                        ASSERT_EQ(got_v, (*src)->v(sb, layer, h)[e]) << "layer " << layer << " block " << b;
+                    }
+                }
+        }
+    // A long run of consecutive ids is one copy per layer.
+    std::vector<int32_t> a(8), z(8);
+    for (int i = 0; i < 8; ++i) a[i] = 2 + i, z[i] = i;
+    auto one = plan_layer_copy(l, 12, 10, a, z, 2);
+    ASSERT_TRUE(one.ok());
+    EXPECT_EQ(one->size(), 1u);
+    EXPECT_EQ((*one)[0].bytes, 8 * tb);
+}
+
+TEST(KvCopy, BadPlansAreRefused) {
+    KvLayout l;
+    l.n_layer = 2;
+    l.n_head_kv = 1;
+    l.head_dim = 4;
+    const std::vector<int32_t> two = {0, 1}, one = {0}, dup = {3, 3}, big = {0, 10};
+    auto msg = [&](std::span<const int32_t> s, std::span<const int32_t> d, int32_t layer) {
+        auto p = plan_layer_copy(l, 10, 10, s, d, layer);
+        return p.ok() ? std::string("accepted") : p.error().message;
+    };
+    EXPECT_NE(msg(two, one, 0).find("2 source blocks for 1 destination"), std::string::npos);
+    EXPECT_NE(msg(two, dup, 0).find("destination block 3 named twice"), std::string::npos);
+    EXPECT_NE(msg(big, two, 0).find("source block 10 of an arena of 10"), std::string::npos);
+    EXPECT_NE(msg(two, big, 0).find("destination block 10"), std::string::npos);
+    EXPECT_NE(msg(two, two, 2).find("layer 2 of 2"), std::string::npos);
+    EXPECT_EQ(msg(two, two, 1), "accepted");
+}

@@ -1,0 +1,37 @@
+// Planning KV copies between two arenas (prefill's and decode's on different GPUs,
+// or a host staging buffer): which byte ranges move, layer by layer, so each layer
+// can be copied as soon as prefill has written it, overlapping the next layers'
+// compute (DESIGN.md, "One request, end to end"). In the arena layout a layer's
+// tiles are one plane, data[layer][block][K|V][head][token][dim], so blocks with
+// consecutive ids on both sides are one contiguous range: those merge into one copy.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+
+namespace duet {
+
+struct CopyRun {
+    uint64_t src = 0, dst = 0;  // byte offsets into each arena's data
+    uint64_t bytes = 0;
+    friend bool operator==(const CopyRun&, const CopyRun&) = default;
+};
+
+// The copies that move layer `layer` of blocks src[i] (of an arena with src_blocks
+// blocks) into blocks dst[i] (of one with dst_blocks), in order, consecutive ids
+// merged. Errors: lists of different lengths, ids or a layer out of range, a
+// destination block named twice (two sources would race for it).
+Result<std::vector<CopyRun>> plan_layer_copy(const KvLayout& l, int32_t src_blocks, int32_t dst_blocks,
+                                             std::span<const int32_t> src, std::span<const int32_t> dst,
+                                             int32_t layer);
+
+// Every layer's plan, layer 0 first (what a hand-off between GPUs issues, one layer
+// at a time, after prefill finishes that layer).
+Result<std::vector<std::vector<CopyRun>>> plan_copy(const KvLayout& l, int32_t src_blocks, int32_t dst_blocks,
+                                                    std::span<const int32_t> src, std::span<const int32_t> dst);
+
+}  // namespace duet
