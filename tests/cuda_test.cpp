@@ -2,13 +2,18 @@
 #include <cuda_runtime.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "device.h"
+#include "kernels.h"
+#include "ops.h"
 #include "shm/fd_keeper.h"
 #include "shm_test_util.h"
 #include "vmm.h"
@@ -79,4 +84,103 @@ TEST(CudaVmm, ProcessesShareAnAllocationThatOutlivesItsCreator) {
     EXPECT_EQ(wait_exit(second), 0);
     pid_t third = fork_run([&] { return check(0xa5, 0); });
     EXPECT_EQ(wait_exit(third), 0);
+}
+
+// The per-token kernels against the CPU's scalar kernels on random inputs and
+// ragged shapes. (ctest runs each test in a process of its own, so this process's
+// CUDA context never meets the fork()s of the test above.)
+namespace {
+
+template <typename T>
+struct DeviceBuf {
+    T* p = nullptr;
+    explicit DeviceBuf(const std::vector<T>& h) {
+        cudaMalloc(&p, std::max<size_t>(1, h.size()) * sizeof(T));
+        cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+    }
+    ~DeviceBuf() { cudaFree(p); }
+    std::vector<T> get(size_t n) const {
+        std::vector<T> h(n);
+        cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+        return h;
+    }
+};
+
+std::vector<float> randoms(size_t n, uint32_t seed, float scale = 1.0f) {
+    std::mt19937 g(seed);
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = d(g);
+    return v;
+}
+
+void expect_close(const std::vector<float>& got, const std::vector<float>& want, float rel, float abs, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    size_t bad = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+        if (!(std::fabs(got[i] - want[i]) <= abs + rel * std::fabs(want[i])) && bad++ < 5)
+            ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", CPU " << want[i];
+    EXPECT_EQ(bad, 0u) << what;
+}
+
+}  // namespace
+
+TEST(CudaOps, RmsNormSwigluEmbedRopeMatchTheCpu) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cpu = duet::cpu;
+    // RMSNorm: ragged row counts and widths, including one that is not a multiple of 32.
+    for (auto [rows, n] : {std::pair{1, 576}, std::pair{7, 1536}, std::pair{3, 100}}) {
+        auto x = randoms(static_cast<size_t>(rows) * n, 1 + rows, 3.0f), w = randoms(static_cast<size_t>(n), 2);
+        std::vector<float> want(x.size());
+        for (int r = 0; r < rows; ++r) cpu::rms_norm(cpu::Isa::Scalar, &x[r * n], w.data(), &want[r * n], n, 1e-5f);
+        DeviceBuf<float> dx(x), dw(w), dy(std::vector<float>(x.size()));
+        ASSERT_EQ(duet::cuda::rms_norm(dx.p, dw.p, dy.p, rows, n, 1e-5f, nullptr), cudaSuccess);
+        expect_close(dy.get(x.size()), want, 1e-6f, 1e-6f, "rms_norm");
+    }
+    // SwiGLU.
+    {
+        auto g = randoms(10007, 3, 4.0f), u = randoms(10007, 4);
+        std::vector<float> want(g.size());
+        cpu::swiglu(cpu::Isa::Scalar, g.data(), u.data(), want.data(), static_cast<int64_t>(g.size()));
+        DeviceBuf<float> dg(g), du(u), dout(std::vector<float>(g.size()));
+        ASSERT_EQ(duet::cuda::swiglu(dg.p, du.p, dout.p, static_cast<int64_t>(g.size()), nullptr), cudaSuccess);
+        expect_close(dout.get(g.size()), want, 2e-6f, 1e-7f, "swiglu");
+    }
+    // Embedding rows from a bf16 table, ids repeated and out of order.
+    {
+        const int vocab = 50, dim = 72;
+        auto t = randoms(static_cast<size_t>(vocab) * dim, 5);
+        std::vector<uint16_t> tb(t.size());
+        for (size_t i = 0; i < t.size(); ++i) tb[i] = cpu::fp32_to_bf16(t[i]);
+        const std::vector<int32_t> ids = {7, 0, 49, 7, 13};
+        std::vector<float> want;
+        for (int32_t id : ids)
+            for (int i = 0; i < dim; ++i) want.push_back(cpu::bf16_to_fp32(tb[static_cast<size_t>(id) * dim + i]));
+        DeviceBuf<uint16_t> dt(tb);
+        DeviceBuf<int32_t> di(ids);
+        DeviceBuf<float> dout(std::vector<float>(want.size()));
+        ASSERT_EQ(duet::cuda::embed_bf16(dt.p, di.p, static_cast<int>(ids.size()), dim, dout.p, nullptr), cudaSuccess);
+        expect_close(dout.get(want.size()), want, 0.0f, 0.0f, "embed_bf16");
+    }
+    // RoPE, both pairings, partial rotary, positions up to 8191 (angles reduced in double).
+    for (bool neox : {false, true}) {
+        const int n_tok = 5, n_heads = 3, head_dim = 64, rot_dim = 48;
+        const std::vector<int32_t> pos = {0, 1, 17, 4000, 8191};
+        std::vector<float> inv(rot_dim / 2);
+        for (int i = 0; i < rot_dim / 2; ++i) inv[i] = std::pow(10000.0f, -2.0f * i / rot_dim);
+        auto x = randoms(static_cast<size_t>(n_tok) * n_heads * head_dim, 6);
+        std::vector<float> want = x;
+        for (int t = 0; t < n_tok; ++t) {
+            float* row = &want[static_cast<size_t>(t) * n_heads * head_dim];
+            if (neox)
+                cpu::rope_neox(cpu::Isa::Scalar, row, n_heads, head_dim, rot_dim, pos[t], inv.data());
+            else
+                cpu::rope(cpu::Isa::Scalar, row, n_heads, head_dim, rot_dim, pos[t], inv.data());
+        }
+        DeviceBuf<float> dx(x), dinv(inv);
+        DeviceBuf<int32_t> dpos(pos);
+        ASSERT_EQ(duet::cuda::rope(dx.p, n_tok, n_heads, head_dim, rot_dim, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
+        expect_close(dx.get(x.size()), want, 1e-5f, 1e-5f, neox ? "rope_neox" : "rope");
+    }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -1,0 +1,95 @@
+#include "ops.h"
+
+#include <algorithm>
+
+namespace duet::cuda {
+
+namespace {
+
+__device__ inline float bf16_to_f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+
+__global__ void embed_bf16_kernel(const uint16_t* table, const int32_t* ids, int dim, float* out) {
+    const int t = blockIdx.x;
+    const uint16_t* row = table + static_cast<int64_t>(ids[t]) * dim;
+    float* o = out + static_cast<int64_t>(t) * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = bf16_to_f32(row[i]);
+}
+
+// One block per row: sum of squares in double (as the CPU kernel), then the scale.
+__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
+    const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+    float* yr = y + static_cast<int64_t>(blockIdx.x) * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, off);
+    __shared__ double warp_sums[32];
+    __shared__ float scale;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int k = 0; k < (blockDim.x + 31) / 32; ++k) total += warp_sums[k];
+        scale = static_cast<float>(1.0 / sqrt(total / static_cast<double>(n) + static_cast<double>(eps)));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+// Grid: (token, head); threads over the rot_dim / 2 pairs.
+__global__ void rope_kernel(float* x, int n_heads, int head_dim, int rot_dim, const int32_t* pos,
+                            const float* inv_freq, bool neox) {
+    const int t = blockIdx.x, h = blockIdx.y, half = rot_dim / 2;
+    float* v = x + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
+    const double p = static_cast<double>(pos[t]);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        constexpr double kTwoPi = 6.283185307179586476925286766559;
+        double th = p * static_cast<double>(inv_freq[i]);
+        th -= kTwoPi * nearbyint(th / kTwoPi);
+        const float a = static_cast<float>(th);
+        const float c = cosf(a), s = sinf(a);
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        const float x0 = v[i0], x1 = v[i1];
+        v[i0] = x0 * c - x1 * s;
+        v[i1] = x0 * s + x1 * c;
+    }
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+}  // namespace
+
+cudaError_t embed_bf16(const uint16_t* table, const int32_t* ids, int n_tok, int dim, float* out, cudaStream_t stream) {
+    if (n_tok <= 0) return cudaSuccess;
+    embed_bf16_kernel<<<n_tok, 256, 0, stream>>>(table, ids, dim, out);
+    return cudaGetLastError();
+}
+
+cudaError_t rms_norm(const float* x, const float* w, float* y, int n_rows, int n, float eps, cudaStream_t stream) {
+    if (n_rows <= 0) return cudaSuccess;
+    rms_norm_kernel<<<n_rows, 256, 0, stream>>>(x, w, y, n, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t rope(float* x, int n_tok, int n_heads, int head_dim, int rot_dim, const int32_t* pos,
+                 const float* inv_freq, bool neox, cudaStream_t stream) {
+    if (n_tok <= 0 || n_heads <= 0 || rot_dim < 2) return cudaSuccess;
+    rope_kernel<<<dim3(static_cast<unsigned>(n_tok), static_cast<unsigned>(n_heads)), 64, 0, stream>>>(
+        x, n_heads, head_dim, rot_dim, pos, inv_freq, neox);
+    return cudaGetLastError();
+}
+
+cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream) {
+    if (n <= 0) return cudaSuccess;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
+    swiglu_kernel<<<blocks, 256, 0, stream>>>(gate, up, out, n);
+    return cudaGetLastError();
+}
+
+}  // namespace duet::cuda

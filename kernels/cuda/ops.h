@@ -1,0 +1,28 @@
+// CUDA kernels for the per-token operations of the forward pass, the same math as
+// the CPU kernels (kernels/cpu/kernels.h) on device arrays, row-batched. Each
+// launcher enqueues on `stream` and returns the launch error (cudaSuccess: queued).
+// Activations are f32; weights in bf16 (GGUF weights are dequantized to bf16 at load).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace duet::cuda {
+
+// out[t][:] = bf16 table row ids[t] as f32, for t < n_tok (embedding gather).
+cudaError_t embed_bf16(const uint16_t* table, const int32_t* ids, int n_tok, int dim, float* out, cudaStream_t stream);
+
+// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for each of n_rows rows of n values.
+cudaError_t rms_norm(const float* x, const float* w, float* y, int n_rows, int n, float eps, cudaStream_t stream);
+
+// Rotary embedding in place over n_tok rows of n_heads x head_dim values; row t at
+// position pos[t]; pairs (2i, 2i+1) ("normal") or (i, i + rot_dim/2) (neox) for
+// i < rot_dim/2, angle pos * inv_freq[i] (reduced mod 2 pi in double, as on CPU).
+cudaError_t rope(float* x, int n_tok, int n_heads, int head_dim, int rot_dim, const int32_t* pos,
+                 const float* inv_freq, bool neox, cudaStream_t stream);
+
+// out = silu(gate) * up, n values.
+cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
+
+}  // namespace duet::cuda
