@@ -1,0 +1,132 @@
+#include "attention.h"
+
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+namespace duet::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+
+__device__ inline float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// One block per (head, sequence, split): each warp runs an online softmax over every
+// kWarps-th token of the split, lanes holding head_dim / 32 dimensions each; the
+// warps' states merge in shared memory; the split's (max, sum, weighted V) go to the
+// workspace for the combine.
+template <int HD>
+__global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables, int max_blocks, const int32_t* lens,
+                               float scale, float* part_acc, float* part_m, float* part_l, int n_split) {
+    constexpr int PER = HD / 32;
+    const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int len = lens[s];
+    const int start = split * kSplitTokens, end = min(len, start + kSplitTokens);
+    const size_t slot = (static_cast<size_t>(s) * kv.n_head + h) * n_split + split;
+    const int hkv = h / (kv.n_head / kv.n_head_kv);
+    const size_t tile = 2ull * kv.n_head_kv * kv.block_tokens * HD;
+    const __half* base = reinterpret_cast<const __half*>(kv.data) + static_cast<size_t>(kv.layer) * kv.n_blocks * tile;
+
+    float qr[PER], acc[PER];
+    const float* qs = q + (static_cast<size_t>(s) * kv.n_head + h) * HD;
+    for (int i = 0; i < PER; ++i) {
+        qr[i] = qs[lane + 32 * i] * scale;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (int t = start + warp; t < end; t += kWarps) {
+        const int blk = tables[static_cast<size_t>(s) * max_blocks + t / kv.block_tokens];
+        const __half* k = base + static_cast<size_t>(blk) * tile + (static_cast<size_t>(hkv) * kv.block_tokens + t % kv.block_tokens) * HD;
+        const __half* v = k + tile / 2;
+        float dot = 0.0f;
+        for (int i = 0; i < PER; ++i) dot += qr[i] * __half2float(k[lane + 32 * i]);
+        const float sc = warp_sum(dot);
+        const float m_new = fmaxf(m, sc);
+        const float corr = expf(m - m_new), p = expf(sc - m_new);
+        l = l * corr + p;
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + p * __half2float(v[lane + 32 * i]);
+        m = m_new;
+    }
+    __shared__ float sm[kWarps], sl[kWarps], sacc[kWarps][HD];
+    if (lane == 0) {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+    for (int i = 0; i < PER; ++i) sacc[warp][lane + 32 * i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w]);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float a = 0.0f;
+        for (int w = 0; w < kWarps; ++w)
+            if (sm[w] != -INFINITY) a += expf(sm[w] - M) * sacc[w][d];
+        part_acc[slot * HD + d] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < kWarps; ++w)
+            if (sm[w] != -INFINITY) L += expf(sm[w] - M) * sl[w];
+        part_m[slot] = M;  // -inf: this split had no token
+        part_l[slot] = L;
+    }
+}
+
+template <int HD>
+__global__ void combine_kernel(const float* part_acc, const float* part_m, const float* part_l, int n_split, int n_head,
+                               float* out) {
+    const int h = blockIdx.x, s = blockIdx.y;
+    const size_t first = (static_cast<size_t>(s) * n_head + h) * n_split;
+    float M = -INFINITY;
+    for (int k = 0; k < n_split; ++k) M = fmaxf(M, part_m[first + k]);
+    float L = 0.0f;
+    for (int k = 0; k < n_split; ++k)
+        if (part_m[first + k] != -INFINITY) L += expf(part_m[first + k] - M) * part_l[first + k];
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float a = 0.0f;
+        for (int k = 0; k < n_split; ++k)
+            if (part_m[first + k] != -INFINITY) a += expf(part_m[first + k] - M) * part_acc[(first + k) * HD + d];
+        out[(static_cast<size_t>(s) * n_head + h) * HD + d] = L > 0.0f ? a / L : 0.0f;
+    }
+}
+
+template <int HD>
+cudaError_t launch(const float* q, const PagedKv& kv, const int32_t* tables, int max_blocks, const int32_t* lens,
+                   int n_seq, int n_split, float scale, float* out, void* ws, cudaStream_t stream) {
+    const size_t slots = static_cast<size_t>(n_seq) * kv.n_head * n_split;
+    float* acc = static_cast<float*>(ws);
+    float* m = acc + slots * HD;
+    float* l = m + slots;
+    partial_kernel<HD><<<dim3(kv.n_head, n_seq, n_split), 32 * kWarps, 0, stream>>>(q, kv, tables, max_blocks, lens,
+                                                                                     scale, acc, m, l, n_split);
+    combine_kernel<HD><<<dim3(kv.n_head, n_seq), HD, 0, stream>>>(acc, m, l, n_split, kv.n_head, out);
+    return cudaGetLastError();
+}
+
+int splits(int max_len) { return max_len <= 0 ? 1 : (max_len + kSplitTokens - 1) / kSplitTokens; }
+
+}  // namespace
+
+size_t paged_decode_workspace_bytes(const PagedKv& kv, int n_seq, int max_len) {
+    const size_t slots = static_cast<size_t>(n_seq) * kv.n_head * splits(max_len);
+    return slots * (static_cast<size_t>(kv.head_dim) + 2) * sizeof(float);
+}
+
+cudaError_t paged_decode_attention(const float* q, const PagedKv& kv, const int32_t* block_tables,
+                                   int max_blocks_per_seq, const int32_t* seq_lens, int n_seq, int max_len,
+                                   float scale, float* out, void* workspace, cudaStream_t stream) {
+    if (n_seq <= 0) return cudaSuccess;
+    if (kv.n_head_kv <= 0 || kv.n_head % kv.n_head_kv != 0 || kv.block_tokens <= 0) return cudaErrorInvalidValue;
+    const int n_split = splits(max_len);
+    switch (kv.head_dim) {
+    case 64: return launch<64>(q, kv, block_tables, max_blocks_per_seq, seq_lens, n_seq, n_split, scale, out, workspace, stream);
+    case 128: return launch<128>(q, kv, block_tables, max_blocks_per_seq, seq_lens, n_seq, n_split, scale, out, workspace, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace duet::cuda
