@@ -248,10 +248,10 @@ TEST(CudaAttention, PagedDecodeMatchesTheReference) {
         DeviceBuf<uint16_t> dkv(data);
         DeviceBuf<int32_t> dtab(tables), dlen(lens);
         DeviceBuf<float> dq(q), dout(std::vector<float>(q.size()));
-        DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_decode_workspace_bytes(kv, n_seq, max_len)));
+        DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_attention_workspace_bytes(kv, n_seq, max_len)));
         kv.data = dkv.p;
-        ASSERT_EQ(duet::cuda::paged_decode_attention(dq.p, kv, dtab.p, max_blocks, dlen.p, n_seq, max_len, scale, dout.p,
-                                                     ws.p, nullptr),
+        ASSERT_EQ(duet::cuda::paged_attention(dq.p, kv, dtab.p, max_blocks, nullptr, dlen.p, n_seq, max_len, scale,
+                                              dout.p, ws.p, nullptr),
                   cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         expect_close(dout.get(q.size()), want, 1e-4f, 1e-5f, head_dim == 64 ? "attention hd64" : "attention hd128");
@@ -260,6 +260,90 @@ TEST(CudaAttention, PagedDecodeMatchesTheReference) {
     odd.n_head = 4;
     odd.n_head_kv = 2;
     odd.head_dim = 96;
-    EXPECT_EQ(duet::cuda::paged_decode_attention(nullptr, odd, nullptr, 1, nullptr, 1, 1, 1.0f, nullptr, nullptr, nullptr),
+    EXPECT_EQ(duet::cuda::paged_attention(nullptr, odd, nullptr, 1, nullptr, nullptr, 1, 1, 1.0f, nullptr, nullptr, nullptr),
               cudaErrorInvalidValue);
+}
+
+// A prefill chunk of two sequences packed in one batch: K/V of the chunk appended to
+// the arena (f16, round to nearest even, as the CPU's fp32_to_fp16), then each query
+// token attends causally to its sequence's earlier tokens (already in the arena)
+// and the chunk's tokens up to itself. Against a float64 reference.
+TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cpu = duet::cpu;
+    duet::cuda::PagedKv kv;
+    kv.n_head = 9;
+    kv.n_head_kv = 3;
+    kv.head_dim = 64;
+    kv.block_tokens = 16;
+    kv.n_blocks = 64;
+    kv.layer = 0;
+    const size_t tile = 2ull * kv.n_head_kv * kv.block_tokens * kv.head_dim;
+    const int row = kv.n_head_kv * kv.head_dim;
+    // Sequence 0: 40 tokens already there, a chunk of 30; sequence 1: 0 there, 21 new.
+    const std::vector<int> past = {40, 0}, chunk = {30, 21};
+    const int max_blocks = 8;
+    std::vector<int32_t> tables = {5, 9, 2, 33, 7, 1, 60, 61, 12, 40, 3, 0, 0, 0, 0, 0};
+    auto vals = randoms(tile * kv.n_blocks, 21);
+    std::vector<uint16_t> data(vals.size());
+    for (size_t i = 0; i < vals.size(); ++i) data[i] = cpu::fp32_to_fp16(vals[i]);
+    std::vector<int32_t> qseq, visible, tblock, toff;
+    for (int s = 0; s < 2; ++s)
+        for (int i = 0; i < chunk[s]; ++i) {
+            const int pos = past[s] + i;
+            qseq.push_back(s);
+            visible.push_back(pos + 1);
+            tblock.push_back(tables[static_cast<size_t>(s) * max_blocks + pos / 16]);
+            toff.push_back(pos % 16);
+        }
+    const int n_tok = static_cast<int>(qseq.size());
+    auto k = randoms(static_cast<size_t>(n_tok) * row, 22), v = randoms(static_cast<size_t>(n_tok) * row, 23);
+    auto q = randoms(static_cast<size_t>(n_tok) * kv.n_head * kv.head_dim, 24);
+    // The reference arena after the append.
+    std::vector<uint16_t> ref = data;
+    for (int t = 0; t < n_tok; ++t)
+        for (int i = 0; i < row; ++i) {
+            const size_t at = static_cast<size_t>(tblock[t]) * tile +
+                              (static_cast<size_t>(i / kv.head_dim) * 16 + toff[t]) * kv.head_dim + i % kv.head_dim;
+            ref[at] = cpu::fp32_to_fp16(k[static_cast<size_t>(t) * row + i]);
+            ref[tile / 2 + at] = cpu::fp32_to_fp16(v[static_cast<size_t>(t) * row + i]);
+        }
+    const float scale = 0.125f;
+    std::vector<float> want(q.size());
+    for (int t = 0; t < n_tok; ++t)
+        for (int h = 0; h < kv.n_head; ++h) {
+            const int s = qseq[t], hkv = h / 3;
+            auto at = [&](int p, bool val, int d) {
+                const size_t off = static_cast<size_t>(tables[static_cast<size_t>(s) * max_blocks + p / 16]) * tile +
+                                   (val ? tile / 2 : 0) + (static_cast<size_t>(hkv) * 16 + p % 16) * kv.head_dim + d;
+                return static_cast<double>(cpu::fp16_to_fp32(ref[off]));
+            };
+            const float* qt = &q[(static_cast<size_t>(t) * kv.n_head + h) * kv.head_dim];
+            std::vector<double> sc(visible[t]);
+            double mx = -1e300, sum = 0;
+            for (int p = 0; p < visible[t]; ++p) {
+                double dot = 0;
+                for (int d = 0; d < kv.head_dim; ++d) dot += qt[d] * at(p, false, d);
+                mx = std::max(mx, sc[p] = dot * scale);
+            }
+            for (double& x : sc) sum += (x = std::exp(x - mx));
+            for (int d = 0; d < kv.head_dim; ++d) {
+                double o = 0;
+                for (int p = 0; p < visible[t]; ++p) o += sc[p] * at(p, true, d);
+                want[(static_cast<size_t>(t) * kv.n_head + h) * kv.head_dim + d] = static_cast<float>(o / sum);
+            }
+        }
+    DeviceBuf<uint16_t> dkv(data);
+    DeviceBuf<int32_t> dtab(tables), dqseq(qseq), dvis(visible), dtb(tblock), dto(toff);
+    DeviceBuf<float> dk(k), dv(v), dq(q), dout(std::vector<float>(q.size()));
+    const int max_len = 70;
+    DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_attention_workspace_bytes(kv, n_tok, max_len)));
+    kv.data = dkv.p;
+    ASSERT_EQ(duet::cuda::kv_append_f16(dk.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
+    ASSERT_EQ(duet::cuda::paged_attention(dq.p, kv, dtab.p, max_blocks, dqseq.p, dvis.p, n_tok, max_len, scale, dout.p,
+                                          ws.p, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dkv.get(ref.size()), ref) << "the appended KV differs from the CPU's f16 rounding (or touched other rows)";
+    expect_close(dout.get(q.size()), want, 1e-4f, 1e-5f, "prefill attention");
 }

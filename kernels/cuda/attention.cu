@@ -20,10 +20,12 @@ __device__ inline float warp_sum(float v) {
 // warps' states merge in shared memory; the split's (max, sum, weighted V) go to the
 // workspace for the combine.
 template <int HD>
-__global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables, int max_blocks, const int32_t* lens,
-                               float scale, float* part_acc, float* part_m, float* part_l, int n_split) {
+__global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables, int max_blocks, const int32_t* qseq,
+                               const int32_t* lens, float scale, float* part_acc, float* part_m, float* part_l,
+                               int n_split) {
     constexpr int PER = HD / 32;
-    const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
+    const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z;  // s: the query
+    const int seq = qseq ? qseq[s] : s;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int len = lens[s];
     const int start = split * kSplitTokens, end = min(len, start + kSplitTokens);
@@ -40,7 +42,7 @@ __global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables
     }
     float m = -INFINITY, l = 0.0f;
     for (int t = start + warp; t < end; t += kWarps) {
-        const int blk = tables[static_cast<size_t>(s) * max_blocks + t / kv.block_tokens];
+        const int blk = tables[static_cast<size_t>(seq) * max_blocks + t / kv.block_tokens];
         const __half* k = base + static_cast<size_t>(blk) * tile + (static_cast<size_t>(hkv) * kv.block_tokens + t % kv.block_tokens) * HD;
         const __half* v = k + tile / 2;
         float dot = 0.0f;
@@ -95,38 +97,65 @@ __global__ void combine_kernel(const float* part_acc, const float* part_m, const
 }
 
 template <int HD>
-cudaError_t launch(const float* q, const PagedKv& kv, const int32_t* tables, int max_blocks, const int32_t* lens,
-                   int n_seq, int n_split, float scale, float* out, void* ws, cudaStream_t stream) {
+cudaError_t launch(const float* q, const PagedKv& kv, const int32_t* tables, int max_blocks, const int32_t* qseq,
+                   const int32_t* lens, int n_seq, int n_split, float scale, float* out, void* ws, cudaStream_t stream) {
     const size_t slots = static_cast<size_t>(n_seq) * kv.n_head * n_split;
     float* acc = static_cast<float*>(ws);
     float* m = acc + slots * HD;
     float* l = m + slots;
-    partial_kernel<HD><<<dim3(kv.n_head, n_seq, n_split), 32 * kWarps, 0, stream>>>(q, kv, tables, max_blocks, lens,
-                                                                                     scale, acc, m, l, n_split);
+    partial_kernel<HD><<<dim3(kv.n_head, n_seq, n_split), 32 * kWarps, 0, stream>>>(q, kv, tables, max_blocks, qseq,
+                                                                                     lens, scale, acc, m, l, n_split);
     combine_kernel<HD><<<dim3(kv.n_head, n_seq), HD, 0, stream>>>(acc, m, l, n_split, kv.n_head, out);
     return cudaGetLastError();
 }
 
 int splits(int max_len) { return max_len <= 0 ? 1 : (max_len + kSplitTokens - 1) / kSplitTokens; }
 
+// Grid: tokens; threads over (kv head, dim) of K and V.
+__global__ void kv_append_kernel(const float* k, const float* v, const int32_t* token_block, const int32_t* token_offset,
+                                 PagedKv kv) {
+    const int t = blockIdx.x;
+    const int row = kv.n_head_kv * kv.head_dim;
+    const size_t tile = 2ull * kv.n_head_kv * kv.block_tokens * kv.head_dim;
+    __half* base = reinterpret_cast<__half*>(const_cast<uint16_t*>(kv.data)) +
+                   (static_cast<size_t>(kv.layer) * kv.n_blocks + token_block[t]) * tile;
+    for (int i = threadIdx.x; i < row; i += blockDim.x) {
+        const int head = i / kv.head_dim, d = i % kv.head_dim;
+        const size_t at = (static_cast<size_t>(head) * kv.block_tokens + token_offset[t]) * kv.head_dim + d;
+        base[at] = __float2half_rn(k[static_cast<size_t>(t) * row + i]);
+        base[tile / 2 + at] = __float2half_rn(v[static_cast<size_t>(t) * row + i]);
+    }
+}
+
 }  // namespace
 
-size_t paged_decode_workspace_bytes(const PagedKv& kv, int n_seq, int max_len) {
-    const size_t slots = static_cast<size_t>(n_seq) * kv.n_head * splits(max_len);
+size_t paged_attention_workspace_bytes(const PagedKv& kv, int n_query, int max_len) {
+    const size_t slots = static_cast<size_t>(n_query) * kv.n_head * splits(max_len);
     return slots * (static_cast<size_t>(kv.head_dim) + 2) * sizeof(float);
 }
 
-cudaError_t paged_decode_attention(const float* q, const PagedKv& kv, const int32_t* block_tables,
-                                   int max_blocks_per_seq, const int32_t* seq_lens, int n_seq, int max_len,
-                                   float scale, float* out, void* workspace, cudaStream_t stream) {
-    if (n_seq <= 0) return cudaSuccess;
+cudaError_t paged_attention(const float* q, const PagedKv& kv, const int32_t* block_tables, int max_blocks_per_seq,
+                            const int32_t* query_seq, const int32_t* visible, int n_query, int max_len, float scale,
+                            float* out, void* workspace, cudaStream_t stream) {
+    if (n_query <= 0) return cudaSuccess;
     if (kv.n_head_kv <= 0 || kv.n_head % kv.n_head_kv != 0 || kv.block_tokens <= 0) return cudaErrorInvalidValue;
     const int n_split = splits(max_len);
     switch (kv.head_dim) {
-    case 64: return launch<64>(q, kv, block_tables, max_blocks_per_seq, seq_lens, n_seq, n_split, scale, out, workspace, stream);
-    case 128: return launch<128>(q, kv, block_tables, max_blocks_per_seq, seq_lens, n_seq, n_split, scale, out, workspace, stream);
+    case 64:
+        return launch<64>(q, kv, block_tables, max_blocks_per_seq, query_seq, visible, n_query, n_split, scale, out,
+                          workspace, stream);
+    case 128:
+        return launch<128>(q, kv, block_tables, max_blocks_per_seq, query_seq, visible, n_query, n_split, scale, out,
+                           workspace, stream);
     default: return cudaErrorInvalidValue;
     }
+}
+
+cudaError_t kv_append_f16(const float* k, const float* v, int n_tok, const int32_t* token_block,
+                          const int32_t* token_offset, const PagedKv& kv, cudaStream_t stream) {
+    if (n_tok <= 0) return cudaSuccess;
+    kv_append_kernel<<<n_tok, 256, 0, stream>>>(k, v, token_block, token_offset, kv);
+    return cudaGetLastError();
 }
 
 }  // namespace duet::cuda

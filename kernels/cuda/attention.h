@@ -1,9 +1,11 @@
-// Paged decode attention on the GPU: one new query token per sequence against the
-// sequence's KV in the arena (f16, layout of src/kv/kv_pool.h:
-// data[layer][block][K|V][kv_head][token in block][dim]), through its block table.
-// GQA: query head h reads KV head h / (n_head / n_head_kv). Long contexts are split
-// into chunks of kSplitTokens computed in parallel (online softmax per chunk, then
-// one combine), so a single long sequence still fills the GPU.
+// Paged attention on the GPU: query tokens against their sequence's KV in the arena
+// (f16, layout of src/kv/kv_pool.h: data[layer][block][K|V][kv_head][token in
+// block][dim]), through the sequence's block table. Decode: one query per sequence
+// over all its tokens. Prefill: a packed batch of chunks of several sequences, each
+// query token over its sequence's tokens up to its own position (causal; the chunk's
+// KV appended first). GQA: query head h reads KV head h / (n_head / n_head_kv). Long
+// contexts are split into chunks of kSplitTokens computed in parallel (online
+// softmax per chunk, then one combine), so a single long sequence still fills the GPU.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,15 +24,23 @@ struct PagedKv {
 
 inline constexpr int kSplitTokens = 512;
 
-// Scratch the call needs for n_seq sequences of at most max_len tokens.
-size_t paged_decode_workspace_bytes(const PagedKv& kv, int n_seq, int max_len);
+// Scratch the call needs for n_query queries of at most max_len visible tokens.
+size_t paged_attention_workspace_bytes(const PagedKv& kv, int n_query, int max_len);
 
-// out[s][h][:] = softmax(scale * q[s][h] . K[s]) V[s] over the first seq_lens[s]
-// tokens of sequence s (block ids in block_tables[s * max_blocks_per_seq + i]).
-// head_dim must be 64 or 128 (cudaErrorInvalidValue otherwise); max_len >= every
-// seq_lens[s]. q and out: [n_seq][n_head][head_dim] f32.
-cudaError_t paged_decode_attention(const float* q, const PagedKv& kv, const int32_t* block_tables,
-                                   int max_blocks_per_seq, const int32_t* seq_lens, int n_seq, int max_len,
-                                   float scale, float* out, void* workspace, cudaStream_t stream);
+// out[i][h][:] = softmax(scale * q[i][h] . K) V over the first visible[i] tokens of
+// sequence seq = query_seq ? query_seq[i] : i, whose block ids are
+// block_tables[seq * max_blocks_per_seq + j]. head_dim must be 64 or 128
+// (cudaErrorInvalidValue otherwise); max_len >= every visible[i]. q and out:
+// [n_query][n_head][head_dim] f32.
+cudaError_t paged_attention(const float* q, const PagedKv& kv, const int32_t* block_tables, int max_blocks_per_seq,
+                            const int32_t* query_seq, const int32_t* visible, int n_query, int max_len, float scale,
+                            float* out, void* workspace, cudaStream_t stream);
+
+// Appends K and V rows of n_tok tokens (each [n_head_kv][head_dim] f32, K after
+// RoPE) to the arena as f16 (round to nearest even): token t goes to block
+// token_block[t], row token_offset[t] of layer kv.layer. The arena is written
+// through kv.data.
+cudaError_t kv_append_f16(const float* k, const float* v, int n_tok, const int32_t* token_block,
+                          const int32_t* token_offset, const PagedKv& kv, cudaStream_t stream);
 
 }  // namespace duet::cuda
