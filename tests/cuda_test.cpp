@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "device.h"
 #include "kernels.h"
+#include "model/sampler.h"
 #include "ops.h"
 #include "shm/fd_keeper.h"
 #include "shm_test_util.h"
@@ -126,7 +127,7 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 
 }  // namespace
 
-TEST(CudaOps, RmsNormSwigluEmbedRopeMatchTheCpu) {
+TEST(CudaOps, RmsNormSwigluEmbedRopeArgmaxMatchTheCpu) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
     namespace cpu = duet::cpu;
     // RMSNorm: ragged row counts and widths, including one that is not a multiple of 32.
@@ -182,6 +183,29 @@ TEST(CudaOps, RmsNormSwigluEmbedRopeMatchTheCpu) {
         DeviceBuf<int32_t> dpos(pos);
         ASSERT_EQ(duet::cuda::rope(dx.p, n_tok, n_heads, head_dim, rot_dim, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
         expect_close(dx.get(x.size()), want, 1e-5f, 1e-5f, neox ? "rope_neox" : "rope");
+    }
+    // Greedy picks: the CPU sampler's (lowest index among equal maxima), rows of the
+    // model's vocabulary size, ties planted across threads' strides.
+    {
+        const int rows = 6;
+        const int64_t vocab = 49152;
+        auto l = randoms(static_cast<size_t>(rows) * vocab, 31, 2.0f);
+        l[1 * vocab + 40000] = l[1 * vocab + 7] = 50.0f;     // tie: 7 wins
+        l[2 * vocab + 255] = l[2 * vocab + 256] = 60.0f;    // adjacent threads: 255 wins
+        l[3 * vocab + vocab - 1] = 70.0f;                   // the last entry
+        l[4 * vocab + 0] = 80.0f;                           // the first entry
+        for (int64_t i = 0; i < vocab; ++i) l[5 * vocab + i] = -1.0f;  // all equal: 0
+        std::vector<int32_t> want(rows);
+        duet::Sampler sampler;
+        duet::SamplingParams greedy;
+        greedy.temperature = 0.0f;
+        for (int r = 0; r < rows; ++r) want[r] = sampler.sample(&l[r * vocab], vocab, greedy, {}, {}, 0);
+        EXPECT_EQ(want[1], 7);
+        EXPECT_EQ(want[2], 255);
+        DeviceBuf<float> dl(l);
+        DeviceBuf<int32_t> dout(std::vector<int32_t>(static_cast<size_t>(rows), 0));
+        ASSERT_EQ(duet::cuda::argmax_rows(dl.p, rows, vocab, dout.p, nullptr), cudaSuccess);
+        EXPECT_EQ(dout.get(rows), want);
     }
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -63,7 +63,44 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
     }
 }
 
+// One block per row: each thread scans a stride (ascending, so its first maximum
+// wins), then a tree of (value, index) pairs keeps the larger value, the lower index
+// on ties. Rows are expected free of NaN.
+__global__ void argmax_kernel(const float* logits, int64_t n, int32_t* out) {
+    const float* row = logits + static_cast<int64_t>(blockIdx.x) * n;
+    float best = -INFINITY;
+    int64_t at = -1;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        if (at < 0 || row[i] > best) {
+            best = row[i];
+            at = i;
+        }
+    __shared__ float sv[256];
+    __shared__ int64_t si[256];
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = at;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            const float ov = sv[threadIdx.x + w], mv = sv[threadIdx.x];
+            const int64_t oi = si[threadIdx.x + w], mi = si[threadIdx.x];
+            if (oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi))) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = static_cast<int32_t>(si[0]);
+}
+
 }  // namespace
+
+cudaError_t argmax_rows(const float* logits, int n_rows, int64_t n_vocab, int32_t* out, cudaStream_t stream) {
+    if (n_rows <= 0 || n_vocab <= 0) return cudaSuccess;
+    argmax_kernel<<<n_rows, 256, 0, stream>>>(logits, n_vocab, out);
+    return cudaGetLastError();
+}
 
 cudaError_t embed_bf16(const uint16_t* table, const int32_t* ids, int n_tok, int dim, float* out, cudaStream_t stream) {
     if (n_tok <= 0) return cudaSuccess;

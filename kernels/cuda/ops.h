@@ -26,3 +26,13 @@ cudaError_t rope(float* x, int n_tok, int n_heads, int head_dim, int rot_dim, co
 cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
 
 }  // namespace duet::cuda
+
+namespace duet::cuda {
+
+// out[r] = the index of the largest of logits[r][0..n_vocab), the lowest index on
+// ties (the CPU sampler's greedy pick), for n_rows rows. Sampling with temperature
+// stays on the host: the CPU sampler over the row gives the same (seed, position)
+// draw on every backend.
+cudaError_t argmax_rows(const float* logits, int n_rows, int64_t n_vocab, int32_t* out, cudaStream_t stream);
+
+}  // namespace duet::cuda
