@@ -24,15 +24,28 @@ bool have_gpu();
 
 TEST(Cuda, KernelLaunchesAndComputes) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
-    std::string err;
-    EXPECT_TRUE(duet::cuda::smoke_test(0, &err)) << err << " on " << duet::cuda::device_name(0);
+    // In a child, like every CUDA use before the fork()s of the test below, so the
+    // binary can also be run directly (ctest runs each test in a process of its own).
+    pid_t pid = duet::shm::testing::fork_run([] {
+        std::string err;
+        if (duet::cuda::smoke_test(0, &err)) return 0;
+        std::fprintf(stderr, "%s on %s\n", err.c_str(), duet::cuda::device_name(0).c_str());
+        return 1;
+    });
+    EXPECT_EQ(duet::shm::testing::wait_exit(pid), 0);
 }
 
 // Without a GPU every test here is skipped. The probe runs in a child: a process that
 // has initialized CUDA cannot hand it to children it forks later.
 bool have_gpu() {
     static const int n = [] {
-        pid_t pid = duet::shm::testing::fork_run([] { return duet::cuda::device_count() > 0 ? 0 : 1; });
+        pid_t pid = duet::shm::testing::fork_run([] {
+            if (duet::cuda::device_count() > 0) return 0;
+            int n = 0;
+            const cudaError_t e = cudaGetDeviceCount(&n);  // why not (an old driver, say), for the log
+            std::fprintf(stderr, "CUDA: no usable device (%s)\n", cudaGetErrorString(e));
+            return 1;
+        });
         return duet::shm::testing::wait_exit(pid) == 0 ? 1 : 0;
     }();
     return n == 1;

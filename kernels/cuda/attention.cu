@@ -24,7 +24,7 @@ __global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables
                                const int32_t* lens, float scale, float* part_acc, float* part_m, float* part_l,
                                int n_split) {
     constexpr int PER = HD / 32;
-    const int h = blockIdx.x, s = blockIdx.y, split = blockIdx.z;  // s: the query
+    const int s = blockIdx.x, h = blockIdx.y, split = blockIdx.z;  // s: the query (x: up to 2^31 - 1 of them)
     const int seq = qseq ? qseq[s] : s;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int len = lens[s];
@@ -49,7 +49,8 @@ __global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables
         for (int i = 0; i < PER; ++i) dot += qr[i] * __half2float(k[lane + 32 * i]);
         const float sc = warp_sum(dot);
         const float m_new = fmaxf(m, sc);
-        const float corr = expf(m - m_new), p = expf(sc - m_new);
+        if (m_new == -INFINITY) continue;  // a -inf score (overflow) weighs nothing; -inf - -inf would be NaN
+        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new), p = expf(sc - m_new);
         l = l * corr + p;
         for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + p * __half2float(v[lane + 32 * i]);
         m = m_new;
@@ -81,7 +82,7 @@ __global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables
 template <int HD>
 __global__ void combine_kernel(const float* part_acc, const float* part_m, const float* part_l, int n_split, int n_head,
                                float* out) {
-    const int h = blockIdx.x, s = blockIdx.y;
+    const int s = blockIdx.x, h = blockIdx.y;
     const size_t first = (static_cast<size_t>(s) * n_head + h) * n_split;
     float M = -INFINITY;
     for (int k = 0; k < n_split; ++k) M = fmaxf(M, part_m[first + k]);
@@ -103,9 +104,10 @@ cudaError_t launch(const float* q, const PagedKv& kv, const int32_t* tables, int
     float* acc = static_cast<float*>(ws);
     float* m = acc + slots * HD;
     float* l = m + slots;
-    partial_kernel<HD><<<dim3(kv.n_head, n_seq, n_split), 32 * kWarps, 0, stream>>>(q, kv, tables, max_blocks, qseq,
+    partial_kernel<HD><<<dim3(n_seq, kv.n_head, n_split), 32 * kWarps, 0, stream>>>(q, kv, tables, max_blocks, qseq,
                                                                                      lens, scale, acc, m, l, n_split);
-    combine_kernel<HD><<<dim3(kv.n_head, n_seq), HD, 0, stream>>>(acc, m, l, n_split, kv.n_head, out);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    combine_kernel<HD><<<dim3(n_seq, kv.n_head), HD, 0, stream>>>(acc, m, l, n_split, kv.n_head, out);
     return cudaGetLastError();
 }
 
