@@ -1,0 +1,44 @@
+#include "model/gpu_plan.h"
+
+#include <algorithm>
+
+namespace duet {
+
+Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes, double fraction, uint64_t weight_bytes,
+                                          uint64_t reserve_bytes, uint64_t granularity) {
+    if (!(fraction > 0.0 && fraction <= 1.0)) return make_error("KV memory fraction must be in (0, 1], got {}", fraction);
+    if (granularity == 0) return make_error("allocation granularity 0");
+    DeviceArenaPlan p;
+    p.block_bytes = l.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(l.n_layer);
+    if (p.block_bytes == 0) return make_error("a KV block of 0 bytes (layout {} layers, {} heads, dim {})", l.n_layer, l.n_head_kv, l.head_dim);
+    const double usable = static_cast<double>(free_bytes) * fraction;
+    const double need = static_cast<double>(weight_bytes) + static_cast<double>(reserve_bytes);
+    const uint64_t budget = usable > need ? static_cast<uint64_t>(usable - need) : 0;
+    // Whole granules that fit the budget, then the blocks they hold.
+    const uint64_t bytes = budget / granularity * granularity;
+    const uint64_t blocks = std::min<uint64_t>(bytes / p.block_bytes, UINT32_MAX);
+    if (blocks == 0)
+        return make_error("no room for KV: {:.2f} GiB free x {} = {:.2f} GiB, weights {:.2f} GiB, scratch {:.2f} GiB, "
+                          "one block {:.2f} MiB",
+                          free_bytes / 1073741824.0, fraction, usable / 1073741824.0, weight_bytes / 1073741824.0,
+                          reserve_bytes / 1073741824.0, p.block_bytes / 1048576.0);
+    p.n_blocks = static_cast<uint32_t>(blocks);
+    p.bytes = (blocks * p.block_bytes + granularity - 1) / granularity * granularity;
+    return p;
+}
+
+std::vector<int> decode_graph_buckets(int max_batch) {
+    std::vector<int> b;
+    for (int n : {1, 2, 4})
+        if (n < max_batch) b.push_back(n);
+    for (int n = 8; n < max_batch; n += 8) b.push_back(n);
+    if (max_batch >= 1) b.push_back(max_batch);
+    return b;
+}
+
+int graph_bucket(const std::vector<int>& buckets, int n) {
+    auto it = std::lower_bound(buckets.begin(), buckets.end(), n);
+    return it == buckets.end() ? -1 : *it;
+}
+
+}  // namespace duet

@@ -1,0 +1,35 @@
+// Host-side planning for the CUDA backend, checkable without a GPU: how many KV
+// blocks a device arena holds, and the batch sizes decode steps are captured as
+// CUDA graphs for.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+
+namespace duet {
+
+struct DeviceArenaPlan {
+    uint32_t n_blocks = 0;
+    uint64_t bytes = 0;        // what to allocate: n_blocks blocks rounded up to the granularity
+    uint64_t block_bytes = 0;  // one block, every layer
+};
+
+// The KV arena for a device with free_bytes free: `fraction` of it, less the
+// model's weights and a scratch reserve, in whole blocks, the allocation rounded up
+// to the VMM granularity without passing the budget. An error that names the
+// figures when not even one block fits.
+Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes, double fraction, uint64_t weight_bytes,
+                                          uint64_t reserve_bytes, uint64_t granularity);
+
+// Decode steps run as CUDA graphs captured for these batch sizes (1, 2, 4, 8, then
+// every 8 up to max_batch, and max_batch itself); a step of n sequences replays the
+// smallest bucket >= n with the extra rows idle.
+std::vector<int> decode_graph_buckets(int max_batch);
+// The bucket for a step of n sequences, or -1 when n is past the largest (run
+// eagerly, without a graph).
+int graph_bucket(const std::vector<int>& buckets, int n);
+
+}  // namespace duet
