@@ -7,12 +7,14 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "attention.h"
 #include "device.h"
+#include "gemm.h"
 #include "kernels.h"
 #include "model/sampler.h"
 #include "ops.h"
@@ -383,4 +385,47 @@ TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(dkv.get(ref.size()), ref) << "the appended KV differs from the CPU's f16 rounding (or touched other rows)";
     expect_close(dout.get(q.size()), want, 1e-4f, 1e-5f, "prefill attention");
+}
+
+// Projections: bf16 weights and activations, f32 accumulation, against a float64
+// product of the same bf16 values; ragged sizes (a decode step of 1 token, a batch
+// of 7, a prefill chunk of 300), SmolLM2's widths.
+TEST(CudaGemm, Bf16LinearMatchesTheReference) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cpu = duet::cpu;
+    duet::cuda::Gemm gemm;
+    std::string err;
+    ASSERT_TRUE(gemm.init(&err)) << err;
+    for (auto [n_out, n_in, n_tok] : {std::tuple{576, 576, 1}, std::tuple{1536, 576, 7}, std::tuple{576, 1536, 300}}) {
+        auto wf = randoms(static_cast<size_t>(n_out) * n_in, 41, 0.05f), xf = randoms(static_cast<size_t>(n_tok) * n_in, 42);
+        std::vector<uint16_t> w(wf.size());
+        for (size_t i = 0; i < wf.size(); ++i) w[i] = cpu::fp32_to_bf16(wf[i]);
+        std::vector<uint16_t> xb(xf.size());
+        for (size_t i = 0; i < xf.size(); ++i) xb[i] = cpu::fp32_to_bf16(xf[i]);
+        std::vector<float> want(static_cast<size_t>(n_tok) * n_out), bound(want.size());
+        for (int t = 0; t < n_tok; ++t)
+            for (int r = 0; r < n_out; ++r) {
+                double acc = 0, mag = 0;
+                for (int k = 0; k < n_in; ++k) {
+                    const double p = static_cast<double>(cpu::bf16_to_fp32(w[static_cast<size_t>(r) * n_in + k])) *
+                                     cpu::bf16_to_fp32(xb[static_cast<size_t>(t) * n_in + k]);
+                    acc += p;
+                    mag += std::fabs(p);
+                }
+                want[static_cast<size_t>(t) * n_out + r] = static_cast<float>(acc);
+                bound[static_cast<size_t>(t) * n_out + r] = static_cast<float>(1e-5 * mag + 1e-6);  // f32 accumulation
+            }
+        DeviceBuf<uint16_t> dw(w), dxb(std::vector<uint16_t>(xf.size()));
+        DeviceBuf<float> dx(xf), dy(std::vector<float>(want.size()));
+        ASSERT_EQ(duet::cuda::f32_to_bf16(dx.p, dxb.p, static_cast<int64_t>(xf.size()), nullptr), cudaSuccess);
+        EXPECT_EQ(dxb.get(xb.size()), xb) << "activation rounding differs from the CPU's fp32_to_bf16";
+        ASSERT_TRUE(gemm.linear(dw.p, n_out, n_in, dxb.p, n_tok, dy.p, n_out, nullptr, &err)) << err;
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = dy.get(want.size());
+        size_t bad = 0;
+        for (size_t i = 0; i < got.size(); ++i)
+            if (!(std::fabs(got[i] - want[i]) <= bound[i]) && bad++ < 5)
+                ADD_FAILURE() << n_out << "x" << n_in << "x" << n_tok << " [" << i << "] " << got[i] << " vs " << want[i];
+        EXPECT_EQ(bad, 0u);
+    }
 }
