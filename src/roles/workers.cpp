@@ -1,5 +1,7 @@
 #include "roles/workers.h"
 
+#include "base/trace.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -162,6 +164,7 @@ void PrefillWorker::settle() {
 }
 
 shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m) {
+    trace::Range range("handoff");
     shm::Registry& reg = inst_->registry();
     std::vector<DecodeView> views;
     for (uint32_t d = 0; d < rings_.n_decode; ++d) views.push_back(decode_view(*inst_, d, opts_.numa));
@@ -336,7 +339,12 @@ Result<bool> PrefillWorker::step() {
         budget -= n;
     }
     if (batch.empty()) return true;  // only followers: their leaders are not in hand (cannot happen)
-    if (Status st = backend_->forward(batch, logits_); !st) {
+    Status st;
+    {
+        trace::Range range("prefill pass");
+        st = backend_->forward(batch, logits_);
+    }
+    if (!st) {
         // Out of KV blocks (forward() changes nothing then). With several requests in
         // the pass, run the next pass with the earliest-deadline one alone, taking no
         // new ones; a request that cannot run even alone fails (freeing its blocks).
@@ -459,7 +467,12 @@ Result<bool> DecodeWorker::step() {
         if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
         a.fresh = false;
     }
-    if (Status st = backend_->forward(batch, logits_); !st) {
+    Status st;
+    {
+        trace::Range range("decode step");
+        st = backend_->forward(batch, logits_);
+    }
+    if (!st) {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
         t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
