@@ -57,8 +57,8 @@ public:
     void cancel_all();
     void stop();
     size_t in_flight() const { return in_flight_.load(); }
-    // Sends a QUEUED request to prefill (thread-safe: the ring has one producer).
-    // If the ring stays full for 2 s (prefill gone), fails the request instead and
+    // Sends a QUEUED request to a prefill worker (PrefillRouter::send: routed,
+    // thread-safe). If its ring stays full for 2 s, fails the request instead and
     // returns false.
     bool send(shm::ReqRef r);
     FrontCounters& counters() { return counters_; }

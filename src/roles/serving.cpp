@@ -103,11 +103,8 @@ bool workers_running(shm::Instance& inst, bool all) {
     const ServeRings rings = ServeRings::of(inst.config());
     shm::Registry& reg = inst.registry();
     for (auto [role, n] : {std::pair{shm::Role::Prefill, rings.n_prefill}, std::pair{shm::Role::Decode, rings.n_decode}}) {
-        if (!all) {
-            if (reg.find_running(role) < 0) return false;
-            continue;
-        }
-        for (uint32_t i = 0; i < n; ++i)
+        if (!all && reg.find_running(role) < 0) return false;
+        for (uint32_t i = 0; all && i < n; ++i)
             if (reg.find_running(role, static_cast<int32_t>(i)) < 0) return false;
     }
     return true;

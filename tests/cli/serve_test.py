@@ -75,6 +75,37 @@ def stream(port, path, body, progress=None):
     return text, events
 
 
+def start_streams(port, prompts, params, started_when):
+    """Streams each prompt through /v1/completions with params, a thread each.
+    Returns (threads, got, started): got[i] becomes the text (or "error: ..."),
+    started is set once some stream's text so far satisfies started_when."""
+    got = [None] * len(prompts)
+    started = threading.Event()
+
+    def streamer(i):
+        try:
+            got[i] = stream(port, "/v1/completions", dict(params, prompt=prompts[i], stream=True),
+                            lambda txt: started_when(txt) and started.set())[0]
+        except Exception as e:  # reported by finish_streams
+            got[i] = f"error: {e}"
+    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, got, started
+
+
+def finish_streams(port, threads, got, prompts, params, what):
+    """Joins the streams; each must end with the text an undisturbed, non-streamed
+    request with the same prompt and params gets now."""
+    for t in threads:
+        t.join(300)
+    pending = sum(1 for g in got if g is None)
+    check(pending == 0, f"{pending} streams did not finish")
+    for i, prompt in enumerate(prompts):
+        want = json.loads(request(port, "POST", "/v1/completions", dict(params, prompt=prompt))[1])["choices"][0]["text"]
+        check(got[i] == want, f"stream {i} {what}: {got[i]!r} != {want!r}")
+
+
 def counter(port, name):
     """A counter's value from /metrics."""
     return int(re.search(rf"^{name} (\d+)", request(port, "GET", "/metrics")[1], re.M).group(1))
@@ -142,20 +173,8 @@ def several_workers(port, server):
     check(workers == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)], f"workers: {workers}")
     body_text = "A ring with one producer and one consumer needs no locks, and shared memory needs no copies. " * 2
     prompts = [f"Item {i}: {body_text} In short, item {i}" for i in range(16)]
-    import threading
-    got = [None] * 16
-    started = threading.Event()
-
-    def streamer(i):
-        try:
-            got[i] = stream(port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 24, "temperature": 0,
-                                                       "ignore_eos": True, "stream": True},
-                            lambda txt: len(txt) > 10 and started.set())[0]
-        except Exception as e:  # reported below
-            got[i] = f"error: {e}"
-    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    threads, got, started = start_streams(port, prompts, params, lambda txt: len(txt) > 10)
     check(started.wait(120), "no stream started")
     victim = None
     for _ in range(500):  # a decode worker holding sequences
@@ -166,15 +185,7 @@ def several_workers(port, server):
         time.sleep(0.01)
     check(victim, "no decode worker held a sequence")
     os.kill(victim["pid"], signal.SIGKILL)
-    for t in threads:
-        t.join(300)
-    pending = sum(1 for g in got if g is None)
-    check(pending == 0, f"{pending} streams did not finish")
-    for i in range(16):
-        want = json.loads(request(port, "POST", "/v1/completions",
-                                  {"prompt": prompts[i], "max_tokens": 24, "temperature": 0,
-                                   "ignore_eos": True})[1])["choices"][0]["text"]
-        check(got[i] == want, f"stream {i} after decode {victim['index']} was killed: {got[i]!r} != {want!r}")
+    finish_streams(port, threads, got, prompts, params, f"after decode {victim['index']} was killed")
     restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts == 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
     # Requests each worker took: the killed decode worker's count is from before the
@@ -414,7 +425,6 @@ def run(port, server):
     print("errors: ok")
 
     # 64 concurrent streaming clients (continuous batching): all complete, all correct.
-    import threading
     ref_body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
     ref = json.loads(request(port, "POST", "/v1/completions", ref_body)[1])["choices"][0]["text"]
     results = [None] * 64
@@ -452,7 +462,6 @@ def run(port, server):
                 break
             time.sleep(0.05)
         check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
-    import threading
     got = {}
     seen = threading.Event()
     t = threading.Thread(target=lambda: got.update(text=stream(
@@ -475,30 +484,13 @@ def run(port, server):
     body_text = ("Shared memory lets two processes on one machine read and write the same pages without "
                  "copying, and a ring with one producer and one consumer needs no locks. ") * 3
     prompts = [f"Note {i}: {body_text} Summary {i}:" for i in range(16)]
-    got16 = [None] * 16
-    started = threading.Event()
-
-    def streamer(i):
-        try:
-            got16[i] = stream(port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 12, "temperature": 0,
-                                                         "stream": True}, lambda txt: txt and started.set())[0]
-        except Exception as e:  # reported below
-            got16[i] = f"error: {e}"
-    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
+    params = {"max_tokens": 12, "temperature": 0}
+    threads, got16, started = start_streams(port, prompts, params, lambda txt: txt)
     check(started.wait(120), "no stream started")
     prefill = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "prefill"]
     check(len(prefill) == 1, f"one prefill worker: {prefill}")
     os.kill(prefill[0], signal.SIGKILL)
-    for t in threads:
-        t.join(300)
-    pending = sum(1 for g in got16 if g is None)
-    check(pending == 0, f"{pending} streams did not finish")
-    for i in range(16):
-        want16 = json.loads(request(port, "POST", "/v1/completions",
-                                    {"prompt": prompts[i], "max_tokens": 12, "temperature": 0})[1])["choices"][0]["text"]
-        check(got16[i] == want16, f"stream {i} after the prefill kill: {got16[i]!r} != {want16!r}")
+    finish_streams(port, threads, got16, prompts, params, "after the prefill kill")
     restarts2, redriven2 = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts2 == restarts + 1 and redriven2 > redriven, f"metrics: restarts {restarts2}, redriven {redriven2}")
     wait_reclaimed()
