@@ -117,6 +117,7 @@ int splits(int max_len) { return max_len <= 0 ? 1 : (max_len + kSplitTokens - 1)
 __global__ void kv_append_kernel(const float* k, const float* v, const int32_t* token_block, const int32_t* token_offset,
                                  PagedKv kv) {
     const int t = blockIdx.x;
+    if (token_block[t] < 0) return;  // a padding row of a captured decode step
     const int row = kv.n_head_kv * kv.head_dim;
     const size_t tile = 2ull * kv.n_head_kv * kv.block_tokens * kv.head_dim;
     __half* base = reinterpret_cast<__half*>(const_cast<uint16_t*>(kv.data)) +

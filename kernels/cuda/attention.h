@@ -38,8 +38,9 @@ cudaError_t paged_attention(const float* q, const PagedKv& kv, const int32_t* bl
 
 // Appends K and V rows of n_tok tokens (each [n_head_kv][head_dim] f32, K after
 // RoPE) to the arena as f16 (round to nearest even): token t goes to block
-// token_block[t], row token_offset[t] of layer kv.layer. The arena is written
-// through kv.data.
+// token_block[t], row token_offset[t] of layer kv.layer; a token with block -1 is
+// skipped (the idle rows of a decode step replayed from a CUDA graph). The arena is
+// written through kv.data.
 cudaError_t kv_append_f16(const float* k, const float* v, int n_tok, const int32_t* token_block,
                           const int32_t* token_offset, const PagedKv& kv, cudaStream_t stream);
 

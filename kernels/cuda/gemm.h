@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -21,6 +22,9 @@ public:
     Gemm& operator=(const Gemm&) = delete;
     // Creates the handle on the current device; false with the reason.
     bool init(std::string* error);
+    // A workspace of its own for cuBLAS (bytes at ws, on the device), so products
+    // captured into a CUDA graph never allocate.
+    bool set_workspace(void* ws, size_t bytes, std::string* error);
     // y[t][r] = sum_k w[r][k] * x[t][k] for r < n_out, t < n_tok: w row-major
     // [n_out][n_in] bf16, x row-major [n_tok][n_in] bf16, y row-major [n_tok][n_out]
     // f32 (leading dimension ldy >= n_out), on `stream`.

@@ -1,5 +1,7 @@
 #include "ops.h"
 
+#include <cuda_fp16.h>
+
 #include <algorithm>
 
 namespace duet::cuda {
@@ -62,6 +64,31 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
         out[i] = g / (1.0f + expf(-g)) * up[i];
     }
 }
+
+__global__ void add_bias_kernel(float* x, const float* b, int n) {
+    float* row = x + static_cast<int64_t>(blockIdx.x) * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] += b[i];
+}
+
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        x[i] += y[i];
+}
+
+__global__ void gather_rows_kernel(const float* x, const int32_t* rows, int n, float* out) {
+    const float* src = x + static_cast<int64_t>(rows[blockIdx.x]) * n;
+    float* dst = out + static_cast<int64_t>(blockIdx.x) * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+__global__ void round_f16_kernel(float* x, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        x[i] = __half2float(__float2half_rn(x[i]));
+}
+
+int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535)); }
 
 // One block per row: each thread scans a stride (ascending, so its first maximum
 // wins), then a tree of (value, index) pairs keeps the larger value, the lower index
@@ -126,6 +153,30 @@ cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cu
     if (n <= 0) return cudaSuccess;
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
     swiglu_kernel<<<blocks, 256, 0, stream>>>(gate, up, out, n);
+    return cudaGetLastError();
+}
+
+cudaError_t add_bias(float* x, const float* b, int n_rows, int n, cudaStream_t stream) {
+    if (n_rows <= 0 || n <= 0) return cudaSuccess;
+    add_bias_kernel<<<n_rows, 256, 0, stream>>>(x, b, n);
+    return cudaGetLastError();
+}
+
+cudaError_t add(float* x, const float* y, int64_t n, cudaStream_t stream) {
+    if (n <= 0) return cudaSuccess;
+    add_kernel<<<grid_for(n), 256, 0, stream>>>(x, y, n);
+    return cudaGetLastError();
+}
+
+cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, float* out, cudaStream_t stream) {
+    if (n_rows <= 0 || n <= 0) return cudaSuccess;
+    gather_rows_kernel<<<n_rows, 256, 0, stream>>>(x, rows, n, out);
+    return cudaGetLastError();
+}
+
+cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream) {
+    if (n <= 0) return cudaSuccess;
+    round_f16_kernel<<<grid_for(n), 256, 0, stream>>>(x, n);
     return cudaGetLastError();
 }
 

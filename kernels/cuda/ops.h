@@ -25,6 +25,18 @@ cudaError_t rope(float* x, int n_tok, int n_heads, int head_dim, int rot_dim, co
 // out = silu(gate) * up, n values.
 cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
 
+// x[t][i] += b[i] for n_rows rows of n values (a projection's bias).
+cudaError_t add_bias(float* x, const float* b, int n_rows, int n, cudaStream_t stream);
+
+// x[i] += y[i], n values (the residual).
+cudaError_t add(float* x, const float* y, int64_t n, cudaStream_t stream);
+
+// out[r][:] = x[rows[r]][:] for r < n_rows, rows of n values.
+cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, float* out, cudaStream_t stream);
+
+// x[i] = f32(f16(x[i])) (round to nearest even; overflow gives +-inf as on the CPU).
+cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream);
+
 }  // namespace duet::cuda
 
 namespace duet::cuda {

@@ -101,9 +101,9 @@ int cmd_run(RunArgs a) {
     }
     const double pp = st->prompt_seconds > 0 ? st->prompt_tokens / st->prompt_seconds : 0;
     const double tg = st->generate_seconds > 0 ? (st->generated - 1) / st->generate_seconds : 0;
-    std::fprintf(stderr, "duet: prompt %lld tokens, %.1f tokens/s; generated %lld tokens, %.1f tokens/s (%s, %d threads)\n",
+    std::fprintf(stderr, "duet: prompt %lld tokens, %.1f tokens/s; generated %lld tokens, %.1f tokens/s (%s)\n",
                  static_cast<long long>(st->prompt_tokens), pp, static_cast<long long>(st->generated), tg,
-                 cpu::isa_name(e.backend().isa()), e.threads().size());
+                 e.backend_description().c_str());
     return 0;
 }
 
@@ -281,14 +281,14 @@ int cmd_bench_model(BenchArgs a) {
     for (int r = 0; r < a.reps; ++r) pp.push_back(run_pp());
     for (int r = 0; r < a.reps; ++r) tg.push_back(run_tg());
     const double bytes = static_cast<double>(e.model().weight_bytes_per_token());
-    const double floor_tps = 1.0 / measure_weight_read_seconds(e.model(), e.threads(), e.backend().isa());
+    const double floor_tps = 1.0 / measure_weight_read_seconds(e.model(), e.threads(), e.isa());
     const double bw = bytes * floor_tps;
     Stat spp = stats(pp), stg = stats(tg);
     if (a.json) {
         nlohmann::json j = {
             {"model", a.model},
             {"threads", e.threads().size()},
-            {"isa", cpu::isa_name(e.backend().isa())},
+            {"isa", cpu::isa_name(e.isa())},
             {"n_prompt", a.n_prompt},
             {"n_gen", a.n_gen},
             {"pp_tokens_per_s", spp.mean},
@@ -302,7 +302,7 @@ int cmd_bench_model(BenchArgs a) {
         };
         std::printf("%s\n", j.dump().c_str());
     } else {
-        fmt::print("model {} | {} threads | {}\n", a.model, e.threads().size(), cpu::isa_name(e.backend().isa()));
+        fmt::print("model {} | {} threads | {}\n", a.model, e.threads().size(), cpu::isa_name(e.isa()));
         fmt::print("pp{:<5} {:10.1f} ± {:.1f} tokens/s\n", a.n_prompt, spp.mean, spp.sd);
         fmt::print("tg{:<5} {:10.1f} ± {:.1f} tokens/s\n", a.n_gen, stg.mean, stg.sd);
         fmt::print("floor: reading the {:.1f} MB of weights a token uses takes {:.1f} GB/s -> {:.1f} tokens/s; "

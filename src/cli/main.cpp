@@ -44,6 +44,8 @@ int main(int argc, char** argv) {
     c_run->add_option("--cpus", run.cpus, "pin threads to these CPUs, e.g. 0-3");
     c_run->add_option("--ctx", run.engine.n_ctx, "context size in tokens (default: min(model, 4096))");
     c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c_run->add_option("--device", run.engine.device, "cpu, or cuda:N (a build with CUDA)")->capture_default_str();
+    c_run->add_flag("!--no-cuda-graphs", run.engine.cuda_graphs, "run every CUDA pass eagerly");
     c_run->add_option("--instance", run.engine.instance,
                       "shared-memory instance name: segments /dev/shm/duet.<name>[.kv] (default: run-<pid>-0)");
     c_run->add_flag("!--no-huge-pages", run.engine.huge_pages, "keep the KV segment on 4 KiB pages");

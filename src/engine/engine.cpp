@@ -5,6 +5,10 @@
 #include <atomic>
 #include <chrono>
 
+#if DUET_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
 namespace duet {
 
 namespace {
@@ -26,10 +30,28 @@ Result<cpu::Isa> parse_isa(const std::string& name) {
     return isa;
 }
 
+#if !DUET_HAVE_CUDA
+class CudaKvMemory {};  // never made: this build has no CUDA backend
+#endif
+
+Engine::~Engine() {
+    // The backend first (it reads the pool), then the pool (shm_), then the device
+    // memory under it.
+    backend_.reset();
+    shm_.reset();
+    cuda_kv_.reset();
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     std::unique_ptr<Engine> e(new Engine());
     auto isa = parse_isa(opts.isa);
     if (!isa) return isa.error();
+    e->isa_ = *isa;
+    auto dev = parse_device(opts.device);
+    if (!dev) return dev.error();
+    e->device_ = *dev;
+    if (dev->cuda && !cuda_built())
+        return make_error("device {}: this duet was built without CUDA (configure with -DDUET_CUDA=ON)", dev->name());
     auto model = Model::load(opts.model_path);
     if (!model) return model.error();
     e->model_ = std::move(model).value();
@@ -50,7 +72,17 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     so.instance = opts.instance.empty() ? fmt::format("run-{}-{}", getpid(), n_engines++) : opts.instance;
     so.model_fingerprint = e->model_->fingerprint();
     so.huge_pages = opts.huge_pages;
-    auto kv = ShmKv::create(layout, static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens), so);
+    const auto n_blocks = static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens);
+#if DUET_HAVE_CUDA
+    if (dev->cuda) {
+        auto mem = CudaKvMemory::create(dev->index, layout, n_blocks);
+        if (!mem) return mem.error();
+        e->cuda_kv_ = std::move(mem).value();
+        so.device_data = e->cuda_kv_->data();
+        so.device_name = dev->name();
+    }
+#endif
+    auto kv = ShmKv::create(layout, n_blocks, so);
     if (!kv) return kv.error();
     e->shm_ = std::move(kv).value();
 
@@ -58,7 +90,22 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     if (n_threads <= 0)
         n_threads = opts.cpus.empty() ? static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) : static_cast<int>(opts.cpus.size());
     e->threads_ = std::make_unique<ThreadPool>(n_threads, opts.cpus);
+#if DUET_HAVE_CUDA
+    if (dev->cuda) {
+        CudaBackendOptions co;
+        co.device = dev->index;
+        co.max_batch = 8;  // one sequence here; a few buckets for batched callers
+        co.max_ctx = n_ctx;
+        co.graphs = opts.cuda_graphs;
+        auto b = CudaBackend::create(*e->model_, e->shm_->pool(), co);
+        if (!b) return b.error();
+        e->backend_desc_ = (*b)->describe();
+        e->backend_ = std::move(b).value();
+        return e;
+    }
+#endif
     e->backend_ = std::make_unique<CpuBackend>(*e->model_, e->shm_->pool(), *e->threads_, *isa);
+    e->backend_desc_ = fmt::format("cpu {}, {} threads", cpu::isa_name(*isa), e->threads_->size());
     return e;
 }
 

@@ -14,6 +14,7 @@
 #include "kv/kv_pool.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
+#include "model/device.h"
 #include "model/model.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -28,6 +29,8 @@ struct EngineOptions {
     std::string isa;              // "", "scalar", "avx2", "avx512"
     std::string instance;         // shm instance name (segments duet.<name>); "": run-<pid>-<n>
     bool huge_pages = true;       // for the KV data segment, when the system has them
+    std::string device = "cpu";   // "cpu" or "cuda:N" (a build with DUET_CUDA)
+    bool cuda_graphs = true;      // decode steps replay CUDA graphs (cuda devices)
 };
 
 struct GenerateOptions {
@@ -45,16 +48,23 @@ struct GenerateStats {
     bool stopped_at_eog = false;
 };
 
+class CudaKvMemory;
+
 class Engine {
 public:
     static Result<std::unique_ptr<Engine>> create(const EngineOptions& opts);
+    ~Engine();
 
     const Model& model() const { return *model_; }
     const Tokenizer& tokenizer() const { return *tok_; }
     KvPool& pool() { return shm_->pool(); }
     ShmKv& shm() { return *shm_; }
     ThreadPool& threads() { return *threads_; }
-    CpuBackend& backend() { return *backend_; }
+    Backend& backend() { return *backend_; }
+    cpu::Isa isa() const { return isa_; }  // the CPU backend's (and the host kernels')
+    const DeviceSpec& device() const { return device_; }
+    // One line: the device and how the backend runs there.
+    const std::string& backend_description() const { return backend_desc_; }
     int64_t n_ctx() const { return n_ctx_; }
 
     // Prefills prompt (in chunks), then samples and decodes until max_tokens, an
@@ -70,7 +80,11 @@ private:
     std::unique_ptr<Tokenizer> tok_;
     std::unique_ptr<ShmKv> shm_;  // the KV pool, on the shared-memory arena
     std::unique_ptr<ThreadPool> threads_;
-    std::unique_ptr<CpuBackend> backend_;
+    std::unique_ptr<CudaKvMemory> cuda_kv_;  // before shm_: the pool points into it
+    std::unique_ptr<Backend> backend_;
+    cpu::Isa isa_ = cpu::Isa::Scalar;
+    DeviceSpec device_;
+    std::string backend_desc_;
     int64_t n_ctx_ = 0;
     Sampler sampler_;
 };

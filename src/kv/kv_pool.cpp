@@ -53,6 +53,7 @@ KvPool::~KvPool() {
 }
 
 void KvPool::copy_block(int32_t dst, int32_t src) {
+    if (block_copy_) return block_copy_(dst, src);
     const size_t n = layout_.tile_elems() * sizeof(uint16_t);
     for (int32_t l = 0; l < layout_.n_layer; ++l) std::memcpy(tile(dst, l), tile(src, l), n);
 }

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -91,6 +92,10 @@ public:
     }
     // Copies every layer of block src into block dst (copy-on-write of a shared block).
     void copy_block(int32_t dst, int32_t src);
+    // How copy_block copies when the data is not host memory (a GPU arena: the
+    // backend enqueues device-to-device copies on its stream). Empty: memcpy.
+    using BlockCopy = std::function<void(int32_t dst, int32_t src)>;
+    void set_block_copy(BlockCopy f) { block_copy_ = std::move(f); }
 
 private:
     size_t tile_half() const { return layout_.tile_elems() / 2; }
@@ -106,6 +111,7 @@ private:
     bool owned_ = false;
     size_t n_blocks_;
     std::unique_ptr<KvBlockAllocator> alloc_;
+    BlockCopy block_copy_;
 };
 
 // A sequence's block table: block i holds positions [16 i, 16 i + 16).

@@ -40,6 +40,9 @@ struct ShmKvOptions {
     std::string instance;       // segment names duet.<instance>[.kv]
     uint64_t model_fingerprint = 0;
     bool huge_pages = true;
+    // KV data elsewhere (a GPU's memory, device_name names it): no CPU KV segment.
+    uint16_t* device_data = nullptr;
+    std::string device_name;
 };
 
 class ShmKv {
@@ -59,6 +62,7 @@ private:
     ShmKv() = default;
     shm::Instance inst_;
     shm::ProcRef self_;
+    std::string device_name_;  // where the KV data is when not in /dev/shm
     uint32_t user_ = 0;
     bool joined_ = false;  // user_ is ours only once join() succeeded
     std::unique_ptr<KvPool> pool_;

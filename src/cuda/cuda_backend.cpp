@@ -1,0 +1,566 @@
+#include "cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+#include "base/trace.h"
+#include "device.h"
+#include "gemm.h"
+#include "kernels.h"
+#include "model/bf16_weights.h"
+#include "model/gpu_plan.h"
+#include "ops.h"
+
+namespace duet {
+
+namespace {
+
+Status cuda_ok(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return {};
+    return make_error("CUDA: {}: {}", what, cudaGetErrorString(e));
+}
+
+#define DUET_CUDA_TRY(expr)                                                  \
+    do {                                                                     \
+        if (Status st_ = cuda_ok((expr), #expr); !st_) return st_.error(); \
+    } while (0)
+
+// A device buffer that only grows.
+class DevBuf {
+public:
+    ~DevBuf() {
+        if (p_) cudaFree(p_);
+    }
+    // Room for `bytes`; *moved is set when the address changed.
+    Status reserve(size_t bytes, bool* moved) {
+        if (bytes <= cap_) return {};
+        if (p_) cudaFree(p_);
+        p_ = nullptr;
+        cap_ = 0;
+        const size_t want = (bytes + 65535) / 65536 * 65536;
+        DUET_CUDA_TRY(cudaMalloc(&p_, want));
+        cap_ = want;
+        *moved = true;
+        return {};
+    }
+    template <typename T>
+    T* as() const { return static_cast<T*>(p_); }
+
+private:
+    void* p_ = nullptr;
+    size_t cap_ = 0;
+};
+
+// Page-locked host memory (the staging area of the per-pass inputs).
+class HostBuf {
+public:
+    ~HostBuf() {
+        if (p_) cudaFreeHost(p_);
+    }
+    Status reserve(size_t bytes) {
+        if (bytes <= cap_) return {};
+        if (p_) cudaFreeHost(p_);
+        p_ = nullptr;
+        cap_ = 0;
+        const size_t want = (bytes + 4095) / 4096 * 4096;
+        DUET_CUDA_TRY(cudaMallocHost(&p_, want));
+        cap_ = want;
+        return {};
+    }
+    template <typename T>
+    T* as() const { return static_cast<T*>(p_); }
+
+private:
+    void* p_ = nullptr;
+    size_t cap_ = 0;
+};
+
+struct LayerDev {
+    const uint16_t *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    const uint16_t *gate = nullptr, *up = nullptr, *down = nullptr;
+    const float *attn_norm = nullptr, *ffn_norm = nullptr;
+    const float *bq = nullptr, *bk = nullptr, *bv = nullptr;
+};
+
+// Where each per-pass input lives in the int32 input buffer (host staging and device).
+struct InputLayout {
+    int T = 0, n_out = 0, n_seq = 0, max_blocks = 0;
+    size_t tok() const { return 0; }
+    size_t pos() const { return static_cast<size_t>(T); }
+    size_t tblock() const { return 2 * static_cast<size_t>(T); }
+    size_t toff() const { return 3 * static_cast<size_t>(T); }
+    size_t qseq() const { return 4 * static_cast<size_t>(T); }
+    size_t vis() const { return 5 * static_cast<size_t>(T); }
+    size_t orow() const { return 6 * static_cast<size_t>(T); }
+    size_t tables() const { return orow() + static_cast<size_t>(n_out); }
+    size_t count() const { return tables() + static_cast<size_t>(n_seq) * max_blocks; }
+};
+
+int splits_for(int64_t len) { return static_cast<int>(std::max<int64_t>(1, (len + cuda::kSplitTokens - 1) / cuda::kSplitTokens)); }
+
+}  // namespace
+
+// ---------------------------------------------------------------- KV memory
+
+Result<std::unique_ptr<CudaKvMemory>> CudaKvMemory::create(int device, const KvLayout& l, int32_t n_blocks) {
+    if (n_blocks <= 0) return make_error("KV pool needs at least one block, got {}", n_blocks);
+    const int n_dev = cuda::device_count();
+    if (device < 0 || device >= n_dev)
+        return make_error("cuda:{}: no such device ({} CUDA device{} visible)", device, n_dev, n_dev == 1 ? "" : "s");
+    std::unique_ptr<CudaKvMemory> m(new CudaKvMemory());
+    m->device_ = device;
+    m->bytes_ = l.tile_elems() * sizeof(uint16_t) * static_cast<size_t>(l.n_layer) * static_cast<size_t>(n_blocks);
+    DUET_CUDA_TRY(cudaSetDevice(device));
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, m->bytes_); e != cudaSuccess)
+        return make_error("cuda:{}: cannot allocate {:.1f} MiB for {} KV blocks: {}", device, m->bytes_ / 1048576.0,
+                          n_blocks, cudaGetErrorString(e));
+    m->data_ = static_cast<uint16_t*>(p);
+    return m;
+}
+
+CudaKvMemory::~CudaKvMemory() {
+    if (data_) {
+        cudaSetDevice(device_);
+        cudaFree(data_);
+    }
+}
+
+// ---------------------------------------------------------------- backend
+
+struct CudaBackend::Impl {
+    const Model* model = nullptr;
+    KvPool* pool = nullptr;
+    CudaBackendOptions o;
+    cudaStream_t stream = nullptr;
+    cuda::Gemm gemm;
+    std::string device_name;
+
+    // Weights, all in one allocation.
+    DevBuf weights;
+    size_t weight_bytes = 0;
+    std::vector<LayerDev> layers;
+    const uint16_t* embd = nullptr;
+    const uint16_t* out = nullptr;
+    const float* out_norm = nullptr;
+    const float* inv_freq = nullptr;
+
+    // Activations and inputs, sized for cap_tok tokens / cap_out logit rows.
+    DevBuf x, xn, xb, q, k, v, att, tmp, gate, up, hs, logits, attn_ws, in, cublas_ws;
+    HostBuf hin;
+    size_t cap_in = 0;
+
+    // Decode graphs per (bucket, attention splits).
+    std::vector<int> buckets;
+    int graph_max_blocks = 0;
+    std::map<std::pair<int, int>, cudaGraphExec_t> graphs;
+    int64_t replays = 0;
+
+    Status copy_error;  // a failed copy-on-write block copy, reported by the next forward
+
+    ~Impl() {
+        drop_graphs();
+        if (pool) pool->set_block_copy({});
+        if (stream) cudaStreamDestroy(stream);
+    }
+
+    void drop_graphs() {
+        for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
+        graphs.clear();
+    }
+
+    Status upload_weights();
+    Status reserve(const InputLayout& in_l, int64_t max_len);
+    Status enqueue(const InputLayout& l, int max_len);
+};
+
+Status CudaBackend::Impl::upload_weights() {
+    const ModelConfig& c = model->config();
+    // One allocation: a plan of (tensor, as bf16 or f32, offset) first.
+    struct Item {
+        const GgufTensor* t;
+        bool bf16;
+        size_t off;
+    };
+    std::vector<Item> items;
+    std::map<const GgufTensor*, size_t> at;  // a tensor named twice (tied output) is uploaded once
+    size_t total = 0;
+    auto add = [&](const GgufTensor* t, bool bf16) {
+        if (!t || at.count(t)) return;
+        const size_t bytes = static_cast<size_t>(t->n_elements()) * (bf16 ? 2 : 4);
+        at[t] = total;
+        items.push_back({t, bf16, total});
+        total += (bytes + 255) / 256 * 256;
+    };
+    add(&model->tok_embd(), true);
+    add(&model->output(), true);
+    add(&model->output_norm(), false);
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+        const LayerWeights& w = model->layer(l);
+        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) add(m, true);
+        for (const GgufTensor* f : {w.attn_norm, w.ffn_norm, w.bq, w.bk, w.bv}) add(f, false);
+    }
+    const size_t freq_off = total;
+    total += (model->rope_inv_freq().size() * sizeof(float) + 255) / 256 * 256;
+    bool moved = false;
+    if (Status st = weights.reserve(total, &moved); !st)
+        return make_error("cuda:{}: cannot allocate {:.1f} MiB for the weights: {}", o.device, total / 1048576.0,
+                          st.error().message);
+    weight_bytes = total;
+    char* base = weights.as<char>();
+    std::vector<float> f32;
+    for (const Item& it : items) {
+        const GgufTensor& t = *it.t;
+        if (it.bf16) {
+            auto h = dequantize_bf16(t);
+            if (!h) return h.error();
+            DUET_CUDA_TRY(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice));
+        } else {
+            if (!dtype_supported(t.type) || t.n_dims < 1) return make_error("tensor {}: cannot be read as f32", t.name);
+            const int64_t rows = t.n_elements() / t.ne[0];
+            f32.resize(static_cast<size_t>(t.n_elements()));
+            for (int64_t r = 0; r < rows; ++r)
+                cpu::dequantize_row(t.type, t.data + static_cast<size_t>(r) * t.row_bytes(),
+                                    f32.data() + static_cast<size_t>(r * t.ne[0]), t.ne[0]);
+            DUET_CUDA_TRY(cudaMemcpy(base + it.off, f32.data(), f32.size() * 4, cudaMemcpyHostToDevice));
+        }
+    }
+    DUET_CUDA_TRY(cudaMemcpy(base + freq_off, model->rope_inv_freq().data(), model->rope_inv_freq().size() * sizeof(float),
+                             cudaMemcpyHostToDevice));
+    auto b16 = [&](const GgufTensor* t) {
+        return t ? reinterpret_cast<const uint16_t*>(base + at.at(t)) : nullptr;
+    };
+    auto f = [&](const GgufTensor* t) { return t ? reinterpret_cast<const float*>(base + at.at(t)) : nullptr; };
+    embd = b16(&model->tok_embd());
+    out = b16(&model->output());
+    out_norm = f(&model->output_norm());
+    inv_freq = reinterpret_cast<const float*>(base + freq_off);
+    layers.resize(static_cast<size_t>(c.n_layer));
+    for (int64_t l = 0; l < c.n_layer; ++l) {
+        const LayerWeights& w = model->layer(l);
+        LayerDev& d = layers[static_cast<size_t>(l)];
+        d.wq = b16(w.wq);
+        d.wk = b16(w.wk);
+        d.wv = b16(w.wv);
+        d.wo = b16(w.wo);
+        d.gate = b16(w.w_gate);
+        d.up = b16(w.w_up);
+        d.down = b16(w.w_down);
+        d.attn_norm = f(w.attn_norm);
+        d.ffn_norm = f(w.ffn_norm);
+        d.bq = f(w.bq);
+        d.bk = f(w.bk);
+        d.bv = f(w.bv);
+    }
+    return {};
+}
+
+// Buffers for a pass of l.T tokens and l.n_out logit rows attending over at most
+// max_len tokens. A buffer that moves invalidates every captured graph.
+Status CudaBackend::Impl::reserve(const InputLayout& l, int64_t max_len) {
+    const ModelConfig& c = model->config();
+    const size_t T = static_cast<size_t>(l.T);
+    const size_t E = static_cast<size_t>(c.n_embd), Q = static_cast<size_t>(c.n_head * c.head_dim),
+                 KV = static_cast<size_t>(c.n_head_kv * c.head_dim), F = static_cast<size_t>(c.n_ff);
+    bool moved = false;
+    auto r = [&](DevBuf& b, size_t bytes) { return b.reserve(bytes, &moved); };
+    for (auto [buf, bytes] : std::initializer_list<std::pair<DevBuf*, size_t>>{
+             {&x, T * E * 4},
+             {&xn, T * E * 4},
+             {&tmp, T * E * 4},
+             {&xb, T * std::max({E, Q, F}) * 2},
+             {&q, T * Q * 4},
+             {&att, T * Q * 4},
+             {&k, T * KV * 4},
+             {&v, T * KV * 4},
+             {&gate, T * F * 4},
+             {&up, T * F * 4},
+             {&hs, T * F * 4},
+             {&logits, static_cast<size_t>(l.n_out) * static_cast<size_t>(c.n_vocab) * 4},
+             {&in, l.count() * 4}}) {
+        if (Status st = r(*buf, bytes); !st) return st;
+    }
+    cuda::PagedKv kv;
+    kv.n_head = static_cast<int>(c.n_head);
+    kv.n_head_kv = static_cast<int>(c.n_head_kv);
+    kv.head_dim = static_cast<int>(c.head_dim);
+    if (Status st = r(attn_ws, cuda::paged_attention_workspace_bytes(kv, l.T, static_cast<int>(max_len))); !st)
+        return st;
+    if (Status st = hin.reserve(l.count() * 4); !st) return st;
+    if (moved) drop_graphs();
+    return {};
+}
+
+// The whole pass on `stream`, reading its inputs from `in` (laid out as l).
+Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
+    const ModelConfig& c = model->config();
+    const int T = l.T;
+    const int E = static_cast<int>(c.n_embd), HD = static_cast<int>(c.head_dim), NH = static_cast<int>(c.n_head),
+              NKV = static_cast<int>(c.n_head_kv), F = static_cast<int>(c.n_ff), V = static_cast<int>(c.n_vocab);
+    const int Q = NH * HD, KV = NKV * HD;
+    const float eps = static_cast<float>(c.rms_eps);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+    const int32_t* in_d = in.as<int32_t>();
+    const int32_t* tok = in_d + l.tok();
+    const int32_t* pos = in_d + l.pos();
+    const int32_t* tblock = in_d + l.tblock();
+    const int32_t* toff = in_d + l.toff();
+    const int32_t* qseq = in_d + l.qseq();
+    const int32_t* vis = in_d + l.vis();
+    const int32_t* orow = in_d + l.orow();
+    const int32_t* tables = in_d + l.tables();
+    float *X = x.as<float>(), *XN = xn.as<float>(), *TMP = tmp.as<float>();
+    uint16_t* XB = xb.as<uint16_t>();
+    std::string err;
+    auto mm = [&](const uint16_t* w, int n_out, int n_in, const uint16_t* xin, int n_tok, float* y, int ldy) -> Status {
+        if (!gemm.linear(w, n_out, n_in, xin, n_tok, y, ldy, stream, &err)) return make_error("{}", err);
+        return {};
+    };
+#define DUET_STEP(expr)                                 \
+    do {                                                \
+        if (Status st_ = (expr); !st_) return st_;      \
+    } while (0)
+#define DUET_K(expr) DUET_CUDA_TRY(expr)
+
+    cuda::PagedKv kv;
+    kv.data = pool->k(0, 0, 0);
+    kv.n_blocks = pool->allocator().n_blocks();
+    kv.n_head = NH;
+    kv.n_head_kv = NKV;
+    kv.head_dim = HD;
+    kv.block_tokens = pool->layout().block_tokens;
+
+    DUET_K(cuda::embed_bf16(embd, tok, T, E, X, stream));
+    for (int li = 0; li < static_cast<int>(c.n_layer); ++li) {
+        const LayerDev& w = layers[static_cast<size_t>(li)];
+        DUET_K(cuda::rms_norm(X, w.attn_norm, XN, T, E, eps, stream));
+        DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
+        DUET_STEP(mm(w.wq, Q, E, XB, T, q.as<float>(), Q));
+        DUET_STEP(mm(w.wk, KV, E, XB, T, k.as<float>(), KV));
+        DUET_STEP(mm(w.wv, KV, E, XB, T, v.as<float>(), KV));
+        if (w.bq) {
+            DUET_K(cuda::add_bias(q.as<float>(), w.bq, T, Q, stream));
+            DUET_K(cuda::add_bias(k.as<float>(), w.bk, T, KV, stream));
+            DUET_K(cuda::add_bias(v.as<float>(), w.bv, T, KV, stream));
+        }
+        DUET_K(cuda::rope(q.as<float>(), T, NH, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
+        DUET_K(cuda::rope(k.as<float>(), T, NKV, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
+        // Q meets f16 K: rounded to f16 as on the CPU backend.
+        DUET_K(cuda::round_f16(q.as<float>(), static_cast<int64_t>(T) * Q, stream));
+        kv.layer = li;
+        DUET_K(cuda::kv_append_f16(k.as<float>(), v.as<float>(), T, tblock, toff, kv, stream));
+        DUET_K(cuda::paged_attention(q.as<float>(), kv, tables, l.max_blocks, qseq, vis, T, max_len, scale,
+                                     att.as<float>(), attn_ws.as<void>(), stream));
+        DUET_K(cuda::f32_to_bf16(att.as<float>(), XB, static_cast<int64_t>(T) * Q, stream));
+        DUET_STEP(mm(w.wo, E, Q, XB, T, TMP, E));
+        DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
+
+        DUET_K(cuda::rms_norm(X, w.ffn_norm, XN, T, E, eps, stream));
+        DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
+        DUET_STEP(mm(w.gate, F, E, XB, T, gate.as<float>(), F));
+        DUET_STEP(mm(w.up, F, E, XB, T, up.as<float>(), F));
+        DUET_K(cuda::swiglu(gate.as<float>(), up.as<float>(), hs.as<float>(), static_cast<int64_t>(T) * F, stream));
+        DUET_K(cuda::f32_to_bf16(hs.as<float>(), XB, static_cast<int64_t>(T) * F, stream));
+        DUET_STEP(mm(w.down, E, F, XB, T, TMP, E));
+        DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
+    }
+    // The output head over the rows whose logits are wanted.
+    DUET_K(cuda::gather_rows(X, orow, l.n_out, E, TMP, stream));
+    DUET_K(cuda::rms_norm(TMP, out_norm, XN, l.n_out, E, eps, stream));
+    DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(l.n_out) * E, stream));
+    DUET_STEP(mm(out, V, E, XB, l.n_out, logits.as<float>(), V));
+#undef DUET_STEP
+#undef DUET_K
+    return {};
+}
+
+CudaBackend::CudaBackend() : d_(std::make_unique<Impl>()) {}
+CudaBackend::~CudaBackend() {
+    if (d_) cudaSetDevice(d_->o.device);
+}
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const Model& model, KvPool& pool, const CudaBackendOptions& o) {
+    const ModelConfig& c = model.config();
+    if (c.head_dim != 64 && c.head_dim != 128)
+        return make_error("the CUDA backend's attention covers head_dim 64 and 128; {} has {}", c.name, c.head_dim);
+    if (o.max_batch < 1 || o.max_ctx < 1) return make_error("CUDA backend: max_batch and max_ctx must be positive");
+    const int n_dev = cuda::device_count();
+    if (o.device < 0 || o.device >= n_dev)
+        return make_error("cuda:{}: no such device ({} CUDA device{} visible)", o.device, n_dev, n_dev == 1 ? "" : "s");
+    std::unique_ptr<CudaBackend> b(new CudaBackend());
+    Impl& d = *b->d_;
+    d.model = &model;
+    d.pool = &pool;
+    d.o = o;
+    d.device_name = cuda::device_name(o.device);
+    DUET_CUDA_TRY(cudaSetDevice(o.device));
+    DUET_CUDA_TRY(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
+    std::string err;
+    if (!d.gemm.init(&err)) return make_error("cuda:{}: {}", o.device, err);
+    // cuBLAS's own workspace (its recommended 32 MiB on Hopper), fixed so graph
+    // capture never allocates.
+    constexpr size_t kCublasWs = 32u << 20;
+    bool moved = false;
+    if (Status st = d.cublas_ws.reserve(kCublasWs, &moved); !st) return st.error();
+    if (!d.gemm.set_workspace(d.cublas_ws.as<void>(), kCublasWs, &err)) return make_error("cuda:{}: {}", o.device, err);
+    if (Status st = d.upload_weights(); !st) return st.error();
+
+    const int bt = pool.layout().block_tokens;
+    d.buckets = decode_graph_buckets(o.max_batch);
+    d.graph_max_blocks = static_cast<int>((o.max_ctx + bt - 1) / bt);
+    // Room for the largest decode graph up front, so that capturing it never moves
+    // a buffer under the graphs captured before.
+    InputLayout g;
+    g.T = g.n_out = g.n_seq = d.buckets.back();
+    g.max_blocks = d.graph_max_blocks;
+    if (Status st = d.reserve(g, static_cast<int64_t>(splits_for(o.max_ctx)) * cuda::kSplitTokens); !st)
+        return st.error();
+
+    Impl* dp = b->d_.get();
+    pool.set_block_copy([dp](int32_t dst, int32_t src) {
+        const KvLayout& l = dp->pool->layout();
+        const size_t bytes = l.tile_elems() * sizeof(uint16_t);
+        for (int32_t layer = 0; layer < l.n_layer; ++layer) {
+            cudaError_t e = cudaMemcpyAsync(dp->pool->k(dst, layer, 0), dp->pool->k(src, layer, 0), bytes,
+                                            cudaMemcpyDeviceToDevice, dp->stream);
+            if (e != cudaSuccess && dp->copy_error.ok()) dp->copy_error = cuda_ok(e, "copy-on-write block copy");
+        }
+    });
+    return b;
+}
+
+int64_t CudaBackend::n_vocab() const { return d_->model->config().n_vocab; }
+size_t CudaBackend::weight_bytes() const { return d_->weight_bytes; }
+int CudaBackend::graphs_captured() const { return static_cast<int>(d_->graphs.size()); }
+int64_t CudaBackend::graph_replays() const { return d_->replays; }
+
+std::string CudaBackend::describe() const {
+    return fmt::format("cuda:{} {}, weights {:.0f} MiB bf16, {}", d_->o.device, d_->device_name,
+                       d_->weight_bytes / 1048576.0,
+                       d_->o.graphs ? fmt::format("decode graphs for batches up to {}", d_->buckets.back())
+                                    : std::string("no graphs"));
+}
+
+Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits) {
+    Impl& d = *d_;
+    const ModelConfig& c = d.model->config();
+    int64_t T = 0, n_out = 0;
+    bool decode_step = !batch.empty();
+    for (const SeqBatch& b : batch) {
+        if (!b.kv || b.n_tokens < 0 || (b.n_tokens > 0 && !b.tokens)) return make_error("forward: malformed batch entry");
+        for (int32_t i = 0; i < b.n_tokens; ++i)
+            if (b.tokens[i] < 0 || b.tokens[i] >= c.n_vocab)
+                return make_error("token id {} is out of range (vocabulary of {})", b.tokens[i], c.n_vocab);
+        T += b.n_tokens;
+        n_out += b.n_tokens == 0 ? 0 : (b.all_logits ? b.n_tokens : 1);
+        decode_step = decode_step && b.n_tokens == 1;
+    }
+    if (T > (int64_t{1} << 24)) return make_error("forward: {} tokens in one pass is more than the CUDA backend takes", T);
+    DUET_CUDA_TRY(cudaSetDevice(d.o.device));
+    size_t prepared = 0;
+    for (; prepared < batch.size(); ++prepared) {
+        SeqBatch& b = batch[prepared];
+        const int64_t from = b.kv->n_tokens();
+        if (Status st = b.kv->prepare_append(*d.pool, from, from + b.n_tokens); !st) {
+            for (size_t j = 0; j < prepared; ++j) batch[j].kv->truncate(*d.pool, batch[j].kv->n_tokens());
+            return st;
+        }
+    }
+    if (!d.copy_error.ok()) return d.copy_error;
+    logits.resize(static_cast<size_t>(n_out * c.n_vocab));
+    if (T == 0) return {};
+
+    const int bt = d.pool->layout().block_tokens;
+    int64_t max_len = 0;
+    size_t max_blocks = 1;
+    for (const SeqBatch& b : batch) {
+        max_len = std::max(max_len, b.kv->n_tokens() + b.n_tokens);
+        max_blocks = std::max(max_blocks, b.kv->blocks().size());
+    }
+    const int n_seq = static_cast<int>(batch.size());
+    const int bucket = d.o.graphs && decode_step ? graph_bucket(d.buckets, n_seq) : -1;
+    const bool graph = bucket > 0 && static_cast<int64_t>(max_blocks) <= d.graph_max_blocks && max_len <= d.o.max_ctx;
+
+    InputLayout l;
+    int attn_len = static_cast<int>(max_len);
+    if (graph) {
+        l.T = l.n_out = l.n_seq = bucket;
+        l.max_blocks = d.graph_max_blocks;
+        attn_len = splits_for(max_len) * cuda::kSplitTokens;  // the graph's split count
+    } else {
+        l.T = static_cast<int>(T);
+        l.n_out = static_cast<int>(n_out);
+        l.n_seq = n_seq;
+        l.max_blocks = static_cast<int>(max_blocks);
+    }
+    if (Status st = d.reserve(l, attn_len); !st) return st;
+
+    // Inputs, staged in page-locked memory and sent in one copy.
+    int32_t* h = d.hin.as<int32_t>();
+    std::memset(h, 0, l.count() * 4);
+    int32_t* tblock = h + l.tblock();
+    for (int i = 0; i < l.T; ++i) {
+        tblock[i] = -1;  // padding rows (graph steps): no KV write, nothing visible
+        h[l.qseq() + i] = std::min(i, l.n_seq - 1);
+    }
+    int t = 0, o = 0;
+    for (int s = 0; s < n_seq; ++s) {
+        const SeqBatch& b = batch[static_cast<size_t>(s)];
+        const std::vector<int32_t>& blocks = b.kv->blocks();
+        std::copy(blocks.begin(), blocks.end(), h + l.tables() + static_cast<size_t>(s) * l.max_blocks);
+        for (int32_t j = 0; j < b.n_tokens; ++j, ++t) {
+            const int64_t p = b.kv->n_tokens() + j;
+            h[l.tok() + t] = b.tokens[j];
+            h[l.pos() + t] = static_cast<int32_t>(p);
+            tblock[t] = blocks[static_cast<size_t>(p / bt)];
+            h[l.toff() + t] = static_cast<int32_t>(p % bt);
+            h[l.qseq() + t] = s;
+            h[l.vis() + t] = static_cast<int32_t>(p + 1);
+            if (b.all_logits || j == b.n_tokens - 1) h[l.orow() + o++] = t;
+        }
+    }
+    for (int i = static_cast<int>(n_out); i < l.n_out; ++i) h[l.orow() + i] = i;  // graph padding rows
+    DUET_CUDA_TRY(cudaMemcpyAsync(d.in.as<int32_t>(), h, l.count() * 4, cudaMemcpyHostToDevice, d.stream));
+
+    {
+        trace::Range range(graph ? "cuda decode step (graph)" : "cuda forward");
+        if (graph) {
+            const std::pair<int, int> key{bucket, splits_for(max_len)};
+            auto it = d.graphs.find(key);
+            if (it == d.graphs.end()) {
+                cudaGraph_t g = nullptr;
+                DUET_CUDA_TRY(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
+                Status st = d.enqueue(l, attn_len);
+                const cudaError_t e = cudaStreamEndCapture(d.stream, &g);
+                if (!st) {
+                    if (g) cudaGraphDestroy(g);
+                    return st;
+                }
+                DUET_CUDA_TRY(e);
+                cudaGraphExec_t exec = nullptr;
+                const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
+                cudaGraphDestroy(g);
+                DUET_CUDA_TRY(ie);
+                it = d.graphs.emplace(key, exec).first;
+            }
+            DUET_CUDA_TRY(cudaGraphLaunch(it->second, d.stream));
+            ++d.replays;
+        } else if (Status st = d.enqueue(l, attn_len); !st) {
+            return st;
+        }
+    }
+    DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), d.logits.as<float>(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                  cudaMemcpyDeviceToHost, d.stream));
+    DUET_CUDA_TRY(cudaStreamSynchronize(d.stream));
+    for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
+    return {};
+}
+
+}  // namespace duet

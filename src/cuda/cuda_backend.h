@@ -1,0 +1,75 @@
+// The CUDA backend: the same forward pass as the CPU backend (src/model/cpu_backend.h)
+// on one GPU. Weights are GGUF tensors dequantized to bf16 at load and multiplied by
+// cuBLAS (f32 accumulation); norms, RoPE, SwiGLU, KV append and paged attention are
+// the kernels of kernels/cuda. The KV pool's data is device memory (a CudaKvMemory of
+// this process, or the instance's shared device arena); its block metadata stays in
+// the shm control segment as on CPU. Decode steps (one token per sequence) replay
+// CUDA graphs captured per (batch bucket, attention split count); prefill chunks and
+// larger batches run eagerly. Logits come back to the host, where the sampler gives
+// the same (seed, position) draws as on CPU.
+//
+// Built only with DUET_CUDA (DUET_HAVE_CUDA=1); this header includes no CUDA header.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+#include "model/backend.h"
+#include "model/model.h"
+
+namespace duet {
+
+struct CudaBackendOptions {
+    int device = 0;
+    int max_batch = 256;     // decode steps of up to this many sequences replay graphs
+    int64_t max_ctx = 4096;  // the longest sequence a graph-replayed step may hold
+    bool graphs = true;      // false: every pass eager (for comparison and debugging)
+};
+
+// Device memory for a KV pool's data, owned by this process (cudaMalloc): what
+// `duet run --device cuda:N` uses. The serving roles share one arena between
+// processes instead (kernels/cuda/vmm.h).
+class CudaKvMemory {
+public:
+    static Result<std::unique_ptr<CudaKvMemory>> create(int device, const KvLayout& l, int32_t n_blocks);
+    ~CudaKvMemory();
+    CudaKvMemory(const CudaKvMemory&) = delete;
+    CudaKvMemory& operator=(const CudaKvMemory&) = delete;
+    uint16_t* data() const { return data_; }
+    size_t bytes() const { return bytes_; }
+
+private:
+    CudaKvMemory() = default;
+    int device_ = 0;
+    uint16_t* data_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+class CudaBackend final : public Backend {
+public:
+    // pool's data must be device memory that options.device can read and write.
+    // Errors: no such device, a model the kernels do not cover (head_dim other than
+    // 64 or 128), out of device memory.
+    static Result<std::unique_ptr<CudaBackend>> create(const Model& model, KvPool& pool, const CudaBackendOptions& o);
+    ~CudaBackend() override;
+
+    Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
+    int64_t n_vocab() const override;
+
+    // "NVIDIA H200 (sm_90, 141 GiB), weights 270 MiB bf16, graphs for batches up to 256"
+    std::string describe() const;
+    size_t weight_bytes() const;
+    // Decode graphs captured so far, and forward passes that replayed one.
+    int graphs_captured() const;
+    int64_t graph_replays() const;
+
+private:
+    CudaBackend();
+    struct Impl;
+    std::unique_ptr<Impl> d_;
+};
+
+}  // namespace duet

@@ -1,0 +1,239 @@
+// The CUDA backend on the whole default model (ctest label `gpu`; skipped, not
+// passed, without a GPU): its greedy tokens against the CPU backend's, its logits
+// close to them, and the invariances the serving roles rely on (a sequence's logits
+// do not depend on its batch, on how its prompt was chunked, on copy-on-write forks,
+// nor on whether a decode step replayed a CUDA graph).
+//
+// Every CUDA use runs in a forked child (as in cuda_test.cpp), so the probe and the
+// tests can share one binary run; the child's gtest failures print there and make
+// its exit code non-zero.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "device.h"
+#include "engine/engine.h"
+#include "shm_test_util.h"
+
+using namespace duet;
+
+namespace {
+
+bool have_gpu() {
+    static const int n = [] {
+        pid_t pid = shm::testing::fork_run([] { return cuda::device_count() > 0 ? 0 : 1; });
+        return shm::testing::wait_exit(pid) == 0 ? 1 : 0;
+    }();
+    return n == 1;
+}
+
+// Runs body in a child; the test fails when any expectation there failed.
+template <typename F>
+void in_child(F body) {
+    pid_t pid = shm::testing::fork_run([&] {
+        body();
+        return ::testing::Test::HasFailure() ? 1 : 0;
+    });
+    EXPECT_EQ(shm::testing::wait_exit(pid), 0) << "see the child's failures above";
+}
+
+std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = true, int64_t n_ctx = 2048) {
+    EngineOptions o;
+    o.model_path = DUET_MODEL_PATH;
+    o.threads = 2;
+    o.n_ctx = n_ctx;
+    o.device = device;
+    o.cuda_graphs = graphs;
+    auto r = Engine::create(o);
+    if (!r) {
+        ADD_FAILURE() << device << ": " << r.error().message;
+        return nullptr;
+    }
+    return std::move(r).value();
+}
+
+int32_t argmax(const float* row, int64_t n) { return static_cast<int32_t>(std::max_element(row, row + n) - row); }
+
+// Greedy continuation of prompt: n tokens, and the logits of every step.
+std::vector<int32_t> greedy(Engine& e, const std::vector<int32_t>& prompt, int n, std::vector<std::vector<float>>* steps) {
+    KvSeq seq;
+    std::vector<float> l;
+    std::vector<int32_t> out;
+    SeqBatch b{&seq, prompt.data(), static_cast<int32_t>(prompt.size()), false};
+    EXPECT_TRUE(e.backend().forward({&b, 1}, l).ok());
+    for (int i = 0; i < n; ++i) {
+        if (steps) steps->push_back(l);
+        out.push_back(argmax(l.data(), e.backend().n_vocab()));
+        SeqBatch d{&seq, &out.back(), 1, false};
+        Status st = e.backend().forward({&d, 1}, l);
+        EXPECT_TRUE(st.ok()) << st.error().message;
+        if (!st) break;
+    }
+    seq.release(e.pool());
+    return out;
+}
+
+double rms(const std::vector<float>& a) {
+    double s = 0;
+    for (float v : a) s += static_cast<double>(v) * v;
+    return std::sqrt(s / static_cast<double>(a.size()));
+}
+
+double rms_diff(const std::vector<float>& a, const std::vector<float>& b) {
+    double s = 0;
+    for (size_t i = 0; i < a.size(); ++i) s += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    return std::sqrt(s / static_cast<double>(a.size()));
+}
+
+}  // namespace
+
+// The GPU multiplies bf16 weights with bf16 activations, the CPU Q4_1 blocks with
+// Q8_1 activations: logits differ by rounding, so tokens may part where the CPU's
+// two best are nearly tied. The check: 32 greedy tokens equal on every prompt, or,
+// where they part, the CPU's margin between the two choices is under 0.25 logits (a
+// near tie, not a wrong result); every step's logits within 2% RMS of the CPU's.
+TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto cpu = make_engine("cpu");
+        auto gpu = make_engine("cuda:0");
+        ASSERT_TRUE(cpu && gpu);
+        const std::vector<std::string> prompts = {
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+            "The quick brown fox",
+            "def fibonacci(n):\n    ",
+            "Once upon a time, in a small village by the sea, there lived",
+        };
+        int parted = 0;
+        for (const std::string& p : prompts) {
+            auto ids = cpu->tokenizer().encode(p, true, true);
+            std::vector<std::vector<float>> lc, lg;
+            auto tc = greedy(*cpu, ids, 32, &lc);
+            auto tg = greedy(*gpu, ids, 32, &lg);
+            ASSERT_EQ(tc.size(), 32u);
+            ASSERT_EQ(tg.size(), 32u);
+            size_t i = 0;
+            for (; i < tc.size() && tc[i] == tg[i]; ++i) {
+                const double r = rms_diff(lc[i], lg[i]) / rms(lc[i]);
+                EXPECT_LT(r, 0.02) << "prompt '" << p << "' step " << i;
+            }
+            if (i < tc.size()) {
+                ++parted;
+                const float margin = lc[i][tc[i]] - lc[i][tg[i]];
+                EXPECT_LT(margin, 0.25f) << "prompt '" << p << "': step " << i << " CPU " << tc[i] << " GPU " << tg[i];
+                std::fprintf(stderr, "prompt '%s': parts at step %zu (CPU margin %.3f)\n", p.c_str(), i, margin);
+            }
+        }
+        EXPECT_LE(parted, 1) << "more than one prompt parted from the CPU's tokens";
+    });
+}
+
+// A sequence's logits are the same alone, in a batch with others, and prefilled in
+// chunks; a copy-on-write fork continues like the original.
+TEST(CudaModel, LogitsDoNotDependOnBatchChunkingOrForks) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0");
+        ASSERT_TRUE(e);
+        const int64_t nv = e->backend().n_vocab();
+        std::vector<int32_t> a(700), b(90);
+        for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<int32_t>((i * 7919 + 17) % nv);
+        for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<int32_t>((i * 104729 + 5) % nv);
+        std::vector<float> alone, l;
+        {
+            KvSeq s;
+            SeqBatch x{&s, a.data(), static_cast<int32_t>(a.size()), false};
+            ASSERT_TRUE(e->backend().forward({&x, 1}, alone).ok());
+            s.release(e->pool());
+        }
+        // Chunked (100, 300, 300) with b in the same passes.
+        KvSeq sa, sb;
+        int32_t done = 0;
+        for (int32_t n : {100, 300, 300}) {
+            SeqBatch x[2] = {{&sb, b.data(), done == 0 ? static_cast<int32_t>(b.size()) : 0, false},
+                             {&sa, a.data() + done, n, false}};
+            ASSERT_TRUE(e->backend().forward(x, l).ok());
+            done += n;
+        }
+        ASSERT_EQ(l.size(), static_cast<size_t>(nv));  // b had no tokens in the last pass: a's row only
+        EXPECT_LT(rms_diff(alone, l) / rms(alone), 1e-3);
+        EXPECT_EQ(argmax(alone.data(), nv), argmax(l.data(), nv));
+
+        // Fork a mid-block (700 = 43 blocks + 12) and decode both with the same
+        // token: same logits; then different tokens: the fork's writes do not reach a.
+        KvSeq fa = sa.fork(e->pool());
+        std::vector<float> l1, l2;
+        int32_t t1 = 42, t2 = 4242;
+        SeqBatch x1{&sa, &t1, 1, false}, x2{&fa, &t1, 1, false};
+        ASSERT_TRUE(e->backend().forward({&x1, 1}, l1).ok());
+        ASSERT_TRUE(e->backend().forward({&x2, 1}, l2).ok());
+        EXPECT_LT(rms_diff(l1, l2) / rms(l1), 1e-4);
+        SeqBatch y2{&fa, &t2, 1, false};
+        ASSERT_TRUE(e->backend().forward({&y2, 1}, l2).ok());
+        SeqBatch y1{&sa, &t2, 1, false};
+        std::vector<float> la;
+        ASSERT_TRUE(e->backend().forward({&y1, 1}, la).ok());
+        // sa now holds a + [42, 4242]; the fork also holds a + [42, 4242]: equal.
+        EXPECT_LT(rms_diff(la, l2) / rms(la), 1e-4);
+        sa.release(e->pool());
+        sb.release(e->pool());
+        fa.release(e->pool());
+    });
+}
+
+// Decode steps replayed from CUDA graphs give the eager pass's logits, for batch
+// sizes that fill a bucket and that leave padding rows, across an attention split
+// boundary (512 tokens).
+TEST(CudaModel, GraphReplayedDecodeMatchesEager) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto g = make_engine("cuda:0", true, 8192);
+        auto n = make_engine("cuda:0", false, 8192);
+        ASSERT_TRUE(g && n);
+        const int64_t nv = g->backend().n_vocab();
+        for (int n_seq : {1, 3, 8}) {
+            std::vector<KvSeq> sg(n_seq), sn(n_seq);
+            std::vector<std::vector<int32_t>> prompts(n_seq);
+            std::vector<SeqBatch> bg, bn;
+            std::vector<float> lg, ln;
+            for (int s = 0; s < n_seq; ++s) {
+                prompts[s].resize(500 + 3 * s);
+                for (size_t i = 0; i < prompts[s].size(); ++i)
+                    prompts[s][i] = static_cast<int32_t>((i * 31 + s * 977 + 1) % nv);
+                SeqBatch x{&sg[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+                SeqBatch y{&sn[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+                ASSERT_TRUE(g->backend().forward({&x, 1}, lg).ok());
+                ASSERT_TRUE(n->backend().forward({&y, 1}, ln).ok());
+            }
+            std::vector<int32_t> next(n_seq, 7);
+            for (int step = 0; step < 20; ++step) {  // positions 500..529 cross 512
+                bg.clear();
+                bn.clear();
+                for (int s = 0; s < n_seq; ++s) {
+                    bg.push_back({&sg[s], &next[s], 1, false});
+                    bn.push_back({&sn[s], &next[s], 1, false});
+                }
+                ASSERT_TRUE(g->backend().forward(bg, lg).ok());
+                ASSERT_TRUE(n->backend().forward(bn, ln).ok());
+                ASSERT_EQ(lg.size(), ln.size());
+                // Same kernels; a padded bucket (3 in 4) may take another cuBLAS algorithm.
+                EXPECT_LT(rms_diff(lg, ln) / rms(ln), n_seq == 3 ? 1e-3 : 1e-5) << n_seq << " sequences, step " << step;
+                for (int s = 0; s < n_seq; ++s) next[s] = argmax(ln.data() + s * nv, nv);
+            }
+            for (int s = 0; s < n_seq; ++s) {
+                sg[s].release(g->pool());
+                sn[s].release(n->pool());
+            }
+        }
+        auto* cb = dynamic_cast<CudaBackend*>(&g->backend());
+        ASSERT_NE(cb, nullptr);
+        EXPECT_GT(cb->graph_replays(), 0);
+        EXPECT_GE(cb->graphs_captured(), 3);
+        std::fprintf(stderr, "%s: %d graphs, %lld replays\n", cb->describe().c_str(), cb->graphs_captured(),
+                     static_cast<long long>(cb->graph_replays()));
+    });
+}
