@@ -8,7 +8,7 @@
 #include "device.h"
 #include "engine/engine.h"
 #include "gemm.h"
-#include "model/device.h"
+#include "model/device_spec.h"
 
 using namespace duet;
 

@@ -99,7 +99,10 @@ bool Gemm::set_workspace(void* ws, size_t bytes, std::string* error) {
         if (error) *error = "Gemm::set_workspace before init";
         return false;
     }
-    return ok(cublas().set_workspace(h, ws, bytes), "cublasSetWorkspace", error);
+    if (!ok(cublas().set_workspace(h, ws, bytes), "cublasSetWorkspace", error)) return false;
+    ws_ = ws;
+    ws_bytes_ = bytes;
+    return true;
 }
 
 bool Gemm::linear(const uint16_t* w, int n_out, int n_in, const uint16_t* x, int n_tok, float* y, int ldy,
@@ -110,7 +113,12 @@ bool Gemm::linear(const uint16_t* w, int n_out, int n_in, const uint16_t* x, int
         if (error) *error = "Gemm::linear before init";
         return false;
     }
-    if (!ok(cublas().set_stream(h, stream), "cublasSetStream", error)) return false;
+    if (!stream_set_ || stream != stream_) {
+        if (!ok(cublas().set_stream(h, stream), "cublasSetStream", error)) return false;
+        if (ws_ && !ok(cublas().set_workspace(h, ws_, ws_bytes_), "cublasSetWorkspace", error)) return false;
+        stream_ = stream;
+        stream_set_ = true;
+    }
     // Column-major view: W is [n_in x n_out] (lda n_in), X is [n_in x n_tok], Y is
     // [n_out x n_tok] (ldc ldy): Y = W^T X.
     const float one = 1.0f, zero = 0.0f;

@@ -33,6 +33,12 @@ public:
 
 private:
     void* handle_ = nullptr;  // cublasHandle_t
+    // cublasSetStream puts cuBLAS back on its default workspace pool, so the stream
+    // is set only when it changes, and the workspace again right after.
+    cudaStream_t stream_ = nullptr;
+    bool stream_set_ = false;
+    void* ws_ = nullptr;
+    size_t ws_bytes_ = 0;
 };
 
 }  // namespace duet::cuda

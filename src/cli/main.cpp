@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_cuda.h"
 #include "cli/bench_serve.h"
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
@@ -78,6 +79,19 @@ int main(int argc, char** argv) {
     c_bm->add_option("--cpus", bench.cpus, "pin threads to these CPUs");
     c_bm->add_option("--isa", bench.engine.isa, "kernel level");
     c_bm->add_flag("--json", bench.json, "print one JSON object");
+
+    // duet bench cuda
+    CudaBenchArgs cb;
+    cb.model = default_model;
+    CLI::App* c_bc = c_bench->add_subcommand("cuda", "the CUDA backend against HBM bandwidth and the bf16 peak");
+    c_bc->add_option("-m,--model", cb.model, "GGUF model file")->capture_default_str();
+    c_bc->add_option("--device", cb.device, "cuda:N")->capture_default_str();
+    c_bc->add_option("--batches", cb.batches, "decode batch sizes (default 1 8 32 64 128 256)")->delimiter(',')->check(CLI::Range(1, 4096));
+    c_bc->add_option("--ctx", cb.ctx, "context tokens per sequence for the decode steps")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+    c_bc->add_option("--steps", cb.steps, "timed decode steps per batch size")->capture_default_str()->check(CLI::Range(1, 100000));
+    c_bc->add_option("--prefill", cb.prefill_tokens, "tokens of the timed prefill pass")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+    c_bc->add_flag("--json", cb.json, "print one JSON object");
+    c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
 
     // duet bench shm
     ShmBenchOptions shm_bench;
@@ -156,6 +170,7 @@ int main(int argc, char** argv) {
     c_serve->add_option("--prefill-budget", serve.prefill_budget, "tokens per prefill forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
     c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
+    c_serve->add_option("--device", serve.device, "cpu, or cuda:N: prefill and decode on that GPU, sharing its KV arena")->capture_default_str();
     c_serve->add_option("--decode-workers", serve.decode_workers, "decode processes (hand-offs routed by batch room)")->capture_default_str()->check(CLI::Range(1, 5));
 
     // duet front
@@ -184,6 +199,8 @@ int main(int argc, char** argv) {
         c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
         c->add_option("--index", worker.index, "which of the instance's workers of this role")->capture_default_str();
         c->add_option("--numa", worker.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
+        c->add_option("--device", worker.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();
+        c->add_flag("!--no-cuda-graphs", worker.cuda_graphs, "run every CUDA pass eagerly");
     }
     c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");
@@ -200,6 +217,7 @@ int main(int argc, char** argv) {
         if (c_tok->parsed()) return cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
         if (c_bm->parsed()) return cmd_bench_model(bench);
         if (c_bsv->parsed()) return cmd_bench_serve(sb);
+        if (c_bc->parsed()) return cmd_bench_cuda(cb);
         if (c_bs->parsed()) {
             if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
             return cmd_bench_shm(shm_bench);

@@ -16,9 +16,11 @@
 #include <thread>
 
 #include "base/thread_pool.h"
+#include "model/device_spec.h"
 #include "roles/front.h"
 #include "roles/placement.h"
 #include "roles/supervisor.h"
+#include "shm/fd_keeper.h"
 
 namespace duet {
 
@@ -63,6 +65,9 @@ int cmd_serve(const ServeArgs& a) {
         std::fprintf(stderr, "duet serve: %s\n", m.c_str());
         return 1;
     };
+    auto device = parse_device(a.device);
+    if (!device) return fail(device.error().message);
+    if (Status st = check_device(*device); !st) return fail(st.error().message);
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);
     // The front loads these too; failing here gives the error before anything starts.
@@ -114,8 +119,18 @@ int cmd_serve(const ServeArgs& a) {
     layout.n_ctx = a.ctx;
     layout.n_prefill = static_cast<uint32_t>(a.prefill_workers);
     layout.n_decode = static_cast<uint32_t>(a.decode_workers);
+    layout.kv_on_gpu = device->cuda;
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
+    // GPU serving: the first worker creates the KV arena in device memory and deposits
+    // its fd here; the others and restarted ones fetch it; it lives as long as the
+    // launcher does (cuda_arena.h).
+    std::unique_ptr<shm::FdKeeper> keeper;
+    if (device->cuda) {
+        auto k = shm::FdKeeper::start(layout.instance);
+        if (!k) return fail(k.error().message);
+        keeper = std::move(k).value();
+    }
     auto self = inst->registry().claim(shm::Role::Launcher, -1, getpid());
     if (!self) return fail(self.error().message);
     inst->registry().set_running(*self);
@@ -139,6 +154,7 @@ int cmd_serve(const ServeArgs& a) {
                                                  "--index", std::to_string(w.index), "--numa", std::to_string(w.numa),
                                                  "-t", std::to_string(w.cpus.size()), "--cpus", format_cpu_list(w.cpus)};
                 if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
+                if (device->cuda) argv.insert(argv.end(), {"--device", device->name()});
                 if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
                     if (!a.prefix_cache) argv.push_back("--no-prefix-cache");

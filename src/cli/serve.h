@@ -30,7 +30,8 @@ struct ServeArgs {
     std::string chat_template;
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
     bool prefix_cache = true;
-    int prefill_workers = 1, decode_workers = 1;  // processes of each role (CPU serving)
+    int prefill_workers = 1, decode_workers = 1;  // processes of each role
+    std::string device = "cpu";  // cuda:N: prefill and decode compute on that GPU, sharing its KV arena
 };
 
 int cmd_serve(const ServeArgs& a);

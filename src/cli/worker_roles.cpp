@@ -52,6 +52,13 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
         return 2;
     }
     o.isa = *isa;
+    auto dev = parse_device(a.device);
+    if (!dev) {
+        std::fprintf(stderr, "duet %s: %s\n", role, dev.error().message.c_str());
+        return 2;
+    }
+    o.device = *dev;
+    o.cuda_graphs = a.cuda_graphs;
     o.prefill_chunk = a.budget;
     o.prefix_cache = a.prefix_cache;
     struct sigaction sa {};

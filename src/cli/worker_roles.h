@@ -17,6 +17,8 @@ struct WorkerArgs {
     std::string isa;
     int64_t budget = 512;      // prefill: tokens per forward pass
     bool prefix_cache = true;  // prefill: reuse and publish cached prompt blocks
+    std::string device = "cpu";  // or cuda:N
+    bool cuda_graphs = true;
 };
 
 int cmd_worker(const WorkerArgs& a, bool prefill);

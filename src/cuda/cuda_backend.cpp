@@ -41,13 +41,18 @@ public:
     // Room for `bytes`; *moved is set when the address changed.
     Status reserve(size_t bytes, bool* moved) {
         if (bytes <= cap_) return {};
+        *moved = true;
         if (p_) cudaFree(p_);
         p_ = nullptr;
         cap_ = 0;
         const size_t want = (bytes + 65535) / 65536 * 65536;
-        DUET_CUDA_TRY(cudaMalloc(&p_, want));
+        if (cudaError_t e = cudaMalloc(&p_, want); e != cudaSuccess) {
+            cudaGetLastError();  // handled here: not the next launch's error
+            p_ = nullptr;
+            return make_error("CUDA: cannot allocate {:.1f} MiB of device memory: {}", want / 1048576.0,
+                              cudaGetErrorString(e));
+        }
         cap_ = want;
-        *moved = true;
         return {};
     }
     template <typename T>
@@ -70,7 +75,12 @@ public:
         p_ = nullptr;
         cap_ = 0;
         const size_t want = (bytes + 4095) / 4096 * 4096;
-        DUET_CUDA_TRY(cudaMallocHost(&p_, want));
+        if (cudaError_t e = cudaMallocHost(&p_, want); e != cudaSuccess) {
+            cudaGetLastError();
+            p_ = nullptr;
+            return make_error("CUDA: cannot allocate {:.1f} MiB of page-locked memory: {}", want / 1048576.0,
+                              cudaGetErrorString(e));
+        }
         cap_ = want;
         return {};
     }
@@ -80,6 +90,13 @@ public:
 private:
     void* p_ = nullptr;
     size_t cap_ = 0;
+};
+
+// The activations and inputs of a pass. Eager passes use one set that grows with the
+// largest pass; graph-replayed decode steps another, sized once for the largest
+// bucket, so that growing the first never moves memory a captured graph points at.
+struct Acts {
+    DevBuf x, xn, xb, q, k, v, att, tmp, gate, up, hs, logits, attn_ws, in;
 };
 
 struct LayerDev {
@@ -140,7 +157,7 @@ struct CudaBackend::Impl {
     KvPool* pool = nullptr;
     CudaBackendOptions o;
     cudaStream_t stream = nullptr;
-    cuda::Gemm gemm;
+    std::unique_ptr<cuda::Gemm> gemm;  // destroyed before the stream it is bound to
     std::string device_name;
 
     // Weights, all in one allocation.
@@ -152,33 +169,31 @@ struct CudaBackend::Impl {
     const float* out_norm = nullptr;
     const float* inv_freq = nullptr;
 
-    // Activations and inputs, sized for cap_tok tokens / cap_out logit rows.
-    DevBuf x, xn, xb, q, k, v, att, tmp, gate, up, hs, logits, attn_ws, in, cublas_ws;
-    HostBuf hin;
-    size_t cap_in = 0;
+    Acts eager, graph_acts;
+    DevBuf cublas_ws;
+    HostBuf hin;  // input staging (both sets; a pass completes before the next is staged)
 
     // Decode graphs per (bucket, attention splits).
     std::vector<int> buckets;
     int graph_max_blocks = 0;
     std::map<std::pair<int, int>, cudaGraphExec_t> graphs;
+    int captures = 0;
     int64_t replays = 0;
 
     Status copy_error;  // a failed copy-on-write block copy, reported by the next forward
 
     ~Impl() {
-        drop_graphs();
+        if (stream) cudaStreamSynchronize(stream);
+        for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
         if (pool) pool->set_block_copy({});
+        gemm.reset();
         if (stream) cudaStreamDestroy(stream);
     }
 
-    void drop_graphs() {
-        for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
-        graphs.clear();
-    }
-
     Status upload_weights();
-    Status reserve(const InputLayout& in_l, int64_t max_len);
-    Status enqueue(const InputLayout& l, int max_len);
+    Status reserve(Acts& a, const InputLayout& l, int64_t max_len, bool* moved);
+    Status enqueue(const Acts& a, const InputLayout& l, int max_len);
+    Status pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step, std::vector<float>& logits);
 };
 
 Status CudaBackend::Impl::upload_weights() {
@@ -262,44 +277,42 @@ Status CudaBackend::Impl::upload_weights() {
     return {};
 }
 
-// Buffers for a pass of l.T tokens and l.n_out logit rows attending over at most
-// max_len tokens. A buffer that moves invalidates every captured graph.
-Status CudaBackend::Impl::reserve(const InputLayout& l, int64_t max_len) {
+// Buffers of set a for a pass of l.T tokens and l.n_out logit rows attending over at
+// most max_len tokens; *moved when one moved.
+Status CudaBackend::Impl::reserve(Acts& a, const InputLayout& l, int64_t max_len, bool* moved) {
     const ModelConfig& c = model->config();
     const size_t T = static_cast<size_t>(l.T);
     const size_t E = static_cast<size_t>(c.n_embd), Q = static_cast<size_t>(c.n_head * c.head_dim),
                  KV = static_cast<size_t>(c.n_head_kv * c.head_dim), F = static_cast<size_t>(c.n_ff);
-    bool moved = false;
-    auto r = [&](DevBuf& b, size_t bytes) { return b.reserve(bytes, &moved); };
+    auto r = [&](DevBuf& b, size_t bytes) { return b.reserve(bytes, moved); };
     for (auto [buf, bytes] : std::initializer_list<std::pair<DevBuf*, size_t>>{
-             {&x, T * E * 4},
-             {&xn, T * E * 4},
-             {&tmp, T * E * 4},
-             {&xb, T * std::max({E, Q, F}) * 2},
-             {&q, T * Q * 4},
-             {&att, T * Q * 4},
-             {&k, T * KV * 4},
-             {&v, T * KV * 4},
-             {&gate, T * F * 4},
-             {&up, T * F * 4},
-             {&hs, T * F * 4},
-             {&logits, static_cast<size_t>(l.n_out) * static_cast<size_t>(c.n_vocab) * 4},
-             {&in, l.count() * 4}}) {
+             {&a.x, T * E * 4},
+             {&a.xn, T * E * 4},
+             {&a.tmp, T * E * 4},
+             {&a.xb, T * std::max({E, Q, F}) * 2},
+             {&a.q, T * Q * 4},
+             {&a.att, T * Q * 4},
+             {&a.k, T * KV * 4},
+             {&a.v, T * KV * 4},
+             {&a.gate, T * F * 4},
+             {&a.up, T * F * 4},
+             {&a.hs, T * F * 4},
+             {&a.logits, static_cast<size_t>(l.n_out) * static_cast<size_t>(c.n_vocab) * 4},
+             {&a.in, l.count() * 4}}) {
         if (Status st = r(*buf, bytes); !st) return st;
     }
     cuda::PagedKv kv;
     kv.n_head = static_cast<int>(c.n_head);
     kv.n_head_kv = static_cast<int>(c.n_head_kv);
     kv.head_dim = static_cast<int>(c.head_dim);
-    if (Status st = r(attn_ws, cuda::paged_attention_workspace_bytes(kv, l.T, static_cast<int>(max_len))); !st)
+    if (Status st = r(a.attn_ws, cuda::paged_attention_workspace_bytes(kv, l.T, static_cast<int>(max_len))); !st)
         return st;
-    if (Status st = hin.reserve(l.count() * 4); !st) return st;
-    if (moved) drop_graphs();
-    return {};
+    return hin.reserve(l.count() * 4);
 }
 
-// The whole pass on `stream`, reading its inputs from `in` (laid out as l).
-Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
+// The whole pass on `stream` with buffer set a, reading its inputs from a.in (laid
+// out as l).
+Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_len) {
     const ModelConfig& c = model->config();
     const int T = l.T;
     const int E = static_cast<int>(c.n_embd), HD = static_cast<int>(c.head_dim), NH = static_cast<int>(c.n_head),
@@ -307,7 +320,7 @@ Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
     const int Q = NH * HD, KV = NKV * HD;
     const float eps = static_cast<float>(c.rms_eps);
     const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
-    const int32_t* in_d = in.as<int32_t>();
+    const int32_t* in_d = a.in.as<int32_t>();
     const int32_t* tok = in_d + l.tok();
     const int32_t* pos = in_d + l.pos();
     const int32_t* tblock = in_d + l.tblock();
@@ -316,11 +329,13 @@ Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
     const int32_t* vis = in_d + l.vis();
     const int32_t* orow = in_d + l.orow();
     const int32_t* tables = in_d + l.tables();
-    float *X = x.as<float>(), *XN = xn.as<float>(), *TMP = tmp.as<float>();
-    uint16_t* XB = xb.as<uint16_t>();
+    float *X = a.x.as<float>(), *XN = a.xn.as<float>(), *TMP = a.tmp.as<float>();
+    float *q = a.q.as<float>(), *k = a.k.as<float>(), *v = a.v.as<float>(), *att = a.att.as<float>();
+    float *gate = a.gate.as<float>(), *up = a.up.as<float>(), *hs = a.hs.as<float>();
+    uint16_t* XB = a.xb.as<uint16_t>();
     std::string err;
     auto mm = [&](const uint16_t* w, int n_out, int n_in, const uint16_t* xin, int n_tok, float* y, int ldy) -> Status {
-        if (!gemm.linear(w, n_out, n_in, xin, n_tok, y, ldy, stream, &err)) return make_error("{}", err);
+        if (!gemm->linear(w, n_out, n_in, xin, n_tok, y, ldy, stream, &err)) return make_error("{}", err);
         return {};
     };
 #define DUET_STEP(expr)                                 \
@@ -342,32 +357,32 @@ Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
         const LayerDev& w = layers[static_cast<size_t>(li)];
         DUET_K(cuda::rms_norm(X, w.attn_norm, XN, T, E, eps, stream));
         DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
-        DUET_STEP(mm(w.wq, Q, E, XB, T, q.as<float>(), Q));
-        DUET_STEP(mm(w.wk, KV, E, XB, T, k.as<float>(), KV));
-        DUET_STEP(mm(w.wv, KV, E, XB, T, v.as<float>(), KV));
+        DUET_STEP(mm(w.wq, Q, E, XB, T, q, Q));
+        DUET_STEP(mm(w.wk, KV, E, XB, T, k, KV));
+        DUET_STEP(mm(w.wv, KV, E, XB, T, v, KV));
         if (w.bq) {
-            DUET_K(cuda::add_bias(q.as<float>(), w.bq, T, Q, stream));
-            DUET_K(cuda::add_bias(k.as<float>(), w.bk, T, KV, stream));
-            DUET_K(cuda::add_bias(v.as<float>(), w.bv, T, KV, stream));
+            DUET_K(cuda::add_bias(q, w.bq, T, Q, stream));
+            DUET_K(cuda::add_bias(k, w.bk, T, KV, stream));
+            DUET_K(cuda::add_bias(v, w.bv, T, KV, stream));
         }
-        DUET_K(cuda::rope(q.as<float>(), T, NH, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
-        DUET_K(cuda::rope(k.as<float>(), T, NKV, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
+        DUET_K(cuda::rope(q, T, NH, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
+        DUET_K(cuda::rope(k, T, NKV, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
         // Q meets f16 K: rounded to f16 as on the CPU backend.
-        DUET_K(cuda::round_f16(q.as<float>(), static_cast<int64_t>(T) * Q, stream));
+        DUET_K(cuda::round_f16(q, static_cast<int64_t>(T) * Q, stream));
         kv.layer = li;
-        DUET_K(cuda::kv_append_f16(k.as<float>(), v.as<float>(), T, tblock, toff, kv, stream));
-        DUET_K(cuda::paged_attention(q.as<float>(), kv, tables, l.max_blocks, qseq, vis, T, max_len, scale,
-                                     att.as<float>(), attn_ws.as<void>(), stream));
-        DUET_K(cuda::f32_to_bf16(att.as<float>(), XB, static_cast<int64_t>(T) * Q, stream));
+        DUET_K(cuda::kv_append_f16(k, v, T, tblock, toff, kv, stream));
+        DUET_K(cuda::paged_attention(q, kv, tables, l.max_blocks, qseq, vis, T, max_len, scale,
+                                     att, a.attn_ws.as<void>(), stream));
+        DUET_K(cuda::f32_to_bf16(att, XB, static_cast<int64_t>(T) * Q, stream));
         DUET_STEP(mm(w.wo, E, Q, XB, T, TMP, E));
         DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
 
         DUET_K(cuda::rms_norm(X, w.ffn_norm, XN, T, E, eps, stream));
         DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
-        DUET_STEP(mm(w.gate, F, E, XB, T, gate.as<float>(), F));
-        DUET_STEP(mm(w.up, F, E, XB, T, up.as<float>(), F));
-        DUET_K(cuda::swiglu(gate.as<float>(), up.as<float>(), hs.as<float>(), static_cast<int64_t>(T) * F, stream));
-        DUET_K(cuda::f32_to_bf16(hs.as<float>(), XB, static_cast<int64_t>(T) * F, stream));
+        DUET_STEP(mm(w.gate, F, E, XB, T, gate, F));
+        DUET_STEP(mm(w.up, F, E, XB, T, up, F));
+        DUET_K(cuda::swiglu(gate, up, hs, static_cast<int64_t>(T) * F, stream));
+        DUET_K(cuda::f32_to_bf16(hs, XB, static_cast<int64_t>(T) * F, stream));
         DUET_STEP(mm(w.down, E, F, XB, T, TMP, E));
         DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
     }
@@ -375,7 +390,7 @@ Status CudaBackend::Impl::enqueue(const InputLayout& l, int max_len) {
     DUET_K(cuda::gather_rows(X, orow, l.n_out, E, TMP, stream));
     DUET_K(cuda::rms_norm(TMP, out_norm, XN, l.n_out, E, eps, stream));
     DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(l.n_out) * E, stream));
-    DUET_STEP(mm(out, V, E, XB, l.n_out, logits.as<float>(), V));
+    DUET_STEP(mm(out, V, E, XB, l.n_out, a.logits.as<float>(), V));
 #undef DUET_STEP
 #undef DUET_K
     return {};
@@ -403,25 +418,29 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const Model& model, KvP
     DUET_CUDA_TRY(cudaSetDevice(o.device));
     DUET_CUDA_TRY(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
     std::string err;
-    if (!d.gemm.init(&err)) return make_error("cuda:{}: {}", o.device, err);
+    d.gemm = std::make_unique<cuda::Gemm>();
+    if (!d.gemm->init(&err)) return make_error("cuda:{}: {}", o.device, err);
     // cuBLAS's own workspace (its recommended 32 MiB on Hopper), fixed so graph
     // capture never allocates.
     constexpr size_t kCublasWs = 32u << 20;
     bool moved = false;
     if (Status st = d.cublas_ws.reserve(kCublasWs, &moved); !st) return st.error();
-    if (!d.gemm.set_workspace(d.cublas_ws.as<void>(), kCublasWs, &err)) return make_error("cuda:{}: {}", o.device, err);
+    if (!d.gemm->set_workspace(d.cublas_ws.as<void>(), kCublasWs, &err)) return make_error("cuda:{}: {}", o.device, err);
     if (Status st = d.upload_weights(); !st) return st.error();
 
     const int bt = pool.layout().block_tokens;
     d.buckets = decode_graph_buckets(o.max_batch);
     d.graph_max_blocks = static_cast<int>((o.max_ctx + bt - 1) / bt);
-    // Room for the largest decode graph up front, so that capturing it never moves
-    // a buffer under the graphs captured before.
-    InputLayout g;
-    g.T = g.n_out = g.n_seq = d.buckets.back();
-    g.max_blocks = d.graph_max_blocks;
-    if (Status st = d.reserve(g, static_cast<int64_t>(splits_for(o.max_ctx)) * cuda::kSplitTokens); !st)
-        return st.error();
+    if (o.graphs) {
+        // The graph set, once, for the largest bucket at the longest context: no
+        // graph step ever needs more, so captured graphs never see it move.
+        InputLayout g;
+        g.T = g.n_out = g.n_seq = d.buckets.back();
+        g.max_blocks = d.graph_max_blocks;
+        if (Status st = d.reserve(d.graph_acts, g, static_cast<int64_t>(splits_for(o.max_ctx)) * cuda::kSplitTokens, &moved);
+            !st)
+            return st.error();
+    }
 
     Impl* dp = b->d_.get();
     pool.set_block_copy([dp](int32_t dst, int32_t src) {
@@ -438,7 +457,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const Model& model, KvP
 
 int64_t CudaBackend::n_vocab() const { return d_->model->config().n_vocab; }
 size_t CudaBackend::weight_bytes() const { return d_->weight_bytes; }
-int CudaBackend::graphs_captured() const { return static_cast<int>(d_->graphs.size()); }
+int CudaBackend::graphs_captured() const { return d_->captures; }
 int64_t CudaBackend::graph_replays() const { return d_->replays; }
 
 std::string CudaBackend::describe() const {
@@ -473,11 +492,27 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
             return st;
         }
     }
-    if (!d.copy_error.ok()) return d.copy_error;
+    Status st = d.copy_error.ok() ? d.pass(batch, T, n_out, decode_step, logits) : std::exchange(d.copy_error, Status{});
+    if (!st) {
+        // As if nothing happened (the callers' contract, as on CPU): the queued work
+        // finished or failed before anything is reused, new positions dropped.
+        cudaStreamSynchronize(d.stream);
+        cudaGetLastError();
+        for (SeqBatch& b : batch) b.kv->truncate(*d.pool, b.kv->n_tokens());
+        return st;
+    }
+    for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
+    return {};
+}
+
+// One pass over a prepared batch, into logits; the KV of the new positions written.
+Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step,
+                               std::vector<float>& logits) {
+    const ModelConfig& c = model->config();
     logits.resize(static_cast<size_t>(n_out * c.n_vocab));
     if (T == 0) return {};
 
-    const int bt = d.pool->layout().block_tokens;
+    const int bt = pool->layout().block_tokens;
     int64_t max_len = 0;
     size_t max_blocks = 1;
     for (const SeqBatch& b : batch) {
@@ -485,14 +520,15 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
         max_blocks = std::max(max_blocks, b.kv->blocks().size());
     }
     const int n_seq = static_cast<int>(batch.size());
-    const int bucket = d.o.graphs && decode_step ? graph_bucket(d.buckets, n_seq) : -1;
-    const bool graph = bucket > 0 && static_cast<int64_t>(max_blocks) <= d.graph_max_blocks && max_len <= d.o.max_ctx;
+    const int bucket = o.graphs && decode_step ? graph_bucket(buckets, n_seq) : -1;
+    const bool graph = bucket > 0 && static_cast<int64_t>(max_blocks) <= graph_max_blocks && max_len <= o.max_ctx;
 
     InputLayout l;
     int attn_len = static_cast<int>(max_len);
+    Acts& a = graph ? graph_acts : eager;
     if (graph) {
         l.T = l.n_out = l.n_seq = bucket;
-        l.max_blocks = d.graph_max_blocks;
+        l.max_blocks = graph_max_blocks;
         attn_len = splits_for(max_len) * cuda::kSplitTokens;  // the graph's split count
     } else {
         l.T = static_cast<int>(T);
@@ -500,17 +536,19 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
         l.n_seq = n_seq;
         l.max_blocks = static_cast<int>(max_blocks);
     }
-    if (Status st = d.reserve(l, attn_len); !st) return st;
+    bool moved = false;
+    if (Status st = reserve(a, l, attn_len, &moved); !st) return st;
+    if (graph && moved) return make_error("CUDA backend: the decode graph buffers moved (a bug)");
 
     // Inputs, staged in page-locked memory and sent in one copy.
-    int32_t* h = d.hin.as<int32_t>();
+    int32_t* h = hin.as<int32_t>();
     std::memset(h, 0, l.count() * 4);
     int32_t* tblock = h + l.tblock();
     for (int i = 0; i < l.T; ++i) {
         tblock[i] = -1;  // padding rows (graph steps): no KV write, nothing visible
         h[l.qseq() + i] = std::min(i, l.n_seq - 1);
     }
-    int t = 0, o = 0;
+    int t = 0, o_row = 0;
     for (int s = 0; s < n_seq; ++s) {
         const SeqBatch& b = batch[static_cast<size_t>(s)];
         const std::vector<int32_t>& blocks = b.kv->blocks();
@@ -523,43 +561,42 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
             h[l.toff() + t] = static_cast<int32_t>(p % bt);
             h[l.qseq() + t] = s;
             h[l.vis() + t] = static_cast<int32_t>(p + 1);
-            if (b.all_logits || j == b.n_tokens - 1) h[l.orow() + o++] = t;
+            if (b.all_logits || j == b.n_tokens - 1) h[l.orow() + o_row++] = t;
         }
     }
     for (int i = static_cast<int>(n_out); i < l.n_out; ++i) h[l.orow() + i] = i;  // graph padding rows
-    DUET_CUDA_TRY(cudaMemcpyAsync(d.in.as<int32_t>(), h, l.count() * 4, cudaMemcpyHostToDevice, d.stream));
+    DUET_CUDA_TRY(cudaMemcpyAsync(a.in.as<int32_t>(), h, l.count() * 4, cudaMemcpyHostToDevice, stream));
 
     {
         trace::Range range(graph ? "cuda decode step (graph)" : "cuda forward");
         if (graph) {
             const std::pair<int, int> key{bucket, splits_for(max_len)};
-            auto it = d.graphs.find(key);
-            if (it == d.graphs.end()) {
+            auto it = graphs.find(key);
+            if (it == graphs.end()) {
                 cudaGraph_t g = nullptr;
-                DUET_CUDA_TRY(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
-                Status st = d.enqueue(l, attn_len);
-                const cudaError_t e = cudaStreamEndCapture(d.stream, &g);
-                if (!st) {
+                DUET_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+                Status st = enqueue(a, l, attn_len);
+                const cudaError_t e = cudaStreamEndCapture(stream, &g);
+                if (!st || e != cudaSuccess) {
                     if (g) cudaGraphDestroy(g);
-                    return st;
+                    return st ? cuda_ok(e, "cudaStreamEndCapture") : st;
                 }
-                DUET_CUDA_TRY(e);
                 cudaGraphExec_t exec = nullptr;
                 const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
                 cudaGraphDestroy(g);
                 DUET_CUDA_TRY(ie);
-                it = d.graphs.emplace(key, exec).first;
+                it = graphs.emplace(key, exec).first;
+                ++captures;
             }
-            DUET_CUDA_TRY(cudaGraphLaunch(it->second, d.stream));
-            ++d.replays;
-        } else if (Status st = d.enqueue(l, attn_len); !st) {
+            DUET_CUDA_TRY(cudaGraphLaunch(it->second, stream));
+            ++replays;
+        } else if (Status st = enqueue(a, l, attn_len); !st) {
             return st;
         }
     }
-    DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), d.logits.as<float>(), static_cast<size_t>(n_out * c.n_vocab) * 4,
-                                  cudaMemcpyDeviceToHost, d.stream));
-    DUET_CUDA_TRY(cudaStreamSynchronize(d.stream));
-    for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
+    DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), a.logits.as<float>(), static_cast<size_t>(n_out * c.n_vocab) * 4,
+                                  cudaMemcpyDeviceToHost, stream));
+    DUET_CUDA_TRY(cudaStreamSynchronize(stream));
     return {};
 }
 

@@ -14,7 +14,7 @@
 #include "kv/kv_pool.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
-#include "model/device.h"
+#include "model/device_spec.h"
 #include "model/model.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"

@@ -33,7 +33,7 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     // Every worker is a user of the arena (a dead one's user is recovered before it is
     // restarted); fewer users leave more bits for each one's reference counts.
     c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), l.n_prefill + l.n_decode, 0});
-    c.cpu_kv_bytes = block_bytes * blocks;
+    c.cpu_kv_bytes = l.kv_on_gpu ? 0 : block_bytes * blocks;
     c.model_fingerprint = model.fingerprint();
     return c;
 }

@@ -42,6 +42,7 @@ struct ServeLayout {
     int64_t n_ctx = 2048;      // tokens per request (prompt + output)
     uint32_t n_blocks = 0;     // KV blocks; 0: enough for every slot at full context, capped at 8 GiB of KV
     uint32_t n_prefill = 1, n_decode = 1;  // workers (P + D <= kMaxServeWorkers)
+    bool kv_on_gpu = false;  // the KV data is a GPU's shared arena: no /dev/shm KV segment
 };
 
 // The shm instance for serving `model` with this layout.

@@ -6,8 +6,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+
+#if DUET_HAVE_CUDA
+#include "cuda/cuda_arena.h"
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace duet {
+
+#if !DUET_HAVE_CUDA
+class SharedKvArena {};  // never made: this build has no CUDA backend
+#endif
 
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
     float mx = logits[0];
@@ -65,10 +75,38 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     joined_ = true;
     auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(0), user_);
     alloc_ = alloc.get();
-    pool_ = std::make_unique<KvPool>(CpuBackend::kv_layout(model), reinterpret_cast<uint16_t*>(inst.cpu_kv_data()),
-                                     std::move(alloc));
+    const KvLayout layout = CpuBackend::kv_layout(model);
     threads_ = std::make_unique<ThreadPool>(std::max(1, o.threads), o.cpus);
-    backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
+    const bool kv_on_gpu = inst.config().cpu_kv_bytes == 0;
+    if (kv_on_gpu != o.device.cuda)
+        return make_error("instance {} keeps its KV {}; this worker was started with --device {}", inst.config().name,
+                          kv_on_gpu ? "on a GPU (start workers with --device cuda:N)" : "in /dev/shm (CPU workers)",
+                          o.device.name());
+    if (o.device.cuda) {
+        if (Status st = check_device(o.device); !st) return st;
+#if DUET_HAVE_CUDA
+        const uint64_t bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(layout.n_layer) *
+                               inst.arena(0).n_blocks();
+        auto arena = SharedKvArena::open(inst.config().name, o.device.index, bytes);
+        if (!arena) return arena.error();
+        gpu_kv_ = std::move(arena).value();
+        pool_ = std::make_unique<KvPool>(layout, gpu_kv_->data(), std::move(alloc));
+        CudaBackendOptions co;
+        co.device = o.device.index;
+        co.max_batch = std::max(1, o.max_batch);
+        co.max_ctx = inst.config().requests.max_tokens;
+        co.graphs = o.cuda_graphs;
+        auto b = CudaBackend::create(model, *pool_, co);
+        if (!b) return b.error();
+        std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), (*b)->describe().c_str());
+        backend_ = std::move(b).value();
+#else
+        return make_error("device {}: this duet was built without CUDA", o.device.name());
+#endif
+    } else {
+        pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(inst.cpu_kv_data()), std::move(alloc));
+        backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
+    }
     inst.registry().set_running(self_);
     return {};
 }
@@ -76,6 +114,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
 WorkerBase::~WorkerBase() {
     backend_.reset();
     pool_.reset();
+    gpu_kv_.reset();
     if (inst_ && joined_) inst_->arena(0).leave(user_);
     // Requests still in hand (stopped mid-work): keep the registry slot, so that
     // whoever recovers this process (the supervisor, on seeing it exit) finds them

@@ -17,11 +17,14 @@
 #include "kernels.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
+#include "model/device_spec.h"
 #include "model/tokenizer.h"
 #include "roles/serving.h"
 #include "shm/handoff.h"
 
 namespace duet {
+
+class SharedKvArena;
 
 struct WorkerOptions {
     uint32_t index = 0;  // which of its role's workers (its rings follow from it)
@@ -42,6 +45,10 @@ struct WorkerOptions {
     // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
     // routing sends them to a decode worker with room).
     int max_batch = 256;
+    // Where it computes: the CPU (KV in the instance's /dev/shm segment) or a GPU
+    // (KV in the instance's shared device arena on it).
+    DeviceSpec device;
+    bool cuda_graphs = true;
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
@@ -69,7 +76,8 @@ protected:
     ShmBlockAllocator* alloc_ = nullptr;  // owned by pool_
     std::unique_ptr<KvPool> pool_;
     std::unique_ptr<ThreadPool> threads_;
-    std::unique_ptr<CpuBackend> backend_;
+    std::unique_ptr<SharedKvArena> gpu_kv_;  // the KV data, on a GPU
+    std::unique_ptr<Backend> backend_;
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
     std::vector<float> logits_;

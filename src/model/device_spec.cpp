@@ -1,6 +1,10 @@
-#include "model/device.h"
+#include "model/device_spec.h"
 
 #include <charconv>
+
+#if DUET_HAVE_CUDA
+#include "device.h"
+#endif
 
 namespace duet {
 
@@ -23,6 +27,17 @@ Result<DeviceSpec> parse_device(const std::string& s) {
         }
     }
     return make_error("unknown device '{}': expected cpu, cuda or cuda:N", s);
+}
+
+Status check_device(const DeviceSpec& d) {
+    if (!d.cuda) return {};
+#if DUET_HAVE_CUDA
+    const int n = cuda::device_count();
+    if (d.index >= n) return make_error("{}: no such device ({} CUDA device{} visible)", d.name(), n, n == 1 ? "" : "s");
+    return {};
+#else
+    return make_error("device {}: this duet was built without CUDA (configure with -DDUET_CUDA=ON)", d.name());
+#endif
 }
 
 bool cuda_built() {

@@ -21,4 +21,8 @@ Result<DeviceSpec> parse_device(const std::string& s);
 // Whether this build has the CUDA backend (DUET_CUDA at configure time).
 bool cuda_built();
 
+// An error unless d is the CPU or a CUDA device this process can see ("cuda:3: no
+// such device (2 CUDA devices visible)").
+Status check_device(const DeviceSpec& d);
+
 }  // namespace duet

@@ -1,0 +1,51 @@
+#include "cli/bench_cuda.h"
+
+#include <cstdio>
+
+#include "model/device_spec.h"
+
+#if DUET_HAVE_CUDA
+#include "cuda/cuda_bench.h"
+#endif
+
+namespace duet {
+
+int cmd_bench_cuda(const CudaBenchArgs& a) {
+    auto dev = parse_device(a.device);
+    if (!dev || !dev->cuda) {
+        std::fprintf(stderr, "duet bench cuda: --device must be cuda or cuda:N (got '%s')\n", a.device.c_str());
+        return 2;
+    }
+    if (Status st = check_device(*dev); !st) {
+        std::fprintf(stderr, "duet bench cuda: %s\n", st.error().message.c_str());
+        return 1;
+    }
+#if DUET_HAVE_CUDA
+    CudaBenchOptions o;
+    o.model = a.model;
+    o.device = dev->index;
+    if (!a.batches.empty()) o.batches = a.batches;
+    o.ctx = a.ctx;
+    o.steps = a.steps;
+    o.prefill_tokens = a.prefill_tokens;
+    auto j = run_cuda_bench(o);
+    if (!j) {
+        std::fprintf(stderr, "duet bench cuda: %s\n", j.error().message.c_str());
+        return 1;
+    }
+    if (!a.json_out.empty()) {
+        FILE* f = std::fopen(a.json_out.c_str(), "w");
+        if (!f || std::fprintf(f, "%s\n", j->dump(1).c_str()) < 0 || std::fclose(f) != 0) {
+            std::fprintf(stderr, "duet bench cuda: cannot write %s\n", a.json_out.c_str());
+            return 1;
+        }
+    }
+    if (a.json) std::printf("%s\n", j->dump().c_str());
+    else std::printf("%s", cuda_bench_markdown(*j).c_str());
+    return 0;
+#else
+    return 1;  // check_device said why
+#endif
+}
+
+}  // namespace duet

@@ -1,0 +1,23 @@
+// `duet bench cuda`: the CUDA backend against floors measured on the same GPU
+// (src/cuda/cuda_bench.h). Markdown by default, --json for one JSON object.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace duet {
+
+struct CudaBenchArgs {
+    std::string model;
+    std::string device = "cuda:0";
+    std::vector<int> batches;  // empty: 1, 8, 32, 64, 128, 256
+    int ctx = 512;
+    int steps = 32;
+    int prefill_tokens = 2048;
+    bool json = false;
+    std::string json_out;  // also write the JSON here
+};
+
+int cmd_bench_cuda(const CudaBenchArgs& a);
+
+}  // namespace duet

@@ -1,0 +1,48 @@
+// An instance's KV data on a GPU, shared by every process of the instance that
+// computes on that GPU (prefill and decode). The memory is a cuMemCreate allocation
+// exported as a POSIX fd (kernels/cuda/vmm.h) and kept by the launcher's fd keeper
+// (shm/fd_keeper.h) under "kv.cuda.<device>": the first worker to start creates and
+// deposits it, the others, and any restarted one, fetch and map it. With the keeper
+// holding an fd, the data outlives every worker that maps it: a restarted decode
+// finds the KV of the requests it re-drives where prefill left it. Block metadata
+// (allocation, references, prefix index) stays in the shm control segment.
+//
+// Built only with DUET_CUDA; this header includes no CUDA header.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "base/result.h"
+
+namespace duet {
+
+// The fd keeper's key for device's KV arena.
+std::string kv_arena_key(int device);
+
+class SharedKvArena {
+public:
+    // Maps instance's arena on `device`, at least `bytes` long, creating it (and
+    // depositing it with the keeper) when nobody has. Errors: no fd keeper (the
+    // instance was not started by `duet serve --device`), the kept arena belongs to
+    // another device or is smaller than `bytes`, CUDA failures.
+    static Result<std::unique_ptr<SharedKvArena>> open(const std::string& instance, int device, uint64_t bytes);
+    ~SharedKvArena();  // unmaps (the memory lives on while the keeper or others hold it)
+    SharedKvArena(const SharedKvArena&) = delete;
+    SharedKvArena& operator=(const SharedKvArena&) = delete;
+
+    uint16_t* data() const { return static_cast<uint16_t*>(ptr_); }
+    uint64_t bytes() const { return bytes_; }
+    bool created() const { return created_; }  // this process made the allocation
+
+private:
+    SharedKvArena() = default;
+    int device_ = 0;
+    void* ptr_ = nullptr;
+    uint64_t bytes_ = 0;
+    unsigned long long handle_ = 0;
+    bool created_ = false;
+};
+
+}  // namespace duet

@@ -1,0 +1,370 @@
+#include "cuda/cuda_bench.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <random>
+
+#include "cuda/cuda_backend.h"
+#include "gemm.h"
+#include "kv/kv_copy.h"
+#include "kv/kv_pool.h"
+#include "model/cpu_backend.h"
+#include "model/model.h"
+
+namespace duet {
+
+namespace {
+
+Status cuda_ok(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return {};
+    return make_error("CUDA: {}: {}", what, cudaGetErrorString(e));
+}
+
+#define DUET_BENCH_TRY(expr)                                                 \
+    do {                                                                     \
+        if (Status st_ = cuda_ok((expr), #expr); !st_) return st_.error(); \
+    } while (0)
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Device memory freed at scope exit.
+struct DevMem {
+    void* p = nullptr;
+    ~DevMem() {
+        if (p) cudaFree(p);
+    }
+};
+
+struct Timer {
+    cudaEvent_t a = nullptr, b = nullptr;
+    Timer() {
+        cudaEventCreate(&a);
+        cudaEventCreate(&b);
+    }
+    ~Timer() {
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+    }
+    void start(cudaStream_t s) { cudaEventRecord(a, s); }
+    // Milliseconds since start(), once the stream has reached this point.
+    float stop(cudaStream_t s) {
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, a, b);
+        return ms;
+    }
+};
+
+// Bytes per second of a 1 GiB device-to-device copy, counting the read and the write.
+Result<double> hbm_bandwidth(cudaStream_t s) {
+    const size_t bytes = size_t{1} << 30;
+    DevMem a, b;
+    DUET_BENCH_TRY(cudaMalloc(&a.p, bytes));
+    DUET_BENCH_TRY(cudaMalloc(&b.p, bytes));
+    DUET_BENCH_TRY(cudaMemsetAsync(a.p, 1, bytes, s));
+    DUET_BENCH_TRY(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s));
+    Timer t;
+    constexpr int kReps = 10;
+    t.start(s);
+    for (int i = 0; i < kReps; ++i) DUET_BENCH_TRY(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s));
+    const double sec = t.stop(s) / 1e3;
+    DUET_BENCH_TRY(cudaGetLastError());
+    return 2.0 * static_cast<double>(bytes) * kReps / sec;
+}
+
+// FLOP/s of an 8192^3 bf16 product through the backend's own Gemm.
+Result<double> bf16_peak(cudaStream_t s) {
+    constexpr int N = 8192;
+    DevMem w, x, y, ws;
+    DUET_BENCH_TRY(cudaMalloc(&w.p, size_t{N} * N * 2));
+    DUET_BENCH_TRY(cudaMalloc(&x.p, size_t{N} * N * 2));
+    DUET_BENCH_TRY(cudaMalloc(&y.p, size_t{N} * N * 4));
+    DUET_BENCH_TRY(cudaMalloc(&ws.p, size_t{32} << 20));
+    DUET_BENCH_TRY(cudaMemsetAsync(w.p, 0x3c, size_t{N} * N * 2, s));  // bf16 0x3c3c: 0.0115, finite
+    DUET_BENCH_TRY(cudaMemsetAsync(x.p, 0x3c, size_t{N} * N * 2, s));
+    cuda::Gemm g;
+    std::string err;
+    if (!g.init(&err) || !g.set_workspace(ws.p, size_t{32} << 20, &err)) return make_error("{}", err);
+    auto run = [&]() { return g.linear(static_cast<uint16_t*>(w.p), N, N, static_cast<uint16_t*>(x.p), N,
+                                       static_cast<float*>(y.p), N, s, &err); };
+    if (!run() || !run()) return make_error("{}", err);
+    Timer t;
+    constexpr int kReps = 10;
+    t.start(s);
+    for (int i = 0; i < kReps; ++i)
+        if (!run()) return make_error("{}", err);
+    const double sec = t.stop(s) / 1e3;
+    return 2.0 * N * static_cast<double>(N) * N * kReps / sec;
+}
+
+std::vector<int32_t> synthetic_tokens(size_t n, int64_t n_vocab, uint64_t salt) {
+    std::vector<int32_t> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>((i * 7919 + salt * 104729 + 17) % static_cast<uint64_t>(n_vocab));
+    return v;
+}
+
+// Parameters of the matrices a token multiplies through (all layers + the output head).
+double matrix_params(const Model& m) {
+    double n = static_cast<double>(m.output().ne[0]) * static_cast<double>(m.output().ne[1]);
+    for (int64_t l = 0; l < m.config().n_layer; ++l) {
+        const LayerWeights& w = m.layer(l);
+        for (const GgufTensor* t : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down})
+            n += static_cast<double>(t->ne[0]) * static_cast<double>(t->ne[1]);
+    }
+    return n;
+}
+
+// Mean seconds per decode step of `steps` steps over batch B at context ctx.
+Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx, int steps) {
+    const int64_t nv = be.n_vocab();
+    std::vector<KvSeq> seqs(static_cast<size_t>(B));
+    std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(B));
+    auto release = [&] {
+        for (KvSeq& s : seqs) s.release(pool);
+    };
+    std::vector<float> logits;
+    // Prefill in passes of about 4096 tokens.
+    const int per_pass = std::max(1, 4096 / std::max(1, ctx));
+    for (int s0 = 0; s0 < B; s0 += per_pass) {
+        std::vector<SeqBatch> batch;
+        for (int s = s0; s < std::min(B, s0 + per_pass); ++s) {
+            prompts[static_cast<size_t>(s)] = synthetic_tokens(static_cast<size_t>(ctx), nv, static_cast<uint64_t>(s));
+            batch.push_back({&seqs[static_cast<size_t>(s)], prompts[static_cast<size_t>(s)].data(), ctx, false});
+        }
+        if (Status st = be.forward(batch, logits); !st) {
+            release();
+            return st.error();
+        }
+    }
+    std::vector<int32_t> next(static_cast<size_t>(B), 42);
+    std::vector<SeqBatch> step;
+    for (int s = 0; s < B; ++s) step.push_back({&seqs[static_cast<size_t>(s)], &next[static_cast<size_t>(s)], 1, false});
+    double t0 = 0;
+    for (int i = 0; i < steps + 2; ++i) {
+        if (i == 2) t0 = now_s();  // two warm-up steps (graph capture)
+        if (Status st = be.forward(step, logits); !st) {
+            release();
+            return st.error();
+        }
+    }
+    const double sec = (now_s() - t0) / steps;
+    release();
+    return sec;
+}
+
+}  // namespace
+
+Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
+    using nlohmann::json;
+    if (o.batches.empty() || o.ctx < 1 || o.steps < 1 || o.prefill_tokens < 1)
+        return make_error("bench cuda: batches, ctx, steps and prefill tokens must be positive");
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess) n_dev = 0;
+    cudaGetLastError();
+    if (o.device < 0 || o.device >= n_dev)
+        return make_error("cuda:{}: no such device ({} CUDA device{} visible)", o.device, n_dev, n_dev == 1 ? "" : "s");
+    DUET_BENCH_TRY(cudaSetDevice(o.device));
+    cudaDeviceProp prop{};
+    DUET_BENCH_TRY(cudaGetDeviceProperties(&prop, o.device));
+    cudaStream_t s = nullptr;
+    DUET_BENCH_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    struct StreamGuard {
+        cudaStream_t s;
+        ~StreamGuard() { cudaStreamDestroy(s); }
+    } sg{s};
+
+    json j;
+    j["device"] = fmt::format("cuda:{} {} (sm_{}{})", o.device, prop.name, prop.major, prop.minor);
+    auto bw = hbm_bandwidth(s);
+    if (!bw) return bw.error();
+    auto peak = bf16_peak(s);
+    if (!peak) return peak.error();
+    j["hbm_gb_s"] = *bw / 1e9;
+    j["bf16_tflops"] = *peak / 1e12;
+
+    auto model = Model::load(o.model);
+    if (!model) return model.error();
+    const Model& m = **model;
+    const KvLayout layout = CpuBackend::kv_layout(m);
+    const int bt = layout.block_tokens;
+    const int max_b = *std::max_element(o.batches.begin(), o.batches.end());
+    const int64_t seq_tokens = o.ctx + o.steps + 4;
+    const int64_t max_ctx = std::max<int64_t>(seq_tokens, o.prefill_tokens);
+    const int64_t blocks = std::max<int64_t>(max_b * ((seq_tokens + bt - 1) / bt), (o.prefill_tokens + bt - 1) / bt) + 16;
+    if (blocks > INT32_MAX) return make_error("bench cuda: {} KV blocks is too many", blocks);
+    auto mem = CudaKvMemory::create(o.device, layout, static_cast<int32_t>(blocks));
+    if (!mem) return mem.error();
+    KvPool pool(layout, (*mem)->data(), std::make_unique<LocalBlockAllocator>(static_cast<int32_t>(blocks)));
+    CudaBackendOptions co;
+    co.device = o.device;
+    co.max_batch = max_b;
+    co.max_ctx = max_ctx;
+    auto be = CudaBackend::create(m, pool, co);
+    if (!be) return be.error();
+    j["backend"] = (*be)->describe();
+    const double params = matrix_params(m);
+    const double weight_bytes = 2.0 * params;  // bf16 matrices read by every step
+
+    // Prefill: one sequence of prefill_tokens in one pass, best of three.
+    {
+        const auto toks = synthetic_tokens(static_cast<size_t>(o.prefill_tokens), m.config().n_vocab, 99);
+        std::vector<float> logits;
+        double best = 1e30;
+        for (int r = 0; r < 4; ++r) {
+            KvSeq seq;
+            SeqBatch b{&seq, toks.data(), o.prefill_tokens, false};
+            const double t0 = now_s();
+            Status st = (*be)->forward({&b, 1}, logits);
+            const double dt = now_s() - t0;
+            seq.release(pool);
+            if (!st) return st.error();
+            if (r > 0) best = std::min(best, dt);  // the first pass sizes buffers
+        }
+        const double N = o.prefill_tokens;
+        const double c = m.config().n_layer * 4.0 * m.config().n_head * m.config().head_dim;
+        const double flops = N * 2.0 * params + c * N * (N + 1) / 2;
+        j["prefill"] = {{"tokens", o.prefill_tokens},
+                        {"seconds", best},
+                        {"tokens_per_s", N / best},
+                        {"tflops", flops / best / 1e12},
+                        {"fraction_of_bf16_peak", flops / best / *peak}};
+    }
+
+    // Decode steps per batch size against (weights + KV read) / HBM bandwidth.
+    std::unique_ptr<CudaBackend> eager;
+    json dec = json::array();
+    for (int B : o.batches) {
+        auto sec = decode_step_seconds(**be, pool, B, o.ctx, o.steps);
+        if (!sec) return sec.error();
+        // Attention reads K and V of every layer for each cached token (bytes_per_token).
+        const double kv_read = static_cast<double>(B) * (o.ctx + 2 + o.steps / 2.0) *
+                               static_cast<double>(layout.bytes_per_token());
+        const double floor = (weight_bytes + kv_read) / *bw;
+        json row = {{"batch", B},
+                    {"step_ms", *sec * 1e3},
+                    {"tokens_per_s", B / *sec},
+                    {"floor_ms", floor * 1e3},
+                    {"ratio_to_floor", *sec / floor}};
+        if (B == 1 || B == 64) {
+            if (!eager) {
+                CudaBackendOptions eo = co;
+                eo.graphs = false;
+                auto e = CudaBackend::create(m, pool, eo);
+                if (!e) return e.error();
+                eager = std::move(e).value();
+            }
+            auto esec = decode_step_seconds(*eager, pool, B, o.ctx, o.steps);
+            if (!esec) return esec.error();
+            row["eager_step_ms"] = *esec * 1e3;
+        }
+        dec.push_back(row);
+    }
+    j["decode"] = dec;
+    j["decode_ctx"] = o.ctx;
+    j["graphs_captured"] = (*be)->graphs_captured();
+
+    // The per-layer KV copy of a hand-off: 2048 tokens' blocks, every layer, into a
+    // second arena (another GPU over peer access when there is one).
+    {
+        const int n = (2048 + bt - 1) / bt;
+        int dst_dev = o.device;
+        if (n_dev > 1) {
+            const int other = o.device == 0 ? 1 : 0;
+            int can = 0;
+            cudaDeviceCanAccessPeer(&can, o.device, other);
+            if (can) {
+                cudaDeviceEnablePeerAccess(other, 0);
+                cudaGetLastError();  // "already enabled" is fine
+                dst_dev = other;
+            }
+        }
+        auto dst = CudaKvMemory::create(dst_dev, layout, 2 * n);
+        if (!dst) return dst.error();
+        DUET_BENCH_TRY(cudaSetDevice(o.device));
+        std::vector<int32_t> src_ids(static_cast<size_t>(n)), contig(static_cast<size_t>(n)), frag(static_cast<size_t>(2 * n));
+        std::iota(src_ids.begin(), src_ids.end(), 0);
+        std::iota(contig.begin(), contig.end(), 0);
+        std::iota(frag.begin(), frag.end(), 0);
+        std::shuffle(frag.begin(), frag.end(), std::mt19937(7));
+        frag.resize(static_cast<size_t>(n));
+        const double block_bytes = static_cast<double>(layout.tile_elems()) * 2 * layout.n_layer;
+        const double total = block_bytes * n;
+        auto* src_base = reinterpret_cast<char*>((*mem)->data());
+        auto* dst_base = reinterpret_cast<char*>((*dst)->data());
+        json kc = {{"tokens", 2048}, {"blocks", n}, {"bytes", total}, {"peer", dst_dev != o.device},
+                   {"dst_device", dst_dev}};
+        for (auto [name, ids] : {std::pair{"contiguous", &contig}, std::pair{"fragmented", &frag}}) {
+            auto plan = plan_copy(layout, static_cast<int32_t>(blocks), 2 * n, src_ids, *ids);
+            if (!plan) return plan.error();
+            size_t runs = 0;
+            for (const auto& layer : *plan) runs += layer.size();
+            auto issue = [&]() -> Status {
+                for (const auto& layer : *plan)
+                    for (const CopyRun& r : layer)
+                        if (Status st = cuda_ok(cudaMemcpyAsync(dst_base + r.dst, src_base + r.src, r.bytes, cudaMemcpyDefault, s),
+                                                "KV copy");
+                            !st)
+                            return st;
+                return {};
+            };
+            if (Status st = issue(); !st) return st.error();
+            Timer t;
+            t.start(s);
+            for (int r = 0; r < 5; ++r)
+                if (Status st = issue(); !st) return st.error();
+            const double sec = t.stop(s) / 1e3 / 5;
+            kc[name] = {{"runs", runs}, {"seconds", sec}, {"gb_s", total / sec / 1e9},
+                        {"per_layer_us", sec / layout.n_layer * 1e6}};
+        }
+        DUET_BENCH_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
+        Timer t;
+        t.start(s);
+        for (int r = 0; r < 5; ++r)
+            DUET_BENCH_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
+        const double sec = t.stop(s) / 1e3 / 5;
+        kc["plain_gb_s"] = total / sec / 1e9;
+        kc["contiguous"]["ratio_to_plain"] = kc["contiguous"]["gb_s"].get<double>() / (total / sec / 1e9);
+        kc["fragmented"]["ratio_to_plain"] = kc["fragmented"]["gb_s"].get<double>() / (total / sec / 1e9);
+        j["kv_copy"] = kc;
+    }
+    return j;
+}
+
+std::string cuda_bench_markdown(const nlohmann::json& j) {
+    std::string md;
+    md += fmt::format("## CUDA backend figures\n\n- {}\n- {}\n", j["device"].get<std::string>(),
+                      j["backend"].get<std::string>());
+    md += fmt::format("- references: HBM {:.0f} GB/s (1 GiB device copy, read + write), bf16 product {:.0f} TFLOP/s "
+                      "(8192^3, cuBLAS)\n\n",
+                      j["hbm_gb_s"].get<double>(), j["bf16_tflops"].get<double>());
+    const auto& p = j["prefill"];
+    md += fmt::format("Prefill, {} tokens in one pass: {:.0f} tokens/s, {:.1f} TFLOP/s = {:.2f} of the bf16 peak\n\n",
+                      p["tokens"].get<int>(), p["tokens_per_s"].get<double>(), p["tflops"].get<double>(),
+                      p["fraction_of_bf16_peak"].get<double>());
+    md += fmt::format("Decode steps at {} tokens of context (floor: bf16 weights + KV read, over HBM bandwidth):\n\n",
+                      j["decode_ctx"].get<int>());
+    md += "| batch | step ms | tokens/s | floor ms | ratio to floor | eager step ms (no graph) |\n|---|---|---|---|---|---|\n";
+    for (const auto& r : j["decode"])
+        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.2f} | {} |\n", r["batch"].get<int>(), r["step_ms"].get<double>(),
+                          r["tokens_per_s"].get<double>(), r["floor_ms"].get<double>(), r["ratio_to_floor"].get<double>(),
+                          r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "");
+    const auto& k = j["kv_copy"];
+    md += fmt::format("\nHand-off KV copy, {} tokens ({} blocks, {:.1f} MiB), layer by layer into {} (plain copy {:.0f} GB/s):\n\n",
+                      k["tokens"].get<int>(), k["blocks"].get<int>(), k["bytes"].get<double>() / 1048576.0,
+                      k["peer"].get<bool>() ? fmt::format("cuda:{} over peer access", k["dst_device"].get<int>())
+                                            : std::string("a second arena on the same GPU"),
+                      k["plain_gb_s"].get<double>());
+    md += "| block ids | copies | GB/s | per layer µs | ratio to plain |\n|---|---|---|---|---|\n";
+    for (const char* name : {"contiguous", "fragmented"}) {
+        const auto& c = k[name];
+        md += fmt::format("| {} | {} | {:.0f} | {:.1f} | {:.2f} |\n", name, c["runs"].get<size_t>(), c["gb_s"].get<double>(),
+                          c["per_layer_us"].get<double>(), c["ratio_to_plain"].get<double>());
+    }
+    return md;
+}
+
+}  // namespace duet
