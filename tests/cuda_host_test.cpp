@@ -4,11 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include "cuda/cuda_arena.h"
 #include "device.h"
 #include "engine/engine.h"
 #include "gemm.h"
 #include "model/device_spec.h"
+#include "shm/fd_keeper.h"
 
 using namespace duet;
 
@@ -56,4 +60,66 @@ TEST(Device, AMissingCudaDeviceIsAClearError) {
     e = Engine::create(o);
     ASSERT_FALSE(e);
     EXPECT_NE(e.error().message.find("unknown device 'tpu'"), std::string::npos) << e.error().message;
+}
+
+// The shared GPU KV arena's host side (src/cuda/cuda_arena.h), checkable without a
+// GPU: it is found through the launcher's fd keeper, and what the keeper holds must
+// be an arena of this device and of at least the size this process needs. A memfd
+// stands in for the exported allocation.
+namespace {
+
+std::string arena_test_instance(const char* what) { return fmt::format("cuda-host-{}-{}", what, getpid()); }
+
+int fake_allocation() {
+    const int fd = memfd_create("fake-gpu-arena", MFD_CLOEXEC);
+    if (fd >= 0 && ftruncate(fd, 4096) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+}  // namespace
+
+TEST(SharedKvArena, WithoutTheLaunchersFdKeeperItSaysSo) {
+    auto a = SharedKvArena::open(arena_test_instance("nokeeper"), 0, 4096);
+    ASSERT_FALSE(a);
+    EXPECT_NE(a.error().message.find("fd keeper"), std::string::npos) << a.error().message;
+}
+
+TEST(SharedKvArena, AKeptArenaOfAnotherDeviceOrTooSmallIsRefused) {
+    const std::string inst = arena_test_instance("mismatch");
+    auto keeper = shm::FdKeeper::start(inst);
+    ASSERT_TRUE(keeper) << keeper.error().message;
+    const int fd = fake_allocation();
+    ASSERT_GE(fd, 0);
+    // Deposited for device 0 but made on device 1.
+    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(0), fd, "device=1 bytes=4096"));
+    auto a = SharedKvArena::open(inst, 0, 4096);
+    ASSERT_FALSE(a);
+    EXPECT_NE(a.error().message.find("4096 bytes on cuda:1; this process needs 4096 bytes on cuda:0"), std::string::npos)
+        << a.error().message;
+    // Right device, too small.
+    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(2), fd, "device=2 bytes=4096"));
+    a = SharedKvArena::open(inst, 2, 8192);
+    ASSERT_FALSE(a);
+    EXPECT_NE(a.error().message.find("needs 8192 bytes on cuda:2"), std::string::npos) << a.error().message;
+    // Not an arena's metadata at all.
+    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(3), fd, "bytes=4096"));
+    a = SharedKvArena::open(inst, 3, 4096);
+    ASSERT_FALSE(a);
+    EXPECT_NE(a.error().message.find("malformed metadata 'bytes=4096'"), std::string::npos) << a.error().message;
+    close(fd);
+    EXPECT_EQ(kv_arena_key(5), "kv.cuda.5");
+}
+
+TEST(SharedKvArena, NobodyHasMadeItAndThereIsNoDeviceToMakeItOn) {
+    if (cuda::device_count() > 99) GTEST_SKIP() << "a machine with 100 GPUs";
+    const std::string inst = arena_test_instance("nodevice");
+    auto keeper = shm::FdKeeper::start(inst);
+    ASSERT_TRUE(keeper) << keeper.error().message;
+    auto a = SharedKvArena::open(inst, 99, 4096);
+    ASSERT_FALSE(a);
+    EXPECT_NE(a.error().message.find("cuda:99: cannot create the"), std::string::npos) << a.error().message;
+    EXPECT_EQ((*keeper)->size(), 0u) << "nothing deposited";
 }
