@@ -1,5 +1,6 @@
 // duet: one binary, subcommands. Exceptions stop here (argument parsing).
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -17,6 +18,9 @@
 using namespace duet;
 
 int main(int argc, char** argv) {
+    // cuda:N is the N-th NVIDIA GPU in PCI bus order, as `duet topo` numbers them
+    // (CUDA's own default puts the fastest first). Before anything touches CUDA.
+    setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 0);
     CLI::App app{"duet: LLM inference on one box"};
     app.require_subcommand(1);
     app.set_version_flag("--version", "duet 0.1.0");

@@ -88,9 +88,17 @@ int cmd_serve(const ServeArgs& a) {
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
     if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
+    if (device->cuda && (a.prefill_workers != 1 || a.decode_workers != 1))
+        return fail(fmt::format("--device {} serves with one prefill and one decode worker on that GPU", device->name()));
     PlanOptions po;
     po.prefill_workers = a.prefill_workers;
     po.decode_workers = a.decode_workers;
+    std::string gpu_note;
+    if (device->cuda) {
+        // Both workers on cores close to the GPU (its PCI device's local CPUs).
+        if (device->index < static_cast<int>(machine->gpus.size())) po.devices = {device->index};
+        else gpu_note = fmt::format(" (GPU {} not found on the PCI bus: workers placed as for the CPU)", device->index);
+    }
     for (auto [text, out] : {std::pair{&a.front_cpus, &po.front_cpus}, std::pair{&a.prefill_cpus, &po.prefill_cpus},
                              std::pair{&a.decode_cpus, &po.decode_cpus}}) {
         if (text->empty()) continue;
@@ -182,8 +190,8 @@ int cmd_serve(const ServeArgs& a) {
         while (!front_done) {
             if (!listening && all_running()) {
                 listening = true;
-                std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s%s)\n", a.host.c_str(),
-                             port, model_id.c_str(), layout.instance.c_str(), placed.c_str());
+                std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s%s%s)\n", a.host.c_str(),
+                             port, model_id.c_str(), layout.instance.c_str(), placed.c_str(), gpu_note.c_str());
             }
             if (!listening && !g_stop.load() && shm::monotonic_ns() > start_deadline) {
                 std::fprintf(stderr, "duet serve: the roles did not all start within 60 s\n");
