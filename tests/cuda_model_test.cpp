@@ -7,11 +7,13 @@
 // Every CUDA use runs in a forked child (as in cuda_test.cpp), so the probe and the
 // tests can share one binary run; the child's gtest failures print there and make
 // its exit code non-zero.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <vector>
 
 #include "cuda/cuda_backend.h"
@@ -243,5 +245,73 @@ TEST(CudaModel, GraphReplayedDecodeMatchesEager) {
         EXPECT_GE(cb->graphs_captured(), 3);     // buckets 1, 4, 8; one and two attention splits
         std::fprintf(stderr, "%s: %d graphs, %lld replays\n", cb->describe().c_str(), cb->graphs_captured(),
                      static_cast<long long>(cb->graph_replays()));
+    });
+}
+
+// A prefill's KV exported layer by layer into a second arena (as a hand-off to a
+// decode process on another GPU would be; here both arenas are on GPU 0): the
+// copied tiles equal the originals byte for byte, and a second backend decoding
+// from the copy gives the original's logits and tokens.
+TEST(CudaModel, KvExportedLayerByLayerDecodesLikeTheOriginal) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0");
+        ASSERT_TRUE(e);
+        auto* be = dynamic_cast<CudaBackend*>(&e->backend());
+        ASSERT_NE(be, nullptr);
+        const KvLayout layout = e->pool().layout();
+        constexpr int32_t kBlocks = 64;
+        auto mem = CudaKvMemory::create(0, layout, kBlocks);
+        ASSERT_TRUE(mem) << mem.error().message;
+        KvPool pool_b(layout, (*mem)->data(), std::make_unique<LocalBlockAllocator>(kBlocks));
+        std::vector<int32_t> all(kBlocks);
+        ASSERT_TRUE(pool_b.allocator().alloc(kBlocks, all.data()));
+        std::shuffle(all.begin(), all.end(), std::mt19937(3));
+        const int64_t nv = be->n_vocab();
+        std::vector<int32_t> prompt(700);
+        for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 3) % nv);
+        const size_t n_blk = (prompt.size() + 15) / 16;
+        std::vector<int32_t> dst(all.begin(), all.begin() + static_cast<ptrdiff_t>(n_blk));
+        for (size_t i = n_blk; i < all.size(); ++i) pool_b.allocator().unref(all[i]);
+
+        KvSeq sa;
+        std::vector<float> la, lb;
+        KvExport exp;
+        exp.dst_data = (*mem)->data();
+        exp.dst_blocks = kBlocks;
+        exp.dst_ids = {dst};
+        for (auto [from, n] : {std::pair{0, 300}, std::pair{300, 400}}) {
+            SeqBatch b{&sa, prompt.data() + from, n, false};
+            Status st = be->forward_export({&b, 1}, la, exp);
+            ASSERT_TRUE(st.ok()) << st.error().message;
+        }
+        // Byte for byte, every layer of every block.
+        const size_t tile = layout.tile_elems() * sizeof(uint16_t);
+        std::vector<uint8_t> x(tile), y(tile);
+        for (size_t i = 0; i < n_blk; ++i)
+            for (int32_t l = 0; l < layout.n_layer; ++l) {
+                ASSERT_EQ(cudaMemcpy(x.data(), e->pool().k(sa.blocks()[i], l, 0), tile, cudaMemcpyDeviceToHost), cudaSuccess);
+                ASSERT_EQ(cudaMemcpy(y.data(), pool_b.k(dst[i], l, 0), tile, cudaMemcpyDeviceToHost), cudaSuccess);
+                ASSERT_EQ(x, y) << "block " << i << " layer " << l;
+            }
+        // A second backend on the copy decodes as the original does.
+        CudaBackendOptions co;
+        co.max_batch = 8;
+        co.max_ctx = 2048;
+        auto be2 = CudaBackend::create(e->model(), pool_b, co);
+        ASSERT_TRUE(be2) << be2.error().message;
+        KvSeq sb = KvSeq::adopt(dst, static_cast<int64_t>(prompt.size()));
+        int32_t ta = argmax(la.data(), nv), tb = ta;
+        for (int step = 0; step < 8; ++step) {
+            SeqBatch xa{&sa, &ta, 1, false}, xb{&sb, &tb, 1, false};
+            ASSERT_TRUE(be->forward({&xa, 1}, la).ok());
+            ASSERT_TRUE((*be2)->forward({&xb, 1}, lb).ok());
+            EXPECT_LT(rms_diff(la, lb) / rms(la), 1e-5) << "step " << step;
+            ta = argmax(la.data(), nv);
+            tb = argmax(lb.data(), nv);
+            ASSERT_EQ(ta, tb) << "step " << step;
+        }
+        sa.release(e->pool());
+        sb.release(pool_b);
     });
 }

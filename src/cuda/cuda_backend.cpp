@@ -184,6 +184,9 @@ struct CudaBackend::Impl {
 
     ~Impl() {
         if (stream) cudaStreamSynchronize(stream);
+        if (copy_stream) cudaStreamSynchronize(copy_stream);
+        for (cudaEvent_t e : layer_done) cudaEventDestroy(e);
+        if (copy_stream) cudaStreamDestroy(copy_stream);
         for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
         if (pool) pool->set_block_copy({});
         gemm.reset();
@@ -192,8 +195,15 @@ struct CudaBackend::Impl {
 
     Status upload_weights();
     Status reserve(Acts& a, const InputLayout& l, int64_t max_len, bool* moved);
+    // The copies of a pass's export, per layer (empty: none).
+    std::vector<std::vector<CopyRun>> export_runs;
+    uint16_t* export_dst = nullptr;
+    cudaStream_t copy_stream = nullptr;
+    std::vector<cudaEvent_t> layer_done;
+
     Status enqueue(const Acts& a, const InputLayout& l, int max_len);
     Status pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step, std::vector<float>& logits);
+    Status plan_export(std::span<SeqBatch> batch, const KvExport& exp);
 };
 
 Status CudaBackend::Impl::upload_weights() {
@@ -371,6 +381,18 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
         DUET_K(cuda::round_f16(q, static_cast<int64_t>(T) * Q, stream));
         kv.layer = li;
         DUET_K(cuda::kv_append_f16(k, v, T, tblock, toff, kv, stream));
+        if (!export_runs.empty() && !export_runs[static_cast<size_t>(li)].empty()) {
+            // This layer's KV is written: its copy goes now, on the copy stream,
+            // while the next layers compute.
+            trace::Range range("kv copy layer");
+            const cudaEvent_t done = layer_done[static_cast<size_t>(li)];
+            DUET_K(cudaEventRecord(done, stream));
+            DUET_K(cudaStreamWaitEvent(copy_stream, done, 0));
+            const char* src = reinterpret_cast<const char*>(pool->k(0, 0, 0));
+            char* dst = reinterpret_cast<char*>(export_dst);
+            for (const CopyRun& r : export_runs[static_cast<size_t>(li)])
+                DUET_K(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, copy_stream));
+        }
         DUET_K(cuda::paged_attention(q, kv, tables, l.max_blocks, qseq, vis, T, max_len, scale,
                                      att, a.attn_ws.as<void>(), stream));
         DUET_K(cuda::f32_to_bf16(att, XB, static_cast<int64_t>(T) * Q, stream));
@@ -468,6 +490,14 @@ std::string CudaBackend::describe() const {
 }
 
 Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits) {
+    return forward_impl(batch, logits, nullptr);
+}
+
+Status CudaBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) {
+    return forward_impl(batch, logits, &exp);
+}
+
+Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp) {
     Impl& d = *d_;
     const ModelConfig& c = d.model->config();
     int64_t T = 0, n_out = 0;
@@ -482,6 +512,8 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
         decode_step = decode_step && b.n_tokens == 1;
     }
     if (T > (int64_t{1} << 24)) return make_error("forward: {} tokens in one pass is more than the CUDA backend takes", T);
+    if (exp && (exp->dst_ids.size() != batch.size() || !exp->dst_data || exp->dst_blocks <= 0))
+        return make_error("forward_export: {} destination block lists for {} sequences", exp->dst_ids.size(), batch.size());
     DUET_CUDA_TRY(cudaSetDevice(d.o.device));
     size_t prepared = 0;
     for (; prepared < batch.size(); ++prepared) {
@@ -492,16 +524,52 @@ Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logit
             return st;
         }
     }
-    Status st = d.copy_error.ok() ? d.pass(batch, T, n_out, decode_step, logits) : std::exchange(d.copy_error, Status{});
+    Status st = d.copy_error.ok() ? Status{} : std::exchange(d.copy_error, Status{});
+    if (st && exp) st = d.plan_export(batch, *exp);
+    if (st) st = d.pass(batch, T, n_out, decode_step && !exp, logits);
+    if (st && exp) st = cuda_ok(cudaStreamSynchronize(d.copy_stream), "the KV export's copies");
+    d.export_runs.clear();
     if (!st) {
         // As if nothing happened (the callers' contract, as on CPU): the queued work
         // finished or failed before anything is reused, new positions dropped.
         cudaStreamSynchronize(d.stream);
+        if (d.copy_stream) cudaStreamSynchronize(d.copy_stream);
         cudaGetLastError();
         for (SeqBatch& b : batch) b.kv->truncate(*d.pool, b.kv->n_tokens());
         return st;
     }
     for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
+    return {};
+}
+
+// The copies of exp for this (prepared) batch: each sequence's blocks the pass
+// writes, [its first new position's block, its last's], into exp's blocks.
+Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport& exp) {
+    const KvLayout& l = pool->layout();
+    if (!copy_stream) {
+        DUET_CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+        layer_done.assign(static_cast<size_t>(l.n_layer), nullptr);
+        for (cudaEvent_t& e : layer_done) DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    std::vector<int32_t> src, dst;
+    for (size_t s = 0; s < batch.size(); ++s) {
+        const SeqBatch& b = batch[s];
+        if (b.n_tokens == 0) continue;
+        const std::vector<int32_t>& blocks = b.kv->blocks();
+        const std::vector<int32_t>& to = exp.dst_ids[s];
+        const int64_t first = b.kv->n_tokens() / l.block_tokens;
+        const int64_t last = (b.kv->n_tokens() + b.n_tokens - 1) / l.block_tokens;
+        if (static_cast<int64_t>(to.size()) <= last)
+            return make_error("forward_export: sequence {} needs {} destination blocks, got {}", s, last + 1, to.size());
+        for (int64_t i = first; i <= last; ++i) {
+            src.push_back(blocks[static_cast<size_t>(i)]);
+            dst.push_back(to[static_cast<size_t>(i)]);
+        }
+    }
+    auto plan = plan_copy(l, pool->allocator().n_blocks(), exp.dst_blocks, src, dst);
+    if (!plan) return plan.error();
+    export_runs = std::move(plan).value();
+    export_dst = exp.dst_data;
     return {};
 }
 

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "base/result.h"
+#include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
 #include "model/backend.h"
 #include "model/model.h"
@@ -48,6 +49,17 @@ private:
     size_t bytes_ = 0;
 };
 
+// A hand-off's KV copy into another arena (decode's, on this GPU or a peer): the
+// blocks a pass writes, copied layer by layer on a copy stream as soon as the pass
+// has written that layer, overlapping the next layers' compute.
+struct KvExport {
+    uint16_t* dst_data = nullptr;  // the other arena's data (device memory reachable from this GPU)
+    int32_t dst_blocks = 0;        // blocks in that arena
+    // Per batch entry: the destination block of each of the sequence's blocks as
+    // they stand after the pass (block i of the sequence goes to dst_ids[s][i]).
+    std::vector<std::vector<int32_t>> dst_ids;
+};
+
 class CudaBackend final : public Backend {
 public:
     // pool's data must be device memory that options.device can read and write.
@@ -58,6 +70,9 @@ public:
 
     Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
     int64_t n_vocab() const override;
+    // forward(), also copying the blocks it writes (every layer) into exp's arena;
+    // returns once the last layer has landed there. The pass runs eagerly.
+    Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
 
     // "NVIDIA H200 (sm_90, 141 GiB), weights 270 MiB bf16, graphs for batches up to 256"
     std::string describe() const;
@@ -68,6 +83,7 @@ public:
 
 private:
     CudaBackend();
+    Status forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp);
     struct Impl;
     std::unique_ptr<Impl> d_;
 };
