@@ -159,3 +159,33 @@ TEST(KvCopy, BadPlansAreRefused) {
     EXPECT_NE(msg(two, two, 2).find("layer 2 of 2"), std::string::npos);
     EXPECT_EQ(msg(two, two, 1), "accepted");
 }
+
+// What a pass exports: the blocks its new positions fall in, paired with the
+// destination's same-numbered blocks.
+TEST(KvCopy, APassExportsTheBlocksItWrites) {
+    const std::vector<int32_t> blocks = {40, 41, 7, 9, 3};
+    const std::vector<int32_t> dst = {100, 101, 102, 103, 104};
+    std::vector<int32_t> s, d;
+    // Positions 20..47 with 16-token blocks: blocks 1 and 2.
+    ASSERT_TRUE(append_written_blocks(blocks, dst, 20, 28, 16, s, d).ok());
+    EXPECT_EQ(s, (std::vector<int32_t>{41, 7}));
+    EXPECT_EQ(d, (std::vector<int32_t>{101, 102}));
+    // Appends: one more token at 48 (block 3); nothing for n == 0.
+    ASSERT_TRUE(append_written_blocks(blocks, dst, 48, 1, 16, s, d).ok());
+    ASSERT_TRUE(append_written_blocks(blocks, dst, 60, 0, 16, s, d).ok());
+    EXPECT_EQ(s, (std::vector<int32_t>{41, 7, 9}));
+    EXPECT_EQ(d, (std::vector<int32_t>{101, 102, 103}));
+    // A whole prompt from 0: every block it covers, the partial last one included.
+    s.clear();
+    d.clear();
+    ASSERT_TRUE(append_written_blocks(blocks, dst, 0, 65, 16, s, d).ok());
+    EXPECT_EQ(s, blocks);
+    EXPECT_EQ(d, dst);
+    // Past the sequence's blocks, or the destination's.
+    auto r = append_written_blocks(blocks, dst, 70, 20, 16, s, d);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find("past the sequence's 5 blocks"), std::string::npos) << r.error().message;
+    r = append_written_blocks(blocks, std::vector<int32_t>{1, 2}, 20, 28, 16, s, d);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find("2 destination blocks"), std::string::npos) << r.error().message;
+}

@@ -554,17 +554,10 @@ Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport&
     std::vector<int32_t> src, dst;
     for (size_t s = 0; s < batch.size(); ++s) {
         const SeqBatch& b = batch[s];
-        if (b.n_tokens == 0) continue;
-        const std::vector<int32_t>& blocks = b.kv->blocks();
-        const std::vector<int32_t>& to = exp.dst_ids[s];
-        const int64_t first = b.kv->n_tokens() / l.block_tokens;
-        const int64_t last = (b.kv->n_tokens() + b.n_tokens - 1) / l.block_tokens;
-        if (static_cast<int64_t>(to.size()) <= last)
-            return make_error("forward_export: sequence {} needs {} destination blocks, got {}", s, last + 1, to.size());
-        for (int64_t i = first; i <= last; ++i) {
-            src.push_back(blocks[static_cast<size_t>(i)]);
-            dst.push_back(to[static_cast<size_t>(i)]);
-        }
+        if (Status st = append_written_blocks(b.kv->blocks(), exp.dst_ids[s], b.kv->n_tokens(), b.n_tokens,
+                                              l.block_tokens, src, dst);
+            !st)
+            return make_error("forward_export: sequence {}: {}", s, st.error().message);
     }
     auto plan = plan_copy(l, pool->allocator().n_blocks(), exp.dst_blocks, src, dst);
     if (!plan) return plan.error();

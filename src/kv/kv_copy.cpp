@@ -29,6 +29,22 @@ Result<std::vector<CopyRun>> plan_layer_copy(const KvLayout& l, int32_t src_bloc
     return runs;
 }
 
+Status append_written_blocks(std::span<const int32_t> blocks, std::span<const int32_t> dst, int64_t from, int64_t n,
+                             int32_t block_tokens, std::vector<int32_t>& src_out, std::vector<int32_t>& dst_out) {
+    if (n <= 0) return {};
+    if (from < 0 || block_tokens <= 0) return make_error("KV copy: positions from {} in blocks of {}", from, block_tokens);
+    const int64_t first = from / block_tokens, last = (from + n - 1) / block_tokens;
+    if (last >= static_cast<int64_t>(blocks.size()))
+        return make_error("KV copy: position {} is past the sequence's {} blocks", from + n - 1, blocks.size());
+    if (last >= static_cast<int64_t>(dst.size()))
+        return make_error("KV copy: {} destination blocks for positions up to {} (block {})", dst.size(), from + n - 1, last);
+    for (int64_t i = first; i <= last; ++i) {
+        src_out.push_back(blocks[static_cast<size_t>(i)]);
+        dst_out.push_back(dst[static_cast<size_t>(i)]);
+    }
+    return {};
+}
+
 Result<std::vector<std::vector<CopyRun>>> plan_copy(const KvLayout& l, int32_t src_blocks, int32_t dst_blocks,
                                                     std::span<const int32_t> src, std::span<const int32_t> dst) {
     std::vector<std::vector<CopyRun>> plan;

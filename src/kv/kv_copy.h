@@ -29,6 +29,13 @@ Result<std::vector<CopyRun>> plan_layer_copy(const KvLayout& l, int32_t src_bloc
                                              std::span<const int32_t> src, std::span<const int32_t> dst,
                                              int32_t layer);
 
+// The blocks a pass writes for one sequence, paired with where they go: positions
+// [from, from + n) fall in blocks from / block_tokens to (from + n - 1) / block_tokens
+// of `blocks`, each going to the same-numbered entry of `dst`. Appended to src_out
+// and dst_out; nothing for n == 0. Errors: a position beyond `blocks` or `dst`.
+Status append_written_blocks(std::span<const int32_t> blocks, std::span<const int32_t> dst, int64_t from, int64_t n,
+                             int32_t block_tokens, std::vector<int32_t>& src_out, std::vector<int32_t>& dst_out);
+
 // Every layer's plan, layer 0 first (what a hand-off between GPUs issues, one layer
 // at a time, after prefill finishes that layer).
 Result<std::vector<std::vector<CopyRun>>> plan_copy(const KvLayout& l, int32_t src_blocks, int32_t dst_blocks,
