@@ -93,19 +93,25 @@ TEST(SharedKvArena, AKeptArenaOfAnotherDeviceOrTooSmallIsRefused) {
     ASSERT_TRUE(keeper) << keeper.error().message;
     const int fd = fake_allocation();
     ASSERT_GE(fd, 0);
+    // What fd_put hands back is the caller's to close.
+    auto put = [&](int device, const char* meta) {
+        auto k = shm::fd_put(inst, kv_arena_key(device), fd, meta);
+        ASSERT_TRUE(k) << k.error().message;
+        close(k->fd);
+    };
     // Deposited for device 0 but made on device 1.
-    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(0), fd, "device=1 bytes=4096"));
+    put(0, "device=1 bytes=4096");
     auto a = SharedKvArena::open(inst, 0, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("4096 bytes on cuda:1; this process needs 4096 bytes on cuda:0"), std::string::npos)
         << a.error().message;
     // Right device, too small.
-    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(2), fd, "device=2 bytes=4096"));
+    put(2, "device=2 bytes=4096");
     a = SharedKvArena::open(inst, 2, 8192);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("needs 8192 bytes on cuda:2"), std::string::npos) << a.error().message;
     // Not an arena's metadata at all.
-    ASSERT_TRUE(shm::fd_put(inst, kv_arena_key(3), fd, "bytes=4096"));
+    put(3, "bytes=4096");
     a = SharedKvArena::open(inst, 3, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("malformed metadata 'bytes=4096'"), std::string::npos) << a.error().message;

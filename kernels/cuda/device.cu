@@ -1,5 +1,7 @@
 #include "device.h"
 
+#include <cctype>
+
 #include <cuda_runtime.h>
 
 #include <string>
@@ -30,6 +32,17 @@ std::string device_name(int device) {
     if (e != cudaSuccess) return cudaGetErrorString(e);
     return std::string(p.name) + " (sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
            std::to_string(p.totalGlobalMem >> 30) + " GiB)";
+}
+
+std::string pci_bus_id(int device) {
+    char id[32] = {};
+    if (cudaDeviceGetPCIBusId(id, sizeof id, device) != cudaSuccess) {
+        cudaGetLastError();
+        return "";
+    }
+    std::string s(id);
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s;
 }
 
 bool smoke_test(int device, std::string* error) {

@@ -72,6 +72,7 @@ bool ready(int device, std::string* error) {
     }
     const cudaError_t e = cudaSetDevice(device);  // also makes the primary context current
     if (e != cudaSuccess) {
+        cudaGetLastError();  // reported here, not by the caller's next launch check
         if (error) *error = std::string("cudaSetDevice: ") + cudaGetErrorString(e);
         return false;
     }

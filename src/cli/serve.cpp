@@ -95,9 +95,17 @@ int cmd_serve(const ServeArgs& a) {
     po.decode_workers = a.decode_workers;
     std::string gpu_note;
     if (device->cuda) {
-        // Both workers on cores close to the GPU (its PCI device's local CPUs).
-        if (device->index < static_cast<int>(machine->gpus.size())) po.devices = {device->index};
-        else gpu_note = fmt::format(" (GPU {} not found on the PCI bus: workers placed as for the CPU)", device->index);
+        if (!a.prefill_cpus.empty() || !a.decode_cpus.empty())
+            return fail("--prefill-cpus and --decode-cpus place CPU workers; with --device the workers go on cores "
+                        "close to the GPU");
+        // Both workers on cores close to the GPU: its PCI device's local CPUs (the
+        // CUDA ordinal matched by PCI address, as CUDA_VISIBLE_DEVICES renumbers).
+        const std::string pci = cuda_pci_address(*device);
+        for (const MachineGpu& g : machine->gpus)
+            if (!pci.empty() && g.pci == pci) po.devices = {g.device};
+        if (po.devices.empty())
+            gpu_note = fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
+                                   device->name(), pci);
     }
     for (auto [text, out] : {std::pair{&a.front_cpus, &po.front_cpus}, std::pair{&a.prefill_cpus, &po.prefill_cpus},
                              std::pair{&a.decode_cpus, &po.decode_cpus}}) {
@@ -108,6 +116,7 @@ int cmd_serve(const ServeArgs& a) {
     }
     auto plan = plan_placement(*machine, po);
     if (!plan) return fail(plan.error().message);
+    for (const std::string& n : plan->notes) std::fprintf(stderr, "duet serve: placement: %s\n", n.c_str());
     std::vector<int> front_cpus;
     std::vector<Placement> workers;  // prefill 0..P-1, then decode 0..D-1
     std::string placed;

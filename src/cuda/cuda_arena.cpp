@@ -36,17 +36,33 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
     if (!got && got.error().message.find("not kept") == std::string::npos)
         return make_error("instance {}: the GPU KV arena is passed between processes by the launcher's fd keeper: {}",
                           instance, got.error().message);
+    // Our own allocation while we make one; released once the kept arena is mapped
+    // (the keeper's duplicate holds it by then, whichever arena won).
+    cuda::SharedAllocation mine;
+    struct Release {
+        cuda::SharedAllocation& a;
+        ~Release() {
+            if (a.fd >= 0 || a.handle) cuda::vmm_release(a);
+        }
+    } release{mine};
     if (!got) {
         // Nobody has made it: make it, and keep whichever the keeper holds (ours, or
         // that of a process that got there first).
-        cuda::SharedAllocation mine;
         std::string err;
-        if (!cuda::vmm_create(device, bytes, &mine, &err))
-            return make_error("cuda:{}: cannot create the {:.1f} MiB KV arena: {}", device, bytes / 1048576.0, err);
-        got = shm::fd_put(instance, key, mine.fd, arena_meta(device, mine.bytes));
-        cuda::vmm_release(mine);  // the keeper's duplicate holds the memory now
-        if (!got) return make_error("instance {}: cannot deposit the KV arena: {}", instance, got.error().message);
-        a->created_ = true;  // (or a racing process's: either way, one arena)
+        if (!cuda::vmm_create(device, bytes, &mine, &err)) {
+            // Out of memory perhaps because the other worker's arena, made a moment
+            // ago, fills the GPU: use it if it appears.
+            const bool oom = err.find("out of memory") != std::string::npos;
+            for (int i = 0; oom && i < 50 && !got; ++i) {
+                usleep(100'000);
+                got = shm::fd_get(instance, key);
+            }
+            if (!got)
+                return make_error("cuda:{}: cannot create the {:.1f} MiB KV arena: {}", device, bytes / 1048576.0, err);
+        } else {
+            got = shm::fd_put(instance, key, mine.fd, arena_meta(device, mine.bytes));
+            if (!got) return make_error("instance {}: cannot deposit the KV arena: {}", instance, got.error().message);
+        }
     }
     int kept_device = -1;
     uint64_t kept_bytes = 0;

@@ -34,7 +34,6 @@ public:
 
     uint16_t* data() const { return static_cast<uint16_t*>(ptr_); }
     uint64_t bytes() const { return bytes_; }
-    bool created() const { return created_; }  // this process made the allocation
 
 private:
     SharedKvArena() = default;
@@ -42,7 +41,6 @@ private:
     void* ptr_ = nullptr;
     uint64_t bytes_ = 0;
     unsigned long long handle_ = 0;
-    bool created_ = false;
 };
 
 }  // namespace duet

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -120,6 +122,14 @@ struct InputLayout {
     size_t count() const { return tables() + static_cast<size_t>(n_seq) * max_blocks; }
 };
 
+// An unrecoverable CUDA failure: say so and end the process (abort: a core for the
+// post-mortem, and the supervisor restarts the worker).
+[[noreturn]] void fatal(const std::string& why) {
+    std::fprintf(stderr, "duet: fatal CUDA error: %s\n", why.c_str());
+    std::fflush(stderr);
+    std::abort();
+}
+
 int splits_for(int64_t len) { return static_cast<int>(std::max<int64_t>(1, (len + cuda::kSplitTokens - 1) / cuda::kSplitTokens)); }
 
 }  // namespace
@@ -180,7 +190,7 @@ struct CudaBackend::Impl {
     int captures = 0;
     int64_t replays = 0;
 
-    Status copy_error;  // a failed copy-on-write block copy, reported by the next forward
+    bool copy_failed = false;  // a copy-on-write block copy could not be queued: fatal (see fatal())
 
     ~Impl() {
         if (stream) cudaStreamSynchronize(stream);
@@ -188,9 +198,25 @@ struct CudaBackend::Impl {
         for (cudaEvent_t e : layer_done) cudaEventDestroy(e);
         if (copy_stream) cudaStreamDestroy(copy_stream);
         for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
-        if (pool) pool->set_block_copy({});
+        if (pool) pool->clear_block_copy(this);
         gemm.reset();
         if (stream) cudaStreamDestroy(stream);
+    }
+
+    // Copy-on-write copies on this backend's stream, installed before every pass (a
+    // pool another backend also used gets this one's back).
+    void install_block_copy() {
+        if (pool->block_copy_owner() == this) return;
+        pool->set_block_copy(
+            [this](int32_t dst, int32_t src) {
+                const KvLayout& l = pool->layout();
+                const size_t bytes = l.tile_elems() * sizeof(uint16_t);
+                for (int32_t layer = 0; layer < l.n_layer; ++layer)
+                    if (cudaMemcpyAsync(pool->k(dst, layer, 0), pool->k(src, layer, 0), bytes, cudaMemcpyDeviceToDevice,
+                                        stream) != cudaSuccess)
+                        copy_failed = true;
+            },
+            this);
     }
 
     Status upload_weights();
@@ -384,7 +410,9 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
         if (!export_runs.empty() && !export_runs[static_cast<size_t>(li)].empty()) {
             // This layer's KV is written: its copy goes now, on the copy stream,
             // while the next layers compute.
-            trace::Range range("kv copy layer");
+            // (The range covers issuing the copies; Nsight's CUDA trace shows the copies
+            // themselves on the copy stream.)
+            trace::Range range("kv copy layer (issue)");
             const cudaEvent_t done = layer_done[static_cast<size_t>(li)];
             DUET_K(cudaEventRecord(done, stream));
             DUET_K(cudaStreamWaitEvent(copy_stream, done, 0));
@@ -464,16 +492,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const Model& model, KvP
             return st.error();
     }
 
-    Impl* dp = b->d_.get();
-    pool.set_block_copy([dp](int32_t dst, int32_t src) {
-        const KvLayout& l = dp->pool->layout();
-        const size_t bytes = l.tile_elems() * sizeof(uint16_t);
-        for (int32_t layer = 0; layer < l.n_layer; ++layer) {
-            cudaError_t e = cudaMemcpyAsync(dp->pool->k(dst, layer, 0), dp->pool->k(src, layer, 0), bytes,
-                                            cudaMemcpyDeviceToDevice, dp->stream);
-            if (e != cudaSuccess && dp->copy_error.ok()) dp->copy_error = cuda_ok(e, "copy-on-write block copy");
-        }
-    });
+    d.install_block_copy();
     return b;
 }
 
@@ -515,6 +534,7 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
     if (exp && (exp->dst_ids.size() != batch.size() || !exp->dst_data || exp->dst_blocks <= 0))
         return make_error("forward_export: {} destination block lists for {} sequences", exp->dst_ids.size(), batch.size());
     DUET_CUDA_TRY(cudaSetDevice(d.o.device));
+    d.install_block_copy();
     size_t prepared = 0;
     for (; prepared < batch.size(); ++prepared) {
         SeqBatch& b = batch[prepared];
@@ -524,16 +544,26 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
             return st;
         }
     }
-    Status st = d.copy_error.ok() ? Status{} : std::exchange(d.copy_error, Status{});
-    if (st && exp) st = d.plan_export(batch, *exp);
+    // A copy-on-write copy that could not be queued leaves a sequence's block
+    // uncopied, already swapped into its table: nothing to roll back to.
+    if (d.copy_failed) fatal("a copy-on-write block copy could not be queued");
+    Status st;
+    if (exp) st = d.plan_export(batch, *exp);
     if (st) st = d.pass(batch, T, n_out, decode_step && !exp, logits);
     if (st && exp) st = cuda_ok(cudaStreamSynchronize(d.copy_stream), "the KV export's copies");
     d.export_runs.clear();
     if (!st) {
         // As if nothing happened (the callers' contract, as on CPU): the queued work
-        // finished or failed before anything is reused, new positions dropped.
-        cudaStreamSynchronize(d.stream);
-        if (d.copy_stream) cudaStreamSynchronize(d.copy_stream);
+        // finished or failed before anything is reused, new positions dropped. An
+        // error that leaves the context unusable (an illegal address, say: sticky,
+        // every later call fails) is not something to retry: the process ends, and
+        // the supervisor restarts it and re-drives its requests (the KV arena outlives it).
+        cudaGetLastError();
+        const cudaError_t e1 = cudaStreamSynchronize(d.stream);
+        const cudaError_t e2 = d.copy_stream ? cudaStreamSynchronize(d.copy_stream) : cudaSuccess;
+        if (e1 != cudaSuccess || e2 != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
+            fatal(fmt::format("{} (the device is left unusable: {})", st.error().message,
+                              cudaGetErrorString(e1 != cudaSuccess ? e1 : e2)));
         cudaGetLastError();
         for (SeqBatch& b : batch) b.kv->truncate(*d.pool, b.kv->n_tokens());
         return st;
@@ -546,10 +576,13 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
 // writes, [its first new position's block, its last's], into exp's blocks.
 Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport& exp) {
     const KvLayout& l = pool->layout();
-    if (!copy_stream) {
+    if (!copy_stream) {  // the events first: a stream means everything is ready
+        while (layer_done.size() < static_cast<size_t>(l.n_layer)) {
+            cudaEvent_t e = nullptr;
+            DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+            layer_done.push_back(e);
+        }
         DUET_CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
-        layer_done.assign(static_cast<size_t>(l.n_layer), nullptr);
-        for (cudaEvent_t& e : layer_done) DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
     std::vector<int32_t> src, dst;
     for (size_t s = 0; s < batch.size(); ++s) {

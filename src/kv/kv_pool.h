@@ -94,8 +94,17 @@ public:
     void copy_block(int32_t dst, int32_t src);
     // How copy_block copies when the data is not host memory (a GPU arena: the
     // backend enqueues device-to-device copies on its stream). Empty: memcpy.
+    // `owner` names who installed it: clear_block_copy(owner) clears it only if it
+    // is still that owner's (two backends may take turns on one pool).
     using BlockCopy = std::function<void(int32_t dst, int32_t src)>;
-    void set_block_copy(BlockCopy f) { block_copy_ = std::move(f); }
+    void set_block_copy(BlockCopy f, const void* owner = nullptr) {
+        block_copy_ = std::move(f);
+        block_copy_owner_ = owner;
+    }
+    void clear_block_copy(const void* owner) {
+        if (block_copy_owner_ == owner) set_block_copy({});
+    }
+    const void* block_copy_owner() const { return block_copy_owner_; }
 
 private:
     size_t tile_half() const { return layout_.tile_elems() / 2; }
@@ -112,6 +121,7 @@ private:
     size_t n_blocks_;
     std::unique_ptr<KvBlockAllocator> alloc_;
     BlockCopy block_copy_;
+    const void* block_copy_owner_ = nullptr;
 };
 
 // A sequence's block table: block i holds positions [16 i, 16 i + 16).

@@ -40,6 +40,15 @@ Status check_device(const DeviceSpec& d) {
 #endif
 }
 
+std::string cuda_pci_address(const DeviceSpec& d) {
+#if DUET_HAVE_CUDA
+    if (d.cuda) return cuda::pci_bus_id(d.index);
+#else
+    (void)d;
+#endif
+    return "";
+}
+
 bool cuda_built() {
 #if DUET_HAVE_CUDA
     return true;

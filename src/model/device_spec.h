@@ -25,4 +25,9 @@ bool cuda_built();
 // such device (2 CUDA devices visible)").
 Status check_device(const DeviceSpec& d);
 
+// The PCI address of CUDA device d ("0000:3b:00.0", as /sys/bus/pci/devices names
+// it): how a CUDA ordinal, which CUDA_VISIBLE_DEVICES renumbers, is matched with the
+// machine's GPUs for placement. "" when it cannot be told.
+std::string cuda_pci_address(const DeviceSpec& d);
+
 }  // namespace duet

@@ -5,9 +5,15 @@ where there is no GPU or the build has no CUDA).
 Prefill and decode are two processes on one GPU sharing its KV arena (device memory
 created by the first worker, its fd kept by the launcher's fd keeper): greedy
 completions equal `duet run --device cuda:0` in one process; 12 concurrent streams
-equal undisturbed requests; a decode worker SIGKILLed while it holds streams loses
-nothing (the arena outlives it, its requests are re-driven); every KV block comes
-back; SIGTERM stops it all and leaves nothing in /dev/shm.
+give the texts of undisturbed requests; a decode worker SIGKILLed while it holds
+streams loses nothing (the arena outlives it, its requests are re-driven); every KV
+block comes back; SIGTERM stops it all and leaves nothing in /dev/shm.
+
+"The same text" on a GPU: cuBLAS may pick another algorithm for another batch size
+(a batch of 12 against a batch of 1), so logits differ in the last bits and a greedy
+choice between two nearly tied tokens may go the other way. A text that parts from
+the reference is accepted only where the reference's two best tokens at that point
+are within 0.3 in log-probability (a near tie), never otherwise.
 
 Usage: gpu_serve_test.py path/to/duet
 """
@@ -36,6 +42,25 @@ def gpu_available():
     st.fail(f"duet run --device cuda:0 failed: {r.stderr[-800:]}")
 
 
+def same_or_near_tie(port, prompt, params, got, what):
+    """got must be the text of an undisturbed request, or part from it at a near tie."""
+    code, body = st.request(port, "POST", "/v1/completions", dict(params, prompt=prompt, logprobs=2))
+    st.check(code == 200, f"reference completion: {code} {body}")
+    c = json.loads(body)["choices"][0]
+    want = c["text"]
+    if got == want:
+        return True
+    a, b = got.encode(), want.encode()
+    k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+    offsets = c["logprobs"]["text_offset"]
+    i = max([j for j, off in enumerate(offsets) if off <= k] or [0])
+    top = sorted(c["logprobs"]["top_logprobs"][i].values(), reverse=True)
+    margin = top[0] - top[1] if len(top) > 1 else float("inf")
+    st.check(margin < 0.3, f"{what}: {got!r} parts from {want!r} at token {i}, where the margin is {margin:.3f}")
+    print(f"{what}: parts from the reference at token {i}, a near tie (margin {margin:.3f})")
+    return False
+
+
 def on_gpu(port, server):
     for _ in range(600):
         if st.request(port, "GET", "/ready")[0] == 200:
@@ -55,6 +80,7 @@ def on_gpu(port, server):
         text = json.loads(body)["choices"][0]["text"]
         run = subprocess.run([DUET, "run", "--device", "cuda:0", "-p", prompt, "-n", "32", "--temperature", "0",
                               "--ignore-eos"], capture_output=True, text=True, check=True).stdout
+        # One sequence on both sides (batch 1, graph bucket 1): the same kernels, the same text.
         st.check(text == run[:-1], f"{prompt!r}: server {text!r} != duet run {run[:-1]!r}")
     print("greedy completions on the GPU (prefill and decode processes) equal duet run --device cuda:0: ok")
 
@@ -72,7 +98,11 @@ def on_gpu(port, server):
         time.sleep(0.01)
     st.check(victim, "no decode worker held a sequence")
     os.kill(victim["pid"], signal.SIGKILL)
-    st.finish_streams(port, threads, got, prompts, params, "after the decode worker was killed")
+    for t in threads:
+        t.join(300)
+    st.check(all(g is not None and not g.startswith("error:") for g in got), f"streams: {got}")
+    parted = sum(not same_or_near_tie(port, p, params, g, f"stream {i}") for i, (p, g) in enumerate(zip(prompts, got)))
+    st.check(parted <= 2, f"{parted} of {len(prompts)} streams parted from the reference (near ties, but so many?)")
     restarts = st.counter(port, "duet_worker_restarts_total")
     st.check(restarts == 1, f"restarts {restarts}")
     for _ in range(100):
@@ -81,7 +111,7 @@ def on_gpu(port, server):
             break
         time.sleep(0.05)
     st.check(all(a["held"] == 0 and a["free"] + a["cached"] == a["blocks"] for a in arenas), f"arena: {arenas}")
-    print("12 streams, decode SIGKILLed mid-stream: identical texts, KV blocks all back: ok")
+    print("12 streams, decode SIGKILLed mid-stream: the undisturbed texts (or parting at a near tie), KV blocks all back: ok")
 
     server.send_signal(signal.SIGTERM)
     st.check(server.wait(60) == 0, f"exit status {server.returncode} after SIGTERM")
