@@ -29,10 +29,12 @@ import serve_test as st  # noqa: E402  (helpers; its main() does not run on impo
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-gpu-serve-test-{os.getpid()}"
+MODEL = os.environ.get("DUET_MODEL")  # the tests' model (ctest sets it); else duet's default
+M = ["-m", MODEL] if MODEL else []
 
 
 def gpu_available():
-    r = subprocess.run([DUET, "run", "--device", "cuda:0", "-p", "Hi", "-n", "1"], capture_output=True, text=True)
+    r = subprocess.run([DUET, "run", "--device", "cuda:0", "-p", "Hi", "-n", "1", *M], capture_output=True, text=True)
     if r.returncode == 0:
         return True
     for why in ("no such device", "built without CUDA"):
@@ -79,7 +81,7 @@ def on_gpu(port, server):
         st.check(code == 200, f"completion: {code} {body}")
         text = json.loads(body)["choices"][0]["text"]
         run = subprocess.run([DUET, "run", "--device", "cuda:0", "-p", prompt, "-n", "32", "--temperature", "0",
-                              "--ignore-eos"], capture_output=True, text=True, check=True).stdout
+                              "--ignore-eos", *M], capture_output=True, text=True, check=True).stdout
         # One sequence on both sides (batch 1, graph bucket 1): the same kernels, the same text.
         st.check(text == run[:-1], f"{prompt!r}: server {text!r} != duet run {run[:-1]!r}")
     print("greedy completions on the GPU (prefill and decode processes) equal duet run --device cuda:0: ok")
@@ -123,7 +125,7 @@ def on_gpu(port, server):
 def main():
     if not gpu_available():
         sys.exit(77)
-    st.serving(INSTANCE, on_gpu, ("--device", "cuda:0"))
+    st.serving(INSTANCE, on_gpu, ("--device", "cuda:0", *M))
 
 
 if __name__ == "__main__":
