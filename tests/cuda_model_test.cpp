@@ -315,3 +315,47 @@ TEST(CudaModel, KvExportedLayerByLayerDecodesLikeTheOriginal) {
         sb.release(pool_b);
     });
 }
+
+// forward_argmax on the device: decode steps (graph-replayed) whose rows are
+// argmax_only give the argmax of the rows an identical batch returns in full, and
+// the rows not marked come back whole.
+TEST(CudaModel, DeviceArgmaxIsTheGreedyPickOfTheFullRow) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0");
+        ASSERT_TRUE(e);
+        const int64_t nv = e->backend().n_vocab();
+        constexpr int kSeqs = 3;
+        std::vector<KvSeq> sa(kSeqs), sb(kSeqs);
+        std::vector<std::vector<int32_t>> prompts(kSeqs);
+        std::vector<float> la, lb;
+        std::vector<int32_t> am;
+        for (int s = 0; s < kSeqs; ++s) {
+            prompts[s].resize(60 + 11 * s);
+            for (size_t i = 0; i < prompts[s].size(); ++i) prompts[s][i] = static_cast<int32_t>((i * 131 + s * 7 + 1) % nv);
+            SeqBatch x{&sa[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+            SeqBatch y{&sb[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+            ASSERT_TRUE(e->backend().forward({&x, 1}, la).ok());
+            ASSERT_TRUE(e->backend().forward({&y, 1}, lb).ok());
+        }
+        std::vector<int32_t> next(kSeqs, 11);
+        for (int step = 0; step < 6; ++step) {
+            std::vector<SeqBatch> ba, bb;
+            for (int s = 0; s < kSeqs; ++s) {
+                ba.push_back({&sa[s], &next[s], 1, false, s != 1});  // the middle one in full
+                bb.push_back({&sb[s], &next[s], 1, false});
+            }
+            ASSERT_TRUE(e->backend().forward_argmax(ba, la, am).ok());
+            ASSERT_TRUE(e->backend().forward(bb, lb).ok());
+            ASSERT_EQ(am.size(), static_cast<size_t>(kSeqs));
+            for (int s = 0; s < kSeqs; ++s)
+                EXPECT_EQ(am[s], argmax(lb.data() + s * nv, nv)) << "step " << step << " sequence " << s;
+            EXPECT_TRUE(std::equal(la.begin() + nv, la.begin() + 2 * nv, lb.begin() + nv)) << "the full row, step " << step;
+            for (int s = 0; s < kSeqs; ++s) next[s] = am[s];
+        }
+        for (int s = 0; s < kSeqs; ++s) {
+            sa[s].release(e->pool());
+            sb[s].release(e->pool());
+        }
+    });
+}

@@ -284,3 +284,28 @@ TEST(Model, GreedyContinuationsMatchLlamaCpp) {
         std::printf("greedy %s: %zu of %zu tokens identical\n", r["name"].get<std::string>().c_str(), same, want.size());
     }
 }
+
+// forward_argmax: every output row's argmax is the sampler's greedy pick (lowest id
+// on ties), for argmax_only entries too, and the other rows' logits are all there.
+TEST(Model, ForwardArgmaxGivesTheGreedyPickOfEveryRow) {
+    Engine& e = engine();
+    const int64_t nv = e.model().config().n_vocab;
+    auto a = prompt_ids(40, 1), b = prompt_ids(25, 2);
+    KvSeq s1, s2, r1, r2;
+    std::vector<float> l, ref;
+    std::vector<int32_t> am;
+    SeqBatch x[2] = {{&s1, a.data(), 40, false, true}, {&s2, b.data(), 25, true, false}};
+    ASSERT_TRUE(e.backend().forward_argmax(x, l, am).ok());
+    SeqBatch y[2] = {{&r1, a.data(), 40, false}, {&r2, b.data(), 25, true}};
+    ASSERT_TRUE(e.backend().forward(y, ref).ok());
+    ASSERT_EQ(am.size(), 26u);  // one row for the first, every position of the second
+    Sampler greedy;
+    SamplingParams p;
+    p.temperature = 0;
+    for (size_t r = 0; r < am.size(); ++r)
+        EXPECT_EQ(am[r], greedy.sample(ref.data() + r * nv, nv, p, {}, {}, 0)) << "row " << r;
+    // The second entry's rows are all given, as forward() gives them.
+    ASSERT_EQ(l.size(), ref.size());
+    EXPECT_TRUE(std::equal(l.begin() + nv, l.end(), ref.begin() + nv));
+    for (KvSeq* s : {&s1, &s2, &r1, &r2}) s->release(e.pool());
+}

@@ -228,7 +228,9 @@ struct CudaBackend::Impl {
     std::vector<cudaEvent_t> layer_done;
 
     Status enqueue(const Acts& a, const InputLayout& l, int max_len);
-    Status pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step, std::vector<float>& logits);
+    DevBuf argmax_buf;  // argmax_rows' output (outside the graphs: may move)
+    Status pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step, std::vector<float>& logits,
+                std::vector<int32_t>* argmax);
     Status plan_export(std::span<SeqBatch> batch, const KvExport& exp);
 };
 
@@ -509,14 +511,19 @@ std::string CudaBackend::describe() const {
 }
 
 Status CudaBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits) {
-    return forward_impl(batch, logits, nullptr);
+    return forward_impl(batch, logits, nullptr, nullptr);
 }
 
 Status CudaBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) {
-    return forward_impl(batch, logits, &exp);
+    return forward_impl(batch, logits, &exp, nullptr);
 }
 
-Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp) {
+Status CudaBackend::forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) {
+    return forward_impl(batch, logits, nullptr, &argmax);
+}
+
+Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp,
+                                 std::vector<int32_t>* argmax) {
     Impl& d = *d_;
     const ModelConfig& c = d.model->config();
     int64_t T = 0, n_out = 0;
@@ -549,7 +556,7 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
     if (d.copy_failed) fatal("a copy-on-write block copy could not be queued");
     Status st;
     if (exp) st = d.plan_export(batch, *exp);
-    if (st) st = d.pass(batch, T, n_out, decode_step && !exp, logits);
+    if (st) st = d.pass(batch, T, n_out, decode_step && !exp, logits, argmax);
     if (st && exp) st = cuda_ok(cudaStreamSynchronize(d.copy_stream), "the KV export's copies");
     d.export_runs.clear();
     if (!st) {
@@ -601,7 +608,7 @@ Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport&
 
 // One pass over a prepared batch, into logits; the KV of the new positions written.
 Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step,
-                               std::vector<float>& logits) {
+                               std::vector<float>& logits, std::vector<int32_t>* argmax) {
     const ModelConfig& c = model->config();
     logits.resize(static_cast<size_t>(n_out * c.n_vocab));
     if (T == 0) return {};
@@ -688,8 +695,45 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
             return st;
         }
     }
-    DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), a.logits.as<float>(), static_cast<size_t>(n_out * c.n_vocab) * 4,
-                                  cudaMemcpyDeviceToHost, stream));
+    const size_t row_bytes = static_cast<size_t>(c.n_vocab) * sizeof(float);
+    bool skip_any = false;
+    if (argmax) {
+        argmax->resize(static_cast<size_t>(n_out));
+        bool moved = false;
+        if (Status st = argmax_buf.reserve(static_cast<size_t>(n_out) * sizeof(int32_t), &moved); !st) return st;
+        DUET_CUDA_TRY(cuda::argmax_rows(a.logits.as<float>(), static_cast<int>(n_out), c.n_vocab, argmax_buf.as<int32_t>(),
+                                        stream));
+        DUET_CUDA_TRY(cudaMemcpyAsync(argmax->data(), argmax_buf.as<int32_t>(), static_cast<size_t>(n_out) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+        for (const SeqBatch& b : batch) skip_any = skip_any || (b.argmax_only && !b.all_logits && b.n_tokens > 0);
+    }
+    if (!skip_any) {
+        DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), a.logits.as<float>(), static_cast<size_t>(n_out) * row_bytes,
+                                      cudaMemcpyDeviceToHost, stream));
+    } else {
+        // Only the rows somebody reads; consecutive ones in one copy.
+        size_t r = 0, run_start = 0, run_len = 0;
+        auto flush = [&]() -> Status {
+            if (run_len == 0) return {};
+            const size_t off = run_start * static_cast<size_t>(c.n_vocab);
+            DUET_CUDA_TRY(cudaMemcpyAsync(logits.data() + off, a.logits.as<float>() + off, run_len * row_bytes,
+                                          cudaMemcpyDeviceToHost, stream));
+            run_len = 0;
+            return {};
+        };
+        for (const SeqBatch& b : batch) {
+            if (b.n_tokens == 0) continue;
+            const size_t rows = b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
+            if (b.argmax_only && !b.all_logits) {
+                if (Status st = flush(); !st) return st;
+            } else {
+                if (run_len == 0) run_start = r;
+                run_len += rows;
+            }
+            r += rows;
+        }
+        if (Status st = flush(); !st) return st;
+    }
     DUET_CUDA_TRY(cudaStreamSynchronize(stream));
     return {};
 }

@@ -73,6 +73,9 @@ public:
     // forward(), also copying the blocks it writes (every layer) into exp's arena;
     // returns once the last layer has landed there. The pass runs eagerly.
     Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
+    // The argmax of every output row on the device (kernels/cuda argmax_rows); only
+    // the rows of entries without argmax_only come back to the host.
+    Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) override;
 
     // "NVIDIA H200 (sm_90, 141 GiB), weights 270 MiB bf16, graphs for batches up to 256"
     std::string describe() const;
@@ -83,7 +86,8 @@ public:
 
 private:
     CudaBackend();
-    Status forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp);
+    Status forward_impl(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport* exp,
+                        std::vector<int32_t>* argmax);
     struct Impl;
     std::unique_ptr<Impl> d_;
 };

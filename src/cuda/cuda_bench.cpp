@@ -138,7 +138,8 @@ Result<double> d2h_pageable_seconds(size_t bytes) {
 // Median seconds per decode step of `steps` steps over batch B at context ctx (the
 // median: a graph captured when the context crosses an attention split boundary
 // does not count).
-Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx, int steps) {
+// argmax_only: greedy rows, whose logits stay on the device (forward_argmax).
+Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx, int steps, bool argmax_only = false) {
     const int64_t nv = be.n_vocab();
     std::vector<KvSeq> seqs(static_cast<size_t>(B));
     std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(B));
@@ -161,11 +162,13 @@ Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx
     }
     std::vector<int32_t> next(static_cast<size_t>(B), 42);
     std::vector<SeqBatch> step;
-    for (int s = 0; s < B; ++s) step.push_back({&seqs[static_cast<size_t>(s)], &next[static_cast<size_t>(s)], 1, false});
+    for (int s = 0; s < B; ++s)
+        step.push_back({&seqs[static_cast<size_t>(s)], &next[static_cast<size_t>(s)], 1, false, argmax_only});
     std::vector<double> t;
+    std::vector<int32_t> am;
     for (int i = 0; i < steps + 2; ++i) {
         const double t0 = now_s();
-        if (Status st = be.forward(step, logits); !st) {
+        if (Status st = argmax_only ? be.forward_argmax(step, logits, am) : be.forward(step, logits); !st) {
             release();
             return st.error();
         }
@@ -282,6 +285,10 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
                     {"logits_copy_ms", *d2h * 1e3},
                     {"floor_with_logits_ms", floor_all * 1e3},
                     {"ratio_to_floor", *sec / floor_all}};
+        auto gsec = decode_step_seconds(**be, pool, B, o.ctx, o.steps, /*argmax_only=*/true);
+        if (!gsec) return gsec.error();
+        row["argmax_step_ms"] = *gsec * 1e3;
+        row["argmax_ratio_to_floor"] = *gsec / (floor + static_cast<double>(logit_bytes) / *bw);
         if (B == 1 || B == 64) {
             if (!eager) {
                 CudaBackendOptions eo = co;
@@ -409,13 +416,15 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
     md += fmt::format("Decode steps at {} tokens of context, median step (floor: bf16 weights + KV read over HBM "
                       "bandwidth; + logits: their HBM write and their copy to the host, measured alone):\n\n",
                       j["decode_ctx"].get<int>());
-    md += "| batch | step ms | tokens/s | floor ms | logits copy ms | floor + logits ms | ratio | eager step ms (no graph) |\n"
-          "|---|---|---|---|---|---|---|---|\n";
+    md += "| batch | step ms | tokens/s | floor ms | logits copy ms | floor + logits ms | ratio | greedy step ms "
+          "(argmax on the GPU) | its ratio to the floor | eager step ms (no graph) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : j["decode"])
-        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} |\n", r["batch"].get<int>(),
-                          r["step_ms"].get<double>(), r["tokens_per_s"].get<double>(), r["floor_ms"].get<double>(),
-                          r["logits_copy_ms"].get<double>(), r["floor_with_logits_ms"].get<double>(),
-                          r["ratio_to_floor"].get<double>(),
+        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {} |\n",
+                          r["batch"].get<int>(), r["step_ms"].get<double>(), r["tokens_per_s"].get<double>(),
+                          r["floor_ms"].get<double>(), r["logits_copy_ms"].get<double>(),
+                          r["floor_with_logits_ms"].get<double>(), r["ratio_to_floor"].get<double>(),
+                          r["argmax_step_ms"].get<double>(), r["argmax_ratio_to_floor"].get<double>(),
                           r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "");
     const auto& k = j["kv_copy"];
     md += fmt::format("\nHand-off KV copy, {} tokens ({} blocks, {:.1f} MiB), layer by layer into {} (plain copy {:.0f} GB/s):\n\n",

@@ -20,6 +20,11 @@ struct SeqBatch {
     const int32_t* tokens = nullptr;
     int32_t n_tokens = 0;
     bool all_logits = false;  // logits for every token; otherwise only the last
+    // Only the argmax of this sequence's row is wanted (greedy sampling without
+    // penalties or log-probabilities): through forward_argmax, a backend may leave
+    // the row out of `logits` (its values are then unspecified) and give the argmax
+    // alone. A GPU backend saves copying n_vocab floats per row to the host.
+    bool argmax_only = false;
 };
 
 class Backend {
@@ -29,6 +34,10 @@ public:
     // and one row otherwise; each row holds n_vocab floats. A sequence's logits do
     // not depend on the rest of the batch nor on how its tokens were chunked.
     virtual Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) = 0;
+    // forward(), also giving for every output row the index of its largest logit,
+    // the lowest on ties (the sampler's greedy pick); rows of argmax_only entries
+    // may be left out of `logits`. The default computes it from forward's logits.
+    virtual Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax);
     virtual int64_t n_vocab() const = 0;
 };
 

@@ -502,14 +502,19 @@ Result<bool> DecodeWorker::step() {
     std::vector<SeqBatch> batch;
     const uint64_t step_ns = shm::monotonic_ns();
     for (Active& a : active_) {
-        batch.push_back(SeqBatch{&a.seq, &a.output.back(), 1, false});
+        // Greedy without penalties or log-probabilities needs the argmax alone (a
+        // GPU backend then copies no logits for it).
+        const SamplingParams& sp = a.params.sampling;
+        const bool argmax_only = sp.temperature <= 0.0f && sp.repetition_penalty == 1.0f && sp.frequency_penalty == 0.0f &&
+                                 sp.presence_penalty == 0.0f && a.params.logprobs < 0;
+        batch.push_back(SeqBatch{&a.seq, &a.output.back(), 1, false, argmax_only});
         if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
         a.fresh = false;
     }
     Status st;
     {
         trace::Range range("decode step");
-        st = backend_->forward(batch, logits_);
+        st = backend_->forward_argmax(batch, logits_, argmax_);
     }
     if (!st) {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
@@ -523,7 +528,9 @@ Result<bool> DecodeWorker::step() {
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
         const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
-        int32_t next = sampler_.sample(row, nv, a.params.sampling, a.prompt, a.output, a.output.size());
+        const int32_t next = batch[i].argmax_only
+                                 ? argmax_[i]
+                                 : sampler_.sample(row, nv, a.params.sampling, a.prompt, a.output, a.output.size());
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
         a.output.push_back(next);

@@ -81,6 +81,7 @@ protected:
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
     std::vector<float> logits_;
+    std::vector<int32_t> argmax_;  // per output row, from forward_argmax
     WorkerOptions opts_;
 };
 

@@ -1,0 +1,20 @@
+#include "model/backend.h"
+
+namespace duet {
+
+Status Backend::forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) {
+    if (Status st = forward(batch, logits); !st) return st;
+    const int64_t nv = n_vocab();
+    const size_t rows = nv > 0 ? logits.size() / static_cast<size_t>(nv) : 0;
+    argmax.resize(rows);
+    for (size_t r = 0; r < rows; ++r) {
+        const float* row = logits.data() + r * static_cast<size_t>(nv);
+        int64_t best = 0;
+        for (int64_t t = 1; t < nv; ++t)
+            if (row[t] > row[best]) best = t;  // first of equals: the lowest id
+        argmax[r] = static_cast<int32_t>(best);
+    }
+    return {};
+}
+
+}  // namespace duet
