@@ -23,6 +23,8 @@ struct Driver {
     decltype(&cuMemUnmap) unmap = nullptr;
     decltype(&cuMemSetAccess) set_access = nullptr;
     decltype(&cuGetErrorString) error_string = nullptr;
+    decltype(&cuDeviceGet) device_get = nullptr;
+    decltype(&cuDeviceGetAttribute) attribute = nullptr;
     std::string error;  // why loading failed
 };
 
@@ -49,7 +51,8 @@ const Driver& driver() {
                load("cuMemImportFromShareableHandle", &x.import_handle, err) &&
                load("cuMemAddressReserve", &x.reserve, err) && load("cuMemAddressFree", &x.address_free, err) &&
                load("cuMemMap", &x.map, err) && load("cuMemUnmap", &x.unmap, err) &&
-               load("cuMemSetAccess", &x.set_access, err) && load("cuGetErrorString", &x.error_string, err));
+               load("cuMemSetAccess", &x.set_access, err) && load("cuGetErrorString", &x.error_string, err) &&
+               load("cuDeviceGet", &x.device_get, err) && load("cuDeviceGetAttribute", &x.attribute, err));
         return x;
     }();
     return d;
@@ -97,6 +100,21 @@ size_t vmm_granularity(int device, std::string* error) {
     if (!ok(driver().granularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity", error))
         return 0;
     return g;
+}
+
+bool vmm_supported(int device, std::string* why) {
+    if (!ready(device, why)) return false;
+    const Driver& d = driver();
+    CUdevice dev = 0;
+    if (!ok(d.device_get(&dev, device), "cuDeviceGet", why)) return false;
+    int vmm = 0, posix = 0;
+    if (!ok(d.attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev), "cuDeviceGetAttribute", why) ||
+        !ok(d.attribute(&posix, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev), "cuDeviceGetAttribute",
+            why))
+        return false;
+    if (vmm && posix) return true;
+    if (why) *why = vmm ? "no POSIX file-descriptor handles for VMM allocations" : "no virtual memory management";
+    return false;
 }
 
 bool vmm_create(int device, size_t bytes, SharedAllocation* out, std::string* error) {

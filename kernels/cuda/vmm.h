@@ -15,6 +15,11 @@
 
 namespace duet::cuda {
 
+// Whether `device` makes VMM allocations exportable as POSIX fds (some virtualized
+// GPUs and WSL do not); why not in *why. Where not, the legacy cudaIpc handles are
+// the fallback (src/cuda/cuda_arena.h).
+bool vmm_supported(int device, std::string* why);
+
 // The allocation granularity of `device` (sizes are multiples of it); 0 on error.
 size_t vmm_granularity(int device, std::string* error);
 

@@ -16,11 +16,16 @@
 #include <thread>
 
 #include "base/thread_pool.h"
+#include "model/cpu_backend.h"
 #include "model/device_spec.h"
 #include "roles/front.h"
 #include "roles/placement.h"
 #include "roles/supervisor.h"
 #include "shm/fd_keeper.h"
+
+#if DUET_HAVE_CUDA
+#include "cuda/cuda_arena.h"
+#endif
 
 namespace duet {
 
@@ -143,10 +148,30 @@ int cmd_serve(const ServeArgs& a) {
     // its fd here; the others and restarted ones fetch it; it lives as long as the
     // launcher does (cuda_arena.h).
     std::unique_ptr<shm::FdKeeper> keeper;
+#if DUET_HAVE_CUDA
+    std::unique_ptr<IpcKvArenaOwner> ipc_arena;  // the legacy sharing's arena, held by the launcher
+#endif
+    auto fail_unlink = [&](const std::string& m) {  // before any role started: nothing left behind
+        shm::Instance::unlink(layout.instance);
+        return fail(m);
+    };
     if (device->cuda) {
         auto k = shm::FdKeeper::start(layout.instance);
-        if (!k) return fail(k.error().message);
+        if (!k) return fail_unlink(k.error().message);
         keeper = std::move(k).value();
+#if DUET_HAVE_CUDA
+        auto mode = kv_sharing(device->index);
+        if (!mode) return fail_unlink(mode.error().message);
+        if (*mode == KvSharing::Ipc) {
+            const KvLayout kl = CpuBackend::kv_layout(**model);
+            const uint64_t bytes = kl.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kl.n_layer) *
+                                   inst->arena(0).n_blocks();
+            auto owner = IpcKvArenaOwner::create(layout.instance, device->index, bytes);
+            if (!owner) return fail_unlink(owner.error().message);
+            ipc_arena = std::move(owner).value();
+            std::fprintf(stderr, "duet serve: the KV arena is shared with legacy CUDA IPC handles (held by the launcher)\n");
+        }
+#endif
     }
     auto self = inst->registry().claim(shm::Role::Launcher, -1, getpid());
     if (!self) return fail(self.error().message);

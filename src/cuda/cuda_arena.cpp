@@ -1,10 +1,15 @@
 #include "cuda/cuda_arena.h"
 
+#include <cuda_runtime.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "shm/fd_keeper.h"
+#include "device.h"
 #include "vmm.h"
 
 namespace duet {
@@ -13,20 +18,80 @@ std::string kv_arena_key(int device) { return "kv.cuda." + std::to_string(device
 
 namespace {
 
-// The metadata kept with the fd: "device=<n> bytes=<n>".
+// The metadata kept with the fd: "device=<n> bytes=<n>", and " ipc=<hex>" (the
+// cudaIpcMemHandle_t's bytes) in the legacy mode.
 std::string arena_meta(int device, uint64_t bytes) { return fmt::format("device={} bytes={}", device, bytes); }
 
-bool parse_meta(const std::string& m, int* device, uint64_t* bytes) {
+bool parse_meta(const std::string& m, int* device, uint64_t* bytes, bool* ipc, cudaIpcMemHandle_t* handle) {
     unsigned long long b = 0;
     int d = -1, n = 0;
-    if (std::sscanf(m.c_str(), "device=%d bytes=%llu%n", &d, &b, &n) != 2 || static_cast<size_t>(n) != m.size())
-        return false;
+    if (std::sscanf(m.c_str(), "device=%d bytes=%llu%n", &d, &b, &n) != 2) return false;
+    const std::string rest = m.substr(static_cast<size_t>(n));
+    *ipc = false;
+    if (!rest.empty()) {
+        constexpr size_t kHex = 2 * sizeof(cudaIpcMemHandle_t);
+        if (rest.rfind(" ipc=", 0) != 0 || rest.size() != 5 + kHex) return false;
+        auto* out = reinterpret_cast<unsigned char*>(handle);
+        for (size_t i = 0; i < sizeof(cudaIpcMemHandle_t); ++i) {
+            unsigned v = 0;
+            if (std::sscanf(rest.c_str() + 5 + 2 * i, "%2x", &v) != 1) return false;
+            out[i] = static_cast<unsigned char>(v);
+        }
+        *ipc = true;
+    }
     *device = d;
     *bytes = b;
     return true;
 }
 
 }  // namespace
+
+Result<KvSharing> kv_sharing(int device) {
+    if (const char* e = std::getenv("DUET_KV_SHARING"); e && *e) {
+        if (std::strcmp(e, "vmm") == 0) return KvSharing::Vmm;
+        if (std::strcmp(e, "ipc") == 0) return KvSharing::Ipc;
+        return make_error("DUET_KV_SHARING={}: expected vmm or ipc", e);
+    }
+    const int n = cuda::device_count();
+    if (device < 0 || device >= n) return make_error("cuda:{}: no such device ({} CUDA devices visible)", device, n);
+    std::string why;
+    return cuda::vmm_supported(device, &why) ? KvSharing::Vmm : KvSharing::Ipc;
+}
+
+Result<std::unique_ptr<IpcKvArenaOwner>> IpcKvArenaOwner::create(const std::string& instance, int device, uint64_t bytes) {
+    std::unique_ptr<IpcKvArenaOwner> o(new IpcKvArenaOwner());
+    o->device_ = device;
+    if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+        return make_error("cuda:{}: {}", device, cudaGetErrorString(e));
+    if (cudaError_t e = cudaMalloc(&o->ptr_, bytes); e != cudaSuccess) {
+        cudaGetLastError();
+        o->ptr_ = nullptr;
+        return make_error("cuda:{}: cannot allocate the {:.1f} MiB KV arena: {}", device, bytes / 1048576.0,
+                          cudaGetErrorString(e));
+    }
+    cudaIpcMemHandle_t h{};
+    if (cudaError_t e = cudaIpcGetMemHandle(&h, o->ptr_); e != cudaSuccess)
+        return make_error("cuda:{}: cudaIpcGetMemHandle: {}", device, cudaGetErrorString(e));
+    std::string meta = arena_meta(device, bytes) + " ipc=";
+    for (size_t i = 0; i < sizeof h; ++i) meta += fmt::format("{:02x}", reinterpret_cast<const unsigned char*>(&h)[i]);
+    // The keeper keeps an fd per key: a placeholder here, the handle is the metadata.
+    const int fd = memfd_create("duet-ipc-arena", MFD_CLOEXEC);
+    if (fd < 0) return make_error("memfd_create: {}", std::strerror(errno));
+    auto kept = shm::fd_put(instance, kv_arena_key(device), fd, meta);
+    close(fd);
+    if (!kept) return make_error("instance {}: cannot deposit the KV arena: {}", instance, kept.error().message);
+    close(kept->fd);
+    if (kept->meta != meta)
+        return make_error("instance {}: another KV arena is already kept for cuda:{}", instance, device);
+    return o;
+}
+
+IpcKvArenaOwner::~IpcKvArenaOwner() {
+    if (ptr_) {
+        cudaSetDevice(device_);
+        cudaFree(ptr_);
+    }
+}
 
 Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& instance, int device, uint64_t bytes) {
     const std::string key = kv_arena_key(device);
@@ -47,7 +112,13 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
     } release{mine};
     if (!got) {
         // Nobody has made it: make it, and keep whichever the keeper holds (ours, or
-        // that of a process that got there first).
+        // that of a process that got there first). (In the legacy mode the launcher
+        // made it before starting anybody.)
+        auto mode = kv_sharing(device);
+        if (!mode) return mode.error();
+        if (*mode == KvSharing::Ipc)
+            return make_error("instance {}: no KV arena kept for cuda:{} (legacy IPC sharing: the launcher makes it)",
+                              instance, device);
         std::string err;
         if (!cuda::vmm_create(device, bytes, &mine, &err)) {
             // Out of memory perhaps because the other worker's arena, made a moment
@@ -66,7 +137,9 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
     }
     int kept_device = -1;
     uint64_t kept_bytes = 0;
-    if (!parse_meta(got->meta, &kept_device, &kept_bytes)) {
+    bool ipc = false;
+    cudaIpcMemHandle_t ipc_handle{};
+    if (!parse_meta(got->meta, &kept_device, &kept_bytes, &ipc, &ipc_handle)) {
         close(got->fd);
         return make_error("instance {}: the kept KV arena has malformed metadata '{}'", instance, got->meta);
     }
@@ -74,6 +147,20 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
         close(got->fd);
         return make_error("instance {}: the kept KV arena is {} bytes on cuda:{}; this process needs {} bytes on cuda:{}",
                           instance, kept_bytes, kept_device, bytes, device);
+    }
+    if (ipc) {
+        close(got->fd);  // a placeholder
+        if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+            return make_error("cuda:{}: {}", device, cudaGetErrorString(e));
+        void* p = nullptr;
+        if (cudaError_t e = cudaIpcOpenMemHandle(&p, ipc_handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+            cudaGetLastError();
+            return make_error("cuda:{}: cannot open the KV arena's IPC handle: {}", device, cudaGetErrorString(e));
+        }
+        a->ptr_ = p;
+        a->bytes_ = kept_bytes;
+        a->ipc_ = true;
+        return a;
     }
     cuda::SharedMapping m;
     std::string err;
@@ -88,6 +175,11 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
 
 SharedKvArena::~SharedKvArena() {
     if (!ptr_) return;
+    if (ipc_) {
+        cudaSetDevice(device_);
+        cudaIpcCloseMemHandle(ptr_);
+        return;
+    }
     cuda::SharedMapping m;
     m.ptr = ptr_;
     m.bytes = bytes_;

@@ -21,6 +21,30 @@ namespace duet {
 // The fd keeper's key for device's KV arena.
 std::string kv_arena_key(int device);
 
+// How the processes share the arena. Vmm: a cuMemCreate allocation exported as a
+// POSIX fd, made by the first worker and held by the keeper's fd. Ipc, the legacy
+// fallback for GPUs that cannot export VMM allocations as fds (some virtualized GPUs,
+// WSL): a cudaMalloc allocation made by the launcher (IpcKvArenaOwner), whose
+// cudaIpcGetMemHandle travels as the keeper's metadata; it lives as long as the
+// launcher does, so it too survives any worker's death. DUET_KV_SHARING=vmm|ipc
+// forces one; otherwise Vmm where the device supports it.
+enum class KvSharing { Vmm, Ipc };
+Result<KvSharing> kv_sharing(int device);
+
+class IpcKvArenaOwner {
+public:
+    // Allocates `bytes` on `device` and deposits its IPC handle under kv_arena_key(device).
+    static Result<std::unique_ptr<IpcKvArenaOwner>> create(const std::string& instance, int device, uint64_t bytes);
+    ~IpcKvArenaOwner();  // frees it (after the workers are gone)
+    IpcKvArenaOwner(const IpcKvArenaOwner&) = delete;
+    IpcKvArenaOwner& operator=(const IpcKvArenaOwner&) = delete;
+
+private:
+    IpcKvArenaOwner() = default;
+    int device_ = 0;
+    void* ptr_ = nullptr;
+};
+
 class SharedKvArena {
 public:
     // Maps instance's arena on `device`, at least `bytes` long, creating it (and
@@ -41,6 +65,7 @@ private:
     void* ptr_ = nullptr;
     uint64_t bytes_ = 0;
     unsigned long long handle_ = 0;
+    bool ipc_ = false;  // opened from a legacy IPC handle
 };
 
 }  // namespace duet

@@ -63,7 +63,7 @@ def same_or_near_tie(port, prompt, params, got, what):
     return False
 
 
-def on_gpu(port, server):
+def on_gpu(port, server, instance=INSTANCE):
     for _ in range(600):
         if st.request(port, "GET", "/ready")[0] == 200:
             break
@@ -71,7 +71,7 @@ def on_gpu(port, server):
     st.check(st.request(port, "GET", "/ready")[0] == 200, "ready")
 
     def procs():
-        return json.loads(subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True,
+        return json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,
                                          check=True).stdout)
 
     # Two processes on one GPU give one process's greedy text.
@@ -117,7 +117,7 @@ def on_gpu(port, server):
 
     server.send_signal(signal.SIGTERM)
     st.check(server.wait(60) == 0, f"exit status {server.returncode} after SIGTERM")
-    left = [f for f in os.listdir("/dev/shm") if INSTANCE in f]
+    left = [f for f in os.listdir("/dev/shm") if instance in f]
     st.check(not left, f"left in /dev/shm: {left}")
     print("SIGTERM: clean exit, nothing left: ok")
 
@@ -126,6 +126,11 @@ def main():
     if not gpu_available():
         sys.exit(77)
     st.serving(INSTANCE, on_gpu, ("--device", "cuda:0", *M))
+    # The same with the legacy sharing (cudaIpc handles, the arena held by the launcher).
+    os.environ["DUET_KV_SHARING"] = "ipc"
+    ipc = INSTANCE + "-ipc"
+    st.serving(ipc, lambda port, server: on_gpu(port, server, ipc), ("--device", "cuda:0", *M))
+    print("the same with legacy CUDA IPC sharing: ok")
 
 
 if __name__ == "__main__":
