@@ -93,7 +93,7 @@ TEST(Placement, GpuRolesRunOnCoresCloseToTheirGpu) {
     m.gpus.push_back({0, "0000:17:00.0", {0, 1, 2, 3}});
     m.gpus.push_back({1, "0000:b1:00.0", {4, 5, 6, 7}});
     PlanOptions o;
-    o.devices = {0, 1};
+    o.devices = {1, 0};  // served in this order: pair 0 on GPU 1, pair 1 on GPU 0
     auto p = plan_placement(m, o);
     ASSERT_TRUE(p.ok()) << p.error().message;
     for (int d : {0, 1})
@@ -101,6 +101,7 @@ TEST(Placement, GpuRolesRunOnCoresCloseToTheirGpu) {
             const Placement& pl = role(*p, r, d);
             ASSERT_EQ(pl.cpus.size(), 1u);
             EXPECT_EQ(pl.numa, d) << r << " of GPU " << d << " is on CPU " << pl.cpus[0];
+            EXPECT_EQ(pl.index, 1 - d) << r << " of GPU " << d << ": worker index = position in the devices served";
         }
     EXPECT_FALSE(plan_placement(m, PlanOptions{{2}, {}, {}, {}}).ok()) << "GPU 2 does not exist";
 }

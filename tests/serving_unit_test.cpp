@@ -272,3 +272,59 @@ TEST(Routing, PrefixAffinityFindsTheLongestSharedLeadingBlocks) {
     EXPECT_LE(aff.size(), PrefixAffinity::kMaxKeys);
     EXPECT_EQ(aff.find(kb, live).worker, 0);
 }
+
+// GPU serving's instance: a prefill and a decode worker per GPU, each pair with its
+// GPU's arena and handing off only within the pair; CPU serving keeps one arena that
+// every worker shares and hands off to any decode worker.
+TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
+    auto model = Model::load(DUET_MODEL_PATH);
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    ServeLayout l;
+    l.instance = fmt::format("gpu-pairs-{}", getpid());
+    l.n_requests = 8;
+    l.n_ctx = 256;
+    l.n_gpus = 3;
+    l.n_prefill = 5;  // ignored on GPUs: the pairs decide
+    shm::InstanceConfig c = serve_instance_config(l, **model);
+    EXPECT_TRUE(gpu_instance(c));
+    EXPECT_EQ(c.cpu_kv_bytes, 0u);
+    ASSERT_EQ(c.arenas.size(), 3u);
+    for (const shm::ArenaConfig& a : c.arenas) {
+        EXPECT_EQ(a.n_users, 2u);
+        EXPECT_EQ(a.n_blocks, c.arenas[0].n_blocks);
+    }
+    EXPECT_EQ(c.prefill_workers, 3u);
+    EXPECT_EQ(c.decode_workers, 3u);
+    EXPECT_GE(c.registry_slots, 2u * 6 + 2) << "every worker, the front and the launcher";
+    EXPECT_EQ(c.n_rings, (ServeRings{3, 3}.count()));
+    EXPECT_TRUE(check_instance_workers(c).ok());
+    for (uint32_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(worker_arena(c, i), i);
+        EXPECT_EQ(handoff_partner(c, i), static_cast<int32_t>(i));
+    }
+    auto inst = shm::Instance::create(c);
+    ASSERT_TRUE(inst.ok()) << inst.error().message;
+    EXPECT_EQ(inst->n_arenas(), 3u);
+    shm::Instance::unlink(c.name);
+    // A config whose workers are not pairs is refused.
+    shm::InstanceConfig bad = c;
+    bad.prefill_workers = 2;
+    auto st = check_instance_workers(bad);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("a pair per GPU"), std::string::npos) << st.error().message;
+    EXPECT_FALSE(check_gpu_count(0).ok());
+    EXPECT_FALSE(check_gpu_count(static_cast<int>(kMaxServeGpus) + 1).ok());
+
+    // CPU serving: one arena, any decode worker.
+    ServeLayout cl = l;
+    cl.n_gpus = 0;
+    cl.n_prefill = 2;
+    cl.n_decode = 3;
+    shm::InstanceConfig cc = serve_instance_config(cl, **model);
+    EXPECT_FALSE(gpu_instance(cc));
+    ASSERT_EQ(cc.arenas.size(), 1u);
+    EXPECT_EQ(cc.arenas[0].n_users, 5u);
+    EXPECT_TRUE(check_instance_workers(cc).ok());
+    EXPECT_EQ(worker_arena(cc, 2), 0u);
+    EXPECT_EQ(handoff_partner(cc, 1), -1);
+}

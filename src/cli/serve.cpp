@@ -70,9 +70,27 @@ int cmd_serve(const ServeArgs& a) {
         std::fprintf(stderr, "duet serve: %s\n", m.c_str());
         return 1;
     };
-    auto device = parse_device(a.device);
-    if (!device) return fail(device.error().message);
-    if (Status st = check_device(*device); !st) return fail(st.error().message);
+    // --device cpu, or one or more GPUs: cuda:0 or cuda:0,cuda:1,... (a prefill and a
+    // decode worker on each, sharing that GPU's KV arena).
+    std::vector<DeviceSpec> gpus;
+    for (size_t at = 0; at <= a.device.size();) {
+        const size_t comma = std::min(a.device.find(',', at), a.device.size());
+        auto d = parse_device(a.device.substr(at, comma - at));
+        if (!d) return fail(d.error().message);
+        if (d->cuda) {
+            if (Status st = check_device(*d); !st) return fail(st.error().message);
+            for (const DeviceSpec& g : gpus)
+                if (g == *d) return fail(fmt::format("--device names {} twice", d->name()));
+            gpus.push_back(*d);
+        } else if (a.device.find(',') != std::string::npos) {
+            return fail("--device: cpu or a list of GPUs (cuda:0,cuda:1), not both");
+        }
+        at = comma + 1;
+    }
+    const int n_gpus = static_cast<int>(gpus.size());
+    if (n_gpus > 0) {
+        if (Status st = check_gpu_count(n_gpus); !st) return fail(st.error().message);
+    }
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);
     // The front loads these too; failing here gives the error before anything starts.
@@ -93,24 +111,30 @@ int cmd_serve(const ServeArgs& a) {
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
     if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
-    if (device->cuda && (a.prefill_workers != 1 || a.decode_workers != 1))
-        return fail(fmt::format("--device {} serves with one prefill and one decode worker on that GPU", device->name()));
+    if (n_gpus > 0 && (a.prefill_workers != 1 || a.decode_workers != 1))
+        return fail("--prefill-workers / --decode-workers are for CPU serving; on GPUs there is a prefill and a decode "
+                    "worker per GPU");
     PlanOptions po;
-    po.prefill_workers = a.prefill_workers;
-    po.decode_workers = a.decode_workers;
+    po.prefill_workers = n_gpus > 0 ? n_gpus : a.prefill_workers;
+    po.decode_workers = n_gpus > 0 ? n_gpus : a.decode_workers;
     std::string gpu_note;
-    if (device->cuda) {
+    if (n_gpus > 0) {
         if (!a.prefill_cpus.empty() || !a.decode_cpus.empty())
             return fail("--prefill-cpus and --decode-cpus place CPU workers; with --device the workers go on cores "
-                        "close to the GPU");
-        // Both workers on cores close to the GPU: its PCI device's local CPUs (the
-        // CUDA ordinal matched by PCI address, as CUDA_VISIBLE_DEVICES renumbers).
-        const std::string pci = cuda_pci_address(*device);
-        for (const MachineGpu& g : machine->gpus)
-            if (!pci.empty() && g.pci == pci) po.devices = {g.device};
-        if (po.devices.empty())
-            gpu_note = fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
-                                   device->name(), pci);
+                        "close to their GPU");
+        // Each pair on cores close to its GPU: the PCI device's local CPUs (the CUDA
+        // ordinal matched by PCI address, as CUDA_VISIBLE_DEVICES renumbers).
+        for (const DeviceSpec& d : gpus) {
+            const std::string pci = cuda_pci_address(d);
+            for (const MachineGpu& g : machine->gpus)
+                if (!pci.empty() && g.pci == pci) po.devices.push_back(g.device);
+            if (po.devices.size() != static_cast<size_t>(&d - gpus.data() + 1)) {
+                gpu_note = fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
+                                       d.name(), pci);
+                po.devices.clear();
+                break;
+            }
+        }
     }
     for (auto [text, out] : {std::pair{&a.front_cpus, &po.front_cpus}, std::pair{&a.prefill_cpus, &po.prefill_cpus},
                              std::pair{&a.decode_cpus, &po.decode_cpus}}) {
@@ -126,7 +150,7 @@ int cmd_serve(const ServeArgs& a) {
     std::vector<Placement> workers;  // prefill 0..P-1, then decode 0..D-1
     std::string placed;
     auto name_of = [&](const Placement& p) {  // "prefill" when the role has one worker, else "prefill 1"
-        const int n = p.role == "prefill" ? a.prefill_workers : p.role == "decode" ? a.decode_workers : 1;
+        const int n = p.role == "prefill" ? po.prefill_workers : p.role == "decode" ? po.decode_workers : 1;
         return n > 1 ? fmt::format("{} {}", p.role, p.index) : p.role;
     };
     for (const Placement& p : plan->roles) {
@@ -141,7 +165,7 @@ int cmd_serve(const ServeArgs& a) {
     layout.n_ctx = a.ctx;
     layout.n_prefill = static_cast<uint32_t>(a.prefill_workers);
     layout.n_decode = static_cast<uint32_t>(a.decode_workers);
-    layout.kv_on_gpu = device->cuda;
+    layout.n_gpus = static_cast<uint32_t>(n_gpus);
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
     // GPU serving: the first worker creates the KV arena in device memory and deposits
@@ -149,27 +173,29 @@ int cmd_serve(const ServeArgs& a) {
     // launcher does (cuda_arena.h).
     std::unique_ptr<shm::FdKeeper> keeper;
 #if DUET_HAVE_CUDA
-    std::unique_ptr<IpcKvArenaOwner> ipc_arena;  // the legacy sharing's arena, held by the launcher
+    std::vector<std::unique_ptr<IpcKvArenaOwner>> ipc_arenas;  // the legacy sharing's arenas, held by the launcher
 #endif
     auto fail_unlink = [&](const std::string& m) {  // before any role started: nothing left behind
         shm::Instance::unlink(layout.instance);
         return fail(m);
     };
-    if (device->cuda) {
+    if (n_gpus > 0) {
         auto k = shm::FdKeeper::start(layout.instance);
         if (!k) return fail_unlink(k.error().message);
         keeper = std::move(k).value();
 #if DUET_HAVE_CUDA
-        auto mode = kv_sharing(device->index);
-        if (!mode) return fail_unlink(mode.error().message);
-        if (*mode == KvSharing::Ipc) {
+        for (size_t g = 0; g < gpus.size(); ++g) {
+            auto mode = kv_sharing(gpus[g].index);
+            if (!mode) return fail_unlink(mode.error().message);
+            if (*mode != KvSharing::Ipc) continue;
             const KvLayout kl = CpuBackend::kv_layout(**model);
             const uint64_t bytes = kl.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kl.n_layer) *
-                                   inst->arena(0).n_blocks();
-            auto owner = IpcKvArenaOwner::create(layout.instance, device->index, bytes);
+                                   inst->arena(g).n_blocks();
+            auto owner = IpcKvArenaOwner::create(layout.instance, gpus[g].index, bytes);
             if (!owner) return fail_unlink(owner.error().message);
-            ipc_arena = std::move(owner).value();
-            std::fprintf(stderr, "duet serve: the KV arena is shared with legacy CUDA IPC handles (held by the launcher)\n");
+            ipc_arenas.push_back(std::move(owner).value());
+            std::fprintf(stderr, "duet serve: %s's KV arena is shared with legacy CUDA IPC handles (held by the launcher)\n",
+                         gpus[g].name().c_str());
         }
 #endif
     }
@@ -196,7 +222,7 @@ int cmd_serve(const ServeArgs& a) {
                                                  "--index", std::to_string(w.index), "--numa", std::to_string(w.numa),
                                                  "-t", std::to_string(w.cpus.size()), "--cpus", format_cpu_list(w.cpus)};
                 if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
-                if (device->cuda) argv.insert(argv.end(), {"--device", device->name()});
+                if (n_gpus > 0) argv.insert(argv.end(), {"--device", gpus.at(static_cast<size_t>(w.index)).name()});
                 if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
                     if (!a.prefix_cache) argv.push_back("--no-prefix-cache");
@@ -295,9 +321,7 @@ int cmd_front(const FrontArgs& a) {
     };
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) return fail(inst.error().message);
-    if (Status st = check_worker_counts(static_cast<int>(inst->config().prefill_workers),
-                                        static_cast<int>(inst->config().decode_workers));
-        !st)
+    if (Status st = check_instance_workers(inst->config()); !st)
         return fail(fmt::format("instance {} is not a serving instance: {}", a.instance, st.error().message));
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);

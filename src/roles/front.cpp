@@ -381,7 +381,14 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     }
     if (get && path == "/metrics") {
         FrontCounters& c = f.counters_;
-        shm::ArenaCensus a = f.inst_.arena(0).census();
+        shm::ArenaCensus a;  // every arena (one per GPU on a GPU instance)
+        for (size_t k = 0; k < f.inst_.n_arenas(); ++k) {
+            const shm::ArenaCensus c = f.inst_.arena(k).census();
+            a.total += c.total;
+            a.free += c.free;
+            a.cached += c.cached;
+            a.held += c.held;
+        }
         std::string m = fmt::format(
             "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
             "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"

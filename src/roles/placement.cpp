@@ -251,14 +251,16 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         front = {c};
     }
     plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
-    for (int d : o.devices) {
+    for (size_t i = 0; i < o.devices.size(); ++i) {
+        const int d = o.devices[i];
         if (d < 0 || d >= static_cast<int>(m.gpus.size()))
             return make_error("GPU {} does not exist: {} has {} NVIDIA GPU(s)", d, m.source, m.gpus.size());
         const MachineGpu& g = m.gpus[static_cast<size_t>(d)];
         for (const char* role : {"prefill", "decode"}) {
             int c = take_near(g.pus, d);
             if (c < 0) return make_error("not enough cores for a prefill and a decode process per GPU");
-            plan.roles.push_back({role, 0, d, {c}, 1, numa_of_cpu(m, c)});
+            // Worker i of each role is the pair on the i-th GPU served.
+            plan.roles.push_back({role, static_cast<int>(i), d, {c}, 1, numa_of_cpu(m, c)});
         }
     }
     return plan;

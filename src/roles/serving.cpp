@@ -22,18 +22,26 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     }
     shm::InstanceConfig c;
     c.name = l.instance;
-    const ServeRings rings{l.n_prefill, l.n_decode};
-    c.registry_slots = 16;
+    const uint32_t n_prefill = l.n_gpus ? l.n_gpus : l.n_prefill, n_decode = l.n_gpus ? l.n_gpus : l.n_decode;
+    const ServeRings rings{n_prefill, n_decode};
+    // Every worker, the front, the launcher, and room for processes being replaced.
+    c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
     c.n_rings = rings.count();
-    c.prefill_workers = l.n_prefill;
-    c.decode_workers = l.n_decode;
+    c.prefill_workers = n_prefill;
+    c.decode_workers = n_decode;
     c.requests.n_slots = l.n_requests;
     c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
     c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
     // Every worker is a user of the arena (a dead one's user is recovered before it is
     // restarted); fewer users leave more bits for each one's reference counts.
-    c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), l.n_prefill + l.n_decode, 0});
-    c.cpu_kv_bytes = l.kv_on_gpu ? 0 : block_bytes * blocks;
+    if (l.n_gpus == 0) {
+        c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), n_prefill + n_decode, 0});
+        c.cpu_kv_bytes = block_bytes * blocks;
+    } else {
+        // One arena per GPU, used by that GPU's pair.
+        for (uint32_t g = 0; g < l.n_gpus; ++g) c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), 2, 0});
+        c.cpu_kv_bytes = 0;
+    }
     c.model_fingerprint = model.fingerprint();
     return c;
 }
@@ -96,6 +104,22 @@ Status check_worker_counts(int n_prefill, int n_decode) {
     if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > static_cast<int>(kMaxServeWorkers))
         return make_error("{} prefill + {} decode workers: at least one of each, and at most {} in all (they share one KV arena)",
                           n_prefill, n_decode, kMaxServeWorkers);
+    return {};
+}
+
+Status check_gpu_count(int n_gpus) {
+    if (n_gpus < 1 || n_gpus > static_cast<int>(kMaxServeGpus))
+        return make_error("{} GPUs: one instance serves on 1 to {}", n_gpus, kMaxServeGpus);
+    return {};
+}
+
+Status check_instance_workers(const shm::InstanceConfig& c) {
+    if (!gpu_instance(c))
+        return check_worker_counts(static_cast<int>(c.prefill_workers), static_cast<int>(c.decode_workers));
+    if (Status st = check_gpu_count(static_cast<int>(c.arenas.size())); !st) return st;
+    if (c.prefill_workers != c.arenas.size() || c.decode_workers != c.arenas.size())
+        return make_error("{} prefill and {} decode workers on {} GPUs: a pair per GPU", c.prefill_workers,
+                          c.decode_workers, c.arenas.size());
     return {};
 }
 

@@ -41,8 +41,11 @@ struct ServeLayout {
     uint32_t n_requests = 64;  // request slots
     int64_t n_ctx = 2048;      // tokens per request (prompt + output)
     uint32_t n_blocks = 0;     // KV blocks; 0: enough for every slot at full context, capped at 8 GiB of KV
-    uint32_t n_prefill = 1, n_decode = 1;  // workers (P + D <= kMaxServeWorkers)
-    bool kv_on_gpu = false;  // the KV data is a GPU's shared arena: no /dev/shm KV segment
+    uint32_t n_prefill = 1, n_decode = 1;  // CPU workers (P + D <= kMaxServeWorkers)
+    // GPU serving: a prefill and a decode worker per GPU (index i on the i-th GPU),
+    // each pair with the KV arena of its GPU (arena i, in device memory: no /dev/shm
+    // KV segment); n_prefill and n_decode are then n_gpus. 0: CPU serving.
+    uint32_t n_gpus = 0;
 };
 
 // The shm instance for serving `model` with this layout.
@@ -115,6 +118,21 @@ uint64_t queued_for_decode(shm::Instance& inst, uint32_t d);
 bool workers_running(shm::Instance& inst, bool all);
 // At least one prefill and one decode worker, at most kMaxServeWorkers in all.
 Status check_worker_counts(int n_prefill, int n_decode);
+// GPUs one instance serves on: 1 to kMaxServeGpus.
+inline constexpr uint32_t kMaxServeGpus = 8;
+Status check_gpu_count(int n_gpus);
+// The workers of an instance, as its config says: CPU counts, or GPU pairs.
+Status check_instance_workers(const shm::InstanceConfig& c);
+// Whether the instance serves on GPUs (its KV in device memory, pairs of workers).
+inline bool gpu_instance(const shm::InstanceConfig& c) { return c.cpu_kv_bytes == 0; }
+// The KV arena worker `index` (of either role) uses: its GPU's on a GPU instance,
+// the one CPU arena otherwise.
+inline uint32_t worker_arena(const shm::InstanceConfig& c, uint32_t index) { return gpu_instance(c) ? index : 0; }
+// The decode worker prefill worker p may hand off to: on a GPU instance only its
+// pair (d == p: the KV is in their GPU's arena); -1: any (the CPU's one arena).
+inline int32_t handoff_partner(const shm::InstanceConfig& c, uint32_t p) {
+    return gpu_instance(c) ? static_cast<int32_t>(p) : -1;
+}
 
 // Which prefill worker is computing a prompt with the same leading full blocks: a
 // request that shares a prefix with one still being prefilled waits there for its

@@ -69,11 +69,12 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         }
     }
     reg.slot(self_.slot).numa.store(o.numa, std::memory_order_relaxed);
-    auto user = inst.arena(0).join(self_);
+    arena_ = worker_arena(inst.config(), o.index);
+    auto user = inst.arena(arena_).join(self_);
     if (!user) return user.error();
     user_ = *user;
     joined_ = true;
-    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(0), user_);
+    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(arena_), user_);
     alloc_ = alloc.get();
     const KvLayout layout = CpuBackend::kv_layout(model);
     threads_ = std::make_unique<ThreadPool>(std::max(1, o.threads), o.cpus);
@@ -86,7 +87,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         if (Status st = check_device(o.device); !st) return st;
 #if DUET_HAVE_CUDA
         const uint64_t bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(layout.n_layer) *
-                               inst.arena(0).n_blocks();
+                               inst.arena(arena_).n_blocks();
         auto arena = SharedKvArena::open(inst.config().name, o.device.index, bytes);
         if (!arena) return arena.error();
         gpu_kv_ = std::move(arena).value();
@@ -115,7 +116,7 @@ WorkerBase::~WorkerBase() {
     backend_.reset();
     pool_.reset();
     gpu_kv_.reset();
-    if (inst_ && joined_) inst_->arena(0).leave(user_);
+    if (inst_ && joined_) inst_->arena(arena_).leave(user_);
     // Requests still in hand (stopped mid-work): keep the registry slot, so that
     // whoever recovers this process (the supervisor, on seeing it exit) finds them
     // and re-drives them; releasing it would leave them owned by nobody.
@@ -197,7 +198,8 @@ void PrefillWorker::settle() {
         }
         // Its decode worker died before taking it: to a live one (a copy left in the
         // dead one's ring loses handoff_accept's exact CAS and is dropped).
-        if (!reg.alive(p.to) && reg.find_running(shm::Role::Decode) >= 0) p.to = send_handoff(p.msg);
+        if (!reg.alive(p.to) && reg.find_running(shm::Role::Decode, handoff_partner(inst_->config(), opts_.index)) >= 0)
+            p.to = send_handoff(p.msg);
         ++i;
     }
 }
@@ -205,9 +207,14 @@ void PrefillWorker::settle() {
 shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m) {
     trace::Range range("handoff");
     shm::Registry& reg = inst_->registry();
-    std::vector<DecodeView> views;
-    for (uint32_t d = 0; d < rings_.n_decode; ++d) views.push_back(decode_view(*inst_, d, opts_.numa));
-    const uint32_t d = pick_decode(views);
+    uint32_t d = 0;
+    if (const int32_t partner = handoff_partner(inst_->config(), opts_.index); partner >= 0) {
+        d = static_cast<uint32_t>(partner);  // the decode worker on this GPU: the KV is in their arena
+    } else {
+        std::vector<DecodeView> views;
+        for (uint32_t k = 0; k < rings_.n_decode; ++k) views.push_back(decode_view(*inst_, k, opts_.numa));
+        d = pick_decode(views);
+    }
     const int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d));
     while (!out_[d].try_push(m)) usleep(50);  // decode drains it every step
     reg.wake(shm::Role::Decode, static_cast<int32_t>(d));
@@ -465,7 +472,7 @@ Result<bool> DecodeWorker::step() {
         for (; used < n && active_.size() < room; ++used) {
             const WireMsg& w = m[used];
             shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
-            if (!shm::handoff_accept(inst_->arena(0), t, h, self_, user_)) continue;
+            if (!shm::handoff_accept(inst_->arena(arena_), t, h, self_, user_)) continue;
             inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
             Active a;
             a.req = h.req;

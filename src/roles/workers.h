@@ -71,6 +71,7 @@ protected:
     shm::Instance* inst_ = nullptr;
     const Model* model_ = nullptr;
     shm::ProcRef self_;
+    uint32_t arena_ = 0;  // which of the instance's KV arenas (its GPU's, or the CPU's)
     uint32_t user_ = 0;
     bool joined_ = false;
     ShmBlockAllocator* alloc_ = nullptr;  // owned by pool_
