@@ -46,6 +46,90 @@ bool parse_meta(const std::string& m, int* device, uint64_t* bytes, bool* ipc, c
 
 }  // namespace
 
+Result<std::unique_ptr<SharedDeviceBuffer>> SharedDeviceBuffer::get_or_make(const std::string& instance,
+                                                                              const std::string& key, int device,
+                                                                              uint64_t bytes, const std::string& content,
+                                                                              const Fill& fill) {
+    std::unique_ptr<SharedDeviceBuffer> b(new SharedDeviceBuffer());
+    const std::string want = fmt::format("{} bytes={}", content, bytes);
+    // What the keeper holds: "<want> by=<maker>" (the maker tells a process whether
+    // the kept one is its own).
+    auto matches = [&](const std::string& meta) { return meta.rfind(want + " by=", 0) == 0; };
+    auto map_kept = [&](const shm::KeptFd& k) -> Status {
+        if (!matches(k.meta)) {
+            close(k.fd);
+            return make_error("instance {}: '{}' is kept with '{}', not '{}'", instance, key, k.meta, want);
+        }
+        cuda::SharedMapping m;
+        std::string err;
+        const size_t g = cuda::vmm_granularity(device, &err);
+        const bool ok = g > 0 && cuda::vmm_map(k.fd, (bytes + g - 1) / g * g, device, {}, &m, &err);
+        close(k.fd);
+        if (!ok) return make_error("cuda:{}: cannot map '{}': {}", device, key, err);
+        b->ptr_ = m.ptr;
+        b->bytes_ = m.bytes;
+        b->handle_ = m.handle;
+        return {};
+    };
+    auto got = shm::fd_get(instance, key);
+    if (got) {
+        if (Status st = map_kept(*got); !st) return st.error();
+        return b;
+    }
+    if (got.error().message.find("not kept") == std::string::npos) return got.error();
+    std::string why;
+    if (!cuda::vmm_supported(device, &why)) return make_error("cuda:{}: cannot share device memory by fd: {}", device, why);
+    cuda::SharedAllocation mine;
+    std::string err;
+    if (!cuda::vmm_create(device, bytes, &mine, &err)) {
+        // Out of memory perhaps because the other process is filling its copy: take
+        // that one when it appears (a large model's weights take a while).
+        if (err.find("out of memory") == std::string::npos)
+            return make_error("cuda:{}: cannot create '{}' ({:.1f} MiB): {}", device, key, bytes / 1048576.0, err);
+        for (int i = 0; i < 1200 && !got; ++i) {
+            usleep(100'000);
+            got = shm::fd_get(instance, key);
+        }
+        if (!got) return make_error("cuda:{}: cannot create '{}' ({:.1f} MiB): {}", device, key, bytes / 1048576.0, err);
+        if (Status st = map_kept(*got); !st) return st.error();
+        return b;
+    }
+    struct Release {
+        cuda::SharedAllocation& a;
+        ~Release() { cuda::vmm_release(a); }
+    } release{mine};
+    cuda::SharedMapping m;
+    if (!cuda::vmm_map(mine.fd, mine.bytes, device, {}, &m, &err))
+        return make_error("cuda:{}: cannot map '{}': {}", device, key, err);
+    b->ptr_ = m.ptr;
+    b->bytes_ = m.bytes;
+    b->handle_ = m.handle;
+    if (Status st = fill(m.ptr); !st) return st.error();  // ~b unmaps
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess)
+        return make_error("cuda:{}: filling '{}': {}", device, key, cudaGetErrorString(e));
+    const std::string meta = fmt::format("{} by={}", want, getpid());
+    auto kept = shm::fd_put(instance, key, mine.fd, meta);
+    if (!kept) return make_error("instance {}: cannot deposit '{}': {}", instance, key, kept.error().message);
+    if (kept->meta == meta) {  // ours is the one kept
+        close(kept->fd);
+        b->filled_here_ = true;
+        return b;
+    }
+    // Another process deposited first: use its copy, drop ours.
+    cuda::SharedMapping own{b->ptr_, b->bytes_, b->handle_};
+    cuda::vmm_unmap(own);
+    b->ptr_ = nullptr;
+    b->handle_ = 0;
+    if (Status st = map_kept(*kept); !st) return st.error();
+    return b;
+}
+
+SharedDeviceBuffer::~SharedDeviceBuffer() {
+    if (!ptr_) return;
+    cuda::SharedMapping m{ptr_, bytes_, handle_};
+    cuda::vmm_unmap(m);
+}
+
 Result<KvSharing> kv_sharing(int device) {
     if (const char* e = std::getenv("DUET_KV_SHARING"); e && *e) {
         if (std::strcmp(e, "vmm") == 0) return KvSharing::Vmm;

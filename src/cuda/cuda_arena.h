@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -30,6 +31,34 @@ std::string kv_arena_key(int device);
 // forces one; otherwise Vmm where the device supports it.
 enum class KvSharing { Vmm, Ipc };
 Result<KvSharing> kv_sharing(int device);
+
+// Device memory that the processes of an instance on one GPU share and that one of
+// them fills (the model's bf16 weights: prefill and decode on a GPU hold one copy,
+// not two). Kept by the fd keeper under `key` (a VMM allocation exported as an fd),
+// with `content` saying what it holds: a process finding it kept with the same
+// content maps it; the first makes it, fills it, then deposits it (so nobody maps
+// it half filled), and keeps whichever the keeper then holds (a racing process's,
+// if that one deposited first). Needs VMM fd export: otherwise an error, and the
+// caller keeps a private copy.
+class SharedDeviceBuffer {
+public:
+    using Fill = std::function<Status(void* device_ptr)>;
+    static Result<std::unique_ptr<SharedDeviceBuffer>> get_or_make(const std::string& instance, const std::string& key,
+                                                                  int device, uint64_t bytes, const std::string& content,
+                                                                  const Fill& fill);
+    ~SharedDeviceBuffer();  // unmaps
+    SharedDeviceBuffer(const SharedDeviceBuffer&) = delete;
+    SharedDeviceBuffer& operator=(const SharedDeviceBuffer&) = delete;
+    void* data() const { return ptr_; }
+    bool filled_here() const { return filled_here_; }
+
+private:
+    SharedDeviceBuffer() = default;
+    void* ptr_ = nullptr;
+    uint64_t bytes_ = 0;
+    unsigned long long handle_ = 0;
+    bool filled_here_ = false;
+};
 
 class IpcKvArenaOwner {
 public:

@@ -1,5 +1,7 @@
 #include "cuda/cuda_backend.h"
 
+#include "cuda/cuda_arena.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -170,8 +172,10 @@ struct CudaBackend::Impl {
     std::unique_ptr<cuda::Gemm> gemm;  // destroyed before the stream it is bound to
     std::string device_name;
 
-    // Weights, all in one allocation.
+    // Weights, all in one allocation: private, or shared with the GPU's other processes.
     DevBuf weights;
+    std::unique_ptr<SharedDeviceBuffer> shared_weights;
+    bool weights_shared = false;
     size_t weight_bytes = 0;
     std::vector<LayerDev> layers;
     const uint16_t* embd = nullptr;
@@ -262,31 +266,53 @@ Status CudaBackend::Impl::upload_weights() {
     }
     const size_t freq_off = total;
     total += (model->rope_inv_freq().size() * sizeof(float) + 255) / 256 * 256;
-    bool moved = false;
-    if (Status st = weights.reserve(total, &moved); !st)
-        return make_error("cuda:{}: cannot allocate {:.1f} MiB for the weights: {}", o.device, total / 1048576.0,
-                          st.error().message);
     weight_bytes = total;
-    char* base = weights.as<char>();
-    std::vector<float> f32;
-    for (const Item& it : items) {
-        const GgufTensor& t = *it.t;
-        if (it.bf16) {
-            auto h = dequantize_bf16(t);
-            if (!h) return h.error();
-            DUET_CUDA_TRY(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice));
+    auto upload = [&](char* base) -> Status {
+        std::vector<float> f32;
+        for (const Item& it : items) {
+            const GgufTensor& t = *it.t;
+            if (it.bf16) {
+                auto h = dequantize_bf16(t);
+                if (!h) return h.error();
+                DUET_CUDA_TRY(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice));
+            } else {
+                if (!dtype_supported(t.type) || t.n_dims < 1) return make_error("tensor {}: cannot be read as f32", t.name);
+                const int64_t rows = t.n_elements() / t.ne[0];
+                f32.resize(static_cast<size_t>(t.n_elements()));
+                for (int64_t r = 0; r < rows; ++r)
+                    cpu::dequantize_row(t.type, t.data + static_cast<size_t>(r) * t.row_bytes(),
+                                        f32.data() + static_cast<size_t>(r * t.ne[0]), t.ne[0]);
+                DUET_CUDA_TRY(cudaMemcpy(base + it.off, f32.data(), f32.size() * 4, cudaMemcpyHostToDevice));
+            }
+        }
+        DUET_CUDA_TRY(cudaMemcpy(base + freq_off, model->rope_inv_freq().data(), model->rope_inv_freq().size() * sizeof(float),
+                                 cudaMemcpyHostToDevice));
+        return {};
+    };
+    char* base = nullptr;
+    if (!o.share_weights_instance.empty()) {
+        const std::string content = fmt::format("bf16-weights model={:016x}", model->fingerprint());
+        auto sh = SharedDeviceBuffer::get_or_make(o.share_weights_instance, fmt::format("weights.cuda.{}", o.device),
+                                                  o.device, total, content,
+                                                  [&](void* p) { return upload(static_cast<char*>(p)); });
+        if (sh) {
+            shared_weights = std::move(sh).value();
+            base = static_cast<char*>(shared_weights->data());
+            weights_shared = true;
         } else {
-            if (!dtype_supported(t.type) || t.n_dims < 1) return make_error("tensor {}: cannot be read as f32", t.name);
-            const int64_t rows = t.n_elements() / t.ne[0];
-            f32.resize(static_cast<size_t>(t.n_elements()));
-            for (int64_t r = 0; r < rows; ++r)
-                cpu::dequantize_row(t.type, t.data + static_cast<size_t>(r) * t.row_bytes(),
-                                    f32.data() + static_cast<size_t>(r * t.ne[0]), t.ne[0]);
-            DUET_CUDA_TRY(cudaMemcpy(base + it.off, f32.data(), f32.size() * 4, cudaMemcpyHostToDevice));
+            cudaGetLastError();
+            std::fprintf(stderr, "duet: cuda:%d: weights not shared (%s): a private copy\n", o.device,
+                         sh.error().message.c_str());
         }
     }
-    DUET_CUDA_TRY(cudaMemcpy(base + freq_off, model->rope_inv_freq().data(), model->rope_inv_freq().size() * sizeof(float),
-                             cudaMemcpyHostToDevice));
+    if (!base) {
+        bool moved = false;
+        if (Status st = weights.reserve(total, &moved); !st)
+            return make_error("cuda:{}: cannot allocate {:.1f} MiB for the weights: {}", o.device, total / 1048576.0,
+                              st.error().message);
+        base = weights.as<char>();
+        if (Status st = upload(base); !st) return st;
+    }
     auto b16 = [&](const GgufTensor* t) {
         return t ? reinterpret_cast<const uint16_t*>(base + at.at(t)) : nullptr;
     };
@@ -504,8 +530,8 @@ int CudaBackend::graphs_captured() const { return d_->captures; }
 int64_t CudaBackend::graph_replays() const { return d_->replays; }
 
 std::string CudaBackend::describe() const {
-    return fmt::format("cuda:{} {}, weights {:.0f} MiB bf16, {}", d_->o.device, d_->device_name,
-                       d_->weight_bytes / 1048576.0,
+    return fmt::format("cuda:{} {}, weights {:.0f} MiB bf16{}, {}", d_->o.device, d_->device_name,
+                       d_->weight_bytes / 1048576.0, d_->weights_shared ? " (shared on the GPU)" : "",
                        d_->o.graphs ? fmt::format("decode graphs for batches up to {}", d_->buckets.back())
                                     : std::string("no graphs"));
 }

@@ -28,6 +28,10 @@ struct CudaBackendOptions {
     int max_batch = 256;     // decode steps of up to this many sequences replay graphs
     int64_t max_ctx = 4096;  // the longest sequence a graph-replayed step may hold
     bool graphs = true;      // false: every pass eager (for comparison and debugging)
+    // The weights in device memory shared with the instance's other processes on this
+    // GPU (cuda_arena.h SharedDeviceBuffer: one copy per GPU, not one per process);
+    // "": a private copy. Falls back to a private copy where sharing is impossible.
+    std::string share_weights_instance;
 };
 
 // Device memory for a KV pool's data, owned by this process (cudaMalloc): what
