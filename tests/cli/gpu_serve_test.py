@@ -19,6 +19,7 @@ Usage: gpu_serve_test.py path/to/duet
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,11 @@ def on_gpu(port, server, instance=INSTANCE):
             break
         time.sleep(0.1)
     st.check(st.request(port, "GET", "/ready")[0] == 200, "ready")
+    # Both workers on the GPU, with one copy of the weights between them.
+    said = "".join(server.early_lines)
+    for role in ("prefill", "decode"):
+        st.check(re.search(rf"duet {role}: cuda:0 .*\(shared on the GPU\)", said),
+                 f"{role} does not say it uses the shared weights: {said[-1500:]}")
 
     def procs():
         return json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,

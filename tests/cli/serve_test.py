@@ -122,10 +122,12 @@ def serving(instance, test, extra=()):
     try:
         port = None
         deadline = time.time() + 120
+        server.early_lines = []  # what the roles said while starting
         while time.time() < deadline:
             line = server.stderr.readline()
             if not line:
                 fail("the server exited before listening")
+            server.early_lines.append(line)
             m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
             if m:
                 port = int(m.group(1))
