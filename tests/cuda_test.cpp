@@ -16,6 +16,7 @@
 #include "device.h"
 #include "gemm.h"
 #include "kernels.h"
+#include "model/gpu_plan.h"
 #include "model/sampler.h"
 #include "ops.h"
 #include "shm/fd_keeper.h"
@@ -385,6 +386,18 @@ TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(dkv.get(ref.size()), ref) << "the appended KV differs from the CPU's f16 rounding (or touched other rows)";
     expect_close(dout.get(q.size()), want, 1e-4f, 1e-5f, "prefill attention");
+
+    // The tiled prefill kernel on the same queries (tiles of at most 16 rows of one
+    // sequence: 16 + 14 for sequence 0, 16 + 5 for sequence 1), the same answer.
+    const std::vector<int32_t> tiles = duet::attention_query_tiles(qseq, duet::cuda::kPrefillTile);
+    ASSERT_EQ(tiles, (std::vector<int32_t>{0, 16, 16, 14, 30, 16, 46, 5}));
+    DeviceBuf<int32_t> dtiles(tiles);
+    DeviceBuf<float> dout2(std::vector<float>(q.size()));
+    ASSERT_EQ(duet::cuda::paged_attention_prefill(dq.p, kv, dtab.p, max_blocks, dqseq.p, dvis.p, dtiles.p,
+                                                  static_cast<int>(tiles.size() / 2), scale, dout2.p, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    expect_close(dout2.get(q.size()), want, 1e-4f, 1e-5f, "tiled prefill attention");
 }
 
 // Projections: bf16 weights and activations, f32 accumulation, against a float64

@@ -53,3 +53,13 @@ TEST(GpuPlan, DecodeGraphBucketsCoverEveryBatch) {
     EXPECT_EQ(graph_bucket(b, 3), 4);
     EXPECT_EQ(graph_bucket(b, 65), -1) << "past the largest: eager";
 }
+
+// Tiles for the tiled prefill attention: runs of at most `tile` rows of one sequence.
+TEST(GpuPlan, AttentionQueryTilesNeverMixSequences) {
+    const std::vector<int32_t> seq = {0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2};
+    EXPECT_EQ(attention_query_tiles(seq, 4), (std::vector<int32_t>{0, 4, 4, 1, 5, 2, 7, 4, 11, 3}));
+    EXPECT_EQ(attention_query_tiles(seq, 16), (std::vector<int32_t>{0, 5, 5, 2, 7, 7}));
+    EXPECT_EQ(attention_query_tiles(std::vector<int32_t>{}, 16), std::vector<int32_t>{});
+    // Decode-like (one row per sequence): a tile each.
+    EXPECT_EQ(attention_query_tiles(std::vector<int32_t>{0, 1, 2}, 16), (std::vector<int32_t>{0, 1, 1, 1, 2, 1}));
+}

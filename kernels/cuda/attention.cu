@@ -113,6 +113,86 @@ cudaError_t launch(const float* q, const PagedKv& kv, const int32_t* tables, int
 
 int splits(int max_len) { return max_len <= 0 ? 1 : (max_len + kSplitTokens - 1) / kSplitTokens; }
 
+// Grid: (tile, head); 4 warps of 4 queries each. Per 16-token stretch of the
+// sequence, the block loads K and V of the head's KV head into shared memory; each
+// warp then runs its queries' online softmax over those tokens (lanes hold
+// head_dim / 32 dimensions), skipping tokens past a query's visible length (causal).
+template <int HD>
+__global__ void prefill_tiled_kernel(const float* q, PagedKv kv, const int32_t* tables, int max_blocks,
+                                     const int32_t* qseq, const int32_t* lens, const int32_t* tiles, float scale,
+                                     float* out) {
+    constexpr int PER = HD / 32, QW = kPrefillTile / kWarps, KT = 16;
+    const int tile = blockIdx.x, h = blockIdx.y;
+    const int q0 = tiles[2 * tile], nq = tiles[2 * tile + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int seq = qseq[q0];
+    const int hkv = h / (kv.n_head / kv.n_head_kv);
+    const size_t tile_elems = 2ull * kv.n_head_kv * kv.block_tokens * HD;
+    const __half* base = reinterpret_cast<const __half*>(kv.data) + static_cast<size_t>(kv.layer) * kv.n_blocks * tile_elems;
+
+    float qr[QW][PER], acc[QW][PER], m[QW], l[QW];
+    int len[QW];
+    for (int i = 0; i < QW; ++i) {
+        const int k = warp * QW + i;
+        len[i] = k < nq ? lens[q0 + k] : 0;
+        const float* qs = q + (static_cast<size_t>(q0 + (k < nq ? k : 0)) * kv.n_head + h) * HD;
+        for (int p = 0; p < PER; ++p) {
+            qr[i][p] = qs[lane + 32 * p] * scale;
+            acc[i][p] = 0.0f;
+        }
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    int max_len = 0;
+    for (int k = 0; k < nq; ++k) max_len = max(max_len, lens[q0 + k]);
+
+    __shared__ __half ks[KT][HD], vs[KT][HD];
+    for (int t0 = 0; t0 < max_len; t0 += KT) {
+        __syncthreads();  // the previous stretch is used up
+        for (int e = threadIdx.x; e < KT * HD; e += blockDim.x) {
+            const int tt = e / HD, d = e % HD, t = t0 + tt;
+            __half kk = __float2half(0.0f), vv = __float2half(0.0f);
+            if (t < max_len) {
+                const int blk = tables[static_cast<size_t>(seq) * max_blocks + t / kv.block_tokens];
+                const __half* kp = base + static_cast<size_t>(blk) * tile_elems +
+                                   (static_cast<size_t>(hkv) * kv.block_tokens + t % kv.block_tokens) * HD;
+                kk = kp[d];
+                vv = kp[tile_elems / 2 + d];
+            }
+            ks[tt][d] = kk;
+            vs[tt][d] = vv;
+        }
+        __syncthreads();
+        const int n_here = min(KT, max_len - t0);
+        for (int tt = 0; tt < n_here; ++tt) {
+            const int t = t0 + tt;
+            float kf[PER], vf[PER];
+            for (int p = 0; p < PER; ++p) {
+                kf[p] = __half2float(ks[tt][lane + 32 * p]);
+                vf[p] = __half2float(vs[tt][lane + 32 * p]);
+            }
+            for (int i = 0; i < QW; ++i) {
+                if (t >= len[i]) continue;  // the same for every lane of the warp
+                float dot = 0.0f;
+                for (int p = 0; p < PER; ++p) dot += qr[i][p] * kf[p];
+                const float sc = warp_sum(dot);
+                const float m_new = fmaxf(m[i], sc);
+                if (m_new == -INFINITY) continue;
+                const float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - m_new), pr = expf(sc - m_new);
+                l[i] = l[i] * corr + pr;
+                for (int p = 0; p < PER; ++p) acc[i][p] = acc[i][p] * corr + pr * vf[p];
+                m[i] = m_new;
+            }
+        }
+    }
+    for (int i = 0; i < QW; ++i) {
+        const int k = warp * QW + i;
+        if (k >= nq) continue;
+        float* o = out + (static_cast<size_t>(q0 + k) * kv.n_head + h) * HD;
+        for (int p = 0; p < PER; ++p) o[lane + 32 * p] = l[i] > 0.0f ? acc[i][p] / l[i] : 0.0f;
+    }
+}
+
 // Grid: tokens; threads over (kv head, dim) of K and V.
 __global__ void kv_append_kernel(const float* k, const float* v, const int32_t* token_block, const int32_t* token_offset,
                                  PagedKv kv) {
@@ -150,6 +230,25 @@ cudaError_t paged_attention(const float* q, const PagedKv& kv, const int32_t* bl
     case 128:
         return launch<128>(q, kv, block_tables, max_blocks_per_seq, query_seq, visible, n_query, n_split, scale, out,
                            workspace, stream);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+cudaError_t paged_attention_prefill(const float* q, const PagedKv& kv, const int32_t* block_tables, int max_blocks_per_seq,
+                                    const int32_t* query_seq, const int32_t* visible, const int32_t* tiles, int n_tiles,
+                                    float scale, float* out, cudaStream_t stream) {
+    if (n_tiles <= 0) return cudaSuccess;
+    if (kv.n_head_kv <= 0 || kv.n_head % kv.n_head_kv != 0 || kv.block_tokens <= 0) return cudaErrorInvalidValue;
+    const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(kv.n_head));
+    switch (kv.head_dim) {
+    case 64:
+        prefill_tiled_kernel<64><<<grid, 32 * kWarps, 0, stream>>>(q, kv, block_tables, max_blocks_per_seq, query_seq,
+                                                                    visible, tiles, scale, out);
+        return cudaGetLastError();
+    case 128:
+        prefill_tiled_kernel<128><<<grid, 32 * kWarps, 0, stream>>>(q, kv, block_tables, max_blocks_per_seq, query_seq,
+                                                                     visible, tiles, scale, out);
+        return cudaGetLastError();
     default: return cudaErrorInvalidValue;
     }
 }

@@ -36,6 +36,18 @@ cudaError_t paged_attention(const float* q, const PagedKv& kv, const int32_t* bl
                             const int32_t* query_seq, const int32_t* visible, int n_query, int max_len, float scale,
                             float* out, void* workspace, cudaStream_t stream);
 
+// Prefill attention, tiled: the queries come in tiles (tiles[2i] the first query,
+// tiles[2i + 1] how many, at most kPrefillTile) of consecutive positions of one
+// sequence each (src/model/gpu_plan.h attention_query_tiles makes them). K and V of
+// every 16 tokens are loaded into shared memory once per tile and used by all its
+// queries (the per-query kernel above reads them once per query: 16x the traffic in
+// a long prefill). Same result as paged_attention for those queries, up to the order
+// of the online softmax's steps (no split into chunks here); no workspace.
+inline constexpr int kPrefillTile = 16;
+cudaError_t paged_attention_prefill(const float* q, const PagedKv& kv, const int32_t* block_tables, int max_blocks_per_seq,
+                                    const int32_t* query_seq, const int32_t* visible, const int32_t* tiles, int n_tiles,
+                                    float scale, float* out, cudaStream_t stream);
+
 // Appends K and V rows of n_tok tokens (each [n_head_kv][head_dim] f32, K after
 // RoPE) to the arena as f16 (round to nearest even): token t goes to block
 // token_block[t], row token_offset[t] of layer kv.layer; a token with block -1 is

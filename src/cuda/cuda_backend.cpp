@@ -113,6 +113,7 @@ struct LayerDev {
 // Where each per-pass input lives in the int32 input buffer (host staging and device).
 struct InputLayout {
     int T = 0, n_out = 0, n_seq = 0, max_blocks = 0;
+    int n_tiles = 0;  // query tiles of the tiled prefill attention (0: the per-query kernel)
     size_t tok() const { return 0; }
     size_t pos() const { return static_cast<size_t>(T); }
     size_t tblock() const { return 2 * static_cast<size_t>(T); }
@@ -121,7 +122,8 @@ struct InputLayout {
     size_t vis() const { return 5 * static_cast<size_t>(T); }
     size_t orow() const { return 6 * static_cast<size_t>(T); }
     size_t tables() const { return orow() + static_cast<size_t>(n_out); }
-    size_t count() const { return tables() + static_cast<size_t>(n_seq) * max_blocks; }
+    size_t tiles() const { return tables() + static_cast<size_t>(n_seq) * max_blocks; }
+    size_t count() const { return tiles() + 2 * static_cast<size_t>(n_tiles); }
 };
 
 // An unrecoverable CUDA failure: say so and end the process (abort: a core for the
@@ -449,8 +451,12 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
             for (const CopyRun& r : export_runs[static_cast<size_t>(li)])
                 DUET_K(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, copy_stream));
         }
-        DUET_K(cuda::paged_attention(q, kv, tables, l.max_blocks, qseq, vis, T, max_len, scale,
-                                     att, a.attn_ws.as<void>(), stream));
+        if (l.n_tiles > 0)
+            DUET_K(cuda::paged_attention_prefill(q, kv, tables, l.max_blocks, qseq, vis, in_d + l.tiles(), l.n_tiles, scale,
+                                                 att, stream));
+        else
+            DUET_K(cuda::paged_attention(q, kv, tables, l.max_blocks, qseq, vis, T, max_len, scale, att,
+                                         a.attn_ws.as<void>(), stream));
         DUET_K(cuda::f32_to_bf16(att, XB, static_cast<int64_t>(T) * Q, stream));
         DUET_STEP(mm(w.wo, E, Q, XB, T, TMP, E));
         DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
@@ -663,6 +669,16 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         l.n_seq = n_seq;
         l.max_blocks = static_cast<int>(max_blocks);
     }
+    // Prefill-like passes (4 or more queries per sequence on average) take the tiled
+    // attention: each stretch of K/V read once per 16 queries instead of once per query.
+    std::vector<int32_t> tiles;
+    if (!graph && T >= 4 * static_cast<int64_t>(n_seq)) {
+        std::vector<int32_t> row_seq;
+        row_seq.reserve(static_cast<size_t>(T));
+        for (int s = 0; s < n_seq; ++s) row_seq.insert(row_seq.end(), static_cast<size_t>(batch[static_cast<size_t>(s)].n_tokens), s);
+        tiles = attention_query_tiles(row_seq, cuda::kPrefillTile);
+        l.n_tiles = static_cast<int>(tiles.size() / 2);
+    }
     bool moved = false;
     if (Status st = reserve(a, l, attn_len, &moved); !st) return st;
     if (graph && moved) return make_error("CUDA backend: the decode graph buffers moved (a bug)");
@@ -692,6 +708,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         }
     }
     for (int i = static_cast<int>(n_out); i < l.n_out; ++i) h[l.orow() + i] = i;  // graph padding rows
+    std::copy(tiles.begin(), tiles.end(), h + l.tiles());
     DUET_CUDA_TRY(cudaMemcpyAsync(a.in.as<int32_t>(), h, l.count() * 4, cudaMemcpyHostToDevice, stream));
 
     {

@@ -36,6 +36,19 @@ std::vector<int> decode_graph_buckets(int max_batch) {
     return b;
 }
 
+std::vector<int32_t> attention_query_tiles(std::span<const int32_t> query_seq, int tile) {
+    std::vector<int32_t> out;
+    const int32_t n = static_cast<int32_t>(query_seq.size());
+    for (int32_t i = 0; i < n;) {
+        int32_t k = 1;
+        while (i + k < n && k < tile && query_seq[static_cast<size_t>(i + k)] == query_seq[static_cast<size_t>(i)]) ++k;
+        out.push_back(i);
+        out.push_back(k);
+        i += k;
+    }
+    return out;
+}
+
 int graph_bucket(const std::vector<int>& buckets, int n) {
     auto it = std::lower_bound(buckets.begin(), buckets.end(), n);
     return it == buckets.end() ? -1 : *it;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "base/result.h"
@@ -28,6 +29,13 @@ Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes
 // every 8 up to max_batch, and max_batch itself); a step of n sequences replays the
 // smallest bucket >= n with the extra rows idle.
 std::vector<int> decode_graph_buckets(int max_batch);
+// Query tiles for the tiled prefill attention (kernels/cuda/attention.h
+// paged_attention_prefill): runs of at most `tile` consecutive queries of one
+// sequence, as (first query, count) pairs, flattened. A packed batch holds each
+// sequence's queries consecutively at consecutive positions, so a run of one
+// sequence's rows is such a tile.
+std::vector<int32_t> attention_query_tiles(std::span<const int32_t> query_seq, int tile);
+
 // The bucket for a step of n sequences, or -1 when n is past the largest (run
 // eagerly, without a graph).
 int graph_bucket(const std::vector<int>& buckets, int n);
