@@ -368,6 +368,20 @@ int32_t KvArena::acquire_cached(uint32_t user, const BlockHash& h) {
     return -1;
 }
 
+bool KvArena::has_cached(const BlockHash& h) const {
+    const uint64_t mask = h_->index_capacity - 1;
+    for (uint64_t i = 0; i <= mask && i < kMaxProbe; ++i) {
+        const uint32_t v = index_[(h.lo + i) & mask].load(std::memory_order_relaxed);
+        if (v == kEmpty) return false;
+        if (v == kTomb) continue;
+        const BlockMeta& m = blocks_[v - 1];
+        if (m.hash_lo.load(std::memory_order_relaxed) == h.lo && m.hash_hi.load(std::memory_order_relaxed) == h.hi &&
+            (m.word.load(std::memory_order_relaxed) & kCached))
+            return true;
+    }
+    return false;
+}
+
 uint64_t KvArena::recover_user(uint32_t user) {
     uint64_t dropped = 0;
     const uint32_t shift = user * h_->count_bits;

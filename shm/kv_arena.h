@@ -147,6 +147,9 @@ public:
     bool publish(uint32_t user, int32_t b, const BlockHash& h);
     // A cached block holding h, with a new reference for user; -1 when none.
     int32_t acquire_cached(uint32_t user, const BlockHash& h);
+    // Whether a block holding h is cached now, taking nothing: a hint for routing (it
+    // may be evicted the next moment).
+    bool has_cached(const BlockHash& h) const;
 
     // After user's process died: drops every reference it held (including a block it
     // had just taken), puts blocks left free back in the free index, and frees the

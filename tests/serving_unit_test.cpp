@@ -328,3 +328,60 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_EQ(worker_arena(cc, 2), 0u);
     EXPECT_EQ(handoff_partner(cc, 1), -1);
 }
+
+// GPU pairs: a prompt whose leading blocks one pair's arena caches goes to that pair
+// (its prefill would compute only the rest); a prompt nobody caches goes to the
+// shortest queue.
+TEST(GpuServing, APromptGoesToThePairWhoseArenaCachesIt) {
+    auto model = Model::load(DUET_MODEL_PATH);
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    ServeLayout l;
+    l.instance = fmt::format("gpu-route-{}", getpid());
+    l.n_requests = 8;
+    l.n_ctx = 256;
+    l.n_gpus = 2;
+    auto inst = shm::Instance::create(serve_instance_config(l, **model));
+    ASSERT_TRUE(inst.ok()) << inst.error().message;
+    struct Unlink {
+        std::string name;
+        ~Unlink() { shm::Instance::unlink(name); }
+    } unlink{l.instance};
+    shm::Registry& reg = inst->registry();
+    shm::RequestTable& t = inst->requests();
+    auto front = reg.claim(shm::Role::Front, -1, getpid());
+    auto p1 = reg.claim(shm::Role::Prefill, -1, getpid(), 1);
+    ASSERT_TRUE(front.ok() && p1.ok());
+    // Pair 1's prefill has published the first 4 blocks of `cached` in arena 1.
+    const uint32_t bt = inst->config().requests.block_tokens;
+    std::vector<int32_t> cached(4 * bt + 5), other(4 * bt + 5);
+    for (size_t i = 0; i < cached.size(); ++i) {
+        cached[i] = static_cast<int32_t>(100 + i);
+        other[i] = static_cast<int32_t>(9000 + i);
+    }
+    auto user = inst->arena(1).join(*p1);
+    ASSERT_TRUE(user.ok());
+    shm::BlockHasher hasher;
+    std::vector<shm::BlockHash> chain;
+    shm::BlockHash h;
+    int32_t blocks[4];
+    ASSERT_TRUE(inst->arena(1).alloc(*user, 4, blocks));
+    for (uint32_t b = 0; b < 4; ++b) {
+        h = hasher.hash(h, cached.data() + b * bt, bt, (*model)->fingerprint(), {});
+        chain.push_back(h);
+        ASSERT_TRUE(inst->arena(1).publish(*user, blocks[b], h));
+    }
+    EXPECT_EQ(cached_prefix_blocks(inst->arena(1), chain), 4u);
+    EXPECT_EQ(cached_prefix_blocks(inst->arena(0), chain), 0u);
+    chain[2].lo ^= 1;  // a different third block: only the leading run counts
+    EXPECT_EQ(cached_prefix_blocks(inst->arena(1), chain), 2u);
+
+    PrefillRouter router(*inst, /*redrive=*/false);
+    auto r1 = t.submit(*front, cached.data(), static_cast<uint32_t>(cached.size()), nullptr, 0);
+    ASSERT_TRUE(r1.ok());
+    ASSERT_TRUE(router.send(*r1));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{0, 1})) << "the cached prompt goes to pair 1";
+    auto r2 = t.submit(*front, other.data(), static_cast<uint32_t>(other.size()), nullptr, 0);
+    ASSERT_TRUE(r2.ok());
+    ASSERT_TRUE(router.send(*r2));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{1, 1})) << "an uncached one to the shorter queue";
+}

@@ -177,6 +177,19 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
     if (n == 1) return c;
     if (with_affinity) c.keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
     const PrefixAffinity::Match m = affinity_.find(c.keys, [&](shm::ReqRef q) { return being_prefilled(q); });
+    // GPU pairs: the prompt's blocks cached in each pair's arena (the hashes the
+    // prefill workers publish under: chained SHA-256 of the tokens and the model).
+    const bool per_arena = gpu_instance(inst_.config()) && inst_.n_arenas() > 1;
+    chain_.clear();
+    if (per_arena) {
+        const int32_t* tokens = t.tokens(r.slot);
+        const uint64_t max_blocks = std::min<uint64_t>(n_prompt / bt, (n_all - 1) / bt);
+        shm::BlockHash h;
+        for (uint64_t b = 0; b < max_blocks; ++b) {
+            h = hasher_.hash(h, tokens + b * bt, bt, inst_.config().model_fingerprint, {});
+            chain_.push_back(h);
+        }
+    }
     std::vector<PrefillView> v(n);
     for (uint32_t i = 0; i < n; ++i) {
         // Requests sent but not taken yet (the worker's gauge does not count them);
@@ -190,13 +203,24 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
             v[i].running = true;
             v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
         }
-        const uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
+        uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
+        if (per_arena && !chain_.empty()) {
+            const uint32_t k = worker_arena(inst_.config(), i);
+            if (k < inst_.n_arenas())
+                cached = std::max<uint64_t>(cached, uint64_t{cached_prefix_blocks(inst_.arena(k), chain_)} * bt);
+        }
         v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
     }
     c.worker = pick_prefill(v);
     c.running = v[c.worker].running;
     c.to_compute = v[c.worker].to_compute;
     return c;
+}
+
+uint32_t cached_prefix_blocks(const shm::KvArena& a, std::span<const shm::BlockHash> chain) {
+    uint32_t n = 0;
+    while (n < chain.size() && a.has_cached(chain[n])) ++n;
+    return n;
 }
 
 bool PrefillRouter::being_prefilled(shm::ReqRef q) const {

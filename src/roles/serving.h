@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -182,6 +183,9 @@ private:
 // Sends QUEUED requests to the prefill workers, one router per producing process
 // (the front, or the launcher for re-driven requests): it owns the producer end of
 // its ring to every prefill worker. Thread-safe.
+// How many leading blocks of a prompt (its chain of block hashes) arena a caches now.
+uint32_t cached_prefix_blocks(const shm::KvArena& a, std::span<const shm::BlockHash> chain);
+
 class PrefillRouter {
 public:
     // redrive: the launcher's rings; else the front's.
@@ -219,6 +223,11 @@ private:
     std::vector<std::deque<Sent>> queued_;  // per worker: sent, maybe not taken yet
     std::vector<uint64_t> sent_;
     PrefixAffinity affinity_;
+    // GPU pairs (an arena per pair): what each pair's arena caches of the prompt
+    // counts as that worker's cached prefix, so a shared prompt returns to the GPU
+    // that holds it. (One arena: every worker sees the same cache; not consulted.)
+    shm::BlockHasher hasher_;
+    std::vector<shm::BlockHash> chain_;
 };
 
 // Fails every request in flight (QUEUED, PREFILLING, DECODING) with `why`, and
