@@ -304,6 +304,72 @@ TEST(CudaAttention, PagedDecodeMatchesTheReference) {
               cudaErrorInvalidValue);
 }
 
+// The fused kernels give exactly the bits of the kernels they replace: norm + bf16,
+// residual add + norm + bf16, SwiGLU + bf16, RoPE on q and k + q's f16 rounding + KV
+// append (normal and neox pairing, a padding row).
+TEST(CudaOps, FusedKernelsGiveTheUnfusedBits) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cu = duet::cuda;
+    const int rows = 5, n = 576;
+    auto x = randoms(static_cast<size_t>(rows) * n, 61, 3.0f), a = randoms(x.size(), 62), w = randoms(n, 63);
+    {
+        DeviceBuf<float> dx(x), dw(w), dy(std::vector<float>(x.size()));
+        DeviceBuf<uint16_t> want(std::vector<uint16_t>(x.size())), got(std::vector<uint16_t>(x.size()));
+        ASSERT_EQ(cu::rms_norm(dx.p, dw.p, dy.p, rows, n, 1e-5f, nullptr), cudaSuccess);
+        ASSERT_EQ(cu::f32_to_bf16(dy.p, want.p, static_cast<int64_t>(x.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::rms_norm_bf16(dx.p, dw.p, got.p, rows, n, 1e-5f, nullptr), cudaSuccess);
+        EXPECT_EQ(got.get(x.size()), want.get(x.size())) << "rms_norm_bf16";
+    }
+    {
+        DeviceBuf<float> dx1(x), dx2(x), da(a), dw(w), dy(std::vector<float>(x.size()));
+        DeviceBuf<uint16_t> want(std::vector<uint16_t>(x.size())), got(std::vector<uint16_t>(x.size()));
+        ASSERT_EQ(cu::add(dx1.p, da.p, static_cast<int64_t>(x.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::rms_norm(dx1.p, dw.p, dy.p, rows, n, 1e-5f, nullptr), cudaSuccess);
+        ASSERT_EQ(cu::f32_to_bf16(dy.p, want.p, static_cast<int64_t>(x.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::add_rms_norm_bf16(dx2.p, da.p, dw.p, got.p, rows, n, 1e-5f, nullptr), cudaSuccess);
+        EXPECT_EQ(got.get(x.size()), want.get(x.size())) << "add_rms_norm_bf16";
+        EXPECT_EQ(dx2.get(x.size()), dx1.get(x.size())) << "the residual sum";
+    }
+    {
+        auto g = randoms(10007, 64, 4.0f), u = randoms(10007, 65);
+        DeviceBuf<float> dg(g), du(u), dh(std::vector<float>(g.size()));
+        DeviceBuf<uint16_t> want(std::vector<uint16_t>(g.size())), got(std::vector<uint16_t>(g.size()));
+        ASSERT_EQ(cu::swiglu(dg.p, du.p, dh.p, static_cast<int64_t>(g.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::f32_to_bf16(dh.p, want.p, static_cast<int64_t>(g.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::swiglu_bf16(dg.p, du.p, got.p, static_cast<int64_t>(g.size()), nullptr), cudaSuccess);
+        EXPECT_EQ(got.get(g.size()), want.get(g.size())) << "swiglu_bf16";
+    }
+    for (bool neox : {false, true}) {
+        cu::PagedKv kv;
+        kv.n_head = 9;
+        kv.n_head_kv = 3;
+        kv.head_dim = 64;
+        kv.block_tokens = 16;
+        kv.n_blocks = 8;
+        kv.layer = 1;
+        const int n_tok = 4, Q = kv.n_head * kv.head_dim, KV = kv.n_head_kv * kv.head_dim, rot = 48;
+        auto q = randoms(static_cast<size_t>(n_tok) * Q, 66), k = randoms(static_cast<size_t>(n_tok) * KV, 67),
+             v = randoms(static_cast<size_t>(n_tok) * KV, 68), inv = randoms(rot / 2, 69, 0.1f);
+        const std::vector<int32_t> pos = {0, 17, 4095, 100000}, tb = {3, 5, -1, 0}, to = {0, 15, 2, 9};
+        const size_t arena = 2ull * kv.n_head_kv * kv.block_tokens * kv.head_dim * kv.n_blocks * 2;  // two layers
+        DeviceBuf<float> q1(q), q2(q), k1(k), k2(k), dv(v), dinv(inv);
+        DeviceBuf<int32_t> dpos(pos), dtb(tb), dto(to);
+        DeviceBuf<uint16_t> a1{std::vector<uint16_t>(arena)}, a2{std::vector<uint16_t>(arena)};
+        kv.data = a1.p;
+        ASSERT_EQ(cu::rope(q1.p, n_tok, kv.n_head, kv.head_dim, rot, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
+        ASSERT_EQ(cu::rope(k1.p, n_tok, kv.n_head_kv, kv.head_dim, rot, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
+        ASSERT_EQ(cu::round_f16(q1.p, static_cast<int64_t>(q.size()), nullptr), cudaSuccess);
+        ASSERT_EQ(cu::kv_append_f16(k1.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
+        kv.data = a2.p;
+        ASSERT_EQ(cu::qk_rope_kv_append(q2.p, k2.p, dv.p, n_tok, dpos.p, dinv.p, rot, neox, dtb.p, dto.p, kv, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(q2.get(q.size()), q1.get(q.size())) << "q, neox " << neox;
+        EXPECT_EQ(k2.get(k.size()), k1.get(k.size())) << "k, neox " << neox;
+        EXPECT_EQ(a2.get(arena), a1.get(arena)) << "the arena, neox " << neox;
+    }
+}
+
 // A prefill chunk of two sequences packed in one batch: K/V of the chunk appended to
 // the arena (f16, round to nearest even, as the CPU's fp32_to_fp16), then each query
 // token attends causally to its sequence's earlier tokens (already in the arena)

@@ -2,6 +2,8 @@
 
 #include <cuda_fp16.h>
 
+#include "rope_math.cuh"
+
 #include <cmath>
 
 namespace duet::cuda {
@@ -193,6 +195,38 @@ __global__ void prefill_tiled_kernel(const float* q, PagedKv kv, const int32_t* 
     }
 }
 
+// Grid: tokens. Rotate q's and k's pairs (each pair by one thread), then round q and
+// write K and V of the token to the arena.
+__global__ void qk_rope_append_kernel(float* q, float* k, const float* v, const int32_t* pos, const float* inv_freq,
+                                      int rot_dim, bool neox, const int32_t* token_block, const int32_t* token_offset,
+                                      PagedKv kv) {
+    const int t = blockIdx.x, half = rot_dim / 2, HD = kv.head_dim;
+    const int qrow = kv.n_head * HD, krow = kv.n_head_kv * HD;
+    float* qt = q + static_cast<size_t>(t) * qrow;
+    float* kt = k + static_cast<size_t>(t) * krow;
+    const double p = static_cast<double>(pos[t]);
+    if (half > 0) {
+        for (int e = threadIdx.x; e < (kv.n_head + kv.n_head_kv) * half; e += blockDim.x) {
+            const int h = e / half, i = e % half;
+            float* row = h < kv.n_head ? qt + h * HD : kt + (h - kv.n_head) * HD;
+            detail::rope_pair(row, i, half, p, inv_freq, neox);
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < qrow; d += blockDim.x) qt[d] = __half2float(__float2half_rn(qt[d]));
+    if (token_block[t] < 0) return;  // a padding row of a captured decode step
+    const size_t tile = 2ull * kv.n_head_kv * kv.block_tokens * HD;
+    __half* base = reinterpret_cast<__half*>(const_cast<uint16_t*>(kv.data)) +
+                   (static_cast<size_t>(kv.layer) * kv.n_blocks + token_block[t]) * tile;
+    const float* vt = v + static_cast<size_t>(t) * krow;
+    for (int i = threadIdx.x; i < krow; i += blockDim.x) {
+        const int head = i / HD, d = i % HD;
+        const size_t at = (static_cast<size_t>(head) * kv.block_tokens + token_offset[t]) * HD + d;
+        base[at] = __float2half_rn(kt[i]);
+        base[tile / 2 + at] = __float2half_rn(vt[i]);
+    }
+}
+
 // Grid: tokens; threads over (kv head, dim) of K and V.
 __global__ void kv_append_kernel(const float* k, const float* v, const int32_t* token_block, const int32_t* token_offset,
                                  PagedKv kv) {
@@ -251,6 +285,14 @@ cudaError_t paged_attention_prefill(const float* q, const PagedKv& kv, const int
         return cudaGetLastError();
     default: return cudaErrorInvalidValue;
     }
+}
+
+cudaError_t qk_rope_kv_append(float* q, float* k, const float* v, int n_tok, const int32_t* pos, const float* inv_freq,
+                              int rot_dim, bool neox, const int32_t* token_block, const int32_t* token_offset,
+                              const PagedKv& kv, cudaStream_t stream) {
+    if (n_tok <= 0) return cudaSuccess;
+    qk_rope_append_kernel<<<n_tok, 256, 0, stream>>>(q, k, v, pos, inv_freq, rot_dim, neox, token_block, token_offset, kv);
+    return cudaGetLastError();
 }
 
 cudaError_t kv_append_f16(const float* k, const float* v, int n_tok, const int32_t* token_block,

@@ -48,6 +48,14 @@ cudaError_t paged_attention_prefill(const float* q, const PagedKv& kv, const int
                                     const int32_t* query_seq, const int32_t* visible, const int32_t* tiles, int n_tiles,
                                     float scale, float* out, cudaStream_t stream);
 
+// RoPE on the q rows (n_head heads) and k rows (kv.n_head_kv heads) of n_tok tokens
+// at positions pos, q then rounded to f16, and K (rotated) and V appended as by
+// kv_append_f16: ops.h's rope (twice) + round_f16 + kv_append_f16 in one launch,
+// the same bits.
+cudaError_t qk_rope_kv_append(float* q, float* k, const float* v, int n_tok, const int32_t* pos, const float* inv_freq,
+                              int rot_dim, bool neox, const int32_t* token_block, const int32_t* token_offset,
+                              const PagedKv& kv, cudaStream_t stream);
+
 // Appends K and V rows of n_tok tokens (each [n_head_kv][head_dim] f32, K after
 // RoPE) to the arena as f16 (round to nearest even): token t goes to block
 // token_block[t], row token_offset[t] of layer kv.layer; a token with block -1 is

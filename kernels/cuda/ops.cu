@@ -1,8 +1,11 @@
 #include "ops.h"
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+
+#include "rope_math.cuh"
 
 namespace duet::cuda {
 
@@ -17,12 +20,9 @@ __global__ void embed_bf16_kernel(const uint16_t* table, const int32_t* ids, int
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = bf16_to_f32(row[i]);
 }
 
-// One block per row: sum of squares in double (as the CPU kernel), then the scale.
-__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
-    const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
-    float* yr = y + static_cast<int64_t>(blockIdx.x) * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+// The row's scale 1 / sqrt(mean(x^2) + eps) from each thread's partial sum of
+// squares (in double, as the CPU kernel), the same for every thread of the block.
+__device__ float block_rms_scale(double ss, int n, float eps) {
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, off);
     __shared__ double warp_sums[32];
     __shared__ float scale;
@@ -35,7 +35,51 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n,
         scale = static_cast<float>(1.0 / sqrt(total / static_cast<double>(n) + static_cast<double>(eps)));
     }
     __syncthreads();
+    return scale;
+}
+
+// One block per row (256 threads, each a stride of the row): sum of squares, scale.
+__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
+    const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+    float* yr = y + static_cast<int64_t>(blockIdx.x) * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+    const float scale = block_rms_scale(ss, n, eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+// rms_norm, the result rounded to bf16 (the projection's input) in the same pass.
+__global__ void rms_norm_bf16_kernel(const float* x, const float* w, __nv_bfloat16* y, int n, float eps) {
+    const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+    __nv_bfloat16* yr = y + static_cast<int64_t>(blockIdx.x) * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+    const float scale = block_rms_scale(ss, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __float2bfloat16_rn(xr[i] * scale * w[i]);
+}
+
+// x += a (the residual), then rms_norm_bf16 of the sum: each thread adds, and sums
+// the squares of, the same stride of the row as rms_norm_kernel would.
+__global__ void add_rms_norm_bf16_kernel(float* x, const float* a, const float* w, __nv_bfloat16* y, int n, float eps) {
+    float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+    const float* ar = a + static_cast<int64_t>(blockIdx.x) * n;
+    __nv_bfloat16* yr = y + static_cast<int64_t>(blockIdx.x) * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = xr[i] + ar[i];
+        xr[i] = v;
+        ss += static_cast<double>(v) * v;
+    }
+    const float scale = block_rms_scale(ss, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __float2bfloat16_rn(xr[i] * scale * w[i]);
+}
+
+__global__ void swiglu_bf16_kernel(const float* gate, const float* up, __nv_bfloat16* out, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const float g = gate[i];
+        out[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * up[i]);
+    }
 }
 
 // Grid: (token, head); threads over the rot_dim / 2 pairs.
@@ -44,17 +88,7 @@ __global__ void rope_kernel(float* x, int n_heads, int head_dim, int rot_dim, co
     const int t = blockIdx.x, h = blockIdx.y, half = rot_dim / 2;
     float* v = x + (static_cast<int64_t>(t) * n_heads + h) * head_dim;
     const double p = static_cast<double>(pos[t]);
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        constexpr double kTwoPi = 6.283185307179586476925286766559;
-        double th = p * static_cast<double>(inv_freq[i]);
-        th -= kTwoPi * nearbyint(th / kTwoPi);
-        const float a = static_cast<float>(th);
-        const float c = cosf(a), s = sinf(a);
-        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-        const float x0 = v[i0], x1 = v[i1];
-        v[i0] = x0 * c - x1 * s;
-        v[i1] = x0 * s + x1 * c;
-    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) detail::rope_pair(v, i, half, p, inv_freq, neox);
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
@@ -177,6 +211,25 @@ cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, 
 cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream) {
     if (n <= 0) return cudaSuccess;
     round_f16_kernel<<<grid_for(n), 256, 0, stream>>>(x, n);
+    return cudaGetLastError();
+}
+
+cudaError_t rms_norm_bf16(const float* x, const float* w, uint16_t* y, int n_rows, int n, float eps, cudaStream_t stream) {
+    if (n_rows <= 0) return cudaSuccess;
+    rms_norm_bf16_kernel<<<n_rows, 256, 0, stream>>>(x, w, reinterpret_cast<__nv_bfloat16*>(y), n, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t add_rms_norm_bf16(float* x, const float* a, const float* w, uint16_t* y, int n_rows, int n, float eps,
+                              cudaStream_t stream) {
+    if (n_rows <= 0) return cudaSuccess;
+    add_rms_norm_bf16_kernel<<<n_rows, 256, 0, stream>>>(x, a, w, reinterpret_cast<__nv_bfloat16*>(y), n, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t swiglu_bf16(const float* gate, const float* up, uint16_t* out, int64_t n, cudaStream_t stream) {
+    if (n <= 0) return cudaSuccess;
+    swiglu_bf16_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, reinterpret_cast<__nv_bfloat16*>(out), n);
     return cudaGetLastError();
 }
 

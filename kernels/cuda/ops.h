@@ -37,6 +37,16 @@ cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, 
 // x[i] = f32(f16(x[i])) (round to nearest even; overflow gives +-inf as on the CPU).
 cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream);
 
+// Fused forms, each the same bits as the kernels it replaces (fewer launches per
+// layer: a decode step is launch-bound):
+// rms_norm then f32_to_bf16 (gemm.h) of the result;
+cudaError_t rms_norm_bf16(const float* x, const float* w, uint16_t* y, int n_rows, int n, float eps, cudaStream_t stream);
+// add(x, a) then rms_norm_bf16 of x (the residual, then the next norm);
+cudaError_t add_rms_norm_bf16(float* x, const float* a, const float* w, uint16_t* y, int n_rows, int n, float eps,
+                              cudaStream_t stream);
+// swiglu then f32_to_bf16.
+cudaError_t swiglu_bf16(const float* gate, const float* up, uint16_t* out, int64_t n, cudaStream_t stream);
+
 }  // namespace duet::cuda
 
 namespace duet::cuda {

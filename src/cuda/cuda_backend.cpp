@@ -100,7 +100,7 @@ private:
 // largest pass; graph-replayed decode steps another, sized once for the largest
 // bucket, so that growing the first never moves memory a captured graph points at.
 struct Acts {
-    DevBuf x, xn, xb, q, k, v, att, tmp, gate, up, hs, logits, attn_ws, in;
+    DevBuf x, xb, q, k, v, att, tmp, gate, up, logits, attn_ws, in;
 };
 
 struct LayerDev {
@@ -353,7 +353,6 @@ Status CudaBackend::Impl::reserve(Acts& a, const InputLayout& l, int64_t max_len
     auto r = [&](DevBuf& b, size_t bytes) { return b.reserve(bytes, moved); };
     for (auto [buf, bytes] : std::initializer_list<std::pair<DevBuf*, size_t>>{
              {&a.x, T * E * 4},
-             {&a.xn, T * E * 4},
              {&a.tmp, T * E * 4},
              {&a.xb, T * std::max({E, Q, F}) * 2},
              {&a.q, T * Q * 4},
@@ -362,7 +361,6 @@ Status CudaBackend::Impl::reserve(Acts& a, const InputLayout& l, int64_t max_len
              {&a.v, T * KV * 4},
              {&a.gate, T * F * 4},
              {&a.up, T * F * 4},
-             {&a.hs, T * F * 4},
              {&a.logits, static_cast<size_t>(l.n_out) * static_cast<size_t>(c.n_vocab) * 4},
              {&a.in, l.count() * 4}}) {
         if (Status st = r(*buf, bytes); !st) return st;
@@ -395,9 +393,9 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
     const int32_t* vis = in_d + l.vis();
     const int32_t* orow = in_d + l.orow();
     const int32_t* tables = in_d + l.tables();
-    float *X = a.x.as<float>(), *XN = a.xn.as<float>(), *TMP = a.tmp.as<float>();
+    float *X = a.x.as<float>(), *TMP = a.tmp.as<float>();
     float *q = a.q.as<float>(), *k = a.k.as<float>(), *v = a.v.as<float>(), *att = a.att.as<float>();
-    float *gate = a.gate.as<float>(), *up = a.up.as<float>(), *hs = a.hs.as<float>();
+    float *gate = a.gate.as<float>(), *up = a.up.as<float>();
     uint16_t* XB = a.xb.as<uint16_t>();
     std::string err;
     auto mm = [&](const uint16_t* w, int n_out, int n_in, const uint16_t* xin, int n_tok, float* y, int ldy) -> Status {
@@ -418,11 +416,13 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
     kv.head_dim = HD;
     kv.block_tokens = pool->layout().block_tokens;
 
+    // Fused kernels (ops.h, attention.h: the same bits as the unfused ones): the
+    // residual add with the next norm, norms and SwiGLU straight to bf16, RoPE with
+    // the KV append. A decode step is launch-bound, so launches per layer count.
     DUET_K(cuda::embed_bf16(embd, tok, T, E, X, stream));
+    DUET_K(cuda::rms_norm_bf16(X, layers[0].attn_norm, XB, T, E, eps, stream));
     for (int li = 0; li < static_cast<int>(c.n_layer); ++li) {
         const LayerDev& w = layers[static_cast<size_t>(li)];
-        DUET_K(cuda::rms_norm(X, w.attn_norm, XN, T, E, eps, stream));
-        DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
         DUET_STEP(mm(w.wq, Q, E, XB, T, q, Q));
         DUET_STEP(mm(w.wk, KV, E, XB, T, k, KV));
         DUET_STEP(mm(w.wv, KV, E, XB, T, v, KV));
@@ -431,12 +431,11 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
             DUET_K(cuda::add_bias(k, w.bk, T, KV, stream));
             DUET_K(cuda::add_bias(v, w.bv, T, KV, stream));
         }
-        DUET_K(cuda::rope(q, T, NH, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
-        DUET_K(cuda::rope(k, T, NKV, HD, static_cast<int>(c.rot_dim), pos, inv_freq, c.rope_neox, stream));
-        // Q meets f16 K: rounded to f16 as on the CPU backend.
-        DUET_K(cuda::round_f16(q, static_cast<int64_t>(T) * Q, stream));
+        // RoPE; Q rounded to f16 (it meets f16 K, as on the CPU backend); K and V into
+        // the arena.
         kv.layer = li;
-        DUET_K(cuda::kv_append_f16(k, v, T, tblock, toff, kv, stream));
+        DUET_K(cuda::qk_rope_kv_append(q, k, v, T, pos, inv_freq, static_cast<int>(c.rot_dim), c.rope_neox, tblock, toff,
+                                       kv, stream));
         if (!export_runs.empty() && !export_runs[static_cast<size_t>(li)].empty()) {
             // This layer's KV is written: its copy goes now, on the copy stream,
             // while the next layers compute.
@@ -459,21 +458,19 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
                                          a.attn_ws.as<void>(), stream));
         DUET_K(cuda::f32_to_bf16(att, XB, static_cast<int64_t>(T) * Q, stream));
         DUET_STEP(mm(w.wo, E, Q, XB, T, TMP, E));
-        DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
-
-        DUET_K(cuda::rms_norm(X, w.ffn_norm, XN, T, E, eps, stream));
-        DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(T) * E, stream));
+        DUET_K(cuda::add_rms_norm_bf16(X, TMP, w.ffn_norm, XB, T, E, eps, stream));
         DUET_STEP(mm(w.gate, F, E, XB, T, gate, F));
         DUET_STEP(mm(w.up, F, E, XB, T, up, F));
-        DUET_K(cuda::swiglu(gate, up, hs, static_cast<int64_t>(T) * F, stream));
-        DUET_K(cuda::f32_to_bf16(hs, XB, static_cast<int64_t>(T) * F, stream));
+        DUET_K(cuda::swiglu_bf16(gate, up, XB, static_cast<int64_t>(T) * F, stream));
         DUET_STEP(mm(w.down, E, F, XB, T, TMP, E));
-        DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
+        if (li + 1 < static_cast<int>(c.n_layer))
+            DUET_K(cuda::add_rms_norm_bf16(X, TMP, layers[static_cast<size_t>(li) + 1].attn_norm, XB, T, E, eps, stream));
+        else
+            DUET_K(cuda::add(X, TMP, static_cast<int64_t>(T) * E, stream));
     }
     // The output head over the rows whose logits are wanted.
     DUET_K(cuda::gather_rows(X, orow, l.n_out, E, TMP, stream));
-    DUET_K(cuda::rms_norm(TMP, out_norm, XN, l.n_out, E, eps, stream));
-    DUET_K(cuda::f32_to_bf16(XN, XB, static_cast<int64_t>(l.n_out) * E, stream));
+    DUET_K(cuda::rms_norm_bf16(TMP, out_norm, XB, l.n_out, E, eps, stream));
     DUET_STEP(mm(out, V, E, XB, l.n_out, a.logits.as<float>(), V));
 #undef DUET_STEP
 #undef DUET_K
