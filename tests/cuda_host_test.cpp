@@ -82,7 +82,7 @@ int fake_allocation() {
 }  // namespace
 
 TEST(SharedKvArena, WithoutTheLaunchersFdKeeperItSaysSo) {
-    auto a = SharedKvArena::open(arena_test_instance("nokeeper"), 0, 4096);
+    auto a = SharedKvArena::open(arena_test_instance("nokeeper"), 0, 0, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("fd keeper"), std::string::npos) << a.error().message;
 }
@@ -99,37 +99,38 @@ TEST(SharedKvArena, AKeptArenaOfAnotherDeviceOrTooSmallIsRefused) {
         ASSERT_TRUE(k) << k.error().message;
         close(k->fd);
     };
-    // Deposited for device 0 but made on device 1.
+    // Arena 0 is kept as one made on device 1; a worker of device 0 maps arena 0 (a
+    // worker started with another GPU than its pair's): refused.
     put(0, "device=1 bytes=4096");
-    auto a = SharedKvArena::open(inst, 0, 4096);
+    auto a = SharedKvArena::open(inst, 0, 0, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("4096 bytes on cuda:1; this process needs 4096 bytes on cuda:0"), std::string::npos)
         << a.error().message;
     // Right device, too small.
     put(2, "device=2 bytes=4096");
-    a = SharedKvArena::open(inst, 2, 8192);
+    a = SharedKvArena::open(inst, 2, 2, 8192);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("needs 8192 bytes on cuda:2"), std::string::npos) << a.error().message;
     // Not an arena's metadata at all.
     put(3, "bytes=4096");
-    a = SharedKvArena::open(inst, 3, 4096);
+    a = SharedKvArena::open(inst, 3, 3, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("malformed metadata 'bytes=4096'"), std::string::npos) << a.error().message;
     // A legacy IPC handle that is not 64 bytes of hex.
     put(4, "device=4 bytes=4096 ipc=zz");
-    a = SharedKvArena::open(inst, 4, 4096);
+    a = SharedKvArena::open(inst, 4, 4, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("malformed metadata"), std::string::npos) << a.error().message;
     // A well-formed one is opened with CUDA (which, without a GPU, says so).
     if (cuda::device_count() == 0) {
         put(6, ("device=6 bytes=4096 ipc=" + std::string(128, '0')).c_str());
-        a = SharedKvArena::open(inst, 6, 4096);
+        a = SharedKvArena::open(inst, 6, 6, 4096);
         ASSERT_FALSE(a);
         EXPECT_EQ(a.error().message.find("malformed"), std::string::npos) << a.error().message;
         EXPECT_NE(a.error().message.find("cuda:6"), std::string::npos) << a.error().message;
     }
     close(fd);
-    EXPECT_EQ(kv_arena_key(5), "kv.cuda.5");
+    EXPECT_EQ(kv_arena_key(5), "kv.arena.5");
 }
 
 TEST(SharedKvArena, NobodyHasMadeItAndThereIsNoDeviceToMakeItOn) {
@@ -137,7 +138,7 @@ TEST(SharedKvArena, NobodyHasMadeItAndThereIsNoDeviceToMakeItOn) {
     const std::string inst = arena_test_instance("nodevice");
     auto keeper = shm::FdKeeper::start(inst);
     ASSERT_TRUE(keeper) << keeper.error().message;
-    auto a = SharedKvArena::open(inst, 99, 4096);
+    auto a = SharedKvArena::open(inst, 0, 99, 4096);
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("cuda:99: no such device"), std::string::npos) << a.error().message;
     EXPECT_EQ((*keeper)->size(), 0u) << "nothing deposited";

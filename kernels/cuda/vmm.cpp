@@ -103,8 +103,13 @@ size_t vmm_granularity(int device, std::string* error) {
 }
 
 bool vmm_supported(int device, std::string* why) {
-    if (!ready(device, why)) return false;
+    // Device attributes need no context: asking must not create one (the launcher
+    // asks for every GPU it serves and then only forks and waits).
     const Driver& d = driver();
+    if (!d.error.empty()) {
+        if (why) *why = d.error;
+        return false;
+    }
     CUdevice dev = 0;
     if (!ok(d.device_get(&dev, device), "cuDeviceGet", why)) return false;
     int vmm = 0, posix = 0;

@@ -16,7 +16,7 @@
 namespace duet::cuda {
 
 // Whether `device` makes VMM allocations exportable as POSIX fds (some virtualized
-// GPUs and WSL do not); why not in *why. Where not, the legacy cudaIpc handles are
+// GPUs and drivers do not), asked without creating a context; why not in *why. Where not, the legacy cudaIpc handles are
 // the fallback (src/cuda/cuda_arena.h).
 bool vmm_supported(int device, std::string* why);
 

@@ -191,7 +191,7 @@ int cmd_serve(const ServeArgs& a) {
             const KvLayout kl = CpuBackend::kv_layout(**model);
             const uint64_t bytes = kl.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kl.n_layer) *
                                    inst->arena(g).n_blocks();
-            auto owner = IpcKvArenaOwner::create(layout.instance, gpus[g].index, bytes);
+            auto owner = IpcKvArenaOwner::create(layout.instance, static_cast<uint32_t>(g), gpus[g].index, bytes);
             if (!owner) return fail_unlink(owner.error().message);
             ipc_arenas.push_back(std::move(owner).value());
             std::fprintf(stderr, "duet serve: %s's KV arena is shared with legacy CUDA IPC handles (held by the launcher)\n",

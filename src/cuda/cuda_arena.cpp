@@ -14,7 +14,7 @@
 
 namespace duet {
 
-std::string kv_arena_key(int device) { return "kv.cuda." + std::to_string(device); }
+std::string kv_arena_key(uint32_t arena) { return "kv.arena." + std::to_string(arena); }
 
 namespace {
 
@@ -79,21 +79,34 @@ Result<std::unique_ptr<SharedDeviceBuffer>> SharedDeviceBuffer::get_or_make(cons
     if (got.error().message.find("not kept") == std::string::npos) return got.error();
     std::string why;
     if (!cuda::vmm_supported(device, &why)) return make_error("cuda:{}: cannot share device memory by fd: {}", device, why);
+    // One process makes it: whoever first deposits the claim "<key>.making" (a
+    // placeholder fd). The others wait for the buffer itself, up to 50 s (inside the
+    // launcher's start deadline), then give up (their caller keeps a private copy).
+    {
+        const int fd = memfd_create("duet-claim", MFD_CLOEXEC);
+        if (fd < 0) return make_error("memfd_create: {}", std::strerror(errno));
+        const std::string mine_claim = fmt::format("by={}", getpid());
+        auto claim = shm::fd_put(instance, key + ".making", fd, mine_claim);
+        close(fd);
+        if (!claim) return claim.error();
+        close(claim->fd);
+        if (claim->meta != mine_claim) {
+            for (int i = 0; i < 500; ++i) {
+                usleep(100'000);
+                got = shm::fd_get(instance, key);
+                if (got) break;
+            }
+            if (!got)
+                return make_error("instance {}: '{}' is being made by another process ({}) that has not finished", instance,
+                                  key, claim->meta);
+            if (Status st = map_kept(*got); !st) return st.error();
+            return b;
+        }
+    }
     cuda::SharedAllocation mine;
     std::string err;
-    if (!cuda::vmm_create(device, bytes, &mine, &err)) {
-        // Out of memory perhaps because the other process is filling its copy: take
-        // that one when it appears (a large model's weights take a while).
-        if (err.find("out of memory") == std::string::npos)
-            return make_error("cuda:{}: cannot create '{}' ({:.1f} MiB): {}", device, key, bytes / 1048576.0, err);
-        for (int i = 0; i < 1200 && !got; ++i) {
-            usleep(100'000);
-            got = shm::fd_get(instance, key);
-        }
-        if (!got) return make_error("cuda:{}: cannot create '{}' ({:.1f} MiB): {}", device, key, bytes / 1048576.0, err);
-        if (Status st = map_kept(*got); !st) return st.error();
-        return b;
-    }
+    if (!cuda::vmm_create(device, bytes, &mine, &err))
+        return make_error("cuda:{}: cannot create '{}' ({:.1f} MiB): {}", device, key, bytes / 1048576.0, err);
     struct Release {
         cuda::SharedAllocation& a;
         ~Release() { cuda::vmm_release(a); }
@@ -142,7 +155,8 @@ Result<KvSharing> kv_sharing(int device) {
     return cuda::vmm_supported(device, &why) ? KvSharing::Vmm : KvSharing::Ipc;
 }
 
-Result<std::unique_ptr<IpcKvArenaOwner>> IpcKvArenaOwner::create(const std::string& instance, int device, uint64_t bytes) {
+Result<std::unique_ptr<IpcKvArenaOwner>> IpcKvArenaOwner::create(const std::string& instance, uint32_t arena, int device,
+                                                                  uint64_t bytes) {
     std::unique_ptr<IpcKvArenaOwner> o(new IpcKvArenaOwner());
     o->device_ = device;
     if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
@@ -161,7 +175,7 @@ Result<std::unique_ptr<IpcKvArenaOwner>> IpcKvArenaOwner::create(const std::stri
     // The keeper keeps an fd per key: a placeholder here, the handle is the metadata.
     const int fd = memfd_create("duet-ipc-arena", MFD_CLOEXEC);
     if (fd < 0) return make_error("memfd_create: {}", std::strerror(errno));
-    auto kept = shm::fd_put(instance, kv_arena_key(device), fd, meta);
+    auto kept = shm::fd_put(instance, kv_arena_key(arena), fd, meta);
     close(fd);
     if (!kept) return make_error("instance {}: cannot deposit the KV arena: {}", instance, kept.error().message);
     close(kept->fd);
@@ -177,8 +191,9 @@ IpcKvArenaOwner::~IpcKvArenaOwner() {
     }
 }
 
-Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& instance, int device, uint64_t bytes) {
-    const std::string key = kv_arena_key(device);
+Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& instance, uint32_t arena, int device,
+                                                           uint64_t bytes) {
+    const std::string key = kv_arena_key(arena);
     std::unique_ptr<SharedKvArena> a(new SharedKvArena());
     a->device_ = device;
     auto got = shm::fd_get(instance, key);

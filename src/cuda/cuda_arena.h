@@ -19,15 +19,17 @@
 
 namespace duet {
 
-// The fd keeper's key for device's KV arena.
-std::string kv_arena_key(int device);
+// The fd keeper's key for the instance's KV arena `arena` (the control segment's
+// arena index; its metadata names the device, checked by every process mapping it).
+std::string kv_arena_key(uint32_t arena);
 
 // How the processes share the arena. Vmm: a cuMemCreate allocation exported as a
 // POSIX fd, made by the first worker and held by the keeper's fd. Ipc, the legacy
-// fallback for GPUs that cannot export VMM allocations as fds (some virtualized GPUs,
-// WSL): a cudaMalloc allocation made by the launcher (IpcKvArenaOwner), whose
+// fallback for GPUs that cannot export VMM allocations as fds (some virtualized GPUs
+// and drivers): a cudaMalloc allocation made by the launcher (IpcKvArenaOwner), whose
 // cudaIpcGetMemHandle travels as the keeper's metadata; it lives as long as the
-// launcher does, so it too survives any worker's death. DUET_KV_SHARING=vmm|ipc
+// launcher does, so it too survives any worker's death (the launcher then holds a
+// CUDA context on each such GPU). DUET_KV_SHARING=vmm|ipc
 // forces one; otherwise Vmm where the device supports it.
 enum class KvSharing { Vmm, Ipc };
 Result<KvSharing> kv_sharing(int device);
@@ -62,8 +64,9 @@ private:
 
 class IpcKvArenaOwner {
 public:
-    // Allocates `bytes` on `device` and deposits its IPC handle under kv_arena_key(device).
-    static Result<std::unique_ptr<IpcKvArenaOwner>> create(const std::string& instance, int device, uint64_t bytes);
+    // Allocates `bytes` on `device` and deposits its IPC handle under kv_arena_key(arena).
+    static Result<std::unique_ptr<IpcKvArenaOwner>> create(const std::string& instance, uint32_t arena, int device,
+                                                          uint64_t bytes);
     ~IpcKvArenaOwner();  // frees it (after the workers are gone)
     IpcKvArenaOwner(const IpcKvArenaOwner&) = delete;
     IpcKvArenaOwner& operator=(const IpcKvArenaOwner&) = delete;
@@ -76,11 +79,13 @@ private:
 
 class SharedKvArena {
 public:
-    // Maps instance's arena on `device`, at least `bytes` long, creating it (and
-    // depositing it with the keeper) when nobody has. Errors: no fd keeper (the
-    // instance was not started by `duet serve --device`), the kept arena belongs to
-    // another device or is smaller than `bytes`, CUDA failures.
-    static Result<std::unique_ptr<SharedKvArena>> open(const std::string& instance, int device, uint64_t bytes);
+    // Maps the instance's arena `arena`, on `device`, at least `bytes` long, creating
+    // it (and depositing it with the keeper) when nobody has. Errors: no fd keeper
+    // (the instance was not started by `duet serve --device`), the kept arena is on
+    // another device (a worker started with another GPU than its pair's) or smaller
+    // than `bytes`, CUDA failures.
+    static Result<std::unique_ptr<SharedKvArena>> open(const std::string& instance, uint32_t arena, int device,
+                                                       uint64_t bytes);
     ~SharedKvArena();  // unmaps (the memory lives on while the keeper or others hold it)
     SharedKvArena(const SharedKvArena&) = delete;
     SharedKvArena& operator=(const SharedKvArena&) = delete;

@@ -640,6 +640,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
                                std::vector<float>& logits, std::vector<int32_t>* argmax) {
     const ModelConfig& c = model->config();
     logits.resize(static_cast<size_t>(n_out * c.n_vocab));
+    if (argmax) argmax->resize(static_cast<size_t>(n_out));
     if (T == 0) return {};
 
     const int bt = pool->layout().block_tokens;

@@ -383,11 +383,11 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         FrontCounters& c = f.counters_;
         shm::ArenaCensus a;  // every arena (one per GPU on a GPU instance)
         for (size_t k = 0; k < f.inst_.n_arenas(); ++k) {
-            const shm::ArenaCensus c = f.inst_.arena(k).census();
-            a.total += c.total;
-            a.free += c.free;
-            a.cached += c.cached;
-            a.held += c.held;
+            const shm::ArenaCensus one = f.inst_.arena(k).census();
+            a.total += one.total;
+            a.free += one.free;
+            a.cached += one.cached;
+            a.held += one.held;
         }
         std::string m = fmt::format(
             "# TYPE duet_requests_total counter\nduet_requests_total {}\n"

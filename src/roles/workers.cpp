@@ -52,7 +52,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (o.index >= n_workers)
         return make_error("{} worker {} does not exist: instance {} has {} (0 to {})", shm::role_name(role), o.index,
                           inst.config().name, n_workers, static_cast<int>(n_workers) - 1);
-    auto self = inst.registry().claim(role, -1, getpid(), o.index);
+    auto self = inst.registry().claim(role, o.device.cuda ? o.device.index : -1, getpid(), o.index);
     if (!self) return self.error();
     self_ = *self;
     // One process per (role, index): its rings have one consumer and one producer.
@@ -88,7 +88,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
 #if DUET_HAVE_CUDA
         const uint64_t bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(layout.n_layer) *
                                inst.arena(arena_).n_blocks();
-        auto arena = SharedKvArena::open(inst.config().name, o.device.index, bytes);
+        auto arena = SharedKvArena::open(inst.config().name, arena_, o.device.index, bytes);
         if (!arena) return arena.error();
         gpu_kv_ = std::move(arena).value();
         pool_ = std::make_unique<KvPool>(layout, gpu_kv_->data(), std::move(alloc));
