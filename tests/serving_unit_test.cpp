@@ -384,4 +384,22 @@ TEST(GpuServing, APromptGoesToThePairWhoseArenaCachesIt) {
     ASSERT_TRUE(r2.ok());
     ASSERT_TRUE(router.send(*r2));
     EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{1, 1})) << "an uncached one to the shorter queue";
+
+    // A pair serves only with both halves up: with pair 0 whole and pair 1's decode
+    // worker down, even the cached prompt goes to pair 0; once it is up, to pair 1.
+    auto p0 = reg.claim(shm::Role::Prefill, -1, getpid(), 0);
+    auto d0 = reg.claim(shm::Role::Decode, -1, getpid(), 0);
+    ASSERT_TRUE(p0.ok() && d0.ok());
+    for (shm::ProcRef r : {*p0, *d0, *p1}) reg.set_running(r);
+    auto r3 = t.submit(*front, cached.data(), static_cast<uint32_t>(cached.size()), nullptr, 0);
+    ASSERT_TRUE(r3.ok());
+    ASSERT_TRUE(router.send(*r3));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{2, 1})) << "pair 1 has no decode worker";
+    auto d1 = reg.claim(shm::Role::Decode, -1, getpid(), 1);
+    ASSERT_TRUE(d1.ok());
+    reg.set_running(*d1);
+    auto r4 = t.submit(*front, cached.data(), static_cast<uint32_t>(cached.size()), nullptr, 0);
+    ASSERT_TRUE(r4.ok());
+    ASSERT_TRUE(router.send(*r4));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{2, 2})) << "pair 1 whole again: the cached prompt goes there";
 }

@@ -200,7 +200,9 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
         });
         for (const Sent& s : q) v[i].ahead += s.tokens;
         if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
-            v[i].running = true;
+            // A GPU pair serves only with both halves up: its prefill hands off to its
+            // own decode worker alone.
+            v[i].running = !per_arena || reg.find_running(shm::Role::Decode, static_cast<int32_t>(i)) >= 0;
             v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
         }
         uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
