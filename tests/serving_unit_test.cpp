@@ -196,6 +196,19 @@ TEST(Routing, RingsOfSeveralWorkersAreDistinct) {
             }
             for (uint32_t i = 0; i < r.count(); ++i) EXPECT_EQ(seen[i], 1) << np << "x" << nd << " ring " << i;
         }
+    // GPU pairs: one to_decode ring per pair, 3 P rings in all.
+    for (uint32_t n = 1; n <= 8; ++n) {
+        const ServeRings r{n, n, true};
+        EXPECT_EQ(r.count(), 3 * n);
+        std::vector<int> seen(r.count(), 0);
+        for (uint32_t p = 0; p < n; ++p) {
+            ++seen.at(r.to_prefill(p));
+            ++seen.at(r.redrive(p));
+            ++seen.at(r.to_decode(p, p));
+            for (uint32_t d = 0; d < n; ++d) EXPECT_EQ(r.linked(p, d), p == d);
+        }
+        for (uint32_t i = 0; i < r.count(); ++i) EXPECT_EQ(seen[i], 1) << n << " pairs, ring " << i;
+    }
 }
 
 TEST(Routing, PrefillGoesToTheShortestQueueUnlessACachedPrefixSavesMore) {
@@ -296,7 +309,8 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_EQ(c.prefill_workers, 3u);
     EXPECT_EQ(c.decode_workers, 3u);
     EXPECT_GE(c.registry_slots, 2u * 6 + 2) << "every worker, the front and the launcher";
-    EXPECT_EQ(c.n_rings, (ServeRings{3, 3}.count()));
+    EXPECT_EQ(c.n_rings, 9u) << "a to_prefill, a redrive and a to_decode ring per pair";
+    EXPECT_TRUE(ServeRings::of(c).paired);
     EXPECT_TRUE(check_instance_workers(c).ok());
     for (uint32_t i = 0; i < 3; ++i) {
         EXPECT_EQ(worker_arena(c, i), i);

@@ -56,7 +56,7 @@ int cmd_shm_status(const std::string& name, bool as_json) {
             shm::ProcRef h = a.holder(u);
             if (h.valid()) users.push_back({{"user", u}, {"slot", h.slot}, {"generation", h.gen}, {"refs", cs.refs_by_user[u]}});
         }
-        j["arenas"].push_back({{"device", d},
+        j["arenas"].push_back({{"arena", d},
                                {"blocks", cs.total},
                                {"free", cs.free},
                                {"cached", cs.cached},
@@ -90,7 +90,7 @@ int cmd_shm_status(const std::string& name, bool as_json) {
                    p["heartbeat_age_ms"].get<double>());
     fmt::print("\nKV arenas:\n");
     for (auto& a : j["arenas"]) {
-        fmt::print("  device {}: {} blocks: {} free, {} cached, {} held\n", a["device"].get<size_t>(),
+        fmt::print("  arena {}: {} blocks: {} free, {} cached, {} held\n", a["arena"].get<size_t>(),
                    a["blocks"].get<uint32_t>(), a["free"].get<uint32_t>(), a["cached"].get<uint32_t>(),
                    a["held"].get<uint32_t>());
         for (auto& u : a["users"])

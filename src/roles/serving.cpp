@@ -23,7 +23,7 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     shm::InstanceConfig c;
     c.name = l.instance;
     const uint32_t n_prefill = l.n_gpus ? l.n_gpus : l.n_prefill, n_decode = l.n_gpus ? l.n_gpus : l.n_decode;
-    const ServeRings rings{n_prefill, n_decode};
+    const ServeRings rings{n_prefill, n_decode, l.n_gpus > 0};
     // Every worker, the front, the launcher, and room for processes being replaced.
     c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
     c.n_rings = rings.count();
@@ -96,7 +96,8 @@ uint64_t queued_for_prefill(shm::Instance& inst, uint32_t p) {
 uint64_t queued_for_decode(shm::Instance& inst, uint32_t d) {
     const ServeRings rings = ServeRings::of(inst.config());
     uint64_t n = 0;
-    for (uint32_t p = 0; p < rings.n_prefill; ++p) n += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
+    for (uint32_t p = 0; p < rings.n_prefill; ++p)
+        if (rings.linked(p, d)) n += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
     return n;
 }
 

@@ -28,13 +28,21 @@ inline constexpr uint32_t kMaxServeWorkers = shm::kArenaMaxUsers;
 //   to_prefill(p)     front -> prefill p: a request is QUEUED
 //   redrive(p)        launcher -> prefill p: a re-driven request is QUEUED again
 //   to_decode(p, d)   prefill p -> decode d: a hand-off
+// GPU pairs (paired) hand off within the pair only: one to_decode ring per pair,
+// to_decode(p, p), not P x D of them.
 struct ServeRings {
     uint32_t n_prefill = 1, n_decode = 1;
-    static ServeRings of(const shm::InstanceConfig& c) { return {c.prefill_workers, c.decode_workers}; }
+    bool paired = false;
+    static ServeRings of(const shm::InstanceConfig& c) {
+        return {c.prefill_workers, c.decode_workers, c.cpu_kv_bytes == 0 && c.prefill_workers > 0};
+    }
     uint32_t to_prefill(uint32_t p) const { return p; }
     uint32_t redrive(uint32_t p) const { return n_prefill + p; }
-    uint32_t to_decode(uint32_t p, uint32_t d) const { return 2 * n_prefill + p * n_decode + d; }
-    uint32_t count() const { return 2 * n_prefill + n_prefill * n_decode; }
+    // paired: d must be p.
+    uint32_t to_decode(uint32_t p, uint32_t d) const { return 2 * n_prefill + (paired ? p : p * n_decode + d); }
+    uint32_t count() const { return 2 * n_prefill + (paired ? n_prefill : n_prefill * n_decode); }
+    // Whether prefill p hands off to decode d through a ring of its own.
+    bool linked(uint32_t p, uint32_t d) const { return !paired || p == d; }
 };
 
 struct ServeLayout {

@@ -151,7 +151,9 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
     const uint32_t p = o.index;
     w->in_ = shm::SpscConsumer<WireMsg>(inst.ring(w->rings_.to_prefill(p)));
     w->redo_ = shm::SpscConsumer<WireMsg>(inst.ring(w->rings_.redrive(p)));
-    for (uint32_t d = 0; d < w->rings_.n_decode; ++d) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
+    // out_[d]: the ring to decode d (a GPU pair's prefill has its pair's alone, out_[0]).
+    for (uint32_t d = 0; d < w->rings_.n_decode; ++d)
+        if (w->rings_.linked(p, d)) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
     w->publish_load();
     return w;
 }
@@ -217,7 +219,8 @@ shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m) {
         d = pick_decode(views);
     }
     const int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d));
-    while (!out_[d].try_push(m)) usleep(50);  // decode drains it every step
+    auto& ring = out_[rings_.paired ? 0 : d];
+    while (!ring.try_push(m)) usleep(50);  // decode drains it every step
     reg.wake(shm::Role::Decode, static_cast<int32_t>(d));
     return s < 0 ? shm::ProcRef{} : reg.current(static_cast<uint32_t>(s));
 }
@@ -429,7 +432,8 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
                                                            const WorkerOptions& o) {
     std::unique_ptr<DecodeWorker> w(new DecodeWorker());
     if (Status st = w->init(inst, model, shm::Role::Decode, o); !st) return st.error();
-    for (uint32_t p = 0; p < w->rings_.n_prefill; ++p) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
+    for (uint32_t p = 0; p < w->rings_.n_prefill; ++p)
+        if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
     inst.registry().slot(w->self_.slot).max_items.store(static_cast<uint32_t>(std::max(1, o.max_batch)),
                                                          std::memory_order_relaxed);
     w->publish_load();
