@@ -3,6 +3,8 @@
 // by scripts/make-bf16-reference.py: an implementation independent of duet's
 // kernels), bit for bit, by SHA-256 of the whole tensor.
 #include "model/bf16_weights.h"
+#include "model/gpu_plan.h"
+#include "model/model.h"
 
 #include <openssl/evp.h>
 
@@ -55,4 +57,19 @@ TEST(Bf16Weights, EveryTensorOfTheModelEqualsGgufPy) {
     auto short_data = dequantize_bf16(bad);
     ASSERT_FALSE(short_data.ok());
     EXPECT_NE(short_data.error().message.find("bytes of data"), std::string::npos) << short_data.error().message;
+}
+
+// What the CUDA backend holds of the default model (the launcher sizes GPU KV arenas
+// by it): from the hyper-parameters, matrices and the tied embedding in bf16, the
+// norms in f32.
+TEST(Bf16Weights, TheBackendsBytesFollowFromTheHyperparameters) {
+    auto m = duet::Model::load(DUET_MODEL_PATH);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    const duet::ModelConfig& c = (*m)->config();
+    ASSERT_TRUE(c.tied_output);
+    const uint64_t E = c.n_embd, Q = c.n_head * c.head_dim, KV = c.n_head_kv * c.head_dim, F = c.n_ff, L = c.n_layer;
+    const uint64_t matrices = L * (E * Q + 2 * E * KV + Q * E + 3 * E * F) + static_cast<uint64_t>(c.n_vocab) * E;
+    const uint64_t norms = (2 * L + 1) * E;
+    EXPECT_EQ(duet::bf16_weight_bytes(**m), 2 * matrices + 4 * norms);
+    EXPECT_EQ(duet::bf16_weight_bytes(**m), 269100288u);  // SmolLM2-135M: 134.5 M parameters
 }

@@ -25,6 +25,7 @@ struct Driver {
     decltype(&cuGetErrorString) error_string = nullptr;
     decltype(&cuDeviceGet) device_get = nullptr;
     decltype(&cuDeviceGetAttribute) attribute = nullptr;
+    decltype(&cuDeviceTotalMem) total_mem = nullptr;
     std::string error;  // why loading failed
 };
 
@@ -52,7 +53,8 @@ const Driver& driver() {
                load("cuMemAddressReserve", &x.reserve, err) && load("cuMemAddressFree", &x.address_free, err) &&
                load("cuMemMap", &x.map, err) && load("cuMemUnmap", &x.unmap, err) &&
                load("cuMemSetAccess", &x.set_access, err) && load("cuGetErrorString", &x.error_string, err) &&
-               load("cuDeviceGet", &x.device_get, err) && load("cuDeviceGetAttribute", &x.attribute, err));
+               load("cuDeviceGet", &x.device_get, err) && load("cuDeviceGetAttribute", &x.attribute, err) &&
+               load("cuDeviceTotalMem", &x.total_mem, err));
         return x;
     }();
     return d;
@@ -100,6 +102,19 @@ size_t vmm_granularity(int device, std::string* error) {
     if (!ok(driver().granularity(&g, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity", error))
         return 0;
     return g;
+}
+
+size_t device_total_memory(int device, std::string* why) {
+    const Driver& d = driver();
+    if (!d.error.empty()) {
+        if (why) *why = d.error;
+        return 0;
+    }
+    CUdevice dev = 0;
+    size_t bytes = 0;
+    if (!ok(d.device_get(&dev, device), "cuDeviceGet", why) || !ok(d.total_mem(&bytes, dev), "cuDeviceTotalMem", why))
+        return 0;
+    return bytes;
 }
 
 bool vmm_supported(int device, std::string* why) {

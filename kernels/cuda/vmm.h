@@ -20,6 +20,10 @@ namespace duet::cuda {
 // the fallback (src/cuda/cuda_arena.h).
 bool vmm_supported(int device, std::string* why);
 
+// The device's memory in bytes, asked without creating a context (0 on error, why in
+// *why): what the launcher sizes the GPU KV arenas by.
+size_t device_total_memory(int device, std::string* why);
+
 // The allocation granularity of `device` (sizes are multiples of it); 0 on error.
 size_t vmm_granularity(int device, std::string* error);
 

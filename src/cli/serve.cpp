@@ -18,6 +18,7 @@
 #include "base/thread_pool.h"
 #include "model/cpu_backend.h"
 #include "model/device_spec.h"
+#include "model/gpu_plan.h"
 #include "roles/front.h"
 #include "roles/placement.h"
 #include "roles/supervisor.h"
@@ -166,6 +167,24 @@ int cmd_serve(const ServeArgs& a) {
     layout.n_prefill = static_cast<uint32_t>(a.prefill_workers);
     layout.n_decode = static_cast<uint32_t>(a.decode_workers);
     layout.n_gpus = static_cast<uint32_t>(n_gpus);
+    if (n_gpus > 0) {
+        // The KV arenas take what the weights (one bf16 copy per GPU, shared by its
+        // pair) and scratch (two CUDA contexts, activations, cuBLAS, graphs: 2 GiB)
+        // leave of --kv-memory of the smallest GPU.
+        const KvLayout kl = CpuBackend::kv_layout(**model);
+        uint32_t blocks = UINT32_MAX;
+        for (const DeviceSpec& g : gpus) {
+            auto total = cuda_total_memory(g);
+            if (!total) return fail(total.error().message);
+            auto p = plan_device_arena(kl, *total, a.kv_memory, bf16_weight_bytes(**model), 2ull << 30, 2ull << 20);
+            if (!p) return fail(fmt::format("{}: {}", g.name(), p.error().message));
+            blocks = std::min(blocks, p->n_blocks);
+        }
+        layout.n_blocks = blocks;
+        std::fprintf(stderr, "duet serve: a KV arena of %u blocks (%.1f GiB, %lld tokens) per GPU\n", blocks,
+                     static_cast<double>(blocks) * kl.tile_elems() * 2 * kl.n_layer / 1073741824.0,
+                     static_cast<long long>(blocks) * kl.block_tokens);
+    }
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
     // GPU serving: the first worker creates the KV arena in device memory and deposits

@@ -31,7 +31,8 @@ struct ServeArgs {
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
     bool prefix_cache = true;
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
-    std::string device = "cpu";  // cuda:N: prefill and decode compute on that GPU, sharing its KV arena
+    std::string device = "cpu";
+    double kv_memory = 0.9;  // GPUs: the fraction of each GPU's memory for weights + KV + scratch  // cuda:N: prefill and decode compute on that GPU, sharing its KV arena
 };
 
 int cmd_serve(const ServeArgs& a);

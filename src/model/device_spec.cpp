@@ -4,6 +4,7 @@
 
 #if DUET_HAVE_CUDA
 #include "device.h"
+#include "vmm.h"
 #endif
 
 namespace duet {
@@ -47,6 +48,17 @@ std::string cuda_pci_address(const DeviceSpec& d) {
     (void)d;
 #endif
     return "";
+}
+
+Result<uint64_t> cuda_total_memory(const DeviceSpec& d) {
+#if DUET_HAVE_CUDA
+    std::string why;
+    const size_t n = d.cuda ? cuda::device_total_memory(d.index, &why) : 0;
+    if (n == 0) return make_error("{}: its memory size cannot be told: {}", d.name(), d.cuda ? why : "not a GPU");
+    return static_cast<uint64_t>(n);
+#else
+    return make_error("{}: this duet was built without CUDA", d.name());
+#endif
 }
 
 bool cuda_built() {

@@ -30,4 +30,8 @@ Status check_device(const DeviceSpec& d);
 // machine's GPUs for placement. "" when it cannot be told.
 std::string cuda_pci_address(const DeviceSpec& d);
 
+// The memory of CUDA device d in bytes (no context is created); an error when it
+// cannot be told.
+Result<uint64_t> cuda_total_memory(const DeviceSpec& d);
+
 }  // namespace duet

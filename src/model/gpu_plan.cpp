@@ -1,6 +1,9 @@
 #include "model/gpu_plan.h"
 
 #include <algorithm>
+#include <set>
+
+#include "model/model.h"
 
 namespace duet {
 
@@ -25,6 +28,23 @@ Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes
     p.n_blocks = static_cast<uint32_t>(blocks);
     p.bytes = (blocks * p.block_bytes + granularity - 1) / granularity * granularity;
     return p;
+}
+
+uint64_t bf16_weight_bytes(const Model& m) {
+    std::set<const GgufTensor*> seen;
+    uint64_t bytes = 0;
+    auto add = [&](const GgufTensor* t, uint64_t per) {
+        if (t && seen.insert(t).second) bytes += static_cast<uint64_t>(t->n_elements()) * per;
+    };
+    add(&m.tok_embd(), 2);
+    add(&m.output(), 2);
+    add(&m.output_norm(), 4);
+    for (int64_t l = 0; l < m.config().n_layer; ++l) {
+        const LayerWeights& w = m.layer(l);
+        for (const GgufTensor* t : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) add(t, 2);
+        for (const GgufTensor* t : {w.attn_norm, w.ffn_norm, w.bq, w.bk, w.bv}) add(t, 4);
+    }
+    return bytes;
 }
 
 std::vector<int> decode_graph_buckets(int max_batch) {

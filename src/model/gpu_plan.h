@@ -25,6 +25,10 @@ struct DeviceArenaPlan {
 Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes, double fraction, uint64_t weight_bytes,
                                           uint64_t reserve_bytes, uint64_t granularity);
 
+// The bytes of the model's weights as the CUDA backend holds them: every matrix and
+// the embedding in bf16 (a tied output head once), norms and biases in f32.
+uint64_t bf16_weight_bytes(const class Model& m);
+
 // Decode steps run as CUDA graphs captured for these batch sizes (1, 2, 4, 8, then
 // every 8 up to max_batch, and max_batch itself); a step of n sequences replays the
 // smallest bucket >= n with the extra rows idle.
