@@ -9,7 +9,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -269,26 +272,52 @@ Status CudaBackend::Impl::upload_weights() {
     const size_t freq_off = total;
     total += (model->rope_inv_freq().size() * sizeof(float) + 255) / 256 * 256;
     weight_bytes = total;
+    // Dequantizing is the slow part of loading (host work, tensor by tensor): threads
+    // take tensors in turn, each dequantizing into its own buffer and copying it up
+    // (host memory stays bounded by threads x the largest tensor).
     auto upload = [&](char* base) -> Status {
-        std::vector<float> f32;
-        for (const Item& it : items) {
-            const GgufTensor& t = *it.t;
-            if (it.bf16) {
-                auto h = dequantize_bf16(t);
-                if (!h) return h.error();
-                DUET_CUDA_TRY(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice));
-            } else {
-                if (!dtype_supported(t.type) || t.n_dims < 1) return make_error("tensor {}: cannot be read as f32", t.name);
-                const int64_t rows = t.n_elements() / t.ne[0];
-                f32.resize(static_cast<size_t>(t.n_elements()));
-                for (int64_t r = 0; r < rows; ++r)
-                    cpu::dequantize_row(t.type, t.data + static_cast<size_t>(r) * t.row_bytes(),
-                                        f32.data() + static_cast<size_t>(r * t.ne[0]), t.ne[0]);
-                DUET_CUDA_TRY(cudaMemcpy(base + it.off, f32.data(), f32.size() * 4, cudaMemcpyHostToDevice));
+        std::atomic<size_t> next{0};
+        std::atomic<bool> failed{false};
+        std::mutex mu;
+        Status first;
+        auto work = [&] {
+            cudaSetDevice(o.device);
+            std::vector<float> f32;
+            for (size_t i; !failed.load() && (i = next.fetch_add(1)) < items.size();) {
+                const Item& it = items[i];
+                const GgufTensor& t = *it.t;
+                Status st;
+                if (it.bf16) {
+                    auto h = dequantize_bf16(t);
+                    st = !h ? Status(h.error())
+                            : cuda_ok(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice),
+                                      "weights upload");
+                } else if (!dtype_supported(t.type) || t.n_dims < 1) {
+                    st = make_error("tensor {}: cannot be read as f32", t.name);
+                } else {
+                    const int64_t rows = t.n_elements() / t.ne[0];
+                    f32.resize(static_cast<size_t>(t.n_elements()));
+                    for (int64_t r = 0; r < rows; ++r)
+                        cpu::dequantize_row(t.type, t.data + static_cast<size_t>(r) * t.row_bytes(),
+                                            f32.data() + static_cast<size_t>(r * t.ne[0]), t.ne[0]);
+                    st = cuda_ok(cudaMemcpy(base + it.off, f32.data(), f32.size() * 4, cudaMemcpyHostToDevice),
+                                 "weights upload");
+                }
+                if (!st) {
+                    std::lock_guard<std::mutex> lock(mu);
+                    if (first.ok()) first = st;
+                    failed.store(true);
+                }
             }
-        }
-        DUET_CUDA_TRY(cudaMemcpy(base + freq_off, model->rope_inv_freq().data(), model->rope_inv_freq().size() * sizeof(float),
-                                 cudaMemcpyHostToDevice));
+        };
+        const unsigned n_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
+        std::vector<std::thread> threads;
+        for (unsigned k = 1; k < n_threads; ++k) threads.emplace_back(work);
+        work();
+        for (std::thread& th : threads) th.join();
+        if (!first.ok()) return first;
+        DUET_CUDA_TRY(cudaMemcpy(base + freq_off, model->rope_inv_freq().data(),
+                                 model->rope_inv_freq().size() * sizeof(float), cudaMemcpyHostToDevice));
         return {};
     };
     char* base = nullptr;
