@@ -286,7 +286,7 @@ TEST(CudaModel, KvExportedLayerByLayerDecodesLikeTheOriginal) {
             ASSERT_TRUE(st.ok()) << st.error().message;
         }
         // Byte for byte, every layer of every block.
-        const size_t tile = layout.tile_elems() * sizeof(uint16_t);
+        const size_t tile = layout.tile_bytes();
         std::vector<uint8_t> x(tile), y(tile);
         for (size_t i = 0; i < n_blk; ++i)
             for (int32_t l = 0; l < layout.n_layer; ++l) {

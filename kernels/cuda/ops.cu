@@ -38,24 +38,19 @@ __device__ float block_rms_scale(double ss, int n, float eps) {
     return scale;
 }
 
-// One block per row (256 threads, each a stride of the row): sum of squares, scale.
-__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
-    const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
-    float* yr = y + static_cast<int64_t>(blockIdx.x) * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
-    const float scale = block_rms_scale(ss, n, eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
-}
+__device__ inline void store(float* y, float v) { *y = v; }
+__device__ inline void store(__nv_bfloat16* y, float v) { *y = __float2bfloat16_rn(v); }
 
-// rms_norm, the result rounded to bf16 (the projection's input) in the same pass.
-__global__ void rms_norm_bf16_kernel(const float* x, const float* w, __nv_bfloat16* y, int n, float eps) {
+// One block per row (256 threads, each a stride of the row): sum of squares, scale;
+// the result in f32, or rounded to bf16 (a projection's input) in the same pass.
+template <typename Out>
+__global__ void rms_norm_kernel(const float* x, const float* w, Out* y, int n, float eps) {
     const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
-    __nv_bfloat16* yr = y + static_cast<int64_t>(blockIdx.x) * n;
+    Out* yr = y + static_cast<int64_t>(blockIdx.x) * n;
     double ss = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
     const float scale = block_rms_scale(ss, n, eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __float2bfloat16_rn(xr[i] * scale * w[i]);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) store(yr + i, xr[i] * scale * w[i]);
 }
 
 // x += a (the residual), then rms_norm_bf16 of the sum: each thread adds, and sums
@@ -71,15 +66,7 @@ __global__ void add_rms_norm_bf16_kernel(float* x, const float* a, const float* 
         ss += static_cast<double>(v) * v;
     }
     const float scale = block_rms_scale(ss, n, eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __float2bfloat16_rn(xr[i] * scale * w[i]);
-}
-
-__global__ void swiglu_bf16_kernel(const float* gate, const float* up, __nv_bfloat16* out, int64_t n) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const float g = gate[i];
-        out[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * up[i]);
-    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) store(yr + i, xr[i] * scale * w[i]);
 }
 
 // Grid: (token, head); threads over the rot_dim / 2 pairs.
@@ -91,11 +78,13 @@ __global__ void rope_kernel(float* x, int n_heads, int head_dim, int rot_dim, co
     for (int i = threadIdx.x; i < half; i += blockDim.x) detail::rope_pair(v, i, half, p, inv_freq, neox);
 }
 
-__global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+// out = silu(gate) * up, in f32 or rounded to bf16.
+template <typename Out>
+__global__ void swiglu_kernel(const float* gate, const float* up, Out* out, int64_t n) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+        store(out + i, g / (1.0f + expf(-g)) * up[i]);
     }
 }
 
@@ -185,8 +174,7 @@ cudaError_t rope(float* x, int n_tok, int n_heads, int head_dim, int rot_dim, co
 
 cudaError_t swiglu(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream) {
     if (n <= 0) return cudaSuccess;
-    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
-    swiglu_kernel<<<blocks, 256, 0, stream>>>(gate, up, out, n);
+    swiglu_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, out, n);
     return cudaGetLastError();
 }
 
@@ -216,7 +204,7 @@ cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream) {
 
 cudaError_t rms_norm_bf16(const float* x, const float* w, uint16_t* y, int n_rows, int n, float eps, cudaStream_t stream) {
     if (n_rows <= 0) return cudaSuccess;
-    rms_norm_bf16_kernel<<<n_rows, 256, 0, stream>>>(x, w, reinterpret_cast<__nv_bfloat16*>(y), n, eps);
+    rms_norm_kernel<<<n_rows, 256, 0, stream>>>(x, w, reinterpret_cast<__nv_bfloat16*>(y), n, eps);
     return cudaGetLastError();
 }
 
@@ -229,7 +217,7 @@ cudaError_t add_rms_norm_bf16(float* x, const float* a, const float* w, uint16_t
 
 cudaError_t swiglu_bf16(const float* gate, const float* up, uint16_t* out, int64_t n, cudaStream_t stream) {
     if (n <= 0) return cudaSuccess;
-    swiglu_bf16_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, reinterpret_cast<__nv_bfloat16*>(out), n);
+    swiglu_kernel<<<grid_for(n), 256, 0, stream>>>(gate, up, reinterpret_cast<__nv_bfloat16*>(out), n);
     return cudaGetLastError();
 }
 

@@ -182,7 +182,7 @@ int cmd_serve(const ServeArgs& a) {
         }
         layout.n_blocks = blocks;
         std::fprintf(stderr, "duet serve: a KV arena of %u blocks (%.1f GiB, %lld tokens) per GPU\n", blocks,
-                     static_cast<double>(blocks) * kl.tile_elems() * 2 * kl.n_layer / 1073741824.0,
+                     static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
                      static_cast<long long>(blocks) * kl.block_tokens);
     }
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
@@ -208,8 +208,7 @@ int cmd_serve(const ServeArgs& a) {
             if (!mode) return fail_unlink(mode.error().message);
             if (*mode != KvSharing::Ipc) continue;
             const KvLayout kl = CpuBackend::kv_layout(**model);
-            const uint64_t bytes = kl.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kl.n_layer) *
-                                   inst->arena(g).n_blocks();
+            const uint64_t bytes = kl.block_bytes() * inst->arena(g).n_blocks();
             auto owner = IpcKvArenaOwner::create(layout.instance, static_cast<uint32_t>(g), gpus[g].index, bytes);
             if (!owner) return fail_unlink(owner.error().message);
             ipc_arenas.push_back(std::move(owner).value());

@@ -1,6 +1,7 @@
 #include "cuda/cuda_backend.h"
 
 #include "cuda/cuda_arena.h"
+#include "cuda/cuda_util.h"
 
 #include <cuda_runtime.h>
 
@@ -28,76 +29,6 @@
 namespace duet {
 
 namespace {
-
-Status cuda_ok(cudaError_t e, const char* what) {
-    if (e == cudaSuccess) return {};
-    return make_error("CUDA: {}: {}", what, cudaGetErrorString(e));
-}
-
-#define DUET_CUDA_TRY(expr)                                                  \
-    do {                                                                     \
-        if (Status st_ = cuda_ok((expr), #expr); !st_) return st_.error(); \
-    } while (0)
-
-// A device buffer that only grows.
-class DevBuf {
-public:
-    ~DevBuf() {
-        if (p_) cudaFree(p_);
-    }
-    // Room for `bytes`; *moved is set when the address changed.
-    Status reserve(size_t bytes, bool* moved) {
-        if (bytes <= cap_) return {};
-        *moved = true;
-        if (p_) cudaFree(p_);
-        p_ = nullptr;
-        cap_ = 0;
-        const size_t want = (bytes + 65535) / 65536 * 65536;
-        if (cudaError_t e = cudaMalloc(&p_, want); e != cudaSuccess) {
-            cudaGetLastError();  // handled here: not the next launch's error
-            p_ = nullptr;
-            return make_error("CUDA: cannot allocate {:.1f} MiB of device memory: {}", want / 1048576.0,
-                              cudaGetErrorString(e));
-        }
-        cap_ = want;
-        return {};
-    }
-    template <typename T>
-    T* as() const { return static_cast<T*>(p_); }
-
-private:
-    void* p_ = nullptr;
-    size_t cap_ = 0;
-};
-
-// Page-locked host memory (the staging area of the per-pass inputs).
-class HostBuf {
-public:
-    ~HostBuf() {
-        if (p_) cudaFreeHost(p_);
-    }
-    Status reserve(size_t bytes) {
-        if (bytes <= cap_) return {};
-        if (p_) cudaFreeHost(p_);
-        p_ = nullptr;
-        cap_ = 0;
-        const size_t want = (bytes + 4095) / 4096 * 4096;
-        if (cudaError_t e = cudaMallocHost(&p_, want); e != cudaSuccess) {
-            cudaGetLastError();
-            p_ = nullptr;
-            return make_error("CUDA: cannot allocate {:.1f} MiB of page-locked memory: {}", want / 1048576.0,
-                              cudaGetErrorString(e));
-        }
-        cap_ = want;
-        return {};
-    }
-    template <typename T>
-    T* as() const { return static_cast<T*>(p_); }
-
-private:
-    void* p_ = nullptr;
-    size_t cap_ = 0;
-};
 
 // The activations and inputs of a pass. Eager passes use one set that grows with the
 // largest pass; graph-replayed decode steps another, sized once for the largest
@@ -150,7 +81,7 @@ Result<std::unique_ptr<CudaKvMemory>> CudaKvMemory::create(int device, const KvL
         return make_error("cuda:{}: no such device ({} CUDA device{} visible)", device, n_dev, n_dev == 1 ? "" : "s");
     std::unique_ptr<CudaKvMemory> m(new CudaKvMemory());
     m->device_ = device;
-    m->bytes_ = l.tile_elems() * sizeof(uint16_t) * static_cast<size_t>(l.n_layer) * static_cast<size_t>(n_blocks);
+    m->bytes_ = l.block_bytes() * static_cast<size_t>(n_blocks);
     DUET_CUDA_TRY(cudaSetDevice(device));
     void* p = nullptr;
     if (cudaError_t e = cudaMalloc(&p, m->bytes_); e != cudaSuccess)
@@ -219,7 +150,7 @@ struct CudaBackend::Impl {
         pool->set_block_copy(
             [this](int32_t dst, int32_t src) {
                 const KvLayout& l = pool->layout();
-                const size_t bytes = l.tile_elems() * sizeof(uint16_t);
+                const size_t bytes = l.tile_bytes();
                 for (int32_t layer = 0; layer < l.n_layer; ++layer)
                     if (cudaMemcpyAsync(pool->k(dst, layer, 0), pool->k(src, layer, 0), bytes, cudaMemcpyDeviceToDevice,
                                         stream) != cudaSuccess)

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_util.h"
 #include "gemm.h"
 #include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
@@ -18,25 +19,7 @@ namespace duet {
 
 namespace {
 
-Status cuda_ok(cudaError_t e, const char* what) {
-    if (e == cudaSuccess) return {};
-    return make_error("CUDA: {}: {}", what, cudaGetErrorString(e));
-}
-
-#define DUET_BENCH_TRY(expr)                                                 \
-    do {                                                                     \
-        if (Status st_ = cuda_ok((expr), #expr); !st_) return st_.error(); \
-    } while (0)
-
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-// Device memory freed at scope exit.
-struct DevMem {
-    void* p = nullptr;
-    ~DevMem() {
-        if (p) cudaFree(p);
-    }
-};
 
 struct Timer {
     cudaEvent_t a = nullptr, b = nullptr;
@@ -62,35 +45,34 @@ struct Timer {
 // Bytes per second of a 1 GiB device-to-device copy, counting the read and the write.
 Result<double> hbm_bandwidth(cudaStream_t s) {
     const size_t bytes = size_t{1} << 30;
-    DevMem a, b;
-    DUET_BENCH_TRY(cudaMalloc(&a.p, bytes));
-    DUET_BENCH_TRY(cudaMalloc(&b.p, bytes));
-    DUET_BENCH_TRY(cudaMemsetAsync(a.p, 1, bytes, s));
-    DUET_BENCH_TRY(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s));
+    DevBuf a, b;
+    for (DevBuf* m : {&a, &b})
+        if (Status st = m->reserve(bytes); !st) return st.error();
+    DUET_CUDA_TRY(cudaMemsetAsync(a.as<void>(), 1, bytes, s));
+    DUET_CUDA_TRY(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s));
     Timer t;
     constexpr int kReps = 10;
     t.start(s);
-    for (int i = 0; i < kReps; ++i) DUET_BENCH_TRY(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, s));
+    for (int i = 0; i < kReps; ++i)
+        DUET_CUDA_TRY(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s));
     const double sec = t.stop(s) / 1e3;
-    DUET_BENCH_TRY(cudaGetLastError());
+    DUET_CUDA_TRY(cudaGetLastError());
     return 2.0 * static_cast<double>(bytes) * kReps / sec;
 }
 
 // FLOP/s of an 8192^3 bf16 product through the backend's own Gemm.
 Result<double> bf16_peak(cudaStream_t s) {
     constexpr int N = 8192;
-    DevMem w, x, y, ws;
-    DUET_BENCH_TRY(cudaMalloc(&w.p, size_t{N} * N * 2));
-    DUET_BENCH_TRY(cudaMalloc(&x.p, size_t{N} * N * 2));
-    DUET_BENCH_TRY(cudaMalloc(&y.p, size_t{N} * N * 4));
-    DUET_BENCH_TRY(cudaMalloc(&ws.p, size_t{32} << 20));
-    DUET_BENCH_TRY(cudaMemsetAsync(w.p, 0x3c, size_t{N} * N * 2, s));  // bf16 0x3c3c: 0.0115, finite
-    DUET_BENCH_TRY(cudaMemsetAsync(x.p, 0x3c, size_t{N} * N * 2, s));
+    DevBuf w, x, y, ws;
+    for (auto [m, bytes] : {std::pair{&w, size_t{N} * N * 2}, std::pair{&x, size_t{N} * N * 2},
+                            std::pair{&y, size_t{N} * N * 4}, std::pair{&ws, size_t{32} << 20}})
+        if (Status st = m->reserve(bytes); !st) return st.error();
+    DUET_CUDA_TRY(cudaMemsetAsync(w.as<void>(), 0x3c, size_t{N} * N * 2, s));  // bf16 0x3c3c: 0.0115, finite
+    DUET_CUDA_TRY(cudaMemsetAsync(x.as<void>(), 0x3c, size_t{N} * N * 2, s));
     cuda::Gemm g;
     std::string err;
-    if (!g.init(&err) || !g.set_workspace(ws.p, size_t{32} << 20, &err)) return make_error("{}", err);
-    auto run = [&]() { return g.linear(static_cast<uint16_t*>(w.p), N, N, static_cast<uint16_t*>(x.p), N,
-                                       static_cast<float*>(y.p), N, s, &err); };
+    if (!g.init(&err) || !g.set_workspace(ws.as<void>(), size_t{32} << 20, &err)) return make_error("{}", err);
+    auto run = [&]() { return g.linear(w.as<uint16_t>(), N, N, x.as<uint16_t>(), N, y.as<float>(), N, s, &err); };
     if (!run() || !run()) return make_error("{}", err);
     Timer t;
     constexpr int kReps = 10;
@@ -121,14 +103,14 @@ double matrix_params(const Model& m) {
 // Seconds to copy `bytes` from the device into pageable host memory (a std::vector,
 // as the backend's logits go), the median of five.
 Result<double> d2h_pageable_seconds(size_t bytes) {
-    DevMem d;
-    DUET_BENCH_TRY(cudaMalloc(&d.p, bytes));
-    DUET_BENCH_TRY(cudaMemset(d.p, 0, bytes));
+    DevBuf d;
+    if (Status st = d.reserve(bytes); !st) return st.error();
+    DUET_CUDA_TRY(cudaMemset(d.as<void>(), 0, bytes));
     std::vector<float> h(bytes / sizeof(float) + 1);
     std::vector<double> t;
     for (int r = 0; r < 6; ++r) {
         const double t0 = now_s();
-        DUET_BENCH_TRY(cudaMemcpy(h.data(), d.p, bytes, cudaMemcpyDeviceToHost));
+        DUET_CUDA_TRY(cudaMemcpy(h.data(), d.as<void>(), bytes, cudaMemcpyDeviceToHost));
         if (r > 0) t.push_back(now_s() - t0);
     }
     std::sort(t.begin(), t.end());
@@ -190,11 +172,11 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     cudaGetLastError();
     if (o.device < 0 || o.device >= n_dev)
         return make_error("cuda:{}: no such device ({} CUDA device{} visible)", o.device, n_dev, n_dev == 1 ? "" : "s");
-    DUET_BENCH_TRY(cudaSetDevice(o.device));
+    DUET_CUDA_TRY(cudaSetDevice(o.device));
     cudaDeviceProp prop{};
-    DUET_BENCH_TRY(cudaGetDeviceProperties(&prop, o.device));
+    DUET_CUDA_TRY(cudaGetDeviceProperties(&prop, o.device));
     cudaStream_t s = nullptr;
-    DUET_BENCH_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    DUET_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     struct StreamGuard {
         cudaStream_t s;
         ~StreamGuard() { cudaStreamDestroy(s); }
@@ -324,15 +306,14 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
         }
         auto dst = CudaKvMemory::create(dst_dev, layout, 2 * n);
         if (!dst) return dst.error();
-        DUET_BENCH_TRY(cudaSetDevice(o.device));
+        DUET_CUDA_TRY(cudaSetDevice(o.device));
         std::vector<int32_t> src_ids(static_cast<size_t>(n)), contig(static_cast<size_t>(n)), frag(static_cast<size_t>(2 * n));
         std::iota(src_ids.begin(), src_ids.end(), 0);
         std::iota(contig.begin(), contig.end(), 0);
         std::iota(frag.begin(), frag.end(), 0);
         std::shuffle(frag.begin(), frag.end(), std::mt19937(7));
         frag.resize(static_cast<size_t>(n));
-        const double block_bytes = static_cast<double>(layout.tile_elems()) * 2 * layout.n_layer;
-        const double total = block_bytes * n;
+        const double total = static_cast<double>(layout.block_bytes()) * n;
         auto* src_base = reinterpret_cast<char*>((*mem)->data());
         auto* dst_base = reinterpret_cast<char*>((*dst)->data());
         json kc = {{"tokens", 2048}, {"blocks", n}, {"bytes", total}, {"peer", dst_dev != o.device},
@@ -360,11 +341,11 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
             kc[name] = {{"runs", runs}, {"seconds", sec}, {"gb_s", total / sec / 1e9},
                         {"per_layer_us", sec / layout.n_layer * 1e6}};
         }
-        DUET_BENCH_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
+        DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
         Timer t;
         t.start(s);
         for (int r = 0; r < 5; ++r)
-            DUET_BENCH_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
+            DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
         const double sec = t.stop(s) / 1e3 / 5;
         kc["plain_gb_s"] = total / sec / 1e9;
         kc["contiguous"]["ratio_to_plain"] = kc["contiguous"]["gb_s"].get<double>() / (total / sec / 1e9);

@@ -10,7 +10,7 @@ Result<std::vector<CopyRun>> plan_layer_copy(const KvLayout& l, int32_t src_bloc
     if (src.size() != dst.size())
         return make_error("KV copy: {} source blocks for {} destination blocks", src.size(), dst.size());
     if (layer < 0 || layer >= l.n_layer) return make_error("KV copy: layer {} of {}", layer, l.n_layer);
-    const uint64_t tile = l.tile_elems() * sizeof(uint16_t);
+    const uint64_t tile = l.tile_bytes();
     std::unordered_set<int32_t> seen;
     std::vector<CopyRun> runs;
     for (size_t i = 0; i < src.size(); ++i) {

@@ -35,7 +35,7 @@ void LocalBlockAllocator::unref(int32_t block) {
 
 Result<std::unique_ptr<KvPool>> KvPool::create(const KvLayout& layout, int32_t n_blocks) {
     if (n_blocks <= 0) return make_error("KV pool needs at least one block, got {}", n_blocks);
-    size_t bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<size_t>(layout.n_layer) * n_blocks;
+    size_t bytes = layout.block_bytes() * static_cast<size_t>(n_blocks);
     bytes = (bytes + 4095) / 4096 * 4096;
     void* p = std::aligned_alloc(4096, bytes);
     if (!p) return make_error("cannot allocate {} MiB for {} KV blocks", bytes >> 20, n_blocks);
@@ -54,7 +54,7 @@ KvPool::~KvPool() {
 
 void KvPool::copy_block(int32_t dst, int32_t src) {
     if (block_copy_) return block_copy_(dst, src);
-    const size_t n = layout_.tile_elems() * sizeof(uint16_t);
+    const size_t n = layout_.tile_bytes();
     for (int32_t l = 0; l < layout_.n_layer; ++l) std::memcpy(tile(dst, l), tile(src, l), n);
 }
 

@@ -28,6 +28,9 @@ struct KvLayout {
     size_t tile_elems() const {
         return 2 * static_cast<size_t>(n_head_kv) * block_tokens * head_dim;
     }
+    size_t tile_bytes() const { return tile_elems() * sizeof(uint16_t); }
+    // Bytes of one block, all layers (an arena of n blocks holds n of these).
+    size_t block_bytes() const { return tile_bytes() * static_cast<size_t>(n_layer); }
     // Bytes of KV per token, all layers.
     size_t bytes_per_token() const {
         return 2 * sizeof(uint16_t) * static_cast<size_t>(n_layer) * n_head_kv * head_dim;

@@ -70,7 +70,7 @@ Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_b
     c.requests.max_tokens = static_cast<uint32_t>(n_blocks) * static_cast<uint32_t>(layout.block_tokens);
     c.requests.block_tokens = static_cast<uint32_t>(layout.block_tokens);
     c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(n_blocks), 4, 0});
-    c.cpu_kv_bytes = o.device_data ? 0 : layout.tile_elems() * sizeof(uint16_t) * static_cast<size_t>(layout.n_layer) * n_blocks;
+    c.cpu_kv_bytes = o.device_data ? 0 : layout.block_bytes() * static_cast<size_t>(n_blocks);
     c.model_fingerprint = o.model_fingerprint;
     c.huge_pages = o.huge_pages;
     auto inst = shm::Instance::create(c);
@@ -103,7 +103,7 @@ std::string ShmKv::describe() const {
     const auto& cs = inst_.control_segment();
     if (!device_name_.empty()) {
         const KvLayout& l = pool_->layout();
-        const double mib = static_cast<double>(l.tile_elems()) * 2 * l.n_layer * pool_->allocator().n_blocks() / 1048576.0;
+        const double mib = static_cast<double>(l.block_bytes()) * pool_->allocator().n_blocks() / 1048576.0;
         return fmt::format("shm: {} ({} KiB), KV on {} ({:.1f} MiB, {} blocks)", cs.path(), cs.payload_bytes() >> 10,
                            device_name_, mib, pool_->allocator().n_blocks());
     }

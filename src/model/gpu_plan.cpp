@@ -12,7 +12,7 @@ Result<DeviceArenaPlan> plan_device_arena(const KvLayout& l, uint64_t free_bytes
     if (!(fraction > 0.0 && fraction <= 1.0)) return make_error("KV memory fraction must be in (0, 1], got {}", fraction);
     if (granularity == 0) return make_error("allocation granularity 0");
     DeviceArenaPlan p;
-    p.block_bytes = l.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(l.n_layer);
+    p.block_bytes = l.block_bytes();
     if (p.block_bytes == 0) return make_error("a KV block of 0 bytes (layout {} layers, {} heads, dim {})", l.n_layer, l.n_head_kv, l.head_dim);
     const double usable = static_cast<double>(free_bytes) * fraction;
     const double need = static_cast<double>(weight_bytes) + static_cast<double>(reserve_bytes);

@@ -14,7 +14,7 @@ namespace duet {
 
 shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
     KvLayout kv = CpuBackend::kv_layout(model);
-    const uint64_t block_bytes = kv.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(kv.n_layer);
+    const uint64_t block_bytes = kv.block_bytes();
     uint64_t blocks = l.n_blocks;
     if (blocks == 0) {
         blocks = static_cast<uint64_t>(l.n_requests) * static_cast<uint64_t>((l.n_ctx + kv.block_tokens - 1) / kv.block_tokens);

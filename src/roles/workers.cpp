@@ -86,8 +86,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (o.device.cuda) {
         if (Status st = check_device(o.device); !st) return st;
 #if DUET_HAVE_CUDA
-        const uint64_t bytes = layout.tile_elems() * sizeof(uint16_t) * static_cast<uint64_t>(layout.n_layer) *
-                               inst.arena(arena_).n_blocks();
+        const uint64_t bytes = layout.block_bytes() * inst.arena(arena_).n_blocks();
         auto arena = SharedKvArena::open(inst.config().name, arena_, o.device.index, bytes);
         if (!arena) return arena.error();
         gpu_kv_ = std::move(arena).value();
