@@ -30,6 +30,7 @@ struct StoredConfig {
     uint32_t req_slots, req_max_tokens, req_block_tokens, huge_pages;
     uint64_t cpu_kv_bytes, model_fingerprint;
     uint32_t prefill_workers, decode_workers;
+    uint32_t kv_split;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -51,6 +52,7 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->model_fingerprint = c.model_fingerprint;
     s->prefill_workers = c.prefill_workers;
     s->decode_workers = c.decode_workers;
+    s->kv_split = c.kv_split;
     for (size_t i = 0; i < c.arenas.size(); ++i) s->arenas[i] = c.arenas[i];
     std::snprintf(s->name, sizeof s->name, "%s", c.name.c_str());
     s->magic = kConfigMagic;
@@ -74,6 +76,7 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.model_fingerprint = s->model_fingerprint;
     c.prefill_workers = s->prefill_workers;
     c.decode_workers = s->decode_workers;
+    c.kv_split = s->kv_split != 0;
     c.arenas.assign(s->arenas, s->arenas + s->n_arenas);
     return c;
 }
@@ -126,7 +129,18 @@ uint64_t InstanceConfig::fingerprint() const {
     f.add(model_fingerprint);
     f.add(prefill_workers);
     f.add(decode_workers);
+    f.add(static_cast<uint32_t>(kv_split));
     return f.h;
+}
+
+uint8_t* Instance::cpu_kv_data(size_t arena) const {
+    if (arena == 0 || cfg_.arenas.empty()) return kv_seg_.payload();
+    uint64_t total = 0, before = 0;
+    for (size_t i = 0; i < cfg_.arenas.size(); ++i) {
+        total += cfg_.arenas[i].n_blocks;
+        if (i < arena) before += cfg_.arenas[i].n_blocks;
+    }
+    return kv_seg_.payload() + cfg_.cpu_kv_bytes / total * before;
 }
 
 RingHeader* Instance::ring(uint32_t i) const {
@@ -171,6 +185,13 @@ Status Instance::map_sections() {
 
 Result<Instance> Instance::create(const InstanceConfig& c) {
     if (c.arenas.size() > kMaxArenas) return make_error("at most {} KV arenas, got {}", kMaxArenas, c.arenas.size());
+    if (c.cpu_kv_bytes && c.arenas.size() > 1) {
+        uint64_t blocks = 0;
+        for (const ArenaConfig& a : c.arenas) blocks += a.n_blocks;
+        if (blocks == 0 || c.cpu_kv_bytes % blocks != 0)
+            return make_error("{} bytes of host KV data do not divide into the {} blocks of {} arenas", c.cpu_kv_bytes,
+                              blocks, c.arenas.size());
+    }
     Instance in;
     in.cfg_ = c;
     Sections s = plan(c);

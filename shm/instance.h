@@ -22,7 +22,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 4;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges
+inline constexpr uint32_t kLayoutVersion = 5;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas
 
 inline constexpr uint32_t kMaxArenas = 16;
 
@@ -33,12 +33,18 @@ struct InstanceConfig {
     uint32_t ring_capacity = 4096;    // 256 KiB of 64-byte records: see bench/RESULTS.md for why not 1024
     uint32_t ring_record_bytes = 64;
     RequestTableConfig requests;
-    std::vector<ArenaConfig> arenas;  // one per device; arenas[0] is the CPU's when cpu_kv_bytes > 0
+    // One per device (or per role and device, kv_split). With cpu_kv_bytes > 0 every
+    // arena is in host memory: their data lie back to back in the KV data segment,
+    // each taking its share of blocks.
+    std::vector<ArenaConfig> arenas;
     uint64_t cpu_kv_bytes = 0;        // size of the CPU KV data segment (0: none)
     uint64_t model_fingerprint = 0;
     // How many prefill and decode workers serve on this instance (their rings and
     // registry indices follow from these; src/roles/serving.h). 0: not a serving instance.
     uint32_t prefill_workers = 0, decode_workers = 0;
+    // Prefill and decode workers keep their KV in arenas of their own (different
+    // GPUs, or per-role host arenas): a hand-off copies the request's blocks.
+    bool kv_split = false;
     bool huge_pages = true;
 
     // FNV-1a over every field that shapes the segments.
@@ -81,7 +87,8 @@ public:
     KvArena& arena(size_t device) { return arenas_[device]; }
     size_t n_arenas() const { return arenas_.size(); }
     RingHeader* ring(uint32_t i) const;
-    uint8_t* cpu_kv_data() const { return kv_seg_.payload(); }
+    // The data of host arena `arena` in the KV data segment (cpu_kv_bytes > 0).
+    uint8_t* cpu_kv_data(size_t arena = 0) const;
     const Segment& control_segment() const { return seg_; }
 
     // Everything the front does when a process of the instance has died: marks its

@@ -277,8 +277,8 @@ TEST(CudaModel, KvExportedLayerByLayerDecodesLikeTheOriginal) {
         KvSeq sa;
         std::vector<float> la, lb;
         KvExport exp;
-        exp.dst_data = (*mem)->data();
-        exp.dst_blocks = kBlocks;
+        exp.dests = {KvDest{(*mem)->data(), kBlocks}};
+        exp.dest = {0};
         exp.dst_ids = {dst};
         for (auto [from, n] : {std::pair{0, 300}, std::pair{300, 400}}) {
             SeqBatch b{&sa, prompt.data() + from, n, false};

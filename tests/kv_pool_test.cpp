@@ -189,3 +189,60 @@ TEST(KvCopy, APassExportsTheBlocksItWrites) {
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.error().message.find("2 destination blocks"), std::string::npos) << r.error().message;
 }
+
+// An export's plan: per destination, per layer, every block of each exported
+// sequence (from position 0, the partial last block included) to its destination
+// block; entries with destination -1 copy nothing; bad exports are refused.
+TEST(KvCopy, AnExportPlansEverySequenceBlockPerDestination) {
+    KvLayout l;
+    l.n_layer = 2;
+    l.n_head_kv = 1;
+    l.head_dim = 4;
+    l.block_tokens = 16;
+    const uint64_t tile = l.tile_bytes();
+    const std::vector<int32_t> a = {3, 4, 9}, b = {7}, c = {1, 2};
+    KvExport exp;
+    uint16_t d0[1], d1[1];
+    exp.dests = {KvDest{d0, 8}, KvDest{d1, 4}};
+    exp.dest = {1, -1, 0};
+    exp.dst_ids = {{2, 3, 0}, {}, {5, 6}};
+    // a: 40 tokens (3 blocks) to destination 1; b not exported; c: 17 tokens to 0.
+    const std::vector<ExportSeq> seqs = {{a, 40}, {b, 10}, {c, 17}};
+    auto p = plan_export(l, 10, exp, seqs);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    ASSERT_EQ(p->size(), 2u);
+    for (size_t d = 0; d < 2; ++d) ASSERT_EQ((*p)[d].size(), 2u) << "a plan per layer";
+    for (uint64_t layer = 0; layer < 2; ++layer) {
+        // Destination 1 (4 blocks): 3,4 -> 2,3 merge into one run; 9 -> 0.
+        const std::vector<CopyRun> want1 = {{(layer * 10 + 3) * tile, (layer * 4 + 2) * tile, 2 * tile},
+                                            {(layer * 10 + 9) * tile, (layer * 4 + 0) * tile, tile}};
+        EXPECT_EQ((*p)[1][layer], want1) << "layer " << layer;
+        // Destination 0 (8 blocks): 1,2 -> 5,6, one run.
+        const std::vector<CopyRun> want0 = {{(layer * 10 + 1) * tile, (layer * 8 + 5) * tile, 2 * tile}};
+        EXPECT_EQ((*p)[0][layer], want0) << "layer " << layer;
+    }
+    auto refused = [&](KvExport x, const std::string& why) {
+        auto r = plan_export(l, 10, x, seqs);
+        ASSERT_FALSE(r.ok()) << why;
+        EXPECT_NE(r.error().message.find(why), std::string::npos) << r.error().message;
+    };
+    KvExport x = exp;
+    x.dest.pop_back();
+    refused(x, "2 destinations and 3 block lists for 3 sequences");
+    x = exp;
+    x.dest[0] = 2;
+    refused(x, "sequence 0 names destination 2 of 2");
+    x = exp;
+    x.dests[1].data = nullptr;
+    refused(x, "sequence 0 names destination 1 of 2");
+    x = exp;
+    x.dst_ids[0] = {2, 3};
+    refused(x, "2 destination blocks");
+    x = exp;
+    x.dst_ids[2] = {5, 8};
+    refused(x, "destination block 8 of an arena of 8");
+    x = exp;
+    x.dest[2] = 1;
+    x.dst_ids[2] = {1, 3};
+    refused(x, "twice");
+}

@@ -3,11 +3,16 @@
 // batch- and chunk-invariance contract that crash recovery relies on.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 
+#include "base/thread_pool.h"
 #include "engine/engine.h"
+#include "model/cpu_backend.h"
 
 using namespace duet;
 using nlohmann::json;
@@ -308,4 +313,80 @@ TEST(Model, ForwardArgmaxGivesTheGreedyPickOfEveryRow) {
     ASSERT_EQ(l.size(), ref.size());
     EXPECT_TRUE(std::equal(l.begin() + nv, l.end(), ref.begin() + nv));
     for (KvSeq* s : {&s1, &s2, &r1, &r2}) s->release(e.pool());
+}
+
+// forward_export (a hand-off into another arena): after the pass every block of
+// the exported sequence — those earlier passes wrote too — is in its destination
+// blocks, byte for byte, every layer; no other destination block is touched; an
+// entry not exported copies nothing; a backend decoding from the copy gives the
+// original's logits exactly. Too few destination blocks: an error, and the
+// sequence is as before the call.
+TEST(Model, ForwardExportCopiesEverySequenceBlockIntoTheOtherArena) {
+    Engine& e = engine();
+    const KvLayout layout = e.pool().layout();
+    constexpr int32_t kBlocks = 32;
+    auto pool_b = KvPool::create(layout, kBlocks);
+    ASSERT_TRUE(pool_b.ok()) << pool_b.error().message;
+    KvPool& b = **pool_b;
+    const size_t arena_bytes = layout.block_bytes() * kBlocks;
+    std::memset(b.data(), 0xAB, arena_bytes);
+    std::vector<int32_t> ids(kBlocks);
+    ASSERT_TRUE(b.allocator().alloc(kBlocks, ids.data()));
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(11));
+    const std::vector<int32_t> dst(ids.begin(), ids.begin() + 5);  // 70 tokens: 5 blocks
+
+    auto a = prompt_ids(70, 7), other = prompt_ids(20, 8);
+    KvSeq sa, so;
+    std::vector<float> la, lo;
+    SeqBatch first{&sa, a.data(), 40, false};
+    ASSERT_TRUE(e.backend().forward({&first, 1}, la).ok());
+    KvExport exp;
+    exp.dests = {KvDest{b.data(), kBlocks}};
+    // Too few destination blocks for 70 tokens: refused, nothing changed.
+    exp.dest = {0, -1};
+    exp.dst_ids = {std::vector<int32_t>(dst.begin(), dst.begin() + 4), {}};
+    SeqBatch pass[2] = {{&sa, a.data() + 40, 30, false}, {&so, other.data(), 20, false}};
+    auto bad = e.backend().forward_export(pass, la, exp);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find("4 destination blocks"), std::string::npos) << bad.error().message;
+    EXPECT_EQ(sa.n_tokens(), 40);
+    EXPECT_EQ(so.n_tokens(), 0);
+    for (size_t i = 0; i < arena_bytes; ++i) ASSERT_EQ(reinterpret_cast<const uint8_t*>(b.data())[i], 0xAB) << i;
+
+    exp.dst_ids[0] = dst;
+    ASSERT_TRUE(e.backend().forward_export(pass, la, exp).ok());
+    ASSERT_EQ(sa.n_tokens(), 70);
+    ASSERT_EQ(sa.blocks().size(), 5u);
+    const size_t tile = layout.tile_bytes();
+    std::vector<bool> named(kBlocks, false);
+    for (size_t i = 0; i < dst.size(); ++i) {
+        named[static_cast<size_t>(dst[i])] = true;
+        for (int32_t l = 0; l < layout.n_layer; ++l)
+            ASSERT_EQ(std::memcmp(e.pool().k(sa.blocks()[i], l, 0), b.k(dst[i], l, 0), tile), 0)
+                << "block " << i << " layer " << l;
+    }
+    for (int32_t blk = 0; blk < kBlocks; ++blk)
+        for (int32_t l = 0; !named[static_cast<size_t>(blk)] && l < layout.n_layer; ++l) {
+            const auto* p = reinterpret_cast<const uint8_t*>(b.k(blk, l, 0));
+            for (size_t i = 0; i < tile; ++i) ASSERT_EQ(p[i], 0xAB) << "block " << blk << " layer " << l << " touched";
+        }
+
+    // Decoding from the copy, with a backend of its own, gives the same logits.
+    ThreadPool threads(1);
+    CpuBackend cb(e.model(), b, threads, e.isa());
+    for (size_t i = 5; i < ids.size(); ++i) b.allocator().unref(ids[i]);
+    KvSeq sb = KvSeq::adopt(dst, 70);
+    std::vector<float> lb;
+    const int64_t nv = e.model().config().n_vocab;
+    int32_t tok = static_cast<int32_t>(std::max_element(la.begin(), la.begin() + nv) - la.begin());
+    for (int step = 0; step < 4; ++step) {
+        SeqBatch xa{&sa, &tok, 1, false}, xb{&sb, &tok, 1, false};
+        ASSERT_TRUE(e.backend().forward({&xa, 1}, la).ok());
+        ASSERT_TRUE(cb.forward({&xb, 1}, lb).ok());
+        ASSERT_EQ(la, lb) << "step " << step;
+        tok = static_cast<int32_t>(std::max_element(la.begin(), la.end()) - la.begin());
+    }
+    sa.release(e.pool());
+    so.release(e.pool());
+    sb.release(b);
 }

@@ -2,7 +2,14 @@
 // gets which cores, and the errors for impossible requests.
 #include "roles/placement.h"
 
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -189,4 +196,59 @@ TEST(Placement, WorkerPairsSpreadOverNumaNodes) {
     EXPECT_EQ(over->roles[1].cpus, (std::vector<int>{0, 1}));
     EXPECT_EQ(over->roles[2].cpus, (std::vector<int>{2, 3}));
     EXPECT_EQ(over->roles[3].cpus, (std::vector<int>{4, 5}));
+}
+
+// Per-role arenas on GPUs: one process per GPU, prefill on the first prefill_gpus
+// of the devices served (worker index = position), decode on the rest (index
+// counted from the first decode GPU), each near its GPU.
+TEST(Placement, PerRoleGpusRunOneProcessEach) {
+    Machine m;
+    m.source = "two sockets, two GPUs on each";
+    m.n_numa = 2;
+    for (int i = 0; i < 8; ++i) m.cores.push_back({i / 4, {i}});
+    m.gpus.push_back({0, "0000:17:00.0", {0, 1, 2, 3}});
+    m.gpus.push_back({1, "0000:18:00.0", {0, 1, 2, 3}});
+    m.gpus.push_back({2, "0000:b1:00.0", {4, 5, 6, 7}});
+    m.gpus.push_back({3, "0000:b2:00.0", {4, 5, 6, 7}});
+    PlanOptions o;
+    o.devices = {2, 0, 1, 3};
+    o.prefill_gpus = 1;
+    auto p = plan_placement(m, o);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    ASSERT_EQ(p->roles.size(), 5u) << "the front and one process per GPU";
+    const Placement& pre = role(*p, "prefill", 2);
+    EXPECT_EQ(pre.index, 0);
+    EXPECT_EQ(pre.numa, 1);
+    for (auto [gpu, index, node] : {std::tuple{0, 0, 0}, std::tuple{1, 1, 0}, std::tuple{3, 2, 1}}) {
+        const Placement& d = role(*p, "decode", gpu);
+        EXPECT_EQ(d.index, index) << "decode on GPU " << gpu;
+        EXPECT_EQ(d.numa, node) << "decode on GPU " << gpu;
+    }
+    for (const Placement& r : p->roles)
+        EXPECT_FALSE(r.role == "prefill" && r.device != 2) << "only GPU 2 runs prefill";
+}
+
+// A host arena's pages bound to NUMA nodes: node 0 (every machine has it) is
+// accepted and recorded as the preferred node of the range; a node the machine
+// does not have is mbind's error; no nodes, or a range without a whole aligned
+// 2 MiB stretch, is nothing to do.
+TEST(Placement, ArenaPagesAreBoundToTheirRolesNodes) {
+    const size_t bytes = 8u << 20;
+    void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(mem, MAP_FAILED);
+    ASSERT_TRUE(bind_to_nodes(mem, bytes, {0, 0}).ok());
+    // The policy of a page inside the bound stretch: MPOL_PREFERRED (1) on node 0.
+    const uintptr_t inside = (reinterpret_cast<uintptr_t>(mem) + (4u << 20)) & ~uintptr_t{(2u << 20) - 1};
+    int mode = -1;
+    unsigned long mask[16] = {};
+    constexpr unsigned long kMpolFAddr = 2;  // MPOL_F_ADDR
+    ASSERT_EQ(syscall(SYS_get_mempolicy, &mode, mask, 1024ul, inside, kMpolFAddr), 0) << std::strerror(errno);
+    EXPECT_EQ(mode, 1);
+    EXPECT_EQ(mask[0], 1ul);
+    auto bad = bind_to_nodes(mem, bytes, {1000});
+    ASSERT_FALSE(bad.ok()) << "node 1000 does not exist";
+    EXPECT_NE(bad.error().message.find("mbind to NUMA node(s) 1000"), std::string::npos) << bad.error().message;
+    EXPECT_TRUE(bind_to_nodes(mem, bytes, {}).ok());
+    EXPECT_TRUE(bind_to_nodes(static_cast<char*>(mem) + 4096, (2u << 20), {1000}).ok()) << "no whole aligned stretch";
+    munmap(mem, bytes);
 }

@@ -48,7 +48,7 @@ struct Serving {
     shm::ProcRef front;
     std::unique_ptr<PrefillRouter> router;
 
-    void start(uint32_t n_prefill = 1, uint32_t n_decode = 1) {
+    void start(uint32_t n_prefill = 1, uint32_t n_decode = 1, bool kv_split = false) {
         auto m = Model::load(DUET_MODEL_PATH);
         ASSERT_TRUE(m.ok()) << m.error().message;
         model = std::move(m).value();
@@ -58,6 +58,7 @@ struct Serving {
         l.n_ctx = 256;
         l.n_prefill = n_prefill;
         l.n_decode = n_decode;
+        l.kv_split = kv_split;
         cfg = serve_instance_config(l, *model);
         auto in = shm::Instance::create(cfg);
         ASSERT_TRUE(in.ok()) << in.error().message;
@@ -491,4 +492,83 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     shm::ArenaCensus c = sv.inst.arena(0).census();
     EXPECT_EQ(c.held, 0u) << c.held << " KV blocks still held";
     EXPECT_EQ(c.free + c.cached, c.total);
+}
+
+// Per-role KV arenas (duet serve --kv-arenas per-role): prefill writes its arena,
+// and the pass that ends a prompt copies every block of the request (earlier
+// chunks and cached-prefix blocks too) into blocks of decode's arena, which decode
+// alone reads. Outputs equal the engine's with prompts over several chunks and
+// cached prefixes; a killed decode or prefill worker loses nothing; at the end
+// neither arena holds a block, and prefill's arena kept the prompts in its prefix
+// cache.
+TEST(Serving, PerRoleArenasCopyEachHandOffIntoDecodesArena) {
+    Serving sv;
+    sv.start(1, 2, /*kv_split=*/true);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_EQ(sv.inst.n_arenas(), 2u);
+    auto spawn = [&](bool prefill, uint32_t index) {
+        WorkerOptions o;
+        o.index = index;
+        if (prefill) o.prefill_chunk = 32;  // the long prompt takes several passes
+        return sv.spawn(prefill, prefill ? 0 : 1, o);
+    };
+    pid_t prefill = spawn(true, 0);
+    pid_t dec[2] = {spawn(false, 0), spawn(false, 1)};
+    ChildReaper reaper{{&prefill, &dec[0], &dec[1]}};
+    std::vector<std::vector<int32_t>> prompts, want;
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
+
+    // Twice: the second round takes the prompts' full blocks from prefill's prefix
+    // cache, and those cached blocks must reach decode's arena too.
+    for (int round = 0; round < 2; ++round) {
+        std::vector<shm::ReqRef> reqs;
+        for (auto& p : prompts) reqs.push_back(sv.submit(p));
+        for (size_t i = 0; i < reqs.size(); ++i)
+            EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << " (round " << round << ")";
+    }
+    EXPECT_GT(sv.inst.arena(0).census().cached, 0u) << "prefill's arena keeps the prompts' blocks cached";
+    EXPECT_EQ(sv.inst.arena(1).census().cached, 0u) << "decode's arena caches nothing";
+
+    // Kill the decode worker holding streams, then the prefill worker.
+    shm::RequestTable& t = sv.inst.requests();
+    shm::Registry& reg = sv.inst.registry();
+    uint32_t redriven = 0;
+    for (bool kill_decode : {true, false}) {
+        std::vector<shm::ReqRef> reqs;
+        for (auto& p : prompts) reqs.push_back(sv.submit(p));
+        pid_t* victim = &prefill;
+        uint32_t index = 0;
+        if (kill_decode) {
+            for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+            const int32_t owner = t.owner_slot(reqs[0].slot);
+            for (uint32_t d = 0; d < 2; ++d)
+                if (owner >= 0 && reg.pid(static_cast<uint32_t>(owner)) == dec[d]) {
+                    victim = &dec[d];
+                    index = d;
+                }
+            ASSERT_NE(victim, &prefill) << "request 0 should be decoding";
+        } else {
+            usleep(2000);
+        }
+        kill(*victim, SIGKILL);
+        EXPECT_EQ(wait_exit(*victim), 128 + SIGKILL);
+        redriven += sv.recover(*victim);
+        *victim = spawn(!kill_decode, index);
+        for (size_t i = 0; i < reqs.size(); ++i)
+            EXPECT_EQ(sv.collect(reqs[i]), want[i]) << kPrompts[i] << (kill_decode ? " (decode killed)" : " (prefill killed)");
+    }
+    EXPECT_GT(redriven, 0u) << "the kills should have caught requests in flight";
+
+    sv.flags->stop.store(true);
+    for (pid_t* p : {&prefill, &dec[0], &dec[1]}) {
+        EXPECT_EQ(wait_exit(*p), 0);
+        *p = 0;
+    }
+    for (uint32_t a = 0; a < 2; ++a) {
+        shm::ArenaCensus c = sv.inst.arena(a).census();
+        EXPECT_EQ(c.held, 0u) << c.held << " KV blocks still held in arena " << a;
+        EXPECT_EQ(c.free + c.cached, c.total);
+    }
+    for (uint32_t s = 0; s < t.n_slots(); ++s) EXPECT_EQ(t.state(s), shm::ReqState::Free);
 }

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/histogram.h"
+#include "model/cpu_backend.h"
 #include "roles/openai.h"
 #include "roles/serving.h"
 
@@ -313,7 +314,8 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_TRUE(ServeRings::of(c).paired);
     EXPECT_TRUE(check_instance_workers(c).ok());
     for (uint32_t i = 0; i < 3; ++i) {
-        EXPECT_EQ(worker_arena(c, i), i);
+        EXPECT_EQ(worker_arena(c, shm::Role::Prefill, i), i);
+        EXPECT_EQ(worker_arena(c, shm::Role::Decode, i), i);
         EXPECT_EQ(handoff_partner(c, i), static_cast<int32_t>(i));
     }
     auto inst = shm::Instance::create(c);
@@ -339,8 +341,84 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     ASSERT_EQ(cc.arenas.size(), 1u);
     EXPECT_EQ(cc.arenas[0].n_users, 5u);
     EXPECT_TRUE(check_instance_workers(cc).ok());
-    EXPECT_EQ(worker_arena(cc, 2), 0u);
+    EXPECT_EQ(worker_arena(cc, shm::Role::Prefill, 1), 0u);
+    EXPECT_EQ(worker_arena(cc, shm::Role::Decode, 2), 0u);
     EXPECT_EQ(handoff_partner(cc, 1), -1);
+    EXPECT_FALSE(handoff_copies(cc));
+}
+
+// Per-role KV arenas. CPU: one host arena for the prefill workers and one for the
+// decode workers (which every prefill worker also writes, copying its hand-offs),
+// back to back in the KV data segment. GPUs: prefill alone on the first GPUs, decode
+// alone on the others, an arena each; any prefill hands off to any decode worker.
+TEST(GpuServing, PerRoleArenasSplitTheKvAndHandOffToAnyDecodeWorker) {
+    auto model = Model::load(DUET_MODEL_PATH);
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    ServeLayout l;
+    l.instance = fmt::format("split-{}", getpid());
+    l.n_requests = 8;
+    l.n_ctx = 256;
+    l.n_prefill = 2;
+    l.n_decode = 3;
+    l.kv_split = true;
+    shm::InstanceConfig c = serve_instance_config(l, **model);
+    EXPECT_FALSE(gpu_instance(c));
+    EXPECT_TRUE(handoff_copies(c));
+    ASSERT_EQ(c.arenas.size(), 2u);
+    EXPECT_EQ(c.arenas[0].n_users, 2u) << "the prefill workers";
+    EXPECT_EQ(c.arenas[1].n_users, 5u) << "the decode workers, and every prefill worker handing off into it";
+    EXPECT_EQ(c.arenas[0].n_blocks, c.arenas[1].n_blocks);
+    const uint64_t block_bytes = CpuBackend::kv_layout(**model).block_bytes();
+    EXPECT_EQ(c.cpu_kv_bytes, 2 * block_bytes * c.arenas[0].n_blocks);
+    EXPECT_FALSE(ServeRings::of(c).paired);
+    EXPECT_EQ(c.n_rings, 2u * 2 + 2 * 3);
+    EXPECT_TRUE(check_instance_workers(c).ok());
+    for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(worker_arena(c, shm::Role::Prefill, i), 0u);
+    for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(worker_arena(c, shm::Role::Decode, i), 1u);
+    EXPECT_EQ(handoff_partner(c, 1), -1);
+    {
+        auto inst = shm::Instance::create(c);
+        ASSERT_TRUE(inst.ok()) << inst.error().message;
+        ASSERT_EQ(inst->n_arenas(), 2u);
+        // Arena 1's data follows arena 0's, both inside the segment.
+        EXPECT_EQ(inst->cpu_kv_data(1) - inst->cpu_kv_data(0),
+                  static_cast<ptrdiff_t>(block_bytes * c.arenas[0].n_blocks));
+        EXPECT_EQ(inst->cpu_kv_data(1) + block_bytes * c.arenas[1].n_blocks,
+                  inst->cpu_kv_data(0) + c.cpu_kv_bytes);
+        // Another process sees the split (stored configuration).
+        auto seen = shm::Instance::attach(c.name);
+        ASSERT_TRUE(seen.ok()) << seen.error().message;
+        EXPECT_TRUE(seen->config().kv_split);
+        EXPECT_EQ(seen->config().fingerprint(), c.fingerprint());
+        shm::Instance::unlink(c.name);
+    }
+    shm::InstanceConfig shared = c;
+    shared.kv_split = false;
+    EXPECT_NE(shared.fingerprint(), c.fingerprint()) << "a process configured without the split refuses to attach";
+    EXPECT_FALSE(check_instance_workers(shared).ok()) << "two host arenas without the split";
+
+    // GPUs: 2 prefill GPUs, 3 decode GPUs.
+    ServeLayout g = l;
+    g.n_gpus = 5;
+    shm::InstanceConfig gc = serve_instance_config(g, **model);
+    EXPECT_TRUE(gpu_instance(gc));
+    EXPECT_EQ(gc.cpu_kv_bytes, 0u);
+    ASSERT_EQ(gc.arenas.size(), 5u);
+    EXPECT_EQ(gc.prefill_workers, 2u);
+    EXPECT_EQ(gc.decode_workers, 3u);
+    for (uint32_t a = 0; a < 2; ++a) EXPECT_EQ(gc.arenas[a].n_users, 1u);
+    for (uint32_t a = 2; a < 5; ++a) EXPECT_EQ(gc.arenas[a].n_users, 3u);
+    EXPECT_FALSE(ServeRings::of(gc).paired);
+    EXPECT_EQ(gc.n_rings, 2u * 2 + 2 * 3);
+    EXPECT_TRUE(check_instance_workers(gc).ok());
+    for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(worker_arena(gc, shm::Role::Prefill, i), i);
+    for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(worker_arena(gc, shm::Role::Decode, i), 2 + i);
+    EXPECT_EQ(handoff_partner(gc, 0), -1);
+    shm::InstanceConfig bad = gc;
+    bad.decode_workers = 4;
+    auto st = check_instance_workers(bad);
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find("each GPU runs one role"), std::string::npos) << st.error().message;
 }
 
 // GPU pairs: a prompt whose leading blocks one pair's arena caches goes to that pair

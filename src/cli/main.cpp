@@ -175,6 +175,7 @@ int main(int argc, char** argv) {
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
     c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
     c_serve->add_option("--device", serve.device, "cpu, or GPUs: cuda:N, or cuda:0,cuda:1,... (a prefill and a decode worker on each, sharing its KV arena)")->capture_default_str();
+    c_serve->add_option("--kv-arenas", serve.kv_arenas, "shared: prefill and decode use one KV arena per device (hand-offs copy nothing); per-role: each role its own (CPU: prefill's and decode's host arenas, each on its role's NUMA nodes; GPUs: prefill alone on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV layer by layer")->capture_default_str();
     c_serve->add_option("--kv-memory", serve.kv_memory, "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest of it)")->capture_default_str()->check(CLI::Range(0.05, 1.0));
     c_serve->add_option("--decode-workers", serve.decode_workers, "decode processes (hand-offs routed by batch room)")->capture_default_str()->check(CLI::Range(1, 5));
 

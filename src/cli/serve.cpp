@@ -72,7 +72,11 @@ int cmd_serve(const ServeArgs& a) {
         return 1;
     };
     // --device cpu, or one or more GPUs: cuda:0 or cuda:0,cuda:1,... (a prefill and a
-    // decode worker on each, sharing that GPU's KV arena).
+    // decode worker on each, sharing that GPU's KV arena; with --kv-arenas per-role,
+    // prefill on the first --prefill-workers GPUs and decode on the others).
+    if (a.kv_arenas != "shared" && a.kv_arenas != "per-role")
+        return fail(fmt::format("--kv-arenas {}: shared or per-role", a.kv_arenas));
+    const bool kv_split = a.kv_arenas == "per-role";
     std::vector<DeviceSpec> gpus;
     for (size_t at = 0; at <= a.device.size();) {
         const size_t comma = std::min(a.device.find(',', at), a.device.size());
@@ -80,8 +84,10 @@ int cmd_serve(const ServeArgs& a) {
         if (!d) return fail(d.error().message);
         if (d->cuda) {
             if (Status st = check_device(*d); !st) return fail(st.error().message);
+            // A GPU named twice: with per-role arenas, prefill and decode on one GPU with
+            // an arena each (hand-offs copy device to device); else a mistake.
             for (const DeviceSpec& g : gpus)
-                if (g == *d) return fail(fmt::format("--device names {} twice", d->name()));
+                if (g == *d && !kv_split) return fail(fmt::format("--device names {} twice", d->name()));
             gpus.push_back(*d);
         } else if (a.device.find(',') != std::string::npos) {
             return fail("--device: cpu or a list of GPUs (cuda:0,cuda:1), not both");
@@ -112,12 +118,23 @@ int cmd_serve(const ServeArgs& a) {
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
     if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
-    if (n_gpus > 0 && (a.prefill_workers != 1 || a.decode_workers != 1))
-        return fail("--prefill-workers / --decode-workers are for CPU serving; on GPUs there is a prefill and a decode "
-                    "worker per GPU");
+    int n_prefill = a.prefill_workers, n_decode = a.decode_workers;
+    if (n_gpus > 0 && !kv_split) {
+        if (a.prefill_workers != 1 || a.decode_workers != 1)
+            return fail("--prefill-workers / --decode-workers: on GPUs there is a prefill and a decode worker per GPU "
+                        "(or, --kv-arenas per-role, prefill on the first --prefill-workers GPUs and decode on the rest)");
+        n_prefill = n_decode = n_gpus;
+    } else if (n_gpus > 0) {
+        n_decode = n_gpus - a.prefill_workers;
+        if (n_decode < 1 || (a.decode_workers != 1 && a.decode_workers != n_decode))
+            return fail(fmt::format("--kv-arenas per-role on {} GPUs: prefill on the first --prefill-workers ({}), decode "
+                                    "on the others (at least one; --decode-workers, if given, their number)",
+                                    n_gpus, a.prefill_workers));
+    }
     PlanOptions po;
-    po.prefill_workers = n_gpus > 0 ? n_gpus : a.prefill_workers;
-    po.decode_workers = n_gpus > 0 ? n_gpus : a.decode_workers;
+    po.prefill_workers = n_prefill;
+    po.decode_workers = n_decode;
+    if (n_gpus > 0 && kv_split) po.prefill_gpus = n_prefill;
     std::string gpu_note;
     if (n_gpus > 0) {
         if (!a.prefill_cpus.empty() || !a.decode_cpus.empty())
@@ -164,9 +181,10 @@ int cmd_serve(const ServeArgs& a) {
     layout.instance = a.instance.empty() ? fmt::format("serve-{}", getpid()) : a.instance;
     layout.n_requests = static_cast<uint32_t>(a.slots);
     layout.n_ctx = a.ctx;
-    layout.n_prefill = static_cast<uint32_t>(a.prefill_workers);
-    layout.n_decode = static_cast<uint32_t>(a.decode_workers);
+    layout.n_prefill = static_cast<uint32_t>(n_prefill);
+    layout.n_decode = static_cast<uint32_t>(n_decode);
     layout.n_gpus = static_cast<uint32_t>(n_gpus);
+    layout.kv_split = kv_split;
     if (n_gpus > 0) {
         // The KV arenas take what the weights (one bf16 copy per GPU, shared by its
         // pair) and scratch (two CUDA contexts, activations, cuBLAS, graphs: 2 GiB)
@@ -187,6 +205,21 @@ int cmd_serve(const ServeArgs& a) {
     }
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
+    if (n_gpus == 0 && kv_split && machine->n_numa > 1) {
+        // Each role's host arena on its workers' NUMA nodes: decode's pages are
+        // written first by prefill (the hand-off copies), so first touch would put
+        // them on prefill's node.
+        for (const shm::Role role : {shm::Role::Prefill, shm::Role::Decode}) {
+            std::vector<int> nodes;
+            for (const Placement& w : workers)
+                if (w.role == shm::role_name(role)) nodes.push_back(w.numa);
+            const uint32_t arena = worker_arena(inst->config(), role, 0);
+            const uint64_t bytes = inst->config().cpu_kv_bytes / inst->n_arenas();
+            if (Status st = bind_to_nodes(inst->cpu_kv_data(arena), bytes, nodes); !st)
+                std::fprintf(stderr, "duet serve: %s's KV arena: %s (left to first touch)\n", shm::role_name(role),
+                             st.error().message.c_str());
+        }
+    }
     // GPU serving: the first worker creates the KV arena in device memory and deposits
     // its fd here; the others and restarted ones fetch it; it lives as long as the
     // launcher does (cuda_arena.h).
@@ -240,7 +273,11 @@ int cmd_serve(const ServeArgs& a) {
                                                  "--index", std::to_string(w.index), "--numa", std::to_string(w.numa),
                                                  "-t", std::to_string(w.cpus.size()), "--cpus", format_cpu_list(w.cpus)};
                 if (!a.isa.empty()) argv.insert(argv.end(), {"--isa", a.isa});
-                if (n_gpus > 0) argv.insert(argv.end(), {"--device", gpus.at(static_cast<size_t>(w.index)).name()});
+                if (n_gpus > 0) {  // the GPU of the worker's arena (arena i is the i-th GPU listed)
+                    const shm::Role role = w.role == "prefill" ? shm::Role::Prefill : shm::Role::Decode;
+                    const uint32_t arena = worker_arena(inst->config(), role, static_cast<uint32_t>(w.index));
+                    argv.insert(argv.end(), {"--device", gpus.at(arena).name()});
+                }
                 if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});
                     if (!a.prefix_cache) argv.push_back("--no-prefix-cache");

@@ -31,8 +31,13 @@ struct ServeArgs {
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
     bool prefix_cache = true;
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
+    // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
+    // its KV arena (or, kv_arenas per-role, one role per GPU).
     std::string device = "cpu";
-    double kv_memory = 0.9;  // GPUs: the fraction of each GPU's memory for weights + KV + scratch  // cuda:N: prefill and decode compute on that GPU, sharing its KV arena
+    double kv_memory = 0.9;  // GPUs: the fraction of each GPU's memory for weights + KV + scratch
+    // "shared": prefill and decode workers of a device use one KV arena (hand-offs
+    // copy nothing); "per-role": each role its own (ServeLayout::kv_split).
+    std::string kv_arenas = "shared";
 };
 
 int cmd_serve(const ServeArgs& a);

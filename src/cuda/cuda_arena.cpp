@@ -196,6 +196,7 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
     const std::string key = kv_arena_key(arena);
     std::unique_ptr<SharedKvArena> a(new SharedKvArena());
     a->device_ = device;
+    a->owner_ = device;
     auto got = shm::fd_get(instance, key);
     if (!got && got.error().message.find("not kept") == std::string::npos)
         return make_error("instance {}: the GPU KV arena is passed between processes by the launcher's fd keeper: {}",
@@ -266,6 +267,60 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
     const bool mapped = cuda::vmm_map(got->fd, kept_bytes, device, {}, &m, &err);
     close(got->fd);
     if (!mapped) return make_error("cuda:{}: cannot map the KV arena: {}", device, err);
+    a->ptr_ = m.ptr;
+    a->bytes_ = m.bytes;
+    a->handle_ = m.handle;
+    return a;
+}
+
+Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::string& instance, uint32_t arena,
+                                                                int access_device) {
+    auto got = shm::fd_get(instance, kv_arena_key(arena));
+    if (!got) return make_error("instance {}: KV arena {}: {}", instance, arena, got.error().message);
+    int owner = -1;
+    uint64_t bytes = 0;
+    bool ipc = false;
+    cudaIpcMemHandle_t ipc_handle{};
+    if (!parse_meta(got->meta, &owner, &bytes, &ipc, &ipc_handle)) {
+        close(got->fd);
+        return make_error("instance {}: the kept KV arena {} has malformed metadata '{}'", instance, arena, got->meta);
+    }
+    std::unique_ptr<SharedKvArena> a(new SharedKvArena());
+    a->device_ = owner;
+    a->owner_ = owner;
+    a->bytes_ = bytes;
+    int can = 0;
+    if (owner != access_device && cudaDeviceCanAccessPeer(&can, access_device, owner) != cudaSuccess) {
+        cudaGetLastError();
+        can = 0;
+    }
+    a->peer_ = owner == access_device || can != 0;
+    if (ipc) {
+        close(got->fd);  // a placeholder
+        // Opened in the context of the GPU that will use the pointer: ours, with peer
+        // access enabled on first use, or (no peer access) the arena's own.
+        const int in = a->peer_ ? access_device : owner;
+        if (cudaError_t e = cudaSetDevice(in); e != cudaSuccess)
+            return make_error("cuda:{}: {}", in, cudaGetErrorString(e));
+        void* p = nullptr;
+        const cudaError_t e = cudaIpcOpenMemHandle(&p, ipc_handle, cudaIpcMemLazyEnablePeerAccess);
+        cudaSetDevice(access_device);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return make_error("cuda:{}: cannot open KV arena {}'s IPC handle: {}", in, arena, cudaGetErrorString(e));
+        }
+        a->device_ = in;  // where the handle is closed
+        a->ptr_ = p;
+        a->ipc_ = true;
+        return a;
+    }
+    cuda::SharedMapping m;
+    std::string err;
+    std::vector<int> peers;
+    if (a->peer_ && owner != access_device) peers.push_back(access_device);
+    const bool mapped = cuda::vmm_map(got->fd, bytes, owner, peers, &m, &err);
+    close(got->fd);
+    if (!mapped) return make_error("cuda:{}: cannot map KV arena {} (on cuda:{}): {}", access_device, arena, owner, err);
     a->ptr_ = m.ptr;
     a->bytes_ = m.bytes;
     a->handle_ = m.handle;

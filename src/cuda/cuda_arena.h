@@ -86,7 +86,17 @@ public:
     // than `bytes`, CUDA failures.
     static Result<std::unique_ptr<SharedKvArena>> open(const std::string& instance, uint32_t arena, int device,
                                                        uint64_t bytes);
+    // Maps the instance's arena `arena` as made by the worker of another GPU (decode's,
+    // for a prefill worker handing off into it), for GPU `access_device` to copy
+    // into: with peer access where the two GPUs have it, else mapped for its own GPU
+    // alone (copies then go through cudaMemcpyPeerAsync, which the driver stages
+    // through host memory). Errors: not kept yet (its worker has not started: the
+    // message says "not kept"), CUDA failures.
+    static Result<std::unique_ptr<SharedKvArena>> open_peer(const std::string& instance, uint32_t arena,
+                                                            int access_device);
     ~SharedKvArena();  // unmaps (the memory lives on while the keeper or others hold it)
+    int device() const { return owner_; }  // the GPU the memory is on
+    bool peer() const { return peer_; }  // open_peer: reachable from access_device by peer access
     SharedKvArena(const SharedKvArena&) = delete;
     SharedKvArena& operator=(const SharedKvArena&) = delete;
 
@@ -100,6 +110,8 @@ private:
     uint64_t bytes_ = 0;
     unsigned long long handle_ = 0;
     bool ipc_ = false;  // opened from a legacy IPC handle
+    bool peer_ = true;
+    int owner_ = 0;
 };
 
 }  // namespace duet

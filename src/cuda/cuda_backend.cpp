@@ -161,9 +161,9 @@ struct CudaBackend::Impl {
 
     Status upload_weights();
     Status reserve(Acts& a, const InputLayout& l, int64_t max_len, bool* moved);
-    // The copies of a pass's export, per layer (empty: none).
-    std::vector<std::vector<CopyRun>> export_runs;
-    uint16_t* export_dst = nullptr;
+    // The copies of a pass's export, per destination, per layer (empty: none).
+    std::vector<std::vector<std::vector<CopyRun>>> export_runs;
+    std::vector<KvDest> export_dests;
     cudaStream_t copy_stream = nullptr;
     std::vector<cudaEvent_t> layer_done;
 
@@ -396,19 +396,25 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
         kv.layer = li;
         DUET_K(cuda::qk_rope_kv_append(q, k, v, T, pos, inv_freq, static_cast<int>(c.rot_dim), c.rope_neox, tblock, toff,
                                        kv, stream));
-        if (!export_runs.empty() && !export_runs[static_cast<size_t>(li)].empty()) {
-            // This layer's KV is written: its copy goes now, on the copy stream,
-            // while the next layers compute.
-            // (The range covers issuing the copies; Nsight's CUDA trace shows the copies
-            // themselves on the copy stream.)
+        if (!export_runs.empty()) {
+            // This layer's KV is written: its copies go now, on the copy stream,
+            // while the next layers compute. (The range covers issuing them; Nsight's
+            // CUDA trace shows the copies themselves on the copy stream.)
             trace::Range range("kv copy layer (issue)");
             const cudaEvent_t done = layer_done[static_cast<size_t>(li)];
             DUET_K(cudaEventRecord(done, stream));
             DUET_K(cudaStreamWaitEvent(copy_stream, done, 0));
-            const char* src = reinterpret_cast<const char*>(pool->k(0, 0, 0));
-            char* dst = reinterpret_cast<char*>(export_dst);
-            for (const CopyRun& r : export_runs[static_cast<size_t>(li)])
-                DUET_K(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, copy_stream));
+            const char* src = reinterpret_cast<const char*>(pool->data());
+            for (size_t di = 0; di < export_runs.size(); ++di) {
+                const KvDest& dest = export_dests[di];
+                char* dst = reinterpret_cast<char*>(dest.data);
+                for (const CopyRun& r : export_runs[di][static_cast<size_t>(li)]) {
+                    if (dest.peer || dest.device < 0 || dest.device == o.device)
+                        DUET_K(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, copy_stream));
+                    else  // no peer access: the driver stages the copy through host memory
+                        DUET_K(cudaMemcpyPeerAsync(dst + r.dst, dest.device, src + r.src, o.device, r.bytes, copy_stream));
+                }
+            }
         }
         if (l.n_tiles > 0)
             DUET_K(cuda::paged_attention_prefill(q, kv, tables, l.max_blocks, qseq, vis, in_d + l.tiles(), l.n_tiles, scale,
@@ -527,8 +533,8 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
         decode_step = decode_step && b.n_tokens == 1;
     }
     if (T > (int64_t{1} << 24)) return make_error("forward: {} tokens in one pass is more than the CUDA backend takes", T);
-    if (exp && (exp->dst_ids.size() != batch.size() || !exp->dst_data || exp->dst_blocks <= 0))
-        return make_error("forward_export: {} destination block lists for {} sequences", exp->dst_ids.size(), batch.size());
+    if (exp && (exp->dst_ids.size() != batch.size() || exp->dest.size() != batch.size()))
+        return make_error("forward_export: {} destinations for {} sequences", exp->dest.size(), batch.size());
     DUET_CUDA_TRY(cudaSetDevice(d.o.device));
     d.install_block_copy();
     size_t prepared = 0;
@@ -568,8 +574,7 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
     return {};
 }
 
-// The copies of exp for this (prepared) batch: each sequence's blocks the pass
-// writes, [its first new position's block, its last's], into exp's blocks.
+// The copies of exp for this (prepared) batch, per destination and layer.
 Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport& exp) {
     const KvLayout& l = pool->layout();
     if (!copy_stream) {  // the events first: a stream means everything is ready
@@ -580,18 +585,15 @@ Status CudaBackend::Impl::plan_export(std::span<SeqBatch> batch, const KvExport&
         }
         DUET_CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
     }
-    std::vector<int32_t> src, dst;
-    for (size_t s = 0; s < batch.size(); ++s) {
-        const SeqBatch& b = batch[s];
-        if (Status st = append_written_blocks(b.kv->blocks(), exp.dst_ids[s], b.kv->n_tokens(), b.n_tokens,
-                                              l.block_tokens, src, dst);
-            !st)
-            return make_error("forward_export: sequence {}: {}", s, st.error().message);
-    }
-    auto plan = plan_copy(l, pool->allocator().n_blocks(), exp.dst_blocks, src, dst);
-    if (!plan) return plan.error();
+    // The blocks each exported sequence has once the pass is done (prepared: its
+    // table already holds them), all of them: those written by earlier chunks or
+    // taken from the prefix cache go with the layers of this pass.
+    std::vector<ExportSeq> seqs;
+    for (const SeqBatch& b : batch) seqs.push_back({b.kv->blocks(), b.kv->n_tokens() + b.n_tokens});
+    auto plan = duet::plan_export(l, pool->allocator().n_blocks(), exp, seqs);
+    if (!plan) return make_error("forward_export: {}", plan.error().message);
     export_runs = std::move(plan).value();
-    export_dst = exp.dst_data;
+    export_dests = exp.dests;
     return {};
 }
 

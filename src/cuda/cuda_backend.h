@@ -53,17 +53,6 @@ private:
     size_t bytes_ = 0;
 };
 
-// A hand-off's KV copy into another arena (decode's, on this GPU or a peer): the
-// blocks a pass writes, copied layer by layer on a copy stream as soon as the pass
-// has written that layer, overlapping the next layers' compute.
-struct KvExport {
-    uint16_t* dst_data = nullptr;  // the other arena's data (device memory reachable from this GPU)
-    int32_t dst_blocks = 0;        // blocks in that arena
-    // Per batch entry: the destination block of each of the sequence's blocks as
-    // they stand after the pass (block i of the sequence goes to dst_ids[s][i]).
-    std::vector<std::vector<int32_t>> dst_ids;
-};
-
 class CudaBackend final : public Backend {
 public:
     // pool's data must be device memory that options.device can read and write.
@@ -74,9 +63,13 @@ public:
 
     Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
     int64_t n_vocab() const override;
-    // forward(), also copying the blocks it writes (every layer) into exp's arena;
-    // returns once the last layer has landed there. The pass runs eagerly.
-    Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
+    // forward(), also copying every block of the exported sequences into their
+    // destination arenas (kv_copy.h KvExport: decode's, on this GPU or another): each
+    // layer's copies go on a copy stream as soon as the pass has written that layer,
+    // overlapping the next layers' compute; peer copies where the GPUs reach each
+    // other, driver-staged through host memory otherwise. Returns once the last
+    // layer has landed. The pass runs eagerly.
+    Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) override;
     // The argmax of every output row on the device (kernels/cuda argmax_rows); only
     // the rows of entries without argmax_only come back to the host.
     Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) override;

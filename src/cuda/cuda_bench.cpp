@@ -356,8 +356,8 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
         {
             const auto toks = synthetic_tokens(2048, m.config().n_vocab, 5);
             KvExport exp;
-            exp.dst_data = (*dst)->data();
-            exp.dst_blocks = 2 * n;
+            exp.dests = {KvDest{(*dst)->data(), 2 * n}};
+            exp.dest = {0};
             exp.dst_ids = {frag};
             std::vector<float> logits;
             double best_plain = 1e30, best_export = 1e30;

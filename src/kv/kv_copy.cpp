@@ -56,4 +56,29 @@ Result<std::vector<std::vector<CopyRun>>> plan_copy(const KvLayout& l, int32_t s
     return plan;
 }
 
+Result<std::vector<std::vector<std::vector<CopyRun>>>> plan_export(const KvLayout& l, int32_t src_blocks,
+                                                                   const KvExport& exp, std::span<const ExportSeq> seqs) {
+    if (exp.dest.size() != seqs.size() || exp.dst_ids.size() != seqs.size())
+        return make_error("KV export: {} destinations and {} block lists for {} sequences", exp.dest.size(),
+                          exp.dst_ids.size(), seqs.size());
+    std::vector<std::vector<int32_t>> src(exp.dests.size()), dst(exp.dests.size());
+    for (size_t s = 0; s < seqs.size(); ++s) {
+        const int32_t d = exp.dest[s];
+        if (d < 0) continue;
+        if (static_cast<size_t>(d) >= exp.dests.size() || !exp.dests[static_cast<size_t>(d)].data)
+            return make_error("KV export: sequence {} names destination {} of {}", s, d, exp.dests.size());
+        if (Status st = append_written_blocks(seqs[s].blocks, exp.dst_ids[s], 0, seqs[s].n_tokens, l.block_tokens,
+                                              src[static_cast<size_t>(d)], dst[static_cast<size_t>(d)]);
+            !st)
+            return make_error("KV export: sequence {}: {}", s, st.error().message);
+    }
+    std::vector<std::vector<std::vector<CopyRun>>> out;
+    for (size_t d = 0; d < exp.dests.size(); ++d) {
+        auto p = plan_copy(l, src_blocks, exp.dests[d].n_blocks, src[d], dst[d]);
+        if (!p) return p.error();
+        out.push_back(std::move(*p));
+    }
+    return out;
+}
+
 }  // namespace duet

@@ -36,6 +36,40 @@ Result<std::vector<CopyRun>> plan_layer_copy(const KvLayout& l, int32_t src_bloc
 Status append_written_blocks(std::span<const int32_t> blocks, std::span<const int32_t> dst, int64_t from, int64_t n,
                              int32_t block_tokens, std::vector<int32_t>& src_out, std::vector<int32_t>& dst_out);
 
+// A pass's KV copy into other arenas (a hand-off to a decode worker whose arena is
+// not the one prefill writes: another GPU's, or the other role's host arena). After
+// Backend::forward_export returns, every block of each exported sequence (as it
+// stands after the pass: the blocks of earlier chunks and of a cached prefix too)
+// is also in its destination blocks, every layer. A GPU backend copies each layer as
+// soon as the pass has written it, overlapping the next layers' compute.
+struct KvDest {
+    uint16_t* data = nullptr;  // the arena's data, in the KvPool layout, reachable by the backend
+    int32_t n_blocks = 0;
+    // A GPU backend: the GPU the memory is on (-1: the backend's own), and whether
+    // the backend's GPU reaches it by peer access (else copies are staged by the
+    // driver through host memory).
+    int device = -1;
+    bool peer = true;
+};
+struct KvExport {
+    std::vector<KvDest> dests;
+    // Per batch entry: its index in dests (-1: not exported), and the destination
+    // block of each of the sequence's blocks as they stand after the pass.
+    std::vector<int32_t> dest;
+    std::vector<std::vector<int32_t>> dst_ids;
+};
+
+// One exported sequence after the pass: its blocks and its length.
+struct ExportSeq {
+    std::span<const int32_t> blocks;
+    int64_t n_tokens = 0;
+};
+// The copies of an export: per destination (exp.dests), per layer (layer 0 first).
+// Errors: per-entry lists of the wrong length, a destination index out of range or
+// without data, too few destination blocks, and plan_layer_copy's.
+Result<std::vector<std::vector<std::vector<CopyRun>>>> plan_export(const KvLayout& l, int32_t src_blocks,
+                                                                   const KvExport& exp, std::span<const ExportSeq> seqs);
+
 // Every layer's plan, layer 0 first (what a hand-off between GPUs issues, one layer
 // at a time, after prefill finishes that layer).
 Result<std::vector<std::vector<CopyRun>>> plan_copy(const KvLayout& l, int32_t src_blocks, int32_t dst_blocks,

@@ -79,6 +79,8 @@ public:
     KvPool& operator=(const KvPool&) = delete;
 
     const KvLayout& layout() const { return layout_; }
+    // Every block's data, in the layout above (host or device memory).
+    uint16_t* data() const { return data_; }
     KvBlockAllocator& allocator() { return *alloc_; }
     const KvBlockAllocator& allocator() const { return *alloc_; }
 

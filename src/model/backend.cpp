@@ -17,4 +17,8 @@ Status Backend::forward_argmax(std::span<SeqBatch> batch, std::vector<float>& lo
     return {};
 }
 
+Status Backend::forward_export(std::span<SeqBatch>, std::vector<float>&, const KvExport&) {
+    return make_error("this backend cannot copy KV into another arena");
+}
+
 }  // namespace duet

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
 
 namespace duet {
@@ -38,6 +39,11 @@ public:
     // the lowest on ties (the sampler's greedy pick); rows of argmax_only entries
     // may be left out of `logits`. The default computes it from forward's logits.
     virtual Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax);
+    // forward(), also copying every block of the exported sequences into other
+    // arenas (kv_copy.h KvExport: a hand-off to a decode worker that keeps its KV
+    // elsewhere); returns once everything has landed. On error nothing is exported
+    // and the batch is as before. The default: an error (the backend cannot).
+    virtual Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
     virtual int64_t n_vocab() const = 0;
 };
 

@@ -74,6 +74,28 @@ CpuBackend::~CpuBackend() = default;
 
 int64_t CpuBackend::n_vocab() const { return model_.config().n_vocab; }
 
+Status CpuBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) {
+    if (exp.dest.size() != batch.size() || exp.dst_ids.size() != batch.size())
+        return make_error("forward_export: {} destinations for {} sequences", exp.dest.size(), batch.size());
+    std::vector<int64_t> before(batch.size());
+    for (size_t s = 0; s < batch.size(); ++s) before[s] = batch[s].kv ? batch[s].kv->n_tokens() : 0;
+    if (Status st = forward(batch, logits); !st) return st;
+    std::vector<ExportSeq> seqs;
+    for (const SeqBatch& b : batch) seqs.push_back({b.kv->blocks(), b.kv->n_tokens()});
+    auto plan = plan_export(pool_.layout(), pool_.allocator().n_blocks(), exp, seqs);
+    if (!plan) {
+        for (size_t s = 0; s < batch.size(); ++s) batch[s].kv->truncate(pool_, before[s]);  // as before the call
+        return plan.error();
+    }
+    const auto* src = reinterpret_cast<const uint8_t*>(pool_.data());
+    for (size_t d = 0; d < plan->size(); ++d) {
+        auto* dst = reinterpret_cast<uint8_t*>(exp.dests[d].data);
+        for (const std::vector<CopyRun>& layer : (*plan)[d])
+            for (const CopyRun& r : layer) std::memcpy(dst + r.dst, src + r.src, r.bytes);
+    }
+    return {};
+}
+
 KvLayout CpuBackend::kv_layout(const Model& model, int32_t block_tokens) {
     const ModelConfig& c = model.config();
     KvLayout l;

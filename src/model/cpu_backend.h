@@ -17,6 +17,8 @@ public:
     ~CpuBackend() override;
 
     Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
+    // forward(), then every exported sequence's blocks copied (memcpy, host arenas).
+    Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) override;
     int64_t n_vocab() const override;
     cpu::Isa isa() const { return isa_; }
 

@@ -3,8 +3,12 @@
 #include "base/thread_pool.h"  // parse_cpu_list
 
 #include <hwloc.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -102,6 +106,24 @@ Result<Machine> Machine::synthetic(const std::string& description) {
         return make_error("'{}' is not an hwloc synthetic topology (e.g. \"pack:2 numa:1 core:8 pu:2\")", description);
     if (hwloc_topology_load(tp.t) != 0) return make_error("hwloc could not build '{}'", description);
     return from_topology(tp.t, fmt::format("synthetic \"{}\"", description));
+}
+
+Status bind_to_nodes(void* addr, size_t bytes, std::vector<int> nodes) {
+    std::sort(nodes.begin(), nodes.end());
+    nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    std::erase_if(nodes, [](int n) { return n < 0 || n >= 1024; });
+    if (nodes.empty()) return {};
+    constexpr uintptr_t kAlign = 2u << 20;
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(addr) + kAlign - 1) & ~(kAlign - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + bytes) & ~(kAlign - 1);
+    if (end <= begin) return {};
+    unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
+    for (int n : nodes) mask[static_cast<size_t>(n) / (8 * sizeof(unsigned long))] |= 1ul << (static_cast<unsigned>(n) % (8 * sizeof(unsigned long)));
+    constexpr int kPreferred = 1, kInterleave = 3;  // MPOL_PREFERRED, MPOL_INTERLEAVE (linux/mempolicy.h)
+    const int mode = nodes.size() == 1 ? kPreferred : kInterleave;
+    if (syscall(SYS_mbind, begin, end - begin, mode, mask, 1024ul, 0u) != 0)
+        return make_error("mbind to NUMA node(s) {}: {}", fmt::join(nodes, ","), std::strerror(errno));
+    return {};
 }
 
 std::string format_cpu_list(const std::vector<int>& cpus) {
@@ -256,6 +278,14 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         if (d < 0 || d >= static_cast<int>(m.gpus.size()))
             return make_error("GPU {} does not exist: {} has {} NVIDIA GPU(s)", d, m.source, m.gpus.size());
         const MachineGpu& g = m.gpus[static_cast<size_t>(d)];
+        if (o.prefill_gpus > 0) {  // one role per GPU: prefill on the first ones, decode on the rest
+            const bool prefill = static_cast<int>(i) < o.prefill_gpus;
+            int c = take_near(g.pus, d);
+            if (c < 0) return make_error("not enough cores for a process per GPU");
+            const int index = prefill ? static_cast<int>(i) : static_cast<int>(i) - o.prefill_gpus;
+            plan.roles.push_back({prefill ? "prefill" : "decode", index, d, {c}, 1, numa_of_cpu(m, c)});
+            continue;
+        }
         for (const char* role : {"prefill", "decode"}) {
             int c = take_near(g.pus, d);
             if (c < 0) return make_error("not enough cores for a prefill and a decode process per GPU");

@@ -51,6 +51,9 @@ struct PlanOptions {
     std::vector<int> front_cpus, prefill_cpus, decode_cpus;
     // CPU serving: prefill and decode workers (each a process with its own rings).
     int prefill_workers = 1, decode_workers = 1;
+    // GPUs with per-role KV arenas: the first prefill_gpus of `devices` run a
+    // prefill process each, the others a decode process each. 0: a pair per GPU.
+    int prefill_gpus = 0;
 };
 
 struct Plan {
@@ -65,10 +68,17 @@ struct Plan {
 // KV arena's pages are best local to both); on each node prefill and decode workers
 // on disjoint cores, the cores split evenly among a role's workers (workers share
 // cores only when there are fewer cores than workers, with a note); the front on a
-// core of its own when there is one to spare. On GPUs: a prefill and a decode process per device,
-// each on a core close to its GPU. Errors: overlapping prefill/decode overrides,
+// core of its own when there is one to spare. On GPUs: a prefill and a decode process per device
+// (or one role per device, prefill_gpus), each on a core close to its GPU. Errors: overlapping prefill/decode overrides,
 // CPUs or devices the machine does not have.
 Result<Plan> plan_placement(const Machine& m, const PlanOptions& o);
+
+// Asks the kernel to place the pages of [addr, addr + bytes) — a shared mapping: the
+// policy holds for every process that faults them in — on these NUMA nodes: the one
+// node preferred, or several interleaved. Only whole 2 MiB-aligned stretches inside
+// the range are bound (a huge-page mapping needs that alignment); nothing when no
+// nodes are given. Errors: what mbind(2) says.
+Status bind_to_nodes(void* addr, size_t bytes, std::vector<int> nodes);
 
 // "0-3,8,10-11" as in --cpus.
 std::string format_cpu_list(const std::vector<int>& cpus);

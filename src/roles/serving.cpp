@@ -18,30 +18,45 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     uint64_t blocks = l.n_blocks;
     if (blocks == 0) {
         blocks = static_cast<uint64_t>(l.n_requests) * static_cast<uint64_t>((l.n_ctx + kv.block_tokens - 1) / kv.block_tokens);
-        blocks = std::min<uint64_t>(blocks, (8ull << 30) / block_bytes);
+        // 8 GiB of host KV at most, shared by the per-role arenas.
+        blocks = std::min<uint64_t>(blocks, (8ull << 30) / block_bytes / (l.n_gpus == 0 && l.kv_split ? 2 : 1));
     }
     shm::InstanceConfig c;
     c.name = l.instance;
-    const uint32_t n_prefill = l.n_gpus ? l.n_gpus : l.n_prefill, n_decode = l.n_gpus ? l.n_gpus : l.n_decode;
-    const ServeRings rings{n_prefill, n_decode, l.n_gpus > 0};
+    const bool split_gpus = l.n_gpus > 0 && l.kv_split;
+    const uint32_t n_prefill = l.n_gpus && !split_gpus ? l.n_gpus : l.n_prefill;
+    const uint32_t n_decode = l.n_gpus && !split_gpus ? l.n_gpus : l.n_decode;
+    c.kv_split = l.kv_split;
     // Every worker, the front, the launcher, and room for processes being replaced.
     c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
-    c.n_rings = rings.count();
     c.prefill_workers = n_prefill;
     c.decode_workers = n_decode;
     c.requests.n_slots = l.n_requests;
     c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
     c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
-    // Every worker is a user of the arena (a dead one's user is recovered before it is
-    // restarted); fewer users leave more bits for each one's reference counts.
+    // Every worker writing an arena is one of its users (a dead one's user is
+    // recovered before it is restarted); fewer users leave more bits for each one's
+    // reference counts. With kv_split every prefill worker also writes the decode
+    // arenas it hands off into.
+    const auto b32 = static_cast<uint32_t>(blocks);
     if (l.n_gpus == 0) {
-        c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), n_prefill + n_decode, 0});
-        c.cpu_kv_bytes = block_bytes * blocks;
-    } else {
+        if (!l.kv_split) {
+            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
+        } else {
+            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill, 0});
+            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
+        }
+        c.cpu_kv_bytes = block_bytes * blocks * c.arenas.size();
+    } else if (!l.kv_split) {
         // One arena per GPU, used by that GPU's pair.
-        for (uint32_t g = 0; g < l.n_gpus; ++g) c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(blocks), 2, 0});
+        for (uint32_t g = 0; g < l.n_gpus; ++g) c.arenas.push_back(shm::ArenaConfig{b32, 2, 0});
+        c.cpu_kv_bytes = 0;
+    } else {
+        for (uint32_t p = 0; p < n_prefill; ++p) c.arenas.push_back(shm::ArenaConfig{b32, 1, 0});
+        for (uint32_t d = 0; d < n_decode; ++d) c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + 1, 0});
         c.cpu_kv_bytes = 0;
     }
+    c.n_rings = ServeRings::of(c).count();
     c.model_fingerprint = model.fingerprint();
     return c;
 }
@@ -115,12 +130,21 @@ Status check_gpu_count(int n_gpus) {
 }
 
 Status check_instance_workers(const shm::InstanceConfig& c) {
-    if (!gpu_instance(c))
-        return check_worker_counts(static_cast<int>(c.prefill_workers), static_cast<int>(c.decode_workers));
+    const uint32_t P = c.prefill_workers, D = c.decode_workers;
+    if (!gpu_instance(c)) {
+        if (Status st = check_worker_counts(static_cast<int>(P), static_cast<int>(D)); !st) return st;
+        if (c.arenas.size() != (c.kv_split ? 2u : 1u))
+            return make_error("{} host KV arenas: {}", c.arenas.size(), c.kv_split ? "one per role" : "one");
+        return {};
+    }
     if (Status st = check_gpu_count(static_cast<int>(c.arenas.size())); !st) return st;
-    if (c.prefill_workers != c.arenas.size() || c.decode_workers != c.arenas.size())
-        return make_error("{} prefill and {} decode workers on {} GPUs: a pair per GPU", c.prefill_workers,
-                          c.decode_workers, c.arenas.size());
+    if (c.kv_split) {
+        if (P < 1 || D < 1 || P + D != c.arenas.size())
+            return make_error("{} prefill and {} decode workers on {} GPUs: each GPU runs one role, at least one GPU per role",
+                              P, D, c.arenas.size());
+    } else if (P != c.arenas.size() || D != c.arenas.size()) {
+        return make_error("{} prefill and {} decode workers on {} GPUs: a pair per GPU", P, D, c.arenas.size());
+    }
     return {};
 }
 
@@ -178,9 +202,11 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
     if (n == 1) return c;
     if (with_affinity) c.keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
     const PrefixAffinity::Match m = affinity_.find(c.keys, [&](shm::ReqRef q) { return being_prefilled(q); });
-    // GPU pairs: the prompt's blocks cached in each pair's arena (the hashes the
-    // prefill workers publish under: chained SHA-256 of the tokens and the model).
-    const bool per_arena = gpu_instance(inst_.config()) && inst_.n_arenas() > 1;
+    // Prefill workers on different GPUs: the prompt's blocks cached in each one's
+    // arena (the hashes the prefill workers publish under: chained SHA-256 of the
+    // tokens and the model).
+    const bool per_arena = gpu_instance(inst_.config()) && n > 1;
+    const bool paired = ServeRings::of(inst_.config()).paired;
     chain_.clear();
     if (per_arena) {
         const int32_t* tokens = t.tokens(r.slot);
@@ -203,12 +229,12 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
         if (int32_t s = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(i)); s >= 0) {
             // A GPU pair serves only with both halves up: its prefill hands off to its
             // own decode worker alone.
-            v[i].running = !per_arena || reg.find_running(shm::Role::Decode, static_cast<int32_t>(i)) >= 0;
+            v[i].running = !paired || reg.find_running(shm::Role::Decode, static_cast<int32_t>(i)) >= 0;
             v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
         }
         uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
         if (per_arena && !chain_.empty()) {
-            const uint32_t k = worker_arena(inst_.config(), i);
+            const uint32_t k = worker_arena(inst_.config(), shm::Role::Prefill, i);
             if (k < inst_.n_arenas())
                 cached = std::max<uint64_t>(cached, uint64_t{cached_prefix_blocks(inst_.arena(k), chain_)} * bt);
         }

@@ -28,13 +28,13 @@ inline constexpr uint32_t kMaxServeWorkers = shm::kArenaMaxUsers;
 //   to_prefill(p)     front -> prefill p: a request is QUEUED
 //   redrive(p)        launcher -> prefill p: a re-driven request is QUEUED again
 //   to_decode(p, d)   prefill p -> decode d: a hand-off
-// GPU pairs (paired) hand off within the pair only: one to_decode ring per pair,
-// to_decode(p, p), not P x D of them.
+// GPU pairs (paired: a prefill and a decode worker per GPU, sharing its arena) hand
+// off within the pair only: one to_decode ring per pair, to_decode(p, p), not P x D.
 struct ServeRings {
     uint32_t n_prefill = 1, n_decode = 1;
     bool paired = false;
     static ServeRings of(const shm::InstanceConfig& c) {
-        return {c.prefill_workers, c.decode_workers, c.cpu_kv_bytes == 0 && c.prefill_workers > 0};
+        return {c.prefill_workers, c.decode_workers, c.cpu_kv_bytes == 0 && !c.kv_split && c.prefill_workers > 0};
     }
     uint32_t to_prefill(uint32_t p) const { return p; }
     uint32_t redrive(uint32_t p) const { return n_prefill + p; }
@@ -55,6 +55,13 @@ struct ServeLayout {
     // each pair with the KV arena of its GPU (arena i, in device memory: no /dev/shm
     // KV segment); n_prefill and n_decode are then n_gpus. 0: CPU serving.
     uint32_t n_gpus = 0;
+    // Per-role KV arenas: prefill workers write KV into arenas of their own and each
+    // hand-off copies the request's blocks into its decode worker's arena, layer by
+    // layer (DESIGN.md, "One request, end to end"). On CPU: one host arena for the
+    // prefill workers, one for the decode workers (each bound to its role's NUMA
+    // nodes). On GPUs: prefill alone on the first n_prefill GPUs (arena p), decode
+    // alone on the other n_decode (arena n_prefill + d); n_prefill + n_decode == n_gpus.
+    bool kv_split = false;
 };
 
 // The shm instance for serving `model` with this layout.
@@ -132,16 +139,23 @@ inline constexpr uint32_t kMaxServeGpus = 8;
 Status check_gpu_count(int n_gpus);
 // The workers of an instance, as its config says: CPU counts, or GPU pairs.
 Status check_instance_workers(const shm::InstanceConfig& c);
-// Whether the instance serves on GPUs (its KV in device memory, pairs of workers).
+// Whether the instance serves on GPUs (its KV in device memory).
 inline bool gpu_instance(const shm::InstanceConfig& c) { return c.cpu_kv_bytes == 0; }
-// The KV arena worker `index` (of either role) uses: its GPU's on a GPU instance,
-// the one CPU arena otherwise.
-inline uint32_t worker_arena(const shm::InstanceConfig& c, uint32_t index) { return gpu_instance(c) ? index : 0; }
-// The decode worker prefill worker p may hand off to: on a GPU instance only its
-// pair (d == p: the KV is in their GPU's arena); -1: any (the CPU's one arena).
-inline int32_t handoff_partner(const shm::InstanceConfig& c, uint32_t p) {
-    return gpu_instance(c) ? static_cast<int32_t>(p) : -1;
+// The KV arena worker `index` of `role` (Prefill or Decode) uses: on GPUs its GPU's
+// (a pair's, or its own with kv_split); on CPU the one host arena, or its role's
+// (prefill 0, decode 1) with kv_split.
+inline uint32_t worker_arena(const shm::InstanceConfig& c, shm::Role role, uint32_t index) {
+    const bool decode = role == shm::Role::Decode;
+    if (!gpu_instance(c)) return c.kv_split && decode ? 1 : 0;
+    return c.kv_split && decode ? c.prefill_workers + index : index;
 }
+// The decode worker prefill worker p may hand off to: on GPU pairs only its own
+// (d == p: the KV is in their GPU's arena); -1: any.
+inline int32_t handoff_partner(const shm::InstanceConfig& c, uint32_t p) {
+    return ServeRings::of(c).paired ? static_cast<int32_t>(p) : -1;
+}
+// Whether prefill and decode workers write different arenas (a hand-off copies KV).
+inline bool handoff_copies(const shm::InstanceConfig& c) { return c.kv_split; }
 
 // Which prefill worker is computing a prompt with the same leading full blocks: a
 // request that shares a prefix with one still being prefilled waits there for its

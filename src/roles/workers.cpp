@@ -69,7 +69,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         }
     }
     reg.slot(self_.slot).numa.store(o.numa, std::memory_order_relaxed);
-    arena_ = worker_arena(inst.config(), o.index);
+    arena_ = worker_arena(inst.config(), role, o.index);
     auto user = inst.arena(arena_).join(self_);
     if (!user) return user.error();
     user_ = *user;
@@ -105,7 +105,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         return make_error("device {}: this duet was built without CUDA", o.device.name());
 #endif
     } else {
-        pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(inst.cpu_kv_data()), std::move(alloc));
+        pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(inst.cpu_kv_data(arena_)), std::move(alloc));
         backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
     }
     inst.registry().set_running(self_);
@@ -153,14 +153,93 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
     // out_[d]: the ring to decode d (a GPU pair's prefill has its pair's alone, out_[0]).
     for (uint32_t d = 0; d < w->rings_.n_decode; ++d)
         if (w->rings_.linked(p, d)) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
+    if (handoff_copies(inst.config()))
+        if (Status st = w->join_outlets(); !st) return st.error();
     w->publish_load();
     return w;
 }
 
 PrefillWorker::~PrefillWorker() {
     for (Pending& p : pending_)
-        for (int32_t b : p.blocks) pool_->allocator().unref(b);
-    for (Job& j : jobs_) j.seq.release(*pool_);
+        for (int32_t b : p.blocks) p.alloc->unref(b);
+    for (Job& j : jobs_) release(j);
+    for (Outlet& o : outlets_) {
+        o.gpu.reset();
+        if (o.joined) inst_->arena(o.arena).leave(o.user);
+    }
+}
+
+Status PrefillWorker::join_outlets() {
+    const shm::InstanceConfig& c = inst_->config();
+    for (uint32_t d = 0; d < rings_.n_decode; ++d) {
+        const uint32_t a = worker_arena(c, shm::Role::Decode, d);
+        bool have = false;
+        for (const Outlet& o : outlets_) have = have || o.arena == a;
+        if (have) continue;
+        Outlet o;
+        o.arena = a;
+        auto user = inst_->arena(a).join(self_);
+        if (!user) return make_error("KV arena {} (decode worker {}'s): {}", a, d, user.error().message);
+        o.user = *user;
+        o.joined = true;
+        o.alloc = std::make_unique<ShmBlockAllocator>(inst_->arena(a), o.user);
+        o.dest.n_blocks = static_cast<int32_t>(inst_->arena(a).n_blocks());
+        if (!gpu_instance(c)) o.dest.data = reinterpret_cast<uint16_t*>(inst_->cpu_kv_data(a));
+        outlets_.push_back(std::move(o));
+    }
+    return {};
+}
+
+void PrefillWorker::release(Job& j) {
+    j.seq.release(*pool_);
+    if (j.outlet >= 0)
+        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
+    j.dst.clear();
+    j.outlet = -1;
+}
+
+bool PrefillWorker::reserve_destination(Job& j) {
+    const int64_t bt = pool_->layout().block_tokens;
+    const size_t need = (j.all.size() + static_cast<size_t>(bt) - 1) / static_cast<size_t>(bt);
+    if (j.outlet >= 0 && j.dst.size() == need) return true;
+    if (j.outlet >= 0) {
+        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
+        j.dst.clear();
+        j.outlet = -1;
+    }
+    std::vector<DecodeView> views;
+    for (uint32_t k = 0; k < rings_.n_decode; ++k) views.push_back(decode_view(*inst_, k, opts_.numa));
+    const uint32_t d = pick_decode(views);
+    const uint32_t a = worker_arena(inst_->config(), shm::Role::Decode, d);
+    size_t oi = 0;
+    while (oi < outlets_.size() && outlets_[oi].arena != a) ++oi;
+    if (oi == outlets_.size()) return false;
+    Outlet& o = outlets_[oi];
+    if (!o.dest.data) {
+#if DUET_HAVE_CUDA
+        // Made by its decode worker when it starts (not kept yet: try again later).
+        auto m = SharedKvArena::open_peer(inst_->config().name, a, opts_.device.index);
+        if (!m) {
+            if (m.error().message.find("not kept") == std::string::npos)
+                std::fprintf(stderr, "duet prefill: %s\n", m.error().message.c_str());
+            return false;
+        }
+        o.gpu = std::move(m).value();
+        o.dest.data = o.gpu->data();
+        o.dest.device = o.gpu->device();
+        o.dest.peer = o.gpu->peer();
+        if (!o.dest.peer)
+            std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are staged "
+                                 "through host memory\n", opts_.device.index, o.dest.device);
+#else
+        return false;
+#endif
+    }
+    std::vector<int32_t> got(need);
+    if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) return false;  // decode's arena is full: later
+    j.outlet = static_cast<int32_t>(oi);
+    j.dst = std::move(got);
+    return true;
 }
 
 bool PrefillWorker::has_work() { return redo_.readable() || in_.readable() || !jobs_.empty(); }
@@ -193,30 +272,40 @@ void PrefillWorker::settle() {
     for (size_t i = 0; i < pending_.size();) {
         Pending& p = pending_[i];
         if (shm::handoff_settled(t, p.h)) {
-            for (int32_t b : p.blocks) pool_->allocator().unref(b);
+            for (int32_t b : p.blocks) p.alloc->unref(b);
             pending_[i] = std::move(pending_.back());
             pending_.pop_back();
             continue;
         }
         // Its decode worker died before taking it: to a live one (a copy left in the
         // dead one's ring loses handoff_accept's exact CAS and is dropped).
-        if (!reg.alive(p.to) && reg.find_running(shm::Role::Decode, handoff_partner(inst_->config(), opts_.index)) >= 0)
-            p.to = send_handoff(p.msg);
+        if (!reg.alive(p.to) && decode_running_on(p.arena)) p.to = send_handoff(p.msg, p.arena);
         ++i;
     }
 }
 
-shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m) {
+bool PrefillWorker::decode_running_on(uint32_t arena) const {
+    for (uint32_t d = 0; d < rings_.n_decode; ++d)
+        if (rings_.linked(opts_.index, d) && worker_arena(inst_->config(), shm::Role::Decode, d) == arena &&
+            inst_->registry().find_running(shm::Role::Decode, static_cast<int32_t>(d)) >= 0)
+            return true;
+    return false;
+}
+
+shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m, uint32_t arena) {
     trace::Range range("handoff");
     shm::Registry& reg = inst_->registry();
-    uint32_t d = 0;
-    if (const int32_t partner = handoff_partner(inst_->config(), opts_.index); partner >= 0) {
-        d = static_cast<uint32_t>(partner);  // the decode worker on this GPU: the KV is in their arena
-    } else {
-        std::vector<DecodeView> views;
-        for (uint32_t k = 0; k < rings_.n_decode; ++k) views.push_back(decode_view(*inst_, k, opts_.numa));
-        d = pick_decode(views);
-    }
+    // The decode workers whose arena holds the blocks (a GPU pair's own, decode's
+    // arena the KV was copied into, or the one host arena): the one with room and
+    // the least work.
+    std::vector<uint32_t> cand;
+    std::vector<DecodeView> views;
+    for (uint32_t k = 0; k < rings_.n_decode; ++k)
+        if (rings_.linked(opts_.index, k) && worker_arena(inst_->config(), shm::Role::Decode, k) == arena) {
+            cand.push_back(k);
+            views.push_back(decode_view(*inst_, k, opts_.numa));
+        }
+    const uint32_t d = cand.at(pick_decode(views));
     const int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d));
     auto& ring = out_[rings_.paired ? 0 : d];
     while (!ring.try_push(m)) usleep(50);  // decode drains it every step
@@ -313,7 +402,7 @@ void PrefillWorker::fail(Job& j) {
     shm::RequestTable& t = inst_->requests();
     t.slot(j.req.slot).error_code.store(static_cast<int32_t>(ReqError::Prefill), std::memory_order_relaxed);
     t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
-    j.seq.release(*pool_);
+    release(j);
 }
 
 void PrefillWorker::complete(Job& j, const float* logits) {
@@ -324,22 +413,36 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     if (j.params.logprobs >= 0 && j.prompt.size() + j.output.size() < t.max_tokens())
         fill_logprobs(logits, backend_->n_vocab(), next, j.params.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(j.output.size())));
+    // The blocks decode takes: ours (one arena for both: no copy), or, kv_split, the
+    // copies the pass made in decode's arena.
+    const bool copied = j.outlet >= 0;
+    const std::vector<int32_t>& handed = copied ? j.dst : j.seq.blocks();
     Status st = t.append_output(r, &next, 1);
-    if (st.ok()) st = t.append_blocks(r, j.seq.blocks().data(), static_cast<uint32_t>(j.seq.blocks().size()));
+    if (st.ok()) st = t.append_blocks(r, handed.data(), static_cast<uint32_t>(handed.size()));
     if (!st.ok()) {
         fail(j);
     } else if (j.output.size() + 1 >= j.params.max_tokens || (j.params.stop_at_eog && tok_->is_eog(next)) ||
                t.cancelled(r)) {
         t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
-        j.seq.release(*pool_);
+        release(j);
     } else {
         const uint32_t att = t.attempt(r.slot);
-        // To the decode worker with room and the least work; it takes the blocks as
-        // they are (one arena per device: no copy).
-        const WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user_, {}};
+        const uint32_t arena = copied ? outlets_[static_cast<size_t>(j.outlet)].arena : arena_;
+        const uint32_t user = copied ? outlets_[static_cast<size_t>(j.outlet)].user : user_;
+        KvBlockAllocator* alloc = copied ? outlets_[static_cast<size_t>(j.outlet)].alloc.get() : &pool_->allocator();
+        const WireMsg h{r.slot, r.gen, att, self_.slot, self_.gen, user, {}};
         t.slot(r.slot).handoff_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
-        const shm::ProcRef to = send_handoff(h);
-        pending_.push_back({shm::Handoff{r, att, self_, user_}, j.seq.detach(), h, to});
+        const shm::ProcRef to = send_handoff(h, arena);
+        std::vector<int32_t> blocks;
+        if (copied) {
+            blocks = std::move(j.dst);
+            j.dst.clear();
+            j.outlet = -1;
+            j.seq.release(*pool_);  // ours stay in the prefix cache where published
+        } else {
+            blocks = j.seq.detach();
+        }
+        pending_.push_back({shm::Handoff{r, att, self_, user}, std::move(blocks), h, to, arena, alloc});
     }
 }
 
@@ -354,7 +457,7 @@ Result<bool> PrefillWorker::step() {
     for (size_t i = 0; i < jobs_.size();) {
         if (t.cancelled(jobs_[i].req)) {
             t.transition(jobs_[i].req, shm::ReqState::Prefilling, shm::ReqState::Cancelled);
-            jobs_[i].seq.release(*pool_);
+            release(jobs_[i]);
             jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(i));
             dropped = true;
         } else {
@@ -387,11 +490,37 @@ Result<bool> PrefillWorker::step() {
         in_batch.push_back(k);
         budget -= n;
     }
-    if (batch.empty()) return true;  // only followers: their leaders are not in hand (cannot happen)
+    // kv_split: a request whose prompt this pass ends goes to a decode worker that
+    // keeps its KV elsewhere; the pass copies its blocks there, each layer as soon as
+    // it is written. One that finds no room there waits for a later pass.
+    KvExport exp;
+    if (!outlets_.empty()) {
+        for (const Outlet& o : outlets_) exp.dests.push_back(o.dest);
+        for (size_t i = 0; i < batch.size();) {
+            Job& j = jobs_[in_batch[i]];
+            if (j.done + static_cast<size_t>(batch[i].n_tokens) < j.all.size()) {
+                exp.dest.push_back(-1);
+                exp.dst_ids.emplace_back();
+                ++i;
+            } else if (reserve_destination(j)) {
+                exp.dests[static_cast<size_t>(j.outlet)] = outlets_[static_cast<size_t>(j.outlet)].dest;
+                exp.dest.push_back(j.outlet);
+                exp.dst_ids.push_back(j.dst);
+                ++i;
+            } else {
+                batch.erase(batch.begin() + static_cast<std::ptrdiff_t>(i));
+                in_batch.erase(in_batch.begin() + static_cast<std::ptrdiff_t>(i));
+            }
+        }
+        if (batch.empty()) {  // every one waits for room in decode's arena: decode frees blocks as it finishes
+            usleep(500);
+            return true;
+        }
+    }
     Status st;
     {
         trace::Range range("prefill pass");
-        st = backend_->forward(batch, logits_);
+        st = outlets_.empty() ? backend_->forward(batch, logits_) : backend_->forward_export(batch, logits_, exp);
     }
     if (!st) {
         // Out of KV blocks (forward() changes nothing then). With several requests in

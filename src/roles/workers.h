@@ -102,6 +102,20 @@ private:
         std::vector<int32_t> blocks;
         WireMsg msg;
         shm::ProcRef to;  // the decode process it was sent to (invalid: none was running)
+        uint32_t arena = 0;               // where the blocks are
+        KvBlockAllocator* alloc = nullptr;  // our references there
+    };
+    // kv_split: a decode arena this worker hands off into. Its blocks for a request
+    // are taken when the pass that ends the prompt is planned; the pass copies every
+    // block of the request there (Backend::forward_export), and the hand-off names
+    // them, from our user in that arena.
+    struct Outlet {
+        uint32_t arena = 0;
+        uint32_t user = 0;
+        bool joined = false;
+        std::unique_ptr<ShmBlockAllocator> alloc;
+        std::unique_ptr<SharedKvArena> gpu;  // mapped here (GPU instances), once its decode worker made it
+        KvDest dest;                         // data null until reachable
     };
     // A request being prefilled.
     struct Job {
@@ -114,6 +128,8 @@ private:
         uint64_t deadline_ns = 0;
         bool looked_up = false;  // prefix cache consulted
         size_t published = 0;    // full blocks registered in the prefix index
+        int32_t outlet = -1;         // kv_split: where its KV goes (outlets_)
+        std::vector<int32_t> dst;    // kv_split: its blocks there
     };
     // Drops the blocks of hand-offs decode took (or that were re-driven); sends again
     // those whose decode worker died before taking them.
@@ -121,7 +137,17 @@ private:
     // Sends a hand-off to the decode worker with room and the least work; the ref of
     // the process it went to (invalid if no decode worker runs: it waits in the ring
     // of the one being restarted).
-    shm::ProcRef send_handoff(const WireMsg& m);
+    shm::ProcRef send_handoff(const WireMsg& m, uint32_t arena);
+    // Whether a decode worker whose KV arena is `arena` is running.
+    bool decode_running_on(uint32_t arena) const;
+    // kv_split: joins the decode arenas as a user of each.
+    Status join_outlets();
+    // kv_split: blocks for every token of j in a decode worker's arena (the one
+    // with room and the least work); false when none can take it now (its arena full,
+    // or not made yet), to try again at a later pass.
+    bool reserve_destination(Job& j);
+    // Drops everything j holds: its blocks here and, kv_split, there.
+    void release(Job& j);
     // Whether job k waits for another job's blocks (its prompt ends in a full block
     // another job in hand has yet to publish).
     bool follows(size_t k) const;
@@ -138,6 +164,7 @@ private:
     std::vector<shm::SpscProducer<WireMsg>> out_;  // to each decode worker
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
+    std::vector<Outlet> outlets_;  // kv_split: one per decode arena
     bool kv_short_ = false;  // the last packed pass ran out of KV blocks
     shm::BlockHasher hasher_;
 };

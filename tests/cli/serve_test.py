@@ -147,6 +147,8 @@ def serving(instance, test, extra=()):
 def main():
     serving(INSTANCE, run)
     serving(INSTANCE + "-w", several_workers, ("--prefill-workers", "2", "--decode-workers", "2"))
+    serving(INSTANCE + "-r", lambda port, server: several_workers(port, server, per_role=True),
+            ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
     serving(INSTANCE + "-g", give_up)
     port_taken()
 
@@ -156,12 +158,14 @@ def worker_metric(port, name, role, index):
     return int(m.group(1)) if m else None
 
 
-def several_workers(port, server):
+def several_workers(port, server, per_role=False):
     # Two prefill and two decode workers: requests are spread over both of each role;
     # a decode worker SIGKILLed while it holds streams loses nothing (its requests
     # are re-driven, the other keeps decoding, it is restarted); every text equals an
-    # undisturbed request's; every KV block comes back.
-    instance = INSTANCE + "-w"
+    # undisturbed request's; every KV block comes back. per_role: prefill and decode
+    # keep their KV in arenas of their own (--kv-arenas per-role), every hand-off
+    # copying the request's blocks into decode's.
+    instance = INSTANCE + ("-r" if per_role else "-w")
     for _ in range(200):
         if request(port, "GET", "/ready")[0] == 200:
             break
@@ -173,6 +177,7 @@ def several_workers(port, server):
                                          check=True).stdout)
     workers = sorted((p["role"], p["index"]) for p in procs()["processes"] if p["role"] in ("prefill", "decode"))
     check(workers == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)], f"workers: {workers}")
+    check(len(procs()["arenas"]) == (2 if per_role else 1), f"arenas: {procs()['arenas']}")
     body_text = "A ring with one producer and one consumer needs no locks, and shared memory needs no copies. " * 2
     prompts = [f"Item {i}: {body_text} In short, item {i}" for i in range(16)]
     params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -205,7 +210,9 @@ def several_workers(port, server):
             break
         time.sleep(0.05)
     check(all(a["held"] == 0 and a["free"] + a["cached"] == a["blocks"] for a in arenas), f"arena: {arenas}")
-    print(f"2 prefill + 2 decode workers: both of each served, routed {routed}; decode {victim['index']} killed "
+    if per_role:  # the prompts' blocks stay cached in prefill's arena; decode's caches nothing
+        check(arenas[0]["cached"] > 0 and arenas[1]["cached"] == 0, f"arenas: {arenas}")
+    print(f"{'per-role arenas, ' if per_role else ''}2 prefill + 2 decode workers: both of each served, routed {routed}; decode {victim['index']} killed "
           f"holding {victim['load_items']} sequence(s): identical texts, {redriven} re-drive(s): ok")
 
 
