@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -194,12 +195,15 @@ int cmd_serve(const ServeArgs& a) {
         for (const DeviceSpec& g : gpus) {
             auto total = cuda_total_memory(g);
             if (!total) return fail(total.error().message);
-            auto p = plan_device_arena(kl, *total, a.kv_memory, bf16_weight_bytes(**model), 2ull << 30, 2ull << 20);
+            // A GPU listed k times (per-role arenas, both roles on it) holds k arenas:
+            // each plans within 1/k of it (weights and scratch counted in each share).
+            const auto k = static_cast<uint64_t>(std::count(gpus.begin(), gpus.end(), g));
+            auto p = plan_device_arena(kl, *total / k, a.kv_memory, bf16_weight_bytes(**model), 2ull << 30, 2ull << 20);
             if (!p) return fail(fmt::format("{}: {}", g.name(), p.error().message));
             blocks = std::min(blocks, p->n_blocks);
         }
         layout.n_blocks = blocks;
-        std::fprintf(stderr, "duet serve: a KV arena of %u blocks (%.1f GiB, %lld tokens) per GPU\n", blocks,
+        std::fprintf(stderr, "duet serve: KV arenas of %u blocks (%.1f GiB, %lld tokens) each\n", blocks,
                      static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
                      static_cast<long long>(blocks) * kl.block_tokens);
     }

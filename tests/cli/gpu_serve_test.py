@@ -7,7 +7,10 @@ created by the first worker, its fd kept by the launcher's fd keeper): greedy
 completions equal `duet run --device cuda:0` in one process; 12 concurrent streams
 give the texts of undisturbed requests; a decode worker SIGKILLed while it holds
 streams loses nothing (the arena outlives it, its requests are re-driven); every KV
-block comes back; SIGTERM stops it all and leaves nothing in /dev/shm.
+block comes back; SIGTERM stops it all and leaves nothing in /dev/shm. The same with
+legacy CUDA IPC sharing, and with per-role arenas on the one GPU (prefill's and
+decode's, each hand-off copied between them layer by layer: the path of a hand-off
+between two GPUs, which needs a second GPU to run for real).
 
 "The same text" on a GPU: cuBLAS may pick another algorithm for another batch size
 (a batch of 12 against a batch of 1), so logits differ in the last bits and a greedy
@@ -64,7 +67,7 @@ def same_or_near_tie(port, prompt, params, got, what):
     return False
 
 
-def on_gpu(port, server, instance=INSTANCE, weights_shared=True):
+def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, decode_on="cuda:0"):
     for _ in range(600):
         if st.request(port, "GET", "/ready")[0] == 200:
             break
@@ -74,16 +77,17 @@ def on_gpu(port, server, instance=INSTANCE, weights_shared=True):
     # GPU can export device memory as an fd; the legacy IPC mode is for GPUs that
     # cannot, where each keeps a private copy and says so).
     said = "".join(server.early_lines)
-    for role in ("prefill", "decode"):
-        st.check(re.search(rf"duet {role}: cuda:0 ", said), f"{role} is not on cuda:0: {said[-1500:]}")
-        if weights_shared:
-            st.check(re.search(rf"duet {role}: cuda:0 .*\(shared on the GPU\)", said),
+    for role, dev in (("prefill", "cuda:0"), ("decode", decode_on)):
+        st.check(re.search(rf"duet {role}: {dev} ", said), f"{role} is not on {dev}: {said[-1500:]}")
+        if weights_shared and decode_on == "cuda:0":
+            st.check(re.search(rf"duet {role}: {dev} .*\(shared on the GPU\)", said),
                      f"{role} does not say it uses the shared weights: {said[-1500:]}")
 
     def procs():
         return json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,
                                          check=True).stdout)
 
+    st.check(len(procs()["arenas"]) == n_arenas, f"arenas: {procs()['arenas']}")
     # Two processes on one GPU give one process's greedy text.
     for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         code, body = st.request(port, "POST", "/v1/completions",
@@ -141,6 +145,23 @@ def main():
     ipc = INSTANCE + "-ipc"
     st.serving(ipc, lambda port, server: on_gpu(port, server, ipc, weights_shared=False), ("--device", "cuda:0", *M))
     print("the same with legacy CUDA IPC sharing: ok")
+    # Per-role arenas on one GPU: prefill and decode each with an arena of its own,
+    # every hand-off copying the request's KV device to device, layer by layer, as
+    # the pass that ends the prompt writes it (the path of a hand-off between GPUs).
+    del os.environ["DUET_KV_SHARING"]
+    split = INSTANCE + "-split"
+    st.serving(split, lambda port, server: on_gpu(port, server, split, n_arenas=2),
+               ("--device", "cuda:0,cuda:0", "--kv-arenas", "per-role", *M))
+    print("the same with per-role arenas on one GPU (hand-offs copied device to device): ok")
+    # Two GPUs: prefill on cuda:0, decode on cuda:1, each hand-off copied over NVLink
+    # (or staged through host memory without peer access).
+    if subprocess.run([DUET, "run", "--device", "cuda:1", "-p", "Hi", "-n", "1", *M], capture_output=True).returncode == 0:
+        two = INSTANCE + "-two"
+        st.serving(two, lambda port, server: on_gpu(port, server, two, n_arenas=2, decode_on="cuda:1"),
+                   ("--device", "cuda:0,cuda:1", "--kv-arenas", "per-role", *M))
+        print("per-role arenas on two GPUs (prefill cuda:0, decode cuda:1): ok")
+    else:
+        print("one GPU: the two-GPU hand-off was not run")
 
 
 if __name__ == "__main__":
