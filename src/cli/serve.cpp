@@ -118,7 +118,8 @@ int cmd_serve(const ServeArgs& a) {
     // Placement: prefill and decode on disjoint cores.
     auto machine = Machine::detect();
     if (!machine) return fail(machine.error().message);
-    if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
+    if (n_gpus == 0)  // on GPUs the GPUs decide (check_gpu_count)
+        if (Status st = check_worker_counts(a.prefill_workers, a.decode_workers); !st) return fail(st.error().message);
     int n_prefill = a.prefill_workers, n_decode = a.decode_workers;
     if (n_gpus > 0 && !kv_split) {
         if (a.prefill_workers != 1 || a.decode_workers != 1)
@@ -198,7 +199,11 @@ int cmd_serve(const ServeArgs& a) {
             // A GPU listed k times (per-role arenas, both roles on it) holds k arenas:
             // each plans within 1/k of it (weights and scratch counted in each share).
             const auto k = static_cast<uint64_t>(std::count(gpus.begin(), gpus.end(), g));
-            auto p = plan_device_arena(kl, *total / k, a.kv_memory, bf16_weight_bytes(**model), 2ull << 30, 2ull << 20);
+            // Scratch: two CUDA contexts, activations, cuBLAS, graphs (2 GiB); a decode
+            // GPU of per-role arenas may also hold a context of each prefill process
+            // (copies to it without peer access run in its context): 512 MiB each.
+            const uint64_t scratch = (2ull << 30) + (kv_split ? static_cast<uint64_t>(n_prefill) * (512ull << 20) : 0);
+            auto p = plan_device_arena(kl, *total / k, a.kv_memory, bf16_weight_bytes(**model), scratch, 2ull << 20);
             if (!p) return fail(fmt::format("{}: {}", g.name(), p.error().message));
             blocks = std::min(blocks, p->n_blocks);
         }
@@ -219,9 +224,15 @@ int cmd_serve(const ServeArgs& a) {
                 if (w.role == shm::role_name(role)) nodes.push_back(w.numa);
             const uint32_t arena = worker_arena(inst->config(), role, 0);
             const uint64_t bytes = inst->config().cpu_kv_bytes / inst->n_arenas();
-            if (Status st = bind_to_nodes(inst->cpu_kv_data(arena), bytes, nodes); !st)
+            if (Status st = bind_to_nodes(inst->cpu_kv_data(arena), bytes, nodes); !st) {
                 std::fprintf(stderr, "duet serve: %s's KV arena: %s (left to first touch)\n", shm::role_name(role),
                              st.error().message.c_str());
+            } else if (inst->kv_segment().page_mode() == shm::PageMode::HugeTlb) {
+                // hugetlbfs keeps no shared policy: the binding holds for this
+                // mapping only, so the pages are faulted in here, now, where it holds.
+                volatile uint8_t* p = inst->cpu_kv_data(arena);
+                for (uint64_t off = 0; off < bytes; off += 2u << 20) p[off] = 0;
+            }
         }
     }
     // GPU serving: the first worker creates the KV arena in device memory and deposits

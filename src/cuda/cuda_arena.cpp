@@ -274,7 +274,7 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
 }
 
 Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::string& instance, uint32_t arena,
-                                                                int access_device) {
+                                                                int access_device, uint64_t need) {
     auto got = shm::fd_get(instance, kv_arena_key(arena));
     if (!got) return make_error("instance {}: KV arena {}: {}", instance, arena, got.error().message);
     int owner = -1;
@@ -284,6 +284,10 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::strin
     if (!parse_meta(got->meta, &owner, &bytes, &ipc, &ipc_handle)) {
         close(got->fd);
         return make_error("instance {}: the kept KV arena {} has malformed metadata '{}'", instance, arena, got->meta);
+    }
+    if (bytes < need) {
+        close(got->fd);
+        return make_error("instance {}: the kept KV arena {} is {} bytes; its blocks need {}", instance, arena, bytes, need);
     }
     std::unique_ptr<SharedKvArena> a(new SharedKvArena());
     a->device_ = owner;
@@ -330,8 +334,11 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::strin
 SharedKvArena::~SharedKvArena() {
     if (!ptr_) return;
     if (ipc_) {
+        int current = -1;
+        const bool known = cudaGetDevice(&current) == cudaSuccess;
         cudaSetDevice(device_);
         cudaIpcCloseMemHandle(ptr_);
+        if (known) cudaSetDevice(current);  // a peer's arena closed by a process computing elsewhere
         return;
     }
     cuda::SharedMapping m;

@@ -192,54 +192,64 @@ Status PrefillWorker::join_outlets() {
 
 void PrefillWorker::release(Job& j) {
     j.seq.release(*pool_);
-    if (j.outlet >= 0)
-        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
-    j.dst.clear();
-    j.outlet = -1;
+    release_destination(j);
 }
 
 bool PrefillWorker::reserve_destination(Job& j) {
     const int64_t bt = pool_->layout().block_tokens;
     const size_t need = (j.all.size() + static_cast<size_t>(bt) - 1) / static_cast<size_t>(bt);
     if (j.outlet >= 0 && j.dst.size() == need) return true;
-    if (j.outlet >= 0) {
-        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
-        j.dst.clear();
-        j.outlet = -1;
-    }
+    release_destination(j);
+    // The decode workers best first (pick_decode's order); the first whose arena
+    // is reachable and has room takes it.
     std::vector<DecodeView> views;
     for (uint32_t k = 0; k < rings_.n_decode; ++k) views.push_back(decode_view(*inst_, k, opts_.numa));
-    const uint32_t d = pick_decode(views);
-    const uint32_t a = worker_arena(inst_->config(), shm::Role::Decode, d);
-    size_t oi = 0;
-    while (oi < outlets_.size() && outlets_[oi].arena != a) ++oi;
-    if (oi == outlets_.size()) return false;
-    Outlet& o = outlets_[oi];
-    if (!o.dest.data) {
+    std::vector<uint32_t> order(views.size());
+    for (uint32_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return pick_decode({views[b], views[a]}) == 1; });
+    for (uint32_t d : order) {
+        const uint32_t a = worker_arena(inst_->config(), shm::Role::Decode, d);
+        size_t oi = 0;
+        while (oi < outlets_.size() && outlets_[oi].arena != a) ++oi;
+        if (oi == outlets_.size()) continue;
+        Outlet& o = outlets_[oi];
+        if (!o.dest.data) {
 #if DUET_HAVE_CUDA
-        // Made by its decode worker when it starts (not kept yet: try again later).
-        auto m = SharedKvArena::open_peer(inst_->config().name, a, opts_.device.index);
-        if (!m) {
-            if (m.error().message.find("not kept") == std::string::npos)
-                std::fprintf(stderr, "duet prefill: %s\n", m.error().message.c_str());
-            return false;
-        }
-        o.gpu = std::move(m).value();
-        o.dest.data = o.gpu->data();
-        o.dest.device = o.gpu->device();
-        o.dest.peer = o.gpu->peer();
-        if (!o.dest.peer)
-            std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are staged "
-                                 "through host memory\n", opts_.device.index, o.dest.device);
+            // Made by its decode worker when it starts (not kept yet: later).
+            auto m = SharedKvArena::open_peer(inst_->config().name, a, opts_.device.index,
+                                              pool_->layout().block_bytes() * inst_->arena(a).n_blocks());
+            if (!m) {
+                if (!o.said && m.error().message.find("not kept") == std::string::npos)
+                    std::fprintf(stderr, "duet prefill: %s\n", m.error().message.c_str());
+                o.said = true;
+                continue;
+            }
+            o.gpu = std::move(m).value();
+            o.dest.data = o.gpu->data();
+            o.dest.device = o.gpu->device();
+            o.dest.peer = o.gpu->peer();
+            if (!o.dest.peer)
+                std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are "
+                                     "staged through host memory\n", opts_.device.index, o.dest.device);
 #else
-        return false;
+            continue;
 #endif
+        }
+        std::vector<int32_t> got(need);
+        if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) continue;  // full: decode frees as it finishes
+        j.outlet = static_cast<int32_t>(oi);
+        j.dst = std::move(got);
+        return true;
     }
-    std::vector<int32_t> got(need);
-    if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) return false;  // decode's arena is full: later
-    j.outlet = static_cast<int32_t>(oi);
-    j.dst = std::move(got);
-    return true;
+    return false;
+}
+
+void PrefillWorker::release_destination(Job& j) {
+    if (j.outlet >= 0)
+        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
+    j.dst.clear();
+    j.outlet = -1;
 }
 
 bool PrefillWorker::has_work() { return redo_.readable() || in_.readable() || !jobs_.empty(); }
@@ -512,8 +522,13 @@ Result<bool> PrefillWorker::step() {
                 in_batch.erase(in_batch.begin() + static_cast<std::ptrdiff_t>(i));
             }
         }
-        if (batch.empty()) {  // every one waits for room in decode's arena: decode frees blocks as it finishes
-            usleep(500);
+        if (batch.empty()) {
+            // Every one waits for room in a decode arena (decode frees blocks as its
+            // sequences finish) or for a decode worker to make its arena. Nothing
+            // holds destination blocks meanwhile (a failed pass releases them), so
+            // waiting cannot starve decode.
+            kv_short_ = false;
+            usleep(2000);
             return true;
         }
     }
@@ -523,6 +538,9 @@ Result<bool> PrefillWorker::step() {
         st = outlets_.empty() ? backend_->forward(batch, logits_) : backend_->forward_export(batch, logits_, exp);
     }
     if (!st) {
+        // No destination blocks held while a request is not in a pass: they would
+        // sit in decode's arena while this one waits for room in ours.
+        for (size_t k : in_batch) release_destination(jobs_[k]);
         // Out of KV blocks (forward() changes nothing then). With several requests in
         // the pass, run the next pass with the earliest-deadline one alone, taking no
         // new ones; a request that cannot run even alone fails (freeing its blocks).

@@ -116,6 +116,7 @@ private:
         std::unique_ptr<ShmBlockAllocator> alloc;
         std::unique_ptr<SharedKvArena> gpu;  // mapped here (GPU instances), once its decode worker made it
         KvDest dest;                         // data null until reachable
+        bool said = false;                   // an error mapping it was printed
     };
     // A request being prefilled.
     struct Job {
@@ -148,6 +149,7 @@ private:
     bool reserve_destination(Job& j);
     // Drops everything j holds: its blocks here and, kv_split, there.
     void release(Job& j);
+    void release_destination(Job& j);
     // Whether job k waits for another job's blocks (its prompt ends in a full block
     // another job in hand has yet to publish).
     bool follows(size_t k) const;
