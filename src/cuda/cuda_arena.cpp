@@ -22,26 +22,73 @@ namespace {
 // cudaIpcMemHandle_t's bytes) in the legacy mode.
 std::string arena_meta(int device, uint64_t bytes) { return fmt::format("device={} bytes={}", device, bytes); }
 
-bool parse_meta(const std::string& m, int* device, uint64_t* bytes, bool* ipc, cudaIpcMemHandle_t* handle) {
+// What a kept arena's metadata says.
+struct KeptMeta {
+    int device = -1;
+    uint64_t bytes = 0;
+    bool ipc = false;
+    cudaIpcMemHandle_t handle{};
+};
+
+bool parse_meta(const std::string& m, KeptMeta* k) {
     unsigned long long b = 0;
     int d = -1, n = 0;
     if (std::sscanf(m.c_str(), "device=%d bytes=%llu%n", &d, &b, &n) != 2) return false;
     const std::string rest = m.substr(static_cast<size_t>(n));
-    *ipc = false;
+    k->ipc = false;
     if (!rest.empty()) {
         constexpr size_t kHex = 2 * sizeof(cudaIpcMemHandle_t);
         if (rest.rfind(" ipc=", 0) != 0 || rest.size() != 5 + kHex) return false;
-        auto* out = reinterpret_cast<unsigned char*>(handle);
+        auto* out = reinterpret_cast<unsigned char*>(&k->handle);
         for (size_t i = 0; i < sizeof(cudaIpcMemHandle_t); ++i) {
             unsigned v = 0;
             if (std::sscanf(rest.c_str() + 5 + 2 * i, "%2x", &v) != 1) return false;
             out[i] = static_cast<unsigned char>(v);
         }
-        *ipc = true;
+        k->ipc = true;
     }
-    *device = d;
-    *bytes = b;
+    k->device = d;
+    k->bytes = b;
     return true;
+}
+
+// A kept arena mapped into this process.
+struct Mapped {
+    void* ptr = nullptr;
+    uint64_t bytes = 0;
+    unsigned long long handle = 0;  // VMM
+    bool ipc = false;
+};
+
+// Maps kept arena `fd` (closed here) as its metadata `k` says: a legacy IPC handle
+// opened in the context of GPU `ctx` (peer access enabled on first use), the current
+// device `restore` afterwards; a VMM allocation mapped with access for its own GPU
+// and `peers`. `what` names it in errors.
+Result<Mapped> map_kept(int fd, const KeptMeta& k, int ctx, int restore, const std::vector<int>& peers,
+                        const std::string& what) {
+    Mapped m;
+    m.bytes = k.bytes;
+    m.ipc = k.ipc;
+    if (k.ipc) {
+        close(fd);  // a placeholder
+        if (cudaError_t e = cudaSetDevice(ctx); e != cudaSuccess) return make_error("cuda:{}: {}", ctx, cudaGetErrorString(e));
+        const cudaError_t e = cudaIpcOpenMemHandle(&m.ptr, k.handle, cudaIpcMemLazyEnablePeerAccess);
+        cudaSetDevice(restore);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return make_error("cuda:{}: cannot open {}'s IPC handle: {}", ctx, what, cudaGetErrorString(e));
+        }
+        return m;
+    }
+    cuda::SharedMapping sm;
+    std::string err;
+    const bool ok = cuda::vmm_map(fd, k.bytes, k.device, peers, &sm, &err);
+    close(fd);
+    if (!ok) return make_error("cuda:{}: cannot map {}: {}", k.device, what, err);
+    m.ptr = sm.ptr;
+    m.bytes = sm.bytes;
+    m.handle = sm.handle;
+    return m;
 }
 
 }  // namespace
@@ -235,41 +282,22 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open(const std::string& in
             if (!got) return make_error("instance {}: cannot deposit the KV arena: {}", instance, got.error().message);
         }
     }
-    int kept_device = -1;
-    uint64_t kept_bytes = 0;
-    bool ipc = false;
-    cudaIpcMemHandle_t ipc_handle{};
-    if (!parse_meta(got->meta, &kept_device, &kept_bytes, &ipc, &ipc_handle)) {
+    KeptMeta k;
+    if (!parse_meta(got->meta, &k)) {
         close(got->fd);
         return make_error("instance {}: the kept KV arena has malformed metadata '{}'", instance, got->meta);
     }
-    if (kept_device != device || kept_bytes < bytes) {
+    if (k.device != device || k.bytes < bytes) {
         close(got->fd);
         return make_error("instance {}: the kept KV arena is {} bytes on cuda:{}; this process needs {} bytes on cuda:{}",
-                          instance, kept_bytes, kept_device, bytes, device);
+                          instance, k.bytes, k.device, bytes, device);
     }
-    if (ipc) {
-        close(got->fd);  // a placeholder
-        if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
-            return make_error("cuda:{}: {}", device, cudaGetErrorString(e));
-        void* p = nullptr;
-        if (cudaError_t e = cudaIpcOpenMemHandle(&p, ipc_handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
-            cudaGetLastError();
-            return make_error("cuda:{}: cannot open the KV arena's IPC handle: {}", device, cudaGetErrorString(e));
-        }
-        a->ptr_ = p;
-        a->bytes_ = kept_bytes;
-        a->ipc_ = true;
-        return a;
-    }
-    cuda::SharedMapping m;
-    std::string err;
-    const bool mapped = cuda::vmm_map(got->fd, kept_bytes, device, {}, &m, &err);
-    close(got->fd);
-    if (!mapped) return make_error("cuda:{}: cannot map the KV arena: {}", device, err);
-    a->ptr_ = m.ptr;
-    a->bytes_ = m.bytes;
-    a->handle_ = m.handle;
+    auto m = map_kept(got->fd, k, device, device, {}, "the KV arena");
+    if (!m) return m.error();
+    a->ptr_ = m->ptr;
+    a->bytes_ = m->bytes;
+    a->handle_ = m->handle;
+    a->ipc_ = m->ipc;
     return a;
 }
 
@@ -277,57 +305,36 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::strin
                                                                 int access_device, uint64_t need) {
     auto got = shm::fd_get(instance, kv_arena_key(arena));
     if (!got) return make_error("instance {}: KV arena {}: {}", instance, arena, got.error().message);
-    int owner = -1;
-    uint64_t bytes = 0;
-    bool ipc = false;
-    cudaIpcMemHandle_t ipc_handle{};
-    if (!parse_meta(got->meta, &owner, &bytes, &ipc, &ipc_handle)) {
+    KeptMeta k;
+    if (!parse_meta(got->meta, &k)) {
         close(got->fd);
         return make_error("instance {}: the kept KV arena {} has malformed metadata '{}'", instance, arena, got->meta);
     }
-    if (bytes < need) {
+    if (k.bytes < need) {
         close(got->fd);
-        return make_error("instance {}: the kept KV arena {} is {} bytes; its blocks need {}", instance, arena, bytes, need);
+        return make_error("instance {}: the kept KV arena {} is {} bytes; its blocks need {}", instance, arena, k.bytes, need);
     }
+    const int owner = k.device;
     std::unique_ptr<SharedKvArena> a(new SharedKvArena());
-    a->device_ = owner;
     a->owner_ = owner;
-    a->bytes_ = bytes;
     int can = 0;
     if (owner != access_device && cudaDeviceCanAccessPeer(&can, access_device, owner) != cudaSuccess) {
         cudaGetLastError();
         can = 0;
     }
     a->peer_ = owner == access_device || can != 0;
-    if (ipc) {
-        close(got->fd);  // a placeholder
-        // Opened in the context of the GPU that will use the pointer: ours, with peer
-        // access enabled on first use, or (no peer access) the arena's own.
-        const int in = a->peer_ ? access_device : owner;
-        if (cudaError_t e = cudaSetDevice(in); e != cudaSuccess)
-            return make_error("cuda:{}: {}", in, cudaGetErrorString(e));
-        void* p = nullptr;
-        const cudaError_t e = cudaIpcOpenMemHandle(&p, ipc_handle, cudaIpcMemLazyEnablePeerAccess);
-        cudaSetDevice(access_device);
-        if (e != cudaSuccess) {
-            cudaGetLastError();
-            return make_error("cuda:{}: cannot open KV arena {}'s IPC handle: {}", in, arena, cudaGetErrorString(e));
-        }
-        a->device_ = in;  // where the handle is closed
-        a->ptr_ = p;
-        a->ipc_ = true;
-        return a;
-    }
-    cuda::SharedMapping m;
-    std::string err;
+    // Opened in the context of the GPU that will use the pointer (ours) where it has
+    // peer access; otherwise mapped for the arena's own GPU alone.
+    const int ctx = a->peer_ ? access_device : owner;
     std::vector<int> peers;
     if (a->peer_ && owner != access_device) peers.push_back(access_device);
-    const bool mapped = cuda::vmm_map(got->fd, bytes, owner, peers, &m, &err);
-    close(got->fd);
-    if (!mapped) return make_error("cuda:{}: cannot map KV arena {} (on cuda:{}): {}", access_device, arena, owner, err);
-    a->ptr_ = m.ptr;
-    a->bytes_ = m.bytes;
-    a->handle_ = m.handle;
+    auto m = map_kept(got->fd, k, ctx, access_device, peers, fmt::format("KV arena {} (on cuda:{})", arena, owner));
+    if (!m) return m.error();
+    a->device_ = m->ipc ? ctx : owner;  // where an IPC handle is closed
+    a->ptr_ = m->ptr;
+    a->bytes_ = m->bytes;
+    a->handle_ = m->handle;
+    a->ipc_ = m->ipc;
     return a;
 }
 

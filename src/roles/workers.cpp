@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #if DUET_HAVE_CUDA
 #include "cuda/cuda_arena.h"
@@ -165,7 +166,7 @@ PrefillWorker::~PrefillWorker() {
     for (Job& j : jobs_) release(j);
     for (Outlet& o : outlets_) {
         o.gpu.reset();
-        if (o.joined) inst_->arena(o.arena).leave(o.user);
+        inst_->arena(o.arena).leave(o.user);
     }
 }
 
@@ -173,21 +174,24 @@ Status PrefillWorker::join_outlets() {
     const shm::InstanceConfig& c = inst_->config();
     for (uint32_t d = 0; d < rings_.n_decode; ++d) {
         const uint32_t a = worker_arena(c, shm::Role::Decode, d);
-        bool have = false;
-        for (const Outlet& o : outlets_) have = have || o.arena == a;
-        if (have) continue;
+        if (find_outlet(a) >= 0) continue;
         Outlet o;
         o.arena = a;
         auto user = inst_->arena(a).join(self_);
         if (!user) return make_error("KV arena {} (decode worker {}'s): {}", a, d, user.error().message);
         o.user = *user;
-        o.joined = true;
         o.alloc = std::make_unique<ShmBlockAllocator>(inst_->arena(a), o.user);
         o.dest.n_blocks = static_cast<int32_t>(inst_->arena(a).n_blocks());
         if (!gpu_instance(c)) o.dest.data = reinterpret_cast<uint16_t*>(inst_->cpu_kv_data(a));
         outlets_.push_back(std::move(o));
     }
     return {};
+}
+
+int32_t PrefillWorker::find_outlet(uint32_t arena) const {
+    for (size_t i = 0; i < outlets_.size(); ++i)
+        if (outlets_[i].arena == arena) return static_cast<int32_t>(i);
+    return -1;
 }
 
 void PrefillWorker::release(Job& j) {
@@ -198,8 +202,6 @@ void PrefillWorker::release(Job& j) {
 bool PrefillWorker::reserve_destination(Job& j) {
     const int64_t bt = pool_->layout().block_tokens;
     const size_t need = (j.all.size() + static_cast<size_t>(bt) - 1) / static_cast<size_t>(bt);
-    if (j.outlet >= 0 && j.dst.size() == need) return true;
-    release_destination(j);
     // The decode workers best first (pick_decode's order); the first whose arena
     // is reachable and has room takes it.
     std::vector<DecodeView> views;
@@ -210,10 +212,9 @@ bool PrefillWorker::reserve_destination(Job& j) {
                      [&](uint32_t a, uint32_t b) { return pick_decode({views[b], views[a]}) == 1; });
     for (uint32_t d : order) {
         const uint32_t a = worker_arena(inst_->config(), shm::Role::Decode, d);
-        size_t oi = 0;
-        while (oi < outlets_.size() && outlets_[oi].arena != a) ++oi;
-        if (oi == outlets_.size()) continue;
-        Outlet& o = outlets_[oi];
+        const int32_t oi = find_outlet(a);
+        if (oi < 0) continue;
+        Outlet& o = outlets_[static_cast<size_t>(oi)];
         if (!o.dest.data) {
 #if DUET_HAVE_CUDA
             // Made by its decode worker when it starts (not kept yet: later).
@@ -238,7 +239,7 @@ bool PrefillWorker::reserve_destination(Job& j) {
         }
         std::vector<int32_t> got(need);
         if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) continue;  // full: decode frees as it finishes
-        j.outlet = static_cast<int32_t>(oi);
+        j.outlet = oi;
         j.dst = std::move(got);
         return true;
     }
@@ -294,10 +295,13 @@ void PrefillWorker::settle() {
     }
 }
 
+bool PrefillWorker::hands_to(uint32_t d, uint32_t arena) const {
+    return rings_.linked(opts_.index, d) && worker_arena(inst_->config(), shm::Role::Decode, d) == arena;
+}
+
 bool PrefillWorker::decode_running_on(uint32_t arena) const {
     for (uint32_t d = 0; d < rings_.n_decode; ++d)
-        if (rings_.linked(opts_.index, d) && worker_arena(inst_->config(), shm::Role::Decode, d) == arena &&
-            inst_->registry().find_running(shm::Role::Decode, static_cast<int32_t>(d)) >= 0)
+        if (hands_to(d, arena) && inst_->registry().find_running(shm::Role::Decode, static_cast<int32_t>(d)) >= 0)
             return true;
     return false;
 }
@@ -311,7 +315,7 @@ shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m, uint32_t arena) {
     std::vector<uint32_t> cand;
     std::vector<DecodeView> views;
     for (uint32_t k = 0; k < rings_.n_decode; ++k)
-        if (rings_.linked(opts_.index, k) && worker_arena(inst_->config(), shm::Role::Decode, k) == arena) {
+        if (hands_to(k, arena)) {
             cand.push_back(k);
             views.push_back(decode_view(*inst_, k, opts_.numa));
         }
@@ -445,8 +449,7 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         const shm::ProcRef to = send_handoff(h, arena);
         std::vector<int32_t> blocks;
         if (copied) {
-            blocks = std::move(j.dst);
-            j.dst.clear();
+            blocks = std::exchange(j.dst, {});
             j.outlet = -1;
             j.seq.release(*pool_);  // ours stay in the prefix cache where published
         } else {
@@ -505,7 +508,6 @@ Result<bool> PrefillWorker::step() {
     // it is written. One that finds no room there waits for a later pass.
     KvExport exp;
     if (!outlets_.empty()) {
-        for (const Outlet& o : outlets_) exp.dests.push_back(o.dest);
         for (size_t i = 0; i < batch.size();) {
             Job& j = jobs_[in_batch[i]];
             if (j.done + static_cast<size_t>(batch[i].n_tokens) < j.all.size()) {
@@ -513,7 +515,6 @@ Result<bool> PrefillWorker::step() {
                 exp.dst_ids.emplace_back();
                 ++i;
             } else if (reserve_destination(j)) {
-                exp.dests[static_cast<size_t>(j.outlet)] = outlets_[static_cast<size_t>(j.outlet)].dest;
                 exp.dest.push_back(j.outlet);
                 exp.dst_ids.push_back(j.dst);
                 ++i;
@@ -531,6 +532,7 @@ Result<bool> PrefillWorker::step() {
             usleep(2000);
             return true;
         }
+        for (const Outlet& o : outlets_) exp.dests.push_back(o.dest);  // mapped by now where reserved
     }
     Status st;
     {

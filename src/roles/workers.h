@@ -112,7 +112,6 @@ private:
     struct Outlet {
         uint32_t arena = 0;
         uint32_t user = 0;
-        bool joined = false;
         std::unique_ptr<ShmBlockAllocator> alloc;
         std::unique_ptr<SharedKvArena> gpu;  // mapped here (GPU instances), once its decode worker made it
         KvDest dest;                         // data null until reachable
@@ -139,10 +138,15 @@ private:
     // the process it went to (invalid if no decode worker runs: it waits in the ring
     // of the one being restarted).
     shm::ProcRef send_handoff(const WireMsg& m, uint32_t arena);
-    // Whether a decode worker whose KV arena is `arena` is running.
+    // Whether decode worker d takes our hand-offs of blocks in `arena` (its ring is
+    // linked to us and its KV arena is that one).
+    bool hands_to(uint32_t d, uint32_t arena) const;
+    // Whether a decode worker taking our hand-offs of blocks in `arena` is running.
     bool decode_running_on(uint32_t arena) const;
     // kv_split: joins the decode arenas as a user of each.
     Status join_outlets();
+    // The index in outlets_ of `arena`'s outlet, or -1.
+    int32_t find_outlet(uint32_t arena) const;
     // kv_split: blocks for every token of j in a decode worker's arena (the one
     // with room and the least work); false when none can take it now (its arena full,
     // or not made yet), to try again at a later pass.
