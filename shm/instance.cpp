@@ -30,7 +30,7 @@ struct StoredConfig {
     uint32_t req_slots, req_max_tokens, req_block_tokens, huge_pages;
     uint64_t cpu_kv_bytes, model_fingerprint;
     uint32_t prefill_workers, decode_workers;
-    uint32_t kv_split;
+    uint32_t kv_split, kv_dtype;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -53,6 +53,7 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->prefill_workers = c.prefill_workers;
     s->decode_workers = c.decode_workers;
     s->kv_split = c.kv_split;
+    s->kv_dtype = c.kv_dtype;
     for (size_t i = 0; i < c.arenas.size(); ++i) s->arenas[i] = c.arenas[i];
     std::snprintf(s->name, sizeof s->name, "%s", c.name.c_str());
     s->magic = kConfigMagic;
@@ -77,6 +78,7 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.prefill_workers = s->prefill_workers;
     c.decode_workers = s->decode_workers;
     c.kv_split = s->kv_split != 0;
+    c.kv_dtype = s->kv_dtype;
     c.arenas.assign(s->arenas, s->arenas + s->n_arenas);
     return c;
 }
@@ -130,6 +132,7 @@ uint64_t InstanceConfig::fingerprint() const {
     f.add(prefill_workers);
     f.add(decode_workers);
     f.add(static_cast<uint32_t>(kv_split));
+    f.add(kv_dtype);
     return f.h;
 }
 

@@ -22,7 +22,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 5;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas
+inline constexpr uint32_t kLayoutVersion = 6;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype
 
 inline constexpr uint32_t kMaxArenas = 16;
 
@@ -45,6 +45,9 @@ struct InstanceConfig {
     // Prefill and decode workers keep their KV in arenas of their own (different
     // GPUs, or per-role host arenas): a hand-off copies the request's blocks.
     bool kv_split = false;
+    // How the arenas store KV values (src/kv/kv_pool.h KvDtype: 0 f16, 1 int8, 2 fp8);
+    // every process attached reads its KV layout from here.
+    uint32_t kv_dtype = 0;
     bool huge_pages = true;
 
     // FNV-1a over every field that shapes the segments.

@@ -3,6 +3,7 @@
 // missing device gives.
 #include <gtest/gtest.h>
 
+#include <cuda_fp8.h>
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include "device.h"
 #include "engine/engine.h"
 #include "gemm.h"
+#include "kernels.h"
 #include "model/device_spec.h"
 #include "shm/fd_keeper.h"
 
@@ -142,4 +144,35 @@ TEST(SharedKvArena, NobodyHasMadeItAndThereIsNoDeviceToMakeItOn) {
     ASSERT_FALSE(a);
     EXPECT_NE(a.error().message.find("cuda:99: no such device"), std::string::npos) << a.error().message;
     EXPECT_EQ((*keeper)->size(), 0u) << "nothing deposited";
+}
+
+// The fp8 KV cache: the CPU's e4m3 conversions (kernels/cpu) give the same bytes and
+// values as CUDA's own (cuda_fp8.h, whose host implementation is the device
+// intrinsics' reference), so KV written on either side reads the same on the other.
+TEST(Device, Fp8ConversionsAreCudas) {
+    for (unsigned b = 0; b < 256; ++b) {
+        const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3);
+        const float want = __half2float(__half(h)), got = cpu::fp8_e4m3_to_fp32(static_cast<uint8_t>(b));
+        if (std::isnan(want))
+            EXPECT_TRUE(std::isnan(got)) << b;
+        else
+            EXPECT_EQ(got, want) << b;
+    }
+    // Every float whose top 20 bits vary (all exponents, signs and the 11 mantissa
+    // bits around e4m3's rounding points), plus the float right above each one.
+    for (uint32_t hi = 0; hi < (1u << 20); ++hi) {
+        for (uint32_t lo : {0u, 1u, 0x7FFu, 0x800u, 0xFFFu}) {
+            const uint32_t u = (hi << 12) | lo;
+            float f;
+            std::memcpy(&f, &u, 4);
+            const auto want = static_cast<uint8_t>(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3));
+            const uint8_t got = cpu::fp32_to_fp8_e4m3(f);
+            if (std::isnan(f)) {
+                ASSERT_EQ(got & 0x7F, 0x7F) << f;
+                ASSERT_EQ(want & 0x7F, 0x7F) << f;
+            } else {
+                ASSERT_EQ(got, want) << std::hexfloat << f;
+            }
+        }
+    }
 }

@@ -43,8 +43,10 @@ void in_child(F body) {
     EXPECT_EQ(shm::testing::wait_exit(pid), 0) << "see the child's failures above";
 }
 
-std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = true, int64_t n_ctx = 2048) {
+std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = true, int64_t n_ctx = 2048,
+                                    const std::string& kv_dtype = "f16") {
     EngineOptions o;
+    o.kv_dtype = kv_dtype;
     o.model_path = DUET_MODEL_PATH;
     o.threads = 2;
     o.n_ctx = n_ctx;
@@ -98,11 +100,13 @@ double rms_diff(const std::vector<float>& a, const std::vector<float>& b) {
 // two best are nearly tied. The check: 32 greedy tokens equal on every prompt, or,
 // where they part, the CPU's margin between the two choices is under 0.25 logits (a
 // near tie, not a wrong result); every step's logits within 2% RMS of the CPU's.
+// The same with the KV cache quantized (int8, fp8) on both backends.
 TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
-    in_child([] {
-        auto cpu = make_engine("cpu");
-        auto gpu = make_engine("cuda:0");
+    for (const char* dt : {"f16", "int8", "fp8"}) in_child([dt] {
+        std::fprintf(stderr, "KV %s\n", dt);
+        auto cpu = make_engine("cpu", true, 2048, dt);
+        auto gpu = make_engine("cuda:0", true, 2048, dt);
         ASSERT_TRUE(cpu && gpu);
         const std::vector<std::string> prompts = {
             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -138,8 +142,9 @@ TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
 // chunks; a copy-on-write fork continues like the original.
 TEST(CudaModel, LogitsDoNotDependOnBatchChunkingOrForks) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
-    in_child([] {
-        auto e = make_engine("cuda:0");
+    for (const char* dt : {"f16", "int8"}) in_child([dt] {
+        std::fprintf(stderr, "KV %s\n", dt);
+        auto e = make_engine("cuda:0", true, 2048, dt);
         ASSERT_TRUE(e);
         const int64_t nv = e->backend().n_vocab();
         std::vector<int32_t> a(700), b(90);

@@ -16,6 +16,7 @@
 #include "device.h"
 #include "gemm.h"
 #include "kernels.h"
+#include "kv/kv_pool.h"
 #include "model/gpu_plan.h"
 #include "model/sampler.h"
 #include "ops.h"
@@ -359,7 +360,7 @@ TEST(CudaOps, FusedKernelsGiveTheUnfusedBits) {
         ASSERT_EQ(cu::rope(q1.p, n_tok, kv.n_head, kv.head_dim, rot, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
         ASSERT_EQ(cu::rope(k1.p, n_tok, kv.n_head_kv, kv.head_dim, rot, dpos.p, dinv.p, neox, nullptr), cudaSuccess);
         ASSERT_EQ(cu::round_f16(q1.p, static_cast<int64_t>(q.size()), nullptr), cudaSuccess);
-        ASSERT_EQ(cu::kv_append_f16(k1.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
+        ASSERT_EQ(cu::kv_append(k1.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
         kv.data = a2.p;
         ASSERT_EQ(cu::qk_rope_kv_append(q2.p, k2.p, dv.p, n_tok, dpos.p, dinv.p, rot, neox, dtb.p, dto.p, kv, nullptr),
                   cudaSuccess);
@@ -445,7 +446,7 @@ TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
     const int max_len = 70;
     DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_attention_workspace_bytes(kv, n_tok, max_len)));
     kv.data = dkv.p;
-    ASSERT_EQ(duet::cuda::kv_append_f16(dk.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
+    ASSERT_EQ(duet::cuda::kv_append(dk.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
     ASSERT_EQ(duet::cuda::paged_attention(dq.p, kv, dtab.p, max_blocks, dqseq.p, dvis.p, n_tok, max_len, scale, dout.p,
                                           ws.p, nullptr),
               cudaSuccess);
@@ -464,6 +465,140 @@ TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
               cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     expect_close(dout2.get(q.size()), want, 1e-4f, 1e-5f, "tiled prefill attention");
+}
+
+// Quantized KV (int8, fp8 e4m3; a scale per token and head row), in the layout of
+// src/kv/kv_pool.h: a chunk of two sequences appended on the GPU writes exactly the
+// bytes and scales the CPU's quantize_kv_row writes into a host KvPool of the same
+// layout (nothing else touched; a padding row skipped), and the decode kernel and the
+// tiled prefill kernel attend over it like a float64 reference over the dequantized
+// rows, with the same shuffled tables and GQA as above.
+TEST(CudaAttention, QuantizedKvAppendsTheCpuBytesAndAttends) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cpu = duet::cpu;
+    for (duet::KvDtype dt : {duet::KvDtype::Int8, duet::KvDtype::Fp8}) {
+        const char* name = duet::kv_dtype_name(dt);
+        const cpu::KvQuant qt = dt == duet::KvDtype::Int8 ? cpu::KvQuant::Int8 : cpu::KvQuant::Fp8;
+        duet::KvLayout l;
+        l.n_layer = 2;
+        l.n_head_kv = 3;
+        l.head_dim = 64;
+        l.block_tokens = 16;
+        l.dtype = dt;
+        const int n_blocks = 64, layer = 1;
+        auto host = duet::KvPool::create(l, n_blocks);
+        ASSERT_TRUE(host.ok());
+        duet::KvPool& pool = **host;
+        // Every row of both layers holds a quantized random row to start with.
+        std::mt19937 g(5);
+        std::normal_distribution<float> nd(0.0f, 1.5f);
+        std::vector<float> r(64);
+        for (int li = 0; li < 2; ++li)
+            for (int b = 0; b < n_blocks; ++b)
+                for (int h = 0; h < 3; ++h)
+                    for (int t = 0; t < 16; ++t) {
+                        for (float& x : r) x = nd(g);
+                        pool.k_scales(b, li, h)[t] = cpu::quantize_kv_row(qt, r.data(), 64, pool.k(b, li, h) + t * 64);
+                        for (float& x : r) x = nd(g);
+                        pool.v_scales(b, li, h)[t] = cpu::quantize_kv_row(qt, r.data(), 64, pool.v(b, li, h) + t * 64);
+                    }
+        const size_t bytes = l.block_bytes() * n_blocks;
+        const auto* hp = static_cast<const uint8_t*>(pool.data());
+        DeviceBuf<uint8_t> dkv(std::vector<uint8_t>(hp, hp + bytes));
+        duet::cuda::PagedKv kv;
+        kv.data = dkv.p;
+        kv.dtype = static_cast<int>(dt);
+        kv.n_blocks = n_blocks;
+        kv.layer = layer;
+        kv.n_head = 9;
+        kv.n_head_kv = 3;
+        kv.head_dim = 64;
+        kv.block_tokens = 16;
+        // Sequence 0: 40 tokens there, a chunk of 30; sequence 1: 21 new; one padding row.
+        const std::vector<int> past = {40, 0}, chunk = {30, 21};
+        const int max_blocks = 8, row = 3 * 64;
+        const std::vector<int32_t> tables = {5, 9, 2, 33, 7, 1, 60, 61, 12, 40, 3, 0, 0, 0, 0, 0};
+        std::vector<int32_t> qseq, visible, tblock, toff;
+        for (int s = 0; s < 2; ++s)
+            for (int i = 0; i < chunk[s]; ++i) {
+                const int pos = past[s] + i;
+                qseq.push_back(s);
+                visible.push_back(pos + 1);
+                tblock.push_back(tables[static_cast<size_t>(s) * max_blocks + pos / 16]);
+                toff.push_back(pos % 16);
+            }
+        const int n_q = static_cast<int>(qseq.size());
+        tblock.push_back(-1);  // a padding row: appends nothing
+        toff.push_back(0);
+        const int n_tok = n_q + 1;
+        auto k = randoms(static_cast<size_t>(n_tok) * row, 71, 2.0f), v = randoms(static_cast<size_t>(n_tok) * row, 72);
+        k[5] = 0.0f;  // rows with a zero and an outlier
+        k[row + 7] = 40.0f;
+        for (int t = 0; t < n_q; ++t)
+            for (int h = 0; h < 3; ++h) {
+                const float* kr = &k[static_cast<size_t>(t) * row + h * 64];
+                const float* vr = &v[static_cast<size_t>(t) * row + h * 64];
+                pool.k_scales(tblock[t], layer, h)[toff[t]] = cpu::quantize_kv_row(qt, kr, 64, pool.k(tblock[t], layer, h) + toff[t] * 64);
+                pool.v_scales(tblock[t], layer, h)[toff[t]] = cpu::quantize_kv_row(qt, vr, 64, pool.v(tblock[t], layer, h) + toff[t] * 64);
+            }
+        DeviceBuf<int32_t> dtab(tables), dqseq(qseq), dvis(visible), dtb(tblock), dto(toff);
+        DeviceBuf<float> dk(k), dv(v);
+        ASSERT_EQ(duet::cuda::kv_append(dk.p, dv.p, n_tok, dtb.p, dto.p, kv, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(dkv.get(bytes), std::vector<uint8_t>(hp, hp + bytes)) << name << ": the arena differs from the CPU's";
+
+        auto q = randoms(static_cast<size_t>(n_q) * 9 * 64, 73);
+        const float scale = 0.125f;
+        auto dec = [&](uint8_t b) {
+            return qt == cpu::KvQuant::Int8 ? static_cast<double>(static_cast<int8_t>(b)) : double{cpu::fp8_e4m3_to_fp32(b)};
+        };
+        std::vector<float> want(q.size());
+        for (int t = 0; t < n_q; ++t)
+            for (int h = 0; h < 9; ++h) {
+                const int s = qseq[t], hkv = h / 3;
+                auto at = [&](int p, bool val, int d) {
+                    const int32_t b = tables[static_cast<size_t>(s) * max_blocks + p / 16];
+                    const int slot = p % 16;
+                    return val ? pool.v_scales(b, layer, hkv)[slot] * dec(pool.v(b, layer, hkv)[slot * 64 + d])
+                               : pool.k_scales(b, layer, hkv)[slot] * dec(pool.k(b, layer, hkv)[slot * 64 + d]);
+                };
+                const float* qt_ = &q[(static_cast<size_t>(t) * 9 + h) * 64];
+                std::vector<double> sc(visible[t]);
+                double mx = -1e300, sum = 0;
+                for (int p = 0; p < visible[t]; ++p) {
+                    double dot = 0;
+                    for (int d = 0; d < 64; ++d) dot += qt_[d] * at(p, false, d);
+                    mx = std::max(mx, sc[p] = dot * scale);
+                }
+                for (double& x : sc) sum += (x = std::exp(x - mx));
+                for (int d = 0; d < 64; ++d) {
+                    double o = 0;
+                    for (int p = 0; p < visible[t]; ++p) o += sc[p] * at(p, true, d);
+                    want[(static_cast<size_t>(t) * 9 + h) * 64 + d] = static_cast<float>(o / sum);
+                }
+            }
+        DeviceBuf<float> dq(q), dout(std::vector<float>(q.size())), dout2(std::vector<float>(q.size()));
+        const int max_len = 70;
+        DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_attention_workspace_bytes(kv, n_q, max_len)));
+        ASSERT_EQ(duet::cuda::paged_attention(dq.p, kv, dtab.p, max_blocks, dqseq.p, dvis.p, n_q, max_len, scale, dout.p,
+                                              ws.p, nullptr),
+                  cudaSuccess);
+        const std::vector<int32_t> tiles = duet::attention_query_tiles(qseq, duet::cuda::kPrefillTile);
+        DeviceBuf<int32_t> dtiles(tiles);
+        ASSERT_EQ(duet::cuda::paged_attention_prefill(dq.p, kv, dtab.p, max_blocks, dqseq.p, dvis.p, dtiles.p,
+                                                      static_cast<int>(tiles.size() / 2), scale, dout2.p, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        expect_close(dout.get(q.size()), want, 1e-4f, 1e-5f, name);
+        expect_close(dout2.get(q.size()), want, 1e-4f, 1e-5f, name);
+    }
+    duet::cuda::PagedKv bad;
+    bad.n_head = 4;
+    bad.n_head_kv = 2;
+    bad.head_dim = 64;
+    bad.dtype = 3;
+    EXPECT_EQ(duet::cuda::paged_attention(nullptr, bad, nullptr, 1, nullptr, nullptr, 1, 1, 1.0f, nullptr, nullptr, nullptr),
+              cudaErrorInvalidValue);
 }
 
 // Projections: bf16 weights and activations, f32 accumulation, against a float64

@@ -95,7 +95,7 @@ TEST(EngineShm, AKilledRunsSegmentsAreReplacedNotReused) {
         auto e = Engine::create(options(name));
         if (!e.ok()) return 1;
         // Mark the KV data so a reuse would show.
-        (*e)->pool().k(0, 0, 0)[0] = 0x1234;
+        (*e)->pool().k16(0, 0, 0)[0] = 0x1234;
         char c = 1;
         (void)!write(ready[1], &c, 1);
         pause();
@@ -113,7 +113,7 @@ TEST(EngineShm, AKilledRunsSegmentsAreReplacedNotReused) {
     auto e = Engine::create(options(name));
     ASSERT_TRUE(e.ok()) << e.error().message;
     EXPECT_TRUE((*e)->shm().instance().control_segment().replaced_stale());
-    EXPECT_EQ((*e)->pool().k(0, 0, 0)[0], 0) << "fresh KV data, not the dead run's";
+    EXPECT_EQ((*e)->pool().k16(0, 0, 0)[0], 0) << "fresh KV data, not the dead run's";
     EXPECT_EQ((*e)->shm().instance().registry().pid(0), getpid()) << "a fresh registry";
 }
 

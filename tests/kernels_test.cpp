@@ -1033,4 +1033,143 @@ TEST(RowOps, ReadFoldIsTheXorOfTheBytesAtEveryIsa) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Quantized KV rows
+
+// Value of an e4m3 ("fn") byte from its fields, in double: the definition.
+double e4m3_value(unsigned b) {
+    const int s = (b >> 7) & 1, e = (b >> 3) & 15, m = b & 7;
+    const double sign = s ? -1.0 : 1.0;
+    if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+    if (e == 0) return sign * std::ldexp(m, -9);
+    return sign * std::ldexp(8 + m, e - 10);
+}
+
+TEST(Fp8, EveryByteDecodesToItsDefinition) {
+    for (unsigned b = 0; b < 256; ++b) {
+        const double want = e4m3_value(b);
+        const float got = fp8_e4m3_to_fp32(static_cast<uint8_t>(b));
+        if (std::isnan(want)) {
+            EXPECT_TRUE(std::isnan(got)) << b;
+        } else {
+            EXPECT_EQ(static_cast<double>(got), want) << b;
+        }
+    }
+}
+
+// Encoding: the nearest finite e4m3 value by brute force over all 254 of them, ties
+// to the even mantissa, and anything beyond 448 saturated; checked on every float
+// between the codes' midpoints, around them and at random.
+TEST(Fp8, EncodingIsNearestEvenAndSaturates) {
+    auto nearest = [](float f) -> unsigned {
+        if (std::isnan(f)) return 0x7F;
+        const double x = f;
+        unsigned best = 0;
+        double best_d = INFINITY;
+        for (unsigned b = 0; b < 256; ++b) {
+            const double v = e4m3_value(b);
+            if (std::isnan(v)) continue;
+            if ((b == 0x80) != std::signbit(x) && v == 0.0) continue;  // the zero of x's sign
+            const double d = std::fabs(v - x);
+            if (d < best_d || (d == best_d && (b & 1) == 0 && (best & 1) == 1)) {
+                best = b;
+                best_d = d;
+            }
+        }
+        return best;
+    };
+    std::vector<float> xs = {0.0f, -0.0f, 448.0f, -448.0f, 464.0f, 1e30f, -INFINITY, INFINITY, 0x1p-10f, 0x1p-9f,
+                             0x1.8p-9f, 0x1p-6f, 0x1.1p-6f, 1.0f, 1.0625f, 1.1875f, 3.0e-3f};
+    for (unsigned b = 0; b < 255; ++b) {
+        const double v = e4m3_value(b), w = e4m3_value(b + 1);
+        if (std::isnan(v) || std::isnan(w) || (b & 0x7F) == 0x7F) continue;
+        const float mid = static_cast<float>((v + w) / 2);
+        xs.push_back(mid);
+        xs.push_back(std::nextafter(mid, INFINITY));
+        xs.push_back(std::nextafter(mid, -INFINITY));
+        xs.push_back(static_cast<float>(v));
+    }
+    for (float r : random_floats(20000, 41, -500, 500)) xs.push_back(r);
+    for (float r : random_floats(20000, 42, -0.02f, 0.02f)) xs.push_back(r);
+    for (float x : xs) {
+        const unsigned want = std::fabs(x) >= 448.0f ? (std::signbit(x) ? 0xFEu : 0x7Eu) : nearest(x);
+        ASSERT_EQ(fp32_to_fp8_e4m3(x), want) << x;
+    }
+    EXPECT_EQ(fp32_to_fp8_e4m3(std::numeric_limits<float>::quiet_NaN()) & 0x7F, 0x7F);
+}
+
+// A row's scale is its largest magnitude over the type's top value; every value
+// comes back within half a step (int8) or half an ulp of e4m3 (relative 2^-4,
+// absolute near zero) of the original; the largest one exactly.
+TEST(KvQuantRow, ScaleAndRoundTripBounds) {
+    for (KvQuant t : {KvQuant::Int8, KvQuant::Fp8}) {
+        for (int64_t n : {64, 128, 7}) {
+            std::vector<float> x = random_floats(static_cast<size_t>(n), 50 + static_cast<uint32_t>(n), -3, 3);
+            x[3 % n] = -5.5f;  // the largest magnitude, negative
+            std::vector<uint8_t> q(static_cast<size_t>(n));
+            const float s = quantize_kv_row(t, x.data(), n, q.data());
+            const double top = t == KvQuant::Int8 ? 127.0 : 448.0;
+            ASSERT_FLOAT_EQ(s, static_cast<float>(5.5 / top));
+            for (int64_t i = 0; i < n; ++i) {
+                const double back = static_cast<double>(s) *
+                                    (t == KvQuant::Int8 ? static_cast<int8_t>(q[i]) : e4m3_value(q[i]));
+                const double tol = t == KvQuant::Int8 ? 0.5 * s * 1.0001 : std::fabs(x[i]) / 16 + s * std::ldexp(1, -10);
+                ASSERT_NEAR(back, x[i], tol) << (t == KvQuant::Int8 ? "int8" : "fp8") << " i " << i;
+            }
+            ASSERT_NEAR(static_cast<double>(s) * (t == KvQuant::Int8 ? static_cast<int8_t>(q[3 % n]) : e4m3_value(q[3 % n])),
+                        -5.5, 1e-5);
+        }
+        std::vector<float> zeros(64, 0.0f);
+        std::vector<uint8_t> q(64, 0xAB);
+        EXPECT_EQ(quantize_kv_row(t, zeros.data(), 64, q.data()), 0.0f);
+        for (uint8_t b : q) ASSERT_EQ(b, 0);
+    }
+}
+
+// attn_scores_q / attn_accum_q at every level against float64 over the decoded,
+// scaled rows, on strided rows of several head sizes.
+TEST(RowOps, QuantizedAttentionMatchesFloat64AtEveryIsa) {
+    for (KvQuant t : {KvQuant::Int8, KvQuant::Fp8}) {
+        for (int64_t head_dim : {64, 128, 80, 7}) {
+            const int64_t n = 19;
+            const size_t stride = static_cast<size_t>(head_dim) + 9;
+            const std::vector<float> q = random_floats(static_cast<size_t>(head_dim), 61, -2, 2);
+            const std::vector<float> p = random_floats(static_cast<size_t>(n), 62, 0, 1);
+            const std::vector<float> out0 = random_floats(static_cast<size_t>(head_dim), 63);
+            std::vector<uint8_t> k(stride * n), v(stride * n);
+            std::vector<float> ks(static_cast<size_t>(n)), vs(static_cast<size_t>(n));
+            for (int64_t j = 0; j < n; ++j) {
+                const std::vector<float> kr = random_floats(static_cast<size_t>(head_dim), 70 + static_cast<uint32_t>(j), -4, 4);
+                const std::vector<float> vr = random_floats(static_cast<size_t>(head_dim), 90 + static_cast<uint32_t>(j), -1, 1);
+                ks[j] = quantize_kv_row(t, kr.data(), head_dim, k.data() + j * stride);
+                vs[j] = quantize_kv_row(t, vr.data(), head_dim, v.data() + j * stride);
+            }
+            auto dec = [&](uint8_t b) { return t == KvQuant::Int8 ? static_cast<double>(static_cast<int8_t>(b)) : e4m3_value(b); };
+            for (Isa isa : supported_isas()) {
+                std::vector<float> sc(static_cast<size_t>(n));
+                attn_scores_q(isa, t, q.data(), k.data(), ks.data(), stride, n, head_dim, 0.125f, sc.data());
+                for (int64_t j = 0; j < n; ++j) {
+                    double dot = 0, mag = 0;
+                    for (int64_t i = 0; i < head_dim; ++i) {
+                        const double e = q[i] * dec(k[j * stride + i]) * ks[j];
+                        dot += e;
+                        mag += std::fabs(e);
+                    }
+                    ASSERT_NEAR(sc[j], 0.125 * dot, 1e-6 * mag) << isa_str(isa) << " head_dim " << head_dim << " j " << j;
+                }
+                std::vector<float> out = out0;
+                attn_accum_q(isa, t, p.data(), v.data(), vs.data(), stride, n, head_dim, out.data());
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    double want = out0[i], mag = std::fabs(out0[i]);
+                    for (int64_t j = 0; j < n; ++j) {
+                        want += static_cast<double>(p[j]) * vs[j] * dec(v[j * stride + i]);
+                        mag += std::fabs(static_cast<double>(p[j]) * vs[j] * dec(v[j * stride + i]));
+                    }
+                    ASSERT_NEAR(out[i], want, 1e-6 * mag) << isa_str(isa) << " head_dim " << head_dim << " i " << i;
+                }
+            }
+        }
+    }
+}
+
 }  // namespace duet::cpu

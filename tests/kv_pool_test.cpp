@@ -28,14 +28,53 @@ TEST(KvPool, LayoutPlanesAreLayerMajor) {
     auto pool = KvPool::create(small_layout(), 5);
     ASSERT_TRUE(pool.ok());
     KvPool& p = **pool;
-    const size_t tile = small_layout().tile_elems();  // 2 * 2 heads * 16 * 4 = 256
-    EXPECT_EQ(tile, 256u);
+    const size_t tile = small_layout().tile_bytes();  // 2 * 2 heads * 16 * 4 values * 2 bytes = 512
+    EXPECT_EQ(tile, 512u);
     // One layer of all blocks is contiguous: block b+1 follows block b in a layer.
     EXPECT_EQ(p.k(1, 0, 0) - p.k(0, 0, 0), static_cast<ptrdiff_t>(tile));
     EXPECT_EQ(p.k(0, 1, 0) - p.k(0, 0, 0), static_cast<ptrdiff_t>(5 * tile));
     EXPECT_EQ(p.v(0, 0, 0) - p.k(0, 0, 0), static_cast<ptrdiff_t>(tile / 2));
-    EXPECT_EQ(p.k(0, 0, 1) - p.k(0, 0, 0), 16 * 4);
+    EXPECT_EQ(p.k(0, 0, 1) - p.k(0, 0, 0), 16 * 4 * 2);
     EXPECT_EQ(small_layout().bytes_per_token(), 2u * 2 * 3 * 2 * 4);
+}
+
+// Quantized tiles: K values, V values (a byte each), then K's and V's f32 scales,
+// one per (head, token) row.
+TEST(KvPool, QuantizedTilesCarryAScalePerRow) {
+    KvLayout l = small_layout();
+    l.head_dim = 64;
+    l.dtype = KvDtype::Int8;
+    // Per tile: 2 x (2 heads x 16 tokens x 64 values) bytes + 2 x (2 x 16) f32 scales.
+    EXPECT_EQ(l.tile_bytes(), 2u * 2048 + 2u * 128);
+    KvLayout f16 = l;
+    f16.dtype = KvDtype::F16;
+    EXPECT_EQ(f16.tile_bytes(), 8192u);
+    EXPECT_EQ(l.bytes_per_token(), 3u * 4352 / 16);
+    auto pool = KvPool::create(l, 5);
+    ASSERT_TRUE(pool.ok());
+    KvPool& p = **pool;
+    const auto at = [&](const void* x) { return static_cast<const uint8_t*>(x) - static_cast<const uint8_t*>(p.data()); };
+    EXPECT_EQ(at(p.k(0, 0, 1)), 16 * 64);
+    EXPECT_EQ(at(p.v(0, 0, 0)), 2048);
+    EXPECT_EQ(at(p.k(2, 1, 1)), (5 + 2) * 4352 + 1024);
+    EXPECT_EQ(at(p.k_scales(0, 0, 0)), 4096);
+    EXPECT_EQ(at(p.k_scales(0, 0, 1)), 4096 + 16 * 4);
+    EXPECT_EQ(at(p.v_scales(0, 0, 0)), 4096 + 32 * 4);
+    EXPECT_EQ(at(p.v_scales(3, 2, 1)), (10 + 3) * 4352 + 4096 + 48 * 4);
+    EXPECT_EQ(l.tile_bytes() % 64, 0u) << "tiles stay cache-line aligned";
+}
+
+TEST(KvPool, DtypeNamesRoundTrip) {
+    for (KvDtype t : {KvDtype::F16, KvDtype::Int8, KvDtype::Fp8}) {
+        auto back = parse_kv_dtype(kv_dtype_name(t));
+        ASSERT_TRUE(back.ok());
+        EXPECT_EQ(*back, t);
+        EXPECT_EQ(*kv_dtype_from(static_cast<uint32_t>(t)), t);
+    }
+    auto bad = parse_kv_dtype("int4");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find("f16, int8 or fp8"), std::string::npos) << bad.error().message;
+    EXPECT_FALSE(kv_dtype_from(3).ok());
 }
 
 TEST(KvPool, AppendTruncateAndRelease) {
@@ -70,7 +109,7 @@ TEST(KvPool, ForkSharesBlocksAndCopiesOnWrite) {
     KvSeq a;
     ASSERT_TRUE(a.prepare_append(p, 0, 20).ok());
     a.set_n_tokens(20);
-    for (int l = 0; l < 3; ++l) p.k(a.blocks()[1], l, 1)[3 * 4] = static_cast<uint16_t>(100 + l);
+    for (int l = 0; l < 3; ++l) p.k16(a.blocks()[1], l, 1)[3 * 4] = static_cast<uint16_t>(100 + l);
     KvSeq b = a.fork(p);
     EXPECT_EQ(b.blocks(), a.blocks());
     EXPECT_EQ(p.allocator().refcount(a.blocks()[0]), 2);
@@ -79,7 +118,7 @@ TEST(KvPool, ForkSharesBlocksAndCopiesOnWrite) {
     ASSERT_TRUE(b.prepare_append(p, 20, 21).ok());
     EXPECT_EQ(b.blocks()[0], a.blocks()[0]);
     EXPECT_NE(b.blocks()[1], a.blocks()[1]);
-    for (int l = 0; l < 3; ++l) EXPECT_EQ(p.k(b.blocks()[1], l, 1)[3 * 4], 100 + l);
+    for (int l = 0; l < 3; ++l) EXPECT_EQ(p.k16(b.blocks()[1], l, 1)[3 * 4], 100 + l);
     EXPECT_EQ(p.allocator().refcount(a.blocks()[1]), 1);
     EXPECT_EQ(p.allocator().n_free(), 5);
     a.release(p);
@@ -101,9 +140,9 @@ TEST(KvCopy, LayerPlansMoveExactlyTheNamedBlocks) {
     auto src = KvPool::create(l, 12);
     auto dst = KvPool::create(l, 10);
     ASSERT_TRUE(src.ok() && dst.ok());
-    const size_t tile = l.tile_elems();
-    uint16_t* s = (*src)->k(0, 0, 0);
-    uint16_t* d = (*dst)->k(0, 0, 0);
+    const size_t tile = l.tile_bytes() / 2;  // f16 values
+    uint16_t* s = (*src)->k16(0, 0, 0);
+    uint16_t* d = (*dst)->k16(0, 0, 0);
     for (size_t i = 0; i < tile * 12 * 3; ++i) s[i] = static_cast<uint16_t>(i * 7 + 1);
     std::fill(d, d + tile * 10 * 3, 0);
     const std::vector<int32_t> from = {3, 4, 5, 9}, to = {0, 1, 7, 8};
@@ -123,13 +162,13 @@ TEST(KvCopy, LayerPlansMoveExactlyTheNamedBlocks) {
             const auto it = std::find(to.begin(), to.end(), b);
             for (int32_t h = 0; h < 2; ++h)
                 for (size_t e = 0; e < static_cast<size_t>(l.block_tokens * l.head_dim); ++e) {
-                    const uint16_t got_k = (*dst)->k(b, layer, h)[e], got_v = (*dst)->v(b, layer, h)[e];
+                    const uint16_t got_k = (*dst)->k16(b, layer, h)[e], got_v = (*dst)->v16(b, layer, h)[e];
                     if (it == to.end()) {
                         ASSERT_EQ(got_k | got_v, 0) << "block " << b << " was not to be touched";
                     } else {
                         const int32_t sb = from[static_cast<size_t>(it - to.begin())];
-                        ASSERT_EQ(got_k, (*src)->k(sb, layer, h)[e]) << "layer " << layer << " block " << b;
-                        ASSERT_EQ(got_v, (*src)->v(sb, layer, h)[e]) << "layer " << layer << " block " << b;
+                        ASSERT_EQ(got_k, (*src)->k16(sb, layer, h)[e]) << "layer " << layer << " block " << b;
+                        ASSERT_EQ(got_v, (*src)->v16(sb, layer, h)[e]) << "layer " << layer << " block " << b;
                     }
                 }
         }

@@ -721,6 +721,58 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
+// 8 quantized KV values as floats (unscaled).
+static inline __m256 load8_kv(KvQuant t, const uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if (t == KvQuant::Int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    return _mm256_i32gather_ps(kFp8E4M3, _mm256_cvtepu8_epi32(b), 4);
+}
+
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* kj = k + static_cast<size_t>(j) * stride;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= head_dim; i += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_kv(t, kj + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_kv(t, kj + i + 8), s1);
+        }
+        float d = hsum(_mm256_add_ps(s0, s1));
+        for (; i < head_dim; ++i) d += q[i] * kv_decode(t, kj[i]);
+        scores[j] = scale * (k_scale[j] * d);
+    }
+}
+
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out) {
+    int64_t i = 0;
+    for (; i + 32 <= head_dim; i += 32) {
+        __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
+        __m256 o2 = _mm256_loadu_ps(out + i + 16), o3 = _mm256_loadu_ps(out + i + 24);
+        for (int64_t j = 0; j < n; ++j) {
+            const uint8_t* vj = v + static_cast<size_t>(j) * stride + i;
+            const __m256 a = _mm256_set1_ps(p[j] * v_scale[j]);
+            o0 = _mm256_fmadd_ps(a, load8_kv(t, vj), o0);
+            o1 = _mm256_fmadd_ps(a, load8_kv(t, vj + 8), o1);
+            o2 = _mm256_fmadd_ps(a, load8_kv(t, vj + 16), o2);
+            o3 = _mm256_fmadd_ps(a, load8_kv(t, vj + 24), o3);
+        }
+        _mm256_storeu_ps(out + i, o0);
+        _mm256_storeu_ps(out + i + 8, o1);
+        _mm256_storeu_ps(out + i + 16, o2);
+        _mm256_storeu_ps(out + i + 24, o3);
+    }
+    for (; i + 8 <= head_dim; i += 8) {
+        __m256 o = _mm256_loadu_ps(out + i);
+        for (int64_t j = 0; j < n; ++j)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(p[j] * v_scale[j]), load8_kv(t, v + static_cast<size_t>(j) * stride + i), o);
+        _mm256_storeu_ps(out + i, o);
+    }
+    for (; i < head_dim; ++i)
+        for (int64_t j = 0; j < n; ++j) out[i] += (p[j] * v_scale[j]) * kv_decode(t, v[static_cast<size_t>(j) * stride + i]);
+}
+
 uint64_t read_fold(const void* p, size_t n) {
     const auto* b = static_cast<const uint8_t*>(p);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;

@@ -1127,6 +1127,49 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
+// Up to 16 quantized KV values (mask k) as floats (unscaled; masked lanes 0).
+static inline __m512 load16_kv(KvQuant t, const uint8_t* p, __mmask16 k) {
+    const __m128i b = _mm_maskz_loadu_epi8(k, p);
+    if (t == KvQuant::Int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, _mm512_cvtepu8_epi32(b), kFp8E4M3, 4);
+}
+
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* kj = k + static_cast<size_t>(j) * stride;
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= head_dim; i += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_kv(t, kj + i, 0xFFFF), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16_kv(t, kj + i + 16, 0xFFFF), s1);
+        }
+        for (; i < head_dim; i += 16) {
+            const __mmask16 m = tail_mask(head_dim - i);
+            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16_kv(t, kj + i, m), s0);
+        }
+        scores[j] = scale * (k_scale[j] * hsum(_mm512_add_ps(s0, s1)));
+    }
+}
+
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out) {
+    for (int64_t i = 0; i < head_dim; i += 64) {
+        __mmask16 km[4];
+        __m512 o[4];
+        for (int c = 0; c < 4; ++c) {
+            km[c] = i + 16 * c < head_dim ? tail_mask(head_dim - i - 16 * c) : __mmask16{0};
+            o[c] = _mm512_maskz_loadu_ps(km[c], out + i + 16 * c);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const uint8_t* vj = v + static_cast<size_t>(j) * stride + i;
+            const __m512 a = _mm512_set1_ps(p[j] * v_scale[j]);
+            for (int c = 0; c < 4; ++c) o[c] = _mm512_fmadd_ps(a, load16_kv(t, vj + 16 * c, km[c]), o[c]);
+        }
+        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + i + 16 * c, km[c], o[c]);
+    }
+}
+
 uint64_t read_fold(const void* p, size_t n) {
     const auto* b = static_cast<const uint8_t*>(p);
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 #include "kernels_impl.h"
@@ -312,6 +313,64 @@ void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, i
                     float* out) {
     check_isa(isa);
     DUET_ROUTE(isa, attn_accum_f16(p, v, stride, n, head_dim, out));
+}
+
+float fp8_e4m3_to_fp32(uint8_t b) { return kFp8E4M3[b]; }
+
+uint8_t fp32_to_fp8_e4m3(float f) {
+    const uint32_t x = f32_bits(f);
+    const auto sign = static_cast<uint8_t>((x >> 24) & 0x80u);
+    const float a = std::fabs(f);
+    if (std::isnan(a)) return 0x7F;
+    if (a >= 448.0f) return sign | 0x7E;  // saturate (e4m3fn has no infinity)
+    if (a < 0x1p-6f) {
+        // Subnormal range: steps of 2^-9 (exact scaling); a rounded count of 8 is
+        // the smallest normal, whose encoding (exponent 1, mantissa 0) is also 8.
+        return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+    }
+    int e2 = 0;
+    std::frexp(a, &e2);  // a = f * 2^e2, f in [0.5, 1)
+    int e = e2 - 1;      // a in [2^e, 2^(e+1))
+    int m = static_cast<int>(std::nearbyint(std::ldexp(a, -e) * 8.0f)) - 8;  // exact scaling, ties to even
+    if (m == 8) {
+        m = 0;
+        ++e;
+    }
+    if (e > 8 || (e == 8 && m > 6)) return sign | 0x7E;  // rounded past 448
+    return sign | static_cast<uint8_t>(((e + 7) << 3) | m);
+}
+
+float quantize_kv_row(KvQuant t, const float* x, int64_t n, uint8_t* q) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float top = t == KvQuant::Int8 ? 127.0f : 448.0f;
+    if (!(amax > 0.0f) || std::isinf(amax)) {
+        // Zeros (scale 0), or a row that overflowed: its values decode as NaN, as
+        // an f16 cache would give inf and then NaN through the softmax.
+        for (int64_t i = 0; i < n; ++i) q[i] = 0;
+        return amax > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    }
+    const float scale = amax / top, inv = top / amax;
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = x[i] * inv;
+        if (t == KvQuant::Int8)
+            q[i] = static_cast<uint8_t>(static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(v)))));
+        else
+            q[i] = fp32_to_fp8_e4m3(v);
+    }
+    return scale;
+}
+
+void attn_scores_q(Isa isa, KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores) {
+    check_isa(isa);
+    DUET_ROUTE(isa, attn_scores_q(t, q, k, k_scale, stride, n, head_dim, scale, scores));
+}
+
+void attn_accum_q(Isa isa, KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out) {
+    check_isa(isa);
+    DUET_ROUTE(isa, attn_accum_q(t, p, v, v_scale, stride, n, head_dim, out));
 }
 
 uint64_t read_fold(Isa isa, const void* p, size_t n) {

@@ -86,6 +86,27 @@ void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, 
 void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
                     float* out);
 
+// Quantized KV rows (src/kv/kv_pool.h KvDtype): a row of n values is n bytes and
+// one f32 scale, value = scale * decode(byte).
+enum class KvQuant : int {
+    Int8 = 1,  // decode: the signed byte; stored = round(x / scale), scale = max |x| / 127
+    Fp8 = 2,   // decode: e4m3 ("fn": no infinities, max 448, 0x7f/0xff NaN); scale = max |x| / 448
+};
+float fp8_e4m3_to_fp32(uint8_t b);
+// Round to nearest even, saturating to +-448 (CUDA's __NV_SATFINITE); NaN -> 0x7f.
+uint8_t fp32_to_fp8_e4m3(float f);
+// Writes the n values of x as bytes into q and returns the row's scale (0 for a row
+// of zeros). Scalar code: the same bits as the CUDA KV append.
+float quantize_kv_row(KvQuant t, const float* x, int64_t n, uint8_t* q);
+// The attention helpers over n quantized rows (row j at k + j * stride bytes, its
+// scale k_scale[j]):
+//   scores[j] = scale * (k_scale[j] * dot(q, decode(k_j)))
+//   out += (p[j] * v_scale[j]) * decode(v_j) for j = 0, 1, ..., n - 1 in order
+void attn_scores_q(Isa isa, KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores);
+void attn_accum_q(Isa isa, KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out);
+
 // x = fp16_to_fp32(fp32_to_fp16(x)) elementwise: values meeting f16 data are
 // rounded like it (round to nearest even; identical bits at every level).
 void round_fp16(Isa isa, float* x, int64_t n);

@@ -42,6 +42,10 @@ void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
 void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
                      float* scores);
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores);
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out);
 }  // namespace scalar
 
 namespace avx2 {
@@ -61,6 +65,10 @@ void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
 void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
                      float* scores);
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores);
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out);
 }  // namespace avx2
 
 namespace avx512 {
@@ -80,6 +88,10 @@ void fp32_to_fp16_row(const float* x, uint16_t* y, int64_t n);
 void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, float scale,
                      float* scores);
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out);
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores);
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out);
 }  // namespace avx512
 
 // ---------------------------------------------------------------------------
@@ -176,6 +188,13 @@ static inline void rope_angles(int64_t pos, const float* inv_freq, int half, flo
         c[i] = std::cos(t);
         s[i] = std::sin(t);
     }
+}
+
+// e4m3 bytes to float, every byte (scalar.cpp); SIMD levels gather from it.
+extern const float kFp8E4M3[256];
+
+static inline float kv_decode(KvQuant t, uint8_t b) {
+    return t == KvQuant::Int8 ? static_cast<float>(static_cast<int8_t>(b)) : kFp8E4M3[b];
 }
 
 [[noreturn]] static inline void kernel_fail(const char* what) {

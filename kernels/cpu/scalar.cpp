@@ -3,8 +3,56 @@
 // Q8_K) are the definition the SIMD quantizers reproduce bit for bit.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernels_impl.h"
+
+namespace duet::cpu {
+
+namespace {
+
+// e4m3 ("fn"): sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m * 2^-9); S.1111.111 is NaN; no infinities.
+constexpr float fp8_e4m3_value(unsigned b) {
+    const unsigned e = (b >> 3) & 15u, m = b & 7u;
+    float v = 0.0f;
+    if (e == 0) {
+        v = static_cast<float>(m) / 512.0f;
+    } else if (e == 15 && m == 7) {
+        v = std::numeric_limits<float>::quiet_NaN();
+    } else {
+        v = 1.0f + static_cast<float>(m) / 8.0f;
+        for (unsigned i = 7; i < e; ++i) v *= 2.0f;
+        for (unsigned i = e; i < 7; ++i) v /= 2.0f;
+    }
+    return (b & 0x80u) ? -v : v;
+}
+
+struct Fp8Table {
+    float v[256];
+};
+constexpr Fp8Table make_fp8_table() {
+    Fp8Table t{};
+    for (unsigned b = 0; b < 256; ++b) t.v[b] = fp8_e4m3_value(b);
+    return t;
+}
+constexpr Fp8Table kFp8Table = make_fp8_table();
+
+}  // namespace
+
+alignas(64) const float kFp8E4M3[256] = {
+#define DUET_FP8_ROW(r) kFp8Table.v[r], kFp8Table.v[r + 1], kFp8Table.v[r + 2], kFp8Table.v[r + 3], \
+                        kFp8Table.v[r + 4], kFp8Table.v[r + 5], kFp8Table.v[r + 6], kFp8Table.v[r + 7]
+    DUET_FP8_ROW(0), DUET_FP8_ROW(8), DUET_FP8_ROW(16), DUET_FP8_ROW(24), DUET_FP8_ROW(32), DUET_FP8_ROW(40),
+    DUET_FP8_ROW(48), DUET_FP8_ROW(56), DUET_FP8_ROW(64), DUET_FP8_ROW(72), DUET_FP8_ROW(80), DUET_FP8_ROW(88),
+    DUET_FP8_ROW(96), DUET_FP8_ROW(104), DUET_FP8_ROW(112), DUET_FP8_ROW(120), DUET_FP8_ROW(128), DUET_FP8_ROW(136),
+    DUET_FP8_ROW(144), DUET_FP8_ROW(152), DUET_FP8_ROW(160), DUET_FP8_ROW(168), DUET_FP8_ROW(176), DUET_FP8_ROW(184),
+    DUET_FP8_ROW(192), DUET_FP8_ROW(200), DUET_FP8_ROW(208), DUET_FP8_ROW(216), DUET_FP8_ROW(224), DUET_FP8_ROW(232),
+    DUET_FP8_ROW(240), DUET_FP8_ROW(248),
+#undef DUET_FP8_ROW
+};
+
+}  // namespace duet::cpu
 
 namespace duet::cpu::scalar {
 
@@ -358,6 +406,25 @@ void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n
 
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
     for (int64_t j = 0; j < n; ++j) axpy_f16(p[j], v + static_cast<size_t>(j) * stride, out, head_dim);
+}
+
+void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
+                   int64_t head_dim, float scale, float* scores) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* kj = k + static_cast<size_t>(j) * stride;
+        double s = 0.0;
+        for (int64_t i = 0; i < head_dim; ++i) s += static_cast<double>(q[i]) * kv_decode(t, kj[i]);
+        scores[j] = scale * (k_scale[j] * static_cast<float>(s));
+    }
+}
+
+void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
+                  int64_t head_dim, float* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* vj = v + static_cast<size_t>(j) * stride;
+        const float a = p[j] * v_scale[j];
+        for (int64_t i = 0; i < head_dim; ++i) out[i] += a * kv_decode(t, vj[i]);
+    }
 }
 
 uint64_t read_fold(const void* p, size_t n) {

@@ -1,6 +1,7 @@
 // Paged attention on the GPU: query tokens against their sequence's KV in the arena
-// (f16, layout of src/kv/kv_pool.h: data[layer][block][K|V][kv_head][token in
-// block][dim]), through the sequence's block table. Decode: one query per sequence
+// (layout of src/kv/kv_pool.h: per (layer, block) tile, [K|V][kv_head][token in
+// block][dim] values, f16 or int8 / fp8 e4m3 bytes, then for those the [K|V][kv_head]
+// [token in block] f32 scales), through the sequence's block table. Decode: one query per sequence
 // over all its tokens. Prefill: a packed batch of chunks of several sequences, each
 // query token over its sequence's tokens up to its own position (causal; the chunk's
 // KV appended first). GQA: query head h reads KV head h / (n_head / n_head_kv). Long
@@ -15,8 +16,12 @@
 
 namespace duet::cuda {
 
+// KV value types (src/kv/kv_pool.h KvDtype's numbers).
+inline constexpr int kKvF16 = 0, kKvInt8 = 1, kKvFp8 = 2;
+
 struct PagedKv {
-    const uint16_t* data = nullptr;  // the arena's KV data (f16 bits)
+    const void* data = nullptr;      // the arena's KV data
+    int dtype = kKvF16;
     int n_blocks = 0;                // blocks in the arena (a layer plane holds them all)
     int layer = 0;
     int n_head = 0, n_head_kv = 0, head_dim = 0, block_tokens = 16;
@@ -50,18 +55,19 @@ cudaError_t paged_attention_prefill(const float* q, const PagedKv& kv, const int
 
 // RoPE on the q rows (n_head heads) and k rows (kv.n_head_kv heads) of n_tok tokens
 // at positions pos, q then rounded to f16, and K (rotated) and V appended as by
-// kv_append_f16: ops.h's rope (twice) + round_f16 + kv_append_f16 in one launch,
+// kv_append: ops.h's rope (twice) + round_f16 + kv_append in one launch,
 // the same bits.
 cudaError_t qk_rope_kv_append(float* q, float* k, const float* v, int n_tok, const int32_t* pos, const float* inv_freq,
                               int rot_dim, bool neox, const int32_t* token_block, const int32_t* token_offset,
                               const PagedKv& kv, cudaStream_t stream);
 
 // Appends K and V rows of n_tok tokens (each [n_head_kv][head_dim] f32, K after
-// RoPE) to the arena as f16 (round to nearest even): token t goes to block
+// RoPE) to the arena: as f16 (round to nearest even), or quantized, each head's row
+// with its own scale (the same bits as kernels/cpu quantize_kv_row): token t goes to block
 // token_block[t], row token_offset[t] of layer kv.layer; a token with block -1 is
 // skipped (the idle rows of a decode step replayed from a CUDA graph). The arena is
 // written through kv.data.
-cudaError_t kv_append_f16(const float* k, const float* v, int n_tok, const int32_t* token_block,
+cudaError_t kv_append(const float* k, const float* v, int n_tok, const int32_t* token_block,
                           const int32_t* token_offset, const PagedKv& kv, cudaStream_t stream);
 
 }  // namespace duet::cuda

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "kv/kv_pool.h"
 #include "model/device_spec.h"
 
 #if DUET_HAVE_CUDA
@@ -28,6 +29,12 @@ int cmd_bench_cuda(const CudaBenchArgs& a) {
     o.ctx = a.ctx;
     o.steps = a.steps;
     o.prefill_tokens = a.prefill_tokens;
+    auto dt = parse_kv_dtype(a.kv_dtype);
+    if (!dt) {
+        std::fprintf(stderr, "duet bench cuda: --kv-dtype: %s\n", dt.error().message.c_str());
+        return 2;
+    }
+    o.kv_dtype = *dt;
     auto j = run_cuda_bench(o);
     if (!j) {
         std::fprintf(stderr, "duet bench cuda: %s\n", j.error().message.c_str());

@@ -14,6 +14,7 @@ struct CudaBenchArgs {
     int ctx = 512;
     int steps = 32;
     int prefill_tokens = 2048;
+    std::string kv_dtype = "f16";
     bool json = false;
     std::string json_out;  // also write the JSON here
 };

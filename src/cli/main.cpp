@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
     c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
     c_run->add_option("--device", run.engine.device, "cpu, or cuda:N (a build with CUDA)")->capture_default_str();
     c_run->add_flag("!--no-cuda-graphs", run.engine.cuda_graphs, "run every CUDA pass eagerly");
+    c_run->add_option("--kv-dtype", run.engine.kv_dtype, "KV cache values: f16, int8 or fp8 (e4m3), quantized with a scale per token and head")->capture_default_str();
     c_run->add_option("--instance", run.engine.instance,
                       "shared-memory instance name: segments /dev/shm/duet.<name>[.kv] (default: run-<pid>-0)");
     c_run->add_flag("!--no-huge-pages", run.engine.huge_pages, "keep the KV segment on 4 KiB pages");
@@ -82,6 +83,7 @@ int main(int argc, char** argv) {
     c_bm->add_option("-t,--threads", bench.engine.threads, "compute threads")->capture_default_str();
     c_bm->add_option("--cpus", bench.cpus, "pin threads to these CPUs");
     c_bm->add_option("--isa", bench.engine.isa, "kernel level");
+    c_bm->add_option("--kv-dtype", bench.engine.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bm->add_flag("--json", bench.json, "print one JSON object");
 
     // duet bench cuda
@@ -94,6 +96,7 @@ int main(int argc, char** argv) {
     c_bc->add_option("--ctx", cb.ctx, "context tokens per sequence for the decode steps")->capture_default_str()->check(CLI::Range(1, 1 << 20));
     c_bc->add_option("--steps", cb.steps, "timed decode steps per batch size")->capture_default_str()->check(CLI::Range(1, 100000));
     c_bc->add_option("--prefill", cb.prefill_tokens, "tokens of the timed prefill pass")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+    c_bc->add_option("--kv-dtype", cb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
 
@@ -175,6 +178,7 @@ int main(int argc, char** argv) {
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
     c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
     c_serve->add_option("--device", serve.device, "cpu, or GPUs: cuda:N, or cuda:0,cuda:1,... (a prefill and a decode worker on each, sharing its KV arena)")->capture_default_str();
+    c_serve->add_option("--kv-dtype", serve.kv_dtype, "KV cache values: f16, or int8 / fp8 (e4m3) with a scale per token and head (about half the memory: twice the tokens in the same arena)")->capture_default_str();
     c_serve->add_option("--kv-arenas", serve.kv_arenas, "shared: prefill and decode use one KV arena per device (hand-offs copy nothing); per-role: each role its own (CPU: prefill's and decode's host arenas, each on its role's NUMA nodes; GPUs: prefill alone on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV layer by layer")->capture_default_str();
     c_serve->add_option("--kv-memory", serve.kv_memory, "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest of it)")->capture_default_str()->check(CLI::Range(0.05, 1.0));
     c_serve->add_option("--decode-workers", serve.decode_workers, "decode processes (hand-offs routed by batch room)")->capture_default_str()->check(CLI::Range(1, 5));

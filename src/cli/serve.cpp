@@ -187,11 +187,13 @@ int cmd_serve(const ServeArgs& a) {
     layout.n_decode = static_cast<uint32_t>(n_decode);
     layout.n_gpus = static_cast<uint32_t>(n_gpus);
     layout.kv_split = kv_split;
+    if (auto dt = parse_kv_dtype(a.kv_dtype); !dt) return fail("--kv-dtype: " + dt.error().message);
+    else layout.kv_dtype = *dt;
     if (n_gpus > 0) {
         // The KV arenas take what the weights (one bf16 copy per GPU, shared by its
         // pair) and scratch (two CUDA contexts, activations, cuBLAS, graphs: 2 GiB)
         // leave of --kv-memory of the smallest GPU.
-        const KvLayout kl = CpuBackend::kv_layout(**model);
+        const KvLayout kl = CpuBackend::kv_layout(**model, layout.kv_dtype);
         uint32_t blocks = UINT32_MAX;
         for (const DeviceSpec& g : gpus) {
             auto total = cuda_total_memory(g);
@@ -208,12 +210,17 @@ int cmd_serve(const ServeArgs& a) {
             blocks = std::min(blocks, p->n_blocks);
         }
         layout.n_blocks = blocks;
-        std::fprintf(stderr, "duet serve: KV arenas of %u blocks (%.1f GiB, %lld tokens) each\n", blocks,
-                     static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
-                     static_cast<long long>(blocks) * kl.block_tokens);
     }
     auto inst = shm::Instance::create(serve_instance_config(layout, **model));
     if (!inst) return fail(inst.error().message);
+    {
+        const KvLayout kl = CpuBackend::kv_layout(**model, layout.kv_dtype);
+        const uint32_t blocks = inst->arena(0).n_blocks();
+        std::fprintf(stderr, "duet serve: KV %s, %zu arena(s) of %u blocks (%.2f GiB, %lld tokens) each\n",
+                     kv_dtype_name(kl.dtype), inst->n_arenas(), blocks,
+                     static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
+                     static_cast<long long>(blocks) * kl.block_tokens);
+    }
     if (n_gpus == 0 && kv_split && machine->n_numa > 1) {
         // Each role's host arena on its workers' NUMA nodes: decode's pages are
         // written first by prefill (the hand-off copies), so first touch would put
@@ -255,7 +262,7 @@ int cmd_serve(const ServeArgs& a) {
             auto mode = kv_sharing(gpus[g].index);
             if (!mode) return fail_unlink(mode.error().message);
             if (*mode != KvSharing::Ipc) continue;
-            const KvLayout kl = CpuBackend::kv_layout(**model);
+            const KvLayout kl = CpuBackend::kv_layout(**model, layout.kv_dtype);
             const uint64_t bytes = kl.block_bytes() * inst->arena(g).n_blocks();
             auto owner = IpcKvArenaOwner::create(layout.instance, static_cast<uint32_t>(g), gpus[g].index, bytes);
             if (!owner) return fail_unlink(owner.error().message);

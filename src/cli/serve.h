@@ -38,6 +38,7 @@ struct ServeArgs {
     // "shared": prefill and decode workers of a device use one KV arena (hand-offs
     // copy nothing); "per-role": each role its own (ServeLayout::kv_split).
     std::string kv_arenas = "shared";
+    std::string kv_dtype = "f16";  // f16, int8, fp8 (ServeLayout::kv_dtype)
 };
 
 int cmd_serve(const ServeArgs& a);

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "kv/kv_pool.h"
 #include "shm/instance.h"
 
 namespace duet {
@@ -19,6 +20,8 @@ int cmd_shm_status(const std::string& name, bool as_json) {
     const shm::Segment& seg = in->control_segment();
     nlohmann::json j;
     j["instance"] = name;
+    const auto dtype = kv_dtype_from(c.kv_dtype);
+    j["kv_dtype"] = dtype ? kv_dtype_name(*dtype) : "unknown";
     j["control_segment"] = {{"path", seg.path()},
                             {"bytes", seg.payload_bytes()},
                             {"creator_pid", seg.header().creator_pid},
@@ -88,7 +91,7 @@ int cmd_shm_status(const std::string& name, bool as_json) {
                    p["slot"].get<uint32_t>(), p["generation"].get<uint32_t>(), p["state"].get<std::string>(),
                    p["role"].get<std::string>(), p["device"].get<int>(), p["pid"].get<int>(),
                    p["heartbeat_age_ms"].get<double>());
-    fmt::print("\nKV arenas:\n");
+    fmt::print("\nKV arenas ({} values):\n", j["kv_dtype"].get<std::string>());
     for (auto& a : j["arenas"]) {
         fmt::print("  arena {}: {} blocks: {} free, {} cached, {} held\n", a["arena"].get<size_t>(),
                    a["blocks"].get<uint32_t>(), a["free"].get<uint32_t>(), a["cached"].get<uint32_t>(),

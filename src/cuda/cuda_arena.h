@@ -101,7 +101,7 @@ public:
     SharedKvArena(const SharedKvArena&) = delete;
     SharedKvArena& operator=(const SharedKvArena&) = delete;
 
-    uint16_t* data() const { return static_cast<uint16_t*>(ptr_); }
+    void* data() const { return ptr_; }
     uint64_t bytes() const { return bytes_; }
 
 private:

@@ -87,7 +87,7 @@ Result<std::unique_ptr<CudaKvMemory>> CudaKvMemory::create(int device, const KvL
     if (cudaError_t e = cudaMalloc(&p, m->bytes_); e != cudaSuccess)
         return make_error("cuda:{}: cannot allocate {:.1f} MiB for {} KV blocks: {}", device, m->bytes_ / 1048576.0,
                           n_blocks, cudaGetErrorString(e));
-    m->data_ = static_cast<uint16_t*>(p);
+    m->data_ = p;
     return m;
 }
 
@@ -369,7 +369,8 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
 #define DUET_K(expr) DUET_CUDA_TRY(expr)
 
     cuda::PagedKv kv;
-    kv.data = pool->k(0, 0, 0);
+    kv.data = pool->data();
+    kv.dtype = static_cast<int>(pool->layout().dtype);
     kv.n_blocks = pool->allocator().n_blocks();
     kv.n_head = NH;
     kv.n_head_kv = NKV;

@@ -43,13 +43,13 @@ public:
     ~CudaKvMemory();
     CudaKvMemory(const CudaKvMemory&) = delete;
     CudaKvMemory& operator=(const CudaKvMemory&) = delete;
-    uint16_t* data() const { return data_; }
+    void* data() const { return data_; }
     size_t bytes() const { return bytes_; }
 
 private:
     CudaKvMemory() = default;
     int device_ = 0;
-    uint16_t* data_ = nullptr;
+    void* data_ = nullptr;
     size_t bytes_ = 0;
 };
 

@@ -194,7 +194,8 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     auto model = Model::load(o.model);
     if (!model) return model.error();
     const Model& m = **model;
-    const KvLayout layout = CpuBackend::kv_layout(m);
+    const KvLayout layout = CpuBackend::kv_layout(m, o.kv_dtype);
+    j["kv_dtype"] = kv_dtype_name(o.kv_dtype);
     const int bt = layout.block_tokens;
     const int max_b = *std::max_element(o.batches.begin(), o.batches.end());
     const int64_t seq_tokens = o.ctx + o.steps + 4;
@@ -394,9 +395,9 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
     md += fmt::format("Prefill, {} tokens in one pass: {:.0f} tokens/s, {:.1f} TFLOP/s = {:.2f} of the bf16 peak\n\n",
                       p["tokens"].get<int>(), p["tokens_per_s"].get<double>(), p["tflops"].get<double>(),
                       p["fraction_of_bf16_peak"].get<double>());
-    md += fmt::format("Decode steps at {} tokens of context, median step (floor: bf16 weights + KV read over HBM "
-                      "bandwidth; + logits: their HBM write and their copy to the host, measured alone):\n\n",
-                      j["decode_ctx"].get<int>());
+    md += fmt::format("Decode steps at {} tokens of context, {} KV, median step (floor: bf16 weights + KV read over "
+                      "HBM bandwidth; + logits: their HBM write and their copy to the host, measured alone):\n\n",
+                      j["decode_ctx"].get<int>(), j.value("kv_dtype", "f16"));
     md += "| batch | step ms | tokens/s | floor ms | logits copy ms | floor + logits ms | ratio | greedy step ms "
           "(argmax on the GPU) | its ratio to the floor | eager step ms (no graph) |\n"
           "|---|---|---|---|---|---|---|---|---|---|\n";

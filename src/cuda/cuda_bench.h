@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/result.h"
+#include "kv/kv_pool.h"
 
 namespace duet {
 
@@ -28,6 +29,7 @@ struct CudaBenchOptions {
     int ctx = 512;          // tokens per sequence before the timed decode steps
     int steps = 32;         // timed decode steps per batch size
     int prefill_tokens = 2048;
+    KvDtype kv_dtype = KvDtype::F16;  // how the KV cache stores its values
 };
 
 // Runs everything; the figures as JSON ("hbm_gb_s", "bf16_tflops", "decode": [...],

@@ -66,7 +66,9 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     if (n_ctx > e->model_->config().n_ctx_train)
         return make_error("context of {} tokens is more than the model's {}", n_ctx, e->model_->config().n_ctx_train);
     e->n_ctx_ = n_ctx;
-    KvLayout layout = CpuBackend::kv_layout(*e->model_);
+    auto dtype = parse_kv_dtype(opts.kv_dtype);
+    if (!dtype) return dtype.error();
+    KvLayout layout = CpuBackend::kv_layout(*e->model_, *dtype);
     ShmKvOptions so;
     static std::atomic<int> n_engines{0};
     so.instance = opts.instance.empty() ? fmt::format("run-{}-{}", getpid(), n_engines++) : opts.instance;

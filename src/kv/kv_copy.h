@@ -43,7 +43,7 @@ Status append_written_blocks(std::span<const int32_t> blocks, std::span<const in
 // is also in its destination blocks, every layer. A GPU backend copies each layer as
 // soon as the pass has written it, overlapping the next layers' compute.
 struct KvDest {
-    uint16_t* data = nullptr;  // the arena's data, in the KvPool layout, reachable by the backend
+    void* data = nullptr;  // the arena's data, in the KvPool layout, reachable by the backend
     int32_t n_blocks = 0;
     // A GPU backend: the GPU the memory is on (-1: the backend's own), and whether
     // the backend's GPU reaches it by peer access (else copies are staged by the

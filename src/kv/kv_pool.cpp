@@ -33,20 +33,40 @@ void LocalBlockAllocator::unref(int32_t block) {
     if (--refs_[block] == 0) free_.push_back(block);
 }
 
+const char* kv_dtype_name(KvDtype t) {
+    switch (t) {
+        case KvDtype::F16: return "f16";
+        case KvDtype::Int8: return "int8";
+        case KvDtype::Fp8: return "fp8";
+    }
+    return "?";
+}
+
+Result<KvDtype> parse_kv_dtype(std::string_view name) {
+    for (KvDtype t : {KvDtype::F16, KvDtype::Int8, KvDtype::Fp8})
+        if (name == kv_dtype_name(t)) return t;
+    return make_error("unknown KV dtype '{}' (f16, int8 or fp8)", name);
+}
+
+Result<KvDtype> kv_dtype_from(uint32_t v) {
+    if (v > static_cast<uint32_t>(KvDtype::Fp8)) return make_error("unknown KV dtype number {}", v);
+    return static_cast<KvDtype>(v);
+}
+
 Result<std::unique_ptr<KvPool>> KvPool::create(const KvLayout& layout, int32_t n_blocks) {
     if (n_blocks <= 0) return make_error("KV pool needs at least one block, got {}", n_blocks);
     size_t bytes = layout.block_bytes() * static_cast<size_t>(n_blocks);
     bytes = (bytes + 4095) / 4096 * 4096;
     void* p = std::aligned_alloc(4096, bytes);
     if (!p) return make_error("cannot allocate {} MiB for {} KV blocks", bytes >> 20, n_blocks);
-    auto pool = std::make_unique<KvPool>(layout, static_cast<uint16_t*>(p),
+    auto pool = std::make_unique<KvPool>(layout, p,
                                          std::make_unique<LocalBlockAllocator>(n_blocks));
     pool->owned_ = true;
     return pool;
 }
 
-KvPool::KvPool(const KvLayout& layout, uint16_t* data, std::unique_ptr<KvBlockAllocator> allocator)
-    : layout_(layout), data_(data), n_blocks_(allocator->n_blocks()), alloc_(std::move(allocator)) {}
+KvPool::KvPool(const KvLayout& layout, void* data, std::unique_ptr<KvBlockAllocator> allocator)
+    : layout_(layout), data_(static_cast<uint8_t*>(data)), n_blocks_(allocator->n_blocks()), alloc_(std::move(allocator)) {}
 
 KvPool::~KvPool() {
     if (owned_) std::free(data_);

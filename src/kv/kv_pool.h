@@ -2,8 +2,14 @@
 // per-sequence block tables that index it.
 //
 // Data layout (DESIGN.md "KV arena"): layer planes are contiguous, so one layer of
-// many blocks can be copied at once:
-//   data[layer][block][K|V][kv_head][token in block][dim], f16.
+// many blocks can be copied at once. One (layer, block) tile holds
+//   [K|V][kv_head][token in block][dim] values (f16, or int8 / fp8 e4m3 bytes), then,
+//   quantized, [K|V][kv_head][token in block] f32 scales: value = scale * stored.
+// A quantized row (one token of one head) has its own scale, computed when the
+// token is written and never changed: a scale per whole block would change as
+// tokens are appended, requantizing the earlier ones, and a token's result would
+// then depend on how its neighbours were chunked (and on later tokens). The scales
+// live in the block, so a block copy, a hand-off or a fork carries them along.
 // Block allocation sits behind KvBlockAllocator so the shared-memory arena can
 // replace the in-process allocator without touching the model.
 #pragma once
@@ -12,29 +18,44 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "base/result.h"
 
 namespace duet {
 
+// How KV values are stored. The numbers are part of the shm layout (InstanceConfig).
+enum class KvDtype : uint8_t {
+    F16 = 0,
+    Int8 = 1,  // symmetric: scale = max |x| / 127 per row, stored = round(x / scale)
+    Fp8 = 2,   // e4m3 (OCP "fn": no infinities, max 448): scale = max |x| / 448 per row
+};
+const char* kv_dtype_name(KvDtype t);  // "f16", "int8", "fp8"
+Result<KvDtype> parse_kv_dtype(std::string_view name);
+// A dtype number as stored in shared memory (shm::InstanceConfig::kv_dtype).
+Result<KvDtype> kv_dtype_from(uint32_t v);
+
 struct KvLayout {
     int32_t n_layer = 0;
     int32_t n_head_kv = 0;
     int32_t head_dim = 0;
     int32_t block_tokens = 16;
+    KvDtype dtype = KvDtype::F16;
 
-    // f16 values in one (layer, block) tile: K and V for every head and token.
-    size_t tile_elems() const {
-        return 2 * static_cast<size_t>(n_head_kv) * block_tokens * head_dim;
-    }
-    size_t tile_bytes() const { return tile_elems() * sizeof(uint16_t); }
+    bool quantized() const { return dtype != KvDtype::F16; }
+    size_t elem_bytes() const { return quantized() ? 1 : 2; }
+    // Rows (token x head) of K, or of V, in one tile.
+    size_t rows() const { return static_cast<size_t>(n_head_kv) * block_tokens; }
+    // Bytes of K values (or of V values) in one tile; K's scales follow V's values.
+    size_t values_bytes() const { return rows() * head_dim * elem_bytes(); }
+    size_t scales_bytes() const { return quantized() ? rows() * sizeof(float) : 0; }
+    // One (layer, block) tile: K and V for every head and token, with their scales.
+    size_t tile_bytes() const { return 2 * (values_bytes() + scales_bytes()); }
     // Bytes of one block, all layers (an arena of n blocks holds n of these).
     size_t block_bytes() const { return tile_bytes() * static_cast<size_t>(n_layer); }
     // Bytes of KV per token, all layers.
-    size_t bytes_per_token() const {
-        return 2 * sizeof(uint16_t) * static_cast<size_t>(n_layer) * n_head_kv * head_dim;
-    }
+    size_t bytes_per_token() const { return block_bytes() / static_cast<size_t>(block_tokens); }
 };
 
 // Hands out block ids with reference counts. Not thread-safe: one engine thread
@@ -73,27 +94,41 @@ public:
     // Owns n_blocks blocks of data in process memory.
     static Result<std::unique_ptr<KvPool>> create(const KvLayout& layout, int32_t n_blocks);
     // Blocks of data at `data` (not owned), ids from `allocator`.
-    KvPool(const KvLayout& layout, uint16_t* data, std::unique_ptr<KvBlockAllocator> allocator);
+    KvPool(const KvLayout& layout, void* data, std::unique_ptr<KvBlockAllocator> allocator);
     ~KvPool();
     KvPool(const KvPool&) = delete;
     KvPool& operator=(const KvPool&) = delete;
 
     const KvLayout& layout() const { return layout_; }
     // Every block's data, in the layout above (host or device memory).
-    uint16_t* data() const { return data_; }
+    void* data() const { return data_; }
     KvBlockAllocator& allocator() { return *alloc_; }
     const KvBlockAllocator& allocator() const { return *alloc_; }
 
-    // [token][dim] rows of one head of one block of one layer.
-    uint16_t* k(int32_t block, int32_t layer, int32_t head) { return tile(block, layer) + head_off(head); }
-    uint16_t* v(int32_t block, int32_t layer, int32_t head) {
-        return tile(block, layer) + tile_half() + head_off(head);
+    // [token][dim] rows of one head of one block of one layer (elem_bytes() each
+    // value), and, quantized, the rows' [token] scales.
+    uint8_t* k(int32_t block, int32_t layer, int32_t head) { return tile(block, layer) + head_off(head); }
+    uint8_t* v(int32_t block, int32_t layer, int32_t head) {
+        return tile(block, layer) + layout_.values_bytes() + head_off(head);
     }
-    const uint16_t* k(int32_t block, int32_t layer, int32_t head) const {
+    const uint8_t* k(int32_t block, int32_t layer, int32_t head) const {
         return const_cast<KvPool*>(this)->k(block, layer, head);
     }
-    const uint16_t* v(int32_t block, int32_t layer, int32_t head) const {
+    const uint8_t* v(int32_t block, int32_t layer, int32_t head) const {
         return const_cast<KvPool*>(this)->v(block, layer, head);
+    }
+    // f16 layouts: the rows as f16 bits.
+    uint16_t* k16(int32_t block, int32_t layer, int32_t head) { return reinterpret_cast<uint16_t*>(k(block, layer, head)); }
+    uint16_t* v16(int32_t block, int32_t layer, int32_t head) { return reinterpret_cast<uint16_t*>(v(block, layer, head)); }
+    float* k_scales(int32_t block, int32_t layer, int32_t head) {
+        return reinterpret_cast<float*>(tile(block, layer) + 2 * layout_.values_bytes()) + scale_off(head);
+    }
+    float* v_scales(int32_t block, int32_t layer, int32_t head) { return k_scales(block, layer, head) + layout_.rows(); }
+    const float* k_scales(int32_t block, int32_t layer, int32_t head) const {
+        return const_cast<KvPool*>(this)->k_scales(block, layer, head);
+    }
+    const float* v_scales(int32_t block, int32_t layer, int32_t head) const {
+        return const_cast<KvPool*>(this)->v_scales(block, layer, head);
     }
     // Copies every layer of block src into block dst (copy-on-write of a shared block).
     void copy_block(int32_t dst, int32_t src);
@@ -112,16 +147,16 @@ public:
     const void* block_copy_owner() const { return block_copy_owner_; }
 
 private:
-    size_t tile_half() const { return layout_.tile_elems() / 2; }
     size_t head_off(int32_t head) const {
-        return static_cast<size_t>(head) * layout_.block_tokens * layout_.head_dim;
+        return static_cast<size_t>(head) * layout_.block_tokens * layout_.head_dim * layout_.elem_bytes();
     }
-    uint16_t* tile(int32_t block, int32_t layer) {
-        return data_ + (static_cast<size_t>(layer) * n_blocks_ + block) * layout_.tile_elems();
+    size_t scale_off(int32_t head) const { return static_cast<size_t>(head) * layout_.block_tokens; }
+    uint8_t* tile(int32_t block, int32_t layer) {
+        return data_ + (static_cast<size_t>(layer) * n_blocks_ + block) * layout_.tile_bytes();
     }
 
     KvLayout layout_;
-    uint16_t* data_;
+    uint8_t* data_;
     bool owned_ = false;
     size_t n_blocks_;
     std::unique_ptr<KvBlockAllocator> alloc_;

@@ -72,6 +72,7 @@ Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_b
     c.arenas.push_back(shm::ArenaConfig{static_cast<uint32_t>(n_blocks), 4, 0});
     c.cpu_kv_bytes = o.device_data ? 0 : layout.block_bytes() * static_cast<size_t>(n_blocks);
     c.model_fingerprint = o.model_fingerprint;
+    c.kv_dtype = static_cast<uint32_t>(layout.dtype);
     c.huge_pages = o.huge_pages;
     auto inst = shm::Instance::create(c);
     if (!inst) return inst.error();
@@ -86,7 +87,7 @@ Result<std::unique_ptr<ShmKv>> ShmKv::create(const KvLayout& layout, int32_t n_b
     kv->user_ = *user;
     kv->joined_ = true;
     kv->device_name_ = o.device_data ? o.device_name : std::string();
-    uint16_t* data = o.device_data ? o.device_data : reinterpret_cast<uint16_t*>(kv->inst_.cpu_kv_data());
+    void* data = o.device_data ? o.device_data : static_cast<void*>(kv->inst_.cpu_kv_data());
     kv->pool_ = std::make_unique<KvPool>(layout, data,
                                          std::make_unique<ShmBlockAllocator>(kv->inst_.arena(0), kv->user_));
     return kv;

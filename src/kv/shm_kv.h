@@ -41,7 +41,7 @@ struct ShmKvOptions {
     uint64_t model_fingerprint = 0;
     bool huge_pages = true;
     // KV data elsewhere (a GPU's memory, device_name names it): no CPU KV segment.
-    uint16_t* device_data = nullptr;
+    void* device_data = nullptr;
     std::string device_name;
 };
 

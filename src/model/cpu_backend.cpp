@@ -96,13 +96,14 @@ Status CpuBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>&
     return {};
 }
 
-KvLayout CpuBackend::kv_layout(const Model& model, int32_t block_tokens) {
+KvLayout CpuBackend::kv_layout(const Model& model, KvDtype dtype, int32_t block_tokens) {
     const ModelConfig& c = model.config();
     KvLayout l;
     l.n_layer = static_cast<int32_t>(c.n_layer);
     l.n_head_kv = static_cast<int32_t>(c.n_head_kv);
     l.head_dim = static_cast<int32_t>(c.head_dim);
     l.block_tokens = block_tokens;
+    l.dtype = dtype;
     return l;
 }
 
@@ -189,6 +190,8 @@ void CpuBackend::run(int tid, int nth) {
     const float eps = static_cast<float>(c.rms_eps);
     const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
     const int32_t bt = pool_.layout().block_tokens;
+    const bool quant = pool_.layout().quantized();
+    const cpu::KvQuant qt = pool_.layout().dtype == KvDtype::Fp8 ? cpu::KvQuant::Fp8 : cpu::KvQuant::Int8;
     const size_t xqs = s.xq_stride;
 
     // Two ways to share the per-token work (norms, quantization, residuals):
@@ -261,9 +264,10 @@ void CpuBackend::run(int tid, int nth) {
         matmul(w.wv, v);
         threads_.barrier();
 
-        // Bias, RoPE, and this token's K/V into its KV block (f16). Attention then
-        // reads every position, this one included, from the f16 cache, so a token's
-        // result does not depend on whether its neighbours came in the same chunk.
+        // Bias, RoPE, and this token's K/V into its KV block (f16, or quantized with
+        // a scale per row). Attention then reads every position, this one included,
+        // from the cache, so a token's result does not depend on whether its
+        // neighbours came in the same chunk.
         auto rope = c.rope_neox ? cpu::rope_neox : cpu::rope;
         for (int64_t i = t0; i < t1; ++i) {
             float* qi = q + i * Q;
@@ -284,8 +288,13 @@ void CpuBackend::run(int tid, int nth) {
             const int32_t blk = s.seqs[s.seq[i]]->blocks()[s.pos[i] / bt];
             const int64_t slot = s.pos[i] % bt;
             for (int32_t h = 0; h < NKV; ++h) {
-                cpu::fp32_to_fp16_row(isa, ki + h * HD, pool_.k(blk, li, h) + slot * HD, HD);
-                cpu::fp32_to_fp16_row(isa, vi + h * HD, pool_.v(blk, li, h) + slot * HD, HD);
+                if (!quant) {
+                    cpu::fp32_to_fp16_row(isa, ki + h * HD, pool_.k16(blk, li, h) + slot * HD, HD);
+                    cpu::fp32_to_fp16_row(isa, vi + h * HD, pool_.v16(blk, li, h) + slot * HD, HD);
+                } else {
+                    pool_.k_scales(blk, li, h)[slot] = cpu::quantize_kv_row(qt, ki + h * HD, HD, pool_.k(blk, li, h) + slot * HD);
+                    pool_.v_scales(blk, li, h)[slot] = cpu::quantize_kv_row(qt, vi + h * HD, HD, pool_.v(blk, li, h) + slot * HD);
+                }
             }
         }
         threads_.barrier();
@@ -304,7 +313,12 @@ void CpuBackend::run(int tid, int nth) {
                 const int64_t n_ctx = s.pos[i] + 1;
                 for (int64_t j = 0; j < n_ctx; j += bt) {
                     const int64_t n = std::min<int64_t>(bt, n_ctx - j);
-                    cpu::attn_scores_f16(isa, qh, pool_.k(blocks[j / bt], li, kvh), HD, n, HD, scale, sc + j);
+                    const int32_t b = blocks[j / bt];
+                    if (!quant)
+                        cpu::attn_scores_f16(isa, qh, pool_.k16(b, li, kvh), HD, n, HD, scale, sc + j);
+                    else
+                        cpu::attn_scores_q(isa, qt, qh, pool_.k(b, li, kvh), pool_.k_scales(b, li, kvh), HD, n, HD, scale,
+                                           sc + j);
                 }
                 cpu::softmax(isa, sc, n_ctx);
                 // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
@@ -313,7 +327,11 @@ void CpuBackend::run(int tid, int nth) {
                 std::memset(out, 0, sizeof(float) * HD);
                 for (int64_t j = 0; j < n_ctx; j += bt) {
                     const int64_t n = std::min<int64_t>(bt, n_ctx - j);
-                    cpu::attn_accum_f16(isa, sc + j, pool_.v(blocks[j / bt], li, kvh), HD, n, HD, out);
+                    const int32_t b = blocks[j / bt];
+                    if (!quant)
+                        cpu::attn_accum_f16(isa, sc + j, pool_.v16(b, li, kvh), HD, n, HD, out);
+                    else
+                        cpu::attn_accum_q(isa, qt, sc + j, pool_.v(b, li, kvh), pool_.v_scales(b, li, kvh), HD, n, HD, out);
                 }
             }
         }

@@ -22,8 +22,8 @@ public:
     int64_t n_vocab() const override;
     cpu::Isa isa() const { return isa_; }
 
-    // The KV layout this model needs.
-    static KvLayout kv_layout(const Model& model, int32_t block_tokens = 16);
+    // The KV layout this model needs, its values stored as dtype.
+    static KvLayout kv_layout(const Model& model, KvDtype dtype = KvDtype::F16, int32_t block_tokens = 16);
 
 private:
     struct Scratch;

@@ -13,7 +13,7 @@
 namespace duet {
 
 shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
-    KvLayout kv = CpuBackend::kv_layout(model);
+    KvLayout kv = CpuBackend::kv_layout(model, l.kv_dtype);
     const uint64_t block_bytes = kv.block_bytes();
     uint64_t blocks = l.n_blocks;
     if (blocks == 0) {
@@ -27,6 +27,7 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     const uint32_t n_prefill = l.n_gpus && !split_gpus ? l.n_gpus : l.n_prefill;
     const uint32_t n_decode = l.n_gpus && !split_gpus ? l.n_gpus : l.n_decode;
     c.kv_split = l.kv_split;
+    c.kv_dtype = static_cast<uint32_t>(l.kv_dtype);
     // Every worker, the front, the launcher, and room for processes being replaced.
     c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
     c.prefill_workers = n_prefill;

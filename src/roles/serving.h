@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kv/kv_pool.h"
 #include "model/model.h"
 #include "model/sampler.h"
 #include "shm/instance.h"
@@ -62,6 +63,7 @@ struct ServeLayout {
     // nodes). On GPUs: prefill alone on the first n_prefill GPUs (arena p), decode
     // alone on the other n_decode (arena n_prefill + d); n_prefill + n_decode == n_gpus.
     bool kv_split = false;
+    KvDtype kv_dtype = KvDtype::F16;  // how the arenas store KV values
 };
 
 // The shm instance for serving `model` with this layout.

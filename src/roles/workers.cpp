@@ -77,7 +77,9 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     joined_ = true;
     auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(arena_), user_);
     alloc_ = alloc.get();
-    const KvLayout layout = CpuBackend::kv_layout(model);
+    auto dtype = kv_dtype_from(inst.config().kv_dtype);
+    if (!dtype) return make_error("instance {}: {}", inst.config().name, dtype.error().message);
+    const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
     threads_ = std::make_unique<ThreadPool>(std::max(1, o.threads), o.cpus);
     const bool kv_on_gpu = inst.config().cpu_kv_bytes == 0;
     if (kv_on_gpu != o.device.cuda)
@@ -106,7 +108,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         return make_error("device {}: this duet was built without CUDA", o.device.name());
 #endif
     } else {
-        pool_ = std::make_unique<KvPool>(layout, reinterpret_cast<uint16_t*>(inst.cpu_kv_data(arena_)), std::move(alloc));
+        pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(arena_), std::move(alloc));
         backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
     }
     inst.registry().set_running(self_);
@@ -182,7 +184,7 @@ Status PrefillWorker::join_outlets() {
         o.user = *user;
         o.alloc = std::make_unique<ShmBlockAllocator>(inst_->arena(a), o.user);
         o.dest.n_blocks = static_cast<int32_t>(inst_->arena(a).n_blocks());
-        if (!gpu_instance(c)) o.dest.data = reinterpret_cast<uint16_t*>(inst_->cpu_kv_data(a));
+        if (!gpu_instance(c)) o.dest.data = inst_->cpu_kv_data(a);
         outlets_.push_back(std::move(o));
     }
     return {};

@@ -10,7 +10,8 @@ streams loses nothing (the arena outlives it, its requests are re-driven); every
 block comes back; SIGTERM stops it all and leaves nothing in /dev/shm. The same with
 legacy CUDA IPC sharing, and with per-role arenas on the one GPU (prefill's and
 decode's, each hand-off copied between them layer by layer: the path of a hand-off
-between two GPUs, which needs a second GPU to run for real).
+between two GPUs, which needs a second GPU to run for real), and those per-role
+arenas with an int8 KV cache.
 
 "The same text" on a GPU: cuBLAS may pick another algorithm for another batch size
 (a batch of 12 against a batch of 1), so logits differ in the last bits and a greedy
@@ -67,7 +68,7 @@ def same_or_near_tie(port, prompt, params, got, what):
     return False
 
 
-def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, decode_on="cuda:0"):
+def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, decode_on="cuda:0", kv_dtype="f16"):
     for _ in range(600):
         if st.request(port, "GET", "/ready")[0] == 200:
             break
@@ -88,6 +89,7 @@ def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, dec
                                          check=True).stdout)
 
     st.check(len(procs()["arenas"]) == n_arenas, f"arenas: {procs()['arenas']}")
+    st.check(procs()["kv_dtype"] == kv_dtype, f"kv_dtype {procs()['kv_dtype']}")
     # Two processes on one GPU give one process's greedy text.
     for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         code, body = st.request(port, "POST", "/v1/completions",
@@ -95,7 +97,8 @@ def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, dec
         st.check(code == 200, f"completion: {code} {body}")
         text = json.loads(body)["choices"][0]["text"]
         run = subprocess.run([DUET, "run", "--device", "cuda:0", "-p", prompt, "-n", "32", "--temperature", "0",
-                              "--ignore-eos", *M], capture_output=True, text=True, check=True).stdout
+                              "--ignore-eos", "--kv-dtype", kv_dtype, *M], capture_output=True, text=True,
+                             check=True).stdout
         # One sequence on both sides (batch 1, graph bucket 1): the same kernels, the same text.
         st.check(text == run[:-1], f"{prompt!r}: server {text!r} != duet run {run[:-1]!r}")
     print("greedy completions on the GPU (prefill and decode processes) equal duet run --device cuda:0: ok")
@@ -153,6 +156,12 @@ def main():
     st.serving(split, lambda port, server: on_gpu(port, server, split, n_arenas=2),
                ("--device", "cuda:0,cuda:0", "--kv-arenas", "per-role", *M))
     print("the same with per-role arenas on one GPU (hand-offs copied device to device): ok")
+    # An int8 KV cache (a scale per token and head row), hand-offs copying the
+    # quantized blocks and their scales.
+    q8 = INSTANCE + "-int8"
+    st.serving(q8, lambda port, server: on_gpu(port, server, q8, n_arenas=2, kv_dtype="int8"),
+               ("--device", "cuda:0,cuda:0", "--kv-arenas", "per-role", "--kv-dtype", "int8", *M))
+    print("the same with an int8 KV cache: ok")
     # Two GPUs: prefill on cuda:0, decode on cuda:1, each hand-off copied over NVLink
     # (or staged through host memory without peer access).
     if subprocess.run([DUET, "run", "--device", "cuda:1", "-p", "Hi", "-n", "1", *M], capture_output=True).returncode == 0:

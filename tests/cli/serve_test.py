@@ -149,6 +149,7 @@ def main():
     serving(INSTANCE + "-w", several_workers, ("--prefill-workers", "2", "--decode-workers", "2"))
     serving(INSTANCE + "-r", lambda port, server: several_workers(port, server, per_role=True),
             ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
+    serving(INSTANCE + "-q", quantized_kv, ("--kv-dtype", "int8", "--kv-arenas", "per-role"))
     serving(INSTANCE + "-g", give_up)
     port_taken()
 
@@ -214,6 +215,44 @@ def several_workers(port, server, per_role=False):
         check(arenas[0]["cached"] > 0 and arenas[1]["cached"] == 0, f"arenas: {arenas}")
     print(f"{'per-role arenas, ' if per_role else ''}2 prefill + 2 decode workers: both of each served, routed {routed}; decode {victim['index']} killed "
           f"holding {victim['load_items']} sequence(s): identical texts, {redriven} re-drive(s): ok")
+
+
+def quantized_kv(port, server):
+    # An int8 KV cache (a scale per token and head row) in per-role arenas: every
+    # hand-off copies the quantized blocks with their scales into decode's arena, and
+    # the greedy texts equal `duet run --kv-dtype int8`'s, token for token (the
+    # quantization keeps a sequence's logits independent of chunking and batching).
+    instance = INSTANCE + "-q"
+    for _ in range(200):
+        if request(port, "GET", "/ready")[0] == 200:
+            break
+        time.sleep(0.1)
+    status = json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,
+                                       check=True).stdout)
+    check(status["kv_dtype"] == "int8", f"kv_dtype {status.get('kv_dtype')}")
+    prompts = ["The capital of France is", "A ring buffer with one producer and one consumer"]
+    texts = [None] * len(prompts)
+
+    def one(i):
+        st, body = request(port, "POST", "/v1/completions",
+                           {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        check(st == 200, f"completion: {st} {body}")
+        texts[i] = json.loads(body)["choices"][0]["text"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, got in zip(prompts, texts):
+        run = subprocess.run([DUET, "run", "-p", p, "-n", "24", "--temperature", "0", "-t", "1", "--ignore-eos",
+                              "--kv-dtype", "int8"], capture_output=True, text=True, check=True).stdout
+        check(got == run[:-1], f"server {got!r} != duet run --kv-dtype int8 {run[:-1]!r}")
+    f16 = subprocess.run([DUET, "run", "-p", prompts[1], "-n", "24", "--temperature", "0", "-t", "1", "--ignore-eos"],
+                         capture_output=True, text=True, check=True).stdout
+    bad = subprocess.run([DUET, "run", "-p", "x", "-n", "1", "--kv-dtype", "int4"], capture_output=True, text=True)
+    check(bad.returncode != 0 and "f16, int8 or fp8" in bad.stderr, f"--kv-dtype int4: {bad.returncode} {bad.stderr}")
+    print(f"int8 KV in per-role arenas: texts equal duet run --kv-dtype int8's "
+          f"({'same as' if f16[:-1] == texts[1] else 'different from'} the f16 cache's): ok")
 
 
 def port_taken():
