@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "cuda/cuda_arena.h"
+#include "cuda/sample_inputs.h"
 #include "device.h"
 #include "engine/engine.h"
 #include "gemm.h"
@@ -175,4 +176,44 @@ TEST(Device, Fp8ConversionsAreCudas) {
             }
         }
     }
+}
+
+// The device sampler's per-row inputs are what the CPU sampler derives from the same
+// parameters: 1 / temperature (0: greedy), log(min_p) only when min_p is on, the
+// (seed, position) draw, the penalty edits appended after the earlier rows'.
+TEST(Device, SampleRowsCarryTheCpuSamplersDerivedParameters) {
+    SamplingParams p;
+    p.temperature = 0.7f;
+    p.top_k = 20;
+    p.top_p = 0.9f;
+    p.min_p = 0.05f;
+    p.repetition_penalty = 1.2f;
+    p.seed = 99;
+    const std::vector<int32_t> prompt = {4, 8}, output = {8, 15};
+    std::vector<cuda::SampleEdit> edits = {{1, 1, 0.5f}};  // an earlier row's
+    const cuda::SampleRow r = sample_row_for(SampleRequest{&p, prompt, output, 6}, 3, 100, edits);
+    EXPECT_EQ(r.row, 3);
+    EXPECT_EQ(r.inv_temp, 1.0f / 0.7f);
+    EXPECT_EQ(r.top_k, 20);
+    EXPECT_EQ(r.top_p, 0.9f);
+    EXPECT_EQ(r.min_p_on, 1);
+    EXPECT_EQ(r.log_min_p, std::log(0.05f));
+    EXPECT_EQ(r.rep, 1.2f);
+    EXPECT_EQ(r.u, sample_uniform(99, 6));
+    EXPECT_NE(r.u, sample_uniform(99, 7));
+    std::vector<PenaltyEdit> want;
+    penalty_edits(p, 100, prompt, output, want);
+    ASSERT_EQ(r.edit_begin, 1);
+    ASSERT_EQ(r.edit_count, static_cast<int32_t>(want.size()));
+    ASSERT_EQ(edits.size(), 1 + want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(edits[1 + i].token, want[i].token);
+        EXPECT_EQ(edits[1 + i].rep, want[i].rep);
+        EXPECT_EQ(edits[1 + i].sub, want[i].sub);
+    }
+    p.temperature = 0;
+    p.min_p = 0;
+    const cuda::SampleRow g = sample_row_for(SampleRequest{&p, {}, {}, 0}, 0, 100, edits);
+    EXPECT_EQ(g.inv_temp, 0.0f) << "greedy";
+    EXPECT_EQ(g.min_p_on, 0);
 }

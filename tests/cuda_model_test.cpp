@@ -321,7 +321,7 @@ TEST(CudaModel, KvExportedLayerByLayerDecodesLikeTheOriginal) {
     });
 }
 
-// forward_argmax on the device: decode steps (graph-replayed) whose rows are
+// forward_pick on the device: decode steps (graph-replayed) whose rows are
 // argmax_only give the argmax of the rows an identical batch returns in full, and
 // the rows not marked come back whole.
 TEST(CudaModel, DeviceArgmaxIsTheGreedyPickOfTheFullRow) {
@@ -350,13 +350,71 @@ TEST(CudaModel, DeviceArgmaxIsTheGreedyPickOfTheFullRow) {
                 ba.push_back({&sa[s], &next[s], 1, false, s != 1});  // the middle one in full
                 bb.push_back({&sb[s], &next[s], 1, false});
             }
-            ASSERT_TRUE(e->backend().forward_argmax(ba, la, am).ok());
+            ASSERT_TRUE(e->backend().forward_pick(ba, la, am).ok());
             ASSERT_TRUE(e->backend().forward(bb, lb).ok());
             ASSERT_EQ(am.size(), static_cast<size_t>(kSeqs));
             for (int s = 0; s < kSeqs; ++s)
                 EXPECT_EQ(am[s], argmax(lb.data() + s * nv, nv)) << "step " << step << " sequence " << s;
             EXPECT_TRUE(std::equal(la.begin() + nv, la.begin() + 2 * nv, lb.begin() + nv)) << "the full row, step " << step;
             for (int s = 0; s < kSeqs; ++s) next[s] = am[s];
+        }
+        for (int s = 0; s < kSeqs; ++s) {
+            sa[s].release(e->pool());
+            sb[s].release(e->pool());
+        }
+    });
+}
+
+// forward_pick with sample requests on the device: over decode steps of five
+// sequences (each with other sampling parameters: temperature, top-k, top-p, min-p,
+// penalties, and one whose top_k of 5000 leaves it to the host), the picks are the
+// CPU sampler's over the rows an identical batch returns in full.
+TEST(CudaModel, DeviceSamplingPicksTheCpuSamplersTokens) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0");
+        ASSERT_TRUE(e);
+        const int64_t nv = e->backend().n_vocab();
+        constexpr int kSeqs = 5;
+        std::vector<SamplingParams> params(kSeqs);
+        params[0].temperature = 0.8f;
+        params[1].temperature = 1.0f, params[1].top_k = 40, params[1].top_p = 0.9f;
+        params[2].temperature = 0.7f, params[2].min_p = 0.05f, params[2].repetition_penalty = 1.2f;
+        params[3].temperature = 0.0f, params[3].frequency_penalty = 0.5f, params[3].presence_penalty = 0.3f;
+        params[4].temperature = 1.2f, params[4].top_k = 5000;
+        for (int s = 0; s < kSeqs; ++s) params[s].seed = 17 + s;
+        std::vector<KvSeq> sa(kSeqs), sb(kSeqs);
+        std::vector<std::vector<int32_t>> prompts(kSeqs), outs(kSeqs);
+        std::vector<float> la, lb;
+        std::vector<int32_t> picks;
+        for (int s = 0; s < kSeqs; ++s) {
+            prompts[s].resize(40 + 9 * s);
+            for (size_t i = 0; i < prompts[s].size(); ++i) prompts[s][i] = static_cast<int32_t>((i * 131 + s * 7 + 1) % nv);
+            SeqBatch x{&sa[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+            SeqBatch y{&sb[s], prompts[s].data(), static_cast<int32_t>(prompts[s].size()), false};
+            ASSERT_TRUE(e->backend().forward({&x, 1}, la).ok());
+            ASSERT_TRUE(e->backend().forward({&y, 1}, lb).ok());
+            outs[s].push_back(static_cast<int32_t>(s + 3));
+        }
+        Sampler cpu;
+        for (int step = 0; step < 8; ++step) {
+            std::vector<SeqBatch> ba, bb;
+            std::vector<SampleRequest> reqs(kSeqs);
+            for (int s = 0; s < kSeqs; ++s) {
+                reqs[s] = SampleRequest{&params[s], prompts[s], outs[s], outs[s].size()};
+                SeqBatch x{&sa[s], &outs[s].back(), 1, false};
+                x.sample = &reqs[s];
+                ba.push_back(x);
+                bb.push_back({&sb[s], &outs[s].back(), 1, false});
+            }
+            ASSERT_TRUE(e->backend().forward_pick(ba, la, picks).ok());
+            ASSERT_TRUE(e->backend().forward(bb, lb).ok());
+            ASSERT_EQ(picks.size(), static_cast<size_t>(kSeqs));
+            for (int s = 0; s < kSeqs; ++s) {
+                const int32_t want = cpu.sample(lb.data() + s * nv, nv, params[s], prompts[s], outs[s], outs[s].size());
+                EXPECT_EQ(picks[s], want) << "step " << step << " sequence " << s;
+            }
+            for (int s = 0; s < kSeqs; ++s) outs[s].push_back(picks[s]);
         }
         for (int s = 0; s < kSeqs; ++s) {
             sa[s].release(e->pool());

@@ -3,8 +3,10 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <tuple>
@@ -20,6 +22,8 @@
 #include "model/gpu_plan.h"
 #include "model/sampler.h"
 #include "ops.h"
+#include "sample.h"
+#include "cuda/sample_inputs.h"
 #include "shm/fd_keeper.h"
 #include "shm_test_util.h"
 #include "vmm.h"
@@ -599,6 +603,132 @@ TEST(CudaAttention, QuantizedKvAppendsTheCpuBytesAndAttends) {
     bad.dtype = 3;
     EXPECT_EQ(duet::cuda::paged_attention(nullptr, bad, nullptr, 1, nullptr, nullptr, 1, 1, 1.0f, nullptr, nullptr, nullptr),
               cudaErrorInvalidValue);
+}
+
+// Device sampling against the CPU sampler on the same rows: every combination of
+// temperature (greedy with penalties included), top-k, top-p, min-p and penalties,
+// over peaked, flat (all tied) and partly -inf rows of the model's vocabulary size,
+// four (seed, position) draws each: the same token every time, except on rows whose
+// candidates need more sorting than the kernel does (a top-p prefix of more than
+// kSampleMaxSorted tokens, found here by sorting the whole row; top_k 5000), which
+// come back -1, for the host. DUET_CUDA_TEST_QUICK=1 (under compute-sanitizer):
+// one draw each over the peaked and the tied rows.
+TEST(CudaSample, PicksTheCpuSamplersTokens) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cu = duet::cuda;
+    const bool quick = std::getenv("DUET_CUDA_TEST_QUICK") != nullptr;
+    const uint64_t draws = quick ? 1 : 4;
+    const int64_t nv = 49152;
+    std::vector<std::vector<float>> bases;
+    bases.push_back(randoms(nv, 81, 3.0f));  // broad
+    {
+        auto l = randoms(nv, 82, 1.0f);  // peaked: a few clear winners
+        for (int i = 0; i < 8; ++i) l[static_cast<size_t>(i * 6007 + 11)] += 12.0f - i;
+        bases.push_back(l);
+    }
+    bases.push_back(std::vector<float>(nv, 0.5f));  // all tied: ids decide
+    {
+        auto l = randoms(nv, 83, 2.0f);  // half of it -inf
+        for (int64_t i = 0; i < nv; i += 2) l[static_cast<size_t>(i)] = -INFINITY;
+        bases.push_back(l);
+    }
+    std::vector<duet::SamplingParams> params;
+    for (float t : {0.0f, 0.7f, 1.0f, 1.5f})
+        for (int k : {0, 1, 40, 1000})
+            for (float tp : {1.0f, 0.9f, 0.5f})
+                for (float mp : {0.0f, 0.05f})
+                    for (bool pen : {false, true}) {
+                        duet::SamplingParams p;
+                        p.temperature = t;
+                        p.top_k = k;
+                        p.top_p = tp;
+                        p.min_p = mp;
+                        if (pen) {
+                            p.repetition_penalty = 1.3f;
+                            p.frequency_penalty = 0.4f;
+                            p.presence_penalty = 0.2f;
+                        }
+                        if (t == 0.0f && (k != 0 || tp != 1.0f || mp != 0.0f)) continue;  // greedy ignores filters
+                        params.push_back(p);
+                    }
+    const std::vector<int32_t> prompt = {11, 6018, 12024, 5, 5, 48000}, output = {12024, 11, 11, 777};
+    std::vector<float> logits;
+    std::vector<cu::SampleRow> rows;
+    std::vector<cu::SampleEdit> edits;
+    std::vector<duet::SampleRequest> reqs;
+    std::vector<duet::SamplingParams> keep;  // stable storage for the requests' params
+    if (quick) bases = {bases[1], bases[2]};
+    keep.reserve(params.size() * bases.size() * draws + 2);
+    std::vector<int32_t> want;
+    duet::Sampler cpu;
+    // How many of the best candidates a top-p cut keeps (the whole row sorted).
+    auto top_p_prefix = [&](const std::vector<float>& base, const duet::SamplingParams& p) -> int64_t {
+        std::vector<float> l = base;
+        std::vector<duet::PenaltyEdit> pe;
+        duet::penalty_edits(p, nv, prompt, output, pe);
+        for (const auto& e : pe) {
+            float& x = l[static_cast<size_t>(e.token)];
+            if (e.rep) x = x > 0 ? x / p.repetition_penalty : x * p.repetition_penalty;
+            x -= e.sub;
+        }
+        const float inv = 1.0f / p.temperature;
+        for (float& x : l) x *= inv;
+        std::vector<float> sorted_l = l;
+        std::sort(sorted_l.begin(), sorted_l.end(), std::greater<float>());
+        int64_t n = p.top_k > 0 && p.top_k < nv ? p.top_k : nv;
+        double sum = 0, cum = 0;
+        for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(sorted_l[i] - sorted_l[0]));
+        for (int64_t i = 0; i < n; ++i)
+            if ((cum += std::exp(static_cast<double>(sorted_l[i] - sorted_l[0])) / sum) >= p.top_p) return i + 1;
+        return n;
+    };
+    for (size_t b = 0; b < bases.size(); ++b)
+        for (const duet::SamplingParams& p0 : params)
+            for (uint64_t d = 0; d < draws; ++d) {
+                keep.push_back(p0);
+                keep.back().seed = 1000 * b + d;
+                const duet::SampleRequest r{&keep.back(), prompt, output, 3 + d};
+                const int32_t row = static_cast<int32_t>(logits.size() / nv);
+                logits.insert(logits.end(), bases[b].begin(), bases[b].end());
+                rows.push_back(duet::sample_row_for(r, row, nv, edits));
+                const bool host = p0.temperature > 0 && p0.top_p < 1.0f && (p0.top_k == 0 || p0.top_k > cu::kSampleMaxSorted) &&
+                                  top_p_prefix(bases[b], keep.back()) > cu::kSampleMaxSorted;
+                want.push_back(host ? -1 : cpu.sample(bases[b].data(), nv, *r.params, r.prompt, r.output, r.index));
+            }
+    // The two rows left to the host.
+    for (const auto& [k, tp] : {std::pair<int, float>{5000, 1.0f}, {0, 0.999f}}) {
+        keep.push_back({});
+        keep.back().top_k = k;
+        keep.back().top_p = tp;
+        const duet::SampleRequest r{&keep.back(), {}, {}, 0};
+        const int32_t row = static_cast<int32_t>(logits.size() / nv);
+        const std::vector<float> tied(nv, 0.5f);
+        logits.insert(logits.end(), tied.begin(), tied.end());
+        rows.push_back(duet::sample_row_for(r, row, nv, edits));
+        want.push_back(-1);
+    }
+    const int n = static_cast<int>(rows.size());
+    DeviceBuf<float> dl(logits);
+    DeviceBuf<cu::SampleRow> drows(rows);
+    DeviceBuf<cu::SampleEdit> dedits(edits);
+    DeviceBuf<int32_t> dpicks(std::vector<int32_t>(static_cast<size_t>(n), -7));
+    DeviceBuf<uint8_t> ws(std::vector<uint8_t>(cu::sample_workspace_bytes(n, nv)));
+    ASSERT_EQ(cu::sample_rows(dl.p, nv, drows.p, n, dedits.p, dpicks.p, ws.p, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> got = dpicks.get(static_cast<size_t>(n));
+    int bad = 0;
+    for (int i = 0; i < n; ++i)
+        if (got[i] != want[i] && bad++ < 10) {
+            const duet::SamplingParams& p = keep[static_cast<size_t>(i)];
+            ADD_FAILURE() << "row " << i << " (t " << p.temperature << " top_k " << p.top_k << " top_p " << p.top_p
+                          << " min_p " << p.min_p << " rep " << p.repetition_penalty << " seed " << p.seed << "): GPU "
+                          << got[i] << ", CPU " << want[i];
+        }
+    EXPECT_EQ(bad, 0) << "of " << n << " rows";
+    const auto left = std::count(want.begin(), want.end(), -1);
+    std::fprintf(stderr, "%d rows sampled, %ld left to the host\n", n, static_cast<long>(left));
+    // The logits are left as they were.
+    EXPECT_EQ(dl.get(logits.size()), logits);
 }
 
 // Projections: bf16 weights and activations, f32 accumulation, against a float64

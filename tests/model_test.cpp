@@ -291,7 +291,7 @@ TEST(Model, GreedyContinuationsMatchLlamaCpp) {
     }
 }
 
-// forward_argmax: every output row's argmax is the sampler's greedy pick (lowest id
+// forward_pick: every output row's argmax is the sampler's greedy pick (lowest id
 // on ties), for argmax_only entries too, and the other rows' logits are all there.
 TEST(Model, ForwardArgmaxGivesTheGreedyPickOfEveryRow) {
     Engine& e = engine();
@@ -301,7 +301,7 @@ TEST(Model, ForwardArgmaxGivesTheGreedyPickOfEveryRow) {
     std::vector<float> l, ref;
     std::vector<int32_t> am;
     SeqBatch x[2] = {{&s1, a.data(), 40, false, true}, {&s2, b.data(), 25, true, false}};
-    ASSERT_TRUE(e.backend().forward_argmax(x, l, am).ok());
+    ASSERT_TRUE(e.backend().forward_pick(x, l, am).ok());
     SeqBatch y[2] = {{&r1, a.data(), 40, false}, {&r2, b.data(), 25, true}};
     ASSERT_TRUE(e.backend().forward(y, ref).ok());
     ASSERT_EQ(am.size(), 26u);  // one row for the first, every position of the second
@@ -314,6 +314,41 @@ TEST(Model, ForwardArgmaxGivesTheGreedyPickOfEveryRow) {
     ASSERT_EQ(l.size(), ref.size());
     EXPECT_TRUE(std::equal(l.begin() + nv, l.end(), ref.begin() + nv));
     for (KvSeq* s : {&s1, &s2, &r1, &r2}) s->release(e.pool());
+}
+
+// forward_pick with sample requests: the pick of each sampling entry's (last) row is
+// the sampler's token for that request and position, whatever rows come before it
+// (an all-logits entry's several rows, an entry that only takes the argmax).
+TEST(Model, ForwardPickSamplesTheRowsOfSampleEntries) {
+    Engine& e = engine();
+    const int64_t nv = e.model().config().n_vocab;
+    auto a = prompt_ids(12, 1), b = prompt_ids(9, 2), c = prompt_ids(7, 3);
+    SamplingParams pb, pc;
+    pb.temperature = 0.9f, pb.top_k = 50, pb.seed = 5;
+    pc.temperature = 1.1f, pc.top_p = 0.8f, pc.repetition_penalty = 1.3f, pc.seed = 6;
+    const std::vector<int32_t> out_c = {c[0], 42};
+    SampleRequest rb{&pb, b, {}, 0}, rc{&pc, c, out_c, 2};
+    KvSeq s1, s2, s3, r1, r2, r3;
+    std::vector<float> l, ref;
+    std::vector<int32_t> picks;
+    SeqBatch x[3] = {{&s1, a.data(), 12, true}, {&s2, b.data(), 9, false}, {&s3, c.data(), 7, false}};
+    x[1].sample = &rb;
+    x[2].sample = &rc;
+    ASSERT_TRUE(e.backend().forward_pick(x, l, picks).ok());
+    SeqBatch y[3] = {{&r1, a.data(), 12, true}, {&r2, b.data(), 9, false}, {&r3, c.data(), 7, false}};
+    ASSERT_TRUE(e.backend().forward(y, ref).ok());
+    ASSERT_EQ(picks.size(), 14u);
+    Sampler sm;
+    EXPECT_EQ(picks[12], sm.sample(ref.data() + 12 * nv, nv, pb, b, {}, 0));
+    EXPECT_EQ(picks[13], sm.sample(ref.data() + 13 * nv, nv, pc, c, out_c, 2));
+    SamplingParams greedy;
+    greedy.temperature = 0;
+    for (size_t r = 0; r < 12; ++r) EXPECT_EQ(picks[r], sm.sample(ref.data() + r * nv, nv, greedy, {}, {}, 0)) << r;
+    // The draws matter: another position of c's request gives another token somewhere.
+    int differ = 0;
+    for (uint64_t i = 3; i < 40; ++i) differ += sm.sample(ref.data() + 13 * nv, nv, pc, c, out_c, i) != picks[13];
+    EXPECT_GT(differ, 0);
+    for (KvSeq* s : {&s1, &s2, &s3, &r1, &r2, &r3}) s->release(e.pool());
 }
 
 // forward_export (a hand-off into another arena): after the pass every block of

@@ -153,3 +153,48 @@ TEST(Sampler, ValidateRejectsAbsurdParameters) {
     p.frequency_penalty = 3;
     EXPECT_FALSE(p.validate().ok());
 }
+
+// The penalties as edits (what a GPU sampler receives): one per distinct token of
+// prompt or output, in id order; the repetition flag on every one of them (when the
+// penalty is on); frequency x count + presence on output tokens only; ids outside
+// the vocabulary ignored; nothing without penalties.
+TEST(Sampler, PenaltyEditsListEachTouchedTokenOnce) {
+    SamplingParams p;
+    std::vector<PenaltyEdit> e;
+    const std::vector<int32_t> prompt = {7, 3, 7, 99, -1}, output = {3, 5, 3, 3, 100};
+    penalty_edits(p, 100, prompt, output, e);
+    EXPECT_TRUE(e.empty());
+    EXPECT_FALSE(has_penalties(p));
+    p.repetition_penalty = 1.3f;
+    p.frequency_penalty = 0.25f;
+    p.presence_penalty = 0.5f;
+    EXPECT_TRUE(has_penalties(p));
+    penalty_edits(p, 100, prompt, output, e);
+    ASSERT_EQ(e.size(), 4u);
+    auto at = [&](size_t i, int32_t tok, int32_t rep, float sub) {
+        EXPECT_EQ(e[i].token, tok) << i;
+        EXPECT_EQ(e[i].rep, rep) << i;
+        EXPECT_EQ(e[i].sub, sub) << i;
+    };
+    at(0, 3, 1, 0.25f * 3 + 0.5f);  // in the prompt and three times in the output
+    at(1, 5, 1, 0.25f + 0.5f);
+    at(2, 7, 1, 0.0f);              // prompt only: repetition alone
+    at(3, 99, 1, 0.0f);
+    p.repetition_penalty = 1.0f;  // frequency and presence only: output tokens
+    penalty_edits(p, 100, prompt, output, e);
+    ASSERT_EQ(e.size(), 2u);
+    at(0, 3, 0, 0.25f * 3 + 0.5f);
+    at(1, 5, 0, 0.25f + 0.5f);
+    // The sampler applies exactly these: a greedy pick over logits where the edits
+    // decide.
+    Sampler s;
+    SamplingParams g = p;
+    g.temperature = 0;
+    std::vector<float> l(100, 0.0f);
+    l[3] = 2.0f;   // 2 - 1.25 = 0.75
+    l[5] = 1.0f;   // 1 - 0.75 = 0.25
+    l[50] = 0.7f;  // untouched
+    EXPECT_EQ(s.sample(l.data(), 100, g, prompt, output, 0), 3);
+    l[50] = 0.8f;
+    EXPECT_EQ(s.sample(l.data(), 100, g, prompt, output, 0), 50);
+}

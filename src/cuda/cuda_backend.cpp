@@ -25,6 +25,7 @@
 #include "model/bf16_weights.h"
 #include "model/gpu_plan.h"
 #include "ops.h"
+#include "cuda/sample_inputs.h"
 
 namespace duet {
 
@@ -169,6 +170,18 @@ struct CudaBackend::Impl {
 
     Status enqueue(const Acts& a, const InputLayout& l, int max_len);
     DevBuf argmax_buf;  // argmax_rows' output (outside the graphs: may move)
+    // Device sampling (kernels/cuda sample_rows) of the rows of entries with `sample`:
+    // inputs staged in sample_in and uploaded to sample_dev, scratch, picks; the rows
+    // and their picks as copied back; rows the kernel leaves to the host (-1) are
+    // copied back alone and sampled by host_sampler.
+    HostBuf sample_in;
+    DevBuf sample_dev, sample_ws, sample_out;
+    std::vector<std::pair<size_t, const SampleRequest*>> sampled;
+    std::vector<int32_t> sampled_picks;
+    std::vector<float> fallback_row;
+    Sampler host_sampler;
+    Status enqueue_samples(std::span<SeqBatch> batch, const Acts& a);
+    Status finish_samples(const Acts& a, std::vector<int32_t>& picks);
     Status pass(std::span<SeqBatch> batch, int64_t T, int64_t n_out, bool decode_step, std::vector<float>& logits,
                 std::vector<int32_t>* argmax);
     Status plan_export(std::span<SeqBatch> batch, const KvExport& exp);
@@ -514,7 +527,7 @@ Status CudaBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>
     return forward_impl(batch, logits, &exp, nullptr);
 }
 
-Status CudaBackend::forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) {
+Status CudaBackend::forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) {
     return forward_impl(batch, logits, nullptr, &argmax);
 }
 
@@ -709,7 +722,9 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
                                         stream));
         DUET_CUDA_TRY(cudaMemcpyAsync(argmax->data(), argmax_buf.as<int32_t>(), static_cast<size_t>(n_out) * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, stream));
-        for (const SeqBatch& b : batch) skip_any = skip_any || (b.argmax_only && !b.all_logits && b.n_tokens > 0);
+        for (const SeqBatch& b : batch)
+            skip_any = skip_any || ((b.argmax_only || b.sample) && !b.all_logits && b.n_tokens > 0);
+        if (Status st = enqueue_samples(batch, a); !st) return st;
     }
     if (!skip_any) {
         DUET_CUDA_TRY(cudaMemcpyAsync(logits.data(), a.logits.as<float>(), static_cast<size_t>(n_out) * row_bytes,
@@ -728,7 +743,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         for (const SeqBatch& b : batch) {
             if (b.n_tokens == 0) continue;
             const size_t rows = b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
-            if (b.argmax_only && !b.all_logits) {
+            if ((b.argmax_only || b.sample) && !b.all_logits) {
                 if (Status st = flush(); !st) return st;
             } else {
                 if (run_len == 0) run_start = r;
@@ -739,6 +754,83 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         if (Status st = flush(); !st) return st;
     }
     DUET_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (argmax && !sampled.empty()) return finish_samples(a, *argmax);
+    return {};
+}
+
+cuda::SampleRow sample_row_for(const SampleRequest& s, int32_t row, int64_t n_vocab, std::vector<cuda::SampleEdit>& edits) {
+    const SamplingParams& p = *s.params;
+    cuda::SampleRow x;
+    x.row = row;
+    x.inv_temp = p.temperature <= 0.0f ? 0.0f : 1.0f / p.temperature;
+    x.top_k = p.top_k;
+    x.top_p = p.top_p;
+    x.min_p_on = p.min_p > 0.0f;
+    x.log_min_p = x.min_p_on ? std::log(p.min_p) : 0.0f;
+    x.rep = p.repetition_penalty;
+    x.u = sample_uniform(p.seed, s.index);
+    thread_local std::vector<PenaltyEdit> pe;
+    penalty_edits(p, n_vocab, s.prompt, s.output, pe);
+    x.edit_begin = static_cast<int32_t>(edits.size());
+    x.edit_count = static_cast<int32_t>(pe.size());
+    for (const PenaltyEdit& e : pe) edits.push_back({e.token, e.rep, e.sub});
+    return x;
+}
+
+Status CudaBackend::Impl::enqueue_samples(std::span<SeqBatch> batch, const Acts& a) {
+    const int64_t nv = model->config().n_vocab;
+    sampled.clear();
+    size_t r = 0;
+    for (const SeqBatch& b : batch) {
+        if (b.n_tokens == 0) continue;
+        r += b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
+        if (b.sample) sampled.push_back({r - 1, b.sample});
+    }
+    if (sampled.empty()) return {};
+    // Per row its parameters as the CPU sampler derives them (1 / temperature, log of
+    // min_p, in float), its draw, and its penalties as edits.
+    std::vector<cuda::SampleRow> rows;
+    std::vector<cuda::SampleEdit> edits;
+    for (const auto& [row, s] : sampled) rows.push_back(sample_row_for(*s, static_cast<int32_t>(row), nv, edits));
+    const size_t rows_bytes = (rows.size() * sizeof(cuda::SampleRow) + 255) / 256 * 256;
+    const size_t bytes = rows_bytes + edits.size() * sizeof(cuda::SampleEdit);
+    if (Status st = sample_in.reserve(bytes); !st) return st;
+    if (Status st = sample_dev.reserve(bytes); !st) return st;
+    const int n = static_cast<int>(rows.size());
+    if (Status st = sample_ws.reserve(cuda::sample_workspace_bytes(n, nv)); !st) return st;
+    if (Status st = sample_out.reserve(rows.size() * sizeof(int32_t)); !st) return st;
+    auto* h = sample_in.as<uint8_t>();
+    std::memcpy(h, rows.data(), rows.size() * sizeof(cuda::SampleRow));
+    std::memcpy(h + rows_bytes, edits.data(), edits.size() * sizeof(cuda::SampleEdit));
+    DUET_CUDA_TRY(cudaMemcpyAsync(sample_dev.as<uint8_t>(), h, bytes, cudaMemcpyHostToDevice, stream));
+    {
+        trace::Range range("cuda sample");
+        DUET_CUDA_TRY(cuda::sample_rows(a.logits.as<float>(), nv, reinterpret_cast<const cuda::SampleRow*>(sample_dev.as<uint8_t>()),
+                                        n, reinterpret_cast<const cuda::SampleEdit*>(sample_dev.as<uint8_t>() + rows_bytes),
+                                        sample_out.as<int32_t>(), sample_ws.as<void>(), stream));
+    }
+    sampled_picks.resize(rows.size());
+    DUET_CUDA_TRY(cudaMemcpyAsync(sampled_picks.data(), sample_out.as<int32_t>(), rows.size() * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream));
+    return {};
+}
+
+Status CudaBackend::Impl::finish_samples(const Acts& a, std::vector<int32_t>& picks) {
+    const int64_t nv = model->config().n_vocab;
+    for (size_t i = 0; i < sampled.size(); ++i) {
+        const auto& [row, s] = sampled[i];
+        int32_t pick = sampled_picks[i];
+        if (pick < 0) {
+            // Candidates beyond what the kernel sorts: this row on the host.
+            fallback_row.resize(static_cast<size_t>(nv));
+            DUET_CUDA_TRY(cudaMemcpy(fallback_row.data(), a.logits.as<float>() + row * static_cast<size_t>(nv),
+                                     static_cast<size_t>(nv) * sizeof(float), cudaMemcpyDeviceToHost));
+            pick = host_sampler.sample(fallback_row.data(), nv, *s->params, s->prompt, s->output, s->index);
+        }
+        if (pick >= nv) return make_error("device sampling picked token {} of a vocabulary of {}", pick, nv);
+        picks[row] = pick;
+    }
+    sampled.clear();
     return {};
 }
 

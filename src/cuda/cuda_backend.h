@@ -5,8 +5,9 @@
 // this process, or the instance's shared device arena); its block metadata stays in
 // the shm control segment as on CPU. Decode steps (one token per sequence) replay
 // CUDA graphs captured per (batch bucket, attention split count); prefill chunks and
-// larger batches run eagerly. Logits come back to the host, where the sampler gives
-// the same (seed, position) draws as on CPU.
+// larger batches run eagerly. Rows forward_pick samples (greedy or not) are picked on
+// the device (kernels/cuda argmax_rows, sample_rows: the CPU sampler's tokens for the
+// same (seed, position)) and their logits stay there; other rows come back to the host.
 //
 // Built only with DUET_CUDA (DUET_HAVE_CUDA=1); this header includes no CUDA header.
 #pragma once
@@ -70,9 +71,11 @@ public:
     // other, driver-staged through host memory otherwise. Returns once the last
     // layer has landed. The pass runs eagerly.
     Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) override;
-    // The argmax of every output row on the device (kernels/cuda argmax_rows); only
-    // the rows of entries without argmax_only come back to the host.
-    Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) override;
+    // The argmax of every output row on the device (kernels/cuda argmax_rows), and the
+    // rows of entries with `sample` sampled there (sample_rows; a row whose top-k or
+    // top-p needs more than kSampleMaxSorted sorted candidates is copied back and
+    // sampled on the host); only the rows of other entries come back to the host.
+    Status forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) override;
 
     // "NVIDIA H200 (sm_90, 141 GiB), weights 270 MiB bf16, graphs for batches up to 256"
     std::string describe() const;

@@ -2,17 +2,27 @@
 
 namespace duet {
 
-Status Backend::forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) {
+Status Backend::forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& picks) {
     if (Status st = forward(batch, logits); !st) return st;
     const int64_t nv = n_vocab();
     const size_t rows = nv > 0 ? logits.size() / static_cast<size_t>(nv) : 0;
-    argmax.resize(rows);
+    picks.resize(rows);
     for (size_t r = 0; r < rows; ++r) {
         const float* row = logits.data() + r * static_cast<size_t>(nv);
         int64_t best = 0;
         for (int64_t t = 1; t < nv; ++t)
             if (row[t] > row[best]) best = t;  // first of equals: the lowest id
-        argmax[r] = static_cast<int32_t>(best);
+        picks[r] = static_cast<int32_t>(best);
+    }
+    size_t r = 0;
+    for (const SeqBatch& b : batch) {
+        if (b.n_tokens == 0) continue;
+        r += b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
+        if (b.sample) {
+            const SampleRequest& s = *b.sample;
+            picks[r - 1] = host_sampler_.sample(logits.data() + (r - 1) * static_cast<size_t>(nv), nv, *s.params, s.prompt,
+                                                s.output, s.index);
+        }
     }
     return {};
 }

@@ -10,8 +10,16 @@
 #include "base/result.h"
 #include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
+#include "model/sampler.h"
 
 namespace duet {
+
+// What sampling a sequence's next token needs (Sampler::sample's arguments but the row).
+struct SampleRequest {
+    const SamplingParams* params = nullptr;
+    std::span<const int32_t> prompt, output;  // the request's tokens so far (penalties)
+    uint64_t index = 0;                        // the output position being sampled
+};
 
 // One sequence's share of a batch: tokens at positions [kv->n_tokens(),
 // kv->n_tokens() + n_tokens). On success the KV of those positions is in the
@@ -22,10 +30,14 @@ struct SeqBatch {
     int32_t n_tokens = 0;
     bool all_logits = false;  // logits for every token; otherwise only the last
     // Only the argmax of this sequence's row is wanted (greedy sampling without
-    // penalties or log-probabilities): through forward_argmax, a backend may leave
+    // penalties or log-probabilities): through forward_pick, a backend may leave
     // the row out of `logits` (its values are then unspecified) and give the argmax
     // alone. A GPU backend saves copying n_vocab floats per row to the host.
     bool argmax_only = false;
+    // Sample this sequence's next token in the pass: through forward_pick, the pick
+    // of its (last) row is the token Sampler::sample gives for this request, and the
+    // backend may leave the row out of `logits` (a GPU backend samples on the device).
+    const SampleRequest* sample = nullptr;
 };
 
 class Backend {
@@ -35,16 +47,21 @@ public:
     // and one row otherwise; each row holds n_vocab floats. A sequence's logits do
     // not depend on the rest of the batch nor on how its tokens were chunked.
     virtual Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) = 0;
-    // forward(), also giving for every output row the index of its largest logit,
-    // the lowest on ties (the sampler's greedy pick); rows of argmax_only entries
-    // may be left out of `logits`. The default computes it from forward's logits.
-    virtual Status forward_argmax(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax);
+    // forward(), also giving a pick for every output row: the sampled token for the
+    // row of an entry with `sample`, else the index of the row's largest logit, the
+    // lowest on ties (the sampler's greedy pick). Rows of argmax_only or sample
+    // entries may be left out of `logits`. The default computes the picks from
+    // forward's logits on the host.
+    virtual Status forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& picks);
     // forward(), also copying every block of the exported sequences into other
     // arenas (kv_copy.h KvExport: a hand-off to a decode worker that keeps its KV
     // elsewhere); returns once everything has landed. On error nothing is exported
     // and the batch is as before. The default: an error (the backend cannot).
     virtual Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
     virtual int64_t n_vocab() const = 0;
+
+protected:
+    Sampler host_sampler_;  // forward_pick's host sampling
 };
 
 }  // namespace duet

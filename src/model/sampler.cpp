@@ -37,30 +37,47 @@ double sample_uniform(uint64_t seed, uint64_t index) {
     return static_cast<double>(r >> 11) * 0x1.0p-53;
 }
 
+bool has_penalties(const SamplingParams& p) {
+    return p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+}
+
+void penalty_edits(const SamplingParams& p, int64_t n_vocab, std::span<const int32_t> prompt,
+                   std::span<const int32_t> output, std::vector<PenaltyEdit>& out) {
+    out.clear();
+    if (!has_penalties(p)) return;
+    // Output tokens first (their counts), then prompt tokens not among them; ids out
+    // of range are ignored.
+    std::vector<std::pair<int32_t, int32_t>> seen;  // (token, count in output)
+    for (int32_t t : output)
+        if (t >= 0 && t < n_vocab) seen.push_back({t, 1});
+    for (int32_t t : prompt)
+        if (t >= 0 && t < n_vocab) seen.push_back({t, 0});
+    std::sort(seen.begin(), seen.end(), [](auto a, auto b) { return a.first < b.first; });
+    const bool rep = p.repetition_penalty != 1.0f;
+    for (size_t i = 0; i < seen.size();) {
+        int32_t count = 0;
+        size_t j = i;
+        for (; j < seen.size() && seen[j].first == seen[i].first; ++j) count += seen[j].second;
+        // Repetition: divide positive logits, multiply negative ones (CTRL / HF
+        // semantics), once per distinct token of prompt or output; then frequency and
+        // presence for output tokens.
+        const float sub = count > 0 ? p.frequency_penalty * static_cast<float>(count) + p.presence_penalty : 0.0f;
+        if (rep || count > 0) out.push_back({seen[i].first, rep ? 1 : 0, sub});
+        i = j;
+    }
+}
+
 int32_t Sampler::sample(const float* logits, int64_t n_vocab, const SamplingParams& p,
                         std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index) {
-    const bool penalize = p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
     const float* l = logits;
-    if (penalize) {
+    if (has_penalties(p)) {
         work_.assign(logits, logits + n_vocab);
-        counts_.assign(n_vocab, 0);
-        for (int32_t t : output)
-            if (t >= 0 && t < n_vocab) ++counts_[t];
-        if (p.repetition_penalty != 1.0f) {
-            // Divide positive logits, multiply negative ones (CTRL / HF semantics),
-            // once per distinct token seen in prompt or output.
-            std::vector<bool> seen(static_cast<size_t>(n_vocab), false);
-            auto mark = [&](int32_t t) {
-                if (t < 0 || t >= n_vocab || seen[t]) return;
-                seen[t] = true;
-                work_[t] = work_[t] > 0 ? work_[t] / p.repetition_penalty : work_[t] * p.repetition_penalty;
-            };
-            for (int32_t t : prompt) mark(t);
-            for (int32_t t : output) mark(t);
+        penalty_edits(p, n_vocab, prompt, output, edits_);
+        for (const PenaltyEdit& e : edits_) {
+            float& w = work_[static_cast<size_t>(e.token)];
+            if (e.rep) w = w > 0 ? w / p.repetition_penalty : w * p.repetition_penalty;
+            w -= e.sub;
         }
-        for (int64_t t = 0; t < n_vocab; ++t)
-            if (counts_[t] > 0)
-                work_[t] -= p.frequency_penalty * static_cast<float>(counts_[t]) + p.presence_penalty;
         l = work_.data();
     }
 

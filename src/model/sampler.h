@@ -35,6 +35,19 @@ struct SamplingParams {
 // A uniform draw in [0, 1) for output token `index` of a request with `seed`.
 double sample_uniform(uint64_t seed, uint64_t index);
 
+// The penalties of a request as per-token edits of its logits, one entry per
+// distinct token they touch: logit = (rep ? (logit > 0 ? logit / r : logit * r) :
+// logit) - sub, r the repetition penalty. The CPU sampler applies these, and a GPU
+// sampler gets the same list, so both see the same penalized logits.
+struct PenaltyEdit {
+    int32_t token;
+    int32_t rep;  // 1: the repetition penalty applies (the token is in the prompt or output)
+    float sub;    // frequency_penalty * count + presence_penalty for output tokens, else 0
+};
+bool has_penalties(const SamplingParams& p);
+void penalty_edits(const SamplingParams& p, int64_t n_vocab, std::span<const int32_t> prompt,
+                   std::span<const int32_t> output, std::vector<PenaltyEdit>& out);
+
 class Sampler {
 public:
     // Picks a token from logits[n_vocab]. prompt and output are the request's
@@ -49,7 +62,7 @@ private:
     };
     std::vector<Cand> cand_;
     std::vector<float> work_;
-    std::vector<int32_t> counts_;
+    std::vector<PenaltyEdit> edits_;
 };
 
 }  // namespace duet

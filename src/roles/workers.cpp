@@ -663,20 +663,27 @@ Result<bool> DecodeWorker::step() {
     }
     std::vector<SeqBatch> batch;
     const uint64_t step_ns = shm::monotonic_ns();
-    for (Active& a : active_) {
-        // Greedy without penalties or log-probabilities needs the argmax alone (a
-        // GPU backend then copies no logits for it).
+    samples_.resize(active_.size());
+    for (size_t i = 0; i < active_.size(); ++i) {
+        Active& a = active_[i];
+        // Without log-probabilities the backend picks the token (a GPU backend then
+        // copies no logits for it): the argmax alone for greedy without penalties,
+        // else the sampler's pick for this request and position.
         const SamplingParams& sp = a.params.sampling;
-        const bool argmax_only = sp.temperature <= 0.0f && sp.repetition_penalty == 1.0f && sp.frequency_penalty == 0.0f &&
-                                 sp.presence_penalty == 0.0f && a.params.logprobs < 0;
-        batch.push_back(SeqBatch{&a.seq, &a.output.back(), 1, false, argmax_only});
+        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && a.params.logprobs < 0;
+        SeqBatch b{&a.seq, &a.output.back(), 1, false, argmax_only};
+        if (!argmax_only && a.params.logprobs < 0) {
+            samples_[i] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
+            b.sample = &samples_[i];
+        }
+        batch.push_back(b);
         if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
         a.fresh = false;
     }
     Status st;
     {
         trace::Range range("decode step");
-        st = backend_->forward_argmax(batch, logits_, argmax_);
+        st = backend_->forward_pick(batch, logits_, picks_);
     }
     if (!st) {
         // Out of KV blocks (or similar): fail the newest request and try again next step.
@@ -690,8 +697,8 @@ Result<bool> DecodeWorker::step() {
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
         const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
-        const int32_t next = batch[i].argmax_only
-                                 ? argmax_[i]
+        const int32_t next = batch[i].argmax_only || batch[i].sample
+                                 ? picks_[i]
                                  : sampler_.sample(row, nv, a.params.sampling, a.prompt, a.output, a.output.size());
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));

@@ -82,7 +82,8 @@ protected:
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
     std::vector<float> logits_;
-    std::vector<int32_t> argmax_;  // per output row, from forward_argmax
+    std::vector<int32_t> picks_;          // per output row, from forward_pick
+    std::vector<SampleRequest> samples_;  // the step's rows the backend samples
     WorkerOptions opts_;
 };
 
