@@ -721,11 +721,17 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
-// 8 quantized KV values as floats (unscaled).
+// 8 quantized KV values as floats (unscaled). e4m3 through f16: its bits shifted
+// into an f16's (sign to bit 15, exponent and mantissa to bits 7-13) read 2^-8 times
+// the value, subnormals included, exactly; the NaN byte is not written by
+// quantize_kv_row for finite rows.
 static inline __m256 load8_kv(KvQuant t, const uint8_t* p) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     if (t == KvQuant::Int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    return _mm256_i32gather_ps(kFp8E4M3, _mm256_cvtepu8_epi32(b), 4);
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
 void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,

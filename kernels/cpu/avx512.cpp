@@ -1127,11 +1127,15 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
     }
 }
 
-// Up to 16 quantized KV values (mask k) as floats (unscaled; masked lanes 0).
+// Up to 16 quantized KV values (mask k) as floats (unscaled; masked lanes 0). e4m3
+// through f16 as in avx2.cpp's load8_kv (exact, but for the NaN byte).
 static inline __m512 load16_kv(KvQuant t, const uint8_t* p, __mmask16 k) {
     const __m128i b = _mm_maskz_loadu_epi8(k, p);
     if (t == KvQuant::Int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, _mm512_cvtepu8_epi32(b), kFp8E4M3, 4);
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
 void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
