@@ -22,6 +22,7 @@
 #include "model/gpu_plan.h"
 #include "model/sampler.h"
 #include "ops.h"
+#include "qgemv.h"
 #include "sample.h"
 #include "cuda/sample_inputs.h"
 #include "shm/fd_keeper.h"
@@ -772,4 +773,56 @@ TEST(CudaGemm, Bf16LinearMatchesTheReference) {
                 ADD_FAILURE() << n_out << "x" << n_in << "x" << n_tok << " [" << i << "] " << got[i] << " vs " << want[i];
         EXPECT_EQ(bad, 0u);
     }
+}
+
+// The quantized GEMV (decode projections from GGUF blocks: Q4_0, Q4_1, Q8_0) against
+// float64 over the blocks' dequantized weights (the CPU's dequantize_row) and the
+// bf16 activations, 1 to 8 tokens, the model's shapes (rows not a multiple of the
+// block of warps included); bad shapes refused.
+TEST(CudaGemm, QuantizedGemvMatchesTheReference) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    namespace cpu = duet::cpu;
+    for (duet::DType type : {duet::DType::Q4_0, duet::DType::Q4_1, duet::DType::Q8_0})
+        for (auto [n_out, n_in, n_tok] : {std::tuple{576, 576, 1}, std::tuple{1535, 576, 8}, std::tuple{577, 1536, 3}}) {
+            auto wf = randoms(static_cast<size_t>(n_out) * n_in, 51, 0.05f), xf = randoms(static_cast<size_t>(n_tok) * n_in, 52);
+            const size_t row_bytes = static_cast<size_t>(n_in) / 32 * duet::dtype_block_bytes(type);
+            std::vector<uint8_t> w(row_bytes * n_out);
+            std::vector<float> wd(wf.size());
+            for (int r = 0; r < n_out; ++r) {
+                cpu::quantize_row(cpu::Isa::Scalar, type, &wf[static_cast<size_t>(r) * n_in], &w[r * row_bytes], n_in);
+                cpu::dequantize_row(type, &w[r * row_bytes], &wd[static_cast<size_t>(r) * n_in], n_in);
+            }
+            std::vector<uint16_t> xb(xf.size());
+            for (size_t i = 0; i < xf.size(); ++i) xb[i] = cpu::fp32_to_bf16(xf[i]);
+            std::vector<float> want(static_cast<size_t>(n_tok) * n_out), bound(want.size());
+            for (int t = 0; t < n_tok; ++t)
+                for (int r = 0; r < n_out; ++r) {
+                    double acc = 0, mag = 0;
+                    for (int k = 0; k < n_in; ++k) {
+                        const double p = static_cast<double>(wd[static_cast<size_t>(r) * n_in + k]) *
+                                         cpu::bf16_to_fp32(xb[static_cast<size_t>(t) * n_in + k]);
+                        acc += p;
+                        mag += std::fabs(p);
+                    }
+                    want[static_cast<size_t>(t) * n_out + r] = static_cast<float>(acc);
+                    bound[static_cast<size_t>(t) * n_out + r] = static_cast<float>(1e-5 * mag + 1e-6);
+                }
+            DeviceBuf<uint8_t> dw(w);
+            DeviceBuf<uint16_t> dx(xb);
+            DeviceBuf<float> dy(std::vector<float>(want.size()));
+            ASSERT_EQ(duet::cuda::qgemv(static_cast<int>(type), dw.p, row_bytes, n_out, n_in, dx.p, n_tok, dy.p, n_out, nullptr),
+                      cudaSuccess);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<float> got = dy.get(want.size());
+            size_t bad = 0;
+            for (size_t i = 0; i < got.size(); ++i)
+                if (!(std::fabs(got[i] - want[i]) <= bound[i]) && bad++ < 5)
+                    ADD_FAILURE() << "type " << static_cast<int>(type) << " " << n_out << "x" << n_in << "x" << n_tok << " ["
+                                  << i << "] " << got[i] << " vs " << want[i];
+            EXPECT_EQ(bad, 0u);
+        }
+    EXPECT_EQ(duet::cuda::qgemv(duet::cuda::kQ4_1, nullptr, 20, 4, 33, nullptr, 1, nullptr, 4, nullptr), cudaErrorInvalidValue);
+    EXPECT_EQ(duet::cuda::qgemv(duet::cuda::kQ4_1, nullptr, 20, 4, 32, nullptr, 9, nullptr, 4, nullptr), cudaErrorInvalidValue);
+    EXPECT_EQ(duet::cuda::qgemv(12, nullptr, 20, 4, 32, nullptr, 1, nullptr, 4, nullptr), cudaErrorInvalidValue);
+    EXPECT_FALSE(duet::cuda::qgemv_supports(12));
 }

@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <numeric>
 #include <random>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_util.h"
 #include "gemm.h"
+#include "model/bf16_weights.h"
+#include "qgemv.h"
 #include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
 #include "model/cpu_backend.h"
@@ -98,6 +101,88 @@ double matrix_params(const Model& m) {
             n += static_cast<double>(t->ne[0]) * static_cast<double>(t->ne[1]);
     }
     return n;
+}
+
+// The decode projections two ways, on the model's own matrices (layer 0's seven
+// and the output head, all layers counted): cuBLAS over the bf16 copy (what the
+// backend runs) against the quantized GEMV over GGUF's blocks (kernels/cuda
+// qgemv.h), at 1, 2, 4 and 8 tokens, each the median of 50 timed launches, with
+// each side's floor (its weight bytes over the measured HBM bandwidth).
+Result<nlohmann::json> qgemv_vs_bf16(const Model& m, double hbm, cudaStream_t s) {
+    using nlohmann::json;
+    std::vector<std::pair<const GgufTensor*, double>> mats;  // (matrix, how many times a token uses its shape)
+    const LayerWeights& w0 = m.layer(0);
+    for (const GgufTensor* t : {w0.wq, w0.wk, w0.wv, w0.wo, w0.w_gate, w0.w_up, w0.w_down})
+        mats.push_back({t, static_cast<double>(m.config().n_layer)});
+    mats.push_back({&m.output(), 1.0});
+    cuda::Gemm g;
+    std::string err;
+    DevBuf ws;
+    if (Status st = ws.reserve(size_t{32} << 20); !st) return st.error();
+    if (!g.init(&err) || !g.set_workspace(ws.as<void>(), size_t{32} << 20, &err)) return make_error("{}", err);
+    json rows = json::array();
+    std::map<int, std::pair<double, double>> step;  // tokens -> (bf16 ms, quantized ms) per decode step
+    double bf16_bytes = 0, q_bytes = 0;
+    bool all = true;
+    for (const auto& [t, times] : mats) {
+        const int n_in = static_cast<int>(t->ne[0]), n_out = static_cast<int>(t->ne[1]);
+        if (!cuda::qgemv_supports(static_cast<int>(t->type)) || n_in % 32 != 0) {
+            all = false;
+            continue;
+        }
+        auto h = dequantize_bf16(*t);
+        if (!h) return h.error();
+        const size_t qb = static_cast<size_t>(t->row_bytes()) * n_out;
+        DevBuf wq, wb, x, y;
+        for (auto [b, bytes] : {std::pair{&wq, qb}, std::pair{&wb, h->size() * 2},
+                                std::pair{&x, size_t{8} * n_in * 2}, std::pair{&y, size_t{8} * n_out * 4}})
+            if (Status st = b->reserve(bytes); !st) return st.error();
+        DUET_CUDA_TRY(cudaMemcpy(wq.as<void>(), t->data, qb, cudaMemcpyHostToDevice));
+        DUET_CUDA_TRY(cudaMemcpy(wb.as<void>(), h->data(), h->size() * 2, cudaMemcpyHostToDevice));
+        DUET_CUDA_TRY(cudaMemsetAsync(x.as<void>(), 0x3c, size_t{8} * n_in * 2, s));
+        bf16_bytes += static_cast<double>(h->size()) * 2 * times;
+        q_bytes += static_cast<double>(qb) * times;
+        for (int nt : {1, 2, 4, 8}) {
+            auto median_ms = [&](auto&& launch) -> Result<double> {
+                std::vector<double> v;
+                Timer tm;
+                for (int i = 0; i < 53; ++i) {
+                    tm.start(s);
+                    if (Status st = launch(); !st) return st.error();
+                    const double ms = tm.stop(s);
+                    if (i >= 3) v.push_back(ms);
+                }
+                std::sort(v.begin(), v.end());
+                return v[v.size() / 2];
+            };
+            auto b = median_ms([&]() -> Status {
+                if (!g.linear(wb.as<uint16_t>(), n_out, n_in, x.as<uint16_t>(), nt, y.as<float>(), n_out, s, &err))
+                    return make_error("{}", err);
+                return {};
+            });
+            if (!b) return b.error();
+            auto q = median_ms([&]() -> Status {
+                return cuda_ok(cuda::qgemv(static_cast<int>(t->type), wq.as<void>(), t->row_bytes(), n_out, n_in,
+                                           x.as<uint16_t>(), nt, y.as<float>(), n_out, s),
+                               "qgemv");
+            });
+            if (!q) return q.error();
+            rows.push_back({{"tensor", t->name}, {"type", static_cast<int>(t->type)}, {"n_out", n_out}, {"n_in", n_in},
+                            {"tokens", nt}, {"bf16_ms", *b}, {"quantized_ms", *q}, {"ratio", *q / *b}});
+            step[nt].first += *b * times;
+            step[nt].second += *q * times;
+        }
+    }
+    json out;
+    out["matrices"] = rows;
+    out["all_quantized_types_supported"] = all;
+    out["bf16_floor_ms"] = bf16_bytes / hbm * 1e3;
+    out["quantized_floor_ms"] = q_bytes / hbm * 1e3;
+    json steps = json::array();
+    for (const auto& [nt, v] : step)
+        steps.push_back({{"tokens", nt}, {"bf16_ms", v.first}, {"quantized_ms", v.second}, {"ratio", v.second / v.first}});
+    out["per_step"] = steps;
+    return out;
 }
 
 // Seconds to copy `bytes` from the device into pageable host memory (a std::vector,
@@ -397,6 +482,11 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
         }
         j["kv_copy"] = kc;
     }
+    {
+        auto q = qgemv_vs_bf16(m, *bw, s);
+        if (!q) return q.error();
+        j["qgemv"] = *q;
+    }
     return j;
 }
 
@@ -426,6 +516,17 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
                           r["argmax_step_ms"].get<double>(), r["argmax_ratio_to_floor"].get<double>(),
                           r["sampled_step_ms"].get<double>(),
                           r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "");
+    if (j.contains("qgemv")) {
+        const auto& q = j["qgemv"];
+        md += fmt::format("\nDecode projections of one step, all layers (layer 0's matrices timed alone, x layers; the "
+                          "head once): cuBLAS over bf16 (floor {:.3f} ms) against the quantized GEMV over GGUF blocks "
+                          "(floor {:.3f} ms){}:\n\n| tokens | bf16 ms | quantized ms | ratio |\n|---|---|---|---|\n",
+                          q["bf16_floor_ms"].get<double>(), q["quantized_floor_ms"].get<double>(),
+                          q["all_quantized_types_supported"].get<bool>() ? "" : " (matrices of other types left out)");
+        for (const auto& r : q["per_step"])
+            md += fmt::format("| {} | {:.3f} | {:.3f} | {:.2f} |\n", r["tokens"].get<int>(), r["bf16_ms"].get<double>(),
+                              r["quantized_ms"].get<double>(), r["ratio"].get<double>());
+    }
     const auto& k = j["kv_copy"];
     md += fmt::format("\nHand-off KV copy, {} tokens ({} blocks, {:.1f} MiB), layer by layer into {} (plain copy {:.0f} GB/s):\n\n",
                       k["tokens"].get<int>(), k["blocks"].get<int>(), k["bytes"].get<double>() / 1048576.0,
