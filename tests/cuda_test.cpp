@@ -537,8 +537,9 @@ TEST(CudaAttention, QuantizedKvAppendsTheCpuBytesAndAttends) {
         toff.push_back(0);
         const int n_tok = n_q + 1;
         auto k = randoms(static_cast<size_t>(n_tok) * row, 71, 2.0f), v = randoms(static_cast<size_t>(n_tok) * row, 72);
-        k[5] = 0.0f;  // rows with a zero and an outlier
+        k[5] = 0.0f;  // rows with a zero and an outlier, a row of values too small to scale
         k[row + 7] = 40.0f;
+        for (int d = 0; d < 64; ++d) k[static_cast<size_t>(2 * row + 64 + d)] = d == 3 ? 1e-38f : 0.0f;
         for (int t = 0; t < n_q; ++t)
             for (int h = 0; h < 3; ++h) {
                 const float* kr = &k[static_cast<size_t>(t) * row + h * 64];

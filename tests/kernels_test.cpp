@@ -1123,6 +1123,13 @@ TEST(KvQuantRow, ScaleAndRoundTripBounds) {
         std::vector<uint8_t> q(64, 0xAB);
         EXPECT_EQ(quantize_kv_row(t, zeros.data(), 64, q.data()), 0.0f);
         for (uint8_t b : q) ASSERT_EQ(b, 0);
+        // Values so small that 1 / scale overflows: zeros too, not NaN.
+        std::vector<float> tiny(64, 0.0f);
+        tiny[5] = 1e-38f;
+        tiny[9] = -3e-39f;
+        std::fill(q.begin(), q.end(), 0xAB);
+        EXPECT_EQ(quantize_kv_row(t, tiny.data(), 64, q.data()), 0.0f);
+        for (uint8_t b : q) ASSERT_EQ(b, 0);
     }
 }
 

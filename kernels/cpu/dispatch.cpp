@@ -351,6 +351,10 @@ float quantize_kv_row(KvQuant t, const float* x, int64_t n, uint8_t* q) {
         return amax > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
     }
     const float scale = amax / top, inv = top / amax;
+    if (std::isinf(inv)) {  // a row of values below ~1e-36: zeros (1 / scale would overflow)
+        for (int64_t i = 0; i < n; ++i) q[i] = 0;
+        return 0.0f;
+    }
     for (int64_t i = 0; i < n; ++i) {
         const float v = x[i] * inv;
         if (t == KvQuant::Int8)

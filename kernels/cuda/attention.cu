@@ -84,6 +84,11 @@ __device__ void store_row_warp(const float* x, int n, uint8_t* row, float* scale
             return;
         }
         const float inv = __fdiv_rn(top, amax);
+        if (isinf(inv)) {  // a row of values below ~1e-36: zeros (as on the CPU)
+            for (int d = lane; d < n; d += 32) row[d] = 0;
+            if (lane == 0) *scale = 0.0f;
+            return;
+        }
         for (int d = lane; d < n; d += 32) {
             const float v = __fmul_rn(x[d], inv);
             if constexpr (DT == kKvInt8)
@@ -143,7 +148,9 @@ __global__ void partial_kernel(const float* q, PagedKv kv, const int32_t* tables
         for (int i = 0; i < PER; ++i) dot += qr[i] * kv_load<DT>(k, lane + 32 * i);
         const float sc = DT == kKvF16 ? warp_sum(dot) : warp_sum(dot) * view.k_scale(blk, hkv, slot);
         const float m_new = fmaxf(m, sc);
-        if (m_new == -INFINITY) continue;  // a -inf score (overflow) weighs nothing; -inf - -inf would be NaN
+        // A -inf score (overflow) weighs nothing (-inf - -inf would be NaN); a NaN
+        // score (a NaN row) makes the output NaN wherever it comes, as on the CPU.
+        if (m_new == -INFINITY && !isnan(sc)) continue;
         const float corr = m == -INFINITY ? 0.0f : expf(m - m_new), p = expf(sc - m_new);
         l = l * corr + p;
         const float pv = DT == kKvF16 ? p : p * view.v_scale(blk, hkv, slot);
@@ -274,7 +281,7 @@ __global__ void prefill_tiled_kernel(const float* q, PagedKv kv, const int32_t* 
                 for (int p = 0; p < PER; ++p) dot += qr[i][p] * kf[p];
                 const float sc = warp_sum(dot);
                 const float m_new = fmaxf(m[i], sc);
-                if (m_new == -INFINITY) continue;
+                if (m_new == -INFINITY && !isnan(sc)) continue;
                 const float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - m_new), pr = expf(sc - m_new);
                 l[i] = l[i] * corr + pr;
                 for (int p = 0; p < PER; ++p) acc[i][p] = acc[i][p] * corr + pr * vf[p];

@@ -212,7 +212,9 @@ __device__ int first_reaching(int n, float mx, double div, double reach, bool st
     return r;
 }
 
-__global__ void sample_kernel(const float* logits, int64_t nv, const SampleRow* rows, const SampleEdit* edits,
+// 1024 threads a block: the bounds keep the registers within 64 a thread (without
+// them nvcc takes 82 and every launch fails for lack of resources).
+__global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int64_t nv, const SampleRow* rows, const SampleEdit* edits,
                               int32_t* picks, float* work) {
     __shared__ Shared sh;
     const SampleRow r = rows[blockIdx.x];
