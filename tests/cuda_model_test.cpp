@@ -44,9 +44,10 @@ void in_child(F body) {
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = true, int64_t n_ctx = 2048,
-                                    const std::string& kv_dtype = "f16") {
+                                    const std::string& kv_dtype = "f16", bool qgemv = false) {
     EngineOptions o;
     o.kv_dtype = kv_dtype;
+    o.cuda_qgemv = qgemv;
     o.model_path = DUET_MODEL_PATH;
     o.threads = 2;
     o.n_ctx = n_ctx;
@@ -100,14 +101,19 @@ double rms_diff(const std::vector<float>& a, const std::vector<float>& b) {
 // two best are nearly tied. The check: 32 greedy tokens equal on every prompt, or,
 // where they part, the CPU's margin between the two choices is under 0.25 logits (a
 // near tie, not a wrong result); every step's logits within 2% RMS of the CPU's.
-// The same with the KV cache quantized (int8, fp8) on both backends.
+// The same with the KV cache quantized (int8, fp8) on both backends, and with the
+// GPU's decode projections from the GGUF blocks (the quantized GEMV: the CPU's very
+// weights, where bf16 rounds them).
 TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
-    for (const char* dt : {"f16", "int8", "fp8"}) in_child([dt] {
-        std::fprintf(stderr, "KV %s\n", dt);
+    for (const auto& [dt, qgemv] : {std::pair{"f16", false}, {"int8", false}, {"fp8", false}, {"f16", true}}) in_child([dt, qgemv] {
+        std::fprintf(stderr, "KV %s%s\n", dt, qgemv ? ", quantized GEMV" : "");
         auto cpu = make_engine("cpu", true, 2048, dt);
-        auto gpu = make_engine("cuda:0", true, 2048, dt);
+        auto gpu = make_engine("cuda:0", true, 2048, dt, qgemv);
         ASSERT_TRUE(cpu && gpu);
+        if (qgemv) {
+            EXPECT_NE(static_cast<CudaBackend&>(gpu->backend()).describe().find("quantized GEMV"), std::string::npos);
+        }
         const std::vector<std::string> prompts = {
             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
             "The quick brown fox",

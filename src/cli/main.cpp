@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
     c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
     c_run->add_option("--device", run.engine.device, "cpu, or cuda:N (a build with CUDA)")->capture_default_str();
     c_run->add_flag("!--no-cuda-graphs", run.engine.cuda_graphs, "run every CUDA pass eagerly");
+    c_run->add_flag("--cuda-qgemv", run.engine.cuda_qgemv, "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16");
     c_run->add_option("--kv-dtype", run.engine.kv_dtype, "KV cache values: f16, int8 or fp8 (e4m3), quantized with a scale per token and head")->capture_default_str();
     c_run->add_option("--instance", run.engine.instance,
                       "shared-memory instance name: segments /dev/shm/duet.<name>[.kv] (default: run-<pid>-0)");
@@ -178,6 +179,7 @@ int main(int argc, char** argv) {
     c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
     c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
     c_serve->add_option("--device", serve.device, "cpu, or GPUs: cuda:N, or cuda:0,cuda:1,... (a prefill and a decode worker on each, sharing its KV arena)")->capture_default_str();
+    c_serve->add_flag("--cuda-qgemv", serve.cuda_qgemv, "GPUs: decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16 (duet bench cuda compares them)");
     c_serve->add_option("--kv-dtype", serve.kv_dtype, "KV cache values: f16, or int8 / fp8 (e4m3) with a scale per token and head (about half the memory: twice the tokens in the same arena)")->capture_default_str();
     c_serve->add_option("--kv-arenas", serve.kv_arenas, "shared: prefill and decode use one KV arena per device (hand-offs copy nothing); per-role: each role its own (CPU: prefill's and decode's host arenas, each on its role's NUMA nodes; GPUs: prefill alone on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV layer by layer")->capture_default_str();
     c_serve->add_option("--kv-memory", serve.kv_memory, "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest of it)")->capture_default_str()->check(CLI::Range(0.05, 1.0));
@@ -211,6 +213,7 @@ int main(int argc, char** argv) {
         c->add_option("--numa", worker.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
         c->add_option("--device", worker.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();
         c->add_flag("!--no-cuda-graphs", worker.cuda_graphs, "run every CUDA pass eagerly");
+        c->add_flag("--cuda-qgemv", worker.cuda_qgemv, "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16");
     }
     c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
     c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");

@@ -299,6 +299,7 @@ int cmd_serve(const ServeArgs& a) {
                     const shm::Role role = w.role == "prefill" ? shm::Role::Prefill : shm::Role::Decode;
                     const uint32_t arena = worker_arena(inst->config(), role, static_cast<uint32_t>(w.index));
                     argv.insert(argv.end(), {"--device", gpus.at(arena).name()});
+                    if (a.cuda_qgemv) argv.push_back("--cuda-qgemv");
                 }
                 if (w.role == "prefill") {
                     argv.insert(argv.end(), {"--budget", std::to_string(a.prefill_budget)});

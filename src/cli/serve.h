@@ -39,6 +39,7 @@ struct ServeArgs {
     // copy nothing); "per-role": each role its own (ServeLayout::kv_split).
     std::string kv_arenas = "shared";
     std::string kv_dtype = "f16";  // f16, int8, fp8 (ServeLayout::kv_dtype)
+    bool cuda_qgemv = false;       // GPU workers: CudaBackendOptions::quantized_gemv
 };
 
 int cmd_serve(const ServeArgs& a);

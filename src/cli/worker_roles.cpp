@@ -59,6 +59,7 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
     }
     o.device = *dev;
     o.cuda_graphs = a.cuda_graphs;
+    o.cuda_qgemv = a.cuda_qgemv;
     o.prefill_chunk = a.budget;
     o.prefix_cache = a.prefix_cache;
     struct sigaction sa {};

@@ -19,6 +19,7 @@ struct WorkerArgs {
     bool prefix_cache = true;  // prefill: reuse and publish cached prompt blocks
     std::string device = "cpu";  // or cuda:N
     bool cuda_graphs = true;
+    bool cuda_qgemv = false;
 };
 
 int cmd_worker(const WorkerArgs& a, bool prefill);

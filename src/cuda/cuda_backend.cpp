@@ -25,6 +25,7 @@
 #include "model/bf16_weights.h"
 #include "model/gpu_plan.h"
 #include "ops.h"
+#include "qgemv.h"
 #include "cuda/sample_inputs.h"
 
 namespace duet {
@@ -115,6 +116,13 @@ struct CudaBackend::Impl {
     bool weights_shared = false;
     size_t weight_bytes = 0;
     std::vector<LayerDev> layers;
+    // quantized_gemv: a matrix's GGUF blocks on the device, by its bf16 copy.
+    struct QMat {
+        const void* w;
+        int type;
+        size_t row_bytes;
+    };
+    std::map<const uint16_t*, QMat> qmats;
     const uint16_t* embd = nullptr;
     const uint16_t* out = nullptr;
     const float* out_norm = nullptr;
@@ -194,9 +202,11 @@ Status CudaBackend::Impl::upload_weights() {
         const GgufTensor* t;
         bool bf16;
         size_t off;
+        bool raw = false;  // the GGUF blocks as stored (quantized_gemv)
     };
     std::vector<Item> items;
     std::map<const GgufTensor*, size_t> at;  // a tensor named twice (tied output) is uploaded once
+    std::map<const GgufTensor*, size_t> raw_at;
     size_t total = 0;
     auto add = [&](const GgufTensor* t, bool bf16) {
         if (!t || at.count(t)) return;
@@ -205,12 +215,25 @@ Status CudaBackend::Impl::upload_weights() {
         items.push_back({t, bf16, total});
         total += (bytes + 255) / 256 * 256;
     };
+    auto add_raw = [&](const GgufTensor* t) {
+        if (!o.quantized_gemv || !t || raw_at.count(t) || !cuda::qgemv_supports(static_cast<int>(t->type)) ||
+            t->n_dims != 2 || t->ne[0] % 32 != 0)
+            return;
+        const size_t bytes = static_cast<size_t>(t->row_bytes()) * static_cast<size_t>(t->ne[1]);
+        raw_at[t] = total;
+        items.push_back({t, false, total, true});
+        total += (bytes + 255) / 256 * 256;
+    };
     add(&model->tok_embd(), true);
     add(&model->output(), true);
+    add_raw(&model->output());
     add(&model->output_norm(), false);
     for (int64_t l = 0; l < c.n_layer; ++l) {
         const LayerWeights& w = model->layer(l);
-        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) add(m, true);
+        for (const GgufTensor* m : {w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down}) {
+            add(m, true);
+            add_raw(m);
+        }
         for (const GgufTensor* f : {w.attn_norm, w.ffn_norm, w.bq, w.bk, w.bv}) add(f, false);
     }
     const size_t freq_off = total;
@@ -231,7 +254,11 @@ Status CudaBackend::Impl::upload_weights() {
                 const Item& it = items[i];
                 const GgufTensor& t = *it.t;
                 Status st;
-                if (it.bf16) {
+                if (it.raw) {
+                    st = cuda_ok(cudaMemcpy(base + it.off, t.data, static_cast<size_t>(t.row_bytes()) * t.ne[1],
+                                            cudaMemcpyHostToDevice),
+                                 "weights upload");
+                } else if (it.bf16) {
                     auto h = dequantize_bf16(t);
                     st = !h ? Status(h.error())
                             : cuda_ok(cudaMemcpy(base + it.off, h->data(), h->size() * 2, cudaMemcpyHostToDevice),
@@ -266,7 +293,8 @@ Status CudaBackend::Impl::upload_weights() {
     };
     char* base = nullptr;
     if (!o.share_weights_instance.empty()) {
-        const std::string content = fmt::format("bf16-weights model={:016x}", model->fingerprint());
+        const std::string content =
+            fmt::format("bf16-weights{} model={:016x}", o.quantized_gemv ? "+blocks" : "", model->fingerprint());
         auto sh = SharedDeviceBuffer::get_or_make(o.share_weights_instance, fmt::format("weights.cuda.{}", o.device),
                                                   o.device, total, content,
                                                   [&](void* p) { return upload(static_cast<char*>(p)); });
@@ -292,6 +320,8 @@ Status CudaBackend::Impl::upload_weights() {
         return t ? reinterpret_cast<const uint16_t*>(base + at.at(t)) : nullptr;
     };
     auto f = [&](const GgufTensor* t) { return t ? reinterpret_cast<const float*>(base + at.at(t)) : nullptr; };
+    for (const auto& [t, off] : raw_at)
+        qmats[b16(t)] = QMat{base + off, static_cast<int>(t->type), static_cast<size_t>(t->row_bytes())};
     embd = b16(&model->tok_embd());
     out = b16(&model->output());
     out_norm = f(&model->output_norm());
@@ -372,6 +402,12 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
     uint16_t* XB = a.xb.as<uint16_t>();
     std::string err;
     auto mm = [&](const uint16_t* w, int n_out, int n_in, const uint16_t* xin, int n_tok, float* y, int ldy) -> Status {
+        if (n_tok <= cuda::kQgemvMaxTokens && !qmats.empty()) {
+            if (auto it = qmats.find(w); it != qmats.end())
+                return cuda_ok(cuda::qgemv(it->second.type, it->second.w, it->second.row_bytes, n_out, n_in, xin, n_tok,
+                                           y, ldy, stream),
+                               "qgemv");
+        }
         if (!gemm->linear(w, n_out, n_in, xin, n_tok, y, ldy, stream, &err)) return make_error("{}", err);
         return {};
     };
@@ -513,8 +549,10 @@ int CudaBackend::graphs_captured() const { return d_->captures; }
 int64_t CudaBackend::graph_replays() const { return d_->replays; }
 
 std::string CudaBackend::describe() const {
-    return fmt::format("cuda:{} {}, weights {:.0f} MiB bf16{}, {}", d_->o.device, d_->device_name,
-                       d_->weight_bytes / 1048576.0, d_->weights_shared ? " (shared on the GPU)" : "",
+    return fmt::format("cuda:{} {}, weights {:.0f} MiB bf16{}{}, {}", d_->o.device, d_->device_name,
+                       d_->weight_bytes / 1048576.0,
+                       d_->qmats.empty() ? "" : fmt::format(" + GGUF blocks of {} matrices (quantized GEMV)", d_->qmats.size()),
+                       d_->weights_shared ? " (shared on the GPU)" : "",
                        d_->o.graphs ? fmt::format("decode graphs for batches up to {}", d_->buckets.back())
                                     : std::string("no graphs"));
 }

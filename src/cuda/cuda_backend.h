@@ -29,6 +29,11 @@ struct CudaBackendOptions {
     int max_batch = 256;     // decode steps of up to this many sequences replay graphs
     int64_t max_ctx = 4096;  // the longest sequence a graph-replayed step may hold
     bool graphs = true;      // false: every pass eager (for comparison and debugging)
+    // Projections of passes of at most 8 tokens (decode steps of small batches) from
+    // the GGUF blocks of Q4_0 / Q4_1 / Q8_0 matrices (kernels/cuda qgemv.h), kept on
+    // the device next to the bf16 copy; larger passes and other types use cuBLAS.
+    // Off until a GPU run shows it faster (duet bench cuda measures both).
+    bool quantized_gemv = false;
     // The weights in device memory shared with the instance's other processes on this
     // GPU (cuda_arena.h SharedDeviceBuffer: one copy per GPU, not one per process);
     // "": a private copy. Falls back to a private copy where sharing is impossible.

@@ -344,7 +344,7 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     }
 
     // Decode steps per batch size against (weights + KV read) / HBM bandwidth.
-    std::unique_ptr<CudaBackend> eager;
+    std::unique_ptr<CudaBackend> eager, qgemv_be;
     json dec = json::array();
     for (int B : o.batches) {
         auto sec = decode_step_seconds(**be, pool, B, o.ctx, o.steps);
@@ -384,6 +384,19 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
             auto esec = decode_step_seconds(*eager, pool, B, o.ctx, o.steps);
             if (!esec) return esec.error();
             row["eager_step_ms"] = *esec * 1e3;
+        }
+        if (B <= 8) {
+            // The same step with the projections from the GGUF blocks (quantized_gemv).
+            if (!qgemv_be) {
+                CudaBackendOptions qo = co;
+                qo.quantized_gemv = true;
+                auto q = CudaBackend::create(m, pool, qo);
+                if (!q) return q.error();
+                qgemv_be = std::move(q).value();
+            }
+            auto qsec = decode_step_seconds(*qgemv_be, pool, B, o.ctx, o.steps);
+            if (!qsec) return qsec.error();
+            row["qgemv_step_ms"] = *qsec * 1e3;
         }
         dec.push_back(row);
     }
@@ -506,16 +519,17 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
                       j["decode_ctx"].get<int>(), j.value("kv_dtype", "f16"));
     md += "| batch | step ms | tokens/s | floor ms | logits copy ms | floor + logits ms | ratio | greedy step ms "
           "(argmax on the GPU) | its ratio to the floor | sampled step ms (on the GPU: t 0.8, top-p 0.95, rep 1.1) "
-          "| eager step ms (no graph) |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|\n";
+          "| eager step ms (no graph) | step ms with the quantized GEMV |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : j["decode"])
-        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {:.3f} | {} |\n",
+        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {:.3f} | {} | {} |\n",
                           r["batch"].get<int>(), r["step_ms"].get<double>(), r["tokens_per_s"].get<double>(),
                           r["floor_ms"].get<double>(), r["logits_copy_ms"].get<double>(),
                           r["floor_with_logits_ms"].get<double>(), r["ratio_to_floor"].get<double>(),
                           r["argmax_step_ms"].get<double>(), r["argmax_ratio_to_floor"].get<double>(),
                           r["sampled_step_ms"].get<double>(),
-                          r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "");
+                          r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "",
+                          r.contains("qgemv_step_ms") ? fmt::format("{:.3f}", r["qgemv_step_ms"].get<double>()) : "");
     if (j.contains("qgemv")) {
         const auto& q = j["qgemv"];
         md += fmt::format("\nDecode projections of one step, all layers (layer 0's matrices timed alone, x layers; the "

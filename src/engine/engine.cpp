@@ -99,6 +99,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
         co.max_batch = 8;  // one sequence here; a few buckets for batched callers
         co.max_ctx = n_ctx;
         co.graphs = opts.cuda_graphs;
+        co.quantized_gemv = opts.cuda_qgemv;
         auto b = CudaBackend::create(*e->model_, e->shm_->pool(), co);
         if (!b) return b.error();
         e->backend_desc_ = (*b)->describe();

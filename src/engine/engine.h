@@ -31,6 +31,7 @@ struct EngineOptions {
     bool huge_pages = true;       // for the KV data segment, when the system has them
     std::string device = "cpu";   // "cpu" or "cuda:N" (a build with DUET_CUDA)
     bool cuda_graphs = true;      // decode steps replay CUDA graphs (cuda devices)
+    bool cuda_qgemv = false;      // decode projections from GGUF blocks (CudaBackendOptions::quantized_gemv)
     std::string kv_dtype = "f16";  // how the KV cache stores its values: f16, int8, fp8
 };
 

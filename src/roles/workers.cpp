@@ -99,6 +99,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         co.max_batch = std::max(1, o.max_batch);
         co.max_ctx = inst.config().requests.max_tokens;
         co.graphs = o.cuda_graphs;
+        co.quantized_gemv = o.cuda_qgemv;
         co.share_weights_instance = inst.config().name;  // one copy of the weights per GPU
         auto b = CudaBackend::create(model, *pool_, co);
         if (!b) return b.error();

@@ -49,6 +49,7 @@ struct WorkerOptions {
     // (KV in the instance's shared device arena on it).
     DeviceSpec device;
     bool cuda_graphs = true;
+    bool cuda_qgemv = false;  // CudaBackendOptions::quantized_gemv
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
