@@ -169,6 +169,7 @@ int main(int argc, char** argv) {
     c_serve->add_option("--slots", serve.slots, "requests in flight at most")->capture_default_str()->check(CLI::Range(1, 4096));
     c_serve->add_option("--io-threads", serve.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
     c_serve->add_option("--grace", serve.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
+    c_serve->add_option("--start-timeout", serve.start_timeout_s, "seconds the roles get to start before serve gives up (0: 60 + 10 per GiB of model)")->capture_default_str()->check(CLI::Range(0, 86400));
     c_serve->add_option("--instance", serve.instance, "shared-memory instance name (default serve-<pid>)");
     c_serve->add_option("--front-cpus", serve.front_cpus, "pin the front here (default: the hwloc plan)");
     c_serve->add_option("--prefill-cpus", serve.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");

@@ -322,7 +322,10 @@ int cmd_serve(const ServeArgs& a) {
             rc = 1;
             g_stop.store(true);
         }
-        const uint64_t start_deadline = shm::monotonic_ns() + 60'000'000'000ull;
+        const int start_s = a.start_timeout_s > 0
+                                ? a.start_timeout_s
+                                : 60 + static_cast<int>(10.0 * static_cast<double>((*model)->file().file_size()) / 1073741824.0);
+        const uint64_t start_deadline = shm::monotonic_ns() + static_cast<uint64_t>(start_s) * 1'000'000'000ull;
         bool listening = false, draining = false, front_done = false;
         uint64_t drain_deadline = 0, next_sweep = 0;
         while (!front_done) {
@@ -332,7 +335,7 @@ int cmd_serve(const ServeArgs& a) {
                              port, model_id.c_str(), layout.instance.c_str(), placed.c_str(), gpu_note.c_str());
             }
             if (!listening && !g_stop.load() && shm::monotonic_ns() > start_deadline) {
-                std::fprintf(stderr, "duet serve: the roles did not all start within 60 s\n");
+                std::fprintf(stderr, "duet serve: the roles did not all start within %d s (--start-timeout)\n", start_s);
                 rc = 1;
                 g_stop.store(true);
             }

@@ -24,6 +24,10 @@ struct ServeArgs {
     int slots = 64;
     int io_threads = 2;
     int grace_s = 30;
+    // Seconds every role gets to start (load the model, map the arena) before the
+    // launcher gives up; 0: 60 s plus 10 s per GiB of model file (GPU workers
+    // dequantize and upload every weight).
+    int start_timeout_s = 0;
     std::string instance;  // default serve-<pid>
     std::string front_cpus, prefill_cpus, decode_cpus;
     std::string isa;

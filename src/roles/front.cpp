@@ -9,6 +9,7 @@
 #include <boost/beast.hpp>
 #include <nlohmann/json.hpp>
 
+#include "kv/kv_pool.h"
 #include "roles/openai.h"
 #include "shm/doorbell.h"
 
@@ -382,13 +383,21 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     if (get && path == "/metrics") {
         FrontCounters& c = f.counters_;
         shm::ArenaCensus a;  // every arena (one per GPU on a GPU instance)
+        // Each arena's too: with per-role arenas prefill's holds cached prompts and
+        // decode's the running sequences, which a sum hides.
+        std::string per_arena = "# TYPE duet_kv_arena_blocks gauge\n";
         for (size_t k = 0; k < f.inst_.n_arenas(); ++k) {
             const shm::ArenaCensus one = f.inst_.arena(k).census();
             a.total += one.total;
             a.free += one.free;
             a.cached += one.cached;
             a.held += one.held;
+            for (const auto& [state, n] : {std::pair{"free", one.free}, {"cached", one.cached}, {"held", one.held}})
+                per_arena += fmt::format("duet_kv_arena_blocks{{arena=\"{}\",state=\"{}\"}} {}\n", k, state, n);
         }
+        const auto dtype = kv_dtype_from(f.inst_.config().kv_dtype);
+        per_arena += fmt::format("# TYPE duet_kv_info gauge\nduet_kv_info{{dtype=\"{}\",block_tokens=\"{}\"}} 1\n",
+                                 dtype ? kv_dtype_name(*dtype) : "unknown", f.inst_.config().requests.block_tokens);
         std::string m = fmt::format(
             "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
             "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"
@@ -408,6 +417,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             a.free, a.cached, a.held);
         m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
                          c.prompt_tokens.load());
+        m += per_arena;
         m += metrics_workers(f.inst_, f.router_.sent_counts());
         m += metrics_histograms(c);
         co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);

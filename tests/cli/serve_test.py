@@ -230,7 +230,9 @@ def quantized_kv(port, server):
     status = json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True,
                                        check=True).stdout)
     check(status["kv_dtype"] == "int8", f"kv_dtype {status.get('kv_dtype')}")
-    prompts = ["The capital of France is", "A ring buffer with one producer and one consumer"]
+    prompts = ["The capital of France is",
+               "A ring buffer with one producer and one consumer needs no locks; shared memory needs no copies; "
+               "a process that dies loses nothing. A ring buffer with one producer and one consumer"]
     texts = [None] * len(prompts)
 
     def one(i):
@@ -251,6 +253,19 @@ def quantized_kv(port, server):
                          capture_output=True, text=True, check=True).stdout
     bad = subprocess.run([DUET, "run", "-p", "x", "-n", "1", "--kv-dtype", "int4"], capture_output=True, text=True)
     check(bad.returncode != 0 and "f16, int8 or fp8" in bad.stderr, f"--kv-dtype int4: {bad.returncode} {bad.stderr}")
+    # /metrics: the dtype, and each arena's blocks (prefill's caches the prompts,
+    # decode's holds nothing once the requests are done), summing to the totals.
+    metrics = request(port, "GET", "/metrics")[1]
+    check('duet_kv_info{dtype="int8",block_tokens="16"} 1' in metrics, "duet_kv_info")
+    per = {(int(m.group(1)), m.group(2)): int(m.group(3)) for m in
+           re.finditer(r'^duet_kv_arena_blocks\{arena="(\d+)",state="(\w+)"\} (\d+)', metrics, re.M)}
+    check(sorted({a for a, _ in per}) == [0, 1], f"arenas in /metrics: {per}")
+    for state in ("free", "cached", "held"):
+        total = int(re.search(rf'^duet_kv_blocks{{state="{state}"}} (\d+)', metrics, re.M).group(1))
+        check(per[(0, state)] + per[(1, state)] == total, f"{state}: {per} vs {total}")
+    check(per[(0, "cached")] > 0 and per[(1, "cached")] == 0, f"per-arena blocks: {per}")
+    bad = subprocess.run([DUET, "serve", "--start-timeout", "-1"], capture_output=True, text=True)
+    check(bad.returncode != 0 and "start-timeout" in bad.stderr, f"--start-timeout -1: {bad.returncode} {bad.stderr}")
     print(f"int8 KV in per-role arenas: texts equal duet run --kv-dtype int8's "
           f"({'same as' if f16[:-1] == texts[1] else 'different from'} the f16 cache's): ok")
 
