@@ -138,6 +138,35 @@ std::vector<float> randoms(size_t n, uint32_t seed, float scale = 1.0f) {
     return v;
 }
 
+// Attention in float64, the reference of the kernels: out[i][h][:] = softmax(scale *
+// q[i][h] . K) V over the first visible[i] tokens of query i's sequence, where
+// at(i, hkv, p, is_v, d) is value d of K (or V) of its token p in KV head hkv; query
+// head h reads KV head h / group. q and out: [n_query][n_head][head_dim].
+template <class At>
+std::vector<float> reference_attention(const std::vector<float>& q, int n_query, int n_head, int group, int head_dim,
+                                       float scale, const std::vector<int32_t>& visible, At at) {
+    std::vector<float> out(q.size());
+    for (int i = 0; i < n_query; ++i)
+        for (int h = 0; h < n_head; ++h) {
+            const int hkv = h / group;
+            const float* qi = &q[(static_cast<size_t>(i) * n_head + h) * head_dim];
+            std::vector<double> sc(static_cast<size_t>(visible[i]));
+            double mx = -1e300, sum = 0;
+            for (int p = 0; p < visible[i]; ++p) {
+                double dot = 0;
+                for (int d = 0; d < head_dim; ++d) dot += qi[d] * at(i, hkv, p, false, d);
+                mx = std::max(mx, sc[p] = dot * scale);
+            }
+            for (double& x : sc) sum += (x = std::exp(x - mx));
+            for (int d = 0; d < head_dim; ++d) {
+                double o = 0;
+                for (int p = 0; p < visible[i]; ++p) o += sc[p] * at(i, hkv, p, true, d);
+                out[(static_cast<size_t>(i) * n_head + h) * head_dim + d] = static_cast<float>(o / sum);
+            }
+        }
+    return out;
+}
+
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, float rel, float abs, const char* what) {
     ASSERT_EQ(got.size(), want.size());
     size_t bad = 0;
@@ -264,33 +293,13 @@ TEST(CudaAttention, PagedDecodeMatchesTheReference) {
         ASSERT_LE(next, ids.size());
         auto q = randoms(static_cast<size_t>(n_seq) * kv.n_head * head_dim, 12);
         const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-        std::vector<float> want(q.size());
-        for (int s = 0; s < n_seq; ++s)
-            for (int h = 0; h < kv.n_head; ++h) {
-                const int hkv = h / (kv.n_head / kv.n_head_kv);
-                auto at = [&](int t, bool v, int d) {
-                    const int32_t blk = tables[static_cast<size_t>(s) * max_blocks + t / 16];
-                    const size_t off = (static_cast<size_t>(kv.layer) * kv.n_blocks + blk) * tile + (v ? tile / 2 : 0) +
-                                       (static_cast<size_t>(hkv) * 16 + t % 16) * head_dim + d;
-                    return static_cast<double>(cpu::fp16_to_fp32(data[off]));
-                };
-                const float* qs = &q[(static_cast<size_t>(s) * kv.n_head + h) * head_dim];
-                std::vector<double> sc(lens[s]);
-                double mx = -1e300;
-                for (int t = 0; t < lens[s]; ++t) {
-                    double dot = 0;
-                    for (int d = 0; d < head_dim; ++d) dot += qs[d] * at(t, false, d);
-                    sc[t] = dot * scale;
-                    mx = std::max(mx, sc[t]);
-                }
-                double sum = 0;
-                for (double& x : sc) sum += (x = std::exp(x - mx));
-                for (int d = 0; d < head_dim; ++d) {
-                    double o = 0;
-                    for (int t = 0; t < lens[s]; ++t) o += sc[t] * at(t, true, d);
-                    want[(static_cast<size_t>(s) * kv.n_head + h) * head_dim + d] = static_cast<float>(o / sum);
-                }
-            }
+        const std::vector<float> want = reference_attention(
+            q, n_seq, kv.n_head, kv.n_head / kv.n_head_kv, head_dim, scale, lens, [&](int s, int hkv, int t, bool v, int d) {
+                const int32_t blk = tables[static_cast<size_t>(s) * max_blocks + t / 16];
+                const size_t off = (static_cast<size_t>(kv.layer) * kv.n_blocks + blk) * tile + (v ? tile / 2 : 0) +
+                                   (static_cast<size_t>(hkv) * 16 + t % 16) * head_dim + d;
+                return static_cast<double>(cpu::fp16_to_fp32(data[off]));
+            });
         DeviceBuf<uint16_t> dkv(data);
         DeviceBuf<int32_t> dtab(tables), dlen(lens);
         DeviceBuf<float> dq(q), dout(std::vector<float>(q.size()));
@@ -421,30 +430,12 @@ TEST(CudaAttention, PrefillChunksAppendKvAndAttendCausally) {
             ref[tile / 2 + at] = cpu::fp32_to_fp16(v[static_cast<size_t>(t) * row + i]);
         }
     const float scale = 0.125f;
-    std::vector<float> want(q.size());
-    for (int t = 0; t < n_tok; ++t)
-        for (int h = 0; h < kv.n_head; ++h) {
-            const int s = qseq[t], hkv = h / 3;
-            auto at = [&](int p, bool val, int d) {
-                const size_t off = static_cast<size_t>(tables[static_cast<size_t>(s) * max_blocks + p / 16]) * tile +
-                                   (val ? tile / 2 : 0) + (static_cast<size_t>(hkv) * 16 + p % 16) * kv.head_dim + d;
-                return static_cast<double>(cpu::fp16_to_fp32(ref[off]));
-            };
-            const float* qt = &q[(static_cast<size_t>(t) * kv.n_head + h) * kv.head_dim];
-            std::vector<double> sc(visible[t]);
-            double mx = -1e300, sum = 0;
-            for (int p = 0; p < visible[t]; ++p) {
-                double dot = 0;
-                for (int d = 0; d < kv.head_dim; ++d) dot += qt[d] * at(p, false, d);
-                mx = std::max(mx, sc[p] = dot * scale);
-            }
-            for (double& x : sc) sum += (x = std::exp(x - mx));
-            for (int d = 0; d < kv.head_dim; ++d) {
-                double o = 0;
-                for (int p = 0; p < visible[t]; ++p) o += sc[p] * at(p, true, d);
-                want[(static_cast<size_t>(t) * kv.n_head + h) * kv.head_dim + d] = static_cast<float>(o / sum);
-            }
-        }
+    const std::vector<float> want = reference_attention(
+        q, n_tok, kv.n_head, 3, kv.head_dim, scale, visible, [&](int t, int hkv, int p, bool val, int d) {
+            const size_t off = static_cast<size_t>(tables[static_cast<size_t>(qseq[t]) * max_blocks + p / 16]) * tile +
+                               (val ? tile / 2 : 0) + (static_cast<size_t>(hkv) * 16 + p % 16) * kv.head_dim + d;
+            return static_cast<double>(cpu::fp16_to_fp32(ref[off]));
+        });
     DeviceBuf<uint16_t> dkv(data);
     DeviceBuf<int32_t> dtab(tables), dqseq(qseq), dvis(visible), dtb(tblock), dto(toff);
     DeviceBuf<float> dk(k), dv(v), dq(q), dout(std::vector<float>(q.size()));
@@ -558,31 +549,13 @@ TEST(CudaAttention, QuantizedKvAppendsTheCpuBytesAndAttends) {
         auto dec = [&](uint8_t b) {
             return qt == cpu::KvQuant::Int8 ? static_cast<double>(static_cast<int8_t>(b)) : double{cpu::fp8_e4m3_to_fp32(b)};
         };
-        std::vector<float> want(q.size());
-        for (int t = 0; t < n_q; ++t)
-            for (int h = 0; h < 9; ++h) {
-                const int s = qseq[t], hkv = h / 3;
-                auto at = [&](int p, bool val, int d) {
-                    const int32_t b = tables[static_cast<size_t>(s) * max_blocks + p / 16];
-                    const int slot = p % 16;
-                    return val ? pool.v_scales(b, layer, hkv)[slot] * dec(pool.v(b, layer, hkv)[slot * 64 + d])
-                               : pool.k_scales(b, layer, hkv)[slot] * dec(pool.k(b, layer, hkv)[slot * 64 + d]);
-                };
-                const float* qt_ = &q[(static_cast<size_t>(t) * 9 + h) * 64];
-                std::vector<double> sc(visible[t]);
-                double mx = -1e300, sum = 0;
-                for (int p = 0; p < visible[t]; ++p) {
-                    double dot = 0;
-                    for (int d = 0; d < 64; ++d) dot += qt_[d] * at(p, false, d);
-                    mx = std::max(mx, sc[p] = dot * scale);
-                }
-                for (double& x : sc) sum += (x = std::exp(x - mx));
-                for (int d = 0; d < 64; ++d) {
-                    double o = 0;
-                    for (int p = 0; p < visible[t]; ++p) o += sc[p] * at(p, true, d);
-                    want[(static_cast<size_t>(t) * 9 + h) * 64 + d] = static_cast<float>(o / sum);
-                }
-            }
+        const std::vector<float> want =
+            reference_attention(q, n_q, 9, 3, 64, scale, visible, [&](int t, int hkv, int p, bool val, int d) {
+                const int32_t b = tables[static_cast<size_t>(qseq[t]) * max_blocks + p / 16];
+                const int slot = p % 16;
+                return val ? pool.v_scales(b, layer, hkv)[slot] * dec(pool.v(b, layer, hkv)[slot * 64 + d])
+                           : pool.k_scales(b, layer, hkv)[slot] * dec(pool.k(b, layer, hkv)[slot * 64 + d]);
+            });
         DeviceBuf<float> dq(q), dout(std::vector<float>(q.size())), dout2(std::vector<float>(q.size()));
         const int max_len = 70;
         DeviceBuf<uint8_t> ws(std::vector<uint8_t>(duet::cuda::paged_attention_workspace_bytes(kv, n_q, max_len)));

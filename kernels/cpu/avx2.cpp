@@ -656,16 +656,73 @@ void softmax(float* x, int64_t n) {
     for (; i < n; ++i) x[i] *= 1.0f / sum;
 }
 
-float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+namespace {
+
+// The attention helpers of both KV kinds (f16; int8 / fp8 bytes) over one loop each.
+// load(e) gives 8 values of a row from element e as floats, value(e) one of them.
+
+// sum_i a[i] * row[i]: two accumulators of 8, the tail in scalar.
+template <class Load, class Value>
+float dot_row(const float* a, int64_t n, Load load, Value value) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i, DType::F16), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8, DType::F16), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load(i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load(i + 8), s1);
     }
     float s = hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; ++i) s += a[i] * half_to_float(b[i]);
+    for (; i < n; ++i) s += a[i] * value(i);
     return s;
+}
+
+// out += coef(j) * row j for j = 0, 1, ..., n - 1 in order (load(j, e) and
+// value(j, e) read row j); out stays in registers across the rows, 32 values at a
+// time; each element sees the same fma (or, in the tail, mul and add) sequence as
+// one axpy per row.
+template <class Coef, class Load, class Value>
+void accum_rows(int64_t n, int64_t head_dim, float* out, Coef coef, Load load, Value value) {
+    int64_t i = 0;
+    for (; i + 32 <= head_dim; i += 32) {
+        __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
+        __m256 o2 = _mm256_loadu_ps(out + i + 16), o3 = _mm256_loadu_ps(out + i + 24);
+        for (int64_t j = 0; j < n; ++j) {
+            const __m256 a = _mm256_set1_ps(coef(j));
+            o0 = _mm256_fmadd_ps(a, load(j, i), o0);
+            o1 = _mm256_fmadd_ps(a, load(j, i + 8), o1);
+            o2 = _mm256_fmadd_ps(a, load(j, i + 16), o2);
+            o3 = _mm256_fmadd_ps(a, load(j, i + 24), o3);
+        }
+        _mm256_storeu_ps(out + i, o0);
+        _mm256_storeu_ps(out + i + 8, o1);
+        _mm256_storeu_ps(out + i + 16, o2);
+        _mm256_storeu_ps(out + i + 24, o3);
+    }
+    for (; i + 8 <= head_dim; i += 8) {
+        __m256 o = _mm256_loadu_ps(out + i);
+        for (int64_t j = 0; j < n; ++j) o = _mm256_fmadd_ps(_mm256_set1_ps(coef(j)), load(j, i), o);
+        _mm256_storeu_ps(out + i, o);
+    }
+    for (; i < head_dim; ++i)
+        for (int64_t j = 0; j < n; ++j) out[i] += coef(j) * value(j, i);
+}
+
+// 8 quantized KV values as floats (unscaled). e4m3 through f16: its bits shifted
+// into an f16's (sign to bit 15, exponent and mantissa to bits 7-13) read 2^-8 times
+// the value, subnormals included, exactly; the NaN byte is not written by
+// quantize_kv_row for finite rows.
+inline __m256 load8_kv(KvQuant t, const uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if (t == KvQuant::Int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+}  // namespace
+
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+    return dot_row(a, n, [&](int64_t e) { return load8(b + e, DType::F16); }, [&](int64_t e) { return half_to_float(b[e]); });
 }
 
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
@@ -691,92 +748,32 @@ void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n
     for (int64_t j = 0; j < n; ++j) scores[j] = scale * dot_f32_f16(q, k + static_cast<size_t>(j) * stride, head_dim);
 }
 
-// out stays in registers across the rows, 32 values at a time; each element
-// sees the same fma (or, in the tail, mul and add) sequence as axpy_f16.
+// Each element sees the same fma (or, in the tail, mul and add) sequence as axpy_f16.
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
-    int64_t i = 0;
-    for (; i + 32 <= head_dim; i += 32) {
-        __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
-        __m256 o2 = _mm256_loadu_ps(out + i + 16), o3 = _mm256_loadu_ps(out + i + 24);
-        for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* vj = v + static_cast<size_t>(j) * stride + i;
-            const __m256 a = _mm256_set1_ps(p[j]);
-            o0 = _mm256_fmadd_ps(a, load8(vj, DType::F16), o0);
-            o1 = _mm256_fmadd_ps(a, load8(vj + 8, DType::F16), o1);
-            o2 = _mm256_fmadd_ps(a, load8(vj + 16, DType::F16), o2);
-            o3 = _mm256_fmadd_ps(a, load8(vj + 24, DType::F16), o3);
-        }
-        _mm256_storeu_ps(out + i, o0);
-        _mm256_storeu_ps(out + i + 8, o1);
-        _mm256_storeu_ps(out + i + 16, o2);
-        _mm256_storeu_ps(out + i + 24, o3);
-    }
-    for (; i + 8 <= head_dim; i += 8) {
-        __m256 o = _mm256_loadu_ps(out + i);
-        for (int64_t j = 0; j < n; ++j) o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + static_cast<size_t>(j) * stride + i, DType::F16), o);
-        _mm256_storeu_ps(out + i, o);
-    }
-    for (; i < head_dim; ++i) {
-        for (int64_t j = 0; j < n; ++j) out[i] += p[j] * half_to_float(v[static_cast<size_t>(j) * stride + i]);
-    }
-}
-
-// 8 quantized KV values as floats (unscaled). e4m3 through f16: its bits shifted
-// into an f16's (sign to bit 15, exponent and mantissa to bits 7-13) read 2^-8 times
-// the value, subnormals included, exactly; the NaN byte is not written by
-// quantize_kv_row for finite rows.
-static inline __m256 load8_kv(KvQuant t, const uint8_t* p) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    if (t == KvQuant::Int8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m128i w = _mm_cvtepu8_epi16(b);
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    auto row = [&](int64_t j) { return v + static_cast<size_t>(j) * stride; };
+    accum_rows(
+        n, head_dim, out, [&](int64_t j) { return p[j]; },
+        [&](int64_t j, int64_t e) { return load8(row(j) + e, DType::F16); },
+        [&](int64_t j, int64_t e) { return half_to_float(row(j)[e]); });
 }
 
 void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
                    int64_t head_dim, float scale, float* scores) {
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t* kj = k + static_cast<size_t>(j) * stride;
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 16 <= head_dim; i += 16) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_kv(t, kj + i), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8_kv(t, kj + i + 8), s1);
-        }
-        float d = hsum(_mm256_add_ps(s0, s1));
-        for (; i < head_dim; ++i) d += q[i] * kv_decode(t, kj[i]);
+        const float d = dot_row(q, head_dim, [&](int64_t e) { return load8_kv(t, kj + e); },
+                                [&](int64_t e) { return kv_decode(t, kj[e]); });
         scores[j] = scale * (k_scale[j] * d);
     }
 }
 
 void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
                   int64_t head_dim, float* out) {
-    int64_t i = 0;
-    for (; i + 32 <= head_dim; i += 32) {
-        __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
-        __m256 o2 = _mm256_loadu_ps(out + i + 16), o3 = _mm256_loadu_ps(out + i + 24);
-        for (int64_t j = 0; j < n; ++j) {
-            const uint8_t* vj = v + static_cast<size_t>(j) * stride + i;
-            const __m256 a = _mm256_set1_ps(p[j] * v_scale[j]);
-            o0 = _mm256_fmadd_ps(a, load8_kv(t, vj), o0);
-            o1 = _mm256_fmadd_ps(a, load8_kv(t, vj + 8), o1);
-            o2 = _mm256_fmadd_ps(a, load8_kv(t, vj + 16), o2);
-            o3 = _mm256_fmadd_ps(a, load8_kv(t, vj + 24), o3);
-        }
-        _mm256_storeu_ps(out + i, o0);
-        _mm256_storeu_ps(out + i + 8, o1);
-        _mm256_storeu_ps(out + i + 16, o2);
-        _mm256_storeu_ps(out + i + 24, o3);
-    }
-    for (; i + 8 <= head_dim; i += 8) {
-        __m256 o = _mm256_loadu_ps(out + i);
-        for (int64_t j = 0; j < n; ++j)
-            o = _mm256_fmadd_ps(_mm256_set1_ps(p[j] * v_scale[j]), load8_kv(t, v + static_cast<size_t>(j) * stride + i), o);
-        _mm256_storeu_ps(out + i, o);
-    }
-    for (; i < head_dim; ++i)
-        for (int64_t j = 0; j < n; ++j) out[i] += (p[j] * v_scale[j]) * kv_decode(t, v[static_cast<size_t>(j) * stride + i]);
+    auto row = [&](int64_t j) { return v + static_cast<size_t>(j) * stride; };
+    accum_rows(
+        n, head_dim, out, [&](int64_t j) { return p[j] * v_scale[j]; },
+        [&](int64_t j, int64_t e) { return load8_kv(t, row(j) + e); },
+        [&](int64_t j, int64_t e) { return kv_decode(t, row(j)[e]); });
 }
 
 uint64_t read_fold(const void* p, size_t n) {

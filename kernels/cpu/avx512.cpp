@@ -1068,20 +1068,65 @@ void softmax(float* x, int64_t n) {
     }
 }
 
-float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+namespace {
+
+// The attention helpers of both KV kinds (f16; int8 / fp8 bytes) over one loop each.
+// load(e, mask) gives up to 16 values of a row from element e as floats (masked
+// lanes 0).
+
+// sum_i a[i] * row[i]: two accumulators of 16, the tail masked.
+template <class Load>
+float dot_row(const float* a, int64_t n, Load load) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i),
-                             _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i))), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16),
-                             _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 16))), s1);
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load(i, __mmask16{0xFFFF}), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load(i + 16, __mmask16{0xFFFF}), s1);
     }
     for (; i < n; i += 16) {
         const __mmask16 k = tail_mask(n - i);
-        s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, b + i)), s0);
+        s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), load(i, k), s0);
     }
     return hsum(_mm512_add_ps(s0, s1));
+}
+
+// out += coef(j) * row j for j = 0, 1, ..., n - 1 in order (load(j, e, mask) reads
+// row j); out stays in registers across the rows, 64 values at a time; each element
+// sees the same fma sequence as one axpy per row.
+template <class Coef, class Load>
+void accum_rows(int64_t n, int64_t head_dim, float* out, Coef coef, Load load) {
+    for (int64_t i = 0; i < head_dim; i += 64) {
+        __mmask16 km[4];
+        __m512 o[4];
+        for (int c = 0; c < 4; ++c) {
+            km[c] = i + 16 * c < head_dim ? tail_mask(head_dim - i - 16 * c) : __mmask16{0};
+            o[c] = _mm512_maskz_loadu_ps(km[c], out + i + 16 * c);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const __m512 a = _mm512_set1_ps(coef(j));
+            for (int c = 0; c < 4; ++c) o[c] = _mm512_fmadd_ps(a, load(j, i + 16 * c, km[c]), o[c]);
+        }
+        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + i + 16 * c, km[c], o[c]);
+    }
+}
+
+inline __m512 load16_f16(const uint16_t* p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
+
+// Up to 16 quantized KV values (mask k) as floats (unscaled; masked lanes 0). e4m3
+// through f16 as in avx2.cpp's load8_kv (exact, but for the NaN byte).
+inline __m512 load16_kv(KvQuant t, const uint8_t* p, __mmask16 k) {
+    const __m128i b = _mm_maskz_loadu_epi8(k, p);
+    if (t == KvQuant::Int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+}  // namespace
+
+float dot_f32_f16(const float* a, const uint16_t* b, int64_t n) {
+    return dot_row(a, n, [&](int64_t e, __mmask16 k) { return load16_f16(b + e, k); });
 }
 
 void axpy_f16(float a, const uint16_t* x, float* y, int64_t n) {
@@ -1106,72 +1151,24 @@ void attn_scores_f16(const float* q, const uint16_t* k, size_t stride, int64_t n
     for (int64_t j = 0; j < n; ++j) scores[j] = scale * dot_f32_f16(q, k + static_cast<size_t>(j) * stride, head_dim);
 }
 
-// out stays in registers across the rows, 64 values at a time; each element
-// sees the same fma sequence as axpy_f16.
+// Each element sees the same fma sequence as axpy_f16.
 void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim, float* out) {
-    for (int64_t i = 0; i < head_dim; i += 64) {
-        __mmask16 km[4];
-        __m512 o[4];
-        for (int c = 0; c < 4; ++c) {
-            km[c] = i + 16 * c < head_dim ? tail_mask(head_dim - i - 16 * c) : __mmask16{0};
-            o[c] = _mm512_maskz_loadu_ps(km[c], out + i + 16 * c);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* vj = v + static_cast<size_t>(j) * stride + i;
-            const __m512 a = _mm512_set1_ps(p[j]);
-            for (int c = 0; c < 4; ++c) {
-                o[c] = _mm512_fmadd_ps(a, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(km[c], vj + 16 * c)), o[c]);
-            }
-        }
-        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + i + 16 * c, km[c], o[c]);
-    }
-}
-
-// Up to 16 quantized KV values (mask k) as floats (unscaled; masked lanes 0). e4m3
-// through f16 as in avx2.cpp's load8_kv (exact, but for the NaN byte).
-static inline __m512 load16_kv(KvQuant t, const uint8_t* p, __mmask16 k) {
-    const __m128i b = _mm_maskz_loadu_epi8(k, p);
-    if (t == KvQuant::Int8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    const __m256i w = _mm256_cvtepu8_epi16(b);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    accum_rows(n, head_dim, out, [&](int64_t j) { return p[j]; },
+               [&](int64_t j, int64_t e, __mmask16 k) { return load16_f16(v + static_cast<size_t>(j) * stride + e, k); });
 }
 
 void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
                    int64_t head_dim, float scale, float* scores) {
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t* kj = k + static_cast<size_t>(j) * stride;
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= head_dim; i += 32) {
-            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_kv(t, kj + i, 0xFFFF), s0);
-            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16_kv(t, kj + i + 16, 0xFFFF), s1);
-        }
-        for (; i < head_dim; i += 16) {
-            const __mmask16 m = tail_mask(head_dim - i);
-            s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16_kv(t, kj + i, m), s0);
-        }
-        scores[j] = scale * (k_scale[j] * hsum(_mm512_add_ps(s0, s1)));
+        scores[j] = scale * (k_scale[j] * dot_row(q, head_dim, [&](int64_t e, __mmask16 m) { return load16_kv(t, kj + e, m); }));
     }
 }
 
 void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
                   int64_t head_dim, float* out) {
-    for (int64_t i = 0; i < head_dim; i += 64) {
-        __mmask16 km[4];
-        __m512 o[4];
-        for (int c = 0; c < 4; ++c) {
-            km[c] = i + 16 * c < head_dim ? tail_mask(head_dim - i - 16 * c) : __mmask16{0};
-            o[c] = _mm512_maskz_loadu_ps(km[c], out + i + 16 * c);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            const uint8_t* vj = v + static_cast<size_t>(j) * stride + i;
-            const __m512 a = _mm512_set1_ps(p[j] * v_scale[j]);
-            for (int c = 0; c < 4; ++c) o[c] = _mm512_fmadd_ps(a, load16_kv(t, vj + 16 * c, km[c]), o[c]);
-        }
-        for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + i + 16 * c, km[c], o[c]);
-    }
+    accum_rows(n, head_dim, out, [&](int64_t j) { return p[j] * v_scale[j]; },
+               [&](int64_t j, int64_t e, __mmask16 m) { return load16_kv(t, v + static_cast<size_t>(j) * stride + e, m); });
 }
 
 uint64_t read_fold(const void* p, size_t n) {

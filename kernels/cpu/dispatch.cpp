@@ -344,17 +344,15 @@ float quantize_kv_row(KvQuant t, const float* x, int64_t n, uint8_t* q) {
     float amax = 0.0f;
     for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
     const float top = t == KvQuant::Int8 ? 127.0f : 448.0f;
-    if (!(amax > 0.0f) || std::isinf(amax)) {
-        // Zeros (scale 0), or a row that overflowed: its values decode as NaN, as
-        // an f16 cache would give inf and then NaN through the softmax.
+    const float inv = top / amax;
+    if (std::isinf(amax) || std::isinf(inv)) {
+        // Zeros (and values below ~1e-36, whose 1 / scale overflows): scale 0. A row
+        // that overflowed: its values decode as NaN, as an f16 cache would give inf
+        // and then NaN through the softmax.
         for (int64_t i = 0; i < n; ++i) q[i] = 0;
-        return amax > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+        return std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
     }
-    const float scale = amax / top, inv = top / amax;
-    if (std::isinf(inv)) {  // a row of values below ~1e-36: zeros (1 / scale would overflow)
-        for (int64_t i = 0; i < n; ++i) q[i] = 0;
-        return 0.0f;
-    }
+    const float scale = amax / top;
     for (int64_t i = 0; i < n; ++i) {
         const float v = x[i] * inv;
         if (t == KvQuant::Int8)

@@ -78,15 +78,10 @@ __device__ void store_row_warp(const float* x, int n, uint8_t* row, float* scale
         for (int d = lane; d < n; d += 32) amax = fmaxf(amax, fabsf(x[d]));
         amax = warp_max(amax);
         const float top = DT == kKvInt8 ? 127.0f : 448.0f;
-        if (!(amax > 0.0f) || isinf(amax)) {
-            for (int d = lane; d < n; d += 32) row[d] = 0;
-            if (lane == 0) *scale = amax > 0.0f ? __int_as_float(0x7fc00000) : 0.0f;
-            return;
-        }
         const float inv = __fdiv_rn(top, amax);
-        if (isinf(inv)) {  // a row of values below ~1e-36: zeros (as on the CPU)
+        if (isinf(amax) || isinf(inv)) {  // zeros, values below ~1e-36, or an overflow: as on the CPU
             for (int d = lane; d < n; d += 32) row[d] = 0;
-            if (lane == 0) *scale = 0.0f;
+            if (lane == 0) *scale = isinf(amax) ? __int_as_float(0x7fc00000) : 0.0f;
             return;
         }
         for (int d = lane; d < n; d += 32) {

@@ -186,6 +186,8 @@ struct CudaBackend::Impl {
     DevBuf sample_dev, sample_ws, sample_out;
     std::vector<std::pair<size_t, const SampleRequest*>> sampled;
     std::vector<int32_t> sampled_picks;
+    std::vector<cuda::SampleRow> sample_rows_h;  // the step's inputs, before staging
+    std::vector<cuda::SampleEdit> sample_edits_h;
     std::vector<float> fallback_row;
     Sampler host_sampler;
     Status enqueue_samples(std::span<SeqBatch> batch, const Acts& a);
@@ -581,7 +583,7 @@ Status CudaBackend::forward_impl(std::span<SeqBatch> batch, std::vector<float>& 
             if (b.tokens[i] < 0 || b.tokens[i] >= c.n_vocab)
                 return make_error("token id {} is out of range (vocabulary of {})", b.tokens[i], c.n_vocab);
         T += b.n_tokens;
-        n_out += b.n_tokens == 0 ? 0 : (b.all_logits ? b.n_tokens : 1);
+        n_out += b.output_rows();
         decode_step = decode_step && b.n_tokens == 1;
     }
     if (T > (int64_t{1} << 24)) return make_error("forward: {} tokens in one pass is more than the CUDA backend takes", T);
@@ -780,7 +782,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         };
         for (const SeqBatch& b : batch) {
             if (b.n_tokens == 0) continue;
-            const size_t rows = b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
+            const size_t rows = static_cast<size_t>(b.output_rows());
             if ((b.argmax_only || b.sample) && !b.all_logits) {
                 if (Status st = flush(); !st) return st;
             } else {
@@ -820,15 +822,16 @@ Status CudaBackend::Impl::enqueue_samples(std::span<SeqBatch> batch, const Acts&
     sampled.clear();
     size_t r = 0;
     for (const SeqBatch& b : batch) {
-        if (b.n_tokens == 0) continue;
-        r += b.all_logits ? static_cast<size_t>(b.n_tokens) : 1;
-        if (b.sample) sampled.push_back({r - 1, b.sample});
+        r += static_cast<size_t>(b.output_rows());
+        if (b.sample && b.n_tokens > 0) sampled.push_back({r - 1, b.sample});
     }
     if (sampled.empty()) return {};
     // Per row its parameters as the CPU sampler derives them (1 / temperature, log of
     // min_p, in float), its draw, and its penalties as edits.
-    std::vector<cuda::SampleRow> rows;
-    std::vector<cuda::SampleEdit> edits;
+    std::vector<cuda::SampleRow>& rows = sample_rows_h;
+    std::vector<cuda::SampleEdit>& edits = sample_edits_h;
+    rows.clear();
+    edits.clear();
     for (const auto& [row, s] : sampled) rows.push_back(sample_row_for(*s, static_cast<int32_t>(row), nv, edits));
     const size_t rows_bytes = (rows.size() * sizeof(cuda::SampleRow) + 255) / 256 * 256;
     const size_t bytes = rows_bytes + edits.size() * sizeof(cuda::SampleEdit);

@@ -38,6 +38,9 @@ struct SeqBatch {
     // of its (last) row is the token Sampler::sample gives for this request, and the
     // backend may leave the row out of `logits` (a GPU backend samples on the device).
     const SampleRequest* sample = nullptr;
+
+    // Logit rows this entry has in a pass's output.
+    int64_t output_rows() const { return n_tokens == 0 ? 0 : (all_logits ? n_tokens : 1); }
 };
 
 class Backend {

@@ -119,7 +119,7 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
             if (b.tokens[i] < 0 || b.tokens[i] >= c.n_vocab)
                 return make_error("token id {} is out of range (vocabulary of {})", b.tokens[i], c.n_vocab);
         T += b.n_tokens;
-        n_out += b.n_tokens == 0 ? 0 : (b.all_logits ? b.n_tokens : 1);
+        n_out += b.output_rows();
     }
     // Room for the new positions, all or nothing.
     size_t prepared = 0;
