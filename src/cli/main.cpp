@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/bench_cuda.h"
+#include "cli/bench_kv.h"
 #include "cli/bench_serve.h"
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
@@ -100,6 +101,20 @@ int main(int argc, char** argv) {
     c_bc->add_option("--kv-dtype", cb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
+
+    // duet bench kv
+    KvBenchArgs kvb;
+    kvb.model = default_model;
+    CLI::App* c_bk = c_bench->add_subcommand("kv", "durable KV: appends/s, restore vs re-prefill and the disk, CRC32C");
+    c_bk->add_option("-m,--model", kvb.model, "GGUF model file")->capture_default_str();
+    c_bk->add_option("-t,--threads", kvb.threads, "compute threads (the re-prefill reference)")->capture_default_str()->check(CLI::Range(1, 1024));
+    c_bk->add_option("--tokens", kvb.tokens, "the restored context's length")->capture_default_str()->check(CLI::Range(16, 1 << 20));
+    c_bk->add_option("--chunk", kvb.chunk, "prefill chunk and log record tokens")->capture_default_str()->check(CLI::Range(1, 1 << 16));
+    c_bk->add_option("--dir", kvb.dir, "directory for the logs (default: a new one under /var/tmp)");
+    c_bk->add_option("--seconds", kvb.seconds, "length of each append measurement")->capture_default_str()->check(CLI::Range(0.05, 60.0));
+    c_bk->add_option("-r,--repetitions", kvb.reps, "restore repetitions (median kept)")->capture_default_str()->check(CLI::Range(1, 100));
+    c_bk->add_option("--kv-dtype", kvb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
+    c_bk->add_flag("--json", kvb.json, "print one JSON object");
 
     // duet bench shm
     ShmBenchOptions shm_bench;
@@ -232,6 +247,7 @@ int main(int argc, char** argv) {
         if (c_bm->parsed()) return cmd_bench_model(bench);
         if (c_bsv->parsed()) return cmd_bench_serve(sb);
         if (c_bc->parsed()) return cmd_bench_cuda(cb);
+        if (c_bk->parsed()) return cmd_bench_kv(kvb);
         if (c_bs->parsed()) {
             if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
             return cmd_bench_shm(shm_bench);
