@@ -372,8 +372,8 @@ void convert_rows(const KvLayout& from, const KvLayout& to, const uint8_t* src, 
 
 }  // namespace
 
-Result<BlobImport> blob_import_fd(int fd, uint64_t at, uint64_t file_size, const KvIdentity& want, KvPool& pool,
-                                  KvSeq& seq) {
+Result<BlobImport> blob_read_into(int fd, uint64_t at, uint64_t file_size, const KvIdentity& want,
+                                  const KvLayout& arena, uint64_t expect_first, const BlobRowsFor& rows_for) {
     uint8_t head[kBlobHeaderBytes];
     if (file_size < at + kBlobHeaderBytes)
         return make_error("truncated: {} bytes, a KV blob header alone is {}", file_size - std::min(file_size, at),
@@ -381,56 +381,68 @@ Result<BlobImport> blob_import_fd(int fd, uint64_t at, uint64_t file_size, const
     if (Status s = pread_iov(fd, at, std::array{iovec{head, kBlobHeaderBytes}}); !s) return s.error();
     auto h = blob_header_decode(head, kBlobHeaderBytes);
     if (!h) return h.error();
-    if (Status s = blob_check_compatible(*h, want, pool.layout()); !s) return s.error();
+    if (Status s = blob_check_compatible(*h, want, arena); !s) return s.error();
     const uint64_t have = file_size - at - kBlobHeaderBytes;
     if (have != h->data_bytes)
         return make_error("{}: {} bytes after the header, the header says {}", have < h->data_bytes ? "truncated" : "size",
                           have, h->data_bytes);
-    if (static_cast<uint64_t>(seq.n_tokens()) != h->first_pos)
+    if (expect_first != h->first_pos)
         return make_error("first_pos: the blob continues a sequence at position {}, the sequence has {} positions",
-                          h->first_pos, seq.n_tokens());
+                          h->first_pos, expect_first);
 
     BlobImport out;
     out.header = *h;
-    const uint64_t first = h->first_pos, n = h->n_tokens;
-    // Shadow blocks: a fork shares seq's blocks; prepare_append copies the partial last
-    // block before anything is written, so nothing seq holds is touched.
-    KvSeq shadow = seq.fork(pool);
-    const auto fail = [&](Error e) -> Result<BlobImport> {
-        shadow.release(pool);
-        return e;
-    };
-    if (Status s = shadow.prepare_append(pool, static_cast<int64_t>(first), static_cast<int64_t>(first + n)); !s)
-        return fail(make_error("no room in the KV arena for {} tokens: {}", n, s.error().message));
+    const uint64_t n = h->n_tokens;
+    auto rows = rows_for(*h);
+    if (!rows) return rows.error();
     out.tokens.resize(n);
     uint64_t off = at + kBlobHeaderBytes;
-    if (Status s = pread_iov(fd, off, std::array{iovec{out.tokens.data(), n * 4}}); !s) return fail(s.error());
+    if (Status s = pread_iov(fd, off, std::array{iovec{out.tokens.data(), n * 4}}); !s) return s.error();
     uint32_t crc = crc32c(out.tokens.data(), n * 4);
     off += n * 4;
-    auto rows = kv_rows_iov(pool, shadow.blocks(), first, n);
-    if (!rows) return fail(rows.error());
-    if (h->layout.dtype == pool.layout().dtype) {
-        if (Status s = pread_iov(fd, off, *rows); !s) return fail(s.error());
+    if (h->layout.dtype == arena.dtype) {
+        if (Status s = pread_iov(fd, off, *rows); !s) return s.error();
         crc = crc32c_iov(*rows, crc);
     } else {
         std::vector<uint8_t> buf(h->data_bytes - n * 4);
-        if (Status s = pread_iov(fd, off, std::array{iovec{buf.data(), buf.size()}}); !s) return fail(s.error());
+        if (Status s = pread_iov(fd, off, std::array{iovec{buf.data(), buf.size()}}); !s) return s.error();
         crc = crc32c(buf.data(), buf.size(), crc);
-        if (crc == h->data_crc) convert_rows(h->layout, pool.layout(), buf.data(), n, *rows);
+        if (crc == h->data_crc) convert_rows(h->layout, arena, buf.data(), n, *rows);
         out.converted = true;
         out.note = fmt::format("converted {} KV rows from {} to {}", 2 * uint64_t(h->layout.n_layer) * h->layout.n_head_kv * n,
-                               kv_dtype_name(h->layout.dtype), kv_dtype_name(pool.layout().dtype));
+                               kv_dtype_name(h->layout.dtype), kv_dtype_name(arena.dtype));
     }
     if (crc != h->data_crc)
-        return fail(make_error("data_crc: stored {:#010x}, computed {:#010x} (the data is corrupt)", h->data_crc, crc));
+        return make_error("data_crc: stored {:#010x}, computed {:#010x} (the data is corrupt)", h->data_crc, crc);
     for (uint64_t i = 0; i < n; ++i)
         if (out.tokens[i] < 0 || (want.n_vocab > 0 && out.tokens[i] >= want.n_vocab))
-            return fail(make_error("token {} at position {} is not in the vocabulary of {} tokens", out.tokens[i],
-                                   first + i, want.n_vocab));
-    shadow.set_n_tokens(static_cast<int64_t>(first + n));
+            return make_error("token {} at position {} is not in the vocabulary of {} tokens", out.tokens[i],
+                              h->first_pos + i, want.n_vocab);
+    return out;
+}
+
+Result<BlobImport> blob_import_fd(int fd, uint64_t at, uint64_t file_size, const KvIdentity& want, KvPool& pool,
+                                  KvSeq& seq) {
+    // Shadow blocks: a fork shares seq's blocks; prepare_append copies the partial last
+    // block before anything is written, so nothing seq holds is touched.
+    KvSeq shadow = seq.fork(pool);
+    auto r = blob_read_into(fd, at, file_size, want, pool.layout(), static_cast<uint64_t>(seq.n_tokens()),
+                            [&](const BlobHeader& h) -> Result<std::vector<iovec>> {
+                                const int64_t first = static_cast<int64_t>(h.first_pos);
+                                const int64_t end = first + static_cast<int64_t>(h.n_tokens);
+                                if (Status s = shadow.prepare_append(pool, first, end); !s)
+                                    return make_error("no room in the KV arena for {} tokens: {}", h.n_tokens,
+                                                      s.error().message);
+                                return kv_rows_iov(pool, shadow.blocks(), h.first_pos, h.n_tokens);
+                            });
+    if (!r) {
+        shadow.release(pool);
+        return r.error();
+    }
+    shadow.set_n_tokens(static_cast<int64_t>(r->header.first_pos + r->header.n_tokens));
     seq.release(pool);
     seq = std::move(shadow);
-    return out;
+    return r;
 }
 
 Result<BlobImport> blob_import(const std::string& path, const KvIdentity& want, KvPool& pool, KvSeq& seq) {

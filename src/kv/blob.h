@@ -12,6 +12,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -110,6 +111,17 @@ Result<BlobImport> blob_import(const std::string& path, const KvIdentity& want, 
 // directory, a socket's spooled body).
 Result<BlobImport> blob_import_fd(int fd, uint64_t at, uint64_t file_size, const KvIdentity& want, KvPool& pool,
                                   KvSeq& seq);
+
+// The engine of the imports above: checks the header (against `want`, the arena's
+// shape and the sequence length `expect_first`) and the file size, asks rows_for
+// for the destination of the rows (kv_rows_iov order, in the arena's dtype: called
+// once, after every header check), reads the tokens and the rows into it (through
+// f32 when the dtypes differ) and checks the data CRC and the token ids. On an
+// Error the destination may hold anything: it must not be live (shadow blocks, a
+// staging buffer).
+using BlobRowsFor = std::function<Result<std::vector<iovec>>(const BlobHeader&)>;
+Result<BlobImport> blob_read_into(int fd, uint64_t at, uint64_t file_size, const KvIdentity& want,
+                                  const KvLayout& arena, uint64_t expect_first, const BlobRowsFor& rows_for);
 
 // Reads only the header and checks the whole data CRC (duet kv inspect / verify):
 // no arena needed. The Error says what is wrong and where.

@@ -1,0 +1,144 @@
+#include "cuda/cuda_kv_io.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cuda/cuda_util.h"
+#include "kv/kv_copy.h"
+
+namespace duet {
+
+namespace {
+
+// Copies every layer of blocks src[i] of arena `from` into blocks dst[i] of arena
+// `to`, merged into runs of consecutive ids, then waits.
+Status copy_tiles(const KvLayout& l, const KvPool& from, std::span<const int32_t> src, KvPool& to,
+                  std::span<const int32_t> dst, cudaMemcpyKind kind) {
+    cudaStream_t stream = nullptr;
+    DUET_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    Status st;
+    for (int32_t layer = 0; layer < l.n_layer && st; ++layer) {
+        auto runs = plan_layer_copy(l, from.allocator().n_blocks(), to.allocator().n_blocks(), src, dst, layer);
+        if (!runs) {
+            st = runs.error();
+            break;
+        }
+        for (const CopyRun& r : *runs) {
+            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to.data()) + r.dst,
+                                         static_cast<const uint8_t*>(from.data()) + r.src, r.bytes, kind, stream),
+                         "cudaMemcpyAsync (KV tiles)");
+            if (!st) break;
+        }
+    }
+    const Status sync = cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize (KV tiles)");
+    cudaStreamDestroy(stream);
+    if (!st) return st;
+    return sync;
+}
+
+// A page-locked arena of k blocks of layout l.
+struct Staging {
+    HostBuf buf;
+    std::unique_ptr<KvPool> pool;
+    Status init(const KvLayout& l, int32_t k) {
+        if (Status s = buf.reserve(l.block_bytes() * static_cast<size_t>(std::max(k, 1))); !s) return s;
+        pool = std::make_unique<KvPool>(l, buf.as<void>(), std::make_unique<LocalBlockAllocator>(std::max(k, 1)));
+        return {};
+    }
+};
+
+// Block ids that put staging block i at position block b0 + i (the rest are never read).
+std::vector<int32_t> virtual_blocks(uint64_t b0, int32_t k) {
+    std::vector<int32_t> v(b0 + static_cast<uint64_t>(k), 0);
+    for (int32_t i = 0; i < k; ++i) v[b0 + static_cast<uint64_t>(i)] = i;
+    return v;
+}
+
+}  // namespace
+
+Result<BlobHeader> blob_write_device(const std::string& path, const KvIdentity& id, KvPool& dev, const KvSeq& seq,
+                                     std::span<const int32_t> tokens, uint64_t first, uint64_t n) {
+    const KvLayout& l = dev.layout();
+    const uint64_t bt = static_cast<uint64_t>(l.block_tokens);
+    if (first + n > static_cast<uint64_t>(seq.n_tokens()) || first + n > tokens.size())
+        return make_error("positions [{}, {}) are beyond the sequence ({} positions)", first, first + n, seq.n_tokens());
+    const uint64_t b0 = first / bt, b1 = n == 0 ? b0 : (first + n - 1) / bt;
+    const int32_t k = n == 0 ? 0 : static_cast<int32_t>(b1 - b0 + 1);
+    Staging st;
+    if (Status s = st.init(l, k); !s) return s.error();
+    std::vector<int32_t> src(seq.blocks().begin() + static_cast<ptrdiff_t>(b0),
+                             seq.blocks().begin() + static_cast<ptrdiff_t>(b0 + static_cast<uint64_t>(k)));
+    std::vector<int32_t> dst(static_cast<size_t>(k));
+    for (int32_t i = 0; i < k; ++i) dst[static_cast<size_t>(i)] = i;
+    if (k > 0)
+        if (Status s = copy_tiles(l, dev, src, *st.pool, dst, cudaMemcpyDeviceToHost); !s) return s.error();
+    KvSeq view = KvSeq::adopt(virtual_blocks(b0, k), static_cast<int64_t>(first + n));
+    auto h = blob_write(path, id, *st.pool, view, tokens, first, n);
+    view.detach();  // borrowed ids: no references to drop
+    return h;
+}
+
+Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity& want, KvPool& dev, KvSeq& seq) {
+    const KvLayout& l = dev.layout();
+    const uint64_t bt = static_cast<uint64_t>(l.block_tokens);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return make_error("open {}: {}", path, std::strerror(errno));
+    struct stat sb {};
+    ::fstat(fd, &sb);
+    Staging st;
+    std::vector<int32_t> fresh;
+    uint64_t b0 = 0;
+    auto r = blob_read_into(fd, 0, static_cast<uint64_t>(sb.st_size), want, l, static_cast<uint64_t>(seq.n_tokens()),
+                            [&](const BlobHeader& h) -> Result<std::vector<iovec>> {
+                                const uint64_t first = h.first_pos, n = h.n_tokens;
+                                if (n == 0) return std::vector<iovec>{};
+                                b0 = first / bt;
+                                const int32_t k = static_cast<int32_t>((first + n - 1) / bt - b0 + 1);
+                                if (Status s = st.init(l, k); !s) return s.error();
+                                fresh.resize(static_cast<size_t>(k));
+                                if (!dev.allocator().alloc(k, fresh.data())) {
+                                    fresh.clear();
+                                    return make_error("no room in the KV arena for {} tokens: {} blocks needed, {} free",
+                                                      n, k, dev.allocator().n_free());
+                                }
+                                // The partial last block's earlier positions come along.
+                                if (first % bt != 0) {
+                                    const int32_t from = seq.blocks()[b0], to = 0;
+                                    if (Status s = copy_tiles(l, dev, {&from, 1}, *st.pool, {&to, 1},
+                                                              cudaMemcpyDeviceToHost);
+                                        !s)
+                                        return s.error();
+                                }
+                                return kv_rows_iov(*st.pool, virtual_blocks(b0, k), first, n);
+                            });
+    ::close(fd);
+    const auto drop_fresh = [&] {
+        for (int32_t b : fresh) dev.allocator().unref(b);
+    };
+    if (!r) {
+        drop_fresh();
+        return make_error("{}: {}", path, r.error().message);
+    }
+    if (!fresh.empty()) {
+        std::vector<int32_t> ids(fresh.size());
+        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+        if (Status s = copy_tiles(l, *st.pool, ids, dev, fresh, cudaMemcpyHostToDevice); !s) {
+            drop_fresh();
+            return s.error();
+        }
+    }
+    std::vector<int32_t> blocks(seq.blocks().begin(), seq.blocks().begin() + static_cast<ptrdiff_t>(std::min<uint64_t>(b0, seq.blocks().size())));
+    if (fresh.empty()) blocks = seq.blocks();
+    for (int32_t b : blocks) dev.allocator().ref(b);
+    blocks.insert(blocks.end(), fresh.begin(), fresh.end());
+    const int64_t len = static_cast<int64_t>(r->header.first_pos + r->header.n_tokens);
+    seq.release(dev);
+    seq = KvSeq::adopt(std::move(blocks), len);
+    return r;
+}
+
+}  // namespace duet

@@ -1,0 +1,135 @@
+// KV blobs of a GPU arena (src/cuda/cuda_kv_io.h) on the default model (ctest label
+// `gpu`; skipped, not passed, without a GPU): a sequence prefilled on the GPU,
+// written through page-locked memory and imported back (whole, and continuing a
+// sequence mid-block), decodes with bitwise the original's logits; a corrupt blob
+// leaves the device sequence and the arena's free blocks as they were; the blob
+// is the same format as a CPU arena's (blob_verify_file, and a CPU import).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "cuda/cuda_kv_io.h"
+#include "device.h"
+#include "engine/engine.h"
+#include "model/fingerprint.h"
+#include "shm_test_util.h"
+
+using namespace duet;
+
+namespace {
+
+bool have_gpu() {
+    static const int n = [] {
+        pid_t pid = shm::testing::fork_run([] { return cuda::device_count() > 0 ? 0 : 1; });
+        return shm::testing::wait_exit(pid) == 0 ? 1 : 0;
+    }();
+    return n == 1;
+}
+
+template <typename F>
+void in_child(F body) {
+    pid_t pid = shm::testing::fork_run([&] {
+        body();
+        return ::testing::Test::HasFailure() ? 1 : 0;
+    });
+    EXPECT_EQ(shm::testing::wait_exit(pid), 0) << "see the child's failures above";
+}
+
+std::unique_ptr<Engine> make_engine(const std::string& device, const std::string& kv_dtype = "f16") {
+    EngineOptions o;
+    o.model_path = DUET_MODEL_PATH;
+    o.threads = 2;
+    o.n_ctx = 2048;
+    o.device = device;
+    o.kv_dtype = kv_dtype;
+    auto r = Engine::create(o);
+    if (!r) {
+        ADD_FAILURE() << device << ": " << r.error().message;
+        return nullptr;
+    }
+    return std::move(r).value();
+}
+
+std::vector<int32_t> prompt_ids(int n) {
+    std::vector<int32_t> v(n);
+    for (int i = 0; i < n; ++i) v[i] = (i * 7919 + 104729 + 17) % 49152;
+    return v;
+}
+
+}  // namespace
+
+TEST(CudaKv, DeviceBlobRoundTripDecodesBitwiseLikeTheOriginal) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        for (const char* dt : {"f16", "int8"}) {
+            auto e = make_engine("cuda:0", dt);
+            ASSERT_TRUE(e);
+            const Model& m = e->model();
+            KvIdentity id{model_fingerprint(m.file()), tokenizer_fingerprint(m.file()), m.config().n_vocab};
+            const std::vector<int32_t> toks = prompt_ids(75);
+            KvSeq orig;
+            std::vector<float> l0, l1;
+            SeqBatch b{&orig, toks.data(), 75, false};
+            ASSERT_TRUE(e->backend().forward({&b, 1}, l0).ok());
+            char tmpl[] = "/tmp/duet-cudakv-XXXXXX";
+            const std::string dir = ::mkdtemp(tmpl);
+            const std::string whole = dir + "/whole.kvblob", tail = dir + "/tail.kvblob";
+            auto h = blob_write_device(whole, id, e->pool(), orig, toks, 0, 75);
+            ASSERT_TRUE(h.ok()) << h.error().message;
+            ASSERT_TRUE(blob_verify_file(whole).ok());
+            ASSERT_TRUE(blob_write_device(tail, id, e->pool(), orig, toks, 37, 38).ok());
+
+            // Whole, and a prefix of 37 positions (mid-block) continued by the tail blob.
+            KvSeq a, c;
+            auto ia = blob_import_device(whole, id, e->pool(), a);
+            ASSERT_TRUE(ia.ok()) << ia.error().message;
+            EXPECT_EQ(ia->tokens, toks);
+            SeqBatch pre{&c, toks.data(), 37, false};
+            ASSERT_TRUE(e->backend().forward({&pre, 1}, l1).ok());
+            // A corrupt tail first: refused, c untouched.
+            {
+                std::ifstream in(tail, std::ios::binary);
+                std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
+                bytes[bytes.size() - 3] ^= 4;
+                const std::string bad = dir + "/bad.kvblob";
+                std::ofstream(bad, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+                const int32_t free_before = e->pool().allocator().n_free();
+                const std::vector<int32_t> blocks_before = c.blocks();
+                auto r = blob_import_device(bad, id, e->pool(), c);
+                ASSERT_FALSE(r.ok());
+                EXPECT_NE(r.error().message.find("data_crc"), std::string::npos) << r.error().message;
+                EXPECT_EQ(e->pool().allocator().n_free(), free_before);
+                EXPECT_EQ(c.blocks(), blocks_before);
+                EXPECT_EQ(c.n_tokens(), 37);
+            }
+            auto ic = blob_import_device(tail, id, e->pool(), c);
+            ASSERT_TRUE(ic.ok()) << ic.error().message;
+            ASSERT_EQ(c.n_tokens(), 75);
+
+            const int64_t nv = m.config().n_vocab;
+            int32_t next = static_cast<int32_t>(std::max_element(l0.begin(), l0.begin() + nv) - l0.begin());
+            for (int step = 0; step < 3; ++step) {
+                int32_t t0 = next, t1 = next, t2 = next;
+                std::vector<float> x0, x1, x2;
+                SeqBatch s0{&orig, &t0, 1, false}, s1{&a, &t1, 1, false}, s2{&c, &t2, 1, false};
+                ASSERT_TRUE(e->backend().forward({&s0, 1}, x0).ok());
+                ASSERT_TRUE(e->backend().forward({&s1, 1}, x1).ok());
+                ASSERT_TRUE(e->backend().forward({&s2, 1}, x2).ok());
+                ASSERT_EQ(0, std::memcmp(x0.data(), x1.data(), nv * sizeof(float))) << dt << " whole, step " << step;
+                ASSERT_EQ(0, std::memcmp(x0.data(), x2.data(), nv * sizeof(float))) << dt << " continued, step " << step;
+                next = static_cast<int32_t>(std::max_element(x0.begin(), x0.begin() + nv) - x0.begin());
+            }
+            // The same format as a CPU arena's: a CPU engine imports it.
+            auto cpu = make_engine("cpu", dt);
+            ASSERT_TRUE(cpu);
+            KvSeq on_cpu;
+            auto icpu = blob_import(whole, id, cpu->pool(), on_cpu);
+            EXPECT_TRUE(icpu.ok()) << icpu.error().message;
+            on_cpu.release(cpu->pool());
+            for (KvSeq* s : {&orig, &a, &c}) s->release(e->pool());
+            std::system(("rm -rf " + dir).c_str());
+        }
+    });
+}
