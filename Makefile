@@ -45,28 +45,42 @@ sanitize: deps model
 	cmake --build build-asan -j $(JOBS)
 	ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' -E 'model_test_(scalar|avx2)'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
-	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test
+	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
+	  kv_log_fault_test kv_log_crash_test
 	build-tsan/tests/thread_pool_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_fd_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_stress_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_kill_test --gtest_brief=1
 	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_handoff_test --gtest_brief=1
+	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/kv_log_fault_test --gtest_brief=1
+	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/kv_log_crash_test --gtest_brief=1
 	build-tsan/tests/model_test --gtest_brief=1 --gtest_filter='*Bitwise*:*BadToken*'
 	build-tsan/tests/tokenizer_test --gtest_brief=1
 
-# The GGUF reader under libFuzzer + ASan/UBSan (clang), briefly. Longer runs:
-# build-fuzz/tests/gguf_fuzz -max_total_time=3600
+# The GGUF reader, the KV blob reader and KV log recovery under libFuzzer +
+# ASan/UBSan (clang), briefly. Longer runs:
+# build-fuzz/tests/gguf_fuzz -max_total_time=3600, and for kv_blob / kv_log:
+# build-fuzz/tests/kv_blob_fuzz -max_total_time=3600 build-fuzz/corpus-kv-blob tests/fuzz/seeds-kv-blob
 FUZZ_SECONDS ?= 20
 fuzz-smoke: deps
 	@test -f build-fuzz/build.ninja || cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DDUET_FUZZ=ON -DDUET_CUDA=OFF \
 	  -DDUET_BENCH=OFF >/dev/null
-	cmake --build build-fuzz --target gguf_fuzz
+	cmake --build build-fuzz --target gguf_fuzz kv_blob_fuzz kv_log_fuzz
 	mkdir -p build-fuzz/corpus && cp tests/fuzz/seeds/* build-fuzz/corpus/
 	@build-fuzz/tests/gguf_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 build-fuzz/corpus \
 	  > build-fuzz/fuzz.log 2>&1 || { tail -n 60 build-fuzz/fuzz.log; echo "fuzz-smoke: gguf_fuzz FAILED"; exit 1; }
 	@echo "fuzz-smoke: gguf_fuzz: $$(grep -E '^Done' build-fuzz/fuzz.log)"
+	@mkdir -p build-fuzz/corpus-kv-blob build-fuzz/corpus-kv-log
+	@build-fuzz/tests/kv_blob_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -artifact_prefix=build-fuzz/ \
+	  build-fuzz/corpus-kv-blob tests/fuzz/seeds-kv-blob > build-fuzz/kv_blob_fuzz.log 2>&1 \
+	  || { tail -n 60 build-fuzz/kv_blob_fuzz.log; echo "fuzz-smoke: kv_blob_fuzz FAILED"; exit 1; }
+	@echo "fuzz-smoke: kv_blob_fuzz: $$(grep -E '^Done' build-fuzz/kv_blob_fuzz.log)"
+	@build-fuzz/tests/kv_log_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -artifact_prefix=build-fuzz/ \
+	  build-fuzz/corpus-kv-log tests/fuzz/seeds-kv-log > build-fuzz/kv_log_fuzz.log 2>&1 \
+	  || { tail -n 60 build-fuzz/kv_log_fuzz.log; echo "fuzz-smoke: kv_log_fuzz FAILED"; exit 1; }
+	@echo "fuzz-smoke: kv_log_fuzz: $$(grep -E '^Done' build-fuzz/kv_log_fuzz.log)"
 
 # Long runs of the shm stress and kill suites (DUET_STRESS_SCALE=20), not in `make test`.
 soak: build

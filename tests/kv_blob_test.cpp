@@ -418,3 +418,46 @@ TEST(KvBlob, ImportConvertsBetweenDtypes) {
         }
     }
 }
+
+// Odd shapes: a quantized blob whose scale tail starts at an offset that is not a
+// multiple of 4 converts (the scales are read unaligned, ASan/UBSan run it); a
+// quantized arena whose scales would sit misaligned is refused by name.
+TEST(KvBlob, OddShapesConvertAndMisalignedScalesAreRefused) {
+    TmpDir dir;
+    KvLayout l = layout_of(KvDtype::Int8);
+    l.n_layer = 1;
+    l.n_head_kv = 1;
+    l.head_dim = 5;  // 16 x 5 bytes a tile side: aligned; 2 x 3 x 5 = 30 blob value bytes: not
+    auto pool = std::move(KvPool::create(l, 2)).value();
+    KvSeq seq;
+    ASSERT_TRUE(seq.prepare_append(*pool, 0, 3).ok());
+    for (int t = 0; t < 3; ++t)
+        for (int d = 0; d < 5; ++d) {
+            pool->k(seq.blocks()[0], 0, 0)[t * 5 + d] = static_cast<uint8_t>(t * 7 + d - 9);
+            pool->v(seq.blocks()[0], 0, 0)[t * 5 + d] = static_cast<uint8_t>(d * 3 - t);
+            pool->k_scales(seq.blocks()[0], 0, 0)[t] = 0.25f * (t + 1);
+            pool->v_scales(seq.blocks()[0], 0, 0)[t] = 0.5f * (t + 1);
+        }
+    seq.set_n_tokens(3);
+    const std::vector<int32_t> toks = {1, 2, 3};
+    const std::string path = dir.path + "/odd.kvblob";
+    ASSERT_TRUE(blob_write(path, ident(), *pool, seq, toks, 0, 3).ok());
+    KvLayout f = l;
+    f.dtype = KvDtype::F16;
+    auto fpool = std::move(KvPool::create(f, 2)).value();
+    KvSeq fs;
+    auto im = blob_import(path, ident(), *fpool, fs);
+    ASSERT_TRUE(im.ok()) << im.error().message;
+    for (int t = 0; t < 3; ++t)
+        for (int d = 0; d < 5; ++d) {
+            const float want = 0.5f * (t + 1) * static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(d * 3 - t)));
+            EXPECT_EQ(fpool->v16(fs.blocks()[0], 0, 0)[t * 5 + d], cpu::fp32_to_fp16(want)) << t << "," << d;
+        }
+    seq.release(*pool);
+    fs.release(*fpool);
+    // n_head_kv 1 x block_tokens 16 x head_dim 5 is fine; block_tokens 3 is not.
+    auto bad = kv_layout_decode(1, 1, 5, 3, static_cast<uint8_t>(KvDtype::Int8), 1);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find("multiple of 4"), std::string::npos) << bad.error().message;
+    EXPECT_TRUE(kv_layout_decode(1, 1, 5, 3, static_cast<uint8_t>(KvDtype::F16), 0).ok());
+}

@@ -11,6 +11,7 @@
 #include "cli/bench_serve.h"
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
+#include "cli/kv_cli.h"
 #include "cli/serve.h"
 #include "cli/shm_status.h"
 #include "cli/topo.h"
@@ -161,6 +162,17 @@ int main(int argc, char** argv) {
     c_ss->add_option("instance", shm_instance, "instance name (segments /dev/shm/duet.<name>)")->required();
     c_ss->add_flag("--json", shm_json, "print one JSON object");
 
+    // duet kv inspect / verify
+    std::string kv_file, kv_dir;
+    bool kv_json = false;
+    CLI::App* c_kv = app.add_subcommand("kv", "KV blobs and KV logs on disk");
+    c_kv->require_subcommand(1);
+    CLI::App* c_kvi = c_kv->add_subcommand("inspect", "a .kvblob's header, or a .kvlog's header, records, final length and torn tail; exit 1 if invalid");
+    c_kvi->add_option("file", kv_file, "a KV blob or KV log (told apart by magic)")->required();
+    c_kvi->add_flag("--json", kv_json, "print one JSON object");
+    CLI::App* c_kvv = c_kv->add_subcommand("verify", "check every *.kvlog and *.kvblob under a directory; exit 1 if any is invalid");
+    c_kvv->add_option("dir", kv_dir, "directory (searched recursively) or one file")->required();
+
     // duet topo
     TopoArgs topo;
     CLI::App* c_topo = app.add_subcommand("topo", "the machine (hwloc) and where front, prefill and decode would run");
@@ -253,6 +265,8 @@ int main(int argc, char** argv) {
             return cmd_bench_shm(shm_bench);
         }
         if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
+        if (c_kvi->parsed()) return cmd_kv_inspect(kv_file, kv_json);
+        if (c_kvv->parsed()) return cmd_kv_verify(kv_dir);
         if (c_topo->parsed()) return cmd_topo(topo);
         if (c_serve->parsed()) return cmd_serve(serve);
         if (c_front->parsed()) return cmd_front(front);

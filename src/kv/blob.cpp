@@ -102,6 +102,12 @@ Result<KvLayout> kv_layout_decode(uint32_t layers, uint32_t heads, uint32_t dim,
     auto dt = kv_dtype_from(dtype);
     if (!dt) return make_error("dtype: {}", dt.error().message);
     l.dtype = *dt;
+    // A quantized tile's f32 scales follow its byte values: they are 4-byte aligned
+    // only when a tile's value bytes are a multiple of 4 (every real model's are).
+    if (l.quantized() && (uint64_t{heads} * bt * dim) % 4 != 0)
+        return make_error("head_dim: n_head_kv {} x block_tokens {} x head_dim {} is not a multiple of 4, which {} KV "
+                          "needs (its scales must stay aligned)",
+                          heads, bt, dim, kv_dtype_name(l.dtype));
     const uint8_t want_scales = static_cast<uint8_t>(l.quantized() ? KvScaleLayout::RowF32Tail : KvScaleLayout::None);
     if (scales != want_scales)
         return make_error("scale_layout: {} for dtype {}, expected {}", scales, kv_dtype_name(l.dtype), want_scales);
@@ -334,7 +340,8 @@ void convert_rows(const KvLayout& from, const KvLayout& to, const uint8_t* src, 
     const size_t dim = static_cast<size_t>(from.head_dim);
     const uint64_t n_rows = 2 * static_cast<uint64_t>(from.n_layer) * from.n_head_kv * n;
     const uint8_t* src_vals = src;
-    const float* src_scales = reinterpret_cast<const float*>(src + n_rows * dim * elem_bytes_of(from.dtype));
+    // The scale tail follows the values at any byte offset (odd counts): read with memcpy.
+    const uint8_t* src_scales = src + n_rows * dim * elem_bytes_of(from.dtype);
     // The arena side: value runs first, then (quantized) as many scale runs.
     const size_t n_runs = to.quantized() ? dst.size() / 2 : dst.size();
     std::vector<float> x(dim);
@@ -352,7 +359,8 @@ void convert_rows(const KvLayout& from, const KvLayout& to, const uint8_t* src, 
                     x[d] = cpu::fp16_to_fp32(h);
                 }
             } else {
-                const float s = src_scales[r];
+                float s;
+                std::memcpy(&s, src_scales + 4 * r, 4);
                 for (size_t d = 0; d < dim; ++d)
                     x[d] = s * (from.dtype == KvDtype::Int8 ? static_cast<float>(static_cast<int8_t>(in[d]))
                                                             : cpu::fp8_e4m3_to_fp32(in[d]));

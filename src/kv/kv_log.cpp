@@ -168,6 +168,8 @@ Result<LogHeader> log_header_decode(const uint8_t* p, size_t n) {
     const char* c = reinterpret_cast<const char*>(p + kOffContext);
     h.context.assign(c, strnlen(c, kContextBytes));
     if (h.context.size() == kContextBytes) return make_error("context: the name is not NUL-terminated");
+    for (size_t i = kOffContext + h.context.size(); i < kOffContext + kContextBytes; ++i)
+        if (p[i] != 0) return make_error("context: bytes after the name's end are not zero");
     if (Status s = check_context_name(h.context); !s) return make_error("context: {}", s.error().message);
     return h;
 }
@@ -260,7 +262,7 @@ struct Scanner {
         if (pool && pool->layout().dtype != h->layout.dtype)
             return make_error("{}: dtype: the log holds {} KV, this arena {} (export a blob and import it to convert)",
                               path, kv_dtype_name(h->layout.dtype), kv_dtype_name(pool->layout().dtype));
-        uint64_t off = kLogHeaderBytes, seqno = 0, len = 0;
+        uint64_t off = kLogHeaderBytes, seqno = 0, len = 0, prev_batch = 0;
         uint32_t prev = h->crc;
         ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
         const KvLayout& lay = h->layout;
@@ -274,6 +276,11 @@ struct Scanner {
             if (get<uint64_t>(rh, kRecSeq) != seqno)
                 return fail_at(off, seqno, fmt::format("record number {} where {} was due", get<uint64_t>(rh, kRecSeq), seqno));
             if (get<uint32_t>(rh, kRecPrevCrc) != prev) return fail_at(off, seqno, "does not chain to the record before it");
+            // A commit's records share its first record's seq: batch_seq starts a new
+            // commit here or continues the previous record's.
+            if (const uint64_t bs = get<uint64_t>(rh, kRecBatch); bs != seqno && (seqno == 0 || bs != prev_batch))
+                return fail_at(off, seqno, fmt::format("batch_seq {} neither starts a commit nor continues {}", bs, prev_batch));
+            prev_batch = get<uint64_t>(rh, kRecBatch);
             LogRecordInfo info;
             info.offset = off;
             info.type = get<uint16_t>(rh, kRecType);
@@ -285,6 +292,12 @@ struct Scanner {
             read_ahead(body);
             if (pb > size - body)
                 return fail_at(off, seqno, fmt::format("payload cut short ({} of {} bytes)", size - body, pb));
+            // Cut padding is a torn record too: its write never completed, so it was never
+            // acknowledged, and keeping it would put the next append at an offset that is
+            // not a multiple of 8, where recovery never looks (the append would be lost).
+            if (pad8(pb) > size - body - pb)
+                return fail_at(off, seqno,
+                               fmt::format("padding cut short ({} of {} bytes)", size - body - pb, pad8(pb)));
             const auto payload_crc_ok = [&]() -> Result<bool> {
                 auto c = crc_range(body, pb, 0);
                 if (!c) return c.error();
@@ -405,11 +418,7 @@ struct Scanner {
             out.records.push_back(std::move(info));
             ++seqno;
             off = body + pb + pad8(pb);
-            out.valid_end = std::min(off, size);
-            if (off > size) {  // the padding itself is cut: the record is whole, the file ends early
-                out.valid_end = size;
-                break;
-            }
+            out.valid_end = off;
         }
         return {};
     }
@@ -557,7 +566,10 @@ void KvLogSync::commit(std::vector<Pending*>& batch) {
     // Short writes: the link chain broke after `written` bytes and the sync was
     // cancelled. Write the rest (and sync) again until done or an error.
     std::vector<uint64_t> done_bytes(ops.size(), 0);
-    for (int round = 0; round < 64; ++round) {
+    // No cap on the rounds: each one either makes progress or ends the op with an
+    // error (no progress twice), so the loop ends; a cap would misreport a slow but
+    // working device as a failed fdatasync and poison the log with the write uncut.
+    for (int round = 0;; ++round) {
         std::vector<LogWrite> again;
         std::vector<size_t> which;
         for (size_t i = 0; i < ops.size(); ++i) {

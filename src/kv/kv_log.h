@@ -45,7 +45,7 @@ struct LogHeader {
     KvLayout layout;
     uint64_t salt = 0;
     uint64_t generation = 0;  // compactions so far: the checkpoint blob is <context>.<generation>.kvblob
-    std::string context;      // 1..31 of [A-Za-z0-9._-], not starting with '.'
+    std::string context;      // 1..31 of [A-Za-z0-9_-]
     uint32_t crc = 0;         // header CRC: the chain's seed
 };
 Status check_context_name(const std::string& name);
