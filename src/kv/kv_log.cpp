@@ -187,20 +187,6 @@ struct Scanner {
     KvPool* pool;
     KvSeq* seq;
     LogScan out;
-    uint64_t advised = 0;  // readahead asked for up to here
-
-    // Asks the kernel to read ahead up to `end` + 64 MiB while records are replayed:
-    // the preadv of a record's rows then finds its pages coming or in the cache, and
-    // a cold restore runs near the disk's sequential rate instead of waiting on each
-    // read's own readahead window.
-    void read_ahead(uint64_t end) {
-        constexpr uint64_t kWindow = 64u << 20;
-        if (end + kWindow / 2 <= advised || advised >= size) return;
-        const uint64_t to = std::min(size, end + kWindow);
-        ::posix_fadvise(fd, static_cast<off_t>(advised), static_cast<off_t>(to - advised), POSIX_FADV_WILLNEED);
-        advised = to;
-    }
-
     // Reads [at, at + n) into p; false on a short read.
     bool read(uint64_t at, void* p, size_t n) {
         return pread_iov(fd, at, std::array{iovec{p, n}}).ok();
@@ -264,6 +250,9 @@ struct Scanner {
                               path, kv_dtype_name(h->layout.dtype), kv_dtype_name(pool->layout().dtype));
         uint64_t off = kLogHeaderBytes, seqno = 0, len = 0, prev_batch = 0;
         uint32_t prev = h->crc;
+        // A larger readahead window for the sequential replay. (WILLNEED windows ahead
+        // of the reads were tried and lost: 4096 tokens restored warm in 19 ms instead
+        // of 12, cold in 62 ms instead of 36, against a 33 ms sequential read floor.)
         ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
         const KvLayout& lay = h->layout;
         while (off < size) {
@@ -289,7 +278,6 @@ struct Scanner {
             info.payload_bytes = get<uint64_t>(rh, kRecPayload);
             const uint32_t pcrc = get<uint32_t>(rh, kRecPayloadCrc);
             const uint64_t pb = info.payload_bytes, body = off + kRecordHeaderBytes;
-            read_ahead(body);
             if (pb > size - body)
                 return fail_at(off, seqno, fmt::format("payload cut short ({} of {} bytes)", size - body, pb));
             // Cut padding is a torn record too: its write never completed, so it was never
