@@ -13,13 +13,27 @@
 
 namespace duet {
 
+// What kind of failure an Error is, where a caller acts differently on it: a pass
+// that found no KV blocks is a planned outcome (wait, shrink the batch, preempt), a
+// device fault is not.
+enum class ErrorKind : uint8_t {
+    Other = 0,
+    NoKvBlocks = 1,  // the KV arena has too few free blocks for what was asked
+    Device = 2,      // the compute device failed (a CUDA error)
+};
+
 struct Error {
     std::string message;
+    ErrorKind kind = ErrorKind::Other;
 };
 
 template <typename... Args>
 Error make_error(fmt::format_string<Args...> f, Args&&... args) {
     return Error{fmt::format(f, std::forward<Args>(args)...)};
+}
+template <typename... Args>
+Error make_error(ErrorKind kind, fmt::format_string<Args...> f, Args&&... args) {
+    return Error{fmt::format(f, std::forward<Args>(args)...), kind};
 }
 
 template <typename T>
@@ -60,6 +74,7 @@ public:
     bool ok() const { return ok_; }
     explicit operator bool() const { return ok_; }
     const Error& error() const { return err_; }
+    ErrorKind kind() const { return err_.kind; }
 
 private:
     Error err_;

@@ -12,7 +12,7 @@ namespace duet {
 
 inline Status cuda_ok(cudaError_t e, const char* what) {
     if (e == cudaSuccess) return {};
-    return make_error("CUDA: {}: {}", what, cudaGetErrorString(e));
+    return make_error(ErrorKind::Device, "CUDA: {}: {}", what, cudaGetErrorString(e));
 }
 
 #define DUET_CUDA_TRY(expr)                                                        \

@@ -106,10 +106,11 @@ Status KvSeq::prepare_append(KvPool& pool, int64_t from, int64_t new_len) {
     const int64_t n_new = std::max<int64_t>(0, need - have);
     const int64_t total = n_new + static_cast<int64_t>(cow.size());
     if (total > a.n_free())
-        return make_error("KV cache is full: {} more blocks needed, {} free of {}", total, a.n_free(), a.n_blocks());
+        return make_error(ErrorKind::NoKvBlocks, "KV cache is full: {} more blocks needed, {} free of {}", total,
+                          a.n_free(), a.n_blocks());
     std::vector<int32_t> fresh(total);
     if (!a.alloc(static_cast<int32_t>(total), fresh.data()))
-        return make_error("KV block allocation of {} failed", total);
+        return make_error(ErrorKind::NoKvBlocks, "KV block allocation of {} failed", total);
     size_t k = 0;
     for (int64_t i : cow) {
         pool.copy_block(fresh[k], blocks_[i]);

@@ -112,11 +112,13 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(arena_), std::move(alloc));
         backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
     }
+    kv_ = std::make_unique<KvCacheManager>(*pool_);
     inst.registry().set_running(self_);
     return {};
 }
 
 WorkerBase::~WorkerBase() {
+    kv_.reset();
     backend_.reset();
     pool_.reset();
     gpu_kv_.reset();
@@ -537,18 +539,36 @@ Result<bool> PrefillWorker::step() {
         }
         for (const Outlet& o : outlets_) exp.dests.push_back(o.dest);  // mapped by now where reserved
     }
-    Status st;
-    {
+    // The pass's blocks first (KvCacheManager): too few free is a planned outcome.
+    Status st = kv_->reserve(batch);
+    if (st) {
         trace::Range range("prefill pass");
         st = outlets_.empty() ? backend_->forward(batch, logits_) : backend_->forward_export(batch, logits_, exp);
+        if (!st) kv_->unreserve(batch);
     }
     if (!st) {
         // No destination blocks held while a request is not in a pass: they would
         // sit in decode's arena while this one waits for room in ours.
         for (size_t k : in_batch) release_destination(jobs_[k]);
-        // Out of KV blocks (forward() changes nothing then). With several requests in
-        // the pass, run the next pass with the earliest-deadline one alone, taking no
-        // new ones; a request that cannot run even alone fails (freeing its blocks).
+        if (st.kind() != ErrorKind::NoKvBlocks) {
+            // Not a shortage (a device fault, a bad batch): retrying the same pass
+            // would fail the same way. Its requests fail; a device left unusable
+            // ended the process already (the supervisor re-drives its requests).
+            std::fprintf(stderr, "duet prefill: a pass of %zu requests failed: %s\n", in_batch.size(),
+                         st.error().message.c_str());
+            std::vector<size_t> gone = in_batch;
+            std::sort(gone.begin(), gone.end());
+            for (size_t k = gone.size(); k-- > 0;) {
+                fail(jobs_[gone[k]]);
+                jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(gone[k]));
+            }
+            publish_load();
+            inst_->registry().wake(shm::Role::Front);
+            return true;
+        }
+        // Out of KV blocks (nothing was taken). With several requests in the pass,
+        // run the next pass with the earliest-deadline one alone, taking no new ones;
+        // a request that cannot run even alone fails (freeing its blocks).
         if (batch.size() > 1) {
             kv_short_ = true;
             return true;
@@ -642,6 +662,7 @@ Result<bool> DecodeWorker::step() {
             // Every token but the newest output has its KV in the blocks.
             a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
             a.fresh = true;
+            a.admitted = admitted_++;
             active_.push_back(std::move(a));
         }
         in.release(used);
@@ -681,13 +702,29 @@ Result<bool> DecodeWorker::step() {
         if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
         a.fresh = false;
     }
-    Status st;
+    // The step's blocks first (KvCacheManager). None to be had: the decode policy
+    // names the sequence that gives way, which fails, and the rest try again next
+    // step (the scheduling issue's preemption will swap or recompute it instead).
+    Status st = kv_->reserve(batch);
+    if (!st) {
+        std::vector<DecodeSeqView> views(active_.size());
+        for (size_t i = 0; i < active_.size(); ++i)
+            views[i] = {active_[i].admitted, active_[i].seq.n_tokens(), blocks_to_append(*pool_, active_[i].seq, 1)};
+        const size_t v = pick_decode_victim(views);
+        t.slot(active_[v].req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
+        finish(v, shm::ReqState::Failed);
+        inst_->registry().wake(shm::Role::Front);
+        return true;
+    }
     {
         trace::Range range("decode step");
         st = backend_->forward_pick(batch, logits_, picks_);
     }
     if (!st) {
-        // Out of KV blocks (or similar): fail the newest request and try again next step.
+        // Not a shortage: the blocks were taken. The newest request fails and the
+        // rest try again next step (a device left unusable ended the process).
+        kv_->unreserve(batch);
+        std::fprintf(stderr, "duet decode: a step of %zu sequences failed: %s\n", batch.size(), st.error().message.c_str());
         t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
         inst_->registry().wake(shm::Role::Front);

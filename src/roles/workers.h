@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "base/thread_pool.h"
+#include "engine/decode_policy.h"
+#include "engine/kv_cache_manager.h"
 #include "kernels.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
@@ -80,6 +82,7 @@ protected:
     std::unique_ptr<ThreadPool> threads_;
     std::unique_ptr<SharedKvArena> gpu_kv_;  // the KV data, on a GPU
     std::unique_ptr<Backend> backend_;
+    std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
     std::vector<float> logits_;
@@ -195,12 +198,14 @@ private:
         RequestParams params;
         std::vector<int32_t> prompt, output;
         bool fresh = false;  // not yet in a step
+        uint64_t admitted = 0;  // admission order (DecodeSeqView::admitted)
     };
     void finish(size_t i, shm::ReqState to);
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)
     std::vector<Active> active_;
+    uint64_t admitted_ = 0;  // admissions so far
 };
 
 }  // namespace duet

@@ -1,0 +1,22 @@
+// Decode's policy when a step cannot get the KV blocks it needs: which sequence
+// gives way. A pure function over plain views, table-tested without a model; the
+// scheduling issue's preemption (classes, swap or recompute) fills it in.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace duet {
+
+struct DecodeSeqView {
+    uint64_t admitted = 0;  // when it joined decode (an order: larger is later)
+    int64_t tokens = 0;     // positions with KV
+    int64_t blocks_next = 0;  // blocks its next step needs
+};
+
+// The index of the sequence to give up: the newest (the least work lost, and every
+// request keeps its place behind the ones admitted before it); ties on `admitted`
+// go to the later index. An empty span: none (SIZE_MAX).
+size_t pick_decode_victim(std::span<const DecodeSeqView> seqs);
+
+}  // namespace duet
