@@ -7,6 +7,7 @@
 
 #include "engine/decode_policy.h"
 #include "engine/kv_cache_manager.h"
+#include "engine/prefill_scheduler.h"
 
 using namespace duet;
 
@@ -118,4 +119,66 @@ TEST(DecodePolicy, TheNewestGivesWay) {
         {{{4, 10, 0}, {4, 20, 0}}, 1},                        // a tie: the later index
     };
     for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(pick_decode_victim(cases[i].seqs), cases[i].victim) << i;
+}
+
+namespace {
+
+PrefillJobView job(uint64_t deadline, int64_t remaining, bool looked_up = true, bool follows = false) {
+    return {deadline, remaining, looked_up, follows};
+}
+
+}  // namespace
+
+// The prefill plan: earliest deadline first (ties in arrival order), the budget
+// shared in that order, followers left out, one request after a shortage, and a
+// prefix lookup asked for exactly when the budget reaches a job not yet looked up.
+TEST(PrefillScheduler, PacksTheBudgetByDeadline) {
+    struct Case {
+        const char* what;
+        std::vector<PrefillJobView> jobs;
+        int64_t budget;
+        bool one;
+        int64_t lookup;
+        std::vector<PrefillEntry> entries;
+    };
+    const std::vector<Case> cases = {
+        {"nothing", {}, 512, false, -1, {}},
+        {"one short", {job(5, 100)}, 512, false, -1, {{0, 100}}},
+        {"one long is chunked", {job(5, 2000)}, 512, false, -1, {{0, 512}}},
+        {"deadline order", {job(30, 100), job(10, 100), job(20, 100)}, 512, false, -1, {{1, 100}, {2, 100}, {0, 100}}},
+        {"budget runs out mid-job", {job(1, 300), job(2, 300), job(3, 300)}, 512, false, -1, {{0, 300}, {1, 212}}},
+        {"ties keep arrival order", {job(7, 10), job(7, 20), job(7, 30)}, 512, false, -1, {{0, 10}, {1, 20}, {2, 30}}},
+        {"a follower waits", {job(1, 100), job(2, 100, false, true), job(3, 50)}, 512, false, -1, {{0, 100}, {2, 50}}},
+        {"after a shortage, one at a time", {job(2, 100), job(1, 100)}, 512, true, -1, {{1, 100}}},
+        {"a lookup when the budget reaches the job", {job(1, 100), job(2, 100, false)}, 512, false, 1, {}},
+        {"no lookup past the budget", {job(1, 600), job(2, 100, false)}, 512, false, -1, {{0, 512}}},
+        {"no lookup past a shortage's one", {job(1, 100), job(2, 100, false)}, 512, true, -1, {{0, 100}}},
+        {"a follower is not looked up", {job(1, 100), job(2, 100, false, true)}, 512, false, -1, {{0, 100}}},
+        {"zero budget", {job(1, 100)}, 0, false, -1, {}},
+    };
+    for (const Case& c : cases) {
+        const PrefillPlan p = plan_prefill(c.jobs, c.budget, c.one);
+        EXPECT_EQ(p.lookup, c.lookup) << c.what;
+        EXPECT_EQ(p.entries, c.entries) << c.what;
+    }
+}
+
+// The worker's loop over the plan: look up what it asks for, refresh, plan again.
+// A lookup that finds cached blocks lowers the job's need; the plan then packs
+// the budget with what is left.
+TEST(PrefillScheduler, LookupsAsTheBudgetReachesThem) {
+    std::vector<PrefillJobView> jobs = {job(1, 300, false), job(2, 400, false), job(3, 100, false)};
+    const std::vector<int64_t> cached = {0, 320, 0};  // what each lookup finds
+    std::vector<size_t> looked;
+    PrefillPlan p;
+    for (;;) {
+        p = plan_prefill(jobs, 512, false);
+        if (p.lookup < 0) break;
+        const size_t k = static_cast<size_t>(p.lookup);
+        looked.push_back(k);
+        jobs[k].looked_up = true;
+        jobs[k].remaining -= cached[k];
+    }
+    EXPECT_EQ(looked, (std::vector<size_t>{0, 1, 2}));
+    EXPECT_EQ(p.entries, (std::vector<PrefillEntry>{{0, 300}, {1, 80}, {2, 100}}));
 }

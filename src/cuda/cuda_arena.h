@@ -1,7 +1,7 @@
 // An instance's KV data on a GPU, shared by every process of the instance that
 // computes on that GPU (prefill and decode). The memory is a cuMemCreate allocation
 // exported as a POSIX fd (kernels/cuda/vmm.h) and kept by the launcher's fd keeper
-// (shm/fd_keeper.h) under "kv.cuda.<device>": the first worker to start creates and
+// (shm/fd_keeper.h) under "kv.arena.<arena>" (kv_arena_key): the first worker to start creates and
 // deposits it, the others, and any restarted one, fetch and map it. With the keeper
 // holding an fd, the data outlives every worker that maps it: a restarted decode
 // finds the KV of the requests it re-drives where prefill left it. Block metadata

@@ -1,7 +1,9 @@
 // Where each process of an instance runs: the machine as hwloc sees it (cores,
-// NUMA nodes, GPUs and the cores close to them), and the plan that puts the front,
-// and a prefill and a decode process per device, on cores of their own. `duet topo`
-// prints the plan; `duet serve` will start the roles with it.
+// NUMA nodes, GPUs and the cores close to them), and the plan that puts the front
+// and the prefill and decode workers (on CPU, one or more of each; on GPUs, a pair
+// per GPU or one role per GPU) on cores of their own where there are enough (the
+// plan's notes say what had to share). `duet topo` prints the plan; `duet serve`
+// starts the roles with it (src/cli/serve.cpp).
 #pragma once
 
 #include <string>

@@ -1,8 +1,10 @@
-// The process manager's side of the failure model: starts worker roles as child
-// processes, notices a death at once (SIGCHLD-free: waitpid polling), recovers
-// what the dead process held (shm::Instance::recover, re-driving its requests),
-// hands the re-driven requests back to the front to send again, and restarts the
-// role. A role that keeps dying (5 deaths within 10 s) is not restarted again.
+// The process manager's side of the failure model: starts the roles (front, prefill
+// and decode workers) as child processes, notices a death when poll() reaps it
+// (SIGCHLD-free: waitpid polling; `duet serve` polls every 2 ms), recovers what the
+// dead process held (shm::Instance::recover, re-driving its running requests),
+// hands each re-driven request whose client front is still alive to `resend` (the
+// launcher sends it to prefill on its own rings), and restarts the role. A role
+// that keeps dying (5 deaths within 10 s) is not restarted again.
 #pragma once
 
 #include <sys/types.h>
@@ -23,8 +25,10 @@ struct RoleSpec {
 
 class Supervisor {
 public:
-    // owner: the process that owns re-driven requests (the caller: the launcher).
-    // resend: called for each request it owns in QUEUED after a recovery.
+    // front: the process that recovery makes the owner of re-driven requests (the
+    // caller; under `duet serve`, the launcher, not `duet front`).
+    // resend: called after a recovery for each QUEUED request that process owns
+    // whose client is alive or unset (a dead front's are left to sweep_orphans).
     Supervisor(shm::Instance& inst, shm::ProcRef front, std::function<void(shm::ReqRef)> resend);
     ~Supervisor();  // stops every role (SIGTERM, then SIGKILL after 5 s)
     Supervisor(const Supervisor&) = delete;

@@ -487,26 +487,29 @@ Result<bool> PrefillWorker::step() {
         if (dropped || took) inst_->registry().wake(shm::Role::Front);
         return took;
     }
-    std::vector<size_t> order(jobs_.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return jobs_[a].deadline_ns < jobs_[b].deadline_ns; });
-    // A request whose prompt ends in the same full block as an earlier one's still
-    // being computed waits for it, then takes its blocks from the prefix cache (n > 1
-    // choices, or the same prompt sent twice at once).
+    // The pass's plan (engine/prefill_scheduler.h): earliest deadline first within
+    // the token budget; a request whose prompt ends in the same full block as an
+    // earlier one's still being computed waits for it, then takes its blocks from the
+    // prefix cache (n > 1 choices, or the same prompt sent twice at once). The plan
+    // asks for each prefix lookup as the budget reaches the job.
+    PrefillPlan plan;
+    std::vector<PrefillJobView> views(jobs_.size());
+    for (;;) {
+        for (size_t k = 0; k < jobs_.size(); ++k)
+            views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
+                        jobs_[k].looked_up, follows(k)};
+        plan = plan_prefill(views, opts_.prefill_chunk, kv_short_);
+        if (plan.lookup < 0) break;
+        Job& j = jobs_[static_cast<size_t>(plan.lookup)];
+        if (opts_.prefix_cache) lookup_prefix(j);
+        j.looked_up = true;
+    }
     std::vector<SeqBatch> batch;
     std::vector<size_t> in_batch;
-    int64_t budget = opts_.prefill_chunk;
-    for (size_t k : order) {
-        if (budget <= 0 || (kv_short_ && !batch.empty())) break;  // short of KV: one request at a time
-        if (follows(k)) continue;
-        Job& j = jobs_[k];
-        if (!j.looked_up && opts_.prefix_cache) lookup_prefix(j);
-        j.looked_up = true;
-        const int64_t n = std::min<int64_t>(budget, static_cast<int64_t>(j.all.size() - j.done));
-        batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(n), false});
-        in_batch.push_back(k);
-        budget -= n;
+    for (const PrefillEntry& e : plan.entries) {
+        Job& j = jobs_[e.job];
+        batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(e.tokens), false});
+        in_batch.push_back(e.job);
     }
     // kv_split: a request whose prompt this pass ends goes to a decode worker that
     // keeps its KV elsewhere; the pass copies its blocks there, each layer as soon as

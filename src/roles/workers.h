@@ -16,6 +16,7 @@
 #include "base/thread_pool.h"
 #include "engine/decode_policy.h"
 #include "engine/kv_cache_manager.h"
+#include "engine/prefill_scheduler.h"
 #include "kernels.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
@@ -96,7 +97,8 @@ public:
     static Result<std::unique_ptr<PrefillWorker>> create(shm::Instance& inst, const Model& model,
                                                          const WorkerOptions& o);
     ~PrefillWorker();
-    // Settles finished hand-offs and prefills at most one queued request; false when
+    // Settles finished hand-offs, takes queued requests and runs one forward pass
+    // over the ones the plan packs into it (engine/prefill_scheduler.h); false when
     // there was nothing to do.
     Result<bool> step() override;
 
