@@ -39,7 +39,7 @@ test: build model
 
 # The suites again under ASan+UBSan (all but the per-level model reruns) and the
 # threaded ones under TSan. Each is a whole extra build (ccache keeps repeats cheap).
-SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BENCH=OFF
+SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
 sanitize: deps model
 	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
@@ -66,7 +66,7 @@ FUZZ_SECONDS ?= 20
 fuzz-smoke: deps
 	@test -f build-fuzz/build.ninja || cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DDUET_FUZZ=ON -DDUET_CUDA=OFF \
-	  -DDUET_BENCH=OFF >/dev/null
+	  -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF >/dev/null
 	cmake --build build-fuzz --target gguf_fuzz kv_blob_fuzz kv_log_fuzz
 	mkdir -p build-fuzz/corpus && cp tests/fuzz/seeds/* build-fuzz/corpus/
 	@build-fuzz/tests/gguf_fuzz -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 build-fuzz/corpus \

@@ -41,7 +41,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 
 namespace {
 

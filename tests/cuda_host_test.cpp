@@ -10,10 +10,10 @@
 
 #include "cuda/cuda_arena.h"
 #include "cuda/sample_inputs.h"
-#include "device.h"
+#include "kernels/cuda/device.h"
 #include "engine/engine.h"
-#include "gemm.h"
-#include "kernels.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cpu/kernels.h"
 #include "model/device_spec.h"
 #include "shm/fd_keeper.h"
 

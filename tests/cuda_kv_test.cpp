@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "cuda/cuda_kv_io.h"
-#include "device.h"
+#include "kernels/cuda/device.h"
 #include "engine/engine.h"
 #include "model/fingerprint.h"
 #include "shm_test_util.h"

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "cuda/cuda_backend.h"
-#include "device.h"
+#include "kernels/cuda/device.h"
 #include "engine/engine.h"
 #include "shm_test_util.h"
 

@@ -14,20 +14,20 @@
 
 #include <gtest/gtest.h>
 
-#include "attention.h"
-#include "device.h"
-#include "gemm.h"
-#include "kernels.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cpu/kernels.h"
 #include "kv/kv_pool.h"
 #include "model/gpu_plan.h"
 #include "model/sampler.h"
-#include "ops.h"
-#include "qgemv.h"
-#include "sample.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/qgemv.h"
+#include "kernels/cuda/sample.h"
 #include "cuda/sample_inputs.h"
 #include "shm/fd_keeper.h"
 #include "shm_test_util.h"
-#include "vmm.h"
+#include "kernels/cuda/vmm.h"
 
 bool have_gpu();
 

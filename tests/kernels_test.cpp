@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 
 namespace duet::cpu {
 namespace {

@@ -11,7 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 #include "kv/blob.h"
 #include "kv/crc32c.h"
 

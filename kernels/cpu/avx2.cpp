@@ -14,7 +14,7 @@
 
 #include <algorithm>
 
-#include "kernels_impl.h"
+#include "kernels/cpu/kernels_impl.h"
 
 namespace duet::cpu::avx2 {
 

@@ -50,7 +50,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "kernels_impl.h"
+#include "kernels/cpu/kernels_impl.h"
 
 namespace duet::cpu::avx512 {
 

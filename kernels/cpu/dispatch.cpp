@@ -7,8 +7,8 @@
 #include <cstring>
 #include <limits>
 
-#include "kernels.h"
-#include "kernels_impl.h"
+#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/kernels_impl.h"
 
 namespace duet::cpu {
 

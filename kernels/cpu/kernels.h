@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "quant_types.h"
+#include "kernels/cpu/quant_types.h"
 
 namespace duet::cpu {
 

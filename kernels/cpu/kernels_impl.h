@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 
 namespace duet::cpu {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "kernels_impl.h"
+#include "kernels/cpu/kernels_impl.h"
 
 namespace duet::cpu {
 

@@ -1,9 +1,9 @@
-#include "attention.h"
+#include "kernels/cuda/attention.h"
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "rope_math.cuh"
+#include "kernels/cuda/rope_math.cuh"
 
 #include <cmath>
 #include <type_traits>

@@ -1,4 +1,4 @@
-#include "device.h"
+#include "kernels/cuda/device.h"
 
 #include <cctype>
 

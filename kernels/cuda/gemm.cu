@@ -1,4 +1,4 @@
-#include "gemm.h"
+#include "kernels/cuda/gemm.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>

@@ -1,11 +1,11 @@
-#include "ops.h"
+#include "kernels/cuda/ops.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 
-#include "rope_math.cuh"
+#include "kernels/cuda/rope_math.cuh"
 
 namespace duet::cuda {
 

@@ -1,4 +1,4 @@
-#include "qgemv.h"
+#include "kernels/cuda/qgemv.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,4 +1,4 @@
-#include "sample.h"
+#include "kernels/cuda/sample.h"
 
 #include <cfloat>
 #include <climits>

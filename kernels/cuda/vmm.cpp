@@ -1,4 +1,4 @@
-#include "vmm.h"
+#include "kernels/cuda/vmm.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -9,8 +9,8 @@
 #include <cstring>
 
 #include "shm/fd_keeper.h"
-#include "device.h"
-#include "vmm.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/vmm.h"
 
 namespace duet {
 

@@ -17,15 +17,15 @@
 #include <utility>
 #include <vector>
 
-#include "attention.h"
+#include "kernels/cuda/attention.h"
 #include "base/trace.h"
-#include "device.h"
-#include "gemm.h"
-#include "kernels.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cpu/kernels.h"
 #include "model/bf16_weights.h"
 #include "model/gpu_plan.h"
-#include "ops.h"
-#include "qgemv.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/qgemv.h"
 #include "cuda/sample_inputs.h"
 
 namespace duet {

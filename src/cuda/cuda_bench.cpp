@@ -10,9 +10,9 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_util.h"
-#include "gemm.h"
+#include "kernels/cuda/gemm.h"
 #include "model/bf16_weights.h"
-#include "qgemv.h"
+#include "kernels/cuda/qgemv.h"
 #include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
 #include "model/cpu_backend.h"

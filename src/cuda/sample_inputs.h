@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "model/backend.h"
-#include "sample.h"
+#include "kernels/cuda/sample.h"
 
 namespace duet {
 

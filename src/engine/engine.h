@@ -10,7 +10,7 @@
 
 #include "base/result.h"
 #include "base/thread_pool.h"
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 #include "kv/kv_pool.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"

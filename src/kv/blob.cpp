@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 #include "kv/crc32c.h"
 
 namespace duet {

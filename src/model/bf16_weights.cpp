@@ -1,6 +1,6 @@
 #include "model/bf16_weights.h"
 
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 
 namespace duet {
 

@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "base/thread_pool.h"
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 #include "model/backend.h"
 #include "model/model.h"
 

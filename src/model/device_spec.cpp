@@ -3,8 +3,8 @@
 #include <charconv>
 
 #if DUET_HAVE_CUDA
-#include "device.h"
-#include "vmm.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/vmm.h"
 #endif
 
 namespace duet {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "base/result.h"
-#include "quant_types.h"
+#include "kernels/cpu/quant_types.h"
 
 namespace duet {
 

@@ -17,7 +17,7 @@
 #include "engine/decode_policy.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
-#include "kernels.h"
+#include "kernels/cpu/kernels.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/device_spec.h"
