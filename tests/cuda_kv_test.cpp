@@ -14,28 +14,14 @@
 #include "kernels/cuda/device.h"
 #include "engine/engine.h"
 #include "model/fingerprint.h"
-#include "shm_test_util.h"
+#include "cuda_test_util.h"
 
 using namespace duet;
 
 namespace {
 
-bool have_gpu() {
-    static const int n = [] {
-        pid_t pid = shm::testing::fork_run([] { return cuda::device_count() > 0 ? 0 : 1; });
-        return shm::testing::wait_exit(pid) == 0 ? 1 : 0;
-    }();
-    return n == 1;
-}
-
-template <typename F>
-void in_child(F body) {
-    pid_t pid = shm::testing::fork_run([&] {
-        body();
-        return ::testing::Test::HasFailure() ? 1 : 0;
-    });
-    EXPECT_EQ(shm::testing::wait_exit(pid), 0) << "see the child's failures above";
-}
+using duet::testing::have_gpu;
+using duet::testing::in_child;
 
 std::unique_ptr<Engine> make_engine(const std::string& device, const std::string& kv_dtype = "f16") {
     EngineOptions o;

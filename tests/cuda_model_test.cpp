@@ -19,29 +19,14 @@
 #include "cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
 #include "engine/engine.h"
-#include "shm_test_util.h"
+#include "cuda_test_util.h"
 
 using namespace duet;
 
 namespace {
 
-bool have_gpu() {
-    static const int n = [] {
-        pid_t pid = shm::testing::fork_run([] { return cuda::device_count() > 0 ? 0 : 1; });
-        return shm::testing::wait_exit(pid) == 0 ? 1 : 0;
-    }();
-    return n == 1;
-}
-
-// Runs body in a child; the test fails when any expectation there failed.
-template <typename F>
-void in_child(F body) {
-    pid_t pid = shm::testing::fork_run([&] {
-        body();
-        return ::testing::Test::HasFailure() ? 1 : 0;
-    });
-    EXPECT_EQ(shm::testing::wait_exit(pid), 0) << "see the child's failures above";
-}
+using duet::testing::have_gpu;
+using duet::testing::in_child;
 
 std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = true, int64_t n_ctx = 2048,
                                     const std::string& kv_dtype = "f16", bool qgemv = false) {

@@ -11,8 +11,12 @@
 
 #include "kernels/cpu/kernels.h"
 #include "kv/crc32c.h"
+#include "kv/le_bytes.h"
 
 namespace duet {
+
+using le::get;
+using le::put;
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the blob and log formats are little-endian; add swaps");
 
@@ -32,17 +36,6 @@ constexpr size_t kOffVersion = 8, kOffHeaderBytes = 12, kOffModel = 16, kOffToke
 // Limits a reader accepts: far above any model, low enough that no product overflows.
 constexpr uint32_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 4096, kMaxBlockTokens = 4096;
 constexpr uint64_t kMaxTokens = uint64_t{1} << 32, kMaxPos = uint64_t{1} << 40;
-
-template <typename T>
-void put(uint8_t* p, size_t off, T v) {
-    std::memcpy(p + off, &v, sizeof v);
-}
-template <typename T>
-T get(const uint8_t* p, size_t off) {
-    T v;
-    std::memcpy(&v, p + off, sizeof v);
-    return v;
-}
 
 Error errno_error(const char* what, const std::string& path) {
     return make_error("{} {}: {}", what, path, std::strerror(errno));
@@ -209,9 +202,13 @@ Result<std::vector<iovec>> kv_rows_iov(KvPool& pool, std::span<const int32_t> bl
     return iov;
 }
 
-Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov) {
+namespace {
+
+// preadv / pwritev of the whole iov from offset `at`, IOV_MAX buffers a call, a
+// short transfer continued where it stopped.
+Status transfer_iov(int fd, uint64_t at, std::span<const iovec> iov, bool write) {
     std::vector<iovec> chunk;
-    size_t i = 0, skip = 0;  // skip: bytes of iov[i] already read
+    size_t i = 0, skip = 0;  // skip: bytes of iov[i] already moved
     while (i < iov.size()) {
         chunk.clear();
         for (size_t j = i; j < iov.size() && chunk.size() < IOV_MAX; ++j) {
@@ -219,12 +216,14 @@ Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov) {
             if (iov[j].iov_len > off) chunk.push_back({static_cast<uint8_t*>(iov[j].iov_base) + off, iov[j].iov_len - off});
         }
         if (chunk.empty()) break;
-        const ssize_t r = ::preadv(fd, chunk.data(), static_cast<int>(chunk.size()), static_cast<off_t>(at));
+        const int n = static_cast<int>(chunk.size());
+        const ssize_t r = write ? ::pwritev(fd, chunk.data(), n, static_cast<off_t>(at))
+                                : ::preadv(fd, chunk.data(), n, static_cast<off_t>(at));
         if (r < 0) {
             if (errno == EINTR) continue;
-            return make_error("read at offset {}: {}", at, std::strerror(errno));
+            return make_error("{} at offset {}: {}", write ? "write" : "read", at, std::strerror(errno));
         }
-        if (r == 0) return make_error("the file ends at offset {}, before the data it should hold", at);
+        if (r == 0 && !write) return make_error("the file ends at offset {}, before the data it should hold", at);
         at += static_cast<uint64_t>(r);
         size_t left = static_cast<size_t>(r);
         while (left > 0 && i < iov.size()) {
@@ -243,38 +242,10 @@ Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov) {
     return {};
 }
 
-Status pwrite_iov(int fd, uint64_t at, std::span<const iovec> iov) {
-    std::vector<iovec> chunk;
-    size_t i = 0, skip = 0;
-    while (i < iov.size()) {
-        chunk.clear();
-        for (size_t j = i; j < iov.size() && chunk.size() < IOV_MAX; ++j) {
-            const size_t off = j == i ? skip : 0;
-            if (iov[j].iov_len > off) chunk.push_back({static_cast<uint8_t*>(iov[j].iov_base) + off, iov[j].iov_len - off});
-        }
-        if (chunk.empty()) break;
-        const ssize_t r = ::pwritev(fd, chunk.data(), static_cast<int>(chunk.size()), static_cast<off_t>(at));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return make_error("write at offset {}: {}", at, std::strerror(errno));
-        }
-        at += static_cast<uint64_t>(r);
-        size_t left = static_cast<size_t>(r);
-        while (left > 0 && i < iov.size()) {
-            const size_t avail = iov[i].iov_len - skip;
-            if (left >= avail) {
-                left -= avail;
-                ++i;
-                skip = 0;
-            } else {
-                skip += left;
-                left = 0;
-            }
-        }
-        while (i < iov.size() && iov[i].iov_len == 0) ++i;
-    }
-    return {};
-}
+}  // namespace
+
+Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov) { return transfer_iov(fd, at, iov, false); }
+Status pwrite_iov(int fd, uint64_t at, std::span<const iovec> iov) { return transfer_iov(fd, at, iov, true); }
 
 Status fsync_dir_of(const std::string& path) {
     const size_t slash = path.rfind('/');

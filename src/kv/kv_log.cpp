@@ -12,8 +12,12 @@
 #include <unistd.h>
 
 #include "kv/crc32c.h"
+#include "kv/le_bytes.h"
 
 namespace duet {
+
+using le::get;
+using le::put;
 
 namespace {
 
@@ -28,16 +32,6 @@ constexpr size_t kRecType = 4, kRecReserved = 6, kRecSeq = 8, kRecBatch = 16, kR
 constexpr uint64_t kMaxPayload = uint64_t{1} << 40;
 const uint8_t kZeros[8] = {};
 
-template <typename T>
-void put(uint8_t* p, size_t off, T v) {
-    std::memcpy(p + off, &v, sizeof v);
-}
-template <typename T>
-T get(const uint8_t* p, size_t off) {
-    T v;
-    std::memcpy(&v, p + off, sizeof v);
-    return v;
-}
 uint64_t pad8(uint64_t n) { return (8 - (n & 7)) & 7; }
 
 uint32_t record_header_crc(const uint8_t* h, uint64_t salt) {
