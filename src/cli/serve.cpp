@@ -33,7 +33,8 @@ namespace duet {
 
 namespace {
 std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
-void on_signal(int) { g_stop.store(true); }
+// A flag polled by the supervision loop; nothing is published with it: relaxed.
+void on_signal(int) { g_stop.store(true, std::memory_order_relaxed); }
 
 void handle_signals() {
     struct sigaction sa {};
@@ -320,7 +321,7 @@ int cmd_serve(const ServeArgs& a) {
         if (Status st = start_roles(); !st) {
             std::fprintf(stderr, "duet serve: %s\n", st.error().message.c_str());
             rc = 1;
-            g_stop.store(true);
+            g_stop.store(true, std::memory_order_relaxed);
         }
         const int start_s = a.start_timeout_s > 0
                                 ? a.start_timeout_s
@@ -334,12 +335,12 @@ int cmd_serve(const ServeArgs& a) {
                 std::fprintf(stderr, "duet serve: listening on http://%s:%d (model %s, instance %s%s%s)\n", a.host.c_str(),
                              port, model_id.c_str(), layout.instance.c_str(), placed.c_str(), gpu_note.c_str());
             }
-            if (!listening && !g_stop.load() && shm::monotonic_ns() > start_deadline) {
+            if (!listening && !g_stop.load(std::memory_order_relaxed) && shm::monotonic_ns() > start_deadline) {
                 std::fprintf(stderr, "duet serve: the roles did not all start within %d s (--start-timeout)\n", start_s);
                 rc = 1;
-                g_stop.store(true);
+                g_stop.store(true, std::memory_order_relaxed);
             }
-            if (g_stop.load() && !draining) {
+            if (g_stop.load(std::memory_order_relaxed) && !draining) {
                 // Drain: the front stops admitting, gives running requests the grace
                 // period, cancels the rest and exits; it is not restarted.
                 draining = true;
@@ -352,8 +353,8 @@ int cmd_serve(const ServeArgs& a) {
                     front_done = true;
                     continue;
                 }
-                if (e.restarted_as) t.worker_restarts().fetch_add(1);
-                t.redriven().fetch_add(e.recovered.redriven);
+                if (e.restarted_as) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
+                t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
                 std::fprintf(stderr, "duet serve: %s (pid %d) died (%s %d); recovered %llu KV references, re-drove %u requests; %s\n",
                              e.role.c_str(), e.pid, WIFSIGNALED(e.status) ? "signal" : "exit",
                              WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status),
@@ -367,7 +368,7 @@ int cmd_serve(const ServeArgs& a) {
                     std::fprintf(stderr, "duet serve: giving up on %s; failing the requests in flight\n", e.role.c_str());
                     fail_in_flight(*inst, ReqError::NoWorker);
                     rc = 1;
-                    g_stop.store(true);
+                    g_stop.store(true, std::memory_order_relaxed);
                 }
             }
             const uint64_t now = shm::monotonic_ns();
@@ -436,7 +437,7 @@ int cmd_front(const FrontArgs& a) {
             return fail(st.error().message);
         }
         inst->registry().set_running(*self);
-        while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        while (!g_stop.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         std::fprintf(stderr, "duet front: draining (%zu requests in flight, grace %d s)\n", front.in_flight(), a.grace_s);
         front.drain();
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.grace_s);

@@ -37,17 +37,18 @@ int cmd_shm_status(const std::string& name, bool as_json) {
         shm::ProcState st = reg.state(s);
         if (st == shm::ProcState::Free) continue;
         const shm::ProcSlot& ps = reg.slot(s);
+        // A snapshot for display: every field relaxed (a live process may change them meanwhile).
         uint64_t hb = ps.heartbeat_ns.load(std::memory_order_relaxed);
         j["processes"].push_back({{"slot", s},
                                   {"generation", reg.current(s).gen},
                                   {"state", shm::proc_state_name(st)},
-                                  {"role", shm::role_name(static_cast<shm::Role>(ps.role.load()))},
-                                  {"index", ps.index.load()},
-                                  {"device", ps.device.load()},
+                                  {"role", shm::role_name(static_cast<shm::Role>(ps.role.load(std::memory_order_relaxed)))},
+                                  {"index", ps.index.load(std::memory_order_relaxed)},
+                                  {"device", ps.device.load(std::memory_order_relaxed)},
                                   {"pid", reg.pid(s)},
-                                  {"load_items", ps.load_items.load()},
-                                  {"load_tokens", ps.load_tokens.load()},
-                                  {"served", ps.served.load()},
+                                  {"load_items", ps.load_items.load(std::memory_order_relaxed)},
+                                  {"load_tokens", ps.load_tokens.load(std::memory_order_relaxed)},
+                                  {"served", ps.served.load(std::memory_order_relaxed)},
                                   {"heartbeat_age_ms", hb && now > hb ? (now - hb) / 1e6 : 0.0}});
     }
     j["arenas"] = nlohmann::json::array();

@@ -12,7 +12,8 @@ namespace duet {
 
 namespace {
 std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
-void on_signal(int) { g_stop.store(true); }
+// A flag polled by the worker loop; nothing is published with it: relaxed.
+void on_signal(int) { g_stop.store(true, std::memory_order_relaxed); }
 }  // namespace
 
 int cmd_worker(const WorkerArgs& a, bool prefill) {

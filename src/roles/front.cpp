@@ -106,7 +106,7 @@ ApiError api_error(int status, std::string type, std::string message, std::strin
 
 std::string request_id() {
     static std::atomic<uint64_t> n{0};
-    return fmt::format("cmpl-{:x}{:06x}", static_cast<uint64_t>(time(nullptr)), n.fetch_add(1));
+    return fmt::format("cmpl-{:x}{:06x}", static_cast<uint64_t>(time(nullptr)), n.fetch_add(1, std::memory_order_relaxed));  // unique, nothing ordered by it
 }
 
 // JSON bodies are built outside the coroutines (see api_error).
@@ -242,7 +242,7 @@ Status Front::start() {
     if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
     port_ = impl_->acceptor.local_endpoint().port();
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
-    quit_.store(false);
+    quit_.store(false, std::memory_order_relaxed);  // before the notifier thread starts (thread creation orders it)
     notifier_ = std::thread([this] { notify_loop(); });
     for (int i = 0; i < std::max(1, opts_.io_threads); ++i) threads_.emplace_back([this] { impl_->io.run(); });
     return {};
@@ -268,7 +268,7 @@ void Front::notify_loop() {
 
 void Front::stop() {
     if (notifier_.joinable()) {
-        quit_.store(true);
+        quit_.store(true, std::memory_order_relaxed);  // a flag: nothing is published with it; the doorbell wakes the loop
         shm::doorbell_ring(inst_.registry().doorbell(self_.slot));
         notifier_.join();
     }
@@ -371,7 +371,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     if (get && (path == "/ready" || path == "/readiness")) {
         // Ready while a worker of each role runs (requests are routed around one being
         // restarted).
-        const bool ready = !f.draining_.load() && workers_running(f.inst_, /*all=*/false);
+        const bool ready = !f.draining_.load(std::memory_order_relaxed) && workers_running(f.inst_, /*all=*/false);
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
                                           std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
     }
@@ -411,12 +411,13 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
             "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
             "duet_kv_blocks{{state=\"held\"}} {}\n",
-            c.requests.load(), c.errors.load(), c.finished.load(), c.cancelled.load(), c.failed.load(),
-            c.rejected_busy.load(), c.tokens.load(), f.inst_.requests().worker_restarts().load(),
-            f.inst_.requests().redriven().load(), f.in_flight(),
+            c.requests.load(std::memory_order_relaxed), c.errors.load(std::memory_order_relaxed), c.finished.load(std::memory_order_relaxed), c.cancelled.load(std::memory_order_relaxed),
+            c.failed.load(std::memory_order_relaxed),
+            c.rejected_busy.load(std::memory_order_relaxed), c.tokens.load(std::memory_order_relaxed), f.inst_.requests().worker_restarts().load(std::memory_order_relaxed),
+            f.inst_.requests().redriven().load(std::memory_order_relaxed), f.in_flight(),
             a.free, a.cached, a.held);
         m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
-                         c.prompt_tokens.load());
+                         c.prompt_tokens.load(std::memory_order_relaxed));
         m += per_arena;
         m += metrics_workers(f.inst_, f.router_.sent_counts());
         m += metrics_histograms(c);
@@ -453,7 +454,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
 awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
     beast::error_code ec;
     const uint64_t arrived = shm::monotonic_ns();
-    if (f.draining_.load()) co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
+    if (f.draining_.load(std::memory_order_relaxed)) co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
     auto parsed = parse_completion(req.body(), chat);
     if (auto* e = std::get_if<ApiError>(&parsed)) co_return co_await error(f, stream, req, *e);
     CompletionRequest& r = std::get<CompletionRequest>(parsed);
@@ -516,7 +517,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     }
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
     f.counters_.prompt_tokens.fetch_add(prompt.size() * ch.size(), std::memory_order_relaxed);
-    f.in_flight_.fetch_add(1);
+    f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
     for (const Choice& c : ch) f.send(c.ref);
     f.counters_.admit.observe(seconds_between(arrived, shm::monotonic_ns()));
 
@@ -652,7 +653,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     if (failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
     else if (ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
     else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
-    f.in_flight_.fetch_sub(1);
+    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
 
     if (r.stream) {
         if (client_gone) co_return false;

@@ -52,11 +52,11 @@ public:
     Status start();
     uint16_t port() const { return port_; }
     // New requests get 503 from now on; running ones continue.
-    void drain() { draining_.store(true); }
+    void drain() { draining_.store(true, std::memory_order_relaxed); }  // a flag: orders nothing
     // Cancels every running request (after a drain's grace period).
     void cancel_all();
     void stop();
-    size_t in_flight() const { return in_flight_.load(); }
+    size_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
     // Sends a QUEUED request to a prefill worker (PrefillRouter::send: routed,
     // thread-safe). If its ring stays full for 2 s, fails the request instead and
     // returns false.

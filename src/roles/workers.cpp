@@ -62,7 +62,8 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         const shm::ProcSlot& ps = reg.slot(s);
         const shm::ProcState st = reg.state(s);
         if (s != self_.slot && (st == shm::ProcState::Starting || st == shm::ProcState::Running) &&
-            ps.role.load() == static_cast<uint32_t>(role) && ps.index.load() == o.index) {
+            ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) && ps.index.load(std::memory_order_relaxed) == o.index) {
+            // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
             reg.release(self_);
             self_ = {};
             return make_error("{} worker {} of instance {} is already running (pid {})", shm::role_name(role), o.index,
