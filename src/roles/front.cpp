@@ -11,6 +11,7 @@
 
 #include "kv/kv_pool.h"
 #include "roles/openai.h"
+#include "roles/stop_text.h"
 #include "shm/doorbell.h"
 
 namespace duet {
@@ -171,16 +172,15 @@ awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload) {
 
 // One choice of a completion: its request and what the front has made of its tokens.
 struct Choice {
-    explicit Choice(const Tokenizer& tok) : detok(tok) {}
+    Choice(const Tokenizer& tok, std::vector<std::string> stops) : detok(tok), stream(std::move(stops)) {}
     shm::ReqRef ref;
     Detokenizer detok;
+    StopText stream;  // the generated text, stop strings applied, and what was streamed
     std::vector<int32_t> out;
     uint32_t have = 0;                             // output tokens read
     shm::ReqState seen_state = shm::ReqState::Free;  // as last read
-    std::string text;                              // generated text, stop strings applied
-    size_t emitted = 0;                            // bytes of text already streamed
     std::string finish;
-    bool stopped = false, first = true, done = false;
+    bool first = true, done = false;
     shm::ReqState final_state = shm::ReqState::Free;
     uint64_t last_token_ns = 0;
     std::vector<LogprobToken> lps;  // one per output token, when asked for
@@ -501,7 +501,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     // One request per choice; choice i samples with its own seed, so choices differ
     // unless decoding is greedy. Sent after all are in: the later ones then find the
     // first one's prompt blocks in the prefix cache (prefill waits for them).
-    std::vector<Choice> ch(static_cast<size_t>(r.n), Choice(f.tok_));
+    std::vector<Choice> ch(static_cast<size_t>(r.n), Choice(f.tok_, r.stop));
     for (size_t i = 0; i < ch.size(); ++i) {
         params.sampling.seed = r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
         auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
@@ -523,8 +523,6 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
 
     const std::string id = request_id();
     const int64_t created = static_cast<int64_t>(time(nullptr));
-    size_t max_stop = 0;  // text that could still become a stop string is held back
-    for (const std::string& s : r.stop) max_stop = std::max(max_stop, s.size());
     bool client_gone = false;
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
     if (r.stream) {
@@ -562,32 +560,22 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                 c.last_token_ns = seen_ns;
                 if (r.logprobs >= 0) read_logprobs(t, f.tok_, c, r.logprobs, before, c.out.size());
             }
-            if (!c.stopped) {
-                for (size_t i = before; i < c.out.size(); ++i) c.text += c.detok.push(c.out[i]);
-                if (terminal) c.text += c.detok.finish();
-                for (const std::string& s : r.stop) {
-                    size_t at = c.text.find(s, c.emitted > s.size() ? c.emitted - s.size() : 0);
-                    if (at != std::string::npos) {
-                        c.text.resize(at);
-                        c.stopped = true;
-                        c.finish = "stop";
-                    }
+            if (!c.stream.stopped()) {
+                std::string piece;
+                for (size_t i = before; i < c.out.size(); ++i) piece += c.detok.push(c.out[i]);
+                if (terminal) piece += c.detok.finish();
+                if (c.stream.append(piece)) {
+                    c.finish = "stop";
+                    if (!terminal) c.cancel(t);
                 }
-                if (c.stopped && !terminal) c.cancel(t);
             }
             if (r.stream && !client_gone) {
-                size_t safe = (terminal || c.stopped) ? c.text.size()
-                                                      : (c.text.size() > max_stop ? c.text.size() - max_stop : 0);
-                // Never split a UTF-8 character when holding back.
-                while (safe > c.emitted && safe < c.text.size() && (static_cast<unsigned char>(c.text[safe]) & 0xC0) == 0x80)
-                    --safe;
-                if (safe > c.emitted || c.first) {
+                std::string piece = c.stream.take(terminal);
+                if (!piece.empty() || c.first) {
                     if (!co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
-                                                                  c.text.substr(c.emitted, safe - c.emitted), "", c.first,
-                                                                  c.unsent())))
+                                                                  piece, "", c.first, c.unsent())))
                         client_gone = true;
                     c.lps_sent = c.lps.size();
-                    c.emitted = safe;
                     c.first = false;
                     f.counters_.stream_event.observe(seconds_between(seen_ns, shm::monotonic_ns()));
                 }
@@ -647,7 +635,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             error_code = t.slot(c.ref.slot).error_code.load(std::memory_order_relaxed);
         }
         t.transition(c.ref, c.final_state, shm::ReqState::Free);
-        texts.push_back({c.text, c.finish, std::move(c.lps)});
+        texts.push_back({c.stream.text(), c.finish, std::move(c.lps)});
     }
     u.cached_tokens = std::min<int64_t>(u.cached_tokens, u.prompt_tokens);  // one prompt, however many choices
     if (failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
@@ -663,7 +651,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         } else {
             for (size_t ci = 0; ok && ci < ch.size(); ++ci)
                 ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
-                                                             ch[ci].text.substr(ch[ci].emitted), ch[ci].finish, false,
+                                                             ch[ci].stream.take(true), ch[ci].finish, false,
                                                              ch[ci].unsent()));
             if (ok && r.include_usage) ok = co_await write_event(stream, usage_chunk_json(r, id, created, f.opts_.model_id, u));
         }
