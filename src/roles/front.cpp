@@ -152,8 +152,6 @@ std::string metrics_histograms(const FrontCounters& c) {
 
 double seconds_between(uint64_t a_ns, uint64_t b_ns) { return static_cast<double>(b_ns - a_ns) * 1e-9; }
 
-}  // namespace
-
 awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
                                std::string type, bool retry_after) {
     auto res = make_response(st, std::move(body), req, type.c_str());
@@ -210,6 +208,8 @@ void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, 
         c.lps.push_back(std::move(lt));
     }
 }
+
+}  // namespace
 
 // The coroutines that serve one connection; a friend of Front.
 struct FrontSession {
