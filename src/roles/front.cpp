@@ -411,11 +411,12 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
             "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
             "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
             "duet_kv_blocks{{state=\"held\"}} {}\n",
-            c.requests.load(std::memory_order_relaxed), c.errors.load(std::memory_order_relaxed), c.finished.load(std::memory_order_relaxed), c.cancelled.load(std::memory_order_relaxed),
-            c.failed.load(std::memory_order_relaxed),
-            c.rejected_busy.load(std::memory_order_relaxed), c.tokens.load(std::memory_order_relaxed), f.inst_.requests().worker_restarts().load(std::memory_order_relaxed),
-            f.inst_.requests().redriven().load(std::memory_order_relaxed), f.in_flight(),
-            a.free, a.cached, a.held);
+            // Relaxed: counters for display, no order among them.
+            c.requests.load(std::memory_order_relaxed), c.errors.load(std::memory_order_relaxed),
+            c.finished.load(std::memory_order_relaxed), c.cancelled.load(std::memory_order_relaxed),
+            c.failed.load(std::memory_order_relaxed), c.rejected_busy.load(std::memory_order_relaxed),
+            c.tokens.load(std::memory_order_relaxed), f.inst_.requests().worker_restarts().load(std::memory_order_relaxed),
+            f.inst_.requests().redriven().load(std::memory_order_relaxed), f.in_flight(), a.free, a.cached, a.held);
         m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
                          c.prompt_tokens.load(std::memory_order_relaxed));
         m += per_arena;
