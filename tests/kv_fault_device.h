@@ -7,6 +7,7 @@
 // prefix, or any subset of the 512-byte sectors of what was written since.
 #pragma once
 
+#include "file_bytes.h"
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -234,23 +235,7 @@ private:
         struct stat st {};
         return ::stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
     }
-    static std::vector<uint8_t> read_all(const std::string& path) {
-        std::vector<uint8_t> b;
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) return b;
-        struct stat st {};
-        ::fstat(fd, &st);
-        b.resize(static_cast<size_t>(st.st_size));
-        size_t got = 0;
-        while (got < b.size()) {
-            const ssize_t r = ::pread(fd, b.data() + got, b.size() - got, static_cast<off_t>(got));
-            if (r <= 0) break;
-            got += static_cast<size_t>(r);
-        }
-        b.resize(got);
-        ::close(fd);
-        return b;
-    }
+    static std::vector<uint8_t> read_all(const std::string& path) { return read_file_bytes(path); }
     static std::string path_of(int fd) {
         char link[64], buf[PATH_MAX];
         std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);

@@ -6,6 +6,7 @@
 // wrote or read: the model knows nothing of records, CRCs or offsets.
 #pragma once
 
+#include "file_bytes.h"
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -225,23 +226,7 @@ struct TempDir {
     }
 };
 
-inline std::vector<uint8_t> read_file(const std::string& path) {
-    std::vector<uint8_t> b;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return b;
-    struct stat st {};
-    ::fstat(fd, &st);
-    b.resize(static_cast<size_t>(st.st_size));
-    size_t got = 0;
-    while (got < b.size()) {
-        const ssize_t r = ::pread(fd, b.data() + got, b.size() - got, static_cast<off_t>(got));
-        if (r <= 0) break;
-        got += static_cast<size_t>(r);
-    }
-    b.resize(got);
-    ::close(fd);
-    return b;
-}
+inline std::vector<uint8_t> read_file(const std::string& path) { return read_file_bytes(path); }
 inline void write_file(const std::string& path, std::span<const uint8_t> b) {
     const int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
     ASSERT_GE(fd, 0) << path << ": " << std::strerror(errno);

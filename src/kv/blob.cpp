@@ -67,12 +67,7 @@ void blob_header_encode(const BlobHeader& h, uint8_t out[kBlobHeaderBytes]) {
     put<uint32_t>(out, kOffHeaderBytes, kBlobHeaderBytes);
     std::memcpy(out + kOffModel, h.id.model.data(), 16);
     std::memcpy(out + kOffTokenizer, h.id.tokenizer.data(), 16);
-    put<uint32_t>(out, kOffLayers, static_cast<uint32_t>(h.layout.n_layer));
-    put<uint32_t>(out, kOffHeads, static_cast<uint32_t>(h.layout.n_head_kv));
-    put<uint32_t>(out, kOffHeadDim, static_cast<uint32_t>(h.layout.head_dim));
-    out[kOffDtype] = static_cast<uint8_t>(h.layout.dtype);
-    out[kOffScales] = static_cast<uint8_t>(h.scales);
-    put<uint32_t>(out, kOffBlockTokens, static_cast<uint32_t>(h.layout.block_tokens));
+    kv_layout_put(out, h.layout);
     put<uint32_t>(out, kOffFlags, h.flags);
     put<uint64_t>(out, kOffFirstPos, h.first_pos);
     put<uint64_t>(out, kOffTokens, h.n_tokens);
@@ -107,6 +102,20 @@ Result<KvLayout> kv_layout_decode(uint32_t layers, uint32_t heads, uint32_t dim,
     return l;
 }
 
+void kv_layout_put(uint8_t* out, const KvLayout& l) {
+    put<uint32_t>(out, kOffLayers, static_cast<uint32_t>(l.n_layer));
+    put<uint32_t>(out, kOffHeads, static_cast<uint32_t>(l.n_head_kv));
+    put<uint32_t>(out, kOffHeadDim, static_cast<uint32_t>(l.head_dim));
+    out[kOffDtype] = static_cast<uint8_t>(l.dtype);
+    out[kOffScales] = static_cast<uint8_t>(l.quantized() ? KvScaleLayout::RowF32Tail : KvScaleLayout::None);
+    put<uint32_t>(out, kOffBlockTokens, static_cast<uint32_t>(l.block_tokens));
+}
+
+Result<KvLayout> kv_layout_get(const uint8_t* p) {
+    return kv_layout_decode(get<uint32_t>(p, kOffLayers), get<uint32_t>(p, kOffHeads), get<uint32_t>(p, kOffHeadDim),
+                            get<uint32_t>(p, kOffBlockTokens), p[kOffDtype], p[kOffScales]);
+}
+
 Result<BlobHeader> blob_header_decode(const uint8_t* p, size_t n) {
     if (n < kBlobHeaderBytes)
         return make_error("truncated header: {} bytes, a KV blob header is {}", n, kBlobHeaderBytes);
@@ -123,9 +132,7 @@ Result<BlobHeader> blob_header_decode(const uint8_t* p, size_t n) {
         return make_error("header_bytes: {}, expected {}", hb, kBlobHeaderBytes);
     std::memcpy(h.id.model.data(), p + kOffModel, 16);
     std::memcpy(h.id.tokenizer.data(), p + kOffTokenizer, 16);
-    auto lay = kv_layout_decode(get<uint32_t>(p, kOffLayers), get<uint32_t>(p, kOffHeads),
-                                get<uint32_t>(p, kOffHeadDim), get<uint32_t>(p, kOffBlockTokens), p[kOffDtype],
-                                p[kOffScales]);
+    auto lay = kv_layout_get(p);
     if (!lay) return lay.error();
     h.layout = *lay;
     h.scales = h.layout.quantized() ? KvScaleLayout::RowF32Tail : KvScaleLayout::None;

@@ -62,6 +62,11 @@ struct BlobHeader {
 // an Error when the count overflows 64 bits or exceeds what a blob may hold.
 Result<uint64_t> blob_data_bytes(const KvLayout& l, uint64_t n_tokens);
 
+// The KV shape fields at bytes 48..67 of a blob header and of a log header (the
+// same offsets in both): n_layer, n_head_kv, head_dim (u32), dtype, scale layout
+// (u8), a zero u16, block_tokens (u32).
+void kv_layout_put(uint8_t* header, const KvLayout& l);
+Result<KvLayout> kv_layout_get(const uint8_t* header);
 // The KV shape fields a blob or log header stores, checked (ranges, a known dtype,
 // the scale layout that goes with it); the Error names the field.
 Result<KvLayout> kv_layout_decode(uint32_t n_layer, uint32_t n_head_kv, uint32_t head_dim, uint32_t block_tokens,

@@ -22,9 +22,9 @@ using le::put;
 namespace {
 
 constexpr char kLogMagic[8] = {'D', 'U', 'E', 'T', 'K', 'V', 'L', '\0'};
-constexpr size_t kOffVersion = 8, kOffHeaderBytes = 12, kOffModel = 16, kOffTokenizer = 32, kOffLayers = 48,
-                 kOffHeads = 52, kOffHeadDim = 56, kOffDtype = 60, kOffScales = 61, kOffReserved0 = 62,
-                 kOffBlockTokens = 64, kOffFlags = 68, kOffSalt = 72, kOffGeneration = 80, kOffContext = 88,
+// Bytes 48..67 hold the KV layout, as in a blob header (kv_layout_put / kv_layout_get).
+constexpr size_t kOffVersion = 8, kOffHeaderBytes = 12, kOffModel = 16, kOffTokenizer = 32, kOffReserved0 = 62,
+                 kOffFlags = 68, kOffSalt = 72, kOffGeneration = 80, kOffContext = 88,
                  kContextBytes = 32, kOffReserved1 = 120, kOffHeaderCrc = 124;
 // Record header fields.
 constexpr size_t kRecType = 4, kRecReserved = 6, kRecSeq = 8, kRecBatch = 16, kRecPayload = 24, kRecPayloadCrc = 32,
@@ -122,12 +122,7 @@ void log_header_encode(const LogHeader& h, uint8_t out[kLogHeaderBytes]) {
     put<uint32_t>(out, kOffHeaderBytes, kLogHeaderBytes);
     std::memcpy(out + kOffModel, h.id.model.data(), 16);
     std::memcpy(out + kOffTokenizer, h.id.tokenizer.data(), 16);
-    put<uint32_t>(out, kOffLayers, static_cast<uint32_t>(h.layout.n_layer));
-    put<uint32_t>(out, kOffHeads, static_cast<uint32_t>(h.layout.n_head_kv));
-    put<uint32_t>(out, kOffHeadDim, static_cast<uint32_t>(h.layout.head_dim));
-    out[kOffDtype] = static_cast<uint8_t>(h.layout.dtype);
-    out[kOffScales] = static_cast<uint8_t>(h.layout.quantized() ? KvScaleLayout::RowF32Tail : KvScaleLayout::None);
-    put<uint32_t>(out, kOffBlockTokens, static_cast<uint32_t>(h.layout.block_tokens));
+    kv_layout_put(out, h.layout);
     put<uint64_t>(out, kOffSalt, h.salt);
     put<uint64_t>(out, kOffGeneration, h.generation);
     std::memcpy(out + kOffContext, h.context.data(), std::min(h.context.size(), kContextBytes - 1));
@@ -146,9 +141,7 @@ Result<LogHeader> log_header_decode(const uint8_t* p, size_t n) {
         return make_error("version: the log is format version {}, this build reads version {}", h.version, kLogVersion);
     if (uint32_t hb = get<uint32_t>(p, kOffHeaderBytes); hb != kLogHeaderBytes)
         return make_error("header_bytes: {}, expected {}", hb, kLogHeaderBytes);
-    auto lay = kv_layout_decode(get<uint32_t>(p, kOffLayers), get<uint32_t>(p, kOffHeads),
-                                get<uint32_t>(p, kOffHeadDim), get<uint32_t>(p, kOffBlockTokens), p[kOffDtype],
-                                p[kOffScales]);
+    auto lay = kv_layout_get(p);
     if (!lay) return lay.error();
     h.layout = *lay;
     if (get<uint16_t>(p, kOffReserved0) != 0 || get<uint32_t>(p, kOffReserved1) != 0)
