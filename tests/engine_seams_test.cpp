@@ -113,10 +113,10 @@ TEST(DecodePolicy, TheNewestGivesWay) {
     };
     const std::vector<Case> cases = {
         {{}, SIZE_MAX},
-        {{{7, 100, 1}}, 0},
-        {{{1, 10, 0}, {5, 10, 1}, {3, 900, 1}}, 1},          // not the longest: the latest admitted
-        {{{9, 10, 0}, {2, 10, 1}, {4, 10, 1}}, 0},           // wherever it sits in the batch
-        {{{4, 10, 0}, {4, 20, 0}}, 1},                        // a tie: the later index
+        {{{7, 100}}, 0},
+        {{{1, 10}, {5, 10}, {3, 900}}, 1},          // not the longest: the latest admitted
+        {{{9, 10}, {2, 10}, {4, 10}}, 0},           // wherever it sits in the batch
+        {{{4, 10}, {4, 20}}, 1},                        // a tie: the later index
     };
     for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(pick_decode_victim(cases[i].seqs), cases[i].victim) << i;
 }

@@ -123,21 +123,19 @@ Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity&
         drop_fresh();
         return make_error("{}: {}", path, r.error().message);
     }
-    if (!fresh.empty()) {
-        std::vector<int32_t> ids(fresh.size());
-        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
-        if (Status s = copy_tiles(l, *st.pool, ids, dev, fresh, cudaMemcpyHostToDevice); !s) {
-            drop_fresh();
-            return s.error();
-        }
+    if (fresh.empty()) return r;  // an empty blob: seq is as it was
+    std::vector<int32_t> ids(fresh.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    if (Status s = copy_tiles(l, *st.pool, ids, dev, fresh, cudaMemcpyHostToDevice); !s) {
+        drop_fresh();
+        return s.error();
     }
-    std::vector<int32_t> blocks(seq.blocks().begin(), seq.blocks().begin() + static_cast<ptrdiff_t>(std::min<uint64_t>(b0, seq.blocks().size())));
-    if (fresh.empty()) blocks = seq.blocks();
-    for (int32_t b : blocks) dev.allocator().ref(b);
+    // seq keeps its blocks before b0; its partial block b0 (copied into fresh[0]) goes.
+    std::vector<int32_t> blocks = seq.detach();
+    for (size_t i = b0; i < blocks.size(); ++i) dev.allocator().unref(blocks[i]);
+    blocks.resize(std::min<size_t>(b0, blocks.size()));
     blocks.insert(blocks.end(), fresh.begin(), fresh.end());
-    const int64_t len = static_cast<int64_t>(r->header.first_pos + r->header.n_tokens);
-    seq.release(dev);
-    seq = KvSeq::adopt(std::move(blocks), len);
+    seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(r->header.first_pos + r->header.n_tokens));
     return r;
 }
 

@@ -11,7 +11,6 @@ namespace duet {
 struct DecodeSeqView {
     uint64_t admitted = 0;  // when it joined decode (an order: larger is later)
     int64_t tokens = 0;     // positions with KV
-    int64_t blocks_next = 0;  // blocks its next step needs
 };
 
 // The index of the sequence to give up: the newest (the least work lost, and every

@@ -31,7 +31,6 @@ public:
     // pass that was then not run, or failed).
     void unreserve(std::span<SeqBatch> batch);
     int32_t free_blocks() const { return pool_.allocator().n_free(); }
-    KvPool& pool() { return pool_; }
 
 private:
     KvPool& pool_;

@@ -254,6 +254,18 @@ Status transfer_iov(int fd, uint64_t at, std::span<const iovec> iov, bool write)
 Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov) { return transfer_iov(fd, at, iov, false); }
 Status pwrite_iov(int fd, uint64_t at, std::span<const iovec> iov) { return transfer_iov(fd, at, iov, true); }
 
+Result<uint32_t> crc32c_file(int fd, uint64_t at, uint64_t n, uint32_t crc) {
+    std::vector<uint8_t> buf(std::min<uint64_t>(n, 4u << 20));
+    while (n > 0) {
+        const size_t k = static_cast<size_t>(std::min<uint64_t>(n, buf.size()));
+        if (Status s = pread_iov(fd, at, std::array{iovec{buf.data(), k}}); !s) return s.error();
+        crc = crc32c(buf.data(), k, crc);
+        at += k;
+        n -= k;
+    }
+    return crc;
+}
+
 Status fsync_dir_of(const std::string& path) {
     const size_t slash = path.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
@@ -464,20 +476,11 @@ Result<BlobHeader> blob_verify_file(const std::string& path) {
                           size - kBlobHeaderBytes < h->data_bytes ? "truncated" : "size", size - kBlobHeaderBytes,
                           h->data_bytes);
     }
-    std::vector<uint8_t> buf(std::min<uint64_t>(h->data_bytes, 8u << 20));
-    uint32_t crc = 0;
-    for (uint64_t off = 0; off < h->data_bytes;) {
-        const size_t k = static_cast<size_t>(std::min<uint64_t>(buf.size(), h->data_bytes - off));
-        if (Status s = pread_iov(fd, kBlobHeaderBytes + off, std::array{iovec{buf.data(), k}}); !s) {
-            ::close(fd);
-            return s.error();
-        }
-        crc = crc32c(buf.data(), k, crc);
-        off += k;
-    }
+    auto crc = crc32c_file(fd, kBlobHeaderBytes, h->data_bytes);
     ::close(fd);
-    if (crc != h->data_crc)
-        return make_error("data_crc: stored {:#010x}, computed {:#010x} (the data is corrupt)", h->data_crc, crc);
+    if (!crc) return crc.error();
+    if (*crc != h->data_crc)
+        return make_error("data_crc: stored {:#010x}, computed {:#010x} (the data is corrupt)", h->data_crc, *crc);
     return h;
 }
 

@@ -135,6 +135,8 @@ Result<BlobHeader> blob_verify_file(const std::string& path);
 // Scatter read: n bytes at file offset `at` into iov (in order), in chunks of at
 // most IOV_MAX buffers; an Error on a short file or an I/O error.
 Status pread_iov(int fd, uint64_t at, std::span<const iovec> iov);
+// The CRC32C of n bytes of the file from offset `at` (read in chunks), continuing crc.
+Result<uint32_t> crc32c_file(int fd, uint64_t at, uint64_t n, uint32_t crc = 0);
 // Gather write of the whole iov at offset `at` (short writes continued).
 Status pwrite_iov(int fd, uint64_t at, std::span<const iovec> iov);
 // write-temp -> fsync -> rename -> fsync(directory) helpers shared with the log.

@@ -62,8 +62,9 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         const shm::ProcSlot& ps = reg.slot(s);
         const shm::ProcState st = reg.state(s);
         if (s != self_.slot && (st == shm::ProcState::Starting || st == shm::ProcState::Running) &&
-            ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) && ps.index.load(std::memory_order_relaxed) == o.index) {
             // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
+            ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
+            ps.index.load(std::memory_order_relaxed) == o.index) {
             reg.release(self_);
             self_ = {};
             return make_error("{} worker {} of instance {} is already running (pid {})", shm::role_name(role), o.index,
@@ -713,7 +714,7 @@ Result<bool> DecodeWorker::step() {
     if (!st) {
         std::vector<DecodeSeqView> views(active_.size());
         for (size_t i = 0; i < active_.size(); ++i)
-            views[i] = {active_[i].admitted, active_[i].seq.n_tokens(), blocks_to_append(*pool_, active_[i].seq, 1)};
+            views[i] = {active_[i].admitted, active_[i].seq.n_tokens()};
         const size_t v = pick_decode_victim(views);
         t.slot(active_[v].req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(v, shm::ReqState::Failed);
