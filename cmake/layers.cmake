@@ -2,7 +2,7 @@
 # include.
 #
 #   base <- shm <- kv <- model <- cuda (with DUET_CUDA) <- engine <- roles <- cli
-#   kernels/cpu and kernels/cuda sit below kv and model: they include nothing of duet.
+#   kernels/cpu sits below kv, kernels/cuda below cuda: they include nothing of duet.
 #
 # Each layer's targets see headers only through its view: a directory of the
 # build tree holding symbolic links to the layer's own source folder and those of
@@ -33,13 +33,9 @@ set(DUET_LAYER_kernels_cpu "kernels/cpu=kernels/cpu")
 set(DUET_LAYER_kernels_cuda "kernels/cuda=kernels/cuda")
 set(DUET_LAYER_shm         ${DUET_LAYER_base} "shm=shm")
 set(DUET_LAYER_kv          ${DUET_LAYER_shm} ${DUET_LAYER_kernels_cpu} "kv=src/kv")
-set(DUET_LAYER_model       ${DUET_LAYER_kv})
+set(DUET_LAYER_model       ${DUET_LAYER_kv} "model=src/model")
 if(DUET_CUDA)
-  list(APPEND DUET_LAYER_model ${DUET_LAYER_kernels_cuda})
-endif()
-list(APPEND DUET_LAYER_model "model=src/model")
-if(DUET_CUDA)
-  set(DUET_LAYER_cuda ${DUET_LAYER_model} "cuda=src/cuda")
+  set(DUET_LAYER_cuda ${DUET_LAYER_model} ${DUET_LAYER_kernels_cuda} "cuda=src/cuda")
   set(DUET_LAYER_engine ${DUET_LAYER_cuda} "engine=src/engine")
 else()
   set(DUET_LAYER_engine ${DUET_LAYER_model} "engine=src/engine")

@@ -230,7 +230,7 @@ TEST(Serving, PrefillPacksRequestsAndReusesCachedPrefixes) {
     sv.start();
     if (::testing::Test::HasFatalFailure()) return;
     WorkerOptions po;
-    po.prefill_chunk = 16;  // the long prompt takes several passes
+    po.prefill_budget = 16;  // the long prompt takes several passes
     pid_t prefill = sv.spawn(true, 0, po);
     pid_t decode = sv.spawn(false, 1);
     ChildReaper reaper{{&prefill, &decode}};
@@ -379,7 +379,7 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     auto spawn = [&](bool prefill, uint32_t index) {
         WorkerOptions o;
         o.index = index;
-        if (prefill) o.prefill_chunk = 16;  // the long prompt takes several passes
+        if (prefill) o.prefill_budget = 16;  // the long prompt takes several passes
         return sv.spawn(prefill, prefill ? 0 : 1, o);
     };
     pid_t pre[2] = {spawn(true, 0), spawn(true, 1)};
@@ -509,7 +509,7 @@ TEST(Serving, PerRoleArenasCopyEachHandOffIntoDecodesArena) {
     auto spawn = [&](bool prefill, uint32_t index) {
         WorkerOptions o;
         o.index = index;
-        if (prefill) o.prefill_chunk = 32;  // the long prompt takes several passes
+        if (prefill) o.prefill_budget = 32;  // the long prompt takes several passes
         return sv.spawn(prefill, prefill ? 0 : 1, o);
     };
     pid_t prefill = spawn(true, 0);

@@ -3,7 +3,7 @@
 #include <cstdio>
 
 #include "kv/kv_pool.h"
-#include "model/device_spec.h"
+#include "engine/backends.h"
 
 #if DUET_HAVE_CUDA
 #include "cuda/cuda_bench.h"

@@ -12,6 +12,7 @@
 #include "cli/bench_shm.h"
 #include "cli/commands.h"
 #include "cli/kv_cli.h"
+#include "cli/role_flags.h"
 #include "cli/serve.h"
 #include "cli/shm_status.h"
 #include "cli/topo.h"
@@ -185,66 +186,21 @@ int main(int argc, char** argv) {
     c_topo->add_option("--decode-workers", topo.decode_workers, "decode processes (CPU serving)")->capture_default_str()->check(CLI::Range(1, 5));
     c_topo->add_flag("--json", topo.json, "print one JSON object");
 
-    // duet serve
-    ServeArgs serve;
+    // duet serve, duet front, duet prefill / duet decode (cli/role_flags.cpp)
+    ServeSettings serve;
     serve.model = default_model;
     CLI::App* c_serve = app.add_subcommand("serve", "serve the OpenAI API: front, prefill and decode processes");
-    c_serve->add_option("-m,--model", serve.model, "GGUF model file")->capture_default_str();
-    c_serve->add_option("--host", serve.host, "address to listen on")->capture_default_str();
-    c_serve->add_option("--port", serve.port, "port (0: any free one)")->capture_default_str()->check(CLI::Range(0, 65535));
-    c_serve->add_option("--ctx", serve.ctx, "tokens per request (prompt + output)")->capture_default_str();
-    c_serve->add_option("--slots", serve.slots, "requests in flight at most")->capture_default_str()->check(CLI::Range(1, 4096));
-    c_serve->add_option("--io-threads", serve.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
-    c_serve->add_option("--grace", serve.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
-    c_serve->add_option("--start-timeout", serve.start_timeout_s, "seconds the roles get to start before serve gives up (0: 60 + 10 per GiB of model)")->capture_default_str()->check(CLI::Range(0, 86400));
-    c_serve->add_option("--instance", serve.instance, "shared-memory instance name (default serve-<pid>)");
-    c_serve->add_option("--front-cpus", serve.front_cpus, "pin the front here (default: the hwloc plan)");
-    c_serve->add_option("--prefill-cpus", serve.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
-    c_serve->add_option("--decode-cpus", serve.decode_cpus, "pin decode here; disjoint from prefill");
-    c_serve->add_option("--isa", serve.isa, "kernel level: scalar, avx2, avx512 (default: best)");
-    c_serve->add_option("--chat-template", serve.chat_template, "override the chat template");
-    c_serve->add_option("--prefill-budget", serve.prefill_budget, "tokens per prefill forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
-    c_serve->add_flag("!--no-prefix-cache", serve.prefix_cache, "do not reuse cached prompt blocks");
-    c_serve->add_option("--prefill-workers", serve.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")->capture_default_str()->check(CLI::Range(1, 5));
-    c_serve->add_option("--device", serve.device, "cpu, or GPUs: cuda:N, or cuda:0,cuda:1,... (a prefill and a decode worker on each, sharing its KV arena)")->capture_default_str();
-    c_serve->add_flag("--cuda-qgemv", serve.cuda_qgemv, "GPUs: decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16 (duet bench cuda compares them)");
-    c_serve->add_option("--kv-dtype", serve.kv_dtype, "KV cache values: f16, or int8 / fp8 (e4m3) with a scale per token and head (about half the memory: twice the tokens in the same arena)")->capture_default_str();
-    c_serve->add_option("--kv-arenas", serve.kv_arenas, "shared: prefill and decode use one KV arena per device (hand-offs copy nothing); per-role: each role its own (CPU: prefill's and decode's host arenas, each on its role's NUMA nodes; GPUs: prefill alone on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV layer by layer")->capture_default_str();
-    c_serve->add_option("--kv-memory", serve.kv_memory, "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest of it)")->capture_default_str()->check(CLI::Range(0.05, 1.0));
-    c_serve->add_option("--decode-workers", serve.decode_workers, "decode processes (hand-offs routed by batch room)")->capture_default_str()->check(CLI::Range(1, 5));
-
-    // duet front
-    FrontArgs front;
+    add_serve_flags(*c_serve, serve);
+    FrontSettings front;
     front.model = default_model;
     CLI::App* c_front = app.add_subcommand("front", "the HTTP front (OpenAI API) of a running instance");
-    c_front->add_option("--instance", front.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
-    c_front->add_option("-m,--model", front.model, "GGUF model file (the instance's)")->capture_default_str();
-    c_front->add_option("--host", front.host, "address to listen on")->capture_default_str();
-    c_front->add_option("--port", front.port, "port")->capture_default_str()->check(CLI::Range(1, 65535));
-    c_front->add_option("--io-threads", front.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
-    c_front->add_option("--grace", front.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
-    c_front->add_option("--chat-template", front.chat_template, "override the chat template");
-    c_front->add_option("--cpus", front.cpus, "pin the front (all its threads) to these CPUs");
-
-    // duet prefill / duet decode
-    WorkerArgs worker;
+    add_front_flags(*c_front, front);
+    WorkerSettings worker;
     worker.model = default_model;
     CLI::App* c_prefill = app.add_subcommand("prefill", "a prefill worker of a running instance");
     CLI::App* c_decode = app.add_subcommand("decode", "a decode worker of a running instance");
-    for (CLI::App* c : {c_prefill, c_decode}) {
-        c->add_option("--instance", worker.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
-        c->add_option("-m,--model", worker.model, "GGUF model file (the instance's)")->capture_default_str();
-        c->add_option("-t,--threads", worker.threads, "compute threads")->capture_default_str();
-        c->add_option("--cpus", worker.cpus, "pin threads to these CPUs");
-        c->add_option("--isa", worker.isa, "kernel level: scalar, avx2, avx512 (default: best)");
-        c->add_option("--index", worker.index, "which of the instance's workers of this role")->capture_default_str();
-        c->add_option("--numa", worker.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
-        c->add_option("--device", worker.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();
-        c->add_flag("!--no-cuda-graphs", worker.cuda_graphs, "run every CUDA pass eagerly");
-        c->add_flag("--cuda-qgemv", worker.cuda_qgemv, "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16");
-    }
-    c_prefill->add_option("--budget", worker.budget, "tokens per forward pass (several requests packed)")->capture_default_str()->check(CLI::Range(16, 1 << 16));
-    c_prefill->add_flag("!--no-prefix-cache", worker.prefix_cache, "do not reuse or publish cached prompt blocks");
+    add_worker_flags(*c_prefill, worker, /*prefill=*/true);
+    add_worker_flags(*c_decode, worker, /*prefill=*/false);
 
     try {
         app.parse(argc, argv);

@@ -1,22 +1,15 @@
 #include "cli/worker_roles.h"
 
-#include <signal.h>
-
 #include <atomic>
 #include <cstdio>
 
 #include "engine/engine.h"
+#include "roles/stop_signal.h"
 #include "roles/workers.h"
 
 namespace duet {
 
-namespace {
-std::atomic<bool> g_stop{false};  // set by the signal handler: a process-wide flag by nature
-// A flag polled by the worker loop; nothing is published with it: relaxed.
-void on_signal(int) { g_stop.store(true, std::memory_order_relaxed); }
-}  // namespace
-
-int cmd_worker(const WorkerArgs& a, bool prefill) {
+int cmd_worker(const WorkerSettings& a, bool prefill) {
     const char* role = prefill ? "prefill" : "decode";
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) {
@@ -61,12 +54,9 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
     o.device = *dev;
     o.cuda_graphs = a.cuda_graphs;
     o.cuda_qgemv = a.cuda_qgemv;
-    o.prefill_chunk = a.budget;
+    o.prefill_budget = a.prefill_budget;
     o.prefix_cache = a.prefix_cache;
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
+    const std::atomic<bool>& stop = StopSignal::install();
     Status st;
     if (prefill) {
         auto w = PrefillWorker::create(*inst, **model, o);
@@ -74,14 +64,14 @@ int cmd_worker(const WorkerArgs& a, bool prefill) {
             std::fprintf(stderr, "duet prefill: %s\n", w.error().message.c_str());
             return 1;
         }
-        st = (*w)->run(g_stop);
+        st = (*w)->run(stop);
     } else {
         auto w = DecodeWorker::create(*inst, **model, o);
         if (!w) {
             std::fprintf(stderr, "duet decode: %s\n", w.error().message.c_str());
             return 1;
         }
-        st = (*w)->run(g_stop);
+        st = (*w)->run(stop);
     }
     if (!st) {
         std::fprintf(stderr, "duet %s: %s\n", role, st.error().message.c_str());

@@ -5,9 +5,7 @@
 #include <atomic>
 #include <chrono>
 
-#if DUET_HAVE_CUDA
-#include "cuda/cuda_backend.h"
-#endif
+#include "engine/backends.h"
 
 namespace duet {
 
@@ -30,16 +28,12 @@ Result<cpu::Isa> parse_isa(const std::string& name) {
     return isa;
 }
 
-#if !DUET_HAVE_CUDA
-class CudaKvMemory {};  // never made: this build has no CUDA backend
-#endif
-
 Engine::~Engine() {
     // The backend first (it reads the pool), then the pool (shm_), then the device
     // memory under it.
     backend_.reset();
     shm_.reset();
-    cuda_kv_.reset();
+    device_kv_.reset();
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
@@ -75,15 +69,13 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     so.model_fingerprint = e->model_->fingerprint();
     so.huge_pages = opts.huge_pages;
     const auto n_blocks = static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens);
-#if DUET_HAVE_CUDA
     if (dev->cuda) {
-        auto mem = CudaKvMemory::create(dev->index, layout, n_blocks);
+        auto mem = make_device_kv(*dev, layout, n_blocks);
         if (!mem) return mem.error();
-        e->cuda_kv_ = std::move(mem).value();
-        so.device_data = e->cuda_kv_->data();
+        e->device_kv_ = std::move(mem).value();
+        so.device_data = e->device_kv_->data();
         so.device_name = dev->name();
     }
-#endif
     auto kv = ShmKv::create(layout, n_blocks, so);
     if (!kv) return kv.error();
     e->shm_ = std::move(kv).value();
@@ -92,23 +84,18 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     if (n_threads <= 0)
         n_threads = opts.cpus.empty() ? static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)) : static_cast<int>(opts.cpus.size());
     e->threads_ = std::make_unique<ThreadPool>(n_threads, opts.cpus);
-#if DUET_HAVE_CUDA
-    if (dev->cuda) {
-        CudaBackendOptions co;
-        co.device = dev->index;
-        co.max_batch = 8;  // one sequence here; a few buckets for batched callers
-        co.max_ctx = n_ctx;
-        co.graphs = opts.cuda_graphs;
-        co.quantized_gemv = opts.cuda_qgemv;
-        auto b = CudaBackend::create(*e->model_, e->shm_->pool(), co);
-        if (!b) return b.error();
-        e->backend_desc_ = (*b)->describe();
-        e->backend_ = std::move(b).value();
-        return e;
-    }
-#endif
-    e->backend_ = std::make_unique<CpuBackend>(*e->model_, e->shm_->pool(), *e->threads_, *isa);
-    e->backend_desc_ = fmt::format("cpu {}, {} threads", cpu::isa_name(*isa), e->threads_->size());
+    BackendOptions bo;
+    bo.device = *dev;
+    bo.isa = *isa;
+    bo.threads = e->threads_.get();
+    bo.max_batch = 8;  // one sequence here; a few buckets for batched callers
+    bo.max_ctx = n_ctx;
+    bo.cuda_graphs = opts.cuda_graphs;
+    bo.cuda_qgemv = opts.cuda_qgemv;
+    auto b = make_backend(*e->model_, e->shm_->pool(), bo);
+    if (!b) return b.error();
+    e->backend_desc_ = std::move(b->description);
+    e->backend_ = std::move(b->backend);
     return e;
 }
 
@@ -129,7 +116,7 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
     };
 
     auto t0 = std::chrono::steady_clock::now();
-    const int64_t chunk = std::max<int64_t>(1, opts.prefill_chunk);
+    const int64_t chunk = std::max<int64_t>(1, opts.prefill_budget);
     for (int64_t i = 0; i < st.prompt_tokens; i += chunk) {
         SeqBatch b{&seq, prompt.data() + i, static_cast<int32_t>(std::min(chunk, st.prompt_tokens - i)), false};
         if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());

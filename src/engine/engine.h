@@ -38,7 +38,7 @@ struct EngineOptions {
 struct GenerateOptions {
     int64_t max_tokens = 128;
     SamplingParams sampling;
-    int64_t prefill_chunk = 512;  // tokens per prefill forward pass
+    int64_t prefill_budget = 512;  // tokens per prefill forward pass
     bool stop_at_eog = true;
 };
 
@@ -50,7 +50,7 @@ struct GenerateStats {
     bool stopped_at_eog = false;
 };
 
-class CudaKvMemory;
+class DeviceKvMemory;
 
 class Engine {
 public:
@@ -82,7 +82,7 @@ private:
     std::unique_ptr<Tokenizer> tok_;
     std::unique_ptr<ShmKv> shm_;  // the KV pool, on the shared-memory arena
     std::unique_ptr<ThreadPool> threads_;
-    std::unique_ptr<CudaKvMemory> cuda_kv_;  // before shm_: the pool points into it
+    std::unique_ptr<DeviceKvMemory> device_kv_;  // before shm_: the pool points into it
     std::unique_ptr<Backend> backend_;
     cpu::Isa isa_ = cpu::Isa::Scalar;
     DeviceSpec device_;

@@ -18,20 +18,7 @@ struct DeviceSpec {
 // Parses "cpu", "cuda" or "cuda:N" (N >= 0). An error names what was expected.
 Result<DeviceSpec> parse_device(const std::string& s);
 
-// Whether this build has the CUDA backend (DUET_CUDA at configure time).
-bool cuda_built();
-
-// An error unless d is the CPU or a CUDA device this process can see ("cuda:3: no
-// such device (2 CUDA devices visible)").
-Status check_device(const DeviceSpec& d);
-
-// The PCI address of CUDA device d ("0000:3b:00.0", as /sys/bus/pci/devices names
-// it): how a CUDA ordinal, which CUDA_VISIBLE_DEVICES renumbers, is matched with the
-// machine's GPUs for placement. "" when it cannot be told.
-std::string cuda_pci_address(const DeviceSpec& d);
-
-// The memory of CUDA device d in bytes (no context is created); an error when it
-// cannot be told.
-Result<uint64_t> cuda_total_memory(const DeviceSpec& d);
+// The device queries (is it there, its PCI address, its memory) are in
+// engine/backends.h, the one place that knows whether this build has CUDA.
 
 }  // namespace duet

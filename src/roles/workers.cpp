@@ -9,16 +9,9 @@
 #include <cstdio>
 #include <utility>
 
-#if DUET_HAVE_CUDA
-#include "cuda/cuda_arena.h"
-#include "cuda/cuda_backend.h"
-#endif
+#include "engine/backends.h"
 
 namespace duet {
-
-#if !DUET_HAVE_CUDA
-class SharedKvArena {};  // never made: this build has no CUDA backend
-#endif
 
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
     float mx = logits[0];
@@ -90,30 +83,27 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
                           o.device.name());
     if (o.device.cuda) {
         if (Status st = check_device(o.device); !st) return st;
-#if DUET_HAVE_CUDA
         const uint64_t bytes = layout.block_bytes() * inst.arena(arena_).n_blocks();
-        auto arena = SharedKvArena::open(inst.config().name, arena_, o.device.index, bytes);
+        auto arena = open_shared_kv(inst.config().name, arena_, o.device, bytes);
         if (!arena) return arena.error();
         gpu_kv_ = std::move(arena).value();
         pool_ = std::make_unique<KvPool>(layout, gpu_kv_->data(), std::move(alloc));
-        CudaBackendOptions co;
-        co.device = o.device.index;
-        co.max_batch = std::max(1, o.max_batch);
-        co.max_ctx = inst.config().requests.max_tokens;
-        co.graphs = o.cuda_graphs;
-        co.quantized_gemv = o.cuda_qgemv;
-        co.share_weights_instance = inst.config().name;  // one copy of the weights per GPU
-        auto b = CudaBackend::create(model, *pool_, co);
-        if (!b) return b.error();
-        std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), (*b)->describe().c_str());
-        backend_ = std::move(b).value();
-#else
-        return make_error("device {}: this duet was built without CUDA", o.device.name());
-#endif
     } else {
         pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(arena_), std::move(alloc));
-        backend_ = std::make_unique<CpuBackend>(model, *pool_, *threads_, o.isa);
     }
+    BackendOptions bo;
+    bo.device = o.device;
+    bo.isa = o.isa;
+    bo.threads = threads_.get();
+    bo.max_batch = std::max(1, o.max_batch);
+    bo.max_ctx = inst.config().requests.max_tokens;
+    bo.cuda_graphs = o.cuda_graphs;
+    bo.cuda_qgemv = o.cuda_qgemv;
+    bo.share_weights_instance = inst.config().name;  // one copy of the weights per GPU
+    auto b = make_backend(model, *pool_, bo);
+    if (!b) return b.error();
+    if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
+    backend_ = std::move(b->backend);
     kv_ = std::make_unique<KvCacheManager>(*pool_);
     inst.registry().set_running(self_);
     return {};
@@ -223,10 +213,9 @@ bool PrefillWorker::reserve_destination(Job& j) {
         if (oi < 0) continue;
         Outlet& o = outlets_[static_cast<size_t>(oi)];
         if (!o.dest.data) {
-#if DUET_HAVE_CUDA
             // Made by its decode worker when it starts (not kept yet: later).
-            auto m = SharedKvArena::open_peer(inst_->config().name, a, opts_.device.index,
-                                              pool_->layout().block_bytes() * inst_->arena(a).n_blocks());
+            auto m = open_peer_kv(inst_->config().name, a, opts_.device,
+                                  pool_->layout().block_bytes() * inst_->arena(a).n_blocks());
             if (!m) {
                 if (!o.said && m.error().message.find("not kept") == std::string::npos)
                     std::fprintf(stderr, "duet prefill: %s\n", m.error().message.c_str());
@@ -240,9 +229,6 @@ bool PrefillWorker::reserve_destination(Job& j) {
             if (!o.dest.peer)
                 std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are "
                                      "staged through host memory\n", opts_.device.index, o.dest.device);
-#else
-            continue;
-#endif
         }
         std::vector<int32_t> got(need);
         if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) continue;  // full: decode frees as it finishes
@@ -466,7 +452,7 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     }
 }
 
-// One forward pass over up to prefill_chunk tokens of the requests in hand,
+// One forward pass over up to prefill_budget tokens of the requests in hand,
 // earliest deadline first; requests whose prompt completes are handed off.
 Result<bool> PrefillWorker::step() {
     settle();
@@ -500,7 +486,7 @@ Result<bool> PrefillWorker::step() {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
                         jobs_[k].looked_up, follows(k)};
-        plan = plan_prefill(views, opts_.prefill_chunk, kv_short_);
+        plan = plan_prefill(views, opts_.prefill_budget, kv_short_);
         if (plan.lookup < 0) break;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
         if (opts_.prefix_cache) lookup_prefix(j);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/thread_pool.h"
+#include "engine/backends.h"
 #include "engine/decode_policy.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
@@ -27,8 +28,6 @@
 
 namespace duet {
 
-class SharedKvArena;
-
 struct WorkerOptions {
     uint32_t index = 0;  // which of its role's workers (its rings follow from it)
     int numa = -1;       // the NUMA node of its CPUs, for routing (-1: not known)
@@ -36,7 +35,7 @@ struct WorkerOptions {
     std::vector<int> cpus;
     cpu::Isa isa = cpu::Isa::Scalar;
     // Prefill: tokens per forward pass, shared by the requests packed into it.
-    int64_t prefill_chunk = 512;
+    int64_t prefill_budget = 512;
     // Prefill: requests being prefilled at once (taken from the queue, scheduled by
     // deadline within the token budget).
     int max_prefills = 16;
@@ -81,7 +80,7 @@ protected:
     ShmBlockAllocator* alloc_ = nullptr;  // owned by pool_
     std::unique_ptr<KvPool> pool_;
     std::unique_ptr<ThreadPool> threads_;
-    std::unique_ptr<SharedKvArena> gpu_kv_;  // the KV data, on a GPU
+    std::unique_ptr<DeviceKvMemory> gpu_kv_;  // the KV data, on a GPU
     std::unique_ptr<Backend> backend_;
     std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
     std::unique_ptr<Tokenizer> tok_;
@@ -120,7 +119,7 @@ private:
         uint32_t arena = 0;
         uint32_t user = 0;
         std::unique_ptr<ShmBlockAllocator> alloc;
-        std::unique_ptr<SharedKvArena> gpu;  // mapped here (GPU instances), once its decode worker made it
+        std::unique_ptr<DeviceKvMemory> gpu;  // mapped here (GPU instances), once its decode worker made it
         KvDest dest;                         // data null until reachable
         bool said = false;                   // an error mapping it was printed
     };

@@ -1,0 +1,148 @@
+#include "cli/role_flags.h"
+
+namespace duet {
+
+namespace {
+
+// The flag names both sides use (CLI11 takes "-m,--model"; argv carries the long one).
+constexpr const char* kInstance = "--instance";
+constexpr const char* kModel = "--model";
+constexpr const char* kThreads = "--threads";
+constexpr const char* kCpus = "--cpus";
+constexpr const char* kIsa = "--isa";
+constexpr const char* kIndex = "--index";
+constexpr const char* kNuma = "--numa";
+constexpr const char* kDevice = "--device";
+constexpr const char* kNoCudaGraphs = "--no-cuda-graphs";
+constexpr const char* kCudaQgemv = "--cuda-qgemv";
+constexpr const char* kPrefillBudget = "--prefill-budget";
+constexpr const char* kNoPrefixCache = "--no-prefix-cache";
+constexpr const char* kHost = "--host";
+constexpr const char* kPort = "--port";
+constexpr const char* kIoThreads = "--io-threads";
+constexpr const char* kGrace = "--grace";
+constexpr const char* kChatTemplate = "--chat-template";
+
+std::string with_short(const char* s, const char* l) { return std::string(s) + "," + l; }
+std::string negated(const char* l) { return std::string("!") + l; }
+
+const char* const kQgemvHelp =
+    "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16";
+
+}  // namespace
+
+void add_serve_flags(CLI::App& c, ServeSettings& s) {
+    c.add_option(with_short("-m", kModel), s.model, "GGUF model file")->capture_default_str();
+    c.add_option(kHost, s.host, "address to listen on")->capture_default_str();
+    c.add_option(kPort, s.port, "port (0: any free one)")->capture_default_str()->check(CLI::Range(0, 65535));
+    c.add_option("--ctx", s.ctx, "tokens per request (prompt + output)")->capture_default_str();
+    c.add_option("--slots", s.slots, "requests in flight at most")->capture_default_str()->check(CLI::Range(1, 4096));
+    c.add_option(kIoThreads, s.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
+    c.add_option(kGrace, s.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
+    c.add_option("--start-timeout", s.start_timeout_s,
+                 "seconds the roles get to start before serve gives up (0: 60 + 10 per GiB of model)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 86400));
+    c.add_option(kInstance, s.instance, "shared-memory instance name (default serve-<pid>)");
+    c.add_option("--front-cpus", s.front_cpus, "pin the front here (default: the hwloc plan)");
+    c.add_option("--prefill-cpus", s.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
+    c.add_option("--decode-cpus", s.decode_cpus, "pin decode here; disjoint from prefill");
+    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c.add_option(kChatTemplate, s.chat_template, "override the chat template");
+    c.add_option(kPrefillBudget, s.prefill_budget, "tokens per prefill forward pass (several requests packed)")
+        ->capture_default_str()
+        ->check(CLI::Range(16, 1 << 16));
+    c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
+    c.add_option("--prefill-workers", s.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 5));
+    c.add_option(kDevice, s.device,
+                 "cpu, or GPUs: cuda:N, or cuda:0,cuda:1,... (a prefill and a decode worker on each, sharing its KV "
+                 "arena)")
+        ->capture_default_str();
+    c.add_flag(kCudaQgemv, s.cuda_qgemv, std::string("GPUs: ") + kQgemvHelp + " (duet bench cuda compares them)");
+    c.add_option("--kv-dtype", s.kv_dtype,
+                 "KV cache values: f16, or int8 / fp8 (e4m3) with a scale per token and head (about half the memory: "
+                 "twice the tokens in the same arena)")
+        ->capture_default_str();
+    c.add_option("--kv-arenas", s.kv_arenas,
+                 "shared: prefill and decode use one KV arena per device (hand-offs copy nothing); per-role: each role "
+                 "its own (CPU: prefill's and decode's host arenas, each on its role's NUMA nodes; GPUs: prefill alone "
+                 "on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV "
+                 "layer by layer")
+        ->capture_default_str();
+    c.add_option("--kv-memory", s.kv_memory,
+                 "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest "
+                 "of it)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.05, 1.0));
+    c.add_option("--decode-workers", s.decode_workers, "decode processes (hand-offs routed by batch room)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 5));
+}
+
+void add_front_flags(CLI::App& c, FrontSettings& s) {
+    c.add_option(kInstance, s.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
+    c.add_option(with_short("-m", kModel), s.model, "GGUF model file (the instance's)")->capture_default_str();
+    c.add_option(kHost, s.host, "address to listen on")->capture_default_str();
+    c.add_option(kPort, s.port, "port")->capture_default_str()->check(CLI::Range(1, 65535));
+    c.add_option(kIoThreads, s.io_threads, "HTTP threads")->capture_default_str()->check(CLI::Range(1, 64));
+    c.add_option(kGrace, s.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
+    c.add_option(kChatTemplate, s.chat_template, "override the chat template");
+    c.add_option(kCpus, s.cpus, "pin the front (all its threads) to these CPUs");
+}
+
+void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
+    c.add_option(kInstance, s.instance, "the instance (segments /dev/shm/duet.<name>)")->required();
+    c.add_option(with_short("-m", kModel), s.model, "GGUF model file (the instance's)")->capture_default_str();
+    c.add_option(with_short("-t", kThreads), s.threads, "compute threads")->capture_default_str();
+    c.add_option(kCpus, s.cpus, "pin threads to these CPUs");
+    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c.add_option(kIndex, s.index, "which of the instance's workers of this role")->capture_default_str();
+    c.add_option(kNuma, s.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
+    c.add_option(kDevice, s.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();
+    c.add_flag(negated(kNoCudaGraphs), s.cuda_graphs, "run every CUDA pass eagerly");
+    c.add_flag(kCudaQgemv, s.cuda_qgemv, kQgemvHelp);
+    if (!prefill) return;
+    c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
+        ->capture_default_str()
+        ->check(CLI::Range(16, 1 << 16));
+    c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse or publish cached prompt blocks");
+}
+
+std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) {
+    std::vector<std::string> a = {exe, r.role};
+    auto put = [&](const char* flag, const std::string& value) { a.insert(a.end(), {flag, value}); };
+    auto put_if = [&](const char* flag, const std::string& value) {
+        if (!value.empty()) put(flag, value);
+    };
+    if (const auto* f = std::get_if<FrontSettings>(&r.settings)) {
+        put(kInstance, f->instance);
+        put(kModel, f->model);
+        put(kHost, f->host);
+        put(kPort, std::to_string(f->port));
+        put(kIoThreads, std::to_string(f->io_threads));
+        put(kGrace, std::to_string(f->grace_s));
+        put_if(kChatTemplate, f->chat_template);
+        put_if(kCpus, f->cpus);
+        return a;
+    }
+    const auto& w = std::get<WorkerSettings>(r.settings);
+    put(kInstance, w.instance);
+    put(kModel, w.model);
+    put(kIndex, std::to_string(w.index));
+    put(kNuma, std::to_string(w.numa));
+    put(kThreads, std::to_string(w.threads));
+    put_if(kCpus, w.cpus);
+    put_if(kIsa, w.isa);
+    put(kDevice, w.device);
+    if (!w.cuda_graphs) a.push_back(kNoCudaGraphs);
+    if (w.cuda_qgemv) a.push_back(kCudaQgemv);
+    if (r.role == "prefill") {
+        put(kPrefillBudget, std::to_string(w.prefill_budget));
+        if (!w.prefix_cache) a.push_back(kNoPrefixCache);
+    }
+    return a;
+}
+
+}  // namespace duet

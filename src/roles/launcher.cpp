@@ -1,0 +1,478 @@
+#include "roles/launcher.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "engine/backends.h"
+#include "model/cpu_backend.h"
+#include "model/gpu_plan.h"
+#include "roles/supervisor.h"
+#include "shm/fd_keeper.h"
+
+namespace duet {
+
+// ---------------------------------------------------------------- the plan
+
+Result<std::vector<DeviceSpec>> parse_device_list(const std::string& text, bool kv_split,
+                                                  const std::function<Status(const DeviceSpec&)>& check) {
+    std::vector<DeviceSpec> gpus;
+    for (size_t at = 0; at <= text.size();) {
+        const size_t comma = std::min(text.find(',', at), text.size());
+        auto d = parse_device(text.substr(at, comma - at));
+        if (!d) return d.error();
+        if (d->cuda) {
+            if (check)
+                if (Status st = check(*d); !st) return st.error();
+            // A GPU named twice: with per-role arenas, prefill and decode on one GPU with
+            // an arena each (hand-offs copy device to device); else a mistake.
+            for (const DeviceSpec& g : gpus)
+                if (g == *d && !kv_split) return make_error("--device names {} twice", d->name());
+            gpus.push_back(*d);
+        } else if (text.find(',') != std::string::npos) {
+            return make_error("--device: cpu or a list of GPUs (cuda:0,cuda:1), not both");
+        }
+        at = comma + 1;
+    }
+    return gpus;
+}
+
+namespace {
+
+struct WorkerCounts {
+    int prefill = 1, decode = 1;
+};
+
+// CPU: as asked. GPUs: a pair per GPU, or (per-role arenas) prefill on the first
+// --prefill-workers GPUs and decode on the others.
+Result<WorkerCounts> worker_counts(const ServeSettings& s, int n_gpus, bool kv_split) {
+    if (n_gpus == 0) {
+        if (Status st = check_worker_counts(s.prefill_workers, s.decode_workers); !st) return st.error();
+        return WorkerCounts{s.prefill_workers, s.decode_workers};
+    }
+    if (Status st = check_gpu_count(n_gpus); !st) return st.error();
+    if (!kv_split) {
+        if (s.prefill_workers != 1 || s.decode_workers != 1)
+            return make_error("--prefill-workers / --decode-workers: on GPUs there is a prefill and a decode worker per "
+                              "GPU (or, --kv-arenas per-role, prefill on the first --prefill-workers GPUs and decode on "
+                              "the rest)");
+        return WorkerCounts{n_gpus, n_gpus};
+    }
+    const int n_decode = n_gpus - s.prefill_workers;
+    if (n_decode < 1 || (s.decode_workers != 1 && s.decode_workers != n_decode))
+        return make_error("--kv-arenas per-role on {} GPUs: prefill on the first --prefill-workers ({}), decode on the "
+                          "others (at least one; --decode-workers, if given, their number)",
+                          n_gpus, s.prefill_workers);
+    return WorkerCounts{s.prefill_workers, n_decode};
+}
+
+// What plan_placement is asked: the counts, the GPUs by hwloc's numbering (matched
+// by PCI address, as CUDA_VISIBLE_DEVICES renumbers CUDA's), the CPU overrides.
+Result<PlanOptions> placement_options(const ServeSettings& s, const ServeFacts& f, WorkerCounts n, bool kv_split,
+                                      std::string& gpu_note) {
+    PlanOptions po;
+    po.prefill_workers = n.prefill;
+    po.decode_workers = n.decode;
+    const bool gpus = !f.gpus.empty();
+    if (gpus && kv_split) po.prefill_gpus = n.prefill;
+    if (gpus) {
+        if (!s.prefill_cpus.empty() || !s.decode_cpus.empty())
+            return make_error("--prefill-cpus and --decode-cpus place CPU workers; with --device the workers go on "
+                              "cores close to their GPU");
+        for (const GpuFacts& g : f.gpus) {
+            for (const MachineGpu& m : f.machine.gpus)
+                if (!g.pci.empty() && m.pci == g.pci) po.devices.push_back(m.device);
+            if (po.devices.size() != static_cast<size_t>(&g - f.gpus.data() + 1)) {
+                gpu_note = fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
+                                       g.device.name(), g.pci);
+                po.devices.clear();
+                break;
+            }
+        }
+    }
+    for (auto [text, out] : {std::pair{&s.front_cpus, &po.front_cpus}, std::pair{&s.prefill_cpus, &po.prefill_cpus},
+                             std::pair{&s.decode_cpus, &po.decode_cpus}}) {
+        if (text->empty()) continue;
+        auto l = parse_cpu_list(*text);
+        if (!l) return l.error();
+        *out = *l;
+    }
+    return po;
+}
+
+// The KV blocks of each GPU's arena: what the weights (one bf16 copy per GPU, shared
+// by its pair) and scratch leave of --kv-memory of the smallest GPU.
+Result<uint32_t> plan_gpu_blocks(const ServeSettings& s, const ServeFacts& f, int n_prefill, bool kv_split) {
+    uint32_t blocks = UINT32_MAX;
+    for (const GpuFacts& g : f.gpus) {
+        // A GPU listed k times (per-role arenas, both roles on it) holds k arenas:
+        // each plans within 1/k of it (weights and scratch counted in each share).
+        const auto k = static_cast<uint64_t>(
+            std::count_if(f.gpus.begin(), f.gpus.end(), [&](const GpuFacts& o) { return o.device == g.device; }));
+        // Scratch: two CUDA contexts, activations, cuBLAS, graphs (2 GiB); a decode
+        // GPU of per-role arenas may also hold a context of each prefill process
+        // (copies to it without peer access run in its context): 512 MiB each.
+        const uint64_t scratch = (2ull << 30) + (kv_split ? static_cast<uint64_t>(n_prefill) * (512ull << 20) : 0);
+        auto p = plan_device_arena(f.kv, g.total_memory / k, s.kv_memory, f.gpu_weight_bytes, scratch, 2ull << 20);
+        if (!p) return make_error("{}: {}", g.device.name(), p.error().message);
+        blocks = std::min(blocks, p->n_blocks);
+    }
+    return blocks;
+}
+
+// "prefill" when the role has one worker, else "prefill 1".
+std::string role_name_of(const Placement& p, const PlanOptions& po) {
+    const int n = p.role == "prefill" ? po.prefill_workers : p.role == "decode" ? po.decode_workers : 1;
+    return n > 1 ? fmt::format("{} {}", p.role, p.index) : p.role;
+}
+
+// Each placed process as the child it is started as.
+std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& plan, const Plan& placed,
+                                      const PlanOptions& po) {
+    std::vector<RoleLaunch> workers;
+    RoleLaunch front;
+    for (const Placement& p : placed.roles) {
+        RoleLaunch r;
+        r.role = p.role;
+        r.name = role_name_of(p, po);
+        r.cpus = p.cpus;
+        r.numa = p.numa;
+        if (p.role == "front") {
+            FrontSettings fs;
+            fs.instance = plan.layout.instance;
+            fs.model = s.model;
+            fs.host = s.host;
+            fs.port = s.port;
+            fs.io_threads = s.io_threads;
+            fs.grace_s = s.grace_s;
+            fs.chat_template = s.chat_template;
+            if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
+            r.settings = fs;
+            front = std::move(r);
+            continue;
+        }
+        WorkerSettings ws;
+        ws.instance = plan.layout.instance;
+        ws.model = s.model;
+        ws.index = static_cast<uint32_t>(p.index);
+        ws.numa = p.numa;
+        ws.threads = static_cast<int>(p.cpus.size());
+        ws.cpus = format_cpu_list(p.cpus);
+        ws.isa = s.isa;
+        if (p.role == "prefill") {
+            ws.prefill_budget = s.prefill_budget;
+            ws.prefix_cache = s.prefix_cache;
+        }
+        if (!plan.gpus.empty()) {
+            // The GPU of the worker's arena (arena i is on the i-th GPU listed): a pair's
+            // on its GPU; per-role, prefill p on GPU p and decode d on GPU P + d.
+            const bool decode = p.role == "decode";
+            const size_t arena = plan.layout.kv_split && decode ? plan.layout.n_prefill + static_cast<uint32_t>(p.index)
+                                                                : static_cast<size_t>(p.index);
+            ws.device = plan.gpus.at(arena).name();
+            ws.cuda_qgemv = s.cuda_qgemv;
+        }
+        r.settings = ws;
+        workers.push_back(std::move(r));
+    }
+    workers.push_back(std::move(front));
+    return workers;
+}
+
+}  // namespace
+
+Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
+    if (s.kv_arenas != "shared" && s.kv_arenas != "per-role")
+        return make_error("--kv-arenas {}: shared or per-role", s.kv_arenas);
+    const bool kv_split = s.kv_arenas == "per-role";
+    if (s.ctx < 16 || s.ctx > f.n_ctx_train)
+        return make_error("--ctx must be between 16 and the model's {} tokens", f.n_ctx_train);
+    auto dtype = parse_kv_dtype(s.kv_dtype);
+    if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
+    ServePlan plan;
+    for (const GpuFacts& g : f.gpus) plan.gpus.push_back(g.device);
+    const int n_gpus = static_cast<int>(f.gpus.size());
+    auto n = worker_counts(s, n_gpus, kv_split);
+    if (!n) return n.error();
+    auto po = placement_options(s, f, *n, kv_split, plan.gpu_note);
+    if (!po) return po.error();
+    auto placed = plan_placement(f.machine, *po);
+    if (!placed) return placed.error();
+    plan.notes = placed->notes;
+
+    ServeLayout& l = plan.layout;
+    l.instance = s.instance.empty() ? fmt::format("serve-{}", f.pid) : s.instance;
+    l.n_requests = static_cast<uint32_t>(s.slots);
+    l.n_ctx = s.ctx;
+    l.n_prefill = static_cast<uint32_t>(n->prefill);
+    l.n_decode = static_cast<uint32_t>(n->decode);
+    l.n_gpus = static_cast<uint32_t>(n_gpus);
+    l.kv_split = kv_split;
+    l.kv_dtype = *dtype;
+    if (n_gpus > 0) {
+        auto blocks = plan_gpu_blocks(s, f, n->prefill, kv_split);
+        if (!blocks) return blocks.error();
+        l.n_blocks = *blocks;
+    }
+    plan.roles = role_launches(s, plan, *placed, *po);
+    for (const Placement& p : placed->roles)  // in the placement's order
+        plan.placed += fmt::format(", {} on CPUs {}", role_name_of(p, *po), format_cpu_list(p.cpus));
+    // Each role's host arena on its workers' NUMA nodes (run_launcher).
+    plan.bind_arenas = n_gpus == 0 && kv_split && f.machine.n_numa > 1;
+    plan.start_timeout_s =
+        s.start_timeout_s > 0 ? s.start_timeout_s
+                              : 60 + static_cast<int>(10.0 * static_cast<double>(f.model_file_bytes) / 1073741824.0);
+    return plan;
+}
+
+// ---------------------------------------------------------------- the states
+
+const char* launch_state_name(LaunchState s) {
+    switch (s) {
+        case LaunchState::Starting: return "starting";
+        case LaunchState::Serving: return "serving";
+        case LaunchState::Draining: return "draining";
+        case LaunchState::Done: return "done";
+    }
+    return "?";
+}
+
+LaunchStep launch_step(LaunchState s, const LaunchInputs& in) {
+    LaunchStep out;
+    out.next = s;
+    if (s == LaunchState::Starting) {
+        if (in.all_running) {
+            out.next = LaunchState::Serving;
+            out.announce = true;
+        } else if (!in.stop && in.now_ns > in.start_deadline_ns) {
+            out.start_timed_out = true;
+        }
+    }
+    if ((out.next == LaunchState::Starting || out.next == LaunchState::Serving) && (in.stop || out.start_timed_out)) {
+        // Drain: the front stops admitting, gives running requests the grace period,
+        // cancels the rest and exits; it is not restarted.
+        out.next = LaunchState::Draining;
+        out.retire_front = true;
+        return out;
+    }
+    if (s == LaunchState::Draining) {
+        if (in.front_exited) out.next = LaunchState::Done;
+        else if (!in.front_killed && in.now_ns > in.drain_deadline_ns) out.kill_front = true;
+    }
+    return out;
+}
+
+// ---------------------------------------------------------------- the launcher
+
+namespace {
+
+constexpr uint64_t kSecond = 1'000'000'000ull;
+
+void say(const std::string& m) { std::fprintf(stderr, "duet serve: %s\n", m.c_str()); }
+
+// Each role's host arena on its workers' NUMA nodes (ServePlan::bind_arenas).
+void bind_arenas(shm::Instance& inst, const ServePlan& plan) {
+    for (const shm::Role role : {shm::Role::Prefill, shm::Role::Decode}) {
+        std::vector<int> nodes;
+        for (const RoleLaunch& r : plan.roles)
+            if (r.role == shm::role_name(role)) nodes.push_back(r.numa);
+        const uint32_t arena = worker_arena(inst.config(), role, 0);
+        const uint64_t bytes = inst.config().cpu_kv_bytes / inst.n_arenas();
+        if (Status st = bind_to_nodes(inst.cpu_kv_data(arena), bytes, nodes); !st) {
+            say(fmt::format("{}'s KV arena: {} (left to first touch)", shm::role_name(role), st.error().message));
+        } else if (inst.kv_segment().page_mode() == shm::PageMode::HugeTlb) {
+            // hugetlbfs keeps no shared policy: the binding holds for this mapping
+            // only, so the pages are faulted in here, now, where it holds.
+            volatile uint8_t* p = inst.cpu_kv_data(arena);
+            for (uint64_t off = 0; off < bytes; off += 2u << 20) p[off] = 0;
+        }
+    }
+}
+
+// What the launcher holds for GPU serving: the fd keeper (the first worker creates
+// the KV arena in device memory and deposits its fd there; the others and restarted
+// ones fetch it; cuda_arena.h) and the arenas of GPUs that share by legacy IPC
+// handles only. Both live as long as the launcher does.
+struct GpuHolds {
+    std::unique_ptr<shm::FdKeeper> keeper;
+    std::vector<std::unique_ptr<DeviceKvMemory>> legacy;
+};
+
+Result<GpuHolds> hold_gpu_arenas(shm::Instance& inst, const ServePlan& plan, const KvLayout& kl) {
+    GpuHolds h;
+    if (plan.gpus.empty()) return h;
+    auto k = shm::FdKeeper::start(plan.layout.instance);
+    if (!k) return k.error();
+    h.keeper = std::move(k).value();
+    for (size_t g = 0; g < plan.gpus.size(); ++g) {
+        const uint64_t bytes = kl.block_bytes() * inst.arena(static_cast<uint32_t>(g)).n_blocks();
+        auto held = hold_legacy_kv(plan.layout.instance, static_cast<uint32_t>(g), plan.gpus[g], bytes);
+        if (!held) return held.error();
+        if (!*held) continue;
+        h.legacy.push_back(std::move(held).value());
+        say(fmt::format("{}'s KV arena is shared with legacy CUDA IPC handles (held by the launcher)",
+                        plan.gpus[g].name()));
+    }
+    return h;
+}
+
+// The supervision loop over a created instance.
+class Launcher {
+public:
+    Launcher(shm::Instance& inst, shm::ProcRef self, const ServeSettings& s, const ServePlan& plan,
+             const ArgvBuilder& argv, const std::atomic<bool>& stop)
+        : inst_(inst), s_(s), plan_(plan), argv_(argv), stop_(stop), redrive_(inst, /*redrive=*/true),
+          // Re-driven requests go back to prefill on the launcher's own rings (the
+          // front's rings have one producer: the front), to the least busy worker.
+          sup_(inst, self, [this](shm::ReqRef r) { (void)redrive_.send(r); }) {}
+
+    int run(const std::string& model_id);
+
+private:
+    Status start_roles();
+    void handle_events();
+    void turn(const std::string& model_id);
+
+    shm::Instance& inst_;
+    const ServeSettings& s_;
+    const ServePlan& plan_;
+    const ArgvBuilder& argv_;
+    const std::atomic<bool>& stop_;
+    PrefillRouter redrive_;
+    Supervisor sup_;
+    LaunchState state_ = LaunchState::Starting;
+    bool failed_ = false;  // exit 1; also a stop request
+    bool front_exited_ = false, front_killed_ = false;
+    uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0;
+};
+
+Status Launcher::start_roles() {
+    for (const RoleLaunch& r : plan_.roles)
+        if (auto st = sup_.start({r.name, argv_(r)}); !st) return st.error();
+    return {};
+}
+
+void Launcher::handle_events() {
+    shm::RequestTable& t = inst_.requests();
+    for (const Supervisor::Event& e : sup_.poll()) {
+        if (state_ == LaunchState::Draining && e.role == "front") {  // drained and gone
+            front_exited_ = true;
+            continue;
+        }
+        if (e.restarted_as) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
+        t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
+        say(fmt::format("{} (pid {}) died ({} {}); recovered {} KV references, re-drove {} requests; {}", e.role, e.pid,
+                        WIFSIGNALED(e.status) ? "signal" : "exit",
+                        WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status), e.recovered.refs_dropped,
+                        e.recovered.redriven,
+                        e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as) : "not restarted"));
+        if (e.role == "front") sweep_orphans(inst_);  // its clients are gone
+        if (!e.restarted_as) {
+            // It kept dying (at start, say the front cannot bind its port): nothing can
+            // serve requests. Fail them all with a clear error, drain, exit 1 (systemd
+            // restarts the whole service).
+            say(fmt::format("giving up on {}; failing the requests in flight", e.role));
+            fail_in_flight(inst_, ReqError::NoWorker);
+            failed_ = true;
+        }
+    }
+}
+
+void Launcher::turn(const std::string& model_id) {
+    LaunchInputs in;
+    in.now_ns = shm::monotonic_ns();
+    in.all_running = inst_.registry().find_running(shm::Role::Front) >= 0 && workers_running(inst_, /*all=*/true);
+    in.stop = stop_.load(std::memory_order_relaxed) || failed_;
+    in.front_exited = front_exited_;
+    in.start_deadline_ns = start_deadline_;
+    in.drain_deadline_ns = drain_deadline_;
+    in.front_killed = front_killed_;
+    const LaunchStep step = launch_step(state_, in);
+    if (step.announce)
+        say(fmt::format("listening on http://{}:{} (model {}, instance {}{}{})", s_.host, s_.port, model_id,
+                        plan_.layout.instance, plan_.placed, plan_.gpu_note));
+    if (step.start_timed_out) {
+        say(fmt::format("the roles did not all start within {} s (--start-timeout)", plan_.start_timeout_s));
+        failed_ = true;
+    }
+    state_ = step.next;
+    if (step.retire_front) {
+        drain_deadline_ = in.now_ns + static_cast<uint64_t>(s_.grace_s + 15) * kSecond;
+        say(fmt::format("draining (grace {} s)", s_.grace_s));
+        if (!sup_.retire("front")) state_ = LaunchState::Done;  // no front (it gave up, or never started)
+    }
+    if (state_ == LaunchState::Done) return;
+    handle_events();
+    const uint64_t now = shm::monotonic_ns();
+    if (now >= next_sweep_) {  // requests of a dead front that ended since; re-drives stranded on a dead prefill
+        sweep_orphans(inst_);
+        redrive_.resend_stranded();
+        next_sweep_ = now + 50'000'000;
+    }
+    if (step.kill_front) {
+        say("the front outlived its drain; killing it");
+        sup_.kill_role("front");
+        front_killed_ = true;
+    }
+}
+
+int Launcher::run(const std::string& model_id) {
+    if (Status st = start_roles(); !st) {
+        say(st.error().message);
+        failed_ = true;
+    }
+    start_deadline_ = shm::monotonic_ns() + static_cast<uint64_t>(plan_.start_timeout_s) * kSecond;
+    while (state_ != LaunchState::Done) {
+        turn(model_id);
+        if (front_exited_ && state_ == LaunchState::Draining) state_ = LaunchState::Done;
+        if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    sweep_orphans(inst_);
+    int rc = failed_ ? 1 : 0;
+    if (Status st = sup_.stop_all(10000); !st) {
+        say(st.error().message);
+        rc = 1;
+    }
+    return rc;
+}
+
+}  // namespace
+
+int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
+                 const std::atomic<bool>& stop) {
+    auto inst = shm::Instance::create(serve_instance_config(plan.layout, model));
+    if (!inst) {
+        say(inst.error().message);
+        return 1;
+    }
+    const KvLayout kl = CpuBackend::kv_layout(model, plan.layout.kv_dtype);
+    const uint32_t blocks = inst->arena(0).n_blocks();
+    say(fmt::format("KV {}, {} arena(s) of {} blocks ({:.2f} GiB, {} tokens) each", kv_dtype_name(kl.dtype),
+                    inst->n_arenas(), blocks,
+                    static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
+                    static_cast<long long>(blocks) * kl.block_tokens));
+    if (plan.bind_arenas) bind_arenas(*inst, plan);
+    auto holds = hold_gpu_arenas(*inst, plan, kl);
+    auto self = holds ? inst->registry().claim(shm::Role::Launcher, -1, getpid()) : Result<shm::ProcRef>(holds.error());
+    if (!self) {  // before any role started: nothing left behind
+        shm::Instance::unlink(plan.layout.instance);
+        say(self.error().message);
+        return 1;
+    }
+    inst->registry().set_running(*self);
+    int rc = 0;
+    {
+        Launcher l(*inst, *self, s, plan, argv, stop);
+        rc = l.run(std::filesystem::path(s.model).stem().string());
+    }
+    inst->registry().release(*self);
+    shm::Instance::unlink(plan.layout.instance);
+    say("stopped");
+    return rc;
+}
+
+}  // namespace duet

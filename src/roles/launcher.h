@@ -1,0 +1,191 @@
+// `duet serve`'s launcher, as three parts:
+//
+// - the settings of each process (ServeSettings: what `duet serve` was asked;
+//   WorkerSettings and FrontSettings: what a `duet prefill` / `duet decode` /
+//   `duet front` child is started with: src/cli/role_flags.h turns them into argv
+//   and back, next to the flags' definitions);
+// - plan_serve, a pure function from the settings and the facts of the machine
+//   (hwloc's topology, the GPUs' PCI addresses and memory, the model's sizes) to the
+//   instance's layout and every child's settings and placement: table-tested
+//   without a model, GPUs or processes (tests/launcher_test.cpp);
+// - the launcher itself (run_launcher): creates the instance, starts the children,
+//   and supervises them through explicit states, Starting -> Serving -> Draining ->
+//   Done, whose transitions are the pure launch_step.
+//
+// What it does (DESIGN.md, "Failure model"): restarts a role that dies (recovering
+// and re-driving its requests; a dead front's requests are cancelled and freed,
+// their clients being gone); on SIGTERM or SIGINT drains: the front answers 503 to
+// new requests, running ones get a grace period, the rest are cancelled, everything
+// stops, the segments are removed, exit 0. A role that keeps dying fails the
+// requests in flight and stops the launcher with exit 1.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+#include "model/device_spec.h"
+#include "roles/placement.h"
+#include "roles/serving.h"
+
+namespace duet {
+
+// `duet serve`'s settings (its flags, src/cli/role_flags.cpp).
+struct ServeSettings {
+    std::string model;
+    std::string host = "127.0.0.1";
+    int port = 8080;  // 0: any free one (resolved by the caller before plan_serve)
+    int64_t ctx = 2048;
+    int slots = 64;
+    int io_threads = 2;
+    int grace_s = 30;
+    // Seconds every role gets to start (load the model, map the arena) before the
+    // launcher gives up; 0: 60 s plus 10 s per GiB of model file (GPU workers
+    // dequantize and upload every weight).
+    int start_timeout_s = 0;
+    std::string instance;  // default serve-<pid>
+    std::string front_cpus, prefill_cpus, decode_cpus;
+    std::string isa;
+    std::string chat_template;
+    int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
+    bool prefix_cache = true;
+    int prefill_workers = 1, decode_workers = 1;  // processes of each role
+    // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
+    // its KV arena (or, kv_arenas per-role, one role per GPU).
+    std::string device = "cpu";
+    double kv_memory = 0.9;  // GPUs: the fraction of each GPU's memory for weights + KV + scratch
+    // "shared": prefill and decode workers of a device use one KV arena (hand-offs
+    // copy nothing); "per-role": each role its own (ServeLayout::kv_split).
+    std::string kv_arenas = "shared";
+    std::string kv_dtype = "f16";  // f16, int8, fp8 (ServeLayout::kv_dtype)
+    bool cuda_qgemv = false;       // GPU workers: CudaBackendOptions::quantized_gemv
+};
+
+// A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
+struct WorkerSettings {
+    std::string instance;
+    std::string model;
+    uint32_t index = 0;  // which of its role's workers
+    int numa = -1;       // its CPUs' NUMA node (for routing; -1: unknown)
+    int threads = 1;
+    std::string cpus;
+    std::string isa;
+    int64_t prefill_budget = 512;  // prefill: tokens per forward pass
+    bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
+    std::string device = "cpu";    // or cuda:N
+    bool cuda_graphs = true;
+    bool cuda_qgemv = false;
+    friend bool operator==(const WorkerSettings&, const WorkerSettings&) = default;
+};
+
+// A `duet front` process's settings.
+struct FrontSettings {
+    std::string instance;
+    std::string model;
+    std::string host = "127.0.0.1";
+    int port = 8080;
+    int io_threads = 2;
+    int grace_s = 30;
+    std::string chat_template;
+    std::string cpus;  // pin the process (all its threads) here
+    friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
+};
+
+// One child of the launcher.
+struct RoleLaunch {
+    std::string role;  // "prefill", "decode" or "front": the subcommand
+    std::string name;  // for messages: "prefill", or "prefill 1" when the role has several
+    std::variant<WorkerSettings, FrontSettings> settings;
+    std::vector<int> cpus;  // where it is pinned (empty: anywhere)
+    int numa = 0;
+};
+
+// What plan_serve needs to know of the world, read by the caller (the hwloc
+// topology, the CUDA device queries, the model file), so that plan_serve is pure.
+struct GpuFacts {
+    DeviceSpec device;
+    std::string pci;            // its PCI address ("" unknown)
+    uint64_t total_memory = 0;  // bytes
+};
+struct ServeFacts {
+    Machine machine;
+    std::vector<GpuFacts> gpus;        // one per --device entry, in order (empty: the CPU)
+    int64_t n_ctx_train = 0;           // the model's context
+    KvLayout kv;                       // the model's KV layout in the settings' dtype
+    uint64_t gpu_weight_bytes = 0;     // the weights one GPU holds (bf16_weight_bytes)
+    uint64_t model_file_bytes = 0;     // for the default start timeout
+    int pid = 0;                       // for the default instance name
+};
+
+struct ServePlan {
+    ServeLayout layout;                // the instance (n_blocks planned here on GPUs)
+    std::vector<DeviceSpec> gpus;      // arena i is on gpus[i] (empty: the CPU)
+    std::vector<RoleLaunch> roles;     // prefill 0..P-1, decode 0..D-1, then the front: the start order
+    std::vector<std::string> notes;    // what the placement had to compromise
+    std::string placed;                // ", prefill on CPUs 0-1, decode on ..." for the listening line
+    std::string gpu_note;              // a GPU not found on the PCI bus: placed as for the CPU
+    int start_timeout_s = 60;
+    // CPU, per-role arenas, several NUMA nodes: each role's host arena is bound to its
+    // workers' nodes (decode's pages are written first by prefill, the hand-off
+    // copies, so first touch would put them on prefill's node).
+    bool bind_arenas = false;
+};
+
+// --device: "cpu", or GPUs "cuda:0,cuda:1,...". A GPU named twice is an error unless
+// kv_split (prefill and decode on one GPU, an arena each); "cpu" in a list is one.
+// check, if given, is asked about each GPU as it is read (check_device: the first
+// error in the list is the one reported).
+Result<std::vector<DeviceSpec>> parse_device_list(const std::string& text, bool kv_split,
+                                                  const std::function<Status(const DeviceSpec&)>& check = {});
+
+// The plan of an instance: checks every setting (errors name the flag), counts the
+// workers (on GPUs a pair per GPU, or with --kv-arenas per-role prefill on the first
+// --prefill-workers GPUs and decode on the rest), places them (plan_placement), and
+// on GPUs sizes the KV arenas from the smallest GPU's memory.
+Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f);
+
+// ---------------------------------------------------------------- the launcher's states
+
+enum class LaunchState { Starting, Serving, Draining, Done };
+const char* launch_state_name(LaunchState s);
+
+struct LaunchInputs {
+    uint64_t now_ns = 0;
+    bool all_running = false;     // the front and every worker registered as running
+    bool stop = false;            // SIGTERM / SIGINT, or the launcher failed (a role given up on)
+    bool front_exited = false;    // Draining: the retired front was reaped
+    uint64_t start_deadline_ns = 0;
+    uint64_t drain_deadline_ns = 0;  // Draining: after it the front is killed
+    bool front_killed = false;       // Draining: it was already
+};
+
+struct LaunchStep {
+    LaunchState next = LaunchState::Starting;
+    bool announce = false;       // print the listening line
+    bool start_timed_out = false;  // Starting: not all running by the deadline (exit 1)
+    bool retire_front = false;   // begin the drain: SIGTERM the front, not to be restarted
+    bool kill_front = false;     // the front outlived its drain
+};
+
+// One turn of the launcher's loop: Starting becomes Serving once every role runs
+// (announced once), or Draining on a stop request or at the start deadline (a
+// failure); Serving becomes Draining on a stop request; Draining becomes Done when
+// the retired front has exited, after killing it past the drain deadline.
+LaunchStep launch_step(LaunchState s, const LaunchInputs& in);
+
+// The argv a child is started with (src/cli/role_flags.h role_argv).
+using ArgvBuilder = std::function<std::vector<std::string>(const RoleLaunch&)>;
+
+// Runs the instance of `plan` until it is drained: creates its shared memory (and on
+// GPUs the fd keeper and the arenas only the launcher can hold), starts every role,
+// supervises them, removes the segments. `stop` is the process's stop request
+// (StopSignal). Returns the exit status: 0 after a drain, 1 when something failed.
+int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
+                 const std::atomic<bool>& stop);
+
+}  // namespace duet

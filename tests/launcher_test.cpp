@@ -1,0 +1,324 @@
+// The launcher's pure parts: parse_device_list, plan_serve over hand-made machines
+// and GPUs (no model, no GPU, no processes), and the launcher's state transitions.
+#include <gtest/gtest.h>
+
+#include "roles/launcher.h"
+
+using namespace duet;
+
+namespace {
+
+constexpr uint64_t kGiB = 1ull << 30;
+
+// 2 layers x 1 KV head x dim 64, 16 tokens a block, f16: a tile is K and V of 16 x 64
+// halves = 2 x 2048 bytes, a block 2 tiles = 8 KiB.
+KvLayout small_layout() {
+    KvLayout l;
+    l.n_layer = 2;
+    l.n_head_kv = 1;
+    l.head_dim = 64;
+    l.block_tokens = 16;
+    return l;
+}
+
+ServeFacts cpu_facts(const char* topology = "pack:1 core:4 pu:1") {
+    ServeFacts f;
+    auto m = Machine::synthetic(topology);
+    EXPECT_TRUE(m.ok()) << m.error().message;
+    if (m) f.machine = *m;
+    f.n_ctx_train = 8192;
+    f.kv = small_layout();
+    f.model_file_bytes = 100ull << 20;
+    f.pid = 4242;
+    return f;
+}
+
+// Two sockets of four cores, a GPU on each (hwloc's numbering: GPU 0 on socket 0).
+ServeFacts gpu_facts(std::vector<std::pair<int, uint64_t>> gpus) {
+    ServeFacts f = cpu_facts();
+    Machine m;
+    m.n_numa = 2;
+    for (int i = 0; i < 8; ++i) m.cores.push_back({i / 4, {i}});
+    m.gpus.push_back({0, "0000:17:00.0", {0, 1, 2, 3}});
+    m.gpus.push_back({1, "0000:b1:00.0", {4, 5, 6, 7}});
+    m.gpus.push_back({2, "0000:ca:00.0", {4, 5, 6, 7}});
+    f.machine = m;
+    for (auto [index, memory] : gpus) {
+        GpuFacts g;
+        g.device = DeviceSpec{true, index};
+        g.pci = m.gpus.at(static_cast<size_t>(index)).pci;
+        g.total_memory = memory;
+        f.gpus.push_back(g);
+    }
+    f.gpu_weight_bytes = 1 * kGiB;
+    return f;
+}
+
+const RoleLaunch& role(const ServePlan& p, const std::string& name) {
+    for (const RoleLaunch& r : p.roles)
+        if (r.name == name) return r;
+    ADD_FAILURE() << "no role " << name;
+    static RoleLaunch none;
+    return none;
+}
+
+const WorkerSettings& worker(const ServePlan& p, const std::string& name) {
+    return std::get<WorkerSettings>(role(p, name).settings);
+}
+
+}  // namespace
+
+TEST(Launcher, DeviceListsParse) {
+    auto cpu = parse_device_list("cpu", false);
+    ASSERT_TRUE(cpu.ok());
+    EXPECT_TRUE(cpu->empty());
+    auto two = parse_device_list("cuda:0,cuda:3", false);
+    ASSERT_TRUE(two.ok()) << two.error().message;
+    ASSERT_EQ(two->size(), 2u);
+    EXPECT_EQ((*two)[1].index, 3);
+    auto twice = parse_device_list("cuda:1,cuda:1", false);
+    ASSERT_FALSE(twice.ok());
+    EXPECT_EQ(twice.error().message, "--device names cuda:1 twice");
+    EXPECT_TRUE(parse_device_list("cuda:1,cuda:1", true).ok()) << "per-role arenas: prefill and decode on one GPU";
+    auto mixed = parse_device_list("cpu,cuda:0", false);
+    ASSERT_FALSE(mixed.ok());
+    EXPECT_NE(mixed.error().message.find("not both"), std::string::npos) << mixed.error().message;
+    EXPECT_FALSE(parse_device_list("gpu0", false).ok());
+}
+
+TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
+    ServeSettings s;
+    s.model = "/models/m.gguf";
+    s.port = 9000;
+    s.ctx = 1024;
+    s.slots = 8;
+    s.prefill_budget = 128;
+    s.prefix_cache = false;
+    s.isa = "avx2";
+    s.chat_template = "chatml";
+    auto p = plan_serve(s, cpu_facts());
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    ASSERT_EQ(p->roles.size(), 3u);
+    EXPECT_EQ(p->roles[0].role, "prefill");
+    EXPECT_EQ(p->roles[1].role, "decode");
+    EXPECT_EQ(p->roles[2].role, "front") << "the front starts last";
+    EXPECT_EQ(p->layout.instance, "serve-4242");
+    EXPECT_EQ(p->layout.n_requests, 8u);
+    EXPECT_EQ(p->layout.n_ctx, 1024);
+    EXPECT_EQ(p->layout.n_prefill, 1u);
+    EXPECT_EQ(p->layout.n_decode, 1u);
+    EXPECT_EQ(p->layout.n_gpus, 0u);
+    EXPECT_EQ(p->layout.n_blocks, 0u) << "CPU: the instance sizes its host arena";
+    EXPECT_FALSE(p->bind_arenas);
+    EXPECT_EQ(p->start_timeout_s, 60) << "100 MiB of model: 60 s + 10 s per GiB, rounded down";
+
+    const WorkerSettings& pf = worker(*p, "prefill");
+    EXPECT_EQ(pf.instance, "serve-4242");
+    EXPECT_EQ(pf.model, "/models/m.gguf");
+    EXPECT_EQ(pf.device, "cpu");
+    EXPECT_EQ(pf.isa, "avx2");
+    EXPECT_EQ(pf.prefill_budget, 128);
+    EXPECT_FALSE(pf.prefix_cache);
+    EXPECT_EQ(pf.threads, static_cast<int>(role(*p, "prefill").cpus.size()));
+    EXPECT_FALSE(pf.cpus.empty());
+    const WorkerSettings& dc = worker(*p, "decode");
+    EXPECT_EQ(dc.prefill_budget, WorkerSettings{}.prefill_budget) << "prefill's settings are not decode's";
+    EXPECT_TRUE(dc.prefix_cache);
+    // Prefill and decode on cores of their own.
+    for (int c : role(*p, "prefill").cpus)
+        for (int d : role(*p, "decode").cpus) EXPECT_NE(c, d);
+
+    const auto& fr = std::get<FrontSettings>(role(*p, "front").settings);
+    EXPECT_EQ(fr.instance, "serve-4242");
+    EXPECT_EQ(fr.port, 9000);
+    EXPECT_EQ(fr.host, "127.0.0.1");
+    EXPECT_EQ(fr.chat_template, "chatml");
+    EXPECT_NE(p->placed.find("prefill on CPUs "), std::string::npos) << p->placed;
+}
+
+TEST(Launcher, SeveralWorkersAreNamedByIndexAndPerRoleArenasAreBoundOnNumaMachines) {
+    ServeSettings s;
+    s.instance = "mine";
+    s.prefill_workers = 2;
+    s.decode_workers = 2;
+    s.kv_arenas = "per-role";
+    s.start_timeout_s = 7;
+    auto p = plan_serve(s, cpu_facts("pack:2 numa:1 core:4 pu:1"));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->layout.instance, "mine");
+    EXPECT_TRUE(p->layout.kv_split);
+    EXPECT_TRUE(p->bind_arenas) << "two NUMA nodes, per-role arenas";
+    EXPECT_EQ(p->start_timeout_s, 7);
+    EXPECT_EQ(worker(*p, "prefill 0").index, 0u);
+    EXPECT_EQ(worker(*p, "prefill 1").index, 1u);
+    EXPECT_EQ(worker(*p, "decode 1").index, 1u);
+    EXPECT_EQ(role(*p, "decode 1").numa, 1) << "worker i of each role on node i mod nodes";
+    auto one_node = plan_serve(s, cpu_facts("pack:1 core:8 pu:1"));
+    ASSERT_TRUE(one_node.ok()) << one_node.error().message;
+    EXPECT_FALSE(one_node->bind_arenas) << "one node: nothing to bind";
+}
+
+TEST(Launcher, BadSettingsAreRefusedByName) {
+    auto refused = [](ServeSettings s, ServeFacts f, const std::string& needle) {
+        auto p = plan_serve(s, f);
+        ASSERT_FALSE(p.ok()) << "accepted, expected an error with " << needle;
+        EXPECT_NE(p.error().message.find(needle), std::string::npos) << p.error().message;
+    };
+    ServeSettings s;
+    s.kv_arenas = "both";
+    refused(s, cpu_facts(), "--kv-arenas both");
+    s = {};
+    s.ctx = 8;
+    refused(s, cpu_facts(), "--ctx must be between 16 and the model's 8192 tokens");
+    s.ctx = 8193;
+    refused(s, cpu_facts(), "--ctx");
+    s = {};
+    s.kv_dtype = "f32";
+    refused(s, cpu_facts(), "--kv-dtype");
+    s = {};
+    s.prefill_cpus = "0-1";
+    s.decode_cpus = "1-2";
+    refused(s, cpu_facts(), "");  // overlapping overrides (plan_placement says how)
+    s = {};
+    s.prefill_workers = 2;
+    refused(s, gpu_facts({{0, 80 * kGiB}}), "--prefill-workers / --decode-workers");
+    s = {};
+    s.prefill_cpus = "0";
+    refused(s, gpu_facts({{0, 80 * kGiB}}), "--prefill-cpus and --decode-cpus place CPU workers");
+    s = {};
+    s.kv_arenas = "per-role";
+    refused(s, gpu_facts({{0, 80 * kGiB}}), "--kv-arenas per-role on 1 GPUs");
+    s = {};
+    s.kv_memory = 0.1;
+    refused(s, gpu_facts({{0, 8 * kGiB}}), "cuda:0: no room for KV");
+}
+
+TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {
+    ServeSettings s;
+    s.kv_memory = 0.5;
+    s.cuda_qgemv = true;
+    // GPU 1 (16 GiB) and GPU 0 (8 GiB): 8 GiB x 0.5 - 1 GiB weights - 2 GiB scratch =
+    // 1 GiB of KV = 131072 blocks of 8 KiB; GPU 1 alone would hold 5 GiB.
+    auto p = plan_serve(s, gpu_facts({{1, 16 * kGiB}, {0, 8 * kGiB}}));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->layout.n_gpus, 2u);
+    EXPECT_EQ(p->layout.n_prefill, 2u);
+    EXPECT_EQ(p->layout.n_decode, 2u);
+    EXPECT_EQ(p->layout.n_blocks, 131072u);
+    EXPECT_EQ(worker(*p, "prefill 0").device, "cuda:1") << "pair i on the i-th GPU listed";
+    EXPECT_EQ(worker(*p, "decode 0").device, "cuda:1");
+    EXPECT_EQ(worker(*p, "prefill 1").device, "cuda:0");
+    EXPECT_EQ(worker(*p, "decode 1").device, "cuda:0");
+    EXPECT_TRUE(worker(*p, "decode 1").cuda_qgemv);
+    EXPECT_EQ(role(*p, "prefill 0").numa, 1) << "on cores close to GPU 1 (socket 1)";
+    EXPECT_EQ(role(*p, "decode 1").numa, 0);
+    EXPECT_TRUE(p->gpu_note.empty()) << p->gpu_note;
+}
+
+TEST(Launcher, PerRoleGpusPutPrefillFirstAndDecodeOnTheRest) {
+    ServeSettings s;
+    s.kv_arenas = "per-role";
+    s.kv_memory = 0.5;
+    auto p = plan_serve(s, gpu_facts({{0, 16 * kGiB}, {1, 16 * kGiB}, {2, 16 * kGiB}}));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->layout.n_prefill, 1u);
+    EXPECT_EQ(p->layout.n_decode, 2u);
+    EXPECT_EQ(worker(*p, "prefill").device, "cuda:0");
+    EXPECT_EQ(worker(*p, "decode 0").device, "cuda:1");
+    EXPECT_EQ(worker(*p, "decode 1").device, "cuda:2");
+    // 16 GiB x 0.5 - 1 GiB - (2 GiB + 512 MiB for the one prefill process) = 4.5 GiB.
+    EXPECT_EQ(p->layout.n_blocks, static_cast<uint32_t>((4 * kGiB + kGiB / 2) / 8192));
+
+    // One GPU named twice: prefill and decode on it with an arena each, each planned
+    // in half of it: 8 GiB x 0.5 - 1 GiB - 2.5 GiB = 0.5 GiB.
+    auto same = plan_serve(s, gpu_facts({{0, 16 * kGiB}, {0, 16 * kGiB}}));
+    ASSERT_TRUE(same.ok()) << same.error().message;
+    EXPECT_EQ(same->layout.n_blocks, static_cast<uint32_t>(kGiB / 2 / 8192));
+    EXPECT_EQ(worker(*same, "prefill").device, "cuda:0");
+    EXPECT_EQ(worker(*same, "decode").device, "cuda:0");
+}
+
+TEST(Launcher, AGpuMissingFromThePciBusIsPlacedAsForTheCpu) {
+    ServeFacts f = gpu_facts({{0, 16 * kGiB}});
+    f.gpus[0].pci = "0000:99:00.0";
+    auto p = plan_serve(ServeSettings{}, f);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_NE(p->gpu_note.find("cuda:0 at PCI address '0000:99:00.0' not found"), std::string::npos) << p->gpu_note;
+    EXPECT_EQ(worker(*p, "prefill").device, "cuda:0") << "it still computes on its GPU";
+}
+
+TEST(Launcher, StatesGoStartingServingDrainingDone) {
+    using S = LaunchState;
+    LaunchInputs in;
+    in.now_ns = 100;
+    in.start_deadline_ns = 1000;
+
+    LaunchStep st = launch_step(S::Starting, in);  // nothing up yet
+    EXPECT_EQ(st.next, S::Starting);
+    EXPECT_FALSE(st.announce || st.retire_front || st.kill_front || st.start_timed_out);
+
+    in.all_running = true;
+    st = launch_step(S::Starting, in);
+    EXPECT_EQ(st.next, S::Serving);
+    EXPECT_TRUE(st.announce);
+    EXPECT_FALSE(st.retire_front);
+
+    st = launch_step(S::Serving, in);
+    EXPECT_EQ(st.next, S::Serving);
+    EXPECT_FALSE(st.announce) << "announced once";
+
+    in.stop = true;
+    st = launch_step(S::Serving, in);
+    EXPECT_EQ(st.next, S::Draining);
+    EXPECT_TRUE(st.retire_front);
+
+    st = launch_step(S::Starting, in);  // up and stopped in the same turn
+    EXPECT_EQ(st.next, S::Draining);
+    EXPECT_TRUE(st.announce);
+    EXPECT_TRUE(st.retire_front);
+
+    in.drain_deadline_ns = 500;
+    st = launch_step(S::Draining, in);
+    EXPECT_EQ(st.next, S::Draining);
+    EXPECT_FALSE(st.retire_front) << "retired once";
+    EXPECT_FALSE(st.kill_front) << "within its drain";
+    in.now_ns = 501;
+    st = launch_step(S::Draining, in);
+    EXPECT_TRUE(st.kill_front);
+    in.front_killed = true;
+    EXPECT_FALSE(launch_step(S::Draining, in).kill_front) << "killed once";
+    in.front_exited = true;
+    EXPECT_EQ(launch_step(S::Draining, in).next, S::Done);
+    EXPECT_EQ(launch_step(S::Done, in).next, S::Done);
+}
+
+TEST(Launcher, RolesThatDoNotStartInTimeFailTheLaunch) {
+    LaunchInputs in;
+    in.start_deadline_ns = 1000;
+    in.now_ns = 1001;
+    LaunchStep st = launch_step(LaunchState::Starting, in);
+    EXPECT_TRUE(st.start_timed_out);
+    EXPECT_EQ(st.next, LaunchState::Draining);
+    EXPECT_TRUE(st.retire_front);
+    in.stop = true;  // already stopping: a drain, not a time-out
+    st = launch_step(LaunchState::Starting, in);
+    EXPECT_FALSE(st.start_timed_out);
+    EXPECT_EQ(st.next, LaunchState::Draining);
+    in.stop = false;
+    in.all_running = true;  // up at the deadline: serving
+    EXPECT_EQ(launch_step(LaunchState::Starting, in).next, LaunchState::Serving);
+    EXPECT_STREQ(launch_state_name(LaunchState::Draining), "draining");
+}
+
+TEST(Launcher, EachGpuIsCheckedAsTheListIsRead) {
+    std::vector<int> asked;
+    auto check = [&](const DeviceSpec& d) -> Status {
+        asked.push_back(d.index);
+        if (d.index == 99) return make_error("cuda:99: no such device");
+        return {};
+    };
+    auto r = parse_device_list("cuda:0,cuda:99,cpu", false, check);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().message, "cuda:99: no such device") << "the first error in the list, before the cpu entry's";
+    EXPECT_EQ(asked, (std::vector<int>{0, 99}));
+}
