@@ -182,3 +182,96 @@ TEST(PrefillScheduler, LookupsAsTheBudgetReachesThem) {
     EXPECT_EQ(looked, (std::vector<size_t>{0, 1, 2}));
     EXPECT_EQ(p.entries, (std::vector<PrefillEntry>{{0, 300}, {1, 80}, {2, 100}}));
 }
+
+// ---------------------------------------------------------------- prefix cache, destinations
+
+namespace {
+
+// A KV pool over a real shm KvArena (in plain memory), joined by one user, and the
+// arena itself for a second user.
+struct SharedPool {
+    std::vector<uint8_t> arena_mem, data;
+    shm::KvArena arena;
+    ShmBlockAllocator* alloc = nullptr;
+    std::unique_ptr<KvPool> pool;
+
+    explicit SharedPool(uint32_t n_blocks) {
+        shm::ArenaConfig c;
+        c.n_blocks = n_blocks;
+        arena_mem.resize(shm::KvArena::bytes(c) + 64);
+        void* mem = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(arena_mem.data()) + 63) & ~uintptr_t{63});
+        EXPECT_TRUE(shm::KvArena::init(mem, c).ok());
+        arena = *shm::KvArena::attach(mem);
+        const uint32_t user = *arena.join(shm::ProcRef{1, 1});
+        KvLayout l;
+        l.n_layer = 1;
+        l.n_head_kv = 1;
+        l.head_dim = 4;
+        l.block_tokens = 16;
+        data.resize(l.block_bytes() * n_blocks);
+        auto a = std::make_unique<ShmBlockAllocator>(arena, user);
+        alloc = a.get();
+        pool = std::make_unique<KvPool>(l, data.data(), std::move(a));
+    }
+};
+
+shm::BlockHash h(uint64_t v) { return {v, ~v}; }
+
+}  // namespace
+
+TEST(KvCacheManager, PublishedPrefixBlocksAreFoundByTheNextPrompt) {
+    SharedPool sp(8);
+    KvCacheManager m(*sp.pool, sp.alloc);
+    // A 40-token prompt computed in one pass: blocks 0 and 1 are full, 2 is not.
+    KvSeq a;
+    auto ta = toks(40);
+    std::vector<SeqBatch> pass = {{&a, ta.data(), 40, false}};
+    ASSERT_TRUE(m.reserve(pass).ok());
+    const std::vector<shm::BlockHash> hashes = {h(1), h(2)};  // of the prompt's full blocks
+    EXPECT_EQ(m.publish_prefix(a, hashes, 0, 20), 1u) << "20 valid tokens: one full block";
+    EXPECT_EQ(m.publish_prefix(a, hashes, 1, 40), 2u);
+    EXPECT_EQ(m.publish_prefix(a, hashes, 2, 40), 2u) << "nothing more to publish";
+
+    // The same prefix: both blocks, as a sequence of 32 valid tokens, sharing a's.
+    KvSeq b = m.lookup_prefix(hashes, 8);
+    ASSERT_EQ(b.blocks().size(), 2u);
+    EXPECT_EQ(b.n_tokens(), 32);
+    EXPECT_EQ(b.blocks()[0], a.blocks()[0]);
+    EXPECT_EQ(b.blocks()[1], a.blocks()[1]);
+    EXPECT_EQ(sp.alloc->refcount(a.blocks()[0]), 2) << "referenced by both sequences";
+    // At most max_blocks (a prompt keeps its last token to compute).
+    KvSeq c = m.lookup_prefix(hashes, 1);
+    EXPECT_EQ(c.blocks().size(), 1u);
+    // Another prefix: the chain breaks at its first block.
+    const std::vector<shm::BlockHash> other = {h(7), h(2)};
+    EXPECT_TRUE(m.lookup_prefix(other, 8).blocks().empty()) << "hashes are chained: block 2 alone is no match";
+    // Without an index nothing is cached.
+    KvCacheManager plain(*sp.pool);
+    EXPECT_TRUE(plain.lookup_prefix(hashes, 8).blocks().empty());
+    EXPECT_EQ(plain.publish_prefix(a, hashes, 0, 40), 0u);
+    for (KvSeq* x : {&a, &b, &c}) x->release(*sp.pool);
+    EXPECT_EQ(sp.arena.n_free(), 6u) << "the two published blocks stay cached with no reference";
+    KvSeq d = m.lookup_prefix(hashes, 8);
+    EXPECT_EQ(d.blocks().size(), 2u) << "and are still found";
+    d.release(*sp.pool);
+    std::vector<int32_t> all(8);
+    EXPECT_TRUE(sp.alloc->alloc(8, all.data())) << "cached blocks are evicted when the arena needs them";
+}
+
+TEST(KvCacheManager, DestinationBlocksAreAllOrNothing) {
+    SharedPool here(4), there(3);
+    KvCacheManager m(*here.pool, here.alloc);
+    auto got = m.reserve_in(*there.alloc, 33);  // 3 blocks of 16
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_EQ(got->size(), 3u);
+    EXPECT_EQ(there.alloc->n_free(), 0);
+    auto more = m.reserve_in(*there.alloc, 1);
+    ASSERT_FALSE(more.ok());
+    EXPECT_EQ(more.error().kind, ErrorKind::NoKvBlocks);
+    EXPECT_NE(more.error().message.find("needs 1 KV blocks there, 0 of 3 are free"), std::string::npos)
+        << more.error().message;
+    KvCacheManager::release_in(*there.alloc, *got);
+    EXPECT_TRUE(got->empty());
+    EXPECT_EQ(there.alloc->n_free(), 3);
+    EXPECT_EQ(here.alloc->n_free(), 4) << "nothing taken here";
+}

@@ -37,4 +37,40 @@ void KvCacheManager::unreserve(std::span<SeqBatch> batch) {
     for (SeqBatch& b : batch) b.kv->truncate(pool_, b.kv->n_tokens());
 }
 
+KvSeq KvCacheManager::lookup_prefix(std::span<const shm::BlockHash> hashes, size_t max_blocks) {
+    if (!prefix_) return {};
+    std::vector<int32_t> got;
+    for (size_t i = 0; i < std::min(max_blocks, hashes.size()); ++i) {
+        const int32_t b = prefix_->arena().acquire_cached(prefix_->user(), hashes[i]);
+        if (b < 0) break;
+        got.push_back(b);
+    }
+    if (got.empty()) return {};
+    const auto tokens = static_cast<int64_t>(got.size()) * pool_.layout().block_tokens;
+    return KvSeq::adopt(std::move(got), tokens);
+}
+
+size_t KvCacheManager::publish_prefix(const KvSeq& seq, std::span<const shm::BlockHash> hashes, size_t published,
+                                      int64_t valid_tokens) {
+    if (!prefix_) return published;
+    const auto full = std::min(static_cast<size_t>(valid_tokens / pool_.layout().block_tokens), hashes.size());
+    for (; published < full; ++published) prefix_->arena().publish(prefix_->user(), seq.blocks()[published], hashes[published]);
+    return published;
+}
+
+Result<std::vector<int32_t>> KvCacheManager::reserve_in(KvBlockAllocator& dest, int64_t tokens) const {
+    const int64_t bt = pool_.layout().block_tokens;
+    const auto need = static_cast<int32_t>((tokens + bt - 1) / bt);
+    std::vector<int32_t> got(static_cast<size_t>(need));
+    if (!dest.alloc(need, got.data()))
+        return make_error(ErrorKind::NoKvBlocks, "the hand-off needs {} KV blocks there, {} of {} are free", need,
+                          dest.n_free(), dest.n_blocks());
+    return got;
+}
+
+void KvCacheManager::release_in(KvBlockAllocator& dest, std::vector<int32_t>& blocks) {
+    for (int32_t b : blocks) dest.unref(b);
+    blocks.clear();
+}
+
 }  // namespace duet

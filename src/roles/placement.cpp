@@ -145,111 +145,116 @@ std::string format_cpu_list(const std::vector<int>& cpus) {
     return out;
 }
 
-Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
-    Plan plan;
-    for (auto [list, what] : {std::pair{&o.front_cpus, "front"}, std::pair{&o.prefill_cpus, "prefill"},
-                              std::pair{&o.decode_cpus, "decode"}})
-        if (Status st = check_cpus(m, *list, what); !st) return st.error();
-    for (int c : o.prefill_cpus)
-        if (std::find(o.decode_cpus.begin(), o.decode_cpus.end(), c) != o.decode_cpus.end())
-            return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
+namespace {
 
-    // One hardware thread per core, grouped by NUMA node.
-    std::map<int, std::vector<int>> by_node;
-    for (const MachineCore& c : m.cores) by_node[c.numa].push_back(c.pus.front());
+using NodeCpus = std::map<int, std::vector<int>>;  // one hardware thread per core, by NUMA node
 
-    if (o.devices.empty()) {
-        const int P = o.prefill_workers, D = o.decode_workers;
-        if (P < 1 || D < 1) return make_error("at least one prefill and one decode worker (asked for {} and {})", P, D);
-        // Nodes by core count, largest first (ties: lower node first).
-        std::vector<int> nodes;
-        for (auto& [node, cpus] : by_node) nodes.push_back(node);
-        std::stable_sort(nodes.begin(), nodes.end(),
-                         [&](int a, int b) { return by_node[a].size() > by_node[b].size(); });
-        const size_t used = std::min(nodes.size(), static_cast<size_t>(std::max(P, D)));
-        // Workers per node: index i on nodes[i % used].
-        std::vector<int> np(used, 0), nd(used, 0);
-        for (int i = 0; i < P; ++i) ++np[static_cast<size_t>(i) % used];
-        for (int i = 0; i < D; ++i) ++nd[static_cast<size_t>(i) % used];
-        // The front: a core of a node no worker uses, else the last core of the
-        // largest node when that leaves at least a core per worker there (and three
-        // cores in all, as before: two cores are better spent on prefill and decode).
-        std::vector<int> front;
-        if (nodes.size() > used) front = {by_node[nodes[used]].front()};
-        std::vector<std::vector<int>> pools(used);
-        for (size_t k = 0; k < used; ++k) pools[k] = by_node[nodes[k]];
-        if (front.empty() && pools[0].size() >= 3 && pools[0].size() > static_cast<size_t>(np[0] + nd[0])) {
-            front = {pools[0].back()};
-            pools[0].pop_back();
+// Splits `cpus` among n workers: even shares, or shared cores when too few.
+std::vector<std::vector<int>> split_cpus(const std::vector<int>& cpus, int n, const char* role, Plan& plan) {
+    std::vector<std::vector<int>> out(static_cast<size_t>(n));
+    if (static_cast<int>(cpus.size()) >= n) {
+        size_t at = 0;
+        for (int w = 0; w < n; ++w) {
+            const size_t share = cpus.size() / static_cast<size_t>(n) +
+                                 (static_cast<size_t>(w) < cpus.size() % static_cast<size_t>(n) ? 1 : 0);
+            out[static_cast<size_t>(w)].assign(cpus.begin() + static_cast<long>(at),
+                                               cpus.begin() + static_cast<long>(at + share));
+            at += share;
         }
-        // Splits `cpus` among n workers: even shares, or shared cores when too few.
-        auto split = [&](const std::vector<int>& cpus, int n, const char* role) {
-            std::vector<std::vector<int>> out(static_cast<size_t>(n));
-            if (static_cast<int>(cpus.size()) >= n) {
-                size_t at = 0;
-                for (int w = 0; w < n; ++w) {
-                    const size_t share = cpus.size() / static_cast<size_t>(n) + (static_cast<size_t>(w) < cpus.size() % static_cast<size_t>(n) ? 1 : 0);
-                    out[static_cast<size_t>(w)].assign(cpus.begin() + static_cast<long>(at), cpus.begin() + static_cast<long>(at + share));
-                    at += share;
-                }
-            } else {
-                for (int w = 0; w < n; ++w) out[static_cast<size_t>(w)] = {cpus[static_cast<size_t>(w) % cpus.size()]};
-                plan.notes.push_back(fmt::format("{} {} workers on {} core(s): they share cores", n, role, cpus.size()));
-            }
-            return out;
-        };
-        std::vector<std::vector<int>> prefill(static_cast<size_t>(P)), decode(static_cast<size_t>(D));
-        for (size_t k = 0; k < used; ++k) {
-            std::vector<int> pre, dec;
-            const std::vector<int>& pool = pools[k];
-            if (np[k] == 0 || nd[k] == 0) {  // this node runs one role only
-                (np[k] ? pre : dec) = pool;
-            } else if (pool.size() == 1) {
-                pre = dec = pool;
-                plan.notes.push_back(fmt::format("one core on NUMA node {}: prefill and decode share it", nodes[k]));
-            } else {
-                // Decode is bound by memory bandwidth, which a few cores saturate;
-                // prefill by arithmetic, which wants every core it can get. Even split
-                // (by worker count), prefill first.
-                size_t n_dec = pool.size() * static_cast<size_t>(nd[k]) / static_cast<size_t>(np[k] + nd[k]);
-                n_dec = std::clamp<size_t>(n_dec, 1, pool.size() - 1);
-                pre.assign(pool.begin(), pool.end() - static_cast<long>(n_dec));
-                dec.assign(pool.end() - static_cast<long>(n_dec), pool.end());
-            }
-            auto ps = np[k] ? split(pre, np[k], "prefill") : std::vector<std::vector<int>>{};
-            auto ds = nd[k] ? split(dec, nd[k], "decode") : std::vector<std::vector<int>>{};
-            for (int i = static_cast<int>(k), j = 0; i < P; i += static_cast<int>(used), ++j)
-                prefill[static_cast<size_t>(i)] = ps[static_cast<size_t>(j)];
-            for (int i = static_cast<int>(k), j = 0; i < D; i += static_cast<int>(used), ++j)
-                decode[static_cast<size_t>(i)] = ds[static_cast<size_t>(j)];
-        }
-        if (!o.prefill_cpus.empty()) prefill = split(o.prefill_cpus, P, "prefill");
-        if (!o.decode_cpus.empty()) decode = split(o.decode_cpus, D, "decode");
-        if (front.empty()) {
-            front = {prefill[0].front()};
-            plan.notes.push_back("no core to spare for the front: it shares the prefill cores (it mostly sleeps)");
-        }
-        if (!o.front_cpus.empty()) front = o.front_cpus;
-        if (!o.prefill_cpus.empty() || !o.decode_cpus.empty()) {
-            for (const auto& pre : prefill)
-                for (const auto& dec : decode)
-                    for (int c : pre)
-                        if (std::find(dec.begin(), dec.end(), c) != dec.end())
-                            return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
-        }
-        plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
-        for (int i = 0; i < P; ++i) {
-            const auto& c = prefill[static_cast<size_t>(i)];
-            plan.roles.push_back({"prefill", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
-        }
-        for (int i = 0; i < D; ++i) {
-            const auto& c = decode[static_cast<size_t>(i)];
-            plan.roles.push_back({"decode", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
-        }
-        return plan;
+    } else {
+        for (int w = 0; w < n; ++w) out[static_cast<size_t>(w)] = {cpus[static_cast<size_t>(w) % cpus.size()]};
+        plan.notes.push_back(fmt::format("{} {} workers on {} core(s): they share cores", n, role, cpus.size()));
     }
+    return out;
+}
 
-    // GPUs: each process drives its device from one core close to it.
+// One node's cores for its np prefill and nd decode workers: prefill's and decode's.
+void split_node(const std::vector<int>& pool, int np, int nd, int node, std::vector<int>& pre, std::vector<int>& dec,
+                Plan& plan) {
+    if (np == 0 || nd == 0) {  // this node runs one role only
+        (np ? pre : dec) = pool;
+    } else if (pool.size() == 1) {
+        pre = dec = pool;
+        plan.notes.push_back(fmt::format("one core on NUMA node {}: prefill and decode share it", node));
+    } else {
+        // Decode is bound by memory bandwidth, which a few cores saturate; prefill by
+        // arithmetic, which wants every core it can get. Even split (by worker
+        // count), prefill first.
+        size_t n_dec = pool.size() * static_cast<size_t>(nd) / static_cast<size_t>(np + nd);
+        n_dec = std::clamp<size_t>(n_dec, 1, pool.size() - 1);
+        pre.assign(pool.begin(), pool.end() - static_cast<long>(n_dec));
+        dec.assign(pool.end() - static_cast<long>(n_dec), pool.end());
+    }
+}
+
+Status check_disjoint(const std::vector<std::vector<int>>& prefill, const std::vector<std::vector<int>>& decode) {
+    for (const auto& pre : prefill)
+        for (const auto& dec : decode)
+            for (int c : pre)
+                if (std::find(dec.begin(), dec.end(), c) != dec.end())
+                    return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
+    return {};
+}
+
+Result<Plan> plan_cpu(const Machine& m, const PlanOptions& o, NodeCpus by_node) {
+    Plan plan;
+    const int P = o.prefill_workers, D = o.decode_workers;
+    if (P < 1 || D < 1) return make_error("at least one prefill and one decode worker (asked for {} and {})", P, D);
+    // Nodes by core count, largest first (ties: lower node first).
+    std::vector<int> nodes;
+    for (auto& [node, cpus] : by_node) nodes.push_back(node);
+    std::stable_sort(nodes.begin(), nodes.end(), [&](int a, int b) { return by_node[a].size() > by_node[b].size(); });
+    const size_t used = std::min(nodes.size(), static_cast<size_t>(std::max(P, D)));
+    // Workers per node: index i on nodes[i % used].
+    std::vector<int> np(used, 0), nd(used, 0);
+    for (int i = 0; i < P; ++i) ++np[static_cast<size_t>(i) % used];
+    for (int i = 0; i < D; ++i) ++nd[static_cast<size_t>(i) % used];
+    // The front: a core of a node no worker uses, else the last core of the largest
+    // node when that leaves at least a core per worker there (and three cores in
+    // all, as before: two cores are better spent on prefill and decode).
+    std::vector<int> front;
+    if (nodes.size() > used) front = {by_node[nodes[used]].front()};
+    std::vector<std::vector<int>> pools(used);
+    for (size_t k = 0; k < used; ++k) pools[k] = by_node[nodes[k]];
+    if (front.empty() && pools[0].size() >= 3 && pools[0].size() > static_cast<size_t>(np[0] + nd[0])) {
+        front = {pools[0].back()};
+        pools[0].pop_back();
+    }
+    std::vector<std::vector<int>> prefill(static_cast<size_t>(P)), decode(static_cast<size_t>(D));
+    for (size_t k = 0; k < used; ++k) {
+        std::vector<int> pre, dec;
+        split_node(pools[k], np[k], nd[k], nodes[k], pre, dec, plan);
+        auto ps = np[k] ? split_cpus(pre, np[k], "prefill", plan) : std::vector<std::vector<int>>{};
+        auto ds = nd[k] ? split_cpus(dec, nd[k], "decode", plan) : std::vector<std::vector<int>>{};
+        for (int i = static_cast<int>(k), j = 0; i < P; i += static_cast<int>(used), ++j)
+            prefill[static_cast<size_t>(i)] = ps[static_cast<size_t>(j)];
+        for (int i = static_cast<int>(k), j = 0; i < D; i += static_cast<int>(used), ++j)
+            decode[static_cast<size_t>(i)] = ds[static_cast<size_t>(j)];
+    }
+    if (!o.prefill_cpus.empty()) prefill = split_cpus(o.prefill_cpus, P, "prefill", plan);
+    if (!o.decode_cpus.empty()) decode = split_cpus(o.decode_cpus, D, "decode", plan);
+    if (front.empty()) {
+        front = {prefill[0].front()};
+        plan.notes.push_back("no core to spare for the front: it shares the prefill cores (it mostly sleeps)");
+    }
+    if (!o.front_cpus.empty()) front = o.front_cpus;
+    if (!o.prefill_cpus.empty() || !o.decode_cpus.empty())
+        if (Status st = check_disjoint(prefill, decode); !st) return st.error();
+    plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
+    for (int i = 0; i < P; ++i) {
+        const auto& c = prefill[static_cast<size_t>(i)];
+        plan.roles.push_back({"prefill", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
+    }
+    for (int i = 0; i < D; ++i) {
+        const auto& c = decode[static_cast<size_t>(i)];
+        plan.roles.push_back({"decode", i, -1, c, static_cast<int>(c.size()), numa_of_cpu(m, c.front())});
+    }
+    return plan;
+}
+
+// GPUs: each process drives its device from one core close to it.
+Result<Plan> plan_gpus(const Machine& m, const PlanOptions& o, const NodeCpus& by_node) {
+    Plan plan;
     std::set<int> taken;
     auto take_near = [&](const std::vector<int>& near, int device) -> int {
         for (const MachineCore& c : m.cores)
@@ -268,10 +273,7 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         return -1;
     };
     std::vector<int> front = o.front_cpus;
-    if (front.empty()) {
-        int c = take_near(by_node.begin()->second, -1);
-        front = {c};
-    }
+    if (front.empty()) front = {take_near(by_node.begin()->second, -1)};
     plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
     for (size_t i = 0; i < o.devices.size(); ++i) {
         const int d = o.devices[i];
@@ -294,6 +296,20 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
         }
     }
     return plan;
+}
+
+}  // namespace
+
+Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
+    for (auto [list, what] : {std::pair{&o.front_cpus, "front"}, std::pair{&o.prefill_cpus, "prefill"},
+                              std::pair{&o.decode_cpus, "decode"}})
+        if (Status st = check_cpus(m, *list, what); !st) return st.error();
+    for (int c : o.prefill_cpus)
+        if (std::find(o.decode_cpus.begin(), o.decode_cpus.end(), c) != o.decode_cpus.end())
+            return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
+    NodeCpus by_node;
+    for (const MachineCore& c : m.cores) by_node[c.numa].push_back(c.pus.front());
+    return o.devices.empty() ? plan_cpu(m, o, std::move(by_node)) : plan_gpus(m, o, by_node);
 }
 
 }  // namespace duet

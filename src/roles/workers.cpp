@@ -104,7 +104,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (!b) return b.error();
     if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
     backend_ = std::move(b->backend);
-    kv_ = std::make_unique<KvCacheManager>(*pool_);
+    kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
     inst.registry().set_running(self_);
     return {};
 }
@@ -197,8 +197,6 @@ void PrefillWorker::release(Job& j) {
 }
 
 bool PrefillWorker::reserve_destination(Job& j) {
-    const int64_t bt = pool_->layout().block_tokens;
-    const size_t need = (j.all.size() + static_cast<size_t>(bt) - 1) / static_cast<size_t>(bt);
     // The decode workers best first (pick_decode's order); the first whose arena
     // is reachable and has room takes it.
     std::vector<DecodeView> views;
@@ -230,18 +228,17 @@ bool PrefillWorker::reserve_destination(Job& j) {
                 std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are "
                                      "staged through host memory\n", opts_.device.index, o.dest.device);
         }
-        std::vector<int32_t> got(need);
-        if (!o.alloc->alloc(static_cast<int32_t>(need), got.data())) continue;  // full: decode frees as it finishes
+        auto got = kv_->reserve_in(*o.alloc, static_cast<int64_t>(j.all.size()));
+        if (!got) continue;  // full: decode frees as it finishes
         j.outlet = oi;
-        j.dst = std::move(got);
+        j.dst = std::move(got).value();
         return true;
     }
     return false;
 }
 
 void PrefillWorker::release_destination(Job& j) {
-    if (j.outlet >= 0)
-        for (int32_t b : j.dst) outlets_[static_cast<size_t>(j.outlet)].alloc->unref(b);
+    if (j.outlet >= 0) KvCacheManager::release_in(*outlets_[static_cast<size_t>(j.outlet)].alloc, j.dst);
     j.dst.clear();
     j.outlet = -1;
 }
@@ -381,28 +378,19 @@ bool PrefillWorker::admit() {
 void PrefillWorker::lookup_prefix(Job& j) {
     j.looked_up = true;
     if (j.hashes.empty()) return;
-    const int64_t bt = pool_->layout().block_tokens;
-    const size_t max_blocks = (j.all.size() - 1) / static_cast<size_t>(bt);
-    std::vector<int32_t> got;
-    for (size_t i = 0; i < std::min(max_blocks, j.hashes.size()); ++i) {
-        const int32_t b = alloc_->arena().acquire_cached(user_, j.hashes[i]);
-        if (b < 0) break;
-        got.push_back(b);
-    }
-    if (got.empty()) return;
-    j.done = got.size() * static_cast<size_t>(bt);
-    j.published = got.size();
-    j.seq = KvSeq::adopt(std::move(got), static_cast<int64_t>(j.done));
+    const size_t max_blocks = (j.all.size() - 1) / static_cast<size_t>(pool_->layout().block_tokens);
+    KvSeq cached = kv_->lookup_prefix(j.hashes, max_blocks);
+    if (cached.blocks().empty()) return;
+    j.done = static_cast<size_t>(cached.n_tokens());
+    j.published = cached.blocks().size();
+    j.seq = std::move(cached);
     inst_->requests().slot(j.req.slot).n_cached.store(static_cast<uint32_t>(std::min(j.done, j.prompt.size())),
                                                       std::memory_order_relaxed);
 }
 
 // Registers the request's newly completed full blocks in the prefix index.
 void PrefillWorker::publish_blocks(Job& j) {
-    const size_t bt = static_cast<size_t>(pool_->layout().block_tokens);
-    const size_t full = std::min(j.done / bt, j.hashes.size());
-    for (; j.published < full; ++j.published)
-        alloc_->arena().publish(user_, j.seq.blocks()[j.published], j.hashes[j.published]);
+    j.published = kv_->publish_prefix(j.seq, j.hashes, j.published, static_cast<int64_t>(j.done));
 }
 
 void PrefillWorker::fail(Job& j) {
@@ -452,12 +440,8 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     }
 }
 
-// One forward pass over up to prefill_budget tokens of the requests in hand,
-// earliest deadline first; requests whose prompt completes are handed off.
-Result<bool> PrefillWorker::step() {
-    settle();
-    if (jobs_.empty()) kv_short_ = false;
-    const bool took = !kv_short_ && admit();
+// Requests cancelled while being prefilled end here. True if any did.
+bool PrefillWorker::drop_cancelled() {
     shm::RequestTable& t = inst_->requests();
     bool dropped = false;
     for (size_t i = 0; i < jobs_.size();) {
@@ -470,56 +454,124 @@ Result<bool> PrefillWorker::step() {
             ++i;
         }
     }
-    if (jobs_.empty()) {
-        if (dropped) publish_load();
-        if (dropped || took) inst_->registry().wake(shm::Role::Front);
-        return took;
-    }
-    // The pass's plan (engine/prefill_scheduler.h): earliest deadline first within
-    // the token budget; a request whose prompt ends in the same full block as an
-    // earlier one's still being computed waits for it, then takes its blocks from the
-    // prefix cache (n > 1 choices, or the same prompt sent twice at once). The plan
-    // asks for each prefix lookup as the budget reaches the job.
-    PrefillPlan plan;
+    return dropped;
+}
+
+// The pass's plan (engine/prefill_scheduler.h): earliest deadline first within the
+// token budget; a request whose prompt ends in the same full block as an earlier
+// one's still being computed waits for it, then takes its blocks from the prefix
+// cache (n > 1 choices, or the same prompt sent twice at once). The plan asks for
+// each prefix lookup as the budget reaches the job.
+PrefillPlan PrefillWorker::plan_pass() {
     std::vector<PrefillJobView> views(jobs_.size());
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
                         jobs_[k].looked_up, follows(k)};
-        plan = plan_prefill(views, opts_.prefill_budget, kv_short_);
-        if (plan.lookup < 0) break;
+        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_);
+        if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
         if (opts_.prefix_cache) lookup_prefix(j);
         j.looked_up = true;
     }
-    std::vector<SeqBatch> batch;
-    std::vector<size_t> in_batch;
-    for (const PrefillEntry& e : plan.entries) {
-        Job& j = jobs_[e.job];
-        batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(e.tokens), false});
-        in_batch.push_back(e.job);
-    }
-    // kv_split: a request whose prompt this pass ends goes to a decode worker that
-    // keeps its KV elsewhere; the pass copies its blocks there, each layer as soon as
-    // it is written. One that finds no room there waits for a later pass.
-    KvExport exp;
-    if (!outlets_.empty()) {
-        for (size_t i = 0; i < batch.size();) {
-            Job& j = jobs_[in_batch[i]];
-            if (j.done + static_cast<size_t>(batch[i].n_tokens) < j.all.size()) {
-                exp.dest.push_back(-1);
-                exp.dst_ids.emplace_back();
-                ++i;
-            } else if (reserve_destination(j)) {
-                exp.dest.push_back(j.outlet);
-                exp.dst_ids.push_back(j.dst);
-                ++i;
-            } else {
-                batch.erase(batch.begin() + static_cast<std::ptrdiff_t>(i));
-                in_batch.erase(in_batch.begin() + static_cast<std::ptrdiff_t>(i));
-            }
+}
+
+// kv_split: a request whose prompt this pass ends goes to a decode worker that keeps
+// its KV elsewhere; the pass copies its blocks there, each layer as soon as it is
+// written. One that finds no room there is taken out of the pass, to wait for a
+// later one.
+void PrefillWorker::reserve_destinations(Pass& p) {
+    for (size_t i = 0; i < p.batch.size();) {
+        Job& j = jobs_[p.jobs[i]];
+        if (j.done + static_cast<size_t>(p.batch[i].n_tokens) < j.all.size()) {
+            p.exp.dest.push_back(-1);
+            p.exp.dst_ids.emplace_back();
+            ++i;
+        } else if (reserve_destination(j)) {
+            p.exp.dest.push_back(j.outlet);
+            p.exp.dst_ids.push_back(j.dst);
+            ++i;
+        } else {
+            p.batch.erase(p.batch.begin() + static_cast<std::ptrdiff_t>(i));
+            p.jobs.erase(p.jobs.begin() + static_cast<std::ptrdiff_t>(i));
         }
-        if (batch.empty()) {
+    }
+    for (const Outlet& o : outlets_) p.exp.dests.push_back(o.dest);  // mapped by now where reserved
+}
+
+// Removes jobs_[k] for each k of `which` (indices into jobs_, any order).
+void PrefillWorker::erase_jobs(std::vector<size_t> which) {
+    std::sort(which.begin(), which.end());
+    for (size_t k = which.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(which[k]));
+}
+
+// A pass that did not run: nothing it reserved is held any more.
+void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
+    // No destination blocks held while a request is not in a pass: they would sit in
+    // decode's arena while this one waits for room in ours.
+    for (size_t k : p.jobs) release_destination(jobs_[k]);
+    if (st.kind() != ErrorKind::NoKvBlocks) {
+        // Not a shortage (a device fault, a bad batch): retrying the same pass would
+        // fail the same way. Its requests fail; a device left unusable ended the
+        // process already (the supervisor re-drives its requests).
+        std::fprintf(stderr, "duet prefill: a pass of %zu requests failed: %s\n", p.jobs.size(),
+                     st.error().message.c_str());
+        for (size_t k : p.jobs) fail(jobs_[k]);
+        erase_jobs(p.jobs);
+    } else if (p.batch.size() > 1) {
+        // Out of KV blocks (nothing was taken). With several requests in the pass, run
+        // the next pass with the earliest-deadline one alone, taking no new ones.
+        kv_short_ = true;
+        return;
+    } else {
+        // A request that cannot run even alone fails (freeing its blocks).
+        fail(jobs_[p.jobs.front()]);
+        erase_jobs(p.jobs);
+    }
+    publish_load();
+    inst_->registry().wake(shm::Role::Front);
+}
+
+// A pass that ran: its tokens are done, its full blocks published, and requests
+// whose prompt it completed sample their first token and are handed off.
+void PrefillWorker::pass_done(const Pass& p) {
+    kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
+    std::vector<size_t> finished;
+    for (size_t i = 0; i < p.jobs.size(); ++i) {
+        Job& j = jobs_[p.jobs[i]];
+        j.done += static_cast<size_t>(p.batch[i].n_tokens);
+        if (opts_.prefix_cache) publish_blocks(j);
+        if (j.done == j.all.size()) {
+            complete(j, logits_.data() + static_cast<int64_t>(i) * backend_->n_vocab());
+            finished.push_back(p.jobs[i]);
+        }
+    }
+    erase_jobs(finished);
+    publish_load();
+    if (!finished.empty()) inst_->registry().wake(shm::Role::Front);  // first tokens (or ends) are in the slots
+}
+
+// One forward pass over up to prefill_budget tokens of the requests in hand,
+// earliest deadline first; requests whose prompt completes are handed off.
+Result<bool> PrefillWorker::step() {
+    settle();
+    if (jobs_.empty()) kv_short_ = false;
+    const bool took = !kv_short_ && admit();
+    const bool dropped = drop_cancelled();
+    if (jobs_.empty()) {
+        if (dropped) publish_load();
+        if (dropped || took) inst_->registry().wake(shm::Role::Front);
+        return took;
+    }
+    Pass p;
+    for (const PrefillEntry& e : plan_pass().entries) {
+        Job& j = jobs_[e.job];
+        p.batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(e.tokens), false});
+        p.jobs.push_back(e.job);
+    }
+    if (!outlets_.empty()) {
+        reserve_destinations(p);
+        if (p.batch.empty()) {
             // Every one waits for room in a decode arena (decode frees blocks as its
             // sequences finish) or for a decode worker to make its arena. Nothing
             // holds destination blocks meanwhile (a failed pass releases them), so
@@ -528,63 +580,16 @@ Result<bool> PrefillWorker::step() {
             usleep(2000);
             return true;
         }
-        for (const Outlet& o : outlets_) exp.dests.push_back(o.dest);  // mapped by now where reserved
     }
     // The pass's blocks first (KvCacheManager): too few free is a planned outcome.
-    Status st = kv_->reserve(batch);
+    Status st = kv_->reserve(p.batch);
     if (st) {
         trace::Range range("prefill pass");
-        st = outlets_.empty() ? backend_->forward(batch, logits_) : backend_->forward_export(batch, logits_, exp);
-        if (!st) kv_->unreserve(batch);
+        st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
+        if (!st) kv_->unreserve(p.batch);
     }
-    if (!st) {
-        // No destination blocks held while a request is not in a pass: they would
-        // sit in decode's arena while this one waits for room in ours.
-        for (size_t k : in_batch) release_destination(jobs_[k]);
-        if (st.kind() != ErrorKind::NoKvBlocks) {
-            // Not a shortage (a device fault, a bad batch): retrying the same pass
-            // would fail the same way. Its requests fail; a device left unusable
-            // ended the process already (the supervisor re-drives its requests).
-            std::fprintf(stderr, "duet prefill: a pass of %zu requests failed: %s\n", in_batch.size(),
-                         st.error().message.c_str());
-            std::vector<size_t> gone = in_batch;
-            std::sort(gone.begin(), gone.end());
-            for (size_t k = gone.size(); k-- > 0;) {
-                fail(jobs_[gone[k]]);
-                jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(gone[k]));
-            }
-            publish_load();
-            inst_->registry().wake(shm::Role::Front);
-            return true;
-        }
-        // Out of KV blocks (nothing was taken). With several requests in the pass,
-        // run the next pass with the earliest-deadline one alone, taking no new ones;
-        // a request that cannot run even alone fails (freeing its blocks).
-        if (batch.size() > 1) {
-            kv_short_ = true;
-            return true;
-        }
-        fail(jobs_[in_batch.front()]);
-        jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(in_batch.front()));
-        publish_load();
-        inst_->registry().wake(shm::Role::Front);
-        return true;
-    }
-    kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
-    std::vector<size_t> finished;
-    for (size_t i = 0; i < in_batch.size(); ++i) {
-        Job& j = jobs_[in_batch[i]];
-        j.done += static_cast<size_t>(batch[i].n_tokens);
-        if (opts_.prefix_cache) publish_blocks(j);
-        if (j.done == j.all.size()) {
-            complete(j, logits_.data() + static_cast<int64_t>(i) * backend_->n_vocab());
-            finished.push_back(in_batch[i]);
-        }
-    }
-    std::sort(finished.begin(), finished.end());
-    for (size_t k = finished.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(finished[k]));
-    publish_load();
-    if (!finished.empty()) inst_->registry().wake(shm::Role::Front);  // first tokens (or ends) are in the slots
+    if (st) pass_done(p);
+    else pass_failed(p, st);
     return true;
 }
 

@@ -157,6 +157,19 @@ private:
     // with room and the least work); false when none can take it now (its arena full,
     // or not made yet), to try again at a later pass.
     bool reserve_destination(Job& j);
+    // One pass: its entries (batch[i] computes jobs_[jobs[i]]) and, kv_split, where
+    // each entry's KV is copied.
+    struct Pass {
+        std::vector<SeqBatch> batch;
+        std::vector<size_t> jobs;
+        KvExport exp;
+    };
+    bool drop_cancelled();
+    PrefillPlan plan_pass();
+    void reserve_destinations(Pass& p);
+    void erase_jobs(std::vector<size_t> which);
+    void pass_failed(const Pass& p, const Status& st);
+    void pass_done(const Pass& p);
     // Drops everything j holds: its blocks here and, kv_split, there.
     void release(Job& j);
     void release_destination(Job& j);
