@@ -22,6 +22,7 @@
 #include "model/gpu_plan.h"
 #include "roles/front.h"
 #include "roles/placement.h"
+#include "roles/recovery.h"
 #include "roles/supervisor.h"
 #include "shm/fd_keeper.h"
 
