@@ -10,8 +10,11 @@
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_pool.h"
+#include "roles/metrics_text.h"
 #include "roles/openai.h"
+#include "roles/routing.h"
 #include "roles/stop_text.h"
+#include "roles/wire.h"
 #include "shm/doorbell.h"
 
 namespace duet {
@@ -139,17 +142,6 @@ ApiError failure(int32_t code) {
     }
 }
 
-std::string metrics_histograms(const FrontCounters& c) {
-    return c.ttft.prometheus("duet_time_to_first_token_seconds", "request arrival to its first token, seen by the front") +
-           c.itl.prometheus("duet_inter_token_latency_seconds", "between successive tokens of a request, seen by the front") +
-           c.e2e.prometheus("duet_request_duration_seconds", "request arrival to its last token") +
-           c.queue.prometheus("duet_queue_time_seconds", "queued until a prefill worker took it") +
-           c.prefill.prometheus("duet_prefill_time_seconds", "prefill worker took it until its hand-off to decode") +
-           c.handoff.prometheus("duet_handoff_latency_seconds", "hand-off sent by prefill until decode's first step with it began") +
-           c.admit.prometheus("duet_front_admit_seconds", "the front's parse + template + tokenize + enqueue per request") +
-           c.stream_event.prometheus("duet_front_stream_event_seconds", "the front's read + detokenize + write per streamed event");
-}
-
 double seconds_between(uint64_t a_ns, uint64_t b_ns) { return static_cast<double>(b_ns - a_ns) * 1e-9; }
 
 awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
@@ -222,6 +214,7 @@ struct FrontSession {
     static awaitable<void> serve(Front& f, tcp::socket sock);
     static awaitable<bool> handle(Front& f, beast::tcp_stream& stream, Request& req);
     static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat);
+    static MetricsSnapshot metrics_snapshot(Front& f);
 };
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
@@ -289,34 +282,6 @@ void Front::cancel_all() {
 bool Front::send(shm::ReqRef r) { return router_.send(r); }
 
 
-// Per worker: queue depth (messages waiting in its rings), load gauges, requests
-// taken since it started, requests this front routed to it.
-static std::string metrics_workers(shm::Instance& inst, const std::vector<uint64_t>& routed) {
-    const ServeRings rings = ServeRings::of(inst.config());
-    shm::Registry& reg = inst.registry();
-    std::string queue = "# TYPE duet_queue_depth gauge\n", items = "# TYPE duet_worker_requests gauge\n",
-                tokens = "# TYPE duet_worker_tokens gauge\n", served = "# TYPE duet_worker_served_total counter\n",
-                up = "# TYPE duet_worker_up gauge\n", sent = "# TYPE duet_worker_routed_total counter\n";
-    auto add = [&](const char* role, shm::Role r, uint32_t i, uint64_t queued) {
-        const int32_t s = reg.find_running(r, static_cast<int32_t>(i));
-        const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
-        queue += fmt::format("duet_queue_depth{} {}\n", labels, queued);
-        up += fmt::format("duet_worker_up{} {}\n", labels, s >= 0 ? 1 : 0);
-        if (s < 0) return;
-        const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
-        items += fmt::format("duet_worker_requests{} {}\n", labels, ps.load_items.load(std::memory_order_relaxed));
-        tokens += fmt::format("duet_worker_tokens{} {}\n", labels, ps.load_tokens.load(std::memory_order_relaxed));
-        served += fmt::format("duet_worker_served_total{} {}\n", labels, ps.served.load(std::memory_order_relaxed));
-    };
-    for (uint32_t p = 0; p < rings.n_prefill; ++p) {
-        add("prefill", shm::Role::Prefill, p, queued_for_prefill(inst, p));
-        sent += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p,
-                            p < routed.size() ? routed[p] : 0);
-    }
-    for (uint32_t d = 0; d < rings.n_decode; ++d) add("decode", shm::Role::Decode, d, queued_for_decode(inst, d));
-    return queue + up + items + tokens + served + sent;
-}
-
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {
         beast::error_code ec;
@@ -380,50 +345,9 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
                                           models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens), js,
                                           false);
     }
-    if (get && path == "/metrics") {
-        FrontCounters& c = f.counters_;
-        shm::ArenaCensus a;  // every arena (one per GPU on a GPU instance)
-        // Each arena's too: with per-role arenas prefill's holds cached prompts and
-        // decode's the running sequences, which a sum hides.
-        std::string per_arena = "# TYPE duet_kv_arena_blocks gauge\n";
-        for (size_t k = 0; k < f.inst_.n_arenas(); ++k) {
-            const shm::ArenaCensus one = f.inst_.arena(k).census();
-            a.total += one.total;
-            a.free += one.free;
-            a.cached += one.cached;
-            a.held += one.held;
-            for (const auto& [state, n] : {std::pair{"free", one.free}, {"cached", one.cached}, {"held", one.held}})
-                per_arena += fmt::format("duet_kv_arena_blocks{{arena=\"{}\",state=\"{}\"}} {}\n", k, state, n);
-        }
-        const auto dtype = kv_dtype_from(f.inst_.config().kv_dtype);
-        per_arena += fmt::format("# TYPE duet_kv_info gauge\nduet_kv_info{{dtype=\"{}\",block_tokens=\"{}\"}} 1\n",
-                                 dtype ? kv_dtype_name(*dtype) : "unknown", f.inst_.config().requests.block_tokens);
-        std::string m = fmt::format(
-            "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
-            "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"
-            "# TYPE duet_requests_finished_total counter\nduet_requests_finished_total {}\n"
-            "# TYPE duet_requests_cancelled_total counter\nduet_requests_cancelled_total {}\n"
-            "# TYPE duet_requests_failed_total counter\nduet_requests_failed_total {}\n"
-            "# TYPE duet_requests_rejected_busy_total counter\nduet_requests_rejected_busy_total {}\n"
-            "# TYPE duet_generated_tokens_total counter\nduet_generated_tokens_total {}\n"
-            "# TYPE duet_worker_restarts_total counter\nduet_worker_restarts_total {}\n"
-            "# TYPE duet_requests_redriven_total counter\nduet_requests_redriven_total {}\n"
-            "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
-            "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
-            "duet_kv_blocks{{state=\"held\"}} {}\n",
-            // Relaxed: counters for display, no order among them.
-            c.requests.load(std::memory_order_relaxed), c.errors.load(std::memory_order_relaxed),
-            c.finished.load(std::memory_order_relaxed), c.cancelled.load(std::memory_order_relaxed),
-            c.failed.load(std::memory_order_relaxed), c.rejected_busy.load(std::memory_order_relaxed),
-            c.tokens.load(std::memory_order_relaxed), f.inst_.requests().worker_restarts().load(std::memory_order_relaxed),
-            f.inst_.requests().redriven().load(std::memory_order_relaxed), f.in_flight(), a.free, a.cached, a.held);
-        m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
-                         c.prompt_tokens.load(std::memory_order_relaxed));
-        m += per_arena;
-        m += metrics_workers(f.inst_, f.router_.sent_counts());
-        m += metrics_histograms(c);
-        co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);
-    }
+    if (get && path == "/metrics")
+        co_return co_await write_response(stream, req, http::status::ok, metrics_text(metrics_snapshot(f)),
+                                          "text/plain; version=0.0.4", false);
     if (post && (path == "/tokenize" || path == "/detokenize")) {
         json j = json::parse(req.body(), nullptr, false);
         if (j.is_discarded() || !j.is_object())
@@ -450,6 +374,55 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     }
     co_return co_await error(f, stream, req, api_error(404, "not_found_error",
                               fmt::format("no route for {} {}", std::string(req.method_string()), path), "", ""));
+}
+
+MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
+    const FrontCounters& c = f.counters_;
+    shm::Instance& inst = f.inst_;
+    MetricsSnapshot m;
+    // Relaxed: counters for display, no order among them.
+    m.requests = c.requests.load(std::memory_order_relaxed);
+    m.errors = c.errors.load(std::memory_order_relaxed);
+    m.finished = c.finished.load(std::memory_order_relaxed);
+    m.cancelled = c.cancelled.load(std::memory_order_relaxed);
+    m.failed = c.failed.load(std::memory_order_relaxed);
+    m.rejected_busy = c.rejected_busy.load(std::memory_order_relaxed);
+    m.tokens = c.tokens.load(std::memory_order_relaxed);
+    m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
+    m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);
+    m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
+    m.in_flight = f.in_flight();
+    for (size_t k = 0; k < inst.n_arenas(); ++k) {  // every arena (one per GPU on a GPU instance)
+        const shm::ArenaCensus one = inst.arena(k).census();
+        m.arenas.push_back({one.free, one.cached, one.held});
+    }
+    const auto dtype = kv_dtype_from(inst.config().kv_dtype);
+    m.kv_dtype = dtype ? kv_dtype_name(*dtype) : "unknown";
+    m.block_tokens = inst.config().requests.block_tokens;
+    const ServeRings rings = ServeRings::of(inst.config());
+    shm::Registry& reg = inst.registry();
+    auto worker = [&](shm::Role role, uint32_t i, uint64_t queued) {
+        MetricsSnapshot::Worker w;
+        w.queued = queued;
+        if (const int32_t s = reg.find_running(role, static_cast<int32_t>(i)); s >= 0) {
+            const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+            w.up = true;
+            w.items = ps.load_items.load(std::memory_order_relaxed);
+            w.tokens = ps.load_tokens.load(std::memory_order_relaxed);
+            w.served = ps.served.load(std::memory_order_relaxed);
+        }
+        return w;
+    };
+    const std::vector<uint64_t> routed = f.router_.sent_counts();
+    for (uint32_t p = 0; p < rings.n_prefill; ++p) {
+        m.prefill.push_back(worker(shm::Role::Prefill, p, queued_for_prefill(inst, p)));
+        m.prefill.back().routed = p < routed.size() ? routed[p] : 0;
+    }
+    for (uint32_t d = 0; d < rings.n_decode; ++d) m.decode.push_back(worker(shm::Role::Decode, d, queued_for_decode(inst, d)));
+    m.ttft = &c.ttft, m.itl = &c.itl, m.e2e = &c.e2e;
+    m.queue = &c.queue, m.prefill_time = &c.prefill, m.handoff = &c.handoff;
+    m.admit = &c.admit, m.stream_event = &c.stream_event;
+    return m;
 }
 
 awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
