@@ -40,10 +40,11 @@ struct InstanceConfig {
     uint64_t cpu_kv_bytes = 0;        // size of the CPU KV data segment (0: none)
     uint64_t model_fingerprint = 0;
     // How many prefill and decode workers serve on this instance (their rings and
-    // registry indices follow from these; src/roles/serving.h). 0: not a serving instance.
+    // registry indices follow from these; src/roles/wire.h). 0: not a serving instance.
     uint32_t prefill_workers = 0, decode_workers = 0;
     // Prefill and decode workers keep their KV in arenas of their own (different
-    // GPUs, or per-role host arenas): a hand-off copies the request's blocks.
+    // GPUs, or per-role host arenas): a hand-off copies the request's blocks. One
+    // name for the concept in code; `duet serve --kv-arenas per-role` sets it.
     bool kv_split = false;
     // How the arenas store KV values (src/kv/kv_pool.h KvDtype: 0 f16, 1 int8, 2 fp8);
     // every process attached reads its KV layout from here.

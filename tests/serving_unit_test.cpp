@@ -344,7 +344,7 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_EQ(worker_arena(cc, shm::Role::Prefill, 1), 0u);
     EXPECT_EQ(worker_arena(cc, shm::Role::Decode, 2), 0u);
     EXPECT_EQ(handoff_partner(cc, 1), -1);
-    EXPECT_FALSE(handoff_copies(cc));
+    EXPECT_FALSE(cc.kv_split);
 }
 
 // Per-role KV arenas. CPU: one host arena for the prefill workers and one for the
@@ -363,7 +363,7 @@ TEST(GpuServing, PerRoleArenasSplitTheKvAndHandOffToAnyDecodeWorker) {
     l.kv_split = true;
     shm::InstanceConfig c = serve_instance_config(l, **model);
     EXPECT_FALSE(gpu_instance(c));
-    EXPECT_TRUE(handoff_copies(c));
+    EXPECT_TRUE(c.kv_split);
     ASSERT_EQ(c.arenas.size(), 2u);
     EXPECT_EQ(c.arenas[0].n_users, 2u) << "the prefill workers";
     EXPECT_EQ(c.arenas[1].n_users, 5u) << "the decode workers, and every prefill worker handing off into it";

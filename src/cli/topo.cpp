@@ -7,7 +7,7 @@
 
 #include "base/thread_pool.h"
 #include "roles/placement.h"
-#include "roles/serving.h"
+#include "roles/wire.h"
 
 namespace duet {
 

@@ -5,13 +5,19 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <optional>
+#include <variant>
+
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_pool.h"
+#include "roles/metrics_text.h"
 #include "roles/openai.h"
+#include "roles/routing.h"
 #include "roles/stop_text.h"
+#include "roles/wire.h"
 #include "shm/doorbell.h"
 
 namespace duet {
@@ -139,17 +145,6 @@ ApiError failure(int32_t code) {
     }
 }
 
-std::string metrics_histograms(const FrontCounters& c) {
-    return c.ttft.prometheus("duet_time_to_first_token_seconds", "request arrival to its first token, seen by the front") +
-           c.itl.prometheus("duet_inter_token_latency_seconds", "between successive tokens of a request, seen by the front") +
-           c.e2e.prometheus("duet_request_duration_seconds", "request arrival to its last token") +
-           c.queue.prometheus("duet_queue_time_seconds", "queued until a prefill worker took it") +
-           c.prefill.prometheus("duet_prefill_time_seconds", "prefill worker took it until its hand-off to decode") +
-           c.handoff.prometheus("duet_handoff_latency_seconds", "hand-off sent by prefill until decode's first step with it began") +
-           c.admit.prometheus("duet_front_admit_seconds", "the front's parse + template + tokenize + enqueue per request") +
-           c.stream_event.prometheus("duet_front_stream_event_seconds", "the front's read + detokenize + write per streamed event");
-}
-
 double seconds_between(uint64_t a_ns, uint64_t b_ns) { return static_cast<double>(b_ns - a_ns) * 1e-9; }
 
 awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
@@ -209,9 +204,75 @@ void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, 
     }
 }
 
+// One completion while it runs: what was asked, its prompt, its choices (a request
+// slot each), and how its response goes.
+struct Completion {
+    CompletionRequest r;
+    bool chat = false;
+    uint64_t arrived = 0;  // the body read
+    std::vector<int32_t> prompt;
+    std::vector<Choice> ch;
+    std::string id;
+    int64_t created = 0;
+    uint64_t deadline = 0;  // past it, a choice still running is cancelled
+    bool client_gone = false;
+};
+
+// A completion's choices once all have ended.
+struct Outcome {
+    Usage u;
+    bool failed = false;
+    int32_t error_code = 0;  // of a failed choice
+    std::vector<ChoiceText> texts;
+};
+
+// What one look at a choice's slot found.
+struct ChoiceStep {
+    shm::ReqState st = shm::ReqState::Free;
+    bool terminal = false;
+    uint64_t seen_ns = 0;
+};
+
+// /tokenize and /detokenize: the response body, or what is wrong with the request.
+std::variant<std::string, ApiError> token_route(const Tokenizer& tok, const std::string& path, const std::string& body) {
+    json j = json::parse(body, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+        return api_error(400, "invalid_request_error", "the request body is not a JSON object", "", "");
+    if (path == "/tokenize") {
+        if (!j.contains("prompt") || !j["prompt"].is_string())
+            return api_error(400, "invalid_request_error", "'prompt' must be a string", "prompt", "");
+        bool add_special = j.value("add_special_tokens", true);
+        return tokens_json(tok.encode(j["prompt"].get<std::string>(), add_special, false));
+    }
+    if (!j.contains("tokens") || !j["tokens"].is_array())
+        return api_error(400, "invalid_request_error", "'tokens' must be an array", "tokens", "");
+    std::vector<int32_t> ids;
+    for (const json& x : j["tokens"]) {
+        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= tok.n_vocab())
+            return api_error(400, "invalid_request_error", fmt::format("token ids must be integers in [0, {})", tok.n_vocab()),
+                             "tokens", "");
+        ids.push_back(x.get<int32_t>());
+    }
+    return text_json(tok.decode(ids, false));
+}
+
+awaitable<void> write_stream_head(beast::tcp_stream& stream, const Request& req, Completion& c) {
+    http::response<http::empty_body> head{http::status::ok, req.version()};
+    head.set(http::field::server, "duet");
+    head.set(http::field::content_type, "text/event-stream");
+    head.set(http::field::cache_control, "no-cache");
+    head.keep_alive(req.keep_alive());
+    head.chunked(true);
+    http::response_serializer<http::empty_body> sr{head};
+    beast::error_code ec;
+    co_await http::async_write_header(stream, sr, asio::redirect_error(use_awaitable, ec));
+    c.client_gone = static_cast<bool>(ec);
+}
+
 }  // namespace
 
-// The coroutines that serve one connection; a friend of Front.
+// The coroutines that serve one connection, and the steps of a completion; a friend
+// of Front.
 struct FrontSession {
     static awaitable<bool> error(Front& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
         f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
@@ -221,7 +282,24 @@ struct FrontSession {
     static awaitable<void> listen(Front& f);
     static awaitable<void> serve(Front& f, tcp::socket sock);
     static awaitable<bool> handle(Front& f, beast::tcp_stream& stream, Request& req);
+    static MetricsSnapshot metrics_snapshot(Front& f);
+
+    // A completion, in the order it runs: parse and check the request, tokenize its
+    // prompt, put its choices in the request table and send them to prefill, follow
+    // them (streaming if asked) until all end, account for them, and reply.
     static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat);
+    static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
+    static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
+    static std::variant<RequestParams, ApiError> request_params_of(Front& f, const Completion& c);
+    static std::optional<ApiError> admit(Front& f, Completion& c, RequestParams params);
+    static awaitable<void> follow(Front& f, beast::tcp_stream& stream, Completion& c);
+    static ChoiceStep read_choice(Front& f, Completion& c, Choice& ch);
+    static awaitable<void> stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
+                                         const ChoiceStep& step);
+    static bool settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step);
+    static awaitable<void> wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer);
+    static Outcome finish(Front& f, Completion& c);
+    static awaitable<bool> reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o);
 };
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
@@ -288,35 +366,6 @@ void Front::cancel_all() {
 
 bool Front::send(shm::ReqRef r) { return router_.send(r); }
 
-
-// Per worker: queue depth (messages waiting in its rings), load gauges, requests
-// taken since it started, requests this front routed to it.
-static std::string metrics_workers(shm::Instance& inst, const std::vector<uint64_t>& routed) {
-    const ServeRings rings = ServeRings::of(inst.config());
-    shm::Registry& reg = inst.registry();
-    std::string queue = "# TYPE duet_queue_depth gauge\n", items = "# TYPE duet_worker_requests gauge\n",
-                tokens = "# TYPE duet_worker_tokens gauge\n", served = "# TYPE duet_worker_served_total counter\n",
-                up = "# TYPE duet_worker_up gauge\n", sent = "# TYPE duet_worker_routed_total counter\n";
-    auto add = [&](const char* role, shm::Role r, uint32_t i, uint64_t queued) {
-        const int32_t s = reg.find_running(r, static_cast<int32_t>(i));
-        const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
-        queue += fmt::format("duet_queue_depth{} {}\n", labels, queued);
-        up += fmt::format("duet_worker_up{} {}\n", labels, s >= 0 ? 1 : 0);
-        if (s < 0) return;
-        const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
-        items += fmt::format("duet_worker_requests{} {}\n", labels, ps.load_items.load(std::memory_order_relaxed));
-        tokens += fmt::format("duet_worker_tokens{} {}\n", labels, ps.load_tokens.load(std::memory_order_relaxed));
-        served += fmt::format("duet_worker_served_total{} {}\n", labels, ps.served.load(std::memory_order_relaxed));
-    };
-    for (uint32_t p = 0; p < rings.n_prefill; ++p) {
-        add("prefill", shm::Role::Prefill, p, queued_for_prefill(inst, p));
-        sent += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p,
-                            p < routed.size() ? routed[p] : 0);
-    }
-    for (uint32_t d = 0; d < rings.n_decode; ++d) add("decode", shm::Role::Decode, d, queued_for_decode(inst, d));
-    return queue + up + items + tokens + served + sent;
-}
-
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {
         beast::error_code ec;
@@ -380,290 +429,335 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
                                           models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens), js,
                                           false);
     }
-    if (get && path == "/metrics") {
-        FrontCounters& c = f.counters_;
-        shm::ArenaCensus a;  // every arena (one per GPU on a GPU instance)
-        // Each arena's too: with per-role arenas prefill's holds cached prompts and
-        // decode's the running sequences, which a sum hides.
-        std::string per_arena = "# TYPE duet_kv_arena_blocks gauge\n";
-        for (size_t k = 0; k < f.inst_.n_arenas(); ++k) {
-            const shm::ArenaCensus one = f.inst_.arena(k).census();
-            a.total += one.total;
-            a.free += one.free;
-            a.cached += one.cached;
-            a.held += one.held;
-            for (const auto& [state, n] : {std::pair{"free", one.free}, {"cached", one.cached}, {"held", one.held}})
-                per_arena += fmt::format("duet_kv_arena_blocks{{arena=\"{}\",state=\"{}\"}} {}\n", k, state, n);
-        }
-        const auto dtype = kv_dtype_from(f.inst_.config().kv_dtype);
-        per_arena += fmt::format("# TYPE duet_kv_info gauge\nduet_kv_info{{dtype=\"{}\",block_tokens=\"{}\"}} 1\n",
-                                 dtype ? kv_dtype_name(*dtype) : "unknown", f.inst_.config().requests.block_tokens);
-        std::string m = fmt::format(
-            "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
-            "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"
-            "# TYPE duet_requests_finished_total counter\nduet_requests_finished_total {}\n"
-            "# TYPE duet_requests_cancelled_total counter\nduet_requests_cancelled_total {}\n"
-            "# TYPE duet_requests_failed_total counter\nduet_requests_failed_total {}\n"
-            "# TYPE duet_requests_rejected_busy_total counter\nduet_requests_rejected_busy_total {}\n"
-            "# TYPE duet_generated_tokens_total counter\nduet_generated_tokens_total {}\n"
-            "# TYPE duet_worker_restarts_total counter\nduet_worker_restarts_total {}\n"
-            "# TYPE duet_requests_redriven_total counter\nduet_requests_redriven_total {}\n"
-            "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
-            "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
-            "duet_kv_blocks{{state=\"held\"}} {}\n",
-            // Relaxed: counters for display, no order among them.
-            c.requests.load(std::memory_order_relaxed), c.errors.load(std::memory_order_relaxed),
-            c.finished.load(std::memory_order_relaxed), c.cancelled.load(std::memory_order_relaxed),
-            c.failed.load(std::memory_order_relaxed), c.rejected_busy.load(std::memory_order_relaxed),
-            c.tokens.load(std::memory_order_relaxed), f.inst_.requests().worker_restarts().load(std::memory_order_relaxed),
-            f.inst_.requests().redriven().load(std::memory_order_relaxed), f.in_flight(), a.free, a.cached, a.held);
-        m += fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n",
-                         c.prompt_tokens.load(std::memory_order_relaxed));
-        m += per_arena;
-        m += metrics_workers(f.inst_, f.router_.sent_counts());
-        m += metrics_histograms(c);
-        co_return co_await write_response(stream, req, http::status::ok, m, "text/plain; version=0.0.4", false);
-    }
+    if (get && path == "/metrics")
+        co_return co_await write_response(stream, req, http::status::ok, metrics_text(metrics_snapshot(f)),
+                                          "text/plain; version=0.0.4", false);
     if (post && (path == "/tokenize" || path == "/detokenize")) {
-        json j = json::parse(req.body(), nullptr, false);
-        if (j.is_discarded() || !j.is_object())
-            co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "the request body is not a JSON object", "", ""));
-        if (path == "/tokenize") {
-            if (!j.contains("prompt") || !j["prompt"].is_string())
-                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "'prompt' must be a string", "prompt", ""));
-            bool add_special = j.value("add_special_tokens", true);
-            auto ids = f.tok_.encode(j["prompt"].get<std::string>(), add_special, false);
-            co_return co_await write_response(stream, req, http::status::ok, tokens_json(ids), js, false);
-        }
-        if (!j.contains("tokens") || !j["tokens"].is_array())
-            co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", "'tokens' must be an array", "tokens", ""));
-        std::vector<int32_t> ids;
-        for (const json& x : j["tokens"]) {
-            if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= f.tok_.n_vocab())
-                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
-                                          fmt::format("token ids must be integers in [0, {})", f.tok_.n_vocab()),
-                                          "tokens", ""));
-            ids.push_back(x.get<int32_t>());
-        }
-        co_return co_await write_response(stream, req, http::status::ok, text_json(f.tok_.decode(ids, false)), js,
+        auto reply = token_route(f.tok_, path, req.body());
+        if (auto* e = std::get_if<ApiError>(&reply)) co_return co_await error(f, stream, req, *e);
+        co_return co_await write_response(stream, req, http::status::ok, std::move(std::get<std::string>(reply)), js,
                                           false);
     }
     co_return co_await error(f, stream, req, api_error(404, "not_found_error",
                               fmt::format("no route for {} {}", std::string(req.method_string()), path), "", ""));
 }
 
+MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
+    const FrontCounters& c = f.counters_;
+    shm::Instance& inst = f.inst_;
+    MetricsSnapshot m;
+    // Relaxed: counters for display, no order among them.
+    m.requests = c.requests.load(std::memory_order_relaxed);
+    m.errors = c.errors.load(std::memory_order_relaxed);
+    m.finished = c.finished.load(std::memory_order_relaxed);
+    m.cancelled = c.cancelled.load(std::memory_order_relaxed);
+    m.failed = c.failed.load(std::memory_order_relaxed);
+    m.rejected_busy = c.rejected_busy.load(std::memory_order_relaxed);
+    m.tokens = c.tokens.load(std::memory_order_relaxed);
+    m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
+    m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);
+    m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
+    m.in_flight = f.in_flight();
+    for (size_t k = 0; k < inst.n_arenas(); ++k) {  // every arena (one per GPU on a GPU instance)
+        const shm::ArenaCensus one = inst.arena(k).census();
+        m.arenas.push_back({one.free, one.cached, one.held});
+    }
+    const auto dtype = kv_dtype_from(inst.config().kv_dtype);
+    m.kv_dtype = dtype ? kv_dtype_name(*dtype) : "unknown";
+    m.block_tokens = inst.config().requests.block_tokens;
+    const ServeRings rings = ServeRings::of(inst.config());
+    shm::Registry& reg = inst.registry();
+    auto worker = [&](shm::Role role, uint32_t i, uint64_t queued) {
+        MetricsSnapshot::Worker w;
+        w.queued = queued;
+        if (const int32_t s = reg.find_running(role, static_cast<int32_t>(i)); s >= 0) {
+            const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+            w.up = true;
+            w.items = ps.load_items.load(std::memory_order_relaxed);
+            w.tokens = ps.load_tokens.load(std::memory_order_relaxed);
+            w.served = ps.served.load(std::memory_order_relaxed);
+        }
+        return w;
+    };
+    const std::vector<uint64_t> routed = f.router_.sent_counts();
+    for (uint32_t p = 0; p < rings.n_prefill; ++p) {
+        m.prefill.push_back(worker(shm::Role::Prefill, p, queued_for_prefill(inst, p)));
+        m.prefill.back().routed = p < routed.size() ? routed[p] : 0;
+    }
+    for (uint32_t d = 0; d < rings.n_decode; ++d) m.decode.push_back(worker(shm::Role::Decode, d, queued_for_decode(inst, d)));
+    m.ttft = &c.ttft, m.itl = &c.itl, m.e2e = &c.e2e;
+    m.queue = &c.queue, m.prefill_time = &c.prefill, m.handoff = &c.handoff;
+    m.admit = &c.admit, m.stream_event = &c.stream_event;
+    return m;
+}
+
 awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
+    Completion c;
+    c.chat = chat;
+    c.arrived = shm::monotonic_ns();
+    if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
+    if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
+    auto params = request_params_of(f, c);
+    if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
+    if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
+    c.id = request_id();
+    c.created = static_cast<int64_t>(time(nullptr));
+    if (c.r.stream) co_await write_stream_head(stream, req, c);
+    co_await follow(f, stream, c);
+    const Outcome o = finish(f, c);
+    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
+    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
+    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
     beast::error_code ec;
-    const uint64_t arrived = shm::monotonic_ns();
-    if (f.draining_.load(std::memory_order_relaxed)) co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
-    auto parsed = parse_completion(req.body(), chat);
-    if (auto* e = std::get_if<ApiError>(&parsed)) co_return co_await error(f, stream, req, *e);
-    CompletionRequest& r = std::get<CompletionRequest>(parsed);
-    if (!r.model.empty() && r.model != f.opts_.model_id)
-        co_return co_await error(f, stream, req, api_error(404, "invalid_request_error",
-                                       fmt::format("the model '{}' does not exist; this server has '{}'", r.model,
-                                                   f.opts_.model_id),
-                                       "model", "model_not_found"));
-    std::vector<int32_t> prompt;
-    if (chat) {
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+// The request body, and the model it names.
+std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Completion& c) {
+    if (f.draining_.load(std::memory_order_relaxed)) return api_error(503, "server_error", "the server is shutting down", "", "");
+    auto parsed = parse_completion(req.body(), c.chat);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
+    c.r = std::move(std::get<CompletionRequest>(parsed));
+    if (!c.r.model.empty() && c.r.model != f.opts_.model_id)
+        return api_error(404, "invalid_request_error",
+                         fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts_.model_id),
+                         "model", "model_not_found");
+    return std::nullopt;
+}
+
+// The prompt's tokens: the chat template's text, token ids as given, or the text.
+std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
+    CompletionRequest& r = c.r;
+    if (c.chat) {
         auto text = f.tmpl_.apply(r.messages, true);
-        if (!text) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error", text.error().message, "messages", ""));
-        prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
+        if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
+        c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
     } else if (!r.prompt_ids.empty()) {
         for (int32_t id : r.prompt_ids)
             if (id >= f.tok_.n_vocab())
-                co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
-                                               fmt::format("token id {} is outside the vocabulary [0, {})", id,
-                                                           f.tok_.n_vocab()),
-                                               "prompt", ""));
-        prompt = std::move(r.prompt_ids);
+                return api_error(400, "invalid_request_error",
+                                 fmt::format("token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                                 "prompt", "");
+        c.prompt = std::move(r.prompt_ids);
     } else {
-        prompt = f.tok_.encode(r.prompt, true, false);
+        c.prompt = f.tok_.encode(r.prompt, true, false);
     }
+    return std::nullopt;
+}
+
+// What the workers read from each choice's slot; the prompt and max_tokens must fit
+// the context.
+std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, const Completion& c) {
+    const CompletionRequest& r = c.r;
     const int64_t n_ctx = f.inst_.config().requests.max_tokens;
-    const int64_t room = n_ctx - static_cast<int64_t>(prompt.size());
+    const int64_t room = n_ctx - static_cast<int64_t>(c.prompt.size());
     if (room < 1)
-        co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
-                                       fmt::format("the prompt has {} tokens; this model's context is {} tokens",
-                                                   prompt.size(), n_ctx),
-                                       chat ? "messages" : "prompt", "context_length_exceeded"));
+        return api_error(400, "invalid_request_error",
+                         fmt::format("the prompt has {} tokens; this model's context is {} tokens", c.prompt.size(), n_ctx),
+                         c.chat ? "messages" : "prompt", "context_length_exceeded");
     if (r.max_tokens > room)
-        co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
-                                       fmt::format("the prompt ({} tokens) plus max_tokens ({}) exceed the context "
-                                                   "of {} tokens",
-                                                   prompt.size(), r.max_tokens, n_ctx),
-                                       "max_tokens", "context_length_exceeded"));
+        return api_error(400, "invalid_request_error",
+                         fmt::format("the prompt ({} tokens) plus max_tokens ({}) exceed the context of {} tokens",
+                                     c.prompt.size(), r.max_tokens, n_ctx),
+                         "max_tokens", "context_length_exceeded");
     RequestParams params;
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
     params.logprobs = r.logprobs;
+    return params;
+}
+
+// One request per choice; choice i samples with its own seed, so choices differ
+// unless decoding is greedy. Sent after all are in: the later ones then find the
+// first one's prompt blocks in the prefix cache (prefill waits for them).
+std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
     shm::RequestTable& t = f.inst_.requests();
-    // One request per choice; choice i samples with its own seed, so choices differ
-    // unless decoding is greedy. Sent after all are in: the later ones then find the
-    // first one's prompt blocks in the prefix cache (prefill waits for them).
-    std::vector<Choice> ch(static_cast<size_t>(r.n), Choice(f.tok_, r.stop));
-    for (size_t i = 0; i < ch.size(); ++i) {
-        params.sampling.seed = r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
-        auto sub = t.submit(f.self_, prompt.data(), static_cast<uint32_t>(prompt.size()), &params, sizeof params);
+    c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
+    for (size_t i = 0; i < c.ch.size(); ++i) {
+        params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
+        auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
         if (!sub) {
             for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them
-                t.transition(ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-                t.transition(ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
+                t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
-            co_return co_await error(f, stream, req, api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", ""));
+            return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
-        ch[i].ref = *sub;
+        c.ch[i].ref = *sub;
     }
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
-    f.counters_.prompt_tokens.fetch_add(prompt.size() * ch.size(), std::memory_order_relaxed);
+    f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
-    for (const Choice& c : ch) f.send(c.ref);
-    f.counters_.admit.observe(seconds_between(arrived, shm::monotonic_ns()));
+    for (const Choice& ch : c.ch) f.send(ch.ref);
+    f.counters_.admit.observe(seconds_between(c.arrived, shm::monotonic_ns()));
+    return std::nullopt;
+}
 
-    const std::string id = request_id();
-    const int64_t created = static_cast<int64_t>(time(nullptr));
-    bool client_gone = false;
+// Until every choice has ended: reads each one's new tokens, streams them if asked,
+// and sleeps until a slot changes.
+awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Completion& c) {
+    c.deadline = shm::monotonic_ns() + static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull;
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
-    if (r.stream) {
-        http::response<http::empty_body> head{http::status::ok, req.version()};
-        head.set(http::field::server, "duet");
-        head.set(http::field::content_type, "text/event-stream");
-        head.set(http::field::cache_control, "no-cache");
-        head.keep_alive(req.keep_alive());
-        head.chunked(true);
-        http::response_serializer<http::empty_body> sr{head};
-        co_await http::async_write_header(stream, sr, asio::redirect_error(use_awaitable, ec));
-        client_gone = static_cast<bool>(ec);
-    }
-    const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull;
-    std::vector<std::shared_ptr<Waiter>> waiting;
     for (;;) {
         bool all_done = true;
-        for (size_t ci = 0; ci < ch.size(); ++ci) {
-            Choice& c = ch[ci];
-            if (c.done) continue;
-            const shm::ReqState st = t.state(c.ref.slot);
-            c.seen_state = st;
-            const bool terminal =
-                st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled;
-            const size_t before = c.out.size();
-            if (auto n = t.read_output(c.ref, c.have, c.out)) c.have = *n;
-            const uint64_t seen_ns = shm::monotonic_ns();
-            if (c.out.size() > before) {
-                if (c.last_token_ns == 0) {
-                    f.counters_.ttft.observe(seconds_between(arrived, seen_ns));
-                } else {  // several tokens at once share the gap
-                    const double gap = seconds_between(c.last_token_ns, seen_ns) / static_cast<double>(c.out.size() - before);
-                    for (size_t i = before; i < c.out.size(); ++i) f.counters_.itl.observe(gap);
-                }
-                c.last_token_ns = seen_ns;
-                if (r.logprobs >= 0) read_logprobs(t, f.tok_, c, r.logprobs, before, c.out.size());
-            }
-            if (!c.stream.stopped()) {
-                std::string piece;
-                for (size_t i = before; i < c.out.size(); ++i) piece += c.detok.push(c.out[i]);
-                if (terminal) piece += c.detok.finish();
-                if (c.stream.append(piece)) {
-                    c.finish = "stop";
-                    if (!terminal) c.cancel(t);
-                }
-            }
-            if (r.stream && !client_gone) {
-                std::string piece = c.stream.take(terminal);
-                if (!piece.empty() || c.first) {
-                    if (!co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
-                                                                  piece, "", c.first, c.unsent())))
-                        client_gone = true;
-                    c.lps_sent = c.lps.size();
-                    c.first = false;
-                    f.counters_.stream_event.observe(seconds_between(seen_ns, shm::monotonic_ns()));
-                }
-            }
-            if (client_gone && !terminal) c.cancel(t);
-            if (terminal) {
-                c.done = true;
-                c.final_state = st;
-                if (st == shm::ReqState::Failed)  // the response is an error: stop the other choices
-                    for (const Choice& o : ch)
-                        if (!o.done) o.cancel(t);
-            } else {
-                all_done = false;
-                if (shm::monotonic_ns() > deadline) c.cancel(t);
-            }
+        for (size_t ci = 0; ci < c.ch.size(); ++ci) {
+            Choice& ch = c.ch[ci];
+            if (ch.done) continue;
+            const ChoiceStep step = read_choice(f, c, ch);
+            if (c.r.stream && !c.client_gone) co_await stream_choice(f, stream, c, ci, step);
+            if (!settle_choice(f, c, ch, step)) all_done = false;
         }
         if (all_done) break;
-        // Sleep until the notifier sees a slot change (or 20 ms pass: deadlines,
-        // recoveries). Re-checked after registering, so no change is missed.
-        waiting.clear();
-        bool changed = false;
-        for (const Choice& c : ch)
-            if (!c.done) {
-                waiting.push_back(std::make_shared<Waiter>(Waiter{c.ref.slot, c.have, c.seen_state, timer}));
-                f.impl_->add(waiting.back());
-                changed = changed || Front::Impl::changed(t, *waiting.back());
-            }
-        if (!changed) {
-            timer->expires_after(std::chrono::milliseconds(20));
-            co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
-        }
-        for (const auto& w : waiting) f.impl_->remove(w);
+        co_await wait_for_change(f, c, timer);
     }
-    Usage u{static_cast<int64_t>(prompt.size()), 0, 0};
-    bool failed = false;
-    int32_t error_code = 0;
-    std::vector<ChoiceText> texts;
-    for (Choice& c : ch) {
-        const shm::ReqSlot& s = t.slot(c.ref.slot);
+}
+
+// The choice's state and new tokens: latency histograms, log-probs, and its text
+// with the stop strings applied (a stop string cancels the request).
+ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
+    shm::RequestTable& t = f.inst_.requests();
+    ChoiceStep step;
+    step.st = t.state(ch.ref.slot);
+    ch.seen_state = step.st;
+    step.terminal = step.st == shm::ReqState::Finished || step.st == shm::ReqState::Failed ||
+                    step.st == shm::ReqState::Cancelled;
+    const size_t before = ch.out.size();
+    if (auto n = t.read_output(ch.ref, ch.have, ch.out)) ch.have = *n;
+    step.seen_ns = shm::monotonic_ns();
+    if (ch.out.size() > before) {
+        if (ch.last_token_ns == 0) {
+            f.counters_.ttft.observe(seconds_between(c.arrived, step.seen_ns));
+        } else {  // several tokens at once share the gap
+            const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
+            for (size_t i = before; i < ch.out.size(); ++i) f.counters_.itl.observe(gap);
+        }
+        ch.last_token_ns = step.seen_ns;
+        if (c.r.logprobs >= 0) read_logprobs(t, f.tok_, ch, c.r.logprobs, before, ch.out.size());
+    }
+    if (!ch.stream.stopped()) {
+        std::string piece;
+        for (size_t i = before; i < ch.out.size(); ++i) piece += ch.detok.push(ch.out[i]);
+        if (step.terminal) piece += ch.detok.finish();
+        if (ch.stream.append(piece)) {
+            ch.finish = "stop";
+            if (!step.terminal) ch.cancel(t);
+        }
+    }
+    return step;
+}
+
+// Streams what choice ci may release now (its first event even if empty).
+awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
+                                            const ChoiceStep& step) {
+    Choice& ch = c.ch[ci];
+    std::string piece = ch.stream.take(step.terminal);
+    if (piece.empty() && !ch.first) co_return;
+    if (!co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece, "",
+                                                 ch.first, ch.unsent())))
+        c.client_gone = true;
+    ch.lps_sent = ch.lps.size();
+    ch.first = false;
+    f.counters_.stream_event.observe(seconds_between(step.seen_ns, shm::monotonic_ns()));
+}
+
+// Cancels the choice if its client left or its time ran out, and marks it done once
+// it has ended (a failed one stops the others: the response is an error). Returns
+// whether it is done.
+bool FrontSession::settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step) {
+    shm::RequestTable& t = f.inst_.requests();
+    if (c.client_gone && !step.terminal) ch.cancel(t);
+    if (!step.terminal) {
+        if (shm::monotonic_ns() > c.deadline) ch.cancel(t);
+        return false;
+    }
+    ch.done = true;
+    ch.final_state = step.st;
+    if (step.st == shm::ReqState::Failed)
+        for (const Choice& o : c.ch)
+            if (!o.done) o.cancel(t);
+    return true;
+}
+
+// Sleeps until the notifier sees a slot change (or 20 ms pass: deadlines,
+// recoveries). Re-checked after registering, so no change is missed.
+awaitable<void> FrontSession::wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer) {
+    const shm::RequestTable& t = f.inst_.requests();
+    std::vector<std::shared_ptr<Waiter>> waiting;
+    bool changed = false;
+    for (const Choice& ch : c.ch)
+        if (!ch.done) {
+            waiting.push_back(std::make_shared<Waiter>(Waiter{ch.ref.slot, ch.have, ch.seen_state, timer}));
+            f.impl_->add(waiting.back());
+            changed = changed || Front::Impl::changed(t, *waiting.back());
+        }
+    if (!changed) {
+        timer->expires_after(std::chrono::milliseconds(20));
+        beast::error_code ec;
+        co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
+    }
+    for (const auto& w : waiting) f.impl_->remove(w);
+}
+
+// Every choice has ended: the phase histograms, finish reasons, usage and the
+// counters; the slots go back to FREE.
+Outcome FrontSession::finish(Front& f, Completion& c) {
+    shm::RequestTable& t = f.inst_.requests();
+    Outcome o;
+    o.u = Usage{static_cast<int64_t>(c.prompt.size()), 0, 0};
+    for (Choice& ch : c.ch) {
+        const shm::ReqSlot& s = t.slot(ch.ref.slot);
         const uint64_t q = s.prefill_ns.load(std::memory_order_relaxed), h = s.handoff_ns.load(std::memory_order_relaxed),
                        d = s.first_step_ns.load(std::memory_order_relaxed);
-        f.counters_.e2e.observe(seconds_between(arrived, shm::monotonic_ns()));
+        f.counters_.e2e.observe(seconds_between(c.arrived, shm::monotonic_ns()));
         if (q >= s.submit_ns && q != 0) f.counters_.queue.observe(seconds_between(s.submit_ns, q));
         if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
         if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
-        u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
-        if (c.finish.empty()) {
-            if (c.final_state == shm::ReqState::Finished)
-                c.finish = (!r.ignore_eos && !c.out.empty() && f.tok_.is_eog(c.out.back())) ? "stop" : "length";
-            else if (c.final_state == shm::ReqState::Cancelled)
-                c.finish = "stop";
+        o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
+        if (ch.finish.empty()) {
+            if (ch.final_state == shm::ReqState::Finished)
+                ch.finish = (!c.r.ignore_eos && !ch.out.empty() && f.tok_.is_eog(ch.out.back())) ? "stop" : "length";
+            else if (ch.final_state == shm::ReqState::Cancelled)
+                ch.finish = "stop";
         }
-        u.completion_tokens += static_cast<int64_t>(c.out.size());
-        f.counters_.tokens.fetch_add(c.out.size(), std::memory_order_relaxed);
-        if (c.final_state == shm::ReqState::Failed) {
-            failed = true;
-            error_code = t.slot(c.ref.slot).error_code.load(std::memory_order_relaxed);
+        o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
+        f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
+        if (ch.final_state == shm::ReqState::Failed) {
+            o.failed = true;
+            o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
         }
-        t.transition(c.ref, c.final_state, shm::ReqState::Free);
-        texts.push_back({c.stream.text(), c.finish, std::move(c.lps)});
+        t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
+        o.texts.push_back({ch.stream.text(), ch.finish, std::move(ch.lps)});
     }
-    u.cached_tokens = std::min<int64_t>(u.cached_tokens, u.prompt_tokens);  // one prompt, however many choices
-    if (failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
-    else if (ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
+    o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
+    if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
+    else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
     else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
     f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    return o;
+}
 
-    if (r.stream) {
-        if (client_gone) co_return false;
-        bool ok = true;
-        if (failed) {
-            ok = co_await write_event(stream, error_json(failure(error_code)));
-        } else {
-            for (size_t ci = 0; ok && ci < ch.size(); ++ci)
-                ok = co_await write_event(stream, chunk_json(r, id, created, f.opts_.model_id, static_cast<int>(ci),
-                                                             ch[ci].stream.take(true), ch[ci].finish, false,
-                                                             ch[ci].unsent()));
-            if (ok && r.include_usage) ok = co_await write_event(stream, usage_chunk_json(r, id, created, f.opts_.model_id, u));
-        }
-        if (ok) ok = co_await write_event(stream, "[DONE]");
-        if (!ok) co_return false;
-        co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
-        co_return !ec;
+// The stream's last events: each choice's rest and finish reason (or the error),
+// usage if asked, [DONE], and the last chunk.
+awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o) {
+    if (c.client_gone) co_return false;
+    bool ok = true;
+    if (o.failed) {
+        ok = co_await write_event(stream, error_json(failure(o.error_code)));
+    } else {
+        for (size_t ci = 0; ok && ci < c.ch.size(); ++ci)
+            ok = co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
+                                                         c.ch[ci].stream.take(true), c.ch[ci].finish, false,
+                                                         c.ch[ci].unsent()));
+        if (ok && c.r.include_usage)
+            ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts_.model_id, o.u));
     }
-    if (failed) co_return co_await error(f, stream, req, failure(error_code));
-    auto res = make_response(http::status::ok, completion_json(r, id, created, f.opts_.model_id, texts, u), req);
-    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    if (ok) ok = co_await write_event(stream, "[DONE]");
+    if (!ok) co_return false;
+    beast::error_code ec;
+    co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
     co_return !ec;
 }
 

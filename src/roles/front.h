@@ -17,7 +17,7 @@
 #include "base/result.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
-#include "roles/serving.h"
+#include "roles/routing.h"
 
 namespace duet {
 

@@ -11,6 +11,8 @@
 #include "engine/backends.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
+#include "roles/recovery.h"
+#include "roles/routing.h"
 #include "roles/supervisor.h"
 #include "shm/fd_keeper.h"
 

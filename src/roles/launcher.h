@@ -31,7 +31,7 @@
 #include "kv/kv_pool.h"
 #include "model/device_spec.h"
 #include "roles/placement.h"
-#include "roles/serving.h"
+#include "roles/wire.h"
 
 namespace duet {
 

@@ -151,7 +151,7 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
     // out_[d]: the ring to decode d (a GPU pair's prefill has its pair's alone, out_[0]).
     for (uint32_t d = 0; d < w->rings_.n_decode; ++d)
         if (w->rings_.linked(p, d)) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
-    if (handoff_copies(inst.config()))
+    if (inst.config().kv_split)
         if (Status st = w->join_outlets(); !st) return st.error();
     w->publish_load();
     return w;

@@ -23,7 +23,8 @@
 #include "model/cpu_backend.h"
 #include "model/device_spec.h"
 #include "model/tokenizer.h"
-#include "roles/serving.h"
+#include "roles/routing.h"
+#include "roles/wire.h"
 #include "shm/handoff.h"
 
 namespace duet {

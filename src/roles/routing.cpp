@@ -1,4 +1,4 @@
-#include "roles/serving.h"
+#include "roles/routing.h"
 
 #include <unistd.h>
 
@@ -7,62 +7,9 @@
 #include <cstdlib>
 #include <tuple>
 
-#include "model/cpu_backend.h"
 #include "shm/doorbell.h"
 
 namespace duet {
-
-shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
-    KvLayout kv = CpuBackend::kv_layout(model, l.kv_dtype);
-    const uint64_t block_bytes = kv.block_bytes();
-    uint64_t blocks = l.n_blocks;
-    if (blocks == 0) {
-        blocks = static_cast<uint64_t>(l.n_requests) * static_cast<uint64_t>((l.n_ctx + kv.block_tokens - 1) / kv.block_tokens);
-        // 8 GiB of host KV at most, shared by the per-role arenas.
-        blocks = std::min<uint64_t>(blocks, (8ull << 30) / block_bytes / (l.n_gpus == 0 && l.kv_split ? 2 : 1));
-    }
-    shm::InstanceConfig c;
-    c.name = l.instance;
-    const bool split_gpus = l.n_gpus > 0 && l.kv_split;
-    const uint32_t n_prefill = l.n_gpus && !split_gpus ? l.n_gpus : l.n_prefill;
-    const uint32_t n_decode = l.n_gpus && !split_gpus ? l.n_gpus : l.n_decode;
-    c.kv_split = l.kv_split;
-    c.kv_dtype = static_cast<uint32_t>(l.kv_dtype);
-    // Every worker, the front, the launcher, and room for processes being replaced.
-    c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
-    c.prefill_workers = n_prefill;
-    c.decode_workers = n_decode;
-    c.requests.n_slots = l.n_requests;
-    c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
-    c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
-    // Every worker writing an arena is one of its users (a dead one's user is
-    // recovered before it is restarted); fewer users leave more bits for each one's
-    // reference counts. With kv_split every prefill worker also writes the decode
-    // arenas it hands off into.
-    const auto b32 = static_cast<uint32_t>(blocks);
-    if (l.n_gpus == 0) {
-        if (!l.kv_split) {
-            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
-        } else {
-            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill, 0});
-            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
-        }
-        c.cpu_kv_bytes = block_bytes * blocks * c.arenas.size();
-    } else if (!l.kv_split) {
-        // One arena per GPU, used by that GPU's pair.
-        for (uint32_t g = 0; g < l.n_gpus; ++g) c.arenas.push_back(shm::ArenaConfig{b32, 2, 0});
-        c.cpu_kv_bytes = 0;
-    } else {
-        for (uint32_t p = 0; p < n_prefill; ++p) c.arenas.push_back(shm::ArenaConfig{b32, 1, 0});
-        for (uint32_t d = 0; d < n_decode; ++d) c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + 1, 0});
-        c.cpu_kv_bytes = 0;
-    }
-    c.n_rings = ServeRings::of(c).count();
-    c.model_fingerprint = model.fingerprint();
-    return c;
-}
-
-// ---------------------------------------------------------------- routing
 
 uint32_t pick_prefill(const std::vector<PrefillView>& v) {
     uint32_t best = 0;
@@ -115,38 +62,6 @@ uint64_t queued_for_decode(shm::Instance& inst, uint32_t d) {
     for (uint32_t p = 0; p < rings.n_prefill; ++p)
         if (rings.linked(p, d)) n += shm::ring_occupancy(inst.ring(rings.to_decode(p, d)));
     return n;
-}
-
-Status check_worker_counts(int n_prefill, int n_decode) {
-    if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > static_cast<int>(kMaxServeWorkers))
-        return make_error("{} prefill + {} decode workers: at least one of each, and at most {} in all (they share one KV arena)",
-                          n_prefill, n_decode, kMaxServeWorkers);
-    return {};
-}
-
-Status check_gpu_count(int n_gpus) {
-    if (n_gpus < 1 || n_gpus > static_cast<int>(kMaxServeGpus))
-        return make_error("{} GPUs: one instance serves on 1 to {}", n_gpus, kMaxServeGpus);
-    return {};
-}
-
-Status check_instance_workers(const shm::InstanceConfig& c) {
-    const uint32_t P = c.prefill_workers, D = c.decode_workers;
-    if (!gpu_instance(c)) {
-        if (Status st = check_worker_counts(static_cast<int>(P), static_cast<int>(D)); !st) return st;
-        if (c.arenas.size() != (c.kv_split ? 2u : 1u))
-            return make_error("{} host KV arenas: {}", c.arenas.size(), c.kv_split ? "one per role" : "one");
-        return {};
-    }
-    if (Status st = check_gpu_count(static_cast<int>(c.arenas.size())); !st) return st;
-    if (c.kv_split) {
-        if (P < 1 || D < 1 || P + D != c.arenas.size())
-            return make_error("{} prefill and {} decode workers on {} GPUs: each GPU runs one role, at least one GPU per role",
-                              P, D, c.arenas.size());
-    } else if (P != c.arenas.size() || D != c.arenas.size()) {
-        return make_error("{} prefill and {} decode workers on {} GPUs: a pair per GPU", P, D, c.arenas.size());
-    }
-    return {};
 }
 
 bool workers_running(shm::Instance& inst, bool all) {
@@ -307,47 +222,6 @@ uint32_t PrefillRouter::resend_stranded() {
         }
     }
     return moved;
-}
-
-void fail_in_flight(shm::Instance& inst, ReqError why) {
-    shm::RequestTable& t = inst.requests();
-    for (uint32_t s = 0; s < t.n_slots(); ++s) {
-        const shm::ReqRef r = t.current(s);
-        for (shm::ReqState from : {shm::ReqState::Queued, shm::ReqState::Prefilling, shm::ReqState::Decoding}) {
-            if (t.state(s) != from) continue;
-            t.slot(s).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
-            t.transition(r, from, shm::ReqState::Failed);
-        }
-    }
-    inst.registry().wake(shm::Role::Front);
-}
-
-uint32_t sweep_orphans(shm::Instance& inst) {
-    shm::RequestTable& t = inst.requests();
-    shm::Registry& reg = inst.registry();
-    uint32_t n = 0;
-    for (uint32_t s = 0; s < t.n_slots(); ++s) {
-        const shm::ReqState st = t.state(s);
-        if (st == shm::ReqState::Free) continue;
-        const uint64_t c = t.slot(s).client.load(std::memory_order_relaxed);
-        if (c == 0 || reg.alive(shm::ProcRef::unpack(c))) continue;
-        const shm::ReqRef r = t.current(s);
-        switch (st) {
-        case shm::ReqState::Queued:  // no worker has it: cancel it here (a message for it is dropped)
-            n += t.transition(r, st, shm::ReqState::Cancelled);
-            break;
-        case shm::ReqState::Prefilling:
-        case shm::ReqState::Decoding:  // its worker drops it at its next step
-            if (!t.cancelled(r)) {
-                t.cancel(r);
-                ++n;
-            }
-            break;
-        default:  // FINISHED, FAILED, CANCELLED: nobody will read it
-            n += t.transition(r, st, shm::ReqState::Free);
-        }
-    }
-    return n;
 }
 
 }  // namespace duet

@@ -1,0 +1,46 @@
+// The front's /metrics page in Prometheus' text exposition format (version 0.0.4),
+// rendered from a snapshot of what it reports, so the format is tested without a
+// server. The front takes the snapshot (src/roles/front.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/histogram.h"
+
+namespace duet {
+
+struct MetricsSnapshot {
+    // Requests, as the front counted them; restarts and re-drives, as the instance did.
+    uint64_t requests = 0, errors = 0, finished = 0, cancelled = 0, failed = 0, rejected_busy = 0;
+    uint64_t tokens = 0, prompt_tokens = 0;
+    uint64_t worker_restarts = 0, redriven = 0;
+    uint64_t in_flight = 0;
+    // Each KV arena's blocks, in arena order (one per GPU on a GPU instance, one per
+    // role with per-role arenas); duet_kv_blocks sums them.
+    struct Arena {
+        uint64_t free = 0, cached = 0, held = 0;
+    };
+    std::vector<Arena> arenas;
+    std::string kv_dtype;  // "f16", "int8", ...; "unknown"
+    uint32_t block_tokens = 0;
+    // One per worker index, in index order.
+    struct Worker {
+        uint64_t queued = 0;  // messages waiting in its rings
+        bool up = false;      // a process runs for it; only then are the gauges below reported
+        uint64_t items = 0, tokens = 0, served = 0;
+        uint64_t routed = 0;  // prefill: requests this front sent it
+    };
+    std::vector<Worker> prefill, decode;
+    // The latency histograms, not copied (their counts are atomics); a null one is
+    // left out.
+    const Histogram *ttft = nullptr, *itl = nullptr, *e2e = nullptr;
+    const Histogram *queue = nullptr, *prefill_time = nullptr, *handoff = nullptr;
+    const Histogram *admit = nullptr, *stream_event = nullptr;
+};
+
+// The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms.
+std::string metrics_text(const MetricsSnapshot& s);
+
+}  // namespace duet

@@ -1,0 +1,24 @@
+// Recovery of requests when processes die: failing every request in flight when a
+// role cannot be restarted, and ending the requests of a front that is gone. (A
+// dead worker's requests are re-driven by the supervisor: src/roles/supervisor.h;
+// requests stranded on a dead prefill worker's ring are re-sent by
+// PrefillRouter::resend_stranded: src/roles/routing.h.)
+#pragma once
+
+#include <cstdint>
+
+#include "roles/wire.h"
+#include "shm/instance.h"
+
+namespace duet {
+
+// Fails every request in flight (QUEUED, PREFILLING, DECODING) with `why`, and
+// wakes the front to answer their clients.
+void fail_in_flight(shm::Instance& inst, ReqError why);
+
+// Requests whose client (the front that submitted them) is gone: running ones are
+// cancelled, finished ones freed. The launcher calls this after a front died, and
+// now and then for those that ended later. Returns how many it touched.
+uint32_t sweep_orphans(shm::Instance& inst);
+
+}  // namespace duet

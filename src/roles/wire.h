@@ -1,0 +1,130 @@
+// What the serving roles (front, prefill, decode) agree on: the instance layout they
+// share, the ring each message kind travels on, the message record, the request
+// parameters stored in a request slot, and the log-probability rows workers write.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "base/result.h"
+#include "kv/kv_pool.h"
+#include "model/model.h"
+#include "model/sampler.h"
+#include "shm/instance.h"
+
+namespace duet {
+
+// Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
+// prefill and decode workers together.
+inline constexpr uint32_t kMaxServeWorkers = shm::kArenaMaxUsers;
+
+// The rings of a serving instance with P prefill and D decode workers (each ring has
+// one producer and one consumer):
+//   to_prefill(p)     front -> prefill p: a request is QUEUED
+//   redrive(p)        launcher -> prefill p: a re-driven request is QUEUED again
+//   to_decode(p, d)   prefill p -> decode d: a hand-off
+// GPU pairs (paired: a prefill and a decode worker per GPU, sharing its arena) hand
+// off within the pair only: one to_decode ring per pair, to_decode(p, p), not P x D.
+struct ServeRings {
+    uint32_t n_prefill = 1, n_decode = 1;
+    bool paired = false;
+    static ServeRings of(const shm::InstanceConfig& c) {
+        return {c.prefill_workers, c.decode_workers, c.cpu_kv_bytes == 0 && !c.kv_split && c.prefill_workers > 0};
+    }
+    uint32_t to_prefill(uint32_t p) const { return p; }
+    uint32_t redrive(uint32_t p) const { return n_prefill + p; }
+    // paired: d must be p.
+    uint32_t to_decode(uint32_t p, uint32_t d) const { return 2 * n_prefill + (paired ? p : p * n_decode + d); }
+    uint32_t count() const { return 2 * n_prefill + (paired ? n_prefill : n_prefill * n_decode); }
+    // Whether prefill p hands off to decode d through a ring of its own.
+    bool linked(uint32_t p, uint32_t d) const { return !paired || p == d; }
+};
+
+struct ServeLayout {
+    std::string instance;
+    uint32_t n_requests = 64;  // request slots
+    int64_t n_ctx = 2048;      // tokens per request (prompt + output)
+    uint32_t n_blocks = 0;     // KV blocks; 0: enough for every slot at full context, capped at 8 GiB of KV
+    uint32_t n_prefill = 1, n_decode = 1;  // CPU workers (P + D <= kMaxServeWorkers)
+    // GPU serving: a prefill and a decode worker per GPU (index i on the i-th GPU),
+    // each pair with the KV arena of its GPU (arena i, in device memory: no /dev/shm
+    // KV segment); n_prefill and n_decode are then n_gpus. 0: CPU serving.
+    uint32_t n_gpus = 0;
+    // Per-role KV arenas: prefill workers write KV into arenas of their own and each
+    // hand-off copies the request's blocks into its decode worker's arena, layer by
+    // layer (DESIGN.md, "One request, end to end"). On CPU: one host arena for the
+    // prefill workers, one for the decode workers (each bound to its role's NUMA
+    // nodes). On GPUs: prefill alone on the first n_prefill GPUs (arena p), decode
+    // alone on the other n_decode (arena n_prefill + d); n_prefill + n_decode == n_gpus.
+    bool kv_split = false;
+    KvDtype kv_dtype = KvDtype::F16;  // how the arenas store KV values
+};
+
+// The shm instance for serving `model` with this layout.
+shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model);
+
+// At least one prefill and one decode worker, at most kMaxServeWorkers in all.
+Status check_worker_counts(int n_prefill, int n_decode);
+// GPUs one instance serves on: 1 to kMaxServeGpus.
+inline constexpr uint32_t kMaxServeGpus = 8;
+Status check_gpu_count(int n_gpus);
+// The workers of an instance, as its config says: CPU counts, or GPU pairs.
+Status check_instance_workers(const shm::InstanceConfig& c);
+// Whether the instance serves on GPUs (its KV in device memory).
+inline bool gpu_instance(const shm::InstanceConfig& c) { return c.cpu_kv_bytes == 0; }
+// The KV arena worker `index` of `role` (Prefill or Decode) uses: on GPUs its GPU's
+// (a pair's, or its own with kv_split); on CPU the one host arena, or its role's
+// (prefill 0, decode 1) with kv_split.
+inline uint32_t worker_arena(const shm::InstanceConfig& c, shm::Role role, uint32_t index) {
+    const bool decode = role == shm::Role::Decode;
+    if (!gpu_instance(c)) return c.kv_split && decode ? 1 : 0;
+    return c.kv_split && decode ? c.prefill_workers + index : index;
+}
+// The decode worker prefill worker p may hand off to: on GPU pairs only its own
+// (d == p: the KV is in their GPU's arena); -1: any.
+inline int32_t handoff_partner(const shm::InstanceConfig& c, uint32_t p) {
+    return ServeRings::of(c).paired ? static_cast<int32_t>(p) : -1;
+}
+
+// A ring record (one cache line).
+struct WireMsg {
+    uint32_t slot, gen;
+    uint32_t attempt;                        // hand-off: the attempt prefilled
+    uint32_t from_slot, from_gen, from_user;  // hand-off: the giver
+    uint32_t pad[10];
+};
+static_assert(sizeof(WireMsg) == 64 && std::is_trivially_copyable_v<WireMsg>);
+
+// Why a request FAILED (its slot's error_code).
+enum class ReqError : int32_t {
+    None = 0,
+    Prefill = 1,      // prefill could not run it (out of KV blocks, say)
+    Decode = 2,       // decode ran out of KV blocks
+    NoWorker = 3,     // a worker role died and could not be restarted
+    NotSent = 4,      // the queue to prefill stayed full
+};
+
+// Stored in a request slot's params bytes.
+struct RequestParams {
+    SamplingParams sampling;
+    uint32_t max_tokens = 128;
+    uint32_t stop_at_eog = 1;
+    int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
+};
+static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
+
+inline RequestParams request_params(const shm::RequestTable& t, uint32_t slot) {
+    RequestParams p;
+    std::memcpy(&p, t.slot(slot).params, sizeof p);
+    return p;
+}
+
+// Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
+// model's distribution (log-softmax of the raw logits, before any sampling
+// parameter), the sampled token first, then the `top` most likely, most likely first.
+// (The workers compute it: src/roles/workers.cpp.)
+void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
+
+}  // namespace duet
