@@ -179,7 +179,10 @@ struct Choice {
     std::vector<LogprobToken> lps;  // one per output token, when asked for
     size_t lps_sent = 0;            // streamed so far
     int64_t text_bytes = 0;         // bytes of the tokens so far (text_offset)
-    std::vector<LogprobToken> unsent() const { return {lps.begin() + static_cast<std::ptrdiff_t>(lps_sent), lps.end()}; }
+    std::vector<LogprobToken> unsent() const {
+        if (lps_sent >= lps.size()) return {};
+        return {lps.begin() + static_cast<std::ptrdiff_t>(lps_sent), lps.end()};
+    }
     // Asks the worker to stop; a request no worker has taken yet is cancelled here.
     void cancel(shm::RequestTable& t) const {
         t.cancel(ref);
@@ -729,7 +732,9 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
             o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
         }
         t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
-        o.texts.push_back({ch.stream.text(), ch.finish, std::move(ch.lps)});
+        // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
+        // keep them; a whole reply takes them.
+        o.texts.push_back({ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps)});
     }
     o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
     if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);

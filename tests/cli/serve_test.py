@@ -453,6 +453,17 @@ def run(port, server):
                                        for e in content_lp), f"chat logprobs {content_lp}")
     check(request(port, "POST", "/v1/chat/completions", dict(chat, top_logprobs=3))[0] == 400,
           "top_logprobs without logprobs")
+    # Streamed with logprobs: every token's logprobs arrive once, and the stream ends
+    # (finish reason, [DONE]) like any other.
+    text_s, events = stream(port, "/v1/completions", {"prompt": fp["ids"], "max_tokens": 6, "temperature": 0,
+                                                      "logprobs": 2, "stream": True})
+    check(events and events[-1] == "[DONE]", f"a logprobs stream did not end: {events[-3:]}")
+    toks_s = [t for e in events[:-1] for ch in json.loads(e)["choices"]
+              for t in ((ch.get("logprobs") or {}).get("tokens") or [])]
+    check(toks_s == lp["tokens"], f"streamed logprobs tokens {toks_s} vs whole {lp['tokens']}")
+    check(text_s == c["text"], f"streamed text {text_s!r} vs whole {c['text']!r}")
+    finishes = [ch.get("finish_reason") for e in events[:-1] for ch in json.loads(e)["choices"]]
+    check("length" in finishes, f"no finish reason in the logprobs stream: {finishes}")
     print("logprobs (against llama.cpp's fixture): ok")
 
     # Errors.
