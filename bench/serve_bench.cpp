@@ -1,6 +1,6 @@
 #include <utility>  // Boost 1.74's asio/awaitable.hpp uses std::exchange without including it
 
-#include "cli/bench_serve.h"
+#include "bench/serve_bench.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 
 #include <cuda_runtime.h>
 

@@ -1,4 +1,4 @@
-#include "cli/bench_shm.h"
+#include "bench/shm_bench.h"
 
 #include <dirent.h>
 #include <sched.h>

@@ -1,4 +1,4 @@
-#include "cli/bench_kv.h"
+#include "bench/kv_bench.h"
 
 #include <algorithm>
 #include <atomic>
