@@ -1,6 +1,6 @@
 // Micro-benchmarks of the shared-memory substrate's single-thread costs, with Boost
 // doing the same work as the reference. Cross-core and cross-process figures are
-// `duet bench shm` (src/cli/bench_shm.cpp).
+// `duet bench shm` (bench/shm_bench.cpp).
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>

@@ -1,7 +1,7 @@
 # The layers of DESIGN.md as build targets, and a build that fails on an upward
 # include.
 #
-#   base <- shm <- kv <- model <- cuda (with DUET_CUDA) <- engine <- roles <- cli
+#   base <- shm <- kv <- model <- cuda (with DUET_CUDA) <- engine <- roles <- bench <- cli
 #   kernels/cpu sits below kv, kernels/cuda below cuda: they include nothing of duet.
 #
 # Each layer's targets see headers only through its view: a directory of the
@@ -41,8 +41,9 @@ else()
   set(DUET_LAYER_engine ${DUET_LAYER_model} "engine=src/engine")
 endif()
 set(DUET_LAYER_roles       ${DUET_LAYER_engine} "roles=src/roles")
-set(DUET_LAYER_cli         ${DUET_LAYER_roles} "cli=src/cli" "bench=bench")
-foreach(layer base kernels_cpu kernels_cuda shm kv model cuda engine roles cli)
+set(DUET_LAYER_bench       ${DUET_LAYER_roles} "bench=bench")
+set(DUET_LAYER_cli         ${DUET_LAYER_bench} "cli=src/cli")
+foreach(layer base kernels_cpu kernels_cuda shm kv model cuda engine roles bench cli)
   if(DEFINED DUET_LAYER_${layer})
     duet_layer_view(${layer} ${DUET_LAYER_${layer}})
   endif()

@@ -6,10 +6,10 @@
 
 #include <CLI/CLI.hpp>
 
-#include "cli/bench_cuda.h"
-#include "cli/bench_kv.h"
-#include "cli/bench_serve.h"
-#include "cli/bench_shm.h"
+#include "bench/cuda_cmd.h"
+#include "bench/kv_bench.h"
+#include "bench/serve_bench.h"
+#include "bench/shm_bench.h"
 #include "cli/commands.h"
 #include "cli/kv_cli.h"
 #include "cli/role_flags.h"

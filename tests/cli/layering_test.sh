@@ -13,7 +13,8 @@ tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 # layer : a header of a layer above it
 for pair in base:shm/segment.h shm:kv/kv_pool.h kv:model/model.h kv:roles/front.h model:engine/engine.h \
-            model:roles/workers.h engine:roles/serving.h roles:cli/serve.h kernels_cpu:base/result.h; do
+            model:roles/workers.h engine:roles/serving.h roles:cli/serve.h roles:bench/kv_bench.h bench:cli/serve.h \
+            kernels_cpu:base/result.h; do
   layer=${pair%%:*}
   header=${pair#*:}
   if compile "$layer" "$header"; then
@@ -26,7 +27,7 @@ for pair in base:shm/segment.h shm:kv/kv_pool.h kv:model/model.h kv:roles/front.
 done
 # layer : its own header (and one from below), which must compile
 for pair in base:base/result.h shm:shm/instance.h kv:kv/kv_log.h kv:shm/kv_arena.h model:model/model.h \
-            engine:engine/prefill_scheduler.h roles:roles/serving.h; do
+            engine:engine/prefill_scheduler.h roles:roles/serving.h bench:bench/shm_bench.h bench:roles/serving.h; do
   layer=${pair%%:*}
   header=${pair#*:}
   if ! compile "$layer" "$header"; then

@@ -1,5 +1,5 @@
 // `duet bench cuda`: the CUDA backend against floors measured on the same GPU
-// (src/cuda/cuda_bench.h). Markdown by default, --json for one JSON object.
+// (bench/cuda_bench.h). Markdown by default, --json for one JSON object.
 #pragma once
 
 #include <string>

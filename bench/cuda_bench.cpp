@@ -1,4 +1,4 @@
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 
 #include <cuda_runtime.h>
 
@@ -259,18 +259,241 @@ Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx
     return t[t.size() / 2];
 }
 
+// What the figures after the two references share: the model, its KV pool on the
+// GPU and the backend over it, and the references themselves.
+struct CudaRun {
+    const CudaBenchOptions& o;
+    const Model& m;
+    const KvLayout& layout;
+    KvPool& pool;
+    CudaBackend& be;
+    const CudaBackendOptions& co;  // be's options: the eager and quantized-GEMV variants start from them
+    cudaStream_t s;
+    double hbm = 0;     // bytes per second
+    double peak = 0;    // bf16 FLOP/s
+    double params = 0;  // matrix parameters a token multiplies through
+    std::unique_ptr<CudaBackend> eager, qgemv;  // made at their first use
+};
+
+// Prefill: one sequence of prefill_tokens in one pass, best of three.
+Result<nlohmann::json> prefill_figure(CudaRun& r) {
+    const Model& m = r.m;
+    const auto toks = synthetic_tokens(static_cast<size_t>(r.o.prefill_tokens), m.config().n_vocab, 99);
+    std::vector<float> logits;
+    double best = 1e30;
+    for (int i = 0; i < 4; ++i) {
+        KvSeq seq;
+        SeqBatch b{&seq, toks.data(), r.o.prefill_tokens, false};
+        const double t0 = now_s();
+        Status st = r.be.forward({&b, 1}, logits);
+        const double dt = now_s() - t0;
+        seq.release(r.pool);
+        if (!st) return st.error();
+        if (i > 0) best = std::min(best, dt);  // the first pass sizes buffers
+    }
+    const double head = static_cast<double>(m.output().ne[0]) * static_cast<double>(m.output().ne[1]);
+    const double N = r.o.prefill_tokens;
+    const double c = m.config().n_layer * 4.0 * m.config().n_head * m.config().head_dim;
+    // Every token through the layers, one row through the output head (the
+    // logits of the last position), attention over the causal triangle.
+    const double flops = N * 2.0 * (r.params - head) + 2.0 * head + c * N * (N + 1) / 2;
+    return nlohmann::json{{"tokens", r.o.prefill_tokens},
+                          {"seconds", best},
+                          {"tokens_per_s", N / best},
+                          {"tflops", flops / best / 1e12},
+                          {"fraction_of_bf16_peak", flops / best / r.peak}};
+}
+
+// The variant of the backend that `change` makes of its options, in `slot` once made.
+Result<CudaBackend*> variant(CudaRun& r, std::unique_ptr<CudaBackend>& slot, void (*change)(CudaBackendOptions&)) {
+    if (!slot) {
+        CudaBackendOptions vo = r.co;
+        change(vo);
+        auto v = CudaBackend::create(r.m, r.pool, vo);
+        if (!v) return v.error();
+        slot = std::move(v).value();
+    }
+    return slot.get();
+}
+
+// A decode step of batch B against (weights + KV read) / HBM bandwidth, with the
+// token picked on the device (greedy, sampled), and eager or with the quantized
+// GEMV at some sizes.
+Result<nlohmann::json> decode_row(CudaRun& r, int B) {
+    const CudaBenchOptions& o = r.o;
+    auto sec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps);
+    if (!sec) return sec.error();
+    // Attention reads K and V of every layer for each cached token (bytes_per_token).
+    const double kv_read = static_cast<double>(B) * (o.ctx + 2 + o.steps / 2.0) *
+                           static_cast<double>(r.layout.bytes_per_token());
+    const double weight_bytes = 2.0 * r.params;  // bf16 matrices read by every step
+    const double floor = (weight_bytes + kv_read) / r.hbm;
+    // The step also writes B rows of logits and copies them to the host's
+    // pageable memory (the Backend interface): that copy, measured alone.
+    const size_t logit_bytes = static_cast<size_t>(B) * static_cast<size_t>(r.m.config().n_vocab) * sizeof(float);
+    auto d2h = d2h_pageable_seconds(logit_bytes);
+    if (!d2h) return d2h.error();
+    const double floor_all = floor + static_cast<double>(logit_bytes) / r.hbm + *d2h;
+    nlohmann::json row = {{"batch", B},
+                          {"step_ms", *sec * 1e3},
+                          {"tokens_per_s", B / *sec},
+                          {"floor_ms", floor * 1e3},
+                          {"logits_copy_ms", *d2h * 1e3},
+                          {"floor_with_logits_ms", floor_all * 1e3},
+                          {"ratio_to_floor", *sec / floor_all}};
+    auto gsec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps, Pick::Argmax);
+    if (!gsec) return gsec.error();
+    row["argmax_step_ms"] = *gsec * 1e3;
+    row["argmax_ratio_to_floor"] = *gsec / (floor + static_cast<double>(logit_bytes) / r.hbm);
+    auto ssec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps, Pick::Sample);
+    if (!ssec) return ssec.error();
+    row["sampled_step_ms"] = *ssec * 1e3;
+    if (B == 1 || B == 64) {
+        auto eager = variant(r, r.eager, [](CudaBackendOptions& v) { v.graphs = false; });
+        if (!eager) return eager.error();
+        auto esec = decode_step_seconds(**eager, r.pool, B, o.ctx, o.steps);
+        if (!esec) return esec.error();
+        row["eager_step_ms"] = *esec * 1e3;
+    }
+    if (B <= 8) {
+        // The same step with the projections from the GGUF blocks (quantized_gemv).
+        auto qgemv = variant(r, r.qgemv, [](CudaBackendOptions& v) { v.quantized_gemv = true; });
+        if (!qgemv) return qgemv.error();
+        auto qsec = decode_step_seconds(**qgemv, r.pool, B, o.ctx, o.steps);
+        if (!qsec) return qsec.error();
+        row["qgemv_step_ms"] = *qsec * 1e3;
+    }
+    return row;
+}
+
+// The hand-off copy's destination: another GPU when it can reach it over peer
+// access (enabled here), else this one.
+int copy_destination(int device, int n_dev) {
+    if (n_dev <= 1) return device;
+    const int other = device == 0 ? 1 : 0;
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, device, other);
+    if (!can) return device;
+    cudaDeviceEnablePeerAccess(other, 0);
+    cudaGetLastError();  // "already enabled" is fine
+    return other;
+}
+
+// Seconds per copy of the plan's runs (one copy per run), the mean of five.
+Result<double> plan_copy_seconds(const std::vector<std::vector<CopyRun>>& plan, char* dst_base, const char* src_base,
+                                 cudaStream_t s) {
+    auto issue = [&]() -> Status {
+        for (const auto& layer : plan)
+            for (const CopyRun& c : layer)
+                if (Status st = cuda_ok(cudaMemcpyAsync(dst_base + c.dst, src_base + c.src, c.bytes, cudaMemcpyDefault, s),
+                                        "KV copy");
+                    !st)
+                    return st;
+        return {};
+    };
+    if (Status st = issue(); !st) return st.error();
+    Timer t;
+    t.start(s);
+    for (int i = 0; i < 5; ++i)
+        if (Status st = issue(); !st) return st.error();
+    return t.stop(s) / 1e3 / 5;
+}
+
+// A 2048-token prefill exporting its KV layer by layer as it goes, against the
+// same prefill alone: what the overlap leaves of the copy's time.
+Status export_overlap(CudaRun& r, void* dst, int32_t dst_blocks, const std::vector<int32_t>& dst_ids,
+                      nlohmann::json& kc) {
+    const auto toks = synthetic_tokens(2048, r.m.config().n_vocab, 5);
+    KvExport exp;
+    exp.dests = {KvDest{dst, dst_blocks}};
+    exp.dest = {0};
+    exp.dst_ids = {dst_ids};
+    std::vector<float> logits;
+    double best_plain = 1e30, best_export = 1e30;
+    for (int i = 0; i < 4; ++i)
+        for (bool with_export : {false, true}) {
+            KvSeq seq;
+            SeqBatch b{&seq, toks.data(), 2048, false};
+            const double t0 = now_s();
+            Status st = with_export ? r.be.forward_export({&b, 1}, logits, exp) : r.be.forward({&b, 1}, logits);
+            const double dt = now_s() - t0;
+            seq.release(r.pool);
+            if (!st) return st.error();
+            if (i == 0) continue;
+            (with_export ? best_export : best_plain) = std::min(with_export ? best_export : best_plain, dt);
+        }
+    kc["prefill_plain_ms"] = best_plain * 1e3;
+    kc["prefill_export_ms"] = best_export * 1e3;
+    kc["export_overhead_ms"] = (best_export - best_plain) * 1e3;
+    kc["copy_alone_ms"] = kc["fragmented"]["seconds"].get<double>() * 1e3;
+    return {};
+}
+
+// The per-layer KV copy of a hand-off: 2048 tokens' blocks, every layer, from the
+// pool's arena (src, of src_blocks blocks) into a second arena (another GPU over
+// peer access when there is one), contiguous and fragmented block ids, against one
+// plain copy of the same bytes.
+Result<nlohmann::json> kv_copy_figure(CudaRun& r, void* src, int32_t src_blocks, int n_dev) {
+    const KvLayout& layout = r.layout;
+    const int bt = layout.block_tokens;
+    const int n = (2048 + bt - 1) / bt;
+    const int dst_dev = copy_destination(r.o.device, n_dev);
+    auto dst = CudaKvMemory::create(dst_dev, layout, 2 * n);
+    if (!dst) return dst.error();
+    DUET_CUDA_TRY(cudaSetDevice(r.o.device));
+    std::vector<int32_t> src_ids(static_cast<size_t>(n)), contig(static_cast<size_t>(n)), frag(static_cast<size_t>(2 * n));
+    std::iota(src_ids.begin(), src_ids.end(), 0);
+    std::iota(contig.begin(), contig.end(), 0);
+    std::iota(frag.begin(), frag.end(), 0);
+    std::shuffle(frag.begin(), frag.end(), std::mt19937(7));
+    frag.resize(static_cast<size_t>(n));
+    const double total = static_cast<double>(layout.block_bytes()) * n;
+    auto* src_base = reinterpret_cast<char*>(src);
+    auto* dst_base = reinterpret_cast<char*>((*dst)->data());
+    nlohmann::json kc = {{"tokens", 2048}, {"blocks", n}, {"bytes", total}, {"peer", dst_dev != r.o.device},
+                         {"dst_device", dst_dev}};
+    for (auto [name, ids] : {std::pair{"contiguous", &contig}, std::pair{"fragmented", &frag}}) {
+        auto plan = plan_copy(layout, src_blocks, 2 * n, src_ids, *ids);
+        if (!plan) return plan.error();
+        size_t runs = 0;
+        for (const auto& layer : *plan) runs += layer.size();
+        auto sec = plan_copy_seconds(*plan, dst_base, src_base, r.s);
+        if (!sec) return sec.error();
+        kc[name] = {{"runs", runs}, {"seconds", *sec}, {"gb_s", total / *sec / 1e9},
+                    {"per_layer_us", *sec / layout.n_layer * 1e6}};
+    }
+    DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, r.s));
+    Timer t;
+    t.start(r.s);
+    for (int i = 0; i < 5; ++i)
+        DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, r.s));
+    const double sec = t.stop(r.s) / 1e3 / 5;
+    kc["plain_gb_s"] = total / sec / 1e9;
+    kc["contiguous"]["ratio_to_plain"] = kc["contiguous"]["gb_s"].get<double>() / (total / sec / 1e9);
+    kc["fragmented"]["ratio_to_plain"] = kc["fragmented"]["gb_s"].get<double>() / (total / sec / 1e9);
+    if (Status st = export_overlap(r, (*dst)->data(), 2 * n, frag, kc); !st) return st.error();
+    return kc;
+}
+
+// The device's count after selecting o.device, or why it cannot be.
+Result<int> select_device(int device) {
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess) n_dev = 0;
+    cudaGetLastError();
+    if (device < 0 || device >= n_dev)
+        return make_error("cuda:{}: no such device ({} CUDA device{} visible)", device, n_dev, n_dev == 1 ? "" : "s");
+    DUET_CUDA_TRY(cudaSetDevice(device));
+    return n_dev;
+}
+
 }  // namespace
 
 Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     using nlohmann::json;
     if (o.batches.empty() || o.ctx < 1 || o.steps < 1 || o.prefill_tokens < 1)
         return make_error("bench cuda: batches, ctx, steps and prefill tokens must be positive");
-    int n_dev = 0;
-    if (cudaGetDeviceCount(&n_dev) != cudaSuccess) n_dev = 0;
-    cudaGetLastError();
-    if (o.device < 0 || o.device >= n_dev)
-        return make_error("cuda:{}: no such device ({} CUDA device{} visible)", o.device, n_dev, n_dev == 1 ? "" : "s");
-    DUET_CUDA_TRY(cudaSetDevice(o.device));
+    auto n_dev = select_device(o.device);
+    if (!n_dev) return n_dev.error();
     cudaDeviceProp prop{};
     DUET_CUDA_TRY(cudaGetDeviceProperties(&prop, o.device));
     cudaStream_t s = nullptr;
@@ -312,194 +535,27 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     auto be = CudaBackend::create(m, pool, co);
     if (!be) return be.error();
     j["backend"] = (*be)->describe();
-    const double params = matrix_params(m);
-    const double head = static_cast<double>(m.output().ne[0]) * static_cast<double>(m.output().ne[1]);
-    const double weight_bytes = 2.0 * params;  // bf16 matrices read by every step
 
-    // Prefill: one sequence of prefill_tokens in one pass, best of three.
-    {
-        const auto toks = synthetic_tokens(static_cast<size_t>(o.prefill_tokens), m.config().n_vocab, 99);
-        std::vector<float> logits;
-        double best = 1e30;
-        for (int r = 0; r < 4; ++r) {
-            KvSeq seq;
-            SeqBatch b{&seq, toks.data(), o.prefill_tokens, false};
-            const double t0 = now_s();
-            Status st = (*be)->forward({&b, 1}, logits);
-            const double dt = now_s() - t0;
-            seq.release(pool);
-            if (!st) return st.error();
-            if (r > 0) best = std::min(best, dt);  // the first pass sizes buffers
-        }
-        const double N = o.prefill_tokens;
-        const double c = m.config().n_layer * 4.0 * m.config().n_head * m.config().head_dim;
-        // Every token through the layers, one row through the output head (the
-        // logits of the last position), attention over the causal triangle.
-        const double flops = N * 2.0 * (params - head) + 2.0 * head + c * N * (N + 1) / 2;
-        j["prefill"] = {{"tokens", o.prefill_tokens},
-                        {"seconds", best},
-                        {"tokens_per_s", N / best},
-                        {"tflops", flops / best / 1e12},
-                        {"fraction_of_bf16_peak", flops / best / *peak}};
-    }
-
+    CudaRun r{o, m, layout, pool, **be, co, s, *bw, *peak, matrix_params(m), nullptr, nullptr};
+    auto prefill = prefill_figure(r);
+    if (!prefill) return prefill.error();
+    j["prefill"] = *prefill;
     // Decode steps per batch size against (weights + KV read) / HBM bandwidth.
-    std::unique_ptr<CudaBackend> eager, qgemv_be;
     json dec = json::array();
     for (int B : o.batches) {
-        auto sec = decode_step_seconds(**be, pool, B, o.ctx, o.steps);
-        if (!sec) return sec.error();
-        // Attention reads K and V of every layer for each cached token (bytes_per_token).
-        const double kv_read = static_cast<double>(B) * (o.ctx + 2 + o.steps / 2.0) *
-                               static_cast<double>(layout.bytes_per_token());
-        const double floor = (weight_bytes + kv_read) / *bw;
-        // The step also writes B rows of logits and copies them to the host's
-        // pageable memory (the Backend interface): that copy, measured alone.
-        const size_t logit_bytes = static_cast<size_t>(B) * static_cast<size_t>(m.config().n_vocab) * sizeof(float);
-        auto d2h = d2h_pageable_seconds(logit_bytes);
-        if (!d2h) return d2h.error();
-        const double floor_all = floor + static_cast<double>(logit_bytes) / *bw + *d2h;
-        json row = {{"batch", B},
-                    {"step_ms", *sec * 1e3},
-                    {"tokens_per_s", B / *sec},
-                    {"floor_ms", floor * 1e3},
-                    {"logits_copy_ms", *d2h * 1e3},
-                    {"floor_with_logits_ms", floor_all * 1e3},
-                    {"ratio_to_floor", *sec / floor_all}};
-        auto gsec = decode_step_seconds(**be, pool, B, o.ctx, o.steps, Pick::Argmax);
-        if (!gsec) return gsec.error();
-        row["argmax_step_ms"] = *gsec * 1e3;
-        row["argmax_ratio_to_floor"] = *gsec / (floor + static_cast<double>(logit_bytes) / *bw);
-        auto ssec = decode_step_seconds(**be, pool, B, o.ctx, o.steps, Pick::Sample);
-        if (!ssec) return ssec.error();
-        row["sampled_step_ms"] = *ssec * 1e3;
-        if (B == 1 || B == 64) {
-            if (!eager) {
-                CudaBackendOptions eo = co;
-                eo.graphs = false;
-                auto e = CudaBackend::create(m, pool, eo);
-                if (!e) return e.error();
-                eager = std::move(e).value();
-            }
-            auto esec = decode_step_seconds(*eager, pool, B, o.ctx, o.steps);
-            if (!esec) return esec.error();
-            row["eager_step_ms"] = *esec * 1e3;
-        }
-        if (B <= 8) {
-            // The same step with the projections from the GGUF blocks (quantized_gemv).
-            if (!qgemv_be) {
-                CudaBackendOptions qo = co;
-                qo.quantized_gemv = true;
-                auto q = CudaBackend::create(m, pool, qo);
-                if (!q) return q.error();
-                qgemv_be = std::move(q).value();
-            }
-            auto qsec = decode_step_seconds(*qgemv_be, pool, B, o.ctx, o.steps);
-            if (!qsec) return qsec.error();
-            row["qgemv_step_ms"] = *qsec * 1e3;
-        }
-        dec.push_back(row);
+        auto row = decode_row(r, B);
+        if (!row) return row.error();
+        dec.push_back(*row);
     }
     j["decode"] = dec;
     j["decode_ctx"] = o.ctx;
     j["graphs_captured"] = (*be)->graphs_captured();
-
-    // The per-layer KV copy of a hand-off: 2048 tokens' blocks, every layer, into a
-    // second arena (another GPU over peer access when there is one).
-    {
-        const int n = (2048 + bt - 1) / bt;
-        int dst_dev = o.device;
-        if (n_dev > 1) {
-            const int other = o.device == 0 ? 1 : 0;
-            int can = 0;
-            cudaDeviceCanAccessPeer(&can, o.device, other);
-            if (can) {
-                cudaDeviceEnablePeerAccess(other, 0);
-                cudaGetLastError();  // "already enabled" is fine
-                dst_dev = other;
-            }
-        }
-        auto dst = CudaKvMemory::create(dst_dev, layout, 2 * n);
-        if (!dst) return dst.error();
-        DUET_CUDA_TRY(cudaSetDevice(o.device));
-        std::vector<int32_t> src_ids(static_cast<size_t>(n)), contig(static_cast<size_t>(n)), frag(static_cast<size_t>(2 * n));
-        std::iota(src_ids.begin(), src_ids.end(), 0);
-        std::iota(contig.begin(), contig.end(), 0);
-        std::iota(frag.begin(), frag.end(), 0);
-        std::shuffle(frag.begin(), frag.end(), std::mt19937(7));
-        frag.resize(static_cast<size_t>(n));
-        const double total = static_cast<double>(layout.block_bytes()) * n;
-        auto* src_base = reinterpret_cast<char*>((*mem)->data());
-        auto* dst_base = reinterpret_cast<char*>((*dst)->data());
-        json kc = {{"tokens", 2048}, {"blocks", n}, {"bytes", total}, {"peer", dst_dev != o.device},
-                   {"dst_device", dst_dev}};
-        for (auto [name, ids] : {std::pair{"contiguous", &contig}, std::pair{"fragmented", &frag}}) {
-            auto plan = plan_copy(layout, static_cast<int32_t>(blocks), 2 * n, src_ids, *ids);
-            if (!plan) return plan.error();
-            size_t runs = 0;
-            for (const auto& layer : *plan) runs += layer.size();
-            auto issue = [&]() -> Status {
-                for (const auto& layer : *plan)
-                    for (const CopyRun& r : layer)
-                        if (Status st = cuda_ok(cudaMemcpyAsync(dst_base + r.dst, src_base + r.src, r.bytes, cudaMemcpyDefault, s),
-                                                "KV copy");
-                            !st)
-                            return st;
-                return {};
-            };
-            if (Status st = issue(); !st) return st.error();
-            Timer t;
-            t.start(s);
-            for (int r = 0; r < 5; ++r)
-                if (Status st = issue(); !st) return st.error();
-            const double sec = t.stop(s) / 1e3 / 5;
-            kc[name] = {{"runs", runs}, {"seconds", sec}, {"gb_s", total / sec / 1e9},
-                        {"per_layer_us", sec / layout.n_layer * 1e6}};
-        }
-        DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
-        Timer t;
-        t.start(s);
-        for (int r = 0; r < 5; ++r)
-            DUET_CUDA_TRY(cudaMemcpyAsync(dst_base, src_base, static_cast<size_t>(total), cudaMemcpyDefault, s));
-        const double sec = t.stop(s) / 1e3 / 5;
-        kc["plain_gb_s"] = total / sec / 1e9;
-        kc["contiguous"]["ratio_to_plain"] = kc["contiguous"]["gb_s"].get<double>() / (total / sec / 1e9);
-        kc["fragmented"]["ratio_to_plain"] = kc["fragmented"]["gb_s"].get<double>() / (total / sec / 1e9);
-
-        // A 2048-token prefill exporting its KV layer by layer as it goes, against
-        // the same prefill alone: what the overlap leaves of the copy's time.
-        {
-            const auto toks = synthetic_tokens(2048, m.config().n_vocab, 5);
-            KvExport exp;
-            exp.dests = {KvDest{(*dst)->data(), 2 * n}};
-            exp.dest = {0};
-            exp.dst_ids = {frag};
-            std::vector<float> logits;
-            double best_plain = 1e30, best_export = 1e30;
-            for (int r = 0; r < 4; ++r)
-                for (bool with_export : {false, true}) {
-                    KvSeq seq;
-                    SeqBatch b{&seq, toks.data(), 2048, false};
-                    const double t0 = now_s();
-                    Status st = with_export ? (*be)->forward_export({&b, 1}, logits, exp) : (*be)->forward({&b, 1}, logits);
-                    const double dt = now_s() - t0;
-                    seq.release(pool);
-                    if (!st) return st.error();
-                    if (r == 0) continue;
-                    (with_export ? best_export : best_plain) = std::min(with_export ? best_export : best_plain, dt);
-                }
-            kc["prefill_plain_ms"] = best_plain * 1e3;
-            kc["prefill_export_ms"] = best_export * 1e3;
-            kc["export_overhead_ms"] = (best_export - best_plain) * 1e3;
-            kc["copy_alone_ms"] = kc["fragmented"]["seconds"].get<double>() * 1e3;
-        }
-        j["kv_copy"] = kc;
-    }
-    {
-        auto q = qgemv_vs_bf16(m, *bw, s);
-        if (!q) return q.error();
-        j["qgemv"] = *q;
-    }
+    auto kc = kv_copy_figure(r, (*mem)->data(), static_cast<int32_t>(blocks), *n_dev);
+    if (!kc) return kc.error();
+    j["kv_copy"] = *kc;
+    auto q = qgemv_vs_bf16(m, *bw, s);
+    if (!q) return q.error();
+    j["qgemv"] = *q;
     return j;
 }
 

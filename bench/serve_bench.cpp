@@ -1,6 +1,6 @@
 #include <utility>  // Boost 1.74's asio/awaitable.hpp uses std::exchange without including it
 
-#include "cli/bench_serve.h"
+#include "bench/serve_bench.h"
 
 #include <algorithm>
 #include <chrono>
@@ -223,6 +223,120 @@ Status fetch_model(const ServeBenchOptions& o, const tcp::endpoint& ep, std::str
     return {};
 }
 
+Status check_options(const ServeBenchOptions& o) {
+    if (o.scenario != "mixed" && o.scenario != "poisson") return make_error("--scenario must be mixed or poisson");
+    if (o.prompt_min < 1 || o.prompt_max < o.prompt_min || o.output_min < 1 || o.output_max < o.output_min)
+        return make_error("length ranges must be 1 <= min <= max");
+    if (o.token_lo < 0 || o.token_hi <= o.token_lo) return make_error("--token-range must be lo < hi");
+    return {};
+}
+
+// Requests counted in the summary (those that started after the warm-up).
+struct Counts {
+    int64_t counted = 0, ok = 0, errors = 0;
+};
+
+// Summary over requests that started after the warm-up.
+json summarize(const Run& run, Counts& n) {
+    const ServeBenchOptions& o = run.o;
+    std::vector<double> ttft, itl, itl_streams, tpot;
+    int64_t tokens = 0, good = 0;
+    double window_end = o.warmup_s;
+    for (const auto& rp : run.records) {
+        const Record& r = *rp;
+        if (r.start < o.warmup_s) continue;
+        ++n.counted;
+        if (!r.error.empty() || r.events.empty()) {
+            ++n.errors;
+            continue;
+        }
+        ++n.ok;
+        tokens += r.completion_tokens;
+        window_end = std::max(window_end, r.events.back());
+        const double t1 = (r.events.front() - r.start) * 1e3;
+        if (!r.stream || o.scenario == "poisson") ttft.push_back(t1);
+        for (size_t i = 1; i < r.events.size(); ++i) {
+            double g = (r.events[i] - r.events[i - 1]) * 1e3;
+            itl.push_back(g);
+            if (r.stream) itl_streams.push_back(g);
+        }
+        double tp = r.completion_tokens > 1
+                        ? (r.events.back() - r.events.front()) * 1e3 / static_cast<double>(r.completion_tokens - 1)
+                        : 0;
+        tpot.push_back(tp);
+        if (t1 <= o.slo_ttft_ms && tp <= o.slo_tpot_ms) ++good;
+    }
+    const double window = std::max(1e-9, window_end - o.warmup_s);
+    return {{"requests", n.counted},
+            {"completed", n.ok},
+            {"errors", n.errors},
+            {"ttft_ms", dist(ttft)},
+            {"itl_ms", dist(itl)},
+            {"itl_streams_ms", dist(itl_streams)},
+            {"tpot_ms", dist(tpot)},
+            {"output_tokens_per_s", static_cast<double>(tokens) / window},
+            {"requests_per_s", static_cast<double>(n.ok) / window},
+            {"goodput_requests_per_s", static_cast<double>(good) / window}};
+}
+
+json options_json(const ServeBenchOptions& o, const std::string& model) {
+    return {{"host", o.host},
+            {"port", o.port},
+            {"model", model},
+            {"scenario", o.scenario},
+            {"duration_s", o.duration_s},
+            {"warmup_s", o.warmup_s},
+            {"rate", o.rate},
+            {"prompt", {o.prompt_min, o.prompt_max}},
+            {"output", {o.output_min, o.output_max}},
+            {"streams", o.streams},
+            {"stream_prompt", o.stream_prompt},
+            {"stream_output", o.stream_output},
+            {"slo_ttft_ms", o.slo_ttft_ms},
+            {"slo_tpot_ms", o.slo_tpot_ms},
+            {"seed", o.seed}};
+}
+
+// The summary lines: totals, each latency distribution with samples, the first error.
+void print_summary(const Run& run, const std::string& label, const Counts& n, double end, const json& summary) {
+    std::printf("%s: %lld requests (%lld completed, %lld errors) in %.1f s; %.1f output tokens/s, goodput %.3f req/s\n",
+                label.c_str(), static_cast<long long>(n.counted), static_cast<long long>(n.ok),
+                static_cast<long long>(n.errors), end, summary["output_tokens_per_s"].get<double>(),
+                summary["goodput_requests_per_s"].get<double>());
+    for (const char* k : {"ttft_ms", "itl_ms", "itl_streams_ms", "tpot_ms"}) {
+        const json& d = summary[k];
+        if (d["n"].get<size_t>() == 0) continue;
+        std::printf("  %-15s n=%-6zu p50 %9.2f  p90 %9.2f  p99 %9.2f  max %9.2f  mean %9.2f\n", k,
+                    d["n"].get<size_t>(), d["p50"].get<double>(), d["p90"].get<double>(), d["p99"].get<double>(),
+                    d["max"].get<double>(), d["mean"].get<double>());
+    }
+    for (const auto& rp : run.records)
+        if (!rp->error.empty()) {
+            std::printf("  first error: %s\n", rp->error.c_str());
+            break;
+        }
+}
+
+// The whole record: options, summary and every request with its event times.
+Status write_record(const Run& run, const std::string& label, const json& opts, const json& summary) {
+    json reqs = json::array();
+    for (const auto& rp : run.records) {
+        const Record& r = *rp;
+        reqs.push_back({{"stream", r.stream},
+                        {"prompt", r.prompt},
+                        {"max_tokens", r.max_tokens},
+                        {"start", r.start},
+                        {"events", r.events},
+                        {"completion_tokens", r.completion_tokens},
+                        {"error", r.error}});
+    }
+    json all = {{"label", label}, {"server", run.server}, {"options", opts}, {"summary", summary}, {"requests", reqs}};
+    std::ofstream f(run.o.json_path);
+    f << all.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
+    if (!f) return make_error("cannot write {}", run.o.json_path);
+    return {};
+}
+
 }  // namespace
 
 int cmd_bench_serve(const ServeBenchOptions& o) {
@@ -230,10 +344,7 @@ int cmd_bench_serve(const ServeBenchOptions& o) {
         std::fprintf(stderr, "duet bench serve: %s\n", m.c_str());
         return 1;
     };
-    if (o.scenario != "mixed" && o.scenario != "poisson") return fail("--scenario must be mixed or poisson");
-    if (o.prompt_min < 1 || o.prompt_max < o.prompt_min || o.output_min < 1 || o.output_max < o.output_min)
-        return fail("length ranges must be 1 <= min <= max");
-    if (o.token_lo < 0 || o.token_hi <= o.token_lo) return fail("--token-range must be lo < hi");
+    if (Status st = check_options(o); !st) return fail(st.error().message);
     beast::error_code ec;
     auto addr = asio::ip::make_address(o.host, ec);
     if (ec) return fail(fmt::format("--host {}: {}", o.host, ec.message()));
@@ -252,96 +363,13 @@ int cmd_bench_serve(const ServeBenchOptions& o) {
     io.run();
     const double end = run.now();
 
-    // Summary over requests that started after the warm-up.
-    std::vector<double> ttft, itl, itl_streams, tpot;
-    int64_t tokens = 0, ok = 0, good = 0, errors = 0, counted = 0;
-    double window_end = o.warmup_s;
-    for (const auto& rp : run.records) {
-        const Record& r = *rp;
-        if (r.start < o.warmup_s) continue;
-        ++counted;
-        if (!r.error.empty() || r.events.empty()) {
-            ++errors;
-            continue;
-        }
-        ++ok;
-        tokens += r.completion_tokens;
-        window_end = std::max(window_end, r.events.back());
-        const double t1 = (r.events.front() - r.start) * 1e3;
-        if (!r.stream || o.scenario == "poisson") ttft.push_back(t1);
-        for (size_t i = 1; i < r.events.size(); ++i) {
-            double g = (r.events[i] - r.events[i - 1]) * 1e3;
-            itl.push_back(g);
-            if (r.stream) itl_streams.push_back(g);
-        }
-        double tp = r.completion_tokens > 1
-                        ? (r.events.back() - r.events.front()) * 1e3 / static_cast<double>(r.completion_tokens - 1)
-                        : 0;
-        tpot.push_back(tp);
-        if (t1 <= o.slo_ttft_ms && tp <= o.slo_tpot_ms) ++good;
-    }
-    const double window = std::max(1e-9, window_end - o.warmup_s);
-    json summary = {{"requests", counted},
-                    {"completed", ok},
-                    {"errors", errors},
-                    {"ttft_ms", dist(ttft)},
-                    {"itl_ms", dist(itl)},
-                    {"itl_streams_ms", dist(itl_streams)},
-                    {"tpot_ms", dist(tpot)},
-                    {"output_tokens_per_s", static_cast<double>(tokens) / window},
-                    {"requests_per_s", static_cast<double>(ok) / window},
-                    {"goodput_requests_per_s", static_cast<double>(good) / window}};
-    json opts = {{"host", o.host},
-                 {"port", o.port},
-                 {"model", model},
-                 {"scenario", o.scenario},
-                 {"duration_s", o.duration_s},
-                 {"warmup_s", o.warmup_s},
-                 {"rate", o.rate},
-                 {"prompt", {o.prompt_min, o.prompt_max}},
-                 {"output", {o.output_min, o.output_max}},
-                 {"streams", o.streams},
-                 {"stream_prompt", o.stream_prompt},
-                 {"stream_output", o.stream_output},
-                 {"slo_ttft_ms", o.slo_ttft_ms},
-                 {"slo_tpot_ms", o.slo_tpot_ms},
-                 {"seed", o.seed}};
+    Counts n;
+    const json summary = summarize(run, n);
     const std::string label = o.label.empty() ? (run.server.empty() ? "server" : run.server) : o.label;
-
-    std::printf("%s: %lld requests (%lld completed, %lld errors) in %.1f s; %.1f output tokens/s, goodput %.3f req/s\n",
-                label.c_str(), static_cast<long long>(counted), static_cast<long long>(ok),
-                static_cast<long long>(errors), end, summary["output_tokens_per_s"].get<double>(),
-                summary["goodput_requests_per_s"].get<double>());
-    for (const char* k : {"ttft_ms", "itl_ms", "itl_streams_ms", "tpot_ms"}) {
-        const json& d = summary[k];
-        if (d["n"].get<size_t>() == 0) continue;
-        std::printf("  %-15s n=%-6zu p50 %9.2f  p90 %9.2f  p99 %9.2f  max %9.2f  mean %9.2f\n", k,
-                    d["n"].get<size_t>(), d["p50"].get<double>(), d["p90"].get<double>(), d["p99"].get<double>(),
-                    d["max"].get<double>(), d["mean"].get<double>());
-    }
-    for (const auto& rp : run.records)
-        if (!rp->error.empty()) {
-            std::printf("  first error: %s\n", rp->error.c_str());
-            break;
-        }
-    if (!o.json_path.empty()) {
-        json reqs = json::array();
-        for (const auto& rp : run.records) {
-            const Record& r = *rp;
-            reqs.push_back({{"stream", r.stream},
-                            {"prompt", r.prompt},
-                            {"max_tokens", r.max_tokens},
-                            {"start", r.start},
-                            {"events", r.events},
-                            {"completion_tokens", r.completion_tokens},
-                            {"error", r.error}});
-        }
-        json all = {{"label", label}, {"server", run.server}, {"options", opts}, {"summary", summary}, {"requests", reqs}};
-        std::ofstream f(o.json_path);
-        f << all.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
-        if (!f) return fail("cannot write " + o.json_path);
-    }
-    return errors == 0 ? 0 : 2;
+    print_summary(run, label, n, end, summary);
+    if (!o.json_path.empty())
+        if (Status st = write_record(run, label, options_json(o, model), summary); !st) return fail(st.error().message);
+    return n.errors == 0 ? 0 : 2;
 }
 
 }  // namespace duet

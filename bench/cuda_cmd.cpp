@@ -1,4 +1,4 @@
-#include "cli/bench_cuda.h"
+#include "bench/cuda_cmd.h"
 
 #include <cstdio>
 
@@ -6,7 +6,7 @@
 #include "engine/backends.h"
 
 #if DUET_HAVE_CUDA
-#include "cuda/cuda_bench.h"
+#include "bench/cuda_bench.h"
 #endif
 
 namespace duet {

@@ -1,4 +1,4 @@
-#include "cli/bench_shm.h"
+#include "bench/shm_bench.h"
 
 #include <dirent.h>
 #include <sched.h>
@@ -835,13 +835,13 @@ struct Extra {
     uint64_t rtt_samples_thread = 0, rtt_samples_proc = 0;
 };
 
-Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figure>& figs, Extra& x) {
-    auto add = [&](std::string key, std::string label, std::string unit, double d, double b, Goal g = Goal::None,
-                   double gv = 0) {
-        figs.push_back(Figure{std::move(key), std::move(label), std::move(unit), d, b, g, gv});
-    };
+void add_figure(std::vector<Figure>& figs, std::string key, std::string label, std::string unit, double d, double b,
+                Goal g = Goal::None, double gv = 0) {
+    figs.push_back(Figure{std::move(key), std::move(label), std::move(unit), d, b, g, gv});
+}
 
-    // Ring throughput: reps runs of each, duet and Boost alternating, median kept.
+// Ring throughput: reps runs of each, duet and Boost alternating, median kept.
+Status ring_figures(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figure>& figs) {
     struct RingRow {
         ShmPeer peer;
         uint32_t batch;
@@ -867,11 +867,14 @@ Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figu
                                         row.batch > 1 ? "push/pop 32 at a time" : "push/pop one",
                                         row.cap != kRingCap ? fmt::format(", cap {}", row.cap) : "");
         // The target is for the instance's rings (capacity kRingCap) across processes.
-        add(key, label, "/s", median(d), median(b), proc && row.cap == kRingCap ? Goal::RatioAtLeast : Goal::None,
-            1.5);
+        add_figure(figs, key, label, "/s", median(d), median(b),
+            proc && row.cap == kRingCap ? Goal::RatioAtLeast : Goal::None, 1.5);
     }
+    return {};
+}
 
-    // The line-transfer reference across processes, for the same record and capacity.
+// The line-transfer reference across processes, for the same record and capacity.
+Status floor_figures(const ShmBenchSite& s, const ShmBenchOptions& o, Extra& x) {
     for (uint32_t batch : {1u, 32u}) {
         std::vector<double> f;
         for (int r = 0; r < o.reps; ++r) {
@@ -881,8 +884,10 @@ Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figu
         }
         (batch == 1 ? x.floor_proc_one : x.floor_proc_batch32) = median(f);
     }
+    return {};
+}
 
-    // Round trip.
+Status round_trip_figures(const ShmBenchSite& s, std::vector<Figure>& figs, Extra& x) {
     for (ShmPeer peer : {ShmPeer::Thread, ShmPeer::Process}) {
         const bool proc = peer == ShmPeer::Process;
         auto d = bench_ring_round_trip(s, ShmImpl::Duet, peer);
@@ -891,57 +896,69 @@ Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figu
         if (!b) return b.error();
         const char* k = proc ? "proc" : "thread";
         const char* w = proc ? "2 processes" : "2 threads";
-        add(fmt::format("ring_{}_rtt_p50_ns", k), fmt::format("round trip {}, p50", w), "ns", d->p50_ns, b->p50_ns,
-            proc ? Goal::RatioAtMost : Goal::None, 1.0);
-        add(fmt::format("ring_{}_rtt_p99_ns", k), fmt::format("round trip {}, p99", w), "ns", d->p99_ns, b->p99_ns);
-        add(fmt::format("ring_{}_rtt_mean_ns", k), fmt::format("round trip {}, mean", w), "ns", d->mean_ns, b->mean_ns);
+        add_figure(figs, fmt::format("ring_{}_rtt_p50_ns", k), fmt::format("round trip {}, p50", w), "ns", d->p50_ns,
+            b->p50_ns, proc ? Goal::RatioAtMost : Goal::None, 1.0);
+        add_figure(figs, fmt::format("ring_{}_rtt_p99_ns", k), fmt::format("round trip {}, p99", w), "ns", d->p99_ns,
+            b->p99_ns);
+        add_figure(figs, fmt::format("ring_{}_rtt_mean_ns", k), fmt::format("round trip {}, mean", w), "ns", d->mean_ns,
+            b->mean_ns);
         (proc ? x.rtt_samples_proc : x.rtt_samples_thread) = d->samples;
     }
+    return {};
+}
 
-    // Doorbell.
-    {
-        auto d = bench_doorbell_wake(s, ShmImpl::Duet, o.wakes);
-        if (!d) return d.error();
-        auto b = bench_doorbell_wake(s, ShmImpl::Boost, o.wakes);
-        if (!b) return b.error();
-        add("doorbell_wake_p50_ns", "wake a sleeping consumer process, p50", "ns", d->p50_ns, b->p50_ns);
-        add("doorbell_wake_p99_ns", "wake a sleeping consumer process, p99", "ns", d->p99_ns, b->p99_ns);
-        x.doorbell_wakes = static_cast<uint64_t>(o.wakes);
-        x.doorbell_futex_wakes = d->slept;
-        x.doorbell_duet_sleeps = d->ctx_switches;
-        x.doorbell_boost_sleeps = b->ctx_switches;
-    }
+Status doorbell_figures(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figure>& figs, Extra& x) {
+    auto d = bench_doorbell_wake(s, ShmImpl::Duet, o.wakes);
+    if (!d) return d.error();
+    auto b = bench_doorbell_wake(s, ShmImpl::Boost, o.wakes);
+    if (!b) return b.error();
+    add_figure(figs, "doorbell_wake_p50_ns", "wake a sleeping consumer process, p50", "ns", d->p50_ns, b->p50_ns);
+    add_figure(figs, "doorbell_wake_p99_ns", "wake a sleeping consumer process, p99", "ns", d->p99_ns, b->p99_ns);
+    x.doorbell_wakes = static_cast<uint64_t>(o.wakes);
+    x.doorbell_futex_wakes = d->slept;
+    x.doorbell_duet_sleeps = d->ctx_switches;
+    x.doorbell_boost_sleeps = b->ctx_switches;
+    return {};
+}
 
-    // Arena, one thread.
+// The arena in one thread, then in two processes.
+Status arena_figures(const ShmBenchSite& s, std::vector<Figure>& figs) {
     for (uint32_t batch : {1u, 16u}) {
         auto d = bench_arena_single(s, ShmImpl::Duet, batch);
         if (!d) return d.error();
         auto b = bench_arena_single(s, ShmImpl::Boost, batch);
         if (!b) return b.error();
         if (batch == 1) {
-            add("arena_pair_p50_ns", "arena alloc+free, 1 thread, p50", "ns", d->p50_ns, b->p50_ns, Goal::DuetBelow, 50);
-            add("arena_pair_p99_ns", "arena alloc+free, 1 thread, p99", "ns", d->p99_ns, b->p99_ns);
+            add_figure(figs, "arena_pair_p50_ns", "arena alloc+free, 1 thread, p50", "ns", d->p50_ns, b->p50_ns,
+                Goal::DuetBelow, 50);
+            add_figure(figs, "arena_pair_p99_ns", "arena alloc+free, 1 thread, p99", "ns", d->p99_ns, b->p99_ns);
         } else {
-            add("arena_batch16_p50_ns_per_block", "arena alloc(16)+free, 1 thread, p50 per block", "ns", d->p50_ns,
-                b->p50_ns);
+            add_figure(figs, "arena_batch16_p50_ns_per_block", "arena alloc(16)+free, 1 thread, p50 per block", "ns",
+                d->p50_ns, b->p50_ns);
         }
     }
-
-    // Arena, two processes.
     for (uint32_t batch : {1u, 16u}) {
         auto d = bench_arena_contended(s, ShmImpl::Duet, batch);
         if (!d) return d.error();
         auto b = bench_arena_contended(s, ShmImpl::Boost, batch);
         if (!b) return b.error();
         if (batch == 1) {
-            add("arena_proc_pairs_per_s", "arena alloc+free, 2 processes, total", "/s", d->per_s, b->per_s);
-            add("arena_proc_pair_ns", "arena alloc+free, 2 processes, per pair", "ns", d->ns_per, b->ns_per);
+            add_figure(figs, "arena_proc_pairs_per_s", "arena alloc+free, 2 processes, total", "/s", d->per_s, b->per_s);
+            add_figure(figs, "arena_proc_pair_ns", "arena alloc+free, 2 processes, per pair", "ns", d->ns_per, b->ns_per);
         } else {
-            add("arena_proc_batch16_blocks_per_s", "arena alloc(16)+free, 2 processes, blocks", "/s", d->per_s,
+            add_figure(figs, "arena_proc_batch16_blocks_per_s", "arena alloc(16)+free, 2 processes, blocks", "/s", d->per_s,
                 b->per_s);
         }
     }
     return {};
+}
+
+Status run_all(const ShmBenchSite& s, const ShmBenchOptions& o, std::vector<Figure>& figs, Extra& x) {
+    if (Status st = ring_figures(s, o, figs); !st) return st;
+    if (Status st = floor_figures(s, o, x); !st) return st;
+    if (Status st = round_trip_figures(s, figs, x); !st) return st;
+    if (Status st = doorbell_figures(s, o, figs, x); !st) return st;
+    return arena_figures(s, figs);
 }
 
 std::string value_str(const Figure& f, double v) {
@@ -976,6 +993,100 @@ std::string cpu_model() {
         }
     std::fclose(f);
     return m;
+}
+
+// Where the run happened, for the report.
+struct Setup {
+    size_t cpus = 0;  // CPUs in this process's affinity mask
+    std::string segment_path;
+    const char* pages = "";  // the segment's page mode
+};
+
+nlohmann::ordered_json shm_json(const ShmBenchSite& s, const ShmBenchOptions& o, const Setup& setup,
+                                const std::vector<Figure>& figs, const Extra& x) {
+    nlohmann::ordered_json j;
+    j["setup"] = {
+        {"cpu_model", cpu_model()},
+        {"cpus", setup.cpus},
+        {"cpu_measuring", s.cpu_a},
+        {"cpu_peer", s.cpu_b},
+        {"one_cpu", s.cpu_a == s.cpu_b},
+        {"segment", setup.segment_path},
+        {"pages", setup.pages},
+        {"seconds_per_run", o.seconds},
+        {"reps", o.reps},
+        {"ring_capacity", kRingCap},
+        {"record_bytes", sizeof(Record64)},
+        {"arena_blocks", kArenaBlocks},
+        {"ratio", "duet / boost"},
+    };
+    for (const Figure& f : figs) {
+        nlohmann::ordered_json e = {{"duet", f.duet}, {"boost", f.boost}, {"ratio", f.ratio()},
+                                    {"unit", f.unit == "/s" ? "per_s" : "ns"}};
+        e["target"] = f.has_goal() ? nlohmann::ordered_json(f.target()) : nlohmann::ordered_json(nullptr);
+        e["pass"] = f.has_goal() ? nlohmann::ordered_json(f.pass()) : nlohmann::ordered_json(nullptr);
+        j[f.key] = e;
+    }
+    auto fig = [&](const char* key) {
+        for (const Figure& f : figs)
+            if (f.key == key) return f;
+        return Figure{};
+    };
+    const Figure one = fig("ring_proc_msgs_per_s"), b32 = fig("ring_proc_batch32_msgs_per_s");
+    j["ring_line_reference"] = {{"proc_one_msgs_per_s", x.floor_proc_one},
+                       {"proc_batch32_msgs_per_s", x.floor_proc_batch32},
+                       {"duet_one_of_reference", one.duet / x.floor_proc_one},
+                       {"boost_one_of_reference", one.boost / x.floor_proc_one},
+                       {"duet_batch32_of_reference", b32.duet / x.floor_proc_batch32},
+                       {"boost_batch32_of_reference", b32.boost / x.floor_proc_batch32}};
+    j["doorbell_check"] = {{"wakes", x.doorbell_wakes},
+                           {"duet_futex_wakes", x.doorbell_futex_wakes},
+                           {"duet_consumer_sleeps", x.doorbell_duet_sleeps},
+                           {"boost_consumer_sleeps", x.doorbell_boost_sleeps}};
+    return j;
+}
+
+// The table: a row per figure, the line reference under the two process rings.
+void print_shm_table(const ShmBenchSite& s, const ShmBenchOptions& o, const Setup& setup,
+                     const std::vector<Figure>& figs, const Extra& x) {
+    fmt::print("duet bench shm | {} | {} CPUs | measuring side on CPU {}, peer on CPU {} | {} | {:.2f} s per run\n",
+               cpu_model(), setup.cpus, s.cpu_a, s.cpu_b, setup.pages, o.seconds);
+    if (s.cpu_a == s.cpu_b)
+        fmt::print("only one CPU is available: both sides share it and waits yield; cross-core figures do not apply\n");
+    fmt::print("\n{:<52} {:>12} {:>12} {:>10} {:>16} {:>6}\n", "figure", "duet", "Boost", "duet/Boost", "target",
+               "result");
+    for (const Figure& f : figs)
+        fmt::print("{:<52} {:>12} {:>12} {:>10.2f} {:>16} {:>6}\n", f.label, value_str(f, f.duet),
+                   value_str(f, f.boost), f.ratio(), f.target(), f.has_goal() ? (f.pass() ? "pass" : "MISS") : "");
+    for (const Figure& f : figs) {
+        if (f.key == "ring_proc_msgs_per_s" || f.key == "ring_proc_batch32_msgs_per_s") {
+            const double fl = f.key == "ring_proc_msgs_per_s" ? x.floor_proc_one : x.floor_proc_batch32;
+            fmt::print("{:<52} {:>12} {:>12} {:>10}   duet {:.0f}%, Boost {:.0f}% of it\n",
+                       fmt::format("  line reference (flag ring), {}", f.key == "ring_proc_msgs_per_s" ? "one" : "32"),
+                       value_str(f, fl), "", "", 100 * f.duet / fl, 100 * f.boost / fl);
+        }
+    }
+}
+
+// What each figure measures, with this run's sample counts.
+void print_shm_notes(const ShmBenchOptions& o, const Setup& setup, const Extra& x) {
+    fmt::print(
+        "\nratio: duet / Boost (higher is better for /s, lower for ns).\n"
+        "line reference: the same records between the same two processes through slots that carry their own "
+        "full/empty flag, so only record lines move (no index lines): about what moving the records alone costs here.\n"
+        "ring: 64-byte records, capacity {} unless stated (Boost: spsc_queue capacity<{}>), in {}; throughput is the median of {} "
+        "runs, duet and Boost alternating; the consumer checks every sequence number.\n"
+        "round trip: one record in flight over two rings, rdtsc per round trip (calibrated against CLOCK_MONOTONIC), "
+        "{} (threads) and {} (processes) samples after {} warm-up.\n"
+        "doorbell: a record every {} us to a consumer process with no spinning; latency from the producer's "
+        "CLOCK_MONOTONIC stamp before the push to the consumer running again. duet: {} of {} wakes took the "
+        "FUTEX_WAKE path, consumer slept {} times; Boost (interprocess_semaphore): consumer slept {} times.\n"
+        "arena: duet KvArena of {} blocks, {} users; Boost: lockfree::stack<int32_t, capacity<{}>> of free block ids "
+        "(no reference counts or ownership). One thread: rdtsc per {} blocks allocated and freed, percentiles over "
+        "those samples. Two processes: each its own user, for the same window.\n",
+        kRingCap, kRingCap, setup.segment_path, o.reps, x.rtt_samples_thread, x.rtt_samples_proc, kWarmupSamples,
+        kWakeGapNs / 1000, x.doorbell_futex_wakes, x.doorbell_wakes, x.doorbell_duet_sleeps, x.doorbell_boost_sleeps,
+        kArenaBlocks, kArenaUsers, kArenaBlocks, kBlocksPerSample);
 }
 
 }  // namespace
@@ -1016,94 +1127,19 @@ int cmd_bench_shm(const ShmBenchOptions& o) {
     std::vector<Figure> figs;
     Extra x;
     Status st = run_all(s, o, figs, x);
-    const std::string seg_path = seg->path();
-    const char* pages = shm::page_mode_name(seg->page_mode());
+    const Setup setup{cpus.size(), seg->path(), shm::page_mode_name(seg->page_mode())};
     (void)shm::Segment::unlink(s.segment);
     sched_setaffinity(0, sizeof orig, &orig);
     if (!st) {
         std::fprintf(stderr, "duet: bench shm: %s\n", st.error().message.c_str());
         return 1;
     }
-
-    const bool one_cpu = s.cpu_a == s.cpu_b;
     if (o.json) {
-        nlohmann::ordered_json j;
-        j["setup"] = {
-            {"cpu_model", cpu_model()},
-            {"cpus", cpus.size()},
-            {"cpu_measuring", s.cpu_a},
-            {"cpu_peer", s.cpu_b},
-            {"one_cpu", one_cpu},
-            {"segment", seg_path},
-            {"pages", pages},
-            {"seconds_per_run", o.seconds},
-            {"reps", o.reps},
-            {"ring_capacity", kRingCap},
-            {"record_bytes", sizeof(Record64)},
-            {"arena_blocks", kArenaBlocks},
-            {"ratio", "duet / boost"},
-        };
-        for (const Figure& f : figs) {
-            nlohmann::ordered_json e = {{"duet", f.duet}, {"boost", f.boost}, {"ratio", f.ratio()},
-                                        {"unit", f.unit == "/s" ? "per_s" : "ns"}};
-            e["target"] = f.has_goal() ? nlohmann::ordered_json(f.target()) : nlohmann::ordered_json(nullptr);
-            e["pass"] = f.has_goal() ? nlohmann::ordered_json(f.pass()) : nlohmann::ordered_json(nullptr);
-            j[f.key] = e;
-        }
-        auto fig = [&](const char* key) {
-            for (const Figure& f : figs)
-                if (f.key == key) return f;
-            return Figure{};
-        };
-        const Figure one = fig("ring_proc_msgs_per_s"), b32 = fig("ring_proc_batch32_msgs_per_s");
-        j["ring_line_reference"] = {{"proc_one_msgs_per_s", x.floor_proc_one},
-                           {"proc_batch32_msgs_per_s", x.floor_proc_batch32},
-                           {"duet_one_of_reference", one.duet / x.floor_proc_one},
-                           {"boost_one_of_reference", one.boost / x.floor_proc_one},
-                           {"duet_batch32_of_reference", b32.duet / x.floor_proc_batch32},
-                           {"boost_batch32_of_reference", b32.boost / x.floor_proc_batch32}};
-        j["doorbell_check"] = {{"wakes", x.doorbell_wakes},
-                               {"duet_futex_wakes", x.doorbell_futex_wakes},
-                               {"duet_consumer_sleeps", x.doorbell_duet_sleeps},
-                               {"boost_consumer_sleeps", x.doorbell_boost_sleeps}};
-        std::printf("%s\n", j.dump().c_str());
+        std::printf("%s\n", shm_json(s, o, setup, figs, x).dump().c_str());
         return 0;
     }
-
-    fmt::print("duet bench shm | {} | {} CPUs | measuring side on CPU {}, peer on CPU {} | {} | {:.2f} s per run\n",
-               cpu_model(), cpus.size(), s.cpu_a, s.cpu_b, pages, o.seconds);
-    if (one_cpu)
-        fmt::print("only one CPU is available: both sides share it and waits yield; cross-core figures do not apply\n");
-    fmt::print("\n{:<52} {:>12} {:>12} {:>10} {:>16} {:>6}\n", "figure", "duet", "Boost", "duet/Boost", "target",
-               "result");
-    for (const Figure& f : figs)
-        fmt::print("{:<52} {:>12} {:>12} {:>10.2f} {:>16} {:>6}\n", f.label, value_str(f, f.duet),
-                   value_str(f, f.boost), f.ratio(), f.target(), f.has_goal() ? (f.pass() ? "pass" : "MISS") : "");
-    for (const Figure& f : figs) {
-        if (f.key == "ring_proc_msgs_per_s" || f.key == "ring_proc_batch32_msgs_per_s") {
-            const double fl = f.key == "ring_proc_msgs_per_s" ? x.floor_proc_one : x.floor_proc_batch32;
-            fmt::print("{:<52} {:>12} {:>12} {:>10}   duet {:.0f}%, Boost {:.0f}% of it\n",
-                       fmt::format("  line reference (flag ring), {}", f.key == "ring_proc_msgs_per_s" ? "one" : "32"),
-                       value_str(f, fl), "", "", 100 * f.duet / fl, 100 * f.boost / fl);
-        }
-    }
-    fmt::print(
-        "\nratio: duet / Boost (higher is better for /s, lower for ns).\n"
-        "line reference: the same records between the same two processes through slots that carry their own "
-        "full/empty flag, so only record lines move (no index lines): about what moving the records alone costs here.\n"
-        "ring: 64-byte records, capacity {} unless stated (Boost: spsc_queue capacity<{}>), in {}; throughput is the median of {} "
-        "runs, duet and Boost alternating; the consumer checks every sequence number.\n"
-        "round trip: one record in flight over two rings, rdtsc per round trip (calibrated against CLOCK_MONOTONIC), "
-        "{} (threads) and {} (processes) samples after {} warm-up.\n"
-        "doorbell: a record every {} us to a consumer process with no spinning; latency from the producer's "
-        "CLOCK_MONOTONIC stamp before the push to the consumer running again. duet: {} of {} wakes took the "
-        "FUTEX_WAKE path, consumer slept {} times; Boost (interprocess_semaphore): consumer slept {} times.\n"
-        "arena: duet KvArena of {} blocks, {} users; Boost: lockfree::stack<int32_t, capacity<{}>> of free block ids "
-        "(no reference counts or ownership). One thread: rdtsc per {} blocks allocated and freed, percentiles over "
-        "those samples. Two processes: each its own user, for the same window.\n",
-        kRingCap, kRingCap, seg_path, o.reps, x.rtt_samples_thread, x.rtt_samples_proc, kWarmupSamples,
-        kWakeGapNs / 1000, x.doorbell_futex_wakes, x.doorbell_wakes, x.doorbell_duet_sleeps, x.doorbell_boost_sleeps,
-        kArenaBlocks, kArenaUsers, kArenaBlocks, kBlocksPerSample);
+    print_shm_table(s, o, setup, figs, x);
+    print_shm_notes(o, setup, x);
     return 0;
 }
 
