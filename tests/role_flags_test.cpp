@@ -14,8 +14,10 @@ Settings parse(const std::vector<std::string>& argv, bool prefill) {
     CLI::App app;
     Settings got;
     CLI::App* sub = app.add_subcommand(argv.at(1));
-    if constexpr (std::is_same_v<Settings, WorkerSettings>) add_worker_flags(*sub, got, prefill);
-    else add_front_flags(*sub, got);
+    if constexpr (std::is_same_v<Settings, WorkerSettings>)
+        add_worker_flags(*sub, got, prefill);
+    else
+        add_front_flags(*sub, got);
     std::vector<const char*> c;
     for (const std::string& a : argv) c.push_back(a.c_str());
     app.parse(static_cast<int>(c.size()), c.data());

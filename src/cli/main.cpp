@@ -2,7 +2,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -20,26 +22,33 @@
 
 using namespace duet;
 
-int main(int argc, char** argv) {
-    // cuda:N is the N-th NVIDIA GPU in PCI bus order, as `duet topo` numbers them
-    // (CUDA's own default puts the fastest first). Before anything touches CUDA.
-    setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 0);
-    CLI::App app{"duet: LLM inference on one box"};
-    app.require_subcommand(1);
-    app.set_version_flag("--version", "duet 0.1.0");
+namespace {
 
-    const std::string default_model = DUET_DEFAULT_MODEL;
+// The commands' arguments live as long as the app (CLI11 keeps pointers into them
+// and each command's callback reads them).
+using Store = std::vector<std::shared_ptr<void>>;
+template <class T>
+T& keep(Store& store) {
+    auto p = std::make_shared<T>();
+    store.push_back(p);
+    return *p;
+}
 
+// duet run
+void add_run(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet run
-    RunArgs run;
+    auto& run = keep<RunArgs>(store);
     run.model = default_model;
     CLI::App* c_run = app.add_subcommand("run", "generate text from a prompt");
     c_run->add_option("-m,--model", run.model, "GGUF model file")->capture_default_str();
     c_run->add_option("-p,--prompt", run.prompt, "prompt text (default: read standard input)");
     c_run->add_flag("--chat", run.chat, "wrap the prompt as a user message in the model's chat template");
     c_run->add_option("--system", run.system, "system message for --chat");
-    c_run->add_option("--chat-template", run.chat_template, "override the chat template (chatml, smollm2, qwen2, llama3)");
-    c_run->add_option("-n,--max-tokens", run.max_tokens, "tokens to generate")->capture_default_str()->check(CLI::Range(0, 1 << 20));
+    c_run->add_option("--chat-template", run.chat_template,
+                      "override the chat template (chatml, smollm2, qwen2, llama3)");
+    c_run->add_option("-n,--max-tokens", run.max_tokens, "tokens to generate")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 1 << 20));
     c_run->add_option("--temperature", run.sampling.temperature, "0 is greedy")->capture_default_str();
     c_run->add_option("--top-k", run.sampling.top_k, "0 disables")->capture_default_str();
     c_run->add_option("--top-p", run.sampling.top_p, "1 disables")->capture_default_str();
@@ -54,28 +63,50 @@ int main(int argc, char** argv) {
     c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
     c_run->add_option("--device", run.engine.device, "cpu, or cuda:N (a build with CUDA)")->capture_default_str();
     c_run->add_flag("!--no-cuda-graphs", run.engine.cuda_graphs, "run every CUDA pass eagerly");
-    c_run->add_flag("--cuda-qgemv", run.engine.cuda_qgemv, "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16");
-    c_run->add_option("--kv-dtype", run.engine.kv_dtype, "KV cache values: f16, int8 or fp8 (e4m3), quantized with a scale per token and head")->capture_default_str();
+    c_run->add_flag(
+        "--cuda-qgemv", run.engine.cuda_qgemv,
+        "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16");
+    c_run
+        ->add_option("--kv-dtype", run.engine.kv_dtype,
+                     "KV cache values: f16, int8 or fp8 (e4m3), quantized with a scale per token and head")
+        ->capture_default_str();
     c_run->add_option("--instance", run.engine.instance,
                       "shared-memory instance name: segments /dev/shm/duet.<name>[.kv] (default: run-<pid>-0)");
     c_run->add_flag("!--no-huge-pages", run.engine.huge_pages, "keep the KV segment on 4 KiB pages");
     c_run->add_flag("--ignore-eos", run.ignore_eos, "keep generating past end-of-generation tokens");
 
+    c_run->callback([&run = run, &rc = rc] { rc = cmd_run(run); });
+}
+
+// duet info, duet tokenize
+void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet info
-    std::string info_model = default_model;
+    auto& info_model = keep<std::string>(store);
+    info_model = default_model;
     CLI::App* c_info = app.add_subcommand("info", "print a GGUF file's metadata and tensor table");
     c_info->add_option("-m,--model", info_model, "GGUF model file")->capture_default_str();
 
     // duet tokenize
-    std::string tok_model = default_model, tok_text;
-    bool tok_special = true;
+    auto& tok_model = keep<std::string>(store);
+    tok_model = default_model;
+    auto& tok_text = keep<std::string>(store);
+    auto& tok_special = keep<bool>(store);
+    tok_special = true;
     CLI::App* c_tok = app.add_subcommand("tokenize", "print the token ids of a text");
     c_tok->add_option("-m,--model", tok_model, "GGUF model file")->capture_default_str();
     c_tok->add_option("text", tok_text, "text to tokenize (default: standard input)");
     c_tok->add_option("--parse-special", tok_special, "recognize special token texts")->capture_default_str();
 
+    c_info->callback([&info_model = info_model, &rc = rc] { rc = cmd_info(info_model); });
+    c_tok->callback([&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &rc = rc, c_tok] {
+        rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
+    });
+}
+
+// duet bench model | cuda | kv | shm | serve
+void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet bench model
-    BenchArgs bench;
+    auto& bench = keep<BenchArgs>(store);
     bench.model = default_model;
     CLI::App* c_bench = app.add_subcommand("bench", "benchmarks");
     c_bench->require_subcommand(1);
@@ -91,61 +122,95 @@ int main(int argc, char** argv) {
     c_bm->add_flag("--json", bench.json, "print one JSON object");
 
     // duet bench cuda
-    CudaBenchArgs cb;
+    auto& cb = keep<CudaBenchArgs>(store);
     cb.model = default_model;
     CLI::App* c_bc = c_bench->add_subcommand("cuda", "the CUDA backend against HBM bandwidth and the bf16 peak");
     c_bc->add_option("-m,--model", cb.model, "GGUF model file")->capture_default_str();
     c_bc->add_option("--device", cb.device, "cuda:N")->capture_default_str();
-    c_bc->add_option("--batches", cb.batches, "decode batch sizes (default 1 8 32 64 128 256)")->delimiter(',')->check(CLI::Range(1, 4096));
-    c_bc->add_option("--ctx", cb.ctx, "context tokens per sequence for the decode steps")->capture_default_str()->check(CLI::Range(1, 1 << 20));
-    c_bc->add_option("--steps", cb.steps, "timed decode steps per batch size")->capture_default_str()->check(CLI::Range(1, 100000));
-    c_bc->add_option("--prefill", cb.prefill_tokens, "tokens of the timed prefill pass")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+    c_bc->add_option("--batches", cb.batches, "decode batch sizes (default 1 8 32 64 128 256)")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 4096));
+    c_bc->add_option("--ctx", cb.ctx, "context tokens per sequence for the decode steps")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
+    c_bc->add_option("--steps", cb.steps, "timed decode steps per batch size")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100000));
+    c_bc->add_option("--prefill", cb.prefill_tokens, "tokens of the timed prefill pass")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
     c_bc->add_option("--kv-dtype", cb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
 
     // duet bench kv
-    KvBenchArgs kvb;
+    auto& kvb = keep<KvBenchArgs>(store);
     kvb.model = default_model;
     CLI::App* c_bk = c_bench->add_subcommand("kv", "durable KV: appends/s, restore vs re-prefill and the disk, CRC32C");
     c_bk->add_option("-m,--model", kvb.model, "GGUF model file")->capture_default_str();
-    c_bk->add_option("-t,--threads", kvb.threads, "compute threads (the re-prefill reference)")->capture_default_str()->check(CLI::Range(1, 1024));
-    c_bk->add_option("--tokens", kvb.tokens, "the restored context's length")->capture_default_str()->check(CLI::Range(16, 1 << 20));
-    c_bk->add_option("--chunk", kvb.chunk, "prefill chunk and log record tokens")->capture_default_str()->check(CLI::Range(1, 1 << 16));
+    c_bk->add_option("-t,--threads", kvb.threads, "compute threads (the re-prefill reference)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1024));
+    c_bk->add_option("--tokens", kvb.tokens, "the restored context's length")
+        ->capture_default_str()
+        ->check(CLI::Range(16, 1 << 20));
+    c_bk->add_option("--chunk", kvb.chunk, "prefill chunk and log record tokens")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 16));
     c_bk->add_option("--dir", kvb.dir, "directory for the logs (default: a new one under /var/tmp)");
-    c_bk->add_option("--seconds", kvb.seconds, "length of each append measurement")->capture_default_str()->check(CLI::Range(0.05, 60.0));
-    c_bk->add_option("-r,--repetitions", kvb.reps, "restore repetitions (median kept)")->capture_default_str()->check(CLI::Range(1, 100));
+    c_bk->add_option("--seconds", kvb.seconds, "length of each append measurement")
+        ->capture_default_str()
+        ->check(CLI::Range(0.05, 60.0));
+    c_bk->add_option("-r,--repetitions", kvb.reps, "restore repetitions (median kept)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100));
     c_bk->add_option("--kv-dtype", kvb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bk->add_flag("--json", kvb.json, "print one JSON object");
 
     // duet bench shm
-    ShmBenchOptions shm_bench;
-    bool shm_quick = false;
+    auto& shm_bench = keep<ShmBenchOptions>(store);
+    auto& shm_quick = keep<bool>(store);
     CLI::App* c_bs = c_bench->add_subcommand("shm", "shared-memory rings, doorbell and KV arena against Boost");
-    c_bs->add_option("--seconds", shm_bench.seconds, "length of each timed run")->capture_default_str()->check(CLI::Range(0.01, 60.0));
-    c_bs->add_option("-r,--repetitions", shm_bench.reps, "runs per ring throughput figure (median kept)")->capture_default_str()->check(CLI::Range(1, 100));
-    c_bs->add_option("--wakes", shm_bench.wakes, "doorbell wake-ups per implementation")->capture_default_str()->check(CLI::Range(1, 20000));
+    c_bs->add_option("--seconds", shm_bench.seconds, "length of each timed run")
+        ->capture_default_str()
+        ->check(CLI::Range(0.01, 60.0));
+    c_bs->add_option("-r,--repetitions", shm_bench.reps, "runs per ring throughput figure (median kept)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100));
+    c_bs->add_option("--wakes", shm_bench.wakes, "doorbell wake-ups per implementation")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 20000));
     c_bs->add_flag("--quick", shm_quick, "short runs (--seconds 0.05 -r 1 --wakes 300)");
     c_bs->add_flag("--json", shm_bench.json, "print one JSON object");
 
     // duet bench serve
-    ServeBenchOptions sb;
-    CLI::App* c_bsv = c_bench->add_subcommand("serve", "load generator for an OpenAI-compatible server: TTFT, inter-token latency, throughput");
+    auto& sb = keep<ServeBenchOptions>(store);
+    CLI::App* c_bsv = c_bench->add_subcommand(
+        "serve", "load generator for an OpenAI-compatible server: TTFT, inter-token latency, throughput");
     c_bsv->add_option("--host", sb.host, "server address")->capture_default_str();
     c_bsv->add_option("--port", sb.port, "server port")->capture_default_str()->check(CLI::Range(1, 65535));
     c_bsv->add_option("--model", sb.model, "model name to send (default: the server's first in /v1/models)");
-    c_bsv->add_option("--scenario", sb.scenario, "mixed (decode streams + arriving long prompts) or poisson")->capture_default_str();
+    c_bsv->add_option("--scenario", sb.scenario, "mixed (decode streams + arriving long prompts) or poisson")
+        ->capture_default_str();
     c_bsv->add_option("--label", sb.label, "name of this run in the output");
-    c_bsv->add_option("--duration", sb.duration_s, "seconds of arrivals")->capture_default_str()->check(CLI::Range(1.0, 86400.0));
+    c_bsv->add_option("--duration", sb.duration_s, "seconds of arrivals")
+        ->capture_default_str()
+        ->check(CLI::Range(1.0, 86400.0));
     c_bsv->add_option("--warmup", sb.warmup_s, "requests starting earlier are not counted")->capture_default_str();
-    c_bsv->add_option("--rate", sb.rate, "arrivals per second (mixed: of long prompts)")->capture_default_str()->check(CLI::Range(0.0, 1e6));
+    c_bsv->add_option("--rate", sb.rate, "arrivals per second (mixed: of long prompts)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 1e6));
     c_bsv->add_option("--prompt-min", sb.prompt_min, "prompt tokens, lower bound")->capture_default_str();
     c_bsv->add_option("--prompt-max", sb.prompt_max, "prompt tokens, upper bound")->capture_default_str();
     c_bsv->add_option("--output-min", sb.output_min, "output tokens, lower bound")->capture_default_str();
     c_bsv->add_option("--output-max", sb.output_max, "output tokens, upper bound")->capture_default_str();
-    c_bsv->add_option("--streams", sb.streams, "mixed: decode streams kept running")->capture_default_str()->check(CLI::Range(0, 4096));
-    c_bsv->add_option("--stream-prompt", sb.stream_prompt, "mixed: prompt tokens of a decode stream")->capture_default_str();
-    c_bsv->add_option("--stream-output", sb.stream_output, "mixed: output tokens per decode-stream request")->capture_default_str();
+    c_bsv->add_option("--streams", sb.streams, "mixed: decode streams kept running")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 4096));
+    c_bsv->add_option("--stream-prompt", sb.stream_prompt, "mixed: prompt tokens of a decode stream")
+        ->capture_default_str();
+    c_bsv->add_option("--stream-output", sb.stream_output, "mixed: output tokens per decode-stream request")
+        ->capture_default_str();
     c_bsv->add_option("--slo-ttft", sb.slo_ttft_ms, "goodput: TTFT bound, ms")->capture_default_str();
     c_bsv->add_option("--slo-tpot", sb.slo_tpot_ms, "goodput: time per output token bound, ms")->capture_default_str();
     c_bsv->add_option("--token-lo", sb.token_lo, "prompt token ids drawn from [lo, hi)")->capture_default_str();
@@ -154,9 +219,21 @@ int main(int argc, char** argv) {
     c_bsv->add_option("--timeout", sb.timeout_s, "per-request limit, seconds")->capture_default_str();
     c_bsv->add_option("--json", sb.json_path, "write summary and per-request timings here");
 
+    c_bm->callback([&bench = bench, &rc = rc] { rc = cmd_bench_model(bench); });
+    c_bsv->callback([&sb = sb, &rc = rc] { rc = cmd_bench_serve(sb); });
+    c_bc->callback([&cb = cb, &rc = rc] { rc = cmd_bench_cuda(cb); });
+    c_bk->callback([&kvb = kvb, &rc = rc] { rc = cmd_bench_kv(kvb); });
+    c_bs->callback([&shm_bench = shm_bench, &shm_quick = shm_quick, &rc = rc] {
+        if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
+        rc = cmd_bench_shm(shm_bench);
+    });
+}
+
+// duet shm status, duet kv inspect | verify, duet topo
+void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string&) {
     // duet shm status
-    std::string shm_instance;
-    bool shm_json = false;
+    auto& shm_instance = keep<std::string>(store);
+    auto& shm_json = keep<bool>(store);
     CLI::App* c_shm = app.add_subcommand("shm", "inspect an instance's shared memory");
     c_shm->require_subcommand(1);
     CLI::App* c_ss = c_shm->add_subcommand("status", "processes, KV arenas, requests and rings of a live instance");
@@ -164,73 +241,90 @@ int main(int argc, char** argv) {
     c_ss->add_flag("--json", shm_json, "print one JSON object");
 
     // duet kv inspect / verify
-    std::string kv_file, kv_dir;
-    bool kv_json = false;
+    auto& kv_file = keep<std::string>(store);
+    auto& kv_dir = keep<std::string>(store);
+    auto& kv_json = keep<bool>(store);
     CLI::App* c_kv = app.add_subcommand("kv", "KV blobs and KV logs on disk");
     c_kv->require_subcommand(1);
-    CLI::App* c_kvi = c_kv->add_subcommand("inspect", "a .kvblob's header, or a .kvlog's header, records, final length and torn tail; exit 1 if invalid");
+    CLI::App* c_kvi = c_kv->add_subcommand(
+        "inspect", "a .kvblob's header, or a .kvlog's header, records, final length and torn tail; exit 1 if invalid");
     c_kvi->add_option("file", kv_file, "a KV blob or KV log (told apart by magic)")->required();
     c_kvi->add_flag("--json", kv_json, "print one JSON object");
-    CLI::App* c_kvv = c_kv->add_subcommand("verify", "check every *.kvlog and *.kvblob under a directory; exit 1 if any is invalid");
+    CLI::App* c_kvv =
+        c_kv->add_subcommand("verify", "check every *.kvlog and *.kvblob under a directory; exit 1 if any is invalid");
     c_kvv->add_option("dir", kv_dir, "directory (searched recursively) or one file")->required();
 
     // duet topo
-    TopoArgs topo;
+    auto& topo = keep<TopoArgs>(store);
     CLI::App* c_topo = app.add_subcommand("topo", "the machine (hwloc) and where front, prefill and decode would run");
-    c_topo->add_option("--synthetic", topo.synthetic, "plan for an hwloc synthetic topology, e.g. \"pack:2 core:8 pu:2\"");
+    c_topo->add_option("--synthetic", topo.synthetic,
+                       "plan for an hwloc synthetic topology, e.g. \"pack:2 core:8 pu:2\"");
     c_topo->add_option("--devices", topo.devices, "GPUs to serve on, e.g. 0-3 (default: the CPU)");
     c_topo->add_option("--front-cpus", topo.front_cpus, "pin the front here");
     c_topo->add_option("--prefill-cpus", topo.prefill_cpus, "pin prefill here (CPU serving)");
     c_topo->add_option("--decode-cpus", topo.decode_cpus, "pin decode here (CPU serving); disjoint from prefill");
-    c_topo->add_option("--prefill-workers", topo.prefill_workers, "prefill processes (CPU serving)")->capture_default_str()->check(CLI::Range(1, 5));
-    c_topo->add_option("--decode-workers", topo.decode_workers, "decode processes (CPU serving)")->capture_default_str()->check(CLI::Range(1, 5));
+    c_topo->add_option("--prefill-workers", topo.prefill_workers, "prefill processes (CPU serving)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 5));
+    c_topo->add_option("--decode-workers", topo.decode_workers, "decode processes (CPU serving)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 5));
     c_topo->add_flag("--json", topo.json, "print one JSON object");
 
+    c_ss->callback([&shm_instance = shm_instance, &shm_json = shm_json, &rc = rc] {
+        rc = cmd_shm_status(shm_instance, shm_json);
+    });
+    c_kvi->callback([&kv_file = kv_file, &kv_json = kv_json, &rc = rc] { rc = cmd_kv_inspect(kv_file, kv_json); });
+    c_kvv->callback([&kv_dir = kv_dir, &rc = rc] { rc = cmd_kv_verify(kv_dir); });
+    c_topo->callback([&topo = topo, &rc = rc] { rc = cmd_topo(topo); });
+}
+
+// duet serve, duet front, duet prefill, duet decode
+void add_serving(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet serve, duet front, duet prefill / duet decode (cli/role_flags.cpp)
-    ServeSettings serve;
+    auto& serve = keep<ServeSettings>(store);
     serve.model = default_model;
     CLI::App* c_serve = app.add_subcommand("serve", "serve the OpenAI API: front, prefill and decode processes");
     add_serve_flags(*c_serve, serve);
-    FrontSettings front;
+    auto& front = keep<FrontSettings>(store);
     front.model = default_model;
     CLI::App* c_front = app.add_subcommand("front", "the HTTP front (OpenAI API) of a running instance");
     add_front_flags(*c_front, front);
-    WorkerSettings worker;
+    auto& worker = keep<WorkerSettings>(store);
     worker.model = default_model;
     CLI::App* c_prefill = app.add_subcommand("prefill", "a prefill worker of a running instance");
     CLI::App* c_decode = app.add_subcommand("decode", "a decode worker of a running instance");
     add_worker_flags(*c_prefill, worker, /*prefill=*/true);
     add_worker_flags(*c_decode, worker, /*prefill=*/false);
 
+    c_serve->callback([&serve = serve, &rc = rc] { rc = cmd_serve(serve); });
+    c_front->callback([&front = front, &rc = rc] { rc = cmd_front(front); });
+    c_prefill->callback([&worker = worker, &rc = rc] { rc = cmd_worker(worker, true); });
+    c_decode->callback([&worker = worker, &rc = rc] { rc = cmd_worker(worker, false); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    // cuda:N is the N-th NVIDIA GPU in PCI bus order, as `duet topo` numbers them
+    // (CUDA's own default puts the fastest first). Before anything touches CUDA.
+    setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID", 0);
+    CLI::App app{"duet: LLM inference on one box"};
+    app.require_subcommand(1);
+    app.set_version_flag("--version", "duet 0.1.0");
+    const std::string default_model = DUET_DEFAULT_MODEL;
+    Store store;
+    int rc = 0;
+    for (auto add : {add_run, add_inspect_model, add_bench, add_inspect_state, add_serving})
+        add(app, store, rc, default_model);
+    // The chosen command runs in its callback, at the end of parse.
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
         return app.exit(e);
-    }
-
-    try {
-        if (c_run->parsed()) return cmd_run(run);
-        if (c_info->parsed()) return cmd_info(info_model);
-        if (c_tok->parsed()) return cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
-        if (c_bm->parsed()) return cmd_bench_model(bench);
-        if (c_bsv->parsed()) return cmd_bench_serve(sb);
-        if (c_bc->parsed()) return cmd_bench_cuda(cb);
-        if (c_bk->parsed()) return cmd_bench_kv(kvb);
-        if (c_bs->parsed()) {
-            if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
-            return cmd_bench_shm(shm_bench);
-        }
-        if (c_ss->parsed()) return cmd_shm_status(shm_instance, shm_json);
-        if (c_kvi->parsed()) return cmd_kv_inspect(kv_file, kv_json);
-        if (c_kvv->parsed()) return cmd_kv_verify(kv_dir);
-        if (c_topo->parsed()) return cmd_topo(topo);
-        if (c_serve->parsed()) return cmd_serve(serve);
-        if (c_front->parsed()) return cmd_front(front);
-        if (c_prefill->parsed()) return cmd_worker(worker, true);
-        if (c_decode->parsed()) return cmd_worker(worker, false);
     } catch (const std::exception& e) {
         std::fprintf(stderr, "duet: %s\n", e.what());
         return 1;
     }
-    return 0;
+    return rc;
 }

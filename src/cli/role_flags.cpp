@@ -53,7 +53,8 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(16, 1 << 16));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
-    c.add_option("--prefill-workers", s.prefill_workers, "prefill processes (requests routed by cached prefix and queue)")
+    c.add_option("--prefill-workers", s.prefill_workers,
+                 "prefill processes (requests routed by cached prefix and queue)")
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     c.add_option(kDevice, s.device,

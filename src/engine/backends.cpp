@@ -105,7 +105,7 @@ Result<std::unique_ptr<DeviceKvMemory>> make_device_kv(const DeviceSpec& d, cons
 }
 
 Result<std::unique_ptr<DeviceKvMemory>> open_shared_kv(const std::string& instance, uint32_t arena, const DeviceSpec& d,
-                                                        uint64_t bytes) {
+                                                       uint64_t bytes) {
 #if DUET_HAVE_CUDA
     auto m = SharedKvArena::open(instance, arena, d.index, bytes);
     if (!m) return m.error();
@@ -120,7 +120,7 @@ Result<std::unique_ptr<DeviceKvMemory>> open_shared_kv(const std::string& instan
 }
 
 Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance, uint32_t arena,
-                                                      const DeviceSpec& access, uint64_t bytes) {
+                                                     const DeviceSpec& access, uint64_t bytes) {
 #if DUET_HAVE_CUDA
     auto m = SharedKvArena::open_peer(instance, arena, access.index, bytes);
     if (!m) return m.error();
@@ -136,7 +136,7 @@ Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance
 }
 
 Result<std::unique_ptr<DeviceKvMemory>> hold_legacy_kv(const std::string& instance, uint32_t arena, const DeviceSpec& d,
-                                                        uint64_t bytes) {
+                                                       uint64_t bytes) {
 #if DUET_HAVE_CUDA
     auto mode = kv_sharing(d.index);
     if (!mode) return mode.error();

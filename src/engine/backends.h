@@ -39,7 +39,7 @@ class DeviceKvMemory {
 public:
     virtual ~DeviceKvMemory() = default;
     virtual uint8_t* data() const = 0;
-    virtual int device() const = 0;          // the GPU the memory is on
+    virtual int device() const = 0;             // the GPU the memory is on
     virtual bool peer() const { return true; }  // open_peer_kv: reachable by peer access
 };
 
@@ -49,17 +49,17 @@ Result<std::unique_ptr<DeviceKvMemory>> make_device_kv(const DeviceSpec& d, cons
 // made and deposited with the instance's fd keeper by the first worker to ask
 // (cuda_arena.h SharedKvArena::open).
 Result<std::unique_ptr<DeviceKvMemory>> open_shared_kv(const std::string& instance, uint32_t arena, const DeviceSpec& d,
-                                                        uint64_t bytes);
+                                                       uint64_t bytes);
 // Arena `arena` as made by another GPU's worker, mapped for GPU `access` to copy into
 // (SharedKvArena::open_peer). Errors: not kept yet (the message says "not kept"),
 // CUDA failures.
 Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance, uint32_t arena,
-                                                      const DeviceSpec& access, uint64_t bytes);
+                                                     const DeviceSpec& access, uint64_t bytes);
 // The launcher's hold on arena `arena` of GPU `d`: where the GPU cannot export VMM
 // allocations as fds, the arena is made here and lives as long as the result does
 // (cuda_arena.h IpcKvArenaOwner); null where the workers make it themselves (VMM).
 Result<std::unique_ptr<DeviceKvMemory>> hold_legacy_kv(const std::string& instance, uint32_t arena, const DeviceSpec& d,
-                                                        uint64_t bytes);
+                                                       uint64_t bytes);
 
 struct BackendOptions {
     DeviceSpec device;

@@ -59,16 +59,18 @@ Result<WorkerCounts> worker_counts(const ServeSettings& s, int n_gpus, bool kv_s
     if (Status st = check_gpu_count(n_gpus); !st) return st.error();
     if (!kv_split) {
         if (s.prefill_workers != 1 || s.decode_workers != 1)
-            return make_error("--prefill-workers / --decode-workers: on GPUs there is a prefill and a decode worker per "
-                              "GPU (or, --kv-arenas per-role, prefill on the first --prefill-workers GPUs and decode on "
-                              "the rest)");
+            return make_error(
+                "--prefill-workers / --decode-workers: on GPUs there is a prefill and a decode worker per "
+                "GPU (or, --kv-arenas per-role, prefill on the first --prefill-workers GPUs and decode on "
+                "the rest)");
         return WorkerCounts{n_gpus, n_gpus};
     }
     const int n_decode = n_gpus - s.prefill_workers;
     if (n_decode < 1 || (s.decode_workers != 1 && s.decode_workers != n_decode))
-        return make_error("--kv-arenas per-role on {} GPUs: prefill on the first --prefill-workers ({}), decode on the "
-                          "others (at least one; --decode-workers, if given, their number)",
-                          n_gpus, s.prefill_workers);
+        return make_error(
+            "--kv-arenas per-role on {} GPUs: prefill on the first --prefill-workers ({}), decode on the "
+            "others (at least one; --decode-workers, if given, their number)",
+            n_gpus, s.prefill_workers);
     return WorkerCounts{s.prefill_workers, n_decode};
 }
 
@@ -83,14 +85,16 @@ Result<PlanOptions> placement_options(const ServeSettings& s, const ServeFacts& 
     if (gpus && kv_split) po.prefill_gpus = n.prefill;
     if (gpus) {
         if (!s.prefill_cpus.empty() || !s.decode_cpus.empty())
-            return make_error("--prefill-cpus and --decode-cpus place CPU workers; with --device the workers go on "
-                              "cores close to their GPU");
+            return make_error(
+                "--prefill-cpus and --decode-cpus place CPU workers; with --device the workers go on "
+                "cores close to their GPU");
         for (const GpuFacts& g : f.gpus) {
             for (const MachineGpu& m : f.machine.gpus)
                 if (!g.pci.empty() && m.pci == g.pci) po.devices.push_back(m.device);
             if (po.devices.size() != static_cast<size_t>(&g - f.gpus.data() + 1)) {
-                gpu_note = fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
-                                       g.device.name(), g.pci);
+                gpu_note =
+                    fmt::format(" ({} at PCI address '{}' not found on the PCI bus: workers placed as for the CPU)",
+                                g.device.name(), g.pci);
                 po.devices.clear();
                 break;
             }
@@ -225,9 +229,9 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
         plan.placed += fmt::format(", {} on CPUs {}", role_name_of(p, *po), format_cpu_list(p.cpus));
     // Each role's host arena on its workers' NUMA nodes (run_launcher).
     plan.bind_arenas = n_gpus == 0 && kv_split && f.machine.n_numa > 1;
-    plan.start_timeout_s =
-        s.start_timeout_s > 0 ? s.start_timeout_s
-                              : 60 + static_cast<int>(10.0 * static_cast<double>(f.model_file_bytes) / 1073741824.0);
+    plan.start_timeout_s = s.start_timeout_s > 0
+                               ? s.start_timeout_s
+                               : 60 + static_cast<int>(10.0 * static_cast<double>(f.model_file_bytes) / 1073741824.0);
     return plan;
 }
 
@@ -262,8 +266,10 @@ LaunchStep launch_step(LaunchState s, const LaunchInputs& in) {
         return out;
     }
     if (s == LaunchState::Draining) {
-        if (in.front_exited) out.next = LaunchState::Done;
-        else if (!in.front_killed && in.now_ns > in.drain_deadline_ns) out.kill_front = true;
+        if (in.front_exited)
+            out.next = LaunchState::Done;
+        else if (!in.front_killed && in.now_ns > in.drain_deadline_ns)
+            out.kill_front = true;
     }
     return out;
 }
@@ -327,7 +333,12 @@ class Launcher {
 public:
     Launcher(shm::Instance& inst, shm::ProcRef self, const ServeSettings& s, const ServePlan& plan,
              const ArgvBuilder& argv, const std::atomic<bool>& stop)
-        : inst_(inst), s_(s), plan_(plan), argv_(argv), stop_(stop), redrive_(inst, /*redrive=*/true),
+        : inst_(inst),
+          s_(s),
+          plan_(plan),
+          argv_(argv),
+          stop_(stop),
+          redrive_(inst, /*redrive=*/true),
           // Re-driven requests go back to prefill on the launcher's own rings (the
           // front's rings have one producer: the front), to the least busy worker.
           sup_(inst, self, [this](shm::ReqRef r) { (void)redrive_.send(r); }) {}

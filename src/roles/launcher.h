@@ -114,21 +114,21 @@ struct GpuFacts {
 };
 struct ServeFacts {
     Machine machine;
-    std::vector<GpuFacts> gpus;        // one per --device entry, in order (empty: the CPU)
-    int64_t n_ctx_train = 0;           // the model's context
-    KvLayout kv;                       // the model's KV layout in the settings' dtype
-    uint64_t gpu_weight_bytes = 0;     // the weights one GPU holds (bf16_weight_bytes)
-    uint64_t model_file_bytes = 0;     // for the default start timeout
-    int pid = 0;                       // for the default instance name
+    std::vector<GpuFacts> gpus;     // one per --device entry, in order (empty: the CPU)
+    int64_t n_ctx_train = 0;        // the model's context
+    KvLayout kv;                    // the model's KV layout in the settings' dtype
+    uint64_t gpu_weight_bytes = 0;  // the weights one GPU holds (bf16_weight_bytes)
+    uint64_t model_file_bytes = 0;  // for the default start timeout
+    int pid = 0;                    // for the default instance name
 };
 
 struct ServePlan {
-    ServeLayout layout;                // the instance (n_blocks planned here on GPUs)
-    std::vector<DeviceSpec> gpus;      // arena i is on gpus[i] (empty: the CPU)
-    std::vector<RoleLaunch> roles;     // prefill 0..P-1, decode 0..D-1, then the front: the start order
-    std::vector<std::string> notes;    // what the placement had to compromise
-    std::string placed;                // ", prefill on CPUs 0-1, decode on ..." for the listening line
-    std::string gpu_note;              // a GPU not found on the PCI bus: placed as for the CPU
+    ServeLayout layout;              // the instance (n_blocks planned here on GPUs)
+    std::vector<DeviceSpec> gpus;    // arena i is on gpus[i] (empty: the CPU)
+    std::vector<RoleLaunch> roles;   // prefill 0..P-1, decode 0..D-1, then the front: the start order
+    std::vector<std::string> notes;  // what the placement had to compromise
+    std::string placed;              // ", prefill on CPUs 0-1, decode on ..." for the listening line
+    std::string gpu_note;            // a GPU not found on the PCI bus: placed as for the CPU
     int start_timeout_s = 60;
     // CPU, per-role arenas, several NUMA nodes: each role's host arena is bound to its
     // workers' nodes (decode's pages are written first by prefill, the hand-off
@@ -156,9 +156,9 @@ const char* launch_state_name(LaunchState s);
 
 struct LaunchInputs {
     uint64_t now_ns = 0;
-    bool all_running = false;     // the front and every worker registered as running
-    bool stop = false;            // SIGTERM / SIGINT, or the launcher failed (a role given up on)
-    bool front_exited = false;    // Draining: the retired front was reaped
+    bool all_running = false;   // the front and every worker registered as running
+    bool stop = false;          // SIGTERM / SIGINT, or the launcher failed (a role given up on)
+    bool front_exited = false;  // Draining: the retired front was reaped
     uint64_t start_deadline_ns = 0;
     uint64_t drain_deadline_ns = 0;  // Draining: after it the front is killed
     bool front_killed = false;       // Draining: it was already
@@ -166,10 +166,10 @@ struct LaunchInputs {
 
 struct LaunchStep {
     LaunchState next = LaunchState::Starting;
-    bool announce = false;       // print the listening line
+    bool announce = false;         // print the listening line
     bool start_timed_out = false;  // Starting: not all running by the deadline (exit 1)
-    bool retire_front = false;   // begin the drain: SIGTERM the front, not to be restarted
-    bool kill_front = false;     // the front outlived its drain
+    bool retire_front = false;     // begin the drain: SIGTERM the front, not to be restarted
+    bool kill_front = false;       // the front outlived its drain
 };
 
 // One turn of the launcher's loop: Starting becomes Serving once every role runs
