@@ -2,7 +2,8 @@
 // the CUDA backend (src/cuda) in a build with DUET_HAVE_CUDA. Everything above the
 // engine (the workers, the launcher, the one-process Engine) makes backends and the
 // device memory their KV pools live in through these functions and never names a
-// CUDA type, so `#if DUET_HAVE_CUDA` appears in src/cuda and here only.
+// CUDA type, so in the product `#if DUET_HAVE_CUDA` appears in src/cuda and here
+// only (bench/cuda_cmd.cpp, a benchmark, has its own).
 //
 // In a build without CUDA every device query answers "no GPU" and every GPU request
 // fails with an error that says the build has no CUDA.

@@ -441,7 +441,6 @@ int Launcher::run(const std::string& model_id) {
     start_deadline_ = shm::monotonic_ns() + static_cast<uint64_t>(plan_.start_timeout_s) * kSecond;
     while (state_ != LaunchState::Done) {
         turn(model_id);
-        if (front_exited_ && state_ == LaunchState::Draining) state_ = LaunchState::Done;
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     sweep_orphans(inst_);

@@ -1,7 +1,8 @@
 // The process's stop request, one per process: SIGTERM and SIGINT set it (the
 // handler stores a flag and nothing else, being async-signal-safe), and SIGPIPE is
 // ignored (a write to a closed socket or pipe is then an error return, not a
-// death). Every role's main installs it first and polls it: `duet serve` drains,
+// death). Every role's command installs it before it starts serving and polls it:
+// `duet serve` drains,
 // `duet front` drains, `duet prefill` and `duet decode` stop.
 #pragma once
 
