@@ -2,8 +2,7 @@
 // handler stores a flag and nothing else, being async-signal-safe), and SIGPIPE is
 // ignored (a write to a closed socket or pipe is then an error return, not a
 // death). Every role's command installs it before it starts serving and polls it:
-// `duet serve` drains,
-// `duet front` drains, `duet prefill` and `duet decode` stop.
+// `duet serve` drains, `duet front` drains, `duet prefill` and `duet decode` stop.
 #pragma once
 
 #include <atomic>
