@@ -20,6 +20,10 @@ enum class ErrorKind : uint8_t {
     Other = 0,
     NoKvBlocks = 1,  // the KV arena has too few free blocks for what was asked
     Device = 2,      // the compute device failed (a CUDA error)
+    NotFound = 3,    // no such thing (a context id): HTTP 404
+    Exists = 4,      // the name is taken (a context id): HTTP 409
+    Invalid = 5,     // the request itself is wrong (a position past the end): HTTP 400
+    Limit = 6,       // a configured limit is reached (contexts, disk): HTTP 429
 };
 
 struct Error {

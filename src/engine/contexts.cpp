@@ -1,0 +1,461 @@
+#include "engine/contexts.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+
+namespace duet {
+
+namespace {
+
+uint64_t wall_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+uint64_t file_size_of(const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+std::vector<std::string> dir_entries(const std::string& dir) {
+    std::vector<std::string> out;
+    if (DIR* d = ::opendir(dir.c_str())) {
+        while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
+        ::closedir(d);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+Status make_dir(const std::string& dir) {
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+        return make_error("{}: cannot create: {}", dir, std::strerror(errno));
+    return {};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- BackendCompute
+
+Status BackendCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) {
+    const auto n = static_cast<int64_t>(tokens.size());
+    if (seq.n_tokens() >= n)
+        return make_error(ErrorKind::Invalid, "nothing to compute: the KV already holds {} of {} positions",
+                          seq.n_tokens(), n);
+    std::vector<float> logits;
+    while (seq.n_tokens() < n) {
+        const int64_t from = seq.n_tokens();
+        SeqBatch b{&seq, tokens.data() + from, static_cast<int32_t>(std::min(budget_, n - from)), false};
+        std::span<SeqBatch> pass(&b, 1);
+        if (Status st = kv_.reserve(pass); !st) return st;
+        if (Status st = backend_.forward(pass, logits); !st) {
+            kv_.unreserve(pass);
+            return st;
+        }
+    }
+    last = std::move(logits);
+    return {};
+}
+
+// ---------------------------------------------------------------- the store
+
+Result<std::unique_ptr<ContextStore>> ContextStore::open(KvPool& pool, KvLogSync& sync, ContextCompute& compute,
+                                                         const ContextStoreOptions& o) {
+    if (o.dir.empty()) return make_error("contexts: no directory");
+    if (Status st = make_dir(o.dir); !st) return st.error();
+    if (Status st = make_dir(o.dir + "/spill"); !st) return st.error();
+    std::unique_ptr<ContextStore> s(new ContextStore(pool, sync, compute, o));
+    if (Status st = s->recover(); !st) return st.error();
+    return s;
+}
+
+ContextStore::~ContextStore() {
+    for (auto& [id, c] : contexts_) c->seq.release(pool_);
+}
+
+Status ContextStore::recover() {
+    // Spills of the last run: their contexts were not durable, and are gone.
+    for (const std::string& f : dir_entries(o_.dir + "/spill"))
+        if (ends_with(f, ".kvblob") || f.find(".kvblob.tmp") != std::string::npos)
+            ::unlink((o_.dir + "/spill/" + f).c_str());
+    const std::vector<std::string> files = dir_entries(o_.dir);
+    for (const std::string& f : files) {
+        if (!ends_with(f, ".kvlog")) continue;
+        const std::string id = f.substr(0, f.size() - 6);
+        if (!check_context_name(id)) {
+            refused_.emplace_back(f, "not a context's log name");
+            continue;
+        }
+        LogScan scan;
+        auto log = KvLog::open(sync_, o_.dir, id, o_.id, nullptr, nullptr, &scan, o_.log);
+        if (!log) {
+            refused_.emplace_back(f, log.error().message);
+            continue;
+        }
+        auto c = std::make_unique<Context>();
+        c->id = id;
+        c->tokens = scan.tokens;
+        c->durable = true;
+        c->log = std::move(log).value();
+        c->created_ns = c->used_ns = wall_ns();
+        contexts_.emplace(id, std::move(c));
+    }
+    // Checkpoint blobs whose log is gone (a remove interrupted between the two unlinks).
+    for (const std::string& f : files) {
+        if (!ends_with(f, ".kvblob")) continue;
+        const std::string stem = f.substr(0, f.find('.'));
+        if (!contexts_.count(stem) && std::find(files.begin(), files.end(), stem + ".kvlog") == files.end())
+            ::unlink((o_.dir + "/" + f).c_str());
+    }
+    return {};
+}
+
+Result<ContextStore::Context*> ContextStore::find(const std::string& id) {
+    auto it = contexts_.find(id);
+    if (it == contexts_.end()) return make_error(ErrorKind::NotFound, "no context '{}'", id);
+    return it->second.get();
+}
+
+Status ContextStore::check_new_id(const std::string& id) {
+    if (Status st = check_context_name(id); !st) return make_error(ErrorKind::Invalid, "{}", st.error().message);
+    if (contexts_.count(id)) return make_error(ErrorKind::Exists, "context '{}' exists", id);
+    for (const auto& [f, why] : refused_)
+        if (f == id + ".kvlog")
+            return make_error(ErrorKind::Exists, "context '{}' has a log on disk that was refused: {}", id, why);
+    if (contexts_.size() >= o_.max_contexts)
+        return make_error(ErrorKind::Limit, "{} contexts, the most this server keeps (--contexts-max)",
+                          contexts_.size());
+    return {};
+}
+
+std::string ContextStore::spill_path(const std::string& id) const { return o_.dir + "/spill/" + id + ".kvblob"; }
+
+ContextInfo ContextStore::info_of(const Context& c) const {
+    ContextInfo i;
+    i.id = c.id;
+    i.n_tokens = static_cast<int64_t>(c.tokens.size());
+    i.durable = c.durable;
+    i.resident = c.resident;
+    if (c.log) {
+        i.disk_bytes = c.log->file_bytes();
+        if (c.log->header().generation > 0)
+            i.disk_bytes += file_size_of(fmt::format("{}/{}.{}.kvblob", o_.dir, c.id, c.log->header().generation));
+    } else if (!c.resident) {
+        i.disk_bytes = file_size_of(spill_path(c.id));
+    }
+    i.created_ns = c.created_ns;
+    i.used_ns = c.used_ns;
+    return i;
+}
+
+void ContextStore::touch(Context& c) {
+    c.lru = ++clock_;
+    c.used_ns = wall_ns();
+}
+
+bool ContextStore::make_room(const Context& keep, int64_t blocks) {
+    while (pool_.allocator().n_free() < blocks) {
+        // C4: the least recently used resident context other than `keep` gives way.
+        Context* victim = nullptr;
+        for (auto& [id, o] : contexts_)
+            if (o.get() != &keep && o->resident && o->seq.n_tokens() > 0 && (!victim || o->lru < victim->lru))
+                victim = o.get();
+        if (!victim || !evict_one(*victim)) return false;
+    }
+    return true;
+}
+
+Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
+    if (c.resident) return {};
+    const int64_t bt = pool_.layout().block_tokens;
+    const auto need = (static_cast<int64_t>(c.tokens.size()) + bt - 1) / bt;
+    if (!make_room(c, need))
+        return make_error(ErrorKind::NoKvBlocks, "context '{}' needs {} KV blocks to be restored, {} of {} are free",
+                          c.id, need, pool_.allocator().n_free(), pool_.allocator().n_blocks());
+    KvSeq seq;
+    if (c.durable) {
+        auto scan = kv_log_scan(c.log->path(), &o_.id, &pool_, &seq);
+        if (!scan) return scan.error();
+        if (scan->tokens != c.tokens) {
+            seq.release(pool_);
+            return make_error("context '{}': its log holds {} tokens, not the {} acknowledged", c.id,
+                              scan->tokens.size(), c.tokens.size());
+        }
+    } else if (!c.tokens.empty()) {
+        auto im = blob_import(spill_path(c.id), o_.id, pool_, seq);
+        if (!im) return im.error();
+        ::unlink(spill_path(c.id).c_str());
+        // Truncated while spilled: the blob holds more than the context now has.
+        seq.truncate(pool_, std::min(seq.n_tokens(), static_cast<int64_t>(c.tokens.size())));
+    }
+    if (usage) usage->restored += seq.n_tokens();
+    c.seq = std::move(seq);
+    c.resident = true;
+    return {};
+}
+
+Status ContextStore::evict_one(Context& c) {
+    if (!c.resident) return {};
+    if (!c.durable && c.seq.n_tokens() > 0) {
+        // Spilled whole: the KV of every position (positions past seq.n_tokens()
+        // were never computed and are computed again on restore).
+        auto w =
+            blob_write(spill_path(c.id), o_.id, pool_, c.seq, c.tokens, 0, static_cast<uint64_t>(c.seq.n_tokens()));
+        if (!w) return w.error();
+    }
+    c.seq.release(pool_);
+    c.resident = false;
+    ++evictions_;
+    return {};
+}
+
+Status ContextStore::compute(Context& c, ContextUsage* usage) {
+    const int64_t had = c.seq.n_tokens();
+    for (;;) {
+        Status st = compute_.extend(c.seq, c.tokens, c.logits);
+        if (st) break;
+        if (st.kind() != ErrorKind::NoKvBlocks) {
+            c.seq.truncate(pool_, had);
+            c.logits_valid = false;
+            return st;
+        }
+        // C4: other contexts give way, one block more each time (the pass needs at
+        // least one more than is free).
+        if (!make_room(c, pool_.allocator().n_free() + 1)) {
+            c.seq.truncate(pool_, had);
+            c.logits_valid = false;
+            return st;
+        }
+    }
+    if (usage) {
+        usage->prefilled += c.seq.n_tokens() - had;
+        usage->reused += had;
+    }
+    c.logits_valid = true;
+    return {};
+}
+
+// c resident; tokens appended to c.tokens, computed and logged, or nothing changes.
+Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, ContextUsage* usage) {
+    if (tokens.empty()) return {};
+    const size_t old = c.tokens.size();
+    c.tokens.insert(c.tokens.end(), tokens.begin(), tokens.end());
+    ContextUsage u;
+    Status st = compute(c, &u);
+    if (st && c.log) st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
+    if (!st) {
+        c.tokens.resize(old);
+        c.seq.truncate(pool_, std::min<int64_t>(c.seq.n_tokens(), static_cast<int64_t>(old)));
+        c.logits_valid = false;
+        return st;
+    }
+    if (c.log && c.log->should_compact())
+        if (Status cs = c.log->compact(pool_, c.seq, c.tokens); !cs)
+            std::fprintf(stderr, "duet: context '%s': compaction failed (the log stays as it was): %s\n", c.id.c_str(),
+                         cs.error().message.c_str());
+    if (usage) {
+        usage->prefilled += u.prefilled;
+        usage->reused += u.reused;
+    }
+    return {};
+}
+
+Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const int32_t> tokens, bool durable,
+                                         ContextUsage* usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Status st = check_new_id(id); !st) return st.error();
+    auto c = std::make_unique<Context>();
+    c->id = id;
+    c->durable = durable;
+    c->resident = true;
+    c->created_ns = wall_ns();
+    touch(*c);
+    if (durable) {
+        auto log = KvLog::create(sync_, o_.dir, id, o_.id, pool_.layout(), o_.log);
+        if (!log) return log.error();
+        c->log = std::move(log).value();
+    }
+    if (Status st = append_locked(*c, tokens, usage); !st) {
+        c->seq.release(pool_);
+        c->log.reset();
+        remove_files(id);
+        return st.error();
+    }
+    Context& ref = *c;
+    contexts_.emplace(id, std::move(c));
+    return info_of(ref);
+}
+
+Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    touch(**c);
+    if (Status st = make_resident(**c, usage); !st) return st.error();
+    if (Status st = append_locked(**c, tokens, usage); !st) return st.error();
+    return info_of(**c);
+}
+
+Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    Context& x = **c;
+    if (n_tokens < 0 || n_tokens > static_cast<int64_t>(x.tokens.size()))
+        return make_error(ErrorKind::Invalid, "n_tokens {}: context '{}' has {} tokens", n_tokens, id, x.tokens.size());
+    touch(x);
+    if (n_tokens == static_cast<int64_t>(x.tokens.size())) return info_of(x);
+    if (x.log)
+        if (Status st = x.log->truncate(static_cast<uint64_t>(n_tokens)); !st) return st.error();
+    x.tokens.resize(static_cast<size_t>(n_tokens));
+    if (x.resident) x.seq.truncate(pool_, std::min(x.seq.n_tokens(), n_tokens));
+    x.logits_valid = false;
+    return info_of(x);
+}
+
+Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
+                                       ContextUsage* usage) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto c = find(id);
+        if (!c) return c.error();
+        if (at < 0 || at > static_cast<int64_t>((*c)->tokens.size()))
+            return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, (*c)->tokens.size());
+    }
+    // Two durable records: a crash between them leaves the context truncated at
+    // `at` (each is a state the caller could have asked for).
+    auto t = truncate(id, at);
+    if (!t) return t.error();
+    return append(id, tokens, usage);
+}
+
+Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string& new_id, int64_t at, int durable,
+                                       ContextUsage* usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto p = find(id);
+    if (!p) return p.error();
+    Context& parent = **p;
+    if (at < 0) at = static_cast<int64_t>(parent.tokens.size());
+    if (at > static_cast<int64_t>(parent.tokens.size()))
+        return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, parent.tokens.size());
+    if (Status st = check_new_id(new_id); !st) return st.error();
+    touch(parent);
+    if (Status st = make_resident(parent, usage); !st) return st.error();
+    auto c = std::make_unique<Context>();
+    c->id = new_id;
+    c->durable = durable < 0 ? parent.durable : durable == 1;
+    c->resident = true;
+    c->created_ns = wall_ns();
+    touch(*c);
+    c->tokens.assign(parent.tokens.begin(), parent.tokens.begin() + at);
+    c->seq = parent.seq.fork(pool_);  // copy-on-write: writes past the fork point copy first
+    c->seq.truncate(pool_, std::min(c->seq.n_tokens(), at));
+    if (usage) usage->reused += c->seq.n_tokens();
+    auto fail = [&](const Error& e) -> Result<ContextInfo> {
+        c->seq.release(pool_);
+        c->log.reset();
+        remove_files(new_id);
+        return e;
+    };
+    if (c->durable) {
+        auto log = KvLog::create(sync_, o_.dir, new_id, o_.id, pool_.layout(), o_.log);
+        if (!log) return log.error();
+        c->log = std::move(log).value();
+    }
+    // Positions of the fork the parent had not computed yet (its last, after a
+    // truncate) are computed now, so the fork's log holds every position's KV.
+    if (c->seq.n_tokens() < at)
+        if (Status st = compute(*c, usage); !st) return fail(st.error());
+    if (c->log && at > 0)
+        if (Status st = c->log->append(pool_, c->seq, c->tokens, 0, static_cast<uint64_t>(at)); !st)
+            return fail(st.error());
+    Context& ref = *c;
+    contexts_.emplace(new_id, std::move(c));
+    return info_of(ref);
+}
+
+void ContextStore::remove_files(const std::string& id) {
+    const std::string log = o_.dir + "/" + id + ".kvlog";
+    ::unlink(log.c_str());  // first: without its log the context is gone
+    for (const std::string& f : dir_entries(o_.dir))
+        if (f.rfind(id + ".", 0) == 0 && (ends_with(f, ".kvblob") || f.find(".kvlog.tmp") != std::string::npos ||
+                                          f.find(".kvblob.tmp") != std::string::npos))
+            ::unlink((o_.dir + "/" + f).c_str());
+    ::unlink(spill_path(id).c_str());
+    (void)fsync_dir_of(log);
+}
+
+Status ContextStore::remove(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    (*c)->seq.release(pool_);
+    (*c)->log.reset();
+    remove_files(id);
+    contexts_.erase(id);
+    return {};
+}
+
+Result<std::vector<float>> ContextStore::next_logits(const std::string& id, ContextUsage* usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    Context& x = **c;
+    if (x.tokens.empty()) return make_error(ErrorKind::Invalid, "context '{}' is empty: no position to continue", id);
+    touch(x);
+    if (Status st = make_resident(x, usage); !st) return st.error();
+    if (!x.logits_valid) {
+        // The logits of the last position are not kept on disk: computed again from
+        // the KV before it (exact, C1).
+        const int64_t n = static_cast<int64_t>(x.tokens.size());
+        if (x.seq.n_tokens() >= n) {
+            x.seq.truncate(pool_, n - 1);
+            if (usage) usage->restored = std::max<int64_t>(0, usage->restored - 1);
+        }
+        if (Status st = compute(x, usage); !st) return st.error();
+    } else if (usage) {
+        usage->reused += static_cast<int64_t>(x.tokens.size());
+    }
+    return x.logits;
+}
+
+Status ContextStore::evict(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    return evict_one(**c);
+}
+
+Result<ContextInfo> ContextStore::info(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    return info_of(**c);
+}
+
+Result<std::vector<int32_t>> ContextStore::tokens(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    return (*c)->tokens;
+}
+
+std::vector<ContextInfo> ContextStore::list() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<ContextInfo> out;
+    for (const auto& [id, c] : contexts_) out.push_back(info_of(*c));
+    return out;
+}
+
+}  // namespace duet

@@ -1,0 +1,186 @@
+// Contexts: named token sequences whose KV the engine keeps, editable and durable
+// (DESIGN.md "Contexts"; the HTTP API /v1/contexts builds on this store).
+//
+// A context is its tokens and, while resident, their KV in the pool (a KvSeq).
+// Operations: create, append (only the new tokens are computed), truncate (O(1) on
+// the KV: blocks past the end are dropped), edit (truncate + append), fork
+// (copy-on-write: the fork shares its parent's blocks), remove, and next_logits (the
+// logits that continue the context, for generation). A durable context also has a
+// KV append log (src/kv/kv_log.h, rules in src/kv/KVLOG.md): an operation returns
+// only after its records are written and fdatasynced, so a context survives SIGKILL
+// of every process with exactly its acknowledged tokens, and is restored from the
+// log, not computed again. A context that is not durable lives in memory only.
+//
+// Rules (tests/contexts_test.cpp breaks each):
+// C1. Exact: after any sequence of operations, a context's next-token logits equal,
+//     bitwise, those of one fresh computation of its tokens (the backend's
+//     batch/chunking invariance: computing only new tokens, or recomputing the last
+//     position, gives the same bits).
+// C2. Durable when acknowledged: when create / append / truncate / edit / fork of a
+//     durable context returns OK, the log holds its tokens and KV; after a crash
+//     open() lists it with those tokens (a torn tail is cut to the last valid
+//     record; a corrupted log is refused with its reason and its files are kept,
+//     the other contexts serve).
+// C3. A failed operation changes nothing: the context keeps the tokens and KV it
+//     had (the log keeps its last durable state, or is poisoned by a failed
+//     fdatasync: then the context refuses every later operation, KVLOG.md W6).
+// C4. Idle contexts never starve the pool: when an operation needs blocks the pool
+//     lacks, resident contexts other than the one operated on are evicted, least
+//     recently used first (durable ones are dropped, their KV being on disk; the
+//     others are spilled to a blob first), and restored on their next use.
+// C5. Ids are 1..31 of [A-Za-z0-9_-] (the log header's name field), so an id never
+//     names a path outside the directory.
+//
+// The store serializes its operations (one mutex): an operation on a context is
+// never interleaved with another. Disk I/O runs on the caller's thread: in serving,
+// a thread that is not a compute worker's.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/result.h"
+#include "engine/kv_cache_manager.h"
+#include "kv/blob.h"
+#include "kv/kv_log.h"
+#include "kv/kv_pool.h"
+#include "model/backend.h"
+
+namespace duet {
+
+// Who computes a context's KV. extend() computes positions [seq.n_tokens(),
+// tokens.size()) of seq (its earlier positions are valid) and leaves the logits of
+// the last position in `last` (n_vocab floats). Errors of kind NoKvBlocks change
+// nothing (the store then evicts and tries again); others may leave seq shorter
+// than asked but never with invalid positions counted.
+class ContextCompute {
+public:
+    virtual ~ContextCompute() = default;
+    virtual Status extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) = 0;
+};
+
+// In one process: passes of up to `budget` tokens through a backend, each pass's
+// blocks reserved first (KvCacheManager).
+class BackendCompute final : public ContextCompute {
+public:
+    BackendCompute(Backend& backend, KvCacheManager& kv, int64_t budget = 512)
+        : backend_(backend), kv_(kv), budget_(budget) {}
+    Status extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) override;
+
+private:
+    Backend& backend_;
+    KvCacheManager& kv_;
+    int64_t budget_;
+};
+
+// Where an operation's KV came from (the API's usage says it).
+struct ContextUsage {
+    int64_t restored = 0;   // positions read back from disk (a log or a spill blob)
+    int64_t reused = 0;     // positions whose KV was already in memory
+    int64_t prefilled = 0;  // positions computed
+};
+
+struct ContextInfo {
+    std::string id;
+    int64_t n_tokens = 0;
+    bool durable = false;
+    bool resident = false;                 // KV in the pool now (else on disk)
+    uint64_t disk_bytes = 0;               // the log (and checkpoint) or the spill blob
+    uint64_t created_ns = 0, used_ns = 0;  // CLOCK_REALTIME
+};
+
+struct ContextStoreOptions {
+    std::string dir;             // logs (<id>.kvlog) and spills (spill/<id>.kvblob); created 0700 if missing
+    KvIdentity id;               // the model and tokenizer the KV belongs to
+    size_t max_contexts = 1024;  // create / fork past it: ErrorKind::Limit
+    KvLogOptions log;
+};
+
+class ContextStore {
+public:
+    // Opens the directory and lists every context whose log it holds (recovering
+    // each by KVLOG.md: torn tails cut, leftovers removed), not resident: the KV is
+    // read on first use. Logs that recovery refuses are listed by refused(), their
+    // files untouched. Spill blobs of a previous run are removed (those contexts
+    // were not durable).
+    static Result<std::unique_ptr<ContextStore>> open(KvPool& pool, KvLogSync& sync, ContextCompute& compute,
+                                                      const ContextStoreOptions& o);
+    ~ContextStore();  // releases every resident context's blocks; files stay
+    ContextStore(const ContextStore&) = delete;
+    ContextStore& operator=(const ContextStore&) = delete;
+
+    Result<ContextInfo> create(const std::string& id, std::span<const int32_t> tokens, bool durable,
+                               ContextUsage* usage = nullptr);
+    Result<ContextInfo> append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* usage = nullptr);
+    Result<ContextInfo> truncate(const std::string& id, int64_t n_tokens);
+    Result<ContextInfo> edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
+                             ContextUsage* usage = nullptr);
+    // A new context `new_id` holding the first `at` tokens of `id` (-1: all), sharing
+    // its blocks; durable like its parent unless `durable` says otherwise (0 / 1).
+    Result<ContextInfo> fork(const std::string& id, const std::string& new_id, int64_t at = -1, int durable = -1,
+                             ContextUsage* usage = nullptr);
+    // Drops its blocks and removes its files.
+    Status remove(const std::string& id);
+    // The logits of the position after the context's last (n_vocab floats): restores
+    // it if evicted, recomputing the last position when its logits are not at hand.
+    Result<std::vector<float>> next_logits(const std::string& id, ContextUsage* usage = nullptr);
+    // Gives its blocks back to the pool (durable: they are in the log; else spilled
+    // to a blob first). Restored on next use.
+    Status evict(const std::string& id);
+
+    Result<ContextInfo> info(const std::string& id);
+    Result<std::vector<int32_t>> tokens(const std::string& id);
+    std::vector<ContextInfo> list();
+    // Logs open() refused: (file name, reason).
+    const std::vector<std::pair<std::string, std::string>>& refused() const { return refused_; }
+    uint64_t evictions() const { return evictions_; }
+
+private:
+    struct Context {
+        std::string id;
+        std::vector<int32_t> tokens;
+        KvSeq seq;              // resident: positions [0, seq.n_tokens()) valid, seq.n_tokens() <= tokens.size()
+        bool resident = false;  // else its KV is on disk (log or spill)
+        bool durable = false;
+        std::unique_ptr<KvLog> log;
+        std::vector<float> logits;  // of position tokens.size() - 1, when logits_valid
+        bool logits_valid = false;
+        uint64_t created_ns = 0, used_ns = 0, lru = 0;
+    };
+    ContextStore(KvPool& pool, KvLogSync& sync, ContextCompute& compute, const ContextStoreOptions& o)
+        : pool_(pool), sync_(sync), compute_(compute), o_(o) {}
+    Status recover();
+    Result<Context*> find(const std::string& id);
+    Status check_new_id(const std::string& id);
+    ContextInfo info_of(const Context& c) const;
+    std::string spill_path(const std::string& id) const;
+    void touch(Context& c);
+    // Reads an evicted context's KV back (its log, or its spill blob).
+    Status make_resident(Context& c, ContextUsage* usage);
+    Status evict_one(Context& c);
+    // Evicts resident contexts other than `keep`, least recently used first, until
+    // the pool has `blocks` free. False when it cannot (nothing left to evict, or an
+    // eviction failed).
+    bool make_room(const Context& keep, int64_t blocks);
+    // Computes c's KV up to c.tokens.size(), evicting other contexts while the pool
+    // lacks blocks; on an error c.seq is cut back to what it had.
+    Status compute(Context& c, ContextUsage* usage);
+    Status append_locked(Context& c, std::span<const int32_t> tokens, ContextUsage* usage);
+    void remove_files(const std::string& id);
+
+    KvPool& pool_;
+    KvLogSync& sync_;
+    ContextCompute& compute_;
+    ContextStoreOptions o_;
+    std::mutex mu_;
+    std::map<std::string, std::unique_ptr<Context>> contexts_;
+    std::vector<std::pair<std::string, std::string>> refused_;
+    uint64_t clock_ = 0, evictions_ = 0;
+};
+
+}  // namespace duet
