@@ -350,11 +350,13 @@ struct KillScript {
     std::mt19937 rng;
     std::vector<int32_t> tokens;
     explicit KillScript(unsigned seed) : rng(seed) { tokens = ids(rng, 20); }  // op 0: create
-    // Op i > 0: (truncate to, tokens to append).
+    // Op i > 0: (truncate to, tokens to append): a truncation, an edit (both), or an
+    // append (no truncation).
     std::pair<int64_t, std::vector<int32_t>> next(int op) {
         const auto n = static_cast<int64_t>(tokens.size());
         if (n > 400) return {20, {}};
         if (op % 5 == 4 && n > 4) return {n - 3, {}};
+        if (op % 7 == 3 && n > 8) return {n / 2, ids(rng, static_cast<size_t>(2 + op % 5))};
         return {-1, ids(rng, static_cast<size_t>(1 + op % 7))};
     }
     void apply(const std::pair<int64_t, std::vector<int32_t>>& o) {
@@ -365,10 +367,10 @@ struct KillScript {
 
 }  // namespace
 
-TEST(Contexts, SigkillAtAnyMomentKeepsEveryAcknowledgedOperation) {
+TEST(Contexts, SigkillAtAnyMomentKeepsEveryAcknowledgedOperationAndEditsAreAtomic) {
     (void)model();  // loaded before the fork: the child starts at once
     std::mt19937 when(42);
-    for (int trial = 0; trial < 5; ++trial) {
+    for (int trial = 0; trial < 8; ++trial) {
         TmpDir d;
         int fds[2];
         ASSERT_EQ(::pipe(fds), 0);
@@ -383,8 +385,9 @@ TEST(Contexts, SigkillAtAnyMomentKeepsEveryAcknowledgedOperation) {
             for (int op = 0;; ++op) {
                 if (op > 0) {
                     auto o = script.next(op);
-                    const bool ok =
-                        o.first >= 0 ? rig.store->truncate("k", o.first).ok() : rig.store->append("k", o.second).ok();
+                    const bool ok = o.first < 0        ? rig.store->append("k", o.second).ok()
+                                    : o.second.empty() ? rig.store->truncate("k", o.first).ok()
+                                                       : rig.store->edit("k", o.first, o.second).ok();
                     if (!ok) ::_exit(3);
                     script.apply(o);
                 }
@@ -415,4 +418,24 @@ TEST(Contexts, SigkillAtAnyMomentKeepsEveryAcknowledgedOperation) {
             << " tokens; acknowledged " << acked.size() << ", in flight " << in_flight.size();
         rig.expect_exact("k", fmt::format("SIGKILL trial {} after {} operations", trial, last));
     }
+}
+
+// An edit is one record: a crash that tears it leaves the context as it was before,
+// never truncated and not appended.
+TEST(Contexts, ATornEditLeavesTheContextAsItWas) {
+    TmpDir d;
+    std::mt19937 rng(13);
+    const std::vector<int32_t> before = ids(rng, 60);
+    {
+        Rig rig(d.path, 128);
+        ASSERT_TRUE(rig.store->create("e", before, true).ok());
+        ASSERT_TRUE(rig.store->edit("e", 30, ids(rng, 10)).ok());
+        EXPECT_EQ(rig.store->tokens("e")->size(), 40u);
+    }
+    const std::string log = d.path + "/e.kvlog";
+    const uint64_t edit_bytes = 10 * CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token();
+    std::filesystem::resize_file(log, std::filesystem::file_size(log) - edit_bytes / 2);
+    Rig rig(d.path, 128);
+    EXPECT_EQ(*rig.store->tokens("e"), before);
+    rig.expect_exact("e", "a torn edit");
 }

@@ -326,18 +326,49 @@ Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_toke
 
 Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
                                        ContextUsage* usage) {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto c = find(id);
-        if (!c) return c.error();
-        if (at < 0 || at > static_cast<int64_t>((*c)->tokens.size()))
-            return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, (*c)->tokens.size());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    Context& x = **c;
+    if (at < 0 || at > static_cast<int64_t>(x.tokens.size()))
+        return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, x.tokens.size());
+    touch(x);
+    if (tokens.empty()) {  // an edit that appends nothing is a truncation
+        if (at < static_cast<int64_t>(x.tokens.size())) {
+            if (x.log)
+                if (Status st = x.log->truncate(static_cast<uint64_t>(at)); !st) return st.error();
+            x.tokens.resize(static_cast<size_t>(at));
+            if (x.resident) x.seq.truncate(pool_, std::min(x.seq.n_tokens(), at));
+            x.logits_valid = false;
+        }
+        return info_of(x);
     }
-    // Two durable records: a crash between them leaves the context truncated at
-    // `at` (each is a state the caller could have asked for).
-    auto t = truncate(id, at);
-    if (!t) return t.error();
-    return append(id, tokens, usage);
+    if (Status st = make_resident(x, usage); !st) return st.error();
+    // The state before, kept until the edit is durable (C3): a fork shares every
+    // block, so the edit's writes copy the blocks they change.
+    KvSeq before = x.seq.fork(pool_);
+    const std::vector<int32_t> before_tokens = x.tokens;
+    x.tokens.resize(static_cast<size_t>(at));
+    x.tokens.insert(x.tokens.end(), tokens.begin(), tokens.end());
+    x.seq.truncate(pool_, std::min(x.seq.n_tokens(), at));
+    ContextUsage u;
+    Status st = compute(x, &u);
+    // One record (KVLOG.md, APPEND before the end): the log holds the context before
+    // or after the edit, whatever happens to the process.
+    if (st && x.log) st = x.log->append(pool_, x.seq, x.tokens, static_cast<uint64_t>(at), tokens.size());
+    if (!st) {
+        x.seq.release(pool_);
+        x.seq = std::move(before);
+        x.tokens = before_tokens;
+        x.logits_valid = false;  // compute may have left the edit's logits there
+        return st.error();
+    }
+    before.release(pool_);
+    if (usage) {
+        usage->prefilled += u.prefilled;
+        usage->reused += u.reused;
+    }
+    return info_of(x);
 }
 
 Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string& new_id, int64_t at, int durable,

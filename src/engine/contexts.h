@@ -3,7 +3,8 @@
 //
 // A context is its tokens and, while resident, their KV in the pool (a KvSeq).
 // Operations: create, append (only the new tokens are computed), truncate (O(1) on
-// the KV: blocks past the end are dropped), edit (truncate + append), fork
+// the KV: blocks past the end are dropped), edit (truncate + append, one durable
+// step: one log record), fork
 // (copy-on-write: the fork shares its parent's blocks), remove, and next_logits (the
 // logits that continue the context, for generation). A durable context also has a
 // KV append log (src/kv/kv_log.h, rules in src/kv/KVLOG.md): an operation returns

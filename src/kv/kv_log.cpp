@@ -137,8 +137,9 @@ Result<LogHeader> log_header_decode(const uint8_t* p, size_t n) {
     if (const uint32_t c = crc32c(p, kOffHeaderCrc); c != h.crc)
         return make_error("header_crc: stored {:#010x}, computed {:#010x} (the log header is corrupt)", h.crc, c);
     h.version = get<uint32_t>(p, kOffVersion);
-    if (h.version != kLogVersion)
-        return make_error("version: the log is format version {}, this build reads version {}", h.version, kLogVersion);
+    if (h.version < kLogVersionMin || h.version > kLogVersion)
+        return make_error("version: the log is format version {}, this build reads versions {} to {}", h.version,
+                          kLogVersionMin, kLogVersion);
     if (uint32_t hb = get<uint32_t>(p, kOffHeaderBytes); hb != kLogHeaderBytes)
         return make_error("header_bytes: {}, expected {}", hb, kLogHeaderBytes);
     auto lay = kv_layout_get(p);
@@ -279,7 +280,19 @@ struct Scanner {
                     info.start = sn[0];
                     info.n = sn[1];
                     auto want_pb = append_payload_bytes(lay, sn[1]);
-                    const bool shape_ok = pb >= 16 && want_pb && *want_pb == pb && sn[0] == len;
+                    // An APPEND before the end is an edit (version 2): it replaces the
+                    // positions from its start.
+                    const bool shape_ok = pb >= 16 && want_pb && *want_pb == pb && sn[0] <= len;
+                    if (shape_ok && pool && sn[0] < len) {
+                        // The edit drops positions the state before it holds: checked
+                        // whole first, so a torn edit leaves the sequence as it was.
+                        auto ok = payload_crc_ok();
+                        if (!ok) return ok.error();
+                        if (!*ok) return fail_at(off, seqno, "payload CRC mismatch");
+                        seq->truncate(*pool, static_cast<int64_t>(sn[0]));
+                        out.tokens.resize(sn[0]);
+                        len = sn[0];
+                    }
                     if (!shape_ok || !pool) {
                         auto ok = payload_crc_ok();
                         if (!ok) return ok.error();
@@ -288,6 +301,8 @@ struct Scanner {
                             return nonsense(pb < 16 || !want_pb || *want_pb != pb
                                                 ? fmt::format("its size {} does not hold {} positions", pb, sn[1])
                                                 : fmt::format("appends at position {} to a context of {}", sn[0], len));
+                        out.tokens.resize(sn[0]);  // an edit drops the positions from its start
+                        len = sn[0];
                         const size_t t0 = out.tokens.size();
                         out.tokens.resize(t0 + sn[1]);
                         read(body + 16, out.tokens.data() + t0, sn[1] * 4);
@@ -483,7 +498,7 @@ void KvLogSync::commit(std::vector<Pending*>& batch) {
         for (Pending* p : g.items) {
             if (log.poisoned_) {
                 p->status = make_error("{}", log.poison_reason_);
-            } else if (p->type == LogRecordType::Append && p->start != len) {
+            } else if (p->type == LogRecordType::Append && p->start > len) {
                 p->status = make_error("{}: an append at position {} to a context of {} positions", log.path_,
                                        p->start, len);
             } else if (p->type == LogRecordType::Truncate && p->new_length > len) {

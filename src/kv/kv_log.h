@@ -33,7 +33,10 @@ namespace duet {
 
 constexpr size_t kLogHeaderBytes = 128;
 constexpr size_t kRecordHeaderBytes = 48;
-constexpr uint32_t kLogVersion = 1;
+// Version 2: an APPEND may start before the context's end (an edit: it replaces the
+// positions from its start). Version 1 files, which never do, are read as they are.
+constexpr uint32_t kLogVersion = 2;
+constexpr uint32_t kLogVersionMin = 1;
 constexpr uint32_t kRecordMagic = 0x4352564b;  // "KVRC" little-endian
 
 enum class LogRecordType : uint16_t { Append = 1, Truncate = 2, Checkpoint = 3 };
@@ -142,7 +145,10 @@ public:
     KvLog& operator=(const KvLog&) = delete;
 
     // Durably appends positions [start, start + n) of seq: tokens[start..] and the
-    // rows, gathered straight from the arena. start must be the log's length.
+    // rows, gathered straight from the arena. start is at most the log's length: one
+    // before it is an edit, one record that drops the positions from start and
+    // appends these (atomic: after a crash the log holds the context before or after
+    // it, never truncated and not appended).
     // Returns once the record's write and fdatasync completed. On an Error the log
     // keeps its last durable state (ENOSPC and other write errors: the partial
     // write is cut off again), or is poisoned (an fdatasync error: every later call

@@ -63,7 +63,7 @@ import json, os, sys
 j = json.loads('''$json''')
 h, r = j["header"], j["records"]
 assert j["kind"] == "log" and j["valid"] and not j["torn"] and "torn_at" not in j, j
-assert h["context"] == "demo" and h["generation"] == 1 and h["version"] == 1, h
+assert h["context"] == "demo" and h["generation"] == 1 and h["version"] == 2, h
 assert h["layout"]["dtype"] == "f16" and h["layout"]["block_tokens"] == 4, h
 assert [x["type"] for x in r] == ["CHECKPOINT", "APPEND", "TRUNCATE", "APPEND"], r
 assert r[0]["n_tokens"] == 5 and r[0]["blob"] == "demo.1.kvblob", r[0]
