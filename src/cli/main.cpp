@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench/contexts_bench.h"
 #include "bench/cuda_cmd.h"
 #include "bench/kv_bench.h"
 #include "bench/serve_bench.h"
@@ -166,6 +167,23 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
         ->check(CLI::Range(1, 100));
     c_bk->add_option("--kv-dtype", kvb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bk->add_flag("--json", kvb.json, "print one JSON object");
+
+    // duet bench contexts
+    auto& cxb = keep<ContextBenchArgs>(store);
+    cxb.model = default_model;
+    CLI::App* c_bcx = c_bench->add_subcommand(
+        "contexts", "the context store: edit, restart restore and multi-turn against re-prefilling the tokens");
+    c_bcx->add_option("-m,--model", cxb.model, "GGUF model file")->capture_default_str();
+    c_bcx->add_option("-t,--threads", cxb.threads, "compute threads")->capture_default_str()->check(CLI::Range(1, 1024));
+    c_bcx->add_option("--tokens", cxb.tokens, "the edited context's length")->capture_default_str()->check(CLI::Range(32, 1 << 20));
+    c_bcx->add_option("--restore-tokens", cxb.restore_tokens, "the restored context's length")->capture_default_str()->check(CLI::Range(16, 1 << 20));
+    c_bcx->add_option("--turns", cxb.turns, "multi-turn: turns")->capture_default_str()->check(CLI::Range(1, 1000));
+    c_bcx->add_option("--user-tokens", cxb.user_tokens, "multi-turn: tokens of each user message")->capture_default_str()->check(CLI::Range(1, 1 << 16));
+    c_bcx->add_option("--reply-tokens", cxb.reply_tokens, "multi-turn: tokens of each reply")->capture_default_str()->check(CLI::Range(1, 1 << 16));
+    c_bcx->add_option("-r,--repetitions", cxb.reps, "edits and restores (median kept)")->capture_default_str()->check(CLI::Range(1, 100));
+    c_bcx->add_option("--dir", cxb.dir, "directory for the logs (default: a new one under /var/tmp)");
+    c_bcx->add_flag("--json", cxb.json, "print one JSON object");
+    c_bcx->callback([&cxb = cxb, &rc = rc] { rc = cmd_bench_contexts(cxb); });
 
     // duet bench shm
     auto& shm_bench = keep<ShmBenchOptions>(store);
