@@ -22,6 +22,10 @@ constexpr const char* kPort = "--port";
 constexpr const char* kIoThreads = "--io-threads";
 constexpr const char* kGrace = "--grace";
 constexpr const char* kChatTemplate = "--chat-template";
+constexpr const char* kContextsDir = "--contexts-dir";
+constexpr const char* kContextsMax = "--contexts-max";
+const char* const kContextsDirHelp =
+    "keep contexts (/v1/contexts): their KV logs go here (mode 0700; created if missing); default: off";
 
 std::string with_short(const char* s, const char* l) { return std::string(s) + "," + l; }
 std::string negated(const char* l) { return std::string("!") + l; }
@@ -80,6 +84,10 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option("--decode-workers", s.decode_workers, "decode processes (hand-offs routed by batch room)")
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
+    c.add_option(kContextsDir, s.contexts_dir, kContextsDirHelp);
+    c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -91,6 +99,10 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kGrace, s.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kCpus, s.cpus, "pin the front (all its threads) to these CPUs");
+    c.add_option(kContextsDir, s.contexts_dir, kContextsDirHelp);
+    c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
@@ -126,6 +138,8 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kGrace, std::to_string(f->grace_s));
         put_if(kChatTemplate, f->chat_template);
         put_if(kCpus, f->cpus);
+        put_if(kContextsDir, f->contexts_dir);
+        put(kContextsMax, std::to_string(f->contexts_max));
         return a;
     }
     const auto& w = std::get<WorkerSettings>(r.settings);

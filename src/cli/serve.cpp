@@ -22,6 +22,7 @@
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
 #include "model/tokenizer.h"
+#include "roles/context_api.h"
 #include "roles/front.h"
 #include "roles/stop_signal.h"
 
@@ -105,6 +106,7 @@ int cmd_serve(const ServeSettings& settings) {
     auto tmpl = ChatTemplate::from_gguf((*model)->file(), settings.chat_template);
     if (!tmpl) return fail(tmpl.error().message);
     ServeSettings s = settings;
+    if (!s.contexts_dir.empty()) s.contexts_dir = std::filesystem::absolute(s.contexts_dir).string();
     if (s.port == 0) {
         auto p = free_port(s.host);
         if (!p) return fail(p.error().message);
@@ -157,6 +159,21 @@ int cmd_front(const FrontSettings& a) {
         fo.io_threads = a.io_threads;
         fo.model_id = std::filesystem::path(a.model).stem().string();
         Front front(*inst, *self, **tok, *tmpl, fo);
+        std::unique_ptr<ContextService> contexts;
+        if (!a.contexts_dir.empty()) {
+            std::error_code ec;
+            std::filesystem::create_directories(a.contexts_dir, ec);
+            std::filesystem::permissions(a.contexts_dir, std::filesystem::perms::owner_all,
+                                         std::filesystem::perm_options::replace, ec);
+            auto c = ContextService::open(*inst, *self, front.router(), **model, **tok, a.contexts_dir,
+                                          static_cast<size_t>(a.contexts_max));
+            if (!c) {
+                inst->registry().release(*self);
+                return fail(c.error().message);
+            }
+            contexts = std::move(c).value();
+            front.set_contexts(contexts.get());
+        }
         if (Status st = front.start(); !st) {
             inst->registry().release(*self);
             return fail(st.error().message);

@@ -202,6 +202,7 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
     if (usage) usage->restored += seq.n_tokens();
     c.seq = std::move(seq);
     c.resident = true;
+    compute_.resident(c.seq, c.tokens);
     return {};
 }
 
@@ -239,10 +240,11 @@ Status ContextStore::compute(Context& c, ContextUsage* usage) {
         }
     }
     if (usage) {
-        usage->prefilled += c.seq.n_tokens() - had;
-        usage->reused += had;
+        const int64_t again = std::min(had, compute_.recomputed());
+        usage->prefilled += c.seq.n_tokens() - had + again;
+        usage->reused += had - again;
     }
-    c.logits_valid = true;
+    c.logits_valid = !c.logits.empty();
     return {};
 }
 

@@ -59,10 +59,21 @@ namespace duet {
 // the last position in `last` (n_vocab floats). Errors of kind NoKvBlocks change
 // nothing (the store then evicts and tries again); others may leave seq shorter
 // than asked but never with invalid positions counted.
+// `last` may be left empty when the logits stay where they were computed (serving:
+// in the prefill worker); next_logits then computes them here. resident() is told
+// of every sequence restored from disk (serving publishes its blocks).
 class ContextCompute {
 public:
     virtual ~ContextCompute() = default;
     virtual Status extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) = 0;
+    virtual void resident(const KvSeq& seq, std::span<const int32_t> tokens) {
+        (void)seq;
+        (void)tokens;
+    }
+    // Positions before seq.n_tokens() the last extend() computed again (serving:
+    // the partial last block, which the prefix index does not hold): the usage
+    // counts them as computed, not reused.
+    virtual int64_t recomputed() const { return 0; }
 };
 
 // In one process: passes of up to `budget` tokens through a backend, each pass's

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_pool.h"
+#include "roles/context_api.h"
 #include "roles/metrics_text.h"
 #include "roles/openai.h"
 #include "roles/routing.h"
@@ -43,6 +44,7 @@ struct Waiter {
 struct Front::Impl {
     asio::io_context io;
     tcp::acceptor acceptor{io};
+    asio::thread_pool store{1};  // the contexts' blocking calls (disk, waits for prefill), one at a time
     std::mutex mu;
     std::vector<std::shared_ptr<Waiter>> waiters;
 
@@ -212,6 +214,12 @@ void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, 
 struct Completion {
     CompletionRequest r;
     bool chat = false;
+    // /v1/contexts/{id}/completions: the context's tokens go before the prompt, and
+    // (commit) the prompt and the output join the context before the reply ends.
+    std::string context;
+    std::vector<int32_t> context_tokens;  // put before the prompt
+    size_t context_len = 0;               // the context's length when the completion began
+    bool commit = true;
     uint64_t arrived = 0;  // the body read
     std::vector<int32_t> prompt;
     std::vector<Choice> ch;
@@ -290,7 +298,10 @@ struct FrontSession {
     // A completion, in the order it runs: parse and check the request, tokenize its
     // prompt, put its choices in the request table and send them to prefill, follow
     // them (streaming if asked) until all end, account for them, and reply.
-    static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat);
+    static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
+                                      std::string context = "");
+    static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
+    static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
     static std::variant<RequestParams, ApiError> request_params_of(Front& f, const Completion& c);
@@ -419,6 +430,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     const std::string js = "application/json";
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
+    if (path == "/v1/contexts" || path.rfind("/v1/contexts/", 0) == 0) co_return co_await contexts(f, stream, req, path);
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
         // Ready while a worker of each role runs (requests are routed around one being
@@ -494,12 +506,90 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     return m;
 }
 
-awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat) {
+// /v1/contexts routes: on the store thread (ContextService blocks), then back here
+// to write the reply.
+awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path) {
+    if (!f.opts_.contexts)
+        co_return co_await error(f, stream, req,
+                                 api_error(404, "not_found_error",
+                                           "contexts are off on this server (duet serve --contexts-dir DIR)", "", ""));
+    const std::string completions = "/completions";
+    if (req.method() == http::verb::post && path.size() > completions.size() &&
+        path.compare(path.size() - completions.size(), completions.size(), completions) == 0) {
+        const std::string id = path.substr(13, path.size() - 13 - completions.size());
+        co_return co_await completion(f, stream, req, false, id);
+    }
+    std::string target(req.target());
+    const auto q = target.find('?');
+    const std::string query = q == std::string::npos ? "" : target.substr(q + 1);
+    const std::string method(req.method_string());
+    ContextService& svc = *f.opts_.contexts;
+    ApiReply reply = co_await asio::co_spawn(
+        f.impl_->store,
+        [&]() -> awaitable<ApiReply> { co_return svc.handle(method, path, query, req.body()); }, use_awaitable);
+    if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+    co_return co_await write_response(stream, req, status_of(reply.status), std::move(reply.body), "application/json",
+                                      reply.status == 429);
+}
+
+// A context completion's prompt and output join the context (on the store thread).
+awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Completion& c) {
+    std::vector<int32_t> added(c.prompt.begin() + static_cast<std::ptrdiff_t>(c.context_len), c.prompt.end());
+    added.insert(added.end(), c.ch[0].out.begin(), c.ch[0].out.end());
+    ContextService& svc = *f.opts_.contexts;
+    ApiReply reply = co_await asio::co_spawn(
+        f.impl_->store,
+        [&]() -> awaitable<ApiReply> { co_return svc.commit(c.context, c.context_len, added); },
+        use_awaitable);
+    if (reply.status < 400) co_return std::nullopt;
+    auto j = nlohmann::json::parse(reply.body, nullptr, false);
+    std::string msg = j.is_object() && j.contains("error") ? j["error"].value("message", reply.body) : reply.body;
+    co_return api_error(reply.status, "server_error", "the completion was not added to the context: " + msg, "", "");
+}
+
+awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
+                                         std::string context) {
     Completion c;
     c.chat = chat;
     c.arrived = shm::monotonic_ns();
+    c.context = std::move(context);
+    if (!c.context.empty()) {
+        // "commit" is the contexts API's own field: taken out before the OpenAI parse.
+        auto body = nlohmann::json::parse(req.body(), nullptr, false);
+        if (body.is_object() && body.contains("commit")) {
+            if (!body["commit"].is_boolean())
+                co_return co_await error(f, stream, req,
+                                         api_error(400, "invalid_request_error", "commit: a boolean", "commit", ""));
+            c.commit = body["commit"].get<bool>();
+            body.erase("commit");
+            req.body() = body.dump();
+        }
+        ContextService& svc = *f.opts_.contexts;
+        auto toks = co_await asio::co_spawn(
+            f.impl_->store,
+            [&]() -> awaitable<std::variant<std::vector<int32_t>, ApiReply>> { co_return svc.tokens_of(c.context); },
+            use_awaitable);
+        if (auto* e = std::get_if<ApiReply>(&toks))
+            co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body),
+                                              "application/json", false);
+        c.context_tokens = std::move(std::get<std::vector<int32_t>>(toks));
+        c.context_len = c.context_tokens.size();
+        // No prompt: the completion continues the context itself. The OpenAI parse
+        // wants a prompt: the context's last token is moved into it.
+        const bool no_prompt = body.is_object() && (!body.contains("prompt") || body["prompt"] == "" ||
+                                                    (body["prompt"].is_array() && body["prompt"].empty()));
+        if (no_prompt && !c.context_tokens.empty()) {
+            body["prompt"] = nlohmann::json::array({c.context_tokens.back()});
+            c.context_tokens.pop_back();
+            req.body() = body.dump();
+        }
+    }
     if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
+    if (!c.context.empty() && c.r.n != 1)
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error", "n: a context completion has one choice", "n", ""));
     if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
+    if (!c.context_tokens.empty()) c.prompt.insert(c.prompt.begin(), c.context_tokens.begin(), c.context_tokens.end());
     auto params = request_params_of(f, c);
     if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
     if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
@@ -507,7 +597,15 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     c.created = static_cast<int64_t>(time(nullptr));
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     co_await follow(f, stream, c);
-    const Outcome o = finish(f, c);
+    Outcome o = finish(f, c);
+    if (!c.context.empty() && c.commit && !o.failed && !c.client_gone) {
+        // Before the reply ends ([DONE], or the body): acknowledged means durable.
+        if (auto e = co_await commit_context(f, c)) {
+            if (!c.r.stream) co_return co_await error(f, stream, req, *e);
+            co_await write_event(stream, error_json(*e));
+            co_return false;
+        }
+    }
     if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
     if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
     auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);

@@ -21,6 +21,8 @@
 
 namespace duet {
 
+class ContextService;
+
 struct FrontOptions {
     std::string host = "127.0.0.1";
     uint16_t port = 8080;  // 0: any free port
@@ -28,6 +30,9 @@ struct FrontOptions {
     std::string model_id;
     size_t max_body_bytes = 1 << 20;
     int request_timeout_s = 600;  // a request running longer is cancelled
+    // /v1/contexts (roles/context_api.h), null: off (404 that says how to turn it on).
+    // Its calls block: they run on a thread of the front's own, never an HTTP one.
+    ContextService* contexts = nullptr;
 };
 
 struct FrontCounters {
@@ -62,6 +67,10 @@ public:
     // returns false.
     bool send(shm::ReqRef r);
     FrontCounters& counters() { return counters_; }
+    // The router of this process's rings (one producer: every sender in the front
+    // shares it), for the context service; and the service, set before start().
+    PrefillRouter& router() { return router_; }
+    void set_contexts(ContextService* c) { opts_.contexts = c; }
 
 private:
     struct Impl;

@@ -156,6 +156,8 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.io_threads = s.io_threads;
             fs.grace_s = s.grace_s;
             fs.chat_template = s.chat_template;
+            fs.contexts_dir = s.contexts_dir;
+            fs.contexts_max = s.contexts_max;
             if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
             r.settings = fs;
             front = std::move(r);
@@ -199,6 +201,11 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
         return make_error("--ctx must be between 16 and the model's {} tokens", f.n_ctx_train);
     auto dtype = parse_kv_dtype(s.kv_dtype);
     if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
+    if (!s.contexts_dir.empty() && !f.gpus.empty())
+        return make_error("--contexts-dir: contexts are served on CPU arenas only so far");
+    if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))
+        return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
+                          kMaxServeWorkers - 1);
     ServePlan plan;
     for (const GpuFacts& g : f.gpus) plan.gpus.push_back(g.device);
     const int n_gpus = static_cast<int>(f.gpus.size());
@@ -219,6 +226,7 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     l.n_gpus = static_cast<uint32_t>(n_gpus);
     l.kv_split = kv_split;
     l.kv_dtype = *dtype;
+    l.contexts = !s.contexts_dir.empty();
     if (n_gpus > 0) {
         auto blocks = plan_gpu_blocks(s, f, n->prefill, kv_split);
         if (!blocks) return blocks.error();

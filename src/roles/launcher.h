@@ -64,6 +64,9 @@ struct ServeSettings {
     std::string kv_arenas = "shared";
     std::string kv_dtype = "f16";  // f16, int8, fp8 (ServeLayout::kv_dtype)
     bool cuda_qgemv = false;       // GPU workers: CudaBackendOptions::quantized_gemv
+    // Contexts (/v1/contexts): their logs' directory ("": off), and how many at most.
+    std::string contexts_dir;
+    int contexts_max = 1024;
 };
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
@@ -93,6 +96,8 @@ struct FrontSettings {
     int grace_s = 30;
     std::string chat_template;
     std::string cpus;  // pin the process (all its threads) here
+    std::string contexts_dir;  // "": no /v1/contexts
+    int contexts_max = 1024;
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
 };
 

@@ -35,10 +35,11 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     // arenas it hands off into.
     const auto b32 = static_cast<uint32_t>(blocks);
     if (l.n_gpus == 0) {
+        const uint32_t front = l.contexts ? 1 : 0;  // the front's context store, in arena 0
         if (!l.kv_split) {
-            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
+            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode + front, 0});
         } else {
-            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill, 0});
+            c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + front, 0});
             c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + n_decode, 0});
         }
         c.cpu_kv_bytes = block_bytes * blocks * c.arenas.size();

@@ -60,6 +60,9 @@ struct ServeLayout {
     // alone on the other n_decode (arena n_prefill + d); n_prefill + n_decode == n_gpus.
     bool kv_split = false;
     KvDtype kv_dtype = KvDtype::F16;  // how the arenas store KV values
+    // The front keeps contexts (roles/context_api.h): it is one more user of the CPU
+    // arena (arena 0), which then takes one worker fewer.
+    bool contexts = false;
 };
 
 // The shm instance for serving `model` with this layout.
@@ -112,6 +115,11 @@ struct RequestParams {
     uint32_t max_tokens = 128;
     uint32_t stop_at_eog = 1;
     int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
+    // A context's KV computation (the front's context store): prefill computes the
+    // prompt and, instead of handing off, gives the request's blocks to the client
+    // (its references moved to the client's arena user, the block table in the slot)
+    // and finishes. max_tokens is 1; the one output token is not part of the KV.
+    uint32_t keep_kv = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -400,6 +400,19 @@ void PrefillWorker::fail(Job& j) {
     release(j);
 }
 
+// keep_kv: the request's blocks (in the slot's block table already) become the
+// client's: each of our references moves to its arena user, so the KV outlives this
+// request and this process. A client that is gone gets nothing (ours are dropped by
+// release()).
+void PrefillWorker::give_kv_to_client(Job& j) {
+    const shm::ProcRef client = shm::ProcRef::unpack(inst_->requests().slot(j.req.slot).client.load(std::memory_order_relaxed));
+    const int32_t to = alloc_->arena().user_of(client);
+    if (to < 0) return;
+    std::vector<int32_t> blocks = j.seq.detach();
+    for (int32_t b : blocks)
+        if (!alloc_->arena().transfer(user_, static_cast<uint32_t>(to), b)) alloc_->unref(b);
+}
+
 void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
@@ -416,6 +429,10 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     if (st.ok()) st = t.append_blocks(r, handed.data(), static_cast<uint32_t>(handed.size()));
     if (!st.ok()) {
         fail(j);
+    } else if (j.params.keep_kv) {
+        give_kv_to_client(j);
+        t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
+        release(j);
     } else if (j.output.size() + 1 >= j.params.max_tokens || (j.params.stop_at_eog && tok_->is_eog(next)) ||
                t.cancelled(r)) {
         t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
@@ -483,7 +500,7 @@ PrefillPlan PrefillWorker::plan_pass() {
 void PrefillWorker::reserve_destinations(Pass& p) {
     for (size_t i = 0; i < p.batch.size();) {
         Job& j = jobs_[p.jobs[i]];
-        if (j.done + static_cast<size_t>(p.batch[i].n_tokens) < j.all.size()) {
+        if (j.params.keep_kv || j.done + static_cast<size_t>(p.batch[i].n_tokens) < j.all.size()) {
             p.exp.dest.push_back(-1);
             p.exp.dst_ids.emplace_back();
             ++i;

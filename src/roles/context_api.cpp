@@ -1,0 +1,347 @@
+#include "roles/context_api.h"
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "model/cpu_backend.h"
+#include "model/fingerprint.h"
+#include "roles/openai.h"
+#include "roles/wire.h"
+
+namespace duet {
+
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------- ServingCompute
+
+ServingCompute::ServingCompute(shm::Instance& inst, shm::ProcRef self, PrefillRouter& router, KvPool& pool,
+                               KvCacheManager& kv, uint64_t model_fingerprint)
+    : inst_(inst), self_(self), router_(router), pool_(pool), kv_(kv), fingerprint_(model_fingerprint) {}
+
+std::vector<shm::BlockHash> ServingCompute::hashes(std::span<const int32_t> tokens) const {
+    // As the prefill worker hashes a prompt (PrefillWorker::admit): chained over full
+    // blocks, with the model's fingerprint and no salt.
+    const auto bt = static_cast<size_t>(pool_.layout().block_tokens);
+    std::vector<shm::BlockHash> out;
+    shm::BlockHash h;
+    for (size_t at = 0; at + bt <= tokens.size(); at += bt) {
+        h = hasher_.hash(h, tokens.data() + at, bt, fingerprint_, {});
+        out.push_back(h);
+    }
+    return out;
+}
+
+void ServingCompute::resident(const KvSeq& seq, std::span<const int32_t> tokens) {
+    kv_.publish_prefix(seq, hashes(tokens.first(static_cast<size_t>(seq.n_tokens()))), 0, seq.n_tokens());
+}
+
+Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) {
+    last.clear();
+    const auto n = static_cast<int64_t>(tokens.size());
+    if (seq.n_tokens() >= n) return make_error(ErrorKind::Invalid, "nothing to compute");
+    // What we hold must be findable by prefill's prefix lookup.
+    resident(seq, tokens);
+    shm::RequestTable& t = inst_.requests();
+    if (n >= static_cast<int64_t>(t.max_tokens()))
+        return make_error(ErrorKind::Invalid, "the context would hold {} tokens; a request slot holds {} (--ctx)", n,
+                          t.max_tokens());
+    RequestParams p;
+    p.max_tokens = 1;
+    p.stop_at_eog = 0;
+    p.keep_kv = 1;
+    p.sampling.temperature = 0;
+    auto r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
+    if (!r) return make_error(ErrorKind::Limit, "the server is at capacity ({})", r.error().message);
+    if (!router_.send(*r)) {
+        t.transition(*r, shm::ReqState::Failed, shm::ReqState::Free);
+        return make_error("no prefill worker took the context's computation");
+    }
+    shm::ReqState st;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    for (;;) {
+        st = t.state(r->slot);
+        if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) break;
+        if (std::chrono::steady_clock::now() > deadline) {
+            t.cancel(*r);
+            continue;  // a cancelled request still ends
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    Status out;
+    const int64_t had = seq.n_tokens();
+    recomputed_ = 0;
+    if (st == shm::ReqState::Finished) {
+        // Prefill computed what its prefix lookup did not find (n_cached).
+        const int64_t cached = t.slot(r->slot).n_cached.load(std::memory_order_relaxed);
+        recomputed_ = std::max<int64_t>(0, had - cached);
+        // Our references now (give_kv_to_client moved prefill's to our arena user).
+        const uint32_t nb = t.slot(r->slot).n_blocks.load(std::memory_order_acquire);
+        std::vector<int32_t> blocks(t.blocks(r->slot), t.blocks(r->slot) + nb);
+        seq.release(pool_);
+        seq = KvSeq::adopt(std::move(blocks), n);
+    } else {
+        out = make_error("prefill failed the context's computation ({})",
+                         t.slot(r->slot).error_code.load(std::memory_order_relaxed));
+    }
+    t.transition(*r, st, shm::ReqState::Free);
+    return out;
+}
+
+// ---------------------------------------------------------------- the API
+
+namespace {
+
+ApiReply error_reply(int status, const std::string& message, const std::string& param = "") {
+    ApiError e;
+    e.status = status;
+    e.type = status == 404   ? "not_found_error"
+             : status == 409 ? "conflict_error"
+             : status == 429 ? "rate_limit_error"
+             : status >= 500 ? "server_error"
+                             : "invalid_request_error";
+    e.message = message;
+    e.param = param;
+    return {status, error_json(e)};
+}
+
+ApiReply error_reply(const Error& e) {
+    switch (e.kind) {
+        case ErrorKind::NotFound: return error_reply(404, e.message);
+        case ErrorKind::Exists: return error_reply(409, e.message, "id");
+        case ErrorKind::Invalid: return error_reply(400, e.message);
+        case ErrorKind::Limit: return error_reply(429, e.message);
+        case ErrorKind::NoKvBlocks: return error_reply(503, e.message);
+        default: return error_reply(500, e.message);
+    }
+}
+
+json info_json(const ContextInfo& i, const ContextUsage* u = nullptr) {
+    json j = {{"id", i.id},
+              {"object", "context"},
+              {"n_tokens", i.n_tokens},
+              {"durable", i.durable},
+              {"resident", i.resident},
+              {"disk_bytes", i.disk_bytes},
+              {"created", i.created_ns / 1000000000ull},
+              {"last_used", i.used_ns / 1000000000ull}};
+    if (u)
+        j["usage"] = {
+            {"restored_tokens", u->restored}, {"reused_tokens", u->reused}, {"prefilled_tokens", u->prefilled}};
+    return j;
+}
+
+ApiReply ok(int status, const json& j) { return {status, j.dump()}; }
+
+// The body's new tokens: "tokens" (ids) or "prompt" (text); "messages" is refused
+// with its reason.
+std::variant<std::vector<int32_t>, ApiReply> new_tokens(const json& b, const Tokenizer& tok, bool required) {
+    if (b.contains("messages"))
+        return error_reply(400, "messages: not supported for contexts yet; send \"prompt\" (text) or \"tokens\"",
+                           "messages");
+    if (b.contains("tokens")) {
+        if (!b["tokens"].is_array()) return error_reply(400, "tokens: an array of token ids", "tokens");
+        std::vector<int32_t> t;
+        for (const json& v : b["tokens"]) {
+            if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.n_vocab())
+                return error_reply(400, fmt::format("tokens: ids are integers in [0, {})", tok.n_vocab()), "tokens");
+            t.push_back(v.get<int32_t>());
+        }
+        return t;
+    }
+    if (b.contains("prompt")) {
+        if (!b["prompt"].is_string()) return error_reply(400, "prompt: a string", "prompt");
+        return tok.encode(b["prompt"].get<std::string>(), false, false);
+    }
+    if (required) return error_reply(400, "\"prompt\" or \"tokens\" is required");
+    return std::vector<int32_t>{};
+}
+
+std::variant<json, ApiReply> parse_body(const std::string& body) {
+    if (body.empty()) return json::object();
+    json b = json::parse(body, nullptr, false);
+    if (b.is_discarded() || !b.is_object()) return error_reply(400, "the body is not a JSON object");
+    return b;
+}
+
+std::variant<int64_t, ApiReply> int_field(const json& b, const char* name, int64_t fallback, bool required) {
+    if (!b.contains(name)) {
+        if (required) return error_reply(400, fmt::format("\"{}\" is required", name), name);
+        return fallback;
+    }
+    if (!b[name].is_number_integer()) return error_reply(400, fmt::format("{}: an integer", name), name);
+    return b[name].get<int64_t>();
+}
+
+std::string new_id() {
+    static std::mt19937_64 rng(std::random_device{}());
+    return fmt::format("ctx-{:012x}", rng() & 0xffffffffffffull);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst, shm::ProcRef self,
+                                                             PrefillRouter& router, const Model& model,
+                                                             const Tokenizer& tok, const std::string& dir,
+                                                             size_t max_contexts) {
+    if (inst.config().cpu_kv_bytes == 0)
+        return make_error("contexts: GPU arenas are not served yet (--contexts-dir is for CPU serving)");
+    std::unique_ptr<ContextService> s(new ContextService());
+    s->inst_ = &inst;
+    s->tok_ = &tok;
+    auto user = inst.arena(0).join(self);
+    if (!user) return make_error("contexts: the KV arena: {}", user.error().message);
+    s->user_ = *user;
+    s->joined_ = true;
+    auto dtype = kv_dtype_from(inst.config().kv_dtype);
+    if (!dtype) return dtype.error();
+    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(0), s->user_);
+    s->alloc_ = alloc.get();
+    s->pool_ = std::make_unique<KvPool>(CpuBackend::kv_layout(model, *dtype), inst.cpu_kv_data(0), std::move(alloc));
+    s->kv_ = std::make_unique<KvCacheManager>(*s->pool_, s->alloc_);
+    s->compute_ = std::make_unique<ServingCompute>(inst, self, router, *s->pool_, *s->kv_, model.fingerprint());
+    auto dev = UringLogDevice::create();
+    if (!dev) return dev.error();
+    s->dev_ = std::move(dev).value();
+    s->sync_ = std::make_unique<KvLogSync>(*s->dev_);
+    ContextStoreOptions o;
+    o.dir = dir;
+    o.id = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
+    o.max_contexts = max_contexts;
+    auto store = ContextStore::open(*s->pool_, *s->sync_, *s->compute_, o);
+    if (!store) return store.error();
+    s->store_ = std::move(store).value();
+    for (const auto& [file, why] : s->store_->refused())
+        std::fprintf(stderr, "duet front: context log %s/%s refused: %s\n", dir.c_str(), file.c_str(), why.c_str());
+    return s;
+}
+
+ContextService::~ContextService() {
+    store_.reset();  // gives the blocks back
+    kv_.reset();
+    pool_.reset();
+    if (joined_) inst_->arena(0).leave(user_);
+}
+
+ApiReply ContextService::create(const std::string& body) {
+    auto b = parse_body(body);
+    if (auto* e = std::get_if<ApiReply>(&b)) return *e;
+    const json& j = std::get<json>(b);
+    std::string id = new_id();
+    if (j.contains("id")) {
+        if (!j["id"].is_string()) return error_reply(400, "id: a string", "id");
+        id = j["id"].get<std::string>();
+    }
+    bool durable = true;
+    if (j.contains("durable")) {
+        if (!j["durable"].is_boolean()) return error_reply(400, "durable: a boolean", "durable");
+        durable = j["durable"].get<bool>();
+    }
+    auto toks = new_tokens(j, *tok_, false);
+    if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
+    ContextUsage u;
+    auto r = store_->create(id, std::get<std::vector<int32_t>>(toks), durable, &u);
+    if (!r) return error_reply(r.error());
+    return ok(201, info_json(*r, &u));
+}
+
+ApiReply ContextService::route_one(const std::string& method, const std::string& id, const std::string& op,
+                                   const std::string& query, const std::string& body) {
+    if (op.empty() && method == "GET") {
+        auto i = store_->info(id);
+        if (!i) return error_reply(i.error());
+        json j = info_json(*i);
+        if (query.find("tokens=true") != std::string::npos) j["tokens"] = *store_->tokens(id);
+        return ok(200, j);
+    }
+    if (op.empty() && method == "DELETE") {
+        if (Status st = store_->remove(id); !st) return error_reply(st.error());
+        return ok(200, {{"id", id}, {"object", "context"}, {"deleted", true}});
+    }
+    if (method != "POST" || op.empty()) return error_reply(405, fmt::format("{} is not allowed here", method));
+    auto b = parse_body(body);
+    if (auto* e = std::get_if<ApiReply>(&b)) return *e;
+    const json& j = std::get<json>(b);
+    ContextUsage u;
+    Result<ContextInfo> r = make_error(ErrorKind::NotFound, "no route");
+    if (op == "append" || op == "edit") {
+        auto toks = new_tokens(j, *tok_, op == "append");
+        if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
+        const auto& t = std::get<std::vector<int32_t>>(toks);
+        if (op == "append") {
+            r = store_->append(id, t, &u);
+        } else {
+            auto at = int_field(j, "at", 0, true);
+            if (auto* e = std::get_if<ApiReply>(&at)) return *e;
+            r = store_->edit(id, std::get<int64_t>(at), t, &u);
+        }
+    } else if (op == "truncate") {
+        auto n = int_field(j, "n_tokens", 0, true);
+        if (auto* e = std::get_if<ApiReply>(&n)) return *e;
+        r = store_->truncate(id, std::get<int64_t>(n));
+    } else if (op == "fork") {
+        auto at = int_field(j, "at", -1, false);
+        if (auto* e = std::get_if<ApiReply>(&at)) return *e;
+        std::string fid = new_id();
+        if (j.contains("id")) {
+            if (!j["id"].is_string()) return error_reply(400, "id: a string", "id");
+            fid = j["id"].get<std::string>();
+        }
+        int durable = -1;
+        if (j.contains("durable")) {
+            if (!j["durable"].is_boolean()) return error_reply(400, "durable: a boolean", "durable");
+            durable = j["durable"].get<bool>() ? 1 : 0;
+        }
+        if (std::get<int64_t>(at) < -1) return error_reply(400, "at: a position, 0 or more", "at");
+        r = store_->fork(id, fid, std::get<int64_t>(at), durable, &u);
+        if (r) return ok(201, info_json(*r, &u));
+    } else {
+        return error_reply(404, fmt::format("no route for POST /v1/contexts/{}/{}", id, op));
+    }
+    if (!r) return error_reply(r.error());
+    return ok(200, info_json(*r, &u));
+}
+
+ApiReply ContextService::handle(const std::string& method, const std::string& path, const std::string& query,
+                                const std::string& body) {
+    const std::string base = "/v1/contexts";
+    if (path == base || path == base + "/") {
+        if (method == "POST") return create(body);
+        if (method == "GET") {
+            json data = json::array();
+            for (const ContextInfo& i : store_->list()) data.push_back(info_json(i));
+            return ok(200, {{"object", "list"}, {"data", data}});
+        }
+        return error_reply(405, fmt::format("{} is not allowed on {}", method, base));
+    }
+    std::string rest = path.substr(base.size() + 1);
+    std::string id = rest, op;
+    if (auto slash = rest.find('/'); slash != std::string::npos) {
+        id = rest.substr(0, slash);
+        op = rest.substr(slash + 1);
+    }
+    return route_one(method, id, op, query, body);
+}
+
+std::variant<std::vector<int32_t>, ApiReply> ContextService::tokens_of(const std::string& id) {
+    auto t = store_->tokens(id);
+    if (!t) return error_reply(t.error());
+    return *t;
+}
+
+ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added) {
+    auto t = store_->tokens(id);
+    if (!t) return error_reply(t.error());
+    if (t->size() != context_tokens)
+        return error_reply(409, fmt::format("context '{}' changed during the completion ({} tokens, was {}): the "
+                                            "completion was not added",
+                                            id, t->size(), context_tokens));
+    ContextUsage u;
+    auto r = store_->append(id, added, &u);
+    if (!r) return error_reply(r.error());
+    return ok(200, info_json(*r, &u));
+}
+
+}  // namespace duet

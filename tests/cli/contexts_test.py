@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""/v1/contexts end to end over HTTP on the real model (Python standard library only).
+
+`duet serve --contexts-dir DIR`, then: every endpoint and its errors; the exactness
+property over seeded random operations (after each, a completion on the context gives
+the same logprobs, to the last digit, as a plain completion of its tokens); fork
+isolation; a context completion's tokens joining the context (and not, with
+"commit": false); a SIGKILLed decode worker during a context's generation (the stream
+completes identically, the context holds exactly the committed tokens); SIGKILL of
+the whole process group after acknowledged operations, a restart with the same
+directory, every durable context intact and restored from its log (the append's
+usage says how many tokens were read back and how many computed).
+
+Usage: contexts_test.py path/to/duet [n_ops]
+"""
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+DUET = sys.argv[1]
+N_OPS = int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ.get("DUET_CONTEXT_OPS", "200"))
+
+
+def fail(msg):
+    print("FAIL:", msg, file=sys.stderr)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def request(port, method, path, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read().decode() or "null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode() or "null")
+
+
+def ok(port, method, path, body=None, want=200):
+    st, j = request(port, method, path, body)
+    check(st == want, f"{method} {path} {body}: {st} {j}")
+    return j
+
+
+def stream_text(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(dict(body, stream=True)).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    text, done = "", False
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().rstrip("\n")
+            if not line.startswith("data: "):
+                continue
+            if line[6:] == "[DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            check("error" not in ev, f"stream error {ev}")
+            for ch in ev.get("choices", []):
+                text += ch.get("text", "")
+    check(done, "the stream did not end with [DONE]")
+    return text
+
+
+class Server:
+    def __init__(self, cdir, instance):
+        self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "16", "--instance",
+                                   instance, "--contexts-dir", cdir, "--grace", "5"],
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.instance = instance
+        deadline = time.time() + 120
+        self.port = None
+        while time.time() < deadline and self.port is None:
+            line = self.p.stderr.readline()
+            if not line:
+                fail("the server exited before listening")
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+        check(self.port, "no 'listening on' line")
+
+    def pids(self, role):
+        out = subprocess.run([DUET, "shm", "status", self.instance, "--json"], capture_output=True, text=True,
+                             check=True)
+        return [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == role]
+
+    def kill_all(self):  # SIGKILL of the whole process group: launcher, front, workers
+        os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+        for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
+            for d in ("/dev/shm", "/dev/hugepages"):
+                if os.path.exists(os.path.join(d, f)):
+                    os.unlink(os.path.join(d, f))
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+
+
+def next_logprobs(port, cid):
+    """A context completion of one token with logprobs, not committed."""
+    j = ok(port, "POST", f"/v1/contexts/{cid}/completions",
+           {"max_tokens": 1, "temperature": 0, "logprobs": 5, "commit": False})
+    return j["choices"][0]["logprobs"]
+
+
+def plain_logprobs(port, tokens):
+    j = ok(port, "POST", "/v1/completions", {"prompt": tokens, "max_tokens": 1, "temperature": 0, "logprobs": 5})
+    return j["choices"][0]["logprobs"]
+
+
+def tokens_of(port, cid):
+    return ok(port, "GET", f"/v1/contexts/{cid}?tokens=true")["tokens"]
+
+
+def expect_exact(port, cid, after):
+    t = tokens_of(port, cid)
+    if not t:
+        return
+    a, b = next_logprobs(port, cid), plain_logprobs(port, t)
+    check(a == b, f"context {cid} ({len(t)} tokens) after {after}: logprobs {a} differ from a plain completion's {b}")
+
+
+def endpoints_and_errors(port):
+    j = ok(port, "POST", "/v1/contexts", {"id": "doc", "prompt": "The capital of France is Paris. The capital of Italy is"},
+           want=201)
+    check(j["n_tokens"] == 12 and j["durable"] and j["usage"]["prefilled_tokens"] == 12, f"create {j}")
+    anon = ok(port, "POST", "/v1/contexts", {"tokens": [504, 3575, 282], "durable": False}, want=201)
+    check(anon["id"].startswith("ctx-") and not anon["durable"], f"a server-picked id {anon}")
+    ids = sorted(c["id"] for c in ok(port, "GET", "/v1/contexts")["data"])
+    check(ids == sorted(["doc", anon["id"]]), f"list {ids}")
+    j = ok(port, "POST", "/v1/contexts/doc/append", {"prompt": " Rome."})
+    check(j["n_tokens"] > 12 and j["usage"]["prefilled_tokens"] == j["n_tokens"], f"append (no full block yet) {j}")
+    n = j["n_tokens"]
+    # A context completion continues the context, and its tokens join it.
+    text = ok(port, "POST", "/v1/contexts/doc/completions", {"prompt": " The capital of Germany is", "max_tokens": 4,
+                                                             "temperature": 0})["choices"][0]["text"]
+    t = tokens_of(port, "doc")
+    check(len(t) > n + 4, f"the completion's prompt and 4 tokens joined the context: {len(t)} vs {n}")
+    plain = ok(port, "POST", "/v1/completions", {"prompt": t[:len(t) - 4], "max_tokens": 4, "temperature": 0})
+    check(plain["choices"][0]["text"] == text, f"context completion {text!r} vs plain {plain['choices'][0]['text']!r}")
+    before = tokens_of(port, "doc")
+    ok(port, "POST", "/v1/contexts/doc/completions", {"max_tokens": 3, "temperature": 0, "commit": False})
+    check(tokens_of(port, "doc") == before, "commit: false leaves the context as it was")
+    streamed = stream_text(port, "/v1/contexts/doc/completions", {"max_tokens": 5, "temperature": 0})
+    check(len(tokens_of(port, "doc")) == len(before) + 5, "a streamed completion joins the context by [DONE]")
+    check(streamed, "streamed text")
+    # truncate, edit, fork, delete.
+    check(ok(port, "POST", "/v1/contexts/doc/truncate", {"n_tokens": 7})["n_tokens"] == 7, "truncate")
+    check(tokens_of(port, "doc") == before[:7], "truncate keeps the first tokens")
+    j = ok(port, "POST", "/v1/contexts/doc/edit", {"at": 5, "tokens": [11, 12, 13]})
+    check(tokens_of(port, "doc") == before[:5] + [11, 12, 13], f"edit {j}")
+    f = ok(port, "POST", "/v1/contexts/doc/fork", {"id": "doc2", "at": 6}, want=201)
+    check(f["n_tokens"] == 6 and tokens_of(port, "doc2") == before[:5] + [11], f"fork {f}")
+    ok(port, "POST", "/v1/contexts/doc2/append", {"tokens": [99, 98]})
+    check(tokens_of(port, "doc") == before[:5] + [11, 12, 13], "a fork's edits never change its parent")
+    expect_exact(port, "doc", "its fork's append")
+    expect_exact(port, "doc2", "its append")
+    ok(port, "DELETE", f"/v1/contexts/{anon['id']}")
+    # Errors: OpenAI error JSON with the right status.
+    for method, path, body, want in [
+        ("POST", "/v1/contexts", {"id": "doc"}, 409),
+        ("POST", "/v1/contexts", {"id": "../x"}, 400),
+        ("POST", "/v1/contexts", {"id": "x" * 40}, 400),
+        ("POST", "/v1/contexts", {"id": 5}, 400),
+        ("POST", "/v1/contexts", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+        ("GET", "/v1/contexts/nope", None, 404),
+        ("DELETE", "/v1/contexts/nope", None, 404),
+        ("POST", "/v1/contexts/nope/append", {"tokens": [1]}, 404),
+        ("POST", "/v1/contexts/doc/append", {}, 400),
+        ("POST", "/v1/contexts/doc/append", {"tokens": [-1]}, 400),
+        ("POST", "/v1/contexts/doc/append", {"tokens": [10 ** 9]}, 400),
+        ("POST", "/v1/contexts/doc/truncate", {"n_tokens": 999}, 400),
+        ("POST", "/v1/contexts/doc/truncate", {}, 400),
+        ("POST", "/v1/contexts/doc/edit", {"tokens": [1]}, 400),
+        ("POST", "/v1/contexts/doc/fork", {"id": "doc2"}, 409),
+        ("POST", "/v1/contexts/doc/fork", {"at": 99}, 400),
+        ("POST", "/v1/contexts/doc/frobnicate", {}, 404),
+        ("POST", "/v1/contexts/nope/completions", {"max_tokens": 1}, 404),
+        ("POST", "/v1/contexts/doc/completions", {"max_tokens": 1, "n": 2}, 400),
+        ("POST", "/v1/contexts/doc/completions", {"max_tokens": 1, "commit": "yes"}, 400),
+    ]:
+        st, j = request(port, method, path, body)
+        check(st == want and isinstance(j, dict) and "error" in j and j["error"]["message"],
+              f"{method} {path} {body}: {st} {j}, expected {want} with an error message")
+    check(tokens_of(port, "doc") == before[:5] + [11, 12, 13], "refused requests change nothing")
+    print("endpoints and errors: ok")
+
+
+def random_operations(port, n_ops):
+    rng = random.Random(20261201)
+    live, made = [], 0
+    for op in range(n_ops):
+        kind = rng.randrange(7) if live else 0
+        cid = rng.choice(live) if live else None
+        n = len(tokens_of(port, cid)) if cid else 0
+        new = [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 24))]
+        if kind == 0 and len(live) < 5:
+            cid = f"r{made}"
+            made += 1
+            ok(port, "POST", "/v1/contexts", {"id": cid, "tokens": new, "durable": rng.random() < 0.7}, want=201)
+            live.append(cid)
+        elif kind <= 2 and n < 300:
+            ok(port, "POST", f"/v1/contexts/{cid}/append", {"tokens": new})
+        elif kind == 3:
+            ok(port, "POST", f"/v1/contexts/{cid}/truncate", {"n_tokens": rng.randrange(0, n + 1)})
+        elif kind == 4:
+            ok(port, "POST", f"/v1/contexts/{cid}/edit", {"at": rng.randrange(0, n + 1), "tokens": new})
+        elif kind == 5 and len(live) < 5:
+            fid = f"r{made}"
+            made += 1
+            ok(port, "POST", f"/v1/contexts/{cid}/fork", {"id": fid, "at": rng.randrange(0, n + 1)}, want=201)
+            live.append(fid)
+            cid = fid
+        elif kind == 6 and 0 < n < 300:
+            ok(port, "POST", f"/v1/contexts/{cid}/completions", {"max_tokens": rng.randrange(1, 6), "temperature": 0})
+        elif len(live) > 1:
+            ok(port, "DELETE", f"/v1/contexts/{cid}")
+            live.remove(cid)
+            continue
+        expect_exact(port, cid, f"operation {op}")
+    for cid in live:
+        ok(port, "DELETE", f"/v1/contexts/{cid}")
+    print(f"{n_ops} random operations, each checked against a plain completion: ok")
+
+
+def decode_killed_mid_generation(srv):
+    port = srv.port
+    ok(port, "POST", "/v1/contexts", {"id": "gen", "prompt": "Once upon a time, in a land far away,"}, want=201)
+    t0 = tokens_of(port, "gen")
+    want = ok(port, "POST", "/v1/completions", {"prompt": t0, "max_tokens": 48, "temperature": 0,
+                                                "ignore_eos": True})["choices"][0]["text"]
+    got, err = [], []
+
+    def run():
+        try:
+            got.append(stream_text(port, "/v1/contexts/gen/completions",
+                                   {"max_tokens": 48, "temperature": 0, "ignore_eos": True}))
+        except Exception as e:  # reported below
+            err.append(repr(e))
+
+    import threading
+    th = threading.Thread(target=run)
+    th.start()
+    time.sleep(0.4)
+    for pid in srv.pids("decode"):
+        os.kill(pid, signal.SIGKILL)
+    th.join(120)
+    check(not err and got, f"the stream failed: {err}")
+    check(got[0] == want, f"after decode's SIGKILL the stream says {got[0]!r}, undisturbed {want!r}")
+    check(len(tokens_of(port, "gen")) == len(t0) + 48, "the context holds exactly the committed tokens")
+    expect_exact(port, "gen", "a decode worker's SIGKILL")
+    print("decode SIGKILLed during a context's generation: the stream and the context are exact")
+
+
+def main():
+    cdir = tempfile.mkdtemp(prefix="duet-contexts-e2e-")
+    instance = f"duet-contexts-test-{os.getpid()}"
+    try:
+        srv = Server(cdir, instance)
+        try:
+            endpoints_and_errors(srv.port)
+            random_operations(srv.port, N_OPS)
+            decode_killed_mid_generation(srv)
+            # Acknowledged state, then SIGKILL of every process.
+            ok(srv.port, "POST", "/v1/contexts", {"id": "big", "tokens": list(range(1000, 1300))}, want=201)
+            ok(srv.port, "POST", "/v1/contexts", {"id": "gone", "tokens": [5, 6, 7], "durable": False}, want=201)
+            kept = {c["id"]: tokens_of(srv.port, c["id"]) for c in ok(srv.port, "GET", "/v1/contexts")["data"]
+                    if c["durable"]}
+            lp_before = next_logprobs(srv.port, "big")
+        finally:
+            srv.kill_all()
+        srv = Server(cdir, instance + "-2")
+        try:
+            listed = {c["id"]: c for c in ok(srv.port, "GET", "/v1/contexts")["data"]}
+            check(set(listed) == set(kept), f"after SIGKILL of every process: {sorted(listed)} vs {sorted(kept)}")
+            for cid, t in kept.items():
+                check(tokens_of(srv.port, cid) == t, f"context {cid} lost acknowledged tokens")
+                check(not listed[cid]["resident"], f"{cid} is restored on first use")
+            j = ok(srv.port, "POST", "/v1/contexts/big/append", {"tokens": [7]})
+            # 300 = 18 full blocks + 12: prefill computes the partial last block again
+            # (the prefix index holds full blocks only) and the new token.
+            check(j["usage"]["restored_tokens"] == 300 and j["usage"]["prefilled_tokens"] == 13,
+                  f"restored from the log, only the partial block and the new token computed: {j['usage']}")
+            ok(srv.port, "POST", "/v1/contexts/big/truncate", {"n_tokens": 300})
+            check(next_logprobs(srv.port, "big") == lp_before, "the next token's logprobs after the restart")
+            for cid in kept:
+                expect_exact(srv.port, cid, "SIGKILL of every process and a restart")
+            print(f"SIGKILL of every process: {len(kept)} durable contexts intact, restored from their logs")
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(cdir, ignore_errors=True)
+    print("contexts e2e: ok")
+
+
+if __name__ == "__main__":
+    main()
