@@ -6,11 +6,15 @@ own exception types for our error responses.
 
 Usage: openai_client_test.py path/to/duet   (run with the venv's python)
 """
+import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
+import urllib.request
 
 import openai
 
@@ -24,7 +28,8 @@ def check(cond, msg):
         sys.exit(1)
 
 
-server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", INSTANCE],
+CONTEXTS = tempfile.mkdtemp(prefix="duet-openai-contexts-")
+server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", INSTANCE, "--contexts-dir", CONTEXTS],
                           stderr=subprocess.PIPE, text=True)
 try:
     port = None
@@ -86,7 +91,25 @@ try:
     except openai.NotFoundError as e:
         check(e.status_code == 404, "404")
     print("errors as the client's exceptions: ok")
+
+    # A context through the client: its completions route as base_url (extra_body for
+    # the contexts API's own fields), created and read with plain HTTP.
+    def http(method, path, body=None):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read().decode())
+    http("POST", "/v1/contexts", {"id": "doc", "prompt": "The capital of France is"})
+    cc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1/contexts/doc", api_key="none", max_retries=0)
+    r1 = cc.completions.create(model=model, prompt=" Paris. The capital of Italy is", max_tokens=6, temperature=0)
+    tokens = http("GET", "/v1/contexts/doc?tokens=true")["tokens"]
+    plain = c.completions.create(model=model, prompt=tokens[:-6], max_tokens=6, temperature=0)
+    check(r1.choices[0].text == plain.choices[0].text, f"context {r1.choices[0].text!r} vs plain {plain.choices[0].text!r}")
+    cc.completions.create(model=model, prompt=" Rome.", max_tokens=4, temperature=0, extra_body={"commit": False})
+    check(http("GET", "/v1/contexts/doc?tokens=true")["tokens"] == tokens, "commit false through extra_body")
+    print("a context through the client: ok")
 finally:
     server.send_signal(signal.SIGTERM)
     rc = server.wait(60)
+shutil.rmtree(CONTEXTS, ignore_errors=True)
 check(rc == 0, f"serve exited with {rc}")
