@@ -104,7 +104,9 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     });
 }
 
-// duet bench model | cuda | kv | shm | serve
+void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string& default_model);
+
+// duet bench model | cuda, and the rest (add_bench_stores)
 void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet bench model
     auto& bench = keep<BenchArgs>(store);
@@ -144,6 +146,14 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
 
+    c_bm->callback([&bench = bench, &rc = rc] { rc = cmd_bench_model(bench); });
+    c_bc->callback([&cb = cb, &rc = rc] { rc = cmd_bench_cuda(cb); });
+    add_bench_stores(*c_bench, store, rc, default_model);
+}
+
+// duet bench kv | contexts | shm | serve
+void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string& default_model) {
+    CLI::App* c_bench = &parent;
     // duet bench kv
     auto& kvb = keep<KvBenchArgs>(store);
     kvb.model = default_model;
@@ -237,9 +247,7 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
     c_bsv->add_option("--timeout", sb.timeout_s, "per-request limit, seconds")->capture_default_str();
     c_bsv->add_option("--json", sb.json_path, "write summary and per-request timings here");
 
-    c_bm->callback([&bench = bench, &rc = rc] { rc = cmd_bench_model(bench); });
     c_bsv->callback([&sb = sb, &rc = rc] { rc = cmd_bench_serve(sb); });
-    c_bc->callback([&cb = cb, &rc = rc] { rc = cmd_bench_cuda(cb); });
     c_bk->callback([&kvb = kvb, &rc = rc] { rc = cmd_bench_kv(kvb); });
     c_bs->callback([&shm_bench = shm_bench, &shm_quick = shm_quick, &rc = rc] {
         if (shm_quick) shm_bench = {0.05, 1, 300, shm_bench.json};
