@@ -470,6 +470,15 @@ Status ContextStore::evict(const std::string& id) {
     return evict_one(**c);
 }
 
+Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, ContextUsage* usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = find(id);
+    if (!c) return c.error();
+    touch(**c);
+    if (Status st = make_resident(**c, usage); !st) return st.error();
+    return (*c)->tokens;
+}
+
 Result<ContextInfo> ContextStore::info(const std::string& id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto c = find(id);

@@ -145,6 +145,10 @@ public:
     // to a blob first). Restored on next use.
     Status evict(const std::string& id);
 
+    // The context's tokens, its KV made resident first (restored if evicted): for a
+    // caller about to use its blocks from elsewhere (serving: a completion whose
+    // prefill finds them through the prefix index).
+    Result<std::vector<int32_t>> acquire(const std::string& id, ContextUsage* usage = nullptr);
     Result<ContextInfo> info(const std::string& id);
     Result<std::vector<int32_t>> tokens(const std::string& id);
     std::vector<ContextInfo> list();

@@ -326,7 +326,8 @@ ApiReply ContextService::handle(const std::string& method, const std::string& pa
 }
 
 std::variant<std::vector<int32_t>, ApiReply> ContextService::tokens_of(const std::string& id) {
-    auto t = store_->tokens(id);
+    // Resident (and so published) before the completion's prefill looks its blocks up.
+    auto t = store_->acquire(id);
     if (!t) return error_reply(t.error());
     return *t;
 }

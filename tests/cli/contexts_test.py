@@ -295,11 +295,16 @@ def main():
             for cid, t in kept.items():
                 check(tokens_of(srv.port, cid) == t, f"context {cid} lost acknowledged tokens")
                 check(not listed[cid]["resident"], f"{cid} is restored on first use")
+            # The first use reads the KV back from the log: a completion's prefill finds
+            # its 18 full blocks (288 of 300 tokens) and computes only the partial last
+            # block (the prefix index holds full blocks only).
+            j = ok(srv.port, "POST", "/v1/contexts/big/completions", {"max_tokens": 1, "temperature": 0,
+                                                                      "commit": False})
+            check(j["usage"]["prompt_tokens_details"]["cached_tokens"] == 288,
+                  f"a completion on a restored context computes its partial block only: {j['usage']}")
             j = ok(srv.port, "POST", "/v1/contexts/big/append", {"tokens": [7]})
-            # 300 = 18 full blocks + 12: prefill computes the partial last block again
-            # (the prefix index holds full blocks only) and the new token.
-            check(j["usage"]["restored_tokens"] == 300 and j["usage"]["prefilled_tokens"] == 13,
-                  f"restored from the log, only the partial block and the new token computed: {j['usage']}")
+            check(j["usage"]["restored_tokens"] == 0 and j["usage"]["prefilled_tokens"] == 13,
+                  f"resident now: the partial block and the new token computed: {j['usage']}")
             ok(srv.port, "POST", "/v1/contexts/big/truncate", {"n_tokens": 300})
             check(next_logprobs(srv.port, "big") == lp_before, "the next token's logprobs after the restart")
             for cid in kept:
