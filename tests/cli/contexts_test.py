@@ -6,8 +6,8 @@ property over seeded random operations (after each, a completion on the context 
 the same logprobs, to the last digit, as a plain completion of its tokens); fork
 isolation; a context completion's tokens joining the context (and not, with
 "commit": false); a SIGKILLed decode worker during a context's generation (the stream
-completes identically, the context holds exactly the committed tokens); SIGKILL of
-the whole process group after acknowledged operations, a restart with the same
+completes identically, the context holds exactly the committed tokens); a SIGKILLed
+front (restarted with every durable context); SIGKILL of the whole process group after acknowledged operations, a restart with the same
 directory, every durable context intact and restored from its log (the append's
 usage says how many tokens were read back and how many computed).
 
@@ -271,6 +271,27 @@ def decode_killed_mid_generation(srv):
     print("decode SIGKILLed during a context's generation: the stream and the context are exact")
 
 
+def front_killed(srv):
+    """SIGKILL of the front: the launcher restarts it, and it reopens the contexts."""
+    port = srv.port
+    before = {c["id"]: tokens_of(port, c["id"]) for c in ok(port, "GET", "/v1/contexts")["data"] if c["durable"]}
+    for pid in srv.pids("front"):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if request(port, "GET", "/v1/contexts")[0] == 200:
+                break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    after = {c["id"]: tokens_of(port, c["id"]) for c in ok(port, "GET", "/v1/contexts")["data"]}
+    check(after == before, f"after the front's SIGKILL: {sorted(after)} vs {sorted(before)}")
+    for cid in after:
+        expect_exact(port, cid, "the front's SIGKILL and restart")
+    print(f"front SIGKILLed: restarted with its {len(after)} durable contexts")
+
+
 def main():
     cdir = tempfile.mkdtemp(prefix="duet-contexts-e2e-")
     instance = f"duet-contexts-test-{os.getpid()}"
@@ -280,6 +301,7 @@ def main():
             endpoints_and_errors(srv.port)
             random_operations(srv.port, N_OPS)
             decode_killed_mid_generation(srv)
+            front_killed(srv)
             # Acknowledged state, then SIGKILL of every process.
             ok(srv.port, "POST", "/v1/contexts", {"id": "big", "tokens": list(range(1000, 1300))}, want=201)
             ok(srv.port, "POST", "/v1/contexts", {"id": "gone", "tokens": [5, 6, 7], "durable": False}, want=201)
