@@ -148,3 +148,34 @@ TEST(MetricsText, HistogramsFollowInOrderWithTheirHelp) {
               std::string::npos)
         << text;
 }
+
+TEST(MetricsText, ContextsAreReportedOnlyWhenOn) {
+    MetricsSnapshot s = two_arenas_three_workers();
+    EXPECT_EQ(metrics_text(s).find("duet_context"), std::string::npos) << "contexts off: no family";
+    ContextStats c;
+    c.contexts = 5;
+    c.resident = 2;
+    c.restored_tokens = 4095;
+    c.reused_tokens = 17;
+    c.prefilled_tokens = 300;
+    c.evictions = 3;
+    c.restore.observe(0.03);
+    s.contexts = &c;
+    const std::string text = metrics_text(s);
+    ASSERT_EQ(text.compare(0, std::string(kTwoArenasThreeWorkers).size(), kTwoArenasThreeWorkers), 0) << text;
+    EXPECT_NE(text.find("# TYPE duet_contexts gauge\n"
+                        "duet_contexts{state=\"resident\"} 2\n"
+                        "duet_contexts{state=\"on_disk\"} 3\n"
+                        "# TYPE duet_context_tokens_total counter\n"
+                        "duet_context_tokens_total{source=\"restored\"} 4095\n"
+                        "duet_context_tokens_total{source=\"reused\"} 17\n"
+                        "duet_context_tokens_total{source=\"prefilled\"} 300\n"
+                        "# TYPE duet_context_evictions_total counter\n"
+                        "duet_context_evictions_total 3\n"
+                        "# HELP duet_context_restore_seconds a context's KV read back from disk\n"
+                        "# TYPE duet_context_restore_seconds histogram\n"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("duet_context_restore_seconds_count 1\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("# TYPE duet_context_persist_seconds histogram\n"), std::string::npos) << text;
+}

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <chrono>
 #include <ctime>
 
 namespace duet {
@@ -77,6 +78,7 @@ Result<std::unique_ptr<ContextStore>> ContextStore::open(KvPool& pool, KvLogSync
     if (Status st = make_dir(o.dir + "/spill"); !st) return st.error();
     std::unique_ptr<ContextStore> s(new ContextStore(pool, sync, compute, o));
     if (Status st = s->recover(); !st) return st.error();
+    s->count_contexts();
     return s;
 }
 
@@ -120,6 +122,38 @@ Status ContextStore::recover() {
     }
     return {};
 }
+
+// Counters for /metrics: relaxed, nothing is published with them.
+void ContextStore::count(const ContextUsage& u) {
+    stats_.restored_tokens.fetch_add(static_cast<uint64_t>(u.restored), std::memory_order_relaxed);
+    stats_.reused_tokens.fetch_add(static_cast<uint64_t>(u.reused), std::memory_order_relaxed);
+    stats_.prefilled_tokens.fetch_add(static_cast<uint64_t>(u.prefilled), std::memory_order_relaxed);
+}
+
+void ContextStore::count_contexts() {
+    uint64_t resident = 0;
+    for (const auto& [id, c] : contexts_) resident += c->resident ? 1 : 0;
+    stats_.contexts.store(contexts_.size(), std::memory_order_relaxed);
+    stats_.resident.store(resident, std::memory_order_relaxed);
+}
+
+// An operation's usage: counted for /metrics and added to the caller's when it ends
+// (under the store's lock).
+struct ContextStore::Tally {
+    ContextStore& s;
+    ContextUsage* out;
+    ContextUsage u;
+    Tally(ContextStore& store, ContextUsage* caller) : s(store), out(caller) {}
+    ~Tally() {
+        s.count(u);
+        s.count_contexts();
+        if (out) {
+            out->restored += u.restored;
+            out->reused += u.reused;
+            out->prefilled += u.prefilled;
+        }
+    }
+};
 
 Result<ContextStore::Context*> ContextStore::find(const std::string& id) {
     auto it = contexts_.find(id);
@@ -183,6 +217,7 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
     if (!make_room(c, need))
         return make_error(ErrorKind::NoKvBlocks, "context '{}' needs {} KV blocks to be restored, {} of {} are free",
                           c.id, need, pool_.allocator().n_free(), pool_.allocator().n_blocks());
+    const auto t0 = std::chrono::steady_clock::now();
     KvSeq seq;
     if (c.durable) {
         auto scan = kv_log_scan(c.log->path(), &o_.id, &pool_, &seq);
@@ -200,6 +235,7 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
         seq.truncate(pool_, std::min(seq.n_tokens(), static_cast<int64_t>(c.tokens.size())));
     }
     if (usage) usage->restored += seq.n_tokens();
+    stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     c.seq = std::move(seq);
     c.resident = true;
     compute_.resident(c.seq, c.tokens);
@@ -217,7 +253,7 @@ Status ContextStore::evict_one(Context& c) {
     }
     c.seq.release(pool_);
     c.resident = false;
-    ++evictions_;
+    stats_.evictions.fetch_add(1, std::memory_order_relaxed);
     return {};
 }
 
@@ -255,7 +291,11 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
     c.tokens.insert(c.tokens.end(), tokens.begin(), tokens.end());
     ContextUsage u;
     Status st = compute(c, &u);
-    if (st && c.log) st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
+    if (st && c.log) {
+        const auto t0 = std::chrono::steady_clock::now();
+        st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
+        stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
     if (!st) {
         c.tokens.resize(old);
         c.seq.truncate(pool_, std::min<int64_t>(c.seq.n_tokens(), static_cast<int64_t>(old)));
@@ -274,8 +314,10 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
 }
 
 Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const int32_t> tokens, bool durable,
-                                         ContextUsage* usage) {
+                                         ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     if (Status st = check_new_id(id); !st) return st.error();
     auto c = std::make_unique<Context>();
     c->id = id;
@@ -299,8 +341,10 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
     return info_of(ref);
 }
 
-Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* usage) {
+Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     auto c = find(id);
     if (!c) return c.error();
     touch(**c);
@@ -311,6 +355,7 @@ Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const 
 
 Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, nullptr);
     auto c = find(id);
     if (!c) return c.error();
     Context& x = **c;
@@ -327,8 +372,10 @@ Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_toke
 }
 
 Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
-                                       ContextUsage* usage) {
+                                       ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     auto c = find(id);
     if (!c) return c.error();
     Context& x = **c;
@@ -374,8 +421,10 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
 }
 
 Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string& new_id, int64_t at, int durable,
-                                       ContextUsage* usage) {
+                                       ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     auto p = find(id);
     if (!p) return p.error();
     Context& parent = **p;
@@ -431,6 +480,7 @@ void ContextStore::remove_files(const std::string& id) {
 
 Status ContextStore::remove(const std::string& id) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, nullptr);
     auto c = find(id);
     if (!c) return c.error();
     (*c)->seq.release(pool_);
@@ -440,8 +490,10 @@ Status ContextStore::remove(const std::string& id) {
     return {};
 }
 
-Result<std::vector<float>> ContextStore::next_logits(const std::string& id, ContextUsage* usage) {
+Result<std::vector<float>> ContextStore::next_logits(const std::string& id, ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     auto c = find(id);
     if (!c) return c.error();
     Context& x = **c;
@@ -465,13 +517,16 @@ Result<std::vector<float>> ContextStore::next_logits(const std::string& id, Cont
 
 Status ContextStore::evict(const std::string& id) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, nullptr);
     auto c = find(id);
     if (!c) return c.error();
     return evict_one(**c);
 }
 
-Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, ContextUsage* usage) {
+Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
     auto c = find(id);
     if (!c) return c.error();
     touch(**c);

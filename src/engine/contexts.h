@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "base/histogram.h"
 #include "base/result.h"
 #include "engine/kv_cache_manager.h"
 #include "kv/blob.h"
@@ -106,6 +107,15 @@ struct ContextInfo {
     uint64_t created_ns = 0, used_ns = 0;  // CLOCK_REALTIME
 };
 
+// What /metrics reports of a store (read without its lock: relaxed counters).
+struct ContextStats {
+    std::atomic<uint64_t> contexts{0}, resident{0};
+    std::atomic<uint64_t> restored_tokens{0}, reused_tokens{0}, prefilled_tokens{0};
+    std::atomic<uint64_t> evictions{0};
+    Histogram restore;  // an evicted (or not yet read) context's KV read back
+    Histogram persist;  // a durable operation's log records written and synced
+};
+
 struct ContextStoreOptions {
     std::string dir;             // logs (<id>.kvlog) and spills (spill/<id>.kvblob); created 0700 if missing
     KvIdentity id;               // the model and tokenizer the KV belongs to
@@ -154,7 +164,8 @@ public:
     std::vector<ContextInfo> list();
     // Logs open() refused: (file name, reason).
     const std::vector<std::pair<std::string, std::string>>& refused() const { return refused_; }
-    uint64_t evictions() const { return evictions_; }
+    uint64_t evictions() const { return stats_.evictions.load(std::memory_order_relaxed); }
+    const ContextStats& stats() const { return stats_; }
 
 private:
     struct Context {
@@ -196,7 +207,11 @@ private:
     std::mutex mu_;
     std::map<std::string, std::unique_ptr<Context>> contexts_;
     std::vector<std::pair<std::string, std::string>> refused_;
-    uint64_t clock_ = 0, evictions_ = 0;
+    uint64_t clock_ = 0;
+    ContextStats stats_;
+    struct Tally;
+    void count(const ContextUsage& u);
+    void count_contexts();
 };
 
 }  // namespace duet

@@ -461,6 +461,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     const FrontCounters& c = f.counters_;
     shm::Instance& inst = f.inst_;
     MetricsSnapshot m;
+    if (f.opts_.contexts) m.contexts = &f.opts_.contexts->store().stats();
     // Relaxed: counters for display, no order among them.
     m.requests = c.requests.load(std::memory_order_relaxed);
     m.errors = c.errors.load(std::memory_order_relaxed);

@@ -1,5 +1,6 @@
 #include "roles/metrics_text.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <fmt/format.h>
@@ -92,10 +93,28 @@ std::string metrics_histograms(const MetricsSnapshot& s) {
     return m;
 }
 
+// Relaxed loads: counters for display, no order among them.
+std::string metrics_contexts(const ContextStats& c) {
+    const uint64_t all = c.contexts.load(std::memory_order_relaxed), resident = c.resident.load(std::memory_order_relaxed);
+    return fmt::format("# TYPE duet_contexts gauge\nduet_contexts{{state=\"resident\"}} {}\n"
+                       "duet_contexts{{state=\"on_disk\"}} {}\n"
+                       "# TYPE duet_context_tokens_total counter\n"
+                       "duet_context_tokens_total{{source=\"restored\"}} {}\n"
+                       "duet_context_tokens_total{{source=\"reused\"}} {}\n"
+                       "duet_context_tokens_total{{source=\"prefilled\"}} {}\n"
+                       "# TYPE duet_context_evictions_total counter\nduet_context_evictions_total {}\n",
+                       resident, all - std::min(all, resident), c.restored_tokens.load(std::memory_order_relaxed),
+                       c.reused_tokens.load(std::memory_order_relaxed), c.prefilled_tokens.load(std::memory_order_relaxed),
+                       c.evictions.load(std::memory_order_relaxed)) +
+           c.restore.prometheus("duet_context_restore_seconds", "a context's KV read back from disk") +
+           c.persist.prometheus("duet_context_persist_seconds", "a durable context operation's log records written and synced");
+}
+
 }  // namespace
 
 std::string metrics_text(const MetricsSnapshot& s) {
-    return metrics_counters(s) + metrics_arenas(s) + metrics_workers(s) + metrics_histograms(s);
+    return metrics_counters(s) + metrics_arenas(s) + metrics_workers(s) + metrics_histograms(s) +
+           (s.contexts ? metrics_contexts(*s.contexts) : std::string());
 }
 
 }  // namespace duet

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/histogram.h"
+#include "engine/contexts.h"
 
 namespace duet {
 
@@ -38,9 +39,12 @@ struct MetricsSnapshot {
     const Histogram *ttft = nullptr, *itl = nullptr, *e2e = nullptr;
     const Histogram *queue = nullptr, *prefill_time = nullptr, *handoff = nullptr;
     const Histogram *admit = nullptr, *stream_event = nullptr;
+    // The front's contexts (null: off, nothing reported).
+    const ContextStats* contexts = nullptr;
 };
 
-// The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms.
+// The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms,
+// and with contexts on their gauges, counters and histograms.
 std::string metrics_text(const MetricsSnapshot& s);
 
 }  // namespace duet

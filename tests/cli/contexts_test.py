@@ -202,6 +202,12 @@ def endpoints_and_errors(port):
         check(st == want and isinstance(j, dict) and "error" in j and j["error"]["message"],
               f"{method} {path} {body}: {st} {j}, expected {want} with an error message")
     check(tokens_of(port, "doc") == before[:5] + [11, 12, 13], "refused requests change nothing")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    metrics = urllib.request.urlopen(req, timeout=30).read().decode()
+    resident = int(re.search(r'^duet_contexts\{state="resident"\} (\d+)$', metrics, re.M).group(1))
+    prefilled = int(re.search(r'^duet_context_tokens_total\{source="prefilled"\} (\d+)$', metrics, re.M).group(1))
+    check(resident == 2 and prefilled > 12, f"/metrics: {resident} resident, {prefilled} prefilled")
+    check("duet_context_persist_seconds_count" in metrics, "/metrics: the persist histogram")
     print("endpoints and errors: ok")
 
 
