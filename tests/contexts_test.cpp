@@ -72,7 +72,9 @@ struct Rig {
     std::unique_ptr<KvPool> ref_pool;
     std::unique_ptr<CpuBackend> ref_backend;
 
-    Rig(const std::string& d, int32_t n_blocks, int64_t budget = 24) : dir(d) {
+    uint64_t max_disk_bytes = 0;
+    Rig(const std::string& d, int32_t n_blocks, int64_t budget = 24, uint64_t disk_max = 0)
+        : dir(d), max_disk_bytes(disk_max) {
         pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), n_blocks)).value();
         backend = std::make_unique<CpuBackend>(model(), *pool, threads, cpu::isa_best());
         ref_pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), 64)).value();
@@ -91,6 +93,7 @@ struct Rig {
         o.dir = dir;
         o.id = identity();
         o.max_contexts = 64;
+        o.max_disk_bytes = max_disk_bytes;
         auto s = ContextStore::open(*pool, *sync, *compute, o);
         ASSERT_TRUE(s.ok()) << s.error().message;
         store = std::move(s).value();
@@ -437,4 +440,22 @@ TEST(Contexts, ATornEditLeavesTheContextAsItWas) {
     Rig rig(d.path, 128);
     EXPECT_EQ(*rig.store->tokens("e"), before);
     rig.expect_exact("e", "a torn edit");
+}
+
+TEST(Contexts, TheDiskLimitRefusesWritesAndChangesNothing) {
+    TmpDir d;
+    const uint64_t bpt = CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token();
+    Rig rig(d.path, 128, 24, 100 * bpt);  // room for about 100 positions of logs
+    std::mt19937 rng(17);
+    ASSERT_TRUE(rig.store->create("a", ids(rng, 60), true).ok());
+    auto big = rig.store->append("a", ids(rng, 60));
+    ASSERT_FALSE(big.ok());
+    EXPECT_EQ(big.error().kind, ErrorKind::Limit);
+    EXPECT_NE(big.error().message.find("--contexts-disk-max"), std::string::npos) << big.error().message;
+    EXPECT_EQ(rig.store->tokens("a")->size(), 60u);
+    EXPECT_EQ(rig.store->fork("a", "b").error().kind, ErrorKind::Limit) << "a durable fork writes all its positions";
+    EXPECT_TRUE(rig.store->fork("a", "m", -1, 0).ok()) << "one in memory writes nothing";
+    EXPECT_TRUE(rig.store->create("mem", ids(rng, 80), false).ok()) << "contexts in memory are not limited";
+    EXPECT_TRUE(rig.store->append("a", ids(rng, 10)).ok()) << "within the limit";
+    rig.expect_exact("a", "a refused append");
 }

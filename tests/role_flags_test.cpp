@@ -70,6 +70,9 @@ TEST(RoleFlags, FrontSettingsSurviveTheArgv) {
     f.grace_s = 3;
     f.chat_template = "llama3";
     f.cpus = "0,8";
+    f.contexts_dir = "/var/lib/duet/contexts";
+    f.contexts_max = 77;
+    f.contexts_disk_max = 5ull << 30;
     RoleLaunch r{"front", "front", f, {0, 8}, 0};
     const std::vector<std::string> argv = role_argv("duet", r);
     EXPECT_EQ(argv[1], "front");

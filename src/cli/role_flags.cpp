@@ -24,6 +24,9 @@ constexpr const char* kGrace = "--grace";
 constexpr const char* kChatTemplate = "--chat-template";
 constexpr const char* kContextsDir = "--contexts-dir";
 constexpr const char* kContextsMax = "--contexts-max";
+constexpr const char* kContextsDiskMax = "--contexts-disk-max";
+const char* const kContextsDiskHelp =
+    "bytes the durable contexts' logs may take (e.g. 20GB; 0: no limit): past it, operations get 429";
 const char* const kContextsDirHelp =
     "keep contexts (/v1/contexts): their KV logs go here (mode 0700; created if missing); default: off";
 
@@ -88,6 +91,9 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
         ->capture_default_str()
         ->check(CLI::Range(1, 1 << 20));
+    c.add_option(kContextsDiskMax, s.contexts_disk_max, kContextsDiskHelp)
+        ->capture_default_str()
+        ->transform(CLI::AsSizeValue(true));
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -103,6 +109,9 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
         ->capture_default_str()
         ->check(CLI::Range(1, 1 << 20));
+    c.add_option(kContextsDiskMax, s.contexts_disk_max, kContextsDiskHelp)
+        ->capture_default_str()
+        ->transform(CLI::AsSizeValue(true));
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
@@ -140,6 +149,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put_if(kCpus, f->cpus);
         put_if(kContextsDir, f->contexts_dir);
         put(kContextsMax, std::to_string(f->contexts_max));
+        put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
         return a;
     }
     const auto& w = std::get<WorkerSettings>(r.settings);

@@ -173,6 +173,18 @@ Status ContextStore::check_new_id(const std::string& id) {
     return {};
 }
 
+Status ContextStore::check_disk(int64_t positions) const {
+    if (o_.max_disk_bytes == 0 || positions <= 0) return {};
+    uint64_t used = 0;
+    for (const auto& [id, c] : contexts_)
+        if (c->durable) used += info_of(*c).disk_bytes;
+    const uint64_t more = static_cast<uint64_t>(positions) * (pool_.layout().bytes_per_token() + 4) + 64;
+    if (used + more > o_.max_disk_bytes)
+        return make_error(ErrorKind::Limit, "the contexts' logs take {} bytes; {} more would pass --contexts-disk-max {}",
+                          used, more, o_.max_disk_bytes);
+    return {};
+}
+
 std::string ContextStore::spill_path(const std::string& id) const { return o_.dir + "/spill/" + id + ".kvblob"; }
 
 ContextInfo ContextStore::info_of(const Context& c) const {
@@ -319,6 +331,8 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
     Tally tally(*this, caller_usage);
     ContextUsage* usage = &tally.u;
     if (Status st = check_new_id(id); !st) return st.error();
+    if (durable)
+        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
     auto c = std::make_unique<Context>();
     c->id = id;
     c->durable = durable;
@@ -348,6 +362,8 @@ Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const 
     auto c = find(id);
     if (!c) return c.error();
     touch(**c);
+    if ((*c)->durable)
+        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
     if (Status st = make_resident(**c, usage); !st) return st.error();
     if (Status st = append_locked(**c, tokens, usage); !st) return st.error();
     return info_of(**c);
@@ -392,6 +408,8 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
         }
         return info_of(x);
     }
+    if (x.durable)
+        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
     if (Status st = make_resident(x, usage); !st) return st.error();
     // The state before, kept until the edit is durable (C3): a fork shares every
     // block, so the edit's writes copy the blocks they change.
@@ -432,6 +450,8 @@ Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string&
     if (at > static_cast<int64_t>(parent.tokens.size()))
         return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, parent.tokens.size());
     if (Status st = check_new_id(new_id); !st) return st.error();
+    if (durable == 1 || (durable < 0 && parent.durable))
+        if (Status st = check_disk(at); !st) return st.error();
     touch(parent);
     if (Status st = make_resident(parent, usage); !st) return st.error();
     auto c = std::make_unique<Context>();

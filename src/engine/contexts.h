@@ -120,6 +120,9 @@ struct ContextStoreOptions {
     std::string dir;             // logs (<id>.kvlog) and spills (spill/<id>.kvblob); created 0700 if missing
     KvIdentity id;               // the model and tokenizer the KV belongs to
     size_t max_contexts = 1024;  // create / fork past it: ErrorKind::Limit
+    // The durable contexts' files at most (bytes; 0: no limit): an operation that
+    // would write past it is refused with ErrorKind::Limit and changes nothing.
+    uint64_t max_disk_bytes = 0;
     KvLogOptions log;
 };
 
@@ -184,6 +187,9 @@ private:
     Status recover();
     Result<Context*> find(const std::string& id);
     Status check_new_id(const std::string& id);
+    // ErrorKind::Limit when writing `positions` more positions' KV to a log would take
+    // the directory past max_disk_bytes.
+    Status check_disk(int64_t positions) const;
     ContextInfo info_of(const Context& c) const;
     std::string spill_path(const std::string& id) const;
     void touch(Context& c);

@@ -185,7 +185,7 @@ std::string new_id() {
 Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst, shm::ProcRef self,
                                                              PrefillRouter& router, const Model& model,
                                                              const Tokenizer& tok, const std::string& dir,
-                                                             size_t max_contexts) {
+                                                             size_t max_contexts, uint64_t max_disk_bytes) {
     if (inst.config().cpu_kv_bytes == 0)
         return make_error("contexts: GPU arenas are not served yet (--contexts-dir is for CPU serving)");
     std::unique_ptr<ContextService> s(new ContextService());
@@ -210,6 +210,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     o.dir = dir;
     o.id = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
     o.max_contexts = max_contexts;
+    o.max_disk_bytes = max_disk_bytes;
     auto store = ContextStore::open(*s->pool_, *s->sync_, *s->compute_, o);
     if (!store) return store.error();
     s->store_ = std::move(store).value();

@@ -74,7 +74,8 @@ public:
     // Joins arena 0 (CPU serving) as `self` and opens the store in dir.
     static Result<std::unique_ptr<ContextService>> open(shm::Instance& inst, shm::ProcRef self, PrefillRouter& router,
                                                         const Model& model, const Tokenizer& tok,
-                                                        const std::string& dir, size_t max_contexts);
+                                                        const std::string& dir, size_t max_contexts,
+                                                        uint64_t max_disk_bytes = 0);
     ~ContextService();
     // A /v1/contexts route (method, path without the query, the query, the body).
     ApiReply handle(const std::string& method, const std::string& path, const std::string& query,

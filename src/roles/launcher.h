@@ -67,6 +67,7 @@ struct ServeSettings {
     // Contexts (/v1/contexts): their logs' directory ("": off), and how many at most.
     std::string contexts_dir;
     int contexts_max = 1024;
+    uint64_t contexts_disk_max = 0;  // bytes of logs at most (0: no limit)
 };
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
@@ -98,6 +99,7 @@ struct FrontSettings {
     std::string cpus;  // pin the process (all its threads) here
     std::string contexts_dir;  // "": no /v1/contexts
     int contexts_max = 1024;
+    uint64_t contexts_disk_max = 0;
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
 };
 
