@@ -459,3 +459,26 @@ TEST(Contexts, TheDiskLimitRefusesWritesAndChangesNothing) {
     EXPECT_TRUE(rig.store->append("a", ids(rng, 10)).ok()) << "within the limit";
     rig.expect_exact("a", "a refused append");
 }
+
+TEST(Contexts, APinnedContextIsNeverEvictedAndIsResidentAfterARestart) {
+    TmpDir d;
+    std::mt19937 rng(19);
+    const std::vector<int32_t> sys = ids(rng, 90);
+    {
+        Rig rig(d.path, 28);  // 28 blocks: the pinned 6 and room for about two more contexts of 90
+        ASSERT_TRUE(rig.store->create("sys", sys, true, nullptr, /*pin=*/true).ok());
+        EXPECT_TRUE(rig.store->info("sys")->pinned);
+        for (int i = 0; i < 6; ++i) ASSERT_TRUE(rig.store->create(fmt::format("o{}", i), ids(rng, 90), true).ok()) << i;
+        EXPECT_GT(rig.store->evictions(), 0u) << "the others gave way";
+        EXPECT_TRUE(rig.store->info("sys")->resident) << "the pinned one never does";
+        EXPECT_EQ(rig.store->evict("sys").error().kind, ErrorKind::Invalid);
+    }
+    Rig rig(d.path, 28);
+    auto i = rig.store->info("sys");
+    ASSERT_TRUE(i.ok()) << i.error().message;
+    EXPECT_TRUE(i->pinned && i->resident) << "restored when the store opens";
+    EXPECT_FALSE(rig.store->info("o0")->resident) << "the others on first use";
+    rig.expect_exact("sys", "a restart");
+    ASSERT_TRUE(rig.store->remove("sys").ok());
+    EXPECT_FALSE(std::filesystem::exists(d.path + "/sys.pin")) << "remove takes the pin too";
+}

@@ -1,13 +1,14 @@
 #include "engine/contexts.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 
 namespace duet {
@@ -78,6 +79,12 @@ Result<std::unique_ptr<ContextStore>> ContextStore::open(KvPool& pool, KvLogSync
     if (Status st = make_dir(o.dir + "/spill"); !st) return st.error();
     std::unique_ptr<ContextStore> s(new ContextStore(pool, sync, compute, o));
     if (Status st = s->recover(); !st) return st.error();
+    // Pinned contexts are resident from the start (their blocks published in serving).
+    for (auto& [id, c] : s->contexts_)
+        if (c->pinned)
+            if (Status st = s->make_resident(*c, nullptr); !st)
+                std::fprintf(stderr, "duet: pinned context '%s' not restored: %s\n", id.c_str(),
+                             st.error().message.c_str());
     s->count_contexts();
     return s;
 }
@@ -109,13 +116,14 @@ Status ContextStore::recover() {
         c->id = id;
         c->tokens = scan.tokens;
         c->durable = true;
+        c->pinned = std::find(files.begin(), files.end(), id + ".pin") != files.end();
         c->log = std::move(log).value();
         c->created_ns = c->used_ns = wall_ns();
         contexts_.emplace(id, std::move(c));
     }
-    // Checkpoint blobs whose log is gone (a remove interrupted between the two unlinks).
+    // Checkpoint blobs and pins whose log is gone (a remove interrupted between unlinks).
     for (const std::string& f : files) {
-        if (!ends_with(f, ".kvblob")) continue;
+        if (!ends_with(f, ".kvblob") && !ends_with(f, ".pin")) continue;
         const std::string stem = f.substr(0, f.find('.'));
         if (!contexts_.count(stem) && std::find(files.begin(), files.end(), stem + ".kvlog") == files.end())
             ::unlink((o_.dir + "/" + f).c_str());
@@ -180,8 +188,9 @@ Status ContextStore::check_disk(int64_t positions) const {
         if (c->durable) used += info_of(*c).disk_bytes;
     const uint64_t more = static_cast<uint64_t>(positions) * (pool_.layout().bytes_per_token() + 4) + 64;
     if (used + more > o_.max_disk_bytes)
-        return make_error(ErrorKind::Limit, "the contexts' logs take {} bytes; {} more would pass --contexts-disk-max {}",
-                          used, more, o_.max_disk_bytes);
+        return make_error(ErrorKind::Limit,
+                          "the contexts' logs take {} bytes; {} more would pass --contexts-disk-max {}", used, more,
+                          o_.max_disk_bytes);
     return {};
 }
 
@@ -193,6 +202,7 @@ ContextInfo ContextStore::info_of(const Context& c) const {
     i.n_tokens = static_cast<int64_t>(c.tokens.size());
     i.durable = c.durable;
     i.resident = c.resident;
+    i.pinned = c.pinned;
     if (c.log) {
         i.disk_bytes = c.log->file_bytes();
         if (c.log->header().generation > 0)
@@ -215,7 +225,8 @@ bool ContextStore::make_room(const Context& keep, int64_t blocks) {
         // C4: the least recently used resident context other than `keep` gives way.
         Context* victim = nullptr;
         for (auto& [id, o] : contexts_)
-            if (o.get() != &keep && o->resident && o->seq.n_tokens() > 0 && (!victim || o->lru < victim->lru))
+            if (o.get() != &keep && o->resident && !o->pinned && o->seq.n_tokens() > 0 &&
+                (!victim || o->lru < victim->lru))
                 victim = o.get();
         if (!victim || !evict_one(*victim)) return false;
     }
@@ -326,7 +337,7 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
 }
 
 Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const int32_t> tokens, bool durable,
-                                         ContextUsage* caller_usage) {
+                                         ContextUsage* caller_usage, bool pin) {
     std::lock_guard<std::mutex> lock(mu_);
     Tally tally(*this, caller_usage);
     ContextUsage* usage = &tally.u;
@@ -336,6 +347,7 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
     auto c = std::make_unique<Context>();
     c->id = id;
     c->durable = durable;
+    c->pinned = pin;
     c->resident = true;
     c->created_ns = wall_ns();
     touch(*c);
@@ -350,12 +362,27 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
         remove_files(id);
         return st.error();
     }
+    if (pin && durable) {
+        // The pin, durable too: an empty file next to the log, on disk before the OK.
+        const std::string pin_path = o_.dir + "/" + id + ".pin";
+        const int fd = ::open(pin_path.c_str(), O_CREAT | O_WRONLY | O_TRUNC | O_CLOEXEC, 0600);
+        if (fd < 0 || ::fsync(fd) != 0 || !fsync_dir_of(pin_path)) {
+            const std::string why = std::strerror(errno);
+            if (fd >= 0) ::close(fd);
+            c->seq.release(pool_);
+            c->log.reset();
+            remove_files(id);
+            return make_error("{}: {}", pin_path, why);
+        }
+        ::close(fd);
+    }
     Context& ref = *c;
     contexts_.emplace(id, std::move(c));
     return info_of(ref);
 }
 
-Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* caller_usage) {
+Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const int32_t> tokens,
+                                         ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
     Tally tally(*this, caller_usage);
     ContextUsage* usage = &tally.u;
@@ -495,6 +522,7 @@ void ContextStore::remove_files(const std::string& id) {
                                           f.find(".kvblob.tmp") != std::string::npos))
             ::unlink((o_.dir + "/" + f).c_str());
     ::unlink(spill_path(id).c_str());
+    ::unlink((o_.dir + "/" + id + ".pin").c_str());
     (void)fsync_dir_of(log);
 }
 
@@ -540,6 +568,7 @@ Status ContextStore::evict(const std::string& id) {
     Tally tally(*this, nullptr);
     auto c = find(id);
     if (!c) return c.error();
+    if ((*c)->pinned) return make_error(ErrorKind::Invalid, "context '{}' is pinned", id);
     return evict_one(**c);
 }
 

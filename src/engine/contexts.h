@@ -103,6 +103,7 @@ struct ContextInfo {
     int64_t n_tokens = 0;
     bool durable = false;
     bool resident = false;                 // KV in the pool now (else on disk)
+    bool pinned = false;                   // kept resident (create's pin)
     uint64_t disk_bytes = 0;               // the log (and checkpoint) or the spill blob
     uint64_t created_ns = 0, used_ns = 0;  // CLOCK_REALTIME
 };
@@ -139,8 +140,12 @@ public:
     ContextStore(const ContextStore&) = delete;
     ContextStore& operator=(const ContextStore&) = delete;
 
+    // pin: the context stays resident (never evicted for room) and, durable, is made
+    // resident again when the store is opened: its full blocks serve every prompt
+    // that starts with its tokens (serving: through the prefix index), across
+    // restarts. The pin is kept in <dir>/<id>.pin.
     Result<ContextInfo> create(const std::string& id, std::span<const int32_t> tokens, bool durable,
-                               ContextUsage* usage = nullptr);
+                               ContextUsage* usage = nullptr, bool pin = false);
     Result<ContextInfo> append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* usage = nullptr);
     Result<ContextInfo> truncate(const std::string& id, int64_t n_tokens);
     Result<ContextInfo> edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
@@ -155,7 +160,7 @@ public:
     // it if evicted, recomputing the last position when its logits are not at hand.
     Result<std::vector<float>> next_logits(const std::string& id, ContextUsage* usage = nullptr);
     // Gives its blocks back to the pool (durable: they are in the log; else spilled
-    // to a blob first). Restored on next use.
+    // to a blob first). Restored on next use. A pinned context is refused (Invalid).
     Status evict(const std::string& id);
 
     // The context's tokens, its KV made resident first (restored if evicted): for a
@@ -177,6 +182,7 @@ private:
         KvSeq seq;              // resident: positions [0, seq.n_tokens()) valid, seq.n_tokens() <= tokens.size()
         bool resident = false;  // else its KV is on disk (log or spill)
         bool durable = false;
+        bool pinned = false;
         std::unique_ptr<KvLog> log;
         std::vector<float> logits;  // of position tokens.size() - 1, when logits_valid
         bool logits_valid = false;

@@ -124,6 +124,7 @@ json info_json(const ContextInfo& i, const ContextUsage* u = nullptr) {
               {"n_tokens", i.n_tokens},
               {"durable", i.durable},
               {"resident", i.resident},
+              {"pin_prefix", i.pinned},
               {"disk_bytes", i.disk_bytes},
               {"created", i.created_ns / 1000000000ull},
               {"last_used", i.used_ns / 1000000000ull}};
@@ -240,10 +241,15 @@ ApiReply ContextService::create(const std::string& body) {
         if (!j["durable"].is_boolean()) return error_reply(400, "durable: a boolean", "durable");
         durable = j["durable"].get<bool>();
     }
+    bool pin = false;
+    if (j.contains("pin_prefix")) {
+        if (!j["pin_prefix"].is_boolean()) return error_reply(400, "pin_prefix: a boolean", "pin_prefix");
+        pin = j["pin_prefix"].get<bool>();
+    }
     auto toks = new_tokens(j, *tok_, false);
     if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
     ContextUsage u;
-    auto r = store_->create(id, std::get<std::vector<int32_t>>(toks), durable, &u);
+    auto r = store_->create(id, std::get<std::vector<int32_t>>(toks), durable, &u, pin);
     if (!r) return error_reply(r.error());
     return ok(201, info_json(*r, &u));
 }

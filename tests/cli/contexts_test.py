@@ -211,6 +211,19 @@ def endpoints_and_errors(port):
     print("endpoints and errors: ok")
 
 
+SYS = list(range(2000, 2040))  # a 40-token "system prompt": two full blocks
+
+
+def pinned_prefix(port):
+    """A pinned context's full blocks serve plain requests that start with its tokens."""
+    j = ok(port, "POST", "/v1/contexts", {"id": "sys", "tokens": SYS, "pin_prefix": True}, want=201)
+    check(j["pin_prefix"] and j["resident"], f"pinned {j}")
+    r = ok(port, "POST", "/v1/completions", {"prompt": SYS + [7, 8, 9], "max_tokens": 1, "temperature": 0})
+    check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32, f"the pinned blocks serve a plain request: {r['usage']}")
+    check(request(port, "POST", "/v1/contexts", {"id": "p2", "pin_prefix": "yes"})[0] == 400, "pin_prefix: a boolean")
+    print("pin_prefix: a plain request found the pinned context's blocks")
+
+
 def random_operations(port, n_ops):
     rng = random.Random(20261201)
     live, made = [], 0
@@ -305,6 +318,7 @@ def main():
         srv = Server(cdir, instance)
         try:
             endpoints_and_errors(srv.port)
+            pinned_prefix(srv.port)
             random_operations(srv.port, N_OPS)
             decode_killed_mid_generation(srv)
             front_killed(srv)
@@ -320,9 +334,13 @@ def main():
         try:
             listed = {c["id"]: c for c in ok(srv.port, "GET", "/v1/contexts")["data"]}
             check(set(listed) == set(kept), f"after SIGKILL of every process: {sorted(listed)} vs {sorted(kept)}")
+            # The pinned context is resident from the start: the first plain request finds it.
+            r = ok(srv.port, "POST", "/v1/completions", {"prompt": SYS + [5], "max_tokens": 1, "temperature": 0})
+            check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and listed["sys"]["resident"],
+                  f"after the restart the pinned blocks serve at once: {r['usage']}")
             for cid, t in kept.items():
                 check(tokens_of(srv.port, cid) == t, f"context {cid} lost acknowledged tokens")
-                check(not listed[cid]["resident"], f"{cid} is restored on first use")
+                check(cid == "sys" or not listed[cid]["resident"], f"{cid} is restored on first use")
             # The first use reads the KV back from the log: a completion's prefill finds
             # its 18 full blocks (288 of 300 tokens) and computes only the partial last
             # block (the prefix index holds full blocks only).
