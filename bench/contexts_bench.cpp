@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/thread_pool.h"
+#include "bench/bench_util.h"
 #include "engine/contexts.h"
 #include "kv/log_device.h"
 #include "model/cpu_backend.h"
@@ -22,25 +23,13 @@ namespace duet {
 
 namespace {
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench::median;
+using bench::now_s;
 
 // Evicts a directory's files from the page cache (a cold read after a restart).
-void drop_cache(const std::string& dir) {
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-        if (!e.is_regular_file()) continue;
-        const int fd = ::open(e.path().c_str(), O_RDONLY);
-        if (fd < 0) continue;
-        ::fdatasync(fd);
-        ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        ::close(fd);
-    }
+void drop_dir_cache(const std::string& dir) {
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+        if (e.is_regular_file()) bench::drop_cache(e.path().string());
 }
 
 std::vector<int32_t> ids(std::mt19937& rng, int n) {
@@ -118,7 +107,7 @@ Status bench_restore(Bench& b, const ContextBenchArgs& a, nlohmann::json& out) {
     std::vector<double> restore, cold;
     ContextUsage u;
     for (int i = 0; i < a.reps; ++i) {
-        drop_cache(b.opts.dir);
+        drop_dir_cache(b.opts.dir);
         u = {};
         const double t0 = now_s();
         auto s = b.open();  // the restart: the store lists the log; the KV is read on first use
@@ -204,23 +193,27 @@ int cmd_bench_contexts(const ContextBenchArgs& a) {
     auto model = Model::load(a.model);
     if (!model) return fail(model.error().message);
     if (a.restore_tokens + 64 > (*model)->config().n_ctx_train || a.tokens + 16 > (*model)->config().n_ctx_train)
-        return fail(fmt::format("--tokens / --restore-tokens: at most the model's {} tokens", (*model)->config().n_ctx_train));
+        return fail(
+            fmt::format("--tokens / --restore-tokens: at most the model's {} tokens", (*model)->config().n_ctx_train));
     std::string dir = a.dir;
     if (dir.empty()) {
         char t[] = "/var/tmp/duet-bench-contexts-XXXXXX";
         if (!::mkdtemp(t)) return fail("cannot make a directory under /var/tmp");
         dir = t;
     }
-    const int64_t longest = std::max<int64_t>({a.tokens + 16, a.restore_tokens,
-                                               static_cast<int64_t>(a.turns) * (a.user_tokens + a.reply_tokens)});
+    const int64_t longest = std::max<int64_t>(
+        {a.tokens + 16, a.restore_tokens, static_cast<int64_t>(a.turns) * (a.user_tokens + a.reply_tokens)});
     const auto blocks = static_cast<int32_t>(3 * (longest / 16 + 2));
     Bench b(**model, a.threads, blocks, dir);
     auto dev = UringLogDevice::create();
     if (!dev) return fail(dev.error().message);
     b.dev = std::move(dev).value();
     b.sync = std::make_unique<KvLogSync>(*b.dev);
-    nlohmann::json out = {{"model", a.model}, {"threads", a.threads}, {"tokens", a.tokens},
-                          {"restore_tokens", a.restore_tokens}, {"dir", dir}};
+    nlohmann::json out = {{"model", a.model},
+                          {"threads", a.threads},
+                          {"tokens", a.tokens},
+                          {"restore_tokens", a.restore_tokens},
+                          {"dir", dir}};
     {
         auto s = b.open();
         if (!s) return fail(s.error().message);
@@ -229,8 +222,10 @@ int cmd_bench_contexts(const ContextBenchArgs& a) {
     }
     if (Status st = bench_restore(b, a, out); !st) return fail(st.error().message);
     if (a.dir.empty()) std::filesystem::remove_all(dir);
-    if (a.json) std::printf("%s\n", out.dump(2).c_str());
-    else print_markdown(out);
+    if (a.json)
+        std::printf("%s\n", out.dump(2).c_str());
+    else
+        print_markdown(out);
     return 0;
 }
 

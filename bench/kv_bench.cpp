@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/thread_pool.h"
+#include "bench/bench_util.h"
 #include "kv/blob.h"
 #include "kv/crc32c.h"
 #include "kv/kv_log.h"
@@ -26,23 +27,9 @@ namespace duet {
 
 namespace {
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[v.size() / 2];
-}
-
-// Drops a file's pages from the page cache (they are clean: written and synced).
-void drop_cache(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return;
-    ::fdatasync(fd);
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-}
+using bench::drop_cache;
+using bench::median;
+using bench::now_s;
 
 // Sequential read MB/s of a file of `bytes` (4 MiB reads), after dropping its pages
 // (cold) or right after reading it once (warm).

@@ -36,6 +36,17 @@ std::string negated(const char* l) { return std::string("!") + l; }
 const char* const kQgemvHelp =
     "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16";
 
+// --contexts-dir, --contexts-max, --contexts-disk-max: serve's, passed on to the front.
+void add_contexts_flags(CLI::App& c, std::string& dir, int& max, uint64_t& disk_max) {
+    c.add_option(kContextsDir, dir, kContextsDirHelp);
+    c.add_option(kContextsMax, max, "contexts kept at most (429 past it)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
+    c.add_option(kContextsDiskMax, disk_max, kContextsDiskHelp)
+        ->capture_default_str()
+        ->transform(CLI::AsSizeValue(true));
+}
+
 }  // namespace
 
 void add_serve_flags(CLI::App& c, ServeSettings& s) {
@@ -87,13 +98,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option("--decode-workers", s.decode_workers, "decode processes (hand-offs routed by batch room)")
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
-    c.add_option(kContextsDir, s.contexts_dir, kContextsDirHelp);
-    c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
-        ->capture_default_str()
-        ->check(CLI::Range(1, 1 << 20));
-    c.add_option(kContextsDiskMax, s.contexts_disk_max, kContextsDiskHelp)
-        ->capture_default_str()
-        ->transform(CLI::AsSizeValue(true));
+    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -105,13 +110,7 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kGrace, s.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kCpus, s.cpus, "pin the front (all its threads) to these CPUs");
-    c.add_option(kContextsDir, s.contexts_dir, kContextsDirHelp);
-    c.add_option(kContextsMax, s.contexts_max, "contexts kept at most (429 past it)")
-        ->capture_default_str()
-        ->check(CLI::Range(1, 1 << 20));
-    c.add_option(kContextsDiskMax, s.contexts_disk_max, kContextsDiskHelp)
-        ->capture_default_str()
-        ->transform(CLI::AsSizeValue(true));
+    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {

@@ -405,13 +405,18 @@ Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_toke
     if (n_tokens < 0 || n_tokens > static_cast<int64_t>(x.tokens.size()))
         return make_error(ErrorKind::Invalid, "n_tokens {}: context '{}' has {} tokens", n_tokens, id, x.tokens.size());
     touch(x);
-    if (n_tokens == static_cast<int64_t>(x.tokens.size())) return info_of(x);
+    if (Status st = truncate_locked(x, n_tokens); !st) return st.error();
+    return info_of(x);
+}
+
+Status ContextStore::truncate_locked(Context& x, int64_t n_tokens) {
+    if (n_tokens == static_cast<int64_t>(x.tokens.size())) return {};
     if (x.log)
-        if (Status st = x.log->truncate(static_cast<uint64_t>(n_tokens)); !st) return st.error();
+        if (Status st = x.log->truncate(static_cast<uint64_t>(n_tokens)); !st) return st;
     x.tokens.resize(static_cast<size_t>(n_tokens));
     if (x.resident) x.seq.truncate(pool_, std::min(x.seq.n_tokens(), n_tokens));
     x.logits_valid = false;
-    return info_of(x);
+    return {};
 }
 
 Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
@@ -426,13 +431,7 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
         return make_error(ErrorKind::Invalid, "at {}: context '{}' has {} tokens", at, id, x.tokens.size());
     touch(x);
     if (tokens.empty()) {  // an edit that appends nothing is a truncation
-        if (at < static_cast<int64_t>(x.tokens.size())) {
-            if (x.log)
-                if (Status st = x.log->truncate(static_cast<uint64_t>(at)); !st) return st.error();
-            x.tokens.resize(static_cast<size_t>(at));
-            if (x.resident) x.seq.truncate(pool_, std::min(x.seq.n_tokens(), at));
-            x.logits_valid = false;
-        }
+        if (Status st = truncate_locked(x, at); !st) return st.error();
         return info_of(x);
     }
     if (x.durable)

@@ -210,6 +210,8 @@ private:
     // lacks blocks; on an error c.seq is cut back to what it had.
     Status compute(Context& c, ContextUsage* usage);
     Status append_locked(Context& c, std::span<const int32_t> tokens, ContextUsage* usage);
+    // c cut to n_tokens (at most its length): the log's record first, then memory.
+    Status truncate_locked(Context& c, int64_t n_tokens);
     void remove_files(const std::string& id);
 
     KvPool& pool_;
