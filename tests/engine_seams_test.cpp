@@ -258,6 +258,39 @@ TEST(KvCacheManager, PublishedPrefixBlocksAreFoundByTheNextPrompt) {
     EXPECT_TRUE(sp.alloc->alloc(8, all.data())) << "cached blocks are evicted when the arena needs them";
 }
 
+// An arena whose blocks are all cached (published, then released by every
+// sequence) still serves passes: the reservation and the sequence's allocation
+// count cached blocks no one holds, which the allocator evicts. They once counted
+// only free blocks, so a full prefix cache refused every request.
+TEST(KvCacheManager, CachedBlocksServeAReservationWhenNoneIsFree) {
+    SharedPool sp(4);
+    KvCacheManager m(*sp.pool, sp.alloc);
+    KvSeq a;
+    auto ta = toks(64);
+    std::vector<SeqBatch> pass = {{&a, ta.data(), 64, false}};
+    ASSERT_TRUE(m.reserve(pass).ok());
+    const std::vector<shm::BlockHash> hashes = {h(11), h(12), h(13), h(14)};
+    EXPECT_EQ(m.publish_prefix(a, hashes, 0, 64), 4u);
+    a.release(*sp.pool);
+    ASSERT_EQ(sp.arena.n_free(), 0u) << "every block cached, none free";
+    KvSeq b;
+    auto tb = toks(48);
+    std::vector<SeqBatch> next = {{&b, tb.data(), 48, false}};
+    Status st = m.reserve(next);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    EXPECT_EQ(b.blocks().size(), 3u);
+    KvSeq left = m.lookup_prefix(hashes, 4);
+    EXPECT_LE(left.blocks().size(), 1u) << "three of the four cached blocks were evicted";
+    left.release(*sp.pool);
+    // More than free + cached: still refused, nothing taken.
+    KvSeq c;
+    std::vector<SeqBatch> big = {{&c, tb.data(), 32, false}};
+    Status s2 = m.reserve(big);
+    EXPECT_EQ(s2.kind(), ErrorKind::NoKvBlocks);
+    EXPECT_TRUE(c.blocks().empty());
+    b.release(*sp.pool);
+}
+
 TEST(KvCacheManager, DestinationBlocksAreAllOrNothing) {
     SharedPool here(4), there(3);
     KvCacheManager m(*here.pool, here.alloc);

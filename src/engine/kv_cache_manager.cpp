@@ -18,10 +18,16 @@ int64_t blocks_to_append(const KvPool& pool, const KvSeq& seq, int64_t n) {
 Status KvCacheManager::reserve(std::span<SeqBatch> batch) {
     int64_t need = 0;
     for (const SeqBatch& b : batch) need += blocks_to_append(pool_, *b.kv, b.n_tokens);
+    // Cached blocks no one holds count too (alloc evicts them, least recently used
+    // first); they are counted only when the free ones fall short.
     const int32_t free = pool_.allocator().n_free();
-    if (need > free)
-        return make_error(ErrorKind::NoKvBlocks, "the pass needs {} KV blocks, {} of {} are free", need, free,
-                          pool_.allocator().n_blocks());
+    if (need > free) {
+        const int32_t available = pool_.allocator().n_available();
+        if (need > available)
+            return make_error(ErrorKind::NoKvBlocks,
+                              "the pass needs {} KV blocks, {} of {} are free (unreferenced cached blocks counted)",
+                              need, available, pool_.allocator().n_blocks());
+    }
     for (size_t i = 0; i < batch.size(); ++i) {
         SeqBatch& b = batch[i];
         const int64_t from = b.kv->n_tokens();

@@ -105,9 +105,11 @@ Status KvSeq::prepare_append(KvPool& pool, int64_t from, int64_t new_len) {
         if (a.refcount(blocks_[i]) > 1) cow.push_back(i);
     const int64_t n_new = std::max<int64_t>(0, need - have);
     const int64_t total = n_new + static_cast<int64_t>(cow.size());
-    if (total > a.n_free())
-        return make_error(ErrorKind::NoKvBlocks, "KV cache is full: {} more blocks needed, {} free of {}", total,
-                          a.n_free(), a.n_blocks());
+    // Cached blocks no one holds can be taken too (the allocator evicts them): counted
+    // only when the free ones fall short.
+    if (total > a.n_free() && total > a.n_available())
+        return make_error(ErrorKind::NoKvBlocks, "KV cache is full: {} more blocks needed, {} free or cached of {}",
+                          total, a.n_available(), a.n_blocks());
     std::vector<int32_t> fresh(total);
     if (!a.alloc(static_cast<int32_t>(total), fresh.data()))
         return make_error(ErrorKind::NoKvBlocks, "KV block allocation of {} failed", total);

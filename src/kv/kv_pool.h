@@ -65,6 +65,9 @@ public:
     virtual ~KvBlockAllocator() = default;
     virtual int32_t n_blocks() const = 0;
     virtual int32_t n_free() const = 0;
+    // Blocks an alloc() can take now: the free ones and, where the allocator keeps a
+    // prefix cache, cached blocks no one references (alloc evicts them).
+    virtual int32_t n_available() const { return n_free(); }
     // Takes n blocks (refcount 1) into out, all or nothing.
     virtual bool alloc(int32_t n, int32_t* out) = 0;
     virtual void ref(int32_t block) = 0;

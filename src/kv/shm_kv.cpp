@@ -9,6 +9,12 @@
 
 namespace duet {
 
+int32_t ShmBlockAllocator::n_available() const {
+    // The census reads every block's word: only worth it when the free count falls short.
+    const shm::ArenaCensus c = arena_.census();
+    return static_cast<int32_t>(c.free + c.cached);
+}
+
 bool ShmBlockAllocator::alloc(int32_t n, int32_t* out) {
     if (n < 0) return false;
     return arena_.alloc(user_, static_cast<uint32_t>(n), out);

@@ -18,6 +18,7 @@ public:
     ShmBlockAllocator(shm::KvArena arena, uint32_t user) : arena_(arena), user_(user) {}
     int32_t n_blocks() const override { return static_cast<int32_t>(arena_.n_blocks()); }
     int32_t n_free() const override { return static_cast<int32_t>(arena_.n_free()); }
+    int32_t n_available() const override;
     bool alloc(int32_t n, int32_t* out) override;
     void ref(int32_t block) override;
     void unref(int32_t block) override { arena_.unref(user_, block); }
