@@ -23,6 +23,7 @@
 
 #include "gguf_writer.h"
 #include "model/chat_template.h"
+#include "model/chat_turns.h"
 #include "model/gguf.h"
 #include "model/tokenizer.h"
 
@@ -812,6 +813,69 @@ TEST(ChatTemplate, Errors) {
     auto over = ChatTemplate::from_gguf(*g.file, "llama3");
     ASSERT_TRUE(over.ok());
     EXPECT_EQ(over->format(), ChatFormat::Llama3);
+}
+
+// A conversation built turn by turn (a context's chat) holds the tokens of the
+// whole conversation rendered at once: the first messages, then each turn's
+// messages with the generation prompt, the reply as the model wrote it (ending with
+// the end-of-turn token that stopped it, or cut by max_tokens), and the reply's
+// closing tokens.
+TEST(ChatTurns, TurnByTurnEqualsTheWholeConversation) {
+    REQUIRE_MODEL();
+    // The ChatML formats (this model's tokenizer has their special tokens; Llama 3's
+    // would be plain text here).
+    for (const char* name : {"smollm2", "chatml", "qwen2"}) {
+        auto ct = ChatTemplate::from_name(name);
+        ASSERT_TRUE(ct.ok());
+        ChatTurns turns(*ct, *tok);
+        const int32_t eot = tok->encode("<|im_end|>", false, true).front();
+        for (bool with_system : {false, true}) {
+            std::vector<ChatMessage> conv;
+            if (with_system) conv.push_back({"system", "Answer in French."});
+            conv.push_back({"user", "What is the capital of Italy?"});
+            auto ids = turns.start(conv, false);
+            ASSERT_TRUE(ids.ok()) << ids.error().message;
+            Ids built = *ids;
+            const std::vector<std::string> replies = {"Rome.", "Paris, then Berlin", " spaced  reply "};
+            for (size_t turn = 0; turn < replies.size(); ++turn) {
+                // The reply as generated: its text's tokens, ended by the end-of-turn
+                // token except on the second turn (cut by max_tokens).
+                std::vector<ChatMessage> next = {{"user", fmt::format("Question {}?", turn)}};
+                auto more = turns.more(next, true);
+                ASSERT_TRUE(more.ok()) << more.error().message;
+                built.insert(built.end(), more->begin(), more->end());
+                Ids out = tok->encode(replies[turn], false, false);
+                if (turn != 1) out.push_back(eot);
+                built.insert(built.end(), out.begin(), out.end());
+                auto close = turns.close_reply(out);
+                ASSERT_TRUE(close.ok()) << close.error().message;
+                built.insert(built.end(), close->begin(), close->end());
+                conv.insert(conv.end(), next.begin(), next.end());
+                conv.push_back({"assistant", replies[turn]});
+            }
+            Ids whole = tok->encode(*ct->apply(conv, false), !ct->includes_bos(), true);
+            EXPECT_EQ(built, whole) << name << (with_system ? " with a system message" : "");
+        }
+    }
+}
+
+TEST(ChatTurns, ClosingTokens) {
+    REQUIRE_MODEL();
+    auto ct = ChatTemplate::from_name("smollm2");
+    ASSERT_TRUE(ct.ok());
+    ChatTurns turns(*ct, *tok);
+    const Ids closing = tok->encode("<|im_end|>\n", false, true);
+    ASSERT_EQ(closing.size(), 2u);
+    EXPECT_EQ(*turns.close_reply(Ids{504, closing[0]}), Ids{closing[1]});  // stopped by <|im_end|>
+    EXPECT_EQ(*turns.close_reply(Ids{504, 505}), closing);                 // cut by max_tokens
+    EXPECT_EQ(*turns.close_reply(Ids{}), closing);
+    // A context's first messages carry the default system message; later ones not.
+    const Ids first = *turns.start(std::vector<ChatMessage>{{"user", "Hi"}}, true);
+    const Ids later = *turns.more(std::vector<ChatMessage>{{"user", "Hi"}}, true);
+    EXPECT_EQ(tok->decode(first, false), *ct->apply(std::vector<ChatMessage>{{"user", "Hi"}}, true));
+    EXPECT_EQ(tok->decode(later, false), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    EXPECT_FALSE(turns.more(std::vector<ChatMessage>{}, true).ok());
+    EXPECT_FALSE(turns.more(std::vector<ChatMessage>{{"bad role", "x"}}, true).ok());
 }
 
 }  // namespace

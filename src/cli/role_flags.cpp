@@ -90,6 +90,10 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
                  "on the first --prefill-workers GPUs, decode on the rest), each hand-off copying the request's KV "
                  "layer by layer")
         ->capture_default_str();
+    c.add_option("--kv-blocks", s.kv_blocks,
+                 "CPU: KV blocks of 16 tokens in the arena (0: enough for every slot at full context, at most 8 GiB); "
+                 "a small arena shows eviction and preemption")
+        ->capture_default_str();
     c.add_option("--kv-memory", s.kv_memory,
                  "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest "
                  "of it)")

@@ -165,7 +165,7 @@ int cmd_front(const FrontSettings& a) {
             std::filesystem::create_directories(a.contexts_dir, ec);
             std::filesystem::permissions(a.contexts_dir, std::filesystem::perms::owner_all,
                                          std::filesystem::perm_options::replace, ec);
-            auto c = ContextService::open(*inst, *self, front.router(), **model, **tok, a.contexts_dir,
+            auto c = ContextService::open(*inst, *self, front.router(), **model, **tok, *tmpl, a.contexts_dir,
                                           static_cast<size_t>(a.contexts_max), a.contexts_disk_max);
             if (!c) {
                 inst->registry().release(*self);

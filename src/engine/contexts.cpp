@@ -221,7 +221,7 @@ void ContextStore::touch(Context& c) {
 }
 
 bool ContextStore::make_room(const Context& keep, int64_t blocks) {
-    while (pool_.allocator().n_free() < blocks) {
+    while (pool_.allocator().n_available() < blocks) {
         // C4: the least recently used resident context other than `keep` gives way.
         Context* victim = nullptr;
         for (auto& [id, o] : contexts_)
@@ -233,13 +233,28 @@ bool ContextStore::make_room(const Context& keep, int64_t blocks) {
     return true;
 }
 
+size_t ContextStore::evict_idle(const std::string& keep, const std::function<bool()>& enough) {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    while (!enough()) {
+        Context* victim = nullptr;
+        for (auto& [id, o] : contexts_)
+            if (id != keep && o->resident && !o->pinned && o->seq.n_tokens() > 0 && (!victim || o->lru < victim->lru))
+                victim = o.get();
+        if (!victim || !evict_one(*victim)) break;
+        ++n;
+    }
+    count_contexts();
+    return n;
+}
+
 Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
     if (c.resident) return {};
     const int64_t bt = pool_.layout().block_tokens;
     const auto need = (static_cast<int64_t>(c.tokens.size()) + bt - 1) / bt;
     if (!make_room(c, need))
         return make_error(ErrorKind::NoKvBlocks, "context '{}' needs {} KV blocks to be restored, {} of {} are free",
-                          c.id, need, pool_.allocator().n_free(), pool_.allocator().n_blocks());
+                          c.id, need, pool_.allocator().n_available(), pool_.allocator().n_blocks());
     const auto t0 = std::chrono::steady_clock::now();
     KvSeq seq;
     if (c.durable) {
@@ -292,7 +307,7 @@ Status ContextStore::compute(Context& c, ContextUsage* usage) {
         }
         // C4: other contexts give way, one block more each time (the pass needs at
         // least one more than is free).
-        if (!make_room(c, pool_.allocator().n_free() + 1)) {
+        if (!make_room(c, pool_.allocator().n_available() + 1)) {
             c.seq.truncate(pool_, had);
             c.logits_valid = false;
             return st;
@@ -376,6 +391,89 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
         }
         ::close(fd);
     }
+    Context& ref = *c;
+    contexts_.emplace(id, std::move(c));
+    return info_of(ref);
+}
+
+Result<ContextInfo> ContextStore::export_blob(const std::string& id, const std::string& path) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, nullptr);
+    auto c = find(id);
+    if (!c) return c.error();
+    Context& ctx = **c;
+    touch(ctx);
+    if (Status st = make_resident(ctx, &tally.u); !st) return st.error();
+    // A spilled context restores the positions it had computed; the rest are computed now.
+    if (ctx.seq.n_tokens() < static_cast<int64_t>(ctx.tokens.size()))
+        if (Status st = compute(ctx, &tally.u); !st) return st.error();
+    auto w = blob_write(path, o_.id, pool_, ctx.seq, ctx.tokens, 0, ctx.tokens.size());
+    if (!w) return w.error();
+    return info_of(ctx);
+}
+
+Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::string& path, bool durable,
+                                              ContextUsage* caller_usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    if (Status st = check_new_id(id); !st) return st.error();
+    // The header first: how many blocks the import needs, and whether it fits at all.
+    uint8_t head[kBlobHeaderBytes];
+    {
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return make_error("{}: {}", path, std::strerror(errno));
+        const ssize_t got = ::pread(fd, head, sizeof head, 0);
+        ::close(fd);
+        if (got != static_cast<ssize_t>(sizeof head))
+            return make_error(ErrorKind::Invalid, "the blob is {} bytes, shorter than its {}-byte header",
+                              got < 0 ? 0 : got, sizeof head);
+    }
+    auto h = blob_header_decode(head, sizeof head);
+    if (!h) return make_error(ErrorKind::Invalid, "{}", h.error().message);
+    if (h->first_pos != 0)
+        return make_error(ErrorKind::Invalid, "the blob starts at position {}; a context's blob starts at 0",
+                          h->first_pos);
+    if (o_.max_tokens > 0 && h->n_tokens >= static_cast<uint64_t>(o_.max_tokens))
+        return make_error(ErrorKind::Invalid, "the blob holds {} tokens; this server's contexts hold fewer than {} (--ctx)",
+                          h->n_tokens, o_.max_tokens);
+    if (durable)
+        if (Status st = check_disk(static_cast<int64_t>(h->n_tokens)); !st) return st.error();
+    Context probe;  // keeps nothing: every resident context may give way
+    const int64_t bt = pool_.layout().block_tokens;
+    if (!make_room(probe, (static_cast<int64_t>(h->n_tokens) + bt - 1) / bt))
+        return make_error(ErrorKind::NoKvBlocks, "the blob's {} tokens need more KV blocks than are free ({} of {})",
+                          h->n_tokens, pool_.allocator().n_available(), pool_.allocator().n_blocks());
+    const auto t0 = std::chrono::steady_clock::now();
+    KvSeq seq;
+    auto im = blob_import(path, o_.id, pool_, seq);
+    if (!im) return make_error(ErrorKind::Invalid, "{}", im.error().message);
+    stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    auto c = std::make_unique<Context>();
+    c->id = id;
+    c->tokens = std::move(im->tokens);
+    c->seq = std::move(seq);
+    c->durable = durable;
+    c->resident = true;
+    c->created_ns = wall_ns();
+    touch(*c);
+    if (durable) {
+        auto log = KvLog::create(sync_, o_.dir, id, o_.id, pool_.layout(), o_.log);
+        Status st = log ? Status{} : Status(log.error());
+        if (st) {
+            c->log = std::move(log).value();
+            const auto t1 = std::chrono::steady_clock::now();
+            if (!c->tokens.empty()) st = c->log->append(pool_, c->seq, c->tokens, 0, c->tokens.size());
+            stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
+        }
+        if (!st) {
+            c->seq.release(pool_);
+            c->log.reset();
+            remove_files(id);
+            return st.error();
+        }
+    }
+    tally.u.restored += c->seq.n_tokens();
+    compute_.resident(c->seq, c->tokens);
     Context& ref = *c;
     contexts_.emplace(id, std::move(c));
     return info_of(ref);

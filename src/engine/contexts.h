@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -125,6 +126,8 @@ struct ContextStoreOptions {
     // would write past it is refused with ErrorKind::Limit and changes nothing.
     uint64_t max_disk_bytes = 0;
     KvLogOptions log;
+    // The longest context import_blob takes (serving: a request slot's tokens); 0: any.
+    int64_t max_tokens = 0;
 };
 
 class ContextStore {
@@ -162,6 +165,23 @@ public:
     // Gives its blocks back to the pool (durable: they are in the log; else spilled
     // to a blob first). Restored on next use. A pinned context is refused (Invalid).
     Status evict(const std::string& id);
+
+    // Export: the context's KV as a blob at `path` (src/kv/blob.h; written to a
+    // temporary file and renamed), made resident first and computed where it was
+    // not. The context is not changed.
+    Result<ContextInfo> export_blob(const std::string& id, const std::string& path);
+    // Import: a new context `id` from the blob at `path`, durable or not, its KV
+    // read into the pool. Everything is checked before the context exists (the
+    // header against this model, tokenizer and arena layout, the data CRC, the token
+    // ids, the length against max_tokens): a refused blob is an Invalid error naming
+    // what differs, and nothing stays allocated or written.
+    Result<ContextInfo> import_blob(const std::string& id, const std::string& path, bool durable,
+                                    ContextUsage* usage = nullptr);
+
+    // Room for others (serving: a request about to be admitted): evicts resident
+    // contexts, least recently used first, never a pinned one nor `keep`, until
+    // enough() says so or none is left. Returns how many were evicted.
+    size_t evict_idle(const std::string& keep, const std::function<bool()>& enough);
 
     // The context's tokens, its KV made resident first (restored if evicted): for a
     // caller about to use its blocks from elsewhere (serving: a completion whose

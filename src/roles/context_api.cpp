@@ -1,6 +1,13 @@
 #include "roles/context_api.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -82,6 +89,10 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
         std::vector<int32_t> blocks(t.blocks(r->slot), t.blocks(r->slot) + nb);
         seq.release(pool_);
         seq = KvSeq::adopt(std::move(blocks), n);
+    } else if (t.slot(r->slot).error_code.load(std::memory_order_relaxed) ==
+               static_cast<int32_t>(ReqError::PrefillKv)) {
+        // The store evicts other contexts and tries again (ContextStore::compute).
+        out = make_error(ErrorKind::NoKvBlocks, "prefill found no KV blocks for the context's computation");
     } else {
         out = make_error("prefill failed the context's computation ({})",
                          t.slot(r->slot).error_code.load(std::memory_order_relaxed));
@@ -136,12 +147,23 @@ json info_json(const ContextInfo& i, const ContextUsage* u = nullptr) {
 
 ApiReply ok(int status, const json& j) { return {status, j.dump()}; }
 
-// The body's new tokens: "tokens" (ids) or "prompt" (text); "messages" is refused
-// with its reason.
-std::variant<std::vector<int32_t>, ApiReply> new_tokens(const json& b, const Tokenizer& tok, bool required) {
-    if (b.contains("messages"))
-        return error_reply(400, "messages: not supported for contexts yet; send \"prompt\" (text) or \"tokens\"",
-                           "messages");
+// The body's new tokens: "tokens" (ids), "prompt" (text) or "messages" (chat
+// messages: a whole conversation when they start the context, at `at` == 0, else
+// the tokens that add them to the conversation before; "add_generation_prompt"
+// opens the assistant's turn after them).
+std::variant<std::vector<int32_t>, ApiReply> new_tokens(const json& b, const Tokenizer& tok, const ChatTurns& turns,
+                                                        int64_t at, bool required) {
+    const int given = int(b.contains("tokens")) + int(b.contains("prompt")) + int(b.contains("messages"));
+    if (given > 1) return error_reply(400, "send one of \"prompt\", \"tokens\" or \"messages\"");
+    if (b.contains("add_generation_prompt") && (!b["add_generation_prompt"].is_boolean() || !b.contains("messages")))
+        return error_reply(400, "add_generation_prompt: a boolean, with \"messages\"", "add_generation_prompt");
+    if (b.contains("messages")) {
+        std::vector<ChatMessage> msgs;
+        if (auto e = read_chat_messages(b, msgs)) return error_reply(e->status, e->message, e->param);
+        auto t = turns.extend(static_cast<size_t>(at), msgs, b.value("add_generation_prompt", false));
+        if (!t) return error_reply(400, t.error().message, "messages");
+        return std::move(t).value();
+    }
     if (b.contains("tokens")) {
         if (!b["tokens"].is_array()) return error_reply(400, "tokens: an array of token ids", "tokens");
         std::vector<int32_t> t;
@@ -156,8 +178,22 @@ std::variant<std::vector<int32_t>, ApiReply> new_tokens(const json& b, const Tok
         if (!b["prompt"].is_string()) return error_reply(400, "prompt: a string", "prompt");
         return tok.encode(b["prompt"].get<std::string>(), false, false);
     }
-    if (required) return error_reply(400, "\"prompt\" or \"tokens\" is required");
+    if (required) return error_reply(400, "\"prompt\", \"tokens\" or \"messages\" is required");
     return std::vector<int32_t>{};
+}
+
+// A query's value for `key` ("" when absent). Ids and booleans need no %-decoding:
+// a value with '%' is taken as it is and refused where it is checked.
+std::string query_value(const std::string& query, const std::string& key) {
+    size_t at = 0;
+    while (at <= query.size()) {
+        size_t amp = query.find('&', at);
+        if (amp == std::string::npos) amp = query.size();
+        const std::string pair = query.substr(at, amp - at);
+        if (pair.rfind(key + "=", 0) == 0) return pair.substr(key.size() + 1);
+        at = amp + 1;
+    }
+    return "";
 }
 
 std::variant<json, ApiReply> parse_body(const std::string& body) {
@@ -185,13 +221,15 @@ std::string new_id() {
 
 Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst, shm::ProcRef self,
                                                              PrefillRouter& router, const Model& model,
-                                                             const Tokenizer& tok, const std::string& dir,
-                                                             size_t max_contexts, uint64_t max_disk_bytes) {
+                                                             const Tokenizer& tok, const ChatTemplate& tmpl,
+                                                             const std::string& dir, size_t max_contexts,
+                                                             uint64_t max_disk_bytes) {
     if (inst.config().cpu_kv_bytes == 0)
         return make_error("contexts: GPU arenas are not served yet (--contexts-dir is for CPU serving)");
     std::unique_ptr<ContextService> s(new ContextService());
     s->inst_ = &inst;
     s->tok_ = &tok;
+    s->turns_ = std::make_unique<ChatTurns>(tmpl, tok);
     auto user = inst.arena(0).join(self);
     if (!user) return make_error("contexts: the KV arena: {}", user.error().message);
     s->user_ = *user;
@@ -212,9 +250,22 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     o.id = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
     o.max_contexts = max_contexts;
     o.max_disk_bytes = max_disk_bytes;
+    o.max_tokens = static_cast<int64_t>(inst.requests().max_tokens());
     auto store = ContextStore::open(*s->pool_, *s->sync_, *s->compute_, o);
     if (!store) return store.error();
     s->store_ = std::move(store).value();
+    // Exports and imports pass through files here; a previous run's are left-overs.
+    s->spool_dir_ = dir + "/spool";
+    if (::mkdir(s->spool_dir_.c_str(), 0700) != 0 && errno != EEXIST)
+        return make_error("{}: cannot create: {}", s->spool_dir_, std::strerror(errno));
+    if (DIR* d = ::opendir(s->spool_dir_.c_str())) {
+        while (dirent* e = ::readdir(d))
+            if (e->d_name[0] != '.') ::unlinkat(::dirfd(d), e->d_name, 0);
+        ::closedir(d);
+    }
+    auto most = blob_data_bytes(s->pool_->layout(), o.max_tokens);
+    if (!most) return most.error();
+    s->max_blob_bytes_ = kBlobHeaderBytes + *most;
     for (const auto& [file, why] : s->store_->refused())
         std::fprintf(stderr, "duet front: context log %s/%s refused: %s\n", dir.c_str(), file.c_str(), why.c_str());
     return s;
@@ -246,7 +297,7 @@ ApiReply ContextService::create(const std::string& body) {
         if (!j["pin_prefix"].is_boolean()) return error_reply(400, "pin_prefix: a boolean", "pin_prefix");
         pin = j["pin_prefix"].get<bool>();
     }
-    auto toks = new_tokens(j, *tok_, false);
+    auto toks = new_tokens(j, *tok_, *turns_, 0, false);
     if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
     ContextUsage u;
     auto r = store_->create(id, std::get<std::vector<int32_t>>(toks), durable, &u, pin);
@@ -256,6 +307,7 @@ ApiReply ContextService::create(const std::string& body) {
 
 ApiReply ContextService::route_one(const std::string& method, const std::string& id, const std::string& op,
                                    const std::string& query, const std::string& body) {
+    if (auto refused = refused_reply(id)) return *refused;
     if (op.empty() && method == "GET") {
         auto i = store_->info(id);
         if (!i) return error_reply(i.error());
@@ -274,16 +326,22 @@ ApiReply ContextService::route_one(const std::string& method, const std::string&
     ContextUsage u;
     Result<ContextInfo> r = make_error(ErrorKind::NotFound, "no route");
     if (op == "append" || op == "edit") {
-        auto toks = new_tokens(j, *tok_, op == "append");
+        // Where the new tokens go: messages are rendered as a conversation's start
+        // there, or as more of it.
+        int64_t at = 0;
+        if (op == "append") {
+            auto i = store_->info(id);
+            if (!i) return error_reply(i.error());
+            at = i->n_tokens;
+        } else {
+            auto a = int_field(j, "at", 0, true);
+            if (auto* e = std::get_if<ApiReply>(&a)) return *e;
+            at = std::get<int64_t>(a);
+        }
+        auto toks = new_tokens(j, *tok_, *turns_, at, op == "append");
         if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
         const auto& t = std::get<std::vector<int32_t>>(toks);
-        if (op == "append") {
-            r = store_->append(id, t, &u);
-        } else {
-            auto at = int_field(j, "at", 0, true);
-            if (auto* e = std::get_if<ApiReply>(&at)) return *e;
-            r = store_->edit(id, std::get<int64_t>(at), t, &u);
-        }
+        r = op == "append" ? store_->append(id, t, &u) : store_->edit(id, at, t, &u);
     } else if (op == "truncate") {
         auto n = int_field(j, "n_tokens", 0, true);
         if (auto* e = std::get_if<ApiReply>(&n)) return *e;
@@ -317,9 +375,10 @@ ApiReply ContextService::handle(const std::string& method, const std::string& pa
     if (path == base || path == base + "/") {
         if (method == "POST") return create(body);
         if (method == "GET") {
-            json data = json::array();
+            json data = json::array(), refused = json::array();
             for (const ContextInfo& i : store_->list()) data.push_back(info_json(i));
-            return ok(200, {{"object", "list"}, {"data", data}});
+            for (const auto& [file, why] : store_->refused()) refused.push_back({{"file", file}, {"reason", why}});
+            return ok(200, {{"object", "list"}, {"data", data}, {"refused", refused}});
         }
         return error_reply(405, fmt::format("{} is not allowed on {}", method, base));
     }
@@ -330,6 +389,65 @@ ApiReply ContextService::handle(const std::string& method, const std::string& pa
         op = rest.substr(slash + 1);
     }
     return route_one(method, id, op, query, body);
+}
+
+bool ContextService::has_room(uint64_t blocks) const {
+    const shm::ArenaCensus c = inst_->arena(0).census();
+    return c.free + c.cached >= blocks;
+}
+
+void ContextService::make_room(uint64_t blocks, const std::string& keep) {
+    // Never more than the arena holds: then every idle context would go for nothing.
+    blocks = std::min<uint64_t>(blocks, inst_->arena(0).n_blocks());
+    store_->evict_idle(keep, [&] { return has_room(blocks); });
+}
+
+std::optional<ApiReply> ContextService::refused_reply(const std::string& id) const {
+    for (const auto& [file, why] : store_->refused())
+        if (file == id + ".kvlog") {
+            ApiError e;
+            e.status = 500;
+            e.type = "server_error";
+            e.code = "context_refused";
+            e.message = fmt::format("context '{}' was refused when its log was read at start: {}; its files are kept "
+                                    "for inspection (duet kv inspect)",
+                                    id, why);
+            return ApiReply{500, error_json(e)};
+        }
+    return std::nullopt;
+}
+
+std::variant<std::string, ApiReply> ContextService::export_file(const std::string& id) {
+    if (auto refused = refused_reply(id)) return *refused;
+    const std::string path = spool_path();
+    auto r = store_->export_blob(id, path);
+    if (!r) {
+        ::unlink(path.c_str());
+        return error_reply(r.error());
+    }
+    return path;
+}
+
+std::string ContextService::spool_path() {
+    static std::atomic<uint64_t> n{0};
+    // Relaxed: a counter for unique names, nothing ordered by it.
+    return fmt::format("{}/{}-{}.kvblob", spool_dir_, ::getpid(), n.fetch_add(1, std::memory_order_relaxed));
+}
+
+ApiReply ContextService::import_file(const std::string& query, const std::string& path) {
+    struct Unlink {
+        const std::string& p;
+        ~Unlink() { ::unlink(p.c_str()); }
+    } unlink_spool{path};
+    std::string id = query_value(query, "id");
+    if (id.empty()) id = new_id();
+    const std::string durable = query_value(query, "durable");
+    if (!durable.empty() && durable != "true" && durable != "false")
+        return error_reply(400, "durable: true or false", "durable");
+    ContextUsage u;
+    auto r = store_->import_blob(id, path, durable != "false", &u);
+    if (!r) return error_reply(r.error());
+    return ok(201, info_json(*r, &u));
 }
 
 std::variant<std::vector<int32_t>, ApiReply> ContextService::tokens_of(const std::string& id) {

@@ -9,29 +9,36 @@
 // its references to the request's blocks to the front's arena user instead of
 // handing off. The store then holds the new sequence and logs it.
 //
-// ContextApi answers the routes below with JSON (OpenAI error JSON for failures;
+// ContextService answers the routes below with JSON (OpenAI error JSON for failures;
 // ErrorKind -> status: NotFound 404, Exists 409, Invalid 400, Limit 429, NoKvBlocks
 // 503). It blocks (disk I/O, waiting for prefill): the front calls it on a thread of
 // its own, never on an HTTP thread.
-//   POST   /v1/contexts                {"id"?, "prompt"? | "tokens"?, "durable"?}  -> 201
-//   GET    /v1/contexts
+//   POST   /v1/contexts                {"id"?, NEW?, "durable"?, "pin_prefix"?}  -> 201
+//   GET    /v1/contexts                (and "refused": the logs recovery refused, with why)
 //   GET    /v1/contexts/{id}[?tokens=true]
 //   DELETE /v1/contexts/{id}
-//   POST   /v1/contexts/{id}/append    {"prompt" | "tokens"}
+//   POST   /v1/contexts/{id}/append    {NEW}
 //   POST   /v1/contexts/{id}/truncate  {"n_tokens"}
-//   POST   /v1/contexts/{id}/edit      {"at", "prompt" | "tokens"}
+//   POST   /v1/contexts/{id}/edit      {"at", NEW}
 //   POST   /v1/contexts/{id}/fork      {"id"?, "at"?, "durable"?}             -> 201
-// and, with the front's completion path, POST /v1/contexts/{id}/completions.
+// NEW is "prompt" (text), "tokens" (ids) or "messages" (chat messages rendered with
+// the chat template, ChatTurns: a whole conversation at position 0, else added to
+// the one before; "add_generation_prompt": true opens the assistant's turn).
+// With the front: POST /v1/contexts/{id}/completions, /v1/chat/completions with
+// "context", GET /v1/contexts/{id}/export (export_file) and POST
+// /v1/contexts/import?id=ID[&durable=false] (import_file; the body spooled to a file).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "engine/contexts.h"
 #include "kv/log_device.h"
+#include "model/chat_turns.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
 #include "roles/routing.h"
@@ -74,8 +81,8 @@ public:
     // Joins arena 0 (CPU serving) as `self` and opens the store in dir.
     static Result<std::unique_ptr<ContextService>> open(shm::Instance& inst, shm::ProcRef self, PrefillRouter& router,
                                                         const Model& model, const Tokenizer& tok,
-                                                        const std::string& dir, size_t max_contexts,
-                                                        uint64_t max_disk_bytes = 0);
+                                                        const ChatTemplate& tmpl, const std::string& dir,
+                                                        size_t max_contexts, uint64_t max_disk_bytes = 0);
     ~ContextService();
     // A /v1/contexts route (method, path without the query, the query, the body).
     ApiReply handle(const std::string& method, const std::string& path, const std::string& query,
@@ -85,6 +92,24 @@ public:
     std::variant<std::vector<int32_t>, ApiReply> tokens_of(const std::string& id);
     // After such a completion: its prompt and output join the context.
     ApiReply commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added);
+    // Before a request that needs `blocks` KV blocks is admitted: when the arena has
+    // fewer free or cached, idle contexts (not `keep`, the one the request
+    // continues) are evicted, least recently used first, until it has them
+    // (ContextStore::evict_idle; their KV is on disk). Blocking: the store thread.
+    void make_room(uint64_t blocks, const std::string& keep);
+    // The arena has `blocks` free or cached (no wait, any thread).
+    bool has_room(uint64_t blocks) const;
+    // Export: a blob of the context in the spool directory, for the front to send
+    // and remove; or the error reply.
+    std::variant<std::string, ApiReply> export_file(const std::string& id);
+    // A file in the spool directory for an import's body (the front writes it).
+    std::string spool_path();
+    // Import: the query's id (and durable), the blob spooled at `path` (removed here,
+    // whatever the outcome) -> 201 with the context, or the reason it was refused.
+    ApiReply import_file(const std::string& query, const std::string& path);
+    // The largest blob an import takes: a request slot's tokens of this KV layout.
+    uint64_t max_blob_bytes() const { return max_blob_bytes_; }
+    const ChatTurns& turns() const { return *turns_; }
     ContextStore& store() { return *store_; }
 
 private:
@@ -92,11 +117,15 @@ private:
     ApiReply create(const std::string& body);
     ApiReply route_one(const std::string& method, const std::string& id, const std::string& op,
                        const std::string& query, const std::string& body);
+    std::optional<ApiReply> refused_reply(const std::string& id) const;
 
     shm::Instance* inst_ = nullptr;
     uint32_t user_ = 0;
     bool joined_ = false;
     const Tokenizer* tok_ = nullptr;
+    std::unique_ptr<ChatTurns> turns_;
+    std::string spool_dir_;
+    uint64_t max_blob_bytes_ = 0;
     ShmBlockAllocator* alloc_ = nullptr;
     std::unique_ptr<KvPool> pool_;
     std::unique_ptr<KvCacheManager> kv_;

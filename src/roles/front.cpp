@@ -101,6 +101,13 @@ http::response<http::string_body> make_response(http::status st, std::string bod
 
 http::status status_of(int code) { return static_cast<http::status>(code); }
 
+// A request target's path, without the query.
+std::string target_path(beast::string_view target) {
+    std::string path(target);
+    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    return path;
+}
+
 // Built outside the coroutines: GCC 12 miscompiles braced aggregates of string
 // literals inside a coroutine body ("array used as initializer").
 ApiError api_error(int status, std::string type, std::string message, std::string param = {}, std::string code = {}) {
@@ -142,6 +149,8 @@ ApiError failure(int32_t code) {
         return api_error(503, "server_error", "the prefill queue is not moving (prefill worker unavailable)");
     case ReqError::Decode:
         return api_error(500, "server_error", "decode ran out of KV cache for this request");
+    case ReqError::PrefillKv:
+        return api_error(503, "server_error", "prefill ran out of KV cache for this request; retry shortly");
     default:
         return api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
     }
@@ -252,8 +261,14 @@ std::variant<std::string, ApiError> token_route(const Tokenizer& tok, const std:
     if (path == "/tokenize") {
         if (!j.contains("prompt") || !j["prompt"].is_string())
             return api_error(400, "invalid_request_error", "'prompt' must be a string", "prompt", "");
-        bool add_special = j.value("add_special_tokens", true);
-        return tokens_json(tok.encode(j["prompt"].get<std::string>(), add_special, false));
+        for (const char* key : {"add_special_tokens", "parse_special"})
+            if (j.contains(key) && !j[key].is_boolean())
+                return api_error(400, "invalid_request_error", fmt::format("'{}' must be a boolean", key), key, "");
+        const bool add_special = j.value("add_special_tokens", true);
+        // parse_special: "<|im_start|>" and the like become their special tokens (as a
+        // chat template's text is tokenized); by default they are text.
+        const bool parse_special = j.value("parse_special", false);
+        return tokens_json(tok.encode(j["prompt"].get<std::string>(), add_special, parse_special));
     }
     if (!j.contains("tokens") || !j["tokens"].is_array())
         return api_error(400, "invalid_request_error", "'tokens' must be an array", "tokens", "");
@@ -292,6 +307,10 @@ struct FrontSession {
     }
     static awaitable<void> listen(Front& f);
     static awaitable<void> serve(Front& f, tcp::socket sock);
+    static awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
+    static awaitable<bool> import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
+                                       http::request_parser<http::empty_body>& head, uint64_t limit);
+    static awaitable<bool> export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
     static awaitable<bool> handle(Front& f, beast::tcp_stream& stream, Request& req);
     static MetricsSnapshot metrics_snapshot(Front& f);
 
@@ -399,21 +418,37 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
     beast::tcp_stream stream(std::move(sock));
     beast::flat_buffer buf;
     for (;;) {
-        http::request_parser<http::string_body> parser;
-        parser.body_limit(f.opts_.max_body_bytes);
+        // The header first: an import's body (a KV blob, up to max_blob_bytes) is
+        // spooled to a file; every other body is read into memory, up to
+        // max_body_bytes.
+        http::request_parser<http::empty_body> head;
+        const uint64_t blob_limit = f.opts_.contexts ? f.opts_.contexts->max_blob_bytes() : 0;
+        head.body_limit(std::max<uint64_t>(f.opts_.max_body_bytes, blob_limit));
         stream.expires_after(std::chrono::seconds(60));  // a slow or idle client
         beast::error_code ec;
-        co_await http::async_read(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+        co_await http::async_read_header(stream, buf, head, asio::redirect_error(use_awaitable, ec));
+        const bool import = !ec && f.opts_.contexts && head.get().method() == http::verb::post &&
+                            target_path(head.get().target()) == "/v1/contexts/import";
+        const uint64_t limit = import ? blob_limit : f.opts_.max_body_bytes;
+        if (!ec && head.content_length() && *head.content_length() > limit) ec = http::error::body_limit;
         if (ec == http::error::body_limit) {
-            Request dummy;
-            ApiError e = api_error(413, "invalid_request_error",
-                                   fmt::format("the request body is larger than {} bytes", f.opts_.max_body_bytes));
-            auto res = make_response(http::status::payload_too_large, error_json(e), dummy);
-            res.keep_alive(false);
-            co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+            co_await too_large(stream, limit);
             break;
         }
         if (ec) break;  // end of stream, timeout, malformed HTTP
+        if (import) {
+            const bool ok = co_await import_blob(f, stream, buf, head, limit);
+            if (!ok) break;
+            continue;
+        }
+        http::request_parser<http::string_body> parser{std::move(head)};
+        parser.body_limit(limit);  // a chunked body is counted as it comes
+        co_await http::async_read(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+        if (ec == http::error::body_limit) {
+            co_await too_large(stream, limit);
+            break;
+        }
+        if (ec) break;
         Request req = parser.release();
         stream.expires_never();
         bool ok = co_await handle(f, stream, req);
@@ -421,6 +456,83 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
     }
     beast::error_code ec;
     stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+}
+
+// 413, and the connection closes (the rest of the body is not read).
+awaitable<void> FrontSession::too_large(beast::tcp_stream& stream, uint64_t limit) {
+    Request dummy;
+    ApiError e = api_error(413, "invalid_request_error", fmt::format("the request body is larger than {} bytes", limit));
+    auto res = make_response(http::status::payload_too_large, error_json(e), dummy);
+    res.keep_alive(false);
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+}
+
+// POST /v1/contexts/import?id=...: the body (a KV blob) written to a spool file as
+// it arrives, then imported on the store thread, which removes the file.
+awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
+                                          http::request_parser<http::empty_body>& head, uint64_t limit) {
+    ContextService& svc = *f.opts_.contexts;
+    const std::string spool = svc.spool_path();
+    http::request_parser<http::file_body> parser{std::move(head)};
+    parser.body_limit(limit);
+    beast::error_code ec;
+    parser.get().body().open(spool.c_str(), beast::file_mode::write, ec);
+    if (ec) {
+        Request dummy;
+        co_await error(f, stream, dummy,
+                       api_error(500, "server_error", fmt::format("{}: cannot spool the blob: {}", spool, ec.message())));
+        co_return false;
+    }
+    co_await http::async_read(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
+    parser.get().body().close();
+    if (ec) {
+        ::unlink(spool.c_str());
+        if (ec == http::error::body_limit) co_await too_large(stream, limit);
+        co_return false;
+    }
+    stream.expires_never();
+    Request req;  // the reply's version and keep-alive
+    req.version(parser.get().version());
+    req.keep_alive(parser.get().keep_alive());
+    std::string target(parser.get().target());
+    const auto q = target.find('?');
+    const std::string query = q == std::string::npos ? "" : target.substr(q + 1);
+    ApiReply reply = co_await asio::co_spawn(
+        f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc.import_file(query, spool); }, use_awaitable);
+    if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+    const bool ok = co_await write_response(stream, req, status_of(reply.status), std::move(reply.body),
+                                            "application/json", reply.status == 429);
+    co_return ok && req.keep_alive();
+}
+
+// GET /v1/contexts/{id}/export: the blob written on the store thread, then sent as
+// the body; its spool file is removed once open (the open file is what is sent).
+awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id) {
+    ContextService& svc = *f.opts_.contexts;
+    auto file = co_await asio::co_spawn(
+        f.impl_->store, [&]() -> awaitable<std::variant<std::string, ApiReply>> { co_return svc.export_file(id); },
+        use_awaitable);
+    if (auto* e = std::get_if<ApiReply>(&file)) {
+        f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+        co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body), "application/json",
+                                          e->status == 429);
+    }
+    const std::string& path = std::get<std::string>(file);
+    http::response<http::file_body> res{http::status::ok, req.version()};
+    beast::error_code ec;
+    res.body().open(path.c_str(), beast::file_mode::scan, ec);
+    ::unlink(path.c_str());
+    if (ec)
+        co_return co_await error(f, stream, req,
+                                 api_error(500, "server_error", fmt::format("{}: {}", path, ec.message())));
+    res.set(http::field::server, "duet");
+    res.set(http::field::content_type, "application/octet-stream");
+    res.set(http::field::content_disposition, fmt::format("attachment; filename=\"{}.kvblob\"", id));
+    res.keep_alive(req.keep_alive());
+    res.prepare_payload();
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
 }
 
 awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Request& req) {
@@ -514,12 +626,14 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
         co_return co_await error(f, stream, req,
                                  api_error(404, "not_found_error",
                                            "contexts are off on this server (duet serve --contexts-dir DIR)", "", ""));
-    const std::string completions = "/completions";
-    if (req.method() == http::verb::post && path.size() > completions.size() &&
-        path.compare(path.size() - completions.size(), completions.size(), completions) == 0) {
-        const std::string id = path.substr(13, path.size() - 13 - completions.size());
-        co_return co_await completion(f, stream, req, false, id);
-    }
+    auto ends = [&](const std::string& tail) {
+        return path.size() > 13 + tail.size() && path.compare(path.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    const std::string completions = "/completions", exported = "/export";
+    if (req.method() == http::verb::post && ends(completions))
+        co_return co_await completion(f, stream, req, false, path.substr(13, path.size() - 13 - completions.size()));
+    if (req.method() == http::verb::get && ends(exported))
+        co_return co_await export_blob(f, stream, req, path.substr(13, path.size() - 13 - exported.size()));
     std::string target(req.target());
     const auto q = target.find('?');
     const std::string query = q == std::string::npos ? "" : target.substr(q + 1);
@@ -538,6 +652,13 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
     std::vector<int32_t> added(c.prompt.begin() + static_cast<std::ptrdiff_t>(c.context_len), c.prompt.end());
     added.insert(added.end(), c.ch[0].out.begin(), c.ch[0].out.end());
     ContextService& svc = *f.opts_.contexts;
+    if (c.chat) {
+        // The reply ends as the template ends an assistant message, so the next turn's
+        // messages follow it as in a whole render of the conversation.
+        auto close = svc.turns().close_reply(c.ch[0].out);
+        if (!close) co_return api_error(500, "server_error", close.error().message, "", "");
+        added.insert(added.end(), close->begin(), close->end());
+    }
     ApiReply reply = co_await asio::co_spawn(
         f.impl_->store,
         [&]() -> awaitable<ApiReply> { co_return svc.commit(c.context, c.context_len, added); },
@@ -554,6 +675,24 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     c.chat = chat;
     c.arrived = shm::monotonic_ns();
     c.context = std::move(context);
+    if (chat) {
+        // "context": the contexts API's field of chat completions (the openai client's
+        // extra_body): the messages join that context. Taken out before the OpenAI parse.
+        auto body = nlohmann::json::parse(req.body(), nullptr, false);
+        if (body.is_object() && body.contains("context") && !body["context"].is_null()) {
+            if (!body["context"].is_string() || body["context"].get<std::string>().empty())
+                co_return co_await error(f, stream, req,
+                                         api_error(400, "invalid_request_error", "context: a context's id", "context"));
+            if (!f.opts_.contexts)
+                co_return co_await error(f, stream, req,
+                                         api_error(404, "not_found_error",
+                                                   "contexts are off on this server (duet serve --contexts-dir DIR)",
+                                                   "context"));
+            c.context = body["context"].get<std::string>();
+            body.erase("context");
+            req.body() = body.dump();
+        }
+    }
     if (!c.context.empty()) {
         // "commit" is the contexts API's own field: taken out before the OpenAI parse.
         auto body = nlohmann::json::parse(req.body(), nullptr, false);
@@ -577,7 +716,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         c.context_len = c.context_tokens.size();
         // No prompt: the completion continues the context itself. The OpenAI parse
         // wants a prompt: the context's last token is moved into it.
-        const bool no_prompt = body.is_object() && (!body.contains("prompt") || body["prompt"] == "" ||
+        const bool no_prompt = !chat && body.is_object() && (!body.contains("prompt") || body["prompt"] == "" ||
                                                     (body["prompt"].is_array() && body["prompt"].empty()));
         if (no_prompt && !c.context_tokens.empty()) {
             body["prompt"] = nlohmann::json::array({c.context_tokens.back()});
@@ -593,6 +732,18 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     if (!c.context_tokens.empty()) c.prompt.insert(c.prompt.begin(), c.context_tokens.begin(), c.context_tokens.end());
     auto params = request_params_of(f, c);
     if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
+    if (f.opts_.contexts) {
+        // Idle contexts never make a request fail for KV: they give way first (their
+        // KV is on disk), as many as this request's choices may take at most.
+        const auto bt = static_cast<uint64_t>(f.inst_.config().requests.block_tokens);
+        const uint64_t tokens = c.prompt.size() + std::get<RequestParams>(params).max_tokens;
+        const uint64_t need = (tokens + bt - 1) / bt * static_cast<uint64_t>(c.r.n);
+        ContextService& svc = *f.opts_.contexts;
+        if (!svc.has_room(need))
+            co_await asio::co_spawn(
+                f.impl_->store, [&]() -> awaitable<void> { svc.make_room(need, c.context); co_return; },
+                use_awaitable);
+    }
     if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     c.id = request_id();
     c.created = static_cast<int64_t>(time(nullptr));
@@ -631,7 +782,12 @@ std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Comple
 // The prompt's tokens: the chat template's text, token ids as given, or the text.
 std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
     CompletionRequest& r = c.r;
-    if (c.chat) {
+    if (c.chat && !c.context.empty()) {
+        // The messages added to the context's conversation, the assistant's turn opened.
+        auto ids = f.opts_.contexts->turns().extend(c.context_len, r.messages, true);
+        if (!ids) return api_error(400, "invalid_request_error", ids.error().message, "messages", "");
+        c.prompt = std::move(ids).value();
+    } else if (c.chat) {
         auto text = f.tmpl_.apply(r.messages, true);
         if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
         c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);

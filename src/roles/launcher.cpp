@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdio>
 #include <filesystem>
 #include <thread>
@@ -228,6 +229,11 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     l.kv_split = kv_split;
     l.kv_dtype = *dtype;
     l.contexts = !s.contexts_dir.empty();
+    if (s.kv_blocks < 0 || s.kv_blocks > std::numeric_limits<uint32_t>::max())
+        return make_error("--kv-blocks {}: a count of KV blocks, 0 (sized from --slots and --ctx) or more", s.kv_blocks);
+    if (n_gpus > 0 && s.kv_blocks > 0)
+        return make_error("--kv-blocks sizes CPU arenas; on GPUs the arena takes what --kv-memory leaves");
+    l.n_blocks = static_cast<uint32_t>(s.kv_blocks);
     if (n_gpus > 0) {
         auto blocks = plan_gpu_blocks(s, f, n->prefill, kv_split);
         if (!blocks) return blocks.error();

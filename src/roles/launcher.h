@@ -59,6 +59,9 @@ struct ServeSettings {
     // its KV arena (or, kv_arenas per-role, one role per GPU).
     std::string device = "cpu";
     double kv_memory = 0.9;  // GPUs: the fraction of each GPU's memory for weights + KV + scratch
+    // CPU: the KV arena's blocks (each arena's, with per-role arenas); 0: enough for
+    // every slot at full context, capped at 8 GiB.
+    int64_t kv_blocks = 0;
     // "shared": prefill and decode workers of a device use one KV arena (hand-offs
     // copy nothing); "per-role": each role its own (ServeLayout::kv_split).
     std::string kv_arenas = "shared";

@@ -56,8 +56,12 @@ Field read_model(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+Field read_messages(const json& j, CompletionRequest& r) { return read_chat_messages(j, r.messages); }
+
+}  // namespace
+
 // Chat: role and content of each message (content parts: only text is understood).
-Field read_messages(const json& j, CompletionRequest& r) {
+std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessage>& out) {
     auto it = j.find("messages");
     if (it == j.end() || !it->is_array() || it->empty())
         return bad("messages", "'messages' must be a non-empty array of {role, content} objects");
@@ -79,10 +83,12 @@ Field read_messages(const json& j, CompletionRequest& r) {
         } else if (!c.is_null()) {
             return bad("messages", "a message's 'content' must be a string or an array of text parts");
         }
-        r.messages.push_back(std::move(msg));
+        out.push_back(std::move(msg));
     }
     return std::nullopt;
 }
+
+namespace {
 
 // Completions: a string, an array of one string, or token ids.
 Field read_prompt(const json& j, CompletionRequest& r) {

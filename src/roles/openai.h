@@ -3,10 +3,13 @@
 // chunks and errors. No I/O here; the front does that.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "model/chat_template.h"
 #include "model/sampler.h"
@@ -44,6 +47,10 @@ inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 // Parses and validates a request body. Errors name the parameter and what was
 // expected; unsupported options (tools, response_format) are errors, never ignored.
 std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat);
+
+// The "messages" of a body object (chat completions, contexts) into out: each a
+// role and a text content (a string, or text parts).
+std::optional<ApiError> read_chat_messages(const nlohmann::json& body, std::vector<ChatMessage>& out);
 
 struct Usage {
     int64_t prompt_tokens = 0, completion_tokens = 0;

@@ -103,10 +103,11 @@ static_assert(sizeof(WireMsg) == 64 && std::is_trivially_copyable_v<WireMsg>);
 // Why a request FAILED (its slot's error_code).
 enum class ReqError : int32_t {
     None = 0,
-    Prefill = 1,      // prefill could not run it (out of KV blocks, say)
+    Prefill = 1,      // prefill could not run it (a pass failed)
     Decode = 2,       // decode ran out of KV blocks
     NoWorker = 3,     // a worker role died and could not be restarted
     NotSent = 4,      // the queue to prefill stayed full
+    PrefillKv = 5,    // prefill ran out of KV blocks even for this request alone
 };
 
 // Stored in a request slot's params bytes.

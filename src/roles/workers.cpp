@@ -393,9 +393,9 @@ void PrefillWorker::publish_blocks(Job& j) {
     j.published = kv_->publish_prefix(j.seq, j.hashes, j.published, static_cast<int64_t>(j.done));
 }
 
-void PrefillWorker::fail(Job& j) {
+void PrefillWorker::fail(Job& j, ReqError why) {
     shm::RequestTable& t = inst_->requests();
-    t.slot(j.req.slot).error_code.store(static_cast<int32_t>(ReqError::Prefill), std::memory_order_relaxed);
+    t.slot(j.req.slot).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
     t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
     release(j);
 }
@@ -542,7 +542,7 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
         return;
     } else {
         // A request that cannot run even alone fails (freeing its blocks).
-        fail(jobs_[p.jobs.front()]);
+        fail(jobs_[p.jobs.front()], ReqError::PrefillKv);
         erase_jobs(p.jobs);
     }
     publish_load();

@@ -184,7 +184,7 @@ private:
     void publish_blocks(Job& j);
     // Samples the first token and hands the request to decode (or ends it).
     void complete(Job& j, const float* logits);
-    void fail(Job& j);
+    void fail(Job& j, ReqError why = ReqError::Prefill);
     void publish_load();
     shm::SpscConsumer<WireMsg> in_;     // from the front
     shm::SpscConsumer<WireMsg> redo_;   // from the launcher: re-driven requests

@@ -78,9 +78,9 @@ def stream_text(port, path, body):
 
 
 class Server:
-    def __init__(self, cdir, instance):
-        self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "16", "--instance",
-                                   instance, "--contexts-dir", cdir, "--grace", "5"],
+    def __init__(self, cdir, instance, ctx=1024, slots=16, extra=()):
+        self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", str(ctx), "--slots", str(slots), "--instance",
+                                   instance, "--contexts-dir", cdir, "--grace", "5", *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
         deadline = time.time() + 120
@@ -181,7 +181,15 @@ def endpoints_and_errors(port):
         ("POST", "/v1/contexts", {"id": "../x"}, 400),
         ("POST", "/v1/contexts", {"id": "x" * 40}, 400),
         ("POST", "/v1/contexts", {"id": 5}, 400),
-        ("POST", "/v1/contexts", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+        ("POST", "/v1/contexts", {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400),
+        ("POST", "/v1/contexts", {"messages": "hi"}, 400),
+        ("POST", "/v1/contexts", {"messages": [{"content": "no role"}]}, 400),
+        ("POST", "/v1/contexts", {"prompt": "x", "add_generation_prompt": True}, 400),
+        ("POST", "/v1/contexts/doc/append", {"messages": [{"role": "bad role", "content": "x"}]}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "context": "nope"}, 404),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "context": 5}, 400),
+        ("POST", "/v1/chat/completions", {"messages": [], "context": "doc"}, 400),
+        ("GET", "/v1/contexts/nope/export", None, 404),
         ("GET", "/v1/contexts/nope", None, 404),
         ("DELETE", "/v1/contexts/nope", None, 404),
         ("POST", "/v1/contexts/nope/append", {"tokens": [1]}, 404),
@@ -209,6 +217,140 @@ def endpoints_and_errors(port):
     check(resident == 2 and prefilled > 12, f"/metrics: {resident} resident, {prefilled} prefilled")
     check("duet_context_persist_seconds_count" in metrics, "/metrics: the persist histogram")
     print("endpoints and errors: ok")
+
+
+def raw(port, method, path, data=None):
+    """(status, bytes) of a request whose body and answer are bytes."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/octet-stream"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(port, pattern):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return int(float(re.search(pattern, text, re.M).group(1)))
+
+
+def crc32c(data):
+    """CRC32C (Castagnoli, reflected 0x82F63B78), bit by bit: the test's own reference."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def chatml(messages, gen=False):
+    """SmolLM2's chat template written out (ChatML)."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+        ("<|im_start|>assistant\n" if gen else "")
+
+
+SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chat_messages(port):
+    """Contexts of chat messages: the template's tokens, turn by turn, and chat completions with "context"."""
+    def toks(text):
+        return ok(port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                              "parse_special": True})["tokens"]
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ok(port, "POST", "/v1/contexts", {"id": "conv", "messages": conv}, want=201)
+    check(tokens_of(port, "conv") == toks(chatml(conv)), "a context of messages holds the template's tokens")
+    more = [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    ok(port, "POST", "/v1/contexts/conv/append", {"messages": more, "add_generation_prompt": True})
+    check(tokens_of(port, "conv") == toks(chatml(conv + more, gen=True)),
+          "appended messages continue the conversation (no second system message)")
+    expect_exact(port, "conv", "appended messages")
+    ok(port, "POST", "/v1/contexts/conv/edit", {"at": len(toks(chatml(conv))), "messages": [more[1]]})
+    check(tokens_of(port, "conv") == toks(chatml(conv + [more[1]])), "edit with messages")
+    # No system message: the template's default one comes first, as in a plain chat.
+    ok(port, "POST", "/v1/contexts", {"id": "conv2", "messages": [{"role": "user", "content": "Hi"}]}, want=201)
+    base = [{"role": "system", "content": SMOL_SYSTEM}, {"role": "user", "content": "Hi"}]
+    check(tokens_of(port, "conv2") == toks(chatml(base)), "the default system message")
+    # /v1/chat/completions with "context": only the new messages are sent; the reply
+    # joins the context, closed as the template closes an assistant message.
+    history = list(base)
+    for q in ["What is 2+2?", "And 3+3?"]:
+        turn = [{"role": "user", "content": q}]
+        r = ok(port, "POST", "/v1/chat/completions", {"messages": turn, "context": "conv2", "max_tokens": 10,
+                                                       "temperature": 0})
+        plain = ok(port, "POST", "/v1/chat/completions", {"messages": history + turn, "max_tokens": 10,
+                                                           "temperature": 0})
+        reply = r["choices"][0]["message"]["content"]
+        check(reply == plain["choices"][0]["message"]["content"],
+              f"a chat turn through a context {reply!r} vs the whole conversation {plain['choices'][0]['message']}")
+        t = tokens_of(port, "conv2")
+        check(t[-2:] == toks("<|im_end|>\n"), f"the reply is closed: {t[-4:]}")
+        history += turn + [{"role": "assistant", "content": reply}]
+    check(tokens_of(port, "conv2") == toks(chatml(history)),
+          "after two turns the context holds the whole conversation's tokens")
+    # "commit": false, streamed.
+    before = tokens_of(port, "conv2")
+    ok(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "context": "conv2",
+                                              "max_tokens": 2, "commit": False})
+    check(tokens_of(port, "conv2") == before, "commit: false in a chat completion")
+    for cid in ("conv", "conv2"):
+        ok(port, "DELETE", f"/v1/contexts/{cid}")
+    print("messages: contexts of chat messages and chat completions with a context: ok")
+
+
+def export_import(port):
+    """GET /export and POST /import: the blob round trip, and every refusal changes nothing."""
+    ok(port, "POST", "/v1/contexts", {"id": "exp", "tokens": list(range(3000, 3100))}, want=201)
+    st, blob = raw(port, "GET", "/v1/contexts/exp/export")
+    check(st == 200 and blob[:8] == b"DUETKVB\0", f"export: {st} {blob[:16]!r}")
+    check(int.from_bytes(blob[80:88], "little") == 100, "the blob holds the context's 100 tokens")
+    check(crc32c(blob[:124]) == int.from_bytes(blob[124:128], "little"), "the blob's header CRC32C")
+    st, body = raw(port, "POST", "/v1/contexts/import?id=imp", blob)
+    j = json.loads(body)
+    check(st == 201 and j["n_tokens"] == 100 and j["durable"], f"import {st} {j}")
+    check(j["usage"]["restored_tokens"] == 100 and j["usage"]["prefilled_tokens"] == 0,
+          f"an import computes nothing: {j['usage']}")
+    check(tokens_of(port, "imp") == list(range(3000, 3100)), "the imported context's tokens")
+    expect_exact(port, "imp", "an import")
+    held = metric(port, r'^duet_kv_blocks\{state="held"\} (\d+)$')
+
+    def with_header(b, offset, value):
+        h = bytearray(b[:128])
+        h[offset:offset + len(value)] = value
+        h[124:128] = crc32c(bytes(h[:124])).to_bytes(4, "little")
+        return bytes(h) + b[128:]
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0x10
+    other_model = with_header(blob, 16, bytes(16))
+    other_tok = with_header(blob, 32, bytes(16))
+    other_layout = with_header(blob, 48, (7).to_bytes(4, "little"))
+    for name, data, want, word in [
+        ("a flipped data bit", bytes(flipped), 400, "crc"),
+        ("another model", other_model, 400, "model"),
+        ("another tokenizer", other_tok, 400, "tokenizer"),
+        ("another layout", other_layout, 400, "layout"),
+        ("a cut blob", blob[:len(blob) - 1000], 400, ""),
+        ("a header alone", blob[:100], 400, "header"),
+        ("garbage", b"hello" * 40, 400, ""),
+        ("an empty body", b"", 400, ""),
+    ]:
+        st, body = raw(port, "POST", f"/v1/contexts/import?id=bad", data)
+        j = json.loads(body)
+        check(st == want and word in j["error"]["message"].lower(), f"import of {name}: {st} {j}, expected {want} '{word}'")
+    st, body = raw(port, "POST", "/v1/contexts/import?id=imp", blob)
+    check(st == 409, f"an import onto a taken id: {st} {body}")
+    st, body = raw(port, "POST", "/v1/contexts/import?id=../x", blob)
+    check(st == 400, f"an import with a bad id: {st} {body}")
+    check(metric(port, r'^duet_kv_blocks\{state="held"\} (\d+)$') == held, "refused imports hold no block")
+    check("bad" not in [c["id"] for c in ok(port, "GET", "/v1/contexts")["data"]], "no refused import is listed")
+    st, body = raw(port, "POST", "/v1/contexts/import?id=imp2&durable=false", blob)
+    check(st == 201 and not json.loads(body)["durable"], f"a non-durable import: {st} {body}")
+    expect_exact(port, "imp2", "a non-durable import")
+    for cid in ("exp", "imp", "imp2"):
+        ok(port, "DELETE", f"/v1/contexts/{cid}")
+    print(f"export and import: a {len(blob)}-byte blob round trip; 10 bad imports refused, nothing held")
 
 
 SYS = list(range(2000, 2040))  # a 40-token "system prompt": two full blocks
@@ -311,6 +453,47 @@ def front_killed(srv):
     print(f"front SIGKILLed: restarted with its {len(after)} durable contexts")
 
 
+def memory_pressure(cdir, instance):
+    """A small arena (--kv-blocks 48: 768 tokens) and more contexts than fit: idle contexts give way, least
+    recently used first, to other contexts and to plain requests, and come back from disk; every answer exact."""
+    srv = Server(cdir, instance, ctx=256, slots=4, extra=["--kv-blocks", "48"])
+    try:
+        port = srv.port
+        rng = random.Random(7)
+        made = {}
+        for i in range(6):  # 6 x 150 tokens: 60 blocks
+            made[f"m{i}"] = [rng.randrange(100, 40000) for _ in range(150)]
+            ok(port, "POST", "/v1/contexts", {"id": f"m{i}", "tokens": made[f"m{i}"], "durable": i % 2 == 0}, want=201)
+        resident = [c["id"] for c in ok(port, "GET", "/v1/contexts")["data"] if c["resident"]]
+        check(len(resident) < 6, f"not every context fits: resident {resident}")
+        check(metric(port, r'^duet_context_evictions_total (\d+)$') > 0, "evictions counted")
+        # A plain request that needs most of the arena: contexts give way, it does not fail.
+        long = [rng.randrange(100, 40000) for _ in range(200)]
+        r = ok(port, "POST", "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0,
+                                                 "ignore_eos": True})
+        check(r["usage"]["completion_tokens"] == 40, f"the long request ran whole: {r['usage']}")
+        for rnd in range(2):
+            for cid, toks in made.items():
+                check(tokens_of(port, cid) == toks, f"{cid} kept its tokens")
+                expect_exact(port, cid, f"round {rnd} under memory pressure")
+        evictions = metric(port, r'^duet_context_evictions_total (\d+)$')
+        print(f"memory pressure: 6 contexts in a 48-block arena, {evictions} evictions, every answer exact")
+    finally:
+        srv.stop()
+
+
+def damage_logs(cdir, sizes):
+    """While every process is down: the torn log is cut inside its second record, the corrupt log has a byte of
+    its second record flipped (a valid record of a later commit follows it)."""
+    with open(os.path.join(cdir, "torn.kvlog"), "r+b") as fh:
+        fh.truncate((sizes["torn"][0] + sizes["torn"][1]) // 2)
+    with open(os.path.join(cdir, "corrupt.kvlog"), "r+b") as fh:
+        fh.seek((sizes["corrupt"][0] + sizes["corrupt"][1]) // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
 def main():
     cdir = tempfile.mkdtemp(prefix="duet-contexts-e2e-")
     instance = f"duet-contexts-test-{os.getpid()}"
@@ -318,22 +501,48 @@ def main():
         srv = Server(cdir, instance)
         try:
             endpoints_and_errors(srv.port)
+            chat_messages(srv.port)
+            export_import(srv.port)
             pinned_prefix(srv.port)
             random_operations(srv.port, N_OPS)
             decode_killed_mid_generation(srv)
             front_killed(srv)
+            # Logs to damage while every process is down (disk_bytes: the log's size
+            # after each acknowledged record).
+            sizes = {"torn": [], "corrupt": []}
+            for cid, parts in (("torn", 2), ("corrupt", 3)):
+                for k in range(parts):
+                    toks = list(range(4000 + 100 * k, 4020 + 100 * k))
+                    j = ok(srv.port, "POST", "/v1/contexts" if k == 0 else f"/v1/contexts/{cid}/append",
+                           {"id": cid, "tokens": toks} if k == 0 else {"tokens": toks}, want=201 if k == 0 else 200)
+                    sizes[cid].append(ok(srv.port, "GET", f"/v1/contexts/{cid}")["disk_bytes"])
             # Acknowledged state, then SIGKILL of every process.
             ok(srv.port, "POST", "/v1/contexts", {"id": "big", "tokens": list(range(1000, 1300))}, want=201)
             ok(srv.port, "POST", "/v1/contexts", {"id": "gone", "tokens": [5, 6, 7], "durable": False}, want=201)
             kept = {c["id"]: tokens_of(srv.port, c["id"]) for c in ok(srv.port, "GET", "/v1/contexts")["data"]
-                    if c["durable"]}
+                    if c["durable"] and c["id"] not in sizes}
             lp_before = next_logprobs(srv.port, "big")
         finally:
             srv.kill_all()
+        damage_logs(cdir, sizes)
         srv = Server(cdir, instance + "-2")
         try:
-            listed = {c["id"]: c for c in ok(srv.port, "GET", "/v1/contexts")["data"]}
-            check(set(listed) == set(kept), f"after SIGKILL of every process: {sorted(listed)} vs {sorted(kept)}")
+            listing = ok(srv.port, "GET", "/v1/contexts")
+            listed = {c["id"]: c for c in listing["data"]}
+            check(set(listed) == set(kept) | {"torn"},
+                  f"after SIGKILL of every process: {sorted(listed)} vs {sorted(kept)} and the torn one")
+            # A torn tail: restored to its last valid record. A corrupt middle: refused
+            # with its reason, its file kept, its id taken; the others serve.
+            check(tokens_of(srv.port, "torn") == list(range(4000, 4020)), "the torn log holds its first record")
+            expect_exact(srv.port, "torn", "a torn tail")
+            refused = {r["file"]: r["reason"] for r in listing["refused"]}
+            check("corrupt.kvlog" in refused and refused["corrupt.kvlog"], f"the corrupt log is refused: {listing}")
+            st, j = request(srv.port, "GET", "/v1/contexts/corrupt")
+            check(st == 500 and j["error"]["code"] == "context_refused" and refused["corrupt.kvlog"] in
+                  j["error"]["message"], f"GET of a refused context: {st} {j}")
+            check(request(srv.port, "POST", "/v1/contexts", {"id": "corrupt"})[0] == 409, "a refused id stays taken")
+            check(os.path.exists(os.path.join(cdir, "corrupt.kvlog")), "the refused log is kept")
+            print(f"a torn tail cut to its last record; a corrupt log refused: {refused['corrupt.kvlog']}")
             # The pinned context is resident from the start: the first plain request finds it.
             r = ok(srv.port, "POST", "/v1/completions", {"prompt": SYS + [5], "max_tokens": 1, "temperature": 0})
             check(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and listed["sys"]["resident"],
@@ -358,6 +567,8 @@ def main():
             print(f"SIGKILL of every process: {len(kept)} durable contexts intact, restored from their logs")
         finally:
             srv.stop()
+        shutil.rmtree(cdir, ignore_errors=True)
+        memory_pressure(cdir, instance + "-small")
     finally:
         shutil.rmtree(cdir, ignore_errors=True)
     print("contexts e2e: ok")

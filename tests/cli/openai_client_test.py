@@ -108,6 +108,31 @@ try:
     cc.completions.create(model=model, prompt=" Rome.", max_tokens=4, temperature=0, extra_body={"commit": False})
     check(http("GET", "/v1/contexts/doc?tokens=true")["tokens"] == tokens, "commit false through extra_body")
     print("a context through the client: ok")
+
+    # A chat through a context, as the official client sends it: extra_body names the
+    # context, each turn sends only its new messages, and the reply joins the context.
+    # The context then holds the tokens of the whole conversation rendered at once
+    # (ChatML, written out here: SmolLM2's template), and a plain chat completion of
+    # the whole conversation answers the next turn as the context does.
+    http("POST", "/v1/contexts", {"id": "chat", "messages": [{"role": "system", "content": "Be brief."}]})
+    history = [{"role": "system", "content": "Be brief."}]
+    for q in ["What is the capital of France?", "And of Italy?", "Which one is larger?"]:
+        turn = [{"role": "user", "content": q}]
+        r = c.chat.completions.create(model=model, messages=turn, max_tokens=12, temperature=0,
+                                      extra_body={"context": "chat"})
+        whole = c.chat.completions.create(model=model, messages=history + turn, max_tokens=12, temperature=0)
+        check(r.choices[0].message.content == whole.choices[0].message.content,
+              f"turn {q!r}: through the context {r.choices[0].message.content!r}, "
+              f"whole conversation {whole.choices[0].message.content!r}")
+        check(r.usage.prompt_tokens_details.cached_tokens > 0 or len(history) == 1,
+              f"the context's blocks serve the turn: {r.usage}")
+        history += turn + [{"role": "assistant", "content": r.choices[0].message.content}]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in history)
+    want = http("POST", "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                     "parse_special": True})["tokens"]
+    got = http("GET", "/v1/contexts/chat?tokens=true")["tokens"]
+    check(got == want, f"the context holds the whole conversation's tokens:\n{got}\nvs\n{want}")
+    print("a chat through a context with extra_body: ok (3 turns, the whole conversation's tokens)")
 finally:
     server.send_signal(signal.SIGTERM)
     rc = server.wait(60)
