@@ -291,6 +291,20 @@ Status RequestTable::append_blocks(ReqRef r, const int32_t* b, uint32_t n) {
     return {};
 }
 
+Status RequestTable::offer_blocks(ReqRef r, const int32_t* b, uint32_t n) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
+    const uint64_t w = slot(r.slot).state_gen.load(std::memory_order_relaxed);
+    if (gen_of(w) != r.gen) return make_error("request {}.{} is gone (slot reused)", r.slot, r.gen);
+    if (state_of(w) != ReqState::Queued)
+        return make_error("request {}.{} is {}: blocks are offered while it is queued", r.slot, r.gen,
+                          req_state_name(state_of(w)));
+    if (n > h_->max_blocks) return make_error("{} blocks; a slot's block table holds {}", n, h_->max_blocks);
+    std::memcpy(blocks(r.slot), b, 4ull * n);
+    // Release pairs with the taking worker's acquire of n_blocks.
+    slot(r.slot).n_blocks.store(n, std::memory_order_release);
+    return {};
+}
+
 Status RequestTable::reset_blocks(ReqRef r) {
     if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
     uint64_t w = slot(r.slot).state_gen.load(std::memory_order_relaxed);

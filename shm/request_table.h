@@ -165,6 +165,12 @@ public:
     // the new count. reset_blocks() empties the table (before a re-drive).
     Status append_blocks(ReqRef r, const int32_t* b, uint32_t n);
     Status reset_blocks(ReqRef r);
+    // The submitter, while QUEUED and before the request is sent: the block table
+    // names blocks whose KV the request's first positions already have (its
+    // client holds references on them until the request ends; the worker that
+    // takes the request reads them, takes its own references, and empties the
+    // table with reset_blocks()). Replaces what the table held.
+    Status offer_blocks(ReqRef r, const int32_t* b, uint32_t n);
 
     void cancel(ReqRef r);
     bool cancelled(ReqRef r) const;

@@ -809,6 +809,30 @@ TEST_F(Requests, AReservationOfADeadSubmitterIsFoundAndUndone) {
     EXPECT_FALSE(table.queue(*r, p, 1, nullptr, 0).ok()) << "the old reservation is gone";
 }
 
+// A submitter offers blocks whose KV the prompt's first positions have: only while
+// the request is queued; the worker that takes it reads them and empties the table.
+TEST_F(Requests, OfferedBlocksWhileQueued) {
+    int32_t p[3] = {1, 2, 3};
+    auto r = table.submit(front, p, 3, nullptr, 0);
+    ASSERT_TRUE(r.ok());
+    int32_t offered[2] = {7, 9};
+    ASSERT_TRUE(table.offer_blocks(*r, offered, 2).ok());
+    EXPECT_EQ(table.slot(r->slot).n_blocks.load(), 2u);
+    EXPECT_EQ(table.blocks(r->slot)[1], 9);
+    ASSERT_TRUE(table.offer_blocks(*r, offered, 1).ok()) << "an offer replaces the last";
+    EXPECT_EQ(table.slot(r->slot).n_blocks.load(), 1u);
+    ASSERT_TRUE(table.transition(*r, ReqState::Queued, ReqState::Prefilling, worker));
+    EXPECT_FALSE(table.offer_blocks(*r, offered, 2).ok()) << "a running request takes no offer";
+    ASSERT_TRUE(table.reset_blocks(*r).ok());
+    EXPECT_EQ(table.slot(r->slot).n_blocks.load(), 0u);
+    ReqRef stale = *r;
+    stale.gen += 1;
+    EXPECT_FALSE(table.offer_blocks(stale, offered, 1).ok()) << "another generation";
+    std::vector<int32_t> many(table.max_blocks() + 1, 1);
+    auto r2 = table.submit(front, p, 3, nullptr, 0);
+    EXPECT_FALSE(table.offer_blocks(*r2, many.data(), static_cast<uint32_t>(many.size())).ok());
+}
+
 TEST_F(Requests, AdoptCancelBlocksAndReadsAfterReuse) {
     int32_t p[2] = {1, 2};
     auto r = table.submit(front, p, 2, nullptr, 0);

@@ -670,6 +670,12 @@ Status ContextStore::evict(const std::string& id) {
 }
 
 Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, ContextUsage* caller_usage) {
+    auto kv = lease(id, caller_usage, false);
+    if (!kv) return kv.error();
+    return std::move(kv->tokens);
+}
+
+Result<ContextKv> ContextStore::lease(const std::string& id, ContextUsage* caller_usage, bool with_blocks) {
     std::lock_guard<std::mutex> lock(mu_);
     Tally tally(*this, caller_usage);
     ContextUsage* usage = &tally.u;
@@ -677,7 +683,14 @@ Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, Contex
     if (!c) return c.error();
     touch(**c);
     if (Status st = make_resident(**c, usage); !st) return st.error();
-    return (*c)->tokens;
+    ContextKv kv;
+    kv.tokens = (*c)->tokens;
+    if (with_blocks) {
+        kv.blocks = (*c)->seq.blocks();
+        kv.valid = (*c)->seq.n_tokens();
+        for (int32_t b : kv.blocks) pool_.allocator().ref(b);
+    }
+    return kv;
 }
 
 Result<ContextInfo> ContextStore::info(const std::string& id) {

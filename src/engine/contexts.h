@@ -118,6 +118,13 @@ struct ContextStats {
     Histogram persist;  // a durable operation's log records written and synced
 };
 
+// A context's tokens and, leased, the blocks holding positions [0, valid) of them.
+struct ContextKv {
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> blocks;
+    int64_t valid = 0;
+};
+
 struct ContextStoreOptions {
     std::string dir;             // logs (<id>.kvlog) and spills (spill/<id>.kvblob); created 0700 if missing
     KvIdentity id;               // the model and tokenizer the KV belongs to
@@ -177,6 +184,13 @@ public:
     // what differs, and nothing stays allocated or written.
     Result<ContextInfo> import_blob(const std::string& id, const std::string& path, bool durable,
                                     ContextUsage* usage = nullptr);
+
+    // acquire(), and with_blocks: the blocks that hold the context's KV (positions
+    // [0, valid)), each with one more reference for the caller, who drops them with
+    // the pool's allocator (unref) when done: the KV stays valid for it even if the
+    // context is edited, evicted or removed meanwhile (serving: a completion whose
+    // prefill starts from these blocks).
+    Result<ContextKv> lease(const std::string& id, ContextUsage* usage = nullptr, bool with_blocks = true);
 
     // Room for others (serving: a request about to be admitted): evicts resident
     // contexts, least recently used first, never a pinned one nor `keep`, until

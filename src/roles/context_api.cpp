@@ -60,8 +60,14 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     p.stop_at_eog = 0;
     p.keep_kv = 1;
     p.sampling.temperature = 0;
+    // Prefill starts from our blocks, the partial last one included (copied on write):
+    // only the new positions are computed. We hold them until it ends (the store's
+    // lock keeps the context from being evicted meanwhile).
+    p.given_tokens = static_cast<uint32_t>(seq.n_tokens());
     auto r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
     if (!r) return make_error(ErrorKind::Limit, "the server is at capacity ({})", r.error().message);
+    // A failed offer leaves the table empty: prefill then computes every position.
+    if (!seq.blocks().empty()) (void)t.offer_blocks(*r, seq.blocks().data(), static_cast<uint32_t>(seq.blocks().size()));
     if (!router_.send(*r)) {
         t.transition(*r, shm::ReqState::Failed, shm::ReqState::Free);
         return make_error("no prefill worker took the context's computation");
@@ -450,11 +456,14 @@ ApiReply ContextService::import_file(const std::string& query, const std::string
     return ok(201, info_json(*r, &u));
 }
 
-std::variant<std::vector<int32_t>, ApiReply> ContextService::tokens_of(const std::string& id) {
-    // Resident (and so published) before the completion's prefill looks its blocks up.
-    auto t = store_->acquire(id);
-    if (!t) return error_reply(t.error());
-    return *t;
+std::variant<ContextKv, ApiReply> ContextService::lease(const std::string& id) {
+    auto kv = store_->lease(id);
+    if (!kv) return error_reply(kv.error());
+    return std::move(kv).value();
+}
+
+void ContextService::release(std::span<const int32_t> blocks) {
+    for (int32_t b : blocks) inst_->arena(0).unref(user_, b);
 }
 
 ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added) {

@@ -87,9 +87,12 @@ public:
     // A /v1/contexts route (method, path without the query, the query, the body).
     ApiReply handle(const std::string& method, const std::string& path, const std::string& query,
                     const std::string& body);
-    // /v1/contexts/{id}/completions: the context's tokens to put before the prompt;
-    // an error reply when there is no such context.
-    std::variant<std::vector<int32_t>, ApiReply> tokens_of(const std::string& id);
+    // /v1/contexts/{id}/completions: the context's tokens to put before the prompt,
+    // and its blocks leased (ContextStore::lease; release() them when the request
+    // has ended); an error reply when there is no such context.
+    std::variant<ContextKv, ApiReply> lease(const std::string& id);
+    // Drops leased references (any thread: atomic operations on the arena).
+    void release(std::span<const int32_t> blocks);
     // After such a completion: its prompt and output join the context.
     ApiReply commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added);
     // Before a request that needs `blocks` KV blocks is admitted: when the arena has

@@ -228,6 +228,20 @@ struct Completion {
     std::string context;
     std::vector<int32_t> context_tokens;  // put before the prompt
     size_t context_len = 0;               // the context's length when the completion began
+    // The context's blocks, leased for this completion: prefill starts from them
+    // (RequestParams::given_tokens). Released when the completion ends, after every
+    // choice has ended (prefill took its own references by then, or none).
+    struct Lease {
+        ContextService* svc = nullptr;
+        std::vector<int32_t> blocks;
+        int64_t valid = 0;
+        Lease() = default;
+        Lease(const Lease&) = delete;
+        Lease& operator=(const Lease&) = delete;
+        ~Lease() {
+            if (svc) svc->release(blocks);
+        }
+    } lease;
     bool commit = true;
     uint64_t arrived = 0;  // the body read
     std::vector<int32_t> prompt;
@@ -705,14 +719,17 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             req.body() = body.dump();
         }
         ContextService& svc = *f.opts_.contexts;
-        auto toks = co_await asio::co_spawn(
-            f.impl_->store,
-            [&]() -> awaitable<std::variant<std::vector<int32_t>, ApiReply>> { co_return svc.tokens_of(c.context); },
+        auto kv = co_await asio::co_spawn(
+            f.impl_->store, [&]() -> awaitable<std::variant<ContextKv, ApiReply>> { co_return svc.lease(c.context); },
             use_awaitable);
-        if (auto* e = std::get_if<ApiReply>(&toks))
+        if (auto* e = std::get_if<ApiReply>(&kv))
             co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body),
                                               "application/json", false);
-        c.context_tokens = std::move(std::get<std::vector<int32_t>>(toks));
+        ContextKv& got = std::get<ContextKv>(kv);
+        c.lease.svc = &svc;
+        c.lease.blocks = std::move(got.blocks);
+        c.lease.valid = got.valid;
+        c.context_tokens = std::move(got.tokens);
         c.context_len = c.context_tokens.size();
         // No prompt: the completion continues the context itself. The OpenAI parse
         // wants a prompt: the context's last token is moved into it.
@@ -833,9 +850,15 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
 std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
     shm::RequestTable& t = f.inst_.requests();
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
+    // A context completion: prefill starts from the context's leased blocks.
+    const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
+    if (offer) params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
     for (size_t i = 0; i < c.ch.size(); ++i) {
         params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
         auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
+        // A failed offer leaves the table empty: prefill then looks the prefix up.
+        if (sub && offer)
+            (void)t.offer_blocks(*sub, c.lease.blocks.data(), static_cast<uint32_t>(c.lease.blocks.size()));
         if (!sub) {
             for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them
                 t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);

@@ -121,6 +121,12 @@ struct RequestParams {
     // (its references moved to the client's arena user, the block table in the slot)
     // and finishes. max_tokens is 1; the one output token is not part of the KV.
     uint32_t keep_kv = 0;
+    // The client offered blocks (RequestTable::offer_blocks) whose KV the prompt's
+    // first given_tokens positions have (a context's own blocks, partial last one
+    // included): prefill takes references on them and computes from there, instead
+    // of the prefix lookup (which finds full blocks only). Ignored when the table no
+    // longer holds them (a re-drive empties it).
+    uint32_t given_tokens = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -355,6 +355,7 @@ bool PrefillWorker::admit() {
             } else {
                 j.all = j.prompt;
                 j.all.insert(j.all.end(), j.output.begin(), j.output.end());
+                if (j.params.given_tokens > 0) take_given(j);
                 j.deadline_ns = slot.submit_ns + static_cast<uint64_t>(opts_.deadline_ns_per_token) * j.all.size();
                 if (opts_.prefix_cache) {
                     shm::BlockHash h;
@@ -376,6 +377,7 @@ bool PrefillWorker::admit() {
 // prefix index holds; at least the last token is left to compute (its logits
 // give the first output token).
 void PrefillWorker::lookup_prefix(Job& j) {
+    if (j.looked_up) return;  // started from offered blocks
     j.looked_up = true;
     if (j.hashes.empty()) return;
     const size_t max_blocks = (j.all.size() - 1) / static_cast<size_t>(pool_->layout().block_tokens);
@@ -386,6 +388,36 @@ void PrefillWorker::lookup_prefix(Job& j) {
     j.seq = std::move(cached);
     inst_->requests().slot(j.req.slot).n_cached.store(static_cast<uint32_t>(std::min(j.done, j.prompt.size())),
                                                       std::memory_order_relaxed);
+}
+
+bool PrefillWorker::take_given(Job& j) {
+    shm::RequestTable& t = inst_->requests();
+    const uint32_t slot = j.req.slot;
+    const int64_t bt = pool_->layout().block_tokens;
+    // Acquire pairs with offer_blocks' release: the entries are written.
+    const uint32_t nb = t.slot(slot).n_blocks.load(std::memory_order_acquire);
+    std::vector<int32_t> blocks(t.blocks(slot), t.blocks(slot) + nb);
+    (void)t.reset_blocks(j.req);  // the table is ours to fill from here (complete)
+    // At least the last token is computed: its logits give the first output token.
+    const int64_t given = std::min<int64_t>(j.params.given_tokens, static_cast<int64_t>(j.all.size()) - 1);
+    const shm::ProcRef client = shm::ProcRef::unpack(t.slot(slot).client.load(std::memory_order_relaxed));
+    const int32_t from = alloc_->arena().user_of(client);
+    if (given <= 0 || from < 0 || static_cast<int64_t>(nb) * bt < given) return false;
+    blocks.resize(static_cast<size_t>((given + bt - 1) / bt));
+    // Our own references: the client keeps its own until the request ends. A block it
+    // no longer holds (it cannot, while it waits for us) ends the offer.
+    for (size_t k = 0; k < blocks.size(); ++k)
+        if (blocks[k] < 0 || static_cast<uint32_t>(blocks[k]) >= alloc_->arena().n_blocks() ||
+            !alloc_->arena().share(static_cast<uint32_t>(from), user_, blocks[k])) {
+            for (size_t i = 0; i < k; ++i) alloc_->unref(blocks[i]);
+            return false;
+        }
+    j.seq = KvSeq::adopt(std::move(blocks), given);
+    j.done = static_cast<size_t>(given);
+    j.published = static_cast<size_t>(given / bt);  // the client's full blocks are published already
+    j.looked_up = true;
+    t.slot(slot).n_cached.store(static_cast<uint32_t>(std::min(j.done, j.prompt.size())), std::memory_order_relaxed);
+    return true;
 }
 
 // Registers the request's newly completed full blocks in the prefix index.

@@ -181,6 +181,9 @@ private:
     // Takes queued requests while there is room; false if the ring was empty.
     bool admit();
     void lookup_prefix(Job& j);
+    // The blocks the client offered (RequestParams::given_tokens): true when j starts
+    // from them (our own references taken, the slot's table emptied).
+    bool take_given(Job& j);
     void publish_blocks(Job& j);
     // Samples the first token and hands the request to decode (or ends it).
     void complete(Job& j, const float* logits);

@@ -148,7 +148,8 @@ def endpoints_and_errors(port):
     ids = sorted(c["id"] for c in ok(port, "GET", "/v1/contexts")["data"])
     check(ids == sorted(["doc", anon["id"]]), f"list {ids}")
     j = ok(port, "POST", "/v1/contexts/doc/append", {"prompt": " Rome."})
-    check(j["n_tokens"] > 12 and j["usage"]["prefilled_tokens"] == j["n_tokens"], f"append (no full block yet) {j}")
+    check(j["n_tokens"] > 12 and j["usage"]["prefilled_tokens"] == j["n_tokens"] - 12 and
+          j["usage"]["reused_tokens"] == 12, f"append: only the new tokens computed (the partial block reused) {j}")
     n = j["n_tokens"]
     # A context completion continues the context, and its tokens join it.
     text = ok(port, "POST", "/v1/contexts/doc/completions", {"prompt": " The capital of Germany is", "max_tokens": 4,
@@ -550,16 +551,16 @@ def main():
             for cid, t in kept.items():
                 check(tokens_of(srv.port, cid) == t, f"context {cid} lost acknowledged tokens")
                 check(cid == "sys" or not listed[cid]["resident"], f"{cid} is restored on first use")
-            # The first use reads the KV back from the log: a completion's prefill finds
-            # its 18 full blocks (288 of 300 tokens) and computes only the partial last
-            # block (the prefix index holds full blocks only).
+            # The first use reads the KV back from the log: a completion's prefill starts
+            # from the context's blocks (the partial last one included) and computes the
+            # last position only (its logits give the token).
             j = ok(srv.port, "POST", "/v1/contexts/big/completions", {"max_tokens": 1, "temperature": 0,
                                                                       "commit": False})
-            check(j["usage"]["prompt_tokens_details"]["cached_tokens"] == 288,
-                  f"a completion on a restored context computes its partial block only: {j['usage']}")
+            check(j["usage"]["prompt_tokens_details"]["cached_tokens"] == 299,
+                  f"a completion on a restored context computes its last position only: {j['usage']}")
             j = ok(srv.port, "POST", "/v1/contexts/big/append", {"tokens": [7]})
-            check(j["usage"]["restored_tokens"] == 0 and j["usage"]["prefilled_tokens"] == 13,
-                  f"resident now: the partial block and the new token computed: {j['usage']}")
+            check(j["usage"]["restored_tokens"] == 0 and j["usage"]["prefilled_tokens"] == 1,
+                  f"resident now: only the new token computed: {j['usage']}")
             ok(srv.port, "POST", "/v1/contexts/big/truncate", {"n_tokens": 300})
             check(next_logprobs(srv.port, "big") == lp_before, "the next token's logprobs after the restart")
             for cid in kept:
