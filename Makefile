@@ -44,7 +44,7 @@ SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BE
 sanitize: deps model
 	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
-	DUET_CONTEXT_OPS=40 ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' -E 'model_test_(scalar|avx2)'
+	DUET_CONTEXT_OPS=40 DUET_CONTEXT_FUZZ=100 ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' -E 'model_test_(scalar|avx2)'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
 	  kv_log_fault_test kv_log_crash_test

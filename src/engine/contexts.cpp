@@ -494,6 +494,48 @@ Result<ContextInfo> ContextStore::append(const std::string& id, std::span<const 
     return info_of(**c);
 }
 
+Result<ContextInfo> ContextStore::append_with_kv(const std::string& id, size_t expect_len,
+                                                 std::span<const int32_t> tokens, std::vector<int32_t> blocks,
+                                                 int64_t valid, ContextUsage* caller_usage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    struct Drop {  // the references not taken over
+        KvPool& pool;
+        std::vector<int32_t>& b;
+        ~Drop() {
+            for (int32_t x : b) pool.allocator().unref(x);
+        }
+    } drop{pool_, blocks};
+    auto c = find(id);
+    if (!c) return c.error();
+    Context& ctx = **c;
+    if (ctx.tokens.size() != expect_len)
+        return make_error(ErrorKind::Exists, "context '{}' changed meanwhile ({} tokens, was {})", id,
+                          ctx.tokens.size(), expect_len);
+    const int64_t bt = pool_.layout().block_tokens;
+    const auto total = static_cast<int64_t>(expect_len + tokens.size());
+    if (valid < 0 || valid > total || static_cast<int64_t>(blocks.size()) * bt < valid)
+        return make_error(ErrorKind::Invalid, "{} blocks holding {} positions for {} tokens", blocks.size(), valid,
+                          total);
+    touch(ctx);
+    if (ctx.durable)
+        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
+    // Made resident first: its files then hold what they should, and the spill is gone.
+    if (Status st = make_resident(ctx, &tally.u); !st) return st.error();
+    const auto need = static_cast<size_t>((valid + bt - 1) / bt);
+    for (size_t k = need; k < blocks.size(); ++k) pool_.allocator().unref(blocks[k]);  // past `valid`
+    blocks.resize(need);
+    KvSeq prev = std::move(ctx.seq);
+    ctx.seq = KvSeq::adopt(std::exchange(blocks, {}), valid);
+    if (Status st = append_locked(ctx, tokens, &tally.u); !st) {
+        ctx.seq.release(pool_);
+        ctx.seq = std::move(prev);
+        return st.error();
+    }
+    prev.release(pool_);
+    return info_of(ctx);
+}
+
 Result<ContextInfo> ContextStore::truncate(const std::string& id, int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(mu_);
     Tally tally(*this, nullptr);

@@ -157,6 +157,14 @@ public:
     Result<ContextInfo> create(const std::string& id, std::span<const int32_t> tokens, bool durable,
                                ContextUsage* usage = nullptr, bool pin = false);
     Result<ContextInfo> append(const std::string& id, std::span<const int32_t> tokens, ContextUsage* usage = nullptr);
+    // append() when the new tokens' KV was computed elsewhere (serving: a context
+    // completion's blocks, returned by the worker that ended it): `blocks` hold
+    // positions [0, valid) of the context's tokens followed by `tokens`, with a
+    // reference each that the store takes over (dropped on any failure). Only
+    // positions from `valid` on are computed. Refused (Exists, nothing changed) when
+    // the context no longer has `expect_len` tokens (edited meanwhile).
+    Result<ContextInfo> append_with_kv(const std::string& id, size_t expect_len, std::span<const int32_t> tokens,
+                                       std::vector<int32_t> blocks, int64_t valid, ContextUsage* usage = nullptr);
     Result<ContextInfo> truncate(const std::string& id, int64_t n_tokens);
     Result<ContextInfo> edit(const std::string& id, int64_t at, std::span<const int32_t> tokens,
                              ContextUsage* usage = nullptr);

@@ -466,7 +466,18 @@ void ContextService::release(std::span<const int32_t> blocks) {
     for (int32_t b : blocks) inst_->arena(0).unref(user_, b);
 }
 
-ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added) {
+ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added,
+                                std::vector<int32_t> kv_blocks, int64_t kv_valid) {
+    if (!kv_blocks.empty()) {
+        ContextUsage u;
+        auto r = store_->append_with_kv(id, context_tokens, added, std::move(kv_blocks), kv_valid, &u);
+        if (!r && r.error().kind == ErrorKind::Exists)
+            return error_reply(409, fmt::format("context '{}' changed during the completion: the completion was not "
+                                                "added ({})",
+                                                id, r.error().message));
+        if (!r) return error_reply(r.error());
+        return ok(200, info_json(*r, &u));
+    }
     auto t = store_->tokens(id);
     if (!t) return error_reply(t.error());
     if (t->size() != context_tokens)

@@ -93,8 +93,12 @@ public:
     std::variant<ContextKv, ApiReply> lease(const std::string& id);
     // Drops leased references (any thread: atomic operations on the arena).
     void release(std::span<const int32_t> blocks);
-    // After such a completion: its prompt and output join the context.
-    ApiReply commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added);
+    // After such a completion: its prompt and output join the context. With
+    // kv_blocks (the completion's blocks, returned by its worker: positions [0,
+    // kv_valid), a reference each that the context takes over or that is dropped),
+    // only what they lack is computed.
+    ApiReply commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added,
+                    std::vector<int32_t> kv_blocks = {}, int64_t kv_valid = 0);
     // Before a request that needs `blocks` KV blocks is admitted: when the arena has
     // fewer free or cached, idle contexts (not `keep`, the one the request
     // continues) are evicted, least recently used first, until it has them

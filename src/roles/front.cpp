@@ -228,20 +228,24 @@ struct Completion {
     std::string context;
     std::vector<int32_t> context_tokens;  // put before the prompt
     size_t context_len = 0;               // the context's length when the completion began
-    // The context's blocks, leased for this completion: prefill starts from them
-    // (RequestParams::given_tokens). Released when the completion ends, after every
-    // choice has ended (prefill took its own references by then, or none).
-    struct Lease {
+    // Blocks of the context's arena this completion holds a reference on, dropped
+    // when it ends: `lease`, the context's own, leased for the completion (prefill
+    // starts from them, RequestParams::given_tokens; every choice has ended, and so
+    // prefill took its own references or none, by the time they are dropped); and
+    // `returned`, the completion's KV given back by its worker (return_kv), which the
+    // commit hands to the context instead.
+    struct Held {
         ContextService* svc = nullptr;
         std::vector<int32_t> blocks;
-        int64_t valid = 0;
-        Lease() = default;
-        Lease(const Lease&) = delete;
-        Lease& operator=(const Lease&) = delete;
-        ~Lease() {
+        int64_t valid = 0;  // positions they hold
+        Held() = default;
+        Held(const Held&) = delete;
+        Held& operator=(const Held&) = delete;
+        ~Held() {
             if (svc) svc->release(blocks);
         }
-    } lease;
+    } lease, returned;
+    bool return_kv = false;
     bool commit = true;
     uint64_t arrived = 0;  // the body read
     std::vector<int32_t> prompt;
@@ -335,6 +339,7 @@ struct FrontSession {
                                       std::string context = "");
     static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
     static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
+    static void take_returned_kv(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
     static std::variant<RequestParams, ApiError> request_params_of(Front& f, const Completion& c);
@@ -661,6 +666,18 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
                                       reply.status == 429);
 }
 
+// A FINISHED return_kv request's table names exactly the blocks its worker moved to
+// us (workers.cpp, DecodeWorker::finish): ours now, positions [0, prompt + output - 1).
+void FrontSession::take_returned_kv(Front& f, Completion& c) {
+    const shm::RequestTable& t = f.inst_.requests();
+    const uint32_t slot = c.ch[0].ref.slot;
+    // Acquire pairs with the worker's release of n_blocks (and the state we saw).
+    const uint32_t nb = t.slot(slot).n_blocks.load(std::memory_order_acquire);
+    c.returned.svc = f.opts_.contexts;
+    c.returned.blocks.assign(t.blocks(slot), t.blocks(slot) + nb);
+    c.returned.valid = static_cast<int64_t>(c.prompt.size() + c.ch[0].out.size()) - 1;
+}
+
 // A context completion's prompt and output join the context (on the store thread).
 awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Completion& c) {
     std::vector<int32_t> added(c.prompt.begin() + static_cast<std::ptrdiff_t>(c.context_len), c.prompt.end());
@@ -673,9 +690,12 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
         if (!close) co_return api_error(500, "server_error", close.error().message, "", "");
         added.insert(added.end(), close->begin(), close->end());
     }
+    // The returned blocks go to the context (or are dropped by the commit).
+    std::vector<int32_t> kv = std::exchange(c.returned.blocks, {});
+    const int64_t kv_valid = c.returned.valid;
     ApiReply reply = co_await asio::co_spawn(
         f.impl_->store,
-        [&]() -> awaitable<ApiReply> { co_return svc.commit(c.context, c.context_len, added); },
+        [&]() -> awaitable<ApiReply> { co_return svc.commit(c.context, c.context_len, added, std::move(kv), kv_valid); },
         use_awaitable);
     if (reply.status < 400) co_return std::nullopt;
     auto j = nlohmann::json::parse(reply.body, nullptr, false);
@@ -766,6 +786,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     c.created = static_cast<int64_t>(time(nullptr));
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     co_await follow(f, stream, c);
+    if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
     Outcome o = finish(f, c);
     if (!c.context.empty() && c.commit && !o.failed && !c.client_gone) {
         // Before the reply ends ([DONE], or the body): acknowledged means durable.
@@ -853,6 +874,9 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
     if (offer) params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
+    // Its KV comes back to join the context (one shared arena: the context's).
+    c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst_.config().kv_split;
+    params.return_kv = c.return_kv ? 1 : 0;
     for (size_t i = 0; i < c.ch.size(); ++i) {
         params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
         auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);

@@ -127,6 +127,13 @@ struct RequestParams {
     // of the prefix lookup (which finds full blocks only). Ignored when the table no
     // longer holds them (a re-drive empties it).
     uint32_t given_tokens = 0;
+    // A context completion's KV comes back: when the request finishes (not when it
+    // is cancelled or fails), the worker that ends it writes its blocks in the slot's
+    // table and moves its references to the client's arena user, which then holds
+    // positions [0, prompt + output - 1) (the last output token was never fed). The
+    // client adopts them (the context grows without computing them again) or drops
+    // them. One shared arena only (no kv_split).
+    uint32_t return_kv = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -436,13 +436,14 @@ void PrefillWorker::fail(Job& j, ReqError why) {
 // client's: each of our references moves to its arena user, so the KV outlives this
 // request and this process. A client that is gone gets nothing (ours are dropped by
 // release()).
-void PrefillWorker::give_kv_to_client(Job& j) {
+bool PrefillWorker::give_kv_to_client(Job& j) {
     const shm::ProcRef client = shm::ProcRef::unpack(inst_->requests().slot(j.req.slot).client.load(std::memory_order_relaxed));
     const int32_t to = alloc_->arena().user_of(client);
-    if (to < 0) return;
+    if (to < 0) return false;
     std::vector<int32_t> blocks = j.seq.detach();
     for (int32_t b : blocks)
         if (!alloc_->arena().transfer(user_, static_cast<uint32_t>(to), b)) alloc_->unref(b);
+    return true;
 }
 
 void PrefillWorker::complete(Job& j, const float* logits) {
@@ -467,6 +468,9 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         release(j);
     } else if (j.output.size() + 1 >= j.params.max_tokens || (j.params.stop_at_eog && tok_->is_eog(next)) ||
                t.cancelled(r)) {
+        // return_kv (the table names our blocks already, appended above): as decode's
+        // finish, a FINISHED request's table names exactly what the client holds.
+        if (j.params.return_kv && !t.cancelled(r) && (copied || !give_kv_to_client(j))) (void)t.reset_blocks(r);
         t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
         release(j);
     } else {
@@ -674,7 +678,23 @@ void DecodeWorker::publish_load() {
 }
 
 void DecodeWorker::finish(size_t i, shm::ReqState to) {
-    inst_->requests().transition(active_[i].req, shm::ReqState::Decoding, to);
+    shm::RequestTable& t = inst_->requests();
+    Active& a = active_[i];
+    if (to == shm::ReqState::Finished && a.params.return_kv) {
+        // The blocks go back to the client. The rule its reader relies on: a FINISHED
+        // return_kv request's table names exactly the blocks the client now holds a
+        // reference on (none when it is gone). The table is emptied, then names them
+        // all, then each reference moves, before the transition publishes FINISHED.
+        const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
+        const int32_t to_user = inst_->arena(arena_).user_of(client);
+        (void)t.reset_blocks(a.req);
+        if (to_user >= 0 &&
+            t.append_blocks(a.req, a.seq.blocks().data(), static_cast<uint32_t>(a.seq.blocks().size())).ok()) {
+            for (int32_t b : a.seq.detach())
+                if (!inst_->arena(arena_).transfer(user_, static_cast<uint32_t>(to_user), b)) alloc_->unref(b);
+        }
+    }
+    t.transition(a.req, shm::ReqState::Decoding, to);
     active_[i].seq.release(*pool_);
     active_[i] = std::move(active_.back());
     active_.pop_back();

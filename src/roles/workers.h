@@ -165,7 +165,7 @@ private:
         std::vector<size_t> jobs;
         KvExport exp;
     };
-    void give_kv_to_client(Job& j);
+    bool give_kv_to_client(Job& j);  // false: the client is gone (nothing given)
     bool drop_cancelled();
     PrefillPlan plan_pass();
     void reserve_destinations(Pass& p);

@@ -151,9 +151,14 @@ def endpoints_and_errors(port):
     check(j["n_tokens"] > 12 and j["usage"]["prefilled_tokens"] == j["n_tokens"] - 12 and
           j["usage"]["reused_tokens"] == 12, f"append: only the new tokens computed (the partial block reused) {j}")
     n = j["n_tokens"]
-    # A context completion continues the context, and its tokens join it.
+    # A context completion continues the context, and its tokens join it, their KV
+    # given back by the worker that ended it: only the last output token (never fed
+    # to the model) is computed when they join.
+    prefilled = metric(port, r'^duet_context_tokens_total\{source="prefilled"\} (\d+)$')
     text = ok(port, "POST", "/v1/contexts/doc/completions", {"prompt": " The capital of Germany is", "max_tokens": 4,
                                                              "temperature": 0})["choices"][0]["text"]
+    joined = metric(port, r'^duet_context_tokens_total\{source="prefilled"\} (\d+)$') - prefilled
+    check(joined == 1, f"the completion's KV joined the context: {joined} positions computed, not 1")
     t = tokens_of(port, "doc")
     check(len(t) > n + 4, f"the completion's prompt and 4 tokens joined the context: {len(t)} vs {n}")
     plain = ok(port, "POST", "/v1/completions", {"prompt": t[:len(t) - 4], "max_tokens": 4, "temperature": 0})
@@ -354,6 +359,83 @@ def export_import(port):
     print(f"export and import: a {len(blob)}-byte blob round trip; 10 bad imports refused, nothing held")
 
 
+def fuzz_bodies(port, n=300):
+    """A seeded random client: malformed and adversarial bodies on every contexts route, and mutated blobs on
+    import. Every answer is 2xx, or 4xx with OpenAI error JSON (never a 5xx, a dropped connection or a crash), and
+    the contexts that were there answer exactly as before."""
+    rng = random.Random(20261202)
+    ok(port, "POST", "/v1/contexts", {"id": "fz", "tokens": list(range(500, 540))}, want=201)
+    before = tokens_of(port, "fz")
+    lp = next_logprobs(port, "fz")
+    st, blob = raw(port, "GET", "/v1/contexts/fz/export")
+    check(st == 200, "export for the fuzzer")
+    keys = ["id", "prompt", "tokens", "messages", "durable", "pin_prefix", "n_tokens", "at", "add_generation_prompt",
+            "commit", "max_tokens", "temperature", "logprobs", "stream", "n", "context", "role", "content"]
+
+    def value(depth=0):
+        makers = [lambda: None, lambda: True, lambda: False, lambda: rng.randrange(-5, 50),
+                  lambda: rng.choice([-1, 2 ** 31, 2 ** 63 - 1, -2 ** 63, 1e308]), lambda: rng.random(),
+                  lambda: "".join(chr(rng.randrange(0, 0x3000)) for _ in range(rng.randrange(0, 8))),
+                  lambda: rng.choice(["fz", "../fz", "x" * 70, "a.b", "", "\u0000", "fz/../../etc"]),
+                  lambda: [rng.randrange(-3, 50000) for _ in range(rng.randrange(0, 6))],
+                  lambda: [value(depth + 1) for _ in range(rng.randrange(0, 4))],
+                  lambda: {rng.choice(keys): value(depth + 1) for _ in range(rng.randrange(0, 3))},
+                  lambda: [{"role": rng.choice(["user", "system", "", "x y", 5]), "content": value(depth + 1)}]]
+        return makers[rng.randrange(len(makers) if depth < 2 else 9)]()
+
+    routes = [("POST", "/v1/contexts"), ("POST", "/v1/contexts/fz/append"), ("POST", "/v1/contexts/fz/edit"),
+              ("POST", "/v1/contexts/fz/truncate"), ("POST", "/v1/contexts/fz/fork"),
+              ("POST", "/v1/contexts/fz/completions"), ("POST", "/v1/chat/completions"),
+              ("GET", "/v1/contexts/fz"), ("DELETE", "/v1/contexts/nofz"), ("POST", "/v1/contexts/nofz/edit")]
+    seen = {}
+    for i in range(n):
+        method, path = rng.choice(routes)
+        if rng.random() < 0.15:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))  # not JSON at all
+        else:
+            body = {rng.choice(keys): value() for _ in range(rng.randrange(0, 5))}
+            if path.endswith("completions"):
+                body["max_tokens"] = 1  # bounded work; the other fields stay random
+            data = json.dumps(body).encode()
+        if method != "POST":
+            data = None
+        st, out = raw(port, method, path, data)
+        seen[st] = seen.get(st, 0) + 1
+        check(st < 500, f"fuzz {i}: {method} {path} {data[:200] if data else data!r} -> {st} {out[:300]!r}")
+        if st >= 400:
+            j = json.loads(out)
+            check(isinstance(j, dict) and j["error"]["message"], f"fuzz {i}: {st} without an error message: {out!r}")
+        # Whatever the fuzzer made, fz is put back as it was before the next try.
+        if tokens_of(port, "fz") != before:
+            ok(port, "DELETE", "/v1/contexts/fz")
+            st2, out2 = raw(port, "POST", "/v1/contexts/import?id=fz", blob)
+            check(st2 == 201, f"re-import of fz: {st2} {out2!r}")
+    for c in ok(port, "GET", "/v1/contexts")["data"]:
+        if c["id"] != "fz" and c["id"] not in ("doc", "doc2"):
+            ok(port, "DELETE", f"/v1/contexts/{c['id']}")
+    # Mutated blobs: a byte flipped, a range zeroed, cut, or grown; never a 5xx, and a
+    # refused one is never listed.
+    for i in range(40):
+        b = bytearray(blob)
+        kind = i % 4
+        if kind == 0:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            at = rng.randrange(len(b))
+            b[at:at + rng.randrange(1, 64)] = bytes(min(64, len(b) - at))
+        elif kind == 2:
+            del b[rng.randrange(len(b)):]
+        else:
+            b += bytes(rng.randrange(1, 100))
+        st, out = raw(port, "POST", f"/v1/contexts/import?id=fm{i}", bytes(b))
+        check(st == 400 or (st == 201 and bytes(b) == blob), f"mutated blob {i} (kind {kind}): {st} {out[:200]!r}")
+    check(not [c for c in ok(port, "GET", "/v1/contexts")["data"] if c["id"].startswith("fm")],
+          "no mutated blob was imported")
+    check(tokens_of(port, "fz") == before and next_logprobs(port, "fz") == lp, "fz answers as before the fuzzing")
+    ok(port, "DELETE", "/v1/contexts/fz")
+    print(f"fuzz: {n} random bodies ({dict(sorted(seen.items()))}) and 40 mutated blobs, no 5xx, contexts intact")
+
+
 SYS = list(range(2000, 2040))  # a 40-token "system prompt": two full blocks
 
 
@@ -504,6 +586,7 @@ def main():
             endpoints_and_errors(srv.port)
             chat_messages(srv.port)
             export_import(srv.port)
+            fuzz_bodies(srv.port, int(os.environ.get("DUET_CONTEXT_FUZZ", "300")))
             pinned_prefix(srv.port)
             random_operations(srv.port, N_OPS)
             decode_killed_mid_generation(srv)
