@@ -243,6 +243,91 @@ TEST(Contexts, ARestartRestoresFromTheLogWithoutPrefill) {
     rig.expect_exact("long", "a restart");
 }
 
+// Export then import: the imported context is exact, computes nothing, and (durable)
+// is in its log after a restart; a refused blob leaves no block held and no file.
+TEST(Contexts, ExportImportRoundTripAndRefusalsHoldNothing) {
+    TmpDir d;
+    Rig rig(d.path, 128);
+    std::mt19937 rng(5);
+    const std::vector<int32_t> t = ids(rng, 70);
+    ASSERT_TRUE(rig.store->create("src", t, false).ok());
+    const std::string blob = d.path + "/src.blob";
+    ASSERT_TRUE(rig.store->export_blob("src", blob).ok());
+    ContextUsage u;
+    auto im = rig.store->import_blob("dst", blob, true, &u);
+    ASSERT_TRUE(im.ok()) << im.error().message;
+    EXPECT_EQ(im->n_tokens, 70);
+    EXPECT_EQ(u.restored, 70);
+    EXPECT_EQ(u.prefilled, 0);
+    EXPECT_EQ(*rig.store->tokens("dst"), t);
+    rig.expect_exact("dst", "an import");
+    const int32_t free_before = rig.pool->allocator().n_free();
+    // A flipped data byte, another model, a taken id: refused, nothing held or written.
+    std::string bytes;
+    {
+        std::ifstream in(blob, std::ios::binary);
+        bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    auto write = [&](const std::string& path, std::string b) {
+        std::ofstream(path, std::ios::binary) << b;
+        return path;
+    };
+    std::string flipped = bytes;
+    flipped[flipped.size() / 2] ^= 4;
+    auto bad = rig.store->import_blob("bad", write(d.path + "/flip.blob", flipped), true);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.error().kind, ErrorKind::Invalid);
+    EXPECT_NE(bad.error().message.find("data_crc"), std::string::npos) << bad.error().message;
+    auto taken = rig.store->import_blob("dst", blob, true);
+    EXPECT_EQ(taken.error().kind, ErrorKind::Exists);
+    auto cut = rig.store->import_blob("bad", write(d.path + "/cut.blob", bytes.substr(0, 60)), true);
+    EXPECT_EQ(cut.error().kind, ErrorKind::Invalid);
+    EXPECT_EQ(rig.pool->allocator().n_free(), free_before) << "refused imports hold no block";
+    EXPECT_FALSE(std::filesystem::exists(d.path + "/bad.kvlog")) << "and write no log";
+    EXPECT_FALSE(rig.store->info("bad").ok());
+    rig.reopen();
+    EXPECT_EQ(*rig.store->tokens("dst"), t) << "a durable import is in its log";
+    rig.expect_exact("dst", "an import and a restart");
+}
+
+// append_with_kv: KV computed elsewhere joins the context; only the positions it
+// lacks are computed, and a context changed meanwhile refuses it (its blocks dropped).
+TEST(Contexts, KvComputedElsewhereJoinsWithoutBeingComputedAgain) {
+    TmpDir d;
+    Rig rig(d.path, 128);
+    std::mt19937 rng(9);
+    const std::vector<int32_t> t = ids(rng, 40), more = ids(rng, 25);
+    ASSERT_TRUE(rig.store->create("c", t, true).ok());
+    // "Elsewhere": a sequence of the context's tokens and more, computed here in one go.
+    std::vector<int32_t> all = t;
+    all.insert(all.end(), more.begin(), more.end());
+    KvSeq other;
+    std::vector<float> logits;
+    SeqBatch b{&other, all.data(), 60, false};  // 5 of the 25 new positions left to compute
+    ASSERT_TRUE(rig.kv->reserve({&b, 1}).ok());
+    ASSERT_TRUE(rig.backend->forward({&b, 1}, logits).ok());
+    ContextUsage u;
+    auto r = rig.store->append_with_kv("c", t.size(), more, other.detach(), 60, &u);
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    EXPECT_EQ(u.prefilled, 5);
+    EXPECT_EQ(*rig.store->tokens("c"), all);
+    rig.expect_exact("c", "append_with_kv");
+    // Edited meanwhile (it has 65 tokens, not 40): refused, nothing changed, nothing held.
+    const int32_t free_before = rig.pool->allocator().n_free();
+    KvSeq stale;
+    SeqBatch b2{&stale, all.data(), 50, false};
+    ASSERT_TRUE(rig.kv->reserve({&b2, 1}).ok());
+    ASSERT_TRUE(rig.backend->forward({&b2, 1}, logits).ok());
+    auto refused = rig.store->append_with_kv("c", t.size(), more, stale.detach(), 50);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.error().kind, ErrorKind::Exists);
+    EXPECT_EQ(rig.pool->allocator().n_free(), free_before);
+    EXPECT_EQ(*rig.store->tokens("c"), all);
+    rig.reopen();
+    EXPECT_EQ(*rig.store->tokens("c"), all) << "logged";
+    rig.expect_exact("c", "append_with_kv and a restart");
+}
+
 TEST(Contexts, IdleContextsGiveWayAndComeBackIdentical) {
     TmpDir d;
     // 28 blocks of 16 positions: room for about four 100-token contexts at once.

@@ -351,14 +351,8 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
     return {};
 }
 
-Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const int32_t> tokens, bool durable,
-                                         ContextUsage* caller_usage, bool pin) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Tally tally(*this, caller_usage);
-    ContextUsage* usage = &tally.u;
-    if (Status st = check_new_id(id); !st) return st.error();
-    if (durable)
-        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
+Result<std::unique_ptr<ContextStore::Context>> ContextStore::new_context(const std::string& id, bool durable,
+                                                                         bool pin) {
     auto c = std::make_unique<Context>();
     c->id = id;
     c->durable = durable;
@@ -371,6 +365,20 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
         if (!log) return log.error();
         c->log = std::move(log).value();
     }
+    return c;
+}
+
+Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const int32_t> tokens, bool durable,
+                                         ContextUsage* caller_usage, bool pin) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Tally tally(*this, caller_usage);
+    ContextUsage* usage = &tally.u;
+    if (Status st = check_new_id(id); !st) return st.error();
+    if (durable)
+        if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
+    auto made = new_context(id, durable, pin);
+    if (!made) return made.error();
+    std::unique_ptr<Context> c = std::move(made).value();
     if (Status st = append_locked(*c, tokens, usage); !st) {
         c->seq.release(pool_);
         c->log.reset();
@@ -448,23 +456,18 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
     auto im = blob_import(path, o_.id, pool_, seq);
     if (!im) return make_error(ErrorKind::Invalid, "{}", im.error().message);
     stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    auto c = std::make_unique<Context>();
-    c->id = id;
+    auto made = new_context(id, durable, false);
+    if (!made) {
+        seq.release(pool_);
+        return made.error();
+    }
+    std::unique_ptr<Context> c = std::move(made).value();
     c->tokens = std::move(im->tokens);
     c->seq = std::move(seq);
-    c->durable = durable;
-    c->resident = true;
-    c->created_ns = wall_ns();
-    touch(*c);
-    if (durable) {
-        auto log = KvLog::create(sync_, o_.dir, id, o_.id, pool_.layout(), o_.log);
-        Status st = log ? Status{} : Status(log.error());
-        if (st) {
-            c->log = std::move(log).value();
-            const auto t1 = std::chrono::steady_clock::now();
-            if (!c->tokens.empty()) st = c->log->append(pool_, c->seq, c->tokens, 0, c->tokens.size());
-            stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
-        }
+    if (c->log && !c->tokens.empty()) {
+        const auto t1 = std::chrono::steady_clock::now();
+        Status st = c->log->append(pool_, c->seq, c->tokens, 0, c->tokens.size());
+        stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
         if (!st) {
             c->seq.release(pool_);
             c->log.reset();

@@ -233,6 +233,8 @@ private:
     ContextStore(KvPool& pool, KvLogSync& sync, ContextCompute& compute, const ContextStoreOptions& o)
         : pool_(pool), sync_(sync), compute_(compute), o_(o) {}
     Status recover();
+    // A new resident context, empty, not yet in the table; its log created when durable.
+    Result<std::unique_ptr<Context>> new_context(const std::string& id, bool durable, bool pin);
     Result<Context*> find(const std::string& id);
     Status check_new_id(const std::string& id);
     // ErrorKind::Limit when writing `positions` more positions' KV to a log would take
