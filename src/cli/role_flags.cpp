@@ -25,6 +25,11 @@ constexpr const char* kChatTemplate = "--chat-template";
 constexpr const char* kContextsDir = "--contexts-dir";
 constexpr const char* kContextsMax = "--contexts-max";
 constexpr const char* kContextsDiskMax = "--contexts-disk-max";
+constexpr const char* kApiKey = "--api-key";
+constexpr const char* kPublicMetrics = "--public-metrics";
+const char* const kApiKeyHelp =
+    "require \"Authorization: Bearer KEY\" on every route but /health and /ready (401 otherwise); also read "
+    "from DUET_API_KEY, which keeps it out of the process list";
 const char* const kContextsDiskHelp =
     "bytes the durable contexts' logs may take (e.g. 20GB; 0: no limit): past it, operations get 429";
 const char* const kContextsDirHelp =
@@ -103,6 +108,8 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
+    c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
+    c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -115,6 +122,8 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kCpus, s.cpus, "pin the front (all its threads) to these CPUs");
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
+    c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
+    c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
@@ -153,6 +162,8 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put_if(kContextsDir, f->contexts_dir);
         put(kContextsMax, std::to_string(f->contexts_max));
         put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
+        if (f->public_metrics) a.emplace_back(kPublicMetrics);
+        // The API key is not an argument: the launcher gives it in DUET_API_KEY.
         return a;
     }
     const auto& w = std::get<WorkerSettings>(r.settings);

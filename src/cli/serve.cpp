@@ -120,6 +120,10 @@ int cmd_serve(const ServeSettings& settings) {
     std::error_code ec;
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
     if (ec) return fail("cannot find this executable: " + ec.message());
+    // The children inherit the environment: the front reads its key there (an
+    // argument would show in every process listing).
+    if (!s.api_key.empty() && ::setenv("DUET_API_KEY", s.api_key.c_str(), 1) != 0)
+        return fail(fmt::format("DUET_API_KEY: {}", std::strerror(errno)));
     return run_launcher(s, *plan, **model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop);
 }
 
@@ -158,6 +162,8 @@ int cmd_front(const FrontSettings& a) {
         fo.port = static_cast<uint16_t>(a.port);
         fo.io_threads = a.io_threads;
         fo.model_id = std::filesystem::path(a.model).stem().string();
+        fo.api_key = a.api_key;
+        fo.public_metrics = a.public_metrics;
         Front front(*inst, *self, **tok, *tmpl, fo);
         std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {

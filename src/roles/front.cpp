@@ -101,6 +101,8 @@ http::response<http::string_body> make_response(http::status st, std::string bod
 
 http::status status_of(int code) { return static_cast<http::status>(code); }
 
+std::string_view sv(beast::string_view s) { return {s.data(), s.size()}; }
+
 // A request target's path, without the query.
 std::string target_path(beast::string_view target) {
     std::string path(target);
@@ -326,6 +328,7 @@ struct FrontSession {
     static awaitable<void> listen(Front& f);
     static awaitable<void> serve(Front& f, tcp::socket sock);
     static awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
+    static awaitable<bool> unauthorized(Front& f, beast::tcp_stream& stream, const Request& req);
     static awaitable<bool> import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
                                        http::request_parser<http::empty_body>& head, uint64_t limit);
     static awaitable<bool> export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
@@ -356,7 +359,9 @@ struct FrontSession {
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
     : impl_(std::make_unique<Impl>()), inst_(inst), self_(self), tok_(tok), tmpl_(std::move(tmpl)),
-      opts_(std::move(o)), router_(inst, /*redrive=*/false) {}
+      opts_(std::move(o)), key_(opts_.api_key), router_(inst, /*redrive=*/false) {
+    opts_.api_key.clear();  // only its digest stays (key_)
+}
 
 Front::~Front() { stop(); }
 
@@ -455,6 +460,14 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
             break;
         }
         if (ec) break;  // end of stream, timeout, malformed HTTP
+        if (import && !f.key_.allows(sv(head.get()[http::field::authorization]))) {
+            // Refused before its body is read; the connection closes (the body is not read).
+            Request dummy;
+            dummy.version(head.get().version());
+            dummy.keep_alive(false);
+            co_await unauthorized(f, stream, dummy);
+            break;
+        }
         if (import) {
             const bool ok = co_await import_blob(f, stream, buf, head, limit);
             if (!ok) break;
@@ -475,6 +488,20 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
     }
     beast::error_code ec;
     stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+}
+
+// 401 in OpenAI's error JSON, with the challenge (RFC 6750).
+awaitable<bool> FrontSession::unauthorized(Front& f, beast::tcp_stream& stream, const Request& req) {
+    f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+    ApiError e = api_error(401, "invalid_request_error",
+                           "a valid API key is required: send \"Authorization: Bearer <key>\" (duet serve --api-key, "
+                           "DUET_API_KEY)",
+                           "", "invalid_api_key");
+    auto res = make_response(http::status::unauthorized, error_json(e), req);
+    res.set(http::field::www_authenticate, "Bearer");
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec && req.keep_alive();
 }
 
 // 413, and the connection closes (the rest of the body is not read).
@@ -559,6 +586,11 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
     const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
     const std::string js = "application/json";
+    // Liveness and readiness are open (probes carry no key); /metrics with
+    // --public-metrics; everything else asks for the key when there is one.
+    const bool open = path == "/health" || path == "/ready" || path == "/readiness" ||
+                      (path == "/metrics" && f.opts_.public_metrics);
+    if (!open && !f.key_.allows(sv(req[http::field::authorization]))) co_return co_await unauthorized(f, stream, req);
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
     if (path == "/v1/contexts" || path.rfind("/v1/contexts/", 0) == 0) co_return co_await contexts(f, stream, req, path);

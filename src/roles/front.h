@@ -17,6 +17,7 @@
 #include "base/result.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
+#include "roles/api_key.h"
 #include "roles/routing.h"
 
 namespace duet {
@@ -33,6 +34,8 @@ struct FrontOptions {
     // /v1/contexts (roles/context_api.h), null: off (404 that says how to turn it on).
     // Its calls block: they run on a thread of the front's own, never an HTTP one.
     ContextService* contexts = nullptr;
+    std::string api_key;          // "": none (roles/api_key.h)
+    bool public_metrics = false;  // /metrics without the key
 };
 
 struct FrontCounters {
@@ -80,6 +83,7 @@ private:
     const Tokenizer& tok_;
     ChatTemplate tmpl_;
     FrontOptions opts_;
+    ApiKey key_;
     uint16_t port_ = 0;
     std::atomic<bool> draining_{false};
     std::atomic<size_t> in_flight_{0};

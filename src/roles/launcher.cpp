@@ -160,6 +160,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.contexts_dir = s.contexts_dir;
             fs.contexts_max = s.contexts_max;
             fs.contexts_disk_max = s.contexts_disk_max;
+            fs.public_metrics = s.public_metrics;
             if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
             r.settings = fs;
             front = std::move(r);

@@ -71,6 +71,10 @@ struct ServeSettings {
     std::string contexts_dir;
     int contexts_max = 1024;
     uint64_t contexts_disk_max = 0;  // bytes of logs at most (0: no limit)
+    // The API key (Bearer) every route but /health and /ready asks for ("": none).
+    // Given to the front through its environment (DUET_API_KEY), never its argv.
+    std::string api_key;
+    bool public_metrics = false;  // /metrics without the key
 };
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
@@ -103,6 +107,8 @@ struct FrontSettings {
     std::string contexts_dir;  // "": no /v1/contexts
     int contexts_max = 1024;
     uint64_t contexts_disk_max = 0;
+    std::string api_key;          // from --api-key or DUET_API_KEY (the launcher sets the latter)
+    bool public_metrics = false;  // /metrics without the key
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
 };
 
