@@ -147,9 +147,13 @@ def serving(instance, test, extra=()):
 def main():
     serving(INSTANCE, run)
     serving(INSTANCE + "-w", several_workers, ("--prefill-workers", "2", "--decode-workers", "2"))
-    serving(INSTANCE + "-r", lambda port, server: several_workers(port, server, per_role=True),
-            ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
-    serving(INSTANCE + "-q", quantized_kv, ("--kv-dtype", "int8", "--kv-arenas", "per-role"))
+    # DUET_E2E_SUBSET (the sanitizer run, Makefile): the per-role and quantized
+    # arenas are left to the main suite; under ASan on a 2-vCPU AVX2 VM the whole
+    # file passed 480 s.
+    if not os.environ.get("DUET_E2E_SUBSET"):
+        serving(INSTANCE + "-r", lambda port, server: several_workers(port, server, per_role=True),
+                ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
+        serving(INSTANCE + "-q", quantized_kv, ("--kv-dtype", "int8", "--kv-arenas", "per-role"))
     serving(INSTANCE + "-g", give_up)
     port_taken()
 
