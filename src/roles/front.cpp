@@ -468,6 +468,13 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
             co_await unauthorized(f, stream, dummy);
             break;
         }
+        // "Expect: 100-continue" (curl sends it with bodies over 1 KiB): the client
+        // waits for a go-ahead before sending the body, a second without one.
+        if (beast::iequals(head.get()[http::field::expect], "100-continue")) {
+            http::response<http::empty_body> go{http::status::continue_, head.get().version()};
+            co_await http::async_write(stream, go, asio::redirect_error(use_awaitable, ec));
+            if (ec) break;
+        }
         if (import) {
             const bool ok = co_await import_blob(f, stream, buf, head, limit);
             if (!ok) break;

@@ -311,6 +311,16 @@ def export_import(port):
     ok(port, "POST", "/v1/contexts", {"id": "exp", "tokens": list(range(3000, 3100))}, want=201)
     st, blob = raw(port, "GET", "/v1/contexts/exp/export")
     check(st == 200 and blob[:8] == b"DUETKVB\0", f"export: {st} {blob[:16]!r}")
+    # curl, as the README shows it: its "Expect: 100-continue" is answered at once.
+    with tempfile.NamedTemporaryFile(suffix=".kvblob") as f:
+        f.write(blob)
+        f.flush()
+        t0 = time.monotonic()
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"http://127.0.0.1:{port}/v1/contexts/import?id=viacurl",
+                              "--data-binary", f"@{f.name}"], capture_output=True, text=True, timeout=60).stdout
+        took = time.monotonic() - t0
+    check(out.rsplit("\n", 1)[-1] == "201" and took < 0.9, f"curl import: {out[-200:]!r} in {took:.2f} s")
+    ok(port, "DELETE", "/v1/contexts/viacurl")
     check(int.from_bytes(blob[80:88], "little") == 100, "the blob holds the context's 100 tokens")
     check(crc32c(blob[:124]) == int.from_bytes(blob[124:128], "little"), "the blob's header CRC32C")
     st, body = raw(port, "POST", "/v1/contexts/import?id=imp", blob)
