@@ -220,14 +220,17 @@ void ContextStore::touch(Context& c) {
     c.used_ns = wall_ns();
 }
 
+ContextStore::Context* ContextStore::lru_victim(const Context* keep) {
+    Context* victim = nullptr;
+    for (auto& [id, o] : contexts_)
+        if (o.get() != keep && o->resident && !o->pinned && o->seq.n_tokens() > 0 && (!victim || o->lru < victim->lru))
+            victim = o.get();
+    return victim;
+}
+
 bool ContextStore::make_room(const Context& keep, int64_t blocks) {
     while (pool_.allocator().n_available() < blocks) {
-        // C4: the least recently used resident context other than `keep` gives way.
-        Context* victim = nullptr;
-        for (auto& [id, o] : contexts_)
-            if (o.get() != &keep && o->resident && !o->pinned && o->seq.n_tokens() > 0 &&
-                (!victim || o->lru < victim->lru))
-                victim = o.get();
+        Context* victim = lru_victim(&keep);  // C4
         if (!victim || !evict_one(*victim)) return false;
     }
     return true;
@@ -235,12 +238,11 @@ bool ContextStore::make_room(const Context& keep, int64_t blocks) {
 
 size_t ContextStore::evict_idle(const std::string& keep, const std::function<bool()>& enough) {
     std::lock_guard<std::mutex> lock(mu_);
+    auto kept = contexts_.find(keep);
+    const Context* k = kept == contexts_.end() ? nullptr : kept->second.get();
     size_t n = 0;
     while (!enough()) {
-        Context* victim = nullptr;
-        for (auto& [id, o] : contexts_)
-            if (id != keep && o->resident && !o->pinned && o->seq.n_tokens() > 0 && (!victim || o->lru < victim->lru))
-                victim = o.get();
+        Context* victim = lru_victim(k);
         if (!victim || !evict_one(*victim)) break;
         ++n;
     }
@@ -714,13 +716,7 @@ Status ContextStore::evict(const std::string& id) {
     return evict_one(**c);
 }
 
-Result<std::vector<int32_t>> ContextStore::acquire(const std::string& id, ContextUsage* caller_usage) {
-    auto kv = lease(id, caller_usage, false);
-    if (!kv) return kv.error();
-    return std::move(kv->tokens);
-}
-
-Result<ContextKv> ContextStore::lease(const std::string& id, ContextUsage* caller_usage, bool with_blocks) {
+Result<ContextKv> ContextStore::lease(const std::string& id, ContextUsage* caller_usage) {
     std::lock_guard<std::mutex> lock(mu_);
     Tally tally(*this, caller_usage);
     ContextUsage* usage = &tally.u;
@@ -730,11 +726,9 @@ Result<ContextKv> ContextStore::lease(const std::string& id, ContextUsage* calle
     if (Status st = make_resident(**c, usage); !st) return st.error();
     ContextKv kv;
     kv.tokens = (*c)->tokens;
-    if (with_blocks) {
-        kv.blocks = (*c)->seq.blocks();
-        kv.valid = (*c)->seq.n_tokens();
-        for (int32_t b : kv.blocks) pool_.allocator().ref(b);
-    }
+    kv.blocks = (*c)->seq.blocks();
+    kv.valid = (*c)->seq.n_tokens();
+    for (int32_t b : kv.blocks) pool_.allocator().ref(b);
     return kv;
 }
 

@@ -193,22 +193,18 @@ public:
     Result<ContextInfo> import_blob(const std::string& id, const std::string& path, bool durable,
                                     ContextUsage* usage = nullptr);
 
-    // acquire(), and with_blocks: the blocks that hold the context's KV (positions
-    // [0, valid)), each with one more reference for the caller, who drops them with
-    // the pool's allocator (unref) when done: the KV stays valid for it even if the
-    // context is edited, evicted or removed meanwhile (serving: a completion whose
-    // prefill starts from these blocks).
-    Result<ContextKv> lease(const std::string& id, ContextUsage* usage = nullptr, bool with_blocks = true);
+    // The context's tokens, its KV made resident first (restored if evicted), and the
+    // blocks that hold it (positions [0, valid)), each with one more reference for
+    // the caller, who drops them with the pool's allocator (unref) when done: the KV
+    // stays valid for it even if the context is edited, evicted or removed meanwhile
+    // (serving: a completion whose prefill starts from these blocks).
+    Result<ContextKv> lease(const std::string& id, ContextUsage* usage = nullptr);
 
     // Room for others (serving: a request about to be admitted): evicts resident
     // contexts, least recently used first, never a pinned one nor `keep`, until
     // enough() says so or none is left. Returns how many were evicted.
     size_t evict_idle(const std::string& keep, const std::function<bool()>& enough);
 
-    // The context's tokens, its KV made resident first (restored if evicted): for a
-    // caller about to use its blocks from elsewhere (serving: a completion whose
-    // prefill finds them through the prefix index).
-    Result<std::vector<int32_t>> acquire(const std::string& id, ContextUsage* usage = nullptr);
     Result<ContextInfo> info(const std::string& id);
     Result<std::vector<int32_t>> tokens(const std::string& id);
     std::vector<ContextInfo> list();
@@ -246,6 +242,9 @@ private:
     // Reads an evicted context's KV back (its log, or its spill blob).
     Status make_resident(Context& c, ContextUsage* usage);
     Status evict_one(Context& c);
+    // C4's victim: the least recently used resident context that is not pinned, not
+    // empty and not `keep`; null when there is none.
+    Context* lru_victim(const Context* keep);
     // Evicts resident contexts other than `keep`, least recently used first, until
     // the pool has `blocks` free. False when it cannot (nothing left to evict, or an
     // eviction failed).

@@ -398,8 +398,10 @@ ApiReply ContextService::handle(const std::string& method, const std::string& pa
 }
 
 bool ContextService::has_room(uint64_t blocks) const {
-    const shm::ArenaCensus c = inst_->arena(0).census();
-    return c.free + c.cached >= blocks;
+    // The free count is a bitmap's popcount; n_available() reads every block's word,
+    // so it is asked only when that falls short (as KvCacheManager::reserve does).
+    const auto want = static_cast<int64_t>(blocks);
+    return alloc_->n_free() >= want || alloc_->n_available() >= want;
 }
 
 void ContextService::make_room(uint64_t blocks, const std::string& keep) {

@@ -103,11 +103,15 @@ http::status status_of(int code) { return static_cast<http::status>(code); }
 
 std::string_view sv(beast::string_view s) { return {s.data(), s.size()}; }
 
-// A request target's path, without the query.
+// A request target's path, without the query; and its query, without the '?'.
 std::string target_path(beast::string_view target) {
     std::string path(target);
     if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
     return path;
+}
+std::string target_query(beast::string_view target) {
+    const auto q = target.find('?');
+    return q == beast::string_view::npos ? "" : std::string(target.substr(q + 1));
 }
 
 // Built outside the coroutines: GCC 12 miscompiles braced aggregates of string
@@ -548,9 +552,7 @@ awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, b
     Request req;  // the reply's version and keep-alive
     req.version(parser.get().version());
     req.keep_alive(parser.get().keep_alive());
-    std::string target(parser.get().target());
-    const auto q = target.find('?');
-    const std::string query = q == std::string::npos ? "" : target.substr(q + 1);
+    const std::string query = target_query(parser.get().target());
     ApiReply reply = co_await asio::co_spawn(
         f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc.import_file(query, spool); }, use_awaitable);
     if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
@@ -589,8 +591,7 @@ awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, R
 }
 
 awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Request& req) {
-    std::string path(req.target());
-    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    const std::string path = target_path(req.target());
     const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
     const std::string js = "application/json";
     // Liveness and readiness are open (probes carry no key); /metrics with
@@ -692,9 +693,7 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
         co_return co_await completion(f, stream, req, false, path.substr(13, path.size() - 13 - completions.size()));
     if (req.method() == http::verb::get && ends(exported))
         co_return co_await export_blob(f, stream, req, path.substr(13, path.size() - 13 - exported.size()));
-    std::string target(req.target());
-    const auto q = target.find('?');
-    const std::string query = q == std::string::npos ? "" : target.substr(q + 1);
+    const std::string query = target_query(req.target());
     const std::string method(req.method_string());
     ContextService& svc = *f.opts_.contexts;
     ApiReply reply = co_await asio::co_spawn(
@@ -748,34 +747,34 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     c.chat = chat;
     c.arrived = shm::monotonic_ns();
     c.context = std::move(context);
-    if (chat) {
-        // "context": the contexts API's field of chat completions (the openai client's
-        // extra_body): the messages join that context. Taken out before the OpenAI parse.
-        auto body = nlohmann::json::parse(req.body(), nullptr, false);
-        if (body.is_object() && body.contains("context") && !body["context"].is_null()) {
-            if (!body["context"].is_string() || body["context"].get<std::string>().empty())
-                co_return co_await error(f, stream, req,
-                                         api_error(400, "invalid_request_error", "context: a context's id", "context"));
-            if (!f.opts_.contexts)
-                co_return co_await error(f, stream, req,
-                                         api_error(404, "not_found_error",
-                                                   "contexts are off on this server (duet serve --contexts-dir DIR)",
-                                                   "context"));
-            c.context = body["context"].get<std::string>();
-            body.erase("context");
-            req.body() = body.dump();
-        }
+    // The contexts API's own fields, taken out of the body before the OpenAI parse:
+    // "context" (chat completions; the openai client's extra_body) names the context
+    // the messages join, "commit" says whether the completion joins it. (A plain
+    // completion has neither: its body is parsed once, by parse.)
+    nlohmann::json body;
+    if (chat || !c.context.empty()) body = nlohmann::json::parse(req.body(), nullptr, false);
+    bool edited = false;
+    if (chat && body.is_object() && body.contains("context") && !body["context"].is_null()) {
+        if (!body["context"].is_string() || body["context"].get<std::string>().empty())
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error", "context: a context's id", "context"));
+        if (!f.opts_.contexts)
+            co_return co_await error(f, stream, req,
+                                     api_error(404, "not_found_error",
+                                               "contexts are off on this server (duet serve --contexts-dir DIR)",
+                                               "context"));
+        c.context = body["context"].get<std::string>();
+        body.erase("context");
+        edited = true;
     }
     if (!c.context.empty()) {
-        // "commit" is the contexts API's own field: taken out before the OpenAI parse.
-        auto body = nlohmann::json::parse(req.body(), nullptr, false);
         if (body.is_object() && body.contains("commit")) {
             if (!body["commit"].is_boolean())
                 co_return co_await error(f, stream, req,
                                          api_error(400, "invalid_request_error", "commit: a boolean", "commit", ""));
             c.commit = body["commit"].get<bool>();
             body.erase("commit");
-            req.body() = body.dump();
+            edited = true;
         }
         ContextService& svc = *f.opts_.contexts;
         auto kv = co_await asio::co_spawn(
@@ -797,9 +796,10 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         if (no_prompt && !c.context_tokens.empty()) {
             body["prompt"] = nlohmann::json::array({c.context_tokens.back()});
             c.context_tokens.pop_back();
-            req.body() = body.dump();
+            edited = true;
         }
     }
+    if (edited) req.body() = body.dump();
     if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
     if (!c.context.empty() && c.r.n != 1)
         co_return co_await error(f, stream, req,
