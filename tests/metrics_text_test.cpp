@@ -3,7 +3,9 @@
 // against text written out here in Prometheus' exposition format.
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
+#include <vector>
 
 #include "roles/metrics_text.h"
 
@@ -30,32 +32,45 @@ MetricsSnapshot two_arenas_three_workers() {
 }
 
 const char* const kTwoArenasThreeWorkers =
+    "# HELP duet_requests_total Requests the front admitted.\n"
     "# TYPE duet_requests_total counter\n"
     "duet_requests_total 7\n"
+    "# HELP duet_request_errors_total Responses with an error status (4xx, 5xx).\n"
     "# TYPE duet_request_errors_total counter\n"
     "duet_request_errors_total 2\n"
+    "# HELP duet_requests_finished_total Requests that ran to their end.\n"
     "# TYPE duet_requests_finished_total counter\n"
     "duet_requests_finished_total 4\n"
+    "# HELP duet_requests_cancelled_total Requests cancelled (client gone or asked).\n"
     "# TYPE duet_requests_cancelled_total counter\n"
     "duet_requests_cancelled_total 1\n"
+    "# HELP duet_requests_failed_total Admitted requests that ended in an error.\n"
     "# TYPE duet_requests_failed_total counter\n"
     "duet_requests_failed_total 1\n"
+    "# HELP duet_requests_rejected_busy_total Requests refused with 429: every request slot was taken.\n"
     "# TYPE duet_requests_rejected_busy_total counter\n"
     "duet_requests_rejected_busy_total 3\n"
+    "# HELP duet_generated_tokens_total Tokens generated and sent to clients.\n"
     "# TYPE duet_generated_tokens_total counter\n"
     "duet_generated_tokens_total 120\n"
+    "# HELP duet_worker_restarts_total Worker processes restarted after dying.\n"
     "# TYPE duet_worker_restarts_total counter\n"
     "duet_worker_restarts_total 1\n"
+    "# HELP duet_requests_redriven_total Requests re-driven after their worker died.\n"
     "# TYPE duet_requests_redriven_total counter\n"
     "duet_requests_redriven_total 2\n"
+    "# HELP duet_requests_in_flight Requests admitted and not yet finished.\n"
     "# TYPE duet_requests_in_flight gauge\n"
     "duet_requests_in_flight 5\n"
+    "# HELP duet_kv_blocks KV blocks of every arena by state: free, cached (unreferenced, reusable), held.\n"
     "# TYPE duet_kv_blocks gauge\n"
     "duet_kv_blocks{state=\"free\"} 30\n"
     "duet_kv_blocks{state=\"cached\"} 4\n"
     "duet_kv_blocks{state=\"held\"} 6\n"
+    "# HELP duet_prompt_tokens_total Prompt tokens of admitted requests.\n"
     "# TYPE duet_prompt_tokens_total counter\n"
     "duet_prompt_tokens_total 55\n"
+    "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"cached\"} 3\n"
@@ -63,25 +78,32 @@ const char* const kTwoArenasThreeWorkers =
     "duet_kv_arena_blocks{arena=\"1\",state=\"free\"} 20\n"
     "duet_kv_arena_blocks{arena=\"1\",state=\"cached\"} 1\n"
     "duet_kv_arena_blocks{arena=\"1\",state=\"held\"} 4\n"
+    "# HELP duet_kv_info The KV cache's element type and tokens per block (always 1).\n"
     "# TYPE duet_kv_info gauge\n"
     "duet_kv_info{dtype=\"int8\",block_tokens=\"16\"} 1\n"
+    "# HELP duet_queue_depth Messages waiting in a worker's rings.\n"
     "# TYPE duet_queue_depth gauge\n"
     "duet_queue_depth{role=\"prefill\",worker=\"0\"} 2\n"
     "duet_queue_depth{role=\"prefill\",worker=\"1\"} 0\n"
     "duet_queue_depth{role=\"decode\",worker=\"0\"} 1\n"
+    "# HELP duet_worker_up 1 while a process runs for the worker, else 0.\n"
     "# TYPE duet_worker_up gauge\n"
     "duet_worker_up{role=\"prefill\",worker=\"0\"} 1\n"
     "duet_worker_up{role=\"prefill\",worker=\"1\"} 0\n"
     "duet_worker_up{role=\"decode\",worker=\"0\"} 1\n"
+    "# HELP duet_worker_requests Requests a worker holds now.\n"
     "# TYPE duet_worker_requests gauge\n"
     "duet_worker_requests{role=\"prefill\",worker=\"0\"} 1\n"
     "duet_worker_requests{role=\"decode\",worker=\"0\"} 3\n"
+    "# HELP duet_worker_tokens Tokens of the requests a worker holds now.\n"
     "# TYPE duet_worker_tokens gauge\n"
     "duet_worker_tokens{role=\"prefill\",worker=\"0\"} 40\n"
     "duet_worker_tokens{role=\"decode\",worker=\"0\"} 70\n"
+    "# HELP duet_worker_served_total Requests a worker took since it started.\n"
     "# TYPE duet_worker_served_total counter\n"
     "duet_worker_served_total{role=\"prefill\",worker=\"0\"} 9\n"
     "duet_worker_served_total{role=\"decode\",worker=\"0\"} 8\n"
+    "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n";
@@ -92,19 +114,81 @@ TEST(MetricsText, CountersArenasAndWorkersInExpositionFormat) {
     EXPECT_EQ(metrics_text(two_arenas_three_workers()), kTwoArenasThreeWorkers);
 }
 
-TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheTypeLines) {
+TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
     MetricsSnapshot s;
     s.kv_dtype = "unknown";
     const std::string text = metrics_text(s);
     EXPECT_NE(text.find("duet_kv_blocks{state=\"free\"} 0\n"), std::string::npos) << text;
-    EXPECT_NE(text.find("# TYPE duet_kv_arena_blocks gauge\n# TYPE duet_kv_info gauge\n"
+    EXPECT_NE(text.find("# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
+                        "# TYPE duet_kv_arena_blocks gauge\n"
+                        "# HELP duet_kv_info The KV cache's element type and tokens per block (always 1).\n"
+                        "# TYPE duet_kv_info gauge\n"
                         "duet_kv_info{dtype=\"unknown\",block_tokens=\"0\"} 1\n"
-                        "# TYPE duet_queue_depth gauge\n# TYPE duet_worker_up gauge\n"
-                        "# TYPE duet_worker_requests gauge\n# TYPE duet_worker_tokens gauge\n"
-                        "# TYPE duet_worker_served_total counter\n# TYPE duet_worker_routed_total counter\n"),
+                        "# HELP duet_queue_depth Messages waiting in a worker's rings.\n"
+                        "# TYPE duet_queue_depth gauge\n"
+                        "# HELP duet_worker_up 1 while a process runs for the worker, else 0.\n"
+                        "# TYPE duet_worker_up gauge\n"
+                        "# HELP duet_worker_requests Requests a worker holds now.\n"
+                        "# TYPE duet_worker_requests gauge\n"
+                        "# HELP duet_worker_tokens Tokens of the requests a worker holds now.\n"
+                        "# TYPE duet_worker_tokens gauge\n"
+                        "# HELP duet_worker_served_total Requests a worker took since it started.\n"
+                        "# TYPE duet_worker_served_total counter\n"
+                        "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
+                        "# TYPE duet_worker_routed_total counter\n"),
               std::string::npos)
         << text;
     EXPECT_EQ(text.find("histogram"), std::string::npos) << text;  // none set
+}
+
+// Every family has its HELP line right before its TYPE line, and no name twice.
+TEST(MetricsText, EveryFamilyHasHelpThenType) {
+    Histogram h;
+    ContextStats c;
+    MetricsSnapshot s = two_arenas_three_workers();
+    s.ttft = &h;
+    s.contexts = &c;
+    const std::string text = metrics_text(s);
+    std::vector<std::string> lines;
+    for (size_t at = 0; at < text.size();) {
+        const size_t nl = text.find('\n', at);
+        ASSERT_NE(nl, std::string::npos) << "the page ends with a newline";
+        lines.push_back(text.substr(at, nl - at));
+        at = nl + 1;
+    }
+    std::set<std::string> seen;
+    for (size_t i = 0; i < lines.size(); ++i) {
+        if (lines[i].rfind("# TYPE ", 0) != 0) continue;
+        const std::string name = lines[i].substr(7, lines[i].find(' ', 7) - 7);
+        ASSERT_GT(i, 0u);
+        EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
+        EXPECT_TRUE(seen.insert(name).second) << name << " twice";
+    }
+    EXPECT_EQ(seen.size(), 26u);  // 12 front families, 2 of arenas, 6 of workers, 1 histogram, 5 of contexts
+}
+
+// Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5
+// series from 1 µs to 100 s, written out here, never a rounding artefact such as
+// 4.9999999999999996e-06.
+TEST(MetricsText, HistogramBucketBoundsAreCanonical) {
+    Histogram h;
+    h.observe(0.5);  // on a bound: counted in it (le is <=)
+    h.observe(2.0);
+    const std::string text = h.prometheus("x_seconds", "help");
+    const char* const expected[] = {"1e-06", "2e-06", "5e-06", "1e-05", "2e-05", "5e-05", "0.0001", "0.0002", "0.0005",
+                                    "0.001", "0.002", "0.005", "0.01",  "0.02",  "0.05",  "0.1",    "0.2",    "0.5",
+                                    "1",     "2",     "5",     "10",    "20",    "50",    "100",    "+Inf"};
+    size_t at = 0;
+    int cum = 0;
+    for (const char* le : expected) {
+        if (std::string(le) == "0.5" || std::string(le) == "2") ++cum;
+        const std::string line = std::string("x_seconds_bucket{le=\"") + le + "\"} " + std::to_string(cum) + "\n";
+        const size_t found = text.find(line, at);
+        ASSERT_NE(found, std::string::npos) << line << text;
+        at = found + line.size();
+    }
+    EXPECT_EQ(text.substr(at), "x_seconds_sum 2.5\nx_seconds_count 2\n");
+    EXPECT_EQ(text.find("999"), std::string::npos) << text;
 }
 
 TEST(MetricsText, HistogramsFollowInOrderWithTheirHelp) {
@@ -163,14 +247,17 @@ TEST(MetricsText, ContextsAreReportedOnlyWhenOn) {
     s.contexts = &c;
     const std::string text = metrics_text(s);
     ASSERT_EQ(text.compare(0, std::string(kTwoArenasThreeWorkers).size(), kTwoArenasThreeWorkers), 0) << text;
-    EXPECT_NE(text.find("# TYPE duet_contexts gauge\n"
+    EXPECT_NE(text.find("# HELP duet_contexts Contexts whose KV is resident in the arena, or only on disk.\n"
+    "# TYPE duet_contexts gauge\n"
                         "duet_contexts{state=\"resident\"} 2\n"
                         "duet_contexts{state=\"on_disk\"} 3\n"
-                        "# TYPE duet_context_tokens_total counter\n"
+                        "# HELP duet_context_tokens_total Context tokens whose KV was restored from disk, reused from memory, or prefilled.\n"
+    "# TYPE duet_context_tokens_total counter\n"
                         "duet_context_tokens_total{source=\"restored\"} 4095\n"
                         "duet_context_tokens_total{source=\"reused\"} 17\n"
                         "duet_context_tokens_total{source=\"prefilled\"} 300\n"
-                        "# TYPE duet_context_evictions_total counter\n"
+                        "# HELP duet_context_evictions_total Idle contexts whose KV left the arena for room.\n"
+    "# TYPE duet_context_evictions_total counter\n"
                         "duet_context_evictions_total 3\n"
                         "# HELP duet_context_restore_seconds a context's KV read back from disk\n"
                         "# TYPE duet_context_restore_seconds histogram\n"),

@@ -18,9 +18,15 @@ namespace duet {
 class Histogram {
 public:
     static constexpr int kBuckets = 25;  // 1e-6 .. 1e2 seconds, 1-2-5 per decade
+    // The i-th bound, the double nearest 1, 2 or 5 x 10^(i/3 - 6): a small integer
+    // divided (or multiplied) by an exact power of ten rounds once, so the shortest
+    // text of each is "5e-06", "0.02", "100" (Prometheus' `le` as its own clients
+    // write it), never pow()'s 4.9999999999999996e-06.
     static double bound(int i) {
         static const double mant[3] = {1, 2, 5};
-        return mant[i % 3] * std::pow(10.0, i / 3 - 6);
+        static const double pow10[7] = {1, 10, 100, 1e3, 1e4, 1e5, 1e6};  // exact doubles
+        const int e = i / 3 - 6;
+        return e < 0 ? mant[i % 3] / pow10[-e] : mant[i % 3] * pow10[e];
     }
 
     void observe(double seconds) {
@@ -63,7 +69,7 @@ public:
         }
         cum += counts_[kBuckets].load(std::memory_order_relaxed);
         s += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, cum, name,
-                         static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) * 1e-9, name, cum);
+                         static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e9, name, cum);
         return s;
     }
 

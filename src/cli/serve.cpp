@@ -24,6 +24,7 @@
 #include "model/tokenizer.h"
 #include "roles/context_api.h"
 #include "roles/front.h"
+#include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
 
 namespace duet {
@@ -98,6 +99,7 @@ int cmd_serve(const ServeSettings& settings) {
         return fail(fmt::format("--kv-arenas {}: shared or per-role", settings.kv_arenas));
     auto gpus = parse_device_list(settings.device, settings.kv_arenas == "per-role", check_device);
     if (!gpus) return fail(gpus.error().message);
+    SdNotify::init().status(fmt::format("loading {}", settings.model));  // `duet serve` as a Type=notify unit
     auto model = Model::load(settings.model);
     if (!model) return fail(model.error().message);
     // The front loads these too; failing here gives the error before anything starts.
@@ -132,6 +134,8 @@ int cmd_front(const FrontSettings& a) {
         std::fprintf(stderr, "duet front: %s\n", m.c_str());
         return 1;
     };
+    SdNotify& sd = SdNotify::init();
+    sd.status("attaching to instance " + a.instance);
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) return fail(inst.error().message);
     if (Status st = check_instance_workers(inst->config()); !st)
@@ -185,7 +189,22 @@ int cmd_front(const FrontSettings& a) {
             return fail(st.error().message);
         }
         inst->registry().set_running(*self);
-        while (!stop.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        sd.ready(fmt::format("serving on http://{}:{}", a.host, front.port()));
+        // WATCHDOG=1 while the event loop turns (its timer ran within half the period).
+        const uint64_t stale_ns = std::max<uint64_t>(sd.watchdog_usec() * 500, 200'000'000);
+        uint64_t next_status = 0;
+        size_t shown = SIZE_MAX;
+        while (!stop.load(std::memory_order_relaxed)) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            const uint64_t now = shm::monotonic_ns();
+            if (now - std::min(now, front.loop_alive_ns()) < stale_ns) sd.watchdog(now);
+            if (sd.enabled() && now >= next_status && front.in_flight() != shown) {  // systemctl status
+                shown = front.in_flight();
+                sd.status(fmt::format("serving on http://{}:{}: {} requests in flight", a.host, front.port(), shown));
+                next_status = now + 2'000'000'000ull;
+            }
+        }
+        sd.stopping(fmt::format("draining {} requests (grace {} s)", front.in_flight(), a.grace_s));
         std::fprintf(stderr, "duet front: draining (%zu requests in flight, grace %d s)\n", front.in_flight(), a.grace_s);
         front.drain();
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.grace_s);

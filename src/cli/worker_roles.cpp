@@ -2,8 +2,12 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
 
 #include "engine/engine.h"
+#include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
 #include "roles/workers.h"
 
@@ -11,11 +15,19 @@ namespace duet {
 
 int cmd_worker(const WorkerSettings& a, bool prefill) {
     const char* role = prefill ? "prefill" : "decode";
+    SdNotify& sd = SdNotify::init();
+    sd.status(fmt::format("attaching to instance {}", a.instance));
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) {
         std::fprintf(stderr, "duet %s: %s\n", role, inst.error().message.c_str());
         return 1;
     }
+    // Loading (and on a GPU, uploading) a big model outlasts TimeoutStartSec's default:
+    // a minute and 10 s per GiB, as `duet serve`'s --start-timeout.
+    std::error_code ec;
+    const uint64_t model_bytes = std::filesystem::file_size(a.model, ec);
+    sd.extend_timeout(60'000'000ull + (ec ? 0 : model_bytes / (1ull << 30) * 10'000'000ull + 10'000'000ull));
+    sd.status(fmt::format("loading {}", a.model));
     auto model = Model::load(a.model);
     if (!model) {
         std::fprintf(stderr, "duet %s: %s\n", role, model.error().message.c_str());
@@ -64,6 +76,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
             std::fprintf(stderr, "duet prefill: %s\n", w.error().message.c_str());
             return 1;
         }
+        sd.ready(fmt::format("prefill {} serving instance {}", a.index, a.instance));
         st = (*w)->run(stop);
     } else {
         auto w = DecodeWorker::create(*inst, **model, o);
@@ -71,8 +84,10 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
             std::fprintf(stderr, "duet decode: %s\n", w.error().message.c_str());
             return 1;
         }
+        sd.ready(fmt::format("decode {} serving instance {}", a.index, a.instance));
         st = (*w)->run(stop);
     }
+    sd.stopping(st ? "stopped" : st.error().message);
     if (!st) {
         std::fprintf(stderr, "duet %s: %s\n", role, st.error().message.c_str());
         return 1;

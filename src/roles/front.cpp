@@ -330,6 +330,7 @@ struct FrontSession {
         co_return co_await write_response(stream, req, status_of(e.status), error_json(e), "application/json", retry);
     }
     static awaitable<void> listen(Front& f);
+    static awaitable<void> tick(Front& f);
     static awaitable<void> serve(Front& f, tcp::socket sock);
     static awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
     static awaitable<bool> unauthorized(Front& f, beast::tcp_stream& stream, const Request& req);
@@ -381,6 +382,8 @@ Status Front::start() {
     if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
     port_ = impl_->acceptor.local_endpoint().port();
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
+    loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);
+    asio::co_spawn(impl_->io, FrontSession::tick(*this), asio::detached);
     quit_.store(false, std::memory_order_relaxed);  // before the notifier thread starts (thread creation orders it)
     notifier_ = std::thread([this] { notify_loop(); });
     for (int i = 0; i < std::max(1, opts_.io_threads); ++i) threads_.emplace_back([this] { impl_->io.run(); });
@@ -426,6 +429,17 @@ void Front::cancel_all() {
 }
 
 bool Front::send(shm::ReqRef r) { return router_.send(r); }
+
+awaitable<void> FrontSession::tick(Front& f) {
+    asio::steady_timer timer(co_await asio::this_coro::executor);
+    for (;;) {
+        f.loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);  // a reading for the watchdog; orders nothing
+        timer.expires_after(std::chrono::milliseconds(100));
+        beast::error_code ec;
+        co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+        if (ec) co_return;
+    }
+}
 
 awaitable<void> FrontSession::listen(Front& f) {
     for (;;) {

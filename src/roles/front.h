@@ -65,6 +65,10 @@ public:
     void cancel_all();
     void stop();
     size_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
+    // When a timer on the event loop last ran (shm::monotonic_ns; every 100 ms while the
+    // loop turns): what the systemd watchdog ping is conditioned on, so a wedged
+    // event loop, not a side thread, decides it.
+    uint64_t loop_alive_ns() const { return loop_alive_ns_.load(std::memory_order_relaxed); }
     // Sends a QUEUED request to a prefill worker (PrefillRouter::send: routed,
     // thread-safe). If its ring stays full for 2 s, fails the request instead and
     // returns false.
@@ -92,6 +96,7 @@ private:
     std::vector<std::thread> threads_;
     std::thread notifier_;
     std::atomic<bool> quit_{false};
+    std::atomic<uint64_t> loop_alive_ns_{0};
     void notify_loop();
 
     friend struct FrontSession;

@@ -10,10 +10,12 @@
 #include <thread>
 
 #include "engine/backends.h"
+#include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
 #include "roles/recovery.h"
 #include "roles/routing.h"
+#include "roles/sd_notify.h"
 #include "roles/supervisor.h"
 #include "shm/fd_keeper.h"
 
@@ -421,9 +423,14 @@ void Launcher::turn(const std::string& model_id) {
     in.drain_deadline_ns = drain_deadline_;
     in.front_killed = front_killed_;
     const LaunchStep step = launch_step(state_, in);
-    if (step.announce)
+    SdNotify& sd = SdNotify::get();
+    sd.watchdog(in.now_ns);  // from the supervision loop itself
+    if (step.announce) {
         say(fmt::format("listening on http://{}:{} (model {}, instance {}{}{})", s_.host, s_.port, model_id,
                         plan_.layout.instance, plan_.placed, plan_.gpu_note));
+        sd.ready(fmt::format("serving on http://{}:{} (model {}, instance {})", s_.host, s_.port, model_id,
+                             plan_.layout.instance));
+    }
     if (step.start_timed_out) {
         say(fmt::format("the roles did not all start within {} s (--start-timeout)", plan_.start_timeout_s));
         failed_ = true;
@@ -432,6 +439,7 @@ void Launcher::turn(const std::string& model_id) {
     if (step.retire_front) {
         drain_deadline_ = in.now_ns + static_cast<uint64_t>(s_.grace_s + 15) * kSecond;
         say(fmt::format("draining (grace {} s)", s_.grace_s));
+        sd.stopping(fmt::format("draining (grace {} s)", s_.grace_s));
         if (!sup_.retire("front")) state_ = LaunchState::Done;  // no front (it gave up, or never started)
     }
     if (state_ == LaunchState::Done) return;
@@ -455,6 +463,9 @@ int Launcher::run(const std::string& model_id) {
         failed_ = true;
     }
     start_deadline_ = shm::monotonic_ns() + static_cast<uint64_t>(plan_.start_timeout_s) * kSecond;
+    // The start may take --start-timeout (a big model), past TimeoutStartSec's default.
+    SdNotify::get().extend_timeout(static_cast<uint64_t>(plan_.start_timeout_s + 10) * 1'000'000ull);
+    SdNotify::get().status("starting the roles");
     while (state_ != LaunchState::Done) {
         turn(model_id);
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -472,6 +483,11 @@ int Launcher::run(const std::string& model_id) {
 
 int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
                  const std::atomic<bool>& stop) {
+    // Each run names its instance serve-<pid>, so a launcher that was SIGKILLed (the
+    // OOM killer) leaves segments that no later start would replace by name: any
+    // duet segment that no live process holds (its OFD locks say so) goes now.
+    if (const int stale = remove_stale_segments(""); stale > 0)
+        say(fmt::format("removed {} stale shared-memory segment(s) that no live process held", stale));
     auto inst = shm::Instance::create(serve_instance_config(plan.layout, model));
     if (!inst) {
         say(inst.error().message);

@@ -9,6 +9,12 @@ namespace duet {
 
 namespace {
 
+// A family's "# HELP" and "# TYPE" lines, which every family carries (promtool and
+// Prometheus' own clients expect both; the help text has no backslash or newline).
+std::string family(const char* name, const char* type, const char* help) {
+    return fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+}
+
 std::string metrics_counters(const MetricsSnapshot& s) {
     MetricsSnapshot::Arena all;
     for (const MetricsSnapshot::Arena& a : s.arenas) {
@@ -16,35 +22,45 @@ std::string metrics_counters(const MetricsSnapshot& s) {
         all.cached += a.cached;
         all.held += a.held;
     }
-    return fmt::format(
-               "# TYPE duet_requests_total counter\nduet_requests_total {}\n"
-               "# TYPE duet_request_errors_total counter\nduet_request_errors_total {}\n"
-               "# TYPE duet_requests_finished_total counter\nduet_requests_finished_total {}\n"
-               "# TYPE duet_requests_cancelled_total counter\nduet_requests_cancelled_total {}\n"
-               "# TYPE duet_requests_failed_total counter\nduet_requests_failed_total {}\n"
-               "# TYPE duet_requests_rejected_busy_total counter\nduet_requests_rejected_busy_total {}\n"
-               "# TYPE duet_generated_tokens_total counter\nduet_generated_tokens_total {}\n"
-               "# TYPE duet_worker_restarts_total counter\nduet_worker_restarts_total {}\n"
-               "# TYPE duet_requests_redriven_total counter\nduet_requests_redriven_total {}\n"
-               "# TYPE duet_requests_in_flight gauge\nduet_requests_in_flight {}\n"
-               "# TYPE duet_kv_blocks gauge\nduet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
-               "duet_kv_blocks{{state=\"held\"}} {}\n",
-               s.requests, s.errors, s.finished, s.cancelled, s.failed, s.rejected_busy, s.tokens, s.worker_restarts,
-               s.redriven, s.in_flight, all.free, all.cached, all.held) +
-           fmt::format("# TYPE duet_prompt_tokens_total counter\nduet_prompt_tokens_total {}\n", s.prompt_tokens);
+    struct One {
+        const char *name, *type, *help;
+        uint64_t value;
+    };
+    const One ones[] = {
+        {"duet_requests_total", "counter", "Requests the front admitted.", s.requests},
+        {"duet_request_errors_total", "counter", "Responses with an error status (4xx, 5xx).", s.errors},
+        {"duet_requests_finished_total", "counter", "Requests that ran to their end.", s.finished},
+        {"duet_requests_cancelled_total", "counter", "Requests cancelled (client gone or asked).", s.cancelled},
+        {"duet_requests_failed_total", "counter", "Admitted requests that ended in an error.", s.failed},
+        {"duet_requests_rejected_busy_total", "counter", "Requests refused with 429: every request slot was taken.",
+         s.rejected_busy},
+        {"duet_generated_tokens_total", "counter", "Tokens generated and sent to clients.", s.tokens},
+        {"duet_worker_restarts_total", "counter", "Worker processes restarted after dying.", s.worker_restarts},
+        {"duet_requests_redriven_total", "counter", "Requests re-driven after their worker died.", s.redriven},
+        {"duet_requests_in_flight", "gauge", "Requests admitted and not yet finished.", s.in_flight},
+    };
+    std::string m;
+    for (const One& o : ones) m += family(o.name, o.type, o.help) + fmt::format("{} {}\n", o.name, o.value);
+    m += family("duet_kv_blocks", "gauge", "KV blocks of every arena by state: free, cached (unreferenced, reusable), held.");
+    m += fmt::format("duet_kv_blocks{{state=\"free\"}} {}\nduet_kv_blocks{{state=\"cached\"}} {}\n"
+                     "duet_kv_blocks{{state=\"held\"}} {}\n",
+                     all.free, all.cached, all.held);
+    m += family("duet_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.") +
+         fmt::format("duet_prompt_tokens_total {}\n", s.prompt_tokens);
+    return m;
 }
 
 // Each arena's blocks too: with per-role arenas prefill's holds cached prompts and
 // decode's the running sequences, which a sum hides.
 std::string metrics_arenas(const MetricsSnapshot& s) {
-    std::string m = "# TYPE duet_kv_arena_blocks gauge\n";
+    std::string m = family("duet_kv_arena_blocks", "gauge", "KV blocks of each arena by state.");
     for (size_t k = 0; k < s.arenas.size(); ++k) {
         const MetricsSnapshot::Arena& a = s.arenas[k];
         for (const auto& [state, n] : {std::pair{"free", a.free}, {"cached", a.cached}, {"held", a.held}})
             m += fmt::format("duet_kv_arena_blocks{{arena=\"{}\",state=\"{}\"}} {}\n", k, state, n);
     }
-    m += fmt::format("# TYPE duet_kv_info gauge\nduet_kv_info{{dtype=\"{}\",block_tokens=\"{}\"}} 1\n", s.kv_dtype,
-                     s.block_tokens);
+    m += family("duet_kv_info", "gauge", "The KV cache's element type and tokens per block (always 1).") +
+         fmt::format("duet_kv_info{{dtype=\"{}\",block_tokens=\"{}\"}} 1\n", s.kv_dtype, s.block_tokens);
     return m;
 }
 
@@ -52,9 +68,12 @@ std::string metrics_arenas(const MetricsSnapshot& s) {
 // since it started (while up), and (prefill) the requests this front routed to it.
 // Each metric's lines together, prefill workers first.
 std::string metrics_workers(const MetricsSnapshot& s) {
-    std::string queue = "# TYPE duet_queue_depth gauge\n", items = "# TYPE duet_worker_requests gauge\n",
-                tokens = "# TYPE duet_worker_tokens gauge\n", served = "# TYPE duet_worker_served_total counter\n",
-                up = "# TYPE duet_worker_up gauge\n", routed = "# TYPE duet_worker_routed_total counter\n";
+    std::string queue = family("duet_queue_depth", "gauge", "Messages waiting in a worker's rings."),
+                items = family("duet_worker_requests", "gauge", "Requests a worker holds now."),
+                tokens = family("duet_worker_tokens", "gauge", "Tokens of the requests a worker holds now."),
+                served = family("duet_worker_served_total", "counter", "Requests a worker took since it started."),
+                up = family("duet_worker_up", "gauge", "1 while a process runs for the worker, else 0."),
+                routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
         queue += fmt::format("duet_queue_depth{} {}\n", labels, w.queued);
@@ -96,16 +115,18 @@ std::string metrics_histograms(const MetricsSnapshot& s) {
 // Relaxed loads: counters for display, no order among them.
 std::string metrics_contexts(const ContextStats& c) {
     const uint64_t all = c.contexts.load(std::memory_order_relaxed), resident = c.resident.load(std::memory_order_relaxed);
-    return fmt::format("# TYPE duet_contexts gauge\nduet_contexts{{state=\"resident\"}} {}\n"
-                       "duet_contexts{{state=\"on_disk\"}} {}\n"
-                       "# TYPE duet_context_tokens_total counter\n"
-                       "duet_context_tokens_total{{source=\"restored\"}} {}\n"
+    return family("duet_contexts", "gauge", "Contexts whose KV is resident in the arena, or only on disk.") +
+           fmt::format("duet_contexts{{state=\"resident\"}} {}\nduet_contexts{{state=\"on_disk\"}} {}\n", resident,
+                       all - std::min(all, resident)) +
+           family("duet_context_tokens_total", "counter",
+                  "Context tokens whose KV was restored from disk, reused from memory, or prefilled.") +
+           fmt::format("duet_context_tokens_total{{source=\"restored\"}} {}\n"
                        "duet_context_tokens_total{{source=\"reused\"}} {}\n"
-                       "duet_context_tokens_total{{source=\"prefilled\"}} {}\n"
-                       "# TYPE duet_context_evictions_total counter\nduet_context_evictions_total {}\n",
-                       resident, all - std::min(all, resident), c.restored_tokens.load(std::memory_order_relaxed),
-                       c.reused_tokens.load(std::memory_order_relaxed), c.prefilled_tokens.load(std::memory_order_relaxed),
-                       c.evictions.load(std::memory_order_relaxed)) +
+                       "duet_context_tokens_total{{source=\"prefilled\"}} {}\n",
+                       c.restored_tokens.load(std::memory_order_relaxed), c.reused_tokens.load(std::memory_order_relaxed),
+                       c.prefilled_tokens.load(std::memory_order_relaxed)) +
+           family("duet_context_evictions_total", "counter", "Idle contexts whose KV left the arena for room.") +
+           fmt::format("duet_context_evictions_total {}\n", c.evictions.load(std::memory_order_relaxed)) +
            c.restore.prometheus("duet_context_restore_seconds", "a context's KV read back from disk") +
            c.persist.prometheus("duet_context_persist_seconds", "a durable context operation's log records written and synced");
 }

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 namespace duet {
@@ -21,17 +22,30 @@ Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
     std::vector<char*> argv;
     for (const std::string& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
+    // The environment less systemd's notify variables: under a Type=notify unit the
+    // supervisor is the main process and speaks for its roles (roles/sd_notify.h).
+    std::vector<char*> envp;
+    for (char** e = environ; *e; ++e) {
+        const std::string_view v(*e);
+        if (v.starts_with("NOTIFY_SOCKET=") || v.starts_with("WATCHDOG_USEC=") || v.starts_with("WATCHDOG_PID="))
+            continue;
+        envp.push_back(*e);
+    }
+    envp.push_back(nullptr);
     pid_t pid = fork();
     if (pid < 0) return make_error("role {}: fork failed: {}", spec.name, std::strerror(errno));
     if (pid == 0) {
-        // A role must not outlive its supervisor (a launcher killed with SIGKILL would
-        // otherwise leave workers running against a segment nobody serves).
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        // A role must not outlive its supervisor: a launcher killed with SIGKILL (the
+        // OOM killer) would otherwise leave workers running against a segment nobody
+        // serves, and a front given SIGTERM drains for its whole grace period holding
+        // the port while no worker is left. SIGKILL, as any role's crash is survivable
+        // (the KV logs' rules, re-drive); whoever restarts the service starts afresh.
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() == 1) _exit(127);  // the supervisor is already gone
         // Its own process group: a Ctrl-C at the terminal reaches the launcher alone,
         // which drains and then stops the roles in order.
         setpgid(0, 0);
-        execv(argv[0], argv.data());
+        execve(argv[0], argv.data(), envp.data());
         _exit(127);
     }
     return pid;

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "engine/backends.h"
+#include "roles/sd_notify.h"
 
 namespace duet {
 
@@ -133,6 +134,7 @@ Status WorkerBase::run(const std::atomic<bool>& stop) {
         auto did = step();
         if (!did) return did.error();
         inst_->registry().heartbeat(self_);
+        SdNotify::get().watchdog(shm::monotonic_ns());  // from this loop: a wedged step stops it
         // Idle: sleep until a producer rings, or 1 ms (to settle hand-offs, see stop).
         if (!*did) shm::doorbell_wait(bell, [&] { return has_work(); }, 256, 1'000'000);
     }

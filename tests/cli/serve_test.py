@@ -502,24 +502,27 @@ def run(port, server):
     check(curl.stdout == "400", f"curl: {curl.stdout}")
     print("errors: ok")
 
-    # 64 concurrent streaming clients (continuous batching): all complete, all correct.
+    # 64 concurrent streaming clients (continuous batching): all complete, all correct. The
+    # sanitizer run (DUET_E2E_SUBSET) sends 16: 64 ASan prefills on two cores outlast a client's
+    # patience (CI 2026-12-02: 46 of 64 timed out at 120 s), and 16 still batch.
+    n_streams = 16 if os.environ.get("DUET_E2E_SUBSET") else 64
     ref_body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
     ref = json.loads(request(port, "POST", "/v1/completions", ref_body)[1])["choices"][0]["text"]
-    results = [None] * 64
+    results = [None] * n_streams
 
     def client(i):
         try:
             results[i] = stream(port, "/v1/completions", dict(ref_body, stream=True))[0]
         except Exception as e:  # reported below
             results[i] = f"error: {e}"
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n_streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     bad = [r for r in results if r != ref]
-    check(not bad, f"{len(bad)} of 64 concurrent streams differ, e.g. {bad[:1]!r} != {ref!r}")
-    print("64 concurrent streams: ok")
+    check(not bad, f"{len(bad)} of {n_streams} concurrent streams differ, e.g. {bad[:1]!r} != {ref!r}")
+    print(f"{n_streams} concurrent streams: ok")
 
     # SIGKILL decode in the middle of a stream: the stream completes with the same text.
     story = {"messages": [{"role": "user", "content": "Write a long story about a brave little dragon."}],
