@@ -14,6 +14,7 @@
 #include "bench/serve_bench.h"
 #include "bench/shm_bench.h"
 #include "cli/commands.h"
+#include "cli/golden_cli.h"
 #include "cli/kv_cli.h"
 #include "cli/role_flags.h"
 #include "cli/serve.h"
@@ -256,7 +257,7 @@ void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string
 }
 
 // duet shm status, duet kv inspect | verify, duet topo
-void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string&) {
+void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string& default_model) {
     // duet shm status
     auto& shm_instance = keep<std::string>(store);
     auto& shm_json = keep<bool>(store);
@@ -296,6 +297,33 @@ void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string&)
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     c_topo->add_flag("--json", topo.json, "print one JSON object");
+
+    // duet golden record / check
+    auto& golden = keep<GoldenArgs>(store);
+    golden.model = default_model;
+    CLI::App* c_golden = app.add_subcommand("golden", "golden-logits references: the check each worker runs at start");
+    c_golden->require_subcommand(1);
+    CLI::App* c_gr = c_golden->add_subcommand(
+        "record", "write a reference for a model from a trusted run (or, --from, from a llama.cpp logits fixture)");
+    CLI::App* c_gc = c_golden->add_subcommand("check", "run the check a worker runs; exit 3 if it fails");
+    for (CLI::App* c : {c_gr, c_gc}) {
+        c->add_option("-m,--model", golden.model, "GGUF model file")->capture_default_str();
+        c->add_option("--device", golden.device, "cpu, or cuda:N")->capture_default_str();
+        c->add_option("--kv-dtype", golden.kv_dtype, "f16, int8 or fp8")->capture_default_str();
+        c->add_option("--isa", golden.isa, "CPU kernel level (default: best)");
+    }
+    c_gr->add_option("-o,--out", golden.out, "where to write it (default: <model>.golden.json, found there by workers)");
+    c_gr->add_option("--from", golden.from, "take the logits from this llama.cpp fixture (tests/fixtures/logits.json)");
+    c_gr->add_option("--tolerance-mean", golden.tol_mean, "largest mean |dlogprob| per prompt")->capture_default_str();
+    c_gr->add_option("--tolerance-max", golden.tol_max, "largest single |dlogprob|")->capture_default_str();
+    c_gr->add_option("--tolerance-top1-gap", golden.tol_top1_gap,
+                     "the top-1 must match where the reference's top-1/top-2 gap exceeds this")
+        ->capture_default_str();
+    c_gc->add_option("--golden", golden.golden,
+                     "auto (<model>.golden.json, else built in), none, or a reference file")
+        ->capture_default_str();
+    c_gr->callback([&golden = golden, &rc = rc] { rc = cmd_golden_record(golden); });
+    c_gc->callback([&golden = golden, &rc = rc] { rc = cmd_golden_check(golden); });
 
     c_ss->callback([&shm_instance = shm_instance, &shm_json = shm_json, &rc = rc] {
         rc = cmd_shm_status(shm_instance, shm_json);

@@ -27,6 +27,11 @@ constexpr const char* kContextsMax = "--contexts-max";
 constexpr const char* kContextsDiskMax = "--contexts-disk-max";
 constexpr const char* kApiKey = "--api-key";
 constexpr const char* kPublicMetrics = "--public-metrics";
+constexpr const char* kGolden = "--golden";
+const char* const kGoldenHelp =
+    "the golden-logits check each worker runs before it is ready: auto (<model>.golden.json beside the model, "
+    "else the built-in reference for the model, else none), none, or a reference file (duet golden record); a "
+    "worker that fails it exits 3 and serve stops with 3";
 const char* const kApiKeyHelp =
     "require \"Authorization: Bearer KEY\" on every route but /health and /ready (401 otherwise); also read "
     "from DUET_API_KEY, which keeps it out of the process list";
@@ -71,6 +76,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option("--prefill-cpus", s.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
     c.add_option("--decode-cpus", s.decode_cpus, "pin decode here; disjoint from prefill");
     c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per prefill forward pass (several requests packed)")
         ->capture_default_str()
@@ -137,6 +143,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(kDevice, s.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();
     c.add_flag(negated(kNoCudaGraphs), s.cuda_graphs, "run every CUDA pass eagerly");
     c.add_flag(kCudaQgemv, s.cuda_qgemv, kQgemvHelp);
+    c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
     if (!prefill) return;
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
         ->capture_default_str()
@@ -177,6 +184,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     put(kDevice, w.device);
     if (!w.cuda_graphs) a.push_back(kNoCudaGraphs);
     if (w.cuda_qgemv) a.push_back(kCudaQgemv);
+    put(kGolden, w.golden);
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));
         if (!w.prefix_cache) a.push_back(kNoPrefixCache);

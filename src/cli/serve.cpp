@@ -18,6 +18,7 @@
 
 #include "cli/role_flags.h"
 #include "engine/backends.h"
+#include "engine/golden.h"
 #include "model/chat_template.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
@@ -107,7 +108,11 @@ int cmd_serve(const ServeSettings& settings) {
     if (!tok) return fail(tok.error().message);
     auto tmpl = ChatTemplate::from_gguf((*model)->file(), settings.chat_template);
     if (!tmpl) return fail(tmpl.error().message);
+    // The workers read it again; a missing or malformed file is an error before any starts.
+    auto golden = find_golden(settings.golden, settings.model, (*model)->fingerprint());
+    if (!golden) return fail("--golden: " + golden.error().message);
     ServeSettings s = settings;
+    if (s.golden != "auto" && s.golden != "none") s.golden = std::filesystem::absolute(s.golden).string();
     if (!s.contexts_dir.empty()) s.contexts_dir = std::filesystem::absolute(s.contexts_dir).string();
     if (s.port == 0) {
         auto p = free_port(s.host);

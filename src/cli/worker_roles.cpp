@@ -40,6 +40,11 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
                      static_cast<unsigned long long>(inst->config().model_fingerprint));
         return 2;
     }
+    auto golden = find_golden(a.golden, a.model, (*model)->fingerprint());
+    if (!golden) {
+        std::fprintf(stderr, "duet %s: --golden: %s\n", role, golden.error().message.c_str());
+        return 2;
+    }
     WorkerOptions o;
     o.index = a.index;
     o.numa = a.numa;
@@ -68,7 +73,30 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.cuda_qgemv = a.cuda_qgemv;
     o.prefill_budget = a.prefill_budget;
     o.prefix_cache = a.prefix_cache;
+    o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
+    // The golden-logits gate before READY: a failure exits kGoldenExitCode, which
+    // neither the launcher nor systemd (RestartPreventExitStatus=3) restarts.
+    auto gate = [&](WorkerBase& w) -> int {
+        if (!*golden) {
+            std::fprintf(stderr, "duet %s: no golden reference for this model (duet golden record makes one): unchecked\n",
+                         role);
+            return 0;
+        }
+        sd.status("checking the golden logits");
+        auto rep = w.golden_check(**golden);
+        if (!rep) {
+            std::fprintf(stderr, "duet %s: golden check: %s\n", role, rep.error().message.c_str());
+            return 1;
+        }
+        if (!rep->passed) {
+            std::fprintf(stderr, "duet %s: golden check FAILED, not serving: %s\n", role, rep->summary.c_str());
+            sd.status("golden check failed: " + rep->summary);
+            return kGoldenExitCode;
+        }
+        std::fprintf(stderr, "duet %s: golden check passed: %s\n", role, rep->summary.c_str());
+        return 0;
+    };
     Status st;
     if (prefill) {
         auto w = PrefillWorker::create(*inst, **model, o);
@@ -76,6 +104,8 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
             std::fprintf(stderr, "duet prefill: %s\n", w.error().message.c_str());
             return 1;
         }
+        if (int rc = gate(**w); rc != 0) return rc;
+        (*w)->mark_running();
         sd.ready(fmt::format("prefill {} serving instance {}", a.index, a.instance));
         st = (*w)->run(stop);
     } else {
@@ -84,6 +114,8 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
             std::fprintf(stderr, "duet decode: %s\n", w.error().message.c_str());
             return 1;
         }
+        if (int rc = gate(**w); rc != 0) return rc;
+        (*w)->mark_running();
         sd.ready(fmt::format("decode {} serving instance {}", a.index, a.instance));
         st = (*w)->run(stop);
     }

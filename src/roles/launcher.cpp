@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "engine/backends.h"
+#include "engine/golden.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
@@ -176,6 +177,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.threads = static_cast<int>(p.cpus.size());
         ws.cpus = format_cpu_list(p.cpus);
         ws.isa = s.isa;
+        ws.golden = s.golden;
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefix_cache = s.prefix_cache;
@@ -377,6 +379,7 @@ private:
     Supervisor sup_;
     LaunchState state_ = LaunchState::Starting;
     bool failed_ = false;  // exit 1; also a stop request
+    bool golden_failed_ = false;  // a worker failed its golden check: exit kGoldenExitCode
     bool front_exited_ = false, front_killed_ = false;
     uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0;
 };
@@ -402,7 +405,13 @@ void Launcher::handle_events() {
                         e.recovered.redriven,
                         e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as) : "not restarted"));
         if (e.role == "front") sweep_orphans(inst_);  // its clients are gone
-        if (!e.restarted_as) {
+        if (!e.restarted_as && WIFEXITED(e.status) && WEXITSTATUS(e.status) == kGoldenExitCode) {
+            say(fmt::format("{} failed its golden-logits check (its log above says how): this model does not compute "
+                            "what it should here; stopping with exit code {}",
+                            e.role, kGoldenExitCode));
+            fail_in_flight(inst_, ReqError::NoWorker);
+            failed_ = golden_failed_ = true;
+        } else if (!e.restarted_as) {
             // It kept dying (at start, say the front cannot bind its port): nothing can
             // serve requests. Fail them all with a clear error, drain, exit 1 (systemd
             // restarts the whole service).
@@ -471,10 +480,10 @@ int Launcher::run(const std::string& model_id) {
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     sweep_orphans(inst_);
-    int rc = failed_ ? 1 : 0;
+    int rc = golden_failed_ ? kGoldenExitCode : failed_ ? 1 : 0;
     if (Status st = sup_.stop_all(10000); !st) {
         say(st.error().message);
-        rc = 1;
+        if (rc == 0) rc = 1;  // a golden failure's 3 stays (the other worker may exit 3 too)
     }
     return rc;
 }

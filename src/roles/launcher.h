@@ -38,6 +38,7 @@ namespace duet {
 // `duet serve`'s settings (its flags, src/cli/role_flags.cpp).
 struct ServeSettings {
     std::string model;
+    std::string golden = "auto";  // each worker's golden-logits check (WorkerSettings::golden)
     std::string host = "127.0.0.1";
     int port = 8080;  // 0: any free one (resolved by the caller before plan_serve)
     int64_t ctx = 2048;
@@ -91,6 +92,7 @@ struct WorkerSettings {
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;
     bool cuda_qgemv = false;
+    std::string golden = "auto";  // the golden-logits check before READY: auto, none, or a reference file
     friend bool operator==(const WorkerSettings&, const WorkerSettings&) = default;
 };
 

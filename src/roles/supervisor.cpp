@@ -10,6 +10,8 @@
 #include <string_view>
 #include <thread>
 
+#include "engine/golden.h"
+
 namespace duet {
 
 Supervisor::Supervisor(shm::Instance& inst, shm::ProcRef front, std::function<void(shm::ReqRef)> resend)
@@ -92,7 +94,10 @@ std::vector<Supervisor::Event> Supervisor::poll() {
         const uint64_t now = shm::monotonic_ns();
         c.deaths_ns.push_back(now);
         std::erase_if(c.deaths_ns, [&](uint64_t t) { return now - t > 10'000'000'000ull; });
-        if (c.given_up || c.deaths_ns.size() >= 5) {
+        // A worker whose golden-logits check failed computes wrong answers on this
+        // box: starting it again cannot help (engine/golden.h).
+        const bool hopeless = WIFEXITED(status) && WEXITSTATUS(status) == kGoldenExitCode;
+        if (c.given_up || hopeless || c.deaths_ns.size() >= 5) {
             c.given_up = true;
         } else if (auto p = spawn(c.spec); p.ok()) {
             c.pid = *p;

@@ -106,7 +106,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
     backend_ = std::move(b->backend);
     kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
-    inst.registry().set_running(self_);
+    if (!o.defer_running) inst.registry().set_running(self_);
     return {};
 }
 
@@ -126,6 +126,10 @@ void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
     shm::ProcSlot& s = inst_->registry().slot(self_.slot);
     s.load_items.store(items, std::memory_order_relaxed);
     s.load_tokens.store(tokens, std::memory_order_relaxed);
+}
+
+Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
+    return check_golden(*backend_, *pool_, model_->fingerprint(), ref);
 }
 
 Status WorkerBase::run(const std::atomic<bool>& stop) {

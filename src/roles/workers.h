@@ -16,6 +16,7 @@
 #include "base/thread_pool.h"
 #include "engine/backends.h"
 #include "engine/decode_policy.h"
+#include "engine/golden.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
 #include "kernels/cpu/kernels.h"
@@ -53,6 +54,9 @@ struct WorkerOptions {
     DeviceSpec device;
     bool cuda_graphs = true;
     bool cuda_qgemv = false;  // CudaBackendOptions::quantized_gemv
+    // Stay STARTING in the registry (no work routed to it, not counted ready) until
+    // mark_running(): `duet prefill|decode` runs the golden check first.
+    bool defer_running = false;
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
@@ -63,6 +67,11 @@ public:
     shm::ProcRef self() const { return self_; }
     // Loops on step() until *stop, sleeping on this process's doorbell when idle.
     Status run(const std::atomic<bool>& stop);
+    // The golden-logits check (engine/golden.h) on this worker's own backend and KV
+    // arena, before it takes work; the blocks it takes are released.
+    Result<GoldenReport> golden_check(const GoldenRef& ref);
+    // STARTING -> RUNNING in the registry (WorkerOptions::defer_running).
+    void mark_running() { inst_->registry().set_running(self_); }
     virtual Result<bool> step() = 0;
 
 protected:
