@@ -75,15 +75,28 @@ std::string request_body(Run& run, const Record& r) {
     return j.dump();
 }
 
-// Consumes complete "data: ..." events from buf; t: when these bytes arrived.
+// Consumes complete SSE events from buf (their "data:" lines; "id:" and other fields
+// are skipped, as an EventSource does); t: when these bytes arrived.
 void take_events(std::string& buf, Record& r, double t, bool& done) {
     size_t at;
     while ((at = buf.find("\n\n")) != std::string::npos) {
         std::string ev = buf.substr(0, at);
         buf.erase(0, at + 2);
-        if (ev.rfind("data: ", 0) != 0) continue;
-        std::string_view data(ev);
-        data.remove_prefix(6);
+        std::string joined;
+        bool has_data = false;
+        for (size_t from = 0; from <= ev.size();) {
+            const size_t nl = std::min(ev.find('\n', from), ev.size());
+            std::string_view line(ev.data() + from, nl - from);
+            if (line.rfind("data:", 0) == 0) {
+                line.remove_prefix(line.size() > 5 && line[5] == ' ' ? 6 : 5);
+                if (has_data) joined += '\n';
+                joined.append(line);
+                has_data = true;
+            }
+            from = nl + 1;
+        }
+        if (!has_data) continue;
+        std::string_view data(joined);
         if (data == "[DONE]") {
             done = true;
             continue;

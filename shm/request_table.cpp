@@ -64,7 +64,7 @@ size_t RequestTable::bytes(const RequestTableConfig& c) {
     if (c.block_tokens == 0) return sizeof(RequestTableHeader);  // init() rejects it
     uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
     return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots +
-           sizeof(TokenLogprob) * kLogprobRow * c.max_tokens * c.n_slots;
+           sizeof(TokenLogprob) * kLogprobRow * c.max_tokens * c.n_slots + size_t{kReqFrontBytes} * c.n_slots;
 }
 
 Status RequestTable::init(void* mem, const RequestTableConfig& c) {
@@ -91,6 +91,36 @@ Result<RequestTable> RequestTable::attach(void* mem) {
     t.h_ = static_cast<RequestTableHeader*>(mem);
     if (t.h_->magic != kReqMagic) return make_error("not a request table (magic {:#x})", t.h_->magic);
     return t;
+}
+
+Status RequestTable::set_front_data(ReqRef r, const void* data, uint32_t len) {
+    ReqFrontRecord& f = front_record(r.slot);
+    if (len > sizeof f.data) return make_error("a front record of {} bytes; a slot holds {}", len, sizeof f.data);
+    if (current(r.slot).gen != r.gen) return make_error("request slot {} no longer holds the request", r.slot);
+    f.ref.store(0, std::memory_order_relaxed);
+    f.orphaned_ns.store(0, std::memory_order_relaxed);
+    std::memcpy(f.data, data, len);
+    f.len = len;
+    // Release: a reader that sees the ref sees the bytes.
+    f.ref.store(((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1, std::memory_order_release);
+    return {};
+}
+
+std::optional<std::string> RequestTable::front_data(ReqRef r) const {
+    const ReqFrontRecord& f = front_record(r.slot);
+    const uint64_t want = ((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1;
+    if (f.ref.load(std::memory_order_acquire) != want || f.len > sizeof f.data) return std::nullopt;
+    std::string out(reinterpret_cast<const char*>(f.data), f.len);
+    // Written once per request, before the request was sent: a record still naming
+    // r after the copy, in a slot that still holds r, is r's.
+    if (f.ref.load(std::memory_order_acquire) != want || current(r.slot).gen != r.gen) return std::nullopt;
+    return out;
+}
+
+bool RequestTable::set_client(ReqRef r, ProcRef client) {
+    if (current(r.slot).gen != r.gen || state(r.slot) == ReqState::Free) return false;
+    slot(r.slot).client.store(client.pack(), std::memory_order_release);
+    return current(r.slot).gen == r.gen;
 }
 
 Result<ReqRef> RequestTable::submit(ProcRef owner, const int32_t* prompt, uint32_t n_prompt, const void* params,

@@ -18,6 +18,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "base/result.h"
@@ -47,6 +49,22 @@ struct ReqRef {
     uint32_t gen = 0;
     friend bool operator==(ReqRef a, ReqRef b) { return a.slot == b.slot && a.gen == b.gen; }
 };
+
+// The front's record of a request (per slot, after the log-probability rows): what a
+// restarted front needs to answer the request's client when it comes back (its
+// parameters, its response id), opaque to shm. Valid for the request (slot,
+// generation) it was written for; a reused slot's old record is not. `orphaned_ns`:
+// when a sweeper first saw the request's client dead (0: not yet), so requests wait
+// for their client to come back a while before they are cancelled.
+inline constexpr uint32_t kReqFrontBytes = 2048;
+struct ReqFrontRecord {
+    std::atomic<uint64_t> ref;  // (gen << 32) | slot of the request it describes, +1 (0: none)
+    std::atomic<uint64_t> orphaned_ns;
+    uint32_t len;
+    uint32_t pad_;
+    uint8_t data[kReqFrontBytes - 24];
+};
+static_assert(sizeof(ReqFrontRecord) == kReqFrontBytes);
 
 struct alignas(64) ReqSlot {
     // (attempt << 56) | (generation << 24) | (owner registry slot + 1) << 8 | ReqState. The owner is in
@@ -119,6 +137,19 @@ public:
         auto* base = reinterpret_cast<TokenLogprob*>(reinterpret_cast<uint8_t*>(h_ + 1) + h_->n_slots * h_->slot_bytes);
         return base + (static_cast<size_t>(i) * h_->max_tokens + out_index) * kLogprobRow;
     }
+    ReqFrontRecord& front_record(uint32_t i) const {
+        auto* base = reinterpret_cast<uint8_t*>(logprobs(0, 0)) +
+                     sizeof(TokenLogprob) * kLogprobRow * static_cast<size_t>(h_->max_tokens) * h_->n_slots;
+        return *reinterpret_cast<ReqFrontRecord*>(base + static_cast<size_t>(i) * kReqFrontBytes);
+    }
+    // The client, after submit() and before it sends the request anywhere: its record
+    // of r (at most kReqFrontBytes - 24 bytes). Errors: too long, r not in the slot.
+    Status set_front_data(ReqRef r, const void* data, uint32_t len);
+    // r's record, if one was written for it (and r still holds the slot).
+    std::optional<std::string> front_data(ReqRef r) const;
+    // Makes `client` the process that answers r's client (a restarted front adopting
+    // the request); false if the slot no longer holds r.
+    bool set_client(ReqRef r, ProcRef client);
 
     // reserve() + queue(): the usual way in. Errors: table full, prompt too long or
     // empty, params too big.

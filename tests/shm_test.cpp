@@ -926,3 +926,43 @@ TEST(Instance, CreateOpenAndConfigMismatch) {
     EXPECT_NE(bad.error().message.find("config fingerprint"), std::string::npos) << bad.error().message;
     Instance::unlink(c.name);
 }
+
+// The front record of a request (what a restarted front answers its client from):
+// readable for exactly the request it was written for, gone once the slot is reused,
+// too long refused; set_client hands the request to another front.
+TEST_F(Requests, FrontRecordBelongsToItsRequestAlone) {
+    int32_t prompt[2] = {5, 6};
+    auto r = table.submit(front, prompt, 2, nullptr, 0);
+    ASSERT_TRUE(r.ok());
+    EXPECT_FALSE(table.front_data(*r).has_value()) << "no record written yet";
+    const std::string rec = R"({"id":"cmpl-1","stop":["\n\n"]})";
+    ASSERT_TRUE(table.set_front_data(*r, rec.data(), static_cast<uint32_t>(rec.size())).ok());
+    ASSERT_TRUE(table.front_data(*r).has_value());
+    EXPECT_EQ(*table.front_data(*r), rec);
+    EXPECT_FALSE(table.front_data(ReqRef{r->slot, r->gen + 1}).has_value()) << "another generation's";
+    const std::string huge(kReqFrontBytes, 'x');
+    EXPECT_FALSE(table.set_front_data(*r, huge.data(), static_cast<uint32_t>(huge.size())).ok());
+    EXPECT_EQ(*table.front_data(*r), rec) << "a refused record changes nothing";
+
+    ProcRef other_front{2, 1};
+    EXPECT_TRUE(table.set_client(*r, other_front));
+    EXPECT_EQ(table.slot(r->slot).client.load(), other_front.pack());
+    EXPECT_EQ(table.front_record(r->slot).orphaned_ns.load(), 0u);
+
+    // Ended and freed, the slot taken again: the old record names nobody.
+    ASSERT_TRUE(table.transition(*r, ReqState::Queued, ReqState::Cancelled));
+    ASSERT_TRUE(table.transition(*r, ReqState::Cancelled, ReqState::Free));
+    EXPECT_FALSE(table.set_client(*r, front)) << "a free slot has no client to change";
+    ReqRef again{};
+    for (int i = 0; i < 4; ++i) {  // until the same slot comes round
+        auto q = table.submit(front, prompt, 2, nullptr, 0);
+        ASSERT_TRUE(q.ok());
+        if (q->slot == r->slot) {
+            again = *q;
+            break;
+        }
+    }
+    ASSERT_EQ(again.slot, r->slot);
+    EXPECT_FALSE(table.front_data(again).has_value()) << "the reused slot's old record is not the new request's";
+    EXPECT_FALSE(table.front_data(*r).has_value()) << "nor the old request's any more (it is gone)";
+}

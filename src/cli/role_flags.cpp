@@ -28,6 +28,11 @@ constexpr const char* kContextsDiskMax = "--contexts-disk-max";
 constexpr const char* kApiKey = "--api-key";
 constexpr const char* kPublicMetrics = "--public-metrics";
 constexpr const char* kGolden = "--golden";
+constexpr const char* kResumeWindow = "--resume-window";
+const char* const kResumeWindowHelp =
+    "seconds the requests of a front that died wait for their clients to come back through a restarted front "
+    "(GET /v1/requests/{id}/events with Last-Event-ID, or a retry with the same X-Request-Id) before they are "
+    "cancelled";
 const char* const kGoldenHelp =
     "the golden-logits check each worker runs before it is ready: auto (<model>.golden.json beside the model, "
     "else the built-in reference for the model, else none), none, or a reference file (duet golden record); a "
@@ -116,6 +121,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
+    c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -130,6 +136,7 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
+    c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
@@ -170,6 +177,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kContextsMax, std::to_string(f->contexts_max));
         put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
         if (f->public_metrics) a.emplace_back(kPublicMetrics);
+        put(kResumeWindow, std::to_string(f->resume_window_s));
         // The API key is not an argument: the launcher gives it in DUET_API_KEY.
         return a;
     }

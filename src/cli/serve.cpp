@@ -173,6 +173,7 @@ int cmd_front(const FrontSettings& a) {
         fo.model_id = std::filesystem::path(a.model).stem().string();
         fo.api_key = a.api_key;
         fo.public_metrics = a.public_metrics;
+        fo.resume_window_ns = static_cast<uint64_t>(a.resume_window_s) * 1'000'000'000ull;
         Front front(*inst, *self, **tok, *tmpl, fo);
         std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {

@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <map>
 #include <optional>
 #include <variant>
 
@@ -16,6 +17,7 @@
 #include "roles/context_api.h"
 #include "roles/metrics_text.h"
 #include "roles/openai.h"
+#include "roles/recovery.h"
 #include "roles/routing.h"
 #include "roles/stop_text.h"
 #include "roles/wire.h"
@@ -41,8 +43,21 @@ struct Waiter {
     std::shared_ptr<asio::steady_timer> timer;
 };
 
+// A request adopted from a dead front (Front::adopt_orphans), until its client comes
+// back for it or the resume window passes.
+struct Orphan {
+    std::string record;  // its front record (JSON)
+    std::string xid;
+    std::vector<shm::ReqRef> refs;
+    uint64_t since_ns = 0;  // adopted
+    bool claimed = false;   // a connection is answering it
+    bool expiring = false;  // the window passed: cancelled, freed once every choice has ended
+};
+
 struct Front::Impl {
     asio::io_context io;
+    std::mutex orphans_mu;
+    std::map<std::string, Orphan> orphans;  // by response id
     tcp::acceptor acceptor{io};
     asio::thread_pool store{1};  // the contexts' blocking calls (disk, waits for prefill), one at a time
     std::mutex mu;
@@ -128,7 +143,9 @@ ApiError api_error(int status, std::string type, std::string message, std::strin
 
 std::string request_id() {
     static std::atomic<uint64_t> n{0};
-    return fmt::format("cmpl-{:x}{:06x}", static_cast<uint64_t>(time(nullptr)), n.fetch_add(1, std::memory_order_relaxed));  // unique, nothing ordered by it
+    // The pid too: a restarted front must not reuse the id of a request it adopted.
+    return fmt::format("cmpl-{:x}{:x}x{:x}", static_cast<uint64_t>(time(nullptr)), static_cast<uint32_t>(getpid()),
+                       n.fetch_add(1, std::memory_order_relaxed));  // unique, nothing ordered by it
 }
 
 // JSON bodies are built outside the coroutines (see api_error).
@@ -173,8 +190,10 @@ awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, ht
     co_return !ec;
 }
 
-awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload) {
-    std::string ev = "data: " + payload + "\n\n";
+// One SSE event; `id` (when not empty) is what a client sends back as Last-Event-ID
+// to resume the stream after a front restart (GET /v1/requests/{id}/events).
+awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload, const std::string& id = {}) {
+    std::string ev = (id.empty() ? std::string() : "id: " + id + "\n") + "data: " + payload + "\n\n";
     beast::error_code ec;
     co_await asio::async_write(stream, http::make_chunk(asio::buffer(ev)), asio::redirect_error(use_awaitable, ec));
     co_return !ec;
@@ -188,6 +207,7 @@ struct Choice {
     StopText stream;  // the generated text, stop strings applied, and what was streamed
     std::vector<int32_t> out;
     uint32_t have = 0;                             // output tokens read
+    uint32_t sent_have = 0;                        // `have` when its last event was written (the event id)
     shm::ReqState seen_state = shm::ReqState::Free;  // as last read
     std::string finish;
     bool first = true, done = false;
@@ -260,7 +280,70 @@ struct Completion {
     int64_t created = 0;
     uint64_t deadline = 0;  // past it, a choice still running is cancelled
     bool client_gone = false;
+    std::string xid;          // the client's X-Request-Id ("": none)
+    std::string resumed_id;   // adopted from a dead front: the orphan to forget when it ends
+    // Event id: each choice's output tokens read when its last event was written.
+    std::string event_id() const {
+        std::string e;
+        for (const Choice& x : ch) e += (e.empty() ? "" : ".") + std::to_string(x.sent_have);
+        return e;
+    }
 };
+
+// What a restarted front needs to answer a request's client again, kept in the
+// request's slots (shm::ReqFrontRecord, JSON): the response's id and creation time,
+// how its chunks are made, and every choice's slot.
+std::string front_record_json(const Completion& c) {
+    json slots = json::array();
+    for (const Choice& ch : c.ch) slots.push_back({ch.ref.slot, ch.ref.gen});
+    return json{{"v", 1},
+                {"id", c.id},
+                {"xid", c.xid},
+                {"created", c.created},
+                {"chat", c.chat},
+                {"stream", c.r.stream},
+                {"include_usage", c.r.include_usage},
+                {"ignore_eos", c.r.ignore_eos},
+                {"logprobs", c.r.logprobs},
+                {"stop", c.r.stop},
+                {"prompt_tokens", c.prompt.size()},
+                {"slots", slots}}
+        .dump();
+}
+
+struct FrontRecord {
+    std::string id, xid;
+    int64_t created = 0;
+    bool chat = false;
+    CompletionRequest r;
+    size_t prompt_tokens = 0;
+    std::vector<shm::ReqRef> refs;
+};
+
+std::optional<FrontRecord> parse_front_record(const std::string& text) {
+    json j = json::parse(text, nullptr, false);
+    if (!j.is_object() || j.value("v", 0) != 1) return std::nullopt;
+    try {
+        FrontRecord f;
+        f.id = j.at("id").get<std::string>();
+        f.xid = j.at("xid").get<std::string>();
+        f.created = j.at("created").get<int64_t>();
+        f.chat = j.at("chat").get<bool>();
+        f.r.chat = f.chat;
+        f.r.stream = j.at("stream").get<bool>();
+        f.r.include_usage = j.at("include_usage").get<bool>();
+        f.r.ignore_eos = j.at("ignore_eos").get<bool>();
+        f.r.logprobs = j.at("logprobs").get<int>();
+        f.r.stop = j.at("stop").get<std::vector<std::string>>();
+        f.prompt_tokens = j.at("prompt_tokens").get<size_t>();
+        for (const json& s : j.at("slots")) f.refs.push_back(shm::ReqRef{s.at(0).get<uint32_t>(), s.at(1).get<uint32_t>()});
+        f.r.n = static_cast<int>(f.refs.size());
+        if (f.refs.empty()) return std::nullopt;
+        return f;
+    } catch (const std::exception&) {
+        return std::nullopt;
+    }
+}
 
 // A completion's choices once all have ended.
 struct Outcome {
@@ -360,6 +443,12 @@ struct FrontSession {
     static awaitable<void> wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer);
     static Outcome finish(Front& f, Completion& c);
     static awaitable<bool> reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o);
+    // A request adopted from a dead front, answered again: GET /v1/requests/{id}/events
+    // (an SSE stream from Last-Event-ID on), or a retry with the same X-Request-Id (the
+    // whole answer, as first asked).
+    static awaitable<bool> resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
+                                  bool events);
+    static std::optional<std::string> orphan_of_xid(Front& f, const std::string& xid);
 };
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
@@ -381,6 +470,7 @@ Status Front::start() {
     if (!ec) impl_->acceptor.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
     port_ = impl_->acceptor.local_endpoint().port();
+    adopt_orphans();  // before the first connection: a client may come back at once
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
     loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);
     asio::co_spawn(impl_->io, FrontSession::tick(*this), asio::detached);
@@ -403,6 +493,7 @@ void Front::notify_loop() {
         impl_->wake_changed(t);
         if (const uint64_t now = shm::monotonic_ns(); now >= next_rescue) {
             router_.resend_stranded();
+            expire_orphans(now);
             next_rescue = now + 50'000'000;
         }
     }
@@ -613,8 +704,13 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     const bool open = path == "/health" || path == "/ready" || path == "/readiness" ||
                       (path == "/metrics" && f.opts_.public_metrics);
     if (!open && !f.key_.allows(sv(req[http::field::authorization]))) co_return co_await unauthorized(f, stream, req);
-    if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
+    if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
+        // A retry of a request a dead front took (the same X-Request-Id): its answer.
+        if (auto id = orphan_of_xid(f, std::string(req["X-Request-Id"]))) co_return co_await resume(f, stream, req, *id, false);
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
+    }
+    if (get && path.rfind("/v1/requests/", 0) == 0 && path.size() > 20 && path.compare(path.size() - 7, 7, "/events") == 0)
+        co_return co_await resume(f, stream, req, path.substr(13, path.size() - 20), true);
     if (path == "/v1/contexts" || path.rfind("/v1/contexts/", 0) == 0) co_return co_await contexts(f, stream, req, path);
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
@@ -761,6 +857,10 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     c.chat = chat;
     c.arrived = shm::monotonic_ns();
     c.context = std::move(context);
+    c.xid = std::string(req["X-Request-Id"]);
+    if (c.xid.size() > 200)
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error", "X-Request-Id: at most 200 characters", "", ""));
     // The contexts API's own fields, taken out of the body before the OpenAI parse:
     // "context" (chat completions; the openai client's extra_body) names the context
     // the messages join, "commit" says whether the completion joins it. (A plain
@@ -834,9 +934,9 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                 f.impl_->store, [&]() -> awaitable<void> { svc.make_room(need, c.context); co_return; },
                 use_awaitable);
     }
-    if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     c.id = request_id();
     c.created = static_cast<int64_t>(time(nullptr));
+    if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     co_await follow(f, stream, c);
     if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
@@ -946,6 +1046,12 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         }
         c.ch[i].ref = *sub;
     }
+    // Resumable after a front restart (a context's completion is not: its commit is
+    // this process's): the record goes in before any worker sees the request.
+    if (c.context.empty()) {
+        const std::string rec = front_record_json(c);
+        for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
+    }
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
     f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
@@ -1013,8 +1119,10 @@ awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream,
     Choice& ch = c.ch[ci];
     std::string piece = ch.stream.take(step.terminal);
     if (piece.empty() && !ch.first) co_return;
+    ch.sent_have = ch.have;
     if (!co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece, "",
-                                                 ch.first, ch.unsent())))
+                                                 ch.first, ch.unsent()),
+                              c.event_id()))
         c.client_gone = true;
     ch.lps_sent = ch.lps.size();
     ch.first = false;
@@ -1107,10 +1215,12 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
     if (o.failed) {
         ok = co_await write_event(stream, error_json(failure(o.error_code)));
     } else {
+        for (Choice& ch : c.ch) ch.sent_have = ch.have;
         for (size_t ci = 0; ok && ci < c.ch.size(); ++ci)
-            ok = co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
-                                                         c.ch[ci].stream.take(true), c.ch[ci].finish, false,
-                                                         c.ch[ci].unsent()));
+            ok = co_await write_event(stream,
+                                      chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
+                                                 c.ch[ci].stream.take(true), c.ch[ci].finish, false, c.ch[ci].unsent()),
+                                      c.event_id());
         if (ok && c.r.include_usage)
             ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts_.model_id, o.u));
     }
@@ -1119,6 +1229,189 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
     beast::error_code ec;
     co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
     co_return !ec;
+}
+
+std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::string& xid) {
+    if (xid.empty()) return std::nullopt;
+    std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+    for (const auto& [id, o] : f.impl_->orphans)
+        if (o.xid == xid) return id;
+    return std::nullopt;
+}
+
+awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
+                                     bool events) {
+    std::string record;
+    {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        auto it = f.impl_->orphans.find(id);
+        if (it == f.impl_->orphans.end() || it->second.expiring) record.clear();
+        else if (it->second.claimed) record = "claimed";
+        else {
+            it->second.claimed = true;
+            record = it->second.record;
+        }
+    }
+    if (record.empty())
+        co_return co_await error(f, stream, req,
+                                 api_error(404, "not_found_error",
+                                           fmt::format("no request '{}' to resume: resumable are the requests of a front "
+                                                       "that died, for {} s after it",
+                                                       id, f.opts_.resume_window_ns / 1000000000ull),
+                                           "", "request_not_found"));
+    if (record == "claimed")
+        co_return co_await error(f, stream, req,
+                                 api_error(409, "invalid_request_error",
+                                           fmt::format("request '{}' is being answered on another connection", id)));
+    auto unclaim = [&](bool forget) {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        auto it = f.impl_->orphans.find(id);
+        if (it == f.impl_->orphans.end()) return;
+        if (forget) f.impl_->orphans.erase(it);
+        else it->second.claimed = false;
+    };
+    auto fr = parse_front_record(record);
+    shm::RequestTable& t = f.inst_.requests();
+    Completion c;
+    c.r = fr->r;
+    c.chat = fr->chat;
+    c.id = fr->id;
+    c.xid = fr->xid;
+    c.created = fr->created;
+    c.resumed_id = id;
+    c.arrived = shm::monotonic_ns();
+    c.prompt.resize(fr->prompt_tokens);
+    if (events) c.r.stream = true;
+    // Last-Event-ID: each choice's output tokens covered by the last event the client
+    // got ("12", or "12.9" for two choices); none: from the start.
+    std::vector<uint32_t> from(fr->refs.size(), 0);
+    const std::string last(req["Last-Event-ID"]);
+    if (!last.empty()) {
+        size_t i = 0, at = 0;
+        bool ok = true;
+        for (; ok && i < from.size(); ++i) {
+            const size_t dot = std::min(last.find('.', at), last.size());
+            const std::string part = last.substr(at, dot - at);
+            ok = !part.empty() && part.size() <= 9 && part.find_first_not_of("0123456789") == std::string::npos;
+            if (ok) from[i] = static_cast<uint32_t>(std::stoul(part));
+            at = dot + 1;
+            if (dot == last.size() && i + 1 < from.size()) ok = false;
+        }
+        if (!ok || at <= last.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error",
+                                               fmt::format("Last-Event-ID '{}': one output count per choice ({}), "
+                                                           "as the stream's event ids",
+                                                           last, from.size())));
+        }
+    }
+    const uint64_t now = shm::monotonic_ns();
+    for (size_t i = 0; i < fr->refs.size(); ++i) {
+        Choice ch(f.tok_, c.r.stop);
+        ch.ref = fr->refs[i];
+        std::vector<int32_t> out;
+        auto n = t.read_output(ch.ref, 0, out);
+        if (!n || from[i] > out.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error",
+                                               fmt::format("Last-Event-ID '{}' is past what choice {} has produced", last, i)));
+        }
+        // The state the stream was in when its last event was written: its tokens
+        // read, their text and log-probs made and sent.
+        out.resize(from[i]);
+        ch.out = std::move(out);
+        ch.have = from[i];
+        if (c.r.logprobs >= 0) read_logprobs(t, f.tok_, ch, c.r.logprobs, 0, ch.out.size());
+        std::string piece;
+        for (int32_t tok : ch.out) piece += ch.detok.push(tok);
+        if (ch.stream.append(piece)) ch.finish = "stop";
+        (void)ch.stream.take(false);
+        ch.lps_sent = ch.lps.size();
+        ch.sent_have = ch.have;
+        ch.first = last.empty();
+        ch.last_token_ns = now;  // no time to first token for an adopted request
+        c.ch.push_back(std::move(ch));
+    }
+    for (Choice& ch : c.ch)
+        if (!ch.finish.empty()) ch.cancel(t);  // its stop string is in what was sent
+    f.in_flight_.fetch_add(1, std::memory_order_relaxed);
+    if (c.r.stream) co_await write_stream_head(stream, req, c);
+    co_await follow(f, stream, c);
+    Outcome o = finish(f, c);
+    unclaim(true);
+    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
+    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
+    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+// Requests of a dead front with a front record: this process answers them from now
+// on (their client comes back, or the window passes). QUEUED ones are sent again (a
+// prefill worker drops a copy whose request it already took).
+void Front::adopt_orphans() {
+    shm::RequestTable& t = inst_.requests();
+    const shm::Registry& reg = inst_.registry();
+    std::vector<shm::ReqRef> queued;
+    size_t n = 0;
+    {
+        std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+        const uint64_t now = shm::monotonic_ns();
+        for (uint32_t s = 0; s < t.n_slots(); ++s) {
+            if (t.state(s) == shm::ReqState::Free) continue;
+            const uint64_t client = t.slot(s).client.load(std::memory_order_acquire);
+            if (client == 0 || client == self_.pack() || reg.alive(shm::ProcRef::unpack(client))) continue;
+            auto rec = t.front_data(t.current(s));
+            if (!rec) continue;
+            auto fr = parse_front_record(*rec);
+            if (!fr || impl_->orphans.count(fr->id)) continue;
+            Orphan o;
+            o.record = std::move(*rec);
+            o.xid = fr->xid;
+            o.refs = fr->refs;
+            o.since_ns = now;
+            for (shm::ReqRef r : fr->refs)
+                if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
+            impl_->orphans.emplace(fr->id, std::move(o));
+            ++n;
+        }
+    }
+    for (shm::ReqRef r : queued) (void)send(r);
+    if (n) std::fprintf(stderr, "duet front: adopted %zu requests of a front that died (resumable for %llu s)\n", n,
+                        static_cast<unsigned long long>(opts_.resume_window_ns / 1000000000ull));
+}
+
+// Orphans nobody came back for within the window: cancelled, then freed once ended.
+void Front::expire_orphans(uint64_t now) {
+    shm::RequestTable& t = inst_.requests();
+    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+    for (auto it = impl_->orphans.begin(); it != impl_->orphans.end();) {
+        Orphan& o = it->second;
+        if (o.claimed || (!o.expiring && now - o.since_ns < opts_.resume_window_ns)) {
+            ++it;
+            continue;
+        }
+        bool ended = true;
+        for (shm::ReqRef r : o.refs) {
+            if (t.current(r.slot).gen != r.gen) continue;
+            const shm::ReqState st = t.state(r.slot);
+            if (st == shm::ReqState::Free) continue;
+            if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) {
+                t.transition(r, st, shm::ReqState::Free);
+                continue;
+            }
+            if (!o.expiring) {
+                t.cancel(r);
+                t.transition(r, shm::ReqState::Queued, shm::ReqState::Cancelled);
+            }
+            ended = false;
+        }
+        o.expiring = true;
+        it = ended ? impl_->orphans.erase(it) : std::next(it);
+    }
 }
 
 }  // namespace duet

@@ -18,6 +18,7 @@
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
 #include "roles/api_key.h"
+#include "roles/recovery.h"
 #include "roles/routing.h"
 
 namespace duet {
@@ -36,6 +37,9 @@ struct FrontOptions {
     ContextService* contexts = nullptr;
     std::string api_key;          // "": none (roles/api_key.h)
     bool public_metrics = false;  // /metrics without the key
+    // A dead front's requests this front adopted wait this long for their clients
+    // (GET /v1/requests/{id}/events, an X-Request-Id retry) before they are cancelled.
+    uint64_t resume_window_ns = kResumeWindowNs;
 };
 
 struct FrontCounters {
@@ -98,6 +102,8 @@ private:
     std::atomic<bool> quit_{false};
     std::atomic<uint64_t> loop_alive_ns_{0};
     void notify_loop();
+    void adopt_orphans();
+    void expire_orphans(uint64_t now_ns);
 
     friend struct FrontSession;
 };

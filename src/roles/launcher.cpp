@@ -164,6 +164,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.contexts_max = s.contexts_max;
             fs.contexts_disk_max = s.contexts_disk_max;
             fs.public_metrics = s.public_metrics;
+            fs.resume_window_s = s.resume_window_s;
             if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
             r.settings = fs;
             front = std::move(r);
@@ -368,6 +369,7 @@ public:
 private:
     Status start_roles();
     void handle_events();
+    uint64_t window_ns() const { return static_cast<uint64_t>(s_.resume_window_s) * kSecond; }
     void turn(const std::string& model_id);
 
     shm::Instance& inst_;
@@ -404,7 +406,7 @@ void Launcher::handle_events() {
                         WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status), e.recovered.refs_dropped,
                         e.recovered.redriven,
                         e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as) : "not restarted"));
-        if (e.role == "front") sweep_orphans(inst_);  // its clients are gone
+        if (e.role == "front") sweep_orphans(inst_, window_ns());  // its clients are gone, or coming back
         if (!e.restarted_as && WIFEXITED(e.status) && WEXITSTATUS(e.status) == kGoldenExitCode) {
             say(fmt::format("{} failed its golden-logits check (its log above says how): this model does not compute "
                             "what it should here; stopping with exit code {}",
@@ -455,7 +457,7 @@ void Launcher::turn(const std::string& model_id) {
     handle_events();
     const uint64_t now = shm::monotonic_ns();
     if (now >= next_sweep_) {  // requests of a dead front that ended since; re-drives stranded on a dead prefill
-        sweep_orphans(inst_);
+        sweep_orphans(inst_, window_ns());
         redrive_.resend_stranded();
         next_sweep_ = now + 50'000'000;
     }
@@ -479,7 +481,7 @@ int Launcher::run(const std::string& model_id) {
         turn(model_id);
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    sweep_orphans(inst_);
+    sweep_orphans(inst_, 0);  // stopping: nobody will come back for them
     int rc = golden_failed_ ? kGoldenExitCode : failed_ ? 1 : 0;
     if (Status st = sup_.stop_all(10000); !st) {
         say(st.error().message);

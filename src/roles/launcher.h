@@ -76,6 +76,7 @@ struct ServeSettings {
     // Given to the front through its environment (DUET_API_KEY), never its argv.
     std::string api_key;
     bool public_metrics = false;  // /metrics without the key
+    int resume_window_s = 30;     // a dead front's requests wait this long for their clients (kResumeWindowNs)
 };
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
@@ -110,6 +111,7 @@ struct FrontSettings {
     int contexts_max = 1024;
     uint64_t contexts_disk_max = 0;
     std::string api_key;          // from --api-key or DUET_API_KEY (the launcher sets the latter)
+    int resume_window_s = 30;
     bool public_metrics = false;  // /metrics without the key
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
 };

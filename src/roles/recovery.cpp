@@ -15,16 +15,24 @@ void fail_in_flight(shm::Instance& inst, ReqError why) {
     inst.registry().wake(shm::Role::Front);
 }
 
-uint32_t sweep_orphans(shm::Instance& inst) {
+uint32_t sweep_orphans(shm::Instance& inst, uint64_t resume_window_ns) {
     shm::RequestTable& t = inst.requests();
     shm::Registry& reg = inst.registry();
     uint32_t n = 0;
+    const uint64_t now = shm::monotonic_ns();
     for (uint32_t s = 0; s < t.n_slots(); ++s) {
         const shm::ReqState st = t.state(s);
         if (st == shm::ReqState::Free) continue;
         const uint64_t c = t.slot(s).client.load(std::memory_order_relaxed);
         if (c == 0 || reg.alive(shm::ProcRef::unpack(c))) continue;
         const shm::ReqRef r = t.current(s);
+        if (t.front_data(r)) {  // resumable: a new front may adopt it within the window
+            std::atomic<uint64_t>& since = t.front_record(s).orphaned_ns;
+            uint64_t seen = since.load(std::memory_order_relaxed);
+            if (seen == 0 && since.compare_exchange_strong(seen, now, std::memory_order_relaxed)) seen = now;
+            if (now - seen < resume_window_ns) continue;
+            if (t.slot(s).client.load(std::memory_order_acquire) != c) continue;  // adopted meanwhile
+        }
         switch (st) {
         case shm::ReqState::Queued:  // no worker has it: cancel it here (a message for it is dropped)
             n += t.transition(r, st, shm::ReqState::Cancelled);

@@ -16,9 +16,17 @@ namespace duet {
 // wakes the front to answer their clients.
 void fail_in_flight(shm::Instance& inst, ReqError why);
 
+// How long a request whose front died waits for a restarted front to adopt it and
+// its client to come back (SSE resume with Last-Event-ID, a retry with the same
+// X-Request-Id) before it is cancelled: requests with a front record only
+// (shm::ReqFrontRecord; every plain completion has one), timed from when a sweep
+// first saw their front dead.
+inline constexpr uint64_t kResumeWindowNs = 30'000'000'000ull;
+
 // Requests whose client (the front that submitted them) is gone: running ones are
-// cancelled, finished ones freed. The launcher calls this after a front died, and
-// now and then for those that ended later. Returns how many it touched.
-uint32_t sweep_orphans(shm::Instance& inst);
+// cancelled, finished ones freed; those with a front record only once they have
+// waited `resume_window_ns` for a new front. The launcher calls this after a front
+// died, and now and then for those that ended later. Returns how many it touched.
+uint32_t sweep_orphans(shm::Instance& inst, uint64_t resume_window_ns = kResumeWindowNs);
 
 }  // namespace duet
