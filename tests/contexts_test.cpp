@@ -363,7 +363,7 @@ TEST(Contexts, BadRequestsAreRefusedAndChangeNothing) {
     auto kind_of = [](auto r) { return r.ok() ? ErrorKind::Other : r.error().kind; };
     EXPECT_EQ(kind_of(rig.store->create("../etc", ids(rng, 3), true)), ErrorKind::Invalid);
     EXPECT_EQ(kind_of(rig.store->create("", ids(rng, 3), true)), ErrorKind::Invalid);
-    EXPECT_EQ(kind_of(rig.store->create(std::string(32, 'a'), ids(rng, 3), true)), ErrorKind::Invalid);
+    EXPECT_EQ(kind_of(rig.store->create(std::string(65, 'a'), ids(rng, 3), true)), ErrorKind::Invalid);
     ASSERT_TRUE(rig.store->create("a", ids(rng, 10), true).ok());
     EXPECT_EQ(kind_of(rig.store->create("a", ids(rng, 3), true)), ErrorKind::Exists);
     EXPECT_EQ(kind_of(rig.store->append("nope", ids(rng, 3))), ErrorKind::NotFound);

@@ -78,10 +78,13 @@ std::string dtype_name(const ::testing::TestParamInfo<KvDtype>& i) { return kv_d
 void check_format(const std::string& path, const KvExpect& e, uint64_t salt) {
     const std::vector<uint8_t> b = read_file(path);
     ASSERT_GE(b.size(), kLogHeaderBytes);
-    uint32_t prev = get<uint32_t>(b.data(), 124);
+    // KVLOG.md: a version 3 header is 192 bytes, versions 1 and 2 128; its CRC is its last 4.
+    const uint64_t header_bytes = get<uint32_t>(b.data(), 8) >= 3 ? 192 : 128;
+    ASSERT_GE(b.size(), header_bytes);
+    uint32_t prev = get<uint32_t>(b.data(), header_bytes - 4);
     const KvLayout& l = e.layout;
     const size_t row = static_cast<size_t>(l.head_dim) * l.elem_bytes();
-    uint64_t off = kLogHeaderBytes;
+    uint64_t off = header_bytes;
     size_t i = 0;
     while (off < b.size()) {
         ASSERT_LT(i, e.ops.size());
@@ -145,7 +148,7 @@ struct RawRecord {
 };
 std::vector<RawRecord> raw_records(const std::vector<uint8_t>& b) {
     std::vector<RawRecord> v;
-    for (uint64_t off = kLogHeaderBytes; off + kRecordHeaderBytes <= b.size();) {
+    for (uint64_t off = get<uint32_t>(b.data(), 8) >= 3 ? 192 : 128; off + kRecordHeaderBytes <= b.size();) {
         const uint64_t pb = get<uint64_t>(b.data(), off + 24);
         v.push_back({off, get<uint64_t>(b.data(), off + 8), pb});
         off += kRecordHeaderBytes + pb + pad8(pb);
@@ -157,7 +160,7 @@ std::vector<RawRecord> raw_records(const std::vector<uint8_t>& b) {
 // CRCs and the chain (a log whose commits hold several records: the one-writer API
 // never makes one, group commit of one log's records from several appenders does).
 void reseal(std::vector<uint8_t>& b, uint64_t salt, const std::function<uint64_t(uint64_t)>& batch_of) {
-    uint32_t prev = get<uint32_t>(b.data(), 124);
+    uint32_t prev = get<uint32_t>(b.data(), (get<uint32_t>(b.data(), 8) >= 3 ? 192 : 128) - 4);
     for (const RawRecord& r : raw_records(b)) {
         uint8_t* h = b.data() + r.off;
         ASSERT_EQ(get<uint32_t>(h, 44), header_crc_of(h, salt)) << "the documented header CRC";

@@ -259,7 +259,7 @@ int verify_one(const std::string& path, bool is_log, std::string& line) {
 }  // namespace
 
 int cmd_kv_inspect(const std::string& path, bool as_json) {
-    auto head = read_head(path, std::max(kBlobHeaderBytes, kLogHeaderBytes));
+    auto head = read_head(path, std::max(kBlobHeaderBytes, kLogHeaderBytesMax));
     if (!head) {
         std::fprintf(stderr, "duet: %s\n", head.error().message.c_str());
         return 1;

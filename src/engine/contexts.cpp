@@ -124,7 +124,8 @@ Status ContextStore::recover() {
     // Checkpoint blobs and pins whose log is gone (a remove interrupted between unlinks).
     for (const std::string& f : files) {
         if (!ends_with(f, ".kvblob") && !ends_with(f, ".pin")) continue;
-        const std::string stem = f.substr(0, f.find('.'));
+        const std::string stem = context_of_file(f);
+        if (stem.empty()) continue;  // not a context's file: left alone
         if (!contexts_.count(stem) && std::find(files.begin(), files.end(), stem + ".kvlog") == files.end())
             ::unlink((o_.dir + "/" + f).c_str());
     }
@@ -662,8 +663,8 @@ void ContextStore::remove_files(const std::string& id) {
     const std::string log = o_.dir + "/" + id + ".kvlog";
     ::unlink(log.c_str());  // first: without its log the context is gone
     for (const std::string& f : dir_entries(o_.dir))
-        if (f.rfind(id + ".", 0) == 0 && (ends_with(f, ".kvblob") || f.find(".kvlog.tmp") != std::string::npos ||
-                                          f.find(".kvblob.tmp") != std::string::npos))
+        if (context_of_file(f) == id && (ends_with(f, ".kvblob") || f.find(".kvlog.tmp") != std::string::npos ||
+                                         f.find(".kvblob.tmp") != std::string::npos))
             ::unlink((o_.dir + "/" + f).c_str());
     ::unlink(spill_path(id).c_str());
     ::unlink((o_.dir + "/" + id + ".pin").c_str());

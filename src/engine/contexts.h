@@ -29,7 +29,7 @@
 //     lacks, resident contexts other than the one operated on are evicted, least
 //     recently used first (durable ones are dropped, their KV being on disk; the
 //     others are spilled to a blob first), and restored on their next use.
-// C5. Ids are 1..31 of [A-Za-z0-9_-] (the log header's name field), so an id never
+// C5. Ids are 1..64 of [A-Za-z0-9_.-] (the log header's name field), so an id never
 //     names a path outside the directory.
 //
 // The store serializes its operations (one mutex): an operation on a context is

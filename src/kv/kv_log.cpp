@@ -26,6 +26,14 @@ constexpr char kLogMagic[8] = {'D', 'U', 'E', 'T', 'K', 'V', 'L', '\0'};
 constexpr size_t kOffVersion = 8, kOffHeaderBytes = 12, kOffModel = 16, kOffTokenizer = 32, kOffReserved0 = 62,
                  kOffFlags = 68, kOffSalt = 72, kOffGeneration = 80, kOffContext = 88,
                  kContextBytes = 32, kOffReserved1 = 120, kOffHeaderCrc = 124;
+// Version 3 (192 bytes): the same up to the name, which takes 72 bytes (64 characters
+// and at least one NUL), zeros up to the CRC in the last 4 bytes.
+constexpr size_t kContextBytesV3 = 72, kOffReservedV3 = 160, kOffHeaderCrcV3 = 188;
+constexpr size_t kMaxContextName = 64;
+
+// The name field's size and the CRC's offset of a header of `version`.
+size_t context_field_bytes(uint32_t version) { return version >= 3 ? kContextBytesV3 : kContextBytes; }
+size_t header_crc_offset(uint32_t version) { return version >= 3 ? kOffHeaderCrcV3 : kOffHeaderCrc; }
 // Record header fields.
 constexpr size_t kRecType = 4, kRecReserved = 6, kRecSeq = 8, kRecBatch = 16, kRecPayload = 24, kRecPayloadCrc = 32,
                  kRecPrevCrc = 36, kRecReserved2 = 40, kRecHeaderCrc = 44;
@@ -107,58 +115,93 @@ const char* log_record_type_name(uint16_t t) {
 }
 
 Status check_context_name(const std::string& name) {
-    if (name.empty() || name.size() >= kContextBytes)
-        return make_error("context name '{}': 1 to {} characters of A-Z a-z 0-9 _ -", name, kContextBytes - 1);
+    if (name.empty() || name.size() > kMaxContextName)
+        return make_error("context name '{}': 1 to {} characters of A-Z a-z 0-9 _ . -", name, kMaxContextName);
     for (char c : name)
-        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-'))
-            return make_error("context name '{}': only A-Z a-z 0-9 _ - are allowed", name);
+        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.'))
+            return make_error("context name '{}': only A-Z a-z 0-9 _ . - are allowed", name);
     return {};
 }
 
-void log_header_encode(const LogHeader& h, uint8_t out[kLogHeaderBytes]) {
-    std::memset(out, 0, kLogHeaderBytes);
+std::string context_of_file(const std::string& f) {
+    auto strip = [&](const std::string& s, const std::string& suffix, std::string& out) {
+        if (s.size() <= suffix.size() || s.compare(s.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
+        out = s.substr(0, s.size() - suffix.size());
+        return true;
+    };
+    auto named = [](const std::string& c) { return check_context_name(c).ok() ? c : std::string(); };
+    // <c>.<digits>: c, else "".
+    auto without_generation = [&](const std::string& s) {
+        const size_t dot = s.rfind('.');
+        if (dot == std::string::npos || dot + 1 == s.size() ||
+            s.find_first_not_of("0123456789", dot + 1) != std::string::npos)
+            return std::string();
+        return named(s.substr(0, dot));
+    };
+    std::string stem;
+    if (strip(f, ".kvlog", stem) || strip(f, ".kvlog.tmp", stem) || strip(f, ".pin", stem)) return named(stem);
+    if (strip(f, ".kvblob", stem)) return without_generation(stem);
+    if (const size_t t = f.rfind(".kvblob.tmp."); t != std::string::npos) return without_generation(f.substr(0, t));
+    return {};
+}
+
+void log_header_encode(const LogHeader& h, uint8_t out[kLogHeaderBytesMax]) {
+    const size_t bytes = h.bytes();
+    std::memset(out, 0, bytes);
     std::memcpy(out, kLogMagic, 8);
     put<uint32_t>(out, kOffVersion, h.version);
-    put<uint32_t>(out, kOffHeaderBytes, kLogHeaderBytes);
+    put<uint32_t>(out, kOffHeaderBytes, static_cast<uint32_t>(bytes));
     std::memcpy(out + kOffModel, h.id.model.data(), 16);
     std::memcpy(out + kOffTokenizer, h.id.tokenizer.data(), 16);
     kv_layout_put(out, h.layout);
     put<uint64_t>(out, kOffSalt, h.salt);
     put<uint64_t>(out, kOffGeneration, h.generation);
-    std::memcpy(out + kOffContext, h.context.data(), std::min(h.context.size(), kContextBytes - 1));
-    put<uint32_t>(out, kOffHeaderCrc, crc32c(out, kOffHeaderCrc));
+    std::memcpy(out + kOffContext, h.context.data(), std::min(h.context.size(), context_field_bytes(h.version) - 1));
+    put<uint32_t>(out, header_crc_offset(h.version), crc32c(out, header_crc_offset(h.version)));
 }
 
 Result<LogHeader> log_header_decode(const uint8_t* p, size_t n) {
     if (n < kLogHeaderBytes) return make_error("truncated header: {} bytes, a KV log header is {}", n, kLogHeaderBytes);
     if (std::memcmp(p, kLogMagic, 8) != 0) return make_error("magic: not a duet KV log (expected 'DUETKVL')");
     LogHeader h;
-    h.crc = get<uint32_t>(p, kOffHeaderCrc);
-    if (const uint32_t c = crc32c(p, kOffHeaderCrc); c != h.crc)
-        return make_error("header_crc: stored {:#010x}, computed {:#010x} (the log header is corrupt)", h.crc, c);
+    // The version picks the layout (where the CRC is), then the CRC covers it.
     h.version = get<uint32_t>(p, kOffVersion);
+    const size_t crc_at = header_crc_offset(h.version);
+    if (n < h.bytes()) return make_error("truncated header: {} bytes, a version {} KV log header is {}", n, h.version, h.bytes());
+    h.crc = get<uint32_t>(p, crc_at);
+    if (const uint32_t c = crc32c(p, crc_at); c != h.crc)
+        return make_error("header_crc: stored {:#010x}, computed {:#010x} (the log header is corrupt)", h.crc, c);
     if (h.version < kLogVersionMin || h.version > kLogVersion)
         return make_error("version: the log is format version {}, this build reads versions {} to {}", h.version,
                           kLogVersionMin, kLogVersion);
-    if (uint32_t hb = get<uint32_t>(p, kOffHeaderBytes); hb != kLogHeaderBytes)
-        return make_error("header_bytes: {}, expected {}", hb, kLogHeaderBytes);
+    if (uint32_t hb = get<uint32_t>(p, kOffHeaderBytes); hb != h.bytes())
+        return make_error("header_bytes: {}, expected {}", hb, h.bytes());
     auto lay = kv_layout_get(p);
     if (!lay) return lay.error();
     h.layout = *lay;
-    if (get<uint16_t>(p, kOffReserved0) != 0 || get<uint32_t>(p, kOffReserved1) != 0)
-        return make_error("reserved header bytes are not zero");
+    bool reserved_zero = get<uint16_t>(p, kOffReserved0) == 0;
+    if (h.version >= 3) {
+        for (size_t i = kOffReservedV3; i < kOffHeaderCrcV3; ++i) reserved_zero = reserved_zero && p[i] == 0;
+    } else {
+        reserved_zero = reserved_zero && get<uint32_t>(p, kOffReserved1) == 0;
+    }
+    if (!reserved_zero) return make_error("reserved header bytes are not zero");
     if (uint32_t f = get<uint32_t>(p, kOffFlags); f != 0)
         return make_error("flags: {:#x} has bits this build does not know (none are defined)", f);
     std::memcpy(h.id.model.data(), p + kOffModel, 16);
     std::memcpy(h.id.tokenizer.data(), p + kOffTokenizer, 16);
     h.salt = get<uint64_t>(p, kOffSalt);
     h.generation = get<uint64_t>(p, kOffGeneration);
+    const size_t field = context_field_bytes(h.version);
     const char* c = reinterpret_cast<const char*>(p + kOffContext);
-    h.context.assign(c, strnlen(c, kContextBytes));
-    if (h.context.size() == kContextBytes) return make_error("context: the name is not NUL-terminated");
-    for (size_t i = kOffContext + h.context.size(); i < kOffContext + kContextBytes; ++i)
+    h.context.assign(c, strnlen(c, field));
+    if (h.context.size() == field) return make_error("context: the name is not NUL-terminated");
+    for (size_t i = kOffContext + h.context.size(); i < kOffContext + field; ++i)
         if (p[i] != 0) return make_error("context: bytes after the name's end are not zero");
     if (Status s = check_context_name(h.context); !s) return make_error("context: {}", s.error().message);
+    // Names a version 1 or 2 header can hold: 31 characters, no dots.
+    if (h.version < 3 && (h.context.size() >= kContextBytes || h.context.find('.') != std::string::npos))
+        return make_error("context: '{}' in a version {} header (at most 31 of A-Z a-z 0-9 _ -)", h.context, h.version);
     return h;
 }
 
@@ -206,12 +249,17 @@ struct Scanner {
     }
 
     Status run() {
-        uint8_t hb[kLogHeaderBytes];
+        uint8_t hb[kLogHeaderBytesMax] = {};
         if (size < kLogHeaderBytes || !read(0, hb, kLogHeaderBytes))
             return make_error("{}: truncated header: {} bytes, a KV log header is {}", path, size, kLogHeaderBytes);
-        auto h = log_header_decode(hb, kLogHeaderBytes);
+        size_t have = kLogHeaderBytes;
+        if (get<uint32_t>(hb, kOffVersion) >= 3 && size >= kLogHeaderBytesV3 &&
+            read(kLogHeaderBytes, hb + kLogHeaderBytes, kLogHeaderBytesV3 - kLogHeaderBytes))
+            have = kLogHeaderBytesV3;
+        auto h = log_header_decode(hb, have);
         if (!h) return make_error("{}: {}", path, h.error().message);
         out.header = *h;
+        out.valid_end = h->bytes();
         if (want) {
             BlobHeader as_blob;
             as_blob.id = h->id;
@@ -223,7 +271,7 @@ struct Scanner {
         if (pool && pool->layout().dtype != h->layout.dtype)
             return make_error("{}: dtype: the log holds {} KV, this arena {} (export a blob and import it to convert)",
                               path, kv_dtype_name(h->layout.dtype), kv_dtype_name(pool->layout().dtype));
-        uint64_t off = kLogHeaderBytes, seqno = 0, len = 0, prev_batch = 0;
+        uint64_t off = h->bytes(), seqno = 0, len = 0, prev_batch = 0;
         uint32_t prev = h->crc;
         out.last_crc = prev;
         out.next_seq = 0;
@@ -419,7 +467,7 @@ Result<LogScan> kv_log_scan(const std::string& path, const KvIdentity* want, KvP
     Scanner s{fd, path, slash == std::string::npos ? "." : path.substr(0, slash), static_cast<uint64_t>(st.st_size),
               want, pool, seq, {}};
     s.out.file_size = s.size;
-    s.out.valid_end = kLogHeaderBytes;
+    s.out.valid_end = kLogHeaderBytes;  // run() moves it past the header it reads
     Status r = s.run();
     if (!r) {
         if (pool) seq->release(*pool);
@@ -632,12 +680,13 @@ Result<NewLog> write_new_log(const std::string& tmp, LogHeader& h, const std::st
     const int fd = ::open(tmp.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
     if (fd < 0) return errno_error("create", tmp);
     Fd guard(fd);
-    uint8_t hb[kLogHeaderBytes];
+    uint8_t hb[kLogHeaderBytesMax];
+    h.version = kLogVersion;  // a new file (create, compaction) is written in the current format
     log_header_encode(h, hb);
-    h.crc = get<uint32_t>(hb, kOffHeaderCrc);
-    std::vector<iovec> iov{{hb, kLogHeaderBytes}};
+    h.crc = get<uint32_t>(hb, header_crc_offset(h.version));
+    std::vector<iovec> iov{{hb, h.bytes()}};
     NewLog nl;
-    nl.size = kLogHeaderBytes;
+    nl.size = h.bytes();
     nl.last_crc = h.crc;
     uint8_t rh[kRecordHeaderBytes];
     std::vector<uint8_t> payload;
@@ -671,7 +720,9 @@ void remove_leftovers(const std::string& dir, const std::string& context, uint64
     bool removed = false;
     while (dirent* e = ::readdir(d)) {
         const std::string name = e->d_name;
-        if (name.rfind(prefix, 0) != 0) continue;
+        // This context's files only: with dots in names, "a.b.3.kvblob" starts with
+        // "a." but is context a.b's.
+        if (name.rfind(prefix, 0) != 0 || context_of_file(name) != context) continue;
         const std::string rest = name.substr(prefix.size());
         const bool tmp = rest.rfind("kvlog.tmp", 0) == 0;
         bool stale_blob = false;

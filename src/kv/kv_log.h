@@ -31,11 +31,15 @@
 
 namespace duet {
 
-constexpr size_t kLogHeaderBytes = 128;
+constexpr size_t kLogHeaderBytes = 128;     // versions 1 and 2
+constexpr size_t kLogHeaderBytesV3 = 192;   // version 3: room for a 64-character name
+constexpr size_t kLogHeaderBytesMax = 192;
 constexpr size_t kRecordHeaderBytes = 48;
 // Version 2: an APPEND may start before the context's end (an edit: it replaces the
 // positions from its start). Version 1 files, which never do, are read as they are.
-constexpr uint32_t kLogVersion = 2;
+// Version 3: a 192-byte header whose context name is up to 64 characters of
+// [A-Za-z0-9_.-] (versions 1 and 2: 31 of [A-Za-z0-9_-]); records as version 2.
+constexpr uint32_t kLogVersion = 3;
 constexpr uint32_t kLogVersionMin = 1;
 constexpr uint32_t kRecordMagic = 0x4352564b;  // "KVRC" little-endian
 
@@ -48,10 +52,17 @@ struct LogHeader {
     KvLayout layout;
     uint64_t salt = 0;
     uint64_t generation = 0;  // compactions so far: the checkpoint blob is <context>.<generation>.kvblob
-    std::string context;      // 1..31 of [A-Za-z0-9_-]
+    std::string context;      // 1..64 of [A-Za-z0-9_.-] (versions 1, 2: 1..31 of [A-Za-z0-9_-])
     uint32_t crc = 0;         // header CRC: the chain's seed
+    size_t bytes() const { return version >= 3 ? kLogHeaderBytesV3 : kLogHeaderBytes; }  // where record 0 starts
 };
 Status check_context_name(const std::string& name);
+// The context a file of a contexts directory belongs to, "" for none: <c>.kvlog and
+// its <c>.kvlog.tmp, a checkpoint blob <c>.<generation>.kvblob and its
+// <c>.<generation>.kvblob.tmp.<pid>, a pin <c>.pin. Names may hold dots; a blob's
+// generation is the digits after its last dot, so "a.5.kvblob" is context a's and
+// "a.5.7.kvblob" context a.5's.
+std::string context_of_file(const std::string& file);
 
 // What recovery found (duet kv inspect prints it).
 struct LogRecordInfo {
@@ -188,7 +199,7 @@ private:
 };
 
 // Encodes a log file header (also used by tests to build hostile files).
-void log_header_encode(const LogHeader& h, uint8_t out[kLogHeaderBytes]);
+void log_header_encode(const LogHeader& h, uint8_t out[kLogHeaderBytesMax]);  // writes h.bytes()
 Result<LogHeader> log_header_decode(const uint8_t* p, size_t n);
 
 }  // namespace duet

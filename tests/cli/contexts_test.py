@@ -185,7 +185,8 @@ def endpoints_and_errors(port):
     for method, path, body, want in [
         ("POST", "/v1/contexts", {"id": "doc"}, 409),
         ("POST", "/v1/contexts", {"id": "../x"}, 400),
-        ("POST", "/v1/contexts", {"id": "x" * 40}, 400),
+        ("POST", "/v1/contexts", {"id": "x" * 65}, 400),
+        ("POST", "/v1/contexts", {"id": "a/b"}, 400),
         ("POST", "/v1/contexts", {"id": 5}, 400),
         ("POST", "/v1/contexts", {"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400),
         ("POST", "/v1/contexts", {"messages": "hi"}, 400),
@@ -587,6 +588,9 @@ def damage_logs(cdir, sizes):
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
+LONG_ID = "team.alpha-" + "n" * 53  # 64 characters, [A-Za-z0-9_.-]
+
+
 def main():
     cdir = tempfile.mkdtemp(prefix="duet-contexts-e2e-")
     instance = f"duet-contexts-test-{os.getpid()}"
@@ -610,6 +614,9 @@ def main():
                     j = ok(srv.port, "POST", "/v1/contexts" if k == 0 else f"/v1/contexts/{cid}/append",
                            {"id": cid, "tokens": toks} if k == 0 else {"tokens": toks}, want=201 if k == 0 else 200)
                     sizes[cid].append(ok(srv.port, "GET", f"/v1/contexts/{cid}")["disk_bytes"])
+            # Ids of 64 characters with dots; "a" and "a.5", whose files share a prefix.
+            for cid, base in ((LONG_ID, 2000), ("a", 2100), ("a.5", 2200)):
+                ok(srv.port, "POST", "/v1/contexts", {"id": cid, "tokens": list(range(base, base + 40))}, want=201)
             # Acknowledged state, then SIGKILL of every process.
             ok(srv.port, "POST", "/v1/contexts", {"id": "big", "tokens": list(range(1000, 1300))}, want=201)
             ok(srv.port, "POST", "/v1/contexts", {"id": "gone", "tokens": [5, 6, 7], "durable": False}, want=201)
@@ -659,6 +666,13 @@ def main():
             for cid in kept:
                 expect_exact(srv.port, cid, "SIGKILL of every process and a restart")
             print(f"SIGKILL of every process: {len(kept)} durable contexts intact, restored from their logs")
+            check(LONG_ID in listed and os.path.exists(os.path.join(cdir, LONG_ID + ".kvlog")), "the 64-character id")
+            ok(srv.port, "DELETE", "/v1/contexts/a")
+            check(not os.path.exists(os.path.join(cdir, "a.kvlog")) and os.path.exists(os.path.join(cdir, "a.5.kvlog")),
+                  "deleting a leaves a.5's files")
+            check(tokens_of(srv.port, "a.5") == list(range(2200, 2240)), "a.5 after a's deletion")
+            expect_exact(srv.port, "a.5", "the deletion of a")
+            print("ids of 64 characters with dots: durable across the kill; deleting a leaves a.5 whole: ok")
         finally:
             srv.stop()
         shutil.rmtree(cdir, ignore_errors=True)

@@ -63,14 +63,15 @@ import json, os, sys
 j = json.loads('''$json''')
 h, r = j["header"], j["records"]
 assert j["kind"] == "log" and j["valid"] and not j["torn"] and "torn_at" not in j, j
-assert h["context"] == "demo" and h["generation"] == 1 and h["version"] == 2, h
+assert h["context"] == "demo" and h["generation"] == 1 and h["version"] == 3, h
 assert h["layout"]["dtype"] == "f16" and h["layout"]["block_tokens"] == 4, h
 assert [x["type"] for x in r] == ["CHECKPOINT", "APPEND", "TRUNCATE", "APPEND"], r
 assert r[0]["n_tokens"] == 5 and r[0]["blob"] == "demo.1.kvblob", r[0]
 assert (r[1]["start"], r[1]["n"]) == (5, 3) and r[2]["new_length"] == 6 and (r[3]["start"], r[3]["n"]) == (6, 1), r
 assert [x["seq"] for x in r] == [0, 1, 2, 3], r
-# records follow each other: 48-byte header, payload, zero padding to 8 bytes
-off = 128
+# records follow the 192-byte header (version 3; KVLOG.md) and each other: 48-byte
+# header, payload, zero padding to 8 bytes
+off = 192
 for x in r:
     assert x["offset"] == off, (x, off)
     off += 48 + x["payload_bytes"] + (-x["payload_bytes"] % 8)

@@ -43,7 +43,7 @@ uint64_t pad8(uint64_t n) { return (8 - (n & 7)) & 7; }
 // What any recovered scan must satisfy on its own.
 void check_scan(const LogScan& s, size_t size) {
     KV_FUZZ_CHECK(s.file_size == size, "file_size");
-    uint64_t off = kLogHeaderBytes, len = 0;
+    uint64_t off = s.header.bytes(), len = 0;
     for (size_t i = 0; i < s.records.size(); ++i) {
         const LogRecordInfo& r = s.records[i];
         KV_FUZZ_CHECK(r.offset == off, fmt::format("record {} at {}, expected at {}", i, r.offset, off));
