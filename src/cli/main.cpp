@@ -351,6 +351,31 @@ void add_serving(CLI::App& app, Store& store, int& rc, const std::string& defaul
     add_worker_flags(*c_prefill, worker, /*prefill=*/true);
     add_worker_flags(*c_decode, worker, /*prefill=*/false);
 
+    // duet instance: serve's settings, the roles started by systemd's units (systemd/)
+    auto& inst = keep<ServeSettings>(store);
+    inst.model = default_model;
+    CLI::App* c_inst = app.add_subcommand(
+        "instance", "create a serving instance and supervise the roles that systemd's units start (duet-instance.service)");
+    add_serve_flags(*c_inst, inst);
+    c_inst->callback([&inst = inst, &rc = rc] { rc = cmd_serve(inst, RoleStart::External); });
+    // duet systemd generate / install
+    auto& gen = keep<ServeSettings>(store);
+    gen.model = default_model;
+    auto& sysd = keep<SystemdArgs>(store);
+    CLI::App* c_sys = app.add_subcommand("systemd", "one systemd unit per role (systemd/): generate for this box, install");
+    c_sys->require_subcommand(1);
+    CLI::App* c_gen = c_sys->add_subcommand(
+        "generate", "write the units, drop-ins with each role's cores, NUMA node and device (the plan of duet serve "
+                    "with the same flags), and duet.env");
+    add_serve_flags(*c_gen, gen);
+    c_gen->add_option("--out", sysd.out, "where to write them")->capture_default_str();
+    c_gen->add_option("--exe", sysd.exe, "the duet binary the units run")->capture_default_str();
+    CLI::App* c_ins = c_sys->add_subcommand("install", "copy generated units into ROOT/etc/systemd/system and "
+                                                       "duet.env into ROOT/etc/duet");
+    c_ins->add_option("dir", sysd.out, "what duet systemd generate wrote")->capture_default_str();
+    c_ins->add_option("--root", sysd.root, "a root other than / (an image, a test)");
+    c_gen->callback([&gen = gen, &sysd = sysd, &rc = rc] { rc = cmd_systemd_generate(gen, sysd); });
+    c_ins->callback([&sysd = sysd, &rc = rc] { rc = cmd_systemd_install(sysd); });
     c_serve->callback([&serve = serve, &rc = rc] { rc = cmd_serve(serve); });
     c_front->callback([&front = front, &rc = rc] { rc = cmd_front(front); });
     c_prefill->callback([&worker = worker, &rc = rc] { rc = cmd_worker(worker, true); });

@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <string_view>
 #include <thread>
 
 #include "cli/role_flags.h"
@@ -90,40 +92,64 @@ Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const
 
 }  // namespace
 
-int cmd_serve(const ServeSettings& settings) {
+namespace {
+
+// What `duet serve`, `duet instance` and `duet systemd generate` share: the settings
+// checked and made absolute, the model loaded, the plan for this machine.
+struct Prepared {
+    ServeSettings s;
+    std::unique_ptr<Model> model;
+    ServePlan plan;
+};
+
+Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port) {
+    if (settings.kv_arenas != "shared" && settings.kv_arenas != "per-role")
+        return make_error("--kv-arenas {}: shared or per-role", settings.kv_arenas);
+    auto gpus = parse_device_list(settings.device, settings.kv_arenas == "per-role", check_device);
+    if (!gpus) return gpus.error();
+    SdNotify::init().status(fmt::format("loading {}", settings.model));  // `duet serve` as a Type=notify unit
+    auto model = Model::load(settings.model);
+    if (!model) return model.error();
+    // The front loads these too; failing here gives the error before anything starts.
+    auto tok = Tokenizer::from_gguf((*model)->file());
+    if (!tok) return tok.error();
+    auto tmpl = ChatTemplate::from_gguf((*model)->file(), settings.chat_template);
+    if (!tmpl) return tmpl.error();
+    // The workers read it again; a missing or malformed file is an error before any starts.
+    auto golden = find_golden(settings.golden, settings.model, (*model)->fingerprint());
+    if (!golden) return make_error("--golden: {}", golden.error().message);
+    ServeSettings s = settings;
+    if (s.golden != "auto" && s.golden != "none") s.golden = std::filesystem::absolute(s.golden).string();
+    if (!s.contexts_dir.empty()) s.contexts_dir = std::filesystem::absolute(s.contexts_dir).string();
+    if (s.port == 0 && pick_port) {
+        auto p = free_port(s.host);
+        if (!p) return p.error();
+        s.port = *p;
+    }
+    auto facts = serve_facts(s, **model, *gpus);
+    if (!facts) return facts.error();
+    auto plan = plan_serve(s, *facts);
+    if (!plan) return plan.error();
+    for (const std::string& n : plan->notes) std::fprintf(stderr, "duet serve: placement: %s\n", n.c_str());
+    Prepared p;
+    p.s = std::move(s);
+    p.model = std::move(model).value();
+    p.plan = std::move(plan).value();
+    return p;
+}
+
+}  // namespace
+
+int cmd_serve(const ServeSettings& settings, RoleStart start) {
     auto fail = [](const std::string& m) {
         std::fprintf(stderr, "duet serve: %s\n", m.c_str());
         return 1;
     };
     const std::atomic<bool>& stop = StopSignal::install();
-    if (settings.kv_arenas != "shared" && settings.kv_arenas != "per-role")
-        return fail(fmt::format("--kv-arenas {}: shared or per-role", settings.kv_arenas));
-    auto gpus = parse_device_list(settings.device, settings.kv_arenas == "per-role", check_device);
-    if (!gpus) return fail(gpus.error().message);
-    SdNotify::init().status(fmt::format("loading {}", settings.model));  // `duet serve` as a Type=notify unit
-    auto model = Model::load(settings.model);
-    if (!model) return fail(model.error().message);
-    // The front loads these too; failing here gives the error before anything starts.
-    auto tok = Tokenizer::from_gguf((*model)->file());
-    if (!tok) return fail(tok.error().message);
-    auto tmpl = ChatTemplate::from_gguf((*model)->file(), settings.chat_template);
-    if (!tmpl) return fail(tmpl.error().message);
-    // The workers read it again; a missing or malformed file is an error before any starts.
-    auto golden = find_golden(settings.golden, settings.model, (*model)->fingerprint());
-    if (!golden) return fail("--golden: " + golden.error().message);
-    ServeSettings s = settings;
-    if (s.golden != "auto" && s.golden != "none") s.golden = std::filesystem::absolute(s.golden).string();
-    if (!s.contexts_dir.empty()) s.contexts_dir = std::filesystem::absolute(s.contexts_dir).string();
-    if (s.port == 0) {
-        auto p = free_port(s.host);
-        if (!p) return fail(p.error().message);
-        s.port = *p;
-    }
-    auto facts = serve_facts(s, **model, *gpus);
-    if (!facts) return fail(facts.error().message);
-    auto plan = plan_serve(s, *facts);
-    if (!plan) return fail(plan.error().message);
-    for (const std::string& n : plan->notes) std::fprintf(stderr, "duet serve: placement: %s\n", n.c_str());
+    auto prep = prepare_serve(settings, /*pick_port=*/true);
+    if (!prep) return fail(prep.error().message);
+    const ServeSettings& s = prep->s;
+
     std::error_code ec;
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
     if (ec) return fail("cannot find this executable: " + ec.message());
@@ -131,7 +157,7 @@ int cmd_serve(const ServeSettings& settings) {
     // argument would show in every process listing).
     if (!s.api_key.empty() && ::setenv("DUET_API_KEY", s.api_key.c_str(), 1) != 0)
         return fail(fmt::format("DUET_API_KEY: {}", std::strerror(errno)));
-    return run_launcher(s, *plan, **model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop);
+    return run_launcher(s, prep->plan, *prep->model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop, start);
 }
 
 int cmd_front(const FrontSettings& a) {
@@ -226,6 +252,164 @@ int cmd_front(const FrontSettings& a) {
     }
     inst->registry().release(*self);
     return rc;
+}
+
+// ---------------------------------------------------------------- duet systemd
+
+// The unit files of systemd/, built in (systemd_units.cpp, cmake/embed_units.cmake).
+size_t systemd_unit_count();
+const char* systemd_unit_name(size_t i);
+const char* systemd_unit_text(size_t i);
+
+namespace {
+
+Status write_text(const std::filesystem::path& path, const std::string& text, std::filesystem::perms mode) {
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    if (ec) return make_error("{}: {}", path.parent_path().string(), ec.message());
+    const std::string tmp = path.string() + ".tmp";
+    {
+        std::ofstream f(tmp, std::ios::trunc);
+        f << text;
+        if (!f.flush()) return make_error("cannot write {}", tmp);
+    }
+    std::filesystem::permissions(tmp, mode, ec);
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) return make_error("{}: {}", path.string(), ec.message());
+    return {};
+}
+
+// A word of an Environment= value or of an environment file line, quoted for both.
+std::string env_quote(const std::string& v) {
+    std::string q = "\"";
+    for (char c : v) {
+        if (c == '"' || c == '\\') q += '\\';
+        q += c;
+    }
+    return q + "\"";
+}
+
+// argv less what a unit's ExecStart line gives itself (the executable, the role, and
+// the flags named), joined for an environment variable that ExecStart splits ($VAR).
+std::string args_without(const std::vector<std::string>& argv, std::initializer_list<std::string_view> drop) {
+    std::string out;
+    for (size_t i = 2; i < argv.size(); ++i) {
+        const bool flag_with_value = argv[i].rfind("--", 0) == 0 && i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0;
+        if (std::find(drop.begin(), drop.end(), argv[i]) != drop.end()) {
+            if (flag_with_value) ++i;
+            continue;
+        }
+        if (argv[i].find_first_of(" \t\"'\\$%") != std::string::npos)
+            continue;  // not representable as one word of a $VAR expansion: never in our flags' values
+        out += (out.empty() ? "" : " ") + argv[i];
+    }
+    return out;
+}
+
+}  // namespace
+
+int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
+    auto fail = [](const std::string& m) {
+        std::fprintf(stderr, "duet systemd generate: %s\n", m.c_str());
+        return 1;
+    };
+    ServeSettings in = settings;
+    in.model = std::filesystem::absolute(in.model).string();
+    if (in.instance.empty()) in.instance = "duet";
+    if (in.port == 0) return fail("--port: the front's unit needs a fixed port");
+    auto prep = prepare_serve(in, /*pick_port=*/false);
+    if (!prep) return fail(prep.error().message);
+    const ServeSettings& s = prep->s;
+    const ServePlan& plan = prep->plan;
+    const std::filesystem::path out = a.out;
+    const auto rw = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
+                    std::filesystem::perms::group_read | std::filesystem::perms::others_read;
+    // The unit files, their ExecStart naming this executable path.
+    for (size_t i = 0; i < systemd_unit_count(); ++i) {
+        std::string text = systemd_unit_text(i);
+        for (size_t at = 0; (at = text.find("/usr/local/bin/duet", at)) != std::string::npos; at += a.exe.size())
+            text.replace(at, 19, a.exe);
+        if (Status st = write_text(out / systemd_unit_name(i), text, rw); !st) return fail(st.error().message);
+    }
+    // The environment: what every unit reads (EnvironmentFile=/etc/duet/duet.env).
+    std::string inst_args = fmt::format("--ctx {} --slots {} --kv-dtype {} --kv-arenas {} --resume-window {}", s.ctx,
+                                        s.slots, s.kv_dtype, s.kv_arenas, s.resume_window_s);
+    if (s.device != "cpu") inst_args += fmt::format(" --device {} --kv-memory {}", s.device, s.kv_memory);
+    inst_args += fmt::format(" --prefill-workers {} --decode-workers {}", s.prefill_workers, s.decode_workers);
+    if (s.kv_blocks > 0) inst_args += fmt::format(" --kv-blocks {}", s.kv_blocks);
+    if (!s.contexts_dir.empty()) inst_args += " --contexts-dir " + s.contexts_dir;
+    std::string env = "# duet systemd generate: the environment of every duet unit (/etc/duet/duet.env)\n";
+    env += fmt::format("DUET_MODEL={}\nDUET_INSTANCE={}\nDUET_HOST={}\nDUET_PORT={}\n", env_quote(s.model),
+                       env_quote(s.instance), env_quote(s.host), s.port);
+    env += "DUET_INSTANCE_ARGS=" + env_quote(inst_args) + "\n";
+    std::string wants;
+    const auto drop_in_mode = rw;
+    for (const RoleLaunch& r : plan.roles) {
+        const std::vector<std::string> argv = role_argv(a.exe, r);
+        std::string conf = "# duet systemd generate: where this role runs on this machine (duet topo)\n[Service]\n";
+        std::string unit;
+        if (r.role == "front") {
+            env += "DUET_FRONT_ARGS=" + env_quote(args_without(argv, {"--instance", "--model", "--host", "--port"})) + "\n";
+            unit = "duet-front.service";
+        } else {
+            const auto& w = std::get<WorkerSettings>(r.settings);
+            unit = fmt::format("duet-{}@{}.service", r.role, w.index);
+            wants += " " + unit;
+            conf += "Environment=" +
+                    env_quote("DUET_WORKER_ARGS=" + args_without(argv, {"--instance", "--model", "--index"})) + "\n";
+            if (r.numa >= 0) conf += fmt::format("NUMAPolicy=bind\nNUMAMask={}\n", r.numa);
+        }
+        if (!r.cpus.empty()) conf += "CPUAffinity=" + format_cpu_list(r.cpus) + "\n";
+        if (Status st = write_text(out / (unit + ".d") / "placement.conf", conf, drop_in_mode); !st)
+            return fail(st.error().message);
+    }
+    if (!s.api_key.empty()) env += "DUET_API_KEY=" + env_quote(s.api_key) + "\n";
+    // The env file holds the API key when there is one: its owner reads it alone.
+    if (Status st = write_text(out / "duet.env", env, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+        !st)
+        return fail(st.error().message);
+    // The workers this machine runs: started with the target, and again with the
+    // instance when systemd restarts it (its roles stop with it: BindsTo=).
+    const std::string wanted = "# duet systemd generate: the roles of this machine\n[Unit]\nWants=duet-front.service" + wants + "\n";
+    for (const char* unit : {"duet.target", "duet-instance.service"})
+        if (Status st = write_text(out / (std::string(unit) + ".d") / "roles.conf", wanted, drop_in_mode); !st)
+            return fail(st.error().message);
+    std::printf("wrote %s: the units, drop-ins for the front, %u prefill and %u decode workers (instance %s), and "
+                "duet.env\ninstall: duet systemd install %s  (then: systemctl daemon-reload && systemctl enable --now "
+                "duet.target)\n",
+                out.c_str(), plan.layout.n_prefill, plan.layout.n_decode, s.instance.c_str(), out.c_str());
+    return 0;
+}
+
+int cmd_systemd_install(const SystemdArgs& a) {
+    auto fail = [](const std::string& m) {
+        std::fprintf(stderr, "duet systemd install: %s\n", m.c_str());
+        return 1;
+    };
+    namespace fs = std::filesystem;
+    const fs::path from = a.out, root = a.root.empty() ? fs::path("/") : fs::path(a.root);
+    const fs::path units = root / "etc/systemd/system", etc = root / "etc/duet";
+    std::error_code ec;
+    if (!fs::exists(from / "duet-instance.service", ec))
+        return fail(fmt::format("{} holds no generated units (duet systemd generate --out {})", from.string(), from.string()));
+    fs::create_directories(units, ec);
+    fs::create_directories(etc, ec);
+    if (ec) return fail(ec.message());
+    size_t n = 0;
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(from, ec)) {
+        if (!e.is_regular_file()) continue;
+        const fs::path rel = fs::relative(e.path(), from);
+        const fs::path to = rel == "duet.env" ? etc / "duet.env" : units / rel;
+        fs::create_directories(to.parent_path(), ec);
+        fs::copy_file(e.path(), to, fs::copy_options::overwrite_existing, ec);
+        if (ec) return fail(fmt::format("{} -> {}: {}", e.path().string(), to.string(), ec.message()));
+        fs::permissions(to, fs::status(e.path()).permissions(), ec);
+        ++n;
+    }
+    std::printf("installed %zu files under %s (units in %s, the environment in %s)\nnext: systemctl daemon-reload && "
+                "systemctl enable --now duet.target\n",
+                n, root.c_str(), units.c_str(), (etc / "duet.env").c_str());
+    return 0;
 }
 
 }  // namespace duet

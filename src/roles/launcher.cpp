@@ -353,8 +353,9 @@ Result<GpuHolds> hold_gpu_arenas(shm::Instance& inst, const ServePlan& plan, con
 class Launcher {
 public:
     Launcher(shm::Instance& inst, shm::ProcRef self, const ServeSettings& s, const ServePlan& plan,
-             const ArgvBuilder& argv, const std::atomic<bool>& stop)
-        : inst_(inst),
+             const ArgvBuilder& argv, const std::atomic<bool>& stop, RoleStart start)
+        : external_(start == RoleStart::External),
+          inst_(inst),
           s_(s),
           plan_(plan),
           argv_(argv),
@@ -370,6 +371,9 @@ private:
     Status start_roles();
     void handle_events();
     uint64_t window_ns() const { return static_cast<uint64_t>(s_.resume_window_s) * kSecond; }
+    void handle_external_events();
+
+    bool external_;
     void turn(const std::string& model_id);
 
     shm::Instance& inst_;
@@ -383,16 +387,36 @@ private:
     bool failed_ = false;  // exit 1; also a stop request
     bool golden_failed_ = false;  // a worker failed its golden check: exit kGoldenExitCode
     bool front_exited_ = false, front_killed_ = false;
-    uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0;
+    uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0, next_poll_ = 0;
 };
 
 Status Launcher::start_roles() {
+    if (external_) return {};  // their units start them
     for (const RoleLaunch& r : plan_.roles)
         if (auto st = sup_.start({r.name, argv_(r)}); !st) return st.error();
     return {};
 }
 
+// `duet instance`: a role that died is recovered (its blocks, its requests re-driven;
+// a front's requests left to its successor for the resume window); its unit
+// restarts it.
+void Launcher::handle_external_events() {
+    // Every 20 ms (each look reads /proc once per live role), not every 2 ms turn.
+    const uint64_t now = shm::monotonic_ns();
+    if (now < next_poll_) return;
+    next_poll_ = now + 20'000'000;
+    shm::RequestTable& t = inst_.requests();
+    for (const Supervisor::Event& e : sup_.poll_registry()) {
+        t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // its unit restarts it
+        t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
+        say(fmt::format("{} (pid {}) is gone; recovered {} KV references, re-drove {} requests; its unit restarts it",
+                        e.role, e.pid, e.recovered.refs_dropped, e.recovered.redriven));
+        if (e.role == "front") sweep_orphans(inst_, window_ns());
+    }
+}
+
 void Launcher::handle_events() {
+    if (external_) return handle_external_events();
     shm::RequestTable& t = inst_.requests();
     for (const Supervisor::Event& e : sup_.poll()) {
         if (state_ == LaunchState::Draining && e.role == "front") {  // drained and gone
@@ -436,7 +460,11 @@ void Launcher::turn(const std::string& model_id) {
     const LaunchStep step = launch_step(state_, in);
     SdNotify& sd = SdNotify::get();
     sd.watchdog(in.now_ns);  // from the supervision loop itself
-    if (step.announce) {
+    if (step.announce && external_) {
+        say(fmt::format("every role runs: the front, {} prefill and {} decode (instance {})", plan_.layout.n_prefill,
+                        plan_.layout.n_decode, plan_.layout.instance));
+        sd.status(fmt::format("instance {}: every role runs", plan_.layout.instance));
+    } else if (step.announce) {
         say(fmt::format("listening on http://{}:{} (model {}, instance {}{}{})", s_.host, s_.port, model_id,
                         plan_.layout.instance, plan_.placed, plan_.gpu_note));
         sd.ready(fmt::format("serving on http://{}:{} (model {}, instance {})", s_.host, s_.port, model_id,
@@ -474,9 +502,17 @@ int Launcher::run(const std::string& model_id) {
         failed_ = true;
     }
     start_deadline_ = shm::monotonic_ns() + static_cast<uint64_t>(plan_.start_timeout_s) * kSecond;
-    // The start may take --start-timeout (a big model), past TimeoutStartSec's default.
-    SdNotify::get().extend_timeout(static_cast<uint64_t>(plan_.start_timeout_s + 10) * 1'000'000ull);
-    SdNotify::get().status("starting the roles");
+    if (external_) {
+        // Ready once the instance exists: the role units are ordered after this one.
+        start_deadline_ = UINT64_MAX;
+        SdNotify::get().ready(fmt::format("instance {} created; waiting for its roles' units", plan_.layout.instance));
+        say(fmt::format("instance {} created; its roles are started by their units (duet front, prefill, decode)",
+                        plan_.layout.instance));
+    } else {
+        // The start may take --start-timeout (a big model), past TimeoutStartSec's default.
+        SdNotify::get().extend_timeout(static_cast<uint64_t>(plan_.start_timeout_s + 10) * 1'000'000ull);
+        SdNotify::get().status("starting the roles");
+    }
     while (state_ != LaunchState::Done) {
         turn(model_id);
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -493,7 +529,7 @@ int Launcher::run(const std::string& model_id) {
 }  // namespace
 
 int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
-                 const std::atomic<bool>& stop) {
+                 const std::atomic<bool>& stop, RoleStart start) {
     // Each run names its instance serve-<pid>, so a launcher that was SIGKILLed (the
     // OOM killer) leaves segments that no later start would replace by name: any
     // duet segment that no live process holds (its OFD locks say so) goes now.
@@ -521,7 +557,7 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
     inst->registry().set_running(*self);
     int rc = 0;
     {
-        Launcher l(*inst, *self, s, plan, argv, stop);
+        Launcher l(*inst, *self, s, plan, argv, stop, start);
         rc = l.run(std::filesystem::path(s.model).stem().string());
     }
     inst->registry().release(*self);

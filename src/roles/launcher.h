@@ -205,7 +205,13 @@ using ArgvBuilder = std::function<std::vector<std::string>(const RoleLaunch&)>;
 // GPUs the fd keeper and the arenas only the launcher can hold), starts every role,
 // supervises them, removes the segments. `stop` is the process's stop request
 // (StopSignal). Returns the exit status: 0 after a drain, 1 when something failed.
+// How the roles are started: as the launcher's children (`duet serve`), or by
+// someone else (`duet instance`: systemd's units start front, prefill and decode;
+// the launcher creates the instance, holds it, recovers roles that die, and never
+// starts one).
+enum class RoleStart { Children, External };
+
 int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
-                 const std::atomic<bool>& stop);
+                 const std::atomic<bool>& stop, RoleStart start = RoleStart::Children);
 
 }  // namespace duet

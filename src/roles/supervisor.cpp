@@ -109,6 +109,25 @@ std::vector<Supervisor::Event> Supervisor::poll() {
     return events;
 }
 
+std::vector<Supervisor::Event> Supervisor::poll_registry() {
+    std::vector<Event> events;
+    shm::Registry& reg = inst_.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcState st = reg.state(s);
+        if (st != shm::ProcState::Starting && st != shm::ProcState::Running && st != shm::ProcState::Dead) continue;
+        const auto role = static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed));
+        if (role != shm::Role::Front && role != shm::Role::Prefill && role != shm::Role::Decode) continue;
+        const shm::ProcRef r = reg.current(s);
+        if (st != shm::ProcState::Dead && reg.process_running(r)) continue;
+        Event e;
+        e.role = shm::role_name(role);
+        e.pid = reg.pid(s);
+        e.recovered = recover(e.pid);
+        events.push_back(std::move(e));
+    }
+    return events;
+}
+
 bool Supervisor::reap(Child& c, uint64_t deadline_ns) {
     int status = 0;
     pid_t r = 0;

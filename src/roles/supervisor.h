@@ -45,6 +45,11 @@ public:
     };
     // Reaps children that ended, recovers and restarts them. Non-blocking.
     std::vector<Event> poll();
+    // Roles this supervisor did not start (systemd's units: `duet instance`): every
+    // front, prefill or decode process in the registry whose process is gone (its
+    // pid and start time no longer match) is recovered, never restarted (its
+    // process manager restarts it). Non-blocking; reads /proc once per live role.
+    std::vector<Event> poll_registry();
     // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
     // recovers whatever they left. Errors name roles that did not exit cleanly.
     Status stop_all(int grace_ms);
