@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -88,6 +89,19 @@ Status Registry::init(void* mem, uint32_t n_slots) {
     }
     h->magic = kRegistryMagic;
     return {};
+}
+
+void Registry::note_golden_failure(std::string_view reason) {
+    // The first failure writes the reason; the length's release publishes it.
+    if (hdr_->golden_failures.fetch_add(1, std::memory_order_acq_rel) != 0) return;
+    const size_t n = std::min(reason.size(), sizeof hdr_->golden_reason - 1);
+    std::memcpy(hdr_->golden_reason, reason.data(), n);
+    hdr_->golden_reason_len.store(static_cast<uint32_t>(n), std::memory_order_release);
+}
+
+std::string Registry::golden_reason() const {
+    const uint32_t n = hdr_->golden_reason_len.load(std::memory_order_acquire);
+    return std::string(hdr_->golden_reason, std::min<size_t>(n, sizeof hdr_->golden_reason));
 }
 
 Result<Registry> Registry::attach(void* mem) {

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/result.h"
@@ -62,8 +63,14 @@ static_assert(sizeof(ProcSlot) == 128);
 struct RegistryHeader {
     uint32_t magic;
     uint32_t n_slots;
-    uint8_t pad_[56];
+    // Workers whose golden-logits check failed (they exit and are not restarted),
+    // and the first one's reason (golden_reason_len bytes, published with release):
+    // what the front's /ready and /metrics say.
+    std::atomic<uint32_t> golden_failures;
+    std::atomic<uint32_t> golden_reason_len;
+    char golden_reason[240];
 };
+static_assert(sizeof(RegistryHeader) == 256);
 
 // starttime (field 22 of /proc/<pid>/stat), 0 when the process does not exist or
 // is a zombie (dead, not yet reaped).
@@ -116,6 +123,15 @@ public:
 
 private:
     RegistryHeader* hdr_ = nullptr;
+
+public:
+    // A worker's golden-logits check failed: counted, and the first reason kept
+    // (truncated to 239 bytes).
+    void note_golden_failure(std::string_view reason);
+    uint32_t golden_failures() const { return hdr_->golden_failures.load(std::memory_order_acquire); }
+    std::string golden_reason() const;
+
+private:
     ProcSlot* slots_ = nullptr;
 };
 

@@ -17,6 +17,7 @@ MetricsSnapshot two_arenas_three_workers() {
     MetricsSnapshot s;
     s.requests = 7, s.errors = 2, s.finished = 4, s.cancelled = 1, s.failed = 1, s.rejected_busy = 3;
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
+    s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
     s.block_tokens = 16;
@@ -106,7 +107,10 @@ const char* const kTwoArenasThreeWorkers =
     "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
-    "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n";
+    "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n"
+    "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not restarted; /ready says why).\n"
+    "# TYPE duet_golden_check_failures_total counter\n"
+    "duet_golden_check_failures_total 1\n";
 
 }  // namespace
 
@@ -135,7 +139,11 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# HELP duet_worker_served_total Requests a worker took since it started.\n"
                         "# TYPE duet_worker_served_total counter\n"
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
-                        "# TYPE duet_worker_routed_total counter\n"),
+                        "# TYPE duet_worker_routed_total counter\n"
+                        "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
+                        "restarted; /ready says why).\n"
+                        "# TYPE duet_golden_check_failures_total counter\n"
+                        "duet_golden_check_failures_total 0\n"),
               std::string::npos)
         << text;
     EXPECT_EQ(text.find("histogram"), std::string::npos) << text;  // none set
@@ -164,7 +172,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 26u);  // 12 front families, 2 of arenas, 6 of workers, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 27u);  // 12 front families, 2 of arenas, 6 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

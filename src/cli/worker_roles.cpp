@@ -91,6 +91,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
         }
         if (!rep->passed) {
             std::fprintf(stderr, "duet %s: golden check FAILED, not serving: %s\n", role, rep->summary.c_str());
+            inst->registry().note_golden_failure(fmt::format("{} {}: {}", role, a.index, rep->summary));
             sd.status("golden check failed: " + rep->summary);
             return kGoldenExitCode;
         }

@@ -443,6 +443,8 @@ struct FrontSession {
     static awaitable<void> wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer);
     static Outcome finish(Front& f, Completion& c);
     static awaitable<bool> reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o);
+    static awaitable<bool> reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
+                                 const Outcome& o);
     // A request adopted from a dead front, answered again: GET /v1/requests/{id}/events
     // (an SSE stream from Last-Event-ID on), or a retry with the same X-Request-Id (the
     // whole answer, as first asked).
@@ -717,8 +719,14 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         // Ready while a worker of each role runs (requests are routed around one being
         // restarted).
         const bool ready = !f.draining_.load(std::memory_order_relaxed) && workers_running(f.inst_, /*all=*/false);
+        // A worker that failed its golden-logits check is not restarted: say why.
+        std::string why;
+        if (f.inst_.registry().golden_failures() > 0)
+            why = "a worker failed its golden-logits check, not restarted: " + f.inst_.registry().golden_reason();
+        std::string answer = ready ? R"({"status":"ready"})" : R"({"status":"not ready"})";
+        if (!why.empty()) answer = json{{"status", ready ? "ready" : "not ready"}, {"reason", why}}.dump();
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
-                                          std::string(ready ? R"({"status":"ready"})" : R"({"status":"not ready"})"), js, false);
+                                          std::move(answer), js, false);
     }
     if (get && path == "/v1/models") {
         co_return co_await write_response(stream, req, http::status::ok,
@@ -754,6 +762,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
     m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);
     m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
+    m.golden_failures = inst.registry().golden_failures();
     m.in_flight = f.in_flight();
     for (size_t k = 0; k < inst.n_arenas(); ++k) {  // every arena (one per GPU on a GPU instance)
         const shm::ArenaCensus one = inst.arena(k).census();
@@ -949,12 +958,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             co_return false;
         }
     }
-    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
-    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
-    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
-    beast::error_code ec;
-    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
-    co_return !ec;
+    co_return co_await reply(f, stream, req, c, o);
 }
 
 // The request body, and the model it names.
@@ -1207,6 +1211,18 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
     return o;
 }
 
+// A completion's answer once every choice has ended: the stream's last events, or
+// the whole response (or its error).
+awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
+                                    const Outcome& o) {
+    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
+    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
+    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
 // The stream's last events: each choice's rest and finish reason (or the error),
 // usage if asked, [DONE], and the last chunk.
 awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o) {
@@ -1341,12 +1357,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     co_await follow(f, stream, c);
     Outcome o = finish(f, c);
     unclaim(true);
-    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
-    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
-    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
-    beast::error_code ec;
-    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
-    co_return !ec;
+    co_return co_await reply(f, stream, req, c, o);
 }
 
 // Requests of a dead front with a front record: this process answers them from now

@@ -88,7 +88,10 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + routed;
+    return queue + up + items + tokens + served + routed +
+           family("duet_golden_check_failures_total", "counter",
+                  "Workers whose golden-logits check failed (not restarted; /ready says why).") +
+           fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);
 }
 
 std::string metrics_histograms(const MetricsSnapshot& s) {

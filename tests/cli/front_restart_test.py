@@ -17,28 +17,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import http.client
 
+from duet_e2e import check, free_port
+
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
 MAX_TOKENS = 400
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 port = free_port()

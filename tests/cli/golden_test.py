@@ -22,14 +22,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from duet_e2e import check, free_port
 
 DUET, MODEL, FIXTURES = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
 
 
 def tensor_offset(model, name):
@@ -78,6 +77,47 @@ try:
     check(not listened and rc == 3, f"serve on the broken copy: exit {rc}, listened {listened}\n{log[-3000:]}")
     check("golden check FAILED" in log and "failed its golden-logits check" in log, f"the reason in the log:\n{log[-3000:]}")
     print("duet serve on the broken copy: never listens, exit 3, the reason logged: ok")
+
+    # One unit per role (duet instance, front, workers as systemd starts them): the
+    # broken worker exits 3 and is not restarted; the front's /ready says why, and
+    # /metrics counts it.
+    inst_name = f"duet-golden-test-{os.getpid()}"
+    port = free_port()
+    procs = [subprocess.Popen([DUET, "instance", "--model", broken, "--instance", inst_name, "--ctx", "256",
+                               "--slots", "4"], stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(200):
+            if os.path.exists(f"/dev/shm/duet.{inst_name}"):
+                break
+            time.sleep(0.05)
+        procs.append(subprocess.Popen([DUET, "front", "--instance", inst_name, "--model", broken, "--port", str(port)],
+                                      stderr=subprocess.DEVNULL))
+        worker = subprocess.run([DUET, "prefill", "--instance", inst_name, "--model", broken, "--index", "0"],
+                                capture_output=True, text=True, timeout=120)
+        check(worker.returncode == 3, f"the broken prefill worker: exit {worker.returncode}")
+        ready = None
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
+                    ready = (r.status, r.read().decode())
+            except urllib.error.HTTPError as e:
+                ready = (e.code, e.read().decode())
+            except OSError:
+                time.sleep(0.05)
+                continue
+            break
+        check(ready and ready[0] == 503 and "golden-logits check" in json.loads(ready[1])["reason"]
+              and "prefill 0" in json.loads(ready[1])["reason"], f"/ready: {ready}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            check("duet_golden_check_failures_total 1\n" in r.read().decode(), "the metric")
+        print("per-role units: the broken worker exits 3; /ready 503 says why; duet_golden_check_failures_total 1: ok")
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
     rc, log, listened = serve(broken, "--golden", "none")
     check(listened, f"--golden none serves even the broken copy:\n{log[-2000:]}")

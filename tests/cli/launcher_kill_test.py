@@ -18,13 +18,9 @@ import threading
 import time
 import urllib.request
 
+from duet_e2e import check, free_port
+
 DUET = sys.argv[1]
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
 
 
 def start(port):
@@ -56,12 +52,6 @@ def port_open(port):
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 port = free_port()

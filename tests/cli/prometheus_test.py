@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,24 +19,14 @@ import time
 import urllib.parse
 import urllib.request
 
+from duet_e2e import check, free_port
+
 DUET = sys.argv[1]
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
 
 
 def get(url, timeout=60):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.status, r.headers, r.read().decode()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 for tool in ("prometheus", "promtool"):

@@ -38,21 +38,11 @@ import tempfile
 import threading
 import time
 
+from duet_e2e import check, free_port
+
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 WATCHDOG_USEC = 2_000_000
-N = 8
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+N = 4 if os.environ.get("DUET_E2E_SUBSET") else 8  # the sanitizer run: 4 (front_restart_e2e has 16)
 
 
 tmp = tempfile.mkdtemp(prefix="duet-units-test-")

@@ -28,21 +28,11 @@ import threading
 import time
 import urllib.request
 
+from duet_e2e import check, free_port
+
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "systemd", "duet.service")
 WATCHDOG_USEC = 2_000_000
-
-
-def check(cond, msg):
-    if not cond:
-        print("FAIL:", msg, file=sys.stderr)
-        sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unit_lines(path):
