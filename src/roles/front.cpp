@@ -1287,6 +1287,10 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         else it->second.claimed = false;
     };
     auto fr = parse_front_record(record);
+    if (!fr) {  // parsed when adopted: cannot happen, but never trust shm blindly
+        unclaim(true);
+        co_return co_await error(f, stream, req, api_error(500, "server_error", "the request's front record is unreadable"));
+    }
     shm::RequestTable& t = f.inst_.requests();
     Completion c;
     c.r = fr->r;

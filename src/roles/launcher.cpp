@@ -387,7 +387,7 @@ private:
     bool failed_ = false;  // exit 1; also a stop request
     bool golden_failed_ = false;  // a worker failed its golden check: exit kGoldenExitCode
     bool front_exited_ = false, front_killed_ = false;
-    uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0, next_poll_ = 0;
+    uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0, next_poll_ = 0, next_status_ = 0;
 };
 
 Status Launcher::start_roles() {
@@ -488,6 +488,14 @@ void Launcher::turn(const std::string& model_id) {
         sweep_orphans(inst_, window_ns());
         redrive_.resend_stranded();
         next_sweep_ = now + 50'000'000;
+    }
+    if (state_ == LaunchState::Serving && now >= next_status_ && SdNotify::get().enabled()) {  // systemctl status
+        const shm::RequestTable& t = inst_.requests();
+        uint32_t busy = 0;
+        for (uint32_t s = 0; s < t.n_slots(); ++s) busy += t.state(s) != shm::ReqState::Free;
+        SdNotify::get().status(fmt::format("serving: {} requests in flight, {} role restarts", busy,
+                                           t.worker_restarts().load(std::memory_order_relaxed)));
+        next_status_ = now + 2'000'000'000ull;
     }
     if (step.kill_front) {
         say("the front outlived its drain; killing it");

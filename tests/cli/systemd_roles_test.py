@@ -43,6 +43,7 @@ from duet_e2e import check, free_port
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 WATCHDOG_USEC = 2_000_000
 N = 4 if os.environ.get("DUET_E2E_SUBSET") else 8  # the sanitizer run: 4 (front_restart_e2e has 16)
+MAX_TOKENS = 160 if os.environ.get("DUET_E2E_SUBSET") else 400
 
 
 tmp = tempfile.mkdtemp(prefix="duet-units-test-")
@@ -191,7 +192,7 @@ class Unit:
 
 
 def body(i, stream):
-    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": 400, "temperature": 0.7,
+    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": MAX_TOKENS, "temperature": 0.7,
             "seed": 77 + i, "stream": stream}
 
 

@@ -168,6 +168,10 @@ try:
         senders = {m[1] for m in messages}
     check(senders == {proc.pid}, f"every message from the main process {proc.pid}: {senders}")
     print(f"watchdog: {len(pings)} pings in {t1 - t0:.1f} s, largest gap {max(gaps):.2f} s, all from the main pid: ok")
+    with lock:
+        serving = [m[2]["STATUS"] for m in messages if m[0] > ready[0] and m[2].get("STATUS", "").startswith("serving:")]
+    check(serving, "STATUS= lines while serving")
+    print(f"STATUS while serving: {serving[-1]!r}: ok")
 
     # A wedged supervision loop: no ping while stopped.
     os.kill(proc.pid, signal.SIGSTOP)
