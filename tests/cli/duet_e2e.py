@@ -1,5 +1,6 @@
 """What the end-to-end test scripts of tests/cli share (imported from the script's own
 folder, which Python puts first on sys.path)."""
+import re
 import socket
 import sys
 
@@ -16,3 +17,29 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def unit_lines(path):
+    """(key, value) of a systemd unit file's [Service] section, continuation lines joined."""
+    out, section = [], None
+    for line in open(path).read().replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        if section == "[Service]" and "=" in line:
+            k, v = line.split("=", 1)
+            out.append((k.strip(), v.strip()))
+    return out
+
+
+def listening_port(proc):
+    """The port `duet serve` (started with stderr=PIPE, text=True) announces, or None
+    if it exits first."""
+    for line in proc.stderr:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return int(m.group(1))
+    return None

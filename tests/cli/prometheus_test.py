@@ -9,7 +9,6 @@ Usage: prometheus_test.py path/to/duet
 """
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from duet_e2e import check, free_port
+from duet_e2e import check, free_port, listening_port
 
 DUET = sys.argv[1]
 
@@ -38,12 +37,7 @@ serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "256", "--slots
                           "--contexts-dir", os.path.join(tmp, "contexts")], stderr=subprocess.PIPE, text=True)
 prom = None
 try:
-    port = None
-    for line in serve.stderr:
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-            break
+    port = listening_port(serve)
     check(port, "the server exited before listening")
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):  # /ready: the workers are up

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 
-from duet_e2e import check, free_port
+from duet_e2e import check, free_port, unit_lines
 
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 WATCHDOG_USEC = 2_000_000
@@ -87,17 +87,7 @@ def parse_unit(name):
     files = [os.path.join(gen, base)] + sorted(glob.glob(os.path.join(gen, name + ".d", "*.conf")))
     env, exec_start, restart_sec = {}, None, 0.1
     for f in files:
-        section = None
-        for line in open(f).read().replace("\\\n", " ").splitlines():
-            line = line.strip()
-            if not line or line[0] in "#;":
-                continue
-            if line.startswith("["):
-                section = line
-                continue
-            if section != "[Service]" or "=" not in line:
-                continue
-            k, val = line.split("=", 1)
+        for k, val in unit_lines(f):
             if k == "Environment":
                 for word in shlex.split(val):
                     a, b = word.split("=", 1)

@@ -28,27 +28,11 @@ import threading
 import time
 import urllib.request
 
-from duet_e2e import check, free_port
+from duet_e2e import check, free_port, unit_lines
 
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 UNIT = os.path.join(os.path.dirname(__file__), "..", "..", "systemd", "duet.service")
 WATCHDOG_USEC = 2_000_000
-
-
-def unit_lines(path):
-    """(key, value) of the [Service] section, continuation lines joined."""
-    out, section = [], None
-    for line in open(path).read().replace("\\\n", " ").splitlines():
-        line = line.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("["):
-            section = line
-            continue
-        if section == "[Service]" and "=" in line:
-            k, v = line.split("=", 1)
-            out.append((k.strip(), v.strip()))
-    return out
 
 
 # verify and security, on a copy whose ExecStart names this build's binary (verify
