@@ -27,7 +27,7 @@ from duet_e2e import check, free_port
 
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
-MAX_TOKENS = 160 if os.environ.get("DUET_E2E_SUBSET") else 400  # the sanitizer run: shorter
+MAX_TOKENS = 96 if os.environ.get("DUET_E2E_SUBSET") else 200  # the sanitizer run: shorter
 
 
 port = free_port()

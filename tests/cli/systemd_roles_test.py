@@ -43,7 +43,7 @@ from duet_e2e import check, free_port, unit_lines
 DUET, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 WATCHDOG_USEC = 2_000_000
 N = 4 if os.environ.get("DUET_E2E_SUBSET") else 8  # the sanitizer run: 4 (front_restart_e2e has 16)
-MAX_TOKENS = 160 if os.environ.get("DUET_E2E_SUBSET") else 400
+MAX_TOKENS = 96 if os.environ.get("DUET_E2E_SUBSET") else 200
 
 
 tmp = tempfile.mkdtemp(prefix="duet-units-test-")
