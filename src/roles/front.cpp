@@ -43,12 +43,20 @@ struct Waiter {
     std::shared_ptr<asio::steady_timer> timer;
 };
 
+// A request's front record as read back from its slots (parse_front_record).
+struct FrontRecord {
+    std::string id, xid;
+    int64_t created = 0;
+    bool chat = false;
+    CompletionRequest r;
+    size_t prompt_tokens = 0;
+    std::vector<shm::ReqRef> refs;
+};
+
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
 // back for it or the resume window passes.
 struct Orphan {
-    std::string record;  // its front record (JSON)
-    std::string xid;
-    std::vector<shm::ReqRef> refs;
+    FrontRecord rec;
     uint64_t since_ns = 0;  // adopted
     bool claimed = false;   // a connection is answering it
     bool expiring = false;  // the window passed: cancelled, freed once every choice has ended
@@ -310,15 +318,6 @@ std::string front_record_json(const Completion& c) {
                 {"slots", slots}}
         .dump();
 }
-
-struct FrontRecord {
-    std::string id, xid;
-    int64_t created = 0;
-    bool chat = false;
-    CompletionRequest r;
-    size_t prompt_tokens = 0;
-    std::vector<shm::ReqRef> refs;
-};
 
 std::optional<FrontRecord> parse_front_record(const std::string& text) {
     json j = json::parse(text, nullptr, false);
@@ -1251,34 +1250,36 @@ std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::stri
     if (xid.empty()) return std::nullopt;
     std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
     for (const auto& [id, o] : f.impl_->orphans)
-        if (o.xid == xid) return id;
+        if (o.rec.xid == xid) return id;
     return std::nullopt;
 }
 
 awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
                                      bool events) {
-    std::string record;
+    std::optional<FrontRecord> fr;
+    bool busy = false;
     {
         std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
         auto it = f.impl_->orphans.find(id);
-        if (it == f.impl_->orphans.end() || it->second.expiring) record.clear();
-        else if (it->second.claimed) record = "claimed";
-        else {
-            it->second.claimed = true;
-            record = it->second.record;
+        if (it != f.impl_->orphans.end() && !it->second.expiring) {
+            busy = it->second.claimed;
+            if (!busy) {
+                it->second.claimed = true;
+                fr = it->second.rec;
+            }
         }
     }
-    if (record.empty())
+    if (busy)
+        co_return co_await error(f, stream, req,
+                                 api_error(409, "invalid_request_error",
+                                           fmt::format("request '{}' is being answered on another connection", id)));
+    if (!fr)
         co_return co_await error(f, stream, req,
                                  api_error(404, "not_found_error",
                                            fmt::format("no request '{}' to resume: resumable are the requests of a front "
                                                        "that died, for {} s after it",
                                                        id, f.opts_.resume_window_ns / 1000000000ull),
                                            "", "request_not_found"));
-    if (record == "claimed")
-        co_return co_await error(f, stream, req,
-                                 api_error(409, "invalid_request_error",
-                                           fmt::format("request '{}' is being answered on another connection", id)));
     auto unclaim = [&](bool forget) {
         std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
         auto it = f.impl_->orphans.find(id);
@@ -1286,11 +1287,6 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         if (forget) f.impl_->orphans.erase(it);
         else it->second.claimed = false;
     };
-    auto fr = parse_front_record(record);
-    if (!fr) {  // parsed when adopted: cannot happen, but never trust shm blindly
-        unclaim(true);
-        co_return co_await error(f, stream, req, api_error(500, "server_error", "the request's front record is unreadable"));
-    }
     shm::RequestTable& t = f.inst_.requests();
     Completion c;
     c.r = fr->r;
@@ -1383,14 +1379,13 @@ void Front::adopt_orphans() {
             if (!rec) continue;
             auto fr = parse_front_record(*rec);
             if (!fr || impl_->orphans.count(fr->id)) continue;
-            Orphan o;
-            o.record = std::move(*rec);
-            o.xid = fr->xid;
-            o.refs = fr->refs;
-            o.since_ns = now;
             for (shm::ReqRef r : fr->refs)
                 if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
-            impl_->orphans.emplace(fr->id, std::move(o));
+            Orphan o;
+            o.since_ns = now;
+            const std::string id = fr->id;
+            o.rec = std::move(*fr);
+            impl_->orphans.emplace(id, std::move(o));
             ++n;
         }
     }
@@ -1410,7 +1405,7 @@ void Front::expire_orphans(uint64_t now) {
             continue;
         }
         bool ended = true;
-        for (shm::ReqRef r : o.refs) {
+        for (shm::ReqRef r : o.rec.refs) {
             if (t.current(r.slot).gen != r.gen) continue;
             const shm::ReqState st = t.state(r.slot);
             if (st == shm::ReqState::Free) continue;
