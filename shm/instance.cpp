@@ -31,6 +31,7 @@ struct StoredConfig {
     uint64_t cpu_kv_bytes, model_fingerprint;
     uint32_t prefill_workers, decode_workers;
     uint32_t kv_split, kv_dtype;
+    uint32_t context_slots, context_tokens;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -54,6 +55,8 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->decode_workers = c.decode_workers;
     s->kv_split = c.kv_split;
     s->kv_dtype = c.kv_dtype;
+    s->context_slots = c.contexts.n_slots;
+    s->context_tokens = c.contexts.max_tokens;
     for (size_t i = 0; i < c.arenas.size(); ++i) s->arenas[i] = c.arenas[i];
     std::snprintf(s->name, sizeof s->name, "%s", c.name.c_str());
     s->magic = kConfigMagic;
@@ -79,6 +82,7 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.decode_workers = s->decode_workers;
     c.kv_split = s->kv_split != 0;
     c.kv_dtype = s->kv_dtype;
+    c.contexts = {s->context_slots, s->context_tokens};
     c.arenas.assign(s->arenas, s->arenas + s->n_arenas);
     return c;
 }
@@ -87,6 +91,7 @@ Result<InstanceConfig> load_config(const void* mem) {
 struct Sections {
     size_t registry = 0, rings = 0, ring_bytes = 0, requests = 0;
     std::vector<size_t> arenas;
+    size_t contexts = 0;
     size_t total = 0;
 };
 
@@ -104,6 +109,8 @@ Sections plan(const InstanceConfig& c) {
         s.arenas.push_back(off);
         off = align(off + KvArena::bytes(a), 4096);
     }
+    s.contexts = off;
+    off = align(off + ContextTable::bytes(c.contexts), 4096);
     s.total = off;
     return s;
 }
@@ -133,6 +140,8 @@ uint64_t InstanceConfig::fingerprint() const {
     f.add(decode_workers);
     f.add(static_cast<uint32_t>(kv_split));
     f.add(kv_dtype);
+    f.add(contexts.n_slots);
+    f.add(contexts.max_tokens);
     return f.h;
 }
 
@@ -160,6 +169,7 @@ static Status format_sections(uint8_t* base, const InstanceConfig& c) {
     if (Status st = RequestTable::init(base + s.requests, c.requests); !st) return st;
     for (size_t d = 0; d < c.arenas.size(); ++d)
         if (Status st = KvArena::init(base + s.arenas[d], c.arenas[d]); !st) return st;
+    if (Status st = ContextTable::init(base + s.contexts, c.contexts); !st) return st;
     return {};
 }
 
@@ -182,6 +192,12 @@ Status Instance::map_sections() {
         auto a = KvArena::attach(base + s.arenas[d]);
         if (!a) return a.error();
         arenas_.push_back(*a);
+    }
+    contexts_ = ContextTable();
+    if (cfg_.contexts.n_slots > 0) {
+        auto t = ContextTable::attach(base + s.contexts);
+        if (!t) return t.error();
+        contexts_ = std::move(*t);
     }
     return {};
 }

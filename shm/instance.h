@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "shm/context_table.h"
 #include "shm/kv_arena.h"
 #include "shm/registry.h"
 #include "shm/request_table.h"
@@ -22,7 +23,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 8;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures
+inline constexpr uint32_t kLayoutVersion = 9;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures; 9: context table
 
 inline constexpr uint32_t kMaxArenas = 16;
 
@@ -50,6 +51,8 @@ struct InstanceConfig {
     // every process attached reads its KV layout from here.
     uint32_t kv_dtype = 0;
     bool huge_pages = true;
+    // The front's contexts that outlive it (shm/context_table.h); n_slots 0: none.
+    ContextTableConfig contexts;
 
     // FNV-1a over every field that shapes the segments.
     uint64_t fingerprint() const;
@@ -91,6 +94,8 @@ public:
     KvArena& arena(size_t device) { return arenas_[device]; }
     size_t n_arenas() const { return arenas_.size(); }
     RingHeader* ring(uint32_t i) const;
+    // The context table (present() only when config().contexts.n_slots > 0).
+    ContextTable& contexts() { return contexts_; }
     // The data of host arena `arena` in the KV data segment (cpu_kv_bytes > 0).
     uint8_t* cpu_kv_data(size_t arena = 0) const;
     const Segment& control_segment() const { return seg_; }
@@ -115,6 +120,7 @@ private:
     Registry registry_;
     RequestTable requests_;
     std::vector<KvArena> arenas_;
+    ContextTable contexts_;
     std::vector<uint64_t> ring_off_;
 };
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "base/thread_pool.h"
@@ -18,6 +19,7 @@
 #include "model/cpu_backend.h"
 #include "model/fingerprint.h"
 #include "model/model.h"
+#include "shm/instance.h"
 
 using namespace duet;
 
@@ -73,6 +75,7 @@ struct Rig {
     std::unique_ptr<CpuBackend> ref_backend;
 
     uint64_t max_disk_bytes = 0;
+    shm::ContextTable* table = nullptr;  // C6: the records of contexts that are not durable
     Rig(const std::string& d, int32_t n_blocks, int64_t budget = 24, uint64_t disk_max = 0)
         : dir(d), max_disk_bytes(disk_max) {
         pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), n_blocks)).value();
@@ -94,6 +97,7 @@ struct Rig {
         o.id = identity();
         o.max_contexts = 64;
         o.max_disk_bytes = max_disk_bytes;
+        o.table = table;
         auto s = ContextStore::open(*pool, *sync, *compute, o);
         ASSERT_TRUE(s.ok()) << s.error().message;
         store = std::move(s).value();
@@ -566,4 +570,82 @@ TEST(Contexts, APinnedContextIsNeverEvictedAndIsResidentAfterARestart) {
     rig.expect_exact("sys", "a restart");
     ASSERT_TRUE(rig.store->remove("sys").ok());
     EXPECT_FALSE(std::filesystem::exists(d.path + "/sys.pin")) << "remove takes the pin too";
+}
+
+// C6: with a table, contexts that are not durable outlive the store's process: the
+// next store lists them with exactly their tokens, their KV from their spill blob or
+// computed again, exact either way. A put that cannot fit changes nothing.
+TEST(Contexts, ContextsThatAreNotDurableOutliveTheStoreThroughTheTable) {
+    TmpDir d;
+    shm::InstanceConfig ic;
+    ic.name = fmt::format("duet-test-ctxtab-{}", ::getpid());
+    ic.huge_pages = false;
+    ic.contexts = {16, 512};
+    auto inst = shm::Instance::create(ic);
+    ASSERT_TRUE(inst.ok()) << inst.error().message;
+    struct Unlink {
+        std::string name;
+        ~Unlink() { shm::Instance::unlink(name); }
+    } unlink{ic.name};
+    auto me = inst->registry().claim(shm::Role::Front, -1, ::getpid());
+    ASSERT_TRUE(me.ok());
+    ASSERT_TRUE(inst->contexts().claim(*me, inst->registry()).ok());
+    Rig rig(d.path, 64);
+    rig.table = &inst->contexts();
+    rig.reopen();
+    std::mt19937 rng(21);
+    std::map<std::string, std::vector<int32_t>> want;
+    want["a"] = ids(rng, 100);
+    want["b"] = ids(rng, 60);
+    want["c"] = ids(rng, 50);
+    ASSERT_TRUE(rig.store->create("a", want["a"], false).ok());
+    ASSERT_TRUE(rig.store->create("b", want["b"], false, nullptr, true).ok());
+    ASSERT_TRUE(rig.store->create("c", want["c"], true).ok());
+    ASSERT_TRUE(rig.store->create("empty", {}, false).ok());
+    want["empty"] = {};
+    ASSERT_TRUE(rig.store->fork("a", "a2", 70).ok());
+    const std::vector<int32_t> more = ids(rng, 9);
+    ASSERT_TRUE(rig.store->append("a2", more).ok());
+    want["a2"].assign(want["a"].begin(), want["a"].begin() + 70);
+    want["a2"].insert(want["a2"].end(), more.begin(), more.end());
+    ASSERT_TRUE(rig.store->truncate("b", 40).ok());
+    want["b"].resize(40);
+    const std::vector<int32_t> edit = ids(rng, 10);
+    ASSERT_TRUE(rig.store->edit("a", 50, edit).ok());
+    want["a"].resize(50);
+    want["a"].insert(want["a"].end(), edit.begin(), edit.end());
+    ASSERT_TRUE(rig.store->evict("a").ok());  // spilled: its KV comes back from the blob
+    ASSERT_TRUE(rig.store->create("gone", ids(rng, 20), false).ok());
+    ASSERT_TRUE(rig.store->remove("gone").ok());
+    // Past a record's 512 tokens: refused, nothing changed.
+    auto big = rig.store->append("a2", ids(rng, 600));
+    ASSERT_FALSE(big.ok());
+    EXPECT_EQ(big.error().kind, ErrorKind::Invalid);
+    EXPECT_EQ(*rig.store->tokens("a2"), want["a2"]);
+    EXPECT_EQ(inst->contexts().live(), 4u) << "a, a2, b, empty: the durable one is in its log";
+
+    // The next store (a restarted front) over the same table and directory.
+    rig.reopen();
+    std::map<std::string, std::vector<int32_t>> got;
+    for (const ContextInfo& i : rig.store->list()) {
+        got[i.id] = *rig.store->tokens(i.id);
+        EXPECT_EQ(i.durable, i.id == "c") << i.id;
+        EXPECT_EQ(i.pinned, i.id == "b") << i.id;
+    }
+    EXPECT_EQ(got, want);
+    ContextUsage ua, ua2;
+    ASSERT_TRUE(rig.store->next_logits("a", &ua).ok());
+    EXPECT_EQ(ua.restored, 59) << "read back from the spill blob, the last position computed";
+    ASSERT_TRUE(rig.store->next_logits("a2", &ua2).ok());
+    EXPECT_EQ(ua2.prefilled, 79) << "no spill: computed again from its tokens";
+    for (const auto& [id, toks] : want) rig.expect_exact(id, "a restart with the table");
+    // And it goes on: an operation after the restart is recorded too.
+    ASSERT_TRUE(rig.store->append("empty", more).ok());
+    rig.reopen();
+    EXPECT_EQ(*rig.store->tokens("empty"), more);
+    // Without the table, they are gone (C6 is the table's doing).
+    rig.table = nullptr;
+    rig.reopen();
+    ASSERT_EQ(rig.store->list().size(), 1u);
+    EXPECT_EQ(rig.store->list()[0].id, "c");
 }

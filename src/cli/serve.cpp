@@ -337,7 +337,8 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
     if (s.device != "cpu") inst_args += fmt::format(" --device {} --kv-memory {}", s.device, s.kv_memory);
     inst_args += fmt::format(" --prefill-workers {} --decode-workers {}", s.prefill_workers, s.decode_workers);
     if (s.kv_blocks > 0) inst_args += fmt::format(" --kv-blocks {}", s.kv_blocks);
-    if (!s.contexts_dir.empty()) inst_args += " --contexts-dir " + s.contexts_dir;
+    if (!s.contexts_dir.empty())
+        inst_args += fmt::format(" --contexts-dir {} --contexts-max {}", s.contexts_dir, s.contexts_max);
     std::string env = "# duet systemd generate: the environment of every duet unit (/etc/duet/duet.env)\n";
     env += fmt::format("DUET_MODEL={}\nDUET_INSTANCE={}\nDUET_HOST={}\nDUET_PORT={}\n", env_quote(s.model),
                        env_quote(s.instance), env_quote(s.host), s.port);

@@ -94,9 +94,27 @@ ContextStore::~ContextStore() {
 }
 
 Status ContextStore::recover() {
-    // Spills of the last run: their contexts were not durable, and are gone.
+    // C6: the contexts that are not durable, from the table (a front that died left
+    // them there), not resident.
+    if (o_.table)
+        for (shm::ContextRecord& r : o_.table->records()) {
+            if (!check_context_name(r.id)) {  // not something a put writes
+                o_.table->erase(r.id);
+                continue;
+            }
+            auto c = std::make_unique<Context>();
+            c->id = r.id;
+            c->tokens = std::move(r.tokens);
+            c->pinned = r.pinned;
+            c->created_ns = r.created_ns;
+            c->used_ns = wall_ns();
+            contexts_.emplace(c->id, std::move(c));
+        }
+    // Spills of the last run whose context is gone (it was not durable), and
+    // half-written ones.
     for (const std::string& f : dir_entries(o_.dir + "/spill"))
-        if (ends_with(f, ".kvblob") || f.find(".kvblob.tmp") != std::string::npos)
+        if ((ends_with(f, ".kvblob") && !contexts_.count(f.substr(0, f.size() - 7))) ||
+            f.find(".kvblob.tmp") != std::string::npos)
             ::unlink((o_.dir + "/spill/" + f).c_str());
     const std::vector<std::string> files = dir_entries(o_.dir);
     for (const std::string& f : files) {
@@ -119,6 +137,10 @@ Status ContextStore::recover() {
         c->pinned = std::find(files.begin(), files.end(), id + ".pin") != files.end();
         c->log = std::move(log).value();
         c->created_ns = c->used_ns = wall_ns();
+        if (contexts_.count(id)) {  // a record too (a durable context never has one): the log wins
+            if (o_.table) o_.table->erase(id);
+            contexts_.erase(id);
+        }
         contexts_.emplace(id, std::move(c));
     }
     // Checkpoint blobs and pins whose log is gone (a remove interrupted between unlinks).
@@ -197,6 +219,22 @@ Status ContextStore::check_disk(int64_t positions) const {
 
 std::string ContextStore::spill_path(const std::string& id) const { return o_.dir + "/spill/" + id + ".kvblob"; }
 
+Status ContextStore::record(const Context& c, const std::vector<int32_t>* tokens) {
+    if (c.durable || !o_.table) return {};
+    shm::ContextRecord r;
+    r.id = c.id;
+    r.tokens = tokens ? *tokens : c.tokens;
+    r.pinned = c.pinned;
+    r.created_ns = c.created_ns;
+    return o_.table->put(r);
+}
+
+Status ContextStore::check_record(bool durable, size_t n_tokens) const {
+    if (durable || !o_.table || n_tokens <= o_.table->max_tokens()) return {};
+    return make_error(ErrorKind::Invalid, "a context of {} tokens: this server's contexts hold at most {} (--ctx)",
+                      n_tokens, o_.table->max_tokens());
+}
+
 ContextInfo ContextStore::info_of(const Context& c) const {
     ContextInfo i;
     i.id = c.id;
@@ -268,13 +306,23 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
             return make_error("context '{}': its log holds {} tokens, not the {} acknowledged", c.id,
                               scan->tokens.size(), c.tokens.size());
         }
-    } else if (!c.tokens.empty()) {
+    } else if (!c.tokens.empty() && ::access(spill_path(c.id).c_str(), F_OK) == 0) {
         auto im = blob_import(spill_path(c.id), o_.id, pool_, seq);
         if (!im) return im.error();
         ::unlink(spill_path(c.id).c_str());
-        // Truncated while spilled: the blob holds more than the context now has.
-        seq.truncate(pool_, std::min(seq.n_tokens(), static_cast<int64_t>(c.tokens.size())));
+        // Truncated while spilled: the blob holds more than the context now has (and,
+        // after a crash of the store's process, maybe other tokens past those its
+        // record has: only the positions both agree on are kept).
+        const size_t n = std::min(im->tokens.size(), c.tokens.size());
+        const size_t same =
+            static_cast<size_t>(std::mismatch(im->tokens.begin(), im->tokens.begin() + static_cast<std::ptrdiff_t>(n),
+                                              c.tokens.begin())
+                                    .first -
+                                im->tokens.begin());
+        seq.truncate(pool_, std::min(seq.n_tokens(), static_cast<int64_t>(same)));
     }
+    // else: a context from the table (C6) with no spill: resident with no KV, every
+    // position computed on use.
     if (usage) usage->restored += seq.n_tokens();
     stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     c.seq = std::move(seq);
@@ -328,6 +376,7 @@ Status ContextStore::compute(Context& c, ContextUsage* usage) {
 // c resident; tokens appended to c.tokens, computed and logged, or nothing changes.
 Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, ContextUsage* usage) {
     if (tokens.empty()) return {};
+    if (Status st = check_record(c.durable, c.tokens.size() + tokens.size()); !st) return st;
     const size_t old = c.tokens.size();
     c.tokens.insert(c.tokens.end(), tokens.begin(), tokens.end());
     ContextUsage u;
@@ -337,6 +386,7 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
         st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
         stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
+    if (st) st = record(c);
     if (!st) {
         c.tokens.resize(old);
         c.seq.truncate(pool_, std::min<int64_t>(c.seq.n_tokens(), static_cast<int64_t>(old)));
@@ -382,7 +432,9 @@ Result<ContextInfo> ContextStore::create(const std::string& id, std::span<const 
     auto made = new_context(id, durable, pin);
     if (!made) return made.error();
     std::unique_ptr<Context> c = std::move(made).value();
-    if (Status st = append_locked(*c, tokens, usage); !st) {
+    Status st = append_locked(*c, tokens, usage);
+    if (st && tokens.empty()) st = record(*c);  // else append_locked put it
+    if (!st) {
         c->seq.release(pool_);
         c->log.reset();
         remove_files(id);
@@ -459,6 +511,10 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
     auto im = blob_import(path, o_.id, pool_, seq);
     if (!im) return make_error(ErrorKind::Invalid, "{}", im.error().message);
     stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (Status st = check_record(durable, im->tokens.size()); !st) {
+        seq.release(pool_);
+        return st.error();
+    }
     auto made = new_context(id, durable, false);
     if (!made) {
         seq.release(pool_);
@@ -477,6 +533,10 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
             remove_files(id);
             return st.error();
         }
+    }
+    if (Status st = record(*c); !st) {
+        c->seq.release(pool_);
+        return st.error();
     }
     tally.u.restored += c->seq.n_tokens();
     compute_.resident(c->seq, c->tokens);
@@ -559,6 +619,10 @@ Status ContextStore::truncate_locked(Context& x, int64_t n_tokens) {
     if (n_tokens == static_cast<int64_t>(x.tokens.size())) return {};
     if (x.log)
         if (Status st = x.log->truncate(static_cast<uint64_t>(n_tokens)); !st) return st;
+    if (!x.durable && o_.table) {
+        const std::vector<int32_t> cut(x.tokens.begin(), x.tokens.begin() + n_tokens);
+        if (Status st = record(x, &cut); !st) return st;
+    }
     x.tokens.resize(static_cast<size_t>(n_tokens));
     if (x.resident) x.seq.truncate(pool_, std::min(x.seq.n_tokens(), n_tokens));
     x.logits_valid = false;
@@ -582,6 +646,7 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
     }
     if (x.durable)
         if (Status st = check_disk(static_cast<int64_t>(tokens.size())); !st) return st.error();
+    if (Status st = check_record(x.durable, static_cast<size_t>(at) + tokens.size()); !st) return st.error();
     if (Status st = make_resident(x, usage); !st) return st.error();
     // The state before, kept until the edit is durable (C3): a fork shares every
     // block, so the edit's writes copy the blocks they change.
@@ -595,6 +660,7 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
     // One record (KVLOG.md, APPEND before the end): the log holds the context before
     // or after the edit, whatever happens to the process.
     if (st && x.log) st = x.log->append(pool_, x.seq, x.tokens, static_cast<uint64_t>(at), tokens.size());
+    if (st) st = record(x);
     if (!st) {
         x.seq.release(pool_);
         x.seq = std::move(before);
@@ -654,6 +720,7 @@ Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string&
     if (c->log && at > 0)
         if (Status st = c->log->append(pool_, c->seq, c->tokens, 0, static_cast<uint64_t>(at)); !st)
             return fail(st.error());
+    if (Status st = record(*c); !st) return fail(st.error());
     Context& ref = *c;
     contexts_.emplace(new_id, std::move(c));
     return info_of(ref);
@@ -676,6 +743,7 @@ Status ContextStore::remove(const std::string& id) {
     Tally tally(*this, nullptr);
     auto c = find(id);
     if (!c) return c.error();
+    if (o_.table) o_.table->erase(id);  // first: without its record the context is gone
     (*c)->seq.release(pool_);
     (*c)->log.reset();
     remove_files(id);

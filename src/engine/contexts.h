@@ -31,6 +31,13 @@
 //     others are spilled to a blob first), and restored on their next use.
 // C5. Ids are 1..64 of [A-Za-z0-9_.-] (the log header's name field), so an id never
 //     names a path outside the directory.
+// C6. A context that is not durable outlives the process that keeps the store when
+//     the store has a table (serving: the instance's shm::ContextTable, held by the
+//     instance's long-lived processes): every operation that returns OK has put the
+//     context's record there (its tokens, its pin, when it was made), and open()
+//     lists every record it finds, not resident: its KV comes back from its spill
+//     blob or is computed again from its tokens (exact, C1). A put is part of the
+//     operation, like a durable context's log record: when it fails, nothing changes.
 //
 // The store serializes its operations (one mutex): an operation on a context is
 // never interleaved with another. Disk I/O runs on the caller's thread: in serving,
@@ -53,6 +60,7 @@
 #include "kv/kv_log.h"
 #include "kv/kv_pool.h"
 #include "model/backend.h"
+#include "shm/context_table.h"
 
 namespace duet {
 
@@ -135,15 +143,18 @@ struct ContextStoreOptions {
     KvLogOptions log;
     // The longest context import_blob takes (serving: a request slot's tokens); 0: any.
     int64_t max_tokens = 0;
+    // C6: the records of the contexts that are not durable (claimed by the caller);
+    // null: they live in this process only.
+    shm::ContextTable* table = nullptr;
 };
 
 class ContextStore {
 public:
     // Opens the directory and lists every context whose log it holds (recovering
-    // each by KVLOG.md: torn tails cut, leftovers removed), not resident: the KV is
-    // read on first use. Logs that recovery refuses are listed by refused(), their
-    // files untouched. Spill blobs of a previous run are removed (those contexts
-    // were not durable).
+    // each by KVLOG.md: torn tails cut, leftovers removed), and every record of the
+    // table (C6), not resident: the KV is read on first use. Logs that recovery
+    // refuses are listed by refused(), their files untouched. Spill blobs of no
+    // listed context are removed (their contexts were not durable and are gone).
     static Result<std::unique_ptr<ContextStore>> open(KvPool& pool, KvLogSync& sync, ContextCompute& compute,
                                                       const ContextStoreOptions& o);
     ~ContextStore();  // releases every resident context's blocks; files stay
@@ -239,8 +250,15 @@ private:
     ContextInfo info_of(const Context& c) const;
     std::string spill_path(const std::string& id) const;
     void touch(Context& c);
-    // Reads an evicted context's KV back (its log, or its spill blob).
+    // Reads an evicted context's KV back (its log, or its spill blob; a context from
+    // the table without a spill is made resident empty and computed on use).
     Status make_resident(Context& c, ContextUsage* usage);
+    // C6: c's record in the table, with `tokens` (c's own when null); nothing to do for
+    // a durable context or without a table.
+    Status record(const Context& c, const std::vector<int32_t>* tokens = nullptr);
+    // Invalid when a context that is not durable would hold more tokens than a table
+    // record does (checked before anything changes).
+    Status check_record(bool durable, size_t n_tokens) const;
     Status evict_one(Context& c);
     // C4's victim: the least recently used resident context that is not pinned, not
     // empty and not `keep`; null when there is none.

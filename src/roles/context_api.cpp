@@ -257,6 +257,19 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     o.max_contexts = max_contexts;
     o.max_disk_bytes = max_disk_bytes;
     o.max_tokens = static_cast<int64_t>(inst.requests().max_tokens());
+    // C6: the records of the contexts that are not durable live in the instance's
+    // table, so they outlive this process; a front that died left its records there.
+    shm::ContextTable& table = inst.contexts();
+    if (!table.present())
+        return make_error("contexts: instance '{}' has no context table (start it with --contexts-dir too)",
+                          inst.config().name);
+    if (table.n_slots() < max_contexts + 1)
+        return make_error("contexts: the instance's context table has {} records, --contexts-max {} needs {}",
+                          table.n_slots(), max_contexts, max_contexts + 1);
+    if (Status st = table.claim(self, inst.registry()); !st) return make_error("contexts: {}", st.error().message);
+    s->table_ = &table;
+    s->self_ = self;
+    o.table = &table;
     auto store = ContextStore::open(*s->pool_, *s->sync_, *s->compute_, o);
     if (!store) return store.error();
     s->store_ = std::move(store).value();
@@ -279,6 +292,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
 
 ContextService::~ContextService() {
     store_.reset();  // gives the blocks back
+    if (table_) table_->release(self_);  // the records stay, for the next front
     kv_.reset();
     pool_.reset();
     if (joined_) inst_->arena(0).leave(user_);

@@ -127,6 +127,8 @@ private:
     std::optional<ApiReply> refused_reply(const std::string& id) const;
 
     shm::Instance* inst_ = nullptr;
+    shm::ContextTable* table_ = nullptr;  // claimed by self_
+    shm::ProcRef self_;
     uint32_t user_ = 0;
     bool joined_ = false;
     const Tokenizer* tok_ = nullptr;

@@ -52,6 +52,9 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
         for (uint32_t d = 0; d < n_decode; ++d) c.arenas.push_back(shm::ArenaConfig{b32, n_prefill + 1, 0});
         c.cpu_kv_bytes = 0;
     }
+    // Each context's record in the front's table (shm/context_table.h): one per context
+    // at --contexts-max, two more so a replacing put always finds a free slot.
+    if (l.contexts) c.contexts = {l.contexts_max + 2, static_cast<uint32_t>(l.n_ctx)};
     c.n_rings = ServeRings::of(c).count();
     c.model_fingerprint = model.fingerprint();
     return c;

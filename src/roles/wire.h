@@ -61,8 +61,10 @@ struct ServeLayout {
     bool kv_split = false;
     KvDtype kv_dtype = KvDtype::F16;  // how the arenas store KV values
     // The front keeps contexts (roles/context_api.h): it is one more user of the CPU
-    // arena (arena 0), which then takes one worker fewer.
+    // arena (arena 0), which then takes one worker fewer. Their records outlive the
+    // front in the instance's context table: contexts_max + 2 records of n_ctx tokens.
     bool contexts = false;
+    uint32_t contexts_max = 1024;
 };
 
 // The shm instance for serving `model` with this layout.

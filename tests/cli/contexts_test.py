@@ -7,7 +7,7 @@ the same logprobs, to the last digit, as a plain completion of its tokens); fork
 isolation; a context completion's tokens joining the context (and not, with
 "commit": false); a SIGKILLed decode worker during a context's generation (the stream
 completes identically, the context holds exactly the committed tokens); a SIGKILLed
-front (restarted with every durable context); SIGKILL of the whole process group after acknowledged operations, a restart with the same
+front (restarted with every context, durable or not: the instance's context table); SIGKILL of the whole process group after acknowledged operations, a restart with the same
 directory, every durable context intact and restored from its log (the append's
 usage says how many tokens were read back and how many computed).
 
@@ -527,9 +527,16 @@ def decode_killed_mid_generation(srv):
 
 
 def front_killed(srv):
-    """SIGKILL of the front: the launcher restarts it, and it reopens the contexts."""
+    """SIGKILL of the front: the launcher restarts it, and it reopens every context: the
+    durable ones from their logs, the others from the instance's context table."""
     port = srv.port
-    before = {c["id"]: tokens_of(port, c["id"]) for c in ok(port, "GET", "/v1/contexts")["data"] if c["durable"]}
+    ok(port, "POST", "/v1/contexts", {"id": "nd", "tokens": list(range(3000, 3040)), "durable": False}, want=201)
+    ok(port, "POST", "/v1/contexts/nd/fork", {"id": "nd-fork", "at": 30}, want=201)
+    ok(port, "POST", "/v1/contexts/nd-fork/append", {"tokens": [7, 8, 9]})
+    ok(port, "POST", "/v1/contexts", {"id": "nd-empty", "durable": False}, want=201)
+    listing = ok(port, "GET", "/v1/contexts")["data"]
+    durable = {c["id"]: c["durable"] for c in listing}
+    before = {c["id"]: tokens_of(port, c["id"]) for c in listing}
     for pid in srv.pids("front"):
         os.kill(pid, signal.SIGKILL)
     deadline = time.time() + 60
@@ -540,11 +547,15 @@ def front_killed(srv):
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
         time.sleep(0.2)
-    after = {c["id"]: tokens_of(port, c["id"]) for c in ok(port, "GET", "/v1/contexts")["data"]}
+    listing = ok(port, "GET", "/v1/contexts")["data"]
+    after = {c["id"]: tokens_of(port, c["id"]) for c in listing}
     check(after == before, f"after the front's SIGKILL: {sorted(after)} vs {sorted(before)}")
+    check({c["id"]: c["durable"] for c in listing} == durable, "each context keeps its durability")
+    check(before["nd-fork"] == list(range(3000, 3030)) + [7, 8, 9], f"nd-fork: {before['nd-fork']}")
     for cid in after:
         expect_exact(port, cid, "the front's SIGKILL and restart")
-    print(f"front SIGKILLed: restarted with its {len(after)} durable contexts")
+    kept = sum(1 for d in durable.values() if not d)
+    print(f"front SIGKILLed: restarted with its {len(after) - kept} durable contexts and {kept} that are not")
 
 
 def memory_pressure(cdir, instance):
