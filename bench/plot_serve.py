@@ -70,8 +70,13 @@ def main():
     dl, rl = d["label"], r["label"]
 
     def row(name, dv, rv, target=""):
-        ratio = dv / rv if rv else float("nan")
-        print(f"| {name} | {dv:.2f} | {rv:.2f} | **{ratio:.2f}** | {target} |")
+        # A figure a server did not produce (no samples: null in its JSON, e.g. a
+        # reference that collapsed under the load) is marked, never a crash.
+        def fig(v):
+            return f"{v:.2f}" if isinstance(v, (int, float)) and v == v else "— (none measured)"
+        ok = all(isinstance(v, (int, float)) and v == v for v in (dv, rv)) and rv
+        ratio = f"**{dv / rv:.2f}**" if ok else "—"
+        print(f"| {name} | {fig(dv)} | {fig(rv)} | {ratio} | {target} |")
 
     o = d["options"]
     print(f"Scenario {o['scenario']}: {o['streams']} decode streams ({o['stream_prompt']}-token prompts, "

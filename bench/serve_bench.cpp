@@ -3,6 +3,7 @@
 #include "bench/serve_bench.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/result.h"
+#include "engine/scheduling.h"
 
 namespace duet {
 
@@ -40,6 +42,9 @@ struct Record {
     int64_t completion_tokens = -1;  // from the usage chunk
     int64_t prompt_tokens = -1;
     std::string error;  // "" when it completed
+    int status = 0;     // the HTTP status
+    int cls = -1;       // overload: its class (SloClass), -1: none sent
+    int step = -1;      // overload: its step of the ramp
 };
 
 struct Run {
@@ -72,6 +77,7 @@ std::string request_body(Run& run, const Record& r) {
     json j = {{"model", run.model},   {"prompt", ids},        {"max_tokens", r.max_tokens},
               {"temperature", 0},     {"ignore_eos", true},   {"stream", true},
               {"stream_options", {{"include_usage", true}}}};
+    if (r.cls >= 0) j["priority"] = slo_class_name(static_cast<SloClass>(r.cls));
     return j.dump();
 }
 
@@ -156,6 +162,7 @@ awaitable<void> one_request(Run& run, Record& r) {
     parser.on_chunk_body(on_chunk);
     co_await http::async_read_header(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
     if (!ec && run.server.empty()) run.server = std::string(parser.get()[http::field::server]);
+    if (!ec) r.status = static_cast<int>(parser.get().result_int());
     while (!ec && !parser.is_done())
         co_await http::async_read_some(stream, buf, parser, asio::redirect_error(use_awaitable, ec));
     if (ec && r.error.empty()) r.error = "read: " + ec.message();
@@ -193,6 +200,34 @@ awaitable<void> arrivals(Run& run) {
         Record& r = add(run, false, run.uniform(run.o.prompt_min, run.o.prompt_max),
                         run.uniform(run.o.output_min, run.o.output_max));
         asio::co_spawn(run.io, one_request(run, r), asio::detached);
+    }
+}
+
+// overload: the ramp's steps, each at its multiple of capacity, classes drawn from
+// the mix (the same schedule for every server: one seeded generator).
+awaitable<void> overload_arrivals(Run& run, std::vector<double> ramp, std::array<double, kSloClasses> mix) {
+    asio::steady_timer timer(run.io);
+    std::uniform_real_distribution<double> u(0, 100);
+    double next = 0;
+    for (size_t step = 0; step < ramp.size(); ++step) {
+        const double end = run.o.step_s * static_cast<double>(step + 1);
+        std::exponential_distribution<double> gap(run.o.capacity * ramp[step]);
+        next = std::max(next, run.o.step_s * static_cast<double>(step));
+        for (;;) {
+            next += gap(run.arrivals_rng);
+            if (next >= end) {
+                next = end;
+                break;
+            }
+            timer.expires_at(run.t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(next)));
+            co_await timer.async_wait(use_awaitable);
+            Record& r = add(run, false, run.uniform(run.o.prompt_min, run.o.prompt_max),
+                            run.uniform(run.o.output_min, run.o.output_max));
+            const double x = u(run.arrivals_rng);
+            r.cls = x < mix[0] ? 0 : x < mix[0] + mix[1] ? 1 : 2;
+            r.step = static_cast<int>(step);
+            asio::co_spawn(run.io, one_request(run, r), asio::detached);
+        }
     }
 }
 
@@ -237,7 +272,8 @@ Status fetch_model(const ServeBenchOptions& o, const tcp::endpoint& ep, std::str
 }
 
 Status check_options(const ServeBenchOptions& o) {
-    if (o.scenario != "mixed" && o.scenario != "poisson") return make_error("--scenario must be mixed or poisson");
+    if (o.scenario != "mixed" && o.scenario != "poisson" && o.scenario != "overload")
+        return make_error("--scenario must be mixed, poisson or overload");
     if (o.prompt_min < 1 || o.prompt_max < o.prompt_min || o.output_min < 1 || o.output_max < o.output_min)
         return make_error("length ranges must be 1 <= min <= max");
     if (o.token_lo < 0 || o.token_hi <= o.token_lo) return make_error("--token-range must be lo < hi");
@@ -292,6 +328,113 @@ json summarize(const Run& run, Counts& n) {
             {"goodput_requests_per_s", static_cast<double>(good) / window}};
 }
 
+Result<std::vector<double>> parse_ramp(const std::string& s) {
+    std::vector<double> v;
+    size_t at = 0;
+    while (at <= s.size()) {
+        const size_t comma = std::min(s.find(',', at), s.size());
+        try {
+            size_t used = 0;
+            const std::string part = s.substr(at, comma - at);
+            const double x = std::stod(part, &used);
+            if (used != part.size() || !(x > 0)) throw std::invalid_argument(part);
+            v.push_back(x);
+        } catch (const std::exception&) {
+            return make_error("--ramp {}: positive multiples of --capacity, comma separated", s);
+        }
+        at = comma + 1;
+    }
+    return v;
+}
+
+Result<std::array<double, kSloClasses>> parse_mix(const std::string& s) {
+    std::array<double, kSloClasses> m{};
+    if (std::sscanf(s.c_str(), "%lf/%lf/%lf", &m[0], &m[1], &m[2]) != 3 || m[0] < 0 || m[1] < 0 || m[2] < 0 ||
+        std::fabs(m[0] + m[1] + m[2] - 100) > 1e-6)
+        return make_error("--classes {}: critical/standard/batch percentages adding up to 100", s);
+    return m;
+}
+
+// overload: per step and class, and in all. A request meets its class's targets when
+// it completed with its first text within the TTFT target and its inter-token gaps
+// within the ITL target on average; refused (429) ones count as sent, not met.
+json summarize_overload(const Run& run, const std::vector<double>& ramp, const SloTable& slo, Counts& n) {
+    struct Tally {
+        int64_t sent = 0, completed = 0, refused = 0, failed = 0, met = 0;
+        std::vector<double> ttft;
+    };
+    std::vector<std::array<Tally, kSloClasses>> t(ramp.size());
+    for (const auto& rp : run.records) {
+        const Record& r = *rp;
+        if (r.step < 0 || r.cls < 0) continue;
+        Tally& x = t[static_cast<size_t>(r.step)][static_cast<size_t>(r.cls)];
+        ++x.sent;
+        ++n.counted;
+        if (r.status == 429) {
+            ++x.refused;
+            continue;
+        }
+        if (!r.error.empty() || r.events.empty()) {
+            ++x.failed;
+            ++n.errors;
+            continue;
+        }
+        ++x.completed;
+        ++n.ok;
+        const double ttft = r.events.front() - r.start;
+        x.ttft.push_back(ttft * 1e3);
+        const double itl = r.events.size() > 1 ? (r.events.back() - r.events.front()) / static_cast<double>(r.events.size() - 1) : 0;
+        const SloTarget& g = slo.of(static_cast<SloClass>(r.cls));
+        if (ttft * 1e9 <= static_cast<double>(g.ttft_ns) && itl * 1e9 <= static_cast<double>(g.itl_ns)) ++x.met;
+    }
+    json steps = json::array();
+    std::array<Tally, kSloClasses> all{};
+    for (size_t s = 0; s < ramp.size(); ++s) {
+        json classes = json::object();
+        for (size_t c = 0; c < kSloClasses; ++c) {
+            const Tally& x = t[s][c];
+            classes[slo_class_name(static_cast<SloClass>(c))] = {
+                {"sent", x.sent},
+                {"completed", x.completed},
+                {"refused", x.refused},
+                {"failed", x.failed},
+                {"met", x.met},
+                {"attainment", x.sent ? static_cast<double>(x.met) / static_cast<double>(x.sent) : NAN},
+                {"goodput_per_s", static_cast<double>(x.met) / run.o.step_s},
+                {"ttft_ms", dist(x.ttft)}};
+            all[c].sent += x.sent, all[c].met += x.met, all[c].refused += x.refused;
+        }
+        int64_t met = 0, sent = 0;
+        for (size_t c = 0; c < kSloClasses; ++c) met += t[s][c].met, sent += t[s][c].sent;
+        steps.push_back({{"load", ramp[s]},
+                         {"rate", ramp[s] * run.o.capacity},
+                         {"sent", sent},
+                         {"goodput_per_s", static_cast<double>(met) / run.o.step_s},
+                         {"attainment", sent ? static_cast<double>(met) / static_cast<double>(sent) : NAN},
+                         {"classes", classes}});
+    }
+    return {{"requests", n.counted}, {"completed", n.ok}, {"errors", n.errors}, {"slo", slo.to_string()}, {"steps", steps}};
+}
+
+void print_overload(const std::string& label, const json& summary) {
+    std::printf("%s: overload ramp, SLO %s\n", label.c_str(), summary["slo"].get<std::string>().c_str());
+    std::printf("  %-6s %-8s %-9s %-30s %-30s %-30s\n", "load", "goodput", "attain", "critical sent/refused/met",
+                "standard sent/refused/met", "batch sent/refused/met");
+    for (const json& st : summary["steps"]) {
+        std::string cols[kSloClasses];
+        for (size_t c = 0; c < kSloClasses; ++c) {
+            const json& x = st["classes"][slo_class_name(static_cast<SloClass>(c))];
+            cols[c] = fmt::format("{}/{}/{} ({:.0f}%)", x["sent"].get<int64_t>(), x["refused"].get<int64_t>(),
+                                  x["met"].get<int64_t>(),
+                                  x["sent"].get<int64_t>() ? 100.0 * x["attainment"].get<double>() : 0.0);
+        }
+        std::printf("  %-6.2f %-8.3f %-9.1f %-30s %-30s %-30s\n", st["load"].get<double>(),
+                    st["goodput_per_s"].get<double>(),
+                    st["sent"].get<int64_t>() ? 100.0 * st["attainment"].get<double>() : 0.0, cols[0].c_str(),
+                    cols[1].c_str(), cols[2].c_str());
+    }
+}
+
 json options_json(const ServeBenchOptions& o, const std::string& model) {
     return {{"host", o.host},
             {"port", o.port},
@@ -307,7 +450,12 @@ json options_json(const ServeBenchOptions& o, const std::string& model) {
             {"stream_output", o.stream_output},
             {"slo_ttft_ms", o.slo_ttft_ms},
             {"slo_tpot_ms", o.slo_tpot_ms},
-            {"seed", o.seed}};
+            {"seed", o.seed},
+            {"capacity", o.capacity},
+            {"ramp", o.ramp},
+            {"step_s", o.step_s},
+            {"classes", o.classes},
+            {"slo", o.slo}};
 }
 
 // The summary lines: totals, each latency distribution with samples, the first error.
@@ -341,6 +489,9 @@ Status write_record(const Run& run, const std::string& label, const json& opts, 
                         {"start", r.start},
                         {"events", r.events},
                         {"completion_tokens", r.completion_tokens},
+                        {"status", r.status},
+                        {"class", r.cls},
+                        {"step", r.step},
                         {"error", r.error}});
     }
     json all = {{"label", label}, {"server", run.server}, {"options", opts}, {"summary", summary}, {"requests", reqs}};
@@ -368,18 +519,33 @@ int cmd_bench_serve(const ServeBenchOptions& o) {
 
     asio::io_context io;
     Run run(o, io, ep, model);
+    std::vector<double> ramp;
+    SloTable slo;
+    if (o.scenario == "overload") {
+        auto r = parse_ramp(o.ramp);
+        if (!r) return fail(r.error().message);
+        auto m = parse_mix(o.classes);
+        if (!m) return fail(m.error().message);
+        auto t = SloTable::parse(o.slo);
+        if (!t) return fail(t.error().message);
+        if (!(o.capacity > 0) || !(o.step_s > 0)) return fail("--capacity and --step must be positive");
+        ramp = *r;
+        slo = *t;
+        asio::co_spawn(io, overload_arrivals(run, ramp, *m), asio::detached);
+    }
     if (o.scenario == "mixed")
         for (int i = 0; i < o.streams; ++i) asio::co_spawn(io, decode_stream(run), asio::detached);
-    if (o.rate > 0) asio::co_spawn(io, arrivals(run), asio::detached);
+    if (o.rate > 0 && o.scenario != "overload") asio::co_spawn(io, arrivals(run), asio::detached);
     std::fprintf(stderr, "duet bench serve: %s for %.0f s against %s:%d (%s)\n", o.scenario.c_str(), o.duration_s,
                  o.host.c_str(), o.port, model.c_str());
     io.run();
     const double end = run.now();
 
     Counts n;
-    const json summary = summarize(run, n);
     const std::string label = o.label.empty() ? (run.server.empty() ? "server" : run.server) : o.label;
-    print_summary(run, label, n, end, summary);
+    const json summary = o.scenario == "overload" ? summarize_overload(run, ramp, slo, n) : summarize(run, n);
+    if (o.scenario == "overload") print_overload(label, summary);
+    else print_summary(run, label, n, end, summary);
     if (!o.json_path.empty())
         if (Status st = write_record(run, label, options_json(o, model), summary); !st) return fail(st.error().message);
     return n.errors == 0 ? 0 : 2;

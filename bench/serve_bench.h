@@ -13,6 +13,14 @@
 //   mixed    --streams long-running decode streams (short prompt, long output,
 //            each re-issued when it ends) while long prompts keep arriving at
 //            --rate per second: what chunked prefill and disaggregation are for.
+//   overload Poisson arrivals in steps of --step seconds at each multiple of
+//            --capacity (requests/s) in --ramp, each request of a class drawn from
+//            --classes (critical/standard/batch percentages, sent as "priority":
+//            servers without classes ignore it). Per step and class: sent, completed,
+//            refused (429), and those that met the class's targets (--slo, the
+//            syntax of duet serve's: TTFT, and mean inter-token latency); SLO
+//            attainment counts refused requests in its denominator, and goodput is
+//            the requests that met their targets per second of the step.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +47,12 @@ struct ServeBenchOptions {
     uint64_t seed = 1;
     double timeout_s = 600;  // per request
     std::string json_path;   // write the whole record here
+    // overload
+    double capacity = 1;                    // requests/s at 1x
+    std::string ramp = "0.5,1,1.5,2,3";     // multiples of capacity, one step each
+    double step_s = 30;                     // seconds per step
+    std::string classes = "20/60/20";       // critical/standard/batch, percent
+    std::string slo;                        // duet serve's --slo syntax; "": its defaults
 };
 
 int cmd_bench_serve(const ServeBenchOptions& o);

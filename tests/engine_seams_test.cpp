@@ -121,6 +121,22 @@ TEST(DecodePolicy, TheNewestGivesWay) {
     for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(pick_decode_victim(cases[i].seqs), cases[i].victim) << i;
 }
 
+// Classes first: the least urgent class gives way, the newest of it; a more urgent
+// sequence is never chosen while a less urgent one runs.
+TEST(DecodePolicy, TheLeastUrgentClassGivesWayFirst) {
+    struct Case {
+        std::vector<DecodeSeqView> seqs;
+        size_t victim;
+    };
+    const std::vector<Case> cases = {
+        {{{1, 10, 2}, {5, 10, 1}, {9, 10, 0}}, 0},  // the batch one, though the oldest
+        {{{1, 10, 2}, {3, 10, 2}, {9, 10, 1}}, 1},  // of two batch ones, the newer
+        {{{8, 10, 0}, {2, 10, 1}}, 1},              // standard before critical
+        {{{4, 10, 0}, {6, 10, 0}}, 1},              // one class: the newest, as before
+    };
+    for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(pick_decode_victim(cases[i].seqs), cases[i].victim) << i;
+}
+
 namespace {
 
 PrefillJobView job(uint64_t deadline, int64_t remaining, bool looked_up = true, bool follows = false) {

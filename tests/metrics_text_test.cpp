@@ -274,3 +274,73 @@ TEST(MetricsText, ContextsAreReportedOnlyWhenOn) {
     EXPECT_NE(text.find("duet_context_restore_seconds_count 1\n"), std::string::npos) << text;
     EXPECT_NE(text.find("# TYPE duet_context_persist_seconds histogram\n"), std::string::npos) << text;
 }
+
+// The scheduling families (engine/scheduling.h), written out by hand: refusals by
+// reason, timeouts, the measured prefill rate, and per class the queue, the ended
+// and SLO-meeting completions and the TTFT histogram's series with its class label.
+TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
+    MetricsSnapshot s;
+    s.scheduling = true;
+    s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
+    s.prefill_rate = 1250.5;
+    s.queued_tokens = {100, 0, 4000};
+    s.class_done = {7, 8, 9};
+    s.class_met = {7, 6, 1};
+    Histogram critical, standard, batch;
+    critical.observe(0.3);
+    s.class_ttft = {&critical, &standard, &batch};
+    const std::string text = metrics_text(s);
+    const std::string want =
+        "# HELP duet_requests_rejected_total Requests refused with 429 by admission: ttft (its class's target could "
+        "not be met), queue (the prefill queue's watermark), busy (no request slot).\n"
+        "# TYPE duet_requests_rejected_total counter\n"
+        "duet_requests_rejected_total{reason=\"ttft\"} 3\n"
+        "duet_requests_rejected_total{reason=\"queue\"} 5\n"
+        "duet_requests_rejected_total{reason=\"busy\"} 1\n"
+        "# HELP duet_requests_timed_out_total Requests ended by their timeout (finish_reason \"timeout\").\n"
+        "# TYPE duet_requests_timed_out_total counter\n"
+        "duet_requests_timed_out_total 2\n"
+        "# HELP duet_requests_preempted_total Running requests that gave way to others, by how their KV was given "
+        "back (recompute: dropped and computed again by prefill).\n"
+        "# TYPE duet_requests_preempted_total counter\n"
+        "duet_requests_preempted_total{mode=\"recompute\"} 4\n"
+        "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput while busy, as admission predicts "
+        "with (0: not measured yet).\n"
+        "# TYPE duet_prefill_rate_tokens_per_second gauge\n"
+        "duet_prefill_rate_tokens_per_second 1250.5\n"
+        "# HELP duet_class_queued_prompt_tokens Prompt tokens admitted and not yet prefilled, by class.\n"
+        "# TYPE duet_class_queued_prompt_tokens gauge\n"
+        "duet_class_queued_prompt_tokens{class=\"critical\"} 100\n"
+        "duet_class_queued_prompt_tokens{class=\"standard\"} 0\n"
+        "duet_class_queued_prompt_tokens{class=\"batch\"} 4000\n"
+        "# HELP duet_class_requests_total Completions that ended without error, by class.\n"
+        "# TYPE duet_class_requests_total counter\n"
+        "duet_class_requests_total{class=\"critical\"} 7\n"
+        "duet_class_requests_total{class=\"standard\"} 8\n"
+        "duet_class_requests_total{class=\"batch\"} 9\n"
+        "# HELP duet_class_slo_met_total Completions that met their class's TTFT and mean ITL targets (goodput), by "
+        "class.\n"
+        "# TYPE duet_class_slo_met_total counter\n"
+        "duet_class_slo_met_total{class=\"critical\"} 7\n"
+        "duet_class_slo_met_total{class=\"standard\"} 6\n"
+        "duet_class_slo_met_total{class=\"batch\"} 1\n"
+        "# HELP duet_class_time_to_first_token_seconds request arrival to its first token, by class\n"
+        "# TYPE duet_class_time_to_first_token_seconds histogram\n";
+    const size_t at = text.find("# HELP duet_requests_rejected_total");
+    ASSERT_NE(at, std::string::npos) << text;
+    EXPECT_EQ(text.substr(at, want.size()), want);
+    EXPECT_NE(text.find("duet_class_time_to_first_token_seconds_bucket{class=\"critical\",le=\"0.2\"} 0\n"
+                        "duet_class_time_to_first_token_seconds_bucket{class=\"critical\",le=\"0.5\"} 1\n"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("duet_class_time_to_first_token_seconds_bucket{class=\"critical\",le=\"+Inf\"} 1\n"
+                        "duet_class_time_to_first_token_seconds_sum{class=\"critical\"} 0.3\n"
+                        "duet_class_time_to_first_token_seconds_count{class=\"critical\"} 1\n"
+                        "duet_class_time_to_first_token_seconds_bucket{class=\"standard\",le=\"1e-06\"} 0\n"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("duet_class_time_to_first_token_seconds_count{class=\"batch\"} 0\n"), std::string::npos);
+    // Off (a snapshot that does not ask for them): none of it.
+    s.scheduling = false;
+    EXPECT_EQ(metrics_text(s).find("duet_class_"), std::string::npos);
+}

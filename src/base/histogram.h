@@ -61,15 +61,22 @@ public:
     }
     // "# HELP", "# TYPE" and the _bucket / _sum / _count lines.
     std::string prometheus(const std::string& name, const std::string& help) const {
-        std::string s = fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+        return fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name) + series(name, "");
+    }
+    // The _bucket / _sum / _count lines alone, with `labels` (`class="batch"`; "":
+    // none) before le: one series of a labelled family.
+    std::string series(const std::string& name, const std::string& labels) const {
+        const std::string sep = labels.empty() ? "" : ",";
+        const std::string own = labels.empty() ? "" : "{" + labels + "}";
+        std::string s;
         uint64_t cum = 0;
         for (int i = 0; i < kBuckets; ++i) {
             cum += counts_[static_cast<size_t>(i)].load(std::memory_order_relaxed);
-            s += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bound(i), cum);
+            s += fmt::format("{}_bucket{{{}{}le=\"{}\"}} {}\n", name, labels, sep, bound(i), cum);
         }
         cum += counts_[kBuckets].load(std::memory_order_relaxed);
-        s += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, cum, name,
-                         static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e9, name, cum);
+        s += fmt::format("{}_bucket{{{}{}le=\"+Inf\"}} {}\n{}_sum{} {}\n{}_count{} {}\n", name, labels, sep, cum, name,
+                         own, static_cast<double>(sum_ns_.load(std::memory_order_relaxed)) / 1e9, name, own, cum);
         return s;
     }
 

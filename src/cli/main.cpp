@@ -219,7 +219,7 @@ void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string
     c_bsv->add_option("--host", sb.host, "server address")->capture_default_str();
     c_bsv->add_option("--port", sb.port, "server port")->capture_default_str()->check(CLI::Range(1, 65535));
     c_bsv->add_option("--model", sb.model, "model name to send (default: the server's first in /v1/models)");
-    c_bsv->add_option("--scenario", sb.scenario, "mixed (decode streams + arriving long prompts) or poisson")
+    c_bsv->add_option("--scenario", sb.scenario, "mixed (decode streams + arriving long prompts), poisson, or overload (a ramp of loads, classes)")
         ->capture_default_str();
     c_bsv->add_option("--label", sb.label, "name of this run in the output");
     c_bsv->add_option("--duration", sb.duration_s, "seconds of arrivals")
@@ -247,6 +247,11 @@ void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string
     c_bsv->add_option("--seed", sb.seed, "seed of arrivals, lengths and prompts")->capture_default_str();
     c_bsv->add_option("--timeout", sb.timeout_s, "per-request limit, seconds")->capture_default_str();
     c_bsv->add_option("--json", sb.json_path, "write summary and per-request timings here");
+    c_bsv->add_option("--capacity", sb.capacity, "overload: requests/s at 1x")->capture_default_str();
+    c_bsv->add_option("--ramp", sb.ramp, "overload: multiples of --capacity, one step each")->capture_default_str();
+    c_bsv->add_option("--step", sb.step_s, "overload: seconds per step")->capture_default_str();
+    c_bsv->add_option("--classes", sb.classes, "overload: critical/standard/batch percentages")->capture_default_str();
+    c_bsv->add_option("--slo", sb.slo, "overload: class targets, duet serve's --slo syntax (default: its defaults)");
 
     c_bsv->callback([&sb = sb, &rc = rc] { rc = cmd_bench_serve(sb); });
     c_bk->callback([&kvb = kvb, &rc = rc] { rc = cmd_bench_kv(kvb); });

@@ -29,6 +29,10 @@ constexpr const char* kApiKey = "--api-key";
 constexpr const char* kPublicMetrics = "--public-metrics";
 constexpr const char* kGolden = "--golden";
 constexpr const char* kResumeWindow = "--resume-window";
+constexpr const char* kSlo = "--slo";
+constexpr const char* kAdmitQueue = "--admit-queue-tokens";
+constexpr const char* kAdmitSlack = "--admit-slack";
+constexpr const char* kRequestTimeout = "--request-timeout";
 const char* const kResumeWindowHelp =
     "seconds the requests of a front that died wait for their clients to come back through a restarted front "
     "(GET /v1/requests/{id}/events with Last-Event-ID, or a retry with the same X-Request-Id) before they are "
@@ -60,6 +64,27 @@ void add_contexts_flags(CLI::App& c, std::string& dir, int& max, uint64_t& disk_
     c.add_option(kContextsDiskMax, disk_max, kContextsDiskHelp)
         ->capture_default_str()
         ->transform(CLI::AsSizeValue(true));
+}
+
+void add_scheduling_flags(CLI::App& c, SchedulingSettings& s) {
+    c.add_option(kSlo, s.slo,
+                 "TTFT/ITL targets of the priority classes, e.g. critical=300ms/20ms,standard=5s/250ms,batch=60s/2s "
+                 "(classes not named keep these defaults; a request's class: \"priority\" or X-Duet-Priority)");
+    c.add_option(kAdmitQueue, s.admit_queue_tokens,
+                 "prompt tokens admitted and not yet prefilled past which standard and batch requests get 429 with "
+                 "Retry-After until the queue is back under 3/4 of it (0: no bound)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+    c.add_option(kAdmitSlack, s.admit_slack,
+                 "refuse (429, Retry-After) a request whose predicted time to first token passes this many times its "
+                 "class's target while work is queued ahead of it (0: never)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 1000.0));
+    c.add_option(kRequestTimeout, s.request_timeout_s,
+                 "seconds a request runs at most when its \"timeout\" names none; it then ends with what it has, "
+                 "finish_reason \"timeout\"")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 86400));
 }
 
 }  // namespace
@@ -122,6 +147,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
+    add_scheduling_flags(c, s.scheduling);
 }
 
 void add_front_flags(CLI::App& c, FrontSettings& s) {
@@ -137,6 +163,7 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
+    add_scheduling_flags(c, s.scheduling);
 }
 
 void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
@@ -178,6 +205,10 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
         if (f->public_metrics) a.emplace_back(kPublicMetrics);
         put(kResumeWindow, std::to_string(f->resume_window_s));
+        put_if(kSlo, f->scheduling.slo);
+        put(kAdmitQueue, std::to_string(f->scheduling.admit_queue_tokens));
+        put(kAdmitSlack, fmt::format("{}", f->scheduling.admit_slack));
+        put(kRequestTimeout, std::to_string(f->scheduling.request_timeout_s));
         // The API key is not an argument: the launcher gives it in DUET_API_KEY.
         return a;
     }

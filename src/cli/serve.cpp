@@ -200,6 +200,13 @@ int cmd_front(const FrontSettings& a) {
         fo.api_key = a.api_key;
         fo.public_metrics = a.public_metrics;
         fo.resume_window_ns = static_cast<uint64_t>(a.resume_window_s) * 1'000'000'000ull;
+        auto slo = SloTable::parse(a.scheduling.slo);
+        if (!slo) return fail(slo.error().message);
+        fo.admission.slo = *slo;
+        fo.admission.slack = a.scheduling.admit_slack > 0 ? a.scheduling.admit_slack : 1e9;
+        fo.admission.queue_high = a.scheduling.admit_queue_tokens;
+        fo.admission.queue_low = a.scheduling.admit_queue_tokens / 4 * 3;
+        fo.request_timeout_s = a.scheduling.request_timeout_s;
         Front front(*inst, *self, **tok, *tmpl, fo);
         std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {

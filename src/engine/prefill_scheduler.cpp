@@ -15,6 +15,7 @@ PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, b
         if (budget <= 0 || (one_at_a_time && !plan.entries.empty())) break;
         const PrefillJobView& j = jobs[k];
         if (j.follows) continue;
+        if (!plan.entries.empty() && jobs[plan.entries.front().job].urgent && !j.urgent) continue;
         if (!j.looked_up) {
             plan.lookup = static_cast<int64_t>(k);
             plan.entries.clear();

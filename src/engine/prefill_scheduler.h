@@ -4,7 +4,10 @@
 // the hand-offs). Earliest deadline first; a request whose prompt ends in a full
 // block that another request in hand is still computing waits for it (then takes
 // the block from the prefix cache); the token budget is shared in deadline order;
-// after a KV shortage, one request at a time.
+// after a KV shortage, one request at a time. A pass led by an urgent (critical)
+// request takes only urgent ones: a pass costs a fixed part plus a part per token,
+// and padding it with other classes' tokens would delay the critical first tokens
+// by their share.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +21,7 @@ struct PrefillJobView {
     int64_t remaining = 0;   // tokens still to compute (final once looked_up)
     bool looked_up = false;  // the prefix cache was consulted (it may lower remaining)
     bool follows = false;    // waits for another job's blocks (PrefillWorker::follows)
+    bool urgent = false;     // of the critical class (engine/scheduling.h)
 };
 
 struct PrefillEntry {

@@ -189,10 +189,15 @@ ApiError failure(int32_t code) {
 
 double seconds_between(uint64_t a_ns, uint64_t b_ns) { return static_cast<double>(b_ns - a_ns) * 1e-9; }
 
+// retry_after_ms > 0: Retry-After (whole seconds, rounded up) and retry-after-ms,
+// both of which the openai client honours.
 awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, http::status st, std::string body,
-                               std::string type, bool retry_after) {
+                               std::string type, uint64_t retry_after_ms) {
     auto res = make_response(st, std::move(body), req, type.c_str());
-    if (retry_after) res.set(http::field::retry_after, "1");
+    if (retry_after_ms > 0) {
+        res.set(http::field::retry_after, std::to_string(retry_after_seconds(retry_after_ms)));
+        res.set("retry-after-ms", std::to_string(retry_after_ms));
+    }
     beast::error_code ec;
     co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
     co_return !ec;
@@ -215,6 +220,7 @@ struct Choice {
     StopText stream;  // the generated text, stop strings applied, and what was streamed
     std::vector<int32_t> out;
     uint32_t have = 0;                             // output tokens read
+    uint32_t attempt = 0;                          // the request's attempt this front last sent
     uint32_t sent_have = 0;                        // `have` when its last event was written (the event id)
     shm::ReqState seen_state = shm::ReqState::Free;  // as last read
     std::string finish;
@@ -286,8 +292,16 @@ struct Completion {
     std::vector<Choice> ch;
     std::string id;
     int64_t created = 0;
-    uint64_t deadline = 0;  // past it, a choice still running is cancelled
+    uint64_t deadline = 0;  // past it, a choice still running is cancelled ("timeout")
+    bool timed_out = false;
     bool client_gone = false;
+    // Scheduling (engine/scheduling.h): its class; the prompt tokens it holds in the
+    // front's queue (until its first token, or its end); its first token and gaps.
+    SloClass cls = SloClass::Standard;
+    int64_t queued = 0;
+    uint64_t first_ns = 0;
+    double gap_sum = 0;
+    int64_t gaps = 0;
     std::string xid;          // the client's X-Request-Id ("": none)
     std::string resumed_id;   // adopted from a dead front: the orphan to forget when it ends
     // Event id: each choice's output tokens read when its last event was written.
@@ -408,7 +422,7 @@ awaitable<void> write_stream_head(beast::tcp_stream& stream, const Request& req,
 struct FrontSession {
     static awaitable<bool> error(Front& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
         f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
-        const bool retry = e.status == 429 || e.status == 503;
+        const uint64_t retry = e.status == 429 || e.status == 503 ? (e.retry_after_ms ? e.retry_after_ms : 1000) : 0;
         co_return co_await write_response(stream, req, status_of(e.status), error_json(e), "application/json", retry);
     }
     static awaitable<void> listen(Front& f);
@@ -456,6 +470,20 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
     : impl_(std::make_unique<Impl>()), inst_(inst), self_(self), tok_(tok), tmpl_(std::move(tmpl)),
       opts_(std::move(o)), key_(opts_.api_key), router_(inst, /*redrive=*/false) {
     opts_.api_key.clear();  // only its digest stays (key_)
+    admission_ = AdmissionControl(opts_.admission);
+}
+
+AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens) {
+    std::lock_guard<std::mutex> lock(sched_mu_);
+    AdmissionDecision d = admission_.decide(c, tokens, queue_, prefill_rate_.rate());
+    if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
+    return d;
+}
+
+void Front::queue_left(SloClass c, int64_t tokens, int64_t computed, uint64_t start_ns, uint64_t end_ns) {
+    std::lock_guard<std::mutex> lock(sched_mu_);
+    if (computed >= 0 && start_ns != 0) prefill_rate_.done(start_ns, end_ns, computed);
+    queue_.pending[static_cast<size_t>(c)] -= tokens;
 }
 
 Front::~Front() { stop(); }
@@ -663,7 +691,7 @@ awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, b
         f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc.import_file(query, spool); }, use_awaitable);
     if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
     const bool ok = co_await write_response(stream, req, status_of(reply.status), std::move(reply.body),
-                                            "application/json", reply.status == 429);
+                                            "application/json", reply.status == 429 ? 1000 : 0);
     co_return ok && req.keep_alive();
 }
 
@@ -677,7 +705,7 @@ awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, R
     if (auto* e = std::get_if<ApiReply>(&file)) {
         f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
         co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body), "application/json",
-                                          e->status == 429);
+                                          e->status == 429 ? 1000 : 0);
     }
     const std::string& path = std::get<std::string>(file);
     http::response<http::file_body> res{http::status::ok, req.version()};
@@ -757,6 +785,21 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.cancelled = c.cancelled.load(std::memory_order_relaxed);
     m.failed = c.failed.load(std::memory_order_relaxed);
     m.rejected_busy = c.rejected_busy.load(std::memory_order_relaxed);
+    m.scheduling = true;
+    m.rejected_ttft = c.rejected_ttft.load(std::memory_order_relaxed);
+    m.rejected_queue = c.rejected_queue.load(std::memory_order_relaxed);
+    m.timeouts = c.timeouts.load(std::memory_order_relaxed);
+    m.preempted = c.preempted.load(std::memory_order_relaxed);
+    for (size_t k = 0; k < kSloClasses; ++k) {
+        m.class_ttft[k] = &c.class_ttft[k];
+        m.class_done[k] = c.class_done[k].load(std::memory_order_relaxed);
+        m.class_met[k] = c.class_met[k].load(std::memory_order_relaxed);
+    }
+    {
+        std::lock_guard<std::mutex> lock(f.sched_mu_);
+        m.queued_tokens = f.queue_.pending;
+        m.prefill_rate = f.prefill_rate_.rate();
+    }
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
     m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);
@@ -819,7 +862,7 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
         [&]() -> awaitable<ApiReply> { co_return svc.handle(method, path, query, req.body()); }, use_awaitable);
     if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
     co_return co_await write_response(stream, req, status_of(reply.status), std::move(reply.body), "application/json",
-                                      reply.status == 429);
+                                      reply.status == 429 ? 1000 : 0);
 }
 
 // A FINISHED return_kv request's table names exactly the blocks its worker moved to
@@ -923,6 +966,15 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     }
     if (edited) req.body() = body.dump();
     if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
+    // Its class: the body's "priority", else the X-Duet-Priority header, else standard.
+    if (c.r.priority) {
+        c.cls = *c.r.priority;
+    } else if (const auto h = req["X-Duet-Priority"]; !h.empty()) {
+        auto cls = parse_priority(std::string_view(h.data(), h.size()));
+        if (!cls) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                                                     "X-Duet-Priority: " + cls.error().message, "", ""));
+        c.cls = *cls;
+    }
     if (!c.context.empty() && c.r.n != 1)
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error", "n: a context completion has one choice", "n", ""));
@@ -1026,6 +1078,27 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
 // first one's prompt blocks in the prefix cache (prefill waits for them).
 std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
     shm::RequestTable& t = f.inst_.requests();
+    // Admission (engine/scheduling.h A1/A2), before any slot or KV is taken.
+    const auto prompt_tokens = static_cast<int64_t>(c.prompt.size());
+    const AdmissionDecision d = f.admit_tokens(c.cls, prompt_tokens);
+    if (!d.admit) {
+        (d.reason == "queue" ? f.counters_.rejected_queue : f.counters_.rejected_ttft)
+            .fetch_add(1, std::memory_order_relaxed);
+        ApiError e = api_error(429, "rate_limit_error",
+                               d.reason == "queue"
+                                   ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
+                                                 slo_class_name(c.cls), d.retry_after_ms)
+                                   : fmt::format("a first token within the {} class's {} ms is not possible now "
+                                                 "(predicted {} ms); retry in {} ms",
+                                                 slo_class_name(c.cls), f.opts_.admission.slo.of(c.cls).ttft_ns / 1000000,
+                                                 d.predicted_ttft_ns / 1000000, d.retry_after_ms),
+                               "", d.reason == "queue" ? "queue_full" : "slo_unreachable");
+        e.retry_after_ms = d.retry_after_ms;
+        return e;
+    }
+    c.queued = prompt_tokens;
+    params.slo_class = static_cast<uint32_t>(c.cls);
+    params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
@@ -1045,9 +1118,11 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
                 t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
+            f.queue_left(c.cls, std::exchange(c.queued, 0), -1);
             return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
         c.ch[i].ref = *sub;
+        c.ch[i].attempt = t.attempt(sub->slot);
     }
     // Resumable after a front restart (a context's completion is not: its commit is
     // this process's): the record goes in before any worker sees the request.
@@ -1066,7 +1141,9 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
 // Until every choice has ended: reads each one's new tokens, streams them if asked,
 // and sleeps until a slot changes.
 awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Completion& c) {
-    c.deadline = shm::monotonic_ns() + static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull;
+    // The request's own "timeout", else the server's; from its arrival.
+    c.deadline = c.arrived + (c.r.timeout_s > 0 ? static_cast<uint64_t>(c.r.timeout_s * 1e9)
+                                                 : static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull);
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
     for (;;) {
         bool all_done = true;
@@ -1091,15 +1168,40 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
     ch.seen_state = step.st;
     step.terminal = step.st == shm::ReqState::Finished || step.st == shm::ReqState::Failed ||
                     step.st == shm::ReqState::Cancelled;
+    // Preempted by decode (recompute: DecodeWorker::preempt): back in QUEUED, ours, at
+    // a new attempt. It goes to prefill again, with its output so far.
+    if (step.st == shm::ReqState::Queued && t.owner_slot(ch.ref.slot) == static_cast<int32_t>(f.self_.slot) &&
+        t.attempt(ch.ref.slot) != ch.attempt) {
+        ch.attempt = t.attempt(ch.ref.slot);
+        f.counters_.preempted.fetch_add(1, std::memory_order_relaxed);
+        (void)f.send(ch.ref);
+    }
     const size_t before = ch.out.size();
     if (auto n = t.read_output(ch.ref, ch.have, ch.out)) ch.have = *n;
     step.seen_ns = shm::monotonic_ns();
     if (ch.out.size() > before) {
         if (ch.last_token_ns == 0) {
             f.counters_.ttft.observe(seconds_between(c.arrived, step.seen_ns));
+            if (c.first_ns == 0) {
+                c.first_ns = step.seen_ns;
+                f.counters_.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
+            }
+            if (c.queued > 0) {  // prefill is done with the prompt: it leaves the queue
+                // Its prefill's interval (the slot's phase times of this attempt): from
+                // when a worker took it to its hand-off (or now, for one that ended there).
+                const shm::ReqSlot& rs = t.slot(ch.ref.slot);
+                const int64_t cached = rs.n_cached.load(std::memory_order_relaxed);
+                const uint64_t took = rs.prefill_ns.load(std::memory_order_relaxed);
+                const uint64_t handed = rs.handoff_ns.load(std::memory_order_relaxed);
+                f.queue_left(c.cls, c.queued, std::max<int64_t>(0, c.queued - cached), took,
+                             handed >= took && handed != 0 ? handed : step.seen_ns);
+                c.queued = 0;
+            }
         } else {  // several tokens at once share the gap
             const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
             for (size_t i = before; i < ch.out.size(); ++i) f.counters_.itl.observe(gap);
+            c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
+            c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
         ch.last_token_ns = step.seen_ns;
         if (c.r.logprobs >= 0) read_logprobs(t, f.tok_, ch, c.r.logprobs, before, ch.out.size());
@@ -1139,7 +1241,10 @@ bool FrontSession::settle_choice(Front& f, Completion& c, Choice& ch, const Choi
     shm::RequestTable& t = f.inst_.requests();
     if (c.client_gone && !step.terminal) ch.cancel(t);
     if (!step.terminal) {
-        if (shm::monotonic_ns() > c.deadline) ch.cancel(t);
+        if (shm::monotonic_ns() > c.deadline) {
+            c.timed_out = true;
+            ch.cancel(t);
+        }
         return false;
     }
     ch.done = true;
@@ -1185,6 +1290,10 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
         if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
         o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
+        if (ch.finish.empty() && ch.final_state == shm::ReqState::Cancelled && c.timed_out) {
+            ch.finish = "timeout";  // duet's extension: ended by its "timeout"
+            f.counters_.timeouts.fetch_add(1, std::memory_order_relaxed);
+        }
         if (ch.finish.empty()) {
             if (ch.final_state == shm::ReqState::Finished)
                 ch.finish = (!c.r.ignore_eos && !ch.out.empty() && f.tok_.is_eog(ch.out.back())) ? "stop" : "length";
@@ -1206,6 +1315,19 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
     if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
     else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
     else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
+    // Ended without a first token: its prompt leaves the queue unmeasured.
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), -1);
+    // SLO attainment: a completion that ended without failing meets its class's
+    // targets when its first token came within the TTFT target and its tokens, on
+    // average, within the ITL target.
+    if (!o.failed && c.first_ns != 0) {
+        const size_t k = static_cast<size_t>(c.cls);
+        const SloTarget& target = f.opts_.admission.slo.of(c.cls);
+        const bool met = c.first_ns - c.arrived <= target.ttft_ns &&
+                         (c.gaps == 0 || c.gap_sum / static_cast<double>(c.gaps) <= static_cast<double>(target.itl_ns) / 1e9);
+        f.counters_.class_done[k].fetch_add(1, std::memory_order_relaxed);
+        if (met) f.counters_.class_met[k].fetch_add(1, std::memory_order_relaxed);
+    }
     f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
     return o;
 }

@@ -5,6 +5,7 @@
 // checked on the text). A client that goes away cancels its request.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -15,6 +16,7 @@
 
 #include "base/histogram.h"
 #include "base/result.h"
+#include "engine/scheduling.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
 #include "roles/api_key.h"
@@ -40,6 +42,9 @@ struct FrontOptions {
     // A dead front's requests this front adopted wait this long for their clients
     // (GET /v1/requests/{id}/events, an X-Request-Id retry) before they are cancelled.
     uint64_t resume_window_ns = kResumeWindowNs;
+    // Classes, their targets and admission (engine/scheduling.h: --slo,
+    // --admit-queue-tokens, --admit-slack).
+    AdmissionOptions admission;
 };
 
 struct FrontCounters {
@@ -54,6 +59,13 @@ struct FrontCounters {
     // The front's own work: parse + template + tokenize + enqueue per request, and
     // read + detokenize + write per streamed event.
     Histogram admit, stream_event;
+    // Scheduling: refusals by reason (A1 "ttft", A2 "queue"), requests ended by their
+    // timeout, and per class the TTFT, the completions that ended and those that met
+    // both targets (TTFT and mean ITL): SLO attainment and goodput.
+    std::atomic<uint64_t> rejected_ttft{0}, rejected_queue{0}, timeouts{0};
+    std::atomic<uint64_t> preempted{0};  // requests decode preempted (by recompute) that this front sent again
+    std::array<Histogram, kSloClasses> class_ttft;
+    std::array<std::atomic<uint64_t>, kSloClasses> class_done{}, class_met{};
 };
 
 class Front {
@@ -101,6 +113,18 @@ private:
     std::thread notifier_;
     std::atomic<bool> quit_{false};
     std::atomic<uint64_t> loop_alive_ns_{0};
+    // Admission (engine/scheduling.h) over the prompt tokens this front has admitted
+    // and prefill has not finished, per class, and prefill's measured rate.
+    std::mutex sched_mu_;
+    AdmissionControl admission_{AdmissionOptions{}};
+    PrefillRateMeter prefill_rate_;
+    QueueView queue_;
+    // Decides; an admitted request's tokens join the queue.
+    AdmissionDecision admit_tokens(SloClass c, int64_t tokens);
+    // They leave it: prefill ended (its first token; `computed` of them were not
+    // cached, over [start_ns, end_ns]: PrefillRateMeter::done) or the request ended
+    // without one (computed < 0: not measured).
+    void queue_left(SloClass c, int64_t tokens, int64_t computed, uint64_t start_ns = 0, uint64_t end_ns = 0);
     void notify_loop();
     void adopt_orphans();
     void expire_orphans(uint64_t now_ns);

@@ -1,5 +1,7 @@
 #include "roles/launcher.h"
 
+#include "engine/scheduling.h"
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -165,6 +167,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.contexts_disk_max = s.contexts_disk_max;
             fs.public_metrics = s.public_metrics;
             fs.resume_window_s = s.resume_window_s;
+            fs.scheduling = s.scheduling;
             if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
             r.settings = fs;
             front = std::move(r);
@@ -209,6 +212,7 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
         return make_error("--ctx must be between 16 and the model's {} tokens", f.n_ctx_train);
     auto dtype = parse_kv_dtype(s.kv_dtype);
     if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
+    if (auto slo = SloTable::parse(s.scheduling.slo); !slo) return slo.error();
     if (!s.contexts_dir.empty() && !f.gpus.empty())
         return make_error("--contexts-dir: contexts are served on CPU arenas only so far");
     if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))

@@ -35,6 +35,16 @@
 
 namespace duet {
 
+// Scheduling (engine/scheduling.h), given to the front: --slo, the admission
+// watermark and slack, the default request timeout.
+struct SchedulingSettings {
+    std::string slo;                   // "critical=300ms/20ms,..."; "": the defaults
+    int64_t admit_queue_tokens = 65536;  // A2's high watermark (low: 3/4 of it); 0: none
+    double admit_slack = 1.0;          // A1: refuse past slack x the class's TTFT target (0: A1 off)
+    int request_timeout_s = 600;       // a request's "timeout" when it names none
+    friend bool operator==(const SchedulingSettings&, const SchedulingSettings&) = default;
+};
+
 // `duet serve`'s settings (its flags, src/cli/role_flags.cpp).
 struct ServeSettings {
     std::string model;
@@ -77,6 +87,7 @@ struct ServeSettings {
     std::string api_key;
     bool public_metrics = false;  // /metrics without the key
     int resume_window_s = 30;     // a dead front's requests wait this long for their clients (kResumeWindowNs)
+    SchedulingSettings scheduling;
 };
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
@@ -113,6 +124,7 @@ struct FrontSettings {
     std::string api_key;          // from --api-key or DUET_API_KEY (the launcher sets the latter)
     int resume_window_s = 30;
     bool public_metrics = false;  // /metrics without the key
+    SchedulingSettings scheduling;
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;
 };
 

@@ -134,10 +134,47 @@ std::string metrics_contexts(const ContextStats& c) {
            c.persist.prometheus("duet_context_persist_seconds", "a durable context operation's log records written and synced");
 }
 
+// Per class, labelled class="critical" | "standard" | "batch".
+std::string metrics_classes(const MetricsSnapshot& s) {
+    std::string m = family("duet_requests_rejected_total", "counter",
+                           "Requests refused with 429 by admission: ttft (its class's target could not be met), "
+                           "queue (the prefill queue's watermark), busy (no request slot).") +
+                    fmt::format("duet_requests_rejected_total{{reason=\"ttft\"}} {}\n"
+                                "duet_requests_rejected_total{{reason=\"queue\"}} {}\n"
+                                "duet_requests_rejected_total{{reason=\"busy\"}} {}\n",
+                                s.rejected_ttft, s.rejected_queue, s.rejected_busy) +
+                    family("duet_requests_timed_out_total", "counter",
+                           "Requests ended by their timeout (finish_reason \"timeout\").") +
+                    fmt::format("duet_requests_timed_out_total {}\n", s.timeouts) +
+                    family("duet_requests_preempted_total", "counter",
+                           "Running requests that gave way to others, by how their KV was given back (recompute: "
+                           "dropped and computed again by prefill).") +
+                    fmt::format("duet_requests_preempted_total{{mode=\"recompute\"}} {}\n", s.preempted) +
+                    family("duet_prefill_rate_tokens_per_second", "gauge",
+                           "Prefill's measured throughput while busy, as admission predicts with (0: not measured yet).") +
+                    fmt::format("duet_prefill_rate_tokens_per_second {}\n", s.prefill_rate);
+    std::string queued = family("duet_class_queued_prompt_tokens", "gauge",
+                                "Prompt tokens admitted and not yet prefilled, by class."),
+                done = family("duet_class_requests_total", "counter", "Completions that ended without error, by class."),
+                met = family("duet_class_slo_met_total", "counter",
+                             "Completions that met their class's TTFT and mean ITL targets (goodput), by class."),
+                ttft = family("duet_class_time_to_first_token_seconds", "histogram",
+                              "request arrival to its first token, by class");
+    for (size_t k = 0; k < kSloClasses; ++k) {
+        const std::string l = fmt::format("class=\"{}\"", slo_class_name(static_cast<SloClass>(k)));
+        queued += fmt::format("duet_class_queued_prompt_tokens{{{}}} {}\n", l, s.queued_tokens[k]);
+        done += fmt::format("duet_class_requests_total{{{}}} {}\n", l, s.class_done[k]);
+        met += fmt::format("duet_class_slo_met_total{{{}}} {}\n", l, s.class_met[k]);
+        if (s.class_ttft[k]) ttft += s.class_ttft[k]->series("duet_class_time_to_first_token_seconds", l);
+    }
+    return m + queued + done + met + (s.class_ttft[0] ? ttft : std::string());
+}
+
 }  // namespace
 
 std::string metrics_text(const MetricsSnapshot& s) {
     return metrics_counters(s) + metrics_arenas(s) + metrics_workers(s) + metrics_histograms(s) +
+           (s.scheduling ? metrics_classes(s) : std::string()) +
            (s.contexts ? metrics_contexts(*s.contexts) : std::string());
 }
 

@@ -3,12 +3,14 @@
 // server. The front takes the snapshot (src/roles/front.cpp).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "base/histogram.h"
 #include "engine/contexts.h"
+#include "engine/scheduling.h"
 
 namespace duet {
 
@@ -42,6 +44,15 @@ struct MetricsSnapshot {
     const Histogram *admit = nullptr, *stream_event = nullptr;
     // The front's contexts (null: off, nothing reported).
     const ContextStats* contexts = nullptr;
+    // Scheduling (engine/scheduling.h): refusals by reason, timeouts, and per class
+    // (critical, standard, batch) the TTFT histogram, completions that ended and
+    // those that met both targets; the front's queue and prefill's measured rate.
+    bool scheduling = false;  // the families below are reported (a serving front: always)
+    uint64_t rejected_ttft = 0, rejected_queue = 0, timeouts = 0, preempted = 0;
+    std::array<const Histogram*, kSloClasses> class_ttft{};
+    std::array<uint64_t, kSloClasses> class_done{}, class_met{};
+    std::array<int64_t, kSloClasses> queued_tokens{};
+    double prefill_rate = 0;
 };
 
 // The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms,

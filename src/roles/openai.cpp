@@ -195,6 +195,21 @@ Field read_choices(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// priority and timeout (duet's extensions, engine/scheduling.h).
+Field read_scheduling(const json& j, CompletionRequest& r) {
+    if (auto it = j.find("priority"); it != j.end() && !it->is_null()) {
+        std::string v;
+        if (it->is_string()) v = it->get<std::string>();
+        else if (it->is_number_integer()) v = std::to_string(it->get<int64_t>());
+        auto c = parse_priority(v);
+        if (!it->is_string() && !it->is_number_integer()) c = make_error(ErrorKind::Invalid, "");
+        if (!c) return bad("priority", "'priority' must be critical, standard, batch or an integer (lower is more urgent)");
+        r.priority = *c;
+    }
+    if (auto e = number<double>(j, "timeout", r.timeout_s, 0.001, 86400)) return *e;
+    return std::nullopt;
+}
+
 // Options this server does not implement are errors, never ignored.
 Field refuse_unsupported(const json& j) {
     for (const char* key : {"tools", "functions", "response_format"}) {
@@ -224,7 +239,7 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     r.chat = chat;
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
-    for (auto read : {read_sampling, read_stop, read_stream, read_choices})
+    for (auto read : {read_sampling, read_stop, read_stream, read_choices, read_scheduling})
         if (auto e = read(j, r)) return *e;
     if (auto e = refuse_unsupported(j)) return *e;
     return r;

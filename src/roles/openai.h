@@ -11,6 +11,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/scheduling.h"
+
 #include "model/chat_template.h"
 #include "model/sampler.h"
 
@@ -22,6 +24,8 @@ struct ApiError {
     std::string message;
     std::string param;  // the offending field, "" if none
     std::string code;   // e.g. "model_not_found", "context_length_exceeded"
+    // 429 / 503: when to try again (the Retry-After and retry-after-ms headers); 0: 1 s.
+    uint64_t retry_after_ms = 0;
 };
 // {"error": {"message", "type", "param", "code"}}
 std::string error_json(const ApiError& e);
@@ -40,6 +44,11 @@ struct CompletionRequest {
     bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
     int n = 1;                // choices, each its own request sharing the prompt's cached blocks
     int logprobs = -1;        // -1: none; else log-probabilities with this many top alternatives
+    // duet's scheduling extensions (engine/scheduling.h): "priority" (critical,
+    // standard, batch or an integer; else the X-Duet-Priority header, else standard)
+    // and "timeout" (seconds; past it the request ends with finish_reason "timeout").
+    std::optional<SloClass> priority;
+    double timeout_s = 0;  // 0: the server's --request-timeout
 };
 inline constexpr int kMaxChoices = 16;
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs

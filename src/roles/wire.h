@@ -136,6 +136,12 @@ struct RequestParams {
     // client adopts them (the context grows without computing them again) or drops
     // them. One shared arena only (no kv_split).
     uint32_t return_kv = 0;
+    // The request's class (engine/scheduling.h SloClass) and its TTFT target: prefill
+    // serves earliest deadline first, the deadline being the submission time plus
+    // the target plus a millisecond per prompt token (a context's computation has no
+    // target: the per-token term alone).
+    uint32_t slo_class = 1;
+    uint64_t ttft_target_ns = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -323,57 +323,111 @@ shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m, uint32_t arena) {
     return s < 0 ? shm::ProcRef{} : reg.current(static_cast<uint32_t>(s));
 }
 
-bool PrefillWorker::admit() {
+// Takes the request a ring message names into this worker's hand (a job), unless
+// another worker took it or it was re-driven and sent again: its QUEUED -> PREFILLING
+// CAS then fails and the message is simply dropped.
+void PrefillWorker::take(const WireMsg& m) {
     shm::RequestTable& t = inst_->requests();
     const int64_t bt = pool_->layout().block_tokens;
-    bool any = false;
-    while (jobs_.size() < static_cast<size_t>(std::max(1, opts_.max_prefills))) {
-        size_t n = 0;
-        shm::SpscConsumer<WireMsg>* from = &redo_;  // re-driven requests first: they were admitted earlier
-        const WireMsg* m = redo_.peek(&n);
-        if (n == 0) {
-            from = &in_;
-            m = in_.peek(&n);
+    const shm::ReqRef r{m.slot, m.gen};
+    // A message for a request another prefill took, or that was re-driven and
+    // sent again, loses this CAS and is dropped. Once the CAS is won the request
+    // is ours (owner in the state word): if we die from here on, recovery
+    // re-drives it, so the message can go.
+    if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
+        shm::ReqSlot& slot = t.slot(r.slot);
+        slot.prefill_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+        inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+        Job j;
+        j.req = r;
+        j.params = request_params(t, r.slot);
+        const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
+        j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
+        auto no = t.read_output(r, 0, j.output);
+        const bool done_already =
+            !no || j.output.size() >= j.params.max_tokens ||
+            (j.params.stop_at_eog && !j.output.empty() && tok_->is_eog(j.output.back()));
+        if (done_already) {  // re-driven after its last token was written
+            t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
+            inst_->registry().wake(shm::Role::Front);
+        } else {
+            j.all = j.prompt;
+            j.all.insert(j.all.end(), j.output.begin(), j.output.end());
+            if (j.params.given_tokens > 0) take_given(j);
+            // Earliest deadline first: the class's TTFT target plus a millisecond
+            // per token, so that within a class short prompts go first
+            // (engine/scheduling.h: the aging bound).
+            j.deadline_ns = slot.submit_ns + j.params.ttft_target_ns +
+                            static_cast<uint64_t>(opts_.deadline_ns_per_token) * j.all.size();
+            if (opts_.prefix_cache) {
+                shm::BlockHash h;
+                for (size_t at = 0; at + static_cast<size_t>(bt) <= j.all.size(); at += static_cast<size_t>(bt)) {
+                    h = hasher_.hash(h, j.all.data() + at, static_cast<size_t>(bt), model_->fingerprint(), {});
+                    j.hashes.push_back(h);
+                }
+            }
+            jobs_.push_back(std::move(j));
         }
+    }
+}
+
+// The deadline of the request a message of the front's ring names (as take() will
+// set it), or 0 when the message is stale (the request is not QUEUED at that
+// generation: another worker took it, or it ended): taken at once and dropped.
+uint64_t PrefillWorker::queued_deadline(const WireMsg& m) const {
+    const shm::RequestTable& t = inst_->requests();
+    const shm::ReqRef r{m.slot, m.gen};
+    if (!t.is(r, shm::ReqState::Queued)) return 0;
+    const shm::ReqSlot& slot = t.slot(r.slot);
+    const RequestParams p = request_params(t, r.slot);
+    const uint64_t n = slot.n_prompt.load(std::memory_order_relaxed);
+    return std::max<uint64_t>(1, slot.submit_ns + p.ttft_target_ns + static_cast<uint64_t>(opts_.deadline_ns_per_token) * n);
+}
+
+// Fills the hand (max_prefills jobs): re-driven requests first, in their order (they
+// were admitted before); then the front's, earliest deadline first across every
+// message waiting in its ring, not only the oldest (a critical request behind a
+// backlog of batch work is taken first). A message taken out of order stays in the
+// ring, marked, until the ones before it are taken too: the ring is released only
+// up to its first message not taken, so a worker that dies leaves every message it
+// had not taken to its successor (and the copies of those it had taken lose their
+// CAS there: recovery re-drove them).
+bool PrefillWorker::admit() {
+    bool any = false;
+    const auto room = [&] { return jobs_.size() < static_cast<size_t>(std::max(1, opts_.max_prefills)); };
+    while (room()) {
+        size_t n = 0;
+        const WireMsg* m = redo_.peek(&n);
         if (n == 0) break;
         any = true;
-        const shm::ReqRef r{m->slot, m->gen};
-        // A message for a request another prefill took, or that was re-driven and
-        // sent again, loses this CAS and is dropped. Once the CAS is won the request
-        // is ours (owner in the state word): if we die from here on, recovery
-        // re-drives it, so the message can go.
-        if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
-            shm::ReqSlot& slot = t.slot(r.slot);
-            slot.prefill_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
-            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
-            Job j;
-            j.req = r;
-            j.params = request_params(t, r.slot);
-            const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
-            j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
-            auto no = t.read_output(r, 0, j.output);
-            const bool done_already =
-                !no || j.output.size() >= j.params.max_tokens ||
-                (j.params.stop_at_eog && !j.output.empty() && tok_->is_eog(j.output.back()));
-            if (done_already) {  // re-driven after its last token was written
-                t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
-                inst_->registry().wake(shm::Role::Front);
-            } else {
-                j.all = j.prompt;
-                j.all.insert(j.all.end(), j.output.begin(), j.output.end());
-                if (j.params.given_tokens > 0) take_given(j);
-                j.deadline_ns = slot.submit_ns + static_cast<uint64_t>(opts_.deadline_ns_per_token) * j.all.size();
-                if (opts_.prefix_cache) {
-                    shm::BlockHash h;
-                    for (size_t at = 0; at + static_cast<size_t>(bt) <= j.all.size(); at += static_cast<size_t>(bt)) {
-                        h = hasher_.hash(h, j.all.data() + at, static_cast<size_t>(bt), model_->fingerprint(), {});
-                        j.hashes.push_back(h);
-                    }
-                }
-                jobs_.push_back(std::move(j));
+        take(*m);
+        redo_.release(1);
+    }
+    size_t n = 0;
+    const WireMsg* m = in_.peek(&n);
+    if (in_seen_.size() > n) in_seen_.resize(n);  // (cannot shrink unless released: defensive)
+    while (in_seen_.size() < n) in_seen_.push_back(queued_deadline(m[in_seen_.size()]));
+    while (room()) {
+        size_t best = n;
+        for (size_t i = 0; i < n; ++i) {
+            if (in_seen_[i] == kTaken) continue;
+            if (in_seen_[i] == 0) {  // stale: dropped
+                in_seen_[i] = kTaken;
+                any = true;
+                continue;
             }
+            if (best == n || in_seen_[i] < in_seen_[best]) best = i;
         }
-        from->release(1);
+        if (best == n) break;
+        any = true;
+        take(m[best]);
+        in_seen_[best] = kTaken;
+    }
+    size_t prefix = 0;
+    while (prefix < in_seen_.size() && in_seen_[prefix] == kTaken) ++prefix;
+    if (prefix > 0) {
+        in_.release(prefix);
+        in_seen_.erase(in_seen_.begin(), in_seen_.begin() + static_cast<std::ptrdiff_t>(prefix));
     }
     if (any) publish_load();
     return any;
@@ -526,7 +580,7 @@ PrefillPlan PrefillWorker::plan_pass() {
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
-                        jobs_[k].looked_up, follows(k)};
+                        jobs_[k].looked_up, follows(k), jobs_[k].params.slo_class == 0};
         PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_);
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
@@ -565,6 +619,23 @@ void PrefillWorker::erase_jobs(std::vector<size_t> which) {
 }
 
 // A pass that did not run: nothing it reserved is held any more.
+// Whether a request whose pass alone found no KV blocks waits for them rather than
+// failing: it fits the whole arena, others hold blocks now, it is not a context's
+// computation (the context store answers that failure by evicting idle contexts,
+// ContextStore::compute: waiting would wait on it), and it has waited less than
+// kKvWaitNs (blocks held for good, by pinned contexts say, end in the failure).
+bool PrefillWorker::waits_for_kv(Job& j) {
+    constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
+    const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
+    const KvBlockAllocator& a = pool_->allocator();
+    const uint64_t now = shm::monotonic_ns();
+    if (j.params.keep_kv || static_cast<int64_t>((j.all.size() + bt - 1) / bt) > a.n_blocks() ||
+        a.n_available() >= a.n_blocks())
+        return false;
+    if (j.kv_wait_since == 0) j.kv_wait_since = now;
+    return now - j.kv_wait_since < kKvWaitNs;
+}
+
 void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
     // No destination blocks held while a request is not in a pass: they would sit in
     // decode's arena while this one waits for room in ours.
@@ -582,8 +653,15 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
         // the next pass with the earliest-deadline one alone, taking no new ones.
         kv_short_ = true;
         return;
+    } else if (Job& j = jobs_[p.jobs.front()]; waits_for_kv(j)) {
+        // Alone, it would fit in the arena, but others hold blocks now (decode's
+        // running sequences, which end or give way: DecodeWorker::preempt; a preempted
+        // request comes back here): it waits, holding what it has, and tries again.
+        kv_short_ = true;
+        usleep(2000);
+        return;
     } else {
-        // A request that cannot run even alone fails (freeing its blocks).
+        // A request that cannot fit even in the whole arena fails (freeing its blocks).
         fail(jobs_[p.jobs.front()], ReqError::PrefillKv);
         erase_jobs(p.jobs);
     }
@@ -595,6 +673,7 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
 // whose prompt it completed sample their first token and are handed off.
 void PrefillWorker::pass_done(const Pass& p) {
     kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
+    for (size_t k : p.jobs) jobs_[k].kv_wait_since = 0;
     std::vector<size_t> finished;
     for (size_t i = 0; i < p.jobs.size(); ++i) {
         Job& j = jobs_[p.jobs[i]];
@@ -706,6 +785,26 @@ void DecodeWorker::finish(size_t i, shm::ReqState to) {
     active_.pop_back();
 }
 
+// Preemption by recompute: the sequence's KV is dropped and its request goes back to
+// QUEUED with its output so far, owned by its client, which sends it to prefill again
+// (FrontSession::read_choice); prefill computes prompt + output (its re-drive path) and
+// the request continues token-identically (the invariance contract: chunking and
+// batching never change a sequence's logits; sampling is keyed by seed and position).
+// It keeps its place: its prefill deadline counts from its first submission. False
+// when the request is no longer ours to move (cancelled meanwhile: it ends as such).
+bool DecodeWorker::preempt(size_t i) {
+    shm::RequestTable& t = inst_->requests();
+    Active& a = active_[i];
+    const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
+    if (t.cancelled(a.req)) return false;
+    (void)t.reset_blocks(a.req);  // the table names no block of ours past this point
+    if (!t.transition(a.req, shm::ReqState::Decoding, shm::ReqState::Queued, client)) return false;
+    a.seq.release(*pool_);
+    active_[i] = std::move(active_.back());
+    active_.pop_back();
+    return true;
+}
+
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
     // New hand-offs join at this step boundary, up to the batch size (the rest wait
@@ -774,14 +873,20 @@ Result<bool> DecodeWorker::step() {
         a.fresh = false;
     }
     // The step's blocks first (KvCacheManager). None to be had: the decode policy
-    // names the sequence that gives way, which fails, and the rest try again next
-    // step (the scheduling issue's preemption will swap or recompute it instead).
+    // names the sequence that gives way (the least urgent class, the newest of it),
+    // which is preempted by recompute, and the rest try again next step. With one
+    // sequence left there is nobody to give way to: it fails.
     Status st = kv_->reserve(batch);
     if (!st) {
         std::vector<DecodeSeqView> views(active_.size());
         for (size_t i = 0; i < active_.size(); ++i)
-            views[i] = {active_[i].admitted, active_[i].seq.n_tokens()};
+            views[i] = {active_[i].admitted, active_[i].seq.n_tokens(), active_[i].params.slo_class};
         const size_t v = pick_decode_victim(views);
+        if (active_.size() > 1 && preempt(v)) {
+            publish_load();
+            inst_->registry().wake(shm::Role::Front);
+            return true;
+        }
         t.slot(active_[v].req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(v, shm::ReqState::Failed);
         inst_->registry().wake(shm::Role::Front);

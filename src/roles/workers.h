@@ -146,10 +146,12 @@ private:
         size_t published = 0;    // full blocks registered in the prefix index
         int32_t outlet = -1;         // kv_split: where its KV goes (outlets_)
         std::vector<int32_t> dst;    // kv_split: its blocks there
+        uint64_t kv_wait_since = 0;  // waiting alone for KV blocks others hold, since (0: not)
     };
     // Drops the blocks of hand-offs decode took (or that were re-driven); sends again
     // those whose decode worker died before taking them.
     void settle();
+    bool waits_for_kv(Job& j);  // after a pass of j alone found no KV blocks (workers.cpp)
     // Sends a hand-off to the decode worker with room and the least work; the ref of
     // the process it went to (invalid if no decode worker runs: it waits in the ring
     // of the one being restarted).
@@ -200,6 +202,12 @@ private:
     void publish_load();
     shm::SpscConsumer<WireMsg> in_;     // from the front
     shm::SpscConsumer<WireMsg> redo_;   // from the launcher: re-driven requests
+    // The front ring's readable messages (from its read position): each one's deadline
+    // (PrefillWorker::admit), or kTaken once taken or dropped.
+    static constexpr uint64_t kTaken = UINT64_MAX;
+    std::vector<uint64_t> in_seen_;
+    void take(const WireMsg& m);
+    uint64_t queued_deadline(const WireMsg& m) const;
     std::vector<shm::SpscProducer<WireMsg>> out_;  // to each decode worker
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
@@ -229,6 +237,7 @@ private:
         uint64_t admitted = 0;  // admission order (DecodeSeqView::admitted)
     };
     void finish(size_t i, shm::ReqState to);
+    bool preempt(size_t i);  // recompute preemption (workers.cpp)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)

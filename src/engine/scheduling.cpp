@@ -1,0 +1,133 @@
+#include "engine/scheduling.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace duet {
+
+const char* slo_class_name(SloClass c) {
+    switch (c) {
+        case SloClass::Critical: return "critical";
+        case SloClass::Standard: return "standard";
+        case SloClass::Batch: return "batch";
+    }
+    return "?";
+}
+
+Result<SloClass> parse_priority(std::string_view s) {
+    for (size_t i = 0; i < kSloClasses; ++i)
+        if (s == slo_class_name(static_cast<SloClass>(i))) return static_cast<SloClass>(i);
+    int64_t v = 0;
+    const char* end = s.data() + s.size();
+    auto [p, ec] = std::from_chars(s.data() + (!s.empty() && s[0] == '+'), end, v);
+    if (s.empty() || ec != std::errc() || p != end)
+        return make_error(ErrorKind::Invalid, "priority '{}': critical, standard, batch or an integer (lower is more "
+                          "urgent: negative is critical, 0 standard, positive batch)", s);
+    return v < 0 ? SloClass::Critical : v == 0 ? SloClass::Standard : SloClass::Batch;
+}
+
+namespace {
+
+Result<uint64_t> parse_duration_ns(std::string_view s) {
+    double scale = 0;
+    if (s.size() > 2 && s.substr(s.size() - 2) == "ms") {
+        scale = 1e6;
+        s.remove_suffix(2);
+    } else if (s.size() > 1 && s.back() == 's') {
+        scale = 1e9;
+        s.remove_suffix(1);
+    } else {
+        return make_error(ErrorKind::Invalid, "'{}': a duration with its unit (300ms, 2s)", s);
+    }
+    double v = 0;
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || p != s.data() + s.size() || !(v > 0) || v * scale > 3.6e12)
+        return make_error(ErrorKind::Invalid, "'{}': a positive duration of at most an hour", s);
+    return static_cast<uint64_t>(std::llround(v * scale));
+}
+
+std::string duration_text(uint64_t ns) {
+    if (ns % 1'000'000'000ull == 0) return fmt::format("{}s", ns / 1'000'000'000ull);
+    return fmt::format("{}ms", static_cast<double>(ns) / 1e6);
+}
+
+}  // namespace
+
+Result<SloTable> SloTable::parse(std::string_view spec) {
+    SloTable t;
+    while (!spec.empty()) {
+        const size_t comma = std::min(spec.find(','), spec.size());
+        std::string_view item = spec.substr(0, comma);
+        spec.remove_prefix(std::min(comma + 1, spec.size()));
+        const size_t eq = item.find('=');
+        const size_t slash = item.find('/');
+        if (eq == std::string_view::npos || slash == std::string_view::npos || slash < eq)
+            return make_error(ErrorKind::Invalid, "--slo '{}': CLASS=TTFT/ITL, e.g. critical=300ms/20ms", item);
+        auto c = parse_priority(item.substr(0, eq));
+        if (!c || item.substr(0, eq).find_first_of("0123456789") != std::string_view::npos)
+            return make_error(ErrorKind::Invalid, "--slo '{}': the class is critical, standard or batch", item);
+        auto ttft = parse_duration_ns(item.substr(eq + 1, slash - eq - 1));
+        if (!ttft) return make_error(ErrorKind::Invalid, "--slo {}: TTFT {}", item, ttft.error().message);
+        auto itl = parse_duration_ns(item.substr(slash + 1));
+        if (!itl) return make_error(ErrorKind::Invalid, "--slo {}: ITL {}", item, itl.error().message);
+        t.t[static_cast<size_t>(*c)] = {*ttft, *itl};
+    }
+    return t;
+}
+
+std::string SloTable::to_string() const {
+    std::string s;
+    for (size_t i = 0; i < kSloClasses; ++i)
+        s += fmt::format("{}{}={}/{}", i ? "," : "", slo_class_name(static_cast<SloClass>(i)), duration_text(t[i].ttft_ns),
+                         duration_text(t[i].itl_ns));
+    return s;
+}
+
+void PrefillRateMeter::done(uint64_t start_ns, uint64_t end_ns, int64_t tokens) {
+    if (end_ns < start_ns) return;
+    const uint64_t from = std::max(start_ns, covered_);
+    if (end_ns > from) busy_ns_ += end_ns - from;
+    covered_ = std::max(covered_, end_ns);
+    tokens_ += std::max<int64_t>(0, tokens);
+    if (busy_ns_ < window_ns_) return;
+    const double sample = static_cast<double>(tokens_) / (static_cast<double>(busy_ns_) / 1e9);
+    rate_ = std::max(sample, rate_ * decay_);
+    busy_ns_ = 0;
+    tokens_ = 0;
+}
+
+uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 999) / 1000); }
+
+AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate) {
+    AdmissionDecision d;
+    const int64_t total = q.total();
+    if (o_.queue_high > 0) {  // A2's hysteresis
+        if (total >= o_.queue_high) over_ = true;
+        else if (total <= o_.queue_low) over_ = false;
+    }
+    const double target_s = static_cast<double>(o_.slo.of(c).ttft_ns) / 1e9 * o_.slack;
+    const int64_t ahead = q.ahead_of(c);
+    if (rate > 0) d.predicted_ttft_ns = static_cast<uint64_t>(static_cast<double>(ahead + prompt_tokens) / rate * 1e9);
+    if (over_ && c != SloClass::Critical) {
+        d.admit = false;
+        d.reason = "queue";
+        const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
+        d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
+        return d;
+    }
+    // A1: only a queue ahead can make waiting help; a prompt that alone takes longer
+    // than its target is admitted when nothing is ahead of it.
+    if (rate > 0 && ahead > 0 && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
+        d.admit = false;
+        d.reason = "ttft";
+        const double room = std::max(0.0, rate * target_s - static_cast<double>(prompt_tokens));
+        const double s = (static_cast<double>(ahead) - room) / rate;
+        d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
+    }
+    return d;
+}
+
+}  // namespace duet

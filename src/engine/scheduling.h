@@ -1,0 +1,142 @@
+// Scheduling under pressure, the policy half (pure: table-tested without a model or
+// processes; the front and the prefill worker apply it). DESIGN.md "Scheduling".
+//
+// Classes: every request has a priority class, critical, standard (the default) or
+// batch, each with a time-to-first-token and an inter-token target (`--slo`). An
+// integer priority maps to a class as vLLM's does to an order (lower is served
+// first): negative is critical, 0 standard, positive batch.
+//
+// Order: prefill takes requests earliest deadline first, a request's deadline being
+// its arrival plus its class's TTFT target plus a millisecond per prompt token (so
+// that within a class short prompts go first). That is the aging bound: a request is
+// only ever overtaken by one whose deadline is earlier than its own, so once its own
+// deadline has passed (arrival + its target + its length in ms: 60 s and at most
+// --ctx ms for batch by default) no request that arrives later is served before it.
+//
+// Admission (AdmissionControl): a request is answered 429 before it takes any KV or
+// slot when
+//   A1. the prefill work queued ahead of it (its class and more urgent ones, in
+//       tokens) plus its own prompt, over the measured prefill rate, predicts a TTFT
+//       past its class's target times `slack`; or
+//   A2. the queue of prompt tokens not yet prefilled is over its high watermark: then
+//       standard and batch requests are refused until it falls under the low one
+//       (hysteresis; critical requests are judged by A1 alone).
+// Retry-After is computed from the same prediction: the time the queue ahead needs
+// to drain to where the request would meet its target (A1), or to the low watermark
+// (A2), at the measured rate, at least 1 ms; HTTP's Retry-After header is that in
+// whole seconds rounded up, and `retry-after-ms` the milliseconds (the openai client
+// honours both).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "base/result.h"
+
+namespace duet {
+
+enum class SloClass : uint8_t { Critical = 0, Standard = 1, Batch = 2 };
+inline constexpr size_t kSloClasses = 3;
+const char* slo_class_name(SloClass c);  // "critical", "standard", "batch"
+
+// "critical" | "standard" | "batch" | an integer (lower: more urgent), as the body's
+// `priority` or the X-Duet-Priority header gives it.
+Result<SloClass> parse_priority(std::string_view s);
+
+struct SloTarget {
+    uint64_t ttft_ns = 0;
+    uint64_t itl_ns = 0;
+};
+
+struct SloTable {
+    // Defaults sized for the CPU runtime on a small model: a short prompt's first
+    // token within 1 s for critical work; batch work only has to progress.
+    std::array<SloTarget, kSloClasses> t = {
+        SloTarget{1'000'000'000ull, 100'000'000ull},
+        SloTarget{5'000'000'000ull, 250'000'000ull},
+        SloTarget{60'000'000'000ull, 2'000'000'000ull},
+    };
+    const SloTarget& of(SloClass c) const { return t[static_cast<size_t>(c)]; }
+    // "critical=300ms/20ms,batch=30s/1s": the classes named change, the others keep
+    // their defaults. Durations: a number with ms or s.
+    static Result<SloTable> parse(std::string_view spec);
+    std::string to_string() const;
+};
+
+// Prefill's throughput in prompt tokens per second of busy time, measured by the
+// front from each prompt's prefill interval (from when a prefill worker took it to
+// its hand-off: the slot's phase times) and the tokens it computed (cached ones
+// excluded). Busy time is the union of those intervals, so a worker's restart or an
+// idle stretch is never counted, and prompts computed together in one pass count
+// their pass once. A window closes when it holds `window_ns` of busy time; the rate
+// is the best window seen, decayed by `decay` per window (a pass's cost is part
+// fixed, part per token, so small passes read slower than the full passes that
+// drain a long queue: the queue a prediction is about). 0 until the first window
+// closes: admission's A1 does not refuse before. Not thread-safe: the caller
+// serializes.
+class PrefillRateMeter {
+public:
+    explicit PrefillRateMeter(uint64_t window_ns = 200'000'000ull, double decay = 0.95)
+        : window_ns_(window_ns), decay_(decay) {}
+    // A prompt's prefill ran over [start_ns, end_ns] and computed `tokens`. Reported
+    // about in the order their prefills ended (a little out of order costs a little
+    // busy time, never counts any twice).
+    void done(uint64_t start_ns, uint64_t end_ns, int64_t tokens);
+    double rate() const { return rate_; }  // tokens per second; 0: not measured yet
+
+private:
+    uint64_t window_ns_;
+    double decay_;
+    uint64_t covered_ = 0;  // busy time is counted up to here
+    uint64_t busy_ns_ = 0;  // in the current window
+    int64_t tokens_ = 0;
+    double rate_ = 0;
+};
+
+struct AdmissionOptions {
+    SloTable slo;
+    double slack = 1.0;               // A1: refuse past slack x the class's TTFT target
+    int64_t queue_high = 65536;       // A2: prompt tokens not yet prefilled (0: no watermark)
+    int64_t queue_low = 49152;
+};
+
+struct AdmissionDecision {
+    bool admit = true;
+    std::string reason;            // why not: "ttft" (A1) or "queue" (A2)
+    uint64_t predicted_ttft_ns = 0;  // 0 when the rate is not known yet
+    uint64_t retry_after_ms = 0;
+};
+
+// The queue the front sees: prompt tokens admitted and not yet prefilled, per class.
+struct QueueView {
+    std::array<int64_t, kSloClasses> pending{};
+    int64_t total() const { return pending[0] + pending[1] + pending[2]; }
+    // What is served before a new request of class c: its class and the more urgent.
+    int64_t ahead_of(SloClass c) const {
+        int64_t s = 0;
+        for (size_t i = 0; i <= static_cast<size_t>(c); ++i) s += pending[i];
+        return s;
+    }
+};
+
+class AdmissionControl {
+public:
+    explicit AdmissionControl(AdmissionOptions o) : o_(std::move(o)) {}
+    // Decides for a request of class c with `prompt_tokens` to prefill, given the
+    // queue and prefill's measured rate (tokens/s, 0: unknown). Updates the
+    // watermark's hysteresis state (not thread-safe: the caller serializes).
+    AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate);
+    bool over_watermark() const { return over_; }
+    const AdmissionOptions& options() const { return o_; }
+
+private:
+    AdmissionOptions o_;
+    bool over_ = false;
+};
+
+// Retry-After in whole seconds for a delay in milliseconds (rounded up, at least 1).
+uint64_t retry_after_seconds(uint64_t ms);
+
+}  // namespace duet

@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""Scheduling under pressure end to end (src/engine/scheduling.h) on the real model:
+bad priorities and timeouts refused; a request past its "timeout" ends with its
+partial text, finish_reason "timeout", and its KV blocks back; a burst far past the
+prefill queue's watermark answers 429 with Retry-After and retry-after-ms (no 5xx,
+no crash, the server's RSS bounded) and the official openai client waits on them
+and succeeds; a critical request sent behind queued batch work gets its first token
+before most of it; /metrics has the families; in a small KV arena, decode preempts
+(recompute) instead of failing, and every output equals its run alone.
+
+Usage: scheduling_test.py path/to/duet   (with the venv's python: scripts/python-env)
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from duet_e2e import check, listening_port  # noqa: E402
+
+import openai  # noqa: E402
+
+DUET = sys.argv[1]
+INSTANCE = f"duet-sched-test-{os.getpid()}"
+QUEUE = 3000  # --admit-queue-tokens
+# Under sanitizers (DUET_E2E_SUBSET) every step is slower: a longer timeout still
+# leaves the request time for a few tokens.
+SLOW = os.environ.get("DUET_E2E_SUBSET") == "1"
+TIMEOUT_S = 1.5 if SLOW else 0.4
+
+
+def post(port, path, body, headers=None, timeout=300):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
+        return r.read().decode()
+
+
+def metric(port, pattern):
+    m = re.search(pattern + r" ([0-9.e+-]+)\n", get(port, "/metrics"))
+    return float(m.group(1)) if m else None
+
+
+def prompt_ids(seed, n):
+    return [100 + (seed * 7919 + k * 31) % 30000 for k in range(n)]
+
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def front_pid(server_pid):
+    out = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "duet front"], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    return pids[0] if pids else None
+
+
+def refusals(port):
+    st, _, body = post(port, "/v1/completions", {"prompt": "hi", "priority": "urgent"})
+    check(st == 400 and json.loads(body)["error"]["param"] == "priority", f"a bad priority: {st} {body}")
+    st, _, body = post(port, "/v1/completions", {"prompt": "hi"}, {"X-Duet-Priority": "soon"})
+    check(st == 400 and "X-Duet-Priority" in body, f"a bad X-Duet-Priority: {st} {body}")
+    st, _, body = post(port, "/v1/completions", {"prompt": "hi", "timeout": -1})
+    check(st == 400 and json.loads(body)["error"]["param"] == "timeout", f"a bad timeout: {st} {body}")
+    for p in ("critical", "batch", -3, 0, 7):
+        st, _, body = post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": p})
+        check(st == 200, f"priority {p!r}: {st} {body}")
+    st, _, body = post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"X-Duet-Priority": "critical"})
+    check(st == 200, f"X-Duet-Priority: critical: {st} {body}")
+    print("bad priorities and timeouts: 400 naming the field; every class accepted")
+
+
+def timeouts(port):
+    held_before = metric(port, r'duet_kv_blocks\{state="held"\}')
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "timeout": TIMEOUT_S}
+    t0 = time.time()
+    st, _, text = post(port, "/v1/completions", body)
+    took = time.time() - t0
+    check(st == 200, f"a timed-out request: {st} {text}")
+    j = json.loads(text)
+    ch = j["choices"][0]
+    check(ch["finish_reason"] == "timeout", f"finish_reason {ch['finish_reason']!r}")
+    check(0 < j["usage"]["completion_tokens"] < 400 and ch["text"], f"its partial text: {j['usage']} {ch['text']!r}")
+    check(took < TIMEOUT_S + 4, f"it ended {took:.2f} s after it was sent")
+    # Streamed: the last chunk says "timeout".
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    reasons = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: {"):
+                reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+    check(reasons and reasons[-1] == "timeout", f"the stream's finish reasons {reasons[-3:]}")
+    # Its blocks go back at once (the arena's held count returns to where it was).
+    deadline = time.time() + 5
+    while time.time() < deadline and metric(port, r'duet_kv_blocks\{state="held"\}') != held_before:
+        time.sleep(0.05)
+    check(metric(port, r'duet_kv_blocks\{state="held"\}') == held_before, "the timed-out request's blocks are free")
+    check(metric(port, "duet_requests_timed_out_total") >= 2, "duet_requests_timed_out_total")
+    print(f"timeout: partial text ({j['usage']['completion_tokens']} tokens), finish_reason timeout, blocks freed")
+
+
+def burst(port, server_pid, n=48):
+    """n requests of 400 prompt tokens at once: about QUEUE / 400 are admitted, the
+    rest get 429 with a computed Retry-After."""
+    fp = front_pid(server_pid)
+    rss0 = rss_kib(fp) if fp else 0
+    results = [None] * n
+
+    def one(i):
+        results[i] = post(port, "/v1/completions",
+                          {"prompt": prompt_ids(1000 + i, 400), "max_tokens": 2, "priority": "batch"})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = [r[0] for r in results]
+    check(all(c in (200, 429) for c in codes), f"only 200 and 429: {sorted(set(codes))}")
+    ok, refused = codes.count(200), codes.count(429)
+    check(ok >= 1 and refused >= n // 2, f"{ok} admitted, {refused} refused of {n}")
+    for st, headers, body in results:
+        if st != 429:
+            continue
+        h = {k.lower(): v for k, v in headers.items()}
+        ms = int(h.get("retry-after-ms", "0"))
+        secs = int(h.get("retry-after", "0"))
+        check(ms >= 1 and secs == max(1, (ms + 999) // 1000), f"Retry-After {secs} s and retry-after-ms {ms}")
+        e = json.loads(body)["error"]
+        check(e["type"] == "rate_limit_error" and e["code"] in ("queue_full", "slo_unreachable"), f"the 429 {e}")
+    rss1 = rss_kib(fp) if fp else 0
+    if not SLOW:  # ASan's quarantine holds freed memory: not the front's own growth
+        check(rss1 - rss0 < 64 * 1024, f"the front's RSS grew {rss1 - rss0} KiB under the burst")
+    check(metric(port, r'duet_requests_rejected_total\{reason="queue"\}') >= 1, "rejections by reason")
+    print(f"burst of {n}: {ok} admitted, {refused} refused with Retry-After; front RSS {rss0} -> {rss1} KiB")
+
+
+def client_waits(port):
+    """The official client, max_retries on, sent while a burst fills the queue: it
+    gets a 429, waits what retry-after-ms says, and succeeds."""
+    for attempt in range(5):
+        seen = []  # (status, time, retry-after-ms)
+
+        def hook(r):
+            seen.append((r.status_code, time.time(), r.headers.get("retry-after-ms")))
+
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=8,
+                          http_client=openai.DefaultHttpxClient(event_hooks={"response": [hook]}, timeout=300))
+        filler = [threading.Thread(target=post, args=(port, "/v1/completions",
+                                                      {"prompt": prompt_ids(5000 + 50 * attempt + i, 400),
+                                                       "max_tokens": 2, "priority": "batch"}))
+                  for i in range(16)]
+        for t in filler:
+            t.start()
+        deadline = time.time() + 10
+        while time.time() < deadline and (metric(port, r'duet_class_queued_prompt_tokens\{class="batch"\}') or 0) < QUEUE:
+            time.sleep(0.005)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt_ids(9000 + attempt, 400),
+                                 max_tokens=2, extra_body={"priority": "batch"})
+        for t in filler:
+            t.join()
+        check(r.choices[0].text is not None, "the client's completion")
+        statuses = [s for s, _, _ in seen if s in (200, 429)]
+        if 429 in statuses:
+            check(statuses[-1] == 200, f"the client ends with a success: {statuses}")
+            i = statuses.index(429)
+            t429 = [t for s, t, _ in seen if s in (200, 429)][i]
+            wait_ms = int([m for s, _, m in seen if s in (200, 429)][i])
+            t_next = [t for s, t, _ in seen if s in (200, 429)][i + 1]
+            check(t_next - t429 >= wait_ms / 1000 * 0.9 - 0.05,
+                  f"the client retried {1000 * (t_next - t429):.0f} ms after a retry-after-ms of {wait_ms}")
+            print(f"openai client: 429 (retry-after-ms {wait_ms}), retried after {1000 * (t_next - t429):.0f} ms, "
+                  f"then {statuses[-1]} ({len(statuses)} responses)")
+            return
+    check(False, "no 429 could be provoked for the client in 5 tries")
+
+
+def critical_first(port):
+    """Batch work queued, then one critical request: earliest deadline first serves it
+    before most of the batch work (a batch deadline is 60 s away, a critical one 1 s)."""
+    firsts = {}
+    t0 = time.time()
+
+    def stream_first(name, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for line in r:  # the first event with a token's text (the stream's head has none)
+                if line.startswith(b"data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    if ch["text"] or ch["finish_reason"]:
+                        firsts.setdefault(name, time.time() - t0)
+
+    batch = [threading.Thread(target=stream_first,
+                              args=(f"b{i}", {"prompt": prompt_ids(7000 + i, 400), "max_tokens": 2,
+                                              "priority": "batch"})) for i in range(6)]
+    for t in batch:
+        t.start()
+    deadline = time.time() + 10
+    while time.time() < deadline and (metric(port, r'duet_class_queued_prompt_tokens\{class="batch"\}') or 0) < 1600:
+        time.sleep(0.005)
+    crit = threading.Thread(target=stream_first, args=("critical", {"prompt": prompt_ids(7100, 400), "max_tokens": 2,
+                                                                    "priority": "critical"}))
+    crit.start()
+    for t in batch + [crit]:
+        t.join()
+    later = sum(1 for k, v in firsts.items() if k != "critical" and v > firsts["critical"])
+    check(later >= 3, f"the critical request's first token came before only {later} of 6 batch requests': {firsts}")
+    print(f"critical behind 6 batch requests: first token before {later} of them")
+
+
+def kv_pressure():
+    """A small arena (--kv-blocks 24: 384 tokens) and four requests needing 45 blocks
+    together: decode preempts (recompute) instead of failing, and every output equals
+    the same request's output run alone."""
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
+                               "--instance", INSTANCE + "-kv"], stderr=subprocess.PIPE, text=True)
+    try:
+        port = listening_port(server)
+        check(port, "the small-arena server did not start")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        bodies = [{"prompt": prompt_ids(300 + i, 40), "max_tokens": 140, "ignore_eos": True, "temperature": 0.8,
+                   "seed": 11 + i, "priority": ["batch", "standard", "critical", "batch"][i]} for i in range(4)]
+        alone = []
+        for b in bodies:
+            st, _, text = post(port, "/v1/completions", b)
+            check(st == 200, f"alone: {st} {text}")
+            alone.append(json.loads(text)["choices"][0]["text"])
+        results = [None] * len(bodies)
+
+        def one(i):
+            results[i] = post(port, "/v1/completions", bodies[i])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, (st, _, text) in enumerate(results):
+            check(st == 200, f"request {i} under KV pressure: {st} {text}")
+            got = json.loads(text)["choices"][0]["text"]
+            check(got == alone[i], f"request {i} under KV pressure differs from its run alone:\n{got!r}\n{alone[i]!r}")
+        n = metric(port, r'duet_requests_preempted_total\{mode="recompute"\}')
+        check(n and n >= 1, f"no preemption happened ({n}): the arena was not small enough")
+        check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
+        print(f"KV pressure: {int(n)} preemptions by recompute, no failure, every output identical to its run alone")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main():
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "64", "--instance", INSTANCE,
+                               "--admit-queue-tokens", str(QUEUE), "--slo", "critical=1s/1s,standard=30s/1s,batch=60s/2s"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        port = listening_port(server)
+        check(port, "the server did not start")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        refusals(port)
+        timeouts(port)
+        burst(port, server.pid)
+        client_waits(port)
+        critical_first(port)
+        for fam in ("duet_requests_rejected_total", "duet_class_time_to_first_token_seconds",
+                    "duet_class_slo_met_total", "duet_prefill_rate_tokens_per_second"):
+            check(f"# TYPE {fam} " in get(port, "/metrics"), f"/metrics has {fam}")
+        check(metric(port, "duet_prefill_rate_tokens_per_second") > 0, "prefill's rate was measured")
+        check(server.poll() is None, "the server is still up")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    kv_pressure()
+    print("scheduling e2e: ok")
+
+
+if __name__ == "__main__":
+    main()
