@@ -134,6 +134,8 @@ Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid, uint32_t i
         s.served.store(0, std::memory_order_relaxed);
         s.max_items.store(0, std::memory_order_relaxed);
         s.numa.store(-1, std::memory_order_relaxed);
+        s.busy_ns.store(0, std::memory_order_relaxed);
+        s.work_tokens.store(0, std::memory_order_relaxed);
         s.doorbell.word.store(0, std::memory_order_relaxed);
         // Release pairs with readers' acquire of heartbeat: the fields above are set.
         s.heartbeat_ns.store(monotonic_ns(), std::memory_order_release);

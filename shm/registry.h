@@ -56,9 +56,14 @@ struct alignas(64) ProcSlot {
     std::atomic<uint64_t> served;     // requests it has taken since it started (prefill: admitted; decode: accepted)
     std::atomic<uint32_t> max_items;  // the most load_items it takes (decode: its batch); set once at start
     std::atomic<int32_t> numa;        // the NUMA node of its CPUs (-1: not known); set once at start
+    // Work counters, written by the process itself after each pass, read by the front
+    // (admission's measured rate: engine/scheduling.h). Prefill: nanoseconds spent in
+    // forward passes and the prompt tokens those passes computed, since it started.
+    alignas(64) std::atomic<uint64_t> busy_ns;
+    std::atomic<uint64_t> work_tokens;
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
-static_assert(sizeof(ProcSlot) == 128);
+static_assert(sizeof(ProcSlot) == 192);
 
 struct RegistryHeader {
     uint32_t magic;

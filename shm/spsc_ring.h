@@ -177,6 +177,16 @@ public:
         return n;
     }
 
+    // Reloads the producer's tail, so that records published since the last look
+    // are seen by peek() (readable() reloads it only once everything seen is read).
+    void refresh() {
+        // Pairs with the producer's release store of tail.
+        tail_cache_ = h_->tail.load(std::memory_order_acquire);
+    }
+    // Records waiting, as of the last look at the tail; and the ring's size.
+    uint64_t backlog() const { return tail_cache_ - head_; }
+    uint64_t capacity() const { return cap_; }
+
     // Zero-copy: the next readable records in place (contiguous, up to the ring's
     // end), valid until release(). Records stay in the ring until released, so a
     // consumer that dies while handling them leaves them to its successor.

@@ -282,7 +282,7 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
     MetricsSnapshot s;
     s.scheduling = true;
     s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
-    s.prefill_rate = 1250.5;
+    s.prefill_rate = 1250.5, s.prefill_rate_recent = 900;
     s.queued_tokens = {100, 0, 4000};
     s.class_done = {7, 8, 9};
     s.class_met = {7, 6, 1};
@@ -304,10 +304,12 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
         "back (recompute: dropped and computed again by prefill).\n"
         "# TYPE duet_requests_preempted_total counter\n"
         "duet_requests_preempted_total{mode=\"recompute\"} 4\n"
-        "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput while busy, as admission predicts "
-        "with (0: not measured yet).\n"
+        "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput in its passes, all workers "
+        "together (0: not measured yet): best is what admission's A1 predicts with, recent the last window, what a "
+        "Retry-After is computed with when slower.\n"
         "# TYPE duet_prefill_rate_tokens_per_second gauge\n"
-        "duet_prefill_rate_tokens_per_second 1250.5\n"
+        "duet_prefill_rate_tokens_per_second{window=\"best\"} 1250.5\n"
+        "duet_prefill_rate_tokens_per_second{window=\"recent\"} 900\n"
         "# HELP duet_class_queued_prompt_tokens Prompt tokens admitted and not yet prefilled, by class.\n"
         "# TYPE duet_class_queued_prompt_tokens gauge\n"
         "duet_class_queued_prompt_tokens{class=\"critical\"} 100\n"
@@ -340,6 +342,20 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
               std::string::npos)
         << text;
     EXPECT_NE(text.find("duet_class_time_to_first_token_seconds_count{class=\"batch\"} 0\n"), std::string::npos);
+    // Without ITL histograms given, no ITL family; with them, after the TTFT one.
+    EXPECT_EQ(text.find("duet_class_inter_token_latency_seconds"), std::string::npos);
+    Histogram gaps[kSloClasses];
+    gaps[2].observe(1.5);
+    s.class_itl = {&gaps[0], &gaps[1], &gaps[2]};
+    const std::string with_itl = metrics_text(s);
+    const size_t itl_at = with_itl.find("# HELP duet_class_inter_token_latency_seconds between successive tokens of a "
+                                        "request, by class\n# TYPE duet_class_inter_token_latency_seconds histogram\n");
+    ASSERT_NE(itl_at, std::string::npos) << with_itl;
+    EXPECT_GT(itl_at, with_itl.find("duet_class_time_to_first_token_seconds_count{class=\"batch\"}"));
+    EXPECT_NE(with_itl.find("duet_class_inter_token_latency_seconds_bucket{class=\"batch\",le=\"1\"} 0\n"
+                            "duet_class_inter_token_latency_seconds_bucket{class=\"batch\",le=\"2\"} 1\n"),
+              std::string::npos)
+        << with_itl;
     // Off (a snapshot that does not ask for them): none of it.
     s.scheduling = false;
     EXPECT_EQ(metrics_text(s).find("duet_class_"), std::string::npos);

@@ -37,24 +37,68 @@ TEST(Scheduling, SloSpecChangesTheClassesItNames) {
         EXPECT_FALSE(SloTable::parse(bad)) << bad;
 }
 
-TEST(Scheduling, TheRateIsPrefillsBusyThroughputAndUnknownUntilMeasured) {
+TEST(Scheduling, TheRateIsPrefillsPassThroughputAndUnknownUntilMeasured) {
     constexpr uint64_t ms = 1'000'000;
-    PrefillRateMeter m(1000 * ms, 0.5);  // 1 s windows, a best window halved per window
-    m.done(0, 400 * ms, 400);             // 0.4 s busy: the window is not full
+    PrefillRateMeter m(1000 * ms, 0.5, /*min_tokens=*/0);  // 1 s windows, a best window halved per window
+    m.add(400 * ms, 400);  // 0.4 s of passes: the window is not full
     EXPECT_EQ(m.rate(), 0);
-    // Two prompts of one pass: [400, 700] and [450, 700] count 300 ms once. A worker
-    // restart from 700 to 5000 ms is not busy time.
-    m.done(400 * ms, 700 * ms, 200);
-    m.done(450 * ms, 700 * ms, 100);
-    EXPECT_EQ(m.rate(), 0);  // 0.7 s
-    m.done(5000 * ms, 5300 * ms, 300);  // 1.0 s busy, 1000 tokens: 1000 tokens/s
+    EXPECT_EQ(m.recent(), 0);
+    m.add(300 * ms, 300);  // 0.7 s
+    EXPECT_EQ(m.rate(), 0);
+    m.add(300 * ms, 300);  // 1.0 s, 1000 tokens: 1000 tokens/s
     EXPECT_DOUBLE_EQ(m.rate(), 1000);
-    m.done(5300 * ms, 7300 * ms, 1000);  // 2 s, 500/s: below the best window halved (500) -> 500
+    EXPECT_DOUBLE_EQ(m.recent(), 1000);
+    m.add(2000 * ms, 1000);  // 2 s, 500/s: the best window halved is 500 too
     EXPECT_DOUBLE_EQ(m.rate(), 500);
-    m.done(8000 * ms, 9000 * ms, 1200);  // 1200/s: a better window
+    EXPECT_DOUBLE_EQ(m.recent(), 500);
+    m.add(1000 * ms, 1200);  // 1200/s: a better window
     EXPECT_DOUBLE_EQ(m.rate(), 1200);
-    m.done(9500 * ms, 9400 * ms, 50);  // ends before it starts: ignored
-    EXPECT_DOUBLE_EQ(m.rate(), 1200);
+    m.add(1000 * ms, 300);  // a slow window: best decays to 600, recent is 300
+    EXPECT_DOUBLE_EQ(m.rate(), 600);
+    EXPECT_DOUBLE_EQ(m.recent(), 300);
+}
+
+// A worker's first passes run cold: nothing is reported until min_tokens have been
+// measured in closed windows, and then the best window counts (not the cold ones).
+TEST(Scheduling, TheRateWaitsForEvidence) {
+    constexpr uint64_t ms = 1'000'000;
+    PrefillRateMeter m(100 * ms, 0.95, /*min_tokens=*/2048);
+    for (int i = 0; i < 10; ++i) m.add(100 * ms, 6);  // 60 tokens/s, 60 tokens: not evidence
+    EXPECT_EQ(m.rate(), 0);
+    EXPECT_EQ(m.recent(), 0);
+    m.add(100 * ms, 1000);  // 10000/s, 1060 tokens measured
+    EXPECT_EQ(m.rate(), 0);
+    m.add(100 * ms, 1000);  // 2060 measured
+    EXPECT_DOUBLE_EQ(m.rate(), 10000);
+    EXPECT_DOUBLE_EQ(m.recent(), 10000);
+}
+
+// The wait told with a 429 is computed at the slower of the best and recent rates:
+// a client told to come back must not find the queue as full as it left it.
+TEST(Scheduling, RetryAfterIsComputedAtTheSlowerRate) {
+    AdmissionOptions o;
+    o.slo = *SloTable::parse("critical=1s/50ms,standard=2s/100ms,batch=10s/1s");
+    o.queue_high = 1000;
+    o.queue_low = 600;
+    AdmissionControl a(o);
+    QueueView q;
+    q.pending = {0, 0, 1000};
+    auto d = a.decide(SloClass::Batch, 10, q, 1000, 200);  // A2: (1000 - 600) / 200 tokens/s
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.retry_after_ms, 2000u);
+    d = a.decide(SloClass::Batch, 10, q, 1000, 4000);  // a faster recent window: the best rate is the slower
+    EXPECT_EQ(d.retry_after_ms, 400u);
+    // A1 refuses by the best rate: 1000 ahead + 10 over 1000/s is 1.01 s > 1 s. The
+    // queue must fall to 990 tokens; 10 tokens at 200/s: 50 ms.
+    o.queue_high = 0;
+    AdmissionControl a1(o);
+    q.pending = {1000, 0, 0};
+    d = a1.decide(SloClass::Critical, 10, q, 1000, 200);
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "ttft");
+    EXPECT_EQ(d.retry_after_ms, 50u);
+    EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{900, 0, 0}}, 1000, 200).admit);  // 0.91 s at the best rate
 }
 
 TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {

@@ -378,6 +378,33 @@ TEST(SpscRing, BatchPushPopAndPeekRelease) {
     EXPECT_FALSE(c.readable());
 }
 
+// peek() shows what was published when the consumer last looked at the tail;
+// refresh() looks again, so a consumer that keeps records in the ring while it
+// takes later ones (prefill's admission) sees new arrivals too.
+TEST(SpscRing, RefreshShowsRecordsPublishedAfterAPeek) {
+    Mem m(ring_bytes(64, 16));
+    ASSERT_TRUE(ring_init(m.p, 64, 16).ok());
+    auto* h = reinterpret_cast<RingHeader*>(m.p);
+    SpscProducer<Rec64> p(h);
+    SpscConsumer<Rec64> c(h);
+    std::vector<Rec64> in(6);
+    for (uint64_t i = 0; i < 6; ++i) in[i].seq = i;
+    EXPECT_EQ(p.push(in.data(), 3), 3u);
+    size_t n = 0;
+    c.peek(&n);
+    EXPECT_EQ(n, 3u);
+    EXPECT_EQ(p.push(in.data() + 3, 3), 3u);
+    c.peek(&n);
+    EXPECT_EQ(n, 3u) << "not looked at the tail again: the cache says 3";
+    EXPECT_EQ(c.backlog(), 3u);
+    c.refresh();
+    const Rec64* q = c.peek(&n);
+    ASSERT_EQ(n, 6u);
+    EXPECT_EQ(q[5].seq, 5u);
+    EXPECT_EQ(c.backlog(), 6u);
+    EXPECT_EQ(c.capacity(), 16u);
+}
+
 TEST(SpscRing, ARestartedEndpointContinuesFromTheSharedIndices) {
     Mem m(ring_bytes(64, 8));
     ASSERT_TRUE(ring_init(m.p, 64, 8).ok());

@@ -86,23 +86,23 @@ std::string SloTable::to_string() const {
     return s;
 }
 
-void PrefillRateMeter::done(uint64_t start_ns, uint64_t end_ns, int64_t tokens) {
-    if (end_ns < start_ns) return;
-    const uint64_t from = std::max(start_ns, covered_);
-    if (end_ns > from) busy_ns_ += end_ns - from;
-    covered_ = std::max(covered_, end_ns);
+void PrefillRateMeter::add(uint64_t busy_ns, int64_t tokens) {
+    busy_ns_ += busy_ns;
     tokens_ += std::max<int64_t>(0, tokens);
     if (busy_ns_ < window_ns_) return;
-    const double sample = static_cast<double>(tokens_) / (static_cast<double>(busy_ns_) / 1e9);
-    rate_ = std::max(sample, rate_ * decay_);
+    last_ = static_cast<double>(tokens_) / (static_cast<double>(busy_ns_) / 1e9);
+    best_ = std::max(last_, best_ * decay_);
+    measured_ += tokens_;
     busy_ns_ = 0;
     tokens_ = 0;
 }
 
 uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 999) / 1000); }
 
-AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate) {
+AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,
+                                           double recent) {
     AdmissionDecision d;
+    const double slow = recent > 0 && recent < rate ? recent : rate;  // for the waits told
     const int64_t total = q.total();
     if (o_.queue_high > 0) {  // A2's hysteresis
         if (total >= o_.queue_high) over_ = true;
@@ -114,7 +114,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (over_ && c != SloClass::Critical) {
         d.admit = false;
         d.reason = "queue";
-        const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
+        const double s = slow > 0 ? static_cast<double>(total - o_.queue_low) / slow : 1.0;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
         return d;
     }
@@ -123,8 +123,10 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (rate > 0 && ahead > 0 && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";
+        // The queue ahead must shrink to what leaves room for this prompt; it drains
+        // at the slower rate.
         const double room = std::max(0.0, rate * target_s - static_cast<double>(prompt_tokens));
-        const double s = (static_cast<double>(ahead) - room) / rate;
+        const double s = std::max(0.0, static_cast<double>(ahead) - room) / slow;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
     }
     return d;

@@ -65,34 +65,38 @@ struct SloTable {
     std::string to_string() const;
 };
 
-// Prefill's throughput in prompt tokens per second of busy time, measured by the
-// front from each prompt's prefill interval (from when a prefill worker took it to
-// its hand-off: the slot's phase times) and the tokens it computed (cached ones
-// excluded). Busy time is the union of those intervals, so a worker's restart or an
-// idle stretch is never counted, and prompts computed together in one pass count
-// their pass once. A window closes when it holds `window_ns` of busy time; the rate
-// is the best window seen, decayed by `decay` per window (a pass's cost is part
-// fixed, part per token, so small passes read slower than the full passes that
-// drain a long queue: the queue a prediction is about). 0 until the first window
-// closes: admission's A1 does not refuse before. Not thread-safe: the caller
-// serializes.
+// Prefill's throughput in prompt tokens per second of busy time, measured from each
+// prefill worker's work counters (shm ProcSlot: nanoseconds in forward passes and
+// the prompt tokens they computed), which the front samples and feeds here as
+// deltas. Only pass time counts: a prompt waiting for KV, for decode to take its
+// hand-off or for a restarted worker is not prefill being slow. (It measured the
+// request's [taken, handed off] interval before; on a cold server that read 63
+// tokens/s where passes ran at 700, and A1 refused 16 short prompts.) A window
+// closes when it holds `window_ns` of busy time. rate(): the best window, decayed by
+// `decay` per window (a pass's cost is part fixed, part per token: small passes read
+// slower than the full passes that drain a long queue, the queue a prediction is
+// about); recent(): the last window (the machine as it is now: another process on
+// the cores slows every pass). Both 0 until `min_tokens` have been measured: a
+// worker's first passes run cold (page faults, caches) and would read far slower.
+// Per worker: with several prefill workers the queue drains at their sum. Not
+// thread-safe: the caller serializes.
 class PrefillRateMeter {
 public:
-    explicit PrefillRateMeter(uint64_t window_ns = 200'000'000ull, double decay = 0.95)
-        : window_ns_(window_ns), decay_(decay) {}
-    // A prompt's prefill ran over [start_ns, end_ns] and computed `tokens`. Reported
-    // about in the order their prefills ended (a little out of order costs a little
-    // busy time, never counts any twice).
-    void done(uint64_t start_ns, uint64_t end_ns, int64_t tokens);
-    double rate() const { return rate_; }  // tokens per second; 0: not measured yet
+    explicit PrefillRateMeter(uint64_t window_ns = 200'000'000ull, double decay = 0.95, int64_t min_tokens = 2048)
+        : window_ns_(window_ns), decay_(decay), min_tokens_(min_tokens) {}
+    // Passes that took `busy_ns` computed `tokens` prompt tokens.
+    void add(uint64_t busy_ns, int64_t tokens);
+    double rate() const { return measured_ >= min_tokens_ ? best_ : 0; }    // tokens/s; 0: not measured yet
+    double recent() const { return measured_ >= min_tokens_ ? last_ : 0; }  // tokens/s; 0: not measured yet
 
 private:
     uint64_t window_ns_;
     double decay_;
-    uint64_t covered_ = 0;  // busy time is counted up to here
+    int64_t min_tokens_;
+    int64_t measured_ = 0;  // tokens in closed windows
     uint64_t busy_ns_ = 0;  // in the current window
     int64_t tokens_ = 0;
-    double rate_ = 0;
+    double best_ = 0, last_ = 0;
 };
 
 struct AdmissionOptions {
@@ -125,9 +129,12 @@ class AdmissionControl {
 public:
     explicit AdmissionControl(AdmissionOptions o) : o_(std::move(o)) {}
     // Decides for a request of class c with `prompt_tokens` to prefill, given the
-    // queue and prefill's measured rate (tokens/s, 0: unknown). Updates the
-    // watermark's hysteresis state (not thread-safe: the caller serializes).
-    AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate);
+    // queue and prefill's measured rates (tokens/s, 0: unknown): A1 refuses only
+    // what even the best rate (`rate`) cannot serve in time; a Retry-After is
+    // computed at the slower of it and the recent rate (`recent`), so that a client
+    // does not come back before the queue has drained. Updates the watermark's
+    // hysteresis state (not thread-safe: the caller serializes).
+    AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate, double recent = 0);
     bool over_watermark() const { return over_; }
     const AdmissionOptions& options() const { return o_; }
 

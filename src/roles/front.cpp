@@ -60,6 +60,7 @@ struct Orphan {
     uint64_t since_ns = 0;  // adopted
     bool claimed = false;   // a connection is answering it
     bool expiring = false;  // the window passed: cancelled, freed once every choice has ended
+    std::vector<uint32_t> attempts;  // each choice's attempt this front last sent (a preempted one is sent again)
 };
 
 struct Front::Impl {
@@ -475,15 +476,40 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
 
 AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens) {
     std::lock_guard<std::mutex> lock(sched_mu_);
-    AdmissionDecision d = admission_.decide(c, tokens, queue_, prefill_rate_.rate());
+    const double n = prefill_workers_;
+    AdmissionDecision d = admission_.decide(c, tokens, queue_, prefill_rate_.rate() * n, prefill_rate_.recent() * n);
     if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
     return d;
 }
 
-void Front::queue_left(SloClass c, int64_t tokens, int64_t computed, uint64_t start_ns, uint64_t end_ns) {
+void Front::queue_left(SloClass c, int64_t tokens) {
     std::lock_guard<std::mutex> lock(sched_mu_);
-    if (computed >= 0 && start_ns != 0) prefill_rate_.done(start_ns, end_ns, computed);
     queue_.pending[static_cast<size_t>(c)] -= tokens;
+}
+
+void Front::sample_prefill_work() {
+    shm::Registry& reg = inst_.registry();
+    std::lock_guard<std::mutex> lock(sched_mu_);
+    work_seen_.resize(reg.n_slots(), {0, 0, 0});
+    uint32_t running = 0;
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcSlot& ps = reg.slot(s);
+        if (reg.state(s) != shm::ProcState::Running ||
+            ps.role.load(std::memory_order_relaxed) != static_cast<uint32_t>(shm::Role::Prefill))
+            continue;
+        ++running;
+        // Two counters read one after the other: a pass's time may be seen before its
+        // tokens; the next reading has them (a window holds many readings).
+        const uint64_t busy = ps.busy_ns.load(std::memory_order_relaxed);
+        const uint64_t tokens = ps.work_tokens.load(std::memory_order_relaxed);
+        std::array<uint64_t, 3>& seen = work_seen_[s];
+        const uint64_t gen = reg.current(s).gen;
+        if (seen[0] != gen) seen = {gen, 0, 0};  // a new process here: its counters started at 0
+        if (busy >= seen[1] && tokens >= seen[2]) prefill_rate_.add(busy - seen[1], static_cast<int64_t>(tokens - seen[2]));
+        seen[1] = busy;
+        seen[2] = tokens;
+    }
+    prefill_workers_ = std::max<uint32_t>(1, running);
 }
 
 Front::~Front() { stop(); }
@@ -523,6 +549,7 @@ void Front::notify_loop() {
         if (const uint64_t now = shm::monotonic_ns(); now >= next_rescue) {
             router_.resend_stranded();
             expire_orphans(now);
+            sample_prefill_work();
             next_rescue = now + 50'000'000;
         }
     }
@@ -792,13 +819,15 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.preempted = c.preempted.load(std::memory_order_relaxed);
     for (size_t k = 0; k < kSloClasses; ++k) {
         m.class_ttft[k] = &c.class_ttft[k];
+        m.class_itl[k] = &c.class_itl[k];
         m.class_done[k] = c.class_done[k].load(std::memory_order_relaxed);
         m.class_met[k] = c.class_met[k].load(std::memory_order_relaxed);
     }
     {
         std::lock_guard<std::mutex> lock(f.sched_mu_);
         m.queued_tokens = f.queue_.pending;
-        m.prefill_rate = f.prefill_rate_.rate();
+        m.prefill_rate = f.prefill_rate_.rate() * f.prefill_workers_;
+        m.prefill_rate_recent = f.prefill_rate_.recent() * f.prefill_workers_;
     }
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
@@ -1078,8 +1107,11 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
 // first one's prompt blocks in the prefix cache (prefill waits for them).
 std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
     shm::RequestTable& t = f.inst_.requests();
-    // Admission (engine/scheduling.h A1/A2), before any slot or KV is taken.
-    const auto prompt_tokens = static_cast<int64_t>(c.prompt.size());
+    // Admission (engine/scheduling.h A1/A2), before any slot or KV is taken. The work
+    // is what prefill will compute: each choice's prompt (the n choices share cached
+    // blocks, but each is its own request), less a context's offered KV.
+    const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
+    const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
     const AdmissionDecision d = f.admit_tokens(c.cls, prompt_tokens);
     if (!d.admit) {
         (d.reason == "queue" ? f.counters_.rejected_queue : f.counters_.rejected_ttft)
@@ -1118,7 +1150,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
                 t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
-            f.queue_left(c.cls, std::exchange(c.queued, 0), -1);
+            f.queue_left(c.cls, std::exchange(c.queued, 0));
             return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
         c.ch[i].ref = *sub;
@@ -1186,20 +1218,14 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
                 c.first_ns = step.seen_ns;
                 f.counters_.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
             }
-            if (c.queued > 0) {  // prefill is done with the prompt: it leaves the queue
-                // Its prefill's interval (the slot's phase times of this attempt): from
-                // when a worker took it to its hand-off (or now, for one that ended there).
-                const shm::ReqSlot& rs = t.slot(ch.ref.slot);
-                const int64_t cached = rs.n_cached.load(std::memory_order_relaxed);
-                const uint64_t took = rs.prefill_ns.load(std::memory_order_relaxed);
-                const uint64_t handed = rs.handoff_ns.load(std::memory_order_relaxed);
-                f.queue_left(c.cls, c.queued, std::max<int64_t>(0, c.queued - cached), took,
-                             handed >= took && handed != 0 ? handed : step.seen_ns);
-                c.queued = 0;
-            }
+            if (c.queued > 0)  // prefill is done with the prompt: it leaves the queue
+                f.queue_left(c.cls, std::exchange(c.queued, 0));
         } else {  // several tokens at once share the gap
             const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
-            for (size_t i = before; i < ch.out.size(); ++i) f.counters_.itl.observe(gap);
+            for (size_t i = before; i < ch.out.size(); ++i) {
+                f.counters_.itl.observe(gap);
+                f.counters_.class_itl[static_cast<size_t>(c.cls)].observe(gap);
+            }
             c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
@@ -1316,7 +1342,7 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
     else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
     else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
     // Ended without a first token: its prompt leaves the queue unmeasured.
-    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), -1);
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0));
     // SLO attainment: a completion that ended without failing meets its class's
     // targets when its first token came within the TTFT target and its tokens, on
     // average, within the ITL target.
@@ -1379,6 +1405,7 @@ std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::stri
 awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
                                      bool events) {
     std::optional<FrontRecord> fr;
+    std::vector<uint32_t> attempts;  // each choice's attempt this front last sent
     bool busy = false;
     {
         std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
@@ -1388,6 +1415,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
             if (!busy) {
                 it->second.claimed = true;
                 fr = it->second.rec;
+                attempts = it->second.attempts;
             }
         }
     }
@@ -1448,6 +1476,9 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     for (size_t i = 0; i < fr->refs.size(); ++i) {
         Choice ch(f.tok_, c.r.stop);
         ch.ref = fr->refs[i];
+        // The attempt sent last (by adoption, or again by expire_orphans): a later one
+        // found QUEUED was preempted, and read_choice sends it.
+        ch.attempt = i < attempts.size() ? attempts[i] : t.attempt(ch.ref.slot);
         std::vector<int32_t> out;
         auto n = t.read_output(ch.ref, 0, out);
         if (!n || from[i] > out.size()) {
@@ -1505,6 +1536,7 @@ void Front::adopt_orphans() {
                 if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
             Orphan o;
             o.since_ns = now;
+            for (shm::ReqRef r : fr->refs) o.attempts.push_back(t.attempt(r.slot));
             const std::string id = fr->id;
             o.rec = std::move(*fr);
             impl_->orphans.emplace(id, std::move(o));
@@ -1522,6 +1554,15 @@ void Front::expire_orphans(uint64_t now) {
     std::lock_guard<std::mutex> lock(impl_->orphans_mu);
     for (auto it = impl_->orphans.begin(); it != impl_->orphans.end();) {
         Orphan& o = it->second;
+        if (!o.claimed && !o.expiring)  // nobody follows it: a preempted choice is sent again here
+            for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i) {
+                const shm::ReqRef r = o.rec.refs[i];
+                if (t.current(r.slot).gen == r.gen && t.state(r.slot) == shm::ReqState::Queued &&
+                    t.owner_slot(r.slot) == static_cast<int32_t>(self_.slot) && t.attempt(r.slot) != o.attempts[i]) {
+                    o.attempts[i] = t.attempt(r.slot);
+                    (void)send(r);
+                }
+            }
         if (o.claimed || (!o.expiring && now - o.since_ns < opts_.resume_window_ns)) {
             ++it;
             continue;

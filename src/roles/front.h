@@ -64,7 +64,7 @@ struct FrontCounters {
     // both targets (TTFT and mean ITL): SLO attainment and goodput.
     std::atomic<uint64_t> rejected_ttft{0}, rejected_queue{0}, timeouts{0};
     std::atomic<uint64_t> preempted{0};  // requests decode preempted (by recompute) that this front sent again
-    std::array<Histogram, kSloClasses> class_ttft;
+    std::array<Histogram, kSloClasses> class_ttft, class_itl;
     std::array<std::atomic<uint64_t>, kSloClasses> class_done{}, class_met{};
 };
 
@@ -119,12 +119,17 @@ private:
     AdmissionControl admission_{AdmissionOptions{}};
     PrefillRateMeter prefill_rate_;
     QueueView queue_;
+    uint32_t prefill_workers_ = 1;  // running: the queue drains at their summed rate
+    // Each registry slot's work counters as last read: (generation, busy ns, tokens).
+    std::vector<std::array<uint64_t, 3>> work_seen_;
     // Decides; an admitted request's tokens join the queue.
     AdmissionDecision admit_tokens(SloClass c, int64_t tokens);
-    // They leave it: prefill ended (its first token; `computed` of them were not
-    // cached, over [start_ns, end_ns]: PrefillRateMeter::done) or the request ended
-    // without one (computed < 0: not measured).
-    void queue_left(SloClass c, int64_t tokens, int64_t computed, uint64_t start_ns = 0, uint64_t end_ns = 0);
+    // They leave it: prefill is done with them (the first token came) or the request
+    // ended without one.
+    void queue_left(SloClass c, int64_t tokens);
+    // Reads the running prefill workers' work counters into prefill_rate_ (the
+    // notifier thread, every 50 ms).
+    void sample_prefill_work();
     void notify_loop();
     void adopt_orphans();
     void expire_orphans(uint64_t now_ns);

@@ -151,23 +151,29 @@ std::string metrics_classes(const MetricsSnapshot& s) {
                            "dropped and computed again by prefill).") +
                     fmt::format("duet_requests_preempted_total{{mode=\"recompute\"}} {}\n", s.preempted) +
                     family("duet_prefill_rate_tokens_per_second", "gauge",
-                           "Prefill's measured throughput while busy, as admission predicts with (0: not measured yet).") +
-                    fmt::format("duet_prefill_rate_tokens_per_second {}\n", s.prefill_rate);
+                           "Prefill's measured throughput in its passes, all workers together (0: not measured "
+                           "yet): best is what admission's A1 predicts with, recent the last window, what a "
+                           "Retry-After is computed with when slower.") +
+                    fmt::format("duet_prefill_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_rate) +
+                    fmt::format("duet_prefill_rate_tokens_per_second{{window=\"recent\"}} {}\n", s.prefill_rate_recent);
     std::string queued = family("duet_class_queued_prompt_tokens", "gauge",
                                 "Prompt tokens admitted and not yet prefilled, by class."),
                 done = family("duet_class_requests_total", "counter", "Completions that ended without error, by class."),
                 met = family("duet_class_slo_met_total", "counter",
                              "Completions that met their class's TTFT and mean ITL targets (goodput), by class."),
                 ttft = family("duet_class_time_to_first_token_seconds", "histogram",
-                              "request arrival to its first token, by class");
+                              "request arrival to its first token, by class"),
+                itl = family("duet_class_inter_token_latency_seconds", "histogram",
+                             "between successive tokens of a request, by class");
     for (size_t k = 0; k < kSloClasses; ++k) {
         const std::string l = fmt::format("class=\"{}\"", slo_class_name(static_cast<SloClass>(k)));
         queued += fmt::format("duet_class_queued_prompt_tokens{{{}}} {}\n", l, s.queued_tokens[k]);
         done += fmt::format("duet_class_requests_total{{{}}} {}\n", l, s.class_done[k]);
         met += fmt::format("duet_class_slo_met_total{{{}}} {}\n", l, s.class_met[k]);
         if (s.class_ttft[k]) ttft += s.class_ttft[k]->series("duet_class_time_to_first_token_seconds", l);
+        if (s.class_itl[k]) itl += s.class_itl[k]->series("duet_class_inter_token_latency_seconds", l);
     }
-    return m + queued + done + met + (s.class_ttft[0] ? ttft : std::string());
+    return m + queued + done + met + (s.class_ttft[0] ? ttft : std::string()) + (s.class_itl[0] ? itl : std::string());
 }
 
 }  // namespace

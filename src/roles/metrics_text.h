@@ -49,10 +49,10 @@ struct MetricsSnapshot {
     // those that met both targets; the front's queue and prefill's measured rate.
     bool scheduling = false;  // the families below are reported (a serving front: always)
     uint64_t rejected_ttft = 0, rejected_queue = 0, timeouts = 0, preempted = 0;
-    std::array<const Histogram*, kSloClasses> class_ttft{};
+    std::array<const Histogram*, kSloClasses> class_ttft{}, class_itl{};
     std::array<uint64_t, kSloClasses> class_done{}, class_met{};
     std::array<int64_t, kSloClasses> queued_tokens{};
-    double prefill_rate = 0;
+    double prefill_rate = 0, prefill_rate_recent = 0;  // the best window's (decayed) and the last one's
 };
 
 // The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms,

@@ -404,9 +404,14 @@ bool PrefillWorker::admit() {
         redo_.release(1);
     }
     size_t n = 0;
+    in_.refresh();  // arrivals since the last look are candidates too
     const WireMsg* m = in_.peek(&n);
     if (in_seen_.size() > n) in_seen_.resize(n);  // (cannot shrink unless released: defensive)
     while (in_seen_.size() < n) in_seen_.push_back(queued_deadline(m[in_seen_.size()]));
+    // A ring more than half full is taken in order, oldest first: a message left
+    // untaken at its head (a batch request's far deadline) must not pin the ring
+    // until the front can no longer send.
+    const bool fifo = in_.backlog() * 2 > in_.capacity();
     while (room()) {
         size_t best = n;
         for (size_t i = 0; i < n; ++i) {
@@ -417,6 +422,7 @@ bool PrefillWorker::admit() {
                 continue;
             }
             if (best == n || in_seen_[i] < in_seen_[best]) best = i;
+            if (fifo) break;
         }
         if (best == n) break;
         any = true;
@@ -629,7 +635,12 @@ bool PrefillWorker::waits_for_kv(Job& j) {
     const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
     const KvBlockAllocator& a = pool_->allocator();
     const uint64_t now = shm::monotonic_ns();
-    if (j.params.keep_kv || static_cast<int64_t>((j.all.size() + bt - 1) / bt) > a.n_blocks() ||
+    // Blocks this worker's other jobs hold: they are not freed by waiting (they do
+    // not run while this one waits), so only the rest of the arena counts.
+    int64_t mine = 0;
+    for (const Job& o : jobs_)
+        if (&o != &j) mine += static_cast<int64_t>(o.seq.blocks().size());
+    if (j.params.keep_kv || static_cast<int64_t>((j.all.size() + bt - 1) / bt) > a.n_blocks() - mine ||
         a.n_available() >= a.n_blocks())
         return false;
     if (j.kv_wait_since == 0) j.kv_wait_since = now;
@@ -723,8 +734,16 @@ Result<bool> PrefillWorker::step() {
     Status st = kv_->reserve(p.batch);
     if (st) {
         trace::Range range("prefill pass");
+        const uint64_t t0 = shm::monotonic_ns();
         st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
         if (!st) kv_->unreserve(p.batch);
+        if (st) {  // the front's measured prefill rate (ProcSlot work counters)
+            uint64_t tokens = 0;
+            for (const SeqBatch& b : p.batch) tokens += static_cast<uint64_t>(b.n_tokens);
+            shm::ProcSlot& me = inst_->registry().slot(self_.slot);
+            me.busy_ns.fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
+            me.work_tokens.fetch_add(tokens, std::memory_order_relaxed);
+        }
     }
     if (st) pass_done(p);
     else pass_failed(p, st);
@@ -832,7 +851,9 @@ Result<bool> DecodeWorker::step() {
             // Every token but the newest output has its KV in the blocks.
             a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
             a.fresh = true;
-            a.admitted = admitted_++;
+            // Its order is its first submission's time: a request preempted and back
+            // again keeps its place (it is not the newest, so not the next victim).
+            a.admitted = t.slot(h.req.slot).submit_ns;
             active_.push_back(std::move(a));
         }
         in.release(used);
@@ -884,6 +905,11 @@ Result<bool> DecodeWorker::step() {
         const size_t v = pick_decode_victim(views);
         if (active_.size() > 1 && preempt(v)) {
             publish_load();
+            inst_->registry().wake(shm::Role::Front);
+            return true;
+        }
+        if (t.cancelled(active_[v].req)) {  // it was leaving anyway
+            finish(v, shm::ReqState::Cancelled);
             inst_->registry().wake(shm::Role::Front);
             return true;
         }

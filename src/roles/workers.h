@@ -234,7 +234,7 @@ private:
         RequestParams params;
         std::vector<int32_t> prompt, output;
         bool fresh = false;  // not yet in a step
-        uint64_t admitted = 0;  // admission order (DecodeSeqView::admitted)
+        uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)
     };
     void finish(size_t i, shm::ReqState to);
     bool preempt(size_t i);  // recompute preemption (workers.cpp)
@@ -242,7 +242,6 @@ private:
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)
     std::vector<Active> active_;
-    uint64_t admitted_ = 0;  // admissions so far
 };
 
 }  // namespace duet

@@ -288,7 +288,7 @@ def main():
         for fam in ("duet_requests_rejected_total", "duet_class_time_to_first_token_seconds",
                     "duet_class_slo_met_total", "duet_prefill_rate_tokens_per_second"):
             check(f"# TYPE {fam} " in get(port, "/metrics"), f"/metrics has {fam}")
-        check(metric(port, "duet_prefill_rate_tokens_per_second") > 0, "prefill's rate was measured")
+        check(metric(port, r'duet_prefill_rate_tokens_per_second\{window="best"\}') > 0, "prefill's rate was measured")
         check(server.poll() is None, "the server is still up")
     finally:
         server.terminate()
