@@ -97,3 +97,22 @@ TEST(RoleFlags, ThePrefillBudgetHasOneNameFromServeToTheWorker) {
     app.parse(3, a);
     EXPECT_EQ(s.prefill_budget, 64);
 }
+
+TEST(RoleFlags, ThePrefillPassTimeGoesFromServeToTheWorker) {
+    WorkerSettings w;
+    w.instance = "x";
+    w.model = "m";
+    w.prefill_pass_ms = 90;
+    const std::vector<std::string> argv = role_argv("duet", RoleLaunch{"prefill", "prefill", w, {}, 0});
+    bool found = false;
+    for (size_t i = 0; i + 1 < argv.size(); ++i)
+        if (argv[i] == "--prefill-pass-ms") found = argv[i + 1] == "90";
+    EXPECT_TRUE(found);
+    ServeSettings s;
+    CLI::App app;
+    add_serve_flags(app, s);
+    EXPECT_EQ(s.prefill_pass_ms, 250);
+    const char* a[] = {"serve", "--prefill-pass-ms", "0"};
+    app.parse(3, a);
+    EXPECT_EQ(s.prefill_pass_ms, 0);
+}

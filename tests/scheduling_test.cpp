@@ -73,9 +73,10 @@ TEST(Scheduling, TheRateWaitsForEvidence) {
     EXPECT_DOUBLE_EQ(m.recent(), 10000);
 }
 
-// The wait told with a 429 is computed at the slower of the best and recent rates:
+// Predictions and the wait told with a 429 use the slower of the best and recent
+// rates: an admitted request must meet its target on the machine as it is now, and
 // a client told to come back must not find the queue as full as it left it.
-TEST(Scheduling, RetryAfterIsComputedAtTheSlowerRate) {
+TEST(Scheduling, AdmissionPredictsAtTheSlowerRate) {
     AdmissionOptions o;
     o.slo = *SloTable::parse("critical=1s/50ms,standard=2s/100ms,batch=10s/1s");
     o.queue_high = 1000;
@@ -89,16 +90,18 @@ TEST(Scheduling, RetryAfterIsComputedAtTheSlowerRate) {
     EXPECT_EQ(d.retry_after_ms, 2000u);
     d = a.decide(SloClass::Batch, 10, q, 1000, 4000);  // a faster recent window: the best rate is the slower
     EXPECT_EQ(d.retry_after_ms, 400u);
-    // A1 refuses by the best rate: 1000 ahead + 10 over 1000/s is 1.01 s > 1 s. The
-    // queue must fall to 990 tokens; 10 tokens at 200/s: 50 ms.
+    // A1 at 500 tokens/s (recent) rather than 1000 (best): 400 ahead + 10 is 0.82 s,
+    // within critical's 1 s; 600 ahead + 10 is 1.22 s: refused until the queue has
+    // fallen to 490 tokens, (600 - 490) / 500 = 220 ms.
     o.queue_high = 0;
     AdmissionControl a1(o);
-    q.pending = {1000, 0, 0};
-    d = a1.decide(SloClass::Critical, 10, q, 1000, 200);
+    EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{400, 0, 0}}, 1000, 500).admit);
+    d = a1.decide(SloClass::Critical, 10, {{600, 0, 0}}, 1000, 500);
     EXPECT_FALSE(d.admit);
     EXPECT_EQ(d.reason, "ttft");
-    EXPECT_EQ(d.retry_after_ms, 50u);
-    EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{900, 0, 0}}, 1000, 200).admit);  // 0.91 s at the best rate
+    EXPECT_EQ(d.predicted_ttft_ns, 1'220'000'000u);
+    EXPECT_EQ(d.retry_after_ms, 220u);
+    EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{600, 0, 0}}, 1000, 0).admit);  // no recent window: the best
 }
 
 TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {
@@ -165,21 +168,35 @@ TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
     EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100).admit);
 }
 
-// The aging bound: with deadlines = arrival + the class's TTFT target, a batch
-// request is overtaken by a critical one only while the critical one's deadline is
-// earlier; once the batch deadline has passed, a later critical arrival goes after it.
-TEST(Scheduling, EarliestDeadlineFirstAgesBatchWork) {
-    const SloTable slo;  // critical 1 s, batch 60 s
-    const uint64_t batch_arrival = 0;
-    const uint64_t batch_deadline = batch_arrival + slo.of(SloClass::Batch).ttft_ns;
-    for (uint64_t critical_arrival : {uint64_t{1'000'000'000}, batch_deadline - slo.of(SloClass::Critical).ttft_ns + 1}) {
-        const uint64_t critical_deadline = critical_arrival + slo.of(SloClass::Critical).ttft_ns;
-        std::vector<PrefillJobView> jobs = {{batch_deadline, 100, true, false}, {critical_deadline, 100, true, false}};
+// The order between classes (engine/scheduling.h "Order"): priority with aging. A
+// critical request goes before a standard one that has waited 10 s (plain earliest
+// deadline first would not: 10 s + 1 s > 5 s); a batch request that has waited past
+// its bound (60 s + 2 x 30 s - 1 s) goes before a new critical one.
+TEST(Scheduling, ClassesHavePrecedenceThatAgingBounds) {
+    const SloTable slo;  // critical 1 s, standard 5 s, batch 60 s
+    constexpr uint64_t s = 1'000'000'000, per_token = 1'000'000;
+    auto key = [&](uint64_t arrival, SloClass c, uint64_t n) {
+        return prefill_order_key(arrival, static_cast<uint32_t>(c), slo.of(c).ttft_ns, n, per_token);
+    };
+    auto first = [&](uint64_t a, uint64_t b) {  // which of two jobs (100 tokens each) a pass takes
+        std::vector<PrefillJobView> jobs = {{a, 100, true, false}, {b, 100, true, false}};
         PrefillPlan p = plan_prefill(jobs, 100, false);
-        ASSERT_EQ(p.entries.size(), 1u);
-        // Served first: critical while its deadline is earlier, batch once it is not.
-        EXPECT_EQ(p.entries[0].job, critical_deadline < batch_deadline ? 1u : 0u) << critical_arrival;
-    }
+        EXPECT_EQ(p.entries.size(), 1u);
+        return p.entries.empty() ? 9u : p.entries[0].job;
+    };
+    EXPECT_EQ(first(key(0, SloClass::Standard, 100), key(10 * s, SloClass::Critical, 100)), 1u);
+    EXPECT_EQ(first(key(0, SloClass::Standard, 100), key(33 * s, SloClass::Critical, 100)), 1u);
+    EXPECT_EQ(first(key(0, SloClass::Standard, 100), key(35 * s, SloClass::Critical, 100)), 0u);  // aged
+    EXPECT_EQ(first(key(0, SloClass::Batch, 100), key(118 * s, SloClass::Critical, 100)), 1u);
+    EXPECT_EQ(first(key(0, SloClass::Batch, 100), key(120 * s, SloClass::Critical, 100)), 0u);
+    EXPECT_EQ(first(key(0, SloClass::Batch, 100), key(30 * s, SloClass::Standard, 100)), 1u);
+    EXPECT_EQ(first(key(0, SloClass::Batch, 100), key(90 * s, SloClass::Standard, 100)), 0u);
+    // Within a class, earliest deadline first: a shorter prompt goes first unless it
+    // came more than its difference in milliseconds later.
+    EXPECT_EQ(first(key(0, SloClass::Standard, 400), key(100'000'000, SloClass::Standard, 100)), 1u);
+    EXPECT_EQ(first(key(0, SloClass::Standard, 400), key(400'000'000, SloClass::Standard, 100)), 0u);
+    // An integer class past batch is batch.
+    EXPECT_EQ(prefill_order_key(0, 7, 0, 0, 0), prefill_order_key(0, 2, 0, 0, 0));
 }
 
 // A pass led by a critical request takes only critical ones (the rest would pad it and
@@ -195,4 +212,17 @@ TEST(Scheduling, ACriticalPassIsNotPaddedWithOtherClasses) {
     jobs[1].urgent = false;  // no critical one first: everything packs in deadline order
     p = plan_prefill(jobs, 512, false);
     EXPECT_EQ(p.entries, (std::vector<PrefillEntry>{{1, 50}, {2, 100}, {0, 200}, {3, 60}}));
+}
+
+// A pass not led by a critical request is cut to the lesser budget (a critical one
+// arriving meanwhile waits for it); a pass led by one keeps the whole budget.
+TEST(Scheduling, APassNotLedByACriticalRequestIsShort) {
+    // deadline, remaining, looked_up, follows, urgent
+    std::vector<PrefillJobView> jobs = {{300, 200, true, false, false}, {200, 100, true, false, false}};
+    EXPECT_EQ(plan_prefill(jobs, 512, false, 128).entries, (std::vector<PrefillEntry>{{1, 100}, {0, 28}}));
+    EXPECT_EQ(plan_prefill(jobs, 512, false, 0).entries, (std::vector<PrefillEntry>{{1, 100}, {0, 200}}));
+    jobs.push_back({100, 300, true, false, true});
+    EXPECT_EQ(plan_prefill(jobs, 512, false, 128).entries, (std::vector<PrefillEntry>{{2, 300}}));
+    jobs[2].remaining = 600;
+    EXPECT_EQ(plan_prefill(jobs, 512, false, 128).entries, (std::vector<PrefillEntry>{{2, 512}}));
 }

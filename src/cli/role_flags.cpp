@@ -16,6 +16,10 @@ constexpr const char* kDevice = "--device";
 constexpr const char* kNoCudaGraphs = "--no-cuda-graphs";
 constexpr const char* kCudaQgemv = "--cuda-qgemv";
 constexpr const char* kPrefillBudget = "--prefill-budget";
+constexpr const char* kPrefillPassMs = "--prefill-pass-ms";
+constexpr const char* kPrefillPassHelp =
+    "a pass not led by a critical request is cut to the tokens this worker computes in this many ms at its "
+    "measured rate, so a critical request arriving meanwhile waits at most about that long (0: no cut)";
 constexpr const char* kNoPrefixCache = "--no-prefix-cache";
 constexpr const char* kHost = "--host";
 constexpr const char* kPort = "--port";
@@ -111,6 +115,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per prefill forward pass (several requests packed)")
         ->capture_default_str()
         ->check(CLI::Range(16, 1 << 16));
+    c.add_option(kPrefillPassMs, s.prefill_pass_ms, kPrefillPassHelp)->capture_default_str()->check(CLI::Range(0, 60000));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
     c.add_option("--prefill-workers", s.prefill_workers,
                  "prefill processes (requests routed by cached prefix and queue)")
@@ -182,6 +187,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
         ->capture_default_str()
         ->check(CLI::Range(16, 1 << 16));
+    c.add_option(kPrefillPassMs, s.prefill_pass_ms, kPrefillPassHelp)->capture_default_str()->check(CLI::Range(0, 60000));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse or publish cached prompt blocks");
 }
 
@@ -226,6 +232,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     put(kGolden, w.golden);
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));
+        put(kPrefillPassMs, std::to_string(w.prefill_pass_ms));
         if (!w.prefix_cache) a.push_back(kNoPrefixCache);
     }
     return a;

@@ -72,6 +72,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.cuda_graphs = a.cuda_graphs;
     o.cuda_qgemv = a.cuda_qgemv;
     o.prefill_budget = a.prefill_budget;
+    o.prefill_pass_ns = static_cast<uint64_t>(a.prefill_pass_ms) * 1000000ull;
     o.prefix_cache = a.prefix_cache;
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();

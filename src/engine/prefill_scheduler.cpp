@@ -5,7 +5,8 @@
 
 namespace duet {
 
-PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time) {
+PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time,
+                         int64_t lesser_budget) {
     std::vector<size_t> order(jobs.size());
     std::iota(order.begin(), order.end(), size_t{0});
     std::stable_sort(order.begin(), order.end(),
@@ -21,6 +22,7 @@ PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, b
             plan.entries.clear();
             return plan;
         }
+        if (plan.entries.empty() && !j.urgent && lesser_budget > 0) budget = std::min(budget, lesser_budget);
         const int64_t n = std::min(budget, j.remaining);
         plan.entries.push_back({k, n});
         budget -= n;

@@ -39,7 +39,10 @@ struct PrefillPlan {
 };
 
 // budget: tokens in the pass; one_at_a_time: the previous pass ran out of KV blocks
-// (only the earliest deadline runs until a pass succeeds).
-PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time);
+// (only the earliest deadline runs until a pass succeeds); lesser_budget: the budget
+// of a pass not led by an urgent job (<= 0: budget), so that an urgent request
+// arriving meanwhile waits for a short pass (PrefillWorker: --prefill-pass-ms).
+PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time,
+                         int64_t lesser_budget = 0);
 
 }  // namespace duet

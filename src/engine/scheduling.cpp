@@ -102,7 +102,10 @@ uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 9
 AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,
                                            double recent) {
     AdmissionDecision d;
-    const double slow = recent > 0 && recent < rate ? recent : rate;  // for the waits told
+    // The rate predicted with: the slower of the best and the recent window's (the
+    // best alone admitted standard requests predicted at 5 s that waited 8 s under 2x
+    // load: bench/RESULTS.md "Overload").
+    rate = recent > 0 && recent < rate ? recent : rate;
     const int64_t total = q.total();
     if (o_.queue_high > 0) {  // A2's hysteresis
         if (total >= o_.queue_high) over_ = true;
@@ -114,7 +117,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (over_ && c != SloClass::Critical) {
         d.admit = false;
         d.reason = "queue";
-        const double s = slow > 0 ? static_cast<double>(total - o_.queue_low) / slow : 1.0;
+        const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
         return d;
     }
@@ -123,10 +126,9 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (rate > 0 && ahead > 0 && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";
-        // The queue ahead must shrink to what leaves room for this prompt; it drains
-        // at the slower rate.
+        // The queue ahead must shrink to what leaves room for this prompt.
         const double room = std::max(0.0, rate * target_s - static_cast<double>(prompt_tokens));
-        const double s = std::max(0.0, static_cast<double>(ahead) - room) / slow;
+        const double s = std::max(0.0, static_cast<double>(ahead) - room) / rate;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
     }
     return d;

@@ -6,13 +6,19 @@
 // integer priority maps to a class as vLLM's does to an order (lower is served
 // first): negative is critical, 0 standard, positive batch.
 //
-// Order: prefill takes requests earliest deadline first, a request's deadline being
-// its arrival plus its class's TTFT target plus a millisecond per prompt token (so
-// that within a class short prompts go first). That is the aging bound: a request is
-// only ever overtaken by one whose deadline is earlier than its own, so once its own
-// deadline has passed (arrival + its target + its length in ms: 60 s and at most
-// --ctx ms for batch by default) no request that arrives later is served before it.
-//
+// Order: prefill takes requests by a key, smallest first: arrival + the class's TTFT
+// target + a millisecond per prompt token (so that within a class short prompts go
+// first: earliest deadline first) + the class's rank (critical 0, standard 1, batch 2)
+// times kClassPrecedenceNs (30 s). Between classes that is priority with aging: a
+// critical request goes before any standard one that has waited less than 34 s (5 s +
+// 30 s - 1 s), before any batch one that has waited less than 119 s. (Plain earliest
+// deadline first across classes, as first built, let a standard request that had
+// waited 4 s go before a new critical one; under 2x load most critical requests missed
+// their target behind them, while A1 had predicted their wait from the critical queue
+// alone.) That is the aging bound: a request is only ever overtaken by one whose key
+// is smaller, so once arrival + its target + rank x 30 s + its length in ms has passed
+// (standard: 35 s, batch: 120 s, plus at most --ctx ms) nothing that arrives later is
+// served before it.
 // Admission (AdmissionControl): a request is answered 429 before it takes any KV or
 // slot when
 //   A1. the prefill work queued ahead of it (its class and more urgent ones, in
@@ -38,6 +44,15 @@
 namespace duet {
 
 enum class SloClass : uint8_t { Critical = 0, Standard = 1, Batch = 2 };
+
+inline constexpr uint64_t kClassPrecedenceNs = 30'000'000'000ull;
+// Prefill's order key (see "Order" above). slo_class: SloClass as an integer (a
+// larger one is treated as batch).
+inline uint64_t prefill_order_key(uint64_t arrival_ns, uint32_t slo_class, uint64_t ttft_target_ns, uint64_t n_tokens,
+                                  uint64_t ns_per_token) {
+    const uint64_t rank = slo_class > 2 ? 2 : slo_class;
+    return arrival_ns + ttft_target_ns + rank * kClassPrecedenceNs + ns_per_token * n_tokens;
+}
 inline constexpr size_t kSloClasses = 3;
 const char* slo_class_name(SloClass c);  // "critical", "standard", "batch"
 
@@ -129,11 +144,12 @@ class AdmissionControl {
 public:
     explicit AdmissionControl(AdmissionOptions o) : o_(std::move(o)) {}
     // Decides for a request of class c with `prompt_tokens` to prefill, given the
-    // queue and prefill's measured rates (tokens/s, 0: unknown): A1 refuses only
-    // what even the best rate (`rate`) cannot serve in time; a Retry-After is
-    // computed at the slower of it and the recent rate (`recent`), so that a client
-    // does not come back before the queue has drained. Updates the watermark's
-    // hysteresis state (not thread-safe: the caller serializes).
+    // queue and prefill's measured rates (tokens/s, 0: unknown): the best window's
+    // (`rate`) and the last one's (`recent`). Predictions and Retry-After use the
+    // slower of the two: the machine as it is now, so that an admitted request meets
+    // its target and a client told to wait does not come back to a queue as full as
+    // it left it. Updates the watermark's hysteresis state (not thread-safe: the
+    // caller serializes).
     AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate, double recent = 0);
     bool over_watermark() const { return over_; }
     const AdmissionOptions& options() const { return o_; }

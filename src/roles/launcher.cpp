@@ -184,6 +184,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.golden = s.golden;
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
+            ws.prefill_pass_ms = s.prefill_pass_ms;
             ws.prefix_cache = s.prefix_cache;
         }
         if (!plan.gpus.empty()) {

@@ -64,6 +64,7 @@ struct ServeSettings {
     std::string isa;
     std::string chat_template;
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
+    int prefill_pass_ms = 250;     // a pass not led by a critical request: cut to this long (0: not cut)
     bool prefix_cache = true;
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
     // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
@@ -100,6 +101,7 @@ struct WorkerSettings {
     std::string cpus;
     std::string isa;
     int64_t prefill_budget = 512;  // prefill: tokens per forward pass
+    int prefill_pass_ms = 250;     // prefill: a pass not led by a critical request is cut to this long (0: not cut)
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;

@@ -152,8 +152,7 @@ std::string metrics_classes(const MetricsSnapshot& s) {
                     fmt::format("duet_requests_preempted_total{{mode=\"recompute\"}} {}\n", s.preempted) +
                     family("duet_prefill_rate_tokens_per_second", "gauge",
                            "Prefill's measured throughput in its passes, all workers together (0: not measured "
-                           "yet): best is what admission's A1 predicts with, recent the last window, what a "
-                           "Retry-After is computed with when slower.") +
+                           "yet): the best window (decayed) and the last one; admission predicts with the slower.") +
                     fmt::format("duet_prefill_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_rate) +
                     fmt::format("duet_prefill_rate_tokens_per_second{{window=\"recent\"}} {}\n", s.prefill_rate_recent);
     std::string queued = family("duet_class_queued_prompt_tokens", "gauge",

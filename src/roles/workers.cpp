@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "engine/backends.h"
+#include "engine/scheduling.h"
 #include "roles/sd_notify.h"
 
 namespace duet {
@@ -354,11 +355,10 @@ void PrefillWorker::take(const WireMsg& m) {
             j.all = j.prompt;
             j.all.insert(j.all.end(), j.output.begin(), j.output.end());
             if (j.params.given_tokens > 0) take_given(j);
-            // Earliest deadline first: the class's TTFT target plus a millisecond
-            // per token, so that within a class short prompts go first
-            // (engine/scheduling.h: the aging bound).
-            j.deadline_ns = slot.submit_ns + j.params.ttft_target_ns +
-                            static_cast<uint64_t>(opts_.deadline_ns_per_token) * j.all.size();
+            // Its order key (engine/scheduling.h "Order": earliest deadline first
+            // within a class, priority with aging between classes).
+            j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.slo_class, j.params.ttft_target_ns, j.all.size(),
+                                              static_cast<uint64_t>(opts_.deadline_ns_per_token));
             if (opts_.prefix_cache) {
                 shm::BlockHash h;
                 for (size_t at = 0; at + static_cast<size_t>(bt) <= j.all.size(); at += static_cast<size_t>(bt)) {
@@ -381,7 +381,8 @@ uint64_t PrefillWorker::queued_deadline(const WireMsg& m) const {
     const shm::ReqSlot& slot = t.slot(r.slot);
     const RequestParams p = request_params(t, r.slot);
     const uint64_t n = slot.n_prompt.load(std::memory_order_relaxed);
-    return std::max<uint64_t>(1, slot.submit_ns + p.ttft_target_ns + static_cast<uint64_t>(opts_.deadline_ns_per_token) * n);
+    return std::max<uint64_t>(1, prefill_order_key(slot.submit_ns, p.slo_class, p.ttft_target_ns, n,
+                                                   static_cast<uint64_t>(opts_.deadline_ns_per_token)));
 }
 
 // Fills the hand (max_prefills jobs): re-driven requests first, in their order (they
@@ -581,13 +582,25 @@ bool PrefillWorker::drop_cancelled() {
 // one's still being computed waits for it, then takes its blocks from the prefix
 // cache (n > 1 choices, or the same prompt sent twice at once). The plan asks for
 // each prefix lookup as the budget reaches the job.
+// The budget of a pass not led by a critical request (WorkerOptions::prefill_pass_ns):
+// the tokens this worker's passes have computed per ns so far, times the pass time;
+// 0 (the whole budget) until 2048 tokens have been measured or with no cut.
+int64_t PrefillWorker::lesser_budget() const {
+    const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
+    const uint64_t busy = me.busy_ns.load(std::memory_order_relaxed);
+    const uint64_t tokens = me.work_tokens.load(std::memory_order_relaxed);
+    if (opts_.prefill_pass_ns == 0 || tokens < 2048 || busy == 0) return 0;
+    const double n = static_cast<double>(tokens) / static_cast<double>(busy) * static_cast<double>(opts_.prefill_pass_ns);
+    return std::max<int64_t>(64, static_cast<int64_t>(n));
+}
+
 PrefillPlan PrefillWorker::plan_pass() {
     std::vector<PrefillJobView> views(jobs_.size());
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
                         jobs_[k].looked_up, follows(k), jobs_[k].params.slo_class == 0};
-        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_);
+        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser_budget());
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
         if (opts_.prefix_cache) lookup_prefix(j);

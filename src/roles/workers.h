@@ -38,6 +38,11 @@ struct WorkerOptions {
     cpu::Isa isa = cpu::Isa::Scalar;
     // Prefill: tokens per forward pass, shared by the requests packed into it.
     int64_t prefill_budget = 512;
+    // A pass not led by a critical request takes at most the tokens this worker
+    // computes in this long at its measured rate (its ProcSlot work counters; at
+    // least 64): a critical request arriving meanwhile waits for the pass in flight,
+    // and at 512 tokens on one core that was 1.1 s of its 1 s target. 0: not cut.
+    uint64_t prefill_pass_ns = 250'000'000;
     // Prefill: requests being prefilled at once (taken from the queue, scheduled by
     // deadline within the token budget).
     int max_prefills = 16;
@@ -179,6 +184,7 @@ private:
     bool give_kv_to_client(Job& j);  // false: the client is gone (nothing given)
     bool drop_cancelled();
     PrefillPlan plan_pass();
+    int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
     void reserve_destinations(Pass& p);
     void erase_jobs(std::vector<size_t> which);
     void pass_failed(const Pass& p, const Status& st);
