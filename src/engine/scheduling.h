@@ -95,9 +95,13 @@ struct SloTable {
 // worker's first passes run cold (page faults, caches) and would read far slower.
 // Per worker: with several prefill workers the queue drains at their sum. Not
 // thread-safe: the caller serializes.
+// Prompt tokens measured before a rate counts (the meter's; prefill's pass cut).
+inline constexpr int64_t kRateEvidenceTokens = 2048;
+
 class PrefillRateMeter {
 public:
-    explicit PrefillRateMeter(uint64_t window_ns = 200'000'000ull, double decay = 0.95, int64_t min_tokens = 2048)
+    explicit PrefillRateMeter(uint64_t window_ns = 200'000'000ull, double decay = 0.95,
+                              int64_t min_tokens = kRateEvidenceTokens)
         : window_ns_(window_ns), decay_(decay), min_tokens_(min_tokens) {}
     // Passes that took `busy_ns` computed `tokens` prompt tokens.
     void add(uint64_t busy_ns, int64_t tokens);

@@ -577,6 +577,18 @@ void Front::cancel_all() {
 
 bool Front::send(shm::ReqRef r) { return router_.send(r); }
 
+// Preempted by decode (recompute: DecodeWorker::preempt): back in QUEUED, ours, at an
+// attempt this front has not sent. It goes to prefill again, with its output so far.
+void Front::resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt) {
+    shm::RequestTable& t = inst_.requests();
+    if (t.current(r.slot).gen != r.gen || t.state(r.slot) != shm::ReqState::Queued ||
+        t.owner_slot(r.slot) != static_cast<int32_t>(self_.slot) || t.attempt(r.slot) == sent_attempt)
+        return;
+    sent_attempt = t.attempt(r.slot);
+    counters_.preempted.fetch_add(1, std::memory_order_relaxed);
+    (void)send(r);
+}
+
 awaitable<void> FrontSession::tick(Front& f) {
     asio::steady_timer timer(co_await asio::this_coro::executor);
     for (;;) {
@@ -1200,14 +1212,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
     ch.seen_state = step.st;
     step.terminal = step.st == shm::ReqState::Finished || step.st == shm::ReqState::Failed ||
                     step.st == shm::ReqState::Cancelled;
-    // Preempted by decode (recompute: DecodeWorker::preempt): back in QUEUED, ours, at
-    // a new attempt. It goes to prefill again, with its output so far.
-    if (step.st == shm::ReqState::Queued && t.owner_slot(ch.ref.slot) == static_cast<int32_t>(f.self_.slot) &&
-        t.attempt(ch.ref.slot) != ch.attempt) {
-        ch.attempt = t.attempt(ch.ref.slot);
-        f.counters_.preempted.fetch_add(1, std::memory_order_relaxed);
-        (void)f.send(ch.ref);
-    }
+    f.resend_if_preempted(ch.ref, ch.attempt);
     const size_t before = ch.out.size();
     if (auto n = t.read_output(ch.ref, ch.have, ch.out)) ch.have = *n;
     step.seen_ns = shm::monotonic_ns();
@@ -1555,14 +1560,8 @@ void Front::expire_orphans(uint64_t now) {
     for (auto it = impl_->orphans.begin(); it != impl_->orphans.end();) {
         Orphan& o = it->second;
         if (!o.claimed && !o.expiring)  // nobody follows it: a preempted choice is sent again here
-            for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i) {
-                const shm::ReqRef r = o.rec.refs[i];
-                if (t.current(r.slot).gen == r.gen && t.state(r.slot) == shm::ReqState::Queued &&
-                    t.owner_slot(r.slot) == static_cast<int32_t>(self_.slot) && t.attempt(r.slot) != o.attempts[i]) {
-                    o.attempts[i] = t.attempt(r.slot);
-                    (void)send(r);
-                }
-            }
+            for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i)
+                resend_if_preempted(o.rec.refs[i], o.attempts[i]);
         if (o.claimed || (!o.expiring && now - o.since_ns < opts_.resume_window_ns)) {
             ++it;
             continue;

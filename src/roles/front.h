@@ -130,6 +130,9 @@ private:
     // Reads the running prefill workers' work counters into prefill_rate_ (the
     // notifier thread, every 50 ms).
     void sample_prefill_work();
+    // Sends a request decode preempted (QUEUED again, at an attempt other than
+    // `sent_attempt`, which it updates) back to prefill.
+    void resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt);
     void notify_loop();
     void adopt_orphans();
     void expire_orphans(uint64_t now_ns);

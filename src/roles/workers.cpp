@@ -577,30 +577,31 @@ bool PrefillWorker::drop_cancelled() {
     return dropped;
 }
 
+// The budget of a pass not led by a critical request (WorkerOptions::prefill_pass_ns):
+// the tokens this worker's passes have computed per ns so far, times the pass time;
+// 0 (the whole budget) until kRateEvidenceTokens have been measured or with no cut.
+int64_t PrefillWorker::lesser_budget() const {
+    const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
+    const uint64_t busy = me.busy_ns.load(std::memory_order_relaxed);
+    const uint64_t tokens = me.work_tokens.load(std::memory_order_relaxed);
+    if (opts_.prefill_pass_ns == 0 || tokens < static_cast<uint64_t>(kRateEvidenceTokens) || busy == 0) return 0;
+    const double n = static_cast<double>(tokens) / static_cast<double>(busy) * static_cast<double>(opts_.prefill_pass_ns);
+    return std::max<int64_t>(64, static_cast<int64_t>(n));
+}
+
 // The pass's plan (engine/prefill_scheduler.h): earliest deadline first within the
 // token budget; a request whose prompt ends in the same full block as an earlier
 // one's still being computed waits for it, then takes its blocks from the prefix
 // cache (n > 1 choices, or the same prompt sent twice at once). The plan asks for
 // each prefix lookup as the budget reaches the job.
-// The budget of a pass not led by a critical request (WorkerOptions::prefill_pass_ns):
-// the tokens this worker's passes have computed per ns so far, times the pass time;
-// 0 (the whole budget) until 2048 tokens have been measured or with no cut.
-int64_t PrefillWorker::lesser_budget() const {
-    const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
-    const uint64_t busy = me.busy_ns.load(std::memory_order_relaxed);
-    const uint64_t tokens = me.work_tokens.load(std::memory_order_relaxed);
-    if (opts_.prefill_pass_ns == 0 || tokens < 2048 || busy == 0) return 0;
-    const double n = static_cast<double>(tokens) / static_cast<double>(busy) * static_cast<double>(opts_.prefill_pass_ns);
-    return std::max<int64_t>(64, static_cast<int64_t>(n));
-}
-
 PrefillPlan PrefillWorker::plan_pass() {
     std::vector<PrefillJobView> views(jobs_.size());
+    const int64_t lesser = lesser_budget();
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
                         jobs_[k].looked_up, follows(k), jobs_[k].params.slo_class == 0};
-        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser_budget());
+        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser);
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
         if (opts_.prefix_cache) lookup_prefix(j);
