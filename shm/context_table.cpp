@@ -36,14 +36,16 @@ Status ContextTable::init(void* mem, const ContextTableConfig& c) {
     h->slot_bytes = static_cast<uint32_t>(slot_bytes_of(c));
     h->owner.store(0, std::memory_order_relaxed);
     h->next_gen.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
-    h->magic = kMagic;
+    // The magic is published last, by a release store that attach()'s acquire load
+    // pairs with (a store, not a fence: ThreadSanitizer does not model fences).
+    std::atomic_ref<uint32_t>(h->magic).store(kMagic, std::memory_order_release);
     return {};
 }
 
 Result<ContextTable> ContextTable::attach(void* mem) {
     auto* h = static_cast<ContextTableHeader*>(mem);
-    if (h->magic != kMagic) return make_error("no context table here");
+    if (std::atomic_ref<uint32_t>(h->magic).load(std::memory_order_acquire) != kMagic)
+        return make_error("no context table here");
     if (h->slot_bytes != slot_bytes_of({h->n_slots, h->max_tokens}))
         return make_error("context table: slots of {} bytes, {} expected", h->slot_bytes,
                           slot_bytes_of({h->n_slots, h->max_tokens}));
