@@ -48,7 +48,7 @@ struct Serving {
     shm::ProcRef front;
     std::unique_ptr<PrefillRouter> router;
 
-    void start(uint32_t n_prefill = 1, uint32_t n_decode = 1, bool kv_split = false) {
+    void start(uint32_t n_prefill = 1, uint32_t n_decode = 1, bool kv_split = false, uint32_t n_blocks = 0) {
         auto m = Model::load(DUET_MODEL_PATH);
         ASSERT_TRUE(m.ok()) << m.error().message;
         model = std::move(m).value();
@@ -59,6 +59,7 @@ struct Serving {
         l.n_prefill = n_prefill;
         l.n_decode = n_decode;
         l.kv_split = kv_split;
+        l.n_blocks = n_blocks;
         cfg = serve_instance_config(l, *model);
         auto in = shm::Instance::create(cfg);
         ASSERT_TRUE(in.ok()) << in.error().message;
@@ -280,6 +281,102 @@ TEST(Serving, PrefillPacksRequestsAndReusesCachedPrefixes) {
     shm::ArenaCensus c = sv.inst.arena(0).census();
     EXPECT_EQ(c.held, 0u);
     EXPECT_GE(c.cached, prompts[kLong].size() / bt) << "the long prompt's full blocks stay cached";
+    EXPECT_EQ(c.free + c.cached, c.total);
+}
+
+// KV pressure between the roles, stepped by hand in this process so the interleaving
+// is the one that failed on 2026-12-03: decode runs one sequence (A) while prefill
+// computes a long prompt (B) pass by pass until the arena is full. B, alone in its
+// pass and short, waits; A, alone in decode, needs a block for its next token. B
+// gives back its blocks while it waits (they stay cached, evictable) and A waits
+// rather than fail (nobody to preempt): A finishes, then B is computed again and
+// finishes. Both outputs equal the single-process engine's.
+TEST(Serving, ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits) {
+    Serving sv;
+    sv.start(1, 1, false, /*n_blocks=*/12);
+    if (::testing::Test::HasFatalFailure()) return;
+    const uint32_t bt = sv.cfg.requests.block_tokens;
+    ASSERT_EQ(bt, 16u) << "the scenario's sizes assume 16-token blocks";
+    // A: 20 + 100 tokens (8 blocks at the end); B: 170 + 2 (11 blocks). Together they
+    // never fit in 12; each alone does.
+    std::vector<int32_t> pa, pb;
+    for (int i = 0; i < 20; ++i) pa.push_back(200 + 37 * i % 900);
+    for (int i = 0; i < 170; ++i) pb.push_back(300 + 53 * i % 1500);
+    const uint32_t na = 100, nb = 2;
+    std::vector<int32_t> want_a, want_b;
+    {
+        EngineOptions eo;
+        eo.model_path = DUET_MODEL_PATH;
+        eo.threads = 1;
+        eo.n_ctx = 256;
+        auto e = Engine::create(eo);
+        ASSERT_TRUE(e.ok()) << e.error().message;
+        for (auto [prompt, n, out] : {std::tuple{&pa, na, &want_a}, std::tuple{&pb, nb, &want_b}}) {
+            GenerateOptions g;
+            g.max_tokens = n;
+            g.sampling.temperature = 0.0f;
+            g.stop_at_eog = false;
+            ASSERT_TRUE((*e)->generate(*prompt, g, [&, out = out](int32_t id) {
+                out->push_back(id);
+                return true;
+            }).ok());
+        }
+        ASSERT_EQ(want_a.size(), na);
+        ASSERT_EQ(want_b.size(), nb);
+    }
+    WorkerOptions o;
+    o.threads = 1;
+    o.isa = cpu::isa_best();
+    o.prefill_budget = 32;  // B takes six passes, two blocks each
+    auto pw = PrefillWorker::create(sv.inst, *sv.model, o);
+    ASSERT_TRUE(pw.ok()) << pw.error().message;
+    auto dw = DecodeWorker::create(sv.inst, *sv.model, o);
+    ASSERT_TRUE(dw.ok()) << dw.error().message;
+    shm::RequestTable& t = sv.inst.requests();
+    const auto submit = [&](const std::vector<int32_t>& prompt, uint32_t n) {
+        RequestParams p;
+        p.sampling.temperature = 0.0f;
+        p.max_tokens = n;
+        p.stop_at_eog = false;
+        auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
+        EXPECT_TRUE(r.ok()) << r.error().message;
+        sv.send(*r);
+        return *r;
+    };
+    const auto ended = [&](shm::ReqRef r) {
+        return t.is(r, shm::ReqState::Finished) || t.is(r, shm::ReqState::Failed) || t.is(r, shm::ReqState::Cancelled);
+    };
+    const auto step = [&] {
+        ASSERT_TRUE((*pw)->step().ok());
+        ASSERT_TRUE((*dw)->step().ok());
+    };
+    const shm::ReqRef a = submit(pa, na);
+    std::vector<int32_t> out;
+    for (int k = 0; k < 1000 && (out.clear(), (void)t.read_output(a, 0, out), out.size() < 4) && !ended(a); ++k) step();
+    ASSERT_TRUE(t.is(a, shm::ReqState::Decoding)) << shm::req_state_name(t.state(a.slot));
+    const shm::ReqRef b = submit(pb, nb);
+    bool full = false;  // every block held at once (the pressure happened)
+    for (int k = 0; k < 20000 && !(ended(a) && ended(b)); ++k) {
+        step();
+        if (::testing::Test::HasFatalFailure()) return;
+        const shm::ArenaCensus c = sv.inst.arena(0).census();
+        full |= c.held == c.total && !ended(a);
+    }
+    EXPECT_TRUE(full) << "the arena never filled: the scenario did not happen";
+    ASSERT_TRUE(t.is(a, shm::ReqState::Finished)) << "A is " << shm::req_state_name(t.state(a.slot));
+    ASSERT_TRUE(t.is(b, shm::ReqState::Finished)) << "B is " << shm::req_state_name(t.state(b.slot));
+    std::vector<int32_t> got_a, got_b;
+    (void)t.read_output(a, 0, got_a);
+    (void)t.read_output(b, 0, got_b);
+    EXPECT_EQ(got_a, want_a);
+    EXPECT_EQ(got_b, want_b);
+    t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
+    t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
+    for (int k = 0; k < 10; ++k) step();  // prefill settles its hand-offs
+    pw->reset();
+    dw->reset();
+    const shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.held, 0u);
     EXPECT_EQ(c.free + c.cached, c.total);
 }
 

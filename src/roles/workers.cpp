@@ -638,6 +638,12 @@ void PrefillWorker::erase_jobs(std::vector<size_t> which) {
     for (size_t k = which.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(which[k]));
 }
 
+// How long a request that would fit in the arena waits for KV blocks others hold
+// before it fails: prefill's alone in its pass, decode's last sequence. Blocks held
+// for good (pinned contexts, another decode worker's lone sequence that fills the
+// rest) end in the failure rather than a hang.
+constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
+
 // A pass that did not run: nothing it reserved is held any more.
 // Whether a request whose pass alone found no KV blocks waits for them rather than
 // failing: it fits the whole arena, others hold blocks now, it is not a context's
@@ -645,7 +651,6 @@ void PrefillWorker::erase_jobs(std::vector<size_t> which) {
 // ContextStore::compute: waiting would wait on it), and it has waited less than
 // kKvWaitNs (blocks held for good, by pinned contexts say, end in the failure).
 bool PrefillWorker::waits_for_kv(Job& j) {
-    constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
     const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
     const KvBlockAllocator& a = pool_->allocator();
     const uint64_t now = shm::monotonic_ns();
@@ -659,6 +664,24 @@ bool PrefillWorker::waits_for_kv(Job& j) {
         return false;
     if (j.kv_wait_since == 0) j.kv_wait_since = now;
     return now - j.kv_wait_since < kKvWaitNs;
+}
+
+// A job that is not running while prefill is short of KV gives back its blocks (true
+// if it held any). Its full blocks were published as each pass ended: they stay in
+// the prefix cache, referenced by nobody, where an allocation may evict them; what
+// it loses is computed again when it runs (the invariance contract: a prompt
+// computed in other chunks has the same KV, so its output does not change). Kept,
+// they starved decode: its one remaining sequence has nobody to preempt, found no
+// block and failed (seen on 2026-12-03 under ASan, scheduling_e2e's KV pressure).
+// Not a job that started from blocks its client offered (a context's KV): the slot's
+// table gave them to it once, and they are the client's.
+bool PrefillWorker::set_aside(Job& j) {
+    if (j.params.given_tokens > 0 || j.seq.blocks().empty()) return false;
+    j.seq.release(*pool_);
+    j.done = 0;
+    j.published = 0;
+    j.looked_up = false;  // the next pass that reaches it looks its prefix up again
+    return true;
 }
 
 void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
@@ -678,16 +701,30 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
         // the next pass with the earliest-deadline one alone, taking no new ones.
         kv_short_ = true;
         return;
-    } else if (Job& j = jobs_[p.jobs.front()]; waits_for_kv(j)) {
-        // Alone, it would fit in the arena, but others hold blocks now (decode's
-        // running sequences, which end or give way: DecodeWorker::preempt; a preempted
-        // request comes back here): it waits, holding what it has, and tries again.
-        kv_short_ = true;
-        usleep(2000);
-        return;
     } else {
+        // Alone in its pass and still short. First the jobs set aside (partly computed
+        // prompts not in this pass) give back their blocks, and it tries again.
+        Job& j = jobs_[p.jobs.front()];
+        bool freed = false;
+        for (Job& o : jobs_)
+            if (&o != &j) freed |= set_aside(o);
+        if (freed) {
+            kv_short_ = true;
+            return;
+        }
+        if (waits_for_kv(j)) {
+            // It would fit in the arena, but others hold blocks now (decode's running
+            // sequences, which end or give way: DecodeWorker::preempt; a preempted
+            // request comes back here). It gives back its own blocks too while it
+            // waits: decode's last sequence, with nobody to preempt, may need one.
+            set_aside(j);
+            kv_short_ = true;
+            usleep(2000);
+            return;
+        }
+
         // A request that cannot fit even in the whole arena fails (freeing its blocks).
-        fail(jobs_[p.jobs.front()], ReqError::PrefillKv);
+        fail(j, ReqError::PrefillKv);
         erase_jobs(p.jobs);
     }
     publish_load();
@@ -838,6 +875,20 @@ bool DecodeWorker::preempt(size_t i) {
     return true;
 }
 
+// Whether decode's last sequence, which found no block for its next token, waits for
+// one: its KV with the next token fits the whole arena, others hold blocks now
+// (prefill's passes, another decode worker's sequences), and it has waited less
+// than kKvWaitNs.
+bool DecodeWorker::waits_for_kv(Active& a) {
+    const KvBlockAllocator& al = pool_->allocator();
+    const int64_t bt = pool_->layout().block_tokens;
+    const int64_t need = (a.seq.n_tokens() + 1 + bt - 1) / bt;
+    if (need > al.n_blocks() || al.n_available() >= al.n_blocks()) return false;
+    const uint64_t now = shm::monotonic_ns();
+    if (a.kv_wait_since == 0) a.kv_wait_since = now;
+    return now - a.kv_wait_since < kKvWaitNs;
+}
+
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
     // New hand-offs join at this step boundary, up to the batch size (the rest wait
@@ -910,7 +961,9 @@ Result<bool> DecodeWorker::step() {
     // The step's blocks first (KvCacheManager). None to be had: the decode policy
     // names the sequence that gives way (the least urgent class, the newest of it),
     // which is preempted by recompute, and the rest try again next step. With one
-    // sequence left there is nobody to give way to: it fails.
+    // sequence left there is nobody to give way to: it waits for blocks others hold
+    // (prefill gives back those of prompts that wait: PrefillWorker::set_aside) if it
+    // would fit in the arena, up to kKvWaitNs, and then fails.
     Status st = kv_->reserve(batch);
     if (!st) {
         std::vector<DecodeSeqView> views(active_.size());
@@ -927,11 +980,16 @@ Result<bool> DecodeWorker::step() {
             inst_->registry().wake(shm::Role::Front);
             return true;
         }
+        if (waits_for_kv(active_[v])) {  // alone, and it would fit: others hold blocks now
+            usleep(2000);
+            return true;
+        }
         t.slot(active_[v].req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(v, shm::ReqState::Failed);
         inst_->registry().wake(shm::Role::Front);
         return true;
     }
+    for (Active& a : active_) a.kv_wait_since = 0;
     {
         trace::Range range("decode step");
         st = backend_->forward_pick(batch, logits_, picks_);

@@ -157,6 +157,7 @@ private:
     // those whose decode worker died before taking them.
     void settle();
     bool waits_for_kv(Job& j);  // after a pass of j alone found no KV blocks (workers.cpp)
+    bool set_aside(Job& j);     // gives back the blocks of a job that is not running (workers.cpp)
     // Sends a hand-off to the decode worker with room and the least work; the ref of
     // the process it went to (invalid if no decode worker runs: it waits in the ring
     // of the one being restarted).
@@ -241,8 +242,10 @@ private:
         std::vector<int32_t> prompt, output;
         bool fresh = false;  // not yet in a step
         uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)
+        uint64_t kv_wait_since = 0;  // alone and waiting for a KV block others hold, since (0: not)
     };
     void finish(size_t i, shm::ReqState to);
+    bool waits_for_kv(Active& a);  // a lone sequence that found no KV block (workers.cpp)
     bool preempt(size_t i);  // recompute preemption (workers.cpp)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
