@@ -176,6 +176,7 @@ Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, c
     s.handoff_ns.store(0, std::memory_order_relaxed);
     s.first_step_ns.store(0, std::memory_order_relaxed);
     s.client.store(client.pack(), std::memory_order_relaxed);
+    s.kv_to.store(0, std::memory_order_relaxed);
     s.submit_ns = monotonic_ns();
     std::memset(s.params, 0, kReqParamBytes);
     if (params_bytes) std::memcpy(s.params, params, params_bytes);

@@ -90,6 +90,12 @@ struct alignas(64) ReqSlot {
     // none): when that process is gone, nobody will read the request, and the
     // launcher cancels and frees it.
     std::atomic<uint64_t> client;
+    // ProcRef::pack() of the process a finished request's KV blocks were moved to
+    // (RequestParams keep_kv / return_kv: the client when the worker ended it; 0:
+    // none). Written before the transition that publishes the end. A front that
+    // adopted the request from a dead one takes the blocks only if it is named here:
+    // the dead front may have been named instead (its recovery drops them).
+    std::atomic<uint64_t> kv_to;
     uint8_t params[kReqParamBytes];
     // Followed by int32 tokens[max_tokens] (prompt, then output) and int32
     // blocks[max_blocks], at offsets given by the table header.

@@ -64,6 +64,7 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     // only the new positions are computed. We hold them until it ends (the store's
     // lock keeps the context from being evicted meanwhile).
     p.given_tokens = static_cast<uint32_t>(seq.n_tokens());
+    p.given_by = self_.pack();
     auto r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
     if (!r) return make_error(ErrorKind::Limit, "the server is at capacity ({})", r.error().message);
     // A failed offer leaves the table empty: prefill then computes every position.
@@ -483,7 +484,19 @@ void ContextService::release(std::span<const int32_t> blocks) {
 }
 
 ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added,
-                                std::vector<int32_t> kv_blocks, int64_t kv_valid) {
+                                std::vector<int32_t> kv_blocks, int64_t kv_valid, bool maybe_done) {
+    if (maybe_done) {
+        // A completion adopted from a front that died: it may have committed it
+        // before it died (and not yet freed the request). Then the context already
+        // ends with the added tokens at that length: done, once.
+        auto t = store_->tokens(id);
+        if (t && t->size() == context_tokens + added.size() &&
+            std::equal(added.begin(), added.end(), t->begin() + static_cast<std::ptrdiff_t>(context_tokens))) {
+            release(kv_blocks);
+            auto info = store_->info(id);
+            if (info) return ok(200, info_json(*info, nullptr));
+        }
+    }
     if (!kv_blocks.empty()) {
         ContextUsage u;
         auto r = store_->append_with_kv(id, context_tokens, added, std::move(kv_blocks), kv_valid, &u);

@@ -96,9 +96,11 @@ public:
     // After such a completion: its prompt and output join the context. With
     // kv_blocks (the completion's blocks, returned by its worker: positions [0,
     // kv_valid), a reference each that the context takes over or that is dropped),
-    // only what they lack is computed.
+    // only what they lack is computed. maybe_done (a completion adopted from a front
+    // that died, which may have committed it already): a context that already ends
+    // with `added` at that length is left as it is, and the answer is OK.
     ApiReply commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added,
-                    std::vector<int32_t> kv_blocks = {}, int64_t kv_valid = 0);
+                    std::vector<int32_t> kv_blocks = {}, int64_t kv_valid = 0, bool maybe_done = false);
     // Before a request that needs `blocks` KV blocks is admitted: when the arena has
     // fewer free or cached, idle contexts (not `keep`, the one the request
     // continues) are evicted, least recently used first, until it has them

@@ -51,6 +51,12 @@ struct FrontRecord {
     CompletionRequest r;
     size_t prompt_tokens = 0;
     std::vector<shm::ReqRef> refs;
+    // A context completion: its context, the context's length when it began, whether
+    // it joins the context, whether its KV comes back for that (Completion's fields).
+    std::string context;
+    size_t context_len = 0;
+    bool commit = true;
+    bool return_kv = false;
 };
 
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
@@ -330,7 +336,11 @@ std::string front_record_json(const Completion& c) {
                 {"logprobs", c.r.logprobs},
                 {"stop", c.r.stop},
                 {"prompt_tokens", c.prompt.size()},
-                {"slots", slots}}
+                {"slots", slots},
+                {"context", c.context},
+                {"context_len", c.context_len},
+                {"commit", c.commit},
+                {"return_kv", c.return_kv}}
         .dump();
 }
 
@@ -352,6 +362,10 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
         f.prompt_tokens = j.at("prompt_tokens").get<size_t>();
         for (const json& s : j.at("slots")) f.refs.push_back(shm::ReqRef{s.at(0).get<uint32_t>(), s.at(1).get<uint32_t>()});
         f.r.n = static_cast<int>(f.refs.size());
+        f.context = j.value("context", std::string());
+        f.context_len = j.value("context_len", size_t{0});
+        f.commit = j.value("commit", true);
+        f.return_kv = j.value("return_kv", false);
         if (f.refs.empty()) return std::nullopt;
         return f;
     } catch (const std::exception&) {
@@ -444,6 +458,7 @@ struct FrontSession {
                                       std::string context = "");
     static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
     static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
+    static awaitable<bool> end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c);
     static void take_returned_kv(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
@@ -907,10 +922,15 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
 }
 
 // A FINISHED return_kv request's table names exactly the blocks its worker moved to
-// us (workers.cpp, DecodeWorker::finish): ours now, positions [0, prompt + output - 1).
+// its client (workers.cpp, DecodeWorker::finish), positions [0, prompt + output - 1):
+// ours when the slot's kv_to names us. (An adopted request's worker may have moved
+// them to the dead front, whose recovery drops them: the commit then computes the
+// added tokens again.)
 void FrontSession::take_returned_kv(Front& f, Completion& c) {
     const shm::RequestTable& t = f.inst_.requests();
     const uint32_t slot = c.ch[0].ref.slot;
+    // Relaxed: written before the transition to FINISHED, whose acquire load we made.
+    if (t.slot(slot).kv_to.load(std::memory_order_relaxed) != f.self_.pack()) return;
     // Acquire pairs with the worker's release of n_blocks (and the state we saw).
     const uint32_t nb = t.slot(slot).n_blocks.load(std::memory_order_acquire);
     c.returned.svc = f.opts_.contexts;
@@ -935,7 +955,9 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
     const int64_t kv_valid = c.returned.valid;
     ApiReply reply = co_await asio::co_spawn(
         f.impl_->store,
-        [&]() -> awaitable<ApiReply> { co_return svc.commit(c.context, c.context_len, added, std::move(kv), kv_valid); },
+        [&]() -> awaitable<ApiReply> {
+            co_return svc.commit(c.context, c.context_len, added, std::move(kv), kv_valid, !c.resumed_id.empty());
+        },
         use_awaitable);
     if (reply.status < 400) co_return std::nullopt;
     auto j = nlohmann::json::parse(reply.body, nullptr, false);
@@ -1040,16 +1062,24 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     co_await follow(f, stream, c);
+    co_return co_await end_completion(f, stream, req, c);
+}
+
+// Once every choice has ended (follow): a context completion's KV taken back and its
+// tokens committed, then the reply. True: the connection may serve another request.
+awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
     if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
     Outcome o = finish(f, c);
     if (!c.context.empty() && c.commit && !o.failed && !c.client_gone) {
         // Before the reply ends ([DONE], or the body): acknowledged means durable.
         if (auto e = co_await commit_context(f, c)) {
+            if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
             if (!c.r.stream) co_return co_await error(f, stream, req, *e);
             co_await write_event(stream, error_json(*e));
             co_return false;
         }
     }
+    if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
     co_return co_await reply(f, stream, req, c, o);
 }
 
@@ -1146,7 +1176,10 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
-    if (offer) params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
+    if (offer) {
+        params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
+        params.given_by = f.self_.pack();
+    }
     // Its KV comes back to join the context (one shared arena: the context's).
     c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst_.config().kv_split;
     params.return_kv = c.return_kv ? 1 : 0;
@@ -1168,12 +1201,10 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         c.ch[i].ref = *sub;
         c.ch[i].attempt = t.attempt(sub->slot);
     }
-    // Resumable after a front restart (a context's completion is not: its commit is
-    // this process's): the record goes in before any worker sees the request.
-    if (c.context.empty()) {
-        const std::string rec = front_record_json(c);
-        for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
-    }
+    // Resumable after a front restart (a context's completion too: the front that
+    // resumes it commits it): the record goes in before any worker sees the request.
+    const std::string rec = front_record_json(c);
+    for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
     f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
@@ -1451,7 +1482,22 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     c.created = fr->created;
     c.resumed_id = id;
     c.arrived = shm::monotonic_ns();
-    c.prompt.resize(fr->prompt_tokens);
+    c.context = fr->context;
+    c.context_len = fr->context_len;
+    c.commit = fr->commit;
+    c.return_kv = fr->return_kv;
+    // The prompt as the slot holds it (the commit adds its tokens past context_len).
+    {
+        const uint32_t s0 = fr->refs[0].slot;
+        const uint32_t np = std::min<uint32_t>(t.slot(s0).n_prompt.load(std::memory_order_relaxed), t.max_tokens());
+        c.prompt.assign(t.tokens(s0), t.tokens(s0) + np);
+        if (c.prompt.size() != fr->prompt_tokens || c.context_len > c.prompt.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(500, "server_error",
+                                               fmt::format("request '{}': its slot no longer holds its prompt", id)));
+        }
+    }
     if (events) c.r.stream = true;
     // Last-Event-ID: each choice's output tokens covered by the last event the client
     // got ("12", or "12.9" for two choices); none: from the start.
@@ -1513,9 +1559,12 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     co_await follow(f, stream, c);
-    Outcome o = finish(f, c);
-    unclaim(true);
-    co_return co_await reply(f, stream, req, c, o);
+    co_return co_await end_completion(f, stream, req, c);  // forgets the orphan
+}
+
+void Front::forget_orphan(const std::string& id) {
+    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+    impl_->orphans.erase(id);
 }
 
 // Requests of a dead front with a front record: this process answers them from now
@@ -1537,6 +1586,9 @@ void Front::adopt_orphans() {
             if (!rec) continue;
             auto fr = parse_front_record(*rec);
             if (!fr || impl_->orphans.count(fr->id)) continue;
+            // A context completion is answered by a front that can commit it; one
+            // without contexts leaves it to the launcher's sweep.
+            if (!fr->context.empty() && !opts_.contexts) continue;
             for (shm::ReqRef r : fr->refs)
                 if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
             Orphan o;
@@ -1572,6 +1624,12 @@ void Front::expire_orphans(uint64_t now) {
             const shm::ReqState st = t.state(r.slot);
             if (st == shm::ReqState::Free) continue;
             if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) {
+                // A context completion's KV that came back to us: nobody commits it.
+                if (st == shm::ReqState::Finished && o.rec.return_kv && opts_.contexts &&
+                    t.slot(r.slot).kv_to.load(std::memory_order_relaxed) == self_.pack()) {
+                    const uint32_t nb = t.slot(r.slot).n_blocks.load(std::memory_order_acquire);
+                    opts_.contexts->release(std::span<const int32_t>(t.blocks(r.slot), nb));
+                }
                 t.transition(r, st, shm::ReqState::Free);
                 continue;
             }

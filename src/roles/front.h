@@ -136,6 +136,7 @@ private:
     void notify_loop();
     void adopt_orphans();
     void expire_orphans(uint64_t now_ns);
+    void forget_orphan(const std::string& id);  // answered: nothing more to do for it
 
     friend struct FrontSession;
 };

@@ -129,6 +129,12 @@ struct RequestParams {
     // of the prefix lookup (which finds full blocks only). Ignored when the table no
     // longer holds them (a re-drive empties it).
     uint32_t given_tokens = 0;
+    // ProcRef::pack() of the process that offered them (the front, or the context
+    // store's process). Prefill shares only that process's references: a front that
+    // adopted the request after the offerer died may hold other blocks under the same
+    // ids (freed by the recovery, taken again), and while the offerer is not yet
+    // recovered its references still hold the offered KV. 0: the client.
+    uint64_t given_by = 0;
     // A context completion's KV comes back: when the request finishes (not when it
     // is cancelled or fails), the worker that ends it writes its blocks in the slot's
     // table and moves its references to the client's arena user, which then holds

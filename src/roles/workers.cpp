@@ -467,8 +467,8 @@ bool PrefillWorker::take_given(Job& j) {
     (void)t.reset_blocks(j.req);  // the table is ours to fill from here (complete)
     // At least the last token is computed: its logits give the first output token.
     const int64_t given = std::min<int64_t>(j.params.given_tokens, static_cast<int64_t>(j.all.size()) - 1);
-    const shm::ProcRef client = shm::ProcRef::unpack(t.slot(slot).client.load(std::memory_order_relaxed));
-    const int32_t from = alloc_->arena().user_of(client);
+    const uint64_t by = j.params.given_by ? j.params.given_by : t.slot(slot).client.load(std::memory_order_relaxed);
+    const int32_t from = alloc_->arena().user_of(shm::ProcRef::unpack(by));
     if (given <= 0 || from < 0 || static_cast<int64_t>(nb) * bt < given) return false;
     blocks.resize(static_cast<size_t>((given + bt - 1) / bt));
     // Our own references: the client keeps its own until the request ends. A block it
@@ -510,6 +510,7 @@ bool PrefillWorker::give_kv_to_client(Job& j) {
     std::vector<int32_t> blocks = j.seq.detach();
     for (int32_t b : blocks)
         if (!alloc_->arena().transfer(user_, static_cast<uint32_t>(to), b)) alloc_->unref(b);
+    inst_->requests().slot(j.req.slot).kv_to.store(client.pack(), std::memory_order_relaxed);  // published by the end
     return true;
 }
 
@@ -847,6 +848,7 @@ void DecodeWorker::finish(size_t i, shm::ReqState to) {
             t.append_blocks(a.req, a.seq.blocks().data(), static_cast<uint32_t>(a.seq.blocks().size())).ok()) {
             for (int32_t b : a.seq.detach())
                 if (!inst_->arena(arena_).transfer(user_, static_cast<uint32_t>(to_user), b)) alloc_->unref(b);
+            t.slot(a.req.slot).kv_to.store(client.pack(), std::memory_order_relaxed);  // published by the transition
         }
     }
     t.transition(a.req, shm::ReqState::Decoding, to);

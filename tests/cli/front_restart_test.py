@@ -9,12 +9,17 @@
 - non-streaming clients in flight at the kill retry with the same X-Request-Id and
   get the same answer as an undisturbed run;
 - the workers keep running (same pids); resuming an unknown id is 404, a second
-  connection for a request being answered is 409, a bad Last-Event-ID is 400.
+  connection for a request being answered is 409, a bad Last-Event-ID is 400;
+- a context's completion (/v1/contexts/{id}/completions) streaming at the kill is
+  resumed the same way, and the new front commits it: the context then holds its
+  tokens followed by the completion's prompt and output, and continues exactly as a
+  fresh computation of those tokens.
 
 Usage: front_restart_test.py path/to/duet
 """
 import json
 import os
+import tempfile
 import re
 import signal
 import subprocess
@@ -33,7 +38,9 @@ MAX_TOKENS = 96 if os.environ.get("DUET_E2E_SUBSET") else 200  # the sanitizer r
 port = free_port()
 # --admit-slack 0: the burst tests the restart, not admission (on a loaded machine
 # A1 may rightly refuse part of it).
-serve = subprocess.Popen([DUET, "serve", "--port", str(port), "--ctx", "512", "--slots", "48", "--admit-slack", "0"],
+contexts_dir = tempfile.TemporaryDirectory(prefix="duet-front-restart-")
+serve = subprocess.Popen([DUET, "serve", "--port", str(port), "--ctx", "512", "--slots", "48", "--admit-slack", "0",
+                          "--contexts-dir", contexts_dir.name],
                          stderr=subprocess.PIPE, text=True)
 log = []
 for line in serve.stderr:
@@ -56,6 +63,17 @@ def roles():
 def body(i, stream):
     return {"prompt": f"Story number {i}: once upon a time, in a land far away,", "max_tokens": MAX_TOKENS,
             "temperature": 0.8, "seed": 1000 + i, "stream": stream}
+
+
+CTX = "story"
+CTX_BODY = {"prompt": " And then the dragon said:", "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 77}
+
+
+def get(path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, r.read().decode()
 
 
 def post(path, payload, headers=None, timeout=300):
@@ -95,14 +113,25 @@ try:
         ts = [threading.Thread(target=ref, args=(i,)) for i in range(N_STREAMS)]
         [t.start() for t in ts]
         [t.join() for t in ts]
+        # A durable context, and its completion undisturbed (commit: false leaves it as it is).
+        st, out = post("/v1/contexts", {"id": CTX, "prompt": "Once upon a time, a dragon lived in a cave by the sea."})
+        check(st == 201, f"create the context: {st} {out}")
+        st, out = get(f"/v1/contexts/{CTX}?tokens=true")
+        ctx_tokens0 = json.loads(out)["tokens"]
+        st, out = post(f"/v1/contexts/{CTX}/completions", {**CTX_BODY, "commit": False})
+        check(st == 200, f"the context's completion, undisturbed: {st} {out}")
+        ctx_ref = json.loads(out)
+        ctx_ref_text = ctx_ref["choices"][0]["text"]
         before = roles()
         check({"front", "prefill", "decode"} <= set(before), f"roles: {before}")
 
-        results = [None] * N_STREAMS
-        progress = threading.Barrier(N_STREAMS + 1 + 2)
-        cut_seen = [False] * N_STREAMS
+        results = [None] * (N_STREAMS + 1)  # the last: the context's completion
+        progress = threading.Barrier(N_STREAMS + 1 + 1 + 2)
+        cut_seen = [False] * (N_STREAMS + 1)
 
         def streamer(i):
+            path, payload = ("/v1/completions", body(i, True)) if i < N_STREAMS else (
+                f"/v1/contexts/{CTX}/completions", {**CTX_BODY, "stream": True, "stream_options": {"include_usage": True}})
             state = {"id": None, "ev": None, "n": 0}
             def on_event(rid, ev_id):
                 state["id"], state["ev"] = rid, ev_id
@@ -112,7 +141,7 @@ try:
             text, done = "", False
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-                c.request("POST", "/v1/completions", json.dumps(body(i, True)), {"Content-Type": "application/json"})
+                c.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
                 r = c.getresponse()
                 check(r.status == 200, f"stream {i}: {r.status}")
                 text, done = read_events(r, on_event)
@@ -186,7 +215,7 @@ try:
                     pass
                 time.sleep(0.1)
 
-        threads = [threading.Thread(target=streamer, args=(i,)) for i in range(N_STREAMS)]
+        threads = [threading.Thread(target=streamer, args=(i,)) for i in range(N_STREAMS + 1)]
         threads += [threading.Thread(target=retrier, args=(k,)) for k in range(2)]
         for t in threads:
             t.start()
@@ -196,9 +225,11 @@ try:
             t.join(240)
         check(all(r is not None for r in results), f"streams without a result: {[i for i, r in enumerate(results) if r is None]}")
         bad = [i for i in range(N_STREAMS) if results[i][0] != refs[i]]
+        check(results[N_STREAMS][0] == ctx_ref_text,
+              f"the context's completion, resumed, differs from its undisturbed run: {results[N_STREAMS][0]!r} != {ctx_ref_text!r}")
         check(not bad, f"streams {bad} differ from undisturbed runs, e.g. {results[bad[0]][0]!r} != {refs[bad[0]]!r}"
               if bad else "")
-        check(sum(cut_seen) == N_STREAMS, f"every stream was cut by the kill: {cut_seen}")
+        check(sum(cut_seen) == N_STREAMS + 1, f"every stream was cut by the kill: {cut_seen}")
         print(f"SIGKILL of the front under {N_STREAMS} streams: every stream resumed with Last-Event-ID, "
               f"texts identical to undisturbed runs: ok")
         for k in range(2):
@@ -210,6 +241,26 @@ try:
         check(after["prefill"] == before["prefill"] and after["decode"] == before["decode"]
               and after["front"] != before["front"], f"workers kept (same pids), a new front: {before} -> {after}")
         print("workers kept running (same pids), a new front serves: ok")
+
+        # The resumed completion of the context was committed by the new front: the
+        # context is its tokens, the completion's prompt and its output, and it goes on
+        # exactly as one fresh computation of those tokens (greedy, 8 tokens).
+        st, out = get(f"/v1/contexts/{CTX}?tokens=true")
+        check(st == 200, f"the context after the restart: {st} {out}")
+        after_tokens = json.loads(out)["tokens"]
+        u = ctx_ref["usage"]
+        added = u["prompt_tokens"] - len(ctx_tokens0) + u["completion_tokens"]
+        check(after_tokens[:len(ctx_tokens0)] == ctx_tokens0 and len(after_tokens) == len(ctx_tokens0) + added,
+              f"the context holds {len(after_tokens)} tokens, {len(ctx_tokens0)} + {added} expected")
+        st, out = post(f"/v1/contexts/{CTX}/completions", {"max_tokens": 8, "temperature": 0, "commit": False})
+        check(st == 200, f"continue the context: {st} {out}")
+        cont = json.loads(out)["choices"][0]["text"]
+        st, out = post("/v1/completions", {"prompt": after_tokens, "max_tokens": 8, "temperature": 0})
+        check(st == 200, f"the same tokens as a prompt: {st} {out}")
+        check(cont == json.loads(out)["choices"][0]["text"],
+              f"the committed context continues as its tokens do: {cont!r} != {json.loads(out)['choices'][0]['text']!r}")
+        print(f"a context's completion cut by the kill: resumed identical, committed by the new front "
+              f"({len(ctx_tokens0)} + {added} tokens), continues exactly: ok")
 
         # Errors: an unknown id, a bad Last-Event-ID.
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
