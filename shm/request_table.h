@@ -79,7 +79,11 @@ struct alignas(64) ReqSlot {
     std::atomic<uint32_t> n_output;   // published count of output tokens
     std::atomic<uint32_t> n_blocks;   // published count of block-table entries
     std::atomic<int32_t> error_code;
-    uint32_t pad_;
+    // Positions of its KV that decode swapped out when it preempted the request (a
+    // blob in the workers' swap directory, named by slot and generation; 0: none, it
+    // is computed again). Written before the transition back to QUEUED; prefill
+    // reads the blob instead of computing them and sets it to 0.
+    std::atomic<uint32_t> n_swapped;
     // Phase times (monotonic_ns), written by whoever runs the phase before its
     // state transition publishes them; 0 until then. For latency metrics only.
     uint64_t submit_ns;      // queued by the front
@@ -118,7 +122,10 @@ struct RequestTableHeader {
     // counts, the front reports them in /metrics.
     std::atomic<uint32_t> worker_restarts;
     std::atomic<uint64_t> redriven;
-    uint8_t pad_[24];
+    // Preemptions by swap (ReqSlot::n_swapped), and the bytes of KV they wrote.
+    std::atomic<uint64_t> swaps;
+    std::atomic<uint64_t> swapped_bytes;
+    uint8_t pad_[8];
 };
 static_assert(sizeof(RequestTableHeader) == 64);
 
@@ -133,6 +140,8 @@ public:
     uint32_t max_blocks() const { return h_->max_blocks; }
     std::atomic<uint32_t>& worker_restarts() const { return h_->worker_restarts; }
     std::atomic<uint64_t>& redriven() const { return h_->redriven; }
+    std::atomic<uint64_t>& swaps() const { return h_->swaps; }
+    std::atomic<uint64_t>& swapped_bytes() const { return h_->swapped_bytes; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }

@@ -40,6 +40,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     w.device = "cuda:2";
     w.cuda_graphs = false;
     w.cuda_qgemv = true;
+    w.swap_dir = "/var/tmp/duet-swap-serve-1";
     RoleLaunch r{"prefill", "prefill 3", w, {}, 1};
     const std::vector<std::string> argv = role_argv("/bin/duet", r);
     EXPECT_EQ(argv[0], "/bin/duet");

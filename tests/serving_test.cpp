@@ -6,6 +6,7 @@
 // tokens — and every KV block is free again at the end.
 #include <signal.h>
 
+#include <filesystem>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -378,6 +379,114 @@ TEST(Serving, ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits) {
     const shm::ArenaCensus c = sv.inst.arena(0).census();
     EXPECT_EQ(c.held, 0u);
     EXPECT_EQ(c.free + c.cached, c.total);
+}
+
+// Preemption by swap, stepped by hand: two sequences grow in decode until the arena
+// (12 blocks) is full; the newer gives way, and since the prefill rate is not known
+// yet (or is far slower than a copy here) its KV is swapped out to a blob instead of
+// dropped. Prefill reads it back once there is room (after the other one ends) and
+// computes only the one token that had no KV: the prefill workers' work counter says
+// so. Both outputs equal the single-process engine's, the blob is gone, and every
+// block is free at the end.
+TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
+    Serving sv;
+    sv.start(1, 1, false, /*n_blocks=*/12);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_EQ(sv.cfg.requests.block_tokens, 16u);
+    char tmpl[] = "/tmp/duet-swap-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    const std::string dir = tmpl;
+    std::vector<int32_t> pa, pb;
+    for (int i = 0; i < 20; ++i) pa.push_back(200 + 37 * i % 900);
+    for (int i = 0; i < 20; ++i) pb.push_back(500 + 41 * i % 1200);
+    const uint32_t n_out = 100;  // 120 tokens each: 8 blocks; both together need 16
+    std::vector<int32_t> want_a, want_b;
+    {
+        EngineOptions eo;
+        eo.model_path = DUET_MODEL_PATH;
+        eo.threads = 1;
+        eo.n_ctx = 256;
+        auto e = Engine::create(eo);
+        ASSERT_TRUE(e.ok()) << e.error().message;
+        for (auto [prompt, out] : {std::pair{&pa, &want_a}, std::pair{&pb, &want_b}}) {
+            GenerateOptions g;
+            g.max_tokens = n_out;
+            g.sampling.temperature = 0.0f;
+            g.stop_at_eog = false;
+            ASSERT_TRUE((*e)->generate(*prompt, g, [&, out = out](int32_t id) {
+                out->push_back(id);
+                return true;
+            }).ok());
+        }
+    }
+    WorkerOptions o;
+    o.threads = 1;
+    o.isa = cpu::isa_best();
+    o.swap_dir = dir;
+    auto pw = PrefillWorker::create(sv.inst, *sv.model, o);
+    ASSERT_TRUE(pw.ok()) << pw.error().message;
+    auto dw = DecodeWorker::create(sv.inst, *sv.model, o);
+    ASSERT_TRUE(dw.ok()) << dw.error().message;
+    shm::RequestTable& t = sv.inst.requests();
+    const auto submit = [&](const std::vector<int32_t>& prompt) {
+        RequestParams p;
+        p.sampling.temperature = 0.0f;
+        p.max_tokens = n_out;
+        p.stop_at_eog = false;
+        auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
+        EXPECT_TRUE(r.ok()) << r.error().message;
+        sv.send(*r);
+        return *r;
+    };
+    const auto ended = [&](shm::ReqRef r) {
+        return t.is(r, shm::ReqState::Finished) || t.is(r, shm::ReqState::Failed) || t.is(r, shm::ReqState::Cancelled);
+    };
+    const shm::ReqRef a = submit(pa);
+    usleep(2000);  // b is the newer: the one that gives way
+    const shm::ReqRef b = submit(pb);
+    std::vector<uint32_t> sent = {t.attempt(a.slot), t.attempt(b.slot)};
+    for (int k = 0; k < 20000 && !(ended(a) && ended(b)); ++k) {
+        ASSERT_TRUE((*pw)->step().ok());
+        ASSERT_TRUE((*dw)->step().ok());
+        // The front's part: a preempted request (QUEUED at a new attempt) is sent again.
+        for (auto [r, at] : {std::pair{a, &sent[0]}, std::pair{b, &sent[1]}})
+            if (t.is(r, shm::ReqState::Queued) && t.attempt(r.slot) != *at) {
+                *at = t.attempt(r.slot);
+                sv.send(r);
+            }
+    }
+    ASSERT_TRUE(t.is(a, shm::ReqState::Finished)) << "A is " << shm::req_state_name(t.state(a.slot));
+    ASSERT_TRUE(t.is(b, shm::ReqState::Finished)) << "B is " << shm::req_state_name(t.state(b.slot));
+    std::vector<int32_t> got_a, got_b;
+    (void)t.read_output(a, 0, got_a);
+    (void)t.read_output(b, 0, got_b);
+    EXPECT_EQ(got_a, want_a);
+    EXPECT_EQ(got_b, want_b);
+    const uint64_t swaps = t.swaps().load();
+    EXPECT_GE(swaps, 1u) << "nothing was swapped: the arena was not small enough";
+    EXPECT_GT(t.swapped_bytes().load(), 0u);
+    // Prefill computed the prompts, and after each swap the one token without KV.
+    uint64_t computed = 0;
+    for (uint32_t s = 0; s < sv.inst.registry().n_slots(); ++s)
+        if (sv.inst.registry().slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
+            computed += sv.inst.registry().slot(s).work_tokens.load();
+    EXPECT_EQ(computed, pa.size() + pb.size() + swaps) << "a swapped request was computed again";
+    EXPECT_EQ(t.slot(b.slot).n_swapped.load(), 0u);
+    t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
+    t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
+    for (int k = 0; k < 10; ++k) {
+        ASSERT_TRUE((*pw)->step().ok());
+        ASSERT_TRUE((*dw)->step().ok());
+    }
+    pw->reset();
+    dw->reset();
+    const shm::ArenaCensus c = sv.inst.arena(0).census();
+    EXPECT_EQ(c.held, 0u);
+    EXPECT_EQ(c.free + c.cached, c.total);
+    // Each blob was removed once read back.
+    std::error_code ec;
+    EXPECT_TRUE(std::filesystem::is_empty(dir, ec)) << dir;
+    std::filesystem::remove_all(dir, ec);
 }
 
 // The same with the real `duet prefill` and `duet decode` executables under the

@@ -21,6 +21,7 @@ constexpr const char* kPrefillPassHelp =
     "a pass not led by a critical request is cut to the tokens this worker computes in this many ms at its "
     "measured rate, so a critical request arriving meanwhile waits at most about that long (0: no cut)";
 constexpr const char* kNoPrefixCache = "--no-prefix-cache";
+constexpr const char* kSwapDir = "--swap-dir";
 constexpr const char* kHost = "--host";
 constexpr const char* kPort = "--port";
 constexpr const char* kIoThreads = "--io-threads";
@@ -117,6 +118,10 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->check(CLI::Range(16, 1 << 16));
     c.add_option(kPrefillPassMs, s.prefill_pass_ms, kPrefillPassHelp)->capture_default_str()->check(CLI::Range(0, 60000));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
+    c.add_option("--swap-root", s.swap_root,
+                 "CPU serving: decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs "
+                 "less than computing it again (\"\": always recompute)")
+        ->capture_default_str();
     c.add_option("--prefill-workers", s.prefill_workers,
                  "prefill processes (requests routed by cached prefix and queue)")
         ->capture_default_str()
@@ -183,6 +188,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_flag(negated(kNoCudaGraphs), s.cuda_graphs, "run every CUDA pass eagerly");
     c.add_flag(kCudaQgemv, s.cuda_qgemv, kQgemvHelp);
     c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
+    c.add_option(kSwapDir, s.swap_dir, "where preempted requests' KV is swapped (every worker of the instance: the same)");
     if (!prefill) return;
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
         ->capture_default_str()
@@ -230,6 +236,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     if (!w.cuda_graphs) a.push_back(kNoCudaGraphs);
     if (w.cuda_qgemv) a.push_back(kCudaQgemv);
     put(kGolden, w.golden);
+    put_if(kSwapDir, w.swap_dir);
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));
         put(kPrefillPassMs, std::to_string(w.prefill_pass_ms));

@@ -74,6 +74,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.prefill_budget = a.prefill_budget;
     o.prefill_pass_ns = static_cast<uint64_t>(a.prefill_pass_ms) * 1000000ull;
     o.prefix_cache = a.prefix_cache;
+    o.swap_dir = a.swap_dir;
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
     // The golden-logits gate before READY: a failure exits kGoldenExitCode, which

@@ -13,4 +13,12 @@ size_t pick_decode_victim(std::span<const DecodeSeqView> seqs) {
     return v;
 }
 
+PreemptMode choose_preemption(uint64_t bytes, int64_t tokens, double swap_bytes_per_s, double prefill_tokens_per_s) {
+    if (swap_bytes_per_s <= 0 || tokens <= 0) return PreemptMode::Recompute;
+    if (prefill_tokens_per_s <= 0) return PreemptMode::Swap;
+    const double swap_s = 2.0 * static_cast<double>(bytes) / swap_bytes_per_s;
+    const double recompute_s = static_cast<double>(tokens) / prefill_tokens_per_s;
+    return swap_s < recompute_s ? PreemptMode::Swap : PreemptMode::Recompute;
+}
+
 }  // namespace duet

@@ -19,7 +19,21 @@ struct DecodeSeqView {
 // the ones admitted before it); ties on `admitted` go to the later index. An empty
 // span: none (SIZE_MAX). The one that gives way is preempted by recompute: its KV is
 // dropped and its request goes back to prefill with its output so far, which it
-// continues token-identically (the invariance contract).
+// continues token-identically (the invariance contract) — or, where that costs
+// less, by swap (choose_preemption).
 size_t pick_decode_victim(std::span<const DecodeSeqView> seqs);
+
+enum class PreemptMode { Recompute, Swap };
+
+// How a victim gives way, by what its return would cost. Swap: its KV is written
+// out (bytes) and read back by prefill before it continues: 2 x bytes at
+// swap_bytes_per_s. Recompute: prefill computes its positions again (tokens at
+// prefill_tokens_per_s). The cheaper, recompute on a tie; recompute when swapping is
+// off or not possible here (swap_bytes_per_s <= 0). A prefill rate not known yet
+// (<= 0) makes swap the choice: a computation is never cheaper than copying its
+// result back on the machines duet runs on (the CPU here: 23 KB of KV per token of
+// the default model against ~450 tokens/s of prefill per core), except on fast GPUs,
+// where both rates are measured before the first preemption matters.
+PreemptMode choose_preemption(uint64_t bytes, int64_t tokens, double swap_bytes_per_s, double prefill_tokens_per_s);
 
 }  // namespace duet

@@ -282,7 +282,7 @@ Status fsync_dir_of(const std::string& path) {
 }
 
 Result<BlobHeader> blob_write(const std::string& path, const KvIdentity& id, KvPool& pool, const KvSeq& seq,
-                              std::span<const int32_t> tokens, uint64_t first, uint64_t n) {
+                              std::span<const int32_t> tokens, uint64_t first, uint64_t n, bool sync) {
     if (first + n > static_cast<uint64_t>(seq.n_tokens()) || first + n > tokens.size())
         return make_error("positions [{}, {}) are beyond the sequence ({} positions, {} tokens)", first, first + n,
                           seq.n_tokens(), tokens.size());
@@ -310,14 +310,15 @@ Result<BlobHeader> blob_write(const std::string& path, const KvIdentity& id, KvP
     const int fd = ::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
     if (fd < 0) return errno_error("create", tmp);
     Status s = pwrite_iov(fd, 0, iov);
-    if (s && ::fsync(fd) != 0) s = errno_error("fsync", tmp);
+    if (s && sync && ::fsync(fd) != 0) s = errno_error("fsync", tmp);
     ::close(fd);
     if (s && ::rename(tmp.c_str(), path.c_str()) != 0) s = errno_error("rename to", path);
     if (!s) {
         ::unlink(tmp.c_str());
         return s.error();
     }
-    if (Status d = fsync_dir_of(path); !d) return d.error();
+    if (sync)
+        if (Status d = fsync_dir_of(path); !d) return d.error();
     return h;
 }
 

@@ -93,9 +93,12 @@ Result<std::vector<iovec>> kv_rows_iov(KvPool& pool, std::span<const int32_t> bl
 // Writes positions [first, first + n) of `seq` (whose tokens are `tokens`, all of
 // its positions) as a blob at `path`: a temporary file in the same directory,
 // fsync, rename, fsync of the directory, so the path holds either the old file or
-// the whole new one. Returns the header written.
+// the whole new one. Returns the header written. sync false: no fsync of the file
+// or the directory (the rename alone: a reader sees the old file or the whole new
+// one, but a power loss may lose it): for KV that can be computed again (a
+// preempted request's swap).
 Result<BlobHeader> blob_write(const std::string& path, const KvIdentity& id, KvPool& pool, const KvSeq& seq,
-                              std::span<const int32_t> tokens, uint64_t first, uint64_t n);
+                              std::span<const int32_t> tokens, uint64_t first, uint64_t n, bool sync = true);
 
 struct BlobImport {
     BlobHeader header;

@@ -592,7 +592,7 @@ void Front::cancel_all() {
 
 bool Front::send(shm::ReqRef r) { return router_.send(r); }
 
-// Preempted by decode (recompute: DecodeWorker::preempt): back in QUEUED, ours, at an
+// Preempted by decode (DecodeWorker::preempt: recompute or swap): back in QUEUED, ours, at an
 // attempt this front has not sent. It goes to prefill again, with its output so far.
 void Front::resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt) {
     shm::RequestTable& t = inst_.requests();
@@ -600,7 +600,11 @@ void Front::resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt) {
         t.owner_slot(r.slot) != static_cast<int32_t>(self_.slot) || t.attempt(r.slot) == sent_attempt)
         return;
     sent_attempt = t.attempt(r.slot);
-    counters_.preempted.fetch_add(1, std::memory_order_relaxed);
+    // Relaxed: written before the transition to QUEUED, whose acquire load state() made.
+    if (t.slot(r.slot).n_swapped.load(std::memory_order_relaxed) > 0)
+        counters_.preempted_swap.fetch_add(1, std::memory_order_relaxed);
+    else
+        counters_.preempted.fetch_add(1, std::memory_order_relaxed);
     (void)send(r);
 }
 
@@ -844,6 +848,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.rejected_queue = c.rejected_queue.load(std::memory_order_relaxed);
     m.timeouts = c.timeouts.load(std::memory_order_relaxed);
     m.preempted = c.preempted.load(std::memory_order_relaxed);
+    m.preempted_swap = c.preempted_swap.load(std::memory_order_relaxed);
+    m.swapped_bytes = f.inst_.requests().swapped_bytes().load(std::memory_order_relaxed);
     for (size_t k = 0; k < kSloClasses; ++k) {
         m.class_ttft[k] = &c.class_ttft[k];
         m.class_itl[k] = &c.class_itl[k];

@@ -63,7 +63,9 @@ struct FrontCounters {
     // timeout, and per class the TTFT, the completions that ended and those that met
     // both targets (TTFT and mean ITL): SLO attainment and goodput.
     std::atomic<uint64_t> rejected_ttft{0}, rejected_queue{0}, timeouts{0};
-    std::atomic<uint64_t> preempted{0};  // requests decode preempted (by recompute) that this front sent again
+    // Requests decode preempted that this front sent again: by recompute, and by swap
+    // (ReqSlot::n_swapped: their KV is read back, not computed).
+    std::atomic<uint64_t> preempted{0}, preempted_swap{0};
     std::array<Histogram, kSloClasses> class_ttft, class_itl;
     std::array<std::atomic<uint64_t>, kSloClasses> class_done{}, class_met{};
 };

@@ -182,6 +182,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.cpus = format_cpu_list(p.cpus);
         ws.isa = s.isa;
         ws.golden = s.golden;
+        ws.swap_dir = swap_dir_of(s, plan.layout.instance);
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefill_pass_ms = s.prefill_pass_ms;
@@ -543,6 +544,11 @@ int Launcher::run(const std::string& model_id) {
 
 }  // namespace
 
+std::string swap_dir_of(const ServeSettings& s, const std::string& instance) {
+    if (s.swap_root.empty() || s.device != "cpu") return "";
+    return (std::filesystem::path(s.swap_root) / ("duet-swap-" + instance)).string();
+}
+
 int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,
                  const std::atomic<bool>& stop, RoleStart start) {
     // Each run names its instance serve-<pid>, so a launcher that was SIGKILLed (the
@@ -562,6 +568,23 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
                     static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
                     static_cast<long long>(blocks) * kl.block_tokens));
     if (plan.bind_arenas) bind_arenas(*inst, plan);
+    // The workers' swap directory, empty (a previous run's blobs are of requests that
+    // are gone), and gone again at the end.
+    const std::string swap_dir = swap_dir_of(s, plan.layout.instance);
+    if (!swap_dir.empty()) {
+        std::error_code ec;
+        std::filesystem::remove_all(swap_dir, ec);
+        std::filesystem::create_directories(swap_dir, ec);
+        if (!ec) std::filesystem::permissions(swap_dir, std::filesystem::perms::owner_all, ec);
+        if (ec) say(fmt::format("swap directory {}: {} (preemption recomputes)", swap_dir, ec.message()));
+    }
+    struct RemoveSwap {
+        std::string dir;
+        ~RemoveSwap() {
+            std::error_code ec;
+            if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+        }
+    } remove_swap{swap_dir};
     auto holds = hold_gpu_arenas(*inst, plan, kl);
     auto self = holds ? inst->registry().claim(shm::Role::Launcher, -1, getpid()) : Result<shm::ProcRef>(holds.error());
     if (!self) {  // before any role started: nothing left behind

@@ -66,6 +66,9 @@ struct ServeSettings {
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
     int prefill_pass_ms = 250;     // a pass not led by a critical request: cut to this long (0: not cut)
     bool prefix_cache = true;
+    // Where decode swaps a preempted request's KV (CPU serving): the launcher makes
+    // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
+    std::string swap_root = "/var/tmp";
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
     // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
     // its KV arena (or, kv_arenas per-role, one role per GPU).
@@ -91,6 +94,10 @@ struct ServeSettings {
     SchedulingSettings scheduling;
 };
 
+// The swap directory of an instance's workers (ServeSettings::swap_root; "" when
+// swapping is off: no root, or GPU serving, where KV is not swapped).
+std::string swap_dir_of(const ServeSettings& s, const std::string& instance);
+
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).
 struct WorkerSettings {
     std::string instance;
@@ -103,6 +110,7 @@ struct WorkerSettings {
     int64_t prefill_budget = 512;  // prefill: tokens per forward pass
     int prefill_pass_ms = 250;     // prefill: a pass not led by a critical request is cut to this long (0: not cut)
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
+    std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;
     bool cuda_qgemv = false;

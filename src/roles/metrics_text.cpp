@@ -148,8 +148,12 @@ std::string metrics_classes(const MetricsSnapshot& s) {
                     fmt::format("duet_requests_timed_out_total {}\n", s.timeouts) +
                     family("duet_requests_preempted_total", "counter",
                            "Running requests that gave way to others, by how their KV was given back (recompute: "
-                           "dropped and computed again by prefill).") +
+                           "dropped and computed again by prefill; swap: written out by decode and read back by "
+                           "prefill).") +
                     fmt::format("duet_requests_preempted_total{{mode=\"recompute\"}} {}\n", s.preempted) +
+                    fmt::format("duet_requests_preempted_total{{mode=\"swap\"}} {}\n", s.preempted_swap) +
+                    family("duet_swapped_bytes_total", "counter", "KV bytes decode swapped out of preempted requests.") +
+                    fmt::format("duet_swapped_bytes_total {}\n", s.swapped_bytes) +
                     family("duet_prefill_rate_tokens_per_second", "gauge",
                            "Prefill's measured throughput in its passes, all workers together (0: not measured "
                            "yet): the best window (decayed) and the last one; admission predicts with the slower.") +

@@ -2,18 +2,32 @@
 
 #include "base/trace.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "engine/backends.h"
 #include "engine/scheduling.h"
+#include "model/fingerprint.h"
 #include "roles/sd_notify.h"
 
 namespace duet {
+
+// How long a request that would fit in the arena waits for KV blocks others hold
+// before it fails: prefill's alone in its pass, decode's last sequence (and a
+// swapped request's KV waits this long to be read back). Blocks held
+// for good (pinned contexts, another decode worker's lone sequence that fills the
+// rest) end in the failure rather than a hang.
+constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
 
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
     float mx = logits[0];
@@ -107,8 +121,25 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
     backend_ = std::move(b->backend);
     kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
+    ident_ = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
+    if (!o.swap_dir.empty() && !o.device.cuda) {
+        // GPU KV is not swapped (it would go through pinned host memory: not built):
+        // there a victim is computed again. The launcher made the directory; one this
+        // process does not see (units with a private /var/tmp each) is not made here:
+        // a blob written where prefill cannot read it would only be lost.
+        struct stat st{};
+        if (::stat(o.swap_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+            std::fprintf(stderr, "duet %s: no swap directory %s (preemption recomputes)\n", shm::role_name(role),
+                         o.swap_dir.c_str());
+        else
+            swap_ = true;
+    }
     if (!o.defer_running) inst.registry().set_running(self_);
     return {};
+}
+
+std::string WorkerBase::swap_path(shm::ReqRef r) const {
+    return fmt::format("{}/{}.{}.kvblob", opts_.swap_dir, r.slot, r.gen);
 }
 
 WorkerBase::~WorkerBase() {
@@ -201,6 +232,7 @@ int32_t PrefillWorker::find_outlet(uint32_t arena) const {
 void PrefillWorker::release(Job& j) {
     j.seq.release(*pool_);
     release_destination(j);
+    drop_swap(j);
 }
 
 bool PrefillWorker::reserve_destination(Job& j) {
@@ -355,6 +387,16 @@ void PrefillWorker::take(const WireMsg& m) {
             j.all = j.prompt;
             j.all.insert(j.all.end(), j.output.begin(), j.output.end());
             if (j.params.given_tokens > 0) take_given(j);
+            // Preempted by swap: its KV is read back before it runs (swap_in), unless
+            // it started from offered blocks or cannot read it here.
+            if (const uint32_t sw = slot.n_swapped.load(std::memory_order_relaxed); sw > 0) {
+                if (swap_ && j.params.given_tokens == 0 && sw < j.all.size()) {
+                    j.swapped = sw;
+                } else {
+                    ::unlink(swap_path(r).c_str());
+                    slot.n_swapped.store(0, std::memory_order_relaxed);
+                }
+            }
             // Its order key (engine/scheduling.h "Order": earliest deadline first
             // within a class, priority with aging between classes).
             j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.slo_class, j.params.ttft_target_ns, j.all.size(),
@@ -590,6 +632,65 @@ int64_t PrefillWorker::lesser_budget() const {
     return std::max<int64_t>(64, static_cast<int64_t>(n));
 }
 
+// The job's swap blob is not needed any more (read back and computed past, or not
+// usable): removed, and the slot says so (a later re-drive computes).
+void PrefillWorker::drop_swap(Job& j) {
+    if (j.swapped == 0 && j.swap_held == 0) return;  // (the slot may be another request's by now)
+    ::unlink(swap_path(j.req).c_str());
+    j.swapped = 0;
+    j.swap_held = 0;
+    inst_->requests().slot(j.req.slot).n_swapped.store(0, std::memory_order_relaxed);
+}
+
+// Jobs preempted by swap read their KV back: the blob is checked whole (kv/blob.h)
+// before it becomes the job's, and its tokens must be the job's first ones. Short of
+// blocks, a job waits (out of the plans) up to kKvWaitNs, then is computed again, as
+// it is on any other failure (exact either way: the invariance contract).
+bool PrefillWorker::swap_in() {
+    bool waiting = false;
+    const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
+    for (Job& j : jobs_) {
+        if (j.swapped == 0) continue;
+        const std::string path = swap_path(j.req);
+        KvSeq seq;
+        // Read only when the whole job fits now: read, then set aside for want of the
+        // rest, it would be read again and again.
+        const bool room = static_cast<int64_t>((j.all.size() + bt - 1) / bt) <= pool_->allocator().n_available();
+        auto im = room ? blob_import(path, ident_, *pool_, seq)
+                       : Result<BlobImport>(make_error(ErrorKind::NoKvBlocks, "no room to read it into"));
+        const uint64_t now = shm::monotonic_ns();
+        if (!im && im.error().kind == ErrorKind::NoKvBlocks) {
+            if (j.swap_wait_since == 0) j.swap_wait_since = now;
+            if (now - j.swap_wait_since < kKvWaitNs) {
+                waiting = true;
+                continue;
+            }
+        }
+        const size_t n = j.swapped;
+        j.swapped = 0;
+        j.swap_wait_since = 0;
+        if (!im) {
+            drop_swap(j);
+            std::fprintf(stderr, "duet prefill: request %u.%u: its swapped KV: %s (computed again)\n", j.req.slot,
+                         j.req.gen, im.error().message.c_str());
+            continue;
+        }
+        if (im->tokens.size() != n || seq.n_tokens() != static_cast<int64_t>(n) ||
+            !std::equal(im->tokens.begin(), im->tokens.end(), j.all.begin())) {
+            std::fprintf(stderr, "duet prefill: request %u.%u: its swap blob holds other tokens (computed again)\n",
+                         j.req.slot, j.req.gen);
+            seq.release(*pool_);
+            drop_swap(j);
+            continue;
+        }
+        j.seq = std::move(seq);
+        j.done = n;
+        j.looked_up = true;  // its full blocks are published after its next pass
+        j.swap_held = n;     // the blob stays until that pass: set aside before it, it is read again
+    }
+    return waiting;
+}
+
 // The pass's plan (engine/prefill_scheduler.h): earliest deadline first within the
 // token budget; a request whose prompt ends in the same full block as an earlier
 // one's still being computed waits for it, then takes its blocks from the prefix
@@ -601,7 +702,7 @@ PrefillPlan PrefillWorker::plan_pass() {
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
-                        jobs_[k].looked_up, follows(k), jobs_[k].params.slo_class == 0};
+                        jobs_[k].looked_up, follows(k) || jobs_[k].swapped > 0, jobs_[k].params.slo_class == 0};
         PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser);
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
@@ -638,12 +739,6 @@ void PrefillWorker::erase_jobs(std::vector<size_t> which) {
     std::sort(which.begin(), which.end());
     for (size_t k = which.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(which[k]));
 }
-
-// How long a request that would fit in the arena waits for KV blocks others hold
-// before it fails: prefill's alone in its pass, decode's last sequence. Blocks held
-// for good (pinned contexts, another decode worker's lone sequence that fills the
-// rest) end in the failure rather than a hang.
-constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
 
 // A pass that did not run: nothing it reserved is held any more.
 // Whether a request whose pass alone found no KV blocks waits for them rather than
@@ -682,6 +777,7 @@ bool PrefillWorker::set_aside(Job& j) {
     j.done = 0;
     j.published = 0;
     j.looked_up = false;  // the next pass that reaches it looks its prefix up again
+    if (j.swap_held) j.swapped = std::exchange(j.swap_held, 0);  // its blob is read again
     return true;
 }
 
@@ -741,6 +837,7 @@ void PrefillWorker::pass_done(const Pass& p) {
     for (size_t i = 0; i < p.jobs.size(); ++i) {
         Job& j = jobs_[p.jobs[i]];
         j.done += static_cast<size_t>(p.batch[i].n_tokens);
+        if (j.swap_held) drop_swap(j);
         if (opts_.prefix_cache) publish_blocks(j);
         if (j.done == j.all.size()) {
             complete(j, logits_.data() + static_cast<int64_t>(i) * backend_->n_vocab());
@@ -764,11 +861,19 @@ Result<bool> PrefillWorker::step() {
         if (dropped || took) inst_->registry().wake(shm::Role::Front);
         return took;
     }
+    const bool swap_waits = swap_in();
     Pass p;
     for (const PrefillEntry& e : plan_pass().entries) {
         Job& j = jobs_[e.job];
         p.batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(e.tokens), false});
         p.jobs.push_back(e.job);
+    }
+    if (p.batch.empty()) {
+        // Every job waits: for blocks to read its swapped KV into (and no new one is
+        // taken meanwhile), or for another job's blocks.
+        kv_short_ = swap_waits;
+        usleep(2000);
+        return true;
     }
     if (!outlets_.empty()) {
         reserve_destinations(p);
@@ -869,12 +974,64 @@ bool DecodeWorker::preempt(size_t i) {
     Active& a = active_[i];
     const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
     if (t.cancelled(a.req)) return false;
+    // Published by the transition: prefill reads the blob, or computes them all.
+    const uint32_t swapped = swap_out(a);
+    t.slot(a.req.slot).n_swapped.store(swapped, std::memory_order_relaxed);
     (void)t.reset_blocks(a.req);  // the table names no block of ours past this point
-    if (!t.transition(a.req, shm::ReqState::Decoding, shm::ReqState::Queued, client)) return false;
+    if (!t.transition(a.req, shm::ReqState::Decoding, shm::ReqState::Queued, client)) {
+        if (swapped) ::unlink(swap_path(a.req).c_str());
+        return false;
+    }
     a.seq.release(*pool_);
     active_[i] = std::move(active_.back());
     active_.pop_back();
     return true;
+}
+
+// The fastest running prefill worker's measured rate (its ProcSlot work counters),
+// once it has kRateEvidenceTokens behind it; 0 before.
+double DecodeWorker::prefill_rate() const {
+    const shm::Registry& reg = inst_->registry();
+    double best = 0;
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcSlot& ps = reg.slot(s);
+        if (reg.state(s) != shm::ProcState::Running ||
+            ps.role.load(std::memory_order_relaxed) != static_cast<uint32_t>(shm::Role::Prefill))
+            continue;
+        const uint64_t busy = ps.busy_ns.load(std::memory_order_relaxed);
+        const uint64_t tokens = ps.work_tokens.load(std::memory_order_relaxed);
+        if (busy > 0 && tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
+            best = std::max(best, static_cast<double>(tokens) * 1e9 / static_cast<double>(busy));
+    }
+    return best;
+}
+
+// Swap or recompute (choose_preemption): the swap rate is this worker's measured
+// writes (an exponential average over swaps), 1 GB/s before the first: the order of
+// a page-cache write here, and what a first choice needs only roughly (on the CPU
+// swap wins by 50x; on a GPU, where the two are close, KV is not swapped).
+uint32_t DecodeWorker::swap_out(Active& a) {
+    const int64_t n = a.seq.n_tokens();
+    if (!swap_ || n <= 0) return 0;
+    const uint64_t bytes = static_cast<uint64_t>(n) * pool_->layout().bytes_per_token();
+    const double rate = swap_rate_ > 0 ? swap_rate_ : 1e9;
+    if (choose_preemption(bytes, n, rate, prefill_rate()) != PreemptMode::Swap) return 0;
+    std::vector<int32_t> tokens = a.prompt;
+    tokens.insert(tokens.end(), a.output.begin(), a.output.end());
+    const auto t0 = std::chrono::steady_clock::now();
+    // No fsync: a crash re-drives the request, which then computes its KV again.
+    auto h = blob_write(swap_path(a.req), ident_, *pool_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
+    if (!h) {
+        std::fprintf(stderr, "duet decode: swap of request %u.%u failed (it is computed again): %s\n", a.req.slot,
+                     a.req.gen, h.error().message.c_str());
+        return 0;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double measured = static_cast<double>(bytes) / std::max(s, 1e-6);
+    swap_rate_ = swap_rate_ > 0 ? 0.7 * swap_rate_ + 0.3 * measured : measured;
+    inst_->requests().swaps().fetch_add(1, std::memory_order_relaxed);
+    inst_->requests().swapped_bytes().fetch_add(bytes, std::memory_order_relaxed);
+    return static_cast<uint32_t>(n);
 }
 
 // Whether decode's last sequence, which found no block for its next token, waits for

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "base/thread_pool.h"
@@ -20,6 +21,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
 #include "kernels/cpu/kernels.h"
+#include "kv/blob.h"
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/device_spec.h"
@@ -62,6 +64,12 @@ struct WorkerOptions {
     // Stay STARTING in the registry (no work routed to it, not counted ready) until
     // mark_running(): `duet prefill|decode` runs the golden check first.
     bool defer_running = false;
+    // Preemption by swap (CPU KV only): decode writes a victim's KV here as a blob
+    // (ReqSlot::n_swapped) when that costs less than computing it again
+    // (choose_preemption), and prefill reads it back. The same directory for every
+    // worker of an instance, made by the launcher (a worker that does not find it
+    // recomputes). "": recompute only.
+    std::string swap_dir;
 };
 
 // What both workers share: registration, the arena user, a KV pool over the
@@ -104,6 +112,9 @@ protected:
     std::vector<int32_t> picks_;          // per output row, from forward_pick
     std::vector<SampleRequest> samples_;  // the step's rows the backend samples
     WorkerOptions opts_;
+    KvIdentity ident_;        // the model and tokenizer a swapped blob must belong to
+    bool swap_ = false;       // preemption by swap here (WorkerOptions::swap_dir, KV on the CPU)
+    std::string swap_path(shm::ReqRef r) const;  // the blob of request r's swapped KV
 };
 
 class PrefillWorker final : public WorkerBase {
@@ -152,7 +163,14 @@ private:
         int32_t outlet = -1;         // kv_split: where its KV goes (outlets_)
         std::vector<int32_t> dst;    // kv_split: its blocks there
         uint64_t kv_wait_since = 0;  // waiting alone for KV blocks others hold, since (0: not)
+        uint32_t swapped = 0;        // positions decode swapped out, to read back before it runs (0: none)
+        uint32_t swap_held = 0;      // read back (done), its blob kept until the job's next pass ran
+        uint64_t swap_wait_since = 0;  // waiting for blocks to read them into, since
     };
+    void drop_swap(Job& j);
+    // Reads the swapped KV of jobs that have some back (blocks permitting): true if
+    // any job still waits for blocks to read its KV into.
+    bool swap_in();
     // Drops the blocks of hand-offs decode took (or that were re-driven); sends again
     // those whose decode worker died before taking them.
     void settle();
@@ -246,6 +264,11 @@ private:
     };
     void finish(size_t i, shm::ReqState to);
     bool waits_for_kv(Active& a);  // a lone sequence that found no KV block (workers.cpp)
+    // Writes a's KV to its swap blob when that is cheaper than recomputing it: the
+    // positions written (0: it will be computed again).
+    uint32_t swap_out(Active& a);
+    double swap_rate_ = 0;      // bytes/s of this worker's swap writes (0: none measured yet)
+    double prefill_rate() const;  // tokens/s of the fastest prefill worker (0: not known yet)
     bool preempt(size_t i);  // recompute preemption (workers.cpp)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker

@@ -236,12 +236,15 @@ def critical_first(port):
     print(f"critical behind 6 batch requests: first token before {later} of them")
 
 
-def kv_pressure():
+def kv_pressure(swap):
     """A small arena (--kv-blocks 24: 384 tokens) and four requests needing 45 blocks
-    together: decode preempts (recompute) instead of failing, and every output equals
-    the same request's output run alone."""
+    together: decode preempts instead of failing, by swap (the default: the KV is
+    written out and read back) or, with --swap-root "", by recompute; every output
+    equals the same request's output run alone."""
+    mode = "swap" if swap else "recompute"
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
-                               "--instance", INSTANCE + "-kv"], stderr=subprocess.PIPE, text=True)
+                               "--instance", INSTANCE + "-kv"] + ([] if swap else ["--swap-root", ""]),
+                              stderr=subprocess.PIPE, text=True)
     try:
         port = listening_port(server)
         check(port, "the small-arena server did not start")
@@ -267,10 +270,16 @@ def kv_pressure():
             check(st == 200, f"request {i} under KV pressure: {st} {text}")
             got = json.loads(text)["choices"][0]["text"]
             check(got == alone[i], f"request {i} under KV pressure differs from its run alone:\n{got!r}\n{alone[i]!r}")
-        n = metric(port, r'duet_requests_preempted_total\{mode="recompute"\}')
-        check(n and n >= 1, f"no preemption happened ({n}): the arena was not small enough")
+        n = metric(port, f'duet_requests_preempted_total\\{{mode="{mode}"\\}}')
+        other = metric(port, f'duet_requests_preempted_total\\{{mode="{"recompute" if swap else "swap"}"\\}}')
+        check(n and n >= 1, f"no preemption by {mode} happened ({n}, {other} by the other mode): the arena was not "
+                            "small enough")
+        if not swap:
+            check(other == 0, f"swapping is off, yet {other} swaps")
+        else:
+            check(metric(port, "duet_swapped_bytes_total") > 0, "swapped bytes are counted")
         check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
-        print(f"KV pressure: {int(n)} preemptions by recompute, no failure, every output identical to its run alone")
+        print(f"KV pressure: {int(n)} preemptions by {mode}, no failure, every output identical to its run alone")
     finally:
         server.terminate()
         try:
@@ -311,7 +320,9 @@ def main():
     # prefill held the blocks of prompts it had set aside (fixed: PrefillWorker::
     # set_aside; serving_test's ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits
     # replays that interleaving step by step).
-    kv_pressure()
+    kv_pressure(swap=True)
+    if not SLOW:  # the recompute path under sanitizers: serving_test and the swap run's fallbacks
+        kv_pressure(swap=False)
     print("scheduling e2e: ok")
 
 
