@@ -282,6 +282,7 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
     MetricsSnapshot s;
     s.scheduling = true;
     s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
+    s.preempted_swap = 6, s.swapped_bytes = 138240;
     s.prefill_rate = 1250.5, s.prefill_rate_recent = 900;
     s.queued_tokens = {100, 0, 4000};
     s.class_done = {7, 8, 9};
@@ -301,9 +302,14 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
         "# TYPE duet_requests_timed_out_total counter\n"
         "duet_requests_timed_out_total 2\n"
         "# HELP duet_requests_preempted_total Running requests that gave way to others, by how their KV was given "
-        "back (recompute: dropped and computed again by prefill).\n"
+        "back (recompute: dropped and computed again by prefill; swap: written out by decode and read back by "
+        "prefill).\n"
         "# TYPE duet_requests_preempted_total counter\n"
         "duet_requests_preempted_total{mode=\"recompute\"} 4\n"
+        "duet_requests_preempted_total{mode=\"swap\"} 6\n"
+        "# HELP duet_swapped_bytes_total KV bytes decode swapped out of preempted requests.\n"
+        "# TYPE duet_swapped_bytes_total counter\n"
+        "duet_swapped_bytes_total 138240\n"
         "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput in its passes, all workers "
         "together (0: not measured yet): the best window (decayed) and the last one; admission predicts with the "
         "slower.\n"

@@ -494,7 +494,8 @@ ApiReply ContextService::commit(const std::string& id, size_t context_tokens, st
             std::equal(added.begin(), added.end(), t->begin() + static_cast<std::ptrdiff_t>(context_tokens))) {
             release(kv_blocks);
             auto info = store_->info(id);
-            if (info) return ok(200, info_json(*info, nullptr));
+            if (!info) return error_reply(info.error());
+            return ok(200, info_json(*info, nullptr));
         }
     }
     if (!kv_blocks.empty()) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <thread>
@@ -396,6 +397,11 @@ private:
     bool golden_failed_ = false;  // a worker failed its golden check: exit kGoldenExitCode
     bool front_exited_ = false, front_killed_ = false;
     uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0, next_poll_ = 0, next_status_ = 0;
+    uint64_t next_swap_sweep_ = 0;
+    // Swap blobs nobody will read: of requests that ended (cancelled or failed while
+    // QUEUED, say) or whose slot holds another request now, and temporary files of a
+    // writer that died; every 5 s.
+    void sweep_swap_dir();
 };
 
 Status Launcher::start_roles() {
@@ -497,6 +503,10 @@ void Launcher::turn(const std::string& model_id) {
         redrive_.resend_stranded();
         next_sweep_ = now + 50'000'000;
     }
+    if (now >= next_swap_sweep_) {
+        sweep_swap_dir();
+        next_swap_sweep_ = now + 5'000'000'000ull;
+    }
     if (state_ == LaunchState::Serving && now >= next_status_ && SdNotify::get().enabled()) {  // systemctl status
         const shm::RequestTable& t = inst_.requests();
         uint32_t busy = 0;
@@ -509,6 +519,34 @@ void Launcher::turn(const std::string& model_id) {
         say("the front outlived its drain; killing it");
         sup_.kill_role("front");
         front_killed_ = true;
+    }
+}
+
+void Launcher::sweep_swap_dir() {
+    const std::string dir = swap_dir_of(s_, plan_.layout.instance);
+    if (dir.empty()) return;
+    const shm::RequestTable& t = inst_.requests();
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        unsigned slot = 0, gen = 0;
+        int used = 0;
+        bool stale = false;
+        if (std::sscanf(name.c_str(), "%u.%u.kvblob%n", &slot, &gen, &used) == 2 &&
+            static_cast<size_t>(used) == name.size()) {
+            if (slot >= t.n_slots() || t.current(slot).gen != gen) {
+                stale = true;
+            } else {
+                const shm::ReqState st = t.state(slot);
+                stale = st == shm::ReqState::Free || st == shm::ReqState::Finished || st == shm::ReqState::Failed ||
+                        st == shm::ReqState::Cancelled;
+            }
+        } else if (name.find(".kvblob.tmp.") != std::string::npos) {
+            // A write in progress takes milliseconds: one a minute old was abandoned.
+            const auto age = std::filesystem::file_time_type::clock::now() - e.last_write_time(ec);
+            stale = !ec && age > std::chrono::minutes(1);
+        }
+        if (stale) std::filesystem::remove(e.path(), ec);
     }
 }
 

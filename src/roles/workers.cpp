@@ -536,6 +536,7 @@ void PrefillWorker::publish_blocks(Job& j) {
 
 void PrefillWorker::fail(Job& j, ReqError why) {
     shm::RequestTable& t = inst_->requests();
+    drop_swap(j);  // while the slot is still this request's
     t.slot(j.req.slot).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
     t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
     release(j);
@@ -609,6 +610,7 @@ bool PrefillWorker::drop_cancelled() {
     bool dropped = false;
     for (size_t i = 0; i < jobs_.size();) {
         if (t.cancelled(jobs_[i].req)) {
+            drop_swap(jobs_[i]);  // while the slot is still this request's
             t.transition(jobs_[i].req, shm::ReqState::Prefilling, shm::ReqState::Cancelled);
             release(jobs_[i]);
             jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -667,7 +669,6 @@ bool PrefillWorker::swap_in() {
             }
         }
         const size_t n = j.swapped;
-        j.swapped = 0;
         j.swap_wait_since = 0;
         if (!im) {
             drop_swap(j);
@@ -683,6 +684,7 @@ bool PrefillWorker::swap_in() {
             drop_swap(j);
             continue;
         }
+        j.swapped = 0;
         j.seq = std::move(seq);
         j.done = n;
         j.looked_up = true;  // its full blocks are published after its next pass
@@ -861,7 +863,9 @@ Result<bool> PrefillWorker::step() {
         if (dropped || took) inst_->registry().wake(shm::Role::Front);
         return took;
     }
-    const bool swap_waits = swap_in();
+    // Not while short of KV: the job that runs alone then would lose the blocks a
+    // blob was read into (set aside), and the next read would take them again.
+    const bool swap_waits = !kv_short_ && swap_in();
     Pass p;
     for (const PrefillEntry& e : plan_pass().entries) {
         Job& j = jobs_[e.job];

@@ -242,6 +242,7 @@ def kv_pressure(swap):
     written out and read back) or, with --swap-root "", by recompute; every output
     equals the same request's output run alone."""
     mode = "swap" if swap else "recompute"
+    swap_dir = f"/var/tmp/duet-swap-{INSTANCE}-kv"
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
                                "--instance", INSTANCE + "-kv"] + ([] if swap else ["--swap-root", ""]),
                               stderr=subprocess.PIPE, text=True)
@@ -262,10 +263,12 @@ def kv_pressure(swap):
             results[i] = post(port, "/v1/completions", bodies[i])
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        t0 = time.time()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        wall = time.time() - t0
         for i, (st, _, text) in enumerate(results):
             check(st == 200, f"request {i} under KV pressure: {st} {text}")
             got = json.loads(text)["choices"][0]["text"]
@@ -278,14 +281,18 @@ def kv_pressure(swap):
             check(other == 0, f"swapping is off, yet {other} swaps")
         else:
             check(metric(port, "duet_swapped_bytes_total") > 0, "swapped bytes are counted")
+            left = [f for f in os.listdir(swap_dir) if f.endswith(".kvblob")]
+            check(not left, f"every swapped blob was read back and removed: {left} left in {swap_dir}")
         check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
-        print(f"KV pressure: {int(n)} preemptions by {mode}, no failure, every output identical to its run alone")
+        print(f"KV pressure: {int(n)} preemptions by {mode}, no failure, every output identical to its run alone "
+              f"({wall:.2f} s for the four)")
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+    check(not os.path.exists(swap_dir), f"the launcher removed its swap directory {swap_dir}")
 
 
 def main():
