@@ -183,15 +183,19 @@ bool is_worker(const ProcSlot& s, Role role, int32_t index) {
 }
 }  // namespace
 
+bool Registry::running_as(uint32_t slot, Role role, int32_t index) const {
+    return state(slot) == ProcState::Running && is_worker(slots_[slot], role, index);
+}
+
 int32_t Registry::find_running(Role role, int32_t index) const {
     for (uint32_t s = 0; s < n_slots(); ++s)
-        if (state(s) == ProcState::Running && is_worker(slots_[s], role, index)) return static_cast<int32_t>(s);
+        if (running_as(s, role, index)) return static_cast<int32_t>(s);
     return -1;
 }
 
 void Registry::wake(Role role, int32_t index) {
     for (uint32_t s = 0; s < n_slots(); ++s)
-        if (state(s) == ProcState::Running && is_worker(slots_[s], role, index)) doorbell_ring(doorbell(s));
+        if (running_as(s, role, index)) doorbell_ring(doorbell(s));
 }
 
 ProcRef Registry::current(uint32_t slot) const {

@@ -104,6 +104,8 @@ public:
     bool reclaim(ProcRef r);
 
     ProcState state(uint32_t slot) const;
+    // Whether slot is RUNNING with this role (and worker index, when index >= 0).
+    bool running_as(uint32_t slot, Role role, int32_t index = -1) const;
     // The first RUNNING slot with this role (and worker index, when index >= 0), or -1.
     int32_t find_running(Role role, int32_t index = -1) const;
     // Rings the doorbell of every running process of `role` (only worker `index`'s

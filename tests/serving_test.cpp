@@ -100,14 +100,27 @@ struct Serving {
 
     void send(shm::ReqRef r) { EXPECT_TRUE(router->send(r)); }
 
-    shm::ReqRef submit(const std::vector<int32_t>& prompt) {
+    // A greedy request, sent to prefill.
+    shm::ReqRef submit(const std::vector<int32_t>& prompt, uint32_t max_tokens = kMaxTokens, bool stop_at_eog = true) {
         RequestParams p;
         p.sampling.temperature = 0.0f;
-        p.max_tokens = kMaxTokens;
+        p.max_tokens = max_tokens;
+        p.stop_at_eog = stop_at_eog ? 1 : 0;
         auto r = inst.requests().submit(front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
         EXPECT_TRUE(r.ok()) << r.error().message;
         send(*r);
         return *r;
+    }
+
+    bool ended(shm::ReqRef r) {
+        const shm::RequestTable& t = inst.requests();
+        return t.is(r, shm::ReqState::Finished) || t.is(r, shm::ReqState::Failed) || t.is(r, shm::ReqState::Cancelled);
+    }
+
+    std::vector<int32_t> output(shm::ReqRef r) {
+        std::vector<int32_t> out;
+        (void)inst.requests().read_output(r, 0, out);
+        return out;
     }
 
     // Waits until r is FINISHED (60 s at most), returns its output and frees the slot.
@@ -167,6 +180,64 @@ void engine_reference(std::vector<std::vector<int32_t>>& prompts, std::vector<st
     prompts = p0;
     want = w0;
 }
+
+// The single-process engine's greedy continuation of each (prompt, max_tokens), not
+// stopped at end of generation.
+std::vector<std::vector<int32_t>> engine_greedy(const std::vector<std::pair<std::vector<int32_t>, uint32_t>>& runs) {
+    std::vector<std::vector<int32_t>> out(runs.size());
+    EngineOptions eo;
+    eo.model_path = DUET_MODEL_PATH;
+    eo.threads = 1;
+    eo.n_ctx = 256;
+    auto e = Engine::create(eo);
+    if (!e) {
+        ADD_FAILURE() << e.error().message;
+        return out;
+    }
+    for (size_t i = 0; i < runs.size(); ++i) {
+        GenerateOptions g;
+        g.max_tokens = runs[i].second;
+        g.sampling.temperature = 0.0f;
+        g.stop_at_eog = false;
+        EXPECT_TRUE((*e)->generate(runs[i].first, g, [&](int32_t id) {
+            out[i].push_back(id);
+            return true;
+        }).ok());
+    }
+    return out;
+}
+
+// A prefill and a decode worker in this process, stepped by hand: the test chooses
+// the interleaving.
+struct SteppedWorkers {
+    std::unique_ptr<PrefillWorker> prefill;
+    std::unique_ptr<DecodeWorker> decode;
+
+    void start(Serving& sv, WorkerOptions o) {
+        o.threads = 1;
+        o.isa = cpu::isa_best();
+        auto pw = PrefillWorker::create(sv.inst, *sv.model, o);
+        ASSERT_TRUE(pw.ok()) << pw.error().message;
+        prefill = std::move(pw).value();
+        auto dw = DecodeWorker::create(sv.inst, *sv.model, o);
+        ASSERT_TRUE(dw.ok()) << dw.error().message;
+        decode = std::move(dw).value();
+    }
+    void step() {
+        ASSERT_TRUE(prefill->step().ok());
+        ASSERT_TRUE(decode->step().ok());
+    }
+    // After the requests were freed: a few more steps (prefill settles its hand-offs),
+    // then both stop; no block is held.
+    void stop_and_check_arena(Serving& sv) {
+        for (int k = 0; k < 10; ++k) step();
+        prefill.reset();
+        decode.reset();
+        const shm::ArenaCensus c = sv.inst.arena(0).census();
+        EXPECT_EQ(c.held, 0u);
+        EXPECT_EQ(c.free + c.cached, c.total);
+    }
+};
 
 }  // namespace
 
@@ -304,81 +375,34 @@ TEST(Serving, ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits) {
     for (int i = 0; i < 20; ++i) pa.push_back(200 + 37 * i % 900);
     for (int i = 0; i < 170; ++i) pb.push_back(300 + 53 * i % 1500);
     const uint32_t na = 100, nb = 2;
-    std::vector<int32_t> want_a, want_b;
-    {
-        EngineOptions eo;
-        eo.model_path = DUET_MODEL_PATH;
-        eo.threads = 1;
-        eo.n_ctx = 256;
-        auto e = Engine::create(eo);
-        ASSERT_TRUE(e.ok()) << e.error().message;
-        for (auto [prompt, n, out] : {std::tuple{&pa, na, &want_a}, std::tuple{&pb, nb, &want_b}}) {
-            GenerateOptions g;
-            g.max_tokens = n;
-            g.sampling.temperature = 0.0f;
-            g.stop_at_eog = false;
-            ASSERT_TRUE((*e)->generate(*prompt, g, [&, out = out](int32_t id) {
-                out->push_back(id);
-                return true;
-            }).ok());
-        }
-        ASSERT_EQ(want_a.size(), na);
-        ASSERT_EQ(want_b.size(), nb);
-    }
+    const auto want = engine_greedy({{pa, na}, {pb, nb}});
+    ASSERT_EQ(want[0].size(), na);
+    ASSERT_EQ(want[1].size(), nb);
     WorkerOptions o;
-    o.threads = 1;
-    o.isa = cpu::isa_best();
     o.prefill_budget = 32;  // B takes six passes, two blocks each
-    auto pw = PrefillWorker::create(sv.inst, *sv.model, o);
-    ASSERT_TRUE(pw.ok()) << pw.error().message;
-    auto dw = DecodeWorker::create(sv.inst, *sv.model, o);
-    ASSERT_TRUE(dw.ok()) << dw.error().message;
+    SteppedWorkers w;
+    w.start(sv, o);
+    if (::testing::Test::HasFatalFailure()) return;
     shm::RequestTable& t = sv.inst.requests();
-    const auto submit = [&](const std::vector<int32_t>& prompt, uint32_t n) {
-        RequestParams p;
-        p.sampling.temperature = 0.0f;
-        p.max_tokens = n;
-        p.stop_at_eog = false;
-        auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
-        EXPECT_TRUE(r.ok()) << r.error().message;
-        sv.send(*r);
-        return *r;
-    };
-    const auto ended = [&](shm::ReqRef r) {
-        return t.is(r, shm::ReqState::Finished) || t.is(r, shm::ReqState::Failed) || t.is(r, shm::ReqState::Cancelled);
-    };
-    const auto step = [&] {
-        ASSERT_TRUE((*pw)->step().ok());
-        ASSERT_TRUE((*dw)->step().ok());
-    };
-    const shm::ReqRef a = submit(pa, na);
-    std::vector<int32_t> out;
-    for (int k = 0; k < 1000 && (out.clear(), (void)t.read_output(a, 0, out), out.size() < 4) && !ended(a); ++k) step();
+    const shm::ReqRef a = sv.submit(pa, na, false);
+    for (int k = 0; k < 1000 && sv.output(a).size() < 4 && !sv.ended(a); ++k) w.step();
     ASSERT_TRUE(t.is(a, shm::ReqState::Decoding)) << shm::req_state_name(t.state(a.slot));
-    const shm::ReqRef b = submit(pb, nb);
+    const shm::ReqRef b = sv.submit(pb, nb, false);
     bool full = false;  // every block held at once (the pressure happened)
-    for (int k = 0; k < 20000 && !(ended(a) && ended(b)); ++k) {
-        step();
+    for (int k = 0; k < 20000 && !(sv.ended(a) && sv.ended(b)); ++k) {
+        w.step();
         if (::testing::Test::HasFatalFailure()) return;
         const shm::ArenaCensus c = sv.inst.arena(0).census();
-        full |= c.held == c.total && !ended(a);
+        full |= c.held == c.total && !sv.ended(a);
     }
     EXPECT_TRUE(full) << "the arena never filled: the scenario did not happen";
     ASSERT_TRUE(t.is(a, shm::ReqState::Finished)) << "A is " << shm::req_state_name(t.state(a.slot));
     ASSERT_TRUE(t.is(b, shm::ReqState::Finished)) << "B is " << shm::req_state_name(t.state(b.slot));
-    std::vector<int32_t> got_a, got_b;
-    (void)t.read_output(a, 0, got_a);
-    (void)t.read_output(b, 0, got_b);
-    EXPECT_EQ(got_a, want_a);
-    EXPECT_EQ(got_b, want_b);
+    EXPECT_EQ(sv.output(a), want[0]);
+    EXPECT_EQ(sv.output(b), want[1]);
     t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
     t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
-    for (int k = 0; k < 10; ++k) step();  // prefill settles its hand-offs
-    pw->reset();
-    dw->reset();
-    const shm::ArenaCensus c = sv.inst.arena(0).census();
-    EXPECT_EQ(c.held, 0u);
-    EXPECT_EQ(c.free + c.cached, c.total);
+    w.stop_and_check_arena(sv);
 }
 
 // Preemption by swap, stepped by hand: two sequences grow in decode until the arena
@@ -400,54 +424,20 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     for (int i = 0; i < 20; ++i) pa.push_back(200 + 37 * i % 900);
     for (int i = 0; i < 20; ++i) pb.push_back(500 + 41 * i % 1200);
     const uint32_t n_out = 100;  // 120 tokens each: 8 blocks; both together need 16
-    std::vector<int32_t> want_a, want_b;
-    {
-        EngineOptions eo;
-        eo.model_path = DUET_MODEL_PATH;
-        eo.threads = 1;
-        eo.n_ctx = 256;
-        auto e = Engine::create(eo);
-        ASSERT_TRUE(e.ok()) << e.error().message;
-        for (auto [prompt, out] : {std::pair{&pa, &want_a}, std::pair{&pb, &want_b}}) {
-            GenerateOptions g;
-            g.max_tokens = n_out;
-            g.sampling.temperature = 0.0f;
-            g.stop_at_eog = false;
-            ASSERT_TRUE((*e)->generate(*prompt, g, [&, out = out](int32_t id) {
-                out->push_back(id);
-                return true;
-            }).ok());
-        }
-    }
+    const auto want = engine_greedy({{pa, n_out}, {pb, n_out}});
     WorkerOptions o;
-    o.threads = 1;
-    o.isa = cpu::isa_best();
     o.swap_dir = dir;
-    auto pw = PrefillWorker::create(sv.inst, *sv.model, o);
-    ASSERT_TRUE(pw.ok()) << pw.error().message;
-    auto dw = DecodeWorker::create(sv.inst, *sv.model, o);
-    ASSERT_TRUE(dw.ok()) << dw.error().message;
+    SteppedWorkers w;
+    w.start(sv, o);
+    if (::testing::Test::HasFatalFailure()) return;
     shm::RequestTable& t = sv.inst.requests();
-    const auto submit = [&](const std::vector<int32_t>& prompt) {
-        RequestParams p;
-        p.sampling.temperature = 0.0f;
-        p.max_tokens = n_out;
-        p.stop_at_eog = false;
-        auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
-        EXPECT_TRUE(r.ok()) << r.error().message;
-        sv.send(*r);
-        return *r;
-    };
-    const auto ended = [&](shm::ReqRef r) {
-        return t.is(r, shm::ReqState::Finished) || t.is(r, shm::ReqState::Failed) || t.is(r, shm::ReqState::Cancelled);
-    };
-    const shm::ReqRef a = submit(pa);
+    const shm::ReqRef a = sv.submit(pa, n_out, false);
     usleep(2000);  // b is the newer: the one that gives way
-    const shm::ReqRef b = submit(pb);
+    const shm::ReqRef b = sv.submit(pb, n_out, false);
     std::vector<uint32_t> sent = {t.attempt(a.slot), t.attempt(b.slot)};
-    for (int k = 0; k < 20000 && !(ended(a) && ended(b)); ++k) {
-        ASSERT_TRUE((*pw)->step().ok());
-        ASSERT_TRUE((*dw)->step().ok());
+    for (int k = 0; k < 20000 && !(sv.ended(a) && sv.ended(b)); ++k) {
+        w.step();
+        if (::testing::Test::HasFatalFailure()) return;
         // The front's part: a preempted request (QUEUED at a new attempt) is sent again.
         for (auto [r, at] : {std::pair{a, &sent[0]}, std::pair{b, &sent[1]}})
             if (t.is(r, shm::ReqState::Queued) && t.attempt(r.slot) != *at) {
@@ -457,11 +447,8 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     }
     ASSERT_TRUE(t.is(a, shm::ReqState::Finished)) << "A is " << shm::req_state_name(t.state(a.slot));
     ASSERT_TRUE(t.is(b, shm::ReqState::Finished)) << "B is " << shm::req_state_name(t.state(b.slot));
-    std::vector<int32_t> got_a, got_b;
-    (void)t.read_output(a, 0, got_a);
-    (void)t.read_output(b, 0, got_b);
-    EXPECT_EQ(got_a, want_a);
-    EXPECT_EQ(got_b, want_b);
+    EXPECT_EQ(sv.output(a), want[0]);
+    EXPECT_EQ(sv.output(b), want[1]);
     const uint64_t swaps = t.swaps().load();
     EXPECT_GE(swaps, 1u) << "nothing was swapped: the arena was not small enough";
     EXPECT_GT(t.swapped_bytes().load(), 0u);
@@ -474,15 +461,7 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     EXPECT_EQ(t.slot(b.slot).n_swapped.load(), 0u);
     t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
     t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
-    for (int k = 0; k < 10; ++k) {
-        ASSERT_TRUE((*pw)->step().ok());
-        ASSERT_TRUE((*dw)->step().ok());
-    }
-    pw->reset();
-    dw->reset();
-    const shm::ArenaCensus c = sv.inst.arena(0).census();
-    EXPECT_EQ(c.held, 0u);
-    EXPECT_EQ(c.free + c.cached, c.total);
+    w.stop_and_check_arena(sv);
     // Each blob was removed once read back.
     std::error_code ec;
     EXPECT_TRUE(std::filesystem::is_empty(dir, ec)) << dir;

@@ -508,10 +508,8 @@ void Front::sample_prefill_work() {
     work_seen_.resize(reg.n_slots(), {0, 0, 0});
     uint32_t running = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        if (!reg.running_as(s, shm::Role::Prefill)) continue;
         const shm::ProcSlot& ps = reg.slot(s);
-        if (reg.state(s) != shm::ProcState::Running ||
-            ps.role.load(std::memory_order_relaxed) != static_cast<uint32_t>(shm::Role::Prefill))
-            continue;
         ++running;
         // Two counters read one after the other: a pass's time may be seen before its
         // tokens; the next reading has them (a window holds many readings).

@@ -198,7 +198,10 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
 PrefillWorker::~PrefillWorker() {
     for (Pending& p : pending_)
         for (int32_t b : p.blocks) p.alloc->unref(b);
-    for (Job& j : jobs_) release(j);
+    for (Job& j : jobs_) {
+        drop_swap(j);  // still ours: a re-drive computes it
+        release(j);
+    }
     for (Outlet& o : outlets_) {
         o.gpu.reset();
         inst_->arena(o.arena).leave(o.user);
@@ -232,7 +235,6 @@ int32_t PrefillWorker::find_outlet(uint32_t arena) const {
 void PrefillWorker::release(Job& j) {
     j.seq.release(*pool_);
     release_destination(j);
-    drop_swap(j);
 }
 
 bool PrefillWorker::reserve_destination(Job& j) {
@@ -998,10 +1000,8 @@ double DecodeWorker::prefill_rate() const {
     const shm::Registry& reg = inst_->registry();
     double best = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        if (!reg.running_as(s, shm::Role::Prefill)) continue;
         const shm::ProcSlot& ps = reg.slot(s);
-        if (reg.state(s) != shm::ProcState::Running ||
-            ps.role.load(std::memory_order_relaxed) != static_cast<uint32_t>(shm::Role::Prefill))
-            continue;
         const uint64_t busy = ps.busy_ns.load(std::memory_order_relaxed);
         const uint64_t tokens = ps.work_tokens.load(std::memory_order_relaxed);
         if (busy > 0 && tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
