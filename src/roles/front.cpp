@@ -1073,17 +1073,23 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
 // tokens committed, then the reply. True: the connection may serve another request.
 awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
     if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
+    const bool failed = std::any_of(c.ch.begin(), c.ch.end(),
+                                    [](const Choice& ch) { return ch.final_state == shm::ReqState::Failed; });
+    // The commit comes before finish frees the request's slots: a front that dies
+    // during the commit leaves the request ended but still in its slots, and the front
+    // that adopts it commits it again when its client comes back (a commit of tokens
+    // the context already ends with is accepted: maybe_done). Freed first, it would
+    // be lost with the front.
+    std::optional<ApiError> commit_error;
+    if (!c.context.empty() && c.commit && !failed && !c.client_gone)
+        commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
     Outcome o = finish(f, c);
-    if (!c.context.empty() && c.commit && !o.failed && !c.client_gone) {
-        // Before the reply ends ([DONE], or the body): acknowledged means durable.
-        if (auto e = co_await commit_context(f, c)) {
-            if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
-            if (!c.r.stream) co_return co_await error(f, stream, req, *e);
-            co_await write_event(stream, error_json(*e));
-            co_return false;
-        }
-    }
     if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
+    if (commit_error) {
+        if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
+        co_await write_event(stream, error_json(*commit_error));
+        co_return false;
+    }
     co_return co_await reply(f, stream, req, c, o);
 }
 
