@@ -1,9 +1,17 @@
 // Contexts on the real default model (src/engine/contexts.h): every rule C1-C5 has a
 // test that breaks it. The reference for exactness is one fresh computation of the
 // context's tokens in a sequence of its own (whole, no chunking), compared bitwise.
+//
+// Built twice: contexts_test, and contexts_staged_test (DUET_CONTEXTS_STAGED, ctest
+// names "Staged.*") where the store reaches the arena only through a host mirror and
+// a stage (kv/kv_stage.h, as for a GPU arena) and the arena's memory is unreadable
+// (PROT_NONE) except while the backend computes or the stage copies: every test
+// then also checks S1-S3 (a tile read unpulled reads zeros and breaks exactness; a
+// store touching the arena itself faults).
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +23,7 @@
 
 #include "base/thread_pool.h"
 #include "engine/contexts.h"
+#include "kv/kv_stage.h"
 #include "kv/log_device.h"
 #include "model/cpu_backend.h"
 #include "model/fingerprint.h"
@@ -58,10 +67,67 @@ std::vector<int32_t> ids(std::mt19937& rng, size_t n) {
     return v;
 }
 
+#ifdef DUET_CONTEXTS_STAGED
+constexpr bool kStaged = true;
+#else
+constexpr bool kStaged = false;
+#endif
+
+// The arena's memory, readable only inside a Guard (staged runs).
+struct Fence {
+    void* data = nullptr;
+    size_t bytes = 0;
+    int open = 0;
+    struct Guard {
+        Fence& f;
+        explicit Guard(Fence& fence) : f(fence) {
+            if (f.data && f.open++ == 0) ::mprotect(f.data, f.bytes, PROT_READ | PROT_WRITE);
+        }
+        ~Guard() {
+            if (f.data && --f.open == 0) ::mprotect(f.data, f.bytes, PROT_NONE);
+        }
+    };
+};
+
+// The compute of a staged rig: the backend reaches the arena.
+struct FencedCompute final : ContextCompute {
+    ContextCompute& inner;
+    Fence& fence;
+    FencedCompute(ContextCompute& c, Fence& f) : inner(c), fence(f) {}
+    Status extend(KvSeq& seq, std::span<const int32_t> tokens, std::vector<float>& last) override {
+        Fence::Guard g(fence);
+        return inner.extend(seq, tokens, last);
+    }
+};
+
+// The stage of a staged rig: a GPU's copies, here memcpy through the fence.
+struct FencedStage final : KvStage {
+    HostKvStage inner;
+    Fence& fence;
+    int pulls = 0, pushes = 0;
+    FencedStage(KvPool& arena, KvPool& mirror, Fence& f) : inner(arena, mirror), fence(f) {}
+    Status pull(std::span<const int32_t> blocks) override {
+        Fence::Guard g(fence);
+        ++pulls;
+        return inner.pull(blocks);
+    }
+    Status push(std::span<const int32_t> blocks) override {
+        Fence::Guard g(fence);
+        ++pushes;
+        return inner.push(blocks);
+    }
+};
+
 // A pool, a backend over it and a store; `budget` tokens per pass (small: contexts
-// are computed in several passes, the reference in one).
+// are computed in several passes, the reference in one). Staged: the pool is the
+// arena, the store works on its mirror.
 struct Rig {
     std::unique_ptr<KvPool> pool;
+    Fence fence;
+    void* arena_mem = nullptr;
+    std::unique_ptr<KvMirror> mirror;
+    std::unique_ptr<FencedStage> stage;
+    std::unique_ptr<FencedCompute> fenced;
     ThreadPool threads{2};
     std::unique_ptr<CpuBackend> backend;
     std::unique_ptr<KvCacheManager> kv;
@@ -78,12 +144,26 @@ struct Rig {
     shm::ContextTable* table = nullptr;  // C6: the records of contexts that are not durable
     Rig(const std::string& d, int32_t n_blocks, int64_t budget = 24, uint64_t disk_max = 0)
         : dir(d), max_disk_bytes(disk_max) {
-        pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), n_blocks)).value();
+        const KvLayout layout = CpuBackend::kv_layout(model(), KvDtype::F16);
+        if (kStaged) {
+            fence.bytes = layout.block_bytes() * static_cast<size_t>(n_blocks);
+            arena_mem = ::mmap(nullptr, fence.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            EXPECT_NE(arena_mem, MAP_FAILED);
+            fence.data = arena_mem;
+            pool = std::make_unique<KvPool>(layout, arena_mem, std::make_unique<LocalBlockAllocator>(n_blocks));
+            auto m = KvMirror::create(layout, pool->allocator());
+            EXPECT_TRUE(m.ok()) << m.error().message;
+            mirror = std::move(m).value();
+            stage = std::make_unique<FencedStage>(*pool, mirror->pool(), fence);
+        } else {
+            pool = std::move(KvPool::create(layout, n_blocks)).value();
+        }
         backend = std::make_unique<CpuBackend>(model(), *pool, threads, cpu::isa_best());
         ref_pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), 64)).value();
         ref_backend = std::make_unique<CpuBackend>(model(), *ref_pool, threads, cpu::isa_best());
         kv = std::make_unique<KvCacheManager>(*pool);
         compute = std::make_unique<BackendCompute>(*backend, *kv, budget);
+        if (kStaged) fenced = std::make_unique<FencedCompute>(*compute, fence);
         auto u = UringLogDevice::create();
         EXPECT_TRUE(u.ok()) << u.error().message;
         dev = std::move(u).value();
@@ -98,7 +178,12 @@ struct Rig {
         o.max_contexts = 64;
         o.max_disk_bytes = max_disk_bytes;
         o.table = table;
-        auto s = ContextStore::open(*pool, *sync, *compute, o);
+        if (kStaged) {
+            o.stage = stage.get();
+            o.mirror = mirror.get();
+        }
+        auto s = kStaged ? ContextStore::open(mirror->pool(), *sync, *fenced, o)
+                         : ContextStore::open(*pool, *sync, *compute, o);
         ASSERT_TRUE(s.ok()) << s.error().message;
         store = std::move(s).value();
     }
@@ -106,6 +191,11 @@ struct Rig {
         store.reset();
         ref_backend.reset();
         backend.reset();
+        if (kStaged) {
+            mirror.reset();
+            pool.reset();
+            ::munmap(arena_mem, fence.bytes);
+        }
     }
 
     // The reference: the next-token logits of `tokens` computed in one pass.
@@ -308,8 +398,11 @@ TEST(Contexts, KvComputedElsewhereJoinsWithoutBeingComputedAgain) {
     KvSeq other;
     std::vector<float> logits;
     SeqBatch b{&other, all.data(), 60, false};  // 5 of the 25 new positions left to compute
-    ASSERT_TRUE(rig.kv->reserve({&b, 1}).ok());
-    ASSERT_TRUE(rig.backend->forward({&b, 1}, logits).ok());
+    {
+        Fence::Guard g(rig.fence);  // the backend computes in the arena
+        ASSERT_TRUE(rig.kv->reserve({&b, 1}).ok());
+        ASSERT_TRUE(rig.backend->forward({&b, 1}, logits).ok());
+    }
     ContextUsage u;
     auto r = rig.store->append_with_kv("c", t.size(), more, other.detach(), 60, &u);
     ASSERT_TRUE(r.ok()) << r.error().message;
@@ -320,8 +413,11 @@ TEST(Contexts, KvComputedElsewhereJoinsWithoutBeingComputedAgain) {
     const int32_t free_before = rig.pool->allocator().n_free();
     KvSeq stale;
     SeqBatch b2{&stale, all.data(), 50, false};
-    ASSERT_TRUE(rig.kv->reserve({&b2, 1}).ok());
-    ASSERT_TRUE(rig.backend->forward({&b2, 1}, logits).ok());
+    {
+        Fence::Guard g(rig.fence);
+        ASSERT_TRUE(rig.kv->reserve({&b2, 1}).ok());
+        ASSERT_TRUE(rig.backend->forward({&b2, 1}, logits).ok());
+    }
     auto refused = rig.store->append_with_kv("c", t.size(), more, stale.detach(), 50);
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.error().kind, ErrorKind::Exists);

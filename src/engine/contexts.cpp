@@ -300,16 +300,22 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
     KvSeq seq;
     if (c.durable) {
         auto scan = kv_log_scan(c.log->path(), &o_.id, &pool_, &seq);
-        if (!scan) return scan.error();
+        if (!scan) {
+            stage_done();
+            return scan.error();
+        }
         if (scan->tokens != c.tokens) {
             seq.release(pool_);
+            stage_done();
             return make_error("context '{}': its log holds {} tokens, not the {} acknowledged", c.id,
                               scan->tokens.size(), c.tokens.size());
         }
     } else if (!c.tokens.empty() && ::access(spill_path(c.id).c_str(), F_OK) == 0) {
         auto im = blob_import(spill_path(c.id), o_.id, pool_, seq);
-        if (!im) return im.error();
-        ::unlink(spill_path(c.id).c_str());
+        if (!im) {
+            stage_done();
+            return im.error();
+        }
         // Truncated while spilled: the blob holds more than the context now has (and,
         // after a crash of the store's process, maybe other tokens past those its
         // record has: only the positions both agree on are kept).
@@ -321,6 +327,14 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
                                 im->tokens.begin());
         seq.truncate(pool_, std::min(seq.n_tokens(), static_cast<int64_t>(same)));
     }
+    // Read into the mirror: into the arena before anyone reads them (S2, S3).
+    Status out = stage_out(seq, 0);
+    stage_done();
+    if (!out) {
+        seq.release(pool_);
+        return out;
+    }
+    if (!c.durable && !c.tokens.empty()) ::unlink(spill_path(c.id).c_str());
     // else: a context from the table (C6) with no spill: resident with no KV, every
     // position computed on use.
     if (usage) usage->restored += seq.n_tokens();
@@ -331,13 +345,31 @@ Status ContextStore::make_resident(Context& c, ContextUsage* usage) {
     return {};
 }
 
+Status ContextStore::stage_in(const KvSeq& seq, uint64_t first, uint64_t n) {
+    if (!o_.stage) return {};
+    return o_.stage->pull(blocks_of_positions(seq.blocks(), pool_.layout().block_tokens, first, n));
+}
+
+Status ContextStore::stage_out(const KvSeq& seq, uint64_t first) {
+    if (!o_.stage || seq.n_tokens() <= static_cast<int64_t>(first)) return {};
+    return o_.stage->push(blocks_of_positions(seq.blocks(), pool_.layout().block_tokens, first,
+                                              static_cast<uint64_t>(seq.n_tokens()) - first));
+}
+
+void ContextStore::stage_done() {
+    if (o_.mirror) o_.mirror->release();
+}
+
 Status ContextStore::evict_one(Context& c) {
     if (!c.resident) return {};
     if (!c.durable && c.seq.n_tokens() > 0) {
         // Spilled whole: the KV of every position (positions past seq.n_tokens()
         // were never computed and are computed again on restore).
-        auto w =
-            blob_write(spill_path(c.id), o_.id, pool_, c.seq, c.tokens, 0, static_cast<uint64_t>(c.seq.n_tokens()));
+        Status in = stage_in(c.seq, 0, static_cast<uint64_t>(c.seq.n_tokens()));
+        auto w = in ? blob_write(spill_path(c.id), o_.id, pool_, c.seq, c.tokens, 0,
+                                 static_cast<uint64_t>(c.seq.n_tokens()))
+                    : Result<BlobHeader>(in.error());
+        stage_done();
         if (!w) return w.error();
     }
     c.seq.release(pool_);
@@ -383,7 +415,9 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
     Status st = compute(c, &u);
     if (st && c.log) {
         const auto t0 = std::chrono::steady_clock::now();
-        st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
+        st = stage_in(c.seq, old, tokens.size());
+        if (st) st = c.log->append(pool_, c.seq, c.tokens, old, tokens.size());
+        stage_done();
         stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     if (st) st = record(c);
@@ -393,10 +427,14 @@ Status ContextStore::append_locked(Context& c, std::span<const int32_t> tokens, 
         c.logits_valid = false;
         return st;
     }
-    if (c.log && c.log->should_compact())
-        if (Status cs = c.log->compact(pool_, c.seq, c.tokens); !cs)
+    if (c.log && c.log->should_compact()) {
+        Status cs = stage_in(c.seq, 0, c.tokens.size());
+        if (cs) cs = c.log->compact(pool_, c.seq, c.tokens);
+        stage_done();
+        if (!cs)
             std::fprintf(stderr, "duet: context '%s': compaction failed (the log stays as it was): %s\n", c.id.c_str(),
                          cs.error().message.c_str());
+    }
     if (usage) {
         usage->prefilled += u.prefilled;
         usage->reused += u.reused;
@@ -470,7 +508,10 @@ Result<ContextInfo> ContextStore::export_blob(const std::string& id, const std::
     // A spilled context restores the positions it had computed; the rest are computed now.
     if (ctx.seq.n_tokens() < static_cast<int64_t>(ctx.tokens.size()))
         if (Status st = compute(ctx, &tally.u); !st) return st.error();
-    auto w = blob_write(path, o_.id, pool_, ctx.seq, ctx.tokens, 0, ctx.tokens.size());
+    Status in = stage_in(ctx.seq, 0, ctx.tokens.size());
+    auto w = in ? blob_write(path, o_.id, pool_, ctx.seq, ctx.tokens, 0, ctx.tokens.size())
+                : Result<BlobHeader>(in.error());
+    stage_done();
     if (!w) return w.error();
     return info_of(ctx);
 }
@@ -509,15 +550,26 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
     const auto t0 = std::chrono::steady_clock::now();
     KvSeq seq;
     auto im = blob_import(path, o_.id, pool_, seq);
-    if (!im) return make_error(ErrorKind::Invalid, "{}", im.error().message);
+    if (!im) {
+        stage_done();
+        return make_error(ErrorKind::Invalid, "{}", im.error().message);
+    }
+    // The mirror keeps the rows until the log has them too (stage_done below).
+    if (Status st = stage_out(seq, 0); !st) {
+        seq.release(pool_);
+        stage_done();
+        return st.error();
+    }
     stats_.restore.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (Status st = check_record(durable, im->tokens.size()); !st) {
         seq.release(pool_);
+        stage_done();
         return st.error();
     }
     auto made = new_context(id, durable, false);
     if (!made) {
         seq.release(pool_);
+        stage_done();
         return made.error();
     }
     std::unique_ptr<Context> c = std::move(made).value();
@@ -525,8 +577,9 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
     c->seq = std::move(seq);
     if (c->log && !c->tokens.empty()) {
         const auto t1 = std::chrono::steady_clock::now();
-        Status st = c->log->append(pool_, c->seq, c->tokens, 0, c->tokens.size());
+        Status st = c->log->append(pool_, c->seq, c->tokens, 0, c->tokens.size());  // the mirror still has them
         stats_.persist.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count());
+        stage_done();
         if (!st) {
             c->seq.release(pool_);
             c->log.reset();
@@ -659,7 +712,11 @@ Result<ContextInfo> ContextStore::edit(const std::string& id, int64_t at, std::s
     Status st = compute(x, &u);
     // One record (KVLOG.md, APPEND before the end): the log holds the context before
     // or after the edit, whatever happens to the process.
-    if (st && x.log) st = x.log->append(pool_, x.seq, x.tokens, static_cast<uint64_t>(at), tokens.size());
+    if (st && x.log) {
+        st = stage_in(x.seq, static_cast<uint64_t>(at), tokens.size());
+        if (st) st = x.log->append(pool_, x.seq, x.tokens, static_cast<uint64_t>(at), tokens.size());
+        stage_done();
+    }
     if (st) st = record(x);
     if (!st) {
         x.seq.release(pool_);
@@ -717,9 +774,12 @@ Result<ContextInfo> ContextStore::fork(const std::string& id, const std::string&
     // truncate) are computed now, so the fork's log holds every position's KV.
     if (c->seq.n_tokens() < at)
         if (Status st = compute(*c, usage); !st) return fail(st.error());
-    if (c->log && at > 0)
-        if (Status st = c->log->append(pool_, c->seq, c->tokens, 0, static_cast<uint64_t>(at)); !st)
-            return fail(st.error());
+    if (c->log && at > 0) {
+        Status st = stage_in(c->seq, 0, static_cast<uint64_t>(at));
+        if (st) st = c->log->append(pool_, c->seq, c->tokens, 0, static_cast<uint64_t>(at));
+        stage_done();
+        if (!st) return fail(st.error());
+    }
     if (Status st = record(*c); !st) return fail(st.error());
     Context& ref = *c;
     contexts_.emplace(new_id, std::move(c));

@@ -41,7 +41,8 @@
 //
 // The store serializes its operations (one mutex): an operation on a context is
 // never interleaved with another. Disk I/O runs on the caller's thread: in serving,
-// a thread that is not a compute worker's.
+// a thread that is not a compute worker's. KV in an arena the store's process cannot
+// address (a GPU's) passes through a host mirror (ContextStoreOptions::stage).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +60,7 @@
 #include "kv/blob.h"
 #include "kv/kv_log.h"
 #include "kv/kv_pool.h"
+#include "kv/kv_stage.h"
 #include "model/backend.h"
 #include "shm/context_table.h"
 
@@ -146,6 +148,12 @@ struct ContextStoreOptions {
     // C6: the records of the contexts that are not durable (claimed by the caller);
     // null: they live in this process only.
     shm::ContextTable* table = nullptr;
+    // An arena this process cannot address (a GPU's): the pool given to open() is
+    // the arena's host mirror (kv/kv_stage.h), `stage` copies blocks between the two
+    // and the mirror's pages are released after each operation. Null: the pool is
+    // the arena itself.
+    KvStage* stage = nullptr;
+    KvMirror* mirror = nullptr;
 };
 
 class ContextStore {
@@ -260,6 +268,13 @@ private:
     // record does (checked before anything changes).
     Status check_record(bool durable, size_t n_tokens) const;
     Status evict_one(Context& c);
+    // A staged arena (o_.stage; nothing to do otherwise): the mirror's blocks of
+    // positions [first, first + n) of seq pulled before they are read (kv_stage.h S1),
+    // seq's blocks from position `first` on pushed after they were written (S2), the
+    // mirror's pages released once the operation's KV has moved.
+    Status stage_in(const KvSeq& seq, uint64_t first, uint64_t n);
+    Status stage_out(const KvSeq& seq, uint64_t first);
+    void stage_done();
     // C4's victim: the least recently used resident context that is not pinned, not
     // empty and not `keep`; null when there is none.
     Context* lru_victim(const Context* keep);
