@@ -3,7 +3,11 @@
 // written through page-locked memory and imported back (whole, and continuing a
 // sequence mid-block), decodes with bitwise the original's logits; a corrupt blob
 // leaves the device sequence and the arena's free blocks as they were; the blob
-// is the same format as a CPU arena's (blob_verify_file, and a CPU import).
+// is the same format as a CPU arena's (blob_verify_file, and a CPU import). A
+// context store over a GPU arena's host mirror (kv_stage.h, CudaKvStage) keeps every
+// context's next logits equal, bitwise, to a fresh computation on the GPU, through
+// appends, edits, forks, evictions (restored from the log), export/import and a
+// restart of the store.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +15,8 @@
 #include <fstream>
 
 #include "cuda/cuda_kv_io.h"
+#include "engine/contexts.h"
+#include "kv/log_device.h"
 #include "kernels/cuda/device.h"
 #include "engine/engine.h"
 #include "model/fingerprint.h"
@@ -117,5 +123,76 @@ TEST(CudaKv, DeviceBlobRoundTripDecodesBitwiseLikeTheOriginal) {
             for (KvSeq* s : {&orig, &a, &c}) s->release(e->pool());
             std::system(("rm -rf " + dir).c_str());
         }
+    });
+}
+
+TEST(CudaKv, ContextsThroughTheHostMirrorKeepTheLogitsOfAFreshComputation) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0");
+        ASSERT_TRUE(e);
+        const Model& m = e->model();
+        KvPool& arena = e->pool();
+        auto mirror = KvMirror::create(arena.layout(), arena.allocator());
+        ASSERT_TRUE(mirror.ok()) << mirror.error().message;
+        CudaKvStage stage(0, arena.data(), (*mirror)->pool());
+        KvCacheManager kv(arena);
+        BackendCompute compute(e->backend(), kv, 24);  // several passes per context
+        auto dev = UringLogDevice::create();
+        ASSERT_TRUE(dev.ok()) << dev.error().message;
+        KvLogSync sync(**dev);
+        char tmpl[] = "/tmp/duet-cudactx-XXXXXX";
+        const std::string dir = ::mkdtemp(tmpl);
+        ContextStoreOptions o;
+        o.dir = dir;
+        o.id = {model_fingerprint(m.file()), tokenizer_fingerprint(m.file()), m.config().n_vocab};
+        o.stage = &stage;
+        o.mirror = mirror->get();
+        std::unique_ptr<ContextStore> store;
+        auto open = [&] {
+            store.reset();
+            auto s = ContextStore::open((*mirror)->pool(), sync, compute, o);
+            ASSERT_TRUE(s.ok()) << s.error().message;
+            store = std::move(s).value();
+        };
+        open();
+        // The reference: the context's tokens computed fresh in one pass on the GPU.
+        auto expect_exact = [&](const std::string& id, const char* after) {
+            auto t = store->tokens(id);
+            ASSERT_TRUE(t.ok()) << t.error().message;
+            auto got = store->next_logits(id);
+            ASSERT_TRUE(got.ok()) << after << ": " << got.error().message;
+            KvSeq fresh;
+            std::vector<float> want;
+            SeqBatch b{&fresh, t->data(), static_cast<int32_t>(t->size()), false};
+            ASSERT_TRUE(e->backend().forward({&b, 1}, want).ok());
+            fresh.release(arena);
+            ASSERT_EQ(got->size(), want.size());
+            EXPECT_EQ(0, std::memcmp(got->data(), want.data(), want.size() * sizeof(float)))
+                << id << " after " << after << ": logits differ from a fresh computation";
+        };
+        const std::vector<int32_t> t = prompt_ids(53), more = prompt_ids(70);
+        ASSERT_TRUE(store->create("a", t, true).ok());
+        ASSERT_TRUE(store->append("a", std::span(more).subspan(53, 17)).ok());
+        expect_exact("a", "create and append");
+        ASSERT_TRUE(store->fork("a", "b", 37).ok());
+        ASSERT_TRUE(store->edit("b", 30, std::span(more).first(9)).ok());
+        expect_exact("b", "fork and edit");
+        ASSERT_TRUE(store->evict("a").ok());
+        expect_exact("a", "an eviction: restored from its log through the mirror");
+        auto x = store->export_blob("b", dir + "/b.kvblob");
+        ASSERT_TRUE(x.ok()) << x.error().message;
+        ASSERT_TRUE(store->import_blob("c", dir + "/b.kvblob", false).ok());
+        expect_exact("c", "export and import");
+        ASSERT_TRUE(store->evict("c").ok());  // not durable: spilled through the mirror
+        expect_exact("c", "a spill and its restore");
+        open();  // a restart of the store: the durable contexts come back from their logs
+        ContextUsage u;
+        ASSERT_TRUE(store->next_logits("b", &u).ok());
+        EXPECT_GT(u.restored, 0) << "restored, not computed";
+        expect_exact("a", "a restart");
+        expect_exact("b", "a restart");
+        store.reset();
+        std::system(("rm -rf " + dir).c_str());
     });
 }

@@ -315,6 +315,7 @@ Result<std::unique_ptr<SharedKvArena>> SharedKvArena::open_peer(const std::strin
         return make_error("instance {}: the kept KV arena {} is {} bytes; its blocks need {}", instance, arena, k.bytes, need);
     }
     const int owner = k.device;
+    if (access_device < 0) access_device = owner;  // a process that only copies (the front's contexts)
     std::unique_ptr<SharedKvArena> a(new SharedKvArena());
     a->owner_ = owner;
     int can = 0;

@@ -92,7 +92,7 @@ public:
     // alone (copies then go through cudaMemcpyPeerAsync, which the driver stages
     // through host memory). Errors: not kept yet (its worker has not started: the
     // message says "not kept"), CUDA failures.
-    // At least `bytes` long, else an error.
+    // At least `bytes` long, else an error. access_device -1: the arena's own GPU.
     static Result<std::unique_ptr<SharedKvArena>> open_peer(const std::string& instance, uint32_t arena,
                                                             int access_device, uint64_t bytes);
     ~SharedKvArena();  // unmaps (the memory lives on while the keeper or others hold it)

@@ -14,22 +14,23 @@ namespace duet {
 
 namespace {
 
-// Copies every layer of blocks src[i] of arena `from` into blocks dst[i] of arena
-// `to`, merged into runs of consecutive ids, then waits.
-Status copy_tiles(const KvLayout& l, const KvPool& from, std::span<const int32_t> src, KvPool& to,
-                  std::span<const int32_t> dst, cudaMemcpyKind kind) {
+// Copies every layer of blocks src[i] of the arena at `from` (from_blocks blocks)
+// into blocks dst[i] of the one at `to`, merged into runs of consecutive ids, then
+// waits.
+Status copy_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std::span<const int32_t> src,
+                  int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaMemcpyKind kind) {
     cudaStream_t stream = nullptr;
     DUET_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     Status st;
     for (int32_t layer = 0; layer < l.n_layer && st; ++layer) {
-        auto runs = plan_layer_copy(l, from.allocator().n_blocks(), to.allocator().n_blocks(), src, dst, layer);
+        auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
         if (!runs) {
             st = runs.error();
             break;
         }
         for (const CopyRun& r : *runs) {
-            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to.data()) + r.dst,
-                                         static_cast<const uint8_t*>(from.data()) + r.src, r.bytes, kind, stream),
+            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst, static_cast<const uint8_t*>(from) + r.src,
+                                         r.bytes, kind, stream),
                          "cudaMemcpyAsync (KV tiles)");
             if (!st) break;
         }
@@ -38,6 +39,11 @@ Status copy_tiles(const KvLayout& l, const KvPool& from, std::span<const int32_t
     cudaStreamDestroy(stream);
     if (!st) return st;
     return sync;
+}
+
+Status copy_tiles(const KvLayout& l, const KvPool& from, std::span<const int32_t> src, KvPool& to,
+                  std::span<const int32_t> dst, cudaMemcpyKind kind) {
+    return copy_tiles(l, from.allocator().n_blocks(), from.data(), src, to.allocator().n_blocks(), to.data(), dst, kind);
 }
 
 // A page-locked arena of k blocks of layout l.
@@ -137,6 +143,22 @@ Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity&
     blocks.insert(blocks.end(), fresh.begin(), fresh.end());
     seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(r->header.first_pos + r->header.n_tokens));
     return r;
+}
+
+CudaKvStage::CudaKvStage(int device, void* arena, KvPool& mirror) : device_(device), arena_(arena), mirror_(mirror) {}
+
+Status CudaKvStage::pull(std::span<const int32_t> blocks) {
+    if (blocks.empty()) return {};
+    DUET_CUDA_TRY(cudaSetDevice(device_));
+    const int32_t n = mirror_.allocator().n_blocks();
+    return copy_tiles(mirror_.layout(), n, arena_, blocks, n, mirror_.data(), blocks, cudaMemcpyDeviceToHost);
+}
+
+Status CudaKvStage::push(std::span<const int32_t> blocks) {
+    if (blocks.empty()) return {};
+    DUET_CUDA_TRY(cudaSetDevice(device_));
+    const int32_t n = mirror_.allocator().n_blocks();
+    return copy_tiles(mirror_.layout(), n, mirror_.data(), blocks, n, arena_, blocks, cudaMemcpyHostToDevice);
 }
 
 }  // namespace duet

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kv/blob.h"
+#include "kv/kv_stage.h"
 
 namespace duet {
 
@@ -22,5 +23,22 @@ Result<BlobHeader> blob_write_device(const std::string& path, const KvIdentity& 
 // blocks written from the staging blocks and swapped into seq. On any failure the
 // fresh blocks are freed and seq is as before.
 Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity& want, KvPool& dev, KvSeq& seq);
+
+// The stage between a GPU arena (`arena`, device memory of GPU `device`, in this
+// process's address space) and its host mirror (kv/kv_stage.h): every layer of
+// whole blocks, runs of consecutive ids merged, one stream, waited on. The mirror is
+// pageable memory (it is reserved as large as the arena: it cannot be page-locked
+// whole); the driver stages those copies itself.
+class CudaKvStage final : public KvStage {
+public:
+    CudaKvStage(int device, void* arena, KvPool& mirror);
+    Status pull(std::span<const int32_t> blocks) override;
+    Status push(std::span<const int32_t> blocks) override;
+
+private:
+    int device_;
+    void* arena_;
+    KvPool& mirror_;
+};
 
 }  // namespace duet

@@ -5,6 +5,7 @@
 #if DUET_HAVE_CUDA
 #include "cuda/cuda_arena.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_kv_io.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/vmm.h"
 #endif
@@ -132,6 +133,54 @@ Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance
     (void)arena;
     (void)bytes;
     return no_cuda(access);
+#endif
+}
+
+#if DUET_HAVE_CUDA
+namespace {
+
+// kept_kv_stage's stage: maps the arena on the first copy, then CudaKvStage.
+class KeptArenaStage final : public KvStage {
+public:
+    KeptArenaStage(std::string instance, uint32_t arena, KvPool& mirror)
+        : instance_(std::move(instance)), arena_(arena), mirror_(mirror) {}
+    Status pull(std::span<const int32_t> blocks) override {
+        if (Status st = map(); !st) return st;
+        return stage_->pull(blocks);
+    }
+    Status push(std::span<const int32_t> blocks) override {
+        if (Status st = map(); !st) return st;
+        return stage_->push(blocks);
+    }
+
+private:
+    Status map() {
+        if (stage_) return {};
+        const uint64_t bytes = mirror_.layout().block_bytes() * static_cast<uint64_t>(mirror_.allocator().n_blocks());
+        auto m = SharedKvArena::open_peer(instance_, arena_, -1, bytes);
+        if (!m) return make_error("the KV arena of the contexts: {}", m.error().message);
+        mem_ = std::move(m).value();
+        stage_ = std::make_unique<CudaKvStage>(mem_->device(), mem_->data(), mirror_);
+        return {};
+    }
+    std::string instance_;
+    uint32_t arena_;
+    KvPool& mirror_;
+    std::unique_ptr<SharedKvArena> mem_;
+    std::unique_ptr<CudaKvStage> stage_;
+};
+
+}  // namespace
+#endif
+
+Result<std::unique_ptr<KvStage>> kept_kv_stage(const std::string& instance, uint32_t arena, KvPool& mirror) {
+#if DUET_HAVE_CUDA
+    return std::unique_ptr<KvStage>(std::make_unique<KeptArenaStage>(instance, arena, mirror));
+#else
+    (void)instance;
+    (void)arena;
+    (void)mirror;
+    return make_error(ErrorKind::Device, "the KV arena is on a GPU and this duet was built without CUDA");
 #endif
 }
 

@@ -17,6 +17,7 @@
 #include "base/thread_pool.h"
 #include "kernels/cpu/kernels.h"
 #include "kv/kv_pool.h"
+#include "kv/kv_stage.h"
 #include "model/backend.h"
 #include "model/device_spec.h"
 #include "model/model.h"
@@ -56,6 +57,11 @@ Result<std::unique_ptr<DeviceKvMemory>> open_shared_kv(const std::string& instan
 // CUDA failures.
 Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance, uint32_t arena,
                                                      const DeviceSpec& access, uint64_t bytes);
+// The stage between arena `arena` of a serving instance on a GPU and its host
+// mirror (kv/kv_stage.h), for a process that computes nothing there (the front's
+// contexts): the arena is mapped on the first copy (its first worker makes it: until
+// then copies fail with "not kept"), on its own GPU.
+Result<std::unique_ptr<KvStage>> kept_kv_stage(const std::string& instance, uint32_t arena, KvPool& mirror);
 // The launcher's hold on arena `arena` of GPU `d`: where the GPU cannot export VMM
 // allocations as fds, the arena is made here and lives as long as the result does
 // (cuda_arena.h IpcKvArenaOwner); null where the workers make it themselves (VMM).

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/backends.h"
 #include "model/cpu_backend.h"
 #include "model/fingerprint.h"
 #include "roles/openai.h"
@@ -231,8 +232,14 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
                                                              const Tokenizer& tok, const ChatTemplate& tmpl,
                                                              const std::string& dir, size_t max_contexts,
                                                              uint64_t max_disk_bytes) {
-    if (inst.config().cpu_kv_bytes == 0)
-        return make_error("contexts: GPU arenas are not served yet (--contexts-dir is for CPU serving)");
+    const bool gpu = inst.config().cpu_kv_bytes == 0;
+    // Contexts offer their blocks to prefill and take back a completion's: they must
+    // be in the arena the prefill and decode workers compute in. On GPUs each pair of
+    // workers (each GPU) has its own arena, and requests are not yet routed by
+    // arena: one arena only.
+    if (gpu && inst.config().arenas.size() != 1)
+        return make_error("contexts on GPUs: one KV arena (one GPU, roles sharing it) for now; instance '{}' has {}",
+                          inst.config().name, inst.config().arenas.size());
     std::unique_ptr<ContextService> s(new ContextService());
     s->inst_ = &inst;
     s->tok_ = &tok;
@@ -245,7 +252,22 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     if (!dtype) return dtype.error();
     auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(0), s->user_);
     s->alloc_ = alloc.get();
-    s->pool_ = std::make_unique<KvPool>(CpuBackend::kv_layout(model, *dtype), inst.cpu_kv_data(0), std::move(alloc));
+    const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
+    if (gpu) {
+        // Device memory this process does not compute in: the store works on the
+        // arena's host mirror, its blocks copied on the store thread (kv_stage.h).
+        s->gpu_alloc_ = std::move(alloc);
+        auto mirror = KvMirror::create(layout, *s->gpu_alloc_);
+        if (!mirror) return make_error("contexts: {}", mirror.error().message);
+        s->mirror_ = std::move(mirror).value();
+        auto stage = kept_kv_stage(inst.config().name, 0, s->mirror_->pool());
+        if (!stage) return make_error("contexts: {}", stage.error().message);
+        s->stage_ = std::move(stage).value();
+        s->pool_ = &s->mirror_->pool();
+    } else {
+        s->own_pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(0), std::move(alloc));
+        s->pool_ = s->own_pool_.get();
+    }
     s->kv_ = std::make_unique<KvCacheManager>(*s->pool_, s->alloc_);
     s->compute_ = std::make_unique<ServingCompute>(inst, self, router, *s->pool_, *s->kv_, model.fingerprint());
     auto dev = UringLogDevice::create();
@@ -271,6 +293,8 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     s->table_ = &table;
     s->self_ = self;
     o.table = &table;
+    o.stage = s->stage_.get();
+    o.mirror = s->mirror_.get();
     auto store = ContextStore::open(*s->pool_, *s->sync_, *s->compute_, o);
     if (!store) return store.error();
     s->store_ = std::move(store).value();
@@ -295,7 +319,10 @@ ContextService::~ContextService() {
     store_.reset();  // gives the blocks back
     if (table_) table_->release(self_);  // the records stay, for the next front
     kv_.reset();
-    pool_.reset();
+    stage_.reset();
+    mirror_.reset();
+    own_pool_.reset();
+    gpu_alloc_.reset();
     if (joined_) inst_->arena(0).leave(user_);
 }
 

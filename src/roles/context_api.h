@@ -138,7 +138,13 @@ private:
     std::string spool_dir_;
     uint64_t max_blob_bytes_ = 0;
     ShmBlockAllocator* alloc_ = nullptr;
-    std::unique_ptr<KvPool> pool_;
+    // CPU: a pool over the shared host arena. GPU: the arena's host mirror and the
+    // stage that copies blocks to and from the device (kv/kv_stage.h).
+    std::unique_ptr<KvPool> own_pool_;
+    std::unique_ptr<ShmBlockAllocator> gpu_alloc_;
+    std::unique_ptr<KvMirror> mirror_;
+    std::unique_ptr<KvStage> stage_;
+    KvPool* pool_ = nullptr;
     std::unique_ptr<KvCacheManager> kv_;
     std::unique_ptr<ServingCompute> compute_;
     std::unique_ptr<LogDevice> dev_;
