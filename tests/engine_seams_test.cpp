@@ -137,6 +137,29 @@ TEST(DecodePolicy, TheLeastUrgentClassGivesWayFirst) {
     for (size_t i = 0; i < cases.size(); ++i) EXPECT_EQ(pick_decode_victim(cases[i].seqs), cases[i].victim) << i;
 }
 
+// A full batch gives a slot only to a hand-off of a strictly more urgent class: the
+// least urgent, newest sequence of a less urgent class; never one of the incoming
+// request's class or a more urgent one (no thrash between equals).
+TEST(DecodePolicy, AFullBatchGivesASlotOnlyToAMoreUrgentClass) {
+    struct Case {
+        std::vector<DecodeSeqView> seqs;
+        uint32_t incoming;
+        size_t victim;
+    };
+    const std::vector<Case> cases = {
+        {{}, 0, SIZE_MAX},
+        {{{1, 10, 2}, {5, 10, 1}}, 0, 0},            // critical in: the batch one goes
+        {{{1, 10, 2}, {3, 10, 2}}, 1, 1},            // standard in: the newer batch one
+        {{{1, 10, 1}, {3, 10, 1}}, 1, SIZE_MAX},     // standard in, standard running: waits
+        {{{1, 10, 1}, {3, 10, 0}}, 1, SIZE_MAX},     // standard in, standard and critical running: waits
+        {{{1, 10, 0}, {3, 10, 0}}, 0, SIZE_MAX},     // critical among critical: waits
+        {{{1, 10, 2}, {3, 10, 0}}, 2, SIZE_MAX},     // batch in: never displaces anyone
+        {{{1, 10, 1}, {3, 10, 2}, {2, 10, 2}}, 0, 1},  // the least urgent class, its newest
+    };
+    for (size_t i = 0; i < cases.size(); ++i)
+        EXPECT_EQ(pick_slot_victim(cases[i].seqs, cases[i].incoming), cases[i].victim) << i;
+}
+
 // Swap or recompute, by cost: 2 x bytes over the swap rate against tokens over the
 // prefill rate (the figures of the CPU here and of a fast GPU, worked by hand).
 TEST(DecodePolicy, AVictimIsSwappedWhenCopyingItsKvBackCostsLessThanComputingIt) {

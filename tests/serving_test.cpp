@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine.h"
+#include "engine/scheduling.h"
 #include "roles/supervisor.h"
 #include "roles/workers.h"
 #include "shm_test_util.h"
@@ -101,8 +102,10 @@ struct Serving {
     void send(shm::ReqRef r) { EXPECT_TRUE(router->send(r)); }
 
     // A greedy request, sent to prefill.
-    shm::ReqRef submit(const std::vector<int32_t>& prompt, uint32_t max_tokens = kMaxTokens, bool stop_at_eog = true) {
+    shm::ReqRef submit(const std::vector<int32_t>& prompt, uint32_t max_tokens = kMaxTokens, bool stop_at_eog = true,
+                       SloClass cls = SloClass::Standard) {
         RequestParams p;
+        p.slo_class = static_cast<uint32_t>(cls);
         p.sampling.temperature = 0.0f;
         p.max_tokens = max_tokens;
         p.stop_at_eog = stop_at_eog ? 1 : 0;
@@ -466,6 +469,80 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     std::error_code ec;
     EXPECT_TRUE(std::filesystem::is_empty(dir, ec)) << dir;
     std::filesystem::remove_all(dir, ec);
+}
+
+// Preemption for decode's batch slots: with both slots taken by batch requests, a
+// critical request's hand-off takes the newer one's slot at once (that one is
+// preempted, goes back through prefill and keeps its place), instead of waiting for
+// a batch request to end, and is not held up by a batch hand-off that came before it
+// and waits (a class apart is the threshold: that one never displaces its equals).
+// Every output equals the engine's.
+TEST(Serving, ACriticalHandOffTakesTheSlotOfABatchSequence) {
+    Serving sv;
+    sv.start(1, 1);
+    if (::testing::Test::HasFatalFailure()) return;
+    std::vector<int32_t> pa, pb, pc, pd;
+    for (int i = 0; i < 12; ++i) pa.push_back(300 + 31 * i % 700);
+    for (int i = 0; i < 12; ++i) pb.push_back(900 + 43 * i % 800);
+    for (int i = 0; i < 12; ++i) pc.push_back(1500 + 29 * i % 600);
+    for (int i = 0; i < 12; ++i) pd.push_back(2100 + 23 * i % 500);
+    const uint32_t n_long = 60, n_short = 8;
+    const auto want = engine_greedy({{pa, n_long}, {pb, n_long}, {pc, n_short}, {pd, n_short}});
+    WorkerOptions o;
+    o.max_batch = 2;
+    SteppedWorkers w;
+    w.start(sv, o);
+    if (::testing::Test::HasFatalFailure()) return;
+    shm::RequestTable& t = sv.inst.requests();
+    const shm::ReqRef a = sv.submit(pa, n_long, false, SloClass::Batch);
+    usleep(2000);  // b is the newer: the one that gives way
+    const shm::ReqRef b = sv.submit(pb, n_long, false, SloClass::Batch);
+    std::vector<shm::ReqRef> reqs = {a, b};
+    std::vector<uint32_t> sent = {t.attempt(a.slot), t.attempt(b.slot)};
+    auto step = [&] {
+        w.step();
+        // The front's part: a preempted request (QUEUED at a new attempt) is sent again.
+        for (size_t i = 0; i < reqs.size(); ++i)
+            if (t.is(reqs[i], shm::ReqState::Queued) && t.attempt(reqs[i].slot) != sent[i]) {
+                sent[i] = t.attempt(reqs[i].slot);
+                sv.send(reqs[i]);
+            }
+    };
+    for (int k = 0; k < 200 && !(sv.output(a).size() >= 4 && sv.output(b).size() >= 4); ++k) step();
+    ASSERT_TRUE(t.is(a, shm::ReqState::Decoding) && t.is(b, shm::ReqState::Decoding));
+    // Another batch request: no slot for it while both batch requests run (a class
+    // apart is the threshold). Handed off, it waits in decode, holding its KV.
+    const shm::ReqRef d = sv.submit(pd, n_short, false, SloClass::Batch);
+    reqs.push_back(d);
+    sent.push_back(t.attempt(d.slot));
+    const size_t a_before = sv.output(a).size(), b_before = sv.output(b).size();
+    for (int k = 0; k < 10; ++k) step();
+    EXPECT_LE(sv.output(d).size(), 1u) << "a batch request displaced another";
+    EXPECT_TRUE(t.is(d, shm::ReqState::Decoding)) << "handed off: D is " << shm::req_state_name(t.state(d.slot));
+    EXPECT_GT(sv.output(a).size(), a_before);
+    EXPECT_GT(sv.output(b).size(), b_before);
+    // A critical request, handed off after d: it is not held up behind d (decode takes
+    // every hand-off and runs the most urgent), and takes b's slot.
+    const shm::ReqRef c = sv.submit(pc, n_short, false, SloClass::Critical);
+    reqs.push_back(c);
+    sent.push_back(t.attempt(c.slot));
+    bool displaced = false;
+    for (int k = 0; k < 400 && !sv.ended(c); ++k) {
+        step();
+        if (t.is(c, shm::ReqState::Decoding) && !t.is(b, shm::ReqState::Decoding)) displaced = true;
+        ASSERT_FALSE(sv.ended(a) || sv.ended(b)) << "the batch requests ended before the critical one";
+    }
+    EXPECT_TRUE(displaced) << "the critical request never took a batch request's slot";
+    ASSERT_TRUE(t.is(c, shm::ReqState::Finished)) << "C is " << shm::req_state_name(t.state(c.slot));
+    EXPECT_TRUE(t.is(a, shm::ReqState::Decoding)) << "the older batch request kept its slot";
+    for (int k = 0; k < 20000 && !(sv.ended(a) && sv.ended(b) && sv.ended(d)); ++k) step();
+    const std::vector<shm::ReqRef> order = {a, b, c, d};
+    for (size_t i = 0; i < order.size(); ++i) {
+        ASSERT_TRUE(t.is(order[i], shm::ReqState::Finished)) << i << " is " << shm::req_state_name(t.state(order[i].slot));
+        EXPECT_EQ(sv.output(order[i]), want[i]) << "request " << i;
+        t.transition(order[i], shm::ReqState::Finished, shm::ReqState::Free);
+    }
+    w.stop_and_check_arena(sv);
 }
 
 // The same with the real `duet prefill` and `duet decode` executables under the

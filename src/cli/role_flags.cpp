@@ -22,6 +22,10 @@ constexpr const char* kPrefillPassHelp =
     "measured rate, so a critical request arriving meanwhile waits at most about that long (0: no cut)";
 constexpr const char* kNoPrefixCache = "--no-prefix-cache";
 constexpr const char* kSwapDir = "--swap-dir";
+constexpr const char* kMaxBatch = "--max-batch";
+constexpr const char* kMaxBatchHelp =
+    "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
+    "less urgent sequence (preempted)";
 constexpr const char* kHost = "--host";
 constexpr const char* kPort = "--port";
 constexpr const char* kIoThreads = "--io-threads";
@@ -153,6 +157,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option("--decode-workers", s.decode_workers, "decode processes (hand-offs routed by batch room)")
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
+    c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
@@ -189,7 +194,10 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_flag(kCudaQgemv, s.cuda_qgemv, kQgemvHelp);
     c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
     c.add_option(kSwapDir, s.swap_dir, "where preempted requests' KV is swapped (every worker of the instance: the same)");
-    if (!prefill) return;
+    if (!prefill) {
+        c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
+        return;
+    }
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
         ->capture_default_str()
         ->check(CLI::Range(16, 1 << 16));
@@ -237,6 +245,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     if (w.cuda_qgemv) a.push_back(kCudaQgemv);
     put(kGolden, w.golden);
     put_if(kSwapDir, w.swap_dir);
+    if (r.role == "decode") put(kMaxBatch, std::to_string(w.max_batch));
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));
         put(kPrefillPassMs, std::to_string(w.prefill_pass_ms));

@@ -13,6 +13,11 @@ size_t pick_decode_victim(std::span<const DecodeSeqView> seqs) {
     return v;
 }
 
+size_t pick_slot_victim(std::span<const DecodeSeqView> seqs, uint32_t incoming_class) {
+    const size_t v = pick_decode_victim(seqs);
+    return v != SIZE_MAX && seqs[v].slo_class > incoming_class ? v : SIZE_MAX;
+}
+
 PreemptMode choose_preemption(uint64_t bytes, int64_t tokens, double swap_bytes_per_s, double prefill_tokens_per_s) {
     if (swap_bytes_per_s <= 0 || tokens <= 0) return PreemptMode::Recompute;
     if (prefill_tokens_per_s <= 0) return PreemptMode::Swap;

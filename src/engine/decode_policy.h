@@ -23,6 +23,15 @@ struct DecodeSeqView {
 // less, by swap (choose_preemption).
 size_t pick_decode_victim(std::span<const DecodeSeqView> seqs);
 
+// Decode's batch is full (every slot taken) and the hand-off at the head of a ring,
+// of class `incoming_class`, waits: the sequence that gives up its slot, by the same
+// preemption (swap or recompute; it keeps its place). Only one of a class strictly
+// less urgent than the incoming request's: that is the threshold, a class apart, so
+// requests of one class never displace each other and cannot thrash. Of those, as
+// pick_decode_victim: the least urgent class, the newest. SIZE_MAX: none (the
+// hand-off waits for a slot to end, as before).
+size_t pick_slot_victim(std::span<const DecodeSeqView> seqs, uint32_t incoming_class);
+
 enum class PreemptMode { Recompute, Swap };
 
 // How a victim gives way, by what its return would cost. Swap: its KV is written

@@ -184,6 +184,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.isa = s.isa;
         ws.golden = s.golden;
         ws.swap_dir = swap_dir_of(s, plan.layout.instance);
+        if (p.role == "decode") ws.max_batch = s.max_batch;
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefill_pass_ms = s.prefill_pass_ms;

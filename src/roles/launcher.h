@@ -70,6 +70,9 @@ struct ServeSettings {
     // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
     std::string swap_root = "/var/tmp";
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
+    // Sequences a decode step runs at most (WorkerOptions::max_batch): when they are
+    // all taken, a more urgent hand-off takes a less urgent sequence's slot.
+    int max_batch = 256;
     // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
     // its KV arena (or, kv_arenas per-role, one role per GPU).
     std::string device = "cpu";
@@ -111,6 +114,7 @@ struct WorkerSettings {
     int prefill_pass_ms = 250;     // prefill: a pass not led by a critical request is cut to this long (0: not cut)
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
+    int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;
     bool cuda_qgemv = false;

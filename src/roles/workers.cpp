@@ -929,10 +929,11 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
 
 DecodeWorker::~DecodeWorker() {
     for (Active& a : active_) a.seq.release(*pool_);
+    for (Active& a : parked_) a.seq.release(*pool_);
 }
 
 bool DecodeWorker::has_work() {
-    if (!active_.empty()) return true;
+    if (!active_.empty() || !parked_.empty()) return true;
     for (auto& in : in_)
         if (in.readable()) return true;
     return false;
@@ -941,12 +942,13 @@ bool DecodeWorker::has_work() {
 void DecodeWorker::publish_load() {
     uint64_t tokens = 0;
     for (const Active& a : active_) tokens += static_cast<uint64_t>(a.seq.n_tokens());
-    WorkerBase::publish_load(static_cast<uint32_t>(active_.size()), tokens);
+    for (const Active& a : parked_) tokens += static_cast<uint64_t>(a.seq.n_tokens());
+    WorkerBase::publish_load(static_cast<uint32_t>(active_.size() + parked_.size()), tokens);
 }
 
-void DecodeWorker::finish(size_t i, shm::ReqState to) {
+void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to) {
     shm::RequestTable& t = inst_->requests();
-    Active& a = active_[i];
+    Active& a = from[i];
     if (to == shm::ReqState::Finished && a.params.return_kv) {
         // The blocks go back to the client. The rule its reader relies on: a FINISHED
         // return_kv request's table names exactly the blocks the client now holds a
@@ -963,9 +965,9 @@ void DecodeWorker::finish(size_t i, shm::ReqState to) {
         }
     }
     t.transition(a.req, shm::ReqState::Decoding, to);
-    active_[i].seq.release(*pool_);
-    active_[i] = std::move(active_.back());
-    active_.pop_back();
+    a.seq.release(*pool_);
+    from[i] = std::move(from.back());
+    from.pop_back();
 }
 
 // Preemption by recompute: the sequence's KV is dropped and its request goes back to
@@ -975,9 +977,9 @@ void DecodeWorker::finish(size_t i, shm::ReqState to) {
 // batching never change a sequence's logits; sampling is keyed by seed and position).
 // It keeps its place: its prefill deadline counts from its first submission. False
 // when the request is no longer ours to move (cancelled meanwhile: it ends as such).
-bool DecodeWorker::preempt(size_t i) {
+bool DecodeWorker::preempt(std::vector<Active>& from, size_t i) {
     shm::RequestTable& t = inst_->requests();
-    Active& a = active_[i];
+    Active& a = from[i];
     const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
     if (t.cancelled(a.req)) return false;
     // Published by the transition: prefill reads the blob, or computes them all.
@@ -989,9 +991,72 @@ bool DecodeWorker::preempt(size_t i) {
         return false;
     }
     a.seq.release(*pool_);
-    active_[i] = std::move(active_.back());
-    active_.pop_back();
+    from[i] = std::move(from.back());
+    from.pop_back();
     return true;
+}
+
+std::vector<DecodeSeqView> DecodeWorker::views_of(const std::vector<Active>& v) {
+    std::vector<DecodeSeqView> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = {v[i].admitted, v[i].seq.n_tokens(), v[i].params.slo_class};
+    return out;
+}
+
+// New hand-offs join at a step boundary. Every hand-off in the rings is taken (up
+// to the batch size again, waiting: parked_), so that one waiting for a slot never
+// holds up a more urgent one behind it in its ring. Parked ones join the batch most
+// urgent first (class, then first submission); with every slot taken, a parked one
+// of a more urgent class takes the slot of a less urgent sequence (pick_slot_victim:
+// preempted as for a KV shortage, swapped or recomputed, keeping its place).
+void DecodeWorker::take_handoffs() {
+    shm::RequestTable& t = inst_->requests();
+    const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
+    for (size_t r = 0; r < in_.size(); ++r) {
+        auto& in = in_[(first_in_ + r) % in_.size()];
+        size_t n = 0;
+        const WireMsg* m = in.peek(&n);
+        size_t used = 0;
+        for (; used < n && active_.size() + parked_.size() < 2 * room; ++used) {
+            const WireMsg& w = m[used];
+            shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
+            if (!shm::handoff_accept(inst_->arena(arena_), t, h, self_, user_)) continue;
+            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+            Active a;
+            a.req = h.req;
+            a.params = request_params(t, h.req.slot);
+            const uint32_t np = t.slot(h.req.slot).n_prompt.load(std::memory_order_relaxed);
+            a.prompt.assign(t.tokens(h.req.slot), t.tokens(h.req.slot) + np);
+            (void)t.read_output(h.req, 0, a.output);
+            const uint32_t nb = t.slot(h.req.slot).n_blocks.load(std::memory_order_acquire);
+            std::vector<int32_t> blocks(t.blocks(h.req.slot), t.blocks(h.req.slot) + nb);
+            alloc_->handed_by(h.from_user, blocks);
+            // Every token but the newest output has its KV in the blocks.
+            a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
+            a.fresh = true;
+            // Its order is its first submission's time: a request preempted and back
+            // again keeps its place (it is not the newest, so not the next victim).
+            a.admitted = t.slot(h.req.slot).submit_ns;
+            parked_.push_back(std::move(a));
+        }
+        in.release(used);
+    }
+    first_in_ = (first_in_ + 1) % in_.size();
+    while (!parked_.empty()) {
+        size_t p = 0;
+        for (size_t i = 1; i < parked_.size(); ++i)
+            if (parked_[i].params.slo_class < parked_[p].params.slo_class ||
+                (parked_[i].params.slo_class == parked_[p].params.slo_class && parked_[i].admitted < parked_[p].admitted))
+                p = i;
+        if (active_.size() >= room) {
+            const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.slo_class);
+            if (v == SIZE_MAX) break;  // it waits for a slot to end
+            if (!preempt(active_, v)) finish(v, shm::ReqState::Cancelled);  // cancelled meanwhile: leaving anyway
+            inst_->registry().wake(shm::Role::Front);
+        }
+        active_.push_back(std::move(parked_[p]));
+        parked_[p] = std::move(parked_.back());
+        parked_.pop_back();
+    }
 }
 
 // The fastest running prefill worker's measured rate (its ProcSlot work counters),
@@ -1054,44 +1119,20 @@ bool DecodeWorker::waits_for_kv(Active& a) {
 
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
-    // New hand-offs join at this step boundary, up to the batch size (the rest wait
-    // in their rings).
-    const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
-    for (size_t r = 0; r < in_.size(); ++r) {
-        auto& in = in_[(first_in_ + r) % in_.size()];
-        size_t n = 0;
-        const WireMsg* m = in.peek(&n);
-        size_t used = 0;
-        for (; used < n && active_.size() < room; ++used) {
-            const WireMsg& w = m[used];
-            shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
-            if (!shm::handoff_accept(inst_->arena(arena_), t, h, self_, user_)) continue;
-            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
-            Active a;
-            a.req = h.req;
-            a.params = request_params(t, h.req.slot);
-            const uint32_t np = t.slot(h.req.slot).n_prompt.load(std::memory_order_relaxed);
-            a.prompt.assign(t.tokens(h.req.slot), t.tokens(h.req.slot) + np);
-            (void)t.read_output(h.req, 0, a.output);
-            const uint32_t nb = t.slot(h.req.slot).n_blocks.load(std::memory_order_acquire);
-            std::vector<int32_t> blocks(t.blocks(h.req.slot), t.blocks(h.req.slot) + nb);
-            alloc_->handed_by(h.from_user, blocks);
-            // Every token but the newest output has its KV in the blocks.
-            a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
-            a.fresh = true;
-            // Its order is its first submission's time: a request preempted and back
-            // again keeps its place (it is not the newest, so not the next victim).
-            a.admitted = t.slot(h.req.slot).submit_ns;
-            active_.push_back(std::move(a));
-        }
-        in.release(used);
-    }
-    first_in_ = (first_in_ + 1) % in_.size();
+    take_handoffs();
     publish_load();  // before the step: what it holds now, for routing while it runs
     bool dropped = false;
     for (size_t i = 0; i < active_.size();) {
         if (t.cancelled(active_[i].req)) {
             finish(i, shm::ReqState::Cancelled);
+            dropped = true;
+        } else {
+            ++i;
+        }
+    }
+    for (size_t i = 0; i < parked_.size();) {
+        if (t.cancelled(parked_[i].req)) {
+            finish(parked_, i, shm::ReqState::Cancelled);
             dropped = true;
         } else {
             ++i;
@@ -1129,11 +1170,17 @@ Result<bool> DecodeWorker::step() {
     // would fit in the arena, up to kKvWaitNs, and then fails.
     Status st = kv_->reserve(batch);
     if (!st) {
-        std::vector<DecodeSeqView> views(active_.size());
-        for (size_t i = 0; i < active_.size(); ++i)
-            views[i] = {active_[i].admitted, active_[i].seq.n_tokens(), active_[i].params.slo_class};
-        const size_t v = pick_decode_victim(views);
-        if (active_.size() > 1 && preempt(v)) {
+        const size_t v = pick_decode_victim(views_of(active_));
+        // A sequence waiting for a slot gives its blocks first, unless a running one
+        // is of a less urgent class.
+        const size_t vp = pick_decode_victim(views_of(parked_));
+        if (vp != SIZE_MAX && parked_[vp].params.slo_class >= active_[v].params.slo_class) {
+            if (!preempt(parked_, vp)) finish(parked_, vp, shm::ReqState::Cancelled);  // cancelled meanwhile
+            publish_load();
+            inst_->registry().wake(shm::Role::Front);
+            return true;
+        }
+        if (active_.size() > 1 && preempt(active_, v)) {
             publish_load();
             inst_->registry().wake(shm::Role::Front);
             return true;

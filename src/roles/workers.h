@@ -262,18 +262,27 @@ private:
         uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)
         uint64_t kv_wait_since = 0;  // alone and waiting for a KV block others hold, since (0: not)
     };
-    void finish(size_t i, shm::ReqState to);
+    // from[i] (active_ or parked_) ends in state `to`.
+    void finish(std::vector<Active>& from, size_t i, shm::ReqState to);
+    void finish(size_t i, shm::ReqState to) { finish(active_, i, to); }
     bool waits_for_kv(Active& a);  // a lone sequence that found no KV block (workers.cpp)
     // Writes a's KV to its swap blob when that is cheaper than recomputing it: the
     // positions written (0: it will be computed again).
     uint32_t swap_out(Active& a);
     double swap_rate_ = 0;      // bytes/s of this worker's swap writes (0: none measured yet)
     double prefill_rate() const;  // tokens/s of the fastest prefill worker (0: not known yet)
-    bool preempt(size_t i);  // recompute preemption (workers.cpp)
+    // Preemption by swap or recompute of from[i] (active_ or parked_; workers.cpp).
+    bool preempt(std::vector<Active>& from, size_t i);
+    void take_handoffs();
+    static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy  // the rings' hand-offs into parked_, parked_ into the batch (workers.cpp)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)
     std::vector<Active> active_;
+    // Hand-offs taken from the rings that wait for a batch slot (they hold their KV),
+    // so a more urgent one behind them in a ring is not held up; they join the batch
+    // most urgent first.
+    std::vector<Active> parked_;
 };
 
 }  // namespace duet

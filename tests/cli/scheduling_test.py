@@ -6,7 +6,9 @@ prefill queue's watermark answers 429 with Retry-After and retry-after-ms (no 5x
 no crash, the server's RSS bounded) and the official openai client waits on them
 and succeeds; a critical request sent behind queued batch work gets its first token
 before most of it; /metrics has the families; in a small KV arena, decode preempts
-(recompute) instead of failing, and every output equals its run alone.
+(swap, or recompute) instead of failing, and every output equals its run alone; with
+decode's batch slots all taken by batch streams, a critical request takes one and
+ends first, and the batch texts equal their runs alone.
 
 Usage: scheduling_test.py path/to/duet   (with the venv's python: scripts/python-env)
 """
@@ -295,6 +297,72 @@ def kv_pressure(swap):
     check(not os.path.exists(swap_dir), f"the launcher removed its swap directory {swap_dir}")
 
 
+def batch_slots():
+    """--max-batch 2: two batch streams take both of decode's slots; a critical request
+    takes one of them (that batch stream is preempted, by swap or recompute, and
+    resumes), ends before either batch stream, and both batch texts equal their runs
+    alone."""
+    n_batch = 100 if SLOW else 160
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--max-batch", "2",
+                               "--admit-slack", "0", "--instance", INSTANCE + "-slots"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        port = listening_port(server)
+        check(port, "the --max-batch 2 server did not start")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        bodies = [{"prompt": prompt_ids(500 + i, 30), "max_tokens": n_batch, "ignore_eos": True, "temperature": 0.8,
+                   "seed": 21 + i, "priority": "batch"} for i in range(2)]
+        alone = []
+        for b in bodies:
+            st, _, text = post(port, "/v1/completions", b)
+            check(st == 200, f"alone: {st} {text}")
+            alone.append(json.loads(text)["choices"][0]["text"])
+        got, ended, tokens = [""] * 2, [None] * 2, [0] * 2
+
+        def stream(i):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                         data=json.dumps({**bodies[i], "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        ch = json.loads(line[6:])["choices"][0]
+                        got[i] += ch["text"] or ""
+                        tokens[i] += 1
+            ended[i] = time.time()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and min(tokens) < 4:
+            time.sleep(0.01)
+        check(min(tokens) >= 4, f"the batch streams did not start: {tokens}")
+        st, _, text = post(port, "/v1/completions", {"prompt": prompt_ids(600, 20), "max_tokens": 8,
+                                                     "ignore_eos": True, "temperature": 0, "priority": "critical"})
+        crit_end = time.time()
+        check(st == 200, f"the critical request: {st} {text}")
+        for t in threads:
+            t.join()
+        check(all(e is not None and crit_end < e for e in ended),
+              "the critical request ended after a batch stream: it waited for a slot to end")
+        for i in range(2):
+            check(got[i] == alone[i], f"batch stream {i}, preempted for a slot, differs from its run alone:\n"
+                                      f"{got[i]!r}\n{alone[i]!r}")
+        n = (metric(port, r'duet_requests_preempted_total\{mode="swap"\}') or 0) + \
+            (metric(port, r'duet_requests_preempted_total\{mode="recompute"\}') or 0)
+        check(n >= 1, "no preemption happened")
+        check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
+        print(f"decode's slots: a critical request took a batch stream's slot ({int(n)} preemption(s)), ended "
+              f"{min(ended) - crit_end:.2f} s before the first batch stream; batch texts identical to their runs alone")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def main():
     # Under sanitizers prefill runs ~10x slower: 2400 batch tokens queued would
     # predict past a 60 s target and A1 would refuse the batch work critical_first
@@ -328,6 +396,7 @@ def main():
     # set_aside; serving_test's ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits
     # replays that interleaving step by step).
     kv_pressure(swap=True)
+    batch_slots()
     if not SLOW:  # the recompute path under sanitizers: serving_test and the swap run's fallbacks
         kv_pressure(swap=False)
     print("scheduling e2e: ok")
