@@ -281,7 +281,7 @@ TEST(MetricsText, ContextsAreReportedOnlyWhenOn) {
 TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
     MetricsSnapshot s;
     s.scheduling = true;
-    s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
+    s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_kv = 11, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
     s.preempted_swap = 6, s.swapped_bytes = 138240;
     s.prefill_rate = 1250.5, s.prefill_rate_recent = 900;
     s.queued_tokens = {100, 0, 4000};
@@ -293,10 +293,12 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
     const std::string text = metrics_text(s);
     const std::string want =
         "# HELP duet_requests_rejected_total Requests refused with 429 by admission: ttft (its class's target could "
-        "not be met), queue (the prefill queue's watermark), busy (no request slot).\n"
+        "not be met), queue (the prefill queue's watermark), kv (the KV arena's watermark), busy (no request "
+        "slot).\n"
         "# TYPE duet_requests_rejected_total counter\n"
         "duet_requests_rejected_total{reason=\"ttft\"} 3\n"
         "duet_requests_rejected_total{reason=\"queue\"} 5\n"
+        "duet_requests_rejected_total{reason=\"kv\"} 11\n"
         "duet_requests_rejected_total{reason=\"busy\"} 1\n"
         "# HELP duet_requests_timed_out_total Requests ended by their timeout (finish_reason \"timeout\").\n"
         "# TYPE duet_requests_timed_out_total counter\n"

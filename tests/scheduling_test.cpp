@@ -168,6 +168,53 @@ TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
     EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100).admit);
 }
 
+// A3: the KV blocks held by requests, with hysteresis between 95% and 85% (of 100
+// blocks: over at 95, open again at 85); critical requests pass; Retry-After is when
+// the running requests that end first have freed enough to get down to 85.
+TEST(Scheduling, A3KvWatermarksHaveHysteresisAndARetryAfterFromTheRunningRequests) {
+    AdmissionOptions o;
+    o.slo = *SloTable::parse("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
+    AdmissionControl a(o);
+    const QueueView q;
+    KvView kv;
+    kv.total = 100;
+    kv.used = 94;
+    // Ending in 3 s, 0.5 s and 2 s, holding 4, 6 and 5 blocks.
+    kv.running = {{4, 3'000'000'000ull}, {6, 500'000'000ull}, {5, 2'000'000'000ull}};
+    EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100, 0, &kv).admit);
+    kv.used = 95;  // at the high mark
+    auto d = a.decide(SloClass::Batch, 50, q, 100, 0, &kv);
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "kv");
+    // 95 - 6 (at 0.5 s) = 89, - 5 (at 2 s) = 84 <= 85: 2 s.
+    EXPECT_EQ(d.retry_after_ms, 2000u);
+    EXPECT_TRUE(a.over_kv_watermark());
+    EXPECT_TRUE(a.decide(SloClass::Critical, 50, q, 100, 0, &kv).admit);  // decode preempts for it
+    kv.used = 90;  // under high, over low: still refused
+    EXPECT_FALSE(a.decide(SloClass::Standard, 50, q, 100, 0, &kv).admit);
+    kv.used = 85;  // at the low mark: open again
+    EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100, 0, &kv).admit);
+    EXPECT_FALSE(a.over_kv_watermark());
+    kv.used = 93;
+    EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100, 0, &kv).admit);
+    // Blocks held by nothing that will end (the running requests free too few): a
+    // second, the next look.
+    kv.used = 99;
+    kv.running = {{1, 100'000'000ull}};
+    d = a.decide(SloClass::Standard, 50, q, 100, 0, &kv);
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.retry_after_ms, 1000u);
+    // Off: kv_high 0.
+    o.kv_high = 0;
+    AdmissionControl off(o);
+    EXPECT_TRUE(off.decide(SloClass::Batch, 50, q, 100, 0, &kv).admit);
+    // kv_drain_ns alone.
+    EXPECT_EQ(kv_drain_ns({}, 10, 10), 0u);
+    EXPECT_EQ(kv_drain_ns({{3, 7}, {2, 5}}, 12, 10), 5u);
+    EXPECT_EQ(kv_drain_ns({{3, 7}, {2, 5}}, 12, 7), 7u);
+    EXPECT_EQ(kv_drain_ns({{3, 7}, {2, 5}}, 12, 6), UINT64_MAX);
+}
+
 // The order between classes (engine/scheduling.h "Order"): priority with aging. A
 // critical request goes before a standard one that has waited 10 s (plain earliest
 // deadline first would not: 10 s + 1 s > 5 s); a batch request that has waited past

@@ -41,6 +41,7 @@ constexpr const char* kResumeWindow = "--resume-window";
 constexpr const char* kSlo = "--slo";
 constexpr const char* kAdmitQueue = "--admit-queue-tokens";
 constexpr const char* kAdmitSlack = "--admit-slack";
+constexpr const char* kAdmitKv = "--admit-kv";
 constexpr const char* kRequestTimeout = "--request-timeout";
 const char* const kResumeWindowHelp =
     "seconds the requests of a front that died wait for their clients to come back through a restarted front "
@@ -89,6 +90,11 @@ void add_scheduling_flags(CLI::App& c, SchedulingSettings& s) {
                  "class's target while work is queued ahead of it (0: never)")
         ->capture_default_str()
         ->check(CLI::Range(0.0, 1000.0));
+    c.add_option(kAdmitKv, s.admit_kv,
+                 "the fraction of the KV arena held by requests past which standard and batch requests get 429 with "
+                 "Retry-After until it is back 0.1 under (critical ones pass: decode preempts for them; 0: no bound)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 1.0));
     c.add_option(kRequestTimeout, s.request_timeout_s,
                  "seconds a request runs at most when its \"timeout\" names none; it then ends with what it has, "
                  "finish_reason \"timeout\"")
@@ -228,6 +234,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put_if(kSlo, f->scheduling.slo);
         put(kAdmitQueue, std::to_string(f->scheduling.admit_queue_tokens));
         put(kAdmitSlack, fmt::format("{}", f->scheduling.admit_slack));
+        put(kAdmitKv, fmt::format("{}", f->scheduling.admit_kv));
         put(kRequestTimeout, std::to_string(f->scheduling.request_timeout_s));
         // The API key is not an argument: the launcher gives it in DUET_API_KEY.
         return a;

@@ -206,6 +206,8 @@ int cmd_front(const FrontSettings& a) {
         fo.admission.slack = a.scheduling.admit_slack > 0 ? a.scheduling.admit_slack : 1e9;
         fo.admission.queue_high = a.scheduling.admit_queue_tokens;
         fo.admission.queue_low = a.scheduling.admit_queue_tokens / 4 * 3;
+        fo.admission.kv_high = a.scheduling.admit_kv;
+        fo.admission.kv_low = std::max(0.0, a.scheduling.admit_kv - 0.1);
         fo.request_timeout_s = a.scheduling.request_timeout_s;
         Front front(*inst, *self, **tok, *tmpl, fo);
         std::unique_ptr<ContextService> contexts;

@@ -99,8 +99,18 @@ void PrefillRateMeter::add(uint64_t busy_ns, int64_t tokens) {
 
 uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 999) / 1000); }
 
+uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t target) {
+    if (used <= target) return 0;
+    std::sort(running.begin(), running.end(), [](const RunningKv& a, const RunningKv& b) { return a.left_ns < b.left_ns; });
+    for (const RunningKv& r : running) {
+        used -= r.blocks;
+        if (used <= target) return r.left_ns;
+    }
+    return UINT64_MAX;
+}
+
 AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,
-                                           double recent) {
+                                           double recent, const KvView* kv) {
     AdmissionDecision d;
     // The rate predicted with: the slower of the best and the recent window's (the
     // best alone admitted standard requests predicted at 5 s that waited 8 s under 2x
@@ -120,6 +130,21 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
         const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
         return d;
+    }
+    if (kv && o_.kv_high > 0 && kv->total > 0) {  // A3's hysteresis, in blocks
+        const auto high = static_cast<int64_t>(std::ceil(o_.kv_high * static_cast<double>(kv->total)));
+        const auto low = static_cast<int64_t>(std::floor(o_.kv_low * static_cast<double>(kv->total)));
+        if (kv->used >= high) kv_over_ = true;
+        else if (kv->used <= low) kv_over_ = false;
+        if (kv_over_ && c != SloClass::Critical) {
+            d.admit = false;
+            d.reason = "kv";
+            const uint64_t ns = kv_drain_ns(kv->running, kv->used, low);
+            // Nothing running frees enough (the blocks are held elsewhere): a second,
+            // the next look.
+            d.retry_after_ms = ns == UINT64_MAX ? 1000 : std::max<uint64_t>(1, (ns + 999'999) / 1'000'000);
+            return d;
+        }
     }
     // A1: only a queue ahead can make waiting help; a prompt that alone takes longer
     // than its target is admitted when nothing is ahead of it.

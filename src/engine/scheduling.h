@@ -26,10 +26,18 @@
 //       past its class's target times `slack`; or
 //   A2. the queue of prompt tokens not yet prefilled is over its high watermark: then
 //       standard and batch requests are refused until it falls under the low one
-//       (hysteresis; critical requests are judged by A1 alone).
+//       (hysteresis; critical requests are judged by A1 alone); or
+//   A3. the KV blocks held by requests (not by idle contexts, which give way) are
+//       over their high watermark, a fraction of the arena: standard and batch
+//       requests are refused until they fall under the low one (hysteresis; a
+//       critical request is admitted: decode preempts less urgent work for it).
+//       Admitting into a full arena only makes decode preempt: each admission would
+//       cost a swap or a recomputation of someone's KV.
 // Retry-After is computed from the same prediction: the time the queue ahead needs
 // to drain to where the request would meet its target (A1), or to the low watermark
-// (A2), at the measured rate, at least 1 ms; HTTP's Retry-After header is that in
+// (A2), at the measured rate; for A3, when the running requests that end first (by
+// their tokens left at the measured time per token) will have freed enough blocks to
+// bring the arena under its low watermark (kv_drain_ns); at least 1 ms; HTTP's Retry-After header is that in
 // whole seconds rounded up, and `retry-after-ms` the milliseconds (the openai client
 // honours both).
 #pragma once
@@ -38,6 +46,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/result.h"
 
@@ -123,11 +132,34 @@ struct AdmissionOptions {
     double slack = 1.0;               // A1: refuse past slack x the class's TTFT target
     int64_t queue_high = 65536;       // A2: prompt tokens not yet prefilled (0: no watermark)
     int64_t queue_low = 49152;
+    double kv_high = 0.95;            // A3: fractions of the KV arena held by requests (0: no watermark)
+    double kv_low = 0.85;
 };
+
+// A running request as A3's Retry-After sees it: the KV blocks it holds and the time
+// until it ends (its tokens left at the measured time per token).
+struct RunningKv {
+    int64_t blocks = 0;
+    uint64_t left_ns = 0;
+};
+
+// What the front sees of the KV arenas: blocks held by requests, of how many, and
+// the running requests.
+struct KvView {
+    int64_t used = 0, total = 0;
+    std::vector<RunningKv> running;
+    double used_fraction() const { return total > 0 ? static_cast<double>(used) / static_cast<double>(total) : 0; }
+};
+
+// When `used` blocks will be down to `target`: the running requests end in the order
+// of their time left, each freeing its blocks; the time left of the one that brings
+// it there. 0 when used <= target; UINT64_MAX when the running requests together
+// do not hold enough.
+uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t target);
 
 struct AdmissionDecision {
     bool admit = true;
-    std::string reason;            // why not: "ttft" (A1) or "queue" (A2)
+    std::string reason;            // why not: "ttft" (A1), "queue" (A2) or "kv" (A3)
     uint64_t predicted_ttft_ns = 0;  // 0 when the rate is not known yet
     uint64_t retry_after_ms = 0;
 };
@@ -154,13 +186,17 @@ public:
     // its target and a client told to wait does not come back to a queue as full as
     // it left it. Updates the watermark's hysteresis state (not thread-safe: the
     // caller serializes).
-    AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate, double recent = 0);
+    // `kv`: the arenas (A3; null: not judged).
+    AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate, double recent = 0,
+                             const KvView* kv = nullptr);
     bool over_watermark() const { return over_; }
+    bool over_kv_watermark() const { return kv_over_; }
     const AdmissionOptions& options() const { return o_; }
 
 private:
     AdmissionOptions o_;
     bool over_ = false;
+    bool kv_over_ = false;
 };
 
 // Retry-After in whole seconds for a delay in milliseconds (rounded up, at least 1).

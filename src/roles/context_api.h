@@ -120,6 +120,7 @@ public:
     uint64_t max_blob_bytes() const { return max_blob_bytes_; }
     const ChatTurns& turns() const { return *turns_; }
     ContextStore& store() { return *store_; }
+    int32_t arena_user() const { return joined_ ? static_cast<int32_t>(user_) : -1; }  // in arena 0
 
 private:
     ContextService() = default;

@@ -492,7 +492,8 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
 AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens) {
     std::lock_guard<std::mutex> lock(sched_mu_);
     const double n = prefill_workers_;
-    AdmissionDecision d = admission_.decide(c, tokens, queue_, prefill_rate_.rate() * n, prefill_rate_.recent() * n);
+    AdmissionDecision d =
+        admission_.decide(c, tokens, queue_, prefill_rate_.rate() * n, prefill_rate_.recent() * n, &kv_);
     if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
     return d;
 }
@@ -523,6 +524,37 @@ void Front::sample_prefill_work() {
         seen[2] = tokens;
     }
     prefill_workers_ = std::max<uint32_t>(1, running);
+}
+
+void Front::sample_kv() {
+    KvView v;
+    const shm::InstanceConfig& cfg = inst_.config();
+    const int32_t ctx_user = opts_.contexts ? opts_.contexts->arena_user() : -1;
+    for (size_t a = 0; a < cfg.arenas.size(); ++a) {
+        const shm::ArenaCensus c = inst_.arena(a).census();
+        int64_t held = c.held;
+        // Idle contexts give way to requests (ContextService::make_room): their blocks
+        // are not the arena's load. (References, not blocks: a block a context shares
+        // with a request counts for neither, an underestimate of a few blocks.)
+        if (a == 0 && ctx_user >= 0)
+            held -= std::min<int64_t>(held, static_cast<int64_t>(c.refs_by_user[static_cast<size_t>(ctx_user)]));
+        v.used += held;
+        v.total += c.total;
+    }
+    const shm::RequestTable& t = inst_.requests();
+    const double itl = itl_s_.load(std::memory_order_relaxed);
+    const uint64_t per_token_ns = static_cast<uint64_t>((itl > 0 ? itl : 0.05) * 1e9);
+    const int64_t bt = std::max<int64_t>(1, cfg.requests.block_tokens);
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        if (t.state(s) != shm::ReqState::Decoding) continue;
+        const shm::ReqSlot& r = t.slot(s);
+        const int64_t out = r.n_output.load(std::memory_order_relaxed);
+        const int64_t tokens = r.n_prompt.load(std::memory_order_relaxed) + out;
+        const int64_t left = std::max<int64_t>(0, static_cast<int64_t>(request_params(t, s).max_tokens) - out);
+        v.running.push_back({(tokens + bt - 1) / bt, static_cast<uint64_t>(left) * per_token_ns});
+    }
+    std::lock_guard<std::mutex> lock(sched_mu_);
+    kv_ = std::move(v);
 }
 
 Front::~Front() { stop(); }
@@ -563,6 +595,7 @@ void Front::notify_loop() {
             router_.resend_stranded();
             expire_orphans(now);
             sample_prefill_work();
+            sample_kv();
             next_rescue = now + 50'000'000;
         }
     }
@@ -844,6 +877,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.scheduling = true;
     m.rejected_ttft = c.rejected_ttft.load(std::memory_order_relaxed);
     m.rejected_queue = c.rejected_queue.load(std::memory_order_relaxed);
+    m.rejected_kv = c.rejected_kv.load(std::memory_order_relaxed);
     m.timeouts = c.timeouts.load(std::memory_order_relaxed);
     m.preempted = c.preempted.load(std::memory_order_relaxed);
     m.preempted_swap = c.preempted_swap.load(std::memory_order_relaxed);
@@ -1166,17 +1200,23 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
     const AdmissionDecision d = f.admit_tokens(c.cls, prompt_tokens);
     if (!d.admit) {
-        (d.reason == "queue" ? f.counters_.rejected_queue : f.counters_.rejected_ttft)
+        (d.reason == "queue" ? f.counters_.rejected_queue
+         : d.reason == "kv"  ? f.counters_.rejected_kv
+                             : f.counters_.rejected_ttft)
             .fetch_add(1, std::memory_order_relaxed);
-        ApiError e = api_error(429, "rate_limit_error",
-                               d.reason == "queue"
-                                   ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
-                                                 slo_class_name(c.cls), d.retry_after_ms)
-                                   : fmt::format("a first token within the {} class's {} ms is not possible now "
-                                                 "(predicted {} ms); retry in {} ms",
-                                                 slo_class_name(c.cls), f.opts_.admission.slo.of(c.cls).ttft_ns / 1000000,
-                                                 d.predicted_ttft_ns / 1000000, d.retry_after_ms),
-                               "", d.reason == "queue" ? "queue_full" : "slo_unreachable");
+        std::string msg = d.reason == "queue"
+                              ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
+                                            slo_class_name(c.cls), d.retry_after_ms)
+                          : d.reason == "kv"
+                              ? fmt::format("the server's KV cache is full ({} class: critical requests only until "
+                                            "running ones end); retry in {} ms",
+                                            slo_class_name(c.cls), d.retry_after_ms)
+                              : fmt::format("a first token within the {} class's {} ms is not possible now "
+                                            "(predicted {} ms); retry in {} ms",
+                                            slo_class_name(c.cls), f.opts_.admission.slo.of(c.cls).ttft_ns / 1000000,
+                                            d.predicted_ttft_ns / 1000000, d.retry_after_ms);
+        ApiError e = api_error(429, "rate_limit_error", msg, "",
+                               d.reason == "queue" ? "queue_full" : d.reason == "kv" ? "kv_full" : "slo_unreachable");
         e.retry_after_ms = d.retry_after_ms;
         return e;
     }
@@ -1272,6 +1312,10 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
                 f.counters_.itl.observe(gap);
                 f.counters_.class_itl[static_cast<size_t>(c.cls)].observe(gap);
             }
+            // A3's time per token: an average over recent gaps (a racy update loses
+            // one gap at most).
+            const double was = f.itl_s_.load(std::memory_order_relaxed);
+            f.itl_s_.store(was > 0 ? 0.95 * was + 0.05 * gap : gap, std::memory_order_relaxed);
             c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }

@@ -62,7 +62,7 @@ struct FrontCounters {
     // Scheduling: refusals by reason (A1 "ttft", A2 "queue"), requests ended by their
     // timeout, and per class the TTFT, the completions that ended and those that met
     // both targets (TTFT and mean ITL): SLO attainment and goodput.
-    std::atomic<uint64_t> rejected_ttft{0}, rejected_queue{0}, timeouts{0};
+    std::atomic<uint64_t> rejected_ttft{0}, rejected_queue{0}, rejected_kv{0}, timeouts{0};
     // Requests decode preempted that this front sent again: by recompute, and by swap
     // (ReqSlot::n_swapped: their KV is read back, not computed).
     std::atomic<uint64_t> preempted{0}, preempted_swap{0};
@@ -121,6 +121,7 @@ private:
     AdmissionControl admission_{AdmissionOptions{}};
     PrefillRateMeter prefill_rate_;
     QueueView queue_;
+    KvView kv_;  // A3's view of the arenas (sample_kv)
     uint32_t prefill_workers_ = 1;  // running: the queue drains at their summed rate
     // Each registry slot's work counters as last read: (generation, busy ns, tokens).
     std::vector<std::array<uint64_t, 3>> work_seen_;
@@ -132,6 +133,11 @@ private:
     // Reads the running prefill workers' work counters into prefill_rate_ (the
     // notifier thread, every 50 ms).
     void sample_prefill_work();
+    // Reads the arenas' census and the running requests into kv_ (the notifier
+    // thread, every 50 ms): blocks held by requests (not the contexts', which give
+    // way), and each running request's blocks and time left at itl_s_ per token.
+    void sample_kv();
+    std::atomic<double> itl_s_{0};  // decode's time per token, an average over recent gaps (0: none seen)
     // Sends a request decode preempted (QUEUED again, at an attempt other than
     // `sent_attempt`, which it updates) back to prefill.
     void resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt);

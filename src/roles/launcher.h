@@ -41,6 +41,7 @@ struct SchedulingSettings {
     std::string slo;                   // "critical=300ms/20ms,..."; "": the defaults
     int64_t admit_queue_tokens = 65536;  // A2's high watermark (low: 3/4 of it); 0: none
     double admit_slack = 1.0;          // A1: refuse past slack x the class's TTFT target (0: A1 off)
+    double admit_kv = 0.95;            // A3's high watermark, a fraction of the KV arena (low: 0.1 under); 0: none
     int request_timeout_s = 600;       // a request's "timeout" when it names none
     friend bool operator==(const SchedulingSettings&, const SchedulingSettings&) = default;
 };

@@ -138,11 +138,13 @@ std::string metrics_contexts(const ContextStats& c) {
 std::string metrics_classes(const MetricsSnapshot& s) {
     std::string m = family("duet_requests_rejected_total", "counter",
                            "Requests refused with 429 by admission: ttft (its class's target could not be met), "
-                           "queue (the prefill queue's watermark), busy (no request slot).") +
+                           "queue (the prefill queue's watermark), kv (the KV arena's watermark), busy (no request "
+                           "slot).") +
                     fmt::format("duet_requests_rejected_total{{reason=\"ttft\"}} {}\n"
                                 "duet_requests_rejected_total{{reason=\"queue\"}} {}\n"
+                                "duet_requests_rejected_total{{reason=\"kv\"}} {}\n"
                                 "duet_requests_rejected_total{{reason=\"busy\"}} {}\n",
-                                s.rejected_ttft, s.rejected_queue, s.rejected_busy) +
+                                s.rejected_ttft, s.rejected_queue, s.rejected_kv, s.rejected_busy) +
                     family("duet_requests_timed_out_total", "counter",
                            "Requests ended by their timeout (finish_reason \"timeout\").") +
                     fmt::format("duet_requests_timed_out_total {}\n", s.timeouts) +

@@ -48,7 +48,7 @@ struct MetricsSnapshot {
     // (critical, standard, batch) the TTFT histogram, completions that ended and
     // those that met both targets; the front's queue and prefill's measured rate.
     bool scheduling = false;  // the families below are reported (a serving front: always)
-    uint64_t rejected_ttft = 0, rejected_queue = 0, timeouts = 0, preempted = 0, preempted_swap = 0;
+    uint64_t rejected_ttft = 0, rejected_queue = 0, rejected_kv = 0, timeouts = 0, preempted = 0, preempted_swap = 0;
     uint64_t swapped_bytes = 0;  // KV bytes decode swapped out, every worker (the request table's counter)
     std::array<const Histogram*, kSloClasses> class_ttft{}, class_itl{};
     std::array<uint64_t, kSloClasses> class_done{}, class_met{};

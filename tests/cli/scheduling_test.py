@@ -8,7 +8,9 @@ and succeeds; a critical request sent behind queued batch work gets its first to
 before most of it; /metrics has the families; in a small KV arena, decode preempts
 (swap, or recompute) instead of failing, and every output equals its run alone; with
 decode's batch slots all taken by batch streams, a critical request takes one and
-ends first, and the batch texts equal their runs alone.
+ends first, and the batch texts equal their runs alone; with the KV arena over its
+watermark, a standard request gets 429 with a Retry-After from the running request's
+time left and a critical one passes.
 
 Usage: scheduling_test.py path/to/duet   (with the venv's python: scripts/python-env)
 """
@@ -363,6 +365,70 @@ def batch_slots():
             server.kill()
 
 
+def kv_watermark():
+    """A3: --kv-blocks 24 and --admit-kv 0.5 (over at 12 blocks held, open again at 9).
+    One long request holds more than half of the arena: a standard request is refused
+    with 429 (reason kv) and a Retry-After computed from the time the long one needs
+    to end; a critical one is admitted; once the long one ended, standard requests
+    are admitted again."""
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
+                               "--admit-kv", "0.5", "--admit-slack", "0", "--instance", INSTANCE + "-kvw"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        port = listening_port(server)
+        check(port, "the --admit-kv server did not start")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        n_long = 300
+        times = []
+
+        def long_stream():
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                         data=json.dumps({"prompt": prompt_ids(800, 40), "max_tokens": n_long,
+                                                          "ignore_eos": True, "temperature": 0, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                for line in r:
+                    if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                        times.append(time.time())
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        deadline = time.time() + 300
+        # 40 + 180 positions: 14 blocks of 16, past 12 (the sampler reads every 50 ms).
+        while time.time() < deadline and len(times) < 180:
+            time.sleep(0.01)
+        check(len(times) >= 180, f"the long request did not get going: {len(times)} tokens")
+        time.sleep(0.2)
+        small = {"prompt": prompt_ids(801, 10), "max_tokens": 4, "temperature": 0}
+        st, headers, text = post(port, "/v1/completions", {**small, "priority": "standard"})
+        done = len(times)
+        check(st == 429, f"a standard request while the arena is over its watermark: {st} {text}")
+        check(json.loads(text)["error"]["code"] == "kv_full", f"the reason: {text}")
+        ms = int(headers.get("retry-after-ms", "0"))
+        itl = (times[-1] - times[10]) / (len(times) - 11)
+        predicted = (n_long - done) * itl * 1000
+        check(0.2 * predicted <= ms <= 5 * predicted,
+              f"retry-after-ms {ms} is not the long request's time left ({n_long - done} tokens at {itl * 1000:.1f} ms: "
+              f"{predicted:.0f} ms)")
+        check(int(headers.get("Retry-After", "0")) == (ms + 999) // 1000, f"Retry-After: {headers}")
+        st, _, text = post(port, "/v1/completions", {**small, "priority": "critical"})
+        check(st == 200, f"a critical request passes the KV watermark: {st} {text}")
+        t.join()
+        time.sleep(0.2)  # the next sample of the arena
+        st, _, text = post(port, "/v1/completions", {**small, "priority": "standard"})
+        check(st == 200, f"the long request ended: standard requests are admitted again: {st} {text}")
+        check(metric(port, r'duet_requests_rejected_total\{reason="kv"\}') >= 1, "counted by reason")
+        print(f"KV watermark: a standard request refused while one request held the arena, Retry-After {ms} ms "
+              f"(its {n_long - done} tokens left: {predicted:.0f} ms), a critical one admitted, admission open again "
+              "after it ended")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def main():
     # Under sanitizers prefill runs ~10x slower: 2400 batch tokens queued would
     # predict past a 60 s target and A1 would refuse the batch work critical_first
@@ -397,6 +463,7 @@ def main():
     # replays that interleaving step by step).
     kv_pressure(swap=True)
     batch_slots()
+    kv_watermark()
     if not SLOW:  # the recompute path under sanitizers: serving_test and the swap run's fallbacks
         kv_pressure(swap=False)
     print("scheduling e2e: ok")
