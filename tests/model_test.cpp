@@ -95,6 +95,48 @@ TEST(Model, LogitsAreBitwiseIndependentOfChunking) {
     EXPECT_EQ(0, std::memcmp(whole.data(), sevens.data(), whole.size() * sizeof(float)));
 }
 
+// ...nor on how many threads compute it: the kernels split work by output rows and
+// heads, never a reduction across threads. (Cores lent between roles change a
+// worker's thread count from one pass to the next; a request's KV and logits must
+// not notice.) A 40-token prompt in one pass and in chunks of 7, then 3 decode steps
+// of a batch of two, on 1, 2, 3 and 5 threads.
+TEST(Model, LogitsAreBitwiseIndependentOfThreadCount) {
+    const Model& m = engine().model();
+    auto toks = prompt_ids(40, 5), other = prompt_ids(23, 6);
+    auto run = [&](int n_threads, int chunk) {
+        ThreadPool threads(n_threads);
+        auto pool = KvPool::create(CpuBackend::kv_layout(m, KvDtype::F16), 64);
+        EXPECT_TRUE(pool.ok());
+        CpuBackend b(m, **pool, threads, engine().isa());
+        KvSeq a, c;
+        std::vector<float> all, l;
+        for (size_t i = 0; i < toks.size(); i += static_cast<size_t>(chunk)) {
+            const int n = std::min<int>(chunk, static_cast<int>(toks.size() - i));
+            SeqBatch sb{&a, toks.data() + i, n, true};
+            EXPECT_TRUE(b.forward({&sb, 1}, l).ok());
+            all.insert(all.end(), l.begin(), l.end());
+        }
+        SeqBatch sc{&c, other.data(), static_cast<int32_t>(other.size()), false};
+        EXPECT_TRUE(b.forward({&sc, 1}, l).ok());
+        for (int step = 0; step < 3; ++step) {
+            int32_t ta = 100 + step, tc = 200 + step;
+            SeqBatch two[2] = {{&a, &ta, 1, false}, {&c, &tc, 1, false}};
+            EXPECT_TRUE(b.forward({two, 2}, l).ok());
+            all.insert(all.end(), l.begin(), l.end());
+        }
+        a.release(**pool);
+        c.release(**pool);
+        return all;
+    };
+    const std::vector<float> one = run(1, 40);
+    for (auto [n, chunk] : {std::pair{2, 40}, std::pair{3, 7}, std::pair{5, 40}}) {
+        const std::vector<float> got = run(n, chunk);
+        ASSERT_EQ(got.size(), one.size());
+        EXPECT_EQ(0, std::memcmp(got.data(), one.data(), one.size() * sizeof(float)))
+            << n << " threads (chunks of " << chunk << ") give other logits than 1 thread";
+    }
+}
+
 // ...nor on what else is in the batch.
 TEST(Model, LogitsAreBitwiseIndependentOfBatch) {
     Engine& e = engine();

@@ -27,6 +27,40 @@ TEST(ThreadPool, RunsEveryThreadOnceAndBarriersOrderPhases) {
     }
 }
 
+// The width: a run uses the first width() threads and splits among them; the others
+// skip it. Widths change from run to run (a lent core comes and goes), a thread
+// that wakes late for a run it skips never runs the next one's work with the wrong
+// width, and barriers count the width.
+TEST(ThreadPool, TheWidthChangesBetweenRunsAndBarriersCountIt) {
+    ThreadPool pool(4);
+    std::vector<std::atomic<int>> ran(4);
+    for (int rep = 0; rep < 3000; ++rep) {
+        const int w = 1 + (rep * 7 + rep / 3) % 4;
+        pool.set_width(w);
+        ASSERT_EQ(pool.width(), w);
+        std::vector<int> phase1(4, -1), seen(16, -1);
+        std::atomic<int> calls{0};
+        pool.run([&](int tid, int nth) {
+            ASSERT_EQ(nth, w);
+            ASSERT_LT(tid, w);
+            calls.fetch_add(1, std::memory_order_relaxed);
+            ran[static_cast<size_t>(tid)].fetch_add(1, std::memory_order_relaxed);
+            phase1[static_cast<size_t>(tid)] = rep;
+            pool.barrier();
+            for (int t = 0; t < nth; ++t) seen[static_cast<size_t>(tid * 4 + t)] = phase1[static_cast<size_t>(t)];
+            pool.barrier();
+        });
+        ASSERT_EQ(calls.load(), w) << "rep " << rep;
+        for (int t = 0; t < w; ++t)
+            for (int u = 0; u < w; ++u) ASSERT_EQ(seen[static_cast<size_t>(t * 4 + u)], rep);
+    }
+    for (auto& r : ran) EXPECT_GT(r.load(), 0);
+    pool.set_width(0);
+    EXPECT_EQ(pool.width(), 1);
+    pool.set_width(9);
+    EXPECT_EQ(pool.width(), 4);
+}
+
 TEST(ThreadPool, OversubscribedPoolStillCompletes) {
     // More threads than this machine has cores: spinning must give way.
     ThreadPool pool(8);

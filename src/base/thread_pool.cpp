@@ -28,7 +28,8 @@ void pin_to(std::thread::native_handle_type h, int cpu) {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads, std::vector<int> cpus) : n_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads, std::vector<int> cpus)
+    : n_(std::clamp(n_threads, 1, static_cast<int>(kJobStep) - 1)), width_(n_) {
     if (!cpus.empty()) pin_to(pthread_self(), cpus[0]);
     for (int t = 1; t < n_; ++t) {
         threads_.emplace_back([this, t] { worker(t); });
@@ -39,7 +40,7 @@ ThreadPool::ThreadPool(int n_threads, std::vector<int> cpus) : n_(n_threads < 1 
 ThreadPool::~ThreadPool() {
     stop_.store(true, std::memory_order_relaxed);
     // release: pairs with the acquire load of job_ in worker(), which then sees stop_.
-    job_.fetch_add(1, std::memory_order_release);
+    job_.fetch_add(kJobStep, std::memory_order_release);
     job_.notify_all();
     for (auto& t : threads_) t.join();
 }
@@ -59,26 +60,31 @@ void ThreadPool::worker(int tid) {
         }
         seen = j;
         if (stop_.load(std::memory_order_relaxed)) return;
-        (*fn_)(tid, n_);
+        const int w = static_cast<int>(j & (kJobStep - 1));  // this job's width
+        if (tid >= w) continue;  // not in this run: run() waits for the others only
+        (*fn_)(tid, w);
         // release: pairs with the acquire load in run(), publishing this thread's writes.
         done_.fetch_add(1, std::memory_order_release);
     }
 }
 
 void ThreadPool::run(const std::function<void(int, int)>& fn) {
-    if (n_ == 1) {
+    const int w = width_;
+    if (w == 1) {
         fn(0, 1);
         return;
     }
     fn_ = &fn;
     done_.store(0, std::memory_order_relaxed);
     // release: pairs with the acquire load of job_ in worker(), publishing fn_ and done_.
-    job_.fetch_add(1, std::memory_order_release);
+    // The new value: the next job number, with this job's width in the low bits.
+    uint32_t j = job_.load(std::memory_order_relaxed);
+    job_.store(((j & ~(kJobStep - 1)) + kJobStep) | static_cast<uint32_t>(w), std::memory_order_release);
     job_.notify_all();
-    fn(0, n_);
+    fn(0, w);
     // acquire: pairs with each worker's release increment of done_.
     int spins = 0;
-    while (done_.load(std::memory_order_acquire) != n_ - 1) {
+    while (done_.load(std::memory_order_acquire) != w - 1) {
         DUET_PAUSE();
         // A descheduled worker (more threads than free cores) needs this core.
         if (++spins > kSpinBeforeWait) std::this_thread::yield();
@@ -86,11 +92,12 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
 }
 
 void ThreadPool::barrier() {
-    if (n_ == 1) return;
+    const int w = width_;
+    if (w == 1) return;
     // acquire: pairs with the release store of the phase by the last arriver.
     uint32_t phase = barrier_phase_.load(std::memory_order_acquire);
     // acq_rel: orders this thread's writes before the arrival and sees the others'.
-    if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+    if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == w - 1) {
         barrier_count_.store(0, std::memory_order_relaxed);
         // release: pairs with the acquire loads of waiters below.
         barrier_phase_.store(phase + 1, std::memory_order_release);

@@ -6,6 +6,13 @@
 //
 // Workers spin briefly waiting for work, then block on an atomic wait (a futex),
 // so an idle engine uses no CPU. Threads can be pinned to given CPUs.
+//
+// The width: how many of the threads a run() uses (set_width, between runs; all by
+// default). Threads past it skip the run, so a pool can hold threads pinned to
+// cores it only sometimes has (cores another role lends while it is idle): the
+// work is split among the width, and the kernels' results do not depend on it
+// (they split by output rows and heads, never a reduction across threads:
+// Model.LogitsAreBitwiseIndependentOfThreadCount).
 #pragma once
 
 #include <atomic>
@@ -27,8 +34,11 @@ public:
     ThreadPool& operator=(const ThreadPool&) = delete;
 
     int size() const { return n_; }
+    // The threads the next runs use: 1..size() (clamped); not during a run.
+    void set_width(int w) { width_ = w < 1 ? 1 : (w > n_ ? n_ : w); }
+    int width() const { return width_; }
 
-    // Runs fn(tid, n) on all threads; not reentrant.
+    // Runs fn(tid, n) on the first width() threads (n = width()); not reentrant.
     void run(const std::function<void(int tid, int n)>& fn);
 
     // All threads of the current run() wait here until every one has arrived.
@@ -42,9 +52,13 @@ private:
     void worker(int tid);
 
     int n_;
+    int width_;  // the caller's (set_width); each job carries its own copy in job_
     std::vector<std::thread> threads_;
     const std::function<void(int, int)>* fn_ = nullptr;
-    // Bumped by run() to start a job; workers wait for it to change.
+    // Bumped by run() to start a job (by kJobStep: its low bits are the job's width,
+    // so a worker that looks late reads the width of the job it sees, never the
+    // next one's); workers wait for it to change.
+    static constexpr uint32_t kJobStep = 1u << 12;
     alignas(64) std::atomic<uint32_t> job_{0};
     alignas(64) std::atomic<int> done_{0};
     alignas(64) std::atomic<int> barrier_count_{0};
