@@ -61,6 +61,10 @@ struct alignas(64) ProcSlot {
     // forward passes and the prompt tokens those passes computed, since it started.
     alignas(64) std::atomic<uint64_t> busy_ns;
     std::atomic<uint64_t> work_tokens;
+    // Cores lent by the other role (WorkerOptions::borrow_cpus): how many times this
+    // process took them, and how long it computed with them.
+    std::atomic<uint64_t> borrows;
+    std::atomic<uint64_t> borrowed_ns;
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
 static_assert(sizeof(ProcSlot) == 192);

@@ -136,6 +136,38 @@ TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
     EXPECT_NE(p->placed.find("prefill on CPUs "), std::string::npos) << p->placed;
 }
 
+// --lend-cores: each role borrows the other's cores (one worker of each, CPU);
+// --max-batch reaches decode only (role_flags_test: both survive the argv). Several workers of a role:
+// no lending.
+TEST(Launcher, LentCoresAreTheOtherRolesAndReachTheWorkersFlags) {
+    ServeSettings s;
+    s.model = "/models/m.gguf";
+    s.lend_cores = true;
+    s.max_batch = 7;
+    auto p = plan_serve(s, cpu_facts());
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    const WorkerSettings& pf = worker(*p, "prefill");
+    const WorkerSettings& dc = worker(*p, "decode");
+    EXPECT_EQ(pf.borrow_cpus, dc.cpus);
+    EXPECT_EQ(dc.borrow_cpus, pf.cpus);
+    EXPECT_FALSE(pf.borrow_cpus.empty());
+    EXPECT_EQ(dc.max_batch, 7);
+    EXPECT_EQ(pf.max_batch, WorkerSettings{}.max_batch);
+    s.lend_cores = false;
+    auto q = plan_serve(s, cpu_facts());
+    ASSERT_TRUE(q.ok());
+    EXPECT_TRUE(worker(*q, "decode").borrow_cpus.empty());
+    s.lend_cores = true;
+    s.decode_workers = 2;
+    auto r = plan_serve(s, cpu_facts());
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    for (const RoleLaunch& l : r->roles) {
+        if (const auto* w = std::get_if<WorkerSettings>(&l.settings)) {
+            EXPECT_TRUE(w->borrow_cpus.empty()) << l.name;
+        }
+    }
+}
+
 TEST(Launcher, SeveralWorkersAreNamedByIndexAndPerRoleArenasAreBoundOnNumaMachines) {
     ServeSettings s;
     s.instance = "mine";

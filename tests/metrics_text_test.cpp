@@ -26,7 +26,7 @@ MetricsSnapshot two_arenas_three_workers() {
     MetricsSnapshot::Worker p1;  // being restarted: its gauges are not reported
     p1.queued = 0, p1.up = false, p1.items = 99, p1.tokens = 99, p1.served = 99, p1.routed = 4;
     MetricsSnapshot::Worker d0;
-    d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8;
+    d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
     s.prefill = {p0, p1};
     s.decode = {d0};
     return s;
@@ -104,6 +104,15 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_served_total counter\n"
     "duet_worker_served_total{role=\"prefill\",worker=\"0\"} 9\n"
     "duet_worker_served_total{role=\"decode\",worker=\"0\"} 8\n"
+    "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores while it was idle "
+    "(--lend-cores).\n"
+    "# TYPE duet_worker_borrowed_cores_total counter\n"
+    "duet_worker_borrowed_cores_total{role=\"prefill\",worker=\"0\"} 0\n"
+    "duet_worker_borrowed_cores_total{role=\"decode\",worker=\"0\"} 5\n"
+    "# HELP duet_worker_borrowed_seconds_total Time a worker computed with the other role's cores (--lend-cores).\n"
+    "# TYPE duet_worker_borrowed_seconds_total counter\n"
+    "duet_worker_borrowed_seconds_total{role=\"prefill\",worker=\"0\"} 0\n"
+    "duet_worker_borrowed_seconds_total{role=\"decode\",worker=\"0\"} 1.5\n"
     "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
@@ -138,6 +147,12 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# TYPE duet_worker_tokens gauge\n"
                         "# HELP duet_worker_served_total Requests a worker took since it started.\n"
                         "# TYPE duet_worker_served_total counter\n"
+                        "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores while "
+                        "it was idle (--lend-cores).\n"
+                        "# TYPE duet_worker_borrowed_cores_total counter\n"
+                        "# HELP duet_worker_borrowed_seconds_total Time a worker computed with the other role's "
+                        "cores (--lend-cores).\n"
+                        "# TYPE duet_worker_borrowed_seconds_total counter\n"
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
                         "# TYPE duet_worker_routed_total counter\n"
                         "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
@@ -172,7 +187,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 27u);  // 12 front families, 2 of arenas, 6 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 29u);  // 12 front families, 2 of arenas, 8 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

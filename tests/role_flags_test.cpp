@@ -41,6 +41,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     w.cuda_graphs = false;
     w.cuda_qgemv = true;
     w.swap_dir = "/var/tmp/duet-swap-serve-1";
+    w.borrow_cpus = "0-1";
     RoleLaunch r{"prefill", "prefill 3", w, {}, 1};
     const std::vector<std::string> argv = role_argv("/bin/duet", r);
     EXPECT_EQ(argv[0], "/bin/duet");
@@ -51,6 +52,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     WorkerSettings d = w;
     d.prefill_budget = WorkerSettings{}.prefill_budget;
     d.prefix_cache = true;
+    d.max_batch = 9;  // decode's own
     RoleLaunch rd{"decode", "decode 3", d, {}, 1};
     EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);
 
@@ -74,6 +76,7 @@ TEST(RoleFlags, FrontSettingsSurviveTheArgv) {
     f.contexts_dir = "/var/lib/duet/contexts";
     f.contexts_max = 77;
     f.contexts_disk_max = 5ull << 30;
+    f.scheduling.admit_kv = 0.8;
     RoleLaunch r{"front", "front", f, {0, 8}, 0};
     const std::vector<std::string> argv = role_argv("duet", r);
     EXPECT_EQ(argv[1], "front");

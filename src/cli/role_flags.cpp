@@ -23,6 +23,7 @@ constexpr const char* kPrefillPassHelp =
 constexpr const char* kNoPrefixCache = "--no-prefix-cache";
 constexpr const char* kSwapDir = "--swap-dir";
 constexpr const char* kMaxBatch = "--max-batch";
+constexpr const char* kBorrowCpus = "--borrow-cpus";
 constexpr const char* kMaxBatchHelp =
     "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
     "less urgent sequence (preempted)";
@@ -164,6 +165,9 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
+    c.add_flag("--lend-cores", s.lend_cores,
+               "CPU, one worker of each role: prefill computes on decode's cores too while decode holds no request, "
+               "and decode on prefill's while prefill holds none (given back within a step or a pass)");
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
@@ -200,6 +204,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_flag(kCudaQgemv, s.cuda_qgemv, kQgemvHelp);
     c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
     c.add_option(kSwapDir, s.swap_dir, "where preempted requests' KV is swapped (every worker of the instance: the same)");
+    c.add_option(kBorrowCpus, s.borrow_cpus, "the other role's CPUs, computed on while it holds no request");
     if (!prefill) {
         c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
         return;
@@ -252,6 +257,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     if (w.cuda_qgemv) a.push_back(kCudaQgemv);
     put(kGolden, w.golden);
     put_if(kSwapDir, w.swap_dir);
+    put_if(kBorrowCpus, w.borrow_cpus);
     if (r.role == "decode") put(kMaxBatch, std::to_string(w.max_batch));
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));

@@ -76,6 +76,14 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.prefix_cache = a.prefix_cache;
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;
+    if (!a.borrow_cpus.empty()) {
+        auto list = parse_cpu_list(a.borrow_cpus);
+        if (!list) {
+            std::fprintf(stderr, "duet %s: --borrow-cpus: %s\n", role, list.error().message.c_str());
+            return 2;
+        }
+        o.borrow_cpus = *list;
+    }
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
     // The golden-logits gate before READY: a failure exits kGoldenExitCode, which

@@ -918,6 +918,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
             w.items = ps.load_items.load(std::memory_order_relaxed);
             w.tokens = ps.load_tokens.load(std::memory_order_relaxed);
             w.served = ps.served.load(std::memory_order_relaxed);
+            w.borrows = ps.borrows.load(std::memory_order_relaxed);
+            w.borrowed_ns = ps.borrowed_ns.load(std::memory_order_relaxed);
         }
         return w;
     };

@@ -185,6 +185,10 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.golden = s.golden;
         ws.swap_dir = swap_dir_of(s, plan.layout.instance);
         if (p.role == "decode") ws.max_batch = s.max_batch;
+        if (s.lend_cores && plan.gpus.empty() && po.prefill_workers == 1 && po.decode_workers == 1)
+            for (const Placement& q : placed.roles)
+                if ((p.role == "prefill" && q.role == "decode") || (p.role == "decode" && q.role == "prefill"))
+                    ws.borrow_cpus = format_cpu_list(q.cpus);
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefill_pass_ms = s.prefill_pass_ms;

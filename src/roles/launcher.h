@@ -74,6 +74,9 @@ struct ServeSettings {
     // Sequences a decode step runs at most (WorkerOptions::max_batch): when they are
     // all taken, a more urgent hand-off takes a less urgent sequence's slot.
     int max_batch = 256;
+    // CPU serving with one worker of each role: each borrows the other's cores while
+    // the other holds no request (WorkerOptions::borrow_cpus).
+    bool lend_cores = false;
     // cpu, or GPUs cuda:N[,cuda:M...]: a prefill and a decode worker on each, sharing
     // its KV arena (or, kv_arenas per-role, one role per GPU).
     std::string device = "cpu";
@@ -116,6 +119,7 @@ struct WorkerSettings {
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
+    std::string borrow_cpus;       // the other role's cores, borrowed while it is idle ("": none)
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;
     bool cuda_qgemv = false;

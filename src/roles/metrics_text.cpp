@@ -73,6 +73,10 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                 tokens = family("duet_worker_tokens", "gauge", "Tokens of the requests a worker holds now."),
                 served = family("duet_worker_served_total", "counter", "Requests a worker took since it started."),
                 up = family("duet_worker_up", "gauge", "1 while a process runs for the worker, else 0."),
+                borrows = family("duet_worker_borrowed_cores_total", "counter",
+                                 "Times a worker took the other role's cores while it was idle (--lend-cores)."),
+                borrowed = family("duet_worker_borrowed_seconds_total", "counter",
+                                  "Time a worker computed with the other role's cores (--lend-cores)."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -82,13 +86,16 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         items += fmt::format("duet_worker_requests{} {}\n", labels, w.items);
         tokens += fmt::format("duet_worker_tokens{} {}\n", labels, w.tokens);
         served += fmt::format("duet_worker_served_total{} {}\n", labels, w.served);
+        borrows += fmt::format("duet_worker_borrowed_cores_total{} {}\n", labels, w.borrows);
+        borrowed += fmt::format("duet_worker_borrowed_seconds_total{} {}\n", labels,
+                                static_cast<double>(w.borrowed_ns) / 1e9);
     };
     for (size_t p = 0; p < s.prefill.size(); ++p) {
         add("prefill", p, s.prefill[p]);
         routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + routed +
+    return queue + up + items + tokens + served + borrows + borrowed + routed +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);

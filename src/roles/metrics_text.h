@@ -34,6 +34,7 @@ struct MetricsSnapshot {
         uint64_t queued = 0;  // messages waiting in its rings
         bool up = false;      // a process runs for it; only then are the gauges below reported
         uint64_t items = 0, tokens = 0, served = 0;
+        uint64_t borrows = 0, borrowed_ns = 0;  // the other role's cores taken, and time computed with them
         uint64_t routed = 0;  // prefill: requests this front sent it
     };
     std::vector<Worker> prefill, decode;

@@ -91,7 +91,18 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     auto dtype = kv_dtype_from(inst.config().kv_dtype);
     if (!dtype) return make_error("instance {}: {}", inst.config().name, dtype.error().message);
     const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
-    threads_ = std::make_unique<ThreadPool>(std::max(1, o.threads), o.cpus);
+    own_threads_ = std::max(1, o.threads);
+    if (!o.borrow_cpus.empty() && !o.device.cuda && !o.cpus.empty()) {
+        // The own threads on their CPUs, then one on each borrowed core; only the own
+        // ones run until the other role is idle (borrow_cores).
+        std::vector<int> cpus;
+        for (int t = 0; t < own_threads_; ++t) cpus.push_back(o.cpus[static_cast<size_t>(t) % o.cpus.size()]);
+        cpus.insert(cpus.end(), o.borrow_cpus.begin(), o.borrow_cpus.end());
+        threads_ = std::make_unique<ThreadPool>(static_cast<int>(cpus.size()), cpus);
+        threads_->set_width(own_threads_);
+    } else {
+        threads_ = std::make_unique<ThreadPool>(own_threads_, o.cpus);
+    }
     const bool kv_on_gpu = inst.config().cpu_kv_bytes == 0;
     if (kv_on_gpu != o.device.cuda)
         return make_error("instance {} keeps its KV {}; this worker was started with --device {}", inst.config().name,
@@ -158,6 +169,26 @@ void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
     shm::ProcSlot& s = inst_->registry().slot(self_.slot);
     s.load_items.store(items, std::memory_order_relaxed);
     s.load_tokens.store(tokens, std::memory_order_relaxed);
+}
+
+bool WorkerBase::borrow_cores(shm::Role lender) {
+    if (threads_->size() == own_threads_) return false;
+    const shm::Registry& reg = inst_->registry();
+    bool idle = true;
+    for (uint32_t s = 0; s < reg.n_slots() && idle; ++s)
+        if (reg.running_as(s, lender) && reg.slot(s).load_items.load(std::memory_order_relaxed) > 0) idle = false;
+    if (!idle) {
+        threads_->set_width(own_threads_);
+        return false;
+    }
+    if (threads_->width() == own_threads_)
+        inst_->registry().slot(self_.slot).borrows.fetch_add(1, std::memory_order_relaxed);
+    threads_->set_width(threads_->size());
+    return true;
+}
+
+void WorkerBase::borrowed(uint64_t since_ns) {
+    inst_->registry().slot(self_.slot).borrowed_ns.fetch_add(shm::monotonic_ns() - since_ns, std::memory_order_relaxed);
 }
 
 Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
@@ -897,8 +928,10 @@ Result<bool> PrefillWorker::step() {
     Status st = kv_->reserve(p.batch);
     if (st) {
         trace::Range range("prefill pass");
+        const bool lent = borrow_cores(shm::Role::Decode);
         const uint64_t t0 = shm::monotonic_ns();
         st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
+        if (lent) borrowed(t0);
         if (!st) kv_->unreserve(p.batch);
         if (st) {  // the front's measured prefill rate (ProcSlot work counters)
             uint64_t tokens = 0;
@@ -1202,7 +1235,10 @@ Result<bool> DecodeWorker::step() {
     for (Active& a : active_) a.kv_wait_since = 0;
     {
         trace::Range range("decode step");
+        const bool lent = borrow_cores(shm::Role::Prefill);
+        const uint64_t t0 = shm::monotonic_ns();
         st = backend_->forward_pick(batch, logits_, picks_);
+        if (lent) borrowed(t0);
     }
     if (!st) {
         // Not a shortage: the blocks were taken. The newest request fails and the
