@@ -47,9 +47,12 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::worker(int tid) {
     uint32_t seen = 0;
+    bool skipped = false;
     for (;;) {
         uint32_t j;
-        int spins = 0;
+        // A thread past the last job's width sleeps at once: it is pinned to a core
+        // lent by another role, which needs that core while it is not lent.
+        int spins = skipped ? kSpinBeforeWait : 0;
         // acquire: pairs with the release increment in run(), publishing fn_.
         while ((j = job_.load(std::memory_order_acquire)) == seen) {
             if (++spins < kSpinBeforeWait) {
@@ -61,7 +64,8 @@ void ThreadPool::worker(int tid) {
         seen = j;
         if (stop_.load(std::memory_order_relaxed)) return;
         const int w = static_cast<int>(j & (kJobStep - 1));  // this job's width
-        if (tid >= w) continue;  // not in this run: run() waits for the others only
+        skipped = tid >= w;
+        if (skipped) continue;  // not in this run: run() waits for the others only
         (*fn_)(tid, w);
         // release: pairs with the acquire load in run(), publishing this thread's writes.
         done_.fetch_add(1, std::memory_order_release);
