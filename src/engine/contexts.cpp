@@ -587,6 +587,7 @@ Result<ContextInfo> ContextStore::import_blob(const std::string& id, const std::
             return st.error();
         }
     }
+    stage_done();  // no log to write (or written): the mirror's pages go
     if (Status st = record(*c); !st) {
         c->seq.release(pool_);
         return st.error();

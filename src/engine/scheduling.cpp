@@ -121,6 +121,15 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
         if (total >= o_.queue_high) over_ = true;
         else if (total <= o_.queue_low) over_ = false;
     }
+    // A3's hysteresis, in blocks, updated whatever refuses this request.
+    int64_t kv_low = 0;
+    const bool kv_on = kv && o_.kv_high > 0 && kv->total > 0;
+    if (kv_on) {
+        const auto high = static_cast<int64_t>(std::ceil(o_.kv_high * static_cast<double>(kv->total)));
+        kv_low = static_cast<int64_t>(std::floor(o_.kv_low * static_cast<double>(kv->total)));
+        if (kv->used >= high) kv_over_ = true;
+        else if (kv->used <= kv_low) kv_over_ = false;
+    }
     const double target_s = static_cast<double>(o_.slo.of(c).ttft_ns) / 1e9 * o_.slack;
     const int64_t ahead = q.ahead_of(c);
     if (rate > 0) d.predicted_ttft_ns = static_cast<uint64_t>(static_cast<double>(ahead + prompt_tokens) / rate * 1e9);
@@ -131,15 +140,11 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
         return d;
     }
-    if (kv && o_.kv_high > 0 && kv->total > 0) {  // A3's hysteresis, in blocks
-        const auto high = static_cast<int64_t>(std::ceil(o_.kv_high * static_cast<double>(kv->total)));
-        const auto low = static_cast<int64_t>(std::floor(o_.kv_low * static_cast<double>(kv->total)));
-        if (kv->used >= high) kv_over_ = true;
-        else if (kv->used <= low) kv_over_ = false;
+    if (kv_on) {
         if (kv_over_ && c != SloClass::Critical) {
             d.admit = false;
             d.reason = "kv";
-            const uint64_t ns = kv_drain_ns(kv->running, kv->used, low);
+            const uint64_t ns = kv_drain_ns(kv->running, kv->used, kv_low);
             // Nothing running frees enough (the blocks are held elsewhere): a second,
             // the next look.
             d.retry_after_ms = ns == UINT64_MAX ? 1000 : std::max<uint64_t>(1, (ns + 999'999) / 1'000'000);

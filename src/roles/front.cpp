@@ -1109,17 +1109,17 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
 // tokens committed, then the reply. True: the connection may serve another request.
 awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
     if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
-    const bool failed = std::any_of(c.ch.begin(), c.ch.end(),
-                                    [](const Choice& ch) { return ch.final_state == shm::ReqState::Failed; });
-    // The commit comes before finish frees the request's slots: a front that dies
-    // during the commit leaves the request ended but still in its slots, and the front
-    // that adopts it commits it again when its client comes back (a commit of tokens
-    // the context already ends with is accepted: maybe_done). Freed first, it would
-    // be lost with the front.
-    std::optional<ApiError> commit_error;
-    if (!c.context.empty() && c.commit && !failed && !c.client_gone)
-        commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
+    // finish frees the request's slots before the commit: the commit computes the
+    // closing tokens through a request of its own, and with every slot held by
+    // completions waiting for the store thread a commit holding its own would find
+    // none (and wait on them while they wait on it). The price: a front that dies
+    // during the commit leaves nothing to resume; its client's stream ends without
+    // [DONE] and the context holds the completion or not (the commit is one durable
+    // step).
     Outcome o = finish(f, c);
+    std::optional<ApiError> commit_error;
+    if (!c.context.empty() && c.commit && !o.failed && !c.client_gone)
+        commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
     if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
     if (commit_error) {
         if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);

@@ -1080,6 +1080,11 @@ void DecodeWorker::take_handoffs() {
             if (parked_[i].params.slo_class < parked_[p].params.slo_class ||
                 (parked_[i].params.slo_class == parked_[p].params.slo_class && parked_[i].admitted < parked_[p].admitted))
                 p = i;
+        if (t.cancelled(parked_[p].req)) {  // cancelled while it waited: it displaces nobody
+            finish(parked_, p, shm::ReqState::Cancelled);
+            inst_->registry().wake(shm::Role::Front);
+            continue;
+        }
         if (active_.size() >= room) {
             const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.slo_class);
             if (v == SIZE_MAX) break;  // it waits for a slot to end

@@ -247,8 +247,10 @@ def kv_pressure(swap):
     equals the same request's output run alone."""
     mode = "swap" if swap else "recompute"
     swap_dir = f"/var/tmp/duet-swap-{INSTANCE}-kv"
+    # --admit-kv 0: the four are to overfill the arena (preemption is tested, not A3;
+    # on a loaded machine the last one sent could find the others holding it).
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
-                               "--instance", INSTANCE + "-kv"] + ([] if swap else ["--swap-root", ""]),
+                               "--admit-kv", "0", "--instance", INSTANCE + "-kv"] + ([] if swap else ["--swap-root", ""]),
                               stderr=subprocess.PIPE, text=True)
     try:
         port = listening_port(server)
