@@ -83,7 +83,10 @@ class Server:
                                    instance, "--contexts-dir", cdir, "--grace", "5", *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
-        deadline = time.time() + 120
+        # A guard against a hang, not a figure: under ASan with other e2e tests on the
+        # same two cores, a restart (each worker's golden check first) once took more
+        # than 120 s (2026-12-03).
+        deadline = time.time() + 300
         self.port = None
         while time.time() < deadline and self.port is None:
             line = self.p.stderr.readline()
