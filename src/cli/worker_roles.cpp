@@ -49,14 +49,18 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.index = a.index;
     o.numa = a.numa;
     o.threads = a.threads;
-    if (!a.cpus.empty()) {
-        auto list = parse_cpu_list(a.cpus);
+    // A CPU list flag ("" : none) into `out`; false (said) when it does not parse.
+    auto cpu_flag = [&](const char* flag, const std::string& text, std::vector<int>& out) {
+        if (text.empty()) return true;
+        auto list = parse_cpu_list(text);
         if (!list) {
-            std::fprintf(stderr, "duet %s: --cpus: %s\n", role, list.error().message.c_str());
-            return 2;
+            std::fprintf(stderr, "duet %s: %s: %s\n", role, flag, list.error().message.c_str());
+            return false;
         }
-        o.cpus = *list;
-    }
+        out = *list;
+        return true;
+    };
+    if (!cpu_flag("--cpus", a.cpus, o.cpus) || !cpu_flag("--borrow-cpus", a.borrow_cpus, o.borrow_cpus)) return 2;
     auto isa = parse_isa(a.isa);
     if (!isa) {
         std::fprintf(stderr, "duet %s: %s\n", role, isa.error().message.c_str());
@@ -76,14 +80,6 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.prefix_cache = a.prefix_cache;
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;
-    if (!a.borrow_cpus.empty()) {
-        auto list = parse_cpu_list(a.borrow_cpus);
-        if (!list) {
-            std::fprintf(stderr, "duet %s: --borrow-cpus: %s\n", role, list.error().message.c_str());
-            return 2;
-        }
-        o.borrow_cpus = *list;
-    }
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
     // The golden-logits gate before READY: a failure exits kGoldenExitCode, which

@@ -1029,6 +1029,19 @@ bool DecodeWorker::preempt(std::vector<Active>& from, size_t i) {
     return true;
 }
 
+bool DecodeWorker::end_cancelled(std::vector<Active>& from) {
+    bool any = false;
+    for (size_t i = 0; i < from.size();) {
+        if (inst_->requests().cancelled(from[i].req)) {
+            finish(from, i, shm::ReqState::Cancelled);
+            any = true;
+        } else {
+            ++i;
+        }
+    }
+    return any;
+}
+
 std::vector<DecodeSeqView> DecodeWorker::views_of(const std::vector<Active>& v) {
     std::vector<DecodeSeqView> out(v.size());
     for (size_t i = 0; i < v.size(); ++i) out[i] = {v[i].admitted, v[i].seq.n_tokens(), v[i].params.slo_class};
@@ -1041,7 +1054,7 @@ std::vector<DecodeSeqView> DecodeWorker::views_of(const std::vector<Active>& v) 
 // urgent first (class, then first submission); with every slot taken, a parked one
 // of a more urgent class takes the slot of a less urgent sequence (pick_slot_victim:
 // preempted as for a KV shortage, swapped or recomputed, keeping its place).
-void DecodeWorker::take_handoffs() {
+bool DecodeWorker::take_handoffs() {
     shm::RequestTable& t = inst_->requests();
     const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
     for (size_t r = 0; r < in_.size(); ++r) {
@@ -1074,17 +1087,13 @@ void DecodeWorker::take_handoffs() {
         in.release(used);
     }
     first_in_ = (first_in_ + 1) % in_.size();
+    const bool dropped = end_cancelled(parked_);  // cancelled while they waited: they displace nobody
     while (!parked_.empty()) {
         size_t p = 0;
         for (size_t i = 1; i < parked_.size(); ++i)
             if (parked_[i].params.slo_class < parked_[p].params.slo_class ||
                 (parked_[i].params.slo_class == parked_[p].params.slo_class && parked_[i].admitted < parked_[p].admitted))
                 p = i;
-        if (t.cancelled(parked_[p].req)) {  // cancelled while it waited: it displaces nobody
-            finish(parked_, p, shm::ReqState::Cancelled);
-            inst_->registry().wake(shm::Role::Front);
-            continue;
-        }
         if (active_.size() >= room) {
             const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.slo_class);
             if (v == SIZE_MAX) break;  // it waits for a slot to end
@@ -1095,6 +1104,7 @@ void DecodeWorker::take_handoffs() {
         parked_[p] = std::move(parked_.back());
         parked_.pop_back();
     }
+    return dropped;
 }
 
 // The fastest running prefill worker's measured rate (its ProcSlot work counters),
@@ -1157,25 +1167,9 @@ bool DecodeWorker::waits_for_kv(Active& a) {
 
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
-    take_handoffs();
+    bool dropped = take_handoffs();
     publish_load();  // before the step: what it holds now, for routing while it runs
-    bool dropped = false;
-    for (size_t i = 0; i < active_.size();) {
-        if (t.cancelled(active_[i].req)) {
-            finish(i, shm::ReqState::Cancelled);
-            dropped = true;
-        } else {
-            ++i;
-        }
-    }
-    for (size_t i = 0; i < parked_.size();) {
-        if (t.cancelled(parked_[i].req)) {
-            finish(parked_, i, shm::ReqState::Cancelled);
-            dropped = true;
-        } else {
-            ++i;
-        }
-    }
+    dropped = end_cancelled(active_) || dropped;
     if (active_.empty()) {
         publish_load();
         if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible

@@ -286,7 +286,10 @@ private:
     double prefill_rate() const;  // tokens/s of the fastest prefill worker (0: not known yet)
     // Preemption by swap or recompute of from[i] (active_ or parked_; workers.cpp).
     bool preempt(std::vector<Active>& from, size_t i);
-    void take_handoffs();
+    // The rings' hand-offs into parked_, parked_ into the batch (workers.cpp); true
+    // when parked requests found cancelled were ended.
+    bool take_handoffs();
+    bool end_cancelled(std::vector<Active>& from);  // from's cancelled requests ended; true if any
     static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy  // the rings' hand-offs into parked_, parked_ into the batch (workers.cpp)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker

@@ -14,6 +14,7 @@ time left and a critical one passes.
 
 Usage: scheduling_test.py path/to/duet   (with the venv's python: scripts/python-env)
 """
+import contextlib
 import json
 import os
 import re
@@ -56,6 +57,24 @@ def get(port, path):
 def metric(port, pattern):
     m = re.search(pattern + r" ([0-9.e+-]+)\n", get(port, "/metrics"))
     return float(m.group(1)) if m else None
+
+
+@contextlib.contextmanager
+def serving(name, *args):
+    """A `duet serve --port 0 --ctx 512` with `args`, its port, terminated on leaving."""
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", INSTANCE + name, *args],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        port = listening_port(server)
+        check(port, f"the server{name} did not start")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        yield port, server
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def prompt_ids(seed, n):
@@ -249,13 +268,8 @@ def kv_pressure(swap):
     swap_dir = f"/var/tmp/duet-swap-{INSTANCE}-kv"
     # --admit-kv 0: the four are to overfill the arena (preemption is tested, not A3;
     # on a loaded machine the last one sent could find the others holding it).
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
-                               "--admit-kv", "0", "--instance", INSTANCE + "-kv"] + ([] if swap else ["--swap-root", ""]),
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(server)
-        check(port, "the small-arena server did not start")
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+    with serving("-kv", "--slots", "8", "--kv-blocks", "24", "--admit-kv", "0",
+                 *([] if swap else ["--swap-root", ""])) as (port, server):
         bodies = [{"prompt": prompt_ids(300 + i, 40), "max_tokens": 140, "ignore_eos": True, "temperature": 0.8,
                    "seed": 11 + i, "priority": ["batch", "standard", "critical", "batch"][i]} for i in range(4)]
         alone = []
@@ -292,12 +306,6 @@ def kv_pressure(swap):
         check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
         print(f"KV pressure: {int(n)} preemptions by {mode}, no failure, every output identical to its run alone "
               f"({wall:.2f} s for the four)")
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     check(not os.path.exists(swap_dir), f"the launcher removed its swap directory {swap_dir}")
 
 
@@ -307,13 +315,7 @@ def batch_slots():
     resumes), ends before either batch stream, and both batch texts equal their runs
     alone."""
     n_batch = 100 if SLOW else 160
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--max-batch", "2",
-                               "--admit-slack", "0", "--instance", INSTANCE + "-slots"],
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(server)
-        check(port, "the --max-batch 2 server did not start")
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+    with serving("-slots", "--slots", "8", "--max-batch", "2", "--admit-slack", "0") as (port, server):
         bodies = [{"prompt": prompt_ids(500 + i, 30), "max_tokens": n_batch, "ignore_eos": True, "temperature": 0.8,
                    "seed": 21 + i, "priority": "batch"} for i in range(2)]
         alone = []
@@ -359,12 +361,6 @@ def batch_slots():
         check(metric(port, "duet_requests_failed_total") == 0, "no request failed")
         print(f"decode's slots: a critical request took a batch stream's slot ({int(n)} preemption(s)), ended "
               f"{min(ended) - crit_end:.2f} s before the first batch stream; batch texts identical to their runs alone")
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def kv_watermark():
@@ -373,13 +369,7 @@ def kv_watermark():
     with 429 (reason kv) and a Retry-After computed from the time the long one needs
     to end; a critical one is admitted; once the long one ended, standard requests
     are admitted again."""
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "8", "--kv-blocks", "24",
-                               "--admit-kv", "0.5", "--admit-slack", "0", "--instance", INSTANCE + "-kvw"],
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(server)
-        check(port, "the --admit-kv server did not start")
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+    with serving("-kvw", "--slots", "8", "--kv-blocks", "24", "--admit-kv", "0.5", "--admit-slack", "0") as (port, server):
         n_long = 300
         times = []
 
@@ -423,12 +413,6 @@ def kv_watermark():
         print(f"KV watermark: a standard request refused while one request held the arena, Retry-After {ms} ms "
               f"(its {n_long - done} tokens left: {predicted:.0f} ms), a critical one admitted, admission open again "
               "after it ended")
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def main():
@@ -436,13 +420,7 @@ def main():
     # predict past a 60 s target and A1 would refuse the batch work critical_first
     # needs queued (it did: 5 of 6 refused). The batch target is scaled with it.
     slo = "critical=1s/1s,standard=30s/1s,batch=" + ("600s/20s" if SLOW else "60s/2s")
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "64", "--instance", INSTANCE,
-                               "--admit-queue-tokens", str(QUEUE), "--slo", slo],
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(server)
-        check(port, "the server did not start")
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+    with serving("", "--slots", "64", "--admit-queue-tokens", str(QUEUE), "--slo", slo) as (port, server):
         refusals(port)
         timeouts(port)
         burst(port, server.pid)
@@ -453,12 +431,6 @@ def main():
             check(f"# TYPE {fam} " in get(port, "/metrics"), f"/metrics has {fam}")
         check(metric(port, r'duet_prefill_rate_tokens_per_second\{window="best"\}') > 0, "prefill's rate was measured")
         check(server.poll() is None, "the server is still up")
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     # Under sanitizers too: there, on 2026-12-03, decode's last sequence failed while
     # prefill held the blocks of prompts it had set aside (fixed: PrefillWorker::
     # set_aside; serving_test's ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits
