@@ -4,17 +4,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_kv_io.h"
 #include "cuda/cuda_util.h"
 #include "kernels/cuda/gemm.h"
 #include "model/bf16_weights.h"
 #include "kernels/cuda/qgemv.h"
 #include "kv/kv_copy.h"
 #include "kv/kv_pool.h"
+#include "kv/kv_stage.h"
 #include "model/cpu_backend.h"
 #include "model/model.h"
 
@@ -475,6 +478,82 @@ Result<nlohmann::json> kv_copy_figure(CudaRun& r, void* src, int32_t src_blocks,
     return kc;
 }
 
+// Contexts on a GPU arena (kv/kv_stage.h): 2048 tokens' blocks (fragmented ids)
+// pulled into the host mirror and pushed back through CudaKvStage's page-locked
+// bounce pool, the mirror's pages released after each (as the store does, so page
+// faults count) and kept; against the direct copy into the pageable mirror (what the
+// driver stages itself) and the plain page-locked copy of the same bytes (the floor).
+Result<nlohmann::json> kv_stage_figure(CudaRun& r, void* arena, int32_t arena_blocks) {
+    const KvLayout& layout = r.layout;
+    const int bt = layout.block_tokens;
+    const int n = (2048 + bt - 1) / bt;
+    std::vector<int32_t> ids(static_cast<size_t>(arena_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(11));
+    ids.resize(static_cast<size_t>(n));
+    const size_t bytes = layout.block_bytes() * static_cast<size_t>(n);
+    auto mirror = KvMirror::create(layout, r.pool.allocator());
+    if (!mirror) return mirror.error();
+    KvPool& mp = (*mirror)->pool();
+    auto stage = CudaKvStage::create(r.o.device, arena, mp);
+    if (!stage) return stage.error();
+    // Median wall seconds of five (after one unmeasured), `release` between runs.
+    auto median = [&](auto&& op, bool release) -> Result<double> {
+        std::vector<double> t;
+        for (int i = 0; i < 6; ++i) {
+            if (release) (*mirror)->release();
+            const double t0 = now_s();
+            if (Status st = op(); !st) return st.error();
+            if (i > 0) t.push_back(now_s() - t0);
+        }
+        std::sort(t.begin(), t.end());
+        return t[t.size() / 2];
+    };
+    auto plan_to = plan_copy(layout, arena_blocks, arena_blocks, ids, ids);
+    if (!plan_to) return plan_to.error();
+    auto direct = [&](bool to_host) -> Status {
+        for (const auto& layer : *plan_to)
+            for (const CopyRun& c : layer) {
+                char* a = static_cast<char*>(arena) + c.src;
+                char* h = static_cast<char*>(mp.data()) + c.dst;
+                if (Status st = cuda_ok(cudaMemcpyAsync(to_host ? h : a, to_host ? a : h, c.bytes, cudaMemcpyDefault, r.s),
+                                        "KV copy (pageable)");
+                    !st)
+                    return st;
+            }
+        return cuda_ok(cudaStreamSynchronize(r.s), "KV copy (pageable)");
+    };
+    HostBuf pinned;
+    if (Status st = pinned.reserve(bytes); !st) return st.error();
+    auto plain = [&](bool to_host) -> Status {
+        DUET_CUDA_TRY(cudaMemcpyAsync(to_host ? pinned.as<void>() : arena, to_host ? arena : pinned.as<void>(), bytes,
+                                      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, r.s));
+        return cuda_ok(cudaStreamSynchronize(r.s), "KV copy (page-locked)");
+    };
+    nlohmann::json ks = {{"tokens", 2048}, {"blocks", n}, {"bytes", bytes}, {"chunk_blocks", (*stage)->chunk_blocks()}};
+    struct Case {
+        const char* name;
+        std::function<Status()> op;
+        bool release;
+    };
+    const std::vector<Case> cases = {
+        {"floor_d2h", [&] { return plain(true); }, false},
+        {"floor_h2d", [&] { return plain(false); }, false},
+        {"pull", [&] { return (*stage)->pull(ids); }, true},
+        {"pull_resident", [&] { return (*stage)->pull(ids); }, false},
+        {"push", [&] { return (*stage)->push(ids); }, false},
+        {"pageable_pull", [&] { return direct(true); }, true},
+        {"pageable_push", [&] { return direct(false); }, false},
+    };
+    for (const Case& c : cases) {
+        auto sec = median(c.op, c.release);
+        if (!sec) return sec.error();
+        ks[c.name] = {{"ms", *sec * 1e3}, {"gb_s", static_cast<double>(bytes) / *sec / 1e9}};
+    }
+    (*mirror)->release();
+    return ks;
+}
+
 // The device's count after selecting o.device, or why it cannot be.
 Result<int> select_device(int device) {
     int n_dev = 0;
@@ -553,6 +632,9 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     auto kc = kv_copy_figure(r, (*mem)->data(), static_cast<int32_t>(blocks), *n_dev);
     if (!kc) return kc.error();
     j["kv_copy"] = *kc;
+    auto kst = kv_stage_figure(r, (*mem)->data(), static_cast<int32_t>(blocks));
+    if (!kst) return kst.error();
+    j["kv_stage"] = *kst;
     auto q = qgemv_vs_bf16(m, *bw, s);
     if (!q) return q.error();
     j["qgemv"] = *q;
@@ -613,6 +695,22 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
                       "against {:.3f} ms alone: {:.3f} ms added, where the copy by itself takes {:.3f} ms\n",
                       k["prefill_export_ms"].get<double>(), k["prefill_plain_ms"].get<double>(),
                       k["export_overhead_ms"].get<double>(), k["copy_alone_ms"].get<double>());
+    if (j.contains("kv_stage")) {
+        const auto& k = j["kv_stage"];
+        const auto cell = [&](const char* name) {
+            return fmt::format("{:.2f} ms, {:.1f} GB/s", k[name]["ms"].get<double>(), k[name]["gb_s"].get<double>());
+        };
+        md += fmt::format("\nContexts' KV through the host mirror, {} tokens ({} blocks, {:.1f} MiB, fragmented ids; "
+                          "bounce halves of {} blocks):\n\n| copy | device -> host | host -> device |\n|---|---|---|\n",
+                          k["tokens"].get<int>(), k["blocks"].get<int>(), k["bytes"].get<double>() / 1048576.0,
+                          k["chunk_blocks"].get<int>());
+        md += fmt::format("| floor: one page-locked copy | {} | {} |\n", cell("floor_d2h"), cell("floor_h2d"));
+        md += fmt::format("| CudaKvStage (bounce), mirror pages fresh (as the store) | {} | {} |\n", cell("pull"),
+                          cell("push"));
+        md += fmt::format("| CudaKvStage (bounce), mirror pages resident | {} | |\n", cell("pull_resident"));
+        md += fmt::format("| direct into the pageable mirror (the driver stages) | {} | {} |\n", cell("pageable_pull"),
+                          cell("pageable_push"));
+    }
     return md;
 }
 

@@ -8,7 +8,9 @@
 // - the per-layer KV copy of a hand-off between arenas (the plan of kv/kv_copy.h,
 //   executed with one copy per run, contiguous and fragmented block ids) against
 //   one plain copy of the same bytes; between two GPUs over peer access when there
-//   are two, else within one.
+//   are two, else within one;
+// - contexts' KV through the host mirror (CudaKvStage's page-locked bounce pool)
+//   against one page-locked copy of the same bytes, and the direct pageable copy.
 // Built only with DUET_CUDA; this header includes no CUDA header.
 #pragma once
 

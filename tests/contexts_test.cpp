@@ -22,6 +22,7 @@
 #include <random>
 
 #include "base/thread_pool.h"
+#include "deferred_stage.h"
 #include "engine/contexts.h"
 #include "kv/kv_stage.h"
 #include "kv/log_device.h"
@@ -100,21 +101,29 @@ struct FencedCompute final : ContextCompute {
     }
 };
 
-// The stage of a staged rig: a GPU's copies, here memcpy through the fence.
+// The stage of a staged rig: a GPU's, through a bounce pool of two halves of 2
+// blocks whose copies run only when waited on (deferred_stage.h), the arena
+// reachable only inside it.
 struct FencedStage final : KvStage {
-    HostKvStage inner;
+    std::unique_ptr<test::DeferredBounceStage> inner;
     Fence& fence;
     int pulls = 0, pushes = 0;
-    FencedStage(KvPool& arena, KvPool& mirror, Fence& f) : inner(arena, mirror), fence(f) {}
+    FencedStage(KvPool& arena, KvPool& mirror, Fence& f)
+        : inner(test::DeferredBounceStage::make(arena, mirror, 2)), fence(f) {}
     Status pull(std::span<const int32_t> blocks) override {
         Fence::Guard g(fence);
         ++pulls;
-        return inner.pull(blocks);
+        return checked(inner->pull(blocks));
     }
     Status push(std::span<const int32_t> blocks) override {
         Fence::Guard g(fence);
         ++pushes;
-        return inner.push(blocks);
+        return checked(inner->push(blocks));
+    }
+    Status checked(Status st) {
+        EXPECT_EQ(inner->pending(), 0);
+        EXPECT_TRUE(inner->violations.empty());
+        return st;
     }
 };
 

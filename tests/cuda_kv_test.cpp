@@ -135,7 +135,11 @@ TEST(CudaKv, ContextsThroughTheHostMirrorKeepTheLogitsOfAFreshComputation) {
         KvPool& arena = e->pool();
         auto mirror = KvMirror::create(arena.layout(), arena.allocator());
         ASSERT_TRUE(mirror.ok()) << mirror.error().message;
-        CudaKvStage stage(0, arena.data(), (*mirror)->pool());
+        // Halves of 3 blocks: every operation of more than 6 blocks cycles both.
+        auto staged = CudaKvStage::create(0, arena.data(), (*mirror)->pool(), arena.layout().block_bytes() * 3);
+        ASSERT_TRUE(staged.ok()) << staged.error().message;
+        ASSERT_EQ((*staged)->chunk_blocks(), 3);
+        CudaKvStage& stage = **staged;
         KvCacheManager kv(arena);
         BackendCompute compute(e->backend(), kv, 24);  // several passes per context
         auto dev = UringLogDevice::create();

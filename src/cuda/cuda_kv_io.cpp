@@ -145,20 +145,85 @@ Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity&
     return r;
 }
 
-CudaKvStage::CudaKvStage(int device, void* arena, KvPool& mirror) : device_(device), arena_(arena), mirror_(mirror) {}
-
-Status CudaKvStage::pull(std::span<const int32_t> blocks) {
-    if (blocks.empty()) return {};
-    DUET_CUDA_TRY(cudaSetDevice(device_));
-    const int32_t n = mirror_.allocator().n_blocks();
-    return copy_tiles(mirror_.layout(), n, arena_, blocks, n, mirror_.data(), blocks, cudaMemcpyDeviceToHost);
+Result<std::unique_ptr<CudaKvStage>> CudaKvStage::create(int device, void* arena, KvPool& mirror, size_t half_bytes) {
+    DUET_CUDA_TRY(cudaSetDevice(device));
+    const KvLayout& l = mirror.layout();
+    const int32_t chunk = bounce_chunk_blocks(l, half_bytes);
+    void* pinned = nullptr;
+    const size_t bytes = l.block_bytes() * static_cast<size_t>(chunk) * 2;
+    if (cudaError_t e = cudaMallocHost(&pinned, bytes); e != cudaSuccess) {
+        cudaGetLastError();
+        return make_error(ErrorKind::Device, "CUDA: cannot allocate {:.1f} MiB of page-locked memory to stage KV: {}",
+                          bytes / 1048576.0, cudaGetErrorString(e));
+    }
+    auto bounce = std::make_unique<KvPool>(l, pinned, std::make_unique<LocalBlockAllocator>(chunk * 2));
+    std::unique_ptr<CudaKvStage> s(new CudaKvStage(device, arena, mirror, std::move(bounce), pinned));
+    cudaStream_t stream = nullptr;
+    DUET_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    s->stream_ = stream;
+    for (void*& ev : s->events_) {
+        cudaEvent_t e = nullptr;
+        DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        ev = e;
+    }
+    return s;
 }
 
-Status CudaKvStage::push(std::span<const int32_t> blocks) {
-    if (blocks.empty()) return {};
-    DUET_CUDA_TRY(cudaSetDevice(device_));
-    const int32_t n = mirror_.allocator().n_blocks();
-    return copy_tiles(mirror_.layout(), n, mirror_.data(), blocks, n, arena_, blocks, cudaMemcpyHostToDevice);
+CudaKvStage::CudaKvStage(int device, void* arena, KvPool& mirror, std::unique_ptr<KvPool> bounce, void* pinned)
+    : BounceKvStage(mirror, *bounce),
+      device_(device),
+      arena_(arena),
+      arena_blocks_(mirror.allocator().n_blocks()),
+      bounce_(std::move(bounce)),
+      pinned_(pinned) {}
+
+CudaKvStage::~CudaKvStage() {
+    if (stream_) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+    for (void* ev : events_)
+        if (ev) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
+    if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+    bounce_.reset();
+    if (pinned_) cudaFreeHost(pinned_);
+}
+
+// Every layer's runs on the stream, then the half's event. A failure is kept for
+// wait(half): the copies already queued still run, and wait waits for them (B3).
+Status CudaKvStage::start(const void* from, int32_t from_blocks, std::span<const int32_t> src, void* to,
+                          int32_t to_blocks, std::span<const int32_t> dst, bool to_device, int half) {
+    const KvLayout& l = bounce_->layout();
+    auto stream = static_cast<cudaStream_t>(stream_);
+    Status st = cuda_ok(cudaSetDevice(device_), "cudaSetDevice (KV stage)");
+    for (int32_t layer = 0; layer < l.n_layer && st; ++layer) {
+        auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
+        if (!runs) {
+            st = runs.error();
+            break;
+        }
+        for (const CopyRun& r : *runs) {
+            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst, static_cast<const uint8_t*>(from) + r.src,
+                                         r.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream),
+                         "cudaMemcpyAsync (KV stage)");
+            if (!st) break;
+        }
+    }
+    failed_[half] = st;
+    return cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(events_[half]), stream), "cudaEventRecord (KV stage)");
+}
+
+Status CudaKvStage::start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) {
+    return start(arena_, arena_blocks_, arena, bounce_->data(), bounce_->allocator().n_blocks(), bounce, false, half);
+}
+
+Status CudaKvStage::start_push(std::span<const int32_t> bounce, std::span<const int32_t> arena, int half) {
+    return start(bounce_->data(), bounce_->allocator().n_blocks(), bounce, arena_, arena_blocks_, arena, true, half);
+}
+
+Status CudaKvStage::wait(int half) {
+    const Status done = cuda_ok(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[half])), "cudaEventSynchronize (KV stage)");
+    Status st = failed_[half];
+    failed_[half] = {};
+    if (!st) return st;
+    return done;
 }
 
 }  // namespace duet

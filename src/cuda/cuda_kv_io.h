@@ -3,6 +3,7 @@
 // device must be the arena's.
 #pragma once
 
+#include <memory>
 #include <span>
 #include <string>
 
@@ -25,20 +26,34 @@ Result<BlobHeader> blob_write_device(const std::string& path, const KvIdentity& 
 Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity& want, KvPool& dev, KvSeq& seq);
 
 // The stage between a GPU arena (`arena`, device memory of GPU `device`, in this
-// process's address space) and its host mirror (kv/kv_stage.h): every layer of
-// whole blocks, runs of consecutive ids merged, one stream, waited on. The mirror is
-// pageable memory (it is reserved as large as the arena: it cannot be page-locked
-// whole); the driver stages those copies itself.
-class CudaKvStage final : public KvStage {
+// process's address space) and its host mirror (kv/kv_stage.h), through a
+// page-locked bounce pool of two halves of about 16 MiB (BounceKvStage, rules B1-B3):
+// one stream, an event per half. The mirror is pageable memory reserved as large as
+// the arena, so it cannot be page-locked whole; copies from pageable memory would be
+// staged by the driver through its own small buffer, one synchronous piece at a time.
+class CudaKvStage final : public BounceKvStage {
 public:
-    CudaKvStage(int device, void* arena, KvPool& mirror);
-    Status pull(std::span<const int32_t> blocks) override;
-    Status push(std::span<const int32_t> blocks) override;
+    static Result<std::unique_ptr<CudaKvStage>> create(int device, void* arena, KvPool& mirror,
+                                                       size_t half_bytes = size_t{16} << 20);
+    ~CudaKvStage() override;
+
+protected:
+    Status start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) override;
+    Status start_push(std::span<const int32_t> bounce, std::span<const int32_t> arena, int half) override;
+    Status wait(int half) override;
 
 private:
+    CudaKvStage(int device, void* arena, KvPool& mirror, std::unique_ptr<KvPool> bounce, void* pinned);
+    Status start(const void* from, int32_t from_blocks, std::span<const int32_t> src, void* to, int32_t to_blocks,
+                 std::span<const int32_t> dst, bool to_device, int half);
     int device_;
     void* arena_;
-    KvPool& mirror_;
+    int32_t arena_blocks_;
+    std::unique_ptr<KvPool> bounce_;
+    void* pinned_ = nullptr;
+    void* stream_ = nullptr;      // cudaStream_t
+    void* events_[2] = {};        // cudaEvent_t
+    Status failed_[2];            // a start's error, reported by wait
 };
 
 }  // namespace duet

@@ -159,8 +159,10 @@ private:
         const uint64_t bytes = mirror_.layout().block_bytes() * static_cast<uint64_t>(mirror_.allocator().n_blocks());
         auto m = SharedKvArena::open_peer(instance_, arena_, -1, bytes);
         if (!m) return make_error("the KV arena of the contexts: {}", m.error().message);
+        auto st = CudaKvStage::create(m.value()->device(), m.value()->data(), mirror_);
+        if (!st) return make_error("the KV arena of the contexts: {}", st.error().message);
         mem_ = std::move(m).value();
-        stage_ = std::make_unique<CudaKvStage>(mem_->device(), mem_->data(), mirror_);
+        stage_ = std::move(st).value();
         return {};
     }
     std::string instance_;

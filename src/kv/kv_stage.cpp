@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -43,16 +44,98 @@ std::span<const int32_t> blocks_of_positions(std::span<const int32_t> blocks, in
     return blocks.subspan(b0, b1 - b0);
 }
 
-Status HostKvStage::copy(const KvPool& from, KvPool& to, std::span<const int32_t> blocks) {
+Status copy_host_blocks(const KvPool& from, std::span<const int32_t> src, KvPool& to, std::span<const int32_t> dst) {
     const KvLayout& l = from.layout();
     for (int32_t layer = 0; layer < l.n_layer; ++layer) {
-        auto runs = plan_layer_copy(l, from.allocator().n_blocks(), to.allocator().n_blocks(), blocks, blocks, layer);
+        auto runs = plan_layer_copy(l, from.allocator().n_blocks(), to.allocator().n_blocks(), src, dst, layer);
         if (!runs) return runs.error();
         for (const CopyRun& r : *runs)
             std::memcpy(static_cast<uint8_t*>(to.data()) + r.dst, static_cast<const uint8_t*>(from.data()) + r.src,
                         r.bytes);
     }
     return {};
+}
+
+Status HostKvStage::copy(const KvPool& from, KvPool& to, std::span<const int32_t> blocks) {
+    return copy_host_blocks(from, blocks, to, blocks);
+}
+
+int32_t bounce_chunk_blocks(const KvLayout& layout, size_t half_bytes) {
+    const size_t b = std::max<size_t>(layout.block_bytes(), 1);
+    return static_cast<int32_t>(std::clamp<size_t>(half_bytes / b, 1, 1 << 20));
+}
+
+BounceKvStage::BounceKvStage(KvPool& mirror, KvPool& bounce)
+    : mirror_(mirror), bounce_(bounce), chunk_(std::max(1, bounce.allocator().n_blocks() / 2)) {
+    ids_.resize(static_cast<size_t>(chunk_) * 2);
+    for (size_t i = 0; i < ids_.size(); ++i) ids_[i] = static_cast<int32_t>(i);
+}
+
+std::span<const int32_t> BounceKvStage::half_ids(int half, size_t n) const {
+    return std::span<const int32_t>(ids_).subspan(static_cast<size_t>(half) * static_cast<size_t>(chunk_), n);
+}
+
+// Chunk i goes through half i % 2. Pull: the device copy of chunk i is started, then
+// chunk i - 1 (the other half) is waited on and copied into the mirror, so the two
+// overlap; the half chunk i + 1 refills was emptied in this step (B2). Push: a half
+// is waited on before the mirror's next chunk is copied into it (B2).
+Status BounceKvStage::pull(std::span<const int32_t> blocks) {
+    if (blocks.empty()) return {};
+    const size_t c = static_cast<size_t>(chunk_);
+    const size_t n = (blocks.size() + c - 1) / c;
+    const auto chunk = [&](size_t i) { return blocks.subspan(i * c, std::min(c, blocks.size() - i * c)); };
+    bool pending[2] = {false, false};
+    const auto drain = [&](Status st) {  // B3
+        for (int h = 0; h < 2; ++h)
+            if (pending[h]) (void)wait(h);
+        return st;
+    };
+    const auto finish = [&](size_t i) -> Status {
+        const int h = static_cast<int>(i % 2);
+        pending[h] = false;
+        if (Status st = wait(h); !st) return st;  // B1
+        return copy_host_blocks(bounce_, half_ids(h, chunk(i).size()), mirror_, chunk(i));
+    };
+    for (size_t i = 0; i < n; ++i) {
+        const int h = static_cast<int>(i % 2);
+        if (Status st = start_pull(chunk(i), half_ids(h, chunk(i).size()), h); !st) return drain(st);
+        pending[h] = true;
+        if (i > 0)
+            if (Status st = finish(i - 1); !st) return drain(st);
+    }
+    return drain(finish(n - 1));
+}
+
+Status BounceKvStage::push(std::span<const int32_t> blocks) {
+    if (blocks.empty()) return {};
+    const size_t c = static_cast<size_t>(chunk_);
+    const size_t n = (blocks.size() + c - 1) / c;
+    bool pending[2] = {false, false};
+    Status err;
+    for (size_t i = 0; i < n && err; ++i) {
+        const int h = static_cast<int>(i % 2);
+        const auto part = blocks.subspan(i * c, std::min(c, blocks.size() - i * c));
+        if (pending[h]) {  // B2
+            pending[h] = false;
+            if (Status st = wait(h); !st) {
+                err = st;
+                break;
+            }
+        }
+        if (Status st = copy_host_blocks(mirror_, part, bounce_, half_ids(h, part.size())); !st) {
+            err = st;
+            break;
+        }
+        if (Status st = start_push(half_ids(h, part.size()), part, h); !st) {
+            err = st;
+            break;
+        }
+        pending[h] = true;
+    }
+    for (int h = 0; h < 2; ++h)  // B3
+        if (pending[h])
+            if (Status st = wait(h); !st && err) err = st;
+    return err;
 }
 
 Status HostKvStage::pull(std::span<const int32_t> blocks) { return copy(arena_, mirror_, blocks); }

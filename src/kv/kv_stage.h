@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "base/result.h"
 #include "kv/kv_pool.h"
@@ -78,6 +79,52 @@ private:
 // The blocks of `blocks` (a sequence's table) that hold positions [first, first + n).
 std::span<const int32_t> blocks_of_positions(std::span<const int32_t> blocks, int32_t block_tokens, uint64_t first,
                                              uint64_t n);
+
+// Copies every layer of blocks src[i] of `from` into blocks dst[i] of `to` (host
+// memory both, one layout, any block counts; memcpy of merged runs of consecutive
+// ids). Errors: plan_layer_copy's (kv/kv_copy.h).
+Status copy_host_blocks(const KvPool& from, std::span<const int32_t> src, KvPool& to, std::span<const int32_t> dst);
+
+// A stage through a small bounce pool: a GPU's copies reach the bus's rate only from
+// and to page-locked memory, and the mirror (reserved as large as the arena) cannot
+// be page-locked whole. The blocks move in chunks of chunk_blocks() through two
+// halves of `bounce` (2 x chunk blocks, ids 0 .. 2 x chunk - 1), so that the device
+// copy of one chunk runs while the host copy (memcpy, mirror side) of the other does.
+// A subclass starts device copies on a half and waits for them.
+// Rules (tests/kv_stage_test.cpp runs them with device copies that happen only at
+// wait(), and checks each):
+// B1. A half's blocks are read (pull: copied into the mirror) only after wait() on
+//     the device copy that filled it.
+// B2. A half is written again (push: from the mirror; pull: the next device copy into
+//     it) only after wait() on the device copy that last used it.
+// B3. When pull or push returns, no device copy it started is still running, error
+//     or not: nothing writes the bounce pool or the arena after the call.
+class BounceKvStage : public KvStage {
+public:
+    Status pull(std::span<const int32_t> blocks) override;
+    Status push(std::span<const int32_t> blocks) override;
+    int32_t chunk_blocks() const { return chunk_; }
+
+protected:
+    // mirror: the arena's host mirror; bounce: 2 x chunk blocks of the same layout.
+    BounceKvStage(KvPool& mirror, KvPool& bounce);
+    // Start copying every layer of arena blocks `arena` into bounce blocks `bounce`
+    // (start_pull) or of `bounce` into `arena` (start_push) as half `half`'s copy;
+    // wait(half) returns when it is done, with its error if it failed.
+    virtual Status start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) = 0;
+    virtual Status start_push(std::span<const int32_t> bounce, std::span<const int32_t> arena, int half) = 0;
+    virtual Status wait(int half) = 0;
+
+private:
+    std::span<const int32_t> half_ids(int half, size_t n) const;
+    KvPool& mirror_;
+    KvPool& bounce_;
+    int32_t chunk_ = 1;
+    std::vector<int32_t> ids_;  // 0 .. 2 x chunk - 1
+};
+
+// Blocks per half of a bounce pool for this layout: about `half_bytes` (at least 1).
+int32_t bounce_chunk_blocks(const KvLayout& layout, size_t half_bytes = size_t{16} << 20);
 
 // A stage between two host pools of one layout and block count (memcpy, merged
 // runs of consecutive ids): for tests, and for any arena in this address space.
