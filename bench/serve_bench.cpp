@@ -45,6 +45,7 @@ struct Record {
     int status = 0;     // the HTTP status
     int cls = -1;       // overload: its class (SloClass), -1: none sent
     int step = -1;      // overload: its step of the ramp
+    int retries = 0;    // 429s waited on and sent again
 };
 
 struct Run {
@@ -128,25 +129,33 @@ void take_events(std::string& buf, Record& r, double t, bool& done) {
     }
 }
 
-awaitable<void> one_request(Run& run, Record& r) {
-    ++run.in_flight;
-    std::string body = request_body(run, r);
+// A refusal's wait: retry-after-ms, else Retry-After (seconds), else 1 s.
+double retry_after_s(const http::response<http::string_body>& res) {
+    try {
+        if (auto ms = res.find("retry-after-ms"); ms != res.end()) return std::stod(std::string(ms->value())) / 1e3;
+        if (auto s = res.find(http::field::retry_after); s != res.end()) return std::stod(std::string(s->value()));
+    } catch (const std::exception&) {
+    }
+    return 1.0;
+}
+
+// One attempt: the response's status and events into r. A 429's wait into *retry_s.
+awaitable<void> attempt(Run& run, Record& r, const std::string& body, double* retry_s) {
     beast::error_code ec;
     beast::tcp_stream stream(run.io);
-    stream.expires_after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(run.o.timeout_s)));
-    r.start = run.now();
+    stream.expires_after(std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(std::max(1.0, run.o.timeout_s - (run.now() - r.start)))));
     co_await stream.async_connect(run.ep, asio::redirect_error(use_awaitable, ec));
     if (!ec) {
         http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
         req.set(http::field::host, run.o.host);
         req.set(http::field::content_type, "application/json");
-        req.body() = std::move(body);
+        req.body() = body;
         req.prepare_payload();
         co_await http::async_write(stream, req, asio::redirect_error(use_awaitable, ec));
     }
     if (ec) {
         r.error = "connect/write: " + ec.message();
-        --run.in_flight;
         co_return;
     }
     beast::flat_buffer buf;
@@ -168,10 +177,35 @@ awaitable<void> one_request(Run& run, Record& r) {
     if (ec && r.error.empty()) r.error = "read: " + ec.message();
     if (!ec && parser.get().result() != http::status::ok && r.error.empty())
         r.error = fmt::format("HTTP {}: {}", parser.get().result_int(), parser.get().body());
+    if (!ec && r.status == 429) *retry_s = retry_after_s(parser.get());
     if (r.error.empty() && !done) r.error = "the stream ended without [DONE]";
     if (r.error.empty() && r.completion_tokens != r.max_tokens)
         r.error = fmt::format("{} tokens generated, {} asked for", r.completion_tokens, r.max_tokens);
     stream.socket().shutdown(tcp::socket::shutdown_both, ec);
+}
+
+// A request as a client that honours Retry-After sends it (the openai client does):
+// refused with 429, it waits as told and sends it again, its start (TTFT) kept from
+// the first try; with --no-retry (and always in the overload scenario, which counts
+// refusals against goodput) a refusal is its outcome.
+awaitable<void> one_request(Run& run, Record& r) {
+    ++run.in_flight;
+    const std::string body = request_body(run, r);
+    r.start = run.now();
+    asio::steady_timer timer(run.io);
+    for (;;) {
+        double retry_s = -1;
+        r.events.clear();
+        r.error.clear();
+        r.status = 0;
+        r.completion_tokens = r.prompt_tokens = -1;
+        co_await attempt(run, r, body, &retry_s);
+        if (retry_s < 0 || !run.o.retry || run.o.scenario == "overload") break;
+        if (run.now() + retry_s - r.start > run.o.timeout_s) break;
+        ++r.retries;
+        timer.expires_after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(retry_s)));
+        co_await timer.async_wait(use_awaitable);
+    }
     --run.in_flight;
 }
 
@@ -289,12 +323,14 @@ struct Counts {
 json summarize(const Run& run, Counts& n) {
     const ServeBenchOptions& o = run.o;
     std::vector<double> ttft, itl, itl_streams, tpot;
-    int64_t tokens = 0, good = 0;
+    int64_t tokens = 0, good = 0, retried = 0, retries = 0;
     double window_end = o.warmup_s;
     for (const auto& rp : run.records) {
         const Record& r = *rp;
         if (r.start < o.warmup_s) continue;
         ++n.counted;
+        retried += r.retries > 0 ? 1 : 0;
+        retries += r.retries;
         if (!r.error.empty() || r.events.empty()) {
             ++n.errors;
             continue;
@@ -325,7 +361,9 @@ json summarize(const Run& run, Counts& n) {
             {"tpot_ms", dist(tpot)},
             {"output_tokens_per_s", static_cast<double>(tokens) / window},
             {"requests_per_s", static_cast<double>(n.ok) / window},
-            {"goodput_requests_per_s", static_cast<double>(good) / window}};
+            {"goodput_requests_per_s", static_cast<double>(good) / window},
+            {"retried_requests", retried},
+            {"retries", retries}};
 }
 
 Result<std::vector<double>> parse_ramp(const std::string& s) {
@@ -455,7 +493,8 @@ json options_json(const ServeBenchOptions& o, const std::string& model) {
             {"ramp", o.ramp},
             {"step_s", o.step_s},
             {"classes", o.classes},
-            {"slo", o.slo}};
+            {"slo", o.slo},
+            {"retry", o.retry}};
 }
 
 // The summary lines: totals, each latency distribution with samples, the first error.
@@ -464,6 +503,10 @@ void print_summary(const Run& run, const std::string& label, const Counts& n, do
                 label.c_str(), static_cast<long long>(n.counted), static_cast<long long>(n.ok),
                 static_cast<long long>(n.errors), end, summary["output_tokens_per_s"].get<double>(),
                 summary["goodput_requests_per_s"].get<double>());
+    if (summary["retries"].get<int64_t>() > 0)
+        std::printf("  %lld requests refused (429) and sent again after their Retry-After, %lld times in all\n",
+                    static_cast<long long>(summary["retried_requests"].get<int64_t>()),
+                    static_cast<long long>(summary["retries"].get<int64_t>()));
     for (const char* k : {"ttft_ms", "itl_ms", "itl_streams_ms", "tpot_ms"}) {
         const json& d = summary[k];
         if (d["n"].get<size_t>() == 0) continue;
@@ -490,6 +533,7 @@ Status write_record(const Run& run, const std::string& label, const json& opts, 
                         {"events", r.events},
                         {"completion_tokens", r.completion_tokens},
                         {"status", r.status},
+                        {"retries", r.retries},
                         {"class", r.cls},
                         {"step", r.step},
                         {"error", r.error}});

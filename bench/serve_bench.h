@@ -46,6 +46,7 @@ struct ServeBenchOptions {
     int token_lo = 1000, token_hi = 30000;         // prompt token ids are drawn from [lo, hi)
     uint64_t seed = 1;
     double timeout_s = 600;  // per request
+    bool retry = true;       // a 429 is waited on (Retry-After) and sent again; not in overload
     std::string json_path;   // write the whole record here
     // overload
     double capacity = 1;                    // requests/s at 1x

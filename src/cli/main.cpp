@@ -246,6 +246,9 @@ void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string
     c_bsv->add_option("--token-hi", sb.token_hi)->capture_default_str();
     c_bsv->add_option("--seed", sb.seed, "seed of arrivals, lengths and prompts")->capture_default_str();
     c_bsv->add_option("--timeout", sb.timeout_s, "per-request limit, seconds")->capture_default_str();
+    c_bsv->add_flag("!--no-retry", sb.retry,
+                    "a refused request (429) is its outcome; by default it waits its Retry-After and is sent again, "
+                    "its TTFT counted from the first try (overload: never retried)");
     c_bsv->add_option("--json", sb.json_path, "write summary and per-request timings here");
     c_bsv->add_option("--capacity", sb.capacity, "overload: requests/s at 1x")->capture_default_str();
     c_bsv->add_option("--ramp", sb.ramp, "overload: multiples of --capacity, one step each")->capture_default_str();
