@@ -107,16 +107,22 @@ TEST(RoleFlags, ThePrefillPassTimeGoesFromServeToTheWorker) {
     w.instance = "x";
     w.model = "m";
     w.prefill_pass_ms = 90;
+    w.prefill_cut_window_s = 7;
     const std::vector<std::string> argv = role_argv("duet", RoleLaunch{"prefill", "prefill", w, {}, 0});
-    bool found = false;
-    for (size_t i = 0; i + 1 < argv.size(); ++i)
+    bool found = false, window = false;
+    for (size_t i = 0; i + 1 < argv.size(); ++i) {
         if (argv[i] == "--prefill-pass-ms") found = argv[i + 1] == "90";
+        if (argv[i] == "--prefill-cut-window") window = argv[i + 1] == "7";
+    }
     EXPECT_TRUE(found);
+    EXPECT_TRUE(window);
     ServeSettings s;
     CLI::App app;
     add_serve_flags(app, s);
     EXPECT_EQ(s.prefill_pass_ms, 250);
-    const char* a[] = {"serve", "--prefill-pass-ms", "0"};
-    app.parse(3, a);
+    EXPECT_EQ(s.prefill_cut_window_s, 60);
+    const char* a[] = {"serve", "--prefill-pass-ms", "0", "--prefill-cut-window", "0"};
+    app.parse(5, a);
     EXPECT_EQ(s.prefill_pass_ms, 0);
+    EXPECT_EQ(s.prefill_cut_window_s, 0);
 }

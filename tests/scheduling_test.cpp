@@ -128,12 +128,17 @@ TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {
     d = a.decide(SloClass::Batch, 100, q, 1000);
     EXPECT_FALSE(d.admit);
     EXPECT_EQ(d.retry_after_ms, 13600u);
-    // A prompt that alone misses its target: waiting cannot help once nothing is ahead.
+    // A prompt that alone misses its target (5 s > 1 s): no later try meets it, so A1
+    // admits it, with nothing ahead or with a queue ahead (its prediction says so).
     QueueView empty;
     EXPECT_TRUE(a.decide(SloClass::Critical, 5000, empty, 1000).admit);
-    // With something ahead it waits for all of it: (500 - 0) / 1000 s.
     q.pending = {500, 0, 0};
     d = a.decide(SloClass::Critical, 5000, q, 1000);
+    EXPECT_TRUE(d.admit);
+    EXPECT_EQ(d.predicted_ttft_ns, 5'500'000'000u);
+    // One that alone just meets it (1000 tokens: 1 s) waits for the queue ahead: all
+    // of it, (500 - 0) / 1000 s.
+    d = a.decide(SloClass::Critical, 1000, q, 1000);
     EXPECT_FALSE(d.admit);
     EXPECT_EQ(d.retry_after_ms, 500u);
     // Slack 2: 3.6 s <= 2 x 2 s for standard.
@@ -272,4 +277,21 @@ TEST(Scheduling, APassNotLedByACriticalRequestIsShort) {
     EXPECT_EQ(plan_prefill(jobs, 512, false, 128).entries, (std::vector<PrefillEntry>{{2, 300}}));
     jobs[2].remaining = 600;
     EXPECT_EQ(plan_prefill(jobs, 512, false, 128).entries, (std::vector<PrefillEntry>{{2, 512}}));
+}
+
+// The cut: the worker's measured tokens per ns times the pass time, at least 64; no
+// cut before 2048 tokens were measured, with no pass time, or (window > 0) when no
+// critical request was taken within the window.
+TEST(Scheduling, ThePassCutIsPaidOnlyWhileCriticalWorkIsAround) {
+    const uint64_t ms = 1'000'000, s = 1000 * ms;
+    // 4000 tokens in 10 s of passes: 400 tokens/s, so 250 ms is 100 tokens.
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 0, 100 * s, 0), 100);             // window 0: always
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 0, 100 * s, 60 * s), 0);          // no critical one yet
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 50 * s, 100 * s, 60 * s), 100);   // one 50 s ago
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 40 * s, 100 * s, 60 * s), 100);   // exactly 60 s ago
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 39 * s, 100 * s, 60 * s), 0);     // 61 s ago
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 0, 99 * s, 100 * s, 60 * s), 0);            // no pass time
+    EXPECT_EQ(pass_cut_tokens(10 * s, 2047, 250 * ms, 99 * s, 100 * s, 60 * s), 0);     // too little measured
+    EXPECT_EQ(pass_cut_tokens(0, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 0);          // no busy time
+    EXPECT_EQ(pass_cut_tokens(100 * s, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 64);   // 10 tokens: at least 64
 }

@@ -77,6 +77,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.cuda_qgemv = a.cuda_qgemv;
     o.prefill_budget = a.prefill_budget;
     o.prefill_pass_ns = static_cast<uint64_t>(a.prefill_pass_ms) * 1000000ull;
+    o.prefill_cut_window_ns = static_cast<uint64_t>(a.prefill_cut_window_s) * 1000000000ull;
     o.prefix_cache = a.prefix_cache;
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;

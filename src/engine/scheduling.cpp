@@ -86,6 +86,14 @@ std::string SloTable::to_string() const {
     return s;
 }
 
+int64_t pass_cut_tokens(uint64_t busy_ns, uint64_t tokens, uint64_t pass_ns, uint64_t last_critical_ns,
+                        uint64_t now_ns, uint64_t window_ns) {
+    if (pass_ns == 0 || tokens < static_cast<uint64_t>(kRateEvidenceTokens) || busy_ns == 0) return 0;
+    if (window_ns > 0 && (last_critical_ns == 0 || now_ns - last_critical_ns > window_ns)) return 0;
+    const double n = static_cast<double>(tokens) / static_cast<double>(busy_ns) * static_cast<double>(pass_ns);
+    return std::max<int64_t>(64, static_cast<int64_t>(n));
+}
+
 void PrefillRateMeter::add(uint64_t busy_ns, int64_t tokens) {
     busy_ns_ += busy_ns;
     tokens_ += std::max<int64_t>(0, tokens);
@@ -151,9 +159,13 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
             return d;
         }
     }
-    // A1: only a queue ahead can make waiting help; a prompt that alone takes longer
-    // than its target is admitted when nothing is ahead of it.
-    if (rate > 0 && ahead > 0 && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
+    // A1 refuses only what waiting can help: a queue ahead, and a prompt that alone
+    // meets its target. One that alone takes longer never meets it, refused or not;
+    // refused, it came back to find short requests queued ahead again and again (the
+    // mixed scenario: long prompts' TTFT p50 12.5 s, against 6.3 s with no admission;
+    // bench/RESULTS.md). A2 and A3 still bound what it adds.
+    const bool can_meet = static_cast<double>(prompt_tokens) / std::max(rate, 1e-9) <= target_s;
+    if (rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";
         // The queue ahead must shrink to what leaves room for this prompt.

@@ -23,7 +23,9 @@
 // slot when
 //   A1. the prefill work queued ahead of it (its class and more urgent ones, in
 //       tokens) plus its own prompt, over the measured prefill rate, predicts a TTFT
-//       past its class's target times `slack`; or
+//       past its class's target times `slack`, and its prompt alone would meet it
+//       (one that alone cannot is not refused by A1: no later try would meet the
+//       target, and refused it would find short prompts queued ahead each time); or
 //   A2. the queue of prompt tokens not yet prefilled is over its high watermark: then
 //       standard and batch requests are refused until it falls under the low one
 //       (hysteresis; critical requests are judged by A1 alone); or
@@ -106,6 +108,18 @@ struct SloTable {
 // thread-safe: the caller serializes.
 // Prompt tokens measured before a rate counts (the meter's; prefill's pass cut).
 inline constexpr int64_t kRateEvidenceTokens = 2048;
+
+// The pass cut (--prefill-pass-ms): the tokens of a pass not led by a critical
+// request, so that a critical one arriving meanwhile waits about pass_ns; 0: the
+// whole budget. Measured from the worker's own passes (busy_ns, tokens), no cut
+// before kRateEvidenceTokens. It costs prefill throughput (a long prompt in passes
+// of ~110 tokens instead of 512 took 6.0-6.3 s against 5.2-5.8 s here), so it is
+// paid only while critical work is around: when `window_ns` > 0, only within
+// window_ns of the last critical request this worker took (last_critical_ns, 0:
+// none yet). The first critical request after a quiet window may wait one whole
+// pass (a 512-token pass: ~1.2 s on one core here).
+int64_t pass_cut_tokens(uint64_t busy_ns, uint64_t tokens, uint64_t pass_ns, uint64_t last_critical_ns,
+                        uint64_t now_ns, uint64_t window_ns);
 
 class PrefillRateMeter {
 public:

@@ -192,6 +192,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefill_pass_ms = s.prefill_pass_ms;
+            ws.prefill_cut_window_s = s.prefill_cut_window_s;
             ws.prefix_cache = s.prefix_cache;
         }
         if (!plan.gpus.empty()) {

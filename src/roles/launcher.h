@@ -66,6 +66,7 @@ struct ServeSettings {
     std::string chat_template;
     int64_t prefill_budget = 512;  // tokens per prefill forward pass, shared by the requests packed into it
     int prefill_pass_ms = 250;     // a pass not led by a critical request: cut to this long (0: not cut)
+    int prefill_cut_window_s = 60;  // ... only within this long of the last critical request (0: always)
     bool prefix_cache = true;
     // Where decode swaps a preempted request's KV (CPU serving): the launcher makes
     // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
@@ -116,6 +117,7 @@ struct WorkerSettings {
     std::string isa;
     int64_t prefill_budget = 512;  // prefill: tokens per forward pass
     int prefill_pass_ms = 250;     // prefill: a pass not led by a critical request is cut to this long (0: not cut)
+    int prefill_cut_window_s = 60;  // prefill: ... only within this long of the last critical request (0: always)
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)

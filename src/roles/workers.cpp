@@ -432,6 +432,7 @@ void PrefillWorker::take(const WireMsg& m) {
             }
             // Its order key (engine/scheduling.h "Order": earliest deadline first
             // within a class, priority with aging between classes).
+            if (j.params.slo_class == 0) last_critical_ns_ = shm::monotonic_ns();
             j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.slo_class, j.params.ttft_target_ns, j.all.size(),
                                               static_cast<uint64_t>(opts_.deadline_ns_per_token));
             if (opts_.prefix_cache) {
@@ -655,16 +656,12 @@ bool PrefillWorker::drop_cancelled() {
     return dropped;
 }
 
-// The budget of a pass not led by a critical request (WorkerOptions::prefill_pass_ns):
-// the tokens this worker's passes have computed per ns so far, times the pass time;
-// 0 (the whole budget) until kRateEvidenceTokens have been measured or with no cut.
+// The budget of a pass not led by a critical request (engine/scheduling.h,
+// pass_cut_tokens): from this worker's measured rate, while critical work is around.
 int64_t PrefillWorker::lesser_budget() const {
     const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
-    const uint64_t busy = me.busy_ns.load(std::memory_order_relaxed);
-    const uint64_t tokens = me.work_tokens.load(std::memory_order_relaxed);
-    if (opts_.prefill_pass_ns == 0 || tokens < static_cast<uint64_t>(kRateEvidenceTokens) || busy == 0) return 0;
-    const double n = static_cast<double>(tokens) / static_cast<double>(busy) * static_cast<double>(opts_.prefill_pass_ns);
-    return std::max<int64_t>(64, static_cast<int64_t>(n));
+    return pass_cut_tokens(me.busy_ns.load(std::memory_order_relaxed), me.work_tokens.load(std::memory_order_relaxed),
+                           opts_.prefill_pass_ns, last_critical_ns_, shm::monotonic_ns(), opts_.prefill_cut_window_ns);
 }
 
 // The job's swap blob is not needed any more (read back and computed past, or not

@@ -45,6 +45,8 @@ struct WorkerOptions {
     // least 64): a critical request arriving meanwhile waits for the pass in flight,
     // and at 512 tokens on one core that was 1.1 s of its 1 s target. 0: not cut.
     uint64_t prefill_pass_ns = 250'000'000;
+    // The cut only within this long of the last critical request taken (0: always).
+    uint64_t prefill_cut_window_ns = 60'000'000'000ull;
     // Prefill: requests being prefilled at once (taken from the queue, scheduled by
     // deadline within the token budget).
     int max_prefills = 16;
@@ -217,6 +219,7 @@ private:
     bool drop_cancelled();
     PrefillPlan plan_pass();
     int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
+    uint64_t last_critical_ns_ = 0;  // when the last critical request was taken (0: none yet)
     void reserve_destinations(Pass& p);
     void erase_jobs(std::vector<size_t> which);
     void pass_failed(const Pass& p, const Status& st);
