@@ -142,7 +142,7 @@ TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
 TEST(Launcher, LentCoresAreTheOtherRolesAndReachTheWorkersFlags) {
     ServeSettings s;
     s.model = "/models/m.gguf";
-    s.lend_cores = true;
+    EXPECT_TRUE(s.lend_cores);  // the default
     s.max_batch = 7;
     auto p = plan_serve(s, cpu_facts());
     ASSERT_TRUE(p.ok()) << p.error().message;

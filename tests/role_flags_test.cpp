@@ -126,3 +126,19 @@ TEST(RoleFlags, ThePrefillPassTimeGoesFromServeToTheWorker) {
     EXPECT_EQ(s.prefill_pass_ms, 0);
     EXPECT_EQ(s.prefill_cut_window_s, 0);
 }
+
+TEST(RoleFlags, CoresAreLentUnlessServeIsToldNot) {
+    ServeSettings s;
+    CLI::App app;
+    add_serve_flags(app, s);
+    EXPECT_TRUE(s.lend_cores);
+    const char* a[] = {"serve", "--no-lend-cores"};
+    app.parse(2, a);
+    EXPECT_FALSE(s.lend_cores);
+    ServeSettings t;
+    CLI::App app2;
+    add_serve_flags(app2, t);
+    const char* b[] = {"serve", "--lend-cores"};
+    app2.parse(2, b);
+    EXPECT_TRUE(t.lend_cores);
+}

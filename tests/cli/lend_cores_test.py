@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Cores lent between roles (duet serve --lend-cores; WorkerOptions::borrow_cpus) on
+"""Cores lent between roles (duet serve's default, --no-lend-cores turns it off;
+WorkerOptions::borrow_cpus) on
 the real model: with one worker of each role, decode computes on prefill's cores too
 while prefill holds no request, and prefill on decode's while decode holds none.
 A decode-only load (one long greedy generation) and a prefill-only load (a long
@@ -87,10 +88,10 @@ def main():
 
     def plain(port, server):
         results["plain"] = loads(port)
-        st.check(not metric(port, "duet_worker_borrowed_cores_total", "decode"), "no lending without --lend-cores")
+        st.check(not metric(port, "duet_worker_borrowed_cores_total", "decode"), "no lending with --no-lend-cores")
 
-    st.serving(f"duet-lend-test-{os.getpid()}", lending, ("--lend-cores",))
-    st.serving(f"duet-lend-plain-{os.getpid()}", plain)
+    st.serving(f"duet-lend-test-{os.getpid()}", lending)  # the default
+    st.serving(f"duet-lend-plain-{os.getpid()}", plain, ("--no-lend-cores",))
     lend, plain_r = results["lend"], results["plain"]
     st.check(lend[2] == plain_r[2], f"texts differ with lending:\n{lend[2]}\n{plain_r[2]}")
     dec, dec_s, pre, pre_s = results["borrowed"]

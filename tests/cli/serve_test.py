@@ -358,13 +358,26 @@ def run(port, server):
         return out
     plan = {r["role"]: cpu_set(r["cpus"]) for r in json.loads(subprocess.run(
         [DUET, "topo", "--json"], capture_output=True, text=True, check=True).stdout)["roles"]}
+    # Cores are lent between the roles (the default): a prefill or decode worker also
+    # has one thread pinned to each of the other role's CPUs, and no more.
+    other = {"prefill": "decode", "decode": "prefill"}
     for p in shm_processes()["processes"]:
         if p["role"] not in plan:
             continue
+        lent = []
         for tid in os.listdir(f"/proc/{p['pid']}/task"):
             with open(f"/proc/{p['pid']}/task/{tid}/status") as f:
                 allowed = cpu_set(re.search(r"^Cpus_allowed_list:\s*(\S+)", f.read(), re.M).group(1))
-            check(allowed <= plan[p["role"]], f"{p['role']} thread {tid} may run on {allowed}, the plan says {plan[p['role']]}")
+            if allowed <= plan[p["role"]]:
+                continue
+            o = other.get(p["role"])
+            check(o is not None and len(allowed) == 1 and allowed <= plan[o],
+                  f"{p['role']} thread {tid} may run on {allowed}, the plan says {plan[p['role']]}")
+            lent.extend(allowed)
+        if lent:
+            o = plan[other[p["role"]]]
+            check(sorted(lent) == sorted(o), f"{p['role']}'s threads on the other role's CPUs: {sorted(lent)}, not one "
+                  f"on each of {sorted(o)}")
     print("each role on its planned CPUs: ok")
 
     # Greedy completions equal duet run's text.
