@@ -1,5 +1,7 @@
 // The launcher's pure parts: parse_device_list, plan_serve over hand-made machines
 // and GPUs (no model, no GPU, no processes), and the launcher's state transitions.
+#include <map>
+
 #include <gtest/gtest.h>
 
 #include "roles/launcher.h"
@@ -157,15 +159,46 @@ TEST(Launcher, LentCoresAreTheOtherRolesAndReachTheWorkersFlags) {
     auto q = plan_serve(s, cpu_facts());
     ASSERT_TRUE(q.ok());
     EXPECT_TRUE(worker(*q, "decode").borrow_cpus.empty());
+    // Several workers of a role: prefill i and decode i lend each other their CPUs;
+    // a worker without a partner of its index lends and borrows nothing.
     s.lend_cores = true;
+    s.prefill_workers = 1;
     s.decode_workers = 2;
-    auto r = plan_serve(s, cpu_facts());
+    auto r = plan_serve(s, cpu_facts("pack:1 core:6 pu:1"));
     ASSERT_TRUE(r.ok()) << r.error().message;
-    for (const RoleLaunch& l : r->roles) {
-        if (const auto* w = std::get_if<WorkerSettings>(&l.settings)) {
-            EXPECT_TRUE(w->borrow_cpus.empty()) << l.name;
-        }
+    std::map<std::pair<std::string, uint32_t>, const WorkerSettings*> w;
+    for (const RoleLaunch& l : r->roles)
+        if (const auto* ws = std::get_if<WorkerSettings>(&l.settings)) w[{l.role, ws->index}] = ws;
+    const auto W = [&](const char* role, uint32_t i) { return w.at({role, i}); };
+    ASSERT_EQ(w.size(), 3u);
+    EXPECT_EQ(W("prefill", 0)->borrow_cpus, W("decode", 0)->cpus);
+    EXPECT_EQ(W("decode", 0)->borrow_cpus, W("prefill", 0)->cpus);
+    EXPECT_TRUE(W("decode", 1)->borrow_cpus.empty());
+    s.prefill_workers = 2;
+    auto t = plan_serve(s, cpu_facts("pack:1 core:8 pu:1"));
+    ASSERT_TRUE(t.ok()) << t.error().message;
+    w.clear();
+    for (const RoleLaunch& l : t->roles)
+        if (const auto* ws = std::get_if<WorkerSettings>(&l.settings)) w[{l.role, ws->index}] = ws;
+    ASSERT_EQ(w.size(), 4u);
+    for (uint32_t i : {0u, 1u}) {
+        EXPECT_EQ(W("prefill", i)->borrow_cpus, W("decode", i)->cpus) << i;
+        EXPECT_EQ(W("decode", i)->borrow_cpus, W("prefill", i)->cpus) << i;
+        EXPECT_FALSE(W("prefill", i)->borrow_cpus.empty()) << i;
     }
+    EXPECT_NE(W("prefill", 0)->borrow_cpus, W("prefill", 1)->borrow_cpus);
+}
+
+// A CPU that another compute worker also runs on is not lent: the borrower watches
+// only its partner's load (WorkerBase::borrow_cores).
+TEST(Launcher, ACpuSharedWithAThirdWorkerIsNotLent) {
+    Plan placed;
+    placed.roles = {{"front", 0, -1, {0}, 1, 0},   {"prefill", 0, -1, {0, 1}, 2, 0},
+                    {"decode", 0, -1, {2, 3}, 2, 0}, {"decode", 1, -1, {3}, 1, 0}};
+    EXPECT_EQ(lent_cpus(placed, placed.roles[1]), (std::vector<int>{2}));     // 3 is decode 1's too
+    EXPECT_EQ(lent_cpus(placed, placed.roles[2]), (std::vector<int>{0, 1}));  // the front does not compute
+    EXPECT_TRUE(lent_cpus(placed, placed.roles[3]).empty());                  // no prefill 1
+    EXPECT_TRUE(lent_cpus(placed, placed.roles[0]).empty());
 }
 
 TEST(Launcher, SeveralWorkersAreNamedByIndexAndPerRoleArenasAreBoundOnNumaMachines) {

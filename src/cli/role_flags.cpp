@@ -173,9 +173,9 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->check(CLI::Range(1, 5));
     c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
     c.add_flag("--lend-cores,!--no-lend-cores", s.lend_cores,
-               "CPU, one worker of each role (on by default; --no-lend-cores: off): prefill computes on decode's cores "
-               "too while decode holds no request, and decode on prefill's while prefill holds none (given back "
-               "within a step or a pass)");
+               "CPU (on by default; --no-lend-cores: off): prefill worker i computes on decode worker i's cores too "
+               "while that one holds no request, and decode i on prefill i's while it holds none (given back within "
+               "a step or a pass)");
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");

@@ -185,10 +185,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.golden = s.golden;
         ws.swap_dir = swap_dir_of(s, plan.layout.instance);
         if (p.role == "decode") ws.max_batch = s.max_batch;
-        if (s.lend_cores && plan.gpus.empty() && po.prefill_workers == 1 && po.decode_workers == 1)
-            for (const Placement& q : placed.roles)
-                if ((p.role == "prefill" && q.role == "decode") || (p.role == "decode" && q.role == "prefill"))
-                    ws.borrow_cpus = format_cpu_list(q.cpus);
+        if (s.lend_cores && plan.gpus.empty()) ws.borrow_cpus = format_cpu_list(lent_cpus(placed, p));
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;
             ws.prefill_pass_ms = s.prefill_pass_ms;
@@ -212,6 +209,25 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
 }
 
 }  // namespace
+
+std::vector<int> lent_cpus(const Plan& placed, const Placement& p) {
+    if (p.role != "prefill" && p.role != "decode") return {};
+    const std::string other = p.role == "prefill" ? "decode" : "prefill";
+    std::vector<int> out;
+    for (const Placement& q : placed.roles) {
+        if (q.role != other || q.index != p.index) continue;
+        for (int c : q.cpus) {
+            bool shared = std::find(p.cpus.begin(), p.cpus.end(), c) != p.cpus.end();
+            for (const Placement& r : placed.roles)
+                if (&r != &q && &r != &p && (r.role == "prefill" || r.role == "decode") &&
+                    std::find(r.cpus.begin(), r.cpus.end(), c) != r.cpus.end())
+                    shared = true;
+            if (!shared) out.push_back(c);
+        }
+    }
+    return out;
+}
+
 
 Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     if (s.kv_arenas != "shared" && s.kv_arenas != "per-role")

@@ -75,8 +75,8 @@ struct ServeSettings {
     // Sequences a decode step runs at most (WorkerOptions::max_batch): when they are
     // all taken, a more urgent hand-off takes a less urgent sequence's slot.
     int max_batch = 256;
-    // CPU serving with one worker of each role: each borrows the other's cores while
-    // the other holds no request (WorkerOptions::borrow_cpus). On by default: in the
+    // CPU serving: prefill i and decode i each borrow the other's cores while the other
+    // holds no request (WorkerOptions::borrow_cpus, lent_cpus). On by default: in the
     // mixed scenario it cut ITL p50 from 27.9 to 18.6 ms and TTFT p50 from 8.8 to
     // 7.3 s (bench/RESULTS.md "Cores lent between roles").
     bool lend_cores = true;
@@ -203,6 +203,13 @@ Result<std::vector<DeviceSpec>> parse_device_list(const std::string& text, bool 
 // --prefill-workers GPUs and decode on the rest), places them (plan_placement), and
 // on GPUs sizes the KV arenas from the smallest GPU's memory.
 Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f);
+
+// Cores lent between roles (CPU, ServeSettings::lend_cores): the CPUs placed role `p`
+// borrows. Prefill i and decode i lend each other their CPUs (a worker without a
+// partner of its index lends and borrows nothing), except CPUs another compute
+// worker also runs on: the borrower watches only its partner's load
+// (WorkerBase::borrow_cores).
+std::vector<int> lent_cpus(const Plan& placed, const Placement& p);
 
 // ---------------------------------------------------------------- the launcher's states
 

@@ -92,6 +92,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     if (!dtype) return make_error("instance {}: {}", inst.config().name, dtype.error().message);
     const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
     own_threads_ = std::max(1, o.threads);
+    index_ = o.index;
     if (!o.borrow_cpus.empty() && !o.device.cuda && !o.cpus.empty()) {
         // The own threads on their CPUs, then one on each borrowed core; only the own
         // ones run until the other role is idle (borrow_cores).
@@ -174,9 +175,13 @@ void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
 bool WorkerBase::borrow_cores(shm::Role lender) {
     if (threads_->size() == own_threads_) return false;
     const shm::Registry& reg = inst_->registry();
+    // The lender is the other role's worker of the same index (the launcher pairs
+    // them: role_launches).
+    const auto index = static_cast<int32_t>(index_);
     bool idle = true;
     for (uint32_t s = 0; s < reg.n_slots() && idle; ++s)
-        if (reg.running_as(s, lender) && reg.slot(s).load_items.load(std::memory_order_relaxed) > 0) idle = false;
+        if (reg.running_as(s, lender, index) && reg.slot(s).load_items.load(std::memory_order_relaxed) > 0)
+            idle = false;
     if (!idle) {
         threads_->set_width(own_threads_);
         return false;

@@ -72,12 +72,12 @@ struct WorkerOptions {
     // worker of an instance, made by the launcher (a worker that does not find it
     // recomputes). "": recompute only.
     std::string swap_dir;
-    // Cores the other role lends while it is idle (CPU serving, one worker of each
-    // role): the pool gets a thread pinned to each, used (ThreadPool::set_width) for
-    // the steps or passes that start while every worker of the other role holds no
-    // request, and given back at the next one after it takes one: within one decode
-    // step (prefill's cores) or one prefill pass (decode's). The kernels' results do
-    // not depend on the thread count. Empty: none.
+    // Cores the other role's worker of the same index lends while it is idle (CPU
+    // serving; the launcher pairs prefill i with decode i): the pool gets a thread
+    // pinned to each, used (ThreadPool::set_width) for the steps or passes that start
+    // while that worker holds no request, and given back at the next one after it
+    // takes one: within one decode step (prefill's cores) or one prefill pass
+    // (decode's). The kernels' results do not depend on the thread count. Empty: none.
     std::vector<int> borrow_cpus;
 };
 
@@ -101,12 +101,14 @@ protected:
     virtual bool has_work() = 0;
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
-    // Before a step or pass: the pool's width, with the borrowed cores while every
-    // running worker of `lender` holds no request (WorkerOptions::borrow_cpus). True
-    // when this one runs with them (the caller counts its time: borrowed()).
+    // Before a step or pass: the pool's width, with the borrowed cores while the
+    // running worker of `lender` with this one's index holds no request
+    // (WorkerOptions::borrow_cpus). True when this one runs with them (the caller
+    // counts its time: borrowed()).
     bool borrow_cores(shm::Role lender);
     void borrowed(uint64_t since_ns);
     int own_threads_ = 1;
+    uint32_t index_ = 0;  // WorkerOptions::index
     ServeRings rings_;
 
     shm::Instance* inst_ = nullptr;
