@@ -705,9 +705,9 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
                           k["tokens"].get<int>(), k["blocks"].get<int>(), k["bytes"].get<double>() / 1048576.0,
                           k["chunk_blocks"].get<int>());
         md += fmt::format("| floor: one page-locked copy | {} | {} |\n", cell("floor_d2h"), cell("floor_h2d"));
-        md += fmt::format("| CudaKvStage (bounce), mirror pages fresh (as the store) | {} | {} |\n", cell("pull"),
+        md += fmt::format("| CudaKvStage (bounce), mirror pages fresh (as the store) | {} | |\n", cell("pull"));
+        md += fmt::format("| CudaKvStage (bounce), mirror pages resident | {} | {} |\n", cell("pull_resident"),
                           cell("push"));
-        md += fmt::format("| CudaKvStage (bounce), mirror pages resident | {} | |\n", cell("pull_resident"));
         md += fmt::format("| direct into the pageable mirror (the driver stages) | {} | {} |\n", cell("pageable_pull"),
                           cell("pageable_push"));
     }

@@ -173,6 +173,26 @@ TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
     EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100).admit);
 }
 
+// A critical prompt too long to meet its target even alone is not judged by A1, so
+// the watermark bounds it as it bounds standard work.
+TEST(Scheduling, ACriticalPromptThatCannotMeetItsTargetIsBoundByTheWatermark) {
+    AdmissionOptions o;
+    o.slo = *SloTable::parse("critical=1s/1s,standard=100s/1s,batch=100s/1s");
+    o.queue_high = 1000;
+    o.queue_low = 600;
+    AdmissionControl a(o);
+    QueueView q;
+    q.pending = {0, 1200, 0};  // over the high mark
+    EXPECT_FALSE(a.decide(SloClass::Standard, 50, q, 100).admit);
+    EXPECT_TRUE(a.decide(SloClass::Critical, 50, q, 100).admit);  // 0.5 s alone: A1 judges it (nothing ahead)
+    auto d = a.decide(SloClass::Critical, 500, q, 100);           // 5 s alone > 1 s
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.retry_after_ms, 6000u);  // (1200 - 600) / 100 tokens/s
+    q.pending = {0, 600, 0};             // under the low mark: admitted
+    EXPECT_TRUE(a.decide(SloClass::Critical, 500, q, 100).admit);
+}
+
 // A3: the KV blocks held by requests, with hysteresis between 95% and 85% (of 100
 // blocks: over at 95, open again at 85); critical requests pass; Retry-After is when
 // the running requests that end first have freed enough to get down to 85.
@@ -294,4 +314,5 @@ TEST(Scheduling, ThePassCutIsPaidOnlyWhileCriticalWorkIsAround) {
     EXPECT_EQ(pass_cut_tokens(10 * s, 2047, 250 * ms, 99 * s, 100 * s, 60 * s), 0);     // too little measured
     EXPECT_EQ(pass_cut_tokens(0, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 0);          // no busy time
     EXPECT_EQ(pass_cut_tokens(100 * s, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 64);   // 10 tokens: at least 64
+    EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 101 * s, 100 * s, 60 * s), 100);  // a clock read later: within
 }

@@ -163,7 +163,9 @@ Result<std::unique_ptr<CudaKvStage>> CudaKvStage::create(int device, void* arena
     s->stream_ = stream;
     for (void*& ev : s->events_) {
         cudaEvent_t e = nullptr;
-        DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        // Blocking: the store thread sleeps while a copy runs instead of spinning on
+        // a core the front's HTTP threads may need.
+        DUET_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
         ev = e;
     }
     return s;
@@ -207,7 +209,13 @@ Status CudaKvStage::start(const void* from, int32_t from_blocks, std::span<const
         }
     }
     failed_[half] = st;
-    return cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(events_[half]), stream), "cudaEventRecord (KV stage)");
+    Status rec = cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(events_[half]), stream), "cudaEventRecord (KV stage)");
+    if (!rec) {
+        // No event to wait on: the copies queued must end before this returns (B3).
+        (void)cudaStreamSynchronize(stream);
+        failed_[half] = {};
+    }
+    return rec;
 }
 
 Status CudaKvStage::start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) {

@@ -89,7 +89,8 @@ std::string SloTable::to_string() const {
 int64_t pass_cut_tokens(uint64_t busy_ns, uint64_t tokens, uint64_t pass_ns, uint64_t last_critical_ns,
                         uint64_t now_ns, uint64_t window_ns) {
     if (pass_ns == 0 || tokens < static_cast<uint64_t>(kRateEvidenceTokens) || busy_ns == 0) return 0;
-    if (window_ns > 0 && (last_critical_ns == 0 || now_ns - last_critical_ns > window_ns)) return 0;
+    if (window_ns > 0 && (last_critical_ns == 0 || (now_ns > last_critical_ns && now_ns - last_critical_ns > window_ns)))
+        return 0;
     const double n = static_cast<double>(tokens) / static_cast<double>(busy_ns) * static_cast<double>(pass_ns);
     return std::max<int64_t>(64, static_cast<int64_t>(n));
 }
@@ -163,8 +164,20 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     // meets its target. One that alone takes longer never meets it, refused or not;
     // refused, it came back to find short requests queued ahead again and again (the
     // mixed scenario: long prompts' TTFT p50 12.5 s, against 6.3 s with no admission;
-    // bench/RESULTS.md). A2 and A3 still bound what it adds.
+    // bench/RESULTS.md). A2 and A3 still bound what it adds: a critical one too (which
+    // they otherwise let pass), since A1 does not judge it.
     const bool can_meet = static_cast<double>(prompt_tokens) / std::max(rate, 1e-9) <= target_s;
+    if (rate > 0 && !can_meet && c == SloClass::Critical && (over_ || (kv_on && kv_over_))) {
+        d.admit = false;
+        d.reason = over_ ? "queue" : "kv";
+        const double s = static_cast<double>(std::max<int64_t>(0, total - o_.queue_low)) / rate;
+        d.retry_after_ms = over_ ? std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000))) : 1000;
+        if (!over_) {
+            const uint64_t ns = kv_drain_ns(kv->running, kv->used, kv_low);
+            if (ns != UINT64_MAX) d.retry_after_ms = std::max<uint64_t>(1, (ns + 999'999) / 1'000'000);
+        }
+        return d;
+    }
     if (rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";

@@ -25,7 +25,8 @@
 //       tokens) plus its own prompt, over the measured prefill rate, predicts a TTFT
 //       past its class's target times `slack`, and its prompt alone would meet it
 //       (one that alone cannot is not refused by A1: no later try would meet the
-//       target, and refused it would find short prompts queued ahead each time); or
+//       target, and refused it would find short prompts queued ahead each time; A2
+//       and A3 bound it, critical or not); or
 //   A2. the queue of prompt tokens not yet prefilled is over its high watermark: then
 //       standard and batch requests are refused until it falls under the low one
 //       (hysteresis; critical requests are judged by A1 alone); or

@@ -110,7 +110,8 @@ protected:
     BounceKvStage(KvPool& mirror, KvPool& bounce);
     // Start copying every layer of arena blocks `arena` into bounce blocks `bounce`
     // (start_pull) or of `bounce` into `arena` (start_push) as half `half`'s copy;
-    // wait(half) returns when it is done, with its error if it failed.
+    // wait(half) returns when it is done, with its error if it failed. A start that
+    // returns an error has left nothing running on that half (it is not waited on).
     virtual Status start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) = 0;
     virtual Status start_push(std::span<const int32_t> bounce, std::span<const int32_t> arena, int half) = 0;
     virtual Status wait(int half) = 0;

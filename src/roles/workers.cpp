@@ -455,12 +455,15 @@ void PrefillWorker::take(const WireMsg& m) {
 // The deadline of the request a message of the front's ring names (as take() will
 // set it), or 0 when the message is stale (the request is not QUEUED at that
 // generation: another worker took it, or it ended): taken at once and dropped.
-uint64_t PrefillWorker::queued_deadline(const WireMsg& m) const {
+// A critical one seen here opens the pass cut's window (lesser_budget) even while
+// it waits in the ring for room.
+uint64_t PrefillWorker::queued_deadline(const WireMsg& m) {
     const shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r{m.slot, m.gen};
     if (!t.is(r, shm::ReqState::Queued)) return 0;
     const shm::ReqSlot& slot = t.slot(r.slot);
     const RequestParams p = request_params(t, r.slot);
+    if (p.slo_class == 0) last_critical_ns_ = shm::monotonic_ns();
     const uint64_t n = slot.n_prompt.load(std::memory_order_relaxed);
     return std::max<uint64_t>(1, prefill_order_key(slot.submit_ns, p.slo_class, p.ttft_target_ns, n,
                                                    static_cast<uint64_t>(opts_.deadline_ns_per_token)));

@@ -221,7 +221,7 @@ private:
     bool drop_cancelled();
     PrefillPlan plan_pass();
     int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
-    uint64_t last_critical_ns_ = 0;  // when the last critical request was taken (0: none yet)
+    uint64_t last_critical_ns_ = 0;  // when a critical request was last seen or taken (0: none yet)
     void reserve_destinations(Pass& p);
     void erase_jobs(std::vector<size_t> which);
     void pass_failed(const Pass& p, const Status& st);
@@ -250,7 +250,7 @@ private:
     static constexpr uint64_t kTaken = UINT64_MAX;
     std::vector<uint64_t> in_seen_;
     void take(const WireMsg& m);
-    uint64_t queued_deadline(const WireMsg& m) const;
+    uint64_t queued_deadline(const WireMsg& m);
     std::vector<shm::SpscProducer<WireMsg>> out_;  // to each decode worker
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
