@@ -318,6 +318,7 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
         EXPECT_EQ(worker_arena(c, shm::Role::Decode, i), i);
         EXPECT_EQ(handoff_partner(c, i), static_cast<int32_t>(i));
     }
+    EXPECT_EQ(decode_arenas(c), (std::vector<uint32_t>{0, 1, 2})) << "a pair's arena on each GPU";
     auto inst = shm::Instance::create(c);
     ASSERT_TRUE(inst.ok()) << inst.error().message;
     EXPECT_EQ(inst->n_arenas(), 3u);
@@ -343,6 +344,7 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_TRUE(check_instance_workers(cc).ok());
     EXPECT_EQ(worker_arena(cc, shm::Role::Prefill, 1), 0u);
     EXPECT_EQ(worker_arena(cc, shm::Role::Decode, 2), 0u);
+    EXPECT_EQ(decode_arenas(cc), (std::vector<uint32_t>{0}));
     EXPECT_EQ(handoff_partner(cc, 1), -1);
     EXPECT_FALSE(cc.kv_split);
 }
@@ -375,6 +377,7 @@ TEST(GpuServing, PerRoleArenasSplitTheKvAndHandOffToAnyDecodeWorker) {
     EXPECT_TRUE(check_instance_workers(c).ok());
     for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(worker_arena(c, shm::Role::Prefill, i), 0u);
     for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(worker_arena(c, shm::Role::Decode, i), 1u);
+    EXPECT_EQ(decode_arenas(c), (std::vector<uint32_t>{1})) << "A3 watches decode's arena, not prefill's";
     EXPECT_EQ(handoff_partner(c, 1), -1);
     {
         auto inst = shm::Instance::create(c);
@@ -413,6 +416,7 @@ TEST(GpuServing, PerRoleArenasSplitTheKvAndHandOffToAnyDecodeWorker) {
     EXPECT_TRUE(check_instance_workers(gc).ok());
     for (uint32_t i = 0; i < 2; ++i) EXPECT_EQ(worker_arena(gc, shm::Role::Prefill, i), i);
     for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(worker_arena(gc, shm::Role::Decode, i), 2 + i);
+    EXPECT_EQ(decode_arenas(gc), (std::vector<uint32_t>{2, 3, 4}));
     EXPECT_EQ(handoff_partner(gc, 0), -1);
     shm::InstanceConfig bad = gc;
     bad.decode_workers = 4;

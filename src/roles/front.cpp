@@ -530,7 +530,9 @@ void Front::sample_kv() {
     KvView v;
     const shm::InstanceConfig& cfg = inst_.config();
     const int32_t ctx_user = opts_.contexts ? opts_.contexts->arena_user() : -1;
-    for (size_t a = 0; a < cfg.arenas.size(); ++a) {
+    // The decode workers' arenas: where admitted requests hold blocks until they end
+    // (a prefill-only arena, kv_split, only while their prompts are computed).
+    for (const uint32_t a : decode_arenas(cfg)) {
         const shm::ArenaCensus c = inst_.arena(a).census();
         int64_t held = c.held;
         // Idle contexts give way to requests (ContextService::make_room): their blocks

@@ -3,10 +3,12 @@
 // parameters stored in a request slot, and the log-probability rows workers write.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "base/result.h"
 #include "kv/kv_pool.h"
@@ -86,6 +88,21 @@ inline uint32_t worker_arena(const shm::InstanceConfig& c, shm::Role role, uint3
     const bool decode = role == shm::Role::Decode;
     if (!gpu_instance(c)) return c.kv_split && decode ? 1 : 0;
     return c.kv_split && decode ? c.prefill_workers + index : index;
+}
+// The arenas the decode workers keep their sequences in, each once, in order (A3's
+// KV view: a prefill-only arena holds prompts only while they are computed); every
+// arena when the config names no decode worker.
+inline std::vector<uint32_t> decode_arenas(const shm::InstanceConfig& c) {
+    std::vector<uint32_t> v;
+    if (c.decode_workers == 0) {
+        for (uint32_t a = 0; a < c.arenas.size(); ++a) v.push_back(a);
+        return v;
+    }
+    for (uint32_t d = 0; d < c.decode_workers; ++d) {
+        const uint32_t a = worker_arena(c, shm::Role::Decode, d);
+        if (std::find(v.begin(), v.end(), a) == v.end()) v.push_back(a);
+    }
+    return v;
 }
 // The decode worker prefill worker p may hand off to: on GPU pairs only its own
 // (d == p: the KV is in their GPU's arena); -1: any.
