@@ -14,27 +14,31 @@ namespace duet {
 
 namespace {
 
-// Copies every layer of blocks src[i] of the arena at `from` (from_blocks blocks)
-// into blocks dst[i] of the one at `to`, merged into runs of consecutive ids, then
-// waits.
+// Queues on `stream` the copies of every layer of blocks src[i] of the arena at
+// `from` (from_blocks blocks) into blocks dst[i] of the one at `to`, merged into
+// runs of consecutive ids. On an error the copies queued before it stay queued.
+Status queue_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std::span<const int32_t> src,
+                   int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaMemcpyKind kind,
+                   cudaStream_t stream) {
+    for (int32_t layer = 0; layer < l.n_layer; ++layer) {
+        auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
+        if (!runs) return runs.error();
+        for (const CopyRun& r : *runs)
+            if (Status st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst,
+                                                    static_cast<const uint8_t*>(from) + r.src, r.bytes, kind, stream),
+                                    "cudaMemcpyAsync (KV tiles)");
+                !st)
+                return st;
+    }
+    return {};
+}
+
+// queue_tiles on a stream of its own, then waits.
 Status copy_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std::span<const int32_t> src,
                   int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaMemcpyKind kind) {
     cudaStream_t stream = nullptr;
     DUET_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    Status st;
-    for (int32_t layer = 0; layer < l.n_layer && st; ++layer) {
-        auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
-        if (!runs) {
-            st = runs.error();
-            break;
-        }
-        for (const CopyRun& r : *runs) {
-            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst, static_cast<const uint8_t*>(from) + r.src,
-                                         r.bytes, kind, stream),
-                         "cudaMemcpyAsync (KV tiles)");
-            if (!st) break;
-        }
-    }
+    const Status st = queue_tiles(l, from_blocks, from, src, to_blocks, to, dst, kind, stream);
     const Status sync = cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize (KV tiles)");
     cudaStreamDestroy(stream);
     if (!st) return st;
@@ -192,22 +196,11 @@ CudaKvStage::~CudaKvStage() {
 // wait(half): the copies already queued still run, and wait waits for them (B3).
 Status CudaKvStage::start(const void* from, int32_t from_blocks, std::span<const int32_t> src, void* to,
                           int32_t to_blocks, std::span<const int32_t> dst, bool to_device, int half) {
-    const KvLayout& l = bounce_->layout();
     auto stream = static_cast<cudaStream_t>(stream_);
     Status st = cuda_ok(cudaSetDevice(device_), "cudaSetDevice (KV stage)");
-    for (int32_t layer = 0; layer < l.n_layer && st; ++layer) {
-        auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
-        if (!runs) {
-            st = runs.error();
-            break;
-        }
-        for (const CopyRun& r : *runs) {
-            st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst, static_cast<const uint8_t*>(from) + r.src,
-                                         r.bytes, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream),
-                         "cudaMemcpyAsync (KV stage)");
-            if (!st) break;
-        }
-    }
+    if (st)
+        st = queue_tiles(bounce_->layout(), from_blocks, from, src, to_blocks, to, dst,
+                         to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
     failed_[half] = st;
     Status rec = cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(events_[half]), stream), "cudaEventRecord (KV stage)");
     if (!rec) {

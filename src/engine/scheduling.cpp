@@ -142,7 +142,11 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     const double target_s = static_cast<double>(o_.slo.of(c).ttft_ns) / 1e9 * o_.slack;
     const int64_t ahead = q.ahead_of(c);
     if (rate > 0) d.predicted_ttft_ns = static_cast<uint64_t>(static_cast<double>(ahead + prompt_tokens) / rate * 1e9);
-    if (over_ && c != SloClass::Critical) {
+    // A prompt that alone meets its target (with the rate known). One that does not
+    // is not judged by A1 (below), so A2 and A3 bound it even when it is critical.
+    const bool can_meet = static_cast<double>(prompt_tokens) / std::max(rate, 1e-9) <= target_s;
+    const bool watermarked = c != SloClass::Critical || (rate > 0 && !can_meet);
+    if (over_ && watermarked) {
         d.admit = false;
         d.reason = "queue";
         const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
@@ -150,7 +154,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
         return d;
     }
     if (kv_on) {
-        if (kv_over_ && c != SloClass::Critical) {
+        if (kv_over_ && watermarked) {
             d.admit = false;
             d.reason = "kv";
             const uint64_t ns = kv_drain_ns(kv->running, kv->used, kv_low);
@@ -164,20 +168,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     // meets its target. One that alone takes longer never meets it, refused or not;
     // refused, it came back to find short requests queued ahead again and again (the
     // mixed scenario: long prompts' TTFT p50 12.5 s, against 6.3 s with no admission;
-    // bench/RESULTS.md). A2 and A3 still bound what it adds: a critical one too (which
-    // they otherwise let pass), since A1 does not judge it.
-    const bool can_meet = static_cast<double>(prompt_tokens) / std::max(rate, 1e-9) <= target_s;
-    if (rate > 0 && !can_meet && c == SloClass::Critical && (over_ || (kv_on && kv_over_))) {
-        d.admit = false;
-        d.reason = over_ ? "queue" : "kv";
-        const double s = static_cast<double>(std::max<int64_t>(0, total - o_.queue_low)) / rate;
-        d.retry_after_ms = over_ ? std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000))) : 1000;
-        if (!over_) {
-            const uint64_t ns = kv_drain_ns(kv->running, kv->used, kv_low);
-            if (ns != UINT64_MAX) d.retry_after_ms = std::max<uint64_t>(1, (ns + 999'999) / 1'000'000);
-        }
-        return d;
-    }
+    // bench/RESULTS.md). A2 and A3 bound it instead (`watermarked`).
     if (rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";

@@ -56,10 +56,6 @@ Status copy_host_blocks(const KvPool& from, std::span<const int32_t> src, KvPool
     return {};
 }
 
-Status HostKvStage::copy(const KvPool& from, KvPool& to, std::span<const int32_t> blocks) {
-    return copy_host_blocks(from, blocks, to, blocks);
-}
-
 int32_t bounce_chunk_blocks(const KvLayout& layout, size_t half_bytes) {
     const size_t b = std::max<size_t>(layout.block_bytes(), 1);
     return static_cast<int32_t>(std::clamp<size_t>(half_bytes / b, 1, 1 << 20));
@@ -138,7 +134,7 @@ Status BounceKvStage::push(std::span<const int32_t> blocks) {
     return err;
 }
 
-Status HostKvStage::pull(std::span<const int32_t> blocks) { return copy(arena_, mirror_, blocks); }
-Status HostKvStage::push(std::span<const int32_t> blocks) { return copy(mirror_, arena_, blocks); }
+Status HostKvStage::pull(std::span<const int32_t> blocks) { return copy_host_blocks(arena_, blocks, mirror_, blocks); }
+Status HostKvStage::push(std::span<const int32_t> blocks) { return copy_host_blocks(mirror_, blocks, arena_, blocks); }
 
 }  // namespace duet

@@ -136,7 +136,6 @@ public:
     Status push(std::span<const int32_t> blocks) override;
 
 private:
-    Status copy(const KvPool& from, KvPool& to, std::span<const int32_t> blocks);
     KvPool& arena_;
     KvPool& mirror_;
 };
