@@ -65,9 +65,29 @@ struct alignas(64) ProcSlot {
     // process took them, and how long it computed with them.
     std::atomic<uint64_t> borrows;
     std::atomic<uint64_t> borrowed_ns;
+    // Prefill: passes computed with the other role's cores as well (lent while it was
+    // idle, or yielded to a claim): their time and tokens, apart from busy_ns and
+    // work_tokens (which count passes on the worker's own cores alone), so that the
+    // front measures both rates (engine/scheduling.h, admission_rates).
+    std::atomic<uint64_t> wide_busy_ns;
+    std::atomic<uint64_t> wide_tokens;
+    // The claim on a busy partner's cores (WorkerBase::claim_cores; the rules are
+    // there). Prefill: claim, the stamp of the claim it holds (0: none), and
+    // claim_pass_ns, how long the claiming pass should take (0: led by a critical
+    // request). Decode: claim_ack, the stamp of the claim it answered last (with
+    // kClaimDeclined set: not stepping aside); yield_budget_ns, how long it may step
+    // aside for a pass not led by a critical request (engine/scheduling.h); yields
+    // and yielded_ns, how many times and how long it stepped aside.
+    alignas(64) std::atomic<uint64_t> claim;
+    std::atomic<uint64_t> claim_pass_ns;
+    std::atomic<uint64_t> claim_ack;
+    std::atomic<uint64_t> yield_budget_ns;
+    std::atomic<uint64_t> yields;
+    std::atomic<uint64_t> yielded_ns;
+    std::atomic<uint64_t> step_ns;  // decode: its steps' time, a moving average (C6's cost of a claim)
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
-static_assert(sizeof(ProcSlot) == 192);
+static_assert(sizeof(ProcSlot) == 256);
 
 struct RegistryHeader {
     uint32_t magic;

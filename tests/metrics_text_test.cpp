@@ -27,6 +27,7 @@ MetricsSnapshot two_arenas_three_workers() {
     p1.queued = 0, p1.up = false, p1.items = 99, p1.tokens = 99, p1.served = 99, p1.routed = 4;
     MetricsSnapshot::Worker d0;
     d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
+    d0.yields = 2, d0.yielded_ns = 250'000'000;
     s.prefill = {p0, p1};
     s.decode = {d0};
     return s;
@@ -104,8 +105,8 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_served_total counter\n"
     "duet_worker_served_total{role=\"prefill\",worker=\"0\"} 9\n"
     "duet_worker_served_total{role=\"decode\",worker=\"0\"} 8\n"
-    "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores while it was idle "
-    "(--lend-cores).\n"
+    "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores: while it was idle, or "
+    "(prefill) for a pass led by a critical request (--lend-cores).\n"
     "# TYPE duet_worker_borrowed_cores_total counter\n"
     "duet_worker_borrowed_cores_total{role=\"prefill\",worker=\"0\"} 0\n"
     "duet_worker_borrowed_cores_total{role=\"decode\",worker=\"0\"} 5\n"
@@ -113,6 +114,14 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_borrowed_seconds_total counter\n"
     "duet_worker_borrowed_seconds_total{role=\"prefill\",worker=\"0\"} 0\n"
     "duet_worker_borrowed_seconds_total{role=\"decode\",worker=\"0\"} 1.5\n"
+    "# HELP duet_worker_yielded_cores_total Times a decode worker stepped aside so that a prefill pass led by a "
+    "critical request computed on its cores too (--lend-cores).\n"
+    "# TYPE duet_worker_yielded_cores_total counter\n"
+    "duet_worker_yielded_cores_total{role=\"decode\",worker=\"0\"} 2\n"
+    "# HELP duet_worker_yielded_seconds_total Time a decode worker stepped aside for prefill passes led by critical "
+    "requests.\n"
+    "# TYPE duet_worker_yielded_seconds_total counter\n"
+    "duet_worker_yielded_seconds_total{role=\"decode\",worker=\"0\"} 0.25\n"
     "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
@@ -147,12 +156,18 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# TYPE duet_worker_tokens gauge\n"
                         "# HELP duet_worker_served_total Requests a worker took since it started.\n"
                         "# TYPE duet_worker_served_total counter\n"
-                        "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores while "
-                        "it was idle (--lend-cores).\n"
+                        "# HELP duet_worker_borrowed_cores_total Times a worker took the other role's cores: "
+                        "while it was idle, or (prefill) for a pass led by a critical request (--lend-cores).\n"
                         "# TYPE duet_worker_borrowed_cores_total counter\n"
                         "# HELP duet_worker_borrowed_seconds_total Time a worker computed with the other role's "
                         "cores (--lend-cores).\n"
                         "# TYPE duet_worker_borrowed_seconds_total counter\n"
+                        "# HELP duet_worker_yielded_cores_total Times a decode worker stepped aside so that a "
+                        "prefill pass led by a critical request computed on its cores too (--lend-cores).\n"
+                        "# TYPE duet_worker_yielded_cores_total counter\n"
+                        "# HELP duet_worker_yielded_seconds_total Time a decode worker stepped aside for prefill "
+                        "passes led by critical requests.\n"
+                        "# TYPE duet_worker_yielded_seconds_total counter\n"
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
                         "# TYPE duet_worker_routed_total counter\n"
                         "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
@@ -187,7 +202,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 29u);  // 12 front families, 2 of arenas, 8 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 31u);  // 12 front families, 2 of arenas, 10 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5
@@ -299,6 +314,7 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
     s.rejected_ttft = 3, s.rejected_queue = 5, s.rejected_kv = 11, s.rejected_busy = 1, s.timeouts = 2, s.preempted = 4;
     s.preempted_swap = 6, s.swapped_bytes = 138240;
     s.prefill_rate = 1250.5, s.prefill_rate_recent = 900;
+    s.prefill_wide_rate = 2100;
     s.queued_tokens = {100, 0, 4000};
     s.class_done = {7, 8, 9};
     s.class_met = {7, 6, 1};
@@ -327,12 +343,17 @@ TEST(MetricsText, SchedulingFamiliesByClassAndReason) {
         "# HELP duet_swapped_bytes_total KV bytes decode swapped out of preempted requests.\n"
         "# TYPE duet_swapped_bytes_total counter\n"
         "duet_swapped_bytes_total 138240\n"
-        "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput in its passes, all workers "
-        "together (0: not measured yet): the best window (decayed) and the last one; admission predicts with the "
-        "slower.\n"
+        "# HELP duet_prefill_rate_tokens_per_second Prefill's measured throughput in passes on its own cores, all "
+        "workers together (0: not measured yet): the best window (decayed) and the last one; admission predicts with "
+        "the slower.\n"
         "# TYPE duet_prefill_rate_tokens_per_second gauge\n"
         "duet_prefill_rate_tokens_per_second{window=\"best\"} 1250.5\n"
         "duet_prefill_rate_tokens_per_second{window=\"recent\"} 900\n"
+        "# HELP duet_prefill_wide_rate_tokens_per_second The same in passes computed with decode's cores too (lent, "
+        "or claimed for critical work: critical requests are admitted at this rate).\n"
+        "# TYPE duet_prefill_wide_rate_tokens_per_second gauge\n"
+        "duet_prefill_wide_rate_tokens_per_second{window=\"best\"} 2100\n"
+        "duet_prefill_wide_rate_tokens_per_second{window=\"recent\"} 0\n"
         "# HELP duet_class_queued_prompt_tokens Prompt tokens admitted and not yet prefilled, by class.\n"
         "# TYPE duet_class_queued_prompt_tokens gauge\n"
         "duet_class_queued_prompt_tokens{class=\"critical\"} 100\n"

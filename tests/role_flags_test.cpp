@@ -37,6 +37,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     w.isa = "avx512";
     w.prefill_budget = 96;
     w.prefix_cache = false;
+    w.risk_claims = false;
     w.device = "cuda:2";
     w.cuda_graphs = false;
     w.cuda_qgemv = true;
@@ -52,6 +53,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     WorkerSettings d = w;
     d.prefill_budget = WorkerSettings{}.prefill_budget;
     d.prefix_cache = true;
+    d.risk_claims = true;
     d.max_batch = 9;  // decode's own
     RoleLaunch rd{"decode", "decode 3", d, {}, 1};
     EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);

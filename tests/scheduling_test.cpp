@@ -104,6 +104,30 @@ TEST(Scheduling, AdmissionPredictsAtTheSlowerRate) {
     EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{600, 0, 0}}, 1000, 0).admit);  // no recent window: the best
 }
 
+// Critical work goes at the rate of passes with the partner's cores (claimed for
+// it), every other class at the rate of prefill's own cores; a rate not measured yet
+// gives way to the other one.
+TEST(Scheduling, CriticalWaitsArePredictedAtTheWideRateOthersAtTheOwn) {
+    const MeasuredRate own{400, 380}, wide{750, 700}, none{};
+    auto eq = [](MeasuredRate a, MeasuredRate b) { return a.best == b.best && a.recent == b.recent; };
+    EXPECT_TRUE(eq(admission_rate(SloClass::Critical, own, wide), wide));
+    EXPECT_TRUE(eq(admission_rate(SloClass::Standard, own, wide), own));
+    EXPECT_TRUE(eq(admission_rate(SloClass::Batch, own, wide), own));
+    EXPECT_TRUE(eq(admission_rate(SloClass::Critical, own, none), own));  // no cores lent: never measured
+    EXPECT_TRUE(eq(admission_rate(SloClass::Standard, none, wide), wide));  // decode always idle so far
+    EXPECT_TRUE(eq(admission_rate(SloClass::Batch, none, none), none));
+    // The overload scenario's pair: two 256-token critical prompts 0.3 s apart, a 1 s
+    // target. At one core's 420 tokens/s the second is predicted at 512 / 420 = 1.22 s
+    // and refused; at the wide 800 tokens/s, 0.64 s: admitted.
+    AdmissionOptions o;
+    o.queue_high = 0;
+    AdmissionControl a(o);
+    const QueueView q{{256, 0, 0}};
+    EXPECT_FALSE(a.decide(SloClass::Critical, 256, q, 420).admit);
+    const MeasuredRate r = admission_rate(SloClass::Critical, {420, 420}, {800, 800});
+    EXPECT_TRUE(a.decide(SloClass::Critical, 256, q, r.best, r.recent).admit);
+}
+
 TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {
     AdmissionOptions o;
     o.slo = *SloTable::parse("critical=1s/50ms,standard=2s/100ms,batch=10s/1s");
@@ -315,4 +339,96 @@ TEST(Scheduling, ThePassCutIsPaidOnlyWhileCriticalWorkIsAround) {
     EXPECT_EQ(pass_cut_tokens(0, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 0);          // no busy time
     EXPECT_EQ(pass_cut_tokens(100 * s, 4000, 250 * ms, 99 * s, 100 * s, 60 * s), 64);   // 10 tokens: at least 64
     EXPECT_EQ(pass_cut_tokens(10 * s, 4000, 250 * ms, 101 * s, 100 * s, 60 * s), 100);  // a clock read later: within
+}
+
+// Decode's time in hand (C6): each stream may fall back to 0.8 of its class's
+// inter-token target on average since its first step, never further, in a gap no
+// longer than its target; the least of them, capped.
+TEST(Scheduling, DecodeYieldsOnlyTheTimeEveryStreamHasInHand) {
+    // 250 ms target: 10 tokens in 1.9 s have 0.8 x 250 x 10 - 1900 = 100 ms in hand.
+    EXPECT_EQ(yield_budget_ns({{250'000'000, 1'900'000'000, 10}}, 0.8, 10'000'000'000ull), 100'000'000u);
+    // In 0.5 s they have 1500 ms in hand, but one gap is at most the 250 ms target.
+    EXPECT_EQ(yield_budget_ns({{250'000'000, 500'000'000, 10}}, 0.8, 10'000'000'000ull), 250'000'000u);
+    // The tightest stream decides: a critical one (100 ms) with 4 tokens in 0.27 s
+    // has 0.8 x 100 x 4 - 270 = 50 ms.
+    EXPECT_EQ(yield_budget_ns({{250'000'000, 500'000'000, 10}, {100'000'000, 270'000'000, 4}}, 0.8, 10'000'000'000ull),
+              50'000'000u);
+    // A stream just in (no token yet) or behind its pace: nothing in hand.
+    EXPECT_EQ(yield_budget_ns({{250'000'000, 500'000'000, 10}, {250'000'000, 1'000'000, 0}}, 0.8, 10'000'000'000ull), 0u);
+    EXPECT_EQ(yield_budget_ns({{100'000'000, 900'000'000, 10}}, 0.8, 10'000'000'000ull), 0u);  // 800 - 900 < 0
+    // No target (0) never limits; the cap holds.
+    EXPECT_EQ(yield_budget_ns({{0, 5'000'000'000ull, 1}}, 0.8, 2'000'000'000ull), 2'000'000'000u);
+    EXPECT_EQ(yield_budget_ns({}, 0.8, 2'000'000'000ull), 2'000'000'000u);
+    EXPECT_EQ(yield_budget_ns({{5'000'000'000ull, 100'000'000, 100}}, 0.8, 2'000'000'000ull), 2'000'000'000u);
+    // Spending the budget keeps the stream within its target: yielding the 100 ms of
+    // the first case leaves its mean at (1900 + 100) / 10 = 200 ms = 0.8 x 250 ms, and
+    // then nothing in hand.
+    EXPECT_EQ(yield_budget_ns({{250'000'000, 2'000'000'000ull, 10}}, 0.8, 10'000'000'000ull), 0u);
+}
+
+// Prompts at risk (C6): computed in order (their keys) from now on prefill's own
+// cores, one would get its first token after its deadline.
+TEST(Scheduling, APromptIsAtRiskWhenItsOwnCoresMissItsDeadline) {
+    const uint64_t s = 1'000'000'000ull;  // submitted at 1 s, 5 s target: the deadline is 6 s
+    auto one = [&](uint64_t now, int64_t tokens, double rate) {
+        return queue_misses_on_own_cores({{0, 6 * s, tokens}}, now, rate);
+    };
+    // 1536 tokens at 278 tokens/s from 1 s: 6.52 s > 6 s.
+    EXPECT_TRUE(one(1 * s, 1536, 278));
+    // 1024 tokens: 4.68 s: not at risk; from 2 s: 5.68 s, still not; from 2.5 s: 6.18 s, at risk.
+    EXPECT_FALSE(one(1 * s, 1024, 278));
+    EXPECT_FALSE(one(2 * s, 1024, 278));
+    EXPECT_TRUE(one(2 * s + s / 2, 1024, 278));
+    // Past its deadline already: at risk. Rate unknown: never.
+    EXPECT_TRUE(one(7 * s, 1, 278));
+    EXPECT_FALSE(one(7 * s, 1536, 0));
+    EXPECT_FALSE(queue_misses_on_own_cores({}, s, 278));
+    // The queue: a 1024-token prompt due at 6 s behind a 500-token one (a smaller
+    // key) is at risk from 1 s: 1524 tokens take 5.48 s. Ahead of it, it is not (the
+    // other one, due at 20 s, is fine at 6.48 s). Listed in either order.
+    EXPECT_TRUE(queue_misses_on_own_cores({{2, 6 * s, 1024}, {1, 20 * s, 500}}, 1 * s, 278));
+    EXPECT_FALSE(queue_misses_on_own_cores({{2, 20 * s, 500}, {1, 6 * s, 1024}}, 1 * s, 278));
+}
+
+// A1 judges a prompt once: back after its Retry-After (plus the grace), A1 admits
+// it; A2 still judges it; too late, or a second return, and it is judged again.
+TEST(Scheduling, APromptA1RefusedIsNotJudgedByA1WhenItComesBack) {
+    const uint64_t ms = 1'000'000;
+    const std::vector<int32_t> prompt = {5, 6, 7}, other = {5, 6, 8};
+    const uint64_t k = RetryMemory::key(SloClass::Standard, prompt.data(), prompt.size());
+    EXPECT_NE(k, RetryMemory::key(SloClass::Standard, other.data(), other.size()));
+    EXPECT_NE(k, RetryMemory::key(SloClass::Batch, prompt.data(), prompt.size()));  // the class is part of it
+    RetryMemory m(4, 100 * ms);
+    EXPECT_FALSE(m.returning(k, 0));  // never refused
+    m.refused(k, 1000 * ms, 500);     // back by 1.5 s, + 0.1 s grace
+    EXPECT_TRUE(m.returning(k, 1550 * ms));
+    EXPECT_FALSE(m.returning(k, 1560 * ms));  // once
+    m.refused(k, 2000 * ms, 500);
+    EXPECT_FALSE(m.returning(k, 2601 * ms));  // too late: judged again
+    EXPECT_EQ(m.size(), 0u);
+    // At capacity the oldest refusal is forgotten; expired ones go first.
+    for (int32_t i = 0; i < 5; ++i) m.refused(RetryMemory::key(SloClass::Standard, &i, 1), (3000 + i) * ms, 1000);
+    EXPECT_EQ(m.size(), 4u);
+    const int32_t first = 0, last = 4;
+    EXPECT_FALSE(m.returning(RetryMemory::key(SloClass::Standard, &first, 1), 3100 * ms));
+    EXPECT_TRUE(m.returning(RetryMemory::key(SloClass::Standard, &last, 1), 3100 * ms));
+    m.refused(k, 9000 * ms, 1);  // the other three have expired by then
+    EXPECT_EQ(m.size(), 1u);
+
+    // decide(): the refused prompt (A1) is admitted when it comes back; A2 is not
+    // lifted for it.
+    AdmissionOptions o;
+    o.slo = *SloTable::parse("standard=2s/100ms");
+    o.queue_high = 4000;
+    o.queue_low = 3000;
+    AdmissionControl a(o);
+    QueueView q{{0, 3000, 0}};
+    auto d = a.decide(SloClass::Standard, 100, q, 1000);  // 3.1 s > 2 s
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "ttft");
+    EXPECT_TRUE(a.decide(SloClass::Standard, 100, q, 1000, 0, nullptr, true).admit);
+    q.pending = {0, 4000, 0};  // over the high watermark: A2 refuses, returning or not
+    d = a.decide(SloClass::Standard, 100, q, 1000, 0, nullptr, true);
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "queue");
 }

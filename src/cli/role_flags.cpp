@@ -25,6 +25,11 @@ constexpr const char* kPrefillPassHelp =
     "a pass not led by a critical request is cut to the tokens this worker computes in this many ms at its "
     "measured rate, so a critical request arriving meanwhile waits at most about that long (0: no cut)";
 constexpr const char* kNoPrefixCache = "--no-prefix-cache";
+constexpr const char* kNoRiskClaims = "--no-risk-claims";
+constexpr const char* kRiskClaimsHelp =
+    "with cores lent: passes for prompts that would miss their TTFT target on prefill's cores alone do not claim "
+    "decode's cores while it has streams ahead of their inter-token target and no critical request came within "
+    "--prefill-cut-window (critical passes still do)";
 constexpr const char* kSwapDir = "--swap-dir";
 constexpr const char* kMaxBatch = "--max-batch";
 constexpr const char* kBorrowCpus = "--borrow-cpus";
@@ -136,6 +141,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(0, 86400));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
+    c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
     c.add_option("--swap-root", s.swap_root,
                  "CPU serving: decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs "
                  "less than computing it again (\"\": always recompute)")
@@ -225,6 +231,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
         ->capture_default_str()
         ->check(CLI::Range(0, 86400));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse or publish cached prompt blocks");
+    c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
 }
 
 std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) {
@@ -275,6 +282,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kPrefillPassMs, std::to_string(w.prefill_pass_ms));
         put(kPrefillCutWindow, std::to_string(w.prefill_cut_window_s));
         if (!w.prefix_cache) a.push_back(kNoPrefixCache);
+        if (!w.risk_claims) a.push_back(kNoRiskClaims);
     }
     return a;
 }

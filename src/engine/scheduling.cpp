@@ -106,6 +106,34 @@ void PrefillRateMeter::add(uint64_t busy_ns, int64_t tokens) {
     tokens_ = 0;
 }
 
+MeasuredRate admission_rate(SloClass c, MeasuredRate own, MeasuredRate wide) {
+    if (c == SloClass::Critical && wide.best > 0) return wide;
+    return own.best > 0 ? own : wide;
+}
+
+uint64_t yield_budget_ns(const std::vector<StreamPace>& streams, double fraction, uint64_t cap_ns) {
+    uint64_t budget = cap_ns;
+    for (const StreamPace& p : streams) {
+        if (p.itl_target_ns == 0) continue;
+        const double allowed = fraction * static_cast<double>(p.itl_target_ns) * static_cast<double>(p.tokens);
+        const double in_hand = allowed - static_cast<double>(p.since_ns);
+        if (in_hand <= 0) return 0;
+        budget = std::min<uint64_t>({budget, static_cast<uint64_t>(in_hand), p.itl_target_ns});
+    }
+    return budget;
+}
+
+bool queue_misses_on_own_cores(std::vector<PendingPrompt> q, uint64_t now_ns, double own_rate) {
+    if (own_rate <= 0) return false;
+    std::sort(q.begin(), q.end(), [](const PendingPrompt& a, const PendingPrompt& b) { return a.order_key < b.order_key; });
+    double tokens = 0;
+    for (const PendingPrompt& p : q) {
+        tokens += static_cast<double>(std::max<int64_t>(0, p.remaining));
+        if (static_cast<double>(now_ns) + tokens / own_rate * 1e9 > static_cast<double>(p.deadline_ns)) return true;
+    }
+    return false;
+}
+
 uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 999) / 1000); }
 
 uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t target) {
@@ -118,8 +146,44 @@ uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t targe
     return UINT64_MAX;
 }
 
+uint64_t RetryMemory::key(SloClass c, const int32_t* tokens, size_t n) {
+    // FNV-1a over the class and the tokens' bytes: a key to recognise a prompt by,
+    // not a security boundary (a collision spares one A1 refusal).
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&](uint8_t b) {
+        h ^= b;
+        h *= 1099511628211ull;
+    };
+    mix(static_cast<uint8_t>(c));
+    for (size_t i = 0; i < n; ++i)
+        for (int k = 0; k < 4; ++k) mix(static_cast<uint8_t>(static_cast<uint32_t>(tokens[i]) >> (8 * k)));
+    return h;
+}
+
+void RetryMemory::refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms) {
+    const uint64_t until = now_ns + retry_after_ms * 1'000'000ull + grace_ns_;
+    std::erase_if(until_, [&](const Entry& e) { return e.until_ns < now_ns || e.key == key; });
+    if (capacity_ == 0) return;
+    if (until_.size() >= capacity_) {  // the oldest refusal goes
+        auto oldest = std::min_element(until_.begin(), until_.end(),
+                                       [](const Entry& a, const Entry& b) { return a.at_ns < b.at_ns; });
+        until_.erase(oldest);
+    }
+    until_.push_back({key, until, now_ns});
+}
+
+bool RetryMemory::returning(uint64_t key, uint64_t now_ns) {
+    for (size_t i = 0; i < until_.size(); ++i) {
+        if (until_[i].key != key) continue;
+        const bool in_time = now_ns <= until_[i].until_ns;
+        until_.erase(until_.begin() + static_cast<std::ptrdiff_t>(i));
+        return in_time;
+    }
+    return false;
+}
+
 AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,
-                                           double recent, const KvView* kv) {
+                                           double recent, const KvView* kv, bool returning) {
     AdmissionDecision d;
     // The rate predicted with: the slower of the best and the recent window's (the
     // best alone admitted standard requests predicted at 5 s that waited 8 s under 2x
@@ -168,8 +232,9 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     // meets its target. One that alone takes longer never meets it, refused or not;
     // refused, it came back to find short requests queued ahead again and again (the
     // mixed scenario: long prompts' TTFT p50 12.5 s, against 6.3 s with no admission;
-    // bench/RESULTS.md). A2 and A3 bound it instead (`watermarked`).
-    if (rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
+    // bench/RESULTS.md). A2 and A3 bound it instead (`watermarked`). Nor does it
+    // judge a prompt it refused before that came back in time (RetryMemory).
+    if (!returning && rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
         d.reason = "ttft";
         // The queue ahead must shrink to what leaves room for this prompt.

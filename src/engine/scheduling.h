@@ -26,7 +26,9 @@
 //       past its class's target times `slack`, and its prompt alone would meet it
 //       (one that alone cannot is not refused by A1: no later try would meet the
 //       target, and refused it would find short prompts queued ahead each time; A2
-//       and A3 bound it, critical or not); or
+//       and A3 bound it, critical or not), and A1 has not refused it before
+//       (RetryMemory: a prompt back after its Retry-After is not judged by A1
+//       again); or
 //   A2. the queue of prompt tokens not yet prefilled is over its high watermark: then
 //       standard and batch requests are refused until it falls under the low one
 //       (hysteresis; critical requests are judged by A1 alone); or
@@ -142,6 +144,60 @@ private:
     double best_ = 0, last_ = 0;
 };
 
+// A measured prefill rate (tokens/s; 0: not measured yet): the best window's and
+// the last one's (PrefillRateMeter).
+struct MeasuredRate {
+    double best = 0, recent = 0;
+};
+
+// The rate a class's wait is predicted with (A1 and Retry-After). Prefill's passes
+// on its own cores and its wide passes (computed with the partner decode worker's
+// cores as well: lent while decode is idle, or claimed by a pass led by a critical
+// request, WorkerBase::claim_cores) are measured apart. A critical request's passes
+// claim the partner's cores wherever cores are lent, so its wait goes at the wide
+// rate once one is measured (with no cores lent none ever is). Other classes have
+// the lent cores only while decode happens to be idle, which a prediction cannot
+// count on: the own rate, or the wide one while the own is not measured yet (a
+// worker whose partner has always been idle). (One rate over both kinds of pass
+// read the lending of an idle moment as prefill's speed under load.)
+MeasuredRate admission_rate(SloClass c, MeasuredRate own, MeasuredRate wide);
+
+// Claims for work that is not critical (WorkerBase::claim_cores, rule C6). While a
+// prompt prefill holds would get its first token after its class's deadline on
+// prefill's own cores (queue_misses_on_own_cores), a pass not led by a critical
+// request may compute on the partner decode worker's cores while decode holds
+// streams, for as long as decode has time in hand: every sequence it holds has
+// run ahead of its class's inter-token target since its first step there, and
+// stepping aside may spend that lead down to `fraction` of the target on average,
+// never further, in gaps no longer than the target. So a stream's mean inter-token
+// time stays within its target whatever decode yields, and a prompt at risk gets
+// both cores. (Lent cores alone,
+// only while decode is idle, left a long prompt on one core for 5-6 s while streams
+// decoded at 20 ms per token against a 250 ms target: bench/RESULTS.md "The mixed
+// scenario with lending".)
+inline constexpr double kYieldPace = 0.8;  // `fraction` above
+struct StreamPace {
+    uint64_t itl_target_ns = 0;  // its class's (0: none: never limits)
+    uint64_t since_ns = 0;       // time since its first step in this decode worker
+    uint64_t tokens = 0;         // tokens it got since then
+};
+// How long decode may step aside now: the least over its sequences of
+// fraction x target x tokens - since_ns (0 when one has no time in hand) and of
+// their targets (no gap a yield makes is longer than a stream's target), at most
+// cap_ns (also when none has a target).
+uint64_t yield_budget_ns(const std::vector<StreamPace>& streams, double fraction, uint64_t cap_ns);
+// A prompt prefill holds: its order key (prefill_order_key), its TTFT deadline
+// (submission + its class's target) and the tokens it has left to compute.
+struct PendingPrompt {
+    uint64_t order_key = 0;
+    uint64_t deadline_ns = 0;
+    int64_t remaining = 0;
+};
+// Whether, computed in order from now at `own_rate` tokens/s, one of them would get
+// its first token after its deadline (0: rate not known: false). The queue, not the
+// lead alone: a prompt behind the lead is at risk from the lead's tokens too.
+bool queue_misses_on_own_cores(std::vector<PendingPrompt> q, uint64_t now_ns, double own_rate);
+
 struct AdmissionOptions {
     SloTable slo;
     double slack = 1.0;               // A1: refuse past slack x the class's TTFT target
@@ -201,9 +257,10 @@ public:
     // its target and a client told to wait does not come back to a queue as full as
     // it left it. Updates the watermark's hysteresis state (not thread-safe: the
     // caller serializes).
-    // `kv`: the arenas (A3; null: not judged).
+    // `kv`: the arenas (A3; null: not judged). `returning`: A1 refused this prompt
+    // before and it came back in time (RetryMemory): A1 does not judge it again.
     AdmissionDecision decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate, double recent = 0,
-                             const KvView* kv = nullptr);
+                             const KvView* kv = nullptr, bool returning = false);
     bool over_watermark() const { return over_; }
     bool over_kv_watermark() const { return kv_over_; }
     const AdmissionOptions& options() const { return o_; }
@@ -216,5 +273,37 @@ private:
 
 // Retry-After in whole seconds for a delay in milliseconds (rounded up, at least 1).
 uint64_t retry_after_seconds(uint64_t ms);
+
+// A1 judges a prompt once. A client that waited the Retry-After A1 gave it found,
+// in the mixed scenario, stream prompts that had arrived meanwhile queued ahead of
+// it again, and again: one 1051-token prompt was refused 14 times and got its
+// first token after 46.6 s (bench/RESULTS.md "The mixed scenario with claims").
+// Waiting helped it no more than the first time. So the front remembers a prompt A1
+// refused (a hash of its class and tokens) until its Retry-After plus `grace_ns`
+// (the openai client waits the Retry-After, then retries at once); back within that,
+// A1 admits it, once. A2 and A3 still judge it: they bound what the server holds,
+// not one request's wait. Another client's identical prompt inside that window is
+// taken for the returning one: at most one A1 refusal spared per refusal. At most
+// `capacity` prompts remembered (beyond: the oldest forgotten first, which only
+// costs them a second refusal). Not thread-safe: the caller serializes.
+class RetryMemory {
+public:
+    explicit RetryMemory(size_t capacity = 4096, uint64_t grace_ns = 30'000'000'000ull)
+        : capacity_(capacity), grace_ns_(grace_ns) {}
+    static uint64_t key(SloClass c, const int32_t* tokens, size_t n);
+    // A1 refused the prompt `key` now, telling it to come back in retry_after_ms.
+    void refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms);
+    // Whether `key` was refused by A1 and is back in time; it is forgotten then.
+    bool returning(uint64_t key, uint64_t now_ns);
+    size_t size() const { return until_.size(); }
+
+private:
+    struct Entry {
+        uint64_t key = 0, until_ns = 0, at_ns = 0;
+    };
+    size_t capacity_;
+    uint64_t grace_ns_;
+    std::vector<Entry> until_;  // small: a linear scan (capacity bounds it)
+};
 
 }  // namespace duet

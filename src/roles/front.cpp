@@ -489,12 +489,16 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
     admission_ = AdmissionControl(opts_.admission);
 }
 
-AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens) {
+AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key) {
     std::lock_guard<std::mutex> lock(sched_mu_);
+    const uint64_t now = shm::monotonic_ns();
+    const bool returning = retries_.returning(key, now);
     const double n = prefill_workers_;
-    AdmissionDecision d =
-        admission_.decide(c, tokens, queue_, prefill_rate_.rate() * n, prefill_rate_.recent() * n, &kv_);
+    const MeasuredRate r = admission_rate(c, {prefill_rate_.rate() * n, prefill_rate_.recent() * n},
+                                          {prefill_wide_rate_.rate() * n, prefill_wide_rate_.recent() * n});
+    AdmissionDecision d = admission_.decide(c, tokens, queue_, r.best, r.recent, &kv_, returning);
     if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
+    else if (d.reason == "ttft") retries_.refused(key, now, d.retry_after_ms);
     return d;
 }
 
@@ -506,7 +510,7 @@ void Front::queue_left(SloClass c, int64_t tokens) {
 void Front::sample_prefill_work() {
     shm::Registry& reg = inst_.registry();
     std::lock_guard<std::mutex> lock(sched_mu_);
-    work_seen_.resize(reg.n_slots(), {0, 0, 0});
+    work_seen_.resize(reg.n_slots(), {0, 0, 0, 0, 0});
     uint32_t running = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (!reg.running_as(s, shm::Role::Prefill)) continue;
@@ -514,14 +518,20 @@ void Front::sample_prefill_work() {
         ++running;
         // Two counters read one after the other: a pass's time may be seen before its
         // tokens; the next reading has them (a window holds many readings).
-        const uint64_t busy = ps.busy_ns.load(std::memory_order_relaxed);
-        const uint64_t tokens = ps.work_tokens.load(std::memory_order_relaxed);
-        std::array<uint64_t, 3>& seen = work_seen_[s];
+        const std::array<uint64_t, 4> now = {
+            ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed),
+            ps.wide_busy_ns.load(std::memory_order_relaxed), ps.wide_tokens.load(std::memory_order_relaxed)};
+        std::array<uint64_t, 5>& seen = work_seen_[s];
         const uint64_t gen = reg.current(s).gen;
-        if (seen[0] != gen) seen = {gen, 0, 0};  // a new process here: its counters started at 0
-        if (busy >= seen[1] && tokens >= seen[2]) prefill_rate_.add(busy - seen[1], static_cast<int64_t>(tokens - seen[2]));
-        seen[1] = busy;
-        seen[2] = tokens;
+        if (seen[0] != gen) seen = {gen, 0, 0, 0, 0};  // a new process here: its counters started at 0
+        for (size_t k = 0; k < 2; ++k) {
+            const uint64_t busy = now[2 * k], tokens = now[2 * k + 1];
+            if (busy >= seen[1 + 2 * k] && tokens >= seen[2 + 2 * k])
+                (k == 0 ? prefill_rate_ : prefill_wide_rate_)
+                    .add(busy - seen[1 + 2 * k], static_cast<int64_t>(tokens - seen[2 + 2 * k]));
+            seen[1 + 2 * k] = busy;
+            seen[2 + 2 * k] = tokens;
+        }
     }
     prefill_workers_ = std::max<uint32_t>(1, running);
 }
@@ -895,6 +905,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
         m.queued_tokens = f.queue_.pending;
         m.prefill_rate = f.prefill_rate_.rate() * f.prefill_workers_;
         m.prefill_rate_recent = f.prefill_rate_.recent() * f.prefill_workers_;
+        m.prefill_wide_rate = f.prefill_wide_rate_.rate() * f.prefill_workers_;
+        m.prefill_wide_rate_recent = f.prefill_wide_rate_.recent() * f.prefill_workers_;
     }
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
@@ -922,6 +934,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
             w.served = ps.served.load(std::memory_order_relaxed);
             w.borrows = ps.borrows.load(std::memory_order_relaxed);
             w.borrowed_ns = ps.borrowed_ns.load(std::memory_order_relaxed);
+            w.yields = ps.yields.load(std::memory_order_relaxed);
+            w.yielded_ns = ps.yielded_ns.load(std::memory_order_relaxed);
         }
         return w;
     };
@@ -1202,7 +1216,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     // blocks, but each is its own request), less a context's offered KV.
     const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
     const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
-    const AdmissionDecision d = f.admit_tokens(c.cls, prompt_tokens);
+    const AdmissionDecision d =
+        f.admit_tokens(c.cls, prompt_tokens, RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()));
     if (!d.admit) {
         (d.reason == "queue" ? f.counters_.rejected_queue
          : d.reason == "kv"  ? f.counters_.rejected_kv
@@ -1227,6 +1242,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     c.queued = prompt_tokens;
     params.slo_class = static_cast<uint32_t>(c.cls);
     params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
+    params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;

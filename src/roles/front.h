@@ -119,19 +119,23 @@ private:
     // and prefill has not finished, per class, and prefill's measured rate.
     std::mutex sched_mu_;
     AdmissionControl admission_{AdmissionOptions{}};
-    PrefillRateMeter prefill_rate_;
+    PrefillRateMeter prefill_rate_;       // passes on prefill's own cores
+    PrefillRateMeter prefill_wide_rate_;  // passes with the partner's cores too (admission_rate)
     QueueView queue_;
     KvView kv_;  // A3's view of the arenas (sample_kv)
     uint32_t prefill_workers_ = 1;  // running: the queue drains at their summed rate
-    // Each registry slot's work counters as last read: (generation, busy ns, tokens).
-    std::vector<std::array<uint64_t, 3>> work_seen_;
-    // Decides; an admitted request's tokens join the queue.
-    AdmissionDecision admit_tokens(SloClass c, int64_t tokens);
+    // Each registry slot's work counters as last read: (generation, busy ns, tokens,
+    // wide busy ns, wide tokens).
+    std::vector<std::array<uint64_t, 5>> work_seen_;
+    RetryMemory retries_;  // prompts A1 refused (engine/scheduling.h)
+    // Decides; an admitted request's tokens join the queue. `key`: the prompt's
+    // RetryMemory key.
+    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, uint64_t key);
     // They leave it: prefill is done with them (the first token came) or the request
     // ended without one.
     void queue_left(SloClass c, int64_t tokens);
-    // Reads the running prefill workers' work counters into prefill_rate_ (the
-    // notifier thread, every 50 ms).
+    // Reads the running prefill workers' work counters into prefill_rate_ and
+    // prefill_wide_rate_ (the notifier thread, every 50 ms).
     void sample_prefill_work();
     // Reads the arenas' census and the running requests into kv_ (the notifier
     // thread, every 50 ms): blocks held by requests (not the contexts', which give

@@ -1,6 +1,7 @@
 #include "roles/metrics_text.h"
 
 #include <algorithm>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -74,9 +75,15 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                 served = family("duet_worker_served_total", "counter", "Requests a worker took since it started."),
                 up = family("duet_worker_up", "gauge", "1 while a process runs for the worker, else 0."),
                 borrows = family("duet_worker_borrowed_cores_total", "counter",
-                                 "Times a worker took the other role's cores while it was idle (--lend-cores)."),
+                                 "Times a worker took the other role's cores: while it was idle, or (prefill) for "
+                                 "a pass led by a critical request (--lend-cores)."),
                 borrowed = family("duet_worker_borrowed_seconds_total", "counter",
                                   "Time a worker computed with the other role's cores (--lend-cores)."),
+                yields = family("duet_worker_yielded_cores_total", "counter",
+                                "Times a decode worker stepped aside so that a prefill pass led by a critical "
+                                "request computed on its cores too (--lend-cores)."),
+                yielded = family("duet_worker_yielded_seconds_total", "counter",
+                                 "Time a decode worker stepped aside for prefill passes led by critical requests."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -89,13 +96,16 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         borrows += fmt::format("duet_worker_borrowed_cores_total{} {}\n", labels, w.borrows);
         borrowed += fmt::format("duet_worker_borrowed_seconds_total{} {}\n", labels,
                                 static_cast<double>(w.borrowed_ns) / 1e9);
+        if (std::string_view(role) != "decode") return;
+        yields += fmt::format("duet_worker_yielded_cores_total{} {}\n", labels, w.yields);
+        yielded += fmt::format("duet_worker_yielded_seconds_total{} {}\n", labels, static_cast<double>(w.yielded_ns) / 1e9);
     };
     for (size_t p = 0; p < s.prefill.size(); ++p) {
         add("prefill", p, s.prefill[p]);
         routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + borrows + borrowed + routed +
+    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + routed +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);
@@ -164,10 +174,17 @@ std::string metrics_classes(const MetricsSnapshot& s) {
                     family("duet_swapped_bytes_total", "counter", "KV bytes decode swapped out of preempted requests.") +
                     fmt::format("duet_swapped_bytes_total {}\n", s.swapped_bytes) +
                     family("duet_prefill_rate_tokens_per_second", "gauge",
-                           "Prefill's measured throughput in its passes, all workers together (0: not measured "
-                           "yet): the best window (decayed) and the last one; admission predicts with the slower.") +
+                           "Prefill's measured throughput in passes on its own cores, all workers together (0: not "
+                           "measured yet): the best window (decayed) and the last one; admission predicts with the "
+                           "slower.") +
                     fmt::format("duet_prefill_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_rate) +
-                    fmt::format("duet_prefill_rate_tokens_per_second{{window=\"recent\"}} {}\n", s.prefill_rate_recent);
+                    fmt::format("duet_prefill_rate_tokens_per_second{{window=\"recent\"}} {}\n", s.prefill_rate_recent) +
+                    family("duet_prefill_wide_rate_tokens_per_second", "gauge",
+                           "The same in passes computed with decode's cores too (lent, or claimed for critical "
+                           "work: critical requests are admitted at this rate).") +
+                    fmt::format("duet_prefill_wide_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_wide_rate) +
+                    fmt::format("duet_prefill_wide_rate_tokens_per_second{{window=\"recent\"}} {}\n",
+                                s.prefill_wide_rate_recent);
     std::string queued = family("duet_class_queued_prompt_tokens", "gauge",
                                 "Prompt tokens admitted and not yet prefilled, by class."),
                 done = family("duet_class_requests_total", "counter", "Completions that ended without error, by class."),

@@ -35,6 +35,7 @@ struct MetricsSnapshot {
         bool up = false;      // a process runs for it; only then are the gauges below reported
         uint64_t items = 0, tokens = 0, served = 0;
         uint64_t borrows = 0, borrowed_ns = 0;  // the other role's cores taken, and time computed with them
+        uint64_t yields = 0, yielded_ns = 0;    // decode: times it stepped aside for a claim, and for how long
         uint64_t routed = 0;  // prefill: requests this front sent it
     };
     std::vector<Worker> prefill, decode;
@@ -55,6 +56,8 @@ struct MetricsSnapshot {
     std::array<uint64_t, kSloClasses> class_done{}, class_met{};
     std::array<int64_t, kSloClasses> queued_tokens{};
     double prefill_rate = 0, prefill_rate_recent = 0;  // the best window's (decayed) and the last one's
+    // The same over passes computed with the partner's cores too (admission_rate).
+    double prefill_wide_rate = 0, prefill_wide_rate_recent = 0;
 };
 
 // The whole page: counters, KV blocks, per-arena and per-worker gauges, histograms,

@@ -165,6 +165,9 @@ struct RequestParams {
     // target: the per-token term alone).
     uint32_t slo_class = 1;
     uint64_t ttft_target_ns = 0;
+    // Its class's inter-token target: how far behind its own pace a decode worker
+    // may fall to let a prompt at risk compute on its cores (yield_budget_ns). 0: none.
+    uint64_t itl_target_ns = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -196,6 +196,145 @@ void WorkerBase::borrowed(uint64_t since_ns) {
     inst_->registry().slot(self_.slot).borrowed_ns.fetch_add(shm::monotonic_ns() - since_ns, std::memory_order_relaxed);
 }
 
+OwnPassWork own_pass_work(const shm::ProcSlot& ps) {
+    OwnPassWork w{ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed)};
+    if (w.tokens < static_cast<uint64_t>(kRateEvidenceTokens)) {
+        w.busy_ns += ps.wide_busy_ns.load(std::memory_order_relaxed);
+        w.tokens += ps.wide_tokens.load(std::memory_order_relaxed);
+    }
+    return w;
+}
+
+int32_t WorkerBase::partner_slot(shm::Role role) const {
+    return inst_->registry().find_running(role, static_cast<int32_t>(index_));
+}
+
+// Claims. Lent cores (borrow_cores) come only while the partner is idle; a critical
+// prompt arriving while decode streams run would get prefill's own cores alone, and
+// two such prompts close together could not both meet a 1 s target on one core
+// (bench/RESULTS.md "Overload"). So a pass led by a critical request claims the
+// partner's cores, and decode steps aside for it. The rules:
+//   C1. Prefill claims only for a pass led by a critical request (a critical-led
+//       pass holds only critical work: plan_prefill), only with cores to borrow
+//       (WorkerOptions::borrow_cpus), and only from a partner (decode worker of its
+//       index) that holds requests: an idle one lends them anyway.
+//   C2. Decode steps aside only between steps, and never twice without a step in
+//       between: under a stream of critical prompts its sequences still move one
+//       token per critical pass.
+//   C3. Prefill computes with the partner's cores only once the partner has
+//       acknowledged this claim (claim_ack == its stamp) or holds no request;
+//       otherwise after kClaimWaitNs it withdraws the claim and computes on its own
+//       cores. Two processes never compute on one core at once but for the time an
+//       idle partner takes a new request's first step (borrow_cores' bound).
+//   C4. The claim is withdrawn as soon as the pass ends (end_claim), and the
+//       partner's doorbell rung. Decode returns to work when the claim it stepped
+//       aside for is withdrawn, when the claiming process is not running any more,
+//       or after kYieldMaxNs whatever happens.
+//   C5. Every claim has its own stamp (a counter): an answer to a claim already
+//       withdrawn never passes for one to the next claim, and decode answers each
+//       claim once.
+//   C6. A pass not led by a critical request claims only when a prompt in hand
+//       would miss its TTFT deadline on prefill's own cores, computed in order
+//       (queue_misses_on_own_cores), the
+//       partner has published time in hand (yield_budget_ns: every stream it holds
+//       stays within its class's inter-token target on average), and the pass is
+//       cut to fit it (at most the pass cut, --prefill-pass-ms). Decode checks the
+//       claim's pass_ns against its budget when it answers, and declines
+//       (kClaimDeclined) when the budget is smaller by then: prefill computes on its
+//       own cores at once. And only for a pass of at least kClaimSteps of decode's
+//       steps (ProcSlot step_ns): a claim costs prefill up to a step waiting for
+//       the answer and decode's step after it (C2). And not while critical work is
+//       around (within --prefill-cut-window of the last critical request): under
+//       2-3x load these claims cost critical requests their target (at 2x, 17-18
+//       of 19 met with them in three runs, 18-19 without in two; bench/RESULTS.md
+//       "Overload"), and a critical pass that finds decode just back from one
+//       waits for its step.
+// A claim only moves time between the roles: the kernels' results do not depend on
+// the thread count (the invariance contract), so no output changes.
+namespace {
+constexpr uint64_t kClaimWaitNs = 100'000'000;  // C3: a few decode steps of a full batch here
+constexpr uint64_t kYieldMaxNs = 2'000'000'000;  // C4: more than the longest critical pass
+constexpr uint64_t kClaimDeclined = 1ull << 63;  // C6: in claim_ack, with the stamp
+constexpr uint64_t kClaimSteps = 4;              // C6: a claimed pass is at least this many decode steps
+}  // namespace
+
+bool WorkerBase::claim_cores(uint64_t pass_ns) {
+    if (threads_->size() == own_threads_) return false;
+    const int32_t partner = partner_slot(shm::Role::Decode);
+    if (partner < 0) return false;
+    shm::Registry& reg = inst_->registry();
+    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
+    shm::ProcSlot& me = reg.slot(self_.slot);
+    const uint64_t stamp = ++claim_seq_;
+    me.claim_pass_ns.store(pass_ns, std::memory_order_relaxed);  // published by the claim's release
+    me.claim.store(stamp, std::memory_order_release);
+    claimed_ = true;
+    reg.wake(shm::Role::Decode, static_cast<int32_t>(index_));
+    const uint64_t until = shm::monotonic_ns() + kClaimWaitNs;
+    for (;;) {
+        const uint64_t ack = ps.claim_ack.load(std::memory_order_acquire);
+        if (ack == (stamp | kClaimDeclined)) {
+            end_claim();
+            return false;
+        }
+        if (ack == stamp || ps.load_items.load(std::memory_order_relaxed) == 0) {
+            me.borrows.fetch_add(1, std::memory_order_relaxed);
+            threads_->set_width(threads_->size());
+            return true;
+        }
+        if (shm::monotonic_ns() >= until || !reg.running_as(static_cast<uint32_t>(partner), shm::Role::Decode)) {
+            end_claim();
+            return false;
+        }
+        usleep(200);
+    }
+}
+
+void WorkerBase::end_claim() {
+    if (!claimed_) return;
+    claimed_ = false;
+    threads_->set_width(own_threads_);
+    inst_->registry().slot(self_.slot).claim.store(0, std::memory_order_release);
+    inst_->registry().wake(shm::Role::Decode, static_cast<int32_t>(index_));
+}
+
+void WorkerBase::yield_to_claim(uint64_t budget_ns) {
+    shm::Registry& reg = inst_->registry();
+    shm::ProcSlot& me = reg.slot(self_.slot);
+    me.yield_budget_ns.store(budget_ns, std::memory_order_relaxed);
+    if (!stepped_since_yield_) {  // C2
+        stepped_since_yield_ = true;
+        return;
+    }
+    const int32_t partner = partner_slot(shm::Role::Prefill);
+    if (partner < 0) return;
+    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
+    const uint64_t stamp = ps.claim.load(std::memory_order_acquire);
+    if (stamp == 0 || (me.claim_ack.load(std::memory_order_relaxed) & ~kClaimDeclined) == stamp) return;  // C5
+    const uint64_t pass_ns = ps.claim_pass_ns.load(std::memory_order_relaxed);
+    if (pass_ns > budget_ns) {  // C6
+        me.claim_ack.store(stamp | kClaimDeclined, std::memory_order_release);
+        return;
+    }
+    // Our borrowed cores first (the claimer runs on them), then the acknowledgement.
+    threads_->set_width(own_threads_);
+    me.claim_ack.store(stamp, std::memory_order_release);
+    const uint64_t t0 = shm::monotonic_ns();
+    shm::Doorbell& bell = reg.doorbell(self_.slot);
+    for (;;) {
+        const uint64_t now = shm::monotonic_ns();
+        if (now - t0 >= kYieldMaxNs || !reg.running_as(static_cast<uint32_t>(partner), shm::Role::Prefill)) break;
+        // end_claim rings this doorbell; so do producers of our other work (the wait
+        // only ends early and looks again). 10 ms slices: C4's liveness checks.
+        if (shm::doorbell_wait(bell, [&] { return ps.claim.load(std::memory_order_acquire) != stamp; }, 0,
+                               static_cast<int64_t>(std::min<uint64_t>(10'000'000, kYieldMaxNs - (now - t0)))))
+            break;
+    }
+    me.yields.fetch_add(1, std::memory_order_relaxed);
+    me.yielded_ns.fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
+    stepped_since_yield_ = false;
+}
+
 Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
     return check_golden(*backend_, *pool_, model_->fingerprint(), ref);
 }
@@ -438,6 +577,7 @@ void PrefillWorker::take(const WireMsg& m) {
             // Its order key (engine/scheduling.h "Order": earliest deadline first
             // within a class, priority with aging between classes).
             if (j.params.slo_class == 0) last_critical_ns_ = shm::monotonic_ns();
+            j.submit_ns = slot.submit_ns;
             j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.slo_class, j.params.ttft_target_ns, j.all.size(),
                                               static_cast<uint64_t>(opts_.deadline_ns_per_token));
             if (opts_.prefix_cache) {
@@ -667,9 +807,45 @@ bool PrefillWorker::drop_cancelled() {
 // The budget of a pass not led by a critical request (engine/scheduling.h,
 // pass_cut_tokens): from this worker's measured rate, while critical work is around.
 int64_t PrefillWorker::lesser_budget() const {
+    const OwnPassWork w = own_pass_work(inst_->registry().slot(self_.slot));
+    return pass_cut_tokens(w.busy_ns, w.tokens, opts_.prefill_pass_ns, last_critical_ns_, shm::monotonic_ns(),
+                           opts_.prefill_cut_window_ns);
+}
+
+PrefillWorker::RiskClaim PrefillWorker::risk_claim() const {
+    if (!opts_.risk_claims || threads_->size() == own_threads_) return {};
+    // Critical work around (the pass cut's window): none (C6).
+    const uint64_t now = shm::monotonic_ns();
+    if (last_critical_ns_ != 0 && (opts_.prefill_cut_window_ns == 0 || now - last_critical_ns_ <= opts_.prefill_cut_window_ns))
+        return {};
+    const int32_t partner = partner_slot(shm::Role::Decode);
+    if (partner < 0) return {};
+    const shm::ProcSlot& ps = inst_->registry().slot(static_cast<uint32_t>(partner));
+    if (ps.load_items.load(std::memory_order_relaxed) == 0) return {};  // idle: lent anyway (borrow_cores)
     const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
-    return pass_cut_tokens(me.busy_ns.load(std::memory_order_relaxed), me.work_tokens.load(std::memory_order_relaxed),
-                           opts_.prefill_pass_ns, last_critical_ns_, shm::monotonic_ns(), opts_.prefill_cut_window_ns);
+    const OwnPassWork own = own_pass_work(me);
+    if (own.tokens < static_cast<uint64_t>(kRateEvidenceTokens) || own.busy_ns == 0) return {};
+    const double rate = static_cast<double>(own.tokens) * 1e9 / static_cast<double>(own.busy_ns);
+    std::vector<PendingPrompt> q;
+    for (const Job& j : jobs_)
+        q.push_back({j.deadline_ns, j.submit_ns + j.params.ttft_target_ns, static_cast<int64_t>(j.all.size() - j.done)});
+    if (!queue_misses_on_own_cores(std::move(q), now, rate)) return {};
+    // As long as decode has time in hand, at most the pass cut (a stream's longest
+    // gap), and long enough to be worth a pass.
+    // (Three quarters of the budget: decode answers with its budget of a moment
+    // later, which shrinks while a step runs.)
+    const uint64_t pass_ns = std::min<uint64_t>(ps.yield_budget_ns.load(std::memory_order_relaxed) / 4 * 3,
+                                                opts_.prefill_pass_ns > 0 ? opts_.prefill_pass_ns : 250'000'000ull);
+    // The tokens it computes then: at the rate of passes with both cores once
+    // measured, else at the own one (a shorter pass than the budget allows).
+    const uint64_t wb = me.wide_busy_ns.load(std::memory_order_relaxed);
+    const uint64_t wt = me.wide_tokens.load(std::memory_order_relaxed);
+    const double wide = wt >= static_cast<uint64_t>(kRateEvidenceTokens) && wb > 0
+                            ? static_cast<double>(wt) * 1e9 / static_cast<double>(wb)
+                            : rate;
+    const auto tokens = static_cast<int64_t>(wide * static_cast<double>(pass_ns) / 1e9);
+    if (tokens < 64 || pass_ns < kClaimSteps * ps.step_ns.load(std::memory_order_relaxed)) return {};
+    return {pass_ns, tokens};
 }
 
 // The job's swap blob is not needed any more (read back and computed past, or not
@@ -736,9 +912,10 @@ bool PrefillWorker::swap_in() {
 // one's still being computed waits for it, then takes its blocks from the prefix
 // cache (n > 1 choices, or the same prompt sent twice at once). The plan asks for
 // each prefix lookup as the budget reaches the job.
-PrefillPlan PrefillWorker::plan_pass() {
+PrefillPlan PrefillWorker::plan_pass(int64_t cap) {
     std::vector<PrefillJobView> views(jobs_.size());
-    const int64_t lesser = lesser_budget();
+    int64_t lesser = lesser_budget();
+    if (cap > 0) lesser = lesser > 0 ? std::min(lesser, cap) : cap;
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
@@ -905,7 +1082,15 @@ Result<bool> PrefillWorker::step() {
     // blob was read into (set aside), and the next read would take them again.
     const bool swap_waits = !kv_short_ && swap_in();
     Pass p;
-    for (const PrefillEntry& e : plan_pass().entries) {
+    PrefillPlan plan = plan_pass();
+    // C6: with a prompt at risk on prefill's own cores, a pass claims decode's, cut
+    // to fit decode's time in hand.
+    RiskClaim risk;
+    if (!plan.entries.empty() && jobs_[plan.entries.front().job].params.slo_class != 0) {
+        risk = risk_claim();
+        if (risk.pass_ns > 0) plan = plan_pass(risk.tokens);
+    }
+    for (const PrefillEntry& e : plan.entries) {
         Job& j = jobs_[e.job];
         p.batch.push_back(SeqBatch{&j.seq, j.all.data() + j.done, static_cast<int32_t>(e.tokens), false});
         p.jobs.push_back(e.job);
@@ -933,17 +1118,21 @@ Result<bool> PrefillWorker::step() {
     Status st = kv_->reserve(p.batch);
     if (st) {
         trace::Range range("prefill pass");
-        const bool lent = borrow_cores(shm::Role::Decode);
+        bool lent = borrow_cores(shm::Role::Decode);
+        // C1: a pass led by a critical request holds only critical work.
+        if (!lent && jobs_[p.jobs.front()].params.slo_class == 0) lent = claim_cores(0);
+        else if (!lent && risk.pass_ns > 0) lent = claim_cores(risk.pass_ns);
         const uint64_t t0 = shm::monotonic_ns();
         st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
+        end_claim();
         if (lent) borrowed(t0);
         if (!st) kv_->unreserve(p.batch);
-        if (st) {  // the front's measured prefill rate (ProcSlot work counters)
+        if (st) {  // the front's measured prefill rates (ProcSlot work counters), own and wide
             uint64_t tokens = 0;
             for (const SeqBatch& b : p.batch) tokens += static_cast<uint64_t>(b.n_tokens);
             shm::ProcSlot& me = inst_->registry().slot(self_.slot);
-            me.busy_ns.fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
-            me.work_tokens.fetch_add(tokens, std::memory_order_relaxed);
+            (lent ? me.wide_busy_ns : me.busy_ns).fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
+            (lent ? me.wide_tokens : me.work_tokens).fetch_add(tokens, std::memory_order_relaxed);
         }
     }
     if (st) pass_done(p);
@@ -1112,6 +1301,15 @@ bool DecodeWorker::take_handoffs() {
     return dropped;
 }
 
+uint64_t DecodeWorker::yield_budget() const {
+    std::vector<StreamPace> pace;
+    const uint64_t now = shm::monotonic_ns();
+    for (const Active& a : active_)
+        pace.push_back({a.params.itl_target_ns, now - std::min(now, a.first_step_ns),
+                        static_cast<uint64_t>(a.output.size() - a.first_step_tokens)});
+    return yield_budget_ns(pace, kYieldPace, kYieldMaxNs);
+}
+
 // The fastest running prefill worker's measured rate (its ProcSlot work counters),
 // once it has kRateEvidenceTokens behind it; 0 before.
 double DecodeWorker::prefill_rate() const {
@@ -1119,11 +1317,9 @@ double DecodeWorker::prefill_rate() const {
     double best = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (!reg.running_as(s, shm::Role::Prefill)) continue;
-        const shm::ProcSlot& ps = reg.slot(s);
-        const uint64_t busy = ps.busy_ns.load(std::memory_order_relaxed);
-        const uint64_t tokens = ps.work_tokens.load(std::memory_order_relaxed);
-        if (busy > 0 && tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
-            best = std::max(best, static_cast<double>(tokens) * 1e9 / static_cast<double>(busy));
+        const OwnPassWork w = own_pass_work(reg.slot(s));
+        if (w.busy_ns > 0 && w.tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
+            best = std::max(best, static_cast<double>(w.tokens) * 1e9 / static_cast<double>(w.busy_ns));
     }
     return best;
 }
@@ -1196,7 +1392,11 @@ Result<bool> DecodeWorker::step() {
             b.sample = &samples_[i];
         }
         batch.push_back(b);
-        if (a.fresh) t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
+        if (a.fresh) {
+            t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
+            a.first_step_ns = step_ns;
+            a.first_step_tokens = a.output.size();
+        }
         a.fresh = false;
     }
     // The step's blocks first (KvCacheManager). None to be had: the decode policy
@@ -1238,11 +1438,15 @@ Result<bool> DecodeWorker::step() {
     }
     for (Active& a : active_) a.kv_wait_since = 0;
     {
+        yield_to_claim(yield_budget());
         trace::Range range("decode step");
         const bool lent = borrow_cores(shm::Role::Prefill);
         const uint64_t t0 = shm::monotonic_ns();
         st = backend_->forward_pick(batch, logits_, picks_);
         if (lent) borrowed(t0);
+        std::atomic<uint64_t>& avg = inst_->registry().slot(self_.slot).step_ns;  // C6's cost of a claim
+        const uint64_t took = shm::monotonic_ns() - t0, was = avg.load(std::memory_order_relaxed);
+        avg.store(was == 0 ? took : (3 * was + took) / 4, std::memory_order_relaxed);
     }
     if (!st) {
         // Not a shortage: the blocks were taken. The newest request fails and the

@@ -55,6 +55,10 @@ struct WorkerOptions {
     // as early, and nothing waits for ever).
     int64_t deadline_ns_per_token = 1'000'000;
     bool prefix_cache = true;
+    // Prefill, with borrow_cpus: passes claim decode's cores for prompts at risk
+    // (rule C6, workers.cpp) while no critical work is around (prefill_cut_window_ns);
+    // false: only for critical ones.
+    bool risk_claims = true;
     // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
     // routing sends them to a decode worker with room).
     int max_batch = 256;
@@ -80,6 +84,15 @@ struct WorkerOptions {
     // (decode's). The kernels' results do not depend on the thread count. Empty: none.
     std::vector<int> borrow_cpus;
 };
+
+// A prefill worker's pass time and tokens for its rate on its own cores (the pass
+// cut; decode's swap-or-recompute choice): the passes on its own cores alone, or
+// with those computed on lent cores too while the former are under
+// kRateEvidenceTokens (a worker whose partner was always idle has only wide passes).
+struct OwnPassWork {
+    uint64_t busy_ns = 0, tokens = 0;
+};
+OwnPassWork own_pass_work(const shm::ProcSlot& ps);
 
 // What both workers share: registration, the arena user, a KV pool over the
 // instance's KV data, the backend.
@@ -107,6 +120,20 @@ protected:
     // counts its time: borrowed()).
     bool borrow_cores(shm::Role lender);
     void borrowed(uint64_t since_ns);
+    // Claims on a busy partner's cores, for passes led by a critical request or by
+    // a prompt at risk (the rules, C1-C6, are in workers.cpp above claim_cores).
+    // Prefill: claim_cores(pass_ns) before such a pass (pass_ns: how long it should
+    // take, 0 for a critical-led one; true: the pool runs with the partner's cores;
+    // end_claim() after it, whatever happened). Decode: yield_to_claim(budget)
+    // before each step, with its yield budget (engine/scheduling.h yield_budget_ns).
+    bool claim_cores(uint64_t pass_ns);
+    void end_claim();
+    void yield_to_claim(uint64_t budget_ns);
+    // The running worker of `role` with this one's index (the partner), or -1.
+    int32_t partner_slot(shm::Role role) const;
+    uint64_t claim_seq_ = 0;           // prefill: stamps of its claims
+    bool claimed_ = false;             // prefill: a claim is out
+    bool stepped_since_yield_ = true;  // decode: a step ran since it last stepped aside
     int own_threads_ = 1;
     uint32_t index_ = 0;  // WorkerOptions::index
     ServeRings rings_;
@@ -175,6 +202,7 @@ private:
         KvSeq seq;
         size_t done = 0;  // tokens of `all` with KV in seq
         uint64_t deadline_ns = 0;
+        uint64_t submit_ns = 0;  // its first submission (its TTFT deadline: + params.ttft_target_ns)
         bool looked_up = false;  // prefix cache consulted
         size_t published = 0;    // full blocks registered in the prefix index
         int32_t outlet = -1;         // kv_split: where its KV goes (outlets_)
@@ -219,8 +247,16 @@ private:
     };
     bool give_kv_to_client(Job& j);  // false: the client is gone (nothing given)
     bool drop_cancelled();
-    PrefillPlan plan_pass();
+    // cap > 0: a pass not led by a critical request takes at most cap tokens.
+    PrefillPlan plan_pass(int64_t cap = 0);
     int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
+    // C6 (workers.cpp): for a pass not led by a critical request, how long a pass
+    // on the partner's cores may take (0: no claim) and the tokens it computes then.
+    struct RiskClaim {
+        uint64_t pass_ns = 0;
+        int64_t tokens = 0;
+    };
+    RiskClaim risk_claim() const;
     uint64_t last_critical_ns_ = 0;  // when a critical request was last seen or taken (0: none yet)
     void reserve_destinations(Pass& p);
     void erase_jobs(std::vector<size_t> which);
@@ -279,7 +315,10 @@ private:
         bool fresh = false;  // not yet in a step
         uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)
         uint64_t kv_wait_since = 0;  // alone and waiting for a KV block others hold, since (0: not)
+        uint64_t first_step_ns = 0;   // its pace since (yield_budget_ns): when its first step here began
+        size_t first_step_tokens = 0;  // and its output tokens then
     };
+    uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
     // from[i] (active_ or parked_) ends in state `to`.
     void finish(std::vector<Active>& from, size_t i, shm::ReqState to);
     void finish(size_t i, shm::ReqState to) { finish(active_, i, to); }

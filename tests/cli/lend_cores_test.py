@@ -5,7 +5,10 @@ the real model: with one worker of each role, decode computes on prefill's cores
 while prefill holds no request, and prefill on decode's while decode holds none.
 A decode-only load (one long greedy generation) and a prefill-only load (a long
 prompt, one token) each borrow the other role's cores (duet_worker_borrowed_*), and
-a mixed load (streams decoding while long prompts arrive) gives every core back:
+a mixed load (streams decoding while long prompts arrive) gives every core back,
+but to a critical prompt's passes, which claim decode's cores (decode steps aside,
+duet_worker_yielded_*), and (with a tight standard TTFT target) to prompts that
+would miss it on prefill's core alone while the streams are ahead of their pace:
 every text, greedy, equals the same request's on a server without lending (the
 kernels' results do not depend on the thread count). Prints tokens per second of
 both loads with and without lending (not asserted: a CI machine's other tests share
@@ -50,27 +53,39 @@ def loads(port):
     prefill_s = time.time() - t0
     st.check(code == 200, f"the long prompt: {code} {body}")
     texts.append(json.loads(body)["choices"][0]["text"])
-    # Mixed: two streams decode while long prompts are prefilled.
-    got = [None] * 4
+    mixed_texts, critical_s = mixed(port, long_prompt)
+    return decode_tps, prefill_s, texts + mixed_texts, critical_s
+
+
+def mixed(port, long_prompt, critical=True):
+    """Streams decode while long prompts are prefilled, one of them critical (its
+    passes claim decode's cores: decode steps aside; WorkerBase::claim_cores) unless
+    `critical` is false. (texts, the critical prompt's latency)."""
+    got = [None] * 6
+    critical_s = [0.0]
 
     def one(i):
-        if i < 2:
-            got[i] = st.stream(port, "/v1/completions", {"prompt": f"Story {i}:", "max_tokens": 48, "temperature": 0,
-                                                         "ignore_eos": True, "stream": True})[0]
+        if i < 2 or i == 5:  # stream 5 runs long: decode holds work whenever the critical prompt is computed
+            got[i] = st.stream(port, "/v1/completions", {"prompt": f"Story {i}:", "max_tokens": 48 if i < 2 else 400,
+                                                         "temperature": 0, "ignore_eos": True, "stream": True})[0]
         else:
-            time.sleep(0.3)
-            c, b = st.request(port, "POST", "/v1/completions", {"prompt": f"{i} " + long_prompt, "max_tokens": 4,
-                                                                "temperature": 0})
+            time.sleep(0.3 if i < 4 else 0.6)
+            body = {"prompt": f"{i} " + long_prompt, "max_tokens": 4, "temperature": 0}
+            if i == 4 and critical:
+                body["priority"] = "critical"
+            t0 = time.time()
+            c, b = st.request(port, "POST", "/v1/completions", body)
+            if i == 4:
+                critical_s[0] = time.time() - t0
             st.check(c == 200, f"mixed {i}: {c} {b}")
             got[i] = json.loads(b)["choices"][0]["text"]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    texts += got
-    return decode_tps, prefill_s, texts
+    return got, critical_s[0]
 
 
 def main():
@@ -84,19 +99,52 @@ def main():
         pre_s = metric(port, "duet_worker_borrowed_seconds_total", "prefill")
         st.check(dec and dec >= 1 and dec_s > 0, f"decode borrowed prefill's cores: {dec} times, {dec_s} s")
         st.check(pre and pre >= 1 and pre_s > 0, f"prefill borrowed decode's cores: {pre} times, {pre_s} s")
-        results["borrowed"] = (dec, dec_s, pre, pre_s)
+        # The critical prompt arrived while decode held streams: its passes claimed
+        # decode's cores, and decode stepped aside for them.
+        yields = metric(port, "duet_worker_yielded_cores_total", "decode")
+        yield_s = metric(port, "duet_worker_yielded_seconds_total", "decode")
+        st.check(yields and yields >= 1 and yield_s > 0, f"decode stepped aside for critical passes: {yields} times")
+        results["borrowed"] = (dec, dec_s, pre, pre_s, yields, yield_s)
 
     def plain(port, server):
         results["plain"] = loads(port)
         st.check(not metric(port, "duet_worker_borrowed_cores_total", "decode"), "no lending with --no-lend-cores")
+        st.check(not metric(port, "duet_worker_yielded_cores_total", "decode"), "no claims with --no-lend-cores")
+
+    def at_risk(port, server):
+        # A standard TTFT target of 0.8 s: the 300-token prompts (about 1.1 s on one
+        # core) are at risk from the start, and claim decode's cores while its
+        # streams are ahead of their 250 ms inter-token target (C6); nothing here is
+        # critical.
+        long_prompt = " ".join(f"w{i % 50}" for i in range(120))
+        # Prefill's rate is measured first (kRateEvidenceTokens: 2048 prompt tokens);
+        # without it no prompt is known to be at risk.
+        warm = [threading.Thread(target=st.request, args=(port, "POST", "/v1/completions",
+                                                          {"prompt": f"warm {i} " + long_prompt, "max_tokens": 1}))
+                for i in range(8)]
+        for t in warm:
+            t.start()
+        for t in warm:
+            t.join()
+        results["risk"], _ = mixed(port, long_prompt, critical=False)
+        yields = metric(port, "duet_worker_yielded_cores_total", "decode")
+        st.check(yields and yields >= 1, f"decode stepped aside for prompts at risk: {yields} times")
+        results["risk_yields"] = yields
 
     st.serving(f"duet-lend-test-{os.getpid()}", lending)  # the default
     st.serving(f"duet-lend-plain-{os.getpid()}", plain, ("--no-lend-cores",))
+    st.serving(f"duet-lend-risk-{os.getpid()}", at_risk, ("--slo", "standard=800ms/250ms"))
     lend, plain_r = results["lend"], results["plain"]
     st.check(lend[2] == plain_r[2], f"texts differ with lending:\n{lend[2]}\n{plain_r[2]}")
-    dec, dec_s, pre, pre_s = results["borrowed"]
+    # The same requests but for the critical class of one (sampling does not depend on it).
+    st.check(results["risk"] == plain_r[2][-6:], f"texts differ with claims for prompts at risk:\n{results['risk']}\n"
+             f"{plain_r[2][-6:]}")
+    dec, dec_s, pre, pre_s, yields, yield_s = results["borrowed"]
     print(f"lent cores: decode took prefill's {int(dec)} times ({dec_s:.2f} s), prefill took decode's {int(pre)} times "
-          f"({pre_s:.2f} s); every text identical to a server without lending")
+          f"({pre_s:.2f} s); decode stepped aside for critical passes {int(yields)} times ({yield_s:.2f} s); every "
+          f"text identical to a server without lending")
+    print(f"the critical 300-token prompt among streams: {lend[3]:.2f} s lending, {plain_r[3]:.2f} s without; "
+          f"decode stepped aside {int(results['risk_yields'])} times for standard prompts at risk")
     print(f"decode-only: {lend[0]:.1f} tokens/s lending, {plain_r[0]:.1f} without ({lend[0] / plain_r[0]:.2f}x); "
           f"a 300-token prompt: {lend[1]:.2f} s lending, {plain_r[1]:.2f} s without ({plain_r[1] / lend[1]:.2f}x)")
 
