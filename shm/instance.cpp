@@ -4,23 +4,13 @@
 #include <cstring>
 #include <new>
 
+#include "base/fnv.h"
+
 namespace duet::shm {
 
 namespace {
 
 size_t align(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-struct Fnv {
-    uint64_t h = 1469598103934665603ull;
-    void add(const void* p, size_t n) {
-        const auto* b = static_cast<const uint8_t*>(p);
-        for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-    }
-    template <typename T>
-    void add(const T& v) {
-        add(&v, sizeof v);
-    }
-};
 
 // The configuration, stored at the start of the payload so tools can attach by name.
 struct StoredConfig {

@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "base/fnv.h"
+
 namespace duet {
 
 const char* slo_class_name(SloClass c) {
@@ -147,17 +149,11 @@ uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t targe
 }
 
 uint64_t RetryMemory::key(SloClass c, const int32_t* tokens, size_t n) {
-    // FNV-1a over the class and the tokens' bytes: a key to recognise a prompt by,
-    // not a security boundary (a collision spares one A1 refusal).
-    uint64_t h = 1469598103934665603ull;
-    auto mix = [&](uint8_t b) {
-        h ^= b;
-        h *= 1099511628211ull;
-    };
-    mix(static_cast<uint8_t>(c));
-    for (size_t i = 0; i < n; ++i)
-        for (int k = 0; k < 4; ++k) mix(static_cast<uint8_t>(static_cast<uint32_t>(tokens[i]) >> (8 * k)));
-    return h;
+    // The class and the tokens' bytes (a collision spares one A1 refusal).
+    Fnv f;
+    f.add(static_cast<uint8_t>(c));
+    f.add(tokens, n * sizeof(int32_t));
+    return f.h;
 }
 
 void RetryMemory::refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms) {
