@@ -71,8 +71,8 @@ struct alignas(64) ProcSlot {
     // front measures both rates (engine/scheduling.h, admission_rates).
     std::atomic<uint64_t> wide_busy_ns;
     std::atomic<uint64_t> wide_tokens;
-    // The claim on a busy partner's cores (WorkerBase::claim_cores; the rules are
-    // there). Prefill: claim, the stamp of the claim it holds (0: none), and
+    // The claim on a busy partner's cores (the rules are in src/roles/claims.h).
+    // Prefill: claim, the stamp of the claim it holds (0: none), and
     // claim_pass_ns, how long the claiming pass should take (0: led by a critical
     // request). Decode: claim_ack, the stamp of the claim it answered last (with
     // kClaimDeclined set: not stepping aside); yield_budget_ns, how long it may step

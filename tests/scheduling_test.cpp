@@ -391,7 +391,8 @@ TEST(Scheduling, APromptIsAtRiskWhenItsOwnCoresMissItsDeadline) {
 }
 
 // A1 judges a prompt once: back after its Retry-After (plus the grace), A1 admits
-// it; A2 still judges it; too late, or a second return, and it is judged again.
+// it; A2 still judges it (and the prompt stays remembered through A2's Retry-After);
+// too late, or back after it was admitted, and it is judged again.
 TEST(Scheduling, APromptA1RefusedIsNotJudgedByA1WhenItComesBack) {
     const uint64_t ms = 1'000'000;
     const std::vector<int32_t> prompt = {5, 6, 7}, other = {5, 6, 8};
@@ -399,20 +400,36 @@ TEST(Scheduling, APromptA1RefusedIsNotJudgedByA1WhenItComesBack) {
     EXPECT_NE(k, RetryMemory::key(SloClass::Standard, other.data(), other.size()));
     EXPECT_NE(k, RetryMemory::key(SloClass::Batch, prompt.data(), prompt.size()));  // the class is part of it
     RetryMemory m(4, 100 * ms);
+    AdmissionDecision yes, a1, a2;
+    a1.admit = a2.admit = false;
+    a1.reason = "ttft";
+    a1.retry_after_ms = 500;
+    a2.reason = "queue";
+    a2.retry_after_ms = 2000;
     EXPECT_FALSE(m.returning(k, 0));  // never refused
-    m.refused(k, 1000 * ms, 500);     // back by 1.5 s, + 0.1 s grace
+    m.judged(k, 1000 * ms, false, a2);  // A2's refusal of a prompt A1 never refused: nothing remembered
+    EXPECT_EQ(m.size(), 0u);
+    m.judged(k, 1000 * ms, false, a1);  // back by 1.5 s, + 0.1 s grace
     EXPECT_TRUE(m.returning(k, 1550 * ms));
-    EXPECT_FALSE(m.returning(k, 1560 * ms));  // once
-    m.refused(k, 2000 * ms, 500);
-    EXPECT_FALSE(m.returning(k, 2601 * ms));  // too late: judged again
+    EXPECT_TRUE(m.returning(k, 1560 * ms));  // asking forgets nothing
+    // Back in time but refused by A2 (2 s): still returning until 3.55 s + 0.1 s.
+    m.judged(k, 1550 * ms, true, a2);
+    EXPECT_TRUE(m.returning(k, 3650 * ms));
+    EXPECT_FALSE(m.returning(k, 3651 * ms));
+    m.judged(k, 3600 * ms, true, yes);  // admitted: forgotten
+    EXPECT_FALSE(m.returning(k, 3600 * ms));
+    EXPECT_EQ(m.size(), 0u);
+    m.refused(k, 4000 * ms, 500);
+    EXPECT_FALSE(m.returning(k, 4601 * ms));  // too late: judged again
+    m.judged(k, 4601 * ms, false, yes);
     EXPECT_EQ(m.size(), 0u);
     // At capacity the oldest refusal is forgotten; expired ones go first.
-    for (int32_t i = 0; i < 5; ++i) m.refused(RetryMemory::key(SloClass::Standard, &i, 1), (3000 + i) * ms, 1000);
+    for (int32_t i = 0; i < 5; ++i) m.refused(RetryMemory::key(SloClass::Standard, &i, 1), (5000 + i) * ms, 1000);
     EXPECT_EQ(m.size(), 4u);
     const int32_t first = 0, last = 4;
-    EXPECT_FALSE(m.returning(RetryMemory::key(SloClass::Standard, &first, 1), 3100 * ms));
-    EXPECT_TRUE(m.returning(RetryMemory::key(SloClass::Standard, &last, 1), 3100 * ms));
-    m.refused(k, 9000 * ms, 1);  // the other three have expired by then
+    EXPECT_FALSE(m.returning(RetryMemory::key(SloClass::Standard, &first, 1), 5100 * ms));
+    EXPECT_TRUE(m.returning(RetryMemory::key(SloClass::Standard, &last, 1), 5100 * ms));
+    m.refused(k, 9000 * ms, 1);  // the other four have expired by then
     EXPECT_EQ(m.size(), 1u);
 
     // decide(): the refused prompt (A1) is admitted when it comes back; A2 is not

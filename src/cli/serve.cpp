@@ -272,6 +272,9 @@ const char* systemd_unit_text(size_t i);
 
 namespace {
 
+// The units' CacheDirectory=duet (duet-instance, duet-prefill@, duet-decode@).
+constexpr const char* kSystemdSwapRoot = "/var/cache/duet";
+
 Status write_text(const std::filesystem::path& path, const std::string& text, std::filesystem::perms mode) {
     std::error_code ec;
     std::filesystem::create_directories(path.parent_path(), ec);
@@ -325,6 +328,17 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
     ServeSettings in = settings;
     in.model = std::filesystem::absolute(in.model).string();
     if (in.instance.empty()) in.instance = "duet";
+    // The swap directory: every unit has a private /tmp and /var/tmp (PrivateTmp=),
+    // where a worker would not see the directory the instance made, and
+    // ProtectSystem=strict leaves it no other place to write but the CacheDirectory=
+    // (duet) of the instance's and the workers' units: there, shared by them.
+    if (in.swap_root == ServeSettings{}.swap_root) in.swap_root = kSystemdSwapRoot;
+    for (const char* priv : {"/tmp", "/var/tmp"})
+        if (in.swap_root == priv || in.swap_root.starts_with(std::string(priv) + "/"))
+            return fail(fmt::format("--swap-root {}: each unit has a private {} (PrivateTmp=yes), where a worker "
+                                    "would not see the instance's swap directory; use {} (the default here), or "
+                                    "\"\" to recompute",
+                                    in.swap_root, priv, kSystemdSwapRoot));
     if (in.port == 0) return fail("--port: the front's unit needs a fixed port");
     auto prep = prepare_serve(in, /*pick_port=*/false);
     if (!prep) return fail(prep.error().message);
@@ -345,6 +359,9 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
                                         s.slots, s.kv_dtype, s.kv_arenas, s.resume_window_s);
     if (s.device != "cpu") inst_args += fmt::format(" --device {} --kv-memory {}", s.device, s.kv_memory);
     inst_args += fmt::format(" --prefill-workers {} --decode-workers {}", s.prefill_workers, s.decode_workers);
+    // (Without a swap root the workers are given no swap directory: they recompute,
+    // and the instance's default one, in its private /var/tmp, stays empty.)
+    if (!s.swap_root.empty()) inst_args += " --swap-root " + s.swap_root;
     if (s.kv_blocks > 0) inst_args += fmt::format(" --kv-blocks {}", s.kv_blocks);
     if (!s.contexts_dir.empty())
         inst_args += fmt::format(" --contexts-dir {} --contexts-max {}", s.contexts_dir, s.contexts_max);

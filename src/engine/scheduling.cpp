@@ -168,14 +168,15 @@ void RetryMemory::refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms
     until_.push_back({key, until, now_ns});
 }
 
-bool RetryMemory::returning(uint64_t key, uint64_t now_ns) {
-    for (size_t i = 0; i < until_.size(); ++i) {
-        if (until_[i].key != key) continue;
-        const bool in_time = now_ns <= until_[i].until_ns;
-        until_.erase(until_.begin() + static_cast<std::ptrdiff_t>(i));
-        return in_time;
-    }
+bool RetryMemory::returning(uint64_t key, uint64_t now_ns) const {
+    for (const Entry& e : until_)
+        if (e.key == key) return now_ns <= e.until_ns;
     return false;
+}
+
+void RetryMemory::judged(uint64_t key, uint64_t now_ns, bool returning, const AdmissionDecision& d) {
+    if (d.admit) std::erase_if(until_, [&](const Entry& e) { return e.key == key; });
+    else if (d.reason == "ttft" || returning) refused(key, now_ns, d.retry_after_ms);
 }
 
 AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,

@@ -281,8 +281,10 @@ uint64_t retry_after_seconds(uint64_t ms);
 // Waiting helped it no more than the first time. So the front remembers a prompt A1
 // refused (a hash of its class and tokens) until its Retry-After plus `grace_ns`
 // (the openai client waits the Retry-After, then retries at once); back within that,
-// A1 admits it, once. A2 and A3 still judge it: they bound what the server holds,
-// not one request's wait. Another client's identical prompt inside that window is
+// A1 does not judge it again. A2 and A3 still judge it: they bound what the server
+// holds, not one request's wait; a returning prompt they refuse stays remembered
+// until their Retry-After plus the grace (it was judged by A1 once already). It is
+// forgotten once admitted. Another client's identical prompt inside that window is
 // taken for the returning one: at most one A1 refusal spared per refusal. At most
 // `capacity` prompts remembered (beyond: the oldest forgotten first, which only
 // costs them a second refusal). Not thread-safe: the caller serializes.
@@ -293,8 +295,12 @@ public:
     static uint64_t key(SloClass c, const int32_t* tokens, size_t n);
     // A1 refused the prompt `key` now, telling it to come back in retry_after_ms.
     void refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms);
-    // Whether `key` was refused by A1 and is back in time; it is forgotten then.
-    bool returning(uint64_t key, uint64_t now_ns);
+    // Whether `key` was refused by A1 and is back in time (nothing forgotten).
+    bool returning(uint64_t key, uint64_t now_ns) const;
+    // What decide() said of `key`, judged with `returning` (its answer before):
+    // admitted, it is forgotten; refused by A1, or by A2/A3 while returning, it is
+    // remembered until d's Retry-After plus the grace.
+    void judged(uint64_t key, uint64_t now_ns, bool returning, const AdmissionDecision& d);
     size_t size() const { return until_.size(); }
 
 private:

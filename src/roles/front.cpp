@@ -498,7 +498,7 @@ AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key) 
                                           {prefill_wide_rate_.rate() * n, prefill_wide_rate_.recent() * n});
     AdmissionDecision d = admission_.decide(c, tokens, queue_, r.best, r.recent, &kv_, returning);
     if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
-    else if (d.reason == "ttft") retries_.refused(key, now, d.retry_after_ms);
+    retries_.judged(key, now, returning, d);
     return d;
 }
 

@@ -75,15 +75,17 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                 served = family("duet_worker_served_total", "counter", "Requests a worker took since it started."),
                 up = family("duet_worker_up", "gauge", "1 while a process runs for the worker, else 0."),
                 borrows = family("duet_worker_borrowed_cores_total", "counter",
-                                 "Times a worker took the other role's cores: while it was idle, or (prefill) for "
-                                 "a pass led by a critical request (--lend-cores)."),
+                                 "Times a worker took the other role's cores: while it was idle, or (prefill) by a "
+                                 "claim, for a pass led by a critical request or one for prompts that would miss "
+                                 "their TTFT target on prefill's cores alone (--lend-cores)."),
                 borrowed = family("duet_worker_borrowed_seconds_total", "counter",
                                   "Time a worker computed with the other role's cores (--lend-cores)."),
                 yields = family("duet_worker_yielded_cores_total", "counter",
-                                "Times a decode worker stepped aside so that a prefill pass led by a critical "
-                                "request computed on its cores too (--lend-cores)."),
+                                "Times a decode worker stepped aside so that a prefill pass computed on its "
+                                "cores too: one led by a critical request, or one for prompts at risk of their "
+                                "TTFT target (--lend-cores)."),
                 yielded = family("duet_worker_yielded_seconds_total", "counter",
-                                 "Time a decode worker stepped aside for prefill passes led by critical requests."),
+                                 "Time a decode worker stepped aside for prefill passes (claims)."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -180,8 +182,8 @@ std::string metrics_classes(const MetricsSnapshot& s) {
                     fmt::format("duet_prefill_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_rate) +
                     fmt::format("duet_prefill_rate_tokens_per_second{{window=\"recent\"}} {}\n", s.prefill_rate_recent) +
                     family("duet_prefill_wide_rate_tokens_per_second", "gauge",
-                           "The same in passes computed with decode's cores too (lent, or claimed for critical "
-                           "work: critical requests are admitted at this rate).") +
+                           "The same in passes computed with decode's cores too (lent, or claimed: critical "
+                           "requests are admitted at this rate).") +
                     fmt::format("duet_prefill_wide_rate_tokens_per_second{{window=\"best\"}} {}\n", s.prefill_wide_rate) +
                     fmt::format("duet_prefill_wide_rate_tokens_per_second{{window=\"recent\"}} {}\n",
                                 s.prefill_wide_rate_recent);

@@ -18,6 +18,7 @@
 #include "engine/backends.h"
 #include "engine/scheduling.h"
 #include "model/fingerprint.h"
+#include "roles/claims.h"
 #include "roles/sd_notify.h"
 
 namespace duet {
@@ -209,130 +210,22 @@ int32_t WorkerBase::partner_slot(shm::Role role) const {
     return inst_->registry().find_running(role, static_cast<int32_t>(index_));
 }
 
-// Claims. Lent cores (borrow_cores) come only while the partner is idle; a critical
-// prompt arriving while decode streams run would get prefill's own cores alone, and
-// two such prompts close together could not both meet a 1 s target on one core
-// (bench/RESULTS.md "Overload"). So a pass led by a critical request claims the
-// partner's cores, and decode steps aside for it. The rules:
-//   C1. Prefill claims only for a pass led by a critical request (a critical-led
-//       pass holds only critical work: plan_prefill), only with cores to borrow
-//       (WorkerOptions::borrow_cpus), and only from a partner (decode worker of its
-//       index) that holds requests: an idle one lends them anyway.
-//   C2. Decode steps aside only between steps, and never twice without a step in
-//       between: under a stream of critical prompts its sequences still move one
-//       token per critical pass.
-//   C3. Prefill computes with the partner's cores only once the partner has
-//       acknowledged this claim (claim_ack == its stamp) or holds no request;
-//       otherwise after kClaimWaitNs it withdraws the claim and computes on its own
-//       cores. Two processes never compute on one core at once but for the time an
-//       idle partner takes a new request's first step (borrow_cores' bound).
-//   C4. The claim is withdrawn as soon as the pass ends (end_claim), and the
-//       partner's doorbell rung. Decode returns to work when the claim it stepped
-//       aside for is withdrawn, when the claiming process is not running any more,
-//       or after kYieldMaxNs whatever happens.
-//   C5. Every claim has its own stamp (a counter): an answer to a claim already
-//       withdrawn never passes for one to the next claim, and decode answers each
-//       claim once.
-//   C6. A pass not led by a critical request claims only when a prompt in hand
-//       would miss its TTFT deadline on prefill's own cores, computed in order
-//       (queue_misses_on_own_cores), the
-//       partner has published time in hand (yield_budget_ns: every stream it holds
-//       stays within its class's inter-token target on average), and the pass is
-//       cut to fit it (at most the pass cut, --prefill-pass-ms). Decode checks the
-//       claim's pass_ns against its budget when it answers, and declines
-//       (kClaimDeclined) when the budget is smaller by then: prefill computes on its
-//       own cores at once. And only for a pass of at least kClaimSteps of decode's
-//       steps (ProcSlot step_ns): a claim costs prefill up to a step waiting for
-//       the answer and decode's step after it (C2). And not while critical work is
-//       around (within --prefill-cut-window of the last critical request): under
-//       2-3x load these claims cost critical requests their target (at 2x, 17-18
-//       of 19 met with them in three runs, 18-19 without in two; bench/RESULTS.md
-//       "Overload"), and a critical pass that finds decode just back from one
-//       waits for its step.
-// A claim only moves time between the roles: the kernels' results do not depend on
-// the thread count (the invariance contract), so no output changes.
-namespace {
-constexpr uint64_t kClaimWaitNs = 100'000'000;  // C3: a few decode steps of a full batch here
-constexpr uint64_t kYieldMaxNs = 2'000'000'000;  // C4: more than the longest critical pass
-constexpr uint64_t kClaimDeclined = 1ull << 63;  // C6: in claim_ack, with the stamp
-constexpr uint64_t kClaimSteps = 4;              // C6: a claimed pass is at least this many decode steps
-}  // namespace
-
+// Claims on a busy partner's cores: the rules (C1-C6) are in roles/claims.h.
 bool WorkerBase::claim_cores(uint64_t pass_ns) {
     if (threads_->size() == own_threads_) return false;
-    const int32_t partner = partner_slot(shm::Role::Decode);
-    if (partner < 0) return false;
-    shm::Registry& reg = inst_->registry();
-    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
-    shm::ProcSlot& me = reg.slot(self_.slot);
-    const uint64_t stamp = ++claim_seq_;
-    me.claim_pass_ns.store(pass_ns, std::memory_order_relaxed);  // published by the claim's release
-    me.claim.store(stamp, std::memory_order_release);
-    claimed_ = true;
-    reg.wake(shm::Role::Decode, static_cast<int32_t>(index_));
-    const uint64_t until = shm::monotonic_ns() + kClaimWaitNs;
-    for (;;) {
-        const uint64_t ack = ps.claim_ack.load(std::memory_order_acquire);
-        if (ack == (stamp | kClaimDeclined)) {
-            end_claim();
-            return false;
-        }
-        if (ack == stamp || ps.load_items.load(std::memory_order_relaxed) == 0) {
-            me.borrows.fetch_add(1, std::memory_order_relaxed);
-            threads_->set_width(threads_->size());
-            return true;
-        }
-        if (shm::monotonic_ns() >= until || !reg.running_as(static_cast<uint32_t>(partner), shm::Role::Decode)) {
-            end_claim();
-            return false;
-        }
-        usleep(200);
-    }
+    if (!claims_.claim(inst_->registry(), self_.slot, index_, pass_ns)) return false;
+    threads_->set_width(threads_->size());
+    return true;
 }
 
 void WorkerBase::end_claim() {
-    if (!claimed_) return;
-    claimed_ = false;
+    if (!claims_.out()) return;
     threads_->set_width(own_threads_);
-    inst_->registry().slot(self_.slot).claim.store(0, std::memory_order_release);
-    inst_->registry().wake(shm::Role::Decode, static_cast<int32_t>(index_));
+    claims_.end(inst_->registry(), self_.slot, index_);
 }
 
 void WorkerBase::yield_to_claim(uint64_t budget_ns) {
-    shm::Registry& reg = inst_->registry();
-    shm::ProcSlot& me = reg.slot(self_.slot);
-    me.yield_budget_ns.store(budget_ns, std::memory_order_relaxed);
-    if (!stepped_since_yield_) {  // C2
-        stepped_since_yield_ = true;
-        return;
-    }
-    const int32_t partner = partner_slot(shm::Role::Prefill);
-    if (partner < 0) return;
-    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
-    const uint64_t stamp = ps.claim.load(std::memory_order_acquire);
-    if (stamp == 0 || (me.claim_ack.load(std::memory_order_relaxed) & ~kClaimDeclined) == stamp) return;  // C5
-    const uint64_t pass_ns = ps.claim_pass_ns.load(std::memory_order_relaxed);
-    if (pass_ns > budget_ns) {  // C6
-        me.claim_ack.store(stamp | kClaimDeclined, std::memory_order_release);
-        return;
-    }
-    // Our borrowed cores first (the claimer runs on them), then the acknowledgement.
-    threads_->set_width(own_threads_);
-    me.claim_ack.store(stamp, std::memory_order_release);
-    const uint64_t t0 = shm::monotonic_ns();
-    shm::Doorbell& bell = reg.doorbell(self_.slot);
-    for (;;) {
-        const uint64_t now = shm::monotonic_ns();
-        if (now - t0 >= kYieldMaxNs || !reg.running_as(static_cast<uint32_t>(partner), shm::Role::Prefill)) break;
-        // end_claim rings this doorbell; so do producers of our other work (the wait
-        // only ends early and looks again). 10 ms slices: C4's liveness checks.
-        if (shm::doorbell_wait(bell, [&] { return ps.claim.load(std::memory_order_acquire) != stamp; }, 0,
-                               static_cast<int64_t>(std::min<uint64_t>(10'000'000, kYieldMaxNs - (now - t0)))))
-            break;
-    }
-    me.yields.fetch_add(1, std::memory_order_relaxed);
-    me.yielded_ns.fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
-    stepped_since_yield_ = false;
+    duet::yield_to_claim(inst_->registry(), self_.slot, index_, budget_ns, [&] { threads_->set_width(own_threads_); });
 }
 
 Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
@@ -827,8 +720,11 @@ PrefillWorker::RiskClaim PrefillWorker::risk_claim() const {
     if (own.tokens < static_cast<uint64_t>(kRateEvidenceTokens) || own.busy_ns == 0) return {};
     const double rate = static_cast<double>(own.tokens) * 1e9 / static_cast<double>(own.busy_ns);
     std::vector<PendingPrompt> q;
-    for (const Job& j : jobs_)
-        q.push_back({j.deadline_ns, j.submit_ns + j.params.ttft_target_ns, static_cast<int64_t>(j.all.size() - j.done)});
+    for (const Job& j : jobs_) {
+        const bool due = j.params.ttft_target_ns > 0 && j.output.empty();  // its first token still to come
+        q.push_back({j.deadline_ns, due ? j.submit_ns + j.params.ttft_target_ns : UINT64_MAX,
+                     static_cast<int64_t>(j.all.size() - j.done)});
+    }
     if (!queue_misses_on_own_cores(std::move(q), now, rate)) return {};
     // As long as decode has time in hand, at most the pass cut (a stream's longest
     // gap), and long enough to be worth a pass.

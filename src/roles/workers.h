@@ -26,6 +26,7 @@
 #include "model/cpu_backend.h"
 #include "model/device_spec.h"
 #include "model/tokenizer.h"
+#include "roles/claims.h"
 #include "roles/routing.h"
 #include "roles/wire.h"
 #include "shm/handoff.h"
@@ -121,7 +122,7 @@ protected:
     bool borrow_cores(shm::Role lender);
     void borrowed(uint64_t since_ns);
     // Claims on a busy partner's cores, for passes led by a critical request or by
-    // a prompt at risk (the rules, C1-C6, are in workers.cpp above claim_cores).
+    // a prompt at risk (the rules, C1-C6, are in roles/claims.h).
     // Prefill: claim_cores(pass_ns) before such a pass (pass_ns: how long it should
     // take, 0 for a critical-led one; true: the pool runs with the partner's cores;
     // end_claim() after it, whatever happened). Decode: yield_to_claim(budget)
@@ -131,9 +132,7 @@ protected:
     void yield_to_claim(uint64_t budget_ns);
     // The running worker of `role` with this one's index (the partner), or -1.
     int32_t partner_slot(shm::Role role) const;
-    uint64_t claim_seq_ = 0;           // prefill: stamps of its claims
-    bool claimed_ = false;             // prefill: a claim is out
-    bool stepped_since_yield_ = true;  // decode: a step ran since it last stepped aside
+    CoreClaims claims_;  // prefill's
     int own_threads_ = 1;
     uint32_t index_ = 0;  // WorkerOptions::index
     ServeRings rings_;

@@ -10,6 +10,8 @@
   each unit a NOTIFY_SOCKET of its own and WATCHDOG_USEC, starts duet-instance, waits
   for its READY=1, then starts prefill@0, decode@0 and the front (READY=1 from each,
   the front's once it listens) and restarts a unit that dies after its RestartSec=;
+  it makes each unit's CacheDirectory= (under its own directory): the swap directory
+  the instance makes there is the one both workers are given and see;
 - SIGKILL of the front under 8 streams: the workers keep running (same pids), the
   restarted front adopts the requests, every client resumes with Last-Event-ID and
   gets exactly an undisturbed run's text;
@@ -78,6 +80,7 @@ check(ins.returncode == 0 and os.path.exists(os.path.join(root, "etc/systemd/sys
       and stat.S_IMODE(os.stat(os.path.join(root, "etc/duet/duet.env")).st_mode) == 0o600,
       f"install --root: {ins.stdout}{ins.stderr}")
 print("install --root: units under etc/systemd/system, duet.env under etc/duet (0600): ok")
+CACHE = os.path.join(tmp, "var-cache")  # the harness's /var/cache
 
 
 def parse_unit(name):
@@ -85,9 +88,11 @@ def parse_unit(name):
     base = re.sub(r"@(\d+)\.", "@.", name)
     inst = re.search(r"@(\d+)\.", name)
     files = [os.path.join(gen, base)] + sorted(glob.glob(os.path.join(gen, name + ".d", "*.conf")))
-    env, exec_start, restart_sec = {}, None, 0.1
+    env, exec_start, restart_sec, cache_dirs = {}, None, 0.1, []
     for f in files:
         for k, val in unit_lines(f):
+            if k == "CacheDirectory":
+                cache_dirs += val.split()
             if k == "Environment":
                 for word in shlex.split(val):
                     a, b = word.split("=", 1)
@@ -110,7 +115,12 @@ def parse_unit(name):
             argv += env.get(word[1:], "").split()
         else:
             argv.append(re.sub(r"\$\{([A-Z_]+)\}", lambda m: env[m.group(1)], word))
-    return env, argv, restart_sec
+    # CacheDirectory=: systemd makes /var/cache/<name> (0700) for the unit; the
+    # harness makes it under its own directory and points the arguments there.
+    for d in cache_dirs:
+        os.makedirs(os.path.join(CACHE, d), mode=0o700, exist_ok=True)
+        argv = [a.replace(f"/var/cache/{d}", os.path.join(CACHE, d)) for a in argv]
+    return env, argv, restart_sec, cache_dirs
 
 
 class Unit:
@@ -118,7 +128,7 @@ class Unit:
 
     def __init__(self, name):
         self.name = name
-        self.env, self.argv, self.restart_sec = parse_unit(name)
+        self.env, self.argv, self.restart_sec, self.cache_dirs = parse_unit(name)
         self.path = os.path.join(tmp, name.replace("@", "_") + ".sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
@@ -266,6 +276,12 @@ try:
     try:
         inst = Unit("duet-instance.service")
         check(inst.argv[:2] == [DUET, "instance"] and "--prefill-workers" in inst.argv, f"instance argv: {inst.argv}")
+        # Preempted requests' KV is swapped in the units' shared CacheDirectory= (each
+        # unit's /var/tmp is private): the instance makes duet-swap-<instance> there,
+        # and every worker is told that directory.
+        swap_dir = os.path.join(CACHE, "duet", f"duet-swap-{instance}")
+        check(inst.argv[inst.argv.index("--swap-root") + 1] == os.path.join(CACHE, "duet") and inst.cache_dirs == ["duet"],
+              f"the instance's swap root is its CacheDirectory=: {inst.argv} {inst.cache_dirs}")
         inst.start()
         inst.wait_ready()
         inst.supervise()
@@ -275,6 +291,14 @@ try:
         for u in roles.values():
             u.wait_ready()
             u.supervise()
+        for name in ("duet-prefill@0.service", "duet-decode@0.service"):
+            u = roles[name]
+            check(u.cache_dirs == ["duet"] and u.argv[u.argv.index("--swap-dir") + 1] == swap_dir,
+                  f"{name}: the swap directory in its CacheDirectory=: {u.argv} {u.cache_dirs}")
+            check(not any("no swap directory" in l for l in u.log), f"{name} sees the swap directory:\n" + "".join(u.log))
+        check(os.path.isdir(swap_dir) and stat.S_IMODE(os.stat(swap_dir).st_mode) == 0o700,
+              f"the instance made {swap_dir} (0700)")
+        print(f"swap directory: {swap_dir}, under the units' CacheDirectory=duet, seen by both workers: ok")
         front, decode = roles["duet-front.service"], roles["duet-decode@0.service"]
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         c.request("GET", "/ready")
@@ -328,6 +352,7 @@ try:
         rc = inst.stop()
         check(rc == 0 and inst.since(t, "STOPPING"), f"the instance: exit {rc}")
         check(not glob.glob(f"/dev/shm/duet.{instance}*"), "the instance's segments are gone")
+        check(not os.path.exists(swap_dir), f"the instance removed {swap_dir}")
         print("stop: each role STOPPING=1 and exit 0, then the instance; its segments gone: ok")
     except SystemExit:
         for u in [*roles.values()] + ([inst] if "inst" in dir() else []):

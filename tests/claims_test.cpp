@@ -1,0 +1,236 @@
+// The claim protocol (roles/claims.h, rules C1-C6) between two threads standing for
+// a prefill worker and its decode partner over one Registry: what each side sees at
+// each step, and the cases a restart, a death or a long pass make.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "roles/claims.h"
+#include "shm/doorbell.h"
+
+namespace duet {
+namespace {
+
+using shm::ProcRef;
+using shm::Registry;
+using shm::Role;
+constexpr uint64_t kMs = 1'000'000;
+
+struct Mem {
+    explicit Mem(size_t n) : p(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096)) {}
+    ~Mem() { std::free(p); }
+    void* p;
+};
+
+// A registry with a running prefill and decode worker 0 (this process stands for both).
+struct Pair {
+    Pair() : mem(Registry::bytes(4)) {
+        EXPECT_TRUE(Registry::init(mem.p, 4).ok());
+        reg = *Registry::attach(mem.p);
+        prefill = start(Role::Prefill);
+        decode = start(Role::Decode);
+        reg.slot(decode.slot).load_items.store(1);  // decode holds a request: it must answer
+    }
+    ProcRef start(Role r) {
+        auto ref = reg.claim(r, -1, getpid(), 0);
+        EXPECT_TRUE(ref.ok());
+        EXPECT_TRUE(reg.set_running(*ref));
+        return *ref;
+    }
+    Mem mem;
+    Registry reg;
+    ProcRef prefill, decode;
+};
+
+// Decode's loop: yield_to_claim with `budget`, then a 2 ms step, while `run`.
+struct DecodeLoop {
+    DecodeLoop(Pair& p, uint64_t budget) : p_(p), budget_(budget), t_([this] { loop(); }) {}
+    ~DecodeLoop() { stop(); }
+    void stop() {
+        run = false;
+        if (t_.joinable()) t_.join();
+    }
+    void loop() {
+        while (run) {
+            yield_to_claim(p_.reg, p_.decode.slot, 0, budget_, [&] { narrowed.fetch_add(1); });
+            stepping = true;
+            steps.fetch_add(1);
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            stepping = false;
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+    }
+    Pair& p_;
+    uint64_t budget_;
+    std::atomic<bool> run{true}, stepping{false};
+    std::atomic<uint64_t> steps{0}, narrowed{0};
+    std::thread t_;
+};
+
+uint64_t yields(Pair& p) { return p.reg.slot(p.decode.slot).yields.load(); }
+
+// C1-C4: a critical-led claim is answered between steps; decode computes nothing
+// until it is withdrawn, then goes on.
+TEST(Claims, DecodeStepsAsideForACriticalPassUntilItIsWithdrawn) {
+    Pair p;
+    DecodeLoop d(p, 0);  // no budget: a critical claim is answered anyway
+    while (d.steps.load() < 3) std::this_thread::yield();
+    CoreClaims c;
+    const uint64_t t0 = shm::monotonic_ns();
+    ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0));
+    EXPECT_LT(shm::monotonic_ns() - t0, kClaimWaitNs) << "answered within a step";
+    EXPECT_TRUE(c.out());
+    EXPECT_EQ(d.narrowed.load(), 1u) << "decode gave back borrowed cores before answering";
+    EXPECT_EQ(p.reg.slot(p.prefill.slot).borrows.load(), 1u);
+    const uint64_t steps = d.steps.load();
+    for (int i = 0; i < 50; ++i) {  // 50 ms of a pass: decode does not step
+        EXPECT_FALSE(d.stepping.load());
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(d.steps.load(), steps);
+    c.end(p.reg, p.prefill.slot, 0);
+    EXPECT_FALSE(c.out());
+    EXPECT_EQ(p.reg.slot(p.prefill.slot).claim.load(), 0u);
+    const uint64_t t1 = shm::monotonic_ns();
+    while (d.steps.load() == steps && shm::monotonic_ns() - t1 < 1000 * kMs) std::this_thread::yield();
+    EXPECT_GT(d.steps.load(), steps) << "decode went back to work when the claim was withdrawn";
+    d.stop();
+    EXPECT_EQ(yields(p), 1u);
+    const uint64_t yielded = p.reg.slot(p.decode.slot).yielded_ns.load();
+    EXPECT_GE(yielded, 50 * kMs);
+    EXPECT_LT(yielded, kYieldMaxNs);
+}
+
+// C2: under back-to-back claims decode still steps once between two of them.
+TEST(Claims, DecodeStepsBetweenTwoClaims) {
+    Pair p;
+    DecodeLoop d(p, 0);
+    CoreClaims c;
+    for (int i = 0; i < 5; ++i) {
+        const uint64_t steps = d.steps.load();
+        ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0));
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        c.end(p.reg, p.prefill.slot, 0);
+        // The next claim waits for decode's step: the count moves before it is answered.
+        const uint64_t t1 = shm::monotonic_ns();
+        while (d.steps.load() == steps && shm::monotonic_ns() - t1 < 1000 * kMs) std::this_thread::yield();
+        EXPECT_GT(d.steps.load(), steps) << "claim " << i;
+    }
+    d.stop();
+    EXPECT_EQ(yields(p), 5u);
+}
+
+// C6: a claim announcing a pass longer than decode's budget is declined at once
+// (prefill does not wait kClaimWaitNs), and decode does not step aside.
+TEST(Claims, APassLongerThanTheBudgetIsDeclined) {
+    Pair p;
+    DecodeLoop d(p, 10 * kMs);
+    while (d.steps.load() < 2) std::this_thread::yield();
+    CoreClaims c;
+    const uint64_t t0 = shm::monotonic_ns();
+    EXPECT_FALSE(c.claim(p.reg, p.prefill.slot, 0, 50 * kMs));
+    EXPECT_LT(shm::monotonic_ns() - t0, kClaimWaitNs / 2) << "declined, not timed out";
+    EXPECT_FALSE(c.out()) << "withdrawn";
+    EXPECT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), c.last_stamp() | kClaimDeclined);
+    // One within the budget is answered.
+    EXPECT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 5 * kMs));
+    c.end(p.reg, p.prefill.slot, 0);
+    d.stop();
+    EXPECT_EQ(yields(p), 1u);
+    EXPECT_EQ(d.narrowed.load(), 1u);
+}
+
+// C4, C5: decode waits for a C6 claim no longer than yield_limit_ns of the pass it
+// announced, then steps on while the claim stays out, answering it only once.
+TEST(Claims, DecodeWaitsForAClaimedPassNoLongerThanItsLimit) {
+    EXPECT_EQ(yield_limit_ns(0), kYieldMaxNs);
+    EXPECT_EQ(yield_limit_ns(40 * kMs), 70 * kMs);  // 40 + 10 + 20
+    EXPECT_EQ(yield_limit_ns(10'000 * kMs), kYieldMaxNs);
+    Pair p;
+    DecodeLoop d(p, 1000 * kMs);
+    while (d.steps.load() < 2) std::this_thread::yield();
+    CoreClaims c;
+    ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 40 * kMs));
+    const uint64_t steps = d.steps.load(), t0 = shm::monotonic_ns();
+    while (d.steps.load() < steps + 5 && shm::monotonic_ns() - t0 < 1900 * kMs) std::this_thread::yield();
+    EXPECT_GE(d.steps.load(), steps + 5) << "decode stepped again with the claim still out";
+    EXPECT_TRUE(c.out());
+    d.stop();
+    c.end(p.reg, p.prefill.slot, 0);
+    EXPECT_EQ(yields(p), 1u) << "the claim was answered once";
+    const uint64_t yielded = p.reg.slot(p.decode.slot).yielded_ns.load();
+    EXPECT_GE(yielded, 70 * kMs);
+    EXPECT_LT(yielded, 1000 * kMs);
+}
+
+// C4: a claimer that dies while decode stands aside does not hold decode for
+// kYieldMaxNs.
+TEST(Claims, DecodeReturnsWhenTheClaimerDies) {
+    Pair p;
+    DecodeLoop d(p, 0);
+    while (d.steps.load() < 2) std::this_thread::yield();
+    CoreClaims c;
+    ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0));
+    const uint64_t steps = d.steps.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(p.reg.mark_dead(p.prefill));  // its claim word stays set: nobody withdraws it
+    const uint64_t t0 = shm::monotonic_ns();
+    while (d.steps.load() == steps && shm::monotonic_ns() - t0 < kYieldMaxNs) std::this_thread::yield();
+    EXPECT_LT(shm::monotonic_ns() - t0, 500 * kMs) << "decode saw the claimer gone";
+    d.stop();
+    EXPECT_EQ(yields(p), 1u);
+}
+
+// C5: a prefill worker restarted (a new process, in the same slot or another) never
+// takes decode's answer to its predecessor's claim for one to its own: with decode
+// not answering, its claim goes unanswered.
+TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
+    for (bool same_slot : {true, false}) {
+        Pair p;
+        CoreClaims old;
+        std::thread answer([&] {  // one answer, then decode computes (never answers again)
+            while (!yield_to_claim(p.reg, p.decode.slot, 0, 0, [] {})) std::this_thread::yield();
+        });
+        ASSERT_TRUE(old.claim(p.reg, p.prefill.slot, 0, 0));
+        ASSERT_TRUE(p.reg.mark_dead(p.prefill));  // killed mid-pass: the claim is never withdrawn
+        answer.join();
+        ASSERT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), old.last_stamp());
+        ProcRef again;
+        if (same_slot) {
+            ASSERT_TRUE(p.reg.reclaim(p.prefill));
+            again = p.start(Role::Prefill);
+            ASSERT_EQ(again.slot, p.prefill.slot);
+        } else {
+            again = p.start(Role::Prefill);
+            ASSERT_NE(again.slot, p.prefill.slot);
+        }
+        CoreClaims fresh;  // a new process's: its stamps start over
+        EXPECT_FALSE(fresh.claim(p.reg, again.slot, 0, 0, 30 * kMs)) << (same_slot ? "same slot" : "another slot");
+        EXPECT_GT(fresh.last_stamp(), old.last_stamp());
+        EXPECT_FALSE(fresh.out());
+        EXPECT_EQ(p.reg.slot(again.slot).claim.load(), 0u) << "withdrawn";
+    }
+}
+
+// C3: an idle partner (no request held) lends without answering; without a partner
+// there is nothing to claim and nothing to step aside for.
+TEST(Claims, AnIdlePartnerLendsAndNoPartnerNoClaim) {
+    Pair p;
+    p.reg.slot(p.decode.slot).load_items.store(0);
+    CoreClaims c;
+    EXPECT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0)) << "idle: no answer needed";
+    c.end(p.reg, p.prefill.slot, 0);
+    EXPECT_FALSE(c.claim(p.reg, p.prefill.slot, 1, 0)) << "no decode worker 1";
+    EXPECT_FALSE(c.out());
+    EXPECT_FALSE(yield_to_claim(p.reg, p.decode.slot, 1, 0, [] {})) << "no prefill worker 1";
+    EXPECT_EQ(p.reg.slot(p.decode.slot).yield_budget_ns.load(), 0u);
+    EXPECT_FALSE(yield_to_claim(p.reg, p.decode.slot, 0, 123, [] {})) << "no claim out";
+    EXPECT_EQ(p.reg.slot(p.decode.slot).yield_budget_ns.load(), 123u) << "the budget is published";
+}
+
+}  // namespace
+}  // namespace duet
