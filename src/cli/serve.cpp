@@ -332,13 +332,17 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
     // where a worker would not see the directory the instance made, and
     // ProtectSystem=strict leaves it no other place to write but the CacheDirectory=
     // (duet) of the instance's and the workers' units: there, shared by them.
+    // Only there (or nowhere: "", recompute): anywhere else the units could not write,
+    // and both sides would quietly recompute. (duet serve's default, /var/tmp, is
+    // taken for "not given", whether given or not.)
     if (in.swap_root == ServeSettings{}.swap_root) in.swap_root = kSystemdSwapRoot;
-    for (const char* priv : {"/tmp", "/var/tmp"})
-        if (in.swap_root == priv || in.swap_root.starts_with(std::string(priv) + "/"))
-            return fail(fmt::format("--swap-root {}: each unit has a private {} (PrivateTmp=yes), where a worker "
-                                    "would not see the instance's swap directory; use {} (the default here), or "
-                                    "\"\" to recompute",
-                                    in.swap_root, priv, kSystemdSwapRoot));
+    const std::string root = kSystemdSwapRoot;
+    if (!in.swap_root.empty() && ((in.swap_root != root && !in.swap_root.starts_with(root + "/")) ||
+                                  in.swap_root.find_first_of(" \t\n\"'\\$") != std::string::npos))
+        return fail(fmt::format("--swap-root {}: the units write only under {} (their CacheDirectory=; /tmp and "
+                                "/var/tmp are private to each unit, the rest of the system read-only), with no "
+                                "spaces or quotes; use {} (the default here), or \"\" to recompute",
+                                in.swap_root, root, root));
     if (in.port == 0) return fail("--port: the front's unit needs a fixed port");
     auto prep = prepare_serve(in, /*pick_port=*/false);
     if (!prep) return fail(prep.error().message);

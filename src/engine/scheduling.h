@@ -153,7 +153,7 @@ struct MeasuredRate {
 // The rate a class's wait is predicted with (A1 and Retry-After). Prefill's passes
 // on its own cores and its wide passes (computed with the partner decode worker's
 // cores as well: lent while decode is idle, or claimed by a pass led by a critical
-// request, WorkerBase::claim_cores) are measured apart. A critical request's passes
+// request or for prompts at risk, roles/claims.h) are measured apart. A critical request's passes
 // claim the partner's cores wherever cores are lent, so its wait goes at the wide
 // rate once one is measured (with no cores lent none ever is). Other classes have
 // the lent cores only while decode happens to be idle, which a prediction cannot
@@ -285,7 +285,7 @@ uint64_t retry_after_seconds(uint64_t ms);
 // holds, not one request's wait; a returning prompt they refuse stays remembered
 // until their Retry-After plus the grace (it was judged by A1 once already). It is
 // forgotten once admitted. Another client's identical prompt inside that window is
-// taken for the returning one: at most one A1 refusal spared per refusal. At most
+// taken for the returning one: at most one A1 refusal spared per A1 refusal. At most
 // `capacity` prompts remembered (beyond: the oldest forgotten first, which only
 // costs them a second refusal). Not thread-safe: the caller serializes.
 class RetryMemory {

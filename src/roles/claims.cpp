@@ -54,14 +54,17 @@ bool yield_to_claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint
     const uint64_t stamp = ps.claim.load(std::memory_order_acquire);
     if (stamp == 0 || (me.claim_ack.load(std::memory_order_relaxed) & ~kClaimDeclined) == stamp) return false;  // C5
     const uint64_t pass_ns = ps.claim_pass_ns.load(std::memory_order_relaxed);
+    // (A new claim between the two loads: its pass_ns may not be the stamp's; the
+    // next step looks again.)
+    if (ps.claim.load(std::memory_order_acquire) != stamp) return false;
     if (pass_ns > budget_ns) {  // C6
         me.claim_ack.store(stamp | kClaimDeclined, std::memory_order_release);
         return false;
     }
     // Our borrowed cores first (the claimer runs on them), then the acknowledgement.
     narrow();
-    me.claim_ack.store(stamp, std::memory_order_release);
     const uint64_t t0 = shm::monotonic_ns(), limit = yield_limit_ns(pass_ns);
+    me.claim_ack.store(stamp, std::memory_order_release);
     shm::Doorbell& bell = reg.doorbell(self_slot);
     for (;;) {
         const uint64_t now = shm::monotonic_ns();

@@ -13,7 +13,8 @@ namespace duet {
 // two such prompts close together could not both meet a 1 s target on one core
 // (bench/RESULTS.md "Overload"). So a pass led by a critical request claims the
 // partner's cores, and decode steps aside for it. The rules:
-//   C1. Prefill claims only for a pass led by a critical request (a critical-led
+//   C1. Prefill claims for a pass led by a critical request (or, under C6, for
+//       prompts at risk; a critical-led
 //       pass holds only critical work: plan_prefill), only with cores to borrow
 //       (WorkerOptions::borrow_cpus), and only from a partner (decode worker of its
 //       index) that holds requests: an idle one lends them anyway.
@@ -29,7 +30,11 @@ namespace duet {
 //       partner's doorbell rung. Decode returns to work when the claim it stepped
 //       aside for is withdrawn, when the claiming process is not running any more,
 //       or after kYieldMaxNs whatever happens (for a C6 claim, after a quarter
-//       more than the pass it announced, plus kYieldSlackNs).
+//       more than the pass it announced, plus kYieldSlackNs, counted from its
+//       answer). The exception to C3: a pass that runs longer than that computes
+//       on decode's cores while decode steps again, until it ends. Chosen so: the
+//       streams' inter-token target, which the claim was sized to keep, comes
+//       first; a critical pass (up to kYieldMaxNs) is rarely that long.
 //   C5. Every claim has its own stamp, the clock's monotonic_ns (or one more than
 //       the process's last stamp): stamps only grow, across processes too, so an
 //       answer to a claim already withdrawn, this process's or a prefill worker's
@@ -90,7 +95,8 @@ private:
     bool out_ = false;
 };
 
-// Decode worker `index`'s side (the process in `self_slot`), before each step, with
+// Decode worker `index`'s side (the process in `self_slot`), before each step (the
+// caller steps after every call: C2 rests on it), with
 // its yield budget (engine/scheduling.h yield_budget_ns), which it publishes: steps
 // aside for its partner's claim not answered yet (C2, C5, C6). `narrow` runs
 // before the answer (the worker gives back cores it borrowed). True when it

@@ -249,7 +249,7 @@ private:
     // cap > 0: a pass not led by a critical request takes at most cap tokens.
     PrefillPlan plan_pass(int64_t cap = 0);
     int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
-    // C6 (workers.cpp): for a pass not led by a critical request, how long a pass
+    // C6 (roles/claims.h): for a pass not led by a critical request, how long a pass
     // on the partner's cores may take (0: no claim) and the tokens it computes then.
     struct RiskClaim {
         uint64_t pass_ns = 0;

@@ -80,6 +80,19 @@ check(ins.returncode == 0 and os.path.exists(os.path.join(root, "etc/systemd/sys
       and stat.S_IMODE(os.stat(os.path.join(root, "etc/duet/duet.env")).st_mode) == 0o600,
       f"install --root: {ins.stdout}{ins.stderr}")
 print("install --root: units under etc/systemd/system, duet.env under etc/duet (0600): ok")
+# The swap root: only under the units' CacheDirectory= (elsewhere they could not write
+# and would quietly recompute), or "" (recompute: no worker is given a directory).
+for bad in ("/tmp", "/srv/swap", "/var/cache/duet/a b"):
+    b = subprocess.run([DUET, "systemd", "generate", "--out", os.path.join(tmp, "bad"), "--exe", DUET, "--model", MODEL,
+                        "--port", str(port), "--swap-root", bad], capture_output=True, text=True)
+    check(b.returncode != 0 and "--swap-root" in b.stderr, f"generate --swap-root {bad!r} refused: {b.stderr}")
+none = os.path.join(tmp, "noswap")
+b = subprocess.run([DUET, "systemd", "generate", "--out", none, "--exe", DUET, "--model", MODEL, "--port", str(port),
+                    "--swap-root", ""], capture_output=True, text=True)
+check(b.returncode == 0 and not any("--swap-dir" in open(f).read()
+                                    for f in glob.glob(os.path.join(none, "*.d", "*.conf"))),
+      f"generate --swap-root '': no worker given a swap directory: {b.stderr}")
+print("generate --swap-root: /tmp, /srv/swap and a path with a space refused; '' gives no swap directory: ok")
 CACHE = os.path.join(tmp, "var-cache")  # the harness's /var/cache
 
 
