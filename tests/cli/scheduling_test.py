@@ -14,6 +14,7 @@ time left and a critical one passes.
 
 Usage: scheduling_test.py path/to/duet   (with the venv's python: scripts/python-env)
 """
+import collections
 import contextlib
 import json
 import os
@@ -64,11 +65,15 @@ def serving(name, *args):
     """A `duet serve --port 0 --ctx 512` with `args`, its port, terminated on leaving."""
     server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--instance", INSTANCE + name, *args],
                               stderr=subprocess.PIPE, text=True)
+    log = collections.deque(maxlen=60)  # the server's last lines, printed if the test fails
     try:
         port = listening_port(server)
         check(port, f"the server{name} did not start")
-        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+        threading.Thread(target=lambda: [log.append(l) for l in server.stderr], daemon=True).start()
         yield port, server
+    except BaseException:
+        print(f"--- the server{name}'s last lines:\n" + "".join(log), file=sys.stderr)
+        raise
     finally:
         server.terminate()
         try:
@@ -186,11 +191,13 @@ def client_waits(port):
         def hook(r):
             seen.append((r.status_code, time.time(), r.headers.get("retry-after-ms")))
 
-        # Under sanitizers the queue drains slower than the rate measured in passes
-        # predicts (the front's and the hand-offs' work is slowed too, outside those
-        # passes): there Retry-After comes up short more often and the client
-        # retries more times (on 2026-12-04: 9 in a row, and the client gave up at 8).
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=24 if SLOW else 8,
+        # The queue falls a whole prompt (400 tokens) at a time, when its prefill
+        # ends, while Retry-After assumes a steady drain at the measured rate: the
+        # client comes back before the next prompt is done and is refused again
+        # (at least 1 s later each time). At ~450 tokens/s that is a retry or two;
+        # under ASan (~40 tokens/s, 10 s a prompt) it was 22 in a row on
+        # 2026-12-04.
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=64 if SLOW else 8,
                           http_client=openai.DefaultHttpxClient(event_hooks={"response": [hook]}, timeout=300))
         filler = [threading.Thread(target=post, args=(port, "/v1/completions",
                                                       {"prompt": prompt_ids(5000 + 50 * attempt + i, 400),
