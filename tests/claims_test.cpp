@@ -6,12 +6,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <thread>
 #include <vector>
 
 #include "roles/claims.h"
 #include "shm/doorbell.h"
+#include "shm_test_util.h"
 
 namespace duet {
 namespace {
@@ -25,11 +25,7 @@ constexpr uint64_t kMs = 1'000'000;
 // machine's late wake-up from failing the test.
 constexpr uint64_t kAnswer = 10'000 * kMs;
 
-struct Mem {
-    explicit Mem(size_t n) : p(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096)) {}
-    ~Mem() { std::free(p); }
-    void* p;
-};
+using shm::testing::Mem;
 
 // A registry with a running prefill and decode worker 0 (this process stands for both).
 struct Pair {

@@ -22,6 +22,8 @@
 #include "shm/segment.h"
 #include "shm/spsc_ring.h"
 
+#include "shm_test_util.h"
+
 using namespace duet::shm;
 
 namespace {
@@ -37,12 +39,7 @@ struct Unlinker {
 };
 
 // Aligned process-local memory for structures tested without a segment.
-struct Mem {
-    explicit Mem(size_t n) : bytes(n), p(static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))) {}
-    ~Mem() { std::free(p); }
-    size_t bytes;
-    uint8_t* p;
-};
+using duet::shm::testing::Mem;
 
 SegmentOptions opts(size_t bytes, uint64_t fp = 42) {
     SegmentOptions o;

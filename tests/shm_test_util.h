@@ -17,6 +17,16 @@
 
 namespace duet::shm::testing {
 
+// Page-aligned heap memory standing in for a segment's payload (a registry, a ring).
+struct Mem {
+    explicit Mem(size_t n) : bytes(n), p(static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))) {}
+    ~Mem() { std::free(p); }
+    Mem(const Mem&) = delete;
+    Mem& operator=(const Mem&) = delete;
+    size_t bytes;
+    uint8_t* p;
+};
+
 inline std::string unique_name(const char* what) {
     static std::atomic<int> n{0};
     return std::string("duet-test-") + what + "-" + std::to_string(getpid()) + "-" + std::to_string(n++);
