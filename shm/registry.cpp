@@ -140,6 +140,8 @@ Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid, uint32_t i
         s.borrowed_ns.store(0, std::memory_order_relaxed);
         s.wide_busy_ns.store(0, std::memory_order_relaxed);
         s.wide_tokens.store(0, std::memory_order_relaxed);
+        s.claims_declined.store(0, std::memory_order_relaxed);
+        s.claims_unanswered.store(0, std::memory_order_relaxed);
         s.claim.store(0, std::memory_order_relaxed);
         s.claim_pass_ns.store(0, std::memory_order_relaxed);
         s.claim_ack.store(0, std::memory_order_relaxed);

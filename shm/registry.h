@@ -71,6 +71,10 @@ struct alignas(64) ProcSlot {
     // front measures both rates (engine/scheduling.h, admission_rates).
     std::atomic<uint64_t> wide_busy_ns;
     std::atomic<uint64_t> wide_tokens;
+    // Prefill: its claims (src/roles/claims.h) that computed on its own cores alone:
+    // declined by decode (C6), or withdrawn unanswered (C3).
+    std::atomic<uint64_t> claims_declined;
+    std::atomic<uint64_t> claims_unanswered;
     // The claim on a busy partner's cores (the rules are in src/roles/claims.h).
     // Prefill: claim, the stamp of the claim it holds (0: none), and
     // claim_pass_ns, how long the claiming pass should take (0: led by a critical

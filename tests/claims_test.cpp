@@ -47,9 +47,12 @@ struct Pair {
     ProcRef prefill, decode;
 };
 
-// Decode's loop: yield_to_claim with `budget`, then a 2 ms step, while `run`.
+// Decode's loop: yield_to_claim with `budget`, then a step of `step` (2 ms unless
+// given; published as the worker's step_ns), while `run`.
 struct DecodeLoop {
-    DecodeLoop(Pair& p, uint64_t budget) : p_(p), budget_(budget), t_([this] { loop(); }) {}
+    DecodeLoop(Pair& p, uint64_t budget, uint64_t step = 2 * kMs) : p_(p), budget_(budget), step_(step), t_([this] {
+        loop();
+    }) {}
     ~DecodeLoop() { stop(); }
     void stop() {
         run = false;
@@ -60,13 +63,14 @@ struct DecodeLoop {
             yield_to_claim(p_.reg, p_.decode.slot, 0, budget_, [&] { narrowed.fetch_add(1); });
             stepping = true;
             steps.fetch_add(1);
-            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            p_.reg.slot(p_.decode.slot).step_ns.store(step_);
+            std::this_thread::sleep_for(std::chrono::nanoseconds(step_));
             stepping = false;
             std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
     }
     Pair& p_;
-    uint64_t budget_;
+    uint64_t budget_, step_;
     std::atomic<bool> run{true}, stepping{false};
     std::atomic<uint64_t> steps{0}, narrowed{0};
     std::thread t_;
@@ -142,6 +146,8 @@ TEST(Claims, APassLongerThanTheBudgetIsDeclined) {
     EXPECT_LT(shm::monotonic_ns() - t0, kAnswer / 2) << "declined, not timed out";
     EXPECT_FALSE(c.out()) << "withdrawn";
     EXPECT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), c.last_stamp() | kClaimDeclined);
+    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_declined.load(), 1u);
+    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_unanswered.load(), 0u);
     // One within the budget is answered.
     EXPECT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 5 * kMs, kAnswer));
     c.end(p.reg, p.prefill.slot, 0);
@@ -171,6 +177,30 @@ TEST(Claims, DecodeWaitsForAClaimedPassNoLongerThanItsLimit) {
     const uint64_t yielded = p.reg.slot(p.decode.slot).yielded_ns.load();
     EXPECT_GE(yielded, 70 * kMs);
     EXPECT_LT(yielded, 1000 * kMs);
+}
+
+// C3: prefill waits for the answer of a partner whose steps are longer than
+// kClaimWaitNs (a sanitized build on a loaded machine) a step and a half: a fixed
+// wait would withdraw nearly every claim before decode ends its step.
+TEST(Claims, PrefillWaitsAStepAndAHalfOfASlowPartner) {
+    EXPECT_EQ(claim_wait_ns(0), kClaimWaitNs);
+    EXPECT_EQ(claim_wait_ns(40 * kMs), kClaimWaitNs);  // 60 + 20 < 100
+    EXPECT_EQ(claim_wait_ns(300 * kMs), 470 * kMs);
+    EXPECT_EQ(claim_wait_ns(10'000 * kMs), kYieldMaxNs);
+    Pair p;
+    DecodeLoop d(p, 0, 500 * kMs);
+    while (d.steps.load() < 2) std::this_thread::yield();  // step_ns published
+    // Claimed at the start of a step: the answer comes about 500 ms later, past kClaimWaitNs.
+    const uint64_t at = d.steps.load();
+    while (d.steps.load() == at) std::this_thread::yield();
+    CoreClaims c;
+    const uint64_t t0 = shm::monotonic_ns();
+    ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0)) << "answered within claim_wait_ns of its step";
+    EXPECT_GT(shm::monotonic_ns() - t0, kClaimWaitNs) << "the answer came after a fixed wait would have ended";
+    c.end(p.reg, p.prefill.slot, 0);
+    d.stop();
+    EXPECT_EQ(yields(p), 1u);
+    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_unanswered.load(), 0u);
 }
 
 // C4: a claimer that dies while decode stands aside does not hold decode for
@@ -219,6 +249,7 @@ TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
         EXPECT_GT(fresh.last_stamp(), old.last_stamp());
         EXPECT_FALSE(fresh.out());
         EXPECT_EQ(p.reg.slot(again.slot).claim.load(), 0u) << "withdrawn";
+        EXPECT_EQ(p.reg.slot(again.slot).claims_unanswered.load(), 1u);
     }
 }
 

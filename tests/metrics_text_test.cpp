@@ -23,8 +23,10 @@ MetricsSnapshot two_arenas_three_workers() {
     s.block_tokens = 16;
     MetricsSnapshot::Worker p0;
     p0.queued = 2, p0.up = true, p0.items = 1, p0.tokens = 40, p0.served = 9, p0.routed = 11;
+    p0.claims_declined = 3, p0.claims_unanswered = 1;
     MetricsSnapshot::Worker p1;  // being restarted: its gauges are not reported
     p1.queued = 0, p1.up = false, p1.items = 99, p1.tokens = 99, p1.served = 99, p1.routed = 4;
+    p1.claims_declined = 99;
     MetricsSnapshot::Worker d0;
     d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
     d0.yields = 2, d0.yielded_ns = 250'000'000;
@@ -123,6 +125,12 @@ const char* const kTwoArenasThreeWorkers =
     "# HELP duet_worker_yielded_seconds_total Time a decode worker stepped aside for prefill passes (claims).\n"
     "# TYPE duet_worker_yielded_seconds_total counter\n"
     "duet_worker_yielded_seconds_total{role=\"decode\",worker=\"0\"} 0.25\n"
+    "# HELP duet_worker_claims_missed_total Times a prefill worker's claim on decode's cores got none, and why: "
+    "declined (decode had less time in hand than the pass needed) or unanswered (decode did not end its step in "
+    "time); the pass computed on prefill's cores alone (--lend-cores).\n"
+    "# TYPE duet_worker_claims_missed_total counter\n"
+    "duet_worker_claims_missed_total{role=\"prefill\",worker=\"0\",why=\"declined\"} 3\n"
+    "duet_worker_claims_missed_total{role=\"prefill\",worker=\"0\",why=\"unanswered\"} 1\n"
     "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
@@ -171,6 +179,11 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# HELP duet_worker_yielded_seconds_total Time a decode worker stepped aside for prefill "
                         "passes (claims).\n"
                         "# TYPE duet_worker_yielded_seconds_total counter\n"
+                        "# HELP duet_worker_claims_missed_total Times a prefill worker's claim on decode's cores "
+                        "got none, and why: declined (decode had less time in hand than the pass needed) or "
+                        "unanswered (decode did not end its step in time); the pass computed on prefill's cores "
+                        "alone (--lend-cores).\n"
+                        "# TYPE duet_worker_claims_missed_total counter\n"
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
                         "# TYPE duet_worker_routed_total counter\n"
                         "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
@@ -205,7 +218,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 31u);  // 12 front families, 2 of arenas, 10 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 32u);  // 12 front families, 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

@@ -197,6 +197,43 @@ TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
     EXPECT_TRUE(a.decide(SloClass::Standard, 50, q, 100).admit);
 }
 
+// A2's Retry-After with the prompts known: each leaves the front's queue whole (with
+// its first token), in prefill's order, so the queue is under the low mark only once
+// the prompt that brings it there has been computed, not after the steady drain of
+// total - low tokens (which told clients to come back again and again while that
+// prompt was computed).
+TEST(Scheduling, A2RetryAfterWaitsForThePromptsThatBringTheQueueUnderTheLowMark) {
+    // 3 prompts of 300 in order; low 500: after the first, 600 left (> 500); after
+    // the second, 300: the work is 600 tokens, not 900 - 500 = 400.
+    std::multimap<uint64_t, int64_t> q{{10, 300}, {20, 300}, {30, 300}};
+    EXPECT_EQ(queue_drain_tokens(q, 900, 500), 600);
+    EXPECT_EQ(queue_drain_tokens(q, 900, 600), 300);  // at the mark after the first
+    EXPECT_EQ(queue_drain_tokens(q, 900, 900), 0);    // there already
+    EXPECT_EQ(queue_drain_tokens(q, 900, 0), 900);
+    // By order key, not by insertion: a short prompt first (an earlier key).
+    std::multimap<uint64_t, int64_t> mixed{{30, 800}, {10, 100}, {20, 100}};
+    EXPECT_EQ(queue_drain_tokens(mixed, 1000, 500), 1000);  // 900, 800, then 0
+    EXPECT_EQ(queue_drain_tokens(mixed, 1000, 850), 200);
+    // Tokens the view holds beyond the prompts it knows drain steadily after them.
+    EXPECT_EQ(queue_drain_tokens({}, 1000, 600), 400);
+    EXPECT_EQ(queue_drain_tokens(q, 1200, 100), 300 * 3 + 200);
+
+    AdmissionOptions o;
+    o.slo = *SloTable::parse("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
+    o.queue_high = 1000;
+    o.queue_low = 600;
+    AdmissionControl a(o);
+    QueueView v;
+    v.pending = {0, 1000, 0};
+    v.prompts = {{1, 400}, {2, 300}, {3, 300}};
+    auto d = a.decide(SloClass::Standard, 50, v, 100);
+    EXPECT_FALSE(d.admit);
+    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.retry_after_ms, 4000u);  // the first prompt's 400 tokens bring it to 600
+    v.prompts = {{1, 300}, {2, 300}, {3, 400}};
+    EXPECT_EQ(a.decide(SloClass::Standard, 50, v, 100).retry_after_ms, 6000u);  // 700 after one, 400 after two
+}
+
 // A critical prompt too long to meet its target even alone is not judged by A1, so
 // the watermark bounds it as it bounds standard work.
 TEST(Scheduling, ACriticalPromptThatCannotMeetItsTargetIsBoundByTheWatermark) {

@@ -138,6 +138,16 @@ bool queue_misses_on_own_cores(std::vector<PendingPrompt> q, uint64_t now_ns, do
 
 uint64_t retry_after_seconds(uint64_t ms) { return std::max<uint64_t>(1, (ms + 999) / 1000); }
 
+int64_t queue_drain_tokens(const std::multimap<uint64_t, int64_t>& prompts, int64_t total, int64_t target) {
+    int64_t work = 0, left = total;
+    for (const auto& [key, tokens] : prompts) {
+        if (left <= target) return work;
+        work += tokens;
+        left -= tokens;
+    }
+    return work + std::max<int64_t>(0, left - target);
+}
+
 uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t target) {
     if (used <= target) return 0;
     std::sort(running.begin(), running.end(), [](const RunningKv& a, const RunningKv& b) { return a.left_ns < b.left_ns; });
@@ -210,7 +220,8 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (over_ && watermarked) {
         d.admit = false;
         d.reason = "queue";
-        const double s = rate > 0 ? static_cast<double>(total - o_.queue_low) / rate : 1.0;
+        const double s =
+            rate > 0 ? static_cast<double>(queue_drain_tokens(q.prompts, total, o_.queue_low)) / rate : 1.0;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
         return d;
     }

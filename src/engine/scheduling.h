@@ -40,7 +40,9 @@
 //       cost a swap or a recomputation of someone's KV.
 // Retry-After is computed from the same prediction: the time the queue ahead needs
 // to drain to where the request would meet its target (A1), or to the low watermark
-// (A2), at the measured rate; for A3, when the running requests that end first (by
+// (A2: prompt by prompt in prefill's order when the front knows them, since each
+// leaves the front's queue whole, with its first token: queue_drain_tokens), at the
+// measured rate; for A3, when the running requests that end first (by
 // their tokens left at the measured time per token) will have freed enough blocks to
 // bring the arena under its low watermark (kv_drain_ns); at least 1 ms; HTTP's Retry-After header is that in
 // whole seconds rounded up, and `retry-after-ms` the milliseconds (the openai client
@@ -49,6 +51,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,6 +63,7 @@ namespace duet {
 enum class SloClass : uint8_t { Critical = 0, Standard = 1, Batch = 2 };
 
 inline constexpr uint64_t kClassPrecedenceNs = 30'000'000'000ull;
+inline constexpr uint64_t kDeadlineNsPerToken = 1'000'000;  // "Order": a millisecond per prompt token
 // Prefill's order key (see "Order" above). slo_class: SloClass as an integer (a
 // larger one is treated as batch).
 inline uint64_t prefill_order_key(uint64_t arrival_ns, uint32_t slo_class, uint64_t ttft_target_ns, uint64_t n_tokens,
@@ -228,6 +232,16 @@ struct KvView {
 // do not hold enough.
 uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t target);
 
+// The prompt tokens prefill computes before the queue the front sees is down to
+// `target` tokens: the prompts in `prompts` leave it whole, in order (a prompt leaves
+// when its first token comes, however far prefill is into it), the tokens `total`
+// holds beyond them continuously. 0 when total <= target. (The tokens already
+// computed of the prompt prefill is in are not known here: the wait may be up to
+// that much longer than needed, never shorter. Assuming a steady drain, A2 had told
+// a client to come back in a few ms while the prompt that would bring the queue
+// under the mark had seconds to go: 22 refusals in a row under ASan.)
+int64_t queue_drain_tokens(const std::multimap<uint64_t, int64_t>& prompts, int64_t total, int64_t target);
+
 struct AdmissionDecision {
     bool admit = true;
     std::string reason;            // why not: "ttft" (A1), "queue" (A2) or "kv" (A3)
@@ -235,9 +249,12 @@ struct AdmissionDecision {
     uint64_t retry_after_ms = 0;
 };
 
-// The queue the front sees: prompt tokens admitted and not yet prefilled, per class.
+// The queue the front sees: prompt tokens admitted and not yet prefilled, per class,
+// and (where the front keeps them) the prompts themselves by prefill's order key
+// (prefill_order_key; their tokens), which A2's Retry-After walks.
 struct QueueView {
     std::array<int64_t, kSloClasses> pending{};
+    std::multimap<uint64_t, int64_t> prompts{};
     int64_t total() const { return pending[0] + pending[1] + pending[2]; }
     // What is served before a new request of class c: its class and the more urgent.
     int64_t ahead_of(SloClass c) const {

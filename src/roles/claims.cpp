@@ -12,6 +12,10 @@ uint64_t yield_limit_ns(uint64_t pass_ns) {
     return pass_ns == 0 ? kYieldMaxNs : std::min(kYieldMaxNs, pass_ns + pass_ns / 4 + kYieldSlackNs);
 }
 
+uint64_t claim_wait_ns(uint64_t step_ns) {
+    return std::clamp(step_ns + step_ns / 2 + kYieldSlackNs, kClaimWaitNs, kYieldMaxNs);
+}
+
 bool CoreClaims::claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t pass_ns, uint64_t wait_ns) {
     const int32_t partner = reg.find_running(shm::Role::Decode, static_cast<int32_t>(index));
     if (partner < 0) return false;
@@ -22,15 +26,23 @@ bool CoreClaims::claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, u
     me.claim.store(stamp, std::memory_order_release);
     out_ = true;
     reg.wake(shm::Role::Decode, static_cast<int32_t>(index));
+    if (wait_ns == 0) wait_ns = claim_wait_ns(ps.step_ns.load(std::memory_order_relaxed));
     const uint64_t until = shm::monotonic_ns() + wait_ns;
     for (;;) {
         const uint64_t ack = ps.claim_ack.load(std::memory_order_acquire);
-        if (ack == (stamp | kClaimDeclined)) break;
+        if (ack == (stamp | kClaimDeclined)) {
+            me.claims_declined.fetch_add(1, std::memory_order_relaxed);
+            break;
+        }
         if (ack == stamp || ps.load_items.load(std::memory_order_relaxed) == 0) {
             me.borrows.fetch_add(1, std::memory_order_relaxed);
             return true;
         }
-        if (shm::monotonic_ns() >= until || !reg.running_as(static_cast<uint32_t>(partner), shm::Role::Decode)) break;
+        if (!reg.running_as(static_cast<uint32_t>(partner), shm::Role::Decode)) break;
+        if (shm::monotonic_ns() >= until) {
+            me.claims_unanswered.fetch_add(1, std::memory_order_relaxed);
+            break;
+        }
         usleep(200);
     }
     end(reg, self_slot, index);

@@ -23,8 +23,9 @@ namespace duet {
 //       sequences still move one token per critical pass.
 //   C3. Prefill computes with the partner's cores only once the partner has
 //       acknowledged this claim (claim_ack == its stamp) or holds no request;
-//       otherwise after kClaimWaitNs it withdraws the claim and computes on its own
-//       cores. Two processes never compute on one core at once but for the time an
+//       otherwise after claim_wait_ns (a step and a half of the partner's, at least
+//       kClaimWaitNs: decode answers only between steps) it withdraws the claim and
+//       computes on its own cores. Two processes never compute on one core at once but for the time an
 //       idle partner takes a new request's first step (borrow_cores' bound).
 //   C4. The claim is withdrawn as soon as the pass ends (CoreClaims::end), and the
 //       partner's doorbell rung. Decode returns to work when the claim it stepped
@@ -64,7 +65,7 @@ namespace duet {
 // claim_ack, yield_budget_ns) and decode's doorbell.
 // A claim only moves time between the roles: the kernels' results do not depend on
 // the thread count (the invariance contract), so no output changes.
-inline constexpr uint64_t kClaimWaitNs = 100'000'000;  // C3: a few decode steps of a full batch here
+inline constexpr uint64_t kClaimWaitNs = 100'000'000;  // C3: at least; a few decode steps of a full batch here
 inline constexpr uint64_t kYieldMaxNs = 2'000'000'000;  // C4: more than the longest critical pass
 inline constexpr uint64_t kYieldSlackNs = 20'000'000;   // C4: beyond a C6 pass's 5/4 (a slow pass's wake-up)
 inline constexpr uint64_t kClaimDeclined = 1ull << 63;  // C6: in claim_ack, with the stamp
@@ -74,17 +75,24 @@ inline constexpr uint64_t kClaimSteps = 4;              // C6: a claimed pass is
 // pass, of no announced length) to be withdrawn.
 uint64_t yield_limit_ns(uint64_t pass_ns);
 
+// C3: how long prefill waits for the answer of a partner whose steps take `step_ns`
+// (ProcSlot step_ns, a moving average): a step and a half plus kYieldSlackNs, at
+// least kClaimWaitNs, at most kYieldMaxNs. (A fixed wait shorter than a step, as
+// under a sanitizer on a loaded machine, would see most claims go unanswered.)
+uint64_t claim_wait_ns(uint64_t step_ns);
+
 // Prefill worker `index`'s claims (the process in `self_slot`) on the cores of its
 // partner, the running decode worker of the same index.
 class CoreClaims {
 public:
     // Claims them for a pass of about pass_ns (0: led by a critical request) and
-    // waits for the answer (C3, at most wait_ns). True: the pass computes with them
-    // (the partner answered, or holds no request; ProcSlot::borrows counts it) and
-    // end() follows the pass. False: no partner, or the claim was declined, not
-    // answered in time, or the partner stopped running: withdrawn already.
-    bool claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t pass_ns,
-               uint64_t wait_ns = kClaimWaitNs);
+    // waits for the answer (C3, at most wait_ns; 0: claim_wait_ns of the partner's
+    // step_ns). True: the pass computes with them (the partner answered, or holds no
+    // request; ProcSlot::borrows counts it) and end() follows the pass. False: no
+    // partner, or the claim was declined (ProcSlot::claims_declined counts it), not
+    // answered in time (claims_unanswered) or the partner stopped running: withdrawn
+    // already.
+    bool claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t pass_ns, uint64_t wait_ns = 0);
     // Withdraws the claim out, if any, and rings the partner (C4).
     void end(shm::Registry& reg, uint32_t self_slot, uint32_t index);
     bool out() const { return out_; }

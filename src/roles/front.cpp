@@ -306,6 +306,7 @@ struct Completion {
     // front's queue (until its first token, or its end); its first token and gaps.
     SloClass cls = SloClass::Standard;
     int64_t queued = 0;
+    std::multimap<uint64_t, int64_t>::iterator queue_at;  // its place in the queue while queued > 0 (Front::QueueAt)
     uint64_t first_ns = 0;
     double gap_sum = 0;
     int64_t gaps = 0;
@@ -489,7 +490,7 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
     admission_ = AdmissionControl(opts_.admission);
 }
 
-AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key) {
+AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key, QueueAt& at) {
     std::lock_guard<std::mutex> lock(sched_mu_);
     const uint64_t now = shm::monotonic_ns();
     const bool returning = retries_.returning(key, now);
@@ -497,14 +498,23 @@ AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key) 
     const MeasuredRate r = admission_rate(c, {prefill_rate_.rate() * n, prefill_rate_.recent() * n},
                                           {prefill_wide_rate_.rate() * n, prefill_wide_rate_.recent() * n});
     AdmissionDecision d = admission_.decide(c, tokens, queue_, r.best, r.recent, &kv_, returning);
-    if (d.admit) queue_.pending[static_cast<size_t>(c)] += tokens;
+    if (d.admit) {
+        queue_.pending[static_cast<size_t>(c)] += tokens;
+        // Prefill's order key as the worker will compute it (it takes the table's
+        // submit time, a moment later: the order among these is the same).
+        const uint64_t ttft = admission_.options().slo.of(c).ttft_ns;
+        at = queue_.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft, static_cast<uint64_t>(tokens),
+                                                      kDeadlineNsPerToken),
+                                    tokens);
+    }
     retries_.judged(key, now, returning, d);
     return d;
 }
 
-void Front::queue_left(SloClass c, int64_t tokens) {
+void Front::queue_left(SloClass c, int64_t tokens, QueueAt at) {
     std::lock_guard<std::mutex> lock(sched_mu_);
     queue_.pending[static_cast<size_t>(c)] -= tokens;
+    queue_.prompts.erase(at);
 }
 
 void Front::sample_prefill_work() {
@@ -936,6 +946,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
             w.borrowed_ns = ps.borrowed_ns.load(std::memory_order_relaxed);
             w.yields = ps.yields.load(std::memory_order_relaxed);
             w.yielded_ns = ps.yielded_ns.load(std::memory_order_relaxed);
+            w.claims_declined = ps.claims_declined.load(std::memory_order_relaxed);
+            w.claims_unanswered = ps.claims_unanswered.load(std::memory_order_relaxed);
         }
         return w;
     };
@@ -1217,7 +1229,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
     const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
     const AdmissionDecision d =
-        f.admit_tokens(c.cls, prompt_tokens, RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()));
+        f.admit_tokens(c.cls, prompt_tokens, RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
     if (!d.admit) {
         (d.reason == "queue" ? f.counters_.rejected_queue
          : d.reason == "kv"  ? f.counters_.rejected_kv
@@ -1265,7 +1277,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
                 t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
-            f.queue_left(c.cls, std::exchange(c.queued, 0));
+            f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
             return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
         c.ch[i].ref = *sub;
@@ -1325,7 +1337,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
                 f.counters_.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
             }
             if (c.queued > 0)  // prefill is done with the prompt: it leaves the queue
-                f.queue_left(c.cls, std::exchange(c.queued, 0));
+                f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
         } else {  // several tokens at once share the gap
             const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
             for (size_t i = before; i < ch.out.size(); ++i) {
@@ -1452,7 +1464,7 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
     else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
     else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
     // Ended without a first token: its prompt leaves the queue unmeasured.
-    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0));
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
     // SLO attainment: a completion that ended without failing meets its class's
     // targets when its first token came within the TTFT target and its tokens, on
     // average, within the ITL target.

@@ -8,6 +8,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -128,12 +129,13 @@ private:
     // wide busy ns, wide tokens).
     std::vector<std::array<uint64_t, 5>> work_seen_;
     RetryMemory retries_;  // prompts A1 refused (engine/scheduling.h)
-    // Decides; an admitted request's tokens join the queue. `key`: the prompt's
-    // RetryMemory key.
-    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, uint64_t key);
+    // Decides; an admitted request's tokens join the queue, `at` its place in it
+    // (QueueView::prompts). `key`: the prompt's RetryMemory key.
+    using QueueAt = std::multimap<uint64_t, int64_t>::iterator;
+    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, uint64_t key, QueueAt& at);
     // They leave it: prefill is done with them (the first token came) or the request
     // ended without one.
-    void queue_left(SloClass c, int64_t tokens);
+    void queue_left(SloClass c, int64_t tokens, QueueAt at);
     // Reads the running prefill workers' work counters into prefill_rate_ and
     // prefill_wide_rate_ (the notifier thread, every 50 ms).
     void sample_prefill_work();

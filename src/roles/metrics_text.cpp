@@ -86,6 +86,10 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                                 "TTFT target (--lend-cores)."),
                 yielded = family("duet_worker_yielded_seconds_total", "counter",
                                  "Time a decode worker stepped aside for prefill passes (claims)."),
+                missed = family("duet_worker_claims_missed_total", "counter",
+                                "Times a prefill worker's claim on decode's cores got none, and why: declined (decode "
+                                "had less time in hand than the pass needed) or unanswered (decode did not end its "
+                                "step in time); the pass computed on prefill's cores alone (--lend-cores)."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -98,7 +102,12 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         borrows += fmt::format("duet_worker_borrowed_cores_total{} {}\n", labels, w.borrows);
         borrowed += fmt::format("duet_worker_borrowed_seconds_total{} {}\n", labels,
                                 static_cast<double>(w.borrowed_ns) / 1e9);
-        if (std::string_view(role) != "decode") return;
+        if (std::string_view(role) != "decode") {
+            for (const auto& [why, n] : {std::pair{"declined", w.claims_declined}, {"unanswered", w.claims_unanswered}})
+                missed += fmt::format("duet_worker_claims_missed_total{{role=\"{}\",worker=\"{}\",why=\"{}\"}} {}\n",
+                                      role, i, why, n);
+            return;
+        }
         yields += fmt::format("duet_worker_yielded_cores_total{} {}\n", labels, w.yields);
         yielded += fmt::format("duet_worker_yielded_seconds_total{} {}\n", labels, static_cast<double>(w.yielded_ns) / 1e9);
     };
@@ -107,7 +116,7 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + routed +
+    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + missed + routed +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);

@@ -20,6 +20,7 @@
 #include "engine/golden.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
+#include "engine/scheduling.h"
 #include "kernels/cpu/kernels.h"
 #include "kv/blob.h"
 #include "kv/shm_kv.h"
@@ -54,7 +55,7 @@ struct WorkerOptions {
     // Prefill: a request's deadline is its submit time + this per token to prefill;
     // earliest deadline first (short prompts overtake long ones that arrived about
     // as early, and nothing waits for ever).
-    int64_t deadline_ns_per_token = 1'000'000;
+    int64_t deadline_ns_per_token = kDeadlineNsPerToken;
     bool prefix_cache = true;
     // Prefill, with borrow_cpus: passes claim decode's cores for prompts at risk
     // (rule C6, workers.cpp) while no critical work is around (prefill_cut_window_ns);

@@ -30,9 +30,16 @@ DUET = sys.argv[1]
 N_DECODE = 64 if os.environ.get("DUET_E2E_SUBSET") else 160
 
 
-def metric(port, name, role):
-    m = re.search(rf'^{name}{{role="{role}",worker="0"}} ([0-9.e+-]+)', st.request(port, "GET", "/metrics")[1], re.M)
+def metric(port, name, role, extra=""):
+    m = re.search(rf'^{name}{{role="{role}",worker="0"{extra}}} ([0-9.e+-]+)', st.request(port, "GET", "/metrics")[1],
+                  re.M)
     return float(m.group(1)) if m else None
+
+
+def missed(port):
+    """Prefill's claims that got no cores, by why (for a failure's message)."""
+    return {why: metric(port, "duet_worker_claims_missed_total", "prefill", f',why="{why}"')
+            for why in ("declined", "unanswered")}
 
 
 def loads(port):
@@ -118,7 +125,8 @@ def main():
         # decode's cores, and decode stepped aside for them.
         yields = metric(port, "duet_worker_yielded_cores_total", "decode")
         yield_s = metric(port, "duet_worker_yielded_seconds_total", "decode")
-        st.check(yields and yields >= 1 and yield_s > 0, f"decode stepped aside for critical passes: {yields} times")
+        st.check(yields and yields >= 1 and yield_s > 0, f"decode stepped aside for critical passes: {yields} times "
+                 f"(claims missed: {missed(port)})")
         results["borrowed"] = (dec, dec_s, pre, pre_s, yields, yield_s)
 
     def plain(port, server):
@@ -145,7 +153,7 @@ def main():
         results["risk"], _ = mixed(port, long_prompt, critical=False)
         yields = metric(port, "duet_worker_yielded_cores_total", "decode")
         st.check(yields and yields >= 1, f"decode stepped aside for prompts at risk: {yields} times "
-                 f"(targets {results['risk_slo']})")
+                 f"(targets {results['risk_slo']}; claims missed: {missed(port)})")
         results["risk_yields"] = yields
 
     st.serving(f"duet-lend-test-{os.getpid()}", lending)  # the default
