@@ -235,11 +235,14 @@ uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t targe
 // The prompt tokens prefill computes before the queue the front sees is down to
 // `target` tokens: the prompts in `prompts` leave it whole, in order (a prompt leaves
 // when its first token comes, however far prefill is into it), the tokens `total`
-// holds beyond them continuously. 0 when total <= target. (The tokens already
-// computed of the prompt prefill is in are not known here: the wait may be up to
-// that much longer than needed, never shorter. Assuming a steady drain, A2 had told
-// a client to come back in a few ms while the prompt that would bring the queue
-// under the mark had seconds to go: 22 refusals in a row under ASan.)
+// holds beyond them continuously. 0 when total <= target. An estimate: the tokens
+// already computed of the prompts prefill holds are not known here (the wait may be
+// that much longer than needed), and it comes out short when prefill holds a prompt
+// with a later key than one still queued (it does not set it aside), interleaves
+// the prompts it holds, several workers drain at once, or a more urgent prompt comes
+// first. Assuming a steady drain, A2 had told a client to come back in a few ms
+// while the prompt that would bring the queue under the mark had seconds to go: 22
+// refusals in a row under ASan.
 int64_t queue_drain_tokens(const std::multimap<uint64_t, int64_t>& prompts, int64_t total, int64_t target);
 
 struct AdmissionDecision {

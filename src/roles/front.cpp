@@ -306,7 +306,7 @@ struct Completion {
     // front's queue (until its first token, or its end); its first token and gaps.
     SloClass cls = SloClass::Standard;
     int64_t queued = 0;
-    std::multimap<uint64_t, int64_t>::iterator queue_at;  // its place in the queue while queued > 0 (Front::QueueAt)
+    std::multimap<uint64_t, int64_t>::iterator queue_at{};  // its place in the queue while queued > 0 (Front::QueueAt)
     uint64_t first_ns = 0;
     double gap_sum = 0;
     int64_t gaps = 0;
@@ -490,7 +490,7 @@ Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatT
     admission_ = AdmissionControl(opts_.admission);
 }
 
-AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key, QueueAt& at) {
+AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t key, QueueAt& at) {
     std::lock_guard<std::mutex> lock(sched_mu_);
     const uint64_t now = shm::monotonic_ns();
     const bool returning = retries_.returning(key, now);
@@ -498,13 +498,14 @@ AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, uint64_t key, 
     const MeasuredRate r = admission_rate(c, {prefill_rate_.rate() * n, prefill_rate_.recent() * n},
                                           {prefill_wide_rate_.rate() * n, prefill_wide_rate_.recent() * n});
     AdmissionDecision d = admission_.decide(c, tokens, queue_, r.best, r.recent, &kv_, returning);
-    if (d.admit) {
+    if (d.admit && tokens > 0) {  // (none: a context's KV covers the prompt; it never leaves)
         queue_.pending[static_cast<size_t>(c)] += tokens;
-        // Prefill's order key as the worker will compute it (it takes the table's
-        // submit time, a moment later: the order among these is the same).
+        // Prefill's order key as the worker will compute it (from the whole prompt's
+        // length, and the table's submit time, a moment later: the order among these
+        // is the same).
         const uint64_t ttft = admission_.options().slo.of(c).ttft_ns;
-        at = queue_.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft, static_cast<uint64_t>(tokens),
-                                                      kDeadlineNsPerToken),
+        at = queue_.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft,
+                                                      static_cast<uint64_t>(prompt_length), kDeadlineNsPerToken),
                                     tokens);
     }
     retries_.judged(key, now, returning, d);
@@ -1229,7 +1230,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
     const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
     const AdmissionDecision d =
-        f.admit_tokens(c.cls, prompt_tokens, RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
+        f.admit_tokens(c.cls, prompt_tokens, static_cast<int64_t>(c.prompt.size()),
+                       RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
     if (!d.admit) {
         (d.reason == "queue" ? f.counters_.rejected_queue
          : d.reason == "kv"  ? f.counters_.rejected_kv

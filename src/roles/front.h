@@ -129,10 +129,11 @@ private:
     // wide busy ns, wide tokens).
     std::vector<std::array<uint64_t, 5>> work_seen_;
     RetryMemory retries_;  // prompts A1 refused (engine/scheduling.h)
-    // Decides; an admitted request's tokens join the queue, `at` its place in it
-    // (QueueView::prompts). `key`: the prompt's RetryMemory key.
+    // Decides; an admitted request's tokens (if any) join the queue, `at` its place
+    // in it (QueueView::prompts, by prefill's order key for a prompt of
+    // `prompt_length` tokens). `key`: the prompt's RetryMemory key.
     using QueueAt = std::multimap<uint64_t, int64_t>::iterator;
-    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, uint64_t key, QueueAt& at);
+    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t key, QueueAt& at);
     // They leave it: prefill is done with them (the first token came) or the request
     // ended without one.
     void queue_left(SloClass c, int64_t tokens, QueueAt at);
