@@ -53,7 +53,8 @@ namespace duet {
 //       (kClaimDeclined) when the budget is smaller by then: prefill computes on its
 //       own cores at once. And only for a pass of at least kClaimSteps of decode's
 //       steps (ProcSlot step_ns): a claim costs prefill up to a step waiting for
-//       the answer and decode's step after it (C2). And not while critical work is
+//       the answer and decode's step after it (C2); and of at least
+//       kClaimMinTokens at the wide rate. And not while critical work is
 //       around (within --prefill-cut-window of the last critical request): under
 //       2-3x load these claims cost critical requests their target (at 2x, 17-18
 //       of 19 met with them in three runs, 18-19 without in two; bench/RESULTS.md
@@ -70,6 +71,13 @@ inline constexpr uint64_t kYieldMaxNs = 2'000'000'000;  // C4: more than the lon
 inline constexpr uint64_t kYieldSlackNs = 20'000'000;   // C4: beyond a C6 pass's 5/4 (a slow pass's wake-up)
 inline constexpr uint64_t kClaimDeclined = 1ull << 63;  // C6: in claim_ack, with the stamp
 inline constexpr uint64_t kClaimSteps = 4;              // C6: a claimed pass is at least this many decode steps
+// C6: and computes at least this many tokens: fewer, and the pass is mostly its
+// fixed part (every weight read once); its length in time is kClaimSteps' to judge.
+// (64, as first set, with decode's yield budget capped at kYieldMaxNs, so a pass of
+// at most 1.5 s, ruled claims out wherever passes compute under 43 tokens a second:
+// under ASan on the loaded CI machine, 18-40, lend_cores_e2e saw no claim at all;
+// so would a large model on CPU.)
+inline constexpr int64_t kClaimMinTokens = 16;
 
 // C4: how long decode waits for a claim announcing `pass_ns` (0: a critical-led
 // pass, of no announced length) to be withdrawn.

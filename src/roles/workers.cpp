@@ -727,7 +727,7 @@ PrefillWorker::RiskClaim PrefillWorker::risk_claim() const {
     }
     if (!queue_misses_on_own_cores(std::move(q), now, rate)) return {};
     // As long as decode has time in hand, at most the pass cut (a stream's longest
-    // gap), and long enough to be worth a pass.
+    // gap), and long enough to be worth a claim (kClaimSteps, kClaimMinTokens).
     // (Three quarters of the budget: decode answers with its budget of a moment
     // later, which shrinks while a step runs.)
     const uint64_t pass_ns = std::min<uint64_t>(ps.yield_budget_ns.load(std::memory_order_relaxed) / 4 * 3,
@@ -740,7 +740,7 @@ PrefillWorker::RiskClaim PrefillWorker::risk_claim() const {
                             ? static_cast<double>(wt) * 1e9 / static_cast<double>(wb)
                             : rate;
     const auto tokens = static_cast<int64_t>(wide * static_cast<double>(pass_ns) / 1e9);
-    if (tokens < 64 || pass_ns < kClaimSteps * ps.step_ns.load(std::memory_order_relaxed)) return {};
+    if (tokens < kClaimMinTokens || pass_ns < kClaimSteps * ps.step_ns.load(std::memory_order_relaxed)) return {};
     return {pass_ns, tokens};
 }
 

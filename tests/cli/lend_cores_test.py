@@ -100,8 +100,9 @@ def risk_slo(decode_tps, prefill_s):
     prompt's time on one core and the tokens per second of one stream (on the server
     without lending, measured just before). The TTFT target: 0.7 of the prompt's time,
     so that it misses it on prefill's core alone. The inter-token target (and the
-    pass cut with it): long enough for a claimed pass of the prompt's fifth (at least
-    64 tokens to be worth a claim) in 3/4 of it, and for kClaimSteps (4) of decode's
+    pass cut with it): long enough for a claimed pass of the prompt's fifth in 3/4 of
+    it (decode's yield budget is capped at 2 s, so a pass at 1.5 s: kClaimMinTokens,
+    16, need at least 11 tokens a second), and for kClaimSteps (4) of decode's
     steps (about 10 of one stream's tokens); at least 250 ms. On the 2-core CI machine
     (2026-12-04): 0.92 s and 143 tokens/s, 645 ms / 461 ms; under ASan 7.9 s and 19
     tokens/s, 5555 ms / 3968 ms."""
