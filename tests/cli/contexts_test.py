@@ -80,7 +80,8 @@ def stream_text(port, path, body):
 class Server:
     def __init__(self, cdir, instance, ctx=1024, slots=16, extra=()):
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", str(ctx), "--slots", str(slots), "--instance",
-                                   instance, "--contexts-dir", cdir, "--grace", "5", *extra],
+                                   instance, "--contexts-dir", cdir, "--grace", "5",
+                                   *(("--start-timeout", "300") if os.environ.get("DUET_E2E_SUBSET") else ()), *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
         # A guard against a hang, not a figure: under ASan with other e2e tests on the
@@ -88,10 +89,13 @@ class Server:
         # than 120 s (2026-12-03).
         deadline = time.time() + 300
         self.port = None
+        said = []  # what the roles said while starting: the failure's message
         while time.time() < deadline and self.port is None:
             line = self.p.stderr.readline()
             if not line:
-                fail("the server exited before listening")
+                fail("the server exited before listening (exit status {}); it said:\n{}".format(
+                    self.p.wait(), "".join(said[-60:])))
+            said.append(line)
             m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
             if m:
                 self.port = int(m.group(1))
