@@ -73,14 +73,20 @@ TEST(Scheduling, TheRateWaitsForEvidence) {
     EXPECT_DOUBLE_EQ(m.recent(), 10000);
 }
 
+// Options with `slo` and A2's watermarks at 1000 (high) and 600 (low) tokens.
+static AdmissionOptions watermarked(const char* slo) {
+    AdmissionOptions o;
+    o.slo = *SloTable::parse(slo);
+    o.queue_high = 1000;
+    o.queue_low = 600;
+    return o;
+}
+
 // Predictions and the wait told with a 429 use the slower of the best and recent
 // rates: an admitted request must meet its target on the machine as it is now, and
 // a client told to come back must not find the queue as full as it left it.
 TEST(Scheduling, AdmissionPredictsAtTheSlowerRate) {
-    AdmissionOptions o;
-    o.slo = *SloTable::parse("critical=1s/50ms,standard=2s/100ms,batch=10s/1s");
-    o.queue_high = 1000;
-    o.queue_low = 600;
+    AdmissionOptions o = watermarked("critical=1s/50ms,standard=2s/100ms,batch=10s/1s");
     AdmissionControl a(o);
     QueueView q;
     q.pending = {0, 0, 1000};
@@ -173,10 +179,7 @@ TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {
 }
 
 TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
-    AdmissionOptions o;
-    o.slo = *SloTable::parse("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
-    o.queue_high = 1000;
-    o.queue_low = 600;
+    AdmissionOptions o = watermarked("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
     AdmissionControl a(o);
     QueueView q;
     q.pending = {0, 999, 0};
@@ -218,10 +221,7 @@ TEST(Scheduling, A2RetryAfterWaitsForThePromptsThatBringTheQueueUnderTheLowMark)
     EXPECT_EQ(queue_drain_tokens({}, 1000, 600), 400);
     EXPECT_EQ(queue_drain_tokens(q, 1200, 100), 300 * 3 + 200);
 
-    AdmissionOptions o;
-    o.slo = *SloTable::parse("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
-    o.queue_high = 1000;
-    o.queue_low = 600;
+    AdmissionOptions o = watermarked("critical=100s/1s,standard=100s/1s,batch=100s/1s");  // A1 never refuses here
     AdmissionControl a(o);
     QueueView v;
     v.pending = {0, 1000, 0};
@@ -237,10 +237,7 @@ TEST(Scheduling, A2RetryAfterWaitsForThePromptsThatBringTheQueueUnderTheLowMark)
 // A critical prompt too long to meet its target even alone is not judged by A1, so
 // the watermark bounds it as it bounds standard work.
 TEST(Scheduling, ACriticalPromptThatCannotMeetItsTargetIsBoundByTheWatermark) {
-    AdmissionOptions o;
-    o.slo = *SloTable::parse("critical=1s/1s,standard=100s/1s,batch=100s/1s");
-    o.queue_high = 1000;
-    o.queue_low = 600;
+    AdmissionOptions o = watermarked("critical=1s/1s,standard=100s/1s,batch=100s/1s");
     AdmissionControl a(o);
     QueueView q;
     q.pending = {0, 1200, 0};  // over the high mark
