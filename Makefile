@@ -42,7 +42,9 @@ test: build model
 	$(MAKE) --no-print-directory fuzz-smoke
 
 # The suites again under ASan+UBSan (all but the per-level model reruns and the two
-# slowest numeric model tests, whose code the other Model tests run too; the contexts'
+# slowest numeric model tests, whose code the other Model tests run too; rebalance_e2e,
+# whose new parts the unit tests cover (each role change restarts a worker: minutes
+# under ASan); the contexts'
 # random-operations test with 40 operations instead of 200 and 100 fuzzed bodies; serve_e2e
 # without its per-role and quantized arenas) and the
 # threaded ones under TSan. Each is a whole extra build (ccache keeps repeats cheap).
@@ -51,7 +53,7 @@ sanitize: deps model
 	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
 	DUET_CONTEXT_OPS=40 DUET_CONTEXT_FUZZ=100 DUET_E2E_SUBSET=1 ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' \
-	  -E 'model_test_(scalar|avx2)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp'
+	  -E 'model_test_(scalar|avx2)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp|rebalance_e2e'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
 	  kv_log_fault_test kv_log_crash_test

@@ -28,7 +28,7 @@ uint64_t pack_sg(uint32_t pid, uint32_t gen, ProcState s) {
 uint32_t gen_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 8) & 0xffffff; }
 pid_t pid_of(uint64_t sg) { return static_cast<pid_t>(sg >> 32); }
 ProcState state_of(uint64_t sg) { return static_cast<ProcState>(sg & 0xff); }
-bool is_live(ProcState s) { return s == ProcState::Starting || s == ProcState::Running; }
+bool is_live(ProcState s) { return s == ProcState::Starting || s == ProcState::Running || s == ProcState::Leaving; }
 
 int pidfd_open(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
 
@@ -53,6 +53,7 @@ const char* proc_state_name(ProcState s) {
     case ProcState::Starting: return "starting";
     case ProcState::Running: return "running";
     case ProcState::Dead: return "dead";
+    case ProcState::Leaving: return "leaving";
     }
     return "?";
 }
@@ -173,6 +174,14 @@ bool transition(std::atomic<uint64_t>& w, ProcRef r, bool (*from_ok)(ProcState),
 
 bool Registry::set_running(ProcRef r) {
     return transition(slots_[r.slot].state_gen, r, [](ProcState s) { return s == ProcState::Starting; },
+                      ProcState::Running);
+}
+bool Registry::set_leaving(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, [](ProcState s) { return s == ProcState::Running; },
+                      ProcState::Leaving);
+}
+bool Registry::stay_after_all(ProcRef r) {
+    return transition(slots_[r.slot].state_gen, r, [](ProcState s) { return s == ProcState::Leaving; },
                       ProcState::Running);
 }
 bool Registry::release(ProcRef r) {

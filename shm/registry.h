@@ -9,6 +9,9 @@
 // Slot life: FREE -claim-> STARTING -> RUNNING -release-> FREE (clean exit)
 //                                  \-> DEAD (process died; set by whoever saw it)
 //            DEAD -reclaimed(after its resources are returned)-> FREE
+//            RUNNING <-> LEAVING (a worker being retired: still alive and working
+//                       off what it holds, no longer given work; `duet serve`'s
+//                       role changes, roles/rebalance.h); LEAVING -> FREE or DEAD
 #pragma once
 
 #include <sys/types.h>
@@ -24,7 +27,7 @@
 
 namespace duet::shm {
 
-enum class ProcState : uint32_t { Free = 0, Starting = 1, Running = 2, Dead = 3 };
+enum class ProcState : uint32_t { Free = 0, Starting = 1, Running = 2, Dead = 3, Leaving = 4 };
 enum class Role : uint32_t { None = 0, Launcher = 1, Front = 2, Prefill = 3, Decode = 4, Runner = 5, Tool = 6 };
 const char* role_name(Role r);
 const char* proc_state_name(ProcState s);
@@ -124,6 +127,11 @@ public:
     Result<ProcRef> claim(Role role, int32_t device, pid_t pid, uint32_t index = 0);
     // STARTING -> RUNNING.
     bool set_running(ProcRef r);
+    // RUNNING -> LEAVING: whoever routes work (find_running, wake) passes it over
+    // from now on; the process itself goes on (it finishes what it holds and drains
+    // its rings). LEAVING -> RUNNING again: stay_after_all.
+    bool set_leaving(ProcRef r);
+    bool stay_after_all(ProcRef r);
     // A clean exit: any live state of this generation -> FREE.
     bool release(ProcRef r);
     // Any live state of this generation -> DEAD. True if this call made the change.
@@ -141,7 +149,7 @@ public:
     void wake(Role role, int32_t index = -1);
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
-    bool alive(ProcRef r) const;           // STARTING or RUNNING at this generation
+    bool alive(ProcRef r) const;           // STARTING, RUNNING or LEAVING at this generation
     // Whether the process that claimed r still runs, by the OS: its pid exists, is
     // not a zombie, and has the start time recorded at the claim.
     bool process_running(ProcRef r) const;

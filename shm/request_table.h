@@ -125,7 +125,8 @@ struct RequestTableHeader {
     // Preemptions by swap (ReqSlot::n_swapped), and the bytes of KV they wrote.
     std::atomic<uint64_t> swaps;
     std::atomic<uint64_t> swapped_bytes;
-    uint8_t pad_[8];
+    // Workers that changed role (`duet serve --rebalance`): to prefill, to decode.
+    std::atomic<uint32_t> role_changes[2];
 };
 static_assert(sizeof(RequestTableHeader) == 64);
 
@@ -139,6 +140,8 @@ public:
     uint32_t max_tokens() const { return h_->max_tokens; }
     uint32_t max_blocks() const { return h_->max_blocks; }
     std::atomic<uint32_t>& worker_restarts() const { return h_->worker_restarts; }
+    // [0]: a decode worker became a prefill worker; [1]: the other way.
+    std::atomic<uint32_t>& role_changes(bool to_decode) const { return h_->role_changes[to_decode ? 1 : 0]; }
     std::atomic<uint64_t>& redriven() const { return h_->redriven; }
     std::atomic<uint64_t>& swaps() const { return h_->swaps; }
     std::atomic<uint64_t>& swapped_bytes() const { return h_->swapped_bytes; }

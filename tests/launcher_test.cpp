@@ -261,6 +261,37 @@ TEST(Launcher, BadSettingsAreRefusedByName) {
     refused(s, gpu_facts({{0, 8 * kGiB}}), "cuda:0: no room for KV");
 }
 
+// --rebalance: the layout gets spare indices (ServeLayout::rebalance); only where a
+// worker can take another's cores in the other role.
+TEST(Launcher, RebalanceNeedsThreeCpuWorkersAndOneArena) {
+    ServeSettings s;
+    s.prefill_workers = 2;
+    s.rebalance_s = 5;
+    auto p = plan_serve(s, cpu_facts());
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_TRUE(p->layout.rebalance);
+    EXPECT_EQ(p->layout.n_prefill, 2u);
+    EXPECT_EQ(p->roles.size(), 4u) << "the workers it starts: two prefill, one decode, and the front";
+    s.rebalance_s = 0;
+    EXPECT_FALSE(plan_serve(s, cpu_facts())->layout.rebalance);
+    auto refused = [](ServeSettings s, ServeFacts f) {
+        auto p = plan_serve(s, f);
+        ASSERT_FALSE(p.ok());
+        EXPECT_NE(p.error().message.find("--rebalance"), std::string::npos) << p.error().message;
+    };
+    s = {};
+    s.rebalance_s = 5;
+    refused(s, cpu_facts());  // one worker of each role: nothing to move
+    s.prefill_workers = 2;
+    s.kv_arenas = "per-role";
+    refused(s, cpu_facts());
+    s.kv_arenas = "shared";
+    s.prefill_workers = 1;
+    refused(s, gpu_facts({{0, 80 * kGiB}}));
+    s.rebalance_s = -1;
+    refused(s, cpu_facts());
+}
+
 TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {
     ServeSettings s;
     s.kv_memory = 0.5;

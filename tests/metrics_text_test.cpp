@@ -17,6 +17,7 @@ MetricsSnapshot two_arenas_three_workers() {
     MetricsSnapshot s;
     s.requests = 7, s.errors = 2, s.finished = 4, s.cancelled = 1, s.failed = 1, s.rejected_busy = 3;
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
+    s.role_changes_to_prefill = 1, s.role_changes_to_decode = 2;
     s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
@@ -74,6 +75,11 @@ const char* const kTwoArenasThreeWorkers =
     "# HELP duet_prompt_tokens_total Prompt tokens of admitted requests.\n"
     "# TYPE duet_prompt_tokens_total counter\n"
     "duet_prompt_tokens_total 55\n"
+    "# HELP duet_worker_role_changes_total Workers that changed role to the one named, their cores following a "
+    "lopsided load (--rebalance).\n"
+    "# TYPE duet_worker_role_changes_total counter\n"
+    "duet_worker_role_changes_total{to=\"prefill\"} 1\n"
+    "duet_worker_role_changes_total{to=\"decode\"} 2\n"
     "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"
@@ -218,7 +224,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 32u);  // 12 front families, 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 33u);  // 13 front families (role changes among them), 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

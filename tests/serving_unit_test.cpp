@@ -347,6 +347,20 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_EQ(decode_arenas(cc), (std::vector<uint32_t>{0}));
     EXPECT_EQ(handoff_partner(cc, 1), -1);
     EXPECT_FALSE(cc.kv_split);
+    // Workers that change role (--rebalance): indices and rings for all workers but one
+    // in each role, the arena's users for the processes (a leaving worker's user is
+    // returned before its successor joins).
+    ServeLayout rl = cl;
+    rl.rebalance = true;
+    shm::InstanceConfig rc = serve_instance_config(rl, **model);
+    EXPECT_EQ(rc.prefill_workers, 4u);
+    EXPECT_EQ(rc.decode_workers, 4u);
+    EXPECT_EQ(rc.arenas[0].n_users, 5u);
+    EXPECT_EQ(rc.n_rings, 2u * 4 + 4 * 4);
+    EXPECT_TRUE(check_instance_workers(rc).ok()) << check_instance_workers(rc).error().message;
+    rl.n_prefill = 4;  // 7 workers (plan_serve refuses them): 6 indices each, past what one arena attributes
+    rc = serve_instance_config(rl, **model);
+    EXPECT_FALSE(check_instance_workers(rc).ok());
 }
 
 // Per-role KV arenas. CPU: one host arena for the prefill workers and one for the

@@ -182,6 +182,11 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
                "CPU (on by default; --no-lend-cores: off): prefill worker i computes on decode worker i's cores too "
                "while that one holds no request, and decode i on prefill i's while it holds none (given back within "
                "a step or a pass)");
+    c.add_option("--rebalance", s.rebalance_s,
+                 "CPU, three workers or more: seconds one role's workers stay busy (90%) while the other's stay idle "
+                 "(25% at most) before an idle worker changes role, taking its cores to the busy role (0: never)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 3600));
     add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");

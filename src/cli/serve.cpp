@@ -149,6 +149,8 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
     auto prep = prepare_serve(settings, /*pick_port=*/true);
     if (!prep) return fail(prep.error().message);
     const ServeSettings& s = prep->s;
+    if (start == RoleStart::External && s.rebalance_s > 0)
+        return fail("--rebalance: workers change role only when `duet serve` starts them (here their units do)");
 
     std::error_code ec;
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();

@@ -857,7 +857,7 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
     if (get && (path == "/ready" || path == "/readiness")) {
         // Ready while a worker of each role runs (requests are routed around one being
         // restarted).
-        const bool ready = !f.draining_.load(std::memory_order_relaxed) && workers_running(f.inst_, /*all=*/false);
+        const bool ready = !f.draining_.load(std::memory_order_relaxed) && workers_running(f.inst_);
         // A worker that failed its golden-logits check is not restarted: say why.
         std::string why;
         if (f.inst_.registry().golden_failures() > 0)
@@ -922,6 +922,8 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
     m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);
+    m.role_changes_to_prefill = inst.requests().role_changes(false).load(std::memory_order_relaxed);
+    m.role_changes_to_decode = inst.requests().role_changes(true).load(std::memory_order_relaxed);
     m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
     m.golden_failures = inst.registry().golden_failures();
     m.in_flight = f.in_flight();

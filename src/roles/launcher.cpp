@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "kv/shm_kv.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
+#include "roles/rebalance.h"
 #include "roles/recovery.h"
 #include "roles/routing.h"
 #include "roles/sd_notify.h"
@@ -244,6 +246,11 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))
         return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
                           kMaxServeWorkers - 1);
+    if (s.rebalance_s < 0) return make_error("--rebalance {}: seconds, 0 (never) or more", s.rebalance_s);
+    if (s.rebalance_s > 0 && (!f.gpus.empty() || kv_split || s.prefill_workers + s.decode_workers < 3))
+        return make_error(
+            "--rebalance: workers change role on CPU serving with one shared KV arena and at least three workers "
+            "(--prefill-workers + --decode-workers)");
     ServePlan plan;
     for (const GpuFacts& g : f.gpus) plan.gpus.push_back(g.device);
     const int n_gpus = static_cast<int>(f.gpus.size());
@@ -265,6 +272,7 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     l.kv_split = kv_split;
     l.kv_dtype = *dtype;
     l.contexts = !s.contexts_dir.empty();
+    l.rebalance = s.rebalance_s > 0;
     if (s.contexts_max < 1) return make_error("--contexts-max {}: at least 1", s.contexts_max);
     l.contexts_max = static_cast<uint32_t>(s.contexts_max);
     if (s.kv_blocks < 0 || s.kv_blocks > std::numeric_limits<uint32_t>::max())
@@ -395,7 +403,9 @@ public:
           redrive_(inst, /*redrive=*/true),
           // Re-driven requests go back to prefill on the launcher's own rings (the
           // front's rings have one producer: the front), to the least busy worker.
-          sup_(inst, self, [this](shm::ReqRef r) { (void)redrive_.send(r); }) {}
+          sup_(inst, self, [this](shm::ReqRef r) { (void)redrive_.send(r); }),
+          roles_(plan.roles),
+          rebalancer_(RebalanceOptions{static_cast<uint64_t>(std::max(s.rebalance_s, 1)) * kSecond}) {}
 
     int run(const std::string& model_id);
 
@@ -425,7 +435,185 @@ private:
     // QUEUED, say) or whose slot holds another request now, and temporary files of a
     // writer that died; every 5 s.
     void sweep_swap_dir();
+
+    // Whether every worker the launcher runs now (roles_) and the front are running.
+    bool all_running() const;
+    // --rebalance (roles/rebalance.h): every 50 ms while serving.
+    void rebalance(uint64_t now);
+    // Worker `index` of `role` as a router sees it: its registry slot (-1: none
+    // running), and whether it holds or is sent anything.
+    bool holds_work(shm::Role role, uint32_t index, int32_t slot) const;
+    RoleLaunch successor(const RoleLaunch& from, shm::Role to) const;
+    void start_successor();
+
+    std::vector<RoleLaunch> roles_;  // the children as they are now (a role change replaces one)
+    Rebalancer rebalancer_;
+    struct Change {
+        enum class Phase { None, Leaving, Exiting, Starting } phase = Phase::None;
+        shm::ProcRef who;  // the leaving worker's registry slot
+        RoleLaunch from, to;
+        uint64_t since_ns = 0, quiet_since_ns = 0;
+    } change_;
 };
+
+const WorkerSettings& worker_of(const RoleLaunch& r) { return std::get<WorkerSettings>(r.settings); }
+shm::Role role_of(const RoleLaunch& r) { return r.role == "prefill" ? shm::Role::Prefill : shm::Role::Decode; }
+
+bool Launcher::all_running() const {
+    const shm::Registry& reg = inst_.registry();
+    if (reg.find_running(shm::Role::Front) < 0) return false;
+    for (const RoleLaunch& r : roles_)
+        if (r.role != "front" && reg.find_running(role_of(r), static_cast<int32_t>(worker_of(r).index)) < 0) return false;
+    return true;
+}
+
+bool Launcher::holds_work(shm::Role role, uint32_t index, int32_t slot) const {
+    const uint64_t queued =
+        role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
+    return queued > 0 ||
+           (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) > 0);
+}
+
+void Launcher::rebalance(uint64_t now) {
+    shm::Registry& reg = inst_.registry();
+    const ServeRings rings = ServeRings::of(inst_.config());
+    switch (change_.phase) {
+    case Change::Phase::None: {
+        RoleSample sample[2];
+        for (const shm::Role role : {shm::Role::Prefill, shm::Role::Decode}) {
+            const uint32_t n = role == shm::Role::Prefill ? rings.n_prefill : rings.n_decode;
+            RoleSample& rs = sample[role == shm::Role::Decode];
+            for (uint32_t i = 0; i < n; ++i) {
+                const int32_t slot = reg.find_running(role, static_cast<int32_t>(i));
+                if (slot < 0) continue;
+                ++rs.running;
+                rs.busy += holds_work(role, i, slot);
+            }
+        }
+        rebalancer_.observe(now, sample[0], sample[1]);
+        const std::optional<shm::Role> from = rebalancer_.decide();
+        if (!from) return;
+        // R3 and R4: the idle worker of the idle role with the highest index (a
+        // successor of an earlier change, when there is one).
+        const RoleLaunch* pick = nullptr;
+        int32_t pick_slot = -1;
+        for (const RoleLaunch& r : roles_) {
+            if (r.role == "front" || role_of(r) != *from) continue;
+            const uint32_t i = worker_of(r).index;
+            const int32_t slot = reg.find_running(*from, static_cast<int32_t>(i));
+            if (slot < 0 || holds_work(*from, i, slot)) continue;
+            if (!pick || i > worker_of(*pick).index) pick = &r, pick_slot = slot;
+        }
+        if (!pick) return;  // all of them busy this instant: the next sample decides again
+        const shm::ProcRef who = reg.current(static_cast<uint32_t>(pick_slot));
+        if (!reg.set_leaving(who)) return;
+        const shm::Role to = *from == shm::Role::Prefill ? shm::Role::Decode : shm::Role::Prefill;
+        change_ = Change{Change::Phase::Leaving, who, *pick, successor(*pick, to), now, 0};
+        say(fmt::format("{} leaves its role for {} (prefill busy {:.0f}%, decode {:.0f}% over {} s); it is given no "
+                        "more work",
+                        change_.from.name, change_.to.name, 100 * rebalancer_.utilization(shm::Role::Prefill),
+                        100 * rebalancer_.utilization(shm::Role::Decode), s_.rebalance_s));
+        rebalancer_.reset();
+        return;
+    }
+    case Change::Phase::Leaving: {
+        const shm::Role role = role_of(change_.from);
+        const uint32_t index = worker_of(change_.from).index;
+        if (!reg.alive(change_.who) || reg.state(change_.who.slot) != shm::ProcState::Leaving) {
+            // It died meanwhile (the supervisor restarts it, as any worker): no change.
+            say(fmt::format("{} ended while leaving its role; it keeps it", change_.from.name));
+            change_ = {};
+            return;
+        }
+        if (holds_work(role, index, static_cast<int32_t>(change_.who.slot))) {
+            change_.quiet_since_ns = 0;
+        } else if (change_.quiet_since_ns == 0) {
+            change_.quiet_since_ns = now;
+        } else if (now - change_.quiet_since_ns >= Rebalancer::kQuietNs) {
+            change_.phase = Change::Phase::Exiting;  // R4: nothing held or sent for kQuietNs
+            change_.since_ns = now;
+            sup_.retire(change_.from.name);
+            return;
+        }
+        if (now - change_.since_ns > Rebalancer::kLeaveTimeoutNs) {
+            reg.stay_after_all(change_.who);
+            say(fmt::format("{} kept working for {} s after it was to leave its role: it keeps it",
+                            change_.from.name, Rebalancer::kLeaveTimeoutNs / kSecond));
+            change_ = {};
+        }
+        return;
+    }
+    case Change::Phase::Exiting:  // handle_events starts the successor once it exited
+        if (now - change_.since_ns > 30 * kSecond) {
+            say(fmt::format("{} did not stop within 30 s of SIGTERM; killing it", change_.from.name));
+            sup_.kill_role(change_.from.name);
+            change_.since_ns = now;
+        }
+        return;
+    case Change::Phase::Starting:
+        if (reg.find_running(role_of(change_.to), static_cast<int32_t>(worker_of(change_.to).index)) >= 0) {
+            say(fmt::format("{} runs (on CPUs {})", change_.to.name, worker_of(change_.to).cpus));
+            change_ = {};
+            rebalancer_.reset();  // R5: its first window starts now
+        }
+        return;
+    }
+}
+
+// The worker that takes `from`'s cores in role `to`: the lowest index of `to` that
+// no worker holds, the settings of a running worker of `to`, `from`'s CPUs; it
+// borrows cores only where the plan paired that index on those CPUs.
+RoleLaunch Launcher::successor(const RoleLaunch& from, shm::Role to) const {
+    const std::string role = shm::role_name(to);
+    const ServeRings rings = ServeRings::of(inst_.config());
+    const uint32_t n = to == shm::Role::Prefill ? rings.n_prefill : rings.n_decode;
+    const shm::Registry& reg = inst_.registry();
+    uint32_t index = 0;
+    for (; index < n; ++index) {
+        bool taken = false;
+        for (const RoleLaunch& r : roles_) taken |= r.role == role && worker_of(r).index == index;
+        for (uint32_t s = 0; s < reg.n_slots() && !taken; ++s)
+            taken = reg.alive(reg.current(s)) && reg.slot(s).role.load(std::memory_order_relaxed) == static_cast<uint32_t>(to) &&
+                    reg.slot(s).index.load(std::memory_order_relaxed) == index;
+        if (!taken) break;
+    }
+    const RoleLaunch* like = nullptr;
+    for (const RoleLaunch& r : roles_)
+        if (r.role == role) like = &r;
+    RoleLaunch out = *like;  // R3: the busy role has a worker
+    out.name = fmt::format("{} {}", role, index);
+    out.cpus = from.cpus;
+    out.numa = from.numa;
+    WorkerSettings ws = worker_of(*like);
+    const WorkerSettings& was = worker_of(from);
+    ws.index = index;
+    ws.cpus = was.cpus;
+    ws.threads = was.threads;
+    ws.numa = was.numa;
+    ws.borrow_cpus.clear();
+    for (const RoleLaunch& p : plan_.roles)
+        if (p.role == role && worker_of(p).index == index && worker_of(p).cpus == was.cpus)
+            ws.borrow_cpus = worker_of(p).borrow_cpus;
+    out.settings = ws;
+    return out;
+}
+
+void Launcher::start_successor() {
+    std::erase_if(roles_, [&](const RoleLaunch& r) { return r.name == change_.from.name; });
+    auto pid = sup_.start({change_.to.name, argv_(change_.to)});
+    if (!pid) {
+        say(fmt::format("{} could not start: {}; failing the requests in flight", change_.to.name, pid.error().message));
+        fail_in_flight(inst_, ReqError::NoWorker);
+        failed_ = true;
+        change_ = {};
+        return;
+    }
+    roles_.push_back(change_.to);
+    inst_.requests().role_changes(role_of(change_.to) == shm::Role::Decode).fetch_add(1, std::memory_order_relaxed);
+    say(fmt::format("{} stopped; {} starts on its CPUs ({}) as pid {}", change_.from.name, change_.to.name,
+                    worker_of(change_.to).cpus, *pid));
+    change_.phase = Change::Phase::Starting;
+}
 
 Status Launcher::start_roles() {
     if (external_) return {};  // their units start them
@@ -460,6 +648,12 @@ void Launcher::handle_events() {
             front_exited_ = true;
             continue;
         }
+        if (e.retired && change_.phase == Change::Phase::Exiting && e.role == change_.from.name) {
+            if (e.recovered.redriven > 0) t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
+            if (state_ == LaunchState::Serving) start_successor();
+            else change_ = {};
+            continue;
+        }
         if (e.restarted_as) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
         t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
         say(fmt::format("{} (pid {}) died ({} {}); recovered {} KV references, re-drove {} requests; {}", e.role, e.pid,
@@ -488,7 +682,7 @@ void Launcher::handle_events() {
 void Launcher::turn(const std::string& model_id) {
     LaunchInputs in;
     in.now_ns = shm::monotonic_ns();
-    in.all_running = inst_.registry().find_running(shm::Role::Front) >= 0 && workers_running(inst_, /*all=*/true);
+    in.all_running = all_running();
     in.stop = stop_.load(std::memory_order_relaxed) || failed_;
     in.front_exited = front_exited_;
     in.start_deadline_ns = start_deadline_;
@@ -525,6 +719,8 @@ void Launcher::turn(const std::string& model_id) {
         sweep_orphans(inst_, window_ns());
         redrive_.resend_stranded();
         next_sweep_ = now + 50'000'000;
+        if (s_.rebalance_s > 0 && !external_ && (state_ == LaunchState::Serving || change_.phase != Change::Phase::None))
+            rebalance(now);
     }
     if (now >= next_swap_sweep_) {
         sweep_swap_dir();

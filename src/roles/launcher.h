@@ -73,6 +73,12 @@ struct ServeSettings {
     // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
     std::string swap_root = "/var/tmp";
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
+    // Seconds of a lopsided load after which a worker changes role (roles/rebalance.h:
+    // one role's workers busy 90% of the time, the other's at most 25%); 0: never.
+    // CPU serving, one shared arena, three workers or more, roles started by the
+    // launcher. Off by default: with one worker of each role, cores lent between
+    // them already follow the load (lend_cores).
+    int rebalance_s = 0;
     // Sequences a decode step runs at most (WorkerOptions::max_batch): when they are
     // all taken, a more urgent hand-off takes a less urgent sequence's slot.
     int max_batch = 256;

@@ -48,6 +48,10 @@ std::string metrics_counters(const MetricsSnapshot& s) {
                      all.free, all.cached, all.held);
     m += family("duet_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.") +
          fmt::format("duet_prompt_tokens_total {}\n", s.prompt_tokens);
+    m += family("duet_worker_role_changes_total", "counter",
+                "Workers that changed role to the one named, their cores following a lopsided load (--rebalance).") +
+         fmt::format("duet_worker_role_changes_total{{to=\"prefill\"}} {}\nduet_worker_role_changes_total{{to=\"decode\"}} {}\n",
+                     s.role_changes_to_prefill, s.role_changes_to_decode);
     return m;
 }
 

@@ -64,15 +64,9 @@ uint64_t queued_for_decode(shm::Instance& inst, uint32_t d) {
     return n;
 }
 
-bool workers_running(shm::Instance& inst, bool all) {
-    const ServeRings rings = ServeRings::of(inst.config());
+bool workers_running(shm::Instance& inst) {
     shm::Registry& reg = inst.registry();
-    for (auto [role, n] : {std::pair{shm::Role::Prefill, rings.n_prefill}, std::pair{shm::Role::Decode, rings.n_decode}}) {
-        if (!all && reg.find_running(role) < 0) return false;
-        for (uint32_t i = 0; all && i < n; ++i)
-            if (reg.find_running(role, static_cast<int32_t>(i)) < 0) return false;
-    }
-    return true;
+    return reg.find_running(shm::Role::Prefill) >= 0 && reg.find_running(shm::Role::Decode) >= 0;
 }
 
 std::vector<uint64_t> PrefixAffinity::block_keys(const int32_t* tokens, size_t n, size_t block_tokens) {

@@ -48,10 +48,11 @@ DecodeView decode_view(shm::Instance& inst, uint32_t d, int numa);
 // decode worker d (from every prefill worker).
 uint64_t queued_for_prefill(shm::Instance& inst, uint32_t p);
 uint64_t queued_for_decode(shm::Instance& inst, uint32_t d);
-// Whether a process runs for every worker index of both roles (all: the launcher's
-// "started"), or for at least one of each (the front's readiness: requests are
-// routed around a worker being restarted).
-bool workers_running(shm::Instance& inst, bool all);
+// Whether a process runs for at least one worker of each role (the front's
+// readiness: requests are routed around a worker being restarted, and past spare
+// indices). Whether every worker it started runs is the launcher's own question
+// (it knows which indices it started: Launcher::all_running).
+bool workers_running(shm::Instance& inst);
 
 // Which prefill worker is computing a prompt with the same leading full blocks: a
 // request that shares a prefix with one still being prefilled waits there for its

@@ -56,7 +56,7 @@ Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
 Result<pid_t> Supervisor::start(const RoleSpec& spec) {
     auto pid = spawn(spec);
     if (!pid) return pid.error();
-    children_.push_back(Child{spec, *pid, {}, false});
+    children_.push_back(Child{spec, *pid, {}, false, false});
     return *pid;
 }
 
@@ -90,6 +90,7 @@ std::vector<Supervisor::Event> Supervisor::poll() {
         e.pid = c.pid;
         e.status = status;
         e.recovered = recover(c.pid);
+        e.retired = c.retired;
         c.pid = 0;
         const uint64_t now = shm::monotonic_ns();
         c.deaths_ns.push_back(now);
@@ -106,6 +107,7 @@ std::vector<Supervisor::Event> Supervisor::poll() {
         }
         events.push_back(std::move(e));
     }
+    std::erase_if(children_, [](const Child& c) { return c.retired && c.pid == 0; });
     return events;
 }
 
@@ -114,7 +116,9 @@ std::vector<Supervisor::Event> Supervisor::poll_registry() {
     shm::Registry& reg = inst_.registry();
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         const shm::ProcState st = reg.state(s);
-        if (st != shm::ProcState::Starting && st != shm::ProcState::Running && st != shm::ProcState::Dead) continue;
+        if (st != shm::ProcState::Starting && st != shm::ProcState::Running && st != shm::ProcState::Leaving &&
+            st != shm::ProcState::Dead)
+            continue;
         const auto role = static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed));
         if (role != shm::Role::Front && role != shm::Role::Prefill && role != shm::Role::Decode) continue;
         const shm::ProcRef r = reg.current(s);
@@ -158,7 +162,7 @@ Status Supervisor::stop_all(int grace_ms) {
 bool Supervisor::retire(const std::string& role) {
     for (Child& c : children_)
         if (c.spec.name == role && c.pid > 0) {
-            c.given_up = true;
+            c.given_up = c.retired = true;
             kill(c.pid, SIGTERM);
             return true;
         }

@@ -42,6 +42,7 @@ public:
         int status = 0;  // as from waitpid
         shm::RecoveryReport recovered;
         pid_t restarted_as = 0;  // 0: not restarted
+        bool retired = false;    // it was retire()d: an exit asked for, not a failure
     };
     // Reaps children that ended, recovers and restarts them. Non-blocking.
     std::vector<Event> poll();
@@ -53,8 +54,9 @@ public:
     // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
     // recovers whatever they left. Errors name roles that did not exit cleanly.
     Status stop_all(int grace_ms);
-    // Sends SIGTERM to a role that is not to be restarted when it exits (a drain:
-    // poll() reports its exit with restarted_as 0). True if it was running.
+    // Sends SIGTERM to a role that is not to be restarted when it exits (a drain, or
+    // a worker changing role: poll() reports its exit, retired, and forgets it).
+    // True if it was running.
     bool retire(const std::string& role);
     // SIGKILL to a role (one that outlived its drain).
     void kill_role(const std::string& role);
@@ -68,6 +70,7 @@ private:
         pid_t pid = 0;
         std::vector<uint64_t> deaths_ns;
         bool given_up = false;  // not restarted (kept dying, or retired)
+        bool retired = false;
     };
     Result<pid_t> spawn(const RoleSpec& spec);
     // Waits for a signalled child until deadline_ns, then SIGKILLs it; recovers what

@@ -20,12 +20,16 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     const bool split_gpus = l.n_gpus > 0 && l.kv_split;
     const uint32_t n_prefill = l.n_gpus && !split_gpus ? l.n_gpus : l.n_prefill;
     const uint32_t n_decode = l.n_gpus && !split_gpus ? l.n_gpus : l.n_decode;
+    // Indices (rings) per role: with role changes, room for all workers but one in each.
+    const bool spares = l.rebalance && l.n_gpus == 0 && !l.kv_split;
+    const uint32_t slots_prefill = spares ? n_prefill + n_decode - 1 : n_prefill;
+    const uint32_t slots_decode = spares ? n_prefill + n_decode - 1 : n_decode;
     c.kv_split = l.kv_split;
     c.kv_dtype = static_cast<uint32_t>(l.kv_dtype);
     // Every worker, the front, the launcher, and room for processes being replaced.
     c.registry_slots = std::max<uint32_t>(16, 2 * (n_prefill + n_decode) + 4);
-    c.prefill_workers = n_prefill;
-    c.decode_workers = n_decode;
+    c.prefill_workers = slots_prefill;
+    c.decode_workers = slots_decode;
     c.requests.n_slots = l.n_requests;
     c.requests.max_tokens = static_cast<uint32_t>(l.n_ctx);
     c.requests.block_tokens = static_cast<uint32_t>(kv.block_tokens);
@@ -76,7 +80,11 @@ Status check_gpu_count(int n_gpus) {
 Status check_instance_workers(const shm::InstanceConfig& c) {
     const uint32_t P = c.prefill_workers, D = c.decode_workers;
     if (!gpu_instance(c)) {
-        if (Status st = check_worker_counts(static_cast<int>(P), static_cast<int>(D)); !st) return st;
+        // Indices, not processes: with role changes (ServeLayout::rebalance) each role
+        // has up to kMaxServeWorkers - 1 of them, most of them spares; the arena's user
+        // count bounds the processes.
+        if (P < 1 || D < 1 || P >= kMaxServeWorkers || D >= kMaxServeWorkers)
+            return make_error("{} prefill and {} decode worker indices: 1 to {} of each", P, D, kMaxServeWorkers - 1);
         if (c.arenas.size() != (c.kv_split ? 2u : 1u))
             return make_error("{} host KV arenas: {}", c.arenas.size(), c.kv_split ? "one per role" : "one");
         return {};

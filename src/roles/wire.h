@@ -67,6 +67,12 @@ struct ServeLayout {
     // front in the instance's context table: contexts_max + 2 records of n_ctx tokens.
     bool contexts = false;
     uint32_t contexts_max = 1024;
+    // Workers may change role (`duet serve --rebalance`, roles/rebalance.h; CPU, one
+    // shared arena): each role then has rings and indices for n_prefill + n_decode - 1
+    // workers, the indices no process holds being spares (routers pass them over as
+    // they do a worker being restarted). The arena's users stay n_prefill + n_decode:
+    // a worker leaves before its successor joins.
+    bool rebalance = false;
 };
 
 // The shm instance for serving `model` with this layout.
@@ -77,7 +83,8 @@ Status check_worker_counts(int n_prefill, int n_decode);
 // GPUs one instance serves on: 1 to kMaxServeGpus.
 inline constexpr uint32_t kMaxServeGpus = 8;
 Status check_gpu_count(int n_gpus);
-// The workers of an instance, as its config says: CPU counts, or GPU pairs.
+// The workers of an instance, as its config says: CPU counts (each role's worker
+// indices: with ServeLayout::rebalance, some are spares), or GPU pairs.
 Status check_instance_workers(const shm::InstanceConfig& c);
 // Whether the instance serves on GPUs (its KV in device memory).
 inline bool gpu_instance(const shm::InstanceConfig& c) { return c.cpu_kv_bytes == 0; }

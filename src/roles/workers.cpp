@@ -71,7 +71,8 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         const shm::ProcSlot& ps = reg.slot(s);
         const shm::ProcState st = reg.state(s);
-        if (s != self_.slot && (st == shm::ProcState::Starting || st == shm::ProcState::Running) &&
+        if (s != self_.slot &&
+            (st == shm::ProcState::Starting || st == shm::ProcState::Running || st == shm::ProcState::Leaving) &&
             // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
             ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
             ps.index.load(std::memory_order_relaxed) == o.index) {
@@ -177,12 +178,11 @@ bool WorkerBase::borrow_cores(shm::Role lender) {
     if (threads_->size() == own_threads_) return false;
     const shm::Registry& reg = inst_->registry();
     // The lender is the other role's worker of the same index (the launcher pairs
-    // them: role_launches).
-    const auto index = static_cast<int32_t>(index_);
-    bool idle = true;
-    for (uint32_t s = 0; s < reg.n_slots() && idle; ++s)
-        if (reg.running_as(s, lender, index) && reg.slot(s).load_items.load(std::memory_order_relaxed) > 0)
-            idle = false;
+    // them: role_launches). Only a running lender lends: one that is starting (a
+    // restart loads the model on those cores) or leaving (`--rebalance`: its cores
+    // go to a worker of the other role) does not.
+    const int32_t s = reg.find_running(lender, static_cast<int32_t>(index_));
+    const bool idle = s >= 0 && reg.slot(static_cast<uint32_t>(s)).load_items.load(std::memory_order_relaxed) == 0;
     if (!idle) {
         threads_->set_width(own_threads_);
         return false;

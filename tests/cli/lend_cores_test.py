@@ -151,10 +151,20 @@ def main():
             t.start()
         for t in warm:
             t.join()
-        results["risk"], _ = mixed(port, long_prompt, critical=False)
-        yields = metric(port, "duet_worker_yielded_cores_total", "decode")
+        # Up to three tries: decode rightly declines a claim while its streams are not
+        # ahead of their pace (C6), which a machine loaded by other tests can make
+        # them (2026-12-04, the release suite at -j2 beside serve_e2e: 2 declined, 0
+        # yields; alone it passed). A broken claim path yields in none of them.
+        results["risk"] = []
+        for attempt in range(3):
+            texts, _ = mixed(port, long_prompt, critical=False)
+            results["risk"].append(texts)
+            yields = metric(port, "duet_worker_yielded_cores_total", "decode")
+            if yields and yields >= 1:
+                break
+            print(f"try {attempt + 1}: no yield for prompts at risk (claims missed: {missed(port)})")
         if not (yields and yields >= 1):
-            st.check(False, f"decode stepped aside for prompts at risk: {yields} times "
+            st.check(False, f"decode stepped aside for prompts at risk: {yields} times in 3 tries "
                      f"(targets {results['risk_slo']}; claims missed: {missed(port)})")
         results["risk_yields"] = yields
 
@@ -166,8 +176,8 @@ def main():
     lend, plain_r = results["lend"], results["plain"]
     st.check(lend[2] == plain_r[2], f"texts differ with lending:\n{lend[2]}\n{plain_r[2]}")
     # The same requests but for the critical class of one (sampling does not depend on it).
-    st.check(results["risk"] == plain_r[2][-6:], f"texts differ with claims for prompts at risk:\n{results['risk']}\n"
-             f"{plain_r[2][-6:]}")
+    for texts in results["risk"]:
+        st.check(texts == plain_r[2][-6:], f"texts differ with claims for prompts at risk:\n{texts}\n{plain_r[2][-6:]}")
     dec, dec_s, pre, pre_s, yields, yield_s = results["borrowed"]
     print(f"lent cores: decode took prefill's {int(dec)} times ({dec_s:.2f} s), prefill took decode's {int(pre)} times "
           f"({pre_s:.2f} s); decode stepped aside for critical passes {int(yields)} times ({yield_s:.2f} s); every "

@@ -1,0 +1,70 @@
+// Workers that change role (`duet serve --rebalance S`, CPU serving with one shared
+// KV arena): when one role's workers stay busy while the other's stay idle, the
+// launcher retires an idle worker of the idle role and starts a worker of the busy
+// role on its cores. Cores lent between partners (roles/claims.h, borrow_cores)
+// cover the moments a role is idle; this covers a load whose mix stays lopsided.
+//
+// The rules (each has a test in tests/rebalance_test.cpp):
+//   R1  Evidence: a role's utilization is the share of its running workers' samples
+//       that were busy (requests or sequences in hand, or messages waiting in their
+//       rings), over the last `window`. No decision before a whole window of samples
+//       has been seen since the start or the last change.
+//   R2  Imbalance: a worker moves from role A to role B when B's utilization is at
+//       least `busy` (0.9) and A's at most `idle` (0.25); between the two nothing
+//       moves (hysteresis: a load that moved a worker must fall a long way before
+//       it moves one back).
+//   R3  Never the last: A keeps at least one running worker.
+//   R4  Never while it holds work: the launcher marks the chosen worker LEAVING
+//       (shm/registry.h: routers pass it over), waits until it has held nothing and
+//       had nothing waiting for `kQuietNs`, then stops it; if that takes longer than
+//       `kLeaveTimeoutNs` it is kept (RUNNING again) and the change is dropped.
+//   R5  One change at a time, then a whole new window (R1) before the next.
+// The moved worker's requests never move: it holds none (R4), and one that reached
+// it anyway (a router that chose it just before LEAVING) is re-driven by the
+// recovery that follows its exit, as for a crash (token-identical: DESIGN.md).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+
+#include "shm/registry.h"
+
+namespace duet {
+
+struct RebalanceOptions {
+    uint64_t window_ns = 10'000'000'000ull;
+    double busy = 0.9;
+    double idle = 0.25;
+};
+
+// One look at both roles: running workers, and how many of them were busy.
+struct RoleSample {
+    uint32_t running = 0, busy = 0;
+};
+
+class Rebalancer {
+public:
+    explicit Rebalancer(RebalanceOptions o) : o_(o) {}
+    // A sample at now_ns (monotonic, non-decreasing).
+    void observe(uint64_t now_ns, RoleSample prefill, RoleSample decode);
+    // The role a worker should leave (R1-R3), or none.
+    std::optional<shm::Role> decide() const;
+    // A change began (or was dropped): the evidence starts again (R5).
+    void reset() { samples_.clear(); }
+    // Utilization over the window so far (R1); -1 without samples of running workers.
+    double utilization(shm::Role role) const;
+
+    static constexpr uint64_t kQuietNs = 200'000'000ull;
+    static constexpr uint64_t kLeaveTimeoutNs = 10'000'000'000ull;
+
+private:
+    struct Sample {
+        uint64_t at;
+        RoleSample prefill, decode;
+    };
+    RebalanceOptions o_;
+    std::deque<Sample> samples_;
+};
+
+}  // namespace duet

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Workers that change role (`duet serve --rebalance`, src/roles/rebalance.h) on the
+real model: two prefill workers and one decode worker, a 2 s window.
+
+1. A decode-heavy load (streams of 160 tokens from short prompts) keeps decode busy
+   while both prefill workers idle: prefill 1 leaves its role (LEAVING: routers pass
+   it over; it stops once it has held nothing for 200 ms) and decode 1 starts on its
+   CPUs, then takes hand-offs (duet_worker_served_total).
+2. A prefill-heavy load (700-token prompts, one output token) then keeps the one
+   prefill worker busy while both decode workers idle: decode 1 goes back to prefill.
+
+No request fails across both changes, and every text equals the first answer to the
+same request (seeded sampling, greedy for the long prompts): a worker's role, its
+index and the batch a sequence ran in change nothing (the invariance contract). The
+launcher's lines say what moved; /metrics counts it (duet_worker_role_changes_total).
+
+Usage: rebalance_test.py path/to/duet
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serve_test as st  # noqa: E402
+
+DUET = sys.argv[1]
+INSTANCE = f"rebalance-test-{os.getpid()}"
+
+
+def metric(port, pattern):
+    m = re.search(pattern + r" ([0-9.e+-]+)$", st.request(port, "GET", "/metrics")[1], re.M)
+    return float(m.group(1)) if m else None
+
+
+def changes(port, to):
+    return metric(port, rf'duet_worker_role_changes_total\{{to="{to}"\}}') or 0
+
+
+def up(port, role, worker):
+    return metric(port, rf'duet_worker_up\{{role="{role}",worker="{worker}"\}}') == 1
+
+
+def served(port, role, worker):
+    return metric(port, rf'duet_worker_served_total\{{role="{role}",worker="{worker}"\}}') or 0
+
+
+class Load:
+    """Clients sending `bodies` round-robin until stopped; every answer kept by body index."""
+
+    def __init__(self, port, bodies, clients):
+        self.port, self.bodies = port, bodies
+        self.answers = {i: [] for i in range(len(bodies))}
+        self.errors = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.client, args=(c, clients)) for c in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def client(self, c, clients):
+        k = c
+        while not self.stop.is_set():
+            i = k % len(self.bodies)
+            k += clients
+            code, body = st.request(self.port, "POST", "/v1/completions", self.bodies[i])
+            with self.lock:
+                if code != 200:
+                    self.errors.append(f"body {i}: {code} {body[:300]}")
+                else:
+                    self.answers[i].append(json.loads(body)["choices"][0]["text"])
+
+    def end(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        return self.answers
+
+
+def wait_for(cond, seconds, what, lines):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    st.fail(f"{what} did not happen within {seconds} s; the server said:\n" + "".join(lines[-40:]))
+
+
+def check_same(answers, what):
+    n = 0
+    for i, texts in answers.items():
+        for t in texts[1:]:
+            st.check(t == texts[0], f"{what} {i}: an answer differs from the first one:\n{t!r}\n{texts[0]!r}")
+        n += len(texts)
+    return n
+
+
+def main():
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "32", "--instance", INSTANCE,
+                               "--prefill-workers", "2", "--decode-workers", "1", "--rebalance", "2",
+                               "--admit-slack", "0", "--grace", "10", *st.START_TIMEOUT],
+                              stderr=subprocess.PIPE, text=True)
+    lines = []
+    listening = threading.Event()
+    port = [None]
+
+    def read():
+        for line in server.stderr:
+            lines.append(line)
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port[0] = int(m.group(1))
+                listening.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 330
+        while not listening.is_set() and time.time() < deadline and server.poll() is None:
+            time.sleep(0.1)
+        st.check(port[0], "the server did not listen; it said:\n" + "".join(lines[-60:]))
+        port = port[0]
+        st.check(up(port, "prefill", 1) and not up(port, "decode", 1), "two prefill workers, one decode worker")
+
+        # 1. Decode-heavy: decode busy, both prefill workers idle.
+        short = [{"prompt": f"Tell me story number {i}.", "max_tokens": 160, "temperature": 0.8, "seed": 11 + i,
+                  "ignore_eos": True} for i in range(4)]
+        load = Load(port, short, clients=4)
+        wait_for(lambda: changes(port, "decode") >= 1 and up(port, "decode", 1), 120,
+                 "prefill 1 becoming decode 1", lines)
+        st.check(not up(port, "prefill", 1), "prefill 1 is gone")
+        wait_for(lambda: served(port, "decode", 1) >= 2, 60, "decode 1 taking hand-offs", lines)
+        first = load.end()
+        st.check(not load.errors, f"failed requests: {load.errors}")
+        n1 = check_same(first, "decode-heavy request")
+        st.check(all(len(a) >= 2 for a in first.values()), f"each request answered twice or more: {first}")
+        print(f"decode-heavy: {n1} answers, identical per request; decode 1 served {served(port, 'decode', 1):.0f}")
+
+        # 2. Prefill-heavy: the one prefill worker busy, both decode workers idle.
+        long_ = [{"prompt": [(7 * i + 13 * k) % 2000 + 100 for k in range(700)], "max_tokens": 1, "temperature": 0}
+                 for i in range(3)]
+        load = Load(port, long_, clients=3)
+        wait_for(lambda: changes(port, "prefill") >= 1 and up(port, "prefill", 1), 180,
+                 "a decode worker becoming prefill 1", lines)
+        st.check(not up(port, "decode", 1), "decode 1 (the idle decode worker with the highest index) left")
+        base = served(port, "prefill", 1)
+        wait_for(lambda: served(port, "prefill", 1) > base, 60, "prefill 1 taking prompts", lines)
+        answers = load.end()
+        st.check(not load.errors, f"failed requests: {load.errors}")
+        n2 = check_same(answers, "prefill-heavy request")
+        print(f"prefill-heavy: {n2} answers, identical per request")
+
+        # The first answers again, on the layout the server has now.
+        for i, body in enumerate(short):
+            code, b = st.request(port, "POST", "/v1/completions", body)
+            st.check(code == 200, f"again {i}: {code} {b[:300]}")
+            st.check(json.loads(b)["choices"][0]["text"] == first[i][0], f"again {i}: the text differs from the first")
+        said = "".join(lines)
+        for want in ("prefill 1 leaves its role for decode 1", "decode 1 runs", "decode 1 leaves its role for prefill 1",
+                     "prefill 1 runs"):
+            st.check(want in said, f"the launcher said '{want}':\n" + "".join(lines[-40:]))
+        print("".join(line for line in lines if "role" in line or " runs (on CPUs" in line), end="")
+        st.check(server.poll() is None, "the server is still up")
+        server.send_signal(signal.SIGTERM)
+        st.check(server.wait(timeout=60) == 0, "a clean stop after the changes")
+        print("rebalance e2e: ok")
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        for d in ("/dev/shm", "/dev/hugepages"):
+            for f in (f"duet.{INSTANCE}", f"duet.{INSTANCE}.kv"):
+                if os.path.exists(os.path.join(d, f)):
+                    os.unlink(os.path.join(d, f))
+
+
+if __name__ == "__main__":
+    main()
