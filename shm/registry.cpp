@@ -215,6 +215,29 @@ int32_t Registry::find_running(Role role, int32_t index) const {
     return -1;
 }
 
+void Registry::set_assigned(Role role, uint32_t index, bool on) {
+    if (index >= 32) return;
+    std::atomic<uint32_t>& w = hdr_->assigned[role == Role::Decode ? 1 : 0];
+    if (on)
+        w.fetch_or(1u << index, std::memory_order_relaxed);
+    else
+        w.fetch_and(~(1u << index), std::memory_order_relaxed);
+}
+
+bool Registry::assigned(Role role, uint32_t index) const {
+    const uint32_t w = hdr_->assigned[role == Role::Decode ? 1 : 0].load(std::memory_order_relaxed);
+    return w == 0 || (index < 32 && (w >> index & 1u));
+}
+
+int32_t Registry::find_working(Role role, int32_t index) const {
+    for (uint32_t s = 0; s < n_slots(); ++s) {
+        const ProcState st = state(s);
+        if ((st == ProcState::Running || st == ProcState::Leaving) && is_worker(slots_[s], role, index))
+            return static_cast<int32_t>(s);
+    }
+    return -1;
+}
+
 void Registry::wake(Role role, int32_t index) {
     for (uint32_t s = 0; s < n_slots(); ++s)
         if (running_as(s, role, index)) doorbell_ring(doorbell(s));

@@ -104,7 +104,11 @@ struct RegistryHeader {
     // what the front's /ready and /metrics say.
     std::atomic<uint32_t> golden_failures;
     std::atomic<uint32_t> golden_reason_len;
-    char golden_reason[240];
+    char golden_reason[232];
+    // The worker indices of each role ([0] prefill, [1] decode) the launcher runs a
+    // worker at, one bit each (0: not said; every index then counts). With role
+    // changes some indices are spares: /metrics reports only these.
+    std::atomic<uint32_t> assigned[2];
 };
 static_assert(sizeof(RegistryHeader) == 256);
 
@@ -147,6 +151,13 @@ public:
     // Rings the doorbell of every running process of `role` (only worker `index`'s
     // when index >= 0): after publishing something it consumes.
     void wake(Role role, int32_t index = -1);
+    // RegistryHeader::assigned: set by the launcher as it starts and retires workers.
+    void set_assigned(Role role, uint32_t index, bool on);
+    // Whether the launcher runs a worker at this index (true when it never said).
+    bool assigned(Role role, uint32_t index) const;
+    // The first live slot (RUNNING or LEAVING: a process that works) with this role
+    // and index, or -1 (what /metrics calls up).
+    int32_t find_working(Role role, int32_t index) const;
     ProcRef current(uint32_t slot) const;  // the slot's generation now
     pid_t pid(uint32_t slot) const;        // the process that claimed it last
     bool alive(ProcRef r) const;           // STARTING, RUNNING or LEAVING at this generation

@@ -274,22 +274,23 @@ TEST(Launcher, RebalanceNeedsThreeCpuWorkersAndOneArena) {
     EXPECT_EQ(p->roles.size(), 4u) << "the workers it starts: two prefill, one decode, and the front";
     s.rebalance_s = 0;
     EXPECT_FALSE(plan_serve(s, cpu_facts())->layout.rebalance);
-    auto refused = [](ServeSettings s, ServeFacts f) {
+    auto refused = [](ServeSettings s, ServeFacts f, const std::string& why) {
         auto p = plan_serve(s, f);
-        ASSERT_FALSE(p.ok());
-        EXPECT_NE(p.error().message.find("--rebalance"), std::string::npos) << p.error().message;
+        ASSERT_FALSE(p.ok()) << why;
+        EXPECT_NE(p.error().message.find("--rebalance" + why), std::string::npos) << p.error().message;
     };
     s = {};
     s.rebalance_s = 5;
-    refused(s, cpu_facts());  // one worker of each role: nothing to move
+    refused(s, cpu_facts(), ": three workers or more");  // one worker of each role: nothing to move
     s.prefill_workers = 2;
+    ASSERT_TRUE(plan_serve(s, cpu_facts()).ok());
     s.kv_arenas = "per-role";
-    refused(s, cpu_facts());
-    s.kv_arenas = "shared";
-    s.prefill_workers = 1;
-    refused(s, gpu_facts({{0, 80 * kGiB}}));
+    refused(s, cpu_facts(), ": workers change role with one shared KV arena only");
+    s = {};
+    s.rebalance_s = 5;
+    refused(s, gpu_facts({{0, 80 * kGiB}, {1, 80 * kGiB}}), ": workers change role on CPU serving only");
     s.rebalance_s = -1;
-    refused(s, cpu_facts());
+    refused(s, cpu_facts(), " -1: seconds");
 }
 
 TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {

@@ -147,6 +147,17 @@ const char* const kTwoArenasThreeWorkers =
 
 }  // namespace
 
+// Spare indices (--rebalance: no worker assigned there) leave no line at all.
+TEST(MetricsText, SpareWorkerIndicesAreLeftOut) {
+    MetricsSnapshot s = two_arenas_three_workers();
+    MetricsSnapshot::Worker spare;
+    spare.spare = true;
+    s.prefill.push_back(spare);
+    s.decode.push_back(spare);
+    s.decode.push_back(spare);
+    EXPECT_EQ(metrics_text(s), kTwoArenasThreeWorkers);
+}
+
 TEST(MetricsText, CountersArenasAndWorkersInExpositionFormat) {
     EXPECT_EQ(metrics_text(two_arenas_three_workers()), kTwoArenasThreeWorkers);
 }

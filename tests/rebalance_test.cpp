@@ -113,6 +113,7 @@ TEST(Rebalance, LeavingWorkersAreAliveAndPassedOver) {
     EXPECT_STREQ(shm::proc_state_name(shm::ProcState::Leaving), "leaving");
     EXPECT_TRUE(reg->alive(*p1));
     EXPECT_LT(reg->find_running(shm::Role::Prefill, 1), 0) << "routers pass it over";
+    EXPECT_EQ(reg->find_working(shm::Role::Prefill, 1), static_cast<int32_t>(p1->slot)) << "/metrics: up";
     EXPECT_EQ(reg->find_running(shm::Role::Prefill), static_cast<int32_t>(p0->slot));
     EXPECT_FALSE(reg->set_running(*p1)) << "not STARTING";
     ASSERT_TRUE(reg->stay_after_all(*p1));
@@ -123,4 +124,24 @@ TEST(Rebalance, LeavingWorkersAreAliveAndPassedOver) {
     EXPECT_FALSE(reg->alive(*p1));
     ASSERT_TRUE(reg->set_leaving(*p0));
     EXPECT_TRUE(reg->mark_dead(*p0)) << "a death while leaving: recovered as any";
+}
+
+// /metrics leaves out the indices the launcher assigned no worker (the spares).
+TEST(Rebalance, AssignedIndicesAreTheLaunchersWord) {
+    const size_t bytes = (shm::Registry::bytes(4) + 63) / 64 * 64;
+    std::unique_ptr<void, decltype(&std::free)> mem(std::aligned_alloc(64, bytes), &std::free);
+    ASSERT_TRUE(shm::Registry::init(mem.get(), 4).ok());
+    auto reg = shm::Registry::attach(mem.get());
+    ASSERT_TRUE(reg.ok());
+    EXPECT_TRUE(reg->assigned(shm::Role::Decode, 3)) << "never said: every index counts";
+    reg->set_assigned(shm::Role::Decode, 0, true);
+    reg->set_assigned(shm::Role::Prefill, 1, true);
+    EXPECT_TRUE(reg->assigned(shm::Role::Decode, 0));
+    EXPECT_FALSE(reg->assigned(shm::Role::Decode, 1));
+    EXPECT_TRUE(reg->assigned(shm::Role::Prefill, 1));
+    EXPECT_FALSE(reg->assigned(shm::Role::Prefill, 0)) << "each role its own word";
+    reg->set_assigned(shm::Role::Decode, 1, true);
+    reg->set_assigned(shm::Role::Decode, 0, false);
+    EXPECT_FALSE(reg->assigned(shm::Role::Decode, 0));
+    EXPECT_TRUE(reg->assigned(shm::Role::Decode, 1));
 }

@@ -939,7 +939,11 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     auto worker = [&](shm::Role role, uint32_t i, uint64_t queued) {
         MetricsSnapshot::Worker w;
         w.queued = queued;
-        if (const int32_t s = reg.find_running(role, static_cast<int32_t>(i)); s >= 0) {
+        // Up while a process works for it (running, or leaving its role: it still
+        // finishes what it holds); an index the launcher has no worker at is left out.
+        const int32_t s = reg.find_working(role, static_cast<int32_t>(i));
+        w.spare = s < 0 && queued == 0 && !reg.assigned(role, i);
+        if (s >= 0) {
             const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
             w.up = true;
             w.items = ps.load_items.load(std::memory_order_relaxed);

@@ -247,10 +247,14 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
         return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
                           kMaxServeWorkers - 1);
     if (s.rebalance_s < 0) return make_error("--rebalance {}: seconds, 0 (never) or more", s.rebalance_s);
-    if (s.rebalance_s > 0 && (!f.gpus.empty() || kv_split || s.prefill_workers + s.decode_workers < 3))
+    if (s.rebalance_s > 0 && !f.gpus.empty())
+        return make_error("--rebalance: workers change role on CPU serving only (a GPU's form of it is planned)");
+    if (s.rebalance_s > 0 && kv_split)
+        return make_error("--rebalance: workers change role with one shared KV arena only (--kv-arenas shared)");
+    if (s.rebalance_s > 0 && s.prefill_workers + s.decode_workers < 3)
         return make_error(
-            "--rebalance: workers change role on CPU serving with one shared KV arena and at least three workers "
-            "(--prefill-workers + --decode-workers)");
+            "--rebalance: three workers or more (--prefill-workers + --decode-workers), so that a role keeps one "
+            "when another moves");
     ServePlan plan;
     for (const GpuFacts& g : f.gpus) plan.gpus.push_back(g.device);
     const int n_gpus = static_cast<int>(f.gpus.size());
@@ -438,13 +442,17 @@ private:
 
     // Whether every worker the launcher runs now (roles_) and the front are running.
     bool all_running() const;
-    // --rebalance (roles/rebalance.h): every 50 ms while serving.
+    // --rebalance (roles/rebalance.h): every 50 ms while serving, or while a change
+    // is under way.
     void rebalance(uint64_t now);
-    // Worker `index` of `role` as a router sees it: its registry slot (-1: none
-    // running), and whether it holds or is sent anything.
+    // Worker `index` of `role`: whether it holds or is sent anything (R4), and whether
+    // it has more than it can compute alone (R1's busy: slot -1, none running).
     bool holds_work(shm::Role role, uint32_t index, int32_t slot) const;
-    RoleLaunch successor(const RoleLaunch& from, shm::Role to) const;
+    bool busy(shm::Role role, uint32_t index, int32_t slot) const;
+    std::optional<RoleLaunch> successor(const RoleLaunch& from, shm::Role to) const;
     void start_successor();
+    // A drain began: a worker still leaving stays (nothing is started meanwhile).
+    void keep_leaving_worker();
 
     std::vector<RoleLaunch> roles_;  // the children as they are now (a role change replaces one)
     Rebalancer rebalancer_;
@@ -474,11 +482,29 @@ bool Launcher::holds_work(shm::Role role, uint32_t index, int32_t slot) const {
            (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) > 0);
 }
 
+bool Launcher::busy(shm::Role role, uint32_t index, int32_t slot) const {
+    // One prompt or one sequence keeps a worker's cores busy, but a second worker
+    // would not take any of it (a sequence stays where it runs; a pass is one
+    // worker's): only a second one, or one waiting, is work another could have.
+    const uint64_t queued =
+        role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
+    return queued > 0 ||
+           (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) >= 2);
+}
+
+void Launcher::keep_leaving_worker() {
+    if (change_.phase != Change::Phase::Leaving) return;
+    inst_.registry().stay_after_all(change_.who);
+    say(fmt::format("{} keeps its role (draining)", change_.from.name));
+    change_ = {};
+}
+
 void Launcher::rebalance(uint64_t now) {
     shm::Registry& reg = inst_.registry();
     const ServeRings rings = ServeRings::of(inst_.config());
     switch (change_.phase) {
     case Change::Phase::None: {
+        if (state_ != LaunchState::Serving) return;
         RoleSample sample[2];
         for (const shm::Role role : {shm::Role::Prefill, shm::Role::Decode}) {
             const uint32_t n = role == shm::Role::Prefill ? rings.n_prefill : rings.n_decode;
@@ -487,7 +513,7 @@ void Launcher::rebalance(uint64_t now) {
                 const int32_t slot = reg.find_running(role, static_cast<int32_t>(i));
                 if (slot < 0) continue;
                 ++rs.running;
-                rs.busy += holds_work(role, i, slot);
+                rs.busy += busy(role, i, slot);
             }
         }
         rebalancer_.observe(now, sample[0], sample[1]);
@@ -505,10 +531,12 @@ void Launcher::rebalance(uint64_t now) {
             if (!pick || i > worker_of(*pick).index) pick = &r, pick_slot = slot;
         }
         if (!pick) return;  // all of them busy this instant: the next sample decides again
+        const shm::Role to = *from == shm::Role::Prefill ? shm::Role::Decode : shm::Role::Prefill;
+        std::optional<RoleLaunch> next = successor(*pick, to);
+        if (!next) return;  // no index it could take (see successor): the next sample decides again
         const shm::ProcRef who = reg.current(static_cast<uint32_t>(pick_slot));
         if (!reg.set_leaving(who)) return;
-        const shm::Role to = *from == shm::Role::Prefill ? shm::Role::Decode : shm::Role::Prefill;
-        change_ = Change{Change::Phase::Leaving, who, *pick, successor(*pick, to), now, 0};
+        change_ = Change{Change::Phase::Leaving, who, *pick, std::move(*next), now, 0};
         say(fmt::format("{} leaves its role for {} (prefill busy {:.0f}%, decode {:.0f}% over {} s); it is given no "
                         "more work",
                         change_.from.name, change_.to.name, 100 * rebalancer_.utilization(shm::Role::Prefill),
@@ -525,14 +553,28 @@ void Launcher::rebalance(uint64_t now) {
             change_ = {};
             return;
         }
+        // R3 again: the role's other workers may have died since the decision.
+        if (reg.find_running(role) < 0) {
+            reg.stay_after_all(change_.who);
+            say(fmt::format("{} keeps its role: no other {} worker runs now", change_.from.name,
+                            shm::role_name(role)));
+            change_ = {};
+            return;
+        }
         if (holds_work(role, index, static_cast<int32_t>(change_.who.slot))) {
             change_.quiet_since_ns = 0;
         } else if (change_.quiet_since_ns == 0) {
             change_.quiet_since_ns = now;
         } else if (now - change_.quiet_since_ns >= Rebalancer::kQuietNs) {
-            change_.phase = Change::Phase::Exiting;  // R4: nothing held or sent for kQuietNs
+            // R4: nothing held or sent for kQuietNs.
+            if (!sup_.retire(change_.from.name)) {  // not running under the supervisor this instant
+                reg.stay_after_all(change_.who);
+                change_ = {};
+                return;
+            }
+            reg.set_assigned(role, index, false);
+            change_.phase = Change::Phase::Exiting;
             change_.since_ns = now;
-            sup_.retire(change_.from.name);
             return;
         }
         if (now - change_.since_ns > Rebalancer::kLeaveTimeoutNs) {
@@ -552,6 +594,7 @@ void Launcher::rebalance(uint64_t now) {
         return;
     case Change::Phase::Starting:
         if (reg.find_running(role_of(change_.to), static_cast<int32_t>(worker_of(change_.to).index)) >= 0) {
+            inst_.requests().role_changes(role_of(change_.to) == shm::Role::Decode).fetch_add(1, std::memory_order_relaxed);
             say(fmt::format("{} runs (on CPUs {})", change_.to.name, worker_of(change_.to).cpus));
             change_ = {};
             rebalancer_.reset();  // R5: its first window starts now
@@ -560,62 +603,91 @@ void Launcher::rebalance(uint64_t now) {
     }
 }
 
-// The worker that takes `from`'s cores in role `to`: the lowest index of `to` that
-// no worker holds, the settings of a running worker of `to`, `from`'s CPUs; it
-// borrows cores only where the plan paired that index on those CPUs.
-RoleLaunch Launcher::successor(const RoleLaunch& from, shm::Role to) const {
+// The worker that takes `from`'s CPUs in role `to`, with the settings of a running
+// worker of `to`. Its index keeps cores lent only between the plan's partners: a
+// worker at an index the plan has (index < the plan's count of its role) always runs
+// on the plan's CPUs for it, so that its partner (whose --borrow-cpus the plan fixed)
+// borrows the cores it is lent, never another worker's. So the successor takes a
+// free planned index of `to` whose planned CPUs are `from`'s (and that index's
+// planned lent cores), else the lowest free index past the plan's (lending nothing;
+// no planned worker borrows from it); none free: no change.
+std::optional<RoleLaunch> Launcher::successor(const RoleLaunch& from, shm::Role to) const {
     const std::string role = shm::role_name(to);
     const ServeRings rings = ServeRings::of(inst_.config());
     const uint32_t n = to == shm::Role::Prefill ? rings.n_prefill : rings.n_decode;
     const shm::Registry& reg = inst_.registry();
-    uint32_t index = 0;
-    for (; index < n; ++index) {
-        bool taken = false;
-        for (const RoleLaunch& r : roles_) taken |= r.role == role && worker_of(r).index == index;
-        for (uint32_t s = 0; s < reg.n_slots() && !taken; ++s)
-            taken = reg.alive(reg.current(s)) && reg.slot(s).role.load(std::memory_order_relaxed) == static_cast<uint32_t>(to) &&
-                    reg.slot(s).index.load(std::memory_order_relaxed) == index;
-        if (!taken) break;
+    const WorkerSettings& was = worker_of(from);
+    auto free_index = [&](uint32_t index) {
+        for (const RoleLaunch& r : roles_)
+            if (r.role == role && worker_of(r).index == index) return false;
+        for (uint32_t s = 0; s < reg.n_slots(); ++s)
+            if (reg.alive(reg.current(s)) &&
+                reg.slot(s).role.load(std::memory_order_relaxed) == static_cast<uint32_t>(to) &&
+                reg.slot(s).index.load(std::memory_order_relaxed) == index)
+                return false;
+        return true;
+    };
+    uint32_t planned = 0;  // the plan's count of `to`
+    const RoleLaunch* same = nullptr;
+    for (const RoleLaunch& p : plan_.roles) {
+        if (p.role != role) continue;
+        ++planned;
+        if (!same && worker_of(p).cpus == was.cpus && free_index(worker_of(p).index)) same = &p;
     }
+    std::optional<uint32_t> index;
+    if (same) index = worker_of(*same).index;
+    for (uint32_t i = planned; !index && i < n; ++i)
+        if (free_index(i)) index = i;
+    if (!index) return std::nullopt;
     const RoleLaunch* like = nullptr;
     for (const RoleLaunch& r : roles_)
         if (r.role == role) like = &r;
-    RoleLaunch out = *like;  // R3: the busy role has a worker
-    out.name = fmt::format("{} {}", role, index);
+    if (!like) return std::nullopt;  // R3 keeps one; defensive
+    RoleLaunch out = *like;
+    out.name = fmt::format("{} {}", role, *index);
     out.cpus = from.cpus;
     out.numa = from.numa;
     WorkerSettings ws = worker_of(*like);
-    const WorkerSettings& was = worker_of(from);
-    ws.index = index;
+    ws.index = *index;
     ws.cpus = was.cpus;
     ws.threads = was.threads;
     ws.numa = was.numa;
-    ws.borrow_cpus.clear();
-    for (const RoleLaunch& p : plan_.roles)
-        if (p.role == role && worker_of(p).index == index && worker_of(p).cpus == was.cpus)
-            ws.borrow_cpus = worker_of(p).borrow_cpus;
+    ws.borrow_cpus = same ? worker_of(*same).borrow_cpus : "";
     out.settings = ws;
     return out;
 }
 
 void Launcher::start_successor() {
     std::erase_if(roles_, [&](const RoleLaunch& r) { return r.name == change_.from.name; });
+    shm::Registry& reg = inst_.registry();
     auto pid = sup_.start({change_.to.name, argv_(change_.to)});
     if (!pid) {
-        say(fmt::format("{} could not start: {}; failing the requests in flight", change_.to.name, pid.error().message));
-        fail_in_flight(inst_, ReqError::NoWorker);
-        failed_ = true;
+        // The old worker again, in its old role (a fork can fail for a moment).
+        say(fmt::format("{} could not start ({}); {} starts again instead", change_.to.name, pid.error().message,
+                        change_.from.name));
+        if (auto again = sup_.start({change_.from.name, argv_(change_.from)}); again) {
+            roles_.push_back(change_.from);
+            reg.set_assigned(role_of(change_.from), worker_of(change_.from).index, true);
+        } else {
+            say(fmt::format("{} could not start either ({}); failing the requests in flight", change_.from.name,
+                            again.error().message));
+            fail_in_flight(inst_, ReqError::NoWorker);
+            failed_ = true;
+        }
         change_ = {};
+        rebalancer_.reset();
         return;
     }
     roles_.push_back(change_.to);
-    inst_.requests().role_changes(role_of(change_.to) == shm::Role::Decode).fetch_add(1, std::memory_order_relaxed);
+    reg.set_assigned(role_of(change_.to), worker_of(change_.to).index, true);
     say(fmt::format("{} stopped; {} starts on its CPUs ({}) as pid {}", change_.from.name, change_.to.name,
                     worker_of(change_.to).cpus, *pid));
     change_.phase = Change::Phase::Starting;
 }
 
 Status Launcher::start_roles() {
+    for (const RoleLaunch& r : plan_.roles)  // /metrics: these indices, not the spares
+        if (r.role != "front") inst_.registry().set_assigned(role_of(r), worker_of(r).index, true);
     if (external_) return {};  // their units start them
     for (const RoleLaunch& r : plan_.roles)
         if (auto st = sup_.start({r.name, argv_(r)}); !st) return st.error();
@@ -650,8 +722,12 @@ void Launcher::handle_events() {
         }
         if (e.retired && change_.phase == Change::Phase::Exiting && e.role == change_.from.name) {
             if (e.recovered.redriven > 0) t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
-            if (state_ == LaunchState::Serving) start_successor();
-            else change_ = {};
+            if (state_ == LaunchState::Serving) {
+                start_successor();
+            } else {  // draining: nothing new starts
+                std::erase_if(roles_, [&](const RoleLaunch& r) { return r.name == change_.from.name; });
+                change_ = {};
+            }
             continue;
         }
         if (e.restarted_as) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
@@ -707,6 +783,7 @@ void Launcher::turn(const std::string& model_id) {
     }
     state_ = step.next;
     if (step.retire_front) {
+        keep_leaving_worker();
         drain_deadline_ = in.now_ns + static_cast<uint64_t>(s_.grace_s + 15) * kSecond;
         say(fmt::format("draining (grace {} s)", s_.grace_s));
         sd.stopping(fmt::format("draining (grace {} s)", s_.grace_s));
@@ -719,8 +796,7 @@ void Launcher::turn(const std::string& model_id) {
         sweep_orphans(inst_, window_ns());
         redrive_.resend_stranded();
         next_sweep_ = now + 50'000'000;
-        if (s_.rebalance_s > 0 && !external_ && (state_ == LaunchState::Serving || change_.phase != Change::Phase::None))
-            rebalance(now);
+        if (s_.rebalance_s > 0 && !external_) rebalance(now);
     }
     if (now >= next_swap_sweep_) {
         sweep_swap_dir();

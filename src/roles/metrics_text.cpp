@@ -96,6 +96,7 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                                 "step in time); the pass computed on prefill's cores alone (--lend-cores)."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
+        if (w.spare) return;
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
         queue += fmt::format("duet_queue_depth{} {}\n", labels, w.queued);
         up += fmt::format("duet_worker_up{} {}\n", labels, w.up ? 1 : 0);
@@ -117,7 +118,8 @@ std::string metrics_workers(const MetricsSnapshot& s) {
     };
     for (size_t p = 0; p < s.prefill.size(); ++p) {
         add("prefill", p, s.prefill[p]);
-        routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
+        if (!s.prefill[p].spare)
+            routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
     return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + missed + routed +

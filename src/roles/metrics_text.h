@@ -34,6 +34,7 @@ struct MetricsSnapshot {
     struct Worker {
         uint64_t queued = 0;  // messages waiting in its rings
         bool up = false;      // a process runs for it; only then are the gauges below reported
+        bool spare = false;   // an index no worker is assigned (--rebalance): no line at all
         uint64_t items = 0, tokens = 0, served = 0;
         uint64_t borrows = 0, borrowed_ns = 0;  // the other role's cores taken, and time computed with them
         uint64_t yields = 0, yielded_ns = 0;    // decode: times it stepped aside for a claim, and for how long

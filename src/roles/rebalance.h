@@ -6,19 +6,28 @@
 //
 // The rules (each has a test in tests/rebalance_test.cpp):
 //   R1  Evidence: a role's utilization is the share of its running workers' samples
-//       that were busy (requests or sequences in hand, or messages waiting in their
-//       rings), over the last `window`. No decision before a whole window of samples
+//       that were busy, over the last `window`: holding work another worker could
+//       have taken (two requests or sequences or more, or messages waiting in its
+//       rings; one prompt or one sequence alone stays where it is, so a second
+//       worker would not help it). No decision before a whole window of samples
 //       has been seen since the start or the last change.
 //   R2  Imbalance: a worker moves from role A to role B when B's utilization is at
 //       least `busy` (0.9) and A's at most `idle` (0.25); between the two nothing
 //       moves (hysteresis: a load that moved a worker must fall a long way before
 //       it moves one back).
-//   R3  Never the last: A keeps at least one running worker.
+//   R3  Never the last: A keeps at least one running worker (checked again while
+//       the chosen one leaves: if the others died meanwhile, it stays).
 //   R4  Never while it holds work: the launcher marks the chosen worker LEAVING
 //       (shm/registry.h: routers pass it over), waits until it has held nothing and
 //       had nothing waiting for `kQuietNs`, then stops it; if that takes longer than
 //       `kLeaveTimeoutNs` it is kept (RUNNING again) and the change is dropped.
-//   R5  One change at a time, then a whole new window (R1) before the next.
+//   R5  One change at a time, then a whole new window (R1) before the next. A
+//       drain keeps a worker that is still leaving; a successor that cannot start
+//       (fork fails) gives way to the old worker in its old role.
+// Indices: a successor takes an index of its new role that the plan gave a worker
+// on the same CPUs (with that worker's lent cores), else one past the plan's (no
+// lent cores): so every planned partner still borrows its own partner's cores
+// (Launcher::successor).
 // The moved worker's requests never move: it holds none (R4), and one that reached
 // it anyway (a router that chose it just before LEAVING) is re-driven by the
 // recovery that follows its exit, as for a crash (token-identical: DESIGN.md).

@@ -5,13 +5,15 @@ real model: two prefill workers and one decode worker, a 2 s window.
 1. A decode-heavy load (streams of 160 tokens from short prompts) keeps decode busy
    while both prefill workers idle: prefill 1 leaves its role (LEAVING: routers pass
    it over; it stops once it has held nothing for 200 ms) and decode 1 starts on its
-   CPUs, then takes hand-offs (duet_worker_served_total).
-2. A prefill-heavy load (700-token prompts, one output token) then keeps the one
+   CPUs, then takes hand-offs (duet_worker_served_total); SIGKILLed, it is restarted
+   as decode 1.
+2. A prefill-heavy load (450-token prompts, one output token) then keeps the one
    prefill worker busy while both decode workers idle: decode 1 goes back to prefill.
 
-No request fails across both changes, and every text equals the first answer to the
-same request (seeded sampling, greedy for the long prompts): a worker's role, its
-index and the batch a sequence ran in change nothing (the invariance contract). The
+No request fails across both changes, and every text equals the same request's on a
+server of one worker per role without --rebalance (seeded sampling, greedy for the
+long prompts): a worker's role, its index and the batch a sequence ran in change
+nothing (the invariance contract). A spare index is left out of /metrics. The
 launcher's lines say what moved; /metrics counts it (duet_worker_role_changes_total).
 
 Usage: rebalance_test.py path/to/duet
@@ -99,8 +101,30 @@ def check_same(answers, what):
     return n
 
 
+SHORT = [{"prompt": f"Tell me story number {i}.", "max_tokens": 160, "temperature": 0.8, "seed": 11 + i,
+          "ignore_eos": True} for i in range(4)]
+LONG = [{"prompt": [(7 * i + 13 * k) % 2000 + 100 for k in range(450)], "max_tokens": 1, "temperature": 0}
+        for i in range(3)]
+
+
+def reference():
+    """Every request's text on a server of one worker per role, without --rebalance."""
+    texts = {}
+
+    def run(port, server):
+        for name, bodies in (("short", SHORT), ("long", LONG)):
+            for i, body in enumerate(bodies):
+                code, b = st.request(port, "POST", "/v1/completions", body)
+                st.check(code == 200, f"reference {name} {i}: {code} {b[:300]}")
+                texts[name, i] = json.loads(b)["choices"][0]["text"]
+
+    st.serving(f"{INSTANCE}-ref", run)
+    return texts
+
+
 def main():
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "32", "--instance", INSTANCE,
+    ref = reference()
+    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "32", "--instance", INSTANCE,
                                "--prefill-workers", "2", "--decode-workers", "1", "--rebalance", "2",
                                "--admit-slack", "0", "--grace", "10", *st.START_TIMEOUT],
                               stderr=subprocess.PIPE, text=True)
@@ -125,25 +149,35 @@ def main():
         st.check(port[0], "the server did not listen; it said:\n" + "".join(lines[-60:]))
         port = port[0]
         st.check(up(port, "prefill", 1) and not up(port, "decode", 1), "two prefill workers, one decode worker")
+        st.check(metric(port, r'duet_worker_up\{role="decode",worker="1"\}') is None,
+                 "a spare index (no worker assigned) is left out of /metrics")
 
         # 1. Decode-heavy: decode busy, both prefill workers idle.
-        short = [{"prompt": f"Tell me story number {i}.", "max_tokens": 160, "temperature": 0.8, "seed": 11 + i,
-                  "ignore_eos": True} for i in range(4)]
+        short = SHORT
         load = Load(port, short, clients=4)
         wait_for(lambda: changes(port, "decode") >= 1 and up(port, "decode", 1), 120,
                  "prefill 1 becoming decode 1", lines)
         st.check(not up(port, "prefill", 1), "prefill 1 is gone")
         wait_for(lambda: served(port, "decode", 1) >= 2, 60, "decode 1 taking hand-offs", lines)
+        # The successor is a worker like any other: killed, the supervisor restarts it
+        # in its new role, and its sequences are re-driven (texts unchanged).
+        pid = int(re.search(r"decode 1 starts on its CPUs \(\S+\) as pid (\d+)", "".join(lines)).group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: any("restarted as pid" in x and x.startswith("duet serve: decode 1 ") for x in lines), 30,
+                 "decode 1 restarted", lines)
+        wait_for(lambda: up(port, "decode", 1), 60, "decode 1 up again", lines)
+        base = served(port, "decode", 1)
+        wait_for(lambda: served(port, "decode", 1) > base, 60, "the restarted decode 1 taking hand-offs", lines)
         first = load.end()
         st.check(not load.errors, f"failed requests: {load.errors}")
         n1 = check_same(first, "decode-heavy request")
+        for i, texts in first.items():
+            st.check(texts[0] == ref["short", i], f"decode-heavy request {i} differs from the reference server's")
         st.check(all(len(a) >= 2 for a in first.values()), f"each request answered twice or more: {first}")
         print(f"decode-heavy: {n1} answers, identical per request; decode 1 served {served(port, 'decode', 1):.0f}")
 
         # 2. Prefill-heavy: the one prefill worker busy, both decode workers idle.
-        long_ = [{"prompt": [(7 * i + 13 * k) % 2000 + 100 for k in range(700)], "max_tokens": 1, "temperature": 0}
-                 for i in range(3)]
-        load = Load(port, long_, clients=3)
+        load = Load(port, LONG, clients=3)
         wait_for(lambda: changes(port, "prefill") >= 1 and up(port, "prefill", 1), 180,
                  "a decode worker becoming prefill 1", lines)
         st.check(not up(port, "decode", 1), "decode 1 (the idle decode worker with the highest index) left")
@@ -152,6 +186,8 @@ def main():
         answers = load.end()
         st.check(not load.errors, f"failed requests: {load.errors}")
         n2 = check_same(answers, "prefill-heavy request")
+        for i, texts in answers.items():
+            st.check(texts and texts[0] == ref["long", i], f"prefill-heavy request {i} differs from the reference's")
         print(f"prefill-heavy: {n2} answers, identical per request")
 
         # The first answers again, on the layout the server has now.
