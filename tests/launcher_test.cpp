@@ -293,6 +293,25 @@ TEST(Launcher, RebalanceNeedsThreeCpuWorkersAndOneArena) {
     refused(s, cpu_facts(), " -1: seconds");
 }
 
+// Contexts on GPUs: on one GPU arena (the front's store offers and takes back blocks
+// in the arena the workers compute in); several arenas are refused, by name.
+TEST(Launcher, ContextsTakeOneGpuArena) {
+    ServeSettings s;
+    s.contexts_dir = "/tmp/ctx";
+    auto p = plan_serve(s, gpu_facts({{0, 80 * kGiB}}));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_TRUE(p->layout.contexts);
+    EXPECT_EQ(p->layout.n_gpus, 1u);
+    for (const char* two : {"pairs", "per-role"}) {
+        s.kv_arenas = std::string(two) == "pairs" ? "shared" : "per-role";
+        if (s.kv_arenas == "per-role") s.prefill_workers = 1;
+        auto q = plan_serve(s, gpu_facts({{0, 80 * kGiB}, {1, 80 * kGiB}}));
+        ASSERT_FALSE(q.ok()) << two;
+        EXPECT_NE(q.error().message.find("--contexts-dir: contexts on GPUs need one KV arena"), std::string::npos)
+            << q.error().message;
+    }
+}
+
 TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {
     ServeSettings s;
     s.kv_memory = 0.5;

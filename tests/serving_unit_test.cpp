@@ -331,6 +331,16 @@ TEST(GpuServing, AnInstancePairsAPrefillAndADecodeWorkerPerGpu) {
     EXPECT_NE(st.error().message.find("a pair per GPU"), std::string::npos) << st.error().message;
     EXPECT_FALSE(check_gpu_count(0).ok());
     EXPECT_FALSE(check_gpu_count(static_cast<int>(kMaxServeGpus) + 1).ok());
+    // Contexts on one GPU: the front's context store is a third user of its arena
+    // (ContextService::open joins it beside the pair).
+    ServeLayout one = l;
+    one.n_gpus = 1;
+    one.contexts = true;
+    one.contexts_max = 4;
+    shm::InstanceConfig oc = serve_instance_config(one, **model);
+    ASSERT_EQ(oc.arenas.size(), 1u);
+    EXPECT_EQ(oc.arenas[0].n_users, 3u);
+    EXPECT_EQ(oc.contexts.n_slots, 6u);
 
     // CPU serving: one arena, any decode worker.
     ServeLayout cl = l;

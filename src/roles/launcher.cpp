@@ -241,8 +241,13 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     auto dtype = parse_kv_dtype(s.kv_dtype);
     if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
     if (auto slo = SloTable::parse(s.scheduling.slo); !slo) return slo.error();
-    if (!s.contexts_dir.empty() && !f.gpus.empty())
-        return make_error("--contexts-dir: contexts are served on CPU arenas only so far");
+    // Contexts offer blocks to the workers and take a completion's back in the arena
+    // those compute in; requests are not routed by arena yet: one GPU arena at most
+    // (ContextService::open says the same to an instance started otherwise).
+    if (!s.contexts_dir.empty() && (f.gpus.size() > 1 || (!f.gpus.empty() && kv_split)))
+        return make_error(
+            "--contexts-dir: contexts on GPUs need one KV arena (one GPU, its roles sharing it) for now; requests "
+            "are not routed to the arena that holds their context yet");
     if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))
         return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
                           kMaxServeWorkers - 1);
