@@ -145,3 +145,46 @@ TEST(Rebalance, AssignedIndicesAreTheLaunchersWord) {
     EXPECT_FALSE(reg->assigned(shm::Role::Decode, 0));
     EXPECT_TRUE(reg->assigned(shm::Role::Decode, 1));
 }
+
+// R3-R5 for the worker that leaves, each sample until it goes.
+TEST(Rebalance, ALeavingWorkerGoesOnlyWhenQuietAndNotTheLast) {
+    const uint64_t t0 = 1000 * kMs;
+    LeaveInputs in;
+    in.now_ns = in.since_ns = t0;
+    // R4: it holds work: wait, and the quiet time starts only when it holds none.
+    in.holds_work = true;
+    LeaveStep s = leave_step(in);
+    EXPECT_EQ(s.action, LeaveAction::Wait);
+    EXPECT_EQ(s.quiet_since_ns, 0u);
+    in.holds_work = false;
+    in.now_ns = t0 + 50 * kMs;
+    s = leave_step(in);
+    EXPECT_EQ(s.action, LeaveAction::Wait);
+    EXPECT_EQ(s.quiet_since_ns, t0 + 50 * kMs);
+    in.quiet_since_ns = s.quiet_since_ns;
+    in.now_ns = t0 + 249 * kMs;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Wait) << "199 ms quiet";
+    in.now_ns = t0 + 250 * kMs;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Retire) << "200 ms quiet";
+    // Work again resets the quiet time.
+    in.holds_work = true;
+    s = leave_step(in);
+    EXPECT_EQ(s.action, LeaveAction::Wait);
+    EXPECT_EQ(s.quiet_since_ns, 0u);
+    // Still working past the timeout: it stays.
+    in.now_ns = t0 + Rebalancer::kLeaveTimeoutNs + 1;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Stay);
+    // R3 again: the role's other workers died meanwhile: it stays, however quiet.
+    in = {};
+    in.now_ns = t0 + 500 * kMs, in.since_ns = t0, in.quiet_since_ns = t0;
+    ASSERT_EQ(leave_step(in).action, LeaveAction::Retire);
+    in.others_running = false;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Stay);
+    // A drain: it stays.
+    in.others_running = true;
+    in.draining = true;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Stay);
+    // It died (no longer LEAVING): the change is dropped, whatever else holds.
+    in.still_leaving = false;
+    EXPECT_EQ(leave_step(in).action, LeaveAction::Drop);
+}

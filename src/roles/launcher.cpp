@@ -456,8 +456,6 @@ private:
     bool busy(shm::Role role, uint32_t index, int32_t slot) const;
     std::optional<RoleLaunch> successor(const RoleLaunch& from, shm::Role to) const;
     void start_successor();
-    // A drain began: a worker still leaving stays (nothing is started meanwhile).
-    void keep_leaving_worker();
 
     std::vector<RoleLaunch> roles_;  // the children as they are now (a role change replaces one)
     Rebalancer rebalancer_;
@@ -495,13 +493,6 @@ bool Launcher::busy(shm::Role role, uint32_t index, int32_t slot) const {
         role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
     return queued > 0 ||
            (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) >= 2);
-}
-
-void Launcher::keep_leaving_worker() {
-    if (change_.phase != Change::Phase::Leaving) return;
-    inst_.registry().stay_after_all(change_.who);
-    say(fmt::format("{} keeps its role (draining)", change_.from.name));
-    change_ = {};
 }
 
 void Launcher::rebalance(uint64_t now) {
@@ -552,26 +543,32 @@ void Launcher::rebalance(uint64_t now) {
     case Change::Phase::Leaving: {
         const shm::Role role = role_of(change_.from);
         const uint32_t index = worker_of(change_.from).index;
-        if (!reg.alive(change_.who) || reg.state(change_.who.slot) != shm::ProcState::Leaving) {
-            // It died meanwhile (the supervisor restarts it, as any worker): no change.
+        LeaveInputs in;
+        in.still_leaving = reg.alive(change_.who) && reg.state(change_.who.slot) == shm::ProcState::Leaving;
+        in.others_running = reg.find_running(role) >= 0;  // find_running passes the leaving one over
+        in.draining = state_ != LaunchState::Serving;
+        in.holds_work = holds_work(role, index, static_cast<int32_t>(change_.who.slot));
+        in.now_ns = now;
+        in.since_ns = change_.since_ns;
+        in.quiet_since_ns = change_.quiet_since_ns;
+        const LeaveStep step = leave_step(in);
+        change_.quiet_since_ns = step.quiet_since_ns;
+        switch (step.action) {
+        case LeaveAction::Wait: return;
+        case LeaveAction::Drop:
             say(fmt::format("{} ended while leaving its role; it keeps it", change_.from.name));
             change_ = {};
             return;
-        }
-        // R3 again: the role's other workers may have died since the decision.
-        if (reg.find_running(role) < 0) {
+        case LeaveAction::Stay:
             reg.stay_after_all(change_.who);
-            say(fmt::format("{} keeps its role: no other {} worker runs now", change_.from.name,
-                            shm::role_name(role)));
+            say(fmt::format("{} keeps its role ({})", change_.from.name,
+                            in.draining          ? "draining"
+                            : !in.others_running ? fmt::format("no other {} worker runs now", shm::role_name(role))
+                                                 : fmt::format("still working {} s after it was to leave",
+                                                               Rebalancer::kLeaveTimeoutNs / kSecond)));
             change_ = {};
             return;
-        }
-        if (holds_work(role, index, static_cast<int32_t>(change_.who.slot))) {
-            change_.quiet_since_ns = 0;
-        } else if (change_.quiet_since_ns == 0) {
-            change_.quiet_since_ns = now;
-        } else if (now - change_.quiet_since_ns >= Rebalancer::kQuietNs) {
-            // R4: nothing held or sent for kQuietNs.
+        case LeaveAction::Retire:
             if (!sup_.retire(change_.from.name)) {  // not running under the supervisor this instant
                 reg.stay_after_all(change_.who);
                 change_ = {};
@@ -581,12 +578,6 @@ void Launcher::rebalance(uint64_t now) {
             change_.phase = Change::Phase::Exiting;
             change_.since_ns = now;
             return;
-        }
-        if (now - change_.since_ns > Rebalancer::kLeaveTimeoutNs) {
-            reg.stay_after_all(change_.who);
-            say(fmt::format("{} kept working for {} s after it was to leave its role: it keeps it",
-                            change_.from.name, Rebalancer::kLeaveTimeoutNs / kSecond));
-            change_ = {};
         }
         return;
     }
@@ -788,7 +779,6 @@ void Launcher::turn(const std::string& model_id) {
     }
     state_ = step.next;
     if (step.retire_front) {
-        keep_leaving_worker();
         drain_deadline_ = in.now_ns + static_cast<uint64_t>(s_.grace_s + 15) * kSecond;
         say(fmt::format("draining (grace {} s)", s_.grace_s));
         sd.stopping(fmt::format("draining (grace {} s)", s_.grace_s));

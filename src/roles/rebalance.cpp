@@ -30,4 +30,16 @@ std::optional<shm::Role> Rebalancer::decide() const {
     return std::nullopt;
 }
 
+LeaveStep leave_step(const LeaveInputs& in) {
+    LeaveStep out;
+    if (!in.still_leaving) return {LeaveAction::Drop, 0};
+    if (in.draining || !in.others_running) return {LeaveAction::Stay, 0};
+    out.quiet_since_ns = in.holds_work ? 0 : in.quiet_since_ns == 0 ? in.now_ns : in.quiet_since_ns;
+    if (!in.holds_work && in.quiet_since_ns != 0 && in.now_ns - in.quiet_since_ns >= Rebalancer::kQuietNs)
+        out.action = LeaveAction::Retire;
+    else if (in.now_ns - in.since_ns > Rebalancer::kLeaveTimeoutNs)
+        out.action = LeaveAction::Stay;
+    return out;
+}
+
 }  // namespace duet

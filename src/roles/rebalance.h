@@ -52,6 +52,29 @@ struct RoleSample {
     uint32_t running = 0, busy = 0;
 };
 
+// R3-R5 for the worker chosen to leave, each sample until it goes (the launcher
+// acts on the answer: Launcher::rebalance).
+enum class LeaveAction {
+    Wait,    // not yet
+    Retire,  // R4: nothing held or sent for kQuietNs: stop it, start its successor
+    Stay,    // it keeps its role (RUNNING again): R3 (no other worker of its role
+             // runs), a drain began, or it kept working past kLeaveTimeoutNs
+    Drop,    // it is no longer LEAVING (it died: restarted in its role, as any worker)
+};
+struct LeaveInputs {
+    bool still_leaving = true;   // its registry slot is LEAVING at its generation
+    bool others_running = true;  // another worker of its role runs
+    bool draining = false;
+    bool holds_work = false;     // requests or sequences in hand, or messages waiting
+    uint64_t now_ns = 0, since_ns = 0;  // now; when it was marked
+    uint64_t quiet_since_ns = 0;        // since when it has held nothing (0: it holds work)
+};
+struct LeaveStep {
+    LeaveAction action = LeaveAction::Wait;
+    uint64_t quiet_since_ns = 0;  // the next sample's
+};
+LeaveStep leave_step(const LeaveInputs& in);
+
 class Rebalancer {
 public:
     explicit Rebalancer(RebalanceOptions o) : o_(o) {}
