@@ -327,6 +327,8 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
         std::fprintf(stderr, "duet systemd generate: %s\n", m.c_str());
         return 1;
     };
+    if (settings.rebalance_s > 0)
+        return fail("--rebalance: workers change role only when `duet serve` starts them (here their units do)");
     ServeSettings in = settings;
     in.model = std::filesystem::absolute(in.model).string();
     if (in.instance.empty()) in.instance = "duet";
