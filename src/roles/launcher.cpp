@@ -533,9 +533,9 @@ void Launcher::rebalance(uint64_t now) {
         const shm::ProcRef who = reg.current(static_cast<uint32_t>(pick_slot));
         if (!reg.set_leaving(who)) return;
         change_ = Change{Change::Phase::Leaving, who, *pick, std::move(*next), now, 0};
-        say(fmt::format("{} leaves its role for {} (prefill busy {:.0f}%, decode {:.0f}% over {} s); it is given no "
-                        "more work",
-                        change_.from.name, change_.to.name, 100 * rebalancer_.utilization(shm::Role::Prefill),
+        say(fmt::format("{} (pid {}) leaves its role for {} (prefill busy {:.0f}%, decode {:.0f}% over {} s); it is "
+                        "given no more work",
+                        change_.from.name, reg.pid(who.slot), change_.to.name, 100 * rebalancer_.utilization(shm::Role::Prefill),
                         100 * rebalancer_.utilization(shm::Role::Decode), s_.rebalance_s));
         rebalancer_.reset();
         return;

@@ -10,6 +10,11 @@ real model: two prefill workers and one decode worker, a 2 s window.
 2. A prefill-heavy load (450-token prompts, one output token) then keeps the one
    prefill worker busy while both decode workers idle: decode 1 goes back to prefill.
 
+Around them: the first worker to leave is SIGKILLed at that instant (the change is
+dropped and it restarts in its old role; a later window moves it), and on a second
+server a drain begins the moment a worker starts to leave (it keeps its role, no
+successor starts, exit 0).
+
 No request fails across both changes, and every text equals the same request's on a
 server of one worker per role without --rebalance (seeded sampling, greedy for the
 long prompts): a worker's role, its index and the batch a sequence ran in change
@@ -69,7 +74,10 @@ class Load:
         while not self.stop.is_set():
             i = k % len(self.bodies)
             k += clients
-            code, body = st.request(self.port, "POST", "/v1/completions", self.bodies[i])
+            try:
+                code, body = st.request(self.port, "POST", "/v1/completions", self.bodies[i])
+            except Exception as e:  # noqa: BLE001 (a drain closes the port: kept as an error)
+                code, body = None, repr(e)
             with self.lock:
                 if code != 200:
                     self.errors.append(f"body {i}: {code} {body[:300]}")
@@ -122,32 +130,100 @@ def reference():
     return texts
 
 
+class Server:
+    """duet serve with 2 prefill + 1 decode workers and --rebalance; every line it
+    says is kept, and `hook(line)` sees each as it comes (to act at a change's first
+    instant)."""
+
+    def __init__(self, instance, window, hook=None):
+        self.instance = instance
+        self.proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "32", "--instance",
+                                      instance, "--prefill-workers", "2", "--decode-workers", "1", "--rebalance",
+                                      str(window), "--admit-slack", "0", "--grace", "10", *st.START_TIMEOUT],
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines, self.port, self.hook = [], None, hook
+        listening = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    listening.set()
+                if self.hook:
+                    self.hook(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.time() + 330
+        while not listening.is_set() and time.time() < deadline and self.proc.poll() is None:
+            time.sleep(0.1)
+        st.check(self.port, "the server did not listen; it said:\n" + "".join(self.lines[-60:]))
+
+    def said(self):
+        return "".join(self.lines)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for d in ("/dev/shm", "/dev/hugepages"):
+            for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
+                if os.path.exists(os.path.join(d, f)):
+                    os.unlink(os.path.join(d, f))
+
+
+LEAVES = re.compile(r"duet serve: (\S+ \d) \(pid (\d+)\) leaves its role for (\S+ \d)")
+
+
+def drain_during_a_change():
+    """SIGTERM the moment a worker starts leaving its role: it keeps it (nothing new
+    starts during a drain), running requests end, the launcher exits 0."""
+    load = [None]
+    server = None
+
+    def hook(line):
+        if LEAVES.search(line) and load[0] and not load[0].stop.is_set():
+            load[0].stop.set()
+            server.proc.send_signal(signal.SIGTERM)
+
+    try:
+        server = Server(f"{INSTANCE}-drain", 1, hook)
+        load[0] = Load(server.port, SHORT, clients=4)
+        st.check(server.proc.wait(timeout=180) == 0, "a clean exit after a drain begun mid-change:\n" +
+                 "".join(server.lines[-30:]))
+        load[0].end()
+        said = server.said()
+        st.check(LEAVES.search(said), "a worker began to leave its role")
+        st.check("starts on its CPUs" not in said, "no successor started during the drain:\n" + said[-2000:])
+        st.check("keeps its role (draining)" in said or "stopped;" not in said,
+                 "the leaving worker kept its role:\n" + said[-2000:])
+        ok = sum(len(a) for a in load[0].answers.values())
+        bad = [e for e in load[0].errors if not (e.split(": ", 1)[1].startswith("503") or "None" in e)]
+        st.check(ok >= 1 and not bad, f"requests ended 200 (or 503 / closed once draining): {ok} ok, {bad}")
+        kept = "keeps its role (draining)" in said
+        print(f"a drain begun as a worker left its role: {'it kept it' if kept else 'stopped with the rest'}, no "
+              f"successor, exit 0, {ok} requests answered")
+    finally:
+        if server:
+            server.close()
+
+
 def main():
     ref = reference()
-    server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "32", "--instance", INSTANCE,
-                               "--prefill-workers", "2", "--decode-workers", "1", "--rebalance", "2",
-                               "--admit-slack", "0", "--grace", "10", *st.START_TIMEOUT],
-                              stderr=subprocess.PIPE, text=True)
-    lines = []
-    listening = threading.Event()
-    port = [None]
+    drain_during_a_change()
+    killed = []  # the first worker to leave its role is SIGKILLed at once (a crash while LEAVING)
 
-    def read():
-        for line in server.stderr:
-            lines.append(line)
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port[0] = int(m.group(1))
-                listening.set()
+    def hook(line):
+        m = LEAVES.search(line)
+        if m and not killed:
+            killed.append(m.groups())
+            os.kill(int(m.group(2)), signal.SIGKILL)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    srv = Server(INSTANCE, 2, hook)
+    server, lines = srv.proc, srv.lines
     try:
-        deadline = time.time() + 330
-        while not listening.is_set() and time.time() < deadline and server.poll() is None:
-            time.sleep(0.1)
-        st.check(port[0], "the server did not listen; it said:\n" + "".join(lines[-60:]))
-        port = port[0]
+        port = srv.port
         st.check(up(port, "prefill", 1) and not up(port, "decode", 1), "two prefill workers, one decode worker")
         st.check(metric(port, r'duet_worker_up\{role="decode",worker="1"\}') is None,
                  "a spare index (no worker assigned) is left out of /metrics")
@@ -158,6 +234,16 @@ def main():
         wait_for(lambda: changes(port, "decode") >= 1 and up(port, "decode", 1), 120,
                  "prefill 1 becoming decode 1", lines)
         st.check(not up(port, "prefill", 1), "prefill 1 is gone")
+        # The worker killed as it left: the change was dropped and the supervisor
+        # restarted it in its old role (a later window moved it), or (a slow machine)
+        # it was already stopping and the change went on.
+        st.check(killed, "a worker left its role")
+        dropped = f"{killed[0][0]} ended while leaving its role; it keeps it" in srv.said()
+        if dropped:
+            st.check(re.search(rf"{killed[0][0]} \(pid {killed[0][1]}\) died \(signal 9\).*restarted as pid",
+                               srv.said()), f"{killed[0][0]} restarted in its role:\n" + srv.said()[-2000:])
+        print(f"{killed[0][0]} SIGKILLed while leaving its role: "
+              f"{'the change dropped, restarted in its role' if dropped else 'it was stopping already'}")
         wait_for(lambda: served(port, "decode", 1) >= 2, 60, "decode 1 taking hand-offs", lines)
         # The successor is a worker like any other: killed, the supervisor restarts it
         # in its new role, and its sequences are re-driven (texts unchanged).
@@ -196,22 +282,16 @@ def main():
             st.check(code == 200, f"again {i}: {code} {b[:300]}")
             st.check(json.loads(b)["choices"][0]["text"] == first[i][0], f"again {i}: the text differs from the first")
         said = "".join(lines)
-        for want in ("prefill 1 leaves its role for decode 1", "decode 1 runs", "decode 1 leaves its role for prefill 1",
-                     "prefill 1 runs"):
-            st.check(want in said, f"the launcher said '{want}':\n" + "".join(lines[-40:]))
+        for want in (r"prefill 1 \(pid \d+\) leaves its role for decode 1", "decode 1 runs",
+                     r"decode 1 \(pid \d+\) leaves its role for prefill 1", "prefill 1 runs"):
+            st.check(re.search(want, said), f"the launcher said '{want}':\n" + "".join(lines[-40:]))
         print("".join(line for line in lines if "role" in line or " runs (on CPUs" in line), end="")
         st.check(server.poll() is None, "the server is still up")
         server.send_signal(signal.SIGTERM)
         st.check(server.wait(timeout=60) == 0, "a clean stop after the changes")
         print("rebalance e2e: ok")
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        for d in ("/dev/shm", "/dev/hugepages"):
-            for f in (f"duet.{INSTANCE}", f"duet.{INSTANCE}.kv"):
-                if os.path.exists(os.path.join(d, f)):
-                    os.unlink(os.path.join(d, f))
+        srv.close()
 
 
 if __name__ == "__main__":
