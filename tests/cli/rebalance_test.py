@@ -65,7 +65,7 @@ class Load:
         self.errors = []
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.client, args=(c, clients)) for c in range(clients)]
+        self.threads = [threading.Thread(target=self.client, args=(c, clients), daemon=True) for c in range(clients)]
         for t in self.threads:
             t.start()
 
@@ -139,7 +139,7 @@ class Server:
         self.instance = instance
         self.proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "32", "--instance",
                                       instance, "--prefill-workers", "2", "--decode-workers", "1", "--rebalance",
-                                      str(window), "--admit-slack", "0", "--grace", "10", *st.START_TIMEOUT],
+                                      str(window), "--admit-slack", "0", "--grace", "60", *st.START_TIMEOUT],
                                      stderr=subprocess.PIPE, text=True)
         self.lines, self.port, self.hook = [], None, hook
         listening = threading.Event()
@@ -190,8 +190,12 @@ def drain_during_a_change():
     try:
         server = Server(f"{INSTANCE}-drain", 1, hook)
         load[0] = Load(server.port, SHORT, clients=4)
-        st.check(server.proc.wait(timeout=180) == 0, "a clean exit after a drain begun mid-change:\n" +
-                 "".join(server.lines[-30:]))
+        try:
+            rc = server.proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            load[0].stop.set()
+            st.fail("no role change, or no exit after it, within 240 s:\n" + "".join(server.lines[-30:]))
+        st.check(rc == 0, "a clean exit after a drain begun mid-change:\n" + "".join(server.lines[-30:]))
         load[0].end()
         said = server.said()
         st.check(LEAVES.search(said), "a worker began to leave its role")
