@@ -25,6 +25,19 @@ void feed(Rebalancer& r, uint64_t from_ms, uint64_t to_ms, RoleSample p, RoleSam
 
 Rebalancer two_seconds() { return Rebalancer(RebalanceOptions{2000 * kMs, 0.9, 0.25}); }
 
+// A registry of n slots in aligned heap memory (ProcSlot is cache-line aligned).
+struct HeapRegistry {
+    explicit HeapRegistry(uint32_t n)
+        : mem(std::aligned_alloc(64, (shm::Registry::bytes(n) + 63) / 64 * 64), &std::free) {
+        EXPECT_TRUE(shm::Registry::init(mem.get(), n).ok());
+        auto r = shm::Registry::attach(mem.get());
+        EXPECT_TRUE(r.ok());
+        reg = *r;
+    }
+    std::unique_ptr<void, decltype(&std::free)> mem;
+    shm::Registry reg;
+};
+
 }  // namespace
 
 // R1: no decision before a whole window of evidence, however lopsided.
@@ -98,11 +111,8 @@ TEST(Rebalance, R5AChangeStartsTheEvidenceAgain) {
 // R4's ground: a LEAVING worker is alive (recovery and duplicate checks see it) but
 // no router finds it (find_running, wake); it can come back (stay_after_all) or end.
 TEST(Rebalance, LeavingWorkersAreAliveAndPassedOver) {
-    const size_t bytes = (shm::Registry::bytes(8) + 63) / 64 * 64;
-    std::unique_ptr<void, decltype(&std::free)> mem(std::aligned_alloc(64, bytes), &std::free);
-    ASSERT_TRUE(shm::Registry::init(mem.get(), 8).ok());
-    auto reg = shm::Registry::attach(mem.get());
-    ASSERT_TRUE(reg.ok());
+    HeapRegistry heap(8);
+    shm::Registry* reg = &heap.reg;
     auto p0 = reg->claim(shm::Role::Prefill, -1, getpid(), 0);
     auto p1 = reg->claim(shm::Role::Prefill, -1, getpid(), 1);
     ASSERT_TRUE(p0.ok() && p1.ok());
@@ -128,11 +138,8 @@ TEST(Rebalance, LeavingWorkersAreAliveAndPassedOver) {
 
 // /metrics leaves out the indices the launcher assigned no worker (the spares).
 TEST(Rebalance, AssignedIndicesAreTheLaunchersWord) {
-    const size_t bytes = (shm::Registry::bytes(4) + 63) / 64 * 64;
-    std::unique_ptr<void, decltype(&std::free)> mem(std::aligned_alloc(64, bytes), &std::free);
-    ASSERT_TRUE(shm::Registry::init(mem.get(), 4).ok());
-    auto reg = shm::Registry::attach(mem.get());
-    ASSERT_TRUE(reg.ok());
+    HeapRegistry heap(4);
+    shm::Registry* reg = &heap.reg;
     EXPECT_TRUE(reg->assigned(shm::Role::Decode, 3)) << "never said: every index counts";
     reg->set_assigned(shm::Role::Decode, 0, true);
     reg->set_assigned(shm::Role::Prefill, 1, true);

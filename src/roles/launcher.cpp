@@ -452,6 +452,7 @@ private:
     void rebalance(uint64_t now);
     // Worker `index` of `role`: whether it holds or is sent anything (R4), and whether
     // it has more than it can compute alone (R1's busy: slot -1, none running).
+    uint64_t work_items(shm::Role role, uint32_t index, int32_t slot) const;
     bool holds_work(shm::Role role, uint32_t index, int32_t slot) const;
     bool busy(shm::Role role, uint32_t index, int32_t slot) const;
     std::optional<RoleLaunch> successor(const RoleLaunch& from, shm::Role to) const;
@@ -478,21 +479,26 @@ bool Launcher::all_running() const {
     return true;
 }
 
-bool Launcher::holds_work(shm::Role role, uint32_t index, int32_t slot) const {
+// What worker `index` of `role` holds (slot -1: none running) plus its messages
+// waiting, each message counted as a second item: holds_work when any, busy when it
+// has more than it computes alone.
+uint64_t Launcher::work_items(shm::Role role, uint32_t index, int32_t slot) const {
     const uint64_t queued =
         role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
-    return queued > 0 ||
-           (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) > 0);
+    const uint64_t items =
+        slot < 0 ? 0 : inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed);
+    return queued > 0 ? items + 2 * queued : items;
+}
+
+bool Launcher::holds_work(shm::Role role, uint32_t index, int32_t slot) const {
+    return work_items(role, index, slot) > 0;
 }
 
 bool Launcher::busy(shm::Role role, uint32_t index, int32_t slot) const {
     // One prompt or one sequence keeps a worker's cores busy, but a second worker
     // would not take any of it (a sequence stays where it runs; a pass is one
     // worker's): only a second one, or one waiting, is work another could have.
-    const uint64_t queued =
-        role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
-    return queued > 0 ||
-           (slot >= 0 && inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed) >= 2);
+    return work_items(role, index, slot) >= 2;
 }
 
 void Launcher::rebalance(uint64_t now) {
