@@ -293,23 +293,29 @@ TEST(Launcher, RebalanceNeedsThreeCpuWorkersAndOneArena) {
     refused(s, cpu_facts(), " -1: seconds");
 }
 
-// Contexts on GPUs: on one GPU arena (the front's store offers and takes back blocks
-// in the arena the workers compute in); several arenas are refused, by name.
-TEST(Launcher, ContextsTakeOneGpuArena) {
+// Contexts on GPUs: the front's store keeps them in GPU 0's arena, their requests
+// bound to GPU 0's pair (RequestParams::arena), so any number of GPU pairs serve with
+// them; per-role GPU arenas are refused, by name (a completion's KV would come back
+// in a decode GPU's arena).
+TEST(Launcher, ContextsTakeGpuZerosArena) {
     ServeSettings s;
     s.contexts_dir = "/tmp/ctx";
-    auto p = plan_serve(s, gpu_facts({{0, 80 * kGiB}}));
-    ASSERT_TRUE(p.ok()) << p.error().message;
-    EXPECT_TRUE(p->layout.contexts);
-    EXPECT_EQ(p->layout.n_gpus, 1u);
-    for (const char* two : {"pairs", "per-role"}) {
-        s.kv_arenas = std::string(two) == "pairs" ? "shared" : "per-role";
-        if (s.kv_arenas == "per-role") s.prefill_workers = 1;
-        auto q = plan_serve(s, gpu_facts({{0, 80 * kGiB}, {1, 80 * kGiB}}));
-        ASSERT_FALSE(q.ok()) << two;
-        EXPECT_NE(q.error().message.find("--contexts-dir: contexts on GPUs need one KV arena"), std::string::npos)
-            << q.error().message;
+    for (size_t n : {1, 2, 3}) {  // gpu_facts' machine has 3 GPUs
+        std::vector<std::pair<int, uint64_t>> gpus;
+        for (size_t g = 0; g < n; ++g) gpus.push_back({static_cast<int>(g), 80 * kGiB});
+        auto p = plan_serve(s, gpu_facts(gpus));
+        ASSERT_TRUE(p.ok()) << n << " GPUs: " << p.error().message;
+        EXPECT_TRUE(p->layout.contexts);
+        EXPECT_EQ(p->layout.n_gpus, n);
+        EXPECT_FALSE(p->layout.kv_split);
     }
+    s.kv_arenas = "per-role";
+    s.prefill_workers = 1;
+    auto q = plan_serve(s, gpu_facts({{0, 80 * kGiB}, {1, 80 * kGiB}}));
+    ASSERT_FALSE(q.ok());
+    EXPECT_NE(q.error().message.find("--contexts-dir: contexts on GPUs need each GPU's roles to share its KV arena"),
+              std::string::npos)
+        << q.error().message;
 }
 
 TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {

@@ -11,6 +11,7 @@
 
 #include "base/histogram.h"
 #include "model/cpu_backend.h"
+#include "roles/context_api.h"
 #include "roles/openai.h"
 #include "roles/serving.h"
 
@@ -522,4 +523,118 @@ TEST(GpuServing, APromptGoesToThePairWhoseArenaCachesIt) {
     ASSERT_TRUE(r4.ok());
     ASSERT_TRUE(router.send(*r4));
     EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{2, 2})) << "pair 1 whole again: the cached prompt goes there";
+}
+
+// A context's request (RequestParams::bind_arena: the blocks the front offers and
+// takes back are kContextArena's) goes to that arena's pair only: not to the pair
+// whose arena caches its prompt, not to a shorter queue, not when its pair is down
+// (it waits there, also when stranded requests are moved), and a re-drive keeps it.
+TEST(GpuServing, AContextsRequestGoesToItsArenasPairOnly) {
+    auto model = Model::load(DUET_MODEL_PATH);
+    ASSERT_TRUE(model.ok()) << model.error().message;
+    ServeLayout l;
+    l.instance = fmt::format("gpu-bound-{}", getpid());
+    l.n_requests = 16;
+    l.n_ctx = 256;
+    l.n_gpus = 3;
+    l.contexts = true;
+    l.contexts_max = 4;
+    shm::InstanceConfig cfg = serve_instance_config(l, **model);
+    EXPECT_EQ(cfg.arenas[kContextArena].n_users, 3u) << "the pair and the front's context store";
+    for (uint32_t a = 0; a < cfg.arenas.size(); ++a) {
+        if (a != kContextArena) {
+            EXPECT_EQ(cfg.arenas[a].n_users, 2u) << a;
+        }
+    }
+    auto inst = shm::Instance::create(cfg);
+    ASSERT_TRUE(inst.ok()) << inst.error().message;
+    struct Unlink {
+        std::string name;
+        ~Unlink() { shm::Instance::unlink(name); }
+    } unlink{l.instance};
+    shm::Registry& reg = inst->registry();
+    shm::RequestTable& t = inst->requests();
+    auto front = reg.claim(shm::Role::Front, -1, getpid());
+    ASSERT_TRUE(front.ok());
+    std::vector<shm::ProcRef> pre(3), dec(3);
+    for (int32_t i = 0; i < 3; ++i) {
+        auto p = reg.claim(shm::Role::Prefill, -1, getpid(), i);
+        auto d = reg.claim(shm::Role::Decode, -1, getpid(), i);
+        ASSERT_TRUE(p.ok() && d.ok());
+        pre[static_cast<size_t>(i)] = *p;
+        dec[static_cast<size_t>(i)] = *d;
+        reg.set_running(*p);
+        reg.set_running(*d);
+    }
+    // Pair 1's arena caches the prompt's first 4 blocks.
+    const uint32_t bt = cfg.requests.block_tokens;
+    std::vector<int32_t> prompt(4 * bt + 5);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(300 + i);
+    auto user = inst->arena(1).join(pre[1]);
+    ASSERT_TRUE(user.ok());
+    shm::BlockHasher hasher;
+    shm::BlockHash h;
+    int32_t blocks[4];
+    ASSERT_TRUE(inst->arena(1).alloc(*user, 4, blocks));
+    for (uint32_t b = 0; b < 4; ++b) {
+        h = hasher.hash(h, prompt.data() + b * bt, bt, (*model)->fingerprint(), {});
+        ASSERT_TRUE(inst->arena(1).publish(*user, blocks[b], h));
+    }
+    RequestParams bound;
+    bound.bind_arena(kContextArena);
+    EXPECT_EQ(bound.bound_arena(), static_cast<int32_t>(kContextArena));
+    EXPECT_EQ(RequestParams{}.bound_arena(), -1) << "default parameters bind nothing";
+    auto submit = [&](const RequestParams* p) {
+        auto r = t.submit(*front, prompt.data(), static_cast<uint32_t>(prompt.size()), p, p ? sizeof *p : 0);
+        EXPECT_TRUE(r.ok());
+        return *r;
+    };
+    PrefillRouter router(*inst, /*redrive=*/false);
+    // Pair 0 gets a queue of its own first: three unbound prompts it would take (no
+    // cache anywhere for these).
+    std::vector<int32_t> other(6 * bt);
+    for (size_t i = 0; i < other.size(); ++i) other[i] = static_cast<int32_t>(7000 + i);
+    auto o = t.submit(*front, other.data(), static_cast<uint32_t>(other.size()), nullptr, 0);
+    ASSERT_TRUE(o.ok());
+    ASSERT_TRUE(router.send(*o));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{1, 0, 0}));
+    // Unbound, the prompt goes to pair 1 (its arena caches it); bound, to pair 0,
+    // though pair 0 has a queue and pair 2 none.
+    ASSERT_TRUE(router.send(submit(nullptr)));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{1, 1, 0}));
+    const shm::ReqRef b1 = submit(&bound);
+    ASSERT_TRUE(router.send(b1));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{2, 1, 0})) << "bound to kContextArena's pair";
+    // Pair 0's decode worker is down: its pair does not serve, yet a bound request
+    // still goes there (to wait for it); an unbound one does not.
+    reg.release(dec[0]);
+    const shm::ReqRef b2 = submit(&bound);
+    ASSERT_TRUE(router.send(b2));
+    EXPECT_EQ(router.sent_counts(), (std::vector<uint64_t>{3, 1, 0}));
+    auto o2 = t.submit(*front, other.data(), static_cast<uint32_t>(other.size()), nullptr, 0);
+    ASSERT_TRUE(o2.ok());
+    ASSERT_TRUE(router.send(*o2));
+    EXPECT_EQ(router.sent_counts()[0], 3u) << "an unbound request avoids the pair that cannot serve";
+    // Prefill 0 dies with them all queued: stranded requests move to a running
+    // worker, bound ones stay for prefill 0's restart.
+    reg.release(pre[0]);
+    EXPECT_EQ(router.resend_stranded(), 1u) << "the unbound one only";
+    const std::vector<uint64_t> moved = router.sent_counts();
+    EXPECT_EQ(moved[0], 3u);
+    EXPECT_EQ(moved[1] + moved[2], 3u);
+    // The launcher's re-drive of a bound request: to pair 0 again, its restart.
+    PrefillRouter redrive(*inst, /*redrive=*/true);
+    ASSERT_TRUE(redrive.send(b1));
+    EXPECT_EQ(redrive.sent_counts(), (std::vector<uint64_t>{1, 0, 0}));
+    // Eligibility in pick_prefill itself: the ineligible never win; none eligible
+    // means all are.
+    std::vector<PrefillView> v(3);
+    v[0] = {false, 900, 900, true};
+    v[1] = {true, 0, 10, false};
+    v[2] = {true, 5, 10, false};
+    EXPECT_EQ(pick_prefill(v), 0u);
+    v[0].eligible = false;
+    EXPECT_EQ(pick_prefill(v), 1u) << "none eligible: all are";
+    v[2].eligible = true;
+    EXPECT_EQ(pick_prefill(v), 2u);
 }

@@ -66,6 +66,7 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     // lock keeps the context from being evicted meanwhile).
     p.given_tokens = static_cast<uint32_t>(seq.n_tokens());
     p.given_by = self_.pack();
+    p.bind_arena(kContextArena);  // where our blocks are
     auto r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
     if (!r) return make_error(ErrorKind::Limit, "the server is at capacity ({})", r.error().message);
     // A failed offer leaves the table empty: prefill then computes every position.
@@ -234,23 +235,24 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
                                                              uint64_t max_disk_bytes) {
     const bool gpu = inst.config().cpu_kv_bytes == 0;
     // Contexts offer their blocks to prefill and take back a completion's: they must
-    // be in the arena the prefill and decode workers compute in. On GPUs each pair of
-    // workers (each GPU) has its own arena, and requests are not yet routed by
-    // arena: one arena only.
-    if (gpu && inst.config().arenas.size() != 1)
-        return make_error("contexts on GPUs: one KV arena (one GPU, roles sharing it) for now; instance '{}' has {}",
-                          inst.config().name, inst.config().arenas.size());
+    // be in the arena the prefill and decode workers compute in. Their requests are
+    // bound to it (RequestParams::arena): on GPU pairs, to GPU 0's pair. With per-role
+    // arenas on GPUs a completion's KV would come back in a decode GPU's arena.
+    if (gpu && inst.config().kv_split)
+        return make_error("contexts on GPUs: the roles of a GPU sharing its arena (not --kv-arenas per-role); "
+                          "instance '{}' splits them",
+                          inst.config().name);
     std::unique_ptr<ContextService> s(new ContextService());
     s->inst_ = &inst;
     s->tok_ = &tok;
     s->turns_ = std::make_unique<ChatTurns>(tmpl, tok);
-    auto user = inst.arena(0).join(self);
+    auto user = inst.arena(kContextArena).join(self);
     if (!user) return make_error("contexts: the KV arena: {}", user.error().message);
     s->user_ = *user;
     s->joined_ = true;
     auto dtype = kv_dtype_from(inst.config().kv_dtype);
     if (!dtype) return dtype.error();
-    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(0), s->user_);
+    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(kContextArena), s->user_);
     s->alloc_ = alloc.get();
     const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
     if (gpu) {
@@ -260,12 +262,12 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
         auto mirror = KvMirror::create(layout, *s->gpu_alloc_);
         if (!mirror) return make_error("contexts: {}", mirror.error().message);
         s->mirror_ = std::move(mirror).value();
-        auto stage = kept_kv_stage(inst.config().name, 0, s->mirror_->pool());
+        auto stage = kept_kv_stage(inst.config().name, kContextArena, s->mirror_->pool());
         if (!stage) return make_error("contexts: {}", stage.error().message);
         s->stage_ = std::move(stage).value();
         s->pool_ = &s->mirror_->pool();
     } else {
-        s->own_pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(0), std::move(alloc));
+        s->own_pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(kContextArena), std::move(alloc));
         s->pool_ = s->own_pool_.get();
     }
     s->kv_ = std::make_unique<KvCacheManager>(*s->pool_, s->alloc_);
@@ -323,7 +325,7 @@ ContextService::~ContextService() {
     mirror_.reset();
     own_pool_.reset();
     gpu_alloc_.reset();
-    if (joined_) inst_->arena(0).leave(user_);
+    if (joined_) inst_->arena(kContextArena).leave(user_);
 }
 
 ApiReply ContextService::create(const std::string& body) {
@@ -448,7 +450,7 @@ bool ContextService::has_room(uint64_t blocks) const {
 
 void ContextService::make_room(uint64_t blocks, const std::string& keep) {
     // Never more than the arena holds: then every idle context would go for nothing.
-    blocks = std::min<uint64_t>(blocks, inst_->arena(0).n_blocks());
+    blocks = std::min<uint64_t>(blocks, inst_->arena(kContextArena).n_blocks());
     store_->evict_idle(keep, [&] { return has_room(blocks); });
 }
 
@@ -507,7 +509,7 @@ std::variant<ContextKv, ApiReply> ContextService::lease(const std::string& id) {
 }
 
 void ContextService::release(std::span<const int32_t> blocks) {
-    for (int32_t b : blocks) inst_->arena(0).unref(user_, b);
+    for (int32_t b : blocks) inst_->arena(kContextArena).unref(user_, b);
 }
 
 ApiReply ContextService::commit(const std::string& id, size_t context_tokens, std::span<const int32_t> added,

@@ -46,6 +46,12 @@
 
 namespace duet {
 
+// The KV arena the front's context store keeps every context's blocks in: the one
+// host arena on CPU, GPU 0's on GPU pairs. Every request of a context is bound to it
+// (RequestParams::arena). Spreading contexts over every GPU's arena (a home arena per
+// context, a mirror and stage each) is not built: context work runs on GPU 0's pair.
+inline constexpr uint32_t kContextArena = 0;
+
 class ServingCompute final : public ContextCompute {
 public:
     ServingCompute(shm::Instance& inst, shm::ProcRef self, PrefillRouter& router, KvPool& pool, KvCacheManager& kv,
@@ -78,7 +84,7 @@ struct ApiReply {
 // arena, the log device, the store.
 class ContextService {
 public:
-    // Joins arena 0 (CPU serving) as `self` and opens the store in dir.
+    // Joins kContextArena as `self` and opens the store in dir.
     static Result<std::unique_ptr<ContextService>> open(shm::Instance& inst, shm::ProcRef self, PrefillRouter& router,
                                                         const Model& model, const Tokenizer& tok,
                                                         const ChatTemplate& tmpl, const std::string& dir,
@@ -120,7 +126,7 @@ public:
     uint64_t max_blob_bytes() const { return max_blob_bytes_; }
     const ChatTurns& turns() const { return *turns_; }
     ContextStore& store() { return *store_; }
-    int32_t arena_user() const { return joined_ ? static_cast<int32_t>(user_) : -1; }  // in arena 0
+    int32_t arena_user() const { return joined_ ? static_cast<int32_t>(user_) : -1; }  // in kContextArena
 
 private:
     ContextService() = default;

@@ -559,7 +559,7 @@ void Front::sample_kv() {
         // Idle contexts give way to requests (ContextService::make_room): their blocks
         // are not the arena's load. (References, not blocks: a block a context shares
         // with a request counts for neither, an underestimate of a few blocks.)
-        if (a == 0 && ctx_user >= 0)
+        if (a == kContextArena && ctx_user >= 0)
             held -= std::min<int64_t>(held, static_cast<int64_t>(c.refs_by_user[static_cast<size_t>(ctx_user)]));
         v.used += held;
         v.total += c.total;
@@ -1273,6 +1273,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     // Its KV comes back to join the context (one shared arena: the context's).
     c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst_.config().kv_split;
     params.return_kv = c.return_kv ? 1 : 0;
+    // Computed where the context's blocks are (offered from there, returned there).
+    if (!c.context.empty()) params.bind_arena(kContextArena);
     for (size_t i = 0; i < c.ch.size(); ++i) {
         params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
         auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);

@@ -242,12 +242,13 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
     if (auto slo = SloTable::parse(s.scheduling.slo); !slo) return slo.error();
     // Contexts offer blocks to the workers and take a completion's back in the arena
-    // those compute in; requests are not routed by arena yet: one GPU arena at most
+    // those compute in (kContextArena: GPU 0's, its requests bound to GPU 0's pair).
+    // With per-role GPU arenas a completion ends in a decode GPU's arena
     // (ContextService::open says the same to an instance started otherwise).
-    if (!s.contexts_dir.empty() && (f.gpus.size() > 1 || (!f.gpus.empty() && kv_split)))
+    if (!s.contexts_dir.empty() && !f.gpus.empty() && kv_split)
         return make_error(
-            "--contexts-dir: contexts on GPUs need one KV arena (one GPU, its roles sharing it) for now; requests "
-            "are not routed to the arena that holds their context yet");
+            "--contexts-dir: contexts on GPUs need each GPU's roles to share its KV arena (--kv-arenas shared): a "
+            "context's completion would end in a decode GPU's arena");
     if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))
         return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
                           kMaxServeWorkers - 1);

@@ -12,9 +12,12 @@
 namespace duet {
 
 uint32_t pick_prefill(const std::vector<PrefillView>& v) {
+    const bool any = std::none_of(v.begin(), v.end(), [](const PrefillView& x) { return x.eligible; });
     uint32_t best = 0;
-    for (uint32_t i = 1; i < v.size(); ++i) {
+    while (!any && best + 1 < v.size() && !v[best].eligible) ++best;
+    for (uint32_t i = best + 1; i < v.size(); ++i) {
         const PrefillView &a = v[i], &b = v[best];
+        if (!any && !a.eligible) continue;
         if (a.running != b.running) {
             if (a.running) best = i;
             continue;
@@ -127,8 +130,11 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
             chain_.push_back(h);
         }
     }
+    // A request bound to an arena (a context's): only that arena's workers.
+    const int32_t bound = request_params(t, r.slot).bound_arena();
     std::vector<PrefillView> v(n);
     for (uint32_t i = 0; i < n; ++i) {
+        v[i].eligible = bound < 0 || worker_arena(inst_.config(), shm::Role::Prefill, i) == static_cast<uint32_t>(bound);
         // Requests sent but not taken yet (the worker's gauge does not count them);
         // one sent again (re-driven: a new attempt) counts where it went last.
         std::deque<Sent>& q = queued_[i];

@@ -20,12 +20,14 @@ struct PrefillView {
     bool running = false;      // a live process holds this index (else it is being restarted)
     uint64_t ahead = 0;        // tokens it has to prefill before this request's
     uint64_t to_compute = 0;   // this request's tokens it would compute (less what it has cached)
+    bool eligible = true;      // it may take the request (RequestParams::arena: that arena's workers only)
 };
 // Least (ahead + 2 x to_compute): when this request would be done there (ahead +
 // to_compute) plus the compute it takes from every later request (to_compute again).
 // So the longest cached prefix wins unless its worker is busier by more than twice
 // the work the prefix saves, and with nothing cached the shortest queue wins. Running
-// workers before restarting ones; lowest index on ties.
+// workers before restarting ones; lowest index on ties. Only eligible workers (all
+// when none is).
 uint32_t pick_prefill(const std::vector<PrefillView>& v);
 
 // What a prefill worker knows of one decode worker when handing a request off.

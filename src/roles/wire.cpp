@@ -49,7 +49,7 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
         c.cpu_kv_bytes = block_bytes * blocks * c.arenas.size();
     } else if (!l.kv_split) {
         // One arena per GPU, used by that GPU's pair (and arena 0 by the front's
-        // context store: contexts need one GPU, plan_serve).
+        // context store, kContextArena: its requests go to GPU 0's pair).
         for (uint32_t g = 0; g < l.n_gpus; ++g)
             c.arenas.push_back(shm::ArenaConfig{b32, 2u + (g == 0 && l.contexts ? 1u : 0u), 0});
         c.cpu_kv_bytes = 0;

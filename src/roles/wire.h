@@ -175,6 +175,16 @@ struct RequestParams {
     // Its class's inter-token target: how far behind its own pace a decode worker
     // may fall to let a prompt at risk compute on its cores (yield_budget_ns). 0: none.
     uint64_t itl_target_ns = 0;
+    // The KV arena whose workers must compute it, -1: any (bound_arena). A context's requests (its
+    // KV computed, or a completion on it) are bound to the arena the front's context
+    // store keeps its blocks in (arena 0): the blocks it offers and the ones that come
+    // back are that arena's ids. On one arena every worker qualifies; on GPU pairs
+    // the router sends the request to that arena's pair only, even when another
+    // pair's queue is shorter or the pair is down (it waits for the restart).
+    // Stored as arena + 1, so that zeroed parameters bind nothing.
+    uint32_t arena_plus_one = 0;
+    void bind_arena(uint32_t a) { arena_plus_one = a + 1; }
+    int32_t bound_arena() const { return static_cast<int32_t>(arena_plus_one) - 1; }
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -12,6 +12,12 @@ restart on the same directory the context is listed with its tokens, its KV is r
 back from its log through the mirror (restored, not prefilled), and its completion
 is the one before the kill.
 
+With two GPUs or more visible (nvidia-smi -L), the same runs on two GPU pairs
+(`--device cuda:0,cuda:1`): the store keeps the contexts in GPU 0's arena and every
+request of a context is bound to GPU 0's pair (RequestParams::bind_arena), also while
+plain prompts keep that pair busier than the other; a context request computed on
+GPU 1 would read arena 0's block ids in arena 1, and its text would differ.
+
 Usage: gpu_contexts_test.py path/to/duet
 """
 import json
@@ -20,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -48,9 +55,37 @@ def ok(port, method, path, body=None, want=(200, 201)):
 GREEDY = {"max_tokens": 16, "temperature": 0, "commit": False}
 
 
+def n_gpus():
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU ")) if r.returncode == 0 else 0
+
+
+def while_busy(port, fn):
+    """fn() while four plain long prompts keep a pair busy (unbound: the router puts
+    them on the shortest queue, so both pairs are loaded in turn)."""
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            st.request(port, "POST", "/v1/completions",
+                       {"prompt": "Describe the weather in detail. " * 40, "max_tokens": 8, "temperature": 0})
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        return fn()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+
 def main():
     if not gs.gpu_available():
         sys.exit(77)
+    devices = ["cuda:0", "cuda:1"] if n_gpus() > 1 else ["cuda:0"]
+    device = ",".join(devices)
     cdir = tempfile.mkdtemp(prefix="duet-gpu-contexts-")
     saved = {}
 
@@ -71,6 +106,21 @@ def main():
         st.check(code == 201, f"import: {code} {out[:300]}")
         got_h = ok(port, "POST", "/v1/contexts/h/completions", GREEDY)["choices"][0]["text"]
         st.check(got_h == got, f"the import continues as the original: {got_h!r} != {got!r}")
+        if len(devices) > 1:
+            # Context work under load on two pairs: every completion and append
+            # still computed where the context's blocks are.
+            def busy():
+                for i in range(3):
+                    t = ok(port, "POST", "/v1/contexts/g/completions", GREEDY)["choices"][0]["text"]
+                    st.check(t == got, f"under load, completion {i}: {t!r} != {got!r}")
+                ok(port, "POST", "/v1/contexts", {"id": "g2", "prompt": "Rivers carry water from the mountains"})
+                j = ok(port, "POST", "/v1/contexts/g2/append", {"prompt": " down to the sea, where"})
+                t2 = ok(port, "GET", "/v1/contexts/g2?tokens=true")["tokens"]
+                c2 = ok(port, "POST", "/v1/contexts/g2/completions", GREEDY)["choices"][0]["text"]
+                return j, t2, c2
+            j, t2, c2 = while_busy(port, busy)
+            gs.same_or_near_tie(port, t2, {"max_tokens": 16, "temperature": 0}, c2, "a context made under load")
+            ok(port, "DELETE", "/v1/contexts/g2")
         saved.update(tokens=tokens, text=got)
         # SIGKILL of every process of the instance (the launcher and its roles).
         pids = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
@@ -81,7 +131,7 @@ def main():
                 pass
         server.wait()
 
-    st.serving(INSTANCE, first, ("--device", "cuda:0", "--contexts-dir", cdir, *gs.M))
+    st.serving(INSTANCE, first, ("--device", device, "--contexts-dir", cdir, *gs.M))
 
     def second(port, server):
         ready(port)
@@ -93,9 +143,9 @@ def main():
         st.check(j["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(saved["tokens"]) - 1,
                  f"restored from the log, not prefilled: {j['usage']}")
 
-    st.serving(INSTANCE + "-2", second, ("--device", "cuda:0", "--contexts-dir", cdir, *gs.M))
+    st.serving(INSTANCE + "-2", second, ("--device", device, "--contexts-dir", cdir, *gs.M))
     subprocess.run(["rm", "-rf", cdir])
-    print("contexts on a GPU arena: create, append, completion, export/import, SIGKILL and restore: ok")
+    print(f"contexts on a GPU arena ({device}): create, append, completion, export/import, SIGKILL and restore: ok")
 
 
 if __name__ == "__main__":
