@@ -338,6 +338,16 @@ TEST(Launcher, GpuPairsGetTheirGpuAndTheSmallestGpuSizesEveryArena) {
     EXPECT_EQ(role(*p, "prefill 0").numa, 1) << "on cores close to GPU 1 (socket 1)";
     EXPECT_EQ(role(*p, "decode 1").numa, 0);
     EXPECT_TRUE(p->gpu_note.empty()) << p->gpu_note;
+    // --kv-blocks caps a GPU arena (a small one shows preemption and swap); past what
+    // --kv-memory leaves, it is that.
+    s.kv_blocks = 64;
+    p = plan_serve(s, gpu_facts({{1, 16 * kGiB}, {0, 8 * kGiB}}));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->layout.n_blocks, 64u);
+    s.kv_blocks = 1 << 20;
+    p = plan_serve(s, gpu_facts({{1, 16 * kGiB}, {0, 8 * kGiB}}));
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    EXPECT_EQ(p->layout.n_blocks, 131072u);
 }
 
 TEST(Launcher, PerRoleGpusPutPrefillFirstAndDecodeOnTheRest) {

@@ -143,8 +143,8 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
     c.add_option("--swap-root", s.swap_root,
-                 "CPU serving: decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs "
-                 "less than computing it again (\"\": always recompute)")
+                 "decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs less than "
+                 "computing it again (GPU KV through page-locked host memory; \"\": always recompute)")
         ->capture_default_str();
     c.add_option("--prefill-workers", s.prefill_workers,
                  "prefill processes (requests routed by cached prefix and queue)")
@@ -166,8 +166,9 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
                  "layer by layer")
         ->capture_default_str();
     c.add_option("--kv-blocks", s.kv_blocks,
-                 "CPU: KV blocks of 16 tokens in the arena (0: enough for every slot at full context, at most 8 GiB); "
-                 "a small arena shows eviction and preemption")
+                 "KV blocks of 16 tokens per arena; CPU: 0 sizes it for every slot at full context (at most 8 GiB); "
+                 "GPU: at most this many of what --kv-memory leaves (0: all); a small arena shows eviction and "
+                 "preemption")
         ->capture_default_str();
     c.add_option("--kv-memory", s.kv_memory,
                  "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest "

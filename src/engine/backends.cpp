@@ -186,6 +186,18 @@ Result<std::unique_ptr<KvStage>> kept_kv_stage(const std::string& instance, uint
 #endif
 }
 
+Result<std::unique_ptr<KvStage>> device_kv_stage(const DeviceKvMemory& kv, KvPool& mirror) {
+#if DUET_HAVE_CUDA
+    auto st = CudaKvStage::create(kv.device(), kv.data(), mirror);
+    if (!st) return st.error();
+    return std::unique_ptr<KvStage>(std::move(st).value());
+#else
+    (void)kv;
+    (void)mirror;
+    return make_error(ErrorKind::Device, "GPU KV memory and this duet was built without CUDA");
+#endif
+}
+
 Result<std::unique_ptr<DeviceKvMemory>> hold_legacy_kv(const std::string& instance, uint32_t arena, const DeviceSpec& d,
                                                        uint64_t bytes) {
 #if DUET_HAVE_CUDA

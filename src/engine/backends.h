@@ -62,6 +62,11 @@ Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance
 // contexts): the arena is mapped on the first copy (its first worker makes it: until
 // then copies fail with "not kept"), on its own GPU.
 Result<std::unique_ptr<KvStage>> kept_kv_stage(const std::string& instance, uint32_t arena, KvPool& mirror);
+// The stage between GPU memory this process has mapped (a worker's own arena) and
+// its host mirror: a preempted request's swap (roles/workers.cpp), through
+// page-locked halves of about 16 MiB (CudaKvStage). Errors: a build without CUDA,
+// CUDA failures.
+Result<std::unique_ptr<KvStage>> device_kv_stage(const DeviceKvMemory& kv, KvPool& mirror);
 // The launcher's hold on arena `arena` of GPU `d`: where the GPU cannot export VMM
 // allocations as fds, the arena is made here and lives as long as the result does
 // (cuda_arena.h IpcKvArenaOwner); null where the workers make it themselves (VMM).

@@ -44,6 +44,35 @@ std::span<const int32_t> blocks_of_positions(std::span<const int32_t> blocks, in
     return blocks.subspan(b0, b1 - b0);
 }
 
+Result<BlobHeader> staged_blob_write(const StagedKvIo& kv, const std::string& path, const KvIdentity& id,
+                                     const KvSeq& seq, std::span<const int32_t> tokens, uint64_t first, uint64_t n,
+                                     bool sync) {
+    if (!kv.stage) return blob_write(path, id, *kv.io, seq, tokens, first, n, sync);
+    Result<BlobHeader> out = [&]() -> Result<BlobHeader> {
+        if (Status st = kv.stage->pull(blocks_of_positions(seq.blocks(), kv.io->layout().block_tokens, first, n)); !st)
+            return make_error(st.error().kind, "KV from the arena: {}", st.error().message);
+        return blob_write(path, id, *kv.io, seq, tokens, first, n, sync);
+    }();
+    if (kv.mirror) kv.mirror->release();
+    return out;
+}
+
+Result<BlobImport> staged_blob_import(const StagedKvIo& kv, const std::string& path, const KvIdentity& want,
+                                      KvSeq& seq) {
+    if (!kv.stage) return blob_import(path, want, *kv.io, seq);
+    if (seq.n_tokens() != 0 || !seq.blocks().empty())
+        return make_error(ErrorKind::Invalid, "a staged blob import starts from an empty sequence");
+    auto im = blob_import(path, want, *kv.io, seq);
+    if (im) {
+        if (Status st = kv.stage->push(seq.blocks()); !st) {
+            seq.release(*kv.io);
+            im = make_error(st.error().kind, "KV into the arena: {}", st.error().message);
+        }
+    }
+    if (kv.mirror) kv.mirror->release();
+    return im;
+}
+
 Status copy_host_blocks(const KvPool& from, std::span<const int32_t> src, KvPool& to, std::span<const int32_t> dst) {
     const KvLayout& l = from.layout();
     for (int32_t layer = 0; layer < l.n_layer; ++layer) {

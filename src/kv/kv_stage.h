@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "kv/blob.h"
 #include "kv/kv_pool.h"
 
 namespace duet {
@@ -79,6 +80,28 @@ private:
 // The blocks of `blocks` (a sequence's table) that hold positions [first, first + n).
 std::span<const int32_t> blocks_of_positions(std::span<const int32_t> blocks, int32_t block_tokens, uint64_t first,
                                              uint64_t n);
+
+// A sequence's KV to and from a blob where the arena may be one this process cannot
+// address (a GPU's): a preempted request's swap (roles/workers.cpp). `io` is the
+// pool the blob code reads and writes: the arena's own (CPU; stage and mirror null)
+// or the mirror's (stage and mirror set: the arena's ids, its allocator).
+struct StagedKvIo {
+    KvPool* io = nullptr;
+    KvStage* stage = nullptr;
+    KvMirror* mirror = nullptr;
+};
+// blob_write of positions [first, first + n) of seq; staged: their blocks pulled
+// first (S1), the mirror's pages released after, whatever the outcome. A failed
+// pull is the error and no file is written (S3).
+Result<BlobHeader> staged_blob_write(const StagedKvIo& kv, const std::string& path, const KvIdentity& id,
+                                     const KvSeq& seq, std::span<const int32_t> tokens, uint64_t first, uint64_t n,
+                                     bool sync);
+// blob_import into seq; staged: seq must be empty (a partial last block would be
+// copied from a mirror tile nobody pulled), the blocks read are pushed before it
+// returns (S2) and the mirror's pages released after; a failed push is the error,
+// the blocks read freed and seq left empty (S3).
+Result<BlobImport> staged_blob_import(const StagedKvIo& kv, const std::string& path, const KvIdentity& want,
+                                      KvSeq& seq);
 
 // Copies every layer of blocks src[i] of `from` into blocks dst[i] of `to` (host
 // memory both, one layout, any block counts; memcpy of merged runs of consecutive

@@ -287,13 +287,13 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     l.contexts_max = static_cast<uint32_t>(s.contexts_max);
     if (s.kv_blocks < 0 || s.kv_blocks > std::numeric_limits<uint32_t>::max())
         return make_error("--kv-blocks {}: a count of KV blocks, 0 (sized from --slots and --ctx) or more", s.kv_blocks);
-    if (n_gpus > 0 && s.kv_blocks > 0)
-        return make_error("--kv-blocks sizes CPU arenas; on GPUs the arena takes what --kv-memory leaves");
     l.n_blocks = static_cast<uint32_t>(s.kv_blocks);
     if (n_gpus > 0) {
+        // What --kv-memory leaves, capped by --kv-blocks (a small GPU arena shows
+        // preemption and swap, as on CPU).
         auto blocks = plan_gpu_blocks(s, f, n->prefill, kv_split);
         if (!blocks) return blocks.error();
-        l.n_blocks = *blocks;
+        l.n_blocks = s.kv_blocks > 0 ? std::min(*blocks, static_cast<uint32_t>(s.kv_blocks)) : *blocks;
     }
     plan.roles = role_launches(s, plan, *placed, *po);
     for (const Placement& p : placed->roles)  // in the placement's order
@@ -880,7 +880,7 @@ int Launcher::run(const std::string& model_id) {
 }  // namespace
 
 std::string swap_dir_of(const ServeSettings& s, const std::string& instance) {
-    if (s.swap_root.empty() || s.device != "cpu") return "";
+    if (s.swap_root.empty()) return "";
     return (std::filesystem::path(s.swap_root) / ("duet-swap-" + instance)).string();
 }
 

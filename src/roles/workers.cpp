@@ -136,17 +136,32 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     backend_ = std::move(b->backend);
     kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
     ident_ = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
-    if (!o.swap_dir.empty() && !o.device.cuda) {
-        // GPU KV is not swapped (it would go through pinned host memory: not built):
-        // there a victim is computed again. The launcher made the directory; one this
-        // process does not see (units with a private /var/tmp each) is not made here:
-        // a blob written where prefill cannot read it would only be lost.
+    if (!o.swap_dir.empty()) {
+        // The launcher made the directory; one this process does not see (units with a
+        // private /var/tmp each) is not made here: a blob written where prefill cannot
+        // read it would only be lost.
         struct stat st{};
-        if (::stat(o.swap_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+        if (::stat(o.swap_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
             std::fprintf(stderr, "duet %s: no swap directory %s (preemption recomputes)\n", shm::role_name(role),
                          o.swap_dir.c_str());
-        else
+        } else if (gpu_kv_) {
+            // GPU KV: swapped through the arena's host mirror (reserved, not committed:
+            // only a swap's blocks are touched, and released after it) and a stage of
+            // two page-locked halves. Without them a victim is computed again.
+            auto mirror = KvMirror::create(pool_->layout(), *alloc_);
+            auto stage = mirror ? device_kv_stage(*gpu_kv_, (*mirror)->pool())
+                                : Result<std::unique_ptr<KvStage>>(mirror.error());
+            if (!stage) {
+                std::fprintf(stderr, "duet %s: swap of GPU KV: %s (preemption recomputes)\n", shm::role_name(role),
+                             stage.error().message.c_str());
+            } else {
+                swap_mirror_ = std::move(mirror).value();
+                swap_stage_ = std::move(stage).value();
+                swap_ = true;
+            }
+        } else {
             swap_ = true;
+        }
     }
     if (!o.defer_running) inst.registry().set_running(self_);
     return {};
@@ -157,6 +172,8 @@ std::string WorkerBase::swap_path(shm::ReqRef r) const {
 }
 
 WorkerBase::~WorkerBase() {
+    swap_stage_.reset();  // copies into gpu_kv_, through swap_mirror_ (over pool_'s allocator)
+    swap_mirror_.reset();
     kv_.reset();
     backend_.reset();
     pool_.reset();
@@ -768,7 +785,7 @@ bool PrefillWorker::swap_in() {
         // Read only when the whole job fits now: read, then set aside for want of the
         // rest, it would be read again and again.
         const bool room = static_cast<int64_t>((j.all.size() + bt - 1) / bt) <= pool_->allocator().n_available();
-        auto im = room ? blob_import(path, ident_, *pool_, seq)
+        auto im = room ? staged_blob_import(swap_io(), path, ident_, seq)
                        : Result<BlobImport>(make_error(ErrorKind::NoKvBlocks, "no room to read it into"));
         const uint64_t now = shm::monotonic_ns();
         if (!im && im.error().kind == ErrorKind::NoKvBlocks) {
@@ -1221,9 +1238,10 @@ double DecodeWorker::prefill_rate() const {
 }
 
 // Swap or recompute (choose_preemption): the swap rate is this worker's measured
-// writes (an exponential average over swaps), 1 GB/s before the first: the order of
-// a page-cache write here, and what a first choice needs only roughly (on the CPU
-// swap wins by 50x; on a GPU, where the two are close, KV is not swapped).
+// writes (an exponential average over swaps; on a GPU the device-to-host copy
+// included), 1 GB/s before the first: the order of a page-cache write here, and what
+// a first choice needs only roughly (on the CPU swap wins by 50x; on a GPU, whose
+// prefill is fast, the measured rates decide, and the first swap measures ours).
 uint32_t DecodeWorker::swap_out(Active& a) {
     const int64_t n = a.seq.n_tokens();
     if (!swap_ || n <= 0) return 0;
@@ -1234,7 +1252,7 @@ uint32_t DecodeWorker::swap_out(Active& a) {
     tokens.insert(tokens.end(), a.output.begin(), a.output.end());
     const auto t0 = std::chrono::steady_clock::now();
     // No fsync: a crash re-drives the request, which then computes its KV again.
-    auto h = blob_write(swap_path(a.req), ident_, *pool_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
+    auto h = staged_blob_write(swap_io(), swap_path(a.req), ident_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
     if (!h) {
         std::fprintf(stderr, "duet decode: swap of request %u.%u failed (it is computed again): %s\n", a.req.slot,
                      a.req.gen, h.error().message.c_str());

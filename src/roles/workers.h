@@ -72,9 +72,11 @@ struct WorkerOptions {
     // Stay STARTING in the registry (no work routed to it, not counted ready) until
     // mark_running(): `duet prefill|decode` runs the golden check first.
     bool defer_running = false;
-    // Preemption by swap (CPU KV only): decode writes a victim's KV here as a blob
+    // Preemption by swap: decode writes a victim's KV here as a blob
     // (ReqSlot::n_swapped) when that costs less than computing it again
-    // (choose_preemption), and prefill reads it back. The same directory for every
+    // (choose_preemption), and prefill reads it back. GPU KV goes through a host
+    // mirror of the arena and page-locked memory (kv/kv_stage.h staged_blob_write /
+    // staged_blob_import): device -> pinned host -> disk, and back. The same directory for every
     // worker of an instance, made by the launcher (a worker that does not find it
     // recomputes). "": recompute only.
     std::string swap_dir;
@@ -157,8 +159,12 @@ protected:
     std::vector<SampleRequest> samples_;  // the step's rows the backend samples
     WorkerOptions opts_;
     KvIdentity ident_;        // the model and tokenizer a swapped blob must belong to
-    bool swap_ = false;       // preemption by swap here (WorkerOptions::swap_dir, KV on the CPU)
+    bool swap_ = false;       // preemption by swap here (WorkerOptions::swap_dir)
     std::string swap_path(shm::ReqRef r) const;  // the blob of request r's swapped KV
+    // GPU KV: the arena's host mirror and the stage to it, for swaps (null on CPU).
+    std::unique_ptr<KvMirror> swap_mirror_;
+    std::unique_ptr<KvStage> swap_stage_;
+    StagedKvIo swap_io() const { return {swap_mirror_ ? &swap_mirror_->pool() : pool_.get(), swap_stage_.get(), swap_mirror_.get()}; }
 };
 
 class PrefillWorker final : public WorkerBase {

@@ -13,6 +13,7 @@ usage says how many tokens were read back and how many computed).
 
 Usage: contexts_test.py path/to/duet [n_ops]
 """
+import collections
 import json
 import os
 import random
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -77,6 +79,9 @@ def stream_text(port, path, body):
     return text
 
 
+SERVERS = []  # every Server started: their last lines are printed when the test fails
+
+
 class Server:
     def __init__(self, cdir, instance, ctx=1024, slots=16, extra=()):
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", str(ctx), "--slots", str(slots), "--instance",
@@ -100,6 +105,11 @@ class Server:
             if m:
                 self.port = int(m.group(1))
         check(self.port, "no 'listening on' line")
+        # Drained for as long as it runs: a pipe nobody reads fills, and a role writing
+        # to it would block. Its last lines are the failure's evidence.
+        self.last = collections.deque(said[-20:], maxlen=80)
+        threading.Thread(target=lambda: [self.last.append(l) for l in self.p.stderr], daemon=True).start()
+        SERVERS.append(self)
 
     def pids(self, role):
         out = subprocess.run([DUET, "shm", "status", self.instance, "--json"], capture_output=True, text=True,
@@ -701,4 +711,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException as e:
+        if not (isinstance(e, SystemExit) and not e.code):
+            for srv in SERVERS:
+                print(f"--- the server {srv.instance}'s last lines:\n" + "".join(srv.last), file=sys.stderr)
+        raise

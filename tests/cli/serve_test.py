@@ -143,7 +143,15 @@ def serving(instance, test, extra=()):
                 port = int(m.group(1))
                 break
         check(port, "no 'listening on' line")
-        test(port, server)
+        # Drained for as long as it runs (a pipe nobody reads fills, and a role writing
+        # to it would block); early_lines keeps growing: the failure's evidence.
+        threading.Thread(target=lambda: [server.early_lines.append(l) for l in server.stderr], daemon=True).start()
+        try:
+            test(port, server)
+        except BaseException as e:
+            if not (isinstance(e, SystemExit) and not e.code):
+                print(f"--- the server {instance}'s last lines:\n" + "".join(server.early_lines[-60:]), file=sys.stderr)
+            raise
     finally:
         if server.poll() is None:
             server.kill()
