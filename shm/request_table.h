@@ -127,8 +127,11 @@ struct RequestTableHeader {
     std::atomic<uint64_t> swapped_bytes;
     // Workers that changed role (`duet serve --rebalance`): to prefill, to decode.
     std::atomic<uint32_t> role_changes[2];
+    // Prefill passes stopped for a critical request (WorkerOptions::pass_interrupt).
+    std::atomic<uint64_t> passes_interrupted;
+    uint8_t spare[56];  // room for more counters (zeroed by init)
 };
-static_assert(sizeof(RequestTableHeader) == 64);
+static_assert(sizeof(RequestTableHeader) == 128);
 
 class RequestTable {
 public:
@@ -145,6 +148,7 @@ public:
     std::atomic<uint64_t>& redriven() const { return h_->redriven; }
     std::atomic<uint64_t>& swaps() const { return h_->swaps; }
     std::atomic<uint64_t>& swapped_bytes() const { return h_->swapped_bytes; }
+    std::atomic<uint64_t>& passes_interrupted() const { return h_->passes_interrupted; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }

@@ -97,6 +97,7 @@ TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
     s.prefill_budget = 128;
     s.prefix_cache = false;
     s.risk_claims = false;
+    s.pass_interrupt = false;
     s.isa = "avx2";
     s.chat_template = "chatml";
     auto p = plan_serve(s, cpu_facts());
@@ -123,12 +124,14 @@ TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
     EXPECT_EQ(pf.prefill_budget, 128);
     EXPECT_FALSE(pf.prefix_cache);
     EXPECT_FALSE(pf.risk_claims);
+    EXPECT_FALSE(pf.pass_interrupt);
     EXPECT_EQ(pf.threads, static_cast<int>(role(*p, "prefill").cpus.size()));
     EXPECT_FALSE(pf.cpus.empty());
     const WorkerSettings& dc = worker(*p, "decode");
     EXPECT_EQ(dc.prefill_budget, WorkerSettings{}.prefill_budget) << "prefill's settings are not decode's";
     EXPECT_TRUE(dc.prefix_cache);
     EXPECT_TRUE(dc.risk_claims);
+    EXPECT_TRUE(dc.pass_interrupt);
     // Prefill and decode on cores of their own.
     for (int c : role(*p, "prefill").cpus)
         for (int d : role(*p, "decode").cpus) EXPECT_NE(c, d);

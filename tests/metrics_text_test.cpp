@@ -18,6 +18,7 @@ MetricsSnapshot two_arenas_three_workers() {
     s.requests = 7, s.errors = 2, s.finished = 4, s.cancelled = 1, s.failed = 1, s.rejected_busy = 3;
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
     s.role_changes_to_prefill = 1, s.role_changes_to_decode = 2;
+    s.passes_interrupted = 3;
     s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
@@ -80,6 +81,10 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_role_changes_total counter\n"
     "duet_worker_role_changes_total{to=\"prefill\"} 1\n"
     "duet_worker_role_changes_total{to=\"decode\"} 2\n"
+    "# HELP duet_prefill_passes_interrupted_total Prefill passes stopped between layers for a critical request that "
+    "arrived meanwhile (--no-pass-interrupt: none); each is computed again.\n"
+    "# TYPE duet_prefill_passes_interrupted_total counter\n"
+    "duet_prefill_passes_interrupted_total 3\n"
     "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"
@@ -235,7 +240,7 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 33u);  // 13 front families (role changes among them), 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 34u);  // 14 front families (role changes, interrupted passes among them), 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

@@ -137,6 +137,66 @@ TEST(Model, LogitsAreBitwiseIndependentOfThreadCount) {
     }
 }
 
+// A pass stopped between layers (Backend::set_interrupt: prefill's pass for a
+// critical arrival) changes nothing: the batch is as before (positions and blocks),
+// the check is consulted only in the first half of the layers, and the same pass run
+// again gives the logits of a sequence that was never stopped, bitwise.
+TEST(Model, AnInterruptedPassLeavesTheBatchAsBeforeAndRunsAgainExactly) {
+    const Model& m = engine().model();
+    const int64_t n_layer = m.config().n_layer;
+    ThreadPool threads(2);
+    auto pool = KvPool::create(CpuBackend::kv_layout(m, KvDtype::F16), 64);
+    ASSERT_TRUE(pool.ok());
+    CpuBackend b(m, **pool, threads, engine().isa());
+    auto toks = prompt_ids(50, 9);
+    std::vector<float> ref, got;
+    {  // the reference: 20 tokens, then 30, never stopped
+        KvSeq s;
+        SeqBatch one{&s, toks.data(), 20, false};
+        ASSERT_TRUE(b.forward({&one, 1}, ref).ok());
+        SeqBatch two{&s, toks.data() + 20, 30, true};
+        ASSERT_TRUE(b.forward({&two, 1}, ref).ok());
+        s.release(**pool);
+    }
+    KvSeq s;
+    SeqBatch one{&s, toks.data(), 20, false};
+    ASSERT_TRUE(b.forward({&one, 1}, got).ok());
+    const std::vector<int32_t> blocks = s.blocks();
+    const int32_t free_before = (*pool)->allocator().n_free();
+    // Never stops: consulted once per layer of the first half only.
+    int calls = 0;
+    b.set_interrupt([&] { return ++calls, false; });
+    {
+        KvSeq t;
+        SeqBatch x{&t, toks.data(), 5, false};
+        ASSERT_TRUE(b.forward({&x, 1}, got).ok());
+        EXPECT_EQ(calls, n_layer / 2);
+        t.release(**pool);
+    }
+    // Stops at the 3rd check (before layer 3), then at the first.
+    for (int stop_at : {3, 1}) {
+        calls = 0;
+        b.set_interrupt([&] { return ++calls == stop_at; });
+        SeqBatch two{&s, toks.data() + 20, 30, true};
+        Status st = b.forward({&two, 1}, got);
+        ASSERT_FALSE(st.ok());
+        EXPECT_EQ(st.kind(), ErrorKind::Interrupted);
+        EXPECT_NE(st.error().message.find(fmt::format("before layer {} of {}", stop_at, n_layer)), std::string::npos)
+            << st.error().message;
+        EXPECT_EQ(calls, stop_at);
+        EXPECT_EQ(s.n_tokens(), 20) << "no position appended";
+        EXPECT_EQ(s.blocks(), blocks) << "the blocks prepared for the stopped positions went back";
+        EXPECT_EQ((*pool)->allocator().n_free(), free_before);
+    }
+    b.set_interrupt({});
+    SeqBatch two{&s, toks.data() + 20, 30, true};
+    ASSERT_TRUE(b.forward({&two, 1}, got).ok());
+    ASSERT_EQ(got.size(), ref.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)))
+        << "the pass run again after two stops gives other logits";
+    s.release(**pool);
+}
+
 // ...nor on what else is in the batch.
 TEST(Model, LogitsAreBitwiseIndependentOfBatch) {
     Engine& e = engine();

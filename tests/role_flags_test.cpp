@@ -38,6 +38,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     w.prefill_budget = 96;
     w.prefix_cache = false;
     w.risk_claims = false;
+    w.pass_interrupt = false;
     w.device = "cuda:2";
     w.cuda_graphs = false;
     w.cuda_qgemv = true;
@@ -54,6 +55,7 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     d.prefill_budget = WorkerSettings{}.prefill_budget;
     d.prefix_cache = true;
     d.risk_claims = true;
+    d.pass_interrupt = true;
     d.max_batch = 9;  // decode's own
     RoleLaunch rd{"decode", "decode 3", d, {}, 1};
     EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);

@@ -24,6 +24,7 @@ enum class ErrorKind : uint8_t {
     Exists = 4,      // the name is taken (a context id): HTTP 409
     Invalid = 5,     // the request itself is wrong (a position past the end): HTTP 400
     Limit = 6,       // a configured limit is reached (contexts, disk): HTTP 429
+    Interrupted = 7,  // stopped on purpose before the end (Backend::set_interrupt); nothing changed
 };
 
 struct Error {

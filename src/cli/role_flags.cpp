@@ -30,6 +30,11 @@ constexpr const char* kRiskClaimsHelp =
     "with cores lent: passes for prompts that would miss their TTFT target on prefill's cores alone do not claim "
     "decode's cores while it has streams ahead of their inter-token target and no critical request came within "
     "--prefill-cut-window (critical passes still do)";
+constexpr const char* kNoPassInterrupt = "--no-pass-interrupt";
+constexpr const char* kPassInterruptHelp =
+    "a critical request sent to a prefill worker does not stop the pass in progress that no critical request leads "
+    "(by default one stopped within its first half of layers is computed again later: exact by the invariance "
+    "contract)";
 constexpr const char* kSwapDir = "--swap-dir";
 constexpr const char* kMaxBatch = "--max-batch";
 constexpr const char* kBorrowCpus = "--borrow-cpus";
@@ -142,6 +147,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->check(CLI::Range(0, 86400));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
+    c.add_flag(negated(kNoPassInterrupt), s.pass_interrupt, kPassInterruptHelp);
     c.add_option("--swap-root", s.swap_root,
                  "decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs less than "
                  "computing it again (GPU KV through page-locked host memory; \"\": always recompute)")
@@ -238,6 +244,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
         ->check(CLI::Range(0, 86400));
     c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse or publish cached prompt blocks");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
+    c.add_flag(negated(kNoPassInterrupt), s.pass_interrupt, kPassInterruptHelp);
 }
 
 std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) {
@@ -289,6 +296,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kPrefillCutWindow, std::to_string(w.prefill_cut_window_s));
         if (!w.prefix_cache) a.push_back(kNoPrefixCache);
         if (!w.risk_claims) a.push_back(kNoRiskClaims);
+        if (!w.pass_interrupt) a.push_back(kNoPassInterrupt);
     }
     return a;
 }

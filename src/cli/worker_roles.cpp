@@ -80,6 +80,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.prefill_cut_window_ns = static_cast<uint64_t>(a.prefill_cut_window_s) * 1000000000ull;
     o.prefix_cache = a.prefix_cache;
     o.risk_claims = a.risk_claims;
+    o.pass_interrupt = a.pass_interrupt;
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;
     o.defer_running = true;  // after the golden check

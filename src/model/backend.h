@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -62,6 +63,14 @@ public:
     // and the batch is as before. The default: an error (the backend cannot).
     virtual Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp);
     virtual int64_t n_vocab() const = 0;
+    // A check between layers: when `stop` returns true, the pass in progress ends
+    // there and forward returns ErrorKind::Interrupted with the batch as before the
+    // call (no position appended; KV rows written for the stopped positions lie past
+    // each sequence's end, to be written again). Consulted only in the first half of
+    // a pass's layers (at most half of it is computed for nothing), from one of the
+    // backend's threads while the caller waits in forward. Empty: never. The default
+    // ignores it (the CUDA backend's passes are short and run as queued kernels).
+    virtual void set_interrupt(std::function<bool()> stop) { (void)stop; }
 
 protected:
     Sampler host_sampler_;  // forward_pick's host sampling

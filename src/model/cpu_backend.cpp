@@ -53,6 +53,11 @@ struct CpuBackend::Scratch {
     bool replicate = false;
     size_t xq_stride = 0;
     int64_t scores_n = 0;  // floats of attention scores per thread
+    // set_interrupt's check, for this pass (null: none); stop[l]: stop before layer
+    // l (written by thread 0 before the last barrier of layer l - 1, read by every
+    // thread after it).
+    const std::function<bool()>* interrupt = nullptr;
+    std::vector<uint8_t> stop;
 };
 
 CpuBackend::CpuBackend(const Model& model, KvPool& pool, ThreadPool& threads, Isa isa)
@@ -173,8 +178,22 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.scores_n = (max_ctx + 15) / 16 * 16;
     s.scores.get(sizeof(float) * threads_.size() * s.scores_n);
 
+    s.interrupt = interrupt_ ? &interrupt_ : nullptr;
+    s.stop.assign(static_cast<size_t>(c.n_layer) + 1, 0);
+
     threads_.run([this](int tid, int nth) { run(tid, nth); });
 
+    if (s.interrupt) {
+        s.interrupt = nullptr;
+        const auto at = std::find(s.stop.begin(), s.stop.end(), uint8_t{1});
+        if (at != s.stop.end()) {
+            // As before the call: the blocks prepared for the new positions go back
+            // (a caller's reservation included, as when prepare_append fails).
+            for (SeqBatch& b : batch) b.kv->truncate(pool_, b.kv->n_tokens());
+            return make_error(ErrorKind::Interrupted, "the pass was stopped before layer {} of {}",
+                              at - s.stop.begin(), c.n_layer);
+        }
+    }
     for (SeqBatch& b : batch) b.kv->set_n_tokens(b.kv->n_tokens() + b.n_tokens);
     return {};
 }
@@ -250,6 +269,7 @@ void CpuBackend::run(int tid, int nth) {
         cpu::dequantize_row(emb.type, emb.data + static_cast<size_t>(s.tok[i]) * emb.row_bytes(), x + i * E, E);
 
     for (int64_t l = 0; l < c.n_layer; ++l) {
+        if (s.stop[static_cast<size_t>(l)]) return;  // every thread alike (see stop)
         const LayerWeights& w = model_.layer(l);
         const int32_t li = static_cast<int32_t>(l);
 
@@ -358,6 +378,9 @@ void CpuBackend::run(int tid, int nth) {
         quantize(hs, F, w.w_down);
         sync_rows();
         matmul(w.w_down, tmp);
+        // Stop before the next layer? Only in the pass's first half (Backend::set_interrupt).
+        if (tid == 0 && s.interrupt && 2 * (l + 1) <= c.n_layer && (*s.interrupt)())
+            s.stop[static_cast<size_t>(l) + 1] = 1;
         threads_.barrier();
         for (int64_t i = r0; i < r1; ++i) cpu::add(isa, x + i * E, tmp + i * E, E);
     }

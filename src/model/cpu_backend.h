@@ -17,6 +17,10 @@ public:
     ~CpuBackend() override;
 
     Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) override;
+    // Checked by thread 0 before the last barrier of each layer in the pass's first
+    // half; its answer for layer l + 1 is read by every thread after that barrier,
+    // so all stop at the same layer.
+    void set_interrupt(std::function<bool()> stop) override { interrupt_ = std::move(stop); }
     // forward(), then every exported sequence's blocks copied (memcpy, host arenas).
     Status forward_export(std::span<SeqBatch> batch, std::vector<float>& logits, const KvExport& exp) override;
     int64_t n_vocab() const override;
@@ -34,6 +38,7 @@ private:
     ThreadPool& threads_;
     cpu::Isa isa_;
     std::unique_ptr<Scratch> s_;
+    std::function<bool()> interrupt_;
 };
 
 }  // namespace duet

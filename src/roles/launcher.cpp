@@ -194,6 +194,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             ws.prefill_cut_window_s = s.prefill_cut_window_s;
             ws.prefix_cache = s.prefix_cache;
             ws.risk_claims = s.risk_claims;
+            ws.pass_interrupt = s.pass_interrupt;
         }
         if (!plan.gpus.empty()) {
             // The GPU of the worker's arena (arena i is on the i-th GPU listed): a pair's

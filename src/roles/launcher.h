@@ -69,6 +69,7 @@ struct ServeSettings {
     int prefill_cut_window_s = 60;  // ... only within this long of the last critical request (0: always)
     bool prefix_cache = true;
     bool risk_claims = true;  // prefill: WorkerOptions::risk_claims
+    bool pass_interrupt = true;  // prefill: WorkerOptions::pass_interrupt
     // Where decode swaps a preempted request's KV (CPU serving): the launcher makes
     // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
     std::string swap_root = "/var/tmp";
@@ -129,6 +130,7 @@ struct WorkerSettings {
     int prefill_cut_window_s = 60;  // prefill: ... only within this long of the last critical request (0: always)
     bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
     bool risk_claims = true;       // prefill: WorkerOptions::risk_claims
+    bool pass_interrupt = true;    // prefill: WorkerOptions::pass_interrupt
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
     std::string borrow_cpus;       // the other role's cores, borrowed while it is idle ("": none)

@@ -52,6 +52,10 @@ std::string metrics_counters(const MetricsSnapshot& s) {
                 "Workers that changed role to the one named, their cores following a lopsided load (--rebalance).") +
          fmt::format("duet_worker_role_changes_total{{to=\"prefill\"}} {}\nduet_worker_role_changes_total{{to=\"decode\"}} {}\n",
                      s.role_changes_to_prefill, s.role_changes_to_decode);
+    m += family("duet_prefill_passes_interrupted_total", "counter",
+                "Prefill passes stopped between layers for a critical request that arrived meanwhile "
+                "(--no-pass-interrupt: none); each is computed again.") +
+         fmt::format("duet_prefill_passes_interrupted_total {}\n", s.passes_interrupted);
     return m;
 }
 

@@ -276,8 +276,39 @@ Result<std::unique_ptr<PrefillWorker>> PrefillWorker::create(shm::Instance& inst
         if (w->rings_.linked(p, d)) w->out_.emplace_back(inst.ring(w->rings_.to_decode(p, d)));
     if (inst.config().kv_split)
         if (Status st = w->join_outlets(); !st) return st.error();
+    if (o.pass_interrupt) w->backend_->set_interrupt([self = w.get()] { return self->critical_arrived(); });
     w->publish_load();
     return w;
+}
+
+void PrefillWorker::note_arrivals() {
+    size_t n = 0;
+    in_.refresh();
+    (void)in_.peek(&n);
+    in_at_ = n;
+    redo_.refresh();
+    redo_at_ = redo_.consumed() + redo_.backlog();
+}
+
+bool PrefillWorker::critical_arrived() {
+    if (!interruptible_ || jobs_.size() >= static_cast<size_t>(std::max(1, opts_.max_prefills))) return false;
+    const shm::RequestTable& t = inst_->requests();
+    const auto critical = [&](const WireMsg& m) {
+        return t.is(shm::ReqRef{m.slot, m.gen}, shm::ReqState::Queued) && request_params(t, m.slot).slo_class == 0;
+    };
+    size_t n = 0;
+    in_.refresh();
+    const WireMsg* m = in_.peek(&n);
+    for (size_t i = in_at_; i < n; ++i)
+        if (critical(m[i])) return true;
+    in_at_ = std::max(in_at_, n);
+    redo_.refresh();
+    m = redo_.peek(&n);
+    const uint64_t head = redo_.consumed();
+    for (size_t i = redo_at_ > head ? static_cast<size_t>(redo_at_ - head) : 0; i < n; ++i)
+        if (critical(m[i])) return true;
+    redo_at_ = std::max<uint64_t>(redo_at_, head + n);
+    return false;
 }
 
 PrefillWorker::~PrefillWorker() {
@@ -1036,7 +1067,11 @@ Result<bool> PrefillWorker::step() {
         if (!lent && jobs_[p.jobs.front()].params.slo_class == 0) lent = claim_cores(0);
         else if (!lent && risk.pass_ns > 0) lent = claim_cores(risk.pass_ns);
         const uint64_t t0 = shm::monotonic_ns();
+        // A pass no critical request leads stops for one that arrives meanwhile.
+        interruptible_ = opts_.pass_interrupt && jobs_[p.jobs.front()].params.slo_class != 0;
+        if (interruptible_) note_arrivals();
         st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
+        interruptible_ = false;
         end_claim();
         if (lent) borrowed(t0);
         if (!st) kv_->unreserve(p.batch);
@@ -1047,6 +1082,13 @@ Result<bool> PrefillWorker::step() {
             (lent ? me.wide_busy_ns : me.busy_ns).fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
             (lent ? me.wide_tokens : me.work_tokens).fetch_add(tokens, std::memory_order_relaxed);
         }
+    }
+    if (!st && st.kind() == ErrorKind::Interrupted) {
+        // Nothing was computed (the batch is as before): the critical request is taken
+        // at the next step and goes first; these jobs run again after it.
+        for (size_t k : p.jobs) release_destination(jobs_[k]);
+        inst_->requests().passes_interrupted().fetch_add(1, std::memory_order_relaxed);
+        return true;
     }
     if (st) pass_done(p);
     else pass_failed(p, st);

@@ -61,6 +61,13 @@ struct WorkerOptions {
     // (rule C6, workers.cpp) while no critical work is around (prefill_cut_window_ns);
     // false: only for critical ones.
     bool risk_claims = true;
+    // Prefill: a critical request arriving in its rings while a pass that no critical
+    // request leads is computed stops that pass between layers, within its first
+    // half (Backend::set_interrupt): the pass is computed again later, exactly (the
+    // invariance contract); the critical one goes first. Each arrival stops at most
+    // one pass, so work that is not critical loses at most half a pass per critical
+    // request sent here. (The CUDA backend does not stop: its passes are short.)
+    bool pass_interrupt = true;
     // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
     // routing sends them to a decode worker with room).
     int max_batch = 256;
@@ -276,6 +283,15 @@ private:
     bool follows(size_t k) const;
     // Takes queued requests while there is room; false if the ring was empty.
     bool admit();
+    // Backend::set_interrupt's check (WorkerOptions::pass_interrupt), from a backend
+    // thread while step() waits in forward: during a pass that may be stopped, a
+    // critical request arrived in either ring since it began (messages past in_at_ /
+    // redo_at_; each looked at once) and there is room to take it.
+    bool critical_arrived();
+    void note_arrivals();  // in_at_ / redo_at_: what the rings hold as the pass begins
+    bool interruptible_ = false;
+    size_t in_at_ = 0;      // the front ring's readable messages (peek order)
+    uint64_t redo_at_ = 0;  // the launcher ring's records published (consumed + backlog)
     void lookup_prefix(Job& j);
     // The blocks the client offered (RequestParams::given_tokens): true when j starts
     // from them (our own references taken, the slot's table emptied).

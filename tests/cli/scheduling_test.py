@@ -270,6 +270,50 @@ def critical_first(port):
     print(f"critical behind 6 batch requests: first token before {later} of them")
 
 
+def critical_stops_a_pass(port):
+    """A critical request that arrives while prefill computes a standard prompt stops
+    that pass between layers (WorkerOptions::pass_interrupt): the pass counter moves,
+    the critical request's first token comes before the standard one's, and both
+    texts equal their runs alone (the stopped pass is computed again, exactly)."""
+    def served():
+        text = get(port, "/metrics")
+        return sum(float(v) for v in re.findall(r'^duet_worker_served_total\{role="prefill",[^}]*\} (\S+)$', text, re.M))
+
+    before = metric(port, "duet_prefill_passes_interrupted_total")
+    check(before is not None, "/metrics has duet_prefill_passes_interrupted_total")
+    std_body = {"prompt": prompt_ids(7200, 480), "max_tokens": 4, "temperature": 0}
+    crit_body = {"prompt": prompt_ids(7300, 24), "max_tokens": 4, "temperature": 0, "priority": "critical"}
+    got, ends = {}, {}
+    t0 = time.time()
+
+    def send(name, body):
+        st, _, text = post(port, "/v1/completions", body)
+        ends[name] = time.time() - t0
+        got[name] = (st, text)
+
+    n0 = served()
+    std = threading.Thread(target=send, args=("standard", std_body))
+    std.start()
+    deadline = time.time() + 60
+    while served() == n0 and time.time() < deadline:  # prefill took it: its (first) pass runs now
+        time.sleep(0.002)
+    crit = threading.Thread(target=send, args=("critical", crit_body))
+    crit.start()
+    std.join()
+    crit.join()
+    for name, (st, text) in got.items():
+        check(st == 200, f"{name}: {st} {text}")
+    after = metric(port, "duet_prefill_passes_interrupted_total")
+    check(after >= before + 1, f"the standard prompt's pass was not stopped ({before} -> {after} passes interrupted)")
+    check(ends["critical"] < ends["standard"], f"the critical request ended after the standard one: {ends}")
+    for name, body in (("standard", std_body), ("critical", crit_body)):
+        st, _, text = post(port, "/v1/completions", body)  # alone (its prompt cached now: exact all the same)
+        check(st == 200 and json.loads(text)["choices"][0]["text"] == json.loads(got[name][1])["choices"][0]["text"],
+              f"{name}: its text after a stopped pass differs from its run alone: {got[name][1]} vs {text}")
+    print(f"a critical request stopped a standard prompt's pass ({int(after - before)} stopped), ended first "
+          f"({ends['critical']:.2f} s vs {ends['standard']:.2f} s), texts as run alone")
+
+
 def kv_pressure(swap):
     """A small arena (--kv-blocks 24: 384 tokens) and four requests needing 45 blocks
     together: decode preempts instead of failing, by swap (the default: the KV is
@@ -437,6 +481,7 @@ def main():
         burst(port, server.pid)
         client_waits(port)
         critical_first(port)
+        critical_stops_a_pass(port)
         for fam in ("duet_requests_rejected_total", "duet_class_time_to_first_token_seconds",
                     "duet_class_slo_met_total", "duet_prefill_rate_tokens_per_second"):
             check(f"# TYPE {fam} " in get(port, "/metrics"), f"/metrics has {fam}")
