@@ -626,6 +626,14 @@ TEST(GpuServing, AContextsRequestGoesToItsArenasPairOnly) {
     PrefillRouter redrive(*inst, /*redrive=*/true);
     ASSERT_TRUE(redrive.send(b1));
     EXPECT_EQ(redrive.sent_counts(), (std::vector<uint64_t>{1, 0, 0}));
+    // Bound to an arena no prefill worker computes in: refused at once (computed
+    // elsewhere, its offered blocks would name another arena's).
+    RequestParams nowhere;
+    nowhere.bind_arena(7);
+    const shm::ReqRef lost = submit(&nowhere);
+    EXPECT_FALSE(router.send(lost));
+    EXPECT_TRUE(t.is(lost, shm::ReqState::Failed));
+    EXPECT_EQ(t.slot(lost.slot).error_code.load(), static_cast<int32_t>(ReqError::NoWorker));
     // Eligibility in pick_prefill itself: the ineligible never win; none eligible
     // means all are.
     std::vector<PrefillView> v(3);

@@ -178,7 +178,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str();
     c.add_option("--kv-memory", s.kv_memory,
                  "GPUs: fraction of each GPU's memory for weights, KV arena and scratch (the KV arena takes the rest "
-                 "of it)")
+                 "of it, at most --kv-blocks blocks when that is given)")
         ->capture_default_str()
         ->check(CLI::Range(0.05, 1.0));
     c.add_option("--decode-workers", s.decode_workers, "decode processes (hand-offs routed by batch room)")

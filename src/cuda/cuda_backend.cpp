@@ -546,6 +546,12 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const Model& model, KvP
 }
 
 int64_t CudaBackend::n_vocab() const { return d_->model->config().n_vocab; }
+
+Status CudaBackend::sync() {
+    if (Status st = cuda_ok(cudaStreamSynchronize(d_->stream), "the backend's stream"); !st) return st;
+    if (d_->copy_stream) return cuda_ok(cudaStreamSynchronize(d_->copy_stream), "the backend's copy stream");
+    return {};
+}
 size_t CudaBackend::weight_bytes() const { return d_->weight_bytes; }
 int CudaBackend::graphs_captured() const { return d_->captures; }
 int64_t CudaBackend::graph_replays() const { return d_->replays; }

@@ -81,6 +81,8 @@ public:
     // top-p needs more than kSampleMaxSorted sorted candidates is copied back and
     // sampled on the host); only the rows of other entries come back to the host.
     Status forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& argmax) override;
+    // Both of its streams drained.
+    Status sync() override;
 
     // "NVIDIA H200 (sm_90, 141 GiB), weights 270 MiB bf16, graphs for batches up to 256"
     std::string describe() const;

@@ -71,6 +71,10 @@ public:
     // backend's threads while the caller waits in forward. Empty: never. The default
     // ignores it (the CUDA backend's passes are short and run as queued kernels).
     virtual void set_interrupt(std::function<bool()> stop) { (void)stop; }
+    // Returns once everything this backend queued on its device (copy-on-write block
+    // copies included) has finished: before another stream reads its KV (a swap's
+    // pull). The CPU backend queues nothing.
+    virtual Status sync() { return {}; }
 
 protected:
     Sampler host_sampler_;  // forward_pick's host sampling

@@ -77,11 +77,29 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     }
     shm::ReqState st;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    // Bound to our arena: only its prefill workers take it. When none has run for
+    // kNoWorkerWait (a pair down for good under `duet instance`, whose units restart
+    // without a limit), the computation ends with an error instead of holding the
+    // store (and every context operation behind it) for the whole deadline.
+    const shm::InstanceConfig& cfg = inst_.config();
+    std::chrono::steady_clock::time_point none_since{};
+    bool gave_up = false;
     for (;;) {
         st = t.state(r->slot);
         if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) break;
-        if (std::chrono::steady_clock::now() > deadline) {
+        const auto now = std::chrono::steady_clock::now();
+        bool running = false;
+        for (uint32_t p = 0; p < cfg.prefill_workers && !running; ++p)
+            running = worker_arena(cfg, shm::Role::Prefill, p) == kContextArena &&
+                      inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
+        if (running || st != shm::ReqState::Queued) none_since = {};
+        else if (none_since == std::chrono::steady_clock::time_point{}) none_since = now;
+        if (now > deadline || (none_since != std::chrono::steady_clock::time_point{} && now - none_since > kNoWorkerWait)) {
+            gave_up = true;
             t.cancel(*r);
+            // Taken by nobody: nobody else ends it (a prefill worker's later CAS
+            // QUEUED -> PREFILLING fails, and its copy of the message is dropped).
+            (void)t.transition(*r, shm::ReqState::Queued, shm::ReqState::Cancelled);
             continue;  // a cancelled request still ends
         }
         std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -102,6 +120,9 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
                static_cast<int32_t>(ReqError::PrefillKv)) {
         // The store evicts other contexts and tries again (ContextStore::compute).
         out = make_error(ErrorKind::NoKvBlocks, "prefill found no KV blocks for the context's computation");
+    } else if (gave_up) {
+        out = make_error("no prefill worker of the contexts' KV arena (arena {}) took the context's computation",
+                         kContextArena);
     } else {
         out = make_error("prefill failed the context's computation ({})",
                          t.slot(r->slot).error_code.load(std::memory_order_relaxed));

@@ -29,6 +29,7 @@
 // /v1/contexts/import?id=ID[&durable=false] (import_file; the body spooled to a file).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -51,6 +52,9 @@ namespace duet {
 // (RequestParams::arena). Spreading contexts over every GPU's arena (a home arena per
 // context, a mirror and stage each) is not built: context work runs on GPU 0's pair.
 inline constexpr uint32_t kContextArena = 0;
+// How long a context's computation waits while no prefill worker of that arena runs
+// (a restart takes seconds; a pair down for good must not hold the store).
+inline constexpr std::chrono::seconds kNoWorkerWait{60};
 
 class ServingCompute final : public ContextCompute {
 public:

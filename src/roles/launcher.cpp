@@ -287,7 +287,9 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     if (s.contexts_max < 1) return make_error("--contexts-max {}: at least 1", s.contexts_max);
     l.contexts_max = static_cast<uint32_t>(s.contexts_max);
     if (s.kv_blocks < 0 || s.kv_blocks > std::numeric_limits<uint32_t>::max())
-        return make_error("--kv-blocks {}: a count of KV blocks, 0 (sized from --slots and --ctx) or more", s.kv_blocks);
+        return make_error("--kv-blocks {}: a count of KV blocks, 0 (CPU: sized from --slots and --ctx; GPUs: what "
+                          "--kv-memory leaves) or more",
+                          s.kv_blocks);
     l.n_blocks = static_cast<uint32_t>(s.kv_blocks);
     if (n_gpus > 0) {
         // What --kv-memory leaves, capped by --kv-blocks (a small GPU arena shows

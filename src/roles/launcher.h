@@ -70,7 +70,8 @@ struct ServeSettings {
     bool prefix_cache = true;
     bool risk_claims = true;  // prefill: WorkerOptions::risk_claims
     bool pass_interrupt = true;  // prefill: WorkerOptions::pass_interrupt
-    // Where decode swaps a preempted request's KV (CPU serving): the launcher makes
+    // Where decode swaps a preempted request's KV (GPU KV through page-locked host
+    // memory): the launcher makes
     // <swap_root>/duet-swap-<instance> (0700) and removes it at exit. "": recompute only.
     std::string swap_root = "/var/tmp";
     int prefill_workers = 1, decode_workers = 1;  // processes of each role
@@ -113,7 +114,7 @@ struct ServeSettings {
 };
 
 // The swap directory of an instance's workers (ServeSettings::swap_root; "" when
-// swapping is off: no root, or GPU serving, where KV is not swapped).
+// swapping is off: no root).
 std::string swap_dir_of(const ServeSettings& s, const std::string& instance);
 
 // A `duet prefill` or `duet decode` process's settings (WorkerOptions once parsed).

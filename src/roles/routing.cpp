@@ -12,12 +12,12 @@
 namespace duet {
 
 uint32_t pick_prefill(const std::vector<PrefillView>& v) {
-    const bool any = std::none_of(v.begin(), v.end(), [](const PrefillView& x) { return x.eligible; });
+    const bool none_eligible = std::none_of(v.begin(), v.end(), [](const PrefillView& x) { return x.eligible; });
     uint32_t best = 0;
-    while (!any && best + 1 < v.size() && !v[best].eligible) ++best;
+    while (!none_eligible && best + 1 < v.size() && !v[best].eligible) ++best;
     for (uint32_t i = best + 1; i < v.size(); ++i) {
         const PrefillView &a = v[i], &b = v[best];
-        if (!any && !a.eligible) continue;
+        if (!none_eligible && !a.eligible) continue;
         if (a.running != b.running) {
             if (a.running) best = i;
             continue;
@@ -112,7 +112,15 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
     const uint32_t bt = inst_.config().requests.block_tokens;
     Choice c;
     c.to_compute = n_all;
-    if (n == 1) return c;
+    // A request bound to an arena (a context's): only that arena's workers.
+    const int32_t bound = request_params(t, r.slot).bound_arena();
+    const auto eligible = [&](uint32_t i) {
+        return bound < 0 || worker_arena(inst_.config(), shm::Role::Prefill, i) == static_cast<uint32_t>(bound);
+    };
+    if (n == 1) {
+        c.eligible = eligible(0);
+        return c;
+    }
     if (with_affinity) c.keys = PrefixAffinity::block_keys(t.tokens(r.slot), n_prompt, bt);
     const PrefixAffinity::Match m = affinity_.find(c.keys, [&](shm::ReqRef q) { return being_prefilled(q); });
     // Prefill workers on different GPUs: the prompt's blocks cached in each one's
@@ -130,11 +138,9 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
             chain_.push_back(h);
         }
     }
-    // A request bound to an arena (a context's): only that arena's workers.
-    const int32_t bound = request_params(t, r.slot).bound_arena();
     std::vector<PrefillView> v(n);
     for (uint32_t i = 0; i < n; ++i) {
-        v[i].eligible = bound < 0 || worker_arena(inst_.config(), shm::Role::Prefill, i) == static_cast<uint32_t>(bound);
+        v[i].eligible = eligible(i);
         // Requests sent but not taken yet (the worker's gauge does not count them);
         // one sent again (re-driven: a new attempt) counts where it went last.
         std::deque<Sent>& q = queued_[i];
@@ -157,6 +163,7 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
         v[i].to_compute = n_all - std::min<uint64_t>(cached, n_all - 1);
     }
     c.worker = pick_prefill(v);
+    c.eligible = v[c.worker].eligible;
     c.running = v[c.worker].running;
     c.to_compute = v[c.worker].to_compute;
     return c;
@@ -177,6 +184,13 @@ bool PrefillRouter::send(shm::ReqRef r) {
     std::lock_guard<std::mutex> lock(mu_);  // each ring has one producer: this process
     shm::RequestTable& t = inst_.requests();
     const Choice c = choose(r, /*with_affinity=*/true);
+    if (!c.eligible) {
+        // Bound to an arena no prefill worker computes in: computed elsewhere, its
+        // offered blocks would name another arena's. Refused instead.
+        t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NoWorker), std::memory_order_relaxed);
+        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+        return false;
+    }
     const uint32_t p = c.worker;
     const WireMsg msg{r.slot, r.gen, 0, 0, 0, 0, {}};
     const uint64_t give_up = shm::monotonic_ns() + 2'000'000'000ull;
@@ -211,7 +225,7 @@ uint32_t PrefillRouter::resend_stranded() {
             const Choice c = choose(s.req, /*with_affinity=*/false);
             // The copy left in p's ring loses prefill's QUEUED -> PREFILLING CAS to
             // whichever worker takes the request first, and is dropped.
-            if (!c.running || !out_[c.worker].try_push(WireMsg{s.req.slot, s.req.gen, 0, 0, 0, 0, {}})) {
+            if (!c.running || !c.eligible || !out_[c.worker].try_push(WireMsg{s.req.slot, s.req.gen, 0, 0, 0, 0, {}})) {
                 queued_[p].push_back(s);  // no live worker (or its ring full): it waits for p
                 continue;
             }

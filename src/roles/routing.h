@@ -113,7 +113,8 @@ public:
     PrefillRouter(shm::Instance& inst, bool redrive);
     // Picks a worker (pick_prefill), pushes the request on its ring and wakes it. If
     // the ring stays full for 2 s (the worker gone for good), fails the request
-    // (ReqError::NotSent) and returns false.
+    // (ReqError::NotSent) and returns false; one bound to an arena no prefill worker
+    // computes in (RequestParams::bind_arena) fails at once (ReqError::NoWorker).
     bool send(shm::ReqRef r);
     // Requests sent to a worker that is no longer running and not taken yet: sends
     // them to a running one (instead of waiting for the restart). Returns how many.
@@ -125,6 +126,7 @@ public:
 private:
     struct Choice {
         uint32_t worker = 0;
+        bool eligible = true;  // false: bound to an arena none of the workers computes in
         bool running = false;
         uint64_t to_compute = 0;
         std::vector<uint64_t> keys;  // of the prompt's full blocks (with_affinity)

@@ -1286,13 +1286,24 @@ double DecodeWorker::prefill_rate() const {
 // prefill is fast, the measured rates decide, and the first swap measures ours).
 uint32_t DecodeWorker::swap_out(Active& a) {
     const int64_t n = a.seq.n_tokens();
-    if (!swap_ || n <= 0) return 0;
+    // A request that started from its client's blocks (a context's) is computed again
+    // from them: prefill ignores a swap blob for it (take_given), so none is written.
+    if (!swap_ || n <= 0 || a.params.given_tokens > 0) return 0;
     const uint64_t bytes = static_cast<uint64_t>(n) * pool_->layout().bytes_per_token();
     const double rate = swap_rate_ > 0 ? swap_rate_ : 1e9;
     if (choose_preemption(bytes, n, rate, prefill_rate()) != PreemptMode::Swap) return 0;
     std::vector<int32_t> tokens = a.prompt;
     tokens.insert(tokens.end(), a.output.begin(), a.output.end());
     const auto t0 = std::chrono::steady_clock::now();
+    // GPU KV: the stage reads it on a stream of its own; a copy-on-write copy queued
+    // on the backend's stream (a reservation that failed part way) must land first.
+    if (swap_stage_) {
+        if (Status st = backend_->sync(); !st) {
+            std::fprintf(stderr, "duet decode: swap of request %u.%u: %s (it is computed again)\n", a.req.slot,
+                         a.req.gen, st.error().message.c_str());
+            return 0;
+        }
+    }
     // No fsync: a crash re-drives the request, which then computes its KV again.
     auto h = staged_blob_write(swap_io(), swap_path(a.req), ident_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
     if (!h) {

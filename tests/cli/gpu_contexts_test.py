@@ -56,6 +56,10 @@ GREEDY = {"max_tokens": 16, "temperature": 0, "commit": False}
 
 
 def n_gpus():
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
     return sum(1 for line in r.stdout.splitlines() if line.startswith("GPU ")) if r.returncode == 0 else 0
 
