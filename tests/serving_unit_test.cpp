@@ -33,6 +33,39 @@ std::string parse_err(const std::string& body, bool chat) {
     return "";
 }
 
+// Removes a test's instance segments when the test ends, however it ends.
+struct UnlinkInstance {
+    std::string name;
+    ~UnlinkInstance() { shm::Instance::unlink(name); }
+};
+
+// Publishes the first `n` full blocks of `tokens` in arena `a`'s prefix index, as
+// its prefill worker `by` would have (chained SHA-256 of the tokens and the model);
+// returns their hash chain. Empty when the arena refused a step (the test fails).
+std::vector<shm::BlockHash> publish_leading_blocks(shm::Instance& inst, uint32_t a, shm::ProcRef by,
+                                                   const std::vector<int32_t>& tokens, uint32_t n,
+                                                   uint64_t fingerprint) {
+    const uint32_t bt = inst.config().requests.block_tokens;
+    auto user = inst.arena(a).join(by);
+    std::vector<int32_t> blocks(n);
+    if (!user || !inst.arena(a).alloc(*user, static_cast<int32_t>(n), blocks.data())) {
+        ADD_FAILURE() << "arena " << a << ": no user or no blocks";
+        return {};
+    }
+    shm::BlockHasher hasher;
+    std::vector<shm::BlockHash> chain;
+    shm::BlockHash h;
+    for (uint32_t b = 0; b < n; ++b) {
+        h = hasher.hash(h, tokens.data() + b * bt, bt, fingerprint, {});
+        chain.push_back(h);
+        if (!inst.arena(a).publish(*user, blocks[b], h)) {
+            ADD_FAILURE() << "arena " << a << ": block " << b << " not published";
+            return {};
+        }
+    }
+    return chain;
+}
+
 }  // namespace
 
 TEST(OpenAiParse, ChoicesLogprobsAndTokenPrompts) {
@@ -463,10 +496,7 @@ TEST(GpuServing, APromptGoesToThePairWhoseArenaCachesIt) {
     l.n_gpus = 2;
     auto inst = shm::Instance::create(serve_instance_config(l, **model));
     ASSERT_TRUE(inst.ok()) << inst.error().message;
-    struct Unlink {
-        std::string name;
-        ~Unlink() { shm::Instance::unlink(name); }
-    } unlink{l.instance};
+    UnlinkInstance unlink{l.instance};
     shm::Registry& reg = inst->registry();
     shm::RequestTable& t = inst->requests();
     auto front = reg.claim(shm::Role::Front, -1, getpid());
@@ -479,18 +509,8 @@ TEST(GpuServing, APromptGoesToThePairWhoseArenaCachesIt) {
         cached[i] = static_cast<int32_t>(100 + i);
         other[i] = static_cast<int32_t>(9000 + i);
     }
-    auto user = inst->arena(1).join(*p1);
-    ASSERT_TRUE(user.ok());
-    shm::BlockHasher hasher;
-    std::vector<shm::BlockHash> chain;
-    shm::BlockHash h;
-    int32_t blocks[4];
-    ASSERT_TRUE(inst->arena(1).alloc(*user, 4, blocks));
-    for (uint32_t b = 0; b < 4; ++b) {
-        h = hasher.hash(h, cached.data() + b * bt, bt, (*model)->fingerprint(), {});
-        chain.push_back(h);
-        ASSERT_TRUE(inst->arena(1).publish(*user, blocks[b], h));
-    }
+    std::vector<shm::BlockHash> chain = publish_leading_blocks(*inst, 1, *p1, cached, 4, (*model)->fingerprint());
+    ASSERT_EQ(chain.size(), 4u);
     EXPECT_EQ(cached_prefix_blocks(inst->arena(1), chain), 4u);
     EXPECT_EQ(cached_prefix_blocks(inst->arena(0), chain), 0u);
     chain[2].lo ^= 1;  // a different third block: only the leading run counts
@@ -548,10 +568,7 @@ TEST(GpuServing, AContextsRequestGoesToItsArenasPairOnly) {
     }
     auto inst = shm::Instance::create(cfg);
     ASSERT_TRUE(inst.ok()) << inst.error().message;
-    struct Unlink {
-        std::string name;
-        ~Unlink() { shm::Instance::unlink(name); }
-    } unlink{l.instance};
+    UnlinkInstance unlink{l.instance};
     shm::Registry& reg = inst->registry();
     shm::RequestTable& t = inst->requests();
     auto front = reg.claim(shm::Role::Front, -1, getpid());
@@ -570,16 +587,7 @@ TEST(GpuServing, AContextsRequestGoesToItsArenasPairOnly) {
     const uint32_t bt = cfg.requests.block_tokens;
     std::vector<int32_t> prompt(4 * bt + 5);
     for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(300 + i);
-    auto user = inst->arena(1).join(pre[1]);
-    ASSERT_TRUE(user.ok());
-    shm::BlockHasher hasher;
-    shm::BlockHash h;
-    int32_t blocks[4];
-    ASSERT_TRUE(inst->arena(1).alloc(*user, 4, blocks));
-    for (uint32_t b = 0; b < 4; ++b) {
-        h = hasher.hash(h, prompt.data() + b * bt, bt, (*model)->fingerprint(), {});
-        ASSERT_TRUE(inst->arena(1).publish(*user, blocks[b], h));
-    }
+    ASSERT_EQ(publish_leading_blocks(*inst, 1, pre[1], prompt, 4, (*model)->fingerprint()).size(), 4u);
     RequestParams bound;
     bound.bind_arena(kContextArena);
     EXPECT_EQ(bound.bound_arena(), static_cast<int32_t>(kContextArena));

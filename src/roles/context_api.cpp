@@ -88,11 +88,12 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
         st = t.state(r->slot);
         if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) break;
         const auto now = std::chrono::steady_clock::now();
-        bool running = false;
-        for (uint32_t p = 0; p < cfg.prefill_workers && !running; ++p)
-            running = worker_arena(cfg, shm::Role::Prefill, p) == kContextArena &&
-                      inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
-        if (running || st != shm::ReqState::Queued) none_since = {};
+        // Only while nobody took it: a registry scan per worker, not on every poll.
+        bool taker = st != shm::ReqState::Queued;
+        for (uint32_t p = 0; p < cfg.prefill_workers && !taker; ++p)
+            taker = worker_arena(cfg, shm::Role::Prefill, p) == kContextArena &&
+                    inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
+        if (taker) none_since = {};
         else if (none_since == std::chrono::steady_clock::time_point{}) none_since = now;
         if (now > deadline || (none_since != std::chrono::steady_clock::time_point{} && now - none_since > kNoWorkerWait)) {
             gave_up = true;
@@ -257,7 +258,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     const bool gpu = inst.config().cpu_kv_bytes == 0;
     // Contexts offer their blocks to prefill and take back a completion's: they must
     // be in the arena the prefill and decode workers compute in. Their requests are
-    // bound to it (RequestParams::arena): on GPU pairs, to GPU 0's pair. With per-role
+    // bound to it (RequestParams::bind_arena): on GPU pairs, to GPU 0's pair. With per-role
     // arenas on GPUs a completion's KV would come back in a decode GPU's arena.
     if (gpu && inst.config().kv_split)
         return make_error("contexts on GPUs: the roles of a GPU sharing its arena (not --kv-arenas per-role); "

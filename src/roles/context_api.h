@@ -49,7 +49,7 @@ namespace duet {
 
 // The KV arena the front's context store keeps every context's blocks in: the one
 // host arena on CPU, GPU 0's on GPU pairs. Every request of a context is bound to it
-// (RequestParams::arena). Spreading contexts over every GPU's arena (a home arena per
+// (RequestParams::bind_arena). Spreading contexts over every GPU's arena (a home arena per
 // context, a mirror and stage each) is not built: context work runs on GPU 0's pair.
 inline constexpr uint32_t kContextArena = 0;
 // How long a context's computation waits while no prefill worker of that arena runs

@@ -20,7 +20,7 @@ struct PrefillView {
     bool running = false;      // a live process holds this index (else it is being restarted)
     uint64_t ahead = 0;        // tokens it has to prefill before this request's
     uint64_t to_compute = 0;   // this request's tokens it would compute (less what it has cached)
-    bool eligible = true;      // it may take the request (RequestParams::arena: that arena's workers only)
+    bool eligible = true;      // it may take the request (RequestParams::bind_arena: that arena's workers only)
 };
 // Least (ahead + 2 x to_compute): when this request would be done there (ahead +
 // to_compute) plus the compute it takes from every later request (to_compute again).
