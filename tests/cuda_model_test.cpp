@@ -48,8 +48,11 @@ std::unique_ptr<Engine> make_engine(const std::string& device, bool graphs = tru
 
 int32_t argmax(const float* row, int64_t n) { return static_cast<int32_t>(std::max_element(row, row + n) - row); }
 
-// Greedy continuation of prompt: n tokens, and the logits of every step.
-std::vector<int32_t> greedy(Engine& e, const std::vector<int32_t>& prompt, int n, std::vector<std::vector<float>>* steps) {
+// Greedy continuation of prompt: n tokens, and the logits of every step. With
+// `follow`, the tokens fed back are follow's (teacher forcing), not the argmax's:
+// the logits of two backends stay comparable past a step where their picks part.
+std::vector<int32_t> greedy(Engine& e, const std::vector<int32_t>& prompt, int n, std::vector<std::vector<float>>* steps,
+                            const std::vector<int32_t>* follow = nullptr) {
     KvSeq seq;
     std::vector<float> l;
     std::vector<int32_t> out;
@@ -58,7 +61,8 @@ std::vector<int32_t> greedy(Engine& e, const std::vector<int32_t>& prompt, int n
     for (int i = 0; i < n; ++i) {
         if (steps) steps->push_back(l);
         out.push_back(argmax(l.data(), e.backend().n_vocab()));
-        SeqBatch d{&seq, &out.back(), 1, false};
+        const int32_t next = follow ? (*follow)[static_cast<size_t>(i)] : out.back();
+        SeqBatch d{&seq, &next, 1, false};
         Status st = e.backend().forward({&d, 1}, l);
         EXPECT_TRUE(st.ok()) << st.error().message;
         if (!st) break;
@@ -82,17 +86,27 @@ double rms_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 // The GPU multiplies bf16 weights with bf16 activations, the CPU Q4_1 blocks with
-// Q8_1 activations: logits differ by rounding, so tokens may part where the CPU's
-// two best are nearly tied. The check: 32 greedy tokens equal on every prompt, or,
-// where they part, the CPU's margin between the two choices is under 0.25 logits (a
-// near tie, not a wrong result); every step's logits within 2% RMS of the CPU's.
+// Q8_1 activations: logits differ by rounding, so greedy picks may part where the
+// CPU's two best are nearly tied. The GPU is fed the CPU's tokens (teacher forcing),
+// so that all 32 steps of every prompt are compared, and checked:
+// - every step's logits within a relative RMS of the CPU's: 3% with an f16 cache. A
+//   quantized cache rounds the two backends' slightly different K and V to its grid
+//   independently, adding a grid step where they straddle a grid point: 4% for int8,
+//   8% for fp8 (e4m3: 3 mantissa bits). Measured on an H200 (2026-12-04, the
+//   default model's first 4 layers, all 128 steps): worst steps of 1.9% (f16), 2.0%
+//   (f16, quantized GEMV), 2.4% (int8), 5.9% (fp8). The first bounds, set before any
+//   GPU ran, were 2% for all, checked only up to the first parting;
+// - every step where the picks part is a near tie at that step's noise: the CPU's
+//   margin between its pick and the GPU's under 5 times the RMS difference of the two
+//   rows of logits (the difference of two logits' noise has about 1.4 times that
+//   spread: a parting past it would be a 3.5-sigma event, not rounding).
 // The same with the KV cache quantized (int8, fp8) on both backends, and with the
 // GPU's decode projections from the GGUF blocks (the quantized GEMV: the CPU's very
-// weights, where bf16 rounds them).
+// weights, where bf16 rounds them). The figures are printed for the GPU check's report.
 TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
     for (const auto& [dt, qgemv] : {std::pair{"f16", false}, {"int8", false}, {"fp8", false}, {"f16", true}}) in_child([dt, qgemv] {
-        std::fprintf(stderr, "KV %s%s\n", dt, qgemv ? ", quantized GEMV" : "");
+        const double bound = std::string(dt) == "f16" ? 0.03 : std::string(dt) == "int8" ? 0.04 : 0.08;
         auto cpu = make_engine("cpu", true, 2048, dt);
         auto gpu = make_engine("cuda:0", true, 2048, dt, qgemv);
         ASSERT_TRUE(cpu && gpu);
@@ -105,27 +119,32 @@ TEST(CudaModel, GreedyTokensMatchTheCpuBackend) {
             "def fibonacci(n):\n    ",
             "Once upon a time, in a small village by the sea, there lived",
         };
-        int parted = 0;
+        double worst = 0, worst_tie = 0;
+        int parted = 0, steps = 0;
         for (const std::string& p : prompts) {
             auto ids = cpu->tokenizer().encode(p, true, true);
             std::vector<std::vector<float>> lc, lg;
             auto tc = greedy(*cpu, ids, 32, &lc);
-            auto tg = greedy(*gpu, ids, 32, &lg);
+            auto tg = greedy(*gpu, ids, 32, &lg, &tc);
             ASSERT_EQ(tc.size(), 32u);
             ASSERT_EQ(tg.size(), 32u);
-            size_t i = 0;
-            for (; i < tc.size() && tc[i] == tg[i]; ++i) {
-                const double r = rms_diff(lc[i], lg[i]) / rms(lc[i]);
-                EXPECT_LT(r, 0.02) << "prompt '" << p << "' step " << i;
-            }
-            if (i < tc.size()) {
+            for (size_t i = 0; i < tc.size(); ++i, ++steps) {
+                const double d = rms_diff(lc[i], lg[i]);
+                const double r = d / rms(lc[i]);
+                worst = std::max(worst, r);
+                EXPECT_LT(r, bound) << "prompt '" << p << "' step " << i;
+                if (tc[i] == tg[i]) continue;
                 ++parted;
-                const float margin = lc[i][tc[i]] - lc[i][tg[i]];
-                EXPECT_LT(margin, 0.25f) << "prompt '" << p << "': step " << i << " CPU " << tc[i] << " GPU " << tg[i];
-                std::fprintf(stderr, "prompt '%s': parts at step %zu (CPU margin %.3f)\n", p.c_str(), i, margin);
+                const double margin = lc[i][tc[i]] - lc[i][tg[i]];
+                worst_tie = std::max(worst_tie, margin / d);
+                EXPECT_LT(margin, 5 * d) << "prompt '" << p << "': step " << i << " CPU " << tc[i] << " GPU " << tg[i]
+                                         << ": not a near tie at this step's noise " << d;
             }
         }
-        EXPECT_LE(parted, 1) << "more than one prompt parted from the CPU's tokens";
+        std::fprintf(stderr,
+                     "KV %s%s: %d steps, worst relative RMS %.4f (bound %.2f); picks parted at %d steps, worst "
+                     "CPU margin %.2f x the step's RMS difference (bound 5)\n",
+                     dt, qgemv ? ", quantized GEMV" : "", steps, worst, bound, parted, worst_tie);
     });
 }
 

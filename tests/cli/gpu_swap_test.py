@@ -76,6 +76,10 @@ def pressure(swap):
             got = json.loads(body)["choices"][0]["text"]
             gs.same_or_near_tie(port, prompts[i], params, got, f"request {i} preempted by {mode}")
         print(f"GPU KV pressure: {int(n)} preemptions by {mode}, no failure, outputs as run alone ({wall:.2f} s)")
+        # SIGTERM: the launcher drains and removes its swap directory (serving's
+        # SIGKILL, for a server still running, would leave it).
+        server.terminate()
+        st.check(server.wait(timeout=60) == 0, "SIGTERM: a clean exit")
 
     st.serving(INSTANCE + "-" + mode, test,
                ("--device", "cuda:0", "--kv-blocks", "24", "--slots", "8", "--admit-kv", "0",
