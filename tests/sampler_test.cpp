@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <random>
 
 using namespace duet;
 
@@ -152,6 +153,44 @@ TEST(Sampler, ValidateRejectsAbsurdParameters) {
     p = {};
     p.frequency_penalty = 3;
     EXPECT_FALSE(p.validate().ok());
+}
+
+// penalty_edits keeps per-thread scratch between calls (it runs for every penalized
+// row of every step): random prompts and outputs, vocabularies of several sizes one
+// after another, ids out of range, each against a plain map of the same tokens.
+TEST(Sampler, PenaltyEditsMatchAPlainCountAcrossCalls) {
+    std::mt19937 rng(7);
+    for (int round = 0; round < 300; ++round) {
+        const int64_t nv = std::vector<int64_t>{1, 63, 64, 65, 1000, 49152}[static_cast<size_t>(round % 6)];
+        SamplingParams p;
+        p.repetition_penalty = round % 3 == 0 ? 1.0f : 1.2f;
+        p.frequency_penalty = round % 4 == 1 ? 0.0f : 0.3f;
+        p.presence_penalty = round % 5 == 2 ? 0.0f : -0.4f;
+        std::uniform_int_distribution<int32_t> tok(-3, static_cast<int32_t>(nv) + 3);
+        std::vector<int32_t> prompt(static_cast<size_t>(rng() % 300)), output(static_cast<size_t>(rng() % 200));
+        for (auto& t : prompt) t = tok(rng);
+        for (auto& t : output) t = tok(rng);
+        std::map<int32_t, int32_t> want;  // token -> count in the output
+        for (int32_t t : output)
+            if (t >= 0 && t < nv) ++want[t];
+        if (p.repetition_penalty != 1.0f)
+            for (int32_t t : prompt)
+                if (t >= 0 && t < nv) want.emplace(t, 0);
+        std::vector<PenaltyEdit> e;
+        penalty_edits(p, nv, prompt, output, e);
+        if (!has_penalties(p)) {
+            EXPECT_TRUE(e.empty());
+            continue;
+        }
+        ASSERT_EQ(e.size(), want.size()) << "round " << round;
+        size_t i = 0;
+        for (const auto& [t, c] : want) {
+            EXPECT_EQ(e[i].token, t) << "round " << round;
+            EXPECT_EQ(e[i].rep, p.repetition_penalty != 1.0f ? 1 : 0);
+            EXPECT_EQ(e[i].sub, c > 0 ? p.frequency_penalty * static_cast<float>(c) + p.presence_penalty : 0.0f);
+            ++i;
+        }
+    }
 }
 
 // The penalties as edits (what a GPU sampler receives): one per distinct token of
