@@ -25,6 +25,7 @@
 #include "kernels/cuda/qgemv.h"
 #include "kernels/cuda/sample.h"
 #include "cuda/sample_inputs.h"
+#include "cuda/cuda_kv_io.h"
 #include "shm/fd_keeper.h"
 #include "shm_test_util.h"
 #include "kernels/cuda/vmm.h"
@@ -264,6 +265,75 @@ TEST(CudaOps, RmsNormSwigluEmbedRopeArgmaxMatchTheCpu) {
 // Paged decode attention against a float64 reference on the CPU: GQA (9 query heads
 // on 3 KV heads, as SmolLM2), shuffled block tables, ragged lengths from 1 token to
 // several split chunks, both head sizes; f16 KV in the arena's layer-plane layout.
+// Byte runs copied by one launch (copy_runs) or by queue_runs, which splits a long
+// list into launches and falls back to a copy per run where a kernel cannot reach an
+// end: every run lands as a memcpy of it would, 16-byte aligned or not, device to
+// device, device to page-locked host and back, to pageable host memory; bytes
+// outside the runs are untouched.
+TEST(CudaOps, CopyRunsMoveEachRunAsAMemcpy) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    const size_t n = size_t{1} << 20;
+    std::mt19937 g(17);
+    std::vector<uint8_t> src_h(n), dst0(n);
+    for (auto& b : src_h) b = static_cast<uint8_t>(g());
+    for (auto& b : dst0) b = static_cast<uint8_t>(g());
+    // Runs with disjoint destinations: 400 slots of 2 KiB, each run within its slot,
+    // some aligned to 16 bytes, some not, one of zero bytes, sources anywhere.
+    std::vector<duet::CopyRun> runs;
+    for (int i = 0; i < 400; ++i) {
+        const bool aligned = i % 3 != 0;
+        const uint64_t len = i == 5 ? 0 : aligned ? 16 * (1 + g() % 128) : 1 + g() % 2000;
+        const uint64_t dst = static_cast<uint64_t>(i) * 2048 + (aligned ? 0 : g() % 40);
+        const uint64_t src = aligned ? 16 * (g() % ((n - len) / 16)) : g() % (n - len);
+        runs.push_back({src, dst, len});
+    }
+    std::vector<uint8_t> want = dst0;
+    for (const auto& r : runs) std::copy_n(src_h.begin() + static_cast<ptrdiff_t>(r.src), r.bytes, want.begin() + static_cast<ptrdiff_t>(r.dst));
+    DeviceBuf<uint8_t> dsrc(src_h);
+    uint8_t* pinned = nullptr;
+    ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), n), cudaSuccess);
+    // One launch, kMax runs, device to device.
+    {
+        DeviceBuf<uint8_t> ddst(dst0);
+        duet::cuda::ByteRuns b;
+        b.n = duet::cuda::ByteRuns::kMax;
+        std::vector<uint8_t> w = dst0;
+        for (int i = 0; i < b.n; ++i) {
+            b.src_off[i] = runs[static_cast<size_t>(i)].src;
+            b.dst_off[i] = runs[static_cast<size_t>(i)].dst;
+            b.bytes[i] = runs[static_cast<size_t>(i)].bytes;
+            std::copy_n(src_h.begin() + static_cast<ptrdiff_t>(b.src_off[i]), b.bytes[i], w.begin() + static_cast<ptrdiff_t>(b.dst_off[i]));
+        }
+        ASSERT_EQ(duet::cuda::copy_runs(ddst.p, dsrc.p, b, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(ddst.get(n) == w) << "copy_runs, device to device";
+        b.n = duet::cuda::ByteRuns::kMax + 1;
+        EXPECT_NE(duet::cuda::copy_runs(ddst.p, dsrc.p, b, nullptr), cudaSuccess) << "more runs than a launch holds";
+    }
+    // queue_runs: 400 runs (three launches) into device memory, into page-locked
+    // memory and back from it, and into pageable memory (a copy per run).
+    {
+        DeviceBuf<uint8_t> ddst(dst0);
+        ASSERT_TRUE(duet::queue_runs(ddst.p, dsrc.p, runs, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(ddst.get(n) == want) << "queue_runs, device to device";
+        std::copy(dst0.begin(), dst0.end(), pinned);
+        ASSERT_TRUE(duet::queue_runs(pinned, dsrc.p, runs, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), pinned)) << "queue_runs, device to page-locked host";
+        std::copy(src_h.begin(), src_h.end(), pinned);
+        DeviceBuf<uint8_t> back(dst0);
+        ASSERT_TRUE(duet::queue_runs(back.p, pinned, runs, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(back.get(n) == want) << "queue_runs, page-locked host to device";
+        std::vector<uint8_t> pageable = dst0;
+        ASSERT_TRUE(duet::queue_runs(pageable.data(), dsrc.p, runs, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(pageable == want) << "queue_runs, device to pageable host";
+    }
+    cudaFreeHost(pinned);
+}
+
 TEST(CudaAttention, PagedDecodeMatchesTheReference) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
     namespace cpu = duet::cpu;

@@ -190,6 +190,37 @@ cudaError_t add(float* x, const float* y, int64_t n, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// Block (x, y): run x, its y-th share of the run's 16-byte words (or bytes).
+__global__ void copy_runs_kernel(uint8_t* dst, const uint8_t* src, ByteRuns r) {
+    const int i = blockIdx.x;
+    const uint8_t* s = src + r.src_off[i];
+    uint8_t* d = dst + r.dst_off[i];
+    const uint64_t n = r.bytes[i];
+    const uint64_t stride = static_cast<uint64_t>(gridDim.y) * blockDim.x;
+    const uint64_t first = static_cast<uint64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d) | n) & 15) == 0) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(s);
+        uint4* d4 = reinterpret_cast<uint4*>(d);
+        for (uint64_t w = first; w < n / 16; w += stride) d4[w] = s4[w];
+    } else {
+        for (uint64_t b = first; b < n; b += stride) d[b] = s[b];
+    }
+}
+
+cudaError_t copy_runs(uint8_t* dst, const uint8_t* src, const ByteRuns& r, cudaStream_t stream) {
+    if (r.n <= 0) return cudaSuccess;
+    if (r.n > ByteRuns::kMax) return cudaErrorInvalidValue;
+    uint64_t most = 0;
+    for (int i = 0; i < r.n; ++i) most = r.bytes[i] > most ? r.bytes[i] : most;
+    constexpr int kThreads = 256;
+    // Enough rows for the longest run at 4 words a thread, at most 64 (a run of
+    // contiguous blocks can be a whole layer's; the grid then loops).
+    const uint64_t rows = (most + 16ull * kThreads * 4 - 1) / (16ull * kThreads * 4);
+    const dim3 grid(static_cast<unsigned>(r.n), static_cast<unsigned>(rows < 1 ? 1 : rows > 64 ? 64 : rows));
+    copy_runs_kernel<<<grid, kThreads, 0, stream>>>(dst, src, r);
+    return cudaGetLastError();
+}
+
 cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, float* out, cudaStream_t stream) {
     if (n_rows <= 0 || n <= 0) return cudaSuccess;
     gather_rows_kernel<<<n_rows, 256, 0, stream>>>(x, rows, n, out);

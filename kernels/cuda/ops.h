@@ -34,6 +34,23 @@ cudaError_t add(float* x, const float* y, int64_t n, cudaStream_t stream);
 // out[r][:] = x[rows[r]][:] for r < n_rows, rows of n values.
 cudaError_t gather_rows(const float* x, const int32_t* rows, int n_rows, int n, float* out, cudaStream_t stream);
 
+// Byte runs copied by one launch: run i moves bytes[i] bytes from src + src_off[i]
+// to dst + dst_off[i]. Passed by value as the kernel's parameters (within their
+// 4 KiB), so a list of copies needs no device memory and no upload of its own.
+struct ByteRuns {
+    static constexpr int kMax = 160;
+    int n = 0;
+    uint64_t src_off[kMax], dst_off[kMax], bytes[kMax];
+};
+
+// The runs of r, each by its own rows of thread blocks (16-byte loads and stores
+// where a run's two ends and length allow, else bytes). src and dst are pointers this
+// device's kernels can reach: its own memory, or page-locked host memory (mapped
+// into the device's address space under unified addressing). Runs must not overlap
+// one another's destinations. One launch replaces a cudaMemcpyAsync per run: a KV
+// copy of fragmented block ids is hundreds of runs a layer (bench/RESULTS.md).
+cudaError_t copy_runs(uint8_t* dst, const uint8_t* src, const ByteRuns& r, cudaStream_t stream);
+
 // x[i] = f32(f16(x[i])) (round to nearest even; overflow gives +-inf as on the CPU).
 cudaError_t round_f16(float* x, int64_t n, cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 #include "cuda/cuda_backend.h"
 
 #include "cuda/cuda_arena.h"
+#include "cuda/cuda_kv_io.h"
 #include "cuda/cuda_util.h"
 
 #include <cuda_runtime.h>
@@ -460,10 +461,13 @@ Status CudaBackend::Impl::enqueue(const Acts& a, const InputLayout& l, int max_l
             for (size_t di = 0; di < export_runs.size(); ++di) {
                 const KvDest& dest = export_dests[di];
                 char* dst = reinterpret_cast<char*>(dest.data);
-                for (const CopyRun& r : export_runs[di][static_cast<size_t>(li)]) {
-                    if (dest.peer || dest.device < 0 || dest.device == o.device)
-                        DUET_K(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, copy_stream));
-                    else  // no peer access: the driver stages the copy through host memory
+                const std::vector<CopyRun>& runs = export_runs[di][static_cast<size_t>(li)];
+                if (dest.peer || dest.device < 0 || dest.device == o.device) {
+                    // One launch for the layer's runs where this GPU's kernels reach
+                    // the destination (its own memory); a copy per run otherwise.
+                    if (Status st = queue_runs(dst, src, runs, copy_stream); !st) return st;
+                } else {  // no peer access: the driver stages each copy through host memory
+                    for (const CopyRun& r : runs)
                         DUET_K(cudaMemcpyPeerAsync(dst + r.dst, dest.device, src + r.src, o.device, r.bytes, copy_stream));
                 }
             }

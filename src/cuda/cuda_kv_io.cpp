@@ -8,37 +8,76 @@
 #include <unistd.h>
 
 #include "cuda/cuda_util.h"
+#include "kernels/cuda/ops.h"
 #include "kv/kv_copy.h"
 
 namespace duet {
 
 namespace {
 
+// Whether kernels on the current device (`device`) can read and write p.
+bool kernel_reachable(const void* p, int device) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();  // not known to CUDA (pageable memory on some drivers)
+        return false;
+    }
+    if (a.type == cudaMemoryTypeDevice) return a.device == device;
+    // Page-locked host memory, mapped at the same address under unified addressing.
+    return a.type == cudaMemoryTypeHost && a.devicePointer == p;
+}
+
 // Queues on `stream` the copies of every layer of blocks src[i] of the arena at
 // `from` (from_blocks blocks) into blocks dst[i] of the one at `to`, merged into
 // runs of consecutive ids. On an error the copies queued before it stay queued.
 Status queue_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std::span<const int32_t> src,
-                   int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaMemcpyKind kind,
-                   cudaStream_t stream) {
+                   int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaStream_t stream) {
+    std::vector<CopyRun> all;
     for (int32_t layer = 0; layer < l.n_layer; ++layer) {
         auto runs = plan_layer_copy(l, from_blocks, to_blocks, src, dst, layer);
         if (!runs) return runs.error();
-        for (const CopyRun& r : *runs)
-            if (Status st = cuda_ok(cudaMemcpyAsync(static_cast<uint8_t*>(to) + r.dst,
-                                                    static_cast<const uint8_t*>(from) + r.src, r.bytes, kind, stream),
-                                    "cudaMemcpyAsync (KV tiles)");
-                !st)
-                return st;
+        all.insert(all.end(), runs->begin(), runs->end());
     }
+    return queue_runs(to, from, all, stream);
+}
+
+}  // namespace
+
+Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream_) {
+    auto stream = static_cast<cudaStream_t>(stream_);
+    int device = 0;
+    DUET_CUDA_TRY(cudaGetDevice(&device));
+    auto* dst = static_cast<uint8_t*>(to);
+    auto* src = static_cast<const uint8_t*>(from);
+    if (runs.size() > 1 && kernel_reachable(from, device) && kernel_reachable(to, device)) {
+        cuda::ByteRuns b;
+        for (size_t i = 0; i < runs.size();) {
+            b.n = 0;
+            for (; i < runs.size() && b.n < cuda::ByteRuns::kMax; ++i, ++b.n) {
+                b.src_off[b.n] = runs[i].src;
+                b.dst_off[b.n] = runs[i].dst;
+                b.bytes[b.n] = runs[i].bytes;
+            }
+            if (Status st = cuda_ok(cuda::copy_runs(dst, src, b, stream), "copy_runs (KV tiles)"); !st) return st;
+        }
+        return {};
+    }
+    for (const CopyRun& r : runs)
+        if (Status st = cuda_ok(cudaMemcpyAsync(dst + r.dst, src + r.src, r.bytes, cudaMemcpyDefault, stream),
+                                "cudaMemcpyAsync (KV tiles)");
+            !st)
+            return st;
     return {};
 }
 
+namespace {
+
 // queue_tiles on a stream of its own, then waits.
 Status copy_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std::span<const int32_t> src,
-                  int32_t to_blocks, void* to, std::span<const int32_t> dst, cudaMemcpyKind kind) {
+                  int32_t to_blocks, void* to, std::span<const int32_t> dst) {
     cudaStream_t stream = nullptr;
     DUET_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    const Status st = queue_tiles(l, from_blocks, from, src, to_blocks, to, dst, kind, stream);
+    const Status st = queue_tiles(l, from_blocks, from, src, to_blocks, to, dst, stream);
     const Status sync = cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize (KV tiles)");
     cudaStreamDestroy(stream);
     if (!st) return st;
@@ -46,8 +85,8 @@ Status copy_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std:
 }
 
 Status copy_tiles(const KvLayout& l, const KvPool& from, std::span<const int32_t> src, KvPool& to,
-                  std::span<const int32_t> dst, cudaMemcpyKind kind) {
-    return copy_tiles(l, from.allocator().n_blocks(), from.data(), src, to.allocator().n_blocks(), to.data(), dst, kind);
+                  std::span<const int32_t> dst) {
+    return copy_tiles(l, from.allocator().n_blocks(), from.data(), src, to.allocator().n_blocks(), to.data(), dst);
 }
 
 // A page-locked arena of k blocks of layout l.
@@ -85,7 +124,7 @@ Result<BlobHeader> blob_write_device(const std::string& path, const KvIdentity& 
     std::vector<int32_t> dst(static_cast<size_t>(k));
     for (int32_t i = 0; i < k; ++i) dst[static_cast<size_t>(i)] = i;
     if (k > 0)
-        if (Status s = copy_tiles(l, dev, src, *st.pool, dst, cudaMemcpyDeviceToHost); !s) return s.error();
+        if (Status s = copy_tiles(l, dev, src, *st.pool, dst); !s) return s.error();
     KvSeq view = KvSeq::adopt(virtual_blocks(b0, k), static_cast<int64_t>(first + n));
     auto h = blob_write(path, id, *st.pool, view, tokens, first, n);
     view.detach();  // borrowed ids: no references to drop
@@ -118,8 +157,7 @@ Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity&
                                 // The partial last block's earlier positions come along.
                                 if (first % bt != 0) {
                                     const int32_t from = seq.blocks()[b0], to = 0;
-                                    if (Status s = copy_tiles(l, dev, {&from, 1}, *st.pool, {&to, 1},
-                                                              cudaMemcpyDeviceToHost);
+                                    if (Status s = copy_tiles(l, dev, {&from, 1}, *st.pool, {&to, 1});
                                         !s)
                                         return s.error();
                                 }
@@ -136,7 +174,7 @@ Result<BlobImport> blob_import_device(const std::string& path, const KvIdentity&
     if (fresh.empty()) return r;  // an empty blob: seq is as it was
     std::vector<int32_t> ids(fresh.size());
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
-    if (Status s = copy_tiles(l, *st.pool, ids, dev, fresh, cudaMemcpyHostToDevice); !s) {
+    if (Status s = copy_tiles(l, *st.pool, ids, dev, fresh); !s) {
         drop_fresh();
         return s.error();
     }
@@ -195,12 +233,11 @@ CudaKvStage::~CudaKvStage() {
 // Every layer's runs on the stream, then the half's event. A failure is kept for
 // wait(half): the copies already queued still run, and wait waits for them (B3).
 Status CudaKvStage::start(const void* from, int32_t from_blocks, std::span<const int32_t> src, void* to,
-                          int32_t to_blocks, std::span<const int32_t> dst, bool to_device, int half) {
+                          int32_t to_blocks, std::span<const int32_t> dst, int half) {
     auto stream = static_cast<cudaStream_t>(stream_);
     Status st = cuda_ok(cudaSetDevice(device_), "cudaSetDevice (KV stage)");
     if (st)
-        st = queue_tiles(bounce_->layout(), from_blocks, from, src, to_blocks, to, dst,
-                         to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
+        st = queue_tiles(bounce_->layout(), from_blocks, from, src, to_blocks, to, dst, stream);
     failed_[half] = st;
     Status rec = cuda_ok(cudaEventRecord(static_cast<cudaEvent_t>(events_[half]), stream), "cudaEventRecord (KV stage)");
     if (!rec) {
@@ -212,11 +249,11 @@ Status CudaKvStage::start(const void* from, int32_t from_blocks, std::span<const
 }
 
 Status CudaKvStage::start_pull(std::span<const int32_t> arena, std::span<const int32_t> bounce, int half) {
-    return start(arena_, arena_blocks_, arena, bounce_->data(), bounce_->allocator().n_blocks(), bounce, false, half);
+    return start(arena_, arena_blocks_, arena, bounce_->data(), bounce_->allocator().n_blocks(), bounce, half);
 }
 
 Status CudaKvStage::start_push(std::span<const int32_t> bounce, std::span<const int32_t> arena, int half) {
-    return start(bounce_->data(), bounce_->allocator().n_blocks(), bounce, arena_, arena_blocks_, arena, true, half);
+    return start(bounce_->data(), bounce_->allocator().n_blocks(), bounce, arena_, arena_blocks_, arena, half);
 }
 
 Status CudaKvStage::wait(int half) {

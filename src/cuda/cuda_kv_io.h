@@ -8,9 +8,17 @@
 #include <string>
 
 #include "kv/blob.h"
+#include "kv/kv_copy.h"
 #include "kv/kv_stage.h"
 
 namespace duet {
+
+// Queues on `stream` (a cudaStream_t) the copies `runs` from `from` to `to`: where
+// the current device's kernels reach both (its own memory, or page-locked host
+// memory), one copy_runs launch per ByteRuns::kMax runs (kernels/cuda/ops.h); else,
+// as for memory of another GPU or pageable host memory, a cudaMemcpyAsync per run.
+// On an error the copies queued before it stay queued.
+Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream);
 
 // blob_write for a device arena: the tiles of the blocks that hold positions
 // [first, first + n) are copied to a page-locked staging arena (one copy per run of
@@ -45,7 +53,7 @@ protected:
 private:
     CudaKvStage(int device, void* arena, KvPool& mirror, std::unique_ptr<KvPool> bounce, void* pinned);
     Status start(const void* from, int32_t from_blocks, std::span<const int32_t> src, void* to, int32_t to_blocks,
-                 std::span<const int32_t> dst, bool to_device, int half);
+                 std::span<const int32_t> dst, int half);
     int device_;
     void* arena_;
     int32_t arena_blocks_;
