@@ -266,69 +266,91 @@ TEST(CudaOps, RmsNormSwigluEmbedRopeArgmaxMatchTheCpu) {
 // on 3 KV heads, as SmolLM2), shuffled block tables, ragged lengths from 1 token to
 // several split chunks, both head sizes; f16 KV in the arena's layer-plane layout.
 // Byte runs copied by one launch (copy_runs) or by queue_runs, which splits a long
-// list into launches and falls back to a copy per run where a kernel cannot reach an
-// end: every run lands as a memcpy of it would, 16-byte aligned or not, device to
-// device, device to page-locked host and back, to pageable host memory; bytes
-// outside the runs are untouched.
+// list of small aligned runs into launches and otherwise (odd alignment, pageable
+// memory) copies run by run: every run lands as a memcpy of it would, and bytes
+// outside the runs are untouched. A 3 MiB run fills the grid's 64 rows and loops.
 TEST(CudaOps, CopyRunsMoveEachRunAsAMemcpy) {
     if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
-    const size_t n = size_t{1} << 20;
+    const size_t n = size_t{8} << 20;
     std::mt19937 g(17);
     std::vector<uint8_t> src_h(n), dst0(n);
     for (auto& b : src_h) b = static_cast<uint8_t>(g());
     for (auto& b : dst0) b = static_cast<uint8_t>(g());
-    // Runs with disjoint destinations: 400 slots of 2 KiB, each run within its slot,
-    // some aligned to 16 bytes, some not, one of zero bytes, sources anywhere.
-    std::vector<duet::CopyRun> runs;
-    for (int i = 0; i < 400; ++i) {
-        const bool aligned = i % 3 != 0;
-        const uint64_t len = i == 5 ? 0 : aligned ? 16 * (1 + g() % 128) : 1 + g() % 2000;
-        const uint64_t dst = static_cast<uint64_t>(i) * 2048 + (aligned ? 0 : g() % 40);
-        const uint64_t src = aligned ? 16 * (g() % ((n - len) / 16)) : g() % (n - len);
-        runs.push_back({src, dst, len});
-    }
-    std::vector<uint8_t> want = dst0;
-    for (const auto& r : runs) std::copy_n(src_h.begin() + static_cast<ptrdiff_t>(r.src), r.bytes, want.begin() + static_cast<ptrdiff_t>(r.dst));
+    // Runs with disjoint destinations: 400 slots of 16 KiB, each run within its slot;
+    // sources anywhere. `aligned`: 16-byte multiples, some of 12 KiB, one empty;
+    // `mixed`: every third one at odd offsets and lengths.
+    auto make = [&](bool odd) {
+        std::vector<duet::CopyRun> runs;
+        for (int i = 0; i < 400; ++i) {
+            const bool al = !odd || i % 3 != 0;
+            const uint64_t len = i == 5 ? 0 : !al ? 1 + g() % 2000 : i % 50 == 7 ? 12288 : 16 * (1 + g() % 128);
+            const uint64_t dst = static_cast<uint64_t>(i) * 16384 + (al ? 0 : g() % 40);
+            const uint64_t src = al ? 16 * (g() % ((n - len) / 16)) : g() % (n - len);
+            runs.push_back({src, dst, len});
+        }
+        return runs;
+    };
+    auto expect = [&](const std::vector<duet::CopyRun>& runs) {
+        std::vector<uint8_t> w = dst0;
+        for (const auto& r : runs)
+            std::copy_n(src_h.begin() + static_cast<ptrdiff_t>(r.src), r.bytes, w.begin() + static_cast<ptrdiff_t>(r.dst));
+        return w;
+    };
+    const auto aligned = make(false), mixed = make(true);
+    const auto want = expect(aligned), want_mixed = expect(mixed);
     DeviceBuf<uint8_t> dsrc(src_h);
     uint8_t* pinned = nullptr;
     ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), n), cudaSuccess);
-    // One launch, kMax runs, device to device.
+    // One launch of kMax runs, device to device: kMax - 1 of the mixed list (odd ones
+    // take the byte loop) and one of 3 MiB into the buffer's last 4 MiB.
     {
         DeviceBuf<uint8_t> ddst(dst0);
+        std::vector<duet::CopyRun> runs(mixed.begin(), mixed.begin() + duet::cuda::ByteRuns::kMax - 1);
+        runs.push_back({16 * 4097, n - (size_t{4} << 20), size_t{3} << 20});
         duet::cuda::ByteRuns b;
-        b.n = duet::cuda::ByteRuns::kMax;
-        std::vector<uint8_t> w = dst0;
+        b.n = static_cast<int>(runs.size());
         for (int i = 0; i < b.n; ++i) {
             b.src_off[i] = runs[static_cast<size_t>(i)].src;
             b.dst_off[i] = runs[static_cast<size_t>(i)].dst;
             b.bytes[i] = runs[static_cast<size_t>(i)].bytes;
-            std::copy_n(src_h.begin() + static_cast<ptrdiff_t>(b.src_off[i]), b.bytes[i], w.begin() + static_cast<ptrdiff_t>(b.dst_off[i]));
         }
         ASSERT_EQ(duet::cuda::copy_runs(ddst.p, dsrc.p, b, nullptr), cudaSuccess);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        EXPECT_TRUE(ddst.get(n) == w) << "copy_runs, device to device";
+        EXPECT_TRUE(ddst.get(n) == expect(runs)) << "copy_runs, device to device";
         b.n = duet::cuda::ByteRuns::kMax + 1;
         EXPECT_NE(duet::cuda::copy_runs(ddst.p, dsrc.p, b, nullptr), cudaSuccess) << "more runs than a launch holds";
+        cudaGetLastError();
     }
-    // queue_runs: 400 runs (three launches) into device memory, into page-locked
-    // memory and back from it, and into pageable memory (a copy per run).
+    // queue_runs: the aligned list (400 runs: three launches) into device memory,
+    // into page-locked memory and back from it; the mixed list and pageable memory
+    // run by run.
     {
+        bool kernel = false;
         DeviceBuf<uint8_t> ddst(dst0);
-        ASSERT_TRUE(duet::queue_runs(ddst.p, dsrc.p, runs, nullptr).ok());
+        ASSERT_TRUE(duet::queue_runs(ddst.p, dsrc.p, aligned, nullptr, &kernel).ok());
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(kernel) << "small aligned runs between device buffers go by launches";
         EXPECT_TRUE(ddst.get(n) == want) << "queue_runs, device to device";
         std::copy(dst0.begin(), dst0.end(), pinned);
-        ASSERT_TRUE(duet::queue_runs(pinned, dsrc.p, runs, nullptr).ok());
+        ASSERT_TRUE(duet::queue_runs(pinned, dsrc.p, aligned, nullptr, &kernel).ok());
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(kernel) << "page-locked memory is reached by the kernel";
         EXPECT_TRUE(std::equal(want.begin(), want.end(), pinned)) << "queue_runs, device to page-locked host";
         std::copy(src_h.begin(), src_h.end(), pinned);
         DeviceBuf<uint8_t> back(dst0);
-        ASSERT_TRUE(duet::queue_runs(back.p, pinned, runs, nullptr).ok());
+        ASSERT_TRUE(duet::queue_runs(back.p, pinned, aligned, nullptr, &kernel).ok());
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(kernel);
         EXPECT_TRUE(back.get(n) == want) << "queue_runs, page-locked host to device";
-        std::vector<uint8_t> pageable = dst0;
-        ASSERT_TRUE(duet::queue_runs(pageable.data(), dsrc.p, runs, nullptr).ok());
+        DeviceBuf<uint8_t> odd(dst0);
+        ASSERT_TRUE(duet::queue_runs(odd.p, dsrc.p, mixed, nullptr, &kernel).ok());
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_FALSE(kernel) << "runs at odd offsets go one by one";
+        EXPECT_TRUE(odd.get(n) == want_mixed) << "queue_runs, odd runs";
+        std::vector<uint8_t> pageable = dst0;
+        ASSERT_TRUE(duet::queue_runs(pageable.data(), dsrc.p, aligned, nullptr, &kernel).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_FALSE(kernel) << "pageable memory is not reached by a kernel";
         EXPECT_TRUE(pageable == want) << "queue_runs, device to pageable host";
     }
     cudaFreeHost(pinned);

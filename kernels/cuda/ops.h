@@ -46,8 +46,8 @@ struct ByteRuns {
 // The runs of r, each by its own rows of thread blocks (16-byte loads and stores
 // where a run's two ends and length allow, else bytes). src and dst are pointers this
 // device's kernels can reach: its own memory, or page-locked host memory (mapped
-// into the device's address space under unified addressing). Runs must not overlap
-// one another's destinations. One launch replaces a cudaMemcpyAsync per run: a KV
+// into the device's address space under unified addressing). No run's destination
+// may overlap another run's source or destination. One launch replaces a cudaMemcpyAsync per run: a KV
 // copy of fragmented block ids is hundreds of runs a layer (bench/RESULTS.md).
 cudaError_t copy_runs(uint8_t* dst, const uint8_t* src, const ByteRuns& r, cudaStream_t stream);
 

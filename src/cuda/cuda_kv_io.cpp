@@ -43,13 +43,24 @@ Status queue_tiles(const KvLayout& l, int32_t from_blocks, const void* from, std
 
 }  // namespace
 
-Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream_) {
+Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream_, bool* by_kernel) {
     auto stream = static_cast<cudaStream_t>(stream_);
-    int device = 0;
-    DUET_CUDA_TRY(cudaGetDevice(&device));
     auto* dst = static_cast<uint8_t*>(to);
     auto* src = static_cast<const uint8_t*>(from);
-    if (runs.size() > 1 && kernel_reachable(from, device) && kernel_reachable(to, device)) {
+    if (by_kernel) *by_kernel = false;
+    // Where one launch pays: many runs, small on average (a copy engine moves large
+    // runs faster than one pass of 16-byte loads), all 16-byte aligned (the kernel's
+    // byte loop is for odd tails, not whole runs).
+    uint64_t total = 0, odd = reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from);
+    for (const CopyRun& r : runs) {
+        total += r.bytes;
+        odd |= r.src | r.dst | r.bytes;
+    }
+    const bool many_small = runs.size() > 1 && total / runs.size() <= (uint64_t{256} << 10) && (odd & 15) == 0;
+    int device = 0;
+    DUET_CUDA_TRY(cudaGetDevice(&device));
+    if (many_small && kernel_reachable(from, device) && kernel_reachable(to, device)) {
+        if (by_kernel) *by_kernel = true;
         cuda::ByteRuns b;
         for (size_t i = 0; i < runs.size();) {
             b.n = 0;

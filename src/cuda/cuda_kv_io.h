@@ -13,12 +13,16 @@
 
 namespace duet {
 
-// Queues on `stream` (a cudaStream_t) the copies `runs` from `from` to `to`: where
-// the current device's kernels reach both (its own memory, or page-locked host
-// memory), one copy_runs launch per ByteRuns::kMax runs (kernels/cuda/ops.h); else,
-// as for memory of another GPU or pageable host memory, a cudaMemcpyAsync per run.
-// On an error the copies queued before it stay queued.
-Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream);
+// Queues on `stream` (a cudaStream_t of the current device) the copies `runs` from
+// `from` to `to`. Many small runs (fragmented block ids: at most 256 KiB a run on
+// average, every run's ends and length 16-byte aligned) go as one copy_runs launch
+// per ByteRuns::kMax runs (kernels/cuda/ops.h) where the current device's kernels
+// reach both ends (its own memory, page-locked host memory); otherwise (a few large
+// runs, which the copy engines move faster; memory of another GPU; pageable host
+// memory) a cudaMemcpyAsync per run. No run's source may overlap another's
+// destination (the KV copies go between two arenas). On an error the copies queued
+// before it stay queued. *by_kernel (optional): whether the launches were used.
+Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, void* stream, bool* by_kernel = nullptr);
 
 // blob_write for a device arena: the tiles of the blocks that hold positions
 // [first, first + n) are copied to a page-locked staging arena (one copy per run of

@@ -57,6 +57,8 @@ void penalty_edits(const SamplingParams& p, int64_t n_vocab, std::span<const int
     if (seen.size() < words) seen.resize(words, 0);
     if (count.size() < static_cast<size_t>(n_vocab)) count.resize(static_cast<size_t>(n_vocab), 0);
     const bool rep = p.repetition_penalty != 1.0f;
+    // Room first: nothing below may throw while the scratch is dirty.
+    out.reserve(std::min(output.size() + (rep ? prompt.size() : 0), static_cast<size_t>(n_vocab)));
     size_t lo = words, hi = 0;  // the words touched
     auto mark = [&](int32_t t) {
         const size_t w = static_cast<size_t>(t) >> 6;
