@@ -58,7 +58,7 @@ Status queue_runs(void* to, const void* from, std::span<const CopyRun> runs, voi
     }
     const bool many_small = runs.size() > 1 && total / runs.size() <= (uint64_t{256} << 10) && (odd & 15) == 0;
     int device = 0;
-    DUET_CUDA_TRY(cudaGetDevice(&device));
+    if (many_small) DUET_CUDA_TRY(cudaGetDevice(&device));
     if (many_small && kernel_reachable(from, device) && kernel_reachable(to, device)) {
         if (by_kernel) *by_kernel = true;
         cuda::ByteRuns b;

@@ -82,20 +82,20 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     // without a limit), the computation ends with an error instead of holding the
     // store (and every context operation behind it) for the whole deadline.
     const shm::InstanceConfig& cfg = inst_.config();
-    std::chrono::steady_clock::time_point none_since{};
+    std::optional<std::chrono::steady_clock::time_point> none_since;  // no such worker running since
     bool gave_up = false;
     for (;;) {
         st = t.state(r->slot);
         if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) break;
         const auto now = std::chrono::steady_clock::now();
-        // Only while nobody took it: a registry scan per worker, not on every poll.
+        // While nobody took it (QUEUED), a look at the registry for each prefill worker.
         bool taker = st != shm::ReqState::Queued;
         for (uint32_t p = 0; p < cfg.prefill_workers && !taker; ++p)
             taker = worker_arena(cfg, shm::Role::Prefill, p) == kContextArena &&
                     inst_.registry().find_running(shm::Role::Prefill, static_cast<int32_t>(p)) >= 0;
-        if (taker) none_since = {};
-        else if (none_since == std::chrono::steady_clock::time_point{}) none_since = now;
-        if (now > deadline || (none_since != std::chrono::steady_clock::time_point{} && now - none_since > kNoWorkerWait)) {
+        if (taker) none_since.reset();
+        else if (!none_since) none_since = now;
+        if (now > deadline || (none_since && now - *none_since > kNoWorkerWait)) {
             gave_up = true;
             t.cancel(*r);
             // Taken by nobody: nobody else ends it (a prefill worker's later CAS
