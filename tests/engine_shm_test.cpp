@@ -119,7 +119,10 @@ TEST(EngineShm, AKilledRunsSegmentsAreReplacedNotReused) {
 
 TEST(EngineShm, LeftoversOfDeadDefaultRunsAreSwept) {
     // A dead `duet run` with the default name pattern leaves duet.run-<pid>-<n>.
-    std::string stale = "run-999999999-" + std::to_string(getpid());
+    // In this process's own scope (tests/shm_scope.cpp), which Engine's sweep looks at.
+    auto scope = shm_scope();
+    ASSERT_TRUE(scope.ok() && !scope->empty());
+    std::string stale = *scope + "run-999999999-" + std::to_string(getpid());
     pid_t child = fork_run([&] {
         auto e = Engine::create(options(stale));
         if (!e.ok()) return 1;

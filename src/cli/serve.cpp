@@ -21,6 +21,7 @@
 #include "cli/role_flags.h"
 #include "engine/backends.h"
 #include "engine/golden.h"
+#include "kv/shm_kv.h"
 #include "model/chat_template.h"
 #include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
@@ -87,6 +88,9 @@ Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const
     if (!gpus.empty()) f.gpu_weight_bytes = bf16_weight_bytes(model);
     f.model_file_bytes = model.file().file_size();
     f.pid = static_cast<int>(getpid());
+    auto scope = shm_scope();
+    if (!scope) return scope.error();
+    f.shm_scope = *scope;
     return f;
 }
 

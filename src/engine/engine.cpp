@@ -65,7 +65,13 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     KvLayout layout = CpuBackend::kv_layout(*e->model_, *dtype);
     ShmKvOptions so;
     static std::atomic<int> n_engines{0};
-    so.instance = opts.instance.empty() ? fmt::format("run-{}-{}", getpid(), n_engines++) : opts.instance;
+    if (opts.instance.empty()) {
+        auto scope = shm_scope();
+        if (!scope) return scope.error();
+        so.instance = fmt::format("{}run-{}-{}", *scope, getpid(), n_engines++);
+    } else {
+        so.instance = opts.instance;
+    }
     so.model_fingerprint = e->model_->fingerprint();
     so.huge_pages = opts.huge_pages;
     const auto n_blocks = static_cast<int32_t>((n_ctx + layout.block_tokens - 1) / layout.block_tokens);

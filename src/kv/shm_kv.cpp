@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -44,8 +45,21 @@ void ShmBlockAllocator::handed_by(uint32_t giver_user, const std::vector<int32_t
     for (int32_t b : blocks) handed_.emplace_back(b, giver_user);
 }
 
+Result<std::string> shm_scope() {
+    const char* v = std::getenv("DUET_SHM_SCOPE");
+    if (!v || !*v) return std::string();
+    const std::string s(v);
+    const bool ok = s.size() <= 32 && std::all_of(s.begin(), s.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+    });
+    if (!ok) return make_error("DUET_SHM_SCOPE '{}': expected 1-32 letters, digits or '_'", s);
+    return s + ".";
+}
+
 int remove_stale_segments(const std::string& prefix) {
-    const std::string full = "duet." + prefix;
+    auto scope = shm_scope();
+    if (!scope) return 0;
+    const std::string full = "duet." + *scope + prefix;
     std::vector<std::string> names;
     for (const char* dir : {"/dev/shm", "/dev/hugepages"}) {
         DIR* d = opendir(dir);

@@ -69,8 +69,17 @@ private:
     std::unique_ptr<KvPool> pool_;
 };
 
-// Unlinks duet.<prefix>* segments (in /dev/shm and /dev/hugepages) that no live
-// process has attached. Returns how many were removed.
+// The scope of default instance names and of start-up sweeps. DUET_SHM_SCOPE=S (1-32
+// letters, digits or '_') puts "S." before the default names (S.serve-<pid>,
+// S.run-<pid>-<n>), and a sweep looks at scope S's names only. Tests that run side by
+// side each set their own scope, so that no start sweeps the segments another test
+// left behind on purpose. Unset: "", and a sweep never sees a scoped name (a scope
+// holds no '-' nor '.', so "S.serve-" never starts with "serve-").
+Result<std::string> shm_scope();
+
+// Unlinks duet.<scope><prefix>* segments (in /dev/shm and /dev/hugepages) that no live
+// process has attached, <scope> being shm_scope()'s. Returns how many were removed
+// (0 when the scope is not valid: nothing of it can exist).
 int remove_stale_segments(const std::string& prefix);
 
 }  // namespace duet

@@ -274,7 +274,7 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     plan.notes = placed->notes;
 
     ServeLayout& l = plan.layout;
-    l.instance = s.instance.empty() ? fmt::format("serve-{}", f.pid) : s.instance;
+    l.instance = s.instance.empty() ? fmt::format("{}serve-{}", f.shm_scope, f.pid) : s.instance;
     l.n_requests = static_cast<uint32_t>(s.slots);
     l.n_ctx = s.ctx;
     l.n_prefill = static_cast<uint32_t>(n->prefill);
@@ -891,8 +891,9 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
                  const std::atomic<bool>& stop, RoleStart start) {
     // Each run names its instance serve-<pid>, so a launcher that was SIGKILLed (the
     // OOM killer) leaves segments that no later start would replace by name: any
-    // duet segment that no live process holds (its OFD locks say so) goes now.
-    if (const int stale = remove_stale_segments(""); stale > 0)
+    // such segment of this scope that no live process holds (its OFD locks say so)
+    // goes now. A named instance's stale segments are replaced when it starts again.
+    if (const int stale = remove_stale_segments("serve-"); stale > 0)
         say(fmt::format("removed {} stale shared-memory segment(s) that no live process held", stale));
     auto inst = shm::Instance::create(serve_instance_config(plan.layout, model));
     if (!inst) {

@@ -60,7 +60,7 @@ struct ServeSettings {
     // launcher gives up; 0: 60 s plus 10 s per GiB of model file (GPU workers
     // dequantize and upload every weight).
     int start_timeout_s = 0;
-    std::string instance;  // default serve-<pid>
+    std::string instance;  // default <scope>serve-<pid> (shm_scope())
     std::string front_cpus, prefill_cpus, decode_cpus;
     std::string isa;
     std::string chat_template;
@@ -186,6 +186,7 @@ struct ServeFacts {
     uint64_t gpu_weight_bytes = 0;  // the weights one GPU holds (bf16_weight_bytes)
     uint64_t model_file_bytes = 0;  // for the default start timeout
     int pid = 0;                    // for the default instance name
+    std::string shm_scope;          // before it (shm_scope(): "" or "S.")
 };
 
 struct ServePlan {
