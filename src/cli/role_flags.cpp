@@ -53,6 +53,7 @@ constexpr const char* kApiKey = "--api-key";
 constexpr const char* kPublicMetrics = "--public-metrics";
 constexpr const char* kGolden = "--golden";
 constexpr const char* kResumeWindow = "--resume-window";
+constexpr const char* kResumeGrace = "--resume-grace";
 constexpr const char* kSlo = "--slo";
 constexpr const char* kAdmitQueue = "--admit-queue-tokens";
 constexpr const char* kAdmitSlack = "--admit-slack";
@@ -62,6 +63,9 @@ const char* const kResumeWindowHelp =
     "seconds the requests of a front that died wait for their clients to come back through a restarted front "
     "(GET /v1/requests/{id}/events with Last-Event-ID, or a retry with the same X-Request-Id) before they are "
     "cancelled";
+const char* const kResumeGraceHelp =
+    "seconds a stream whose client disconnected keeps running for the client to come back (GET "
+    "/v1/requests/{id}/events with Last-Event-ID) before it is cancelled and its KV freed; 0: cancelled at once";
 const char* const kGoldenHelp =
     "the golden-logits check each worker runs before it is ready: auto (<model>.golden.json beside the model, "
     "else the built-in reference for the model, else none), none, or a reference file (duet golden record); a "
@@ -198,6 +202,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
+    c.add_option(kResumeGrace, s.resume_grace_s, kResumeGraceHelp)->capture_default_str()->check(CLI::Range(0, 3600));
     add_scheduling_flags(c, s.scheduling);
 }
 
@@ -214,6 +219,7 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
+    c.add_option(kResumeGrace, s.resume_grace_s, kResumeGraceHelp)->capture_default_str()->check(CLI::Range(0, 3600));
     add_scheduling_flags(c, s.scheduling);
 }
 
@@ -267,6 +273,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
         if (f->public_metrics) a.emplace_back(kPublicMetrics);
         put(kResumeWindow, std::to_string(f->resume_window_s));
+        put(kResumeGrace, std::to_string(f->resume_grace_s));
         put_if(kSlo, f->scheduling.slo);
         put(kAdmitQueue, std::to_string(f->scheduling.admit_queue_tokens));
         put(kAdmitSlack, fmt::format("{}", f->scheduling.admit_slack));

@@ -206,6 +206,7 @@ int cmd_front(const FrontSettings& a) {
         fo.api_key = a.api_key;
         fo.public_metrics = a.public_metrics;
         fo.resume_window_ns = static_cast<uint64_t>(a.resume_window_s) * 1'000'000'000ull;
+        fo.resume_grace_ns = static_cast<uint64_t>(a.resume_grace_s) * 1'000'000'000ull;
         auto slo = SloTable::parse(a.scheduling.slo);
         if (!slo) return fail(slo.error().message);
         fo.admission.slo = *slo;

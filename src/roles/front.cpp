@@ -61,9 +61,12 @@ struct FrontRecord {
 
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
 // back for it or the resume window passes.
+// Or a stream of this front's whose client disconnected (FrontSession::detach), for
+// --resume-grace.
 struct Orphan {
     FrontRecord rec;
-    uint64_t since_ns = 0;  // adopted
+    uint64_t since_ns = 0;    // adopted, or detached
+    uint64_t window_ns = 0;   // how long from since_ns its client may come back
     bool claimed = false;   // a connection is answering it
     bool expiring = false;  // the window passed: cancelled, freed once every choice has ended
     std::vector<uint32_t> attempts;  // each choice's attempt this front last sent (a preempted one is sent again)
@@ -302,6 +305,7 @@ struct Completion {
     uint64_t deadline = 0;  // past it, a choice still running is cancelled ("timeout")
     bool timed_out = false;
     bool client_gone = false;
+    bool detached = false;  // its client left; it runs on as an orphan for --resume-grace
     // Scheduling (engine/scheduling.h): its class; the prompt tokens it holds in the
     // front's queue (until its first token, or its end); its first token and gaps.
     SloClass cls = SloClass::Standard;
@@ -311,7 +315,7 @@ struct Completion {
     double gap_sum = 0;
     int64_t gaps = 0;
     std::string xid;          // the client's X-Request-Id ("": none)
-    std::string resumed_id;   // adopted from a dead front: the orphan to forget when it ends
+    std::string resumed_id;   // an orphan (adopted or detached) resumed: to forget when it ends
     // Event id: each choice's output tokens read when its last event was written.
     std::string event_id() const {
         std::string e;
@@ -460,6 +464,7 @@ struct FrontSession {
     static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
     static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
     static awaitable<bool> end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c);
+    static bool detach(Front& f, Completion& c);
     static void take_returned_kv(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
@@ -1144,6 +1149,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
 // Once every choice has ended (follow): a context completion's KV taken back and its
 // tokens committed, then the reply. True: the connection may serve another request.
 awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
+    if (c.detached) co_return false;  // an orphan now (detach): expire_orphans or a resume ends it
     if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
     // finish frees the request's slots before the commit: the commit computes the
     // closing tokens through a request of its own, and with every slot held by
@@ -1320,6 +1326,7 @@ awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Comple
             if (ch.done) continue;
             const ChoiceStep step = read_choice(f, c, ch);
             if (c.r.stream && !c.client_gone) co_await stream_choice(f, stream, c, ci, step);
+            if (c.client_gone && !step.terminal && detach(f, c)) co_return;  // its client may come back
             if (!settle_choice(f, c, ch, step)) all_done = false;
         }
         if (all_done) break;
@@ -1457,7 +1464,7 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
             if (ch.final_state == shm::ReqState::Finished)
                 ch.finish = (!c.r.ignore_eos && !ch.out.empty() && f.tok_.is_eog(ch.out.back())) ? "stop" : "length";
             else if (ch.final_state == shm::ReqState::Cancelled)
-                ch.finish = "stop";
+                ch.finish = "cancelled";  // duet's extension: ended by someone else (a stop string or the timeout say so)
         }
         o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
         f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
@@ -1527,6 +1534,38 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
     co_return !ec;
 }
 
+// A stream whose client disconnected before it ended: instead of cancelling it, this
+// front keeps it as an orphan of its own for --resume-grace, so that a client that
+// comes back (Last-Event-ID) gets the rest exactly as if the front had died: an SSE
+// client reconnects after any lost connection and cannot tell which side dropped it,
+// and a front SIGKILLed just after the client closed would otherwise have cancelled
+// the request first (then its resume was cut short, or answered 404). False: not
+// resumable (no grace, no front record, or not a stream); the caller cancels it.
+bool FrontSession::detach(Front& f, Completion& c) {
+    if (c.detached) return true;
+    // A context completion is not kept: its commit belongs to the connection that asked.
+    if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty()) return false;
+    shm::RequestTable& t = f.inst_.requests();
+    auto rec = t.front_data(c.ch[0].ref);
+    if (!rec) return false;
+    auto fr = parse_front_record(*rec);
+    if (!fr) return false;
+    Orphan o;
+    o.rec = std::move(*fr);
+    o.since_ns = shm::monotonic_ns();
+    o.window_ns = f.opts_.resume_grace_ns;
+    for (const Choice& ch : c.ch) o.attempts.push_back(ch.attempt);
+    {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        f.impl_->orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
+    }
+    // It leaves the connection: the queue and in-flight counts as when it ends.
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    c.detached = true;
+    return true;
+}
+
 std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::string& xid) {
     if (xid.empty()) return std::nullopt;
     std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
@@ -1560,8 +1599,10 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         co_return co_await error(f, stream, req,
                                  api_error(404, "not_found_error",
                                            fmt::format("no request '{}' to resume: resumable are the requests of a front "
-                                                       "that died, for {} s after it",
-                                                       id, f.opts_.resume_window_ns / 1000000000ull),
+                                                       "that died, for {} s after it, and streams whose client "
+                                                       "disconnected, for {} s after it",
+                                                       id, f.opts_.resume_window_ns / 1000000000ull,
+                                                       f.opts_.resume_grace_ns / 1000000000ull),
                                            "", "request_not_found"));
     auto unclaim = [&](bool forget) {
         std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
@@ -1690,6 +1731,7 @@ void Front::adopt_orphans() {
                 if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
             Orphan o;
             o.since_ns = now;
+            o.window_ns = opts_.resume_window_ns;
             for (shm::ReqRef r : fr->refs) o.attempts.push_back(t.attempt(r.slot));
             const std::string id = fr->id;
             o.rec = std::move(*fr);
@@ -1711,11 +1753,11 @@ void Front::expire_orphans(uint64_t now) {
         if (!o.claimed && !o.expiring)  // nobody follows it: a preempted choice is sent again here
             for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i)
                 resend_if_preempted(o.rec.refs[i], o.attempts[i]);
-        if (o.claimed || (!o.expiring && now - o.since_ns < opts_.resume_window_ns)) {
+        if (o.claimed || (!o.expiring && now - o.since_ns < o.window_ns)) {
             ++it;
             continue;
         }
-        bool ended = true;
+        bool ended = true, cancelled = false;
         for (shm::ReqRef r : o.rec.refs) {
             if (t.current(r.slot).gen != r.gen) continue;
             const shm::ReqState st = t.state(r.slot);
@@ -1733,9 +1775,11 @@ void Front::expire_orphans(uint64_t now) {
             if (!o.expiring) {
                 t.cancel(r);
                 t.transition(r, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                cancelled = true;
             }
             ended = false;
         }
+        if (cancelled) counters_.cancelled.fetch_add(1, std::memory_order_relaxed);  // its client never came back
         o.expiring = true;
         it = ended ? impl_->orphans.erase(it) : std::next(it);
     }

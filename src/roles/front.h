@@ -43,6 +43,11 @@ struct FrontOptions {
     // A dead front's requests this front adopted wait this long for their clients
     // (GET /v1/requests/{id}/events, an X-Request-Id retry) before they are cancelled.
     uint64_t resume_window_ns = kResumeWindowNs;
+    // A stream whose client disconnected keeps running this long for the client to
+    // come back the same way (an SSE client reconnects after any lost connection: it
+    // cannot tell a dead front from a dropped one); then it is cancelled and freed.
+    // 0: cancelled at once.
+    uint64_t resume_grace_ns = kResumeGraceNs;
     // Classes, their targets and admission (engine/scheduling.h: --slo,
     // --admit-queue-tokens, --admit-slack).
     AdmissionOptions admission;

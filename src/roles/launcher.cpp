@@ -170,6 +170,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.contexts_disk_max = s.contexts_disk_max;
             fs.public_metrics = s.public_metrics;
             fs.resume_window_s = s.resume_window_s;
+            fs.resume_grace_s = s.resume_grace_s;
             fs.scheduling = s.scheduling;
             if (!p.cpus.empty()) fs.cpus = format_cpu_list(p.cpus);
             r.settings = fs;

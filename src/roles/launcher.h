@@ -110,6 +110,7 @@ struct ServeSettings {
     std::string api_key;
     bool public_metrics = false;  // /metrics without the key
     int resume_window_s = 30;     // a dead front's requests wait this long for their clients (kResumeWindowNs)
+    int resume_grace_s = 5;       // a stream whose client left waits this long for it (kResumeGraceNs)
     SchedulingSettings scheduling;
 };
 
@@ -157,6 +158,7 @@ struct FrontSettings {
     uint64_t contexts_disk_max = 0;
     std::string api_key;          // from --api-key or DUET_API_KEY (the launcher sets the latter)
     int resume_window_s = 30;
+    int resume_grace_s = 5;
     bool public_metrics = false;  // /metrics without the key
     SchedulingSettings scheduling;
     friend bool operator==(const FrontSettings&, const FrontSettings&) = default;

@@ -22,6 +22,9 @@ void fail_in_flight(shm::Instance& inst, ReqError why);
 // (shm::ReqFrontRecord; every plain completion has one), timed from when a sweep
 // first saw their front dead.
 inline constexpr uint64_t kResumeWindowNs = 30'000'000'000ull;
+// How long a stream whose client disconnected (its front alive) waits for the client
+// to come back with Last-Event-ID before it is cancelled (roles/front.h).
+inline constexpr uint64_t kResumeGraceNs = 5'000'000'000ull;
 
 // Requests whose client (the front that submitted them) is gone: running ones are
 // cancelled, finished ones freed; those with a front record only once they have

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Streams come back whole after the front dies or the client drops, at any point:
+
+- kill-and-resume, RUNS times in a row (DUET_RESUME_RUNS, default 20; 6 under the
+  sanitizers): a stream of 80 tokens (greedy, or sampled with a seed), the front
+  SIGKILLed after k events (k varied from the first event to past the stream's end),
+  the client closing its connection just before the kill in every other run (the
+  race that cut streams short and called them "stop": the old front cancelled the
+  request on the closed connection before it died), the stream resumed with
+  Last-Event-ID once /health answers: its text, finish reason and [DONE] equal an
+  undisturbed run's; the launcher restarted the front exactly once per kill;
+- a client that drops with the front alive resumes within --resume-grace and gets
+  the rest exactly;
+- a client that drops and never comes back: its request is cancelled once the grace
+  has passed and its KV blocks and slot are freed (the time measured);
+- a resume of an unknown or expired request is 404 and names the grace.
+
+Usage: front_resume_test.py path/to/duet"""
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from duet_e2e import check, listening_port, time_scale
+
+DUET = sys.argv[1]
+SUBSET = os.environ.get("DUET_E2E_SUBSET") == "1"
+RUNS = int(os.environ.get("DUET_RESUME_RUNS", "6" if SUBSET else "20"))
+GRACE_S = 2
+MAX_TOKENS = 80
+
+serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--slots", "8", "--resume-grace", str(GRACE_S),
+                          *(("--start-timeout", "300") if SUBSET else ())], stderr=subprocess.PIPE, text=True)
+port = listening_port(serve)
+log = []
+if port is None:
+    print(f"FAIL: the server exited before listening ({serve.wait()})", file=sys.stderr)
+    sys.exit(1)
+threading.Thread(target=lambda: [log.append(l) for l in serve.stderr], daemon=True).start()
+
+BODIES = [
+    {"prompt": "Count from one to one hundred: one, two, three,", "max_tokens": MAX_TOKENS, "temperature": 0},
+    {"prompt": "Once upon a time, in a land far away,", "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 7},
+    # Ends early by a stop string (finish "stop" from the text, not the token).
+    {"prompt": "Count from one to one hundred: one, two, three,", "max_tokens": MAX_TOKENS, "temperature": 0,
+     "stop": [" nine"]},
+]
+
+
+def front_pid():
+    out = subprocess.run(["pgrep", "-a", "-P", str(serve.pid)], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, cmd = line.split(" ", 1)
+        if cmd.split()[1] == "front":
+            return int(pid)
+    return None
+
+
+def read_events(resp, stop_after=None):
+    """What a stream gave: its response id, text, finish reason, last event id, events,
+    and whether it ended with [DONE]; stops reading after `stop_after` events."""
+    st = {"id": None, "text": "", "fin": None, "ev": None, "n": 0, "done": False}
+    for raw in resp:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            st["ev"] = line[4:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            if data == "[DONE]":
+                st["done"] = True
+                return st
+            j = json.loads(data)
+            check("error" not in j, f"an error event: {data}")
+            st["id"] = j["id"]
+            for ch in j.get("choices", []):
+                st["text"] += ch.get("text") or ""
+                st["fin"] = ch.get("finish_reason") or st["fin"]
+            st["n"] += 1
+            if stop_after is not None and st["n"] >= stop_after:
+                return st
+    return st
+
+
+def start_stream(body):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    check(r.status == 200, f"a stream: {r.status}")
+    return c, r
+
+
+def resume(rid, last):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": last})
+    return c.getresponse()
+
+
+def healthy():
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        c.request("GET", "/health")
+        return c.getresponse().status == 200
+    except OSError:
+        return False
+
+
+def metrics():
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    return c.getresponse().read().decode()
+
+
+def metric(text, name):
+    m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
+    check(m, f"/metrics has no {name}")
+    return int(m.group(1))
+
+
+try:
+    refs = []
+    for b in BODIES:
+        c, r = start_stream(b)
+        st = read_events(r)
+        check(st["done"] and st["text"], f"reference {b}: {st}")
+        refs.append((st["text"], st["fin"]))
+    check(refs[2][1] == "stop" and len(refs[2][0]) < len(refs[0][0]), f"the stop string ends it: {refs[2]}")
+    kills = 0
+    last_kill = 0.0
+    for run in range(RUNS):
+        b = run % len(BODIES)
+        k = 1 + (run * 7) % 40  # events before the kill: from the first to past the end
+        close_first = run % 2 == 1
+        # The launcher gives up on a role that dies 5 times within 10 s: 4 gaps of 2.6 s.
+        time.sleep(max(0.0, last_kill + 2.6 - time.monotonic()))
+        c, r = start_stream(BODIES[b])
+        st = read_events(r, stop_after=k)
+        pid = front_pid()
+        check(pid, "the front runs")
+        if close_first:
+            c.close()
+        os.kill(pid, signal.SIGKILL)
+        kills += 1
+        last_kill = time.monotonic()
+        c.close()
+        t0 = time.monotonic()
+        while not healthy():
+            check(time.monotonic() - t0 < 60 * time_scale(), f"run {run}: no front 60 s after the kill")
+            time.sleep(0.05)
+        if st["done"]:  # the whole stream arrived before the kill
+            check((st["text"], st["fin"]) == refs[b], f"run {run}: an undisturbed stream differs: {st} {refs[b]}")
+            continue
+        rr = resume(st["id"], st["ev"])
+        if rr.status != 200:
+            check(False, f"run {run} (k={k}, client gone first: {close_first}): resume answered {rr.status} "
+                         f"{rr.read()[:300]}")
+        more = read_events(rr)
+        check(more["done"], f"run {run}: the resumed stream ends with [DONE]: cut at {st}, then {more}")
+        got = (st["text"] + more["text"], more["fin"] or st["fin"])
+        check(got == refs[b], f"run {run} (body {b}, k={k}, client gone first: {close_first}, cut at event "
+                              f"{st['ev']}): resumed {got!r} != undisturbed {refs[b]!r}")
+    print(f"{RUNS} kill-and-resume runs in a row (kills after 1-40 events, half with the client gone first): "
+          f"every stream identical to its undisturbed run, text and finish reason: ok")
+    m = metrics()
+    check(metric(m, "duet_worker_restarts_total") == kills,
+          f"restarts {metric(m, 'duet_worker_restarts_total')} for {kills} kills")
+    print(f"the launcher restarted the front once per kill ({kills}) and nothing else: ok")
+
+    # The client drops, the front lives: it comes back within the grace.
+    c, r = start_stream(BODIES[1])
+    st = read_events(r, stop_after=5)
+    c.close()
+    time.sleep(0.5)
+    rr = resume(st["id"], st["ev"])
+    if rr.status != 200:
+        check(False, f"a resume after the client dropped: {rr.status} {rr.read()[:300]}")
+    more = read_events(rr)
+    check(more["done"] and (st["text"] + more["text"], more["fin"]) == refs[1],
+          f"resumed after a drop: {st['text'] + more['text']!r} != {refs[1][0]!r}")
+    print("a client that dropped its connection (front alive) resumes within the grace, identical: ok")
+
+    # The client drops and never comes back: cancelled once the grace has passed, its
+    # KV blocks and slot freed. A long stream, so that it still runs then.
+    m0 = metrics()
+    held0 = int(re.search(r'^duet_kv_blocks\{state="held"\} (\d+)$', m0, re.M).group(1))
+    cancelled0 = metric(m0, "duet_requests_cancelled_total")
+    c, r = start_stream({"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "temperature": 0})
+    st = read_events(r, stop_after=3)
+    c.close()
+    t_drop = time.monotonic()
+    freed = None
+    while time.monotonic() - t_drop < 30 * time_scale():
+        m = metrics()
+        held = int(re.search(r'^duet_kv_blocks\{state="held"\} (\d+)$', m, re.M).group(1))
+        if metric(m, "duet_requests_cancelled_total") > cancelled0 and held <= held0 \
+                and metric(m, "duet_requests_in_flight") == 0:
+            freed = time.monotonic() - t_drop
+            break
+        time.sleep(0.1)
+    check(freed is not None, "the dropped stream was not cancelled and freed within 30 s")
+    check(freed >= GRACE_S * 0.9, f"cancelled {freed:.2f} s after the drop, before the grace ({GRACE_S} s)")
+    print(f"a client gone for good: its request cancelled and its KV freed {freed:.2f} s after the drop "
+          f"(--resume-grace {GRACE_S}): ok")
+    rr = resume(st["id"], st["ev"])
+    body = rr.read().decode()
+    check(rr.status == 404 and "disconnected" in body, f"a resume past the grace: {rr.status} {body[:300]}")
+    print("a resume past the grace: 404, saying what is resumable: ok")
+except SystemExit:
+    print("".join(log[-40:]), file=sys.stderr)
+    raise
+finally:
+    serve.send_signal(signal.SIGTERM)
+    try:
+        serve.wait(60)
+    except subprocess.TimeoutExpired:
+        serve.kill()
