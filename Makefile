@@ -48,25 +48,31 @@ test: build model
 # random-operations test with 40 operations instead of 200 and 100 fuzzed bodies; serve_e2e
 # without its per-role and quantized arenas) and the
 # threaded ones under TSan. Each is a whole extra build (ccache keeps repeats cheap).
+# scripts/sanitizer-run fails the run on any sanitizer report of any process (a role
+# that aborted on one is restarted, and its test may pass); DUET_TIME_SCALE widens
+# the tests' time bounds (tests/time_scale.h, duet_e2e.time_scale).
 SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
 sanitize: deps model
 	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
-	DUET_CONTEXT_OPS=40 DUET_CONTEXT_FUZZ=100 DUET_E2E_SUBSET=1 ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' \
+	DUET_CONTEXT_OPS=40 DUET_CONTEXT_FUZZ=100 DUET_E2E_SUBSET=1 DUET_TIME_SCALE=4 \
+	  scripts/sanitizer-run build-asan/sanitizer-logs -- \
+	  ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' \
 	  -E 'model_test_(scalar|avx2)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp|rebalance_e2e'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
 	  kv_log_fault_test kv_log_crash_test
-	build-tsan/tests/thread_pool_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_fd_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_stress_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_kill_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/shm_handoff_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/kv_log_fault_test --gtest_brief=1
-	TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/kv_log_crash_test --gtest_brief=1
-	build-tsan/tests/model_test --gtest_brief=1 --gtest_filter='*Bitwise*:*BadToken*:*Interrupted*'
-	build-tsan/tests/tokenizer_test --gtest_brief=1
+	TSAN_OPTIONS=halt_on_error=1 DUET_TIME_SCALE=10 scripts/sanitizer-run build-tsan/sanitizer-logs -- bash -ec '\
+	  build-tsan/tests/thread_pool_test --gtest_brief=1; \
+	  build-tsan/tests/shm_test --gtest_brief=1; \
+	  build-tsan/tests/shm_fd_test --gtest_brief=1; \
+	  build-tsan/tests/shm_stress_test --gtest_brief=1; \
+	  build-tsan/tests/shm_kill_test --gtest_brief=1; \
+	  build-tsan/tests/shm_handoff_test --gtest_brief=1; \
+	  build-tsan/tests/kv_log_fault_test --gtest_brief=1; \
+	  build-tsan/tests/kv_log_crash_test --gtest_brief=1; \
+	  build-tsan/tests/model_test --gtest_brief=1 --gtest_filter="*Bitwise*:*BadToken*:*Interrupted*"; \
+	  build-tsan/tests/tokenizer_test --gtest_brief=1'
 
 # The GGUF reader, the KV blob reader and KV log recovery under libFuzzer +
 # ASan/UBSan (clang), briefly. Longer runs:
