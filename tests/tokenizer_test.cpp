@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "gguf_writer.h"
+#include "time_scale.h"
 #include "model/chat_template.h"
 #include "model/chat_turns.h"
 #include "model/gguf.h"
@@ -422,8 +423,8 @@ TEST(Tokenizer, EncodeSpeed) {
                 prose, word, ws);
     // Generous bounds for a shared 2-core machine and sanitizer builds; the
     // point is to catch a quadratic path, which would be 100x over.
-    EXPECT_LT(prose, 20000.0);
-    EXPECT_LT(word, 20000.0);
+    EXPECT_LT(prose, 20000.0 * test_time::scale());
+    EXPECT_LT(word, 20000.0 * test_time::scale());
     EXPECT_EQ(tok->decode(tok->encode(spaces, false, false), true), spaces);
 }
 

@@ -43,3 +43,13 @@ def listening_port(proc):
         if m:
             return int(m.group(1))
     return None
+
+
+def time_scale():
+    """DUET_TIME_SCALE (default 1; the sanitizer runs of `make test` set 4): every time
+    bound a test sets is multiplied by it (tests/time_scale.h says why)."""
+    import os
+    try:
+        return max(1.0, float(os.environ.get("DUET_TIME_SCALE", "1")))
+    except ValueError:
+        return 1.0
