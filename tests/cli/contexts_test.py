@@ -59,10 +59,11 @@ def ok(port, method, path, body=None, want=200):
     return j
 
 
-def stream_text(port, path, body):
+def stream_text(port, path, body, on_event=None):
+    """The text of a streamed completion; on_event(n) after its n-th event."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(dict(body, stream=True)).encode(),
                                  method="POST", headers={"Content-Type": "application/json"})
-    text, done = "", False
+    text, done, n = "", False, 0
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
             line = line.decode().rstrip("\n")
@@ -75,8 +76,19 @@ def stream_text(port, path, body):
             check("error" not in ev, f"stream error {ev}")
             for ch in ev.get("choices", []):
                 text += ch.get("text", "")
+            n += 1
+            if on_event:
+                on_event(n)
     check(done, "the stream did not end with [DONE]")
     return text
+
+
+def counter(port, name):
+    """A counter's value in /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    m = re.search(rf"^{name} (\d+)$", text, re.M)
+    check(m, f"/metrics has no {name}")
+    return int(m.group(1))
 
 
 SERVERS = []  # every Server started: their last lines are printed when the test fails
@@ -522,27 +534,34 @@ def decode_killed_mid_generation(srv):
     port = srv.port
     ok(port, "POST", "/v1/contexts", {"id": "gen", "prompt": "Once upon a time, in a land far away,"}, want=201)
     t0 = tokens_of(port, "gen")
-    want = ok(port, "POST", "/v1/completions", {"prompt": t0, "max_tokens": 48, "temperature": 0,
+    want = ok(port, "POST", "/v1/completions", {"prompt": t0, "max_tokens": 160, "temperature": 0,
                                                 "ignore_eos": True})["choices"][0]["text"]
     got, err = [], []
+    import threading
+    mid = threading.Event()
+    redriven = counter(port, "duet_requests_redriven_total")
 
     def run():
         try:
             got.append(stream_text(port, "/v1/contexts/gen/completions",
-                                   {"max_tokens": 48, "temperature": 0, "ignore_eos": True}))
+                                   {"max_tokens": 160, "temperature": 0, "ignore_eos": True},
+                                   lambda n: n == 8 and mid.set()))
         except Exception as e:  # reported below
             err.append(repr(e))
+        mid.set()
 
-    import threading
     th = threading.Thread(target=run)
     th.start()
-    time.sleep(0.4)
+    # Killed mid-generation: once the stream has 8 events (decode has the request),
+    # not after a guessed time.
+    check(mid.wait(120) and th.is_alive() and not got, f"the stream before the kill: {err} {got}")
     for pid in srv.pids("decode"):
         os.kill(pid, signal.SIGKILL)
     th.join(120)
     check(not err and got, f"the stream failed: {err}")
+    check(counter(port, "duet_requests_redriven_total") > redriven, "the killed decode's request was re-driven")
     check(got[0] == want, f"after decode's SIGKILL the stream says {got[0]!r}, undisturbed {want!r}")
-    check(len(tokens_of(port, "gen")) == len(t0) + 48, "the context holds exactly the committed tokens")
+    check(len(tokens_of(port, "gen")) == len(t0) + 160, "the context holds exactly the committed tokens")
     expect_exact(port, "gen", "a decode worker's SIGKILL")
     print("decode SIGKILLed during a context's generation: the stream and the context are exact")
 

@@ -7,6 +7,10 @@
 #   tsan_fences_test.sh SOURCE_DIR
 set -euo pipefail
 cd "$1"
+# grep exits 1 when nothing matches, 2 on an error: only 0 lets the test go on (the
+# substrate has fences, so no match means the search itself is wrong).
+files=$(grep -rl --include='*.h' --include='*.cpp' --include='*.cu' --include='*.cuh' 'atomic_thread_fence' \
+        shm kernels src bench tests) || { echo "FAIL: grep for fences exited $?"; exit 1; }
 fails=0
 while IFS= read -r f; do
   out=$(awk '
@@ -19,6 +23,6 @@ while IFS= read -r f; do
       if (!ok) printf "%s:%d: %s\n", FILENAME, FNR, $0
     }' "$f")
   if [ -n "$out" ]; then echo "FAIL: a fence outside '#ifdef DUET_TSAN ... #else':"; echo "$out"; fails=$((fails + 1)); fi
-done < <(grep -rl --include='*.h' --include='*.cpp' --include='*.cu' --include='*.cuh' 'atomic_thread_fence' base shm kernels src bench tests 2>/dev/null || true)
-echo "tsan fences: $fails files with a bare fence"
+done <<<"$files"
+echo "tsan fences: $fails of $(wc -l <<<"$files") files with a fence have a bare one"
 [ "$fails" -eq 0 ]
