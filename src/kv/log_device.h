@@ -40,6 +40,31 @@ public:
     virtual void write_sync(std::span<const LogWrite> ops, std::span<LogWriteResult> out) = 0;
 };
 
+// One submission of UringLogDevice's plan: a WRITEV of an IOV_MAX-sized piece of an
+// op's buffers, or its op's FSYNC.
+struct UringStep {
+    enum class Kind : uint8_t { Writev, Fsync };
+    Kind kind = Kind::Writev;
+    uint32_t op = 0;     // the LogWrite it serves
+    uint32_t piece = 0;  // Writev: which piece of the op's iov, in order
+    size_t first_iov = 0, n_iov = 0;
+    uint64_t offset = 0, bytes = 0;
+    bool link = false;      // IOSQE_IO_LINK: the next step runs only once this one completed in full
+    bool datasync = false;  // Fsync: IORING_FSYNC_DATASYNC
+};
+// Steps submitted together (one io_uring_enter), or one at a time, each waited for
+// (an op whose chain is longer than the ring: a failed write skips the rest of it).
+struct UringWave {
+    std::vector<UringStep> steps;
+    bool one_at_a_time = false;
+};
+// What UringLogDevice::write_sync submits for `ops` on a ring of `entries`. Pure, so
+// that the rule the log's durability rests on, every write of an op linked in one
+// chain that ends in its datasync, is tested without a ring or a disk
+// (log_device_test): a dropped link or sync would pass every crash test, since
+// SIGKILL keeps the page cache.
+std::vector<UringWave> plan_uring_writes(std::span<const LogWrite> ops, unsigned entries);
+
 // io_uring (liburing): each write is an IORING_OP_WRITEV linked (IOSQE_IO_LINK) to an
 // IORING_OP_FSYNC with IORING_FSYNC_DATASYNC, so the sync starts only after the
 // write completed in full; a write of more than IOV_MAX buffers is several linked
