@@ -7,15 +7,19 @@
 #include <gtest/gtest.h>
 
 #include "kernels/cuda/device.h"
+#include "require.h"
 #include "shm_test_util.h"
 
 namespace duet::testing {
 
+// Where DUET_REQUIRE names gpu, no GPU fails the calling test (its skip follows a
+// failure).
 inline bool have_gpu() {
     static const int n = [] {
         pid_t pid = shm::testing::fork_run([] { return cuda::device_count() > 0 ? 0 : 1; });
         return shm::testing::wait_exit(pid) == 0 ? 1 : 0;
     }();
+    if (n != 1 && test_require::required("gpu")) ADD_FAILURE() << "DUET_REQUIRE names gpu: no CUDA device here";
     return n == 1;
 }
 

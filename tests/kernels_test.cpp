@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/kernels.h"
+#include "require.h"
 
 namespace duet::cpu {
 namespace {
@@ -67,6 +68,22 @@ TEST(Isa, BestIsSupportedAndScalarAlwaysIs) {
     if (isa_supported(Isa::Avx512)) {
         EXPECT_TRUE(isa_supported(Isa::Avx2));
     }
+}
+
+// Every kernel test below runs at each level this CPU has (supported_isas): a level it
+// lacks is left out of all of them, so it is reported here, as a skip with the
+// reason (or a failure where DUET_REQUIRE names it), never silently.
+TEST(Isa, Avx2KernelsRunHere) {
+    if (!isa_supported(Isa::Avx2))
+        DUET_SKIP_UNLESS_REQUIRED("avx2", "this CPU or build lacks AVX2+FMA+F16C: the AVX2 kernels did not run");
+    EXPECT_GE(static_cast<int>(isa_best()), static_cast<int>(Isa::Avx2));
+}
+
+TEST(Isa, Avx512KernelsRunHere) {
+    if (!isa_supported(Isa::Avx512))
+        DUET_SKIP_UNLESS_REQUIRED("avx512", "this CPU or build lacks AVX-512 F/BW/VL/DQ/VNNI: the AVX-512 kernels "
+                                            "did not run");
+    EXPECT_EQ(isa_best(), Isa::Avx512);
 }
 
 TEST(Isa, EnvironmentCapsBest) {

@@ -26,6 +26,7 @@
 
 #include <gtest/gtest.h>
 
+#include "require.h"
 #include "kv_log_model.h"
 
 using namespace duet;
@@ -157,7 +158,7 @@ bool read_msgs(int fd, std::vector<Msg>& msgs, std::string& partial, bool wait_r
 TEST(KvLogCrash, RandomSigkillsLoseNoAcknowledgedRecord) {
     {
         auto probe = UringLogDevice::create();
-        if (!probe) GTEST_SKIP() << "io_uring unavailable here: " << probe.error().message;
+        if (!probe) DUET_SKIP_UNLESS_REQUIRED("io_uring", "io_uring unavailable here: " + probe.error().message);
     }
     const int rounds = static_cast<int>(1000 * stress_scale());
     TempDir tmp;

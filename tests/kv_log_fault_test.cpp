@@ -24,6 +24,7 @@
 
 #include <gtest/gtest.h>
 
+#include "require.h"
 #include "kv/crc32c.h"
 #include "kv_fault_device.h"
 #include "kv_log_model.h"
@@ -715,7 +716,7 @@ void append_loop(KvWriter& w, int ops, ThreadResult& r) {
 
 TEST(KvLogGroupCommit, W3ManyThreadsShareSyncsAndLoseNothing) {
     auto uring = UringLogDevice::create();
-    if (!uring) GTEST_SKIP() << "io_uring unavailable here: " << uring.error().message;
+    if (!uring) DUET_SKIP_UNLESS_REQUIRED("io_uring", "io_uring unavailable here: " + uring.error().message);
     for (bool group : {true, false}) {
         SCOPED_TRACE(group ? "group commit" : "one sync per append");
         TempDir tmp;
@@ -888,7 +889,7 @@ int efbig_child(const std::string& dir, int fd, uint64_t seed) {
 
 TEST(KvLogRealDevice, W4W5RlimitFsizeShortWriteThenEfbig) {
     auto uring = UringLogDevice::create();
-    if (!uring) GTEST_SKIP() << "io_uring unavailable here: " << uring.error().message;
+    if (!uring) DUET_SKIP_UNLESS_REQUIRED("io_uring", "io_uring unavailable here: " + uring.error().message);
     uring->reset();
     TempDir tmp;
     int p[2];

@@ -9,7 +9,7 @@
 
 namespace {
 
-const bool kScoped = [] {
+[[maybe_unused]] const bool kScoped = [] {
     if (const char* v = std::getenv("DUET_SHM_SCOPE"); v && *v) return false;
     char scope[24];
     std::snprintf(scope, sizeof scope, "g%d", static_cast<int>(getpid()));

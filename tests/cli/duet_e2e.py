@@ -53,3 +53,25 @@ def time_scale():
         return max(1.0, float(os.environ.get("DUET_TIME_SCALE", "1")))
     except ValueError:
         return 1.0
+
+
+def required(what):
+    """Whether DUET_REQUIRE (a comma list: avx2, avx512, io_uring, gpu, gpus2) names
+    `what` (tests/require.h says why)."""
+    import os
+    return what in os.environ.get("DUET_REQUIRE", "").split(",")
+
+
+def skip(what, why):
+    """Ends the test as skipped (exit 77, ctest's SKIP_RETURN_CODE here) saying why, or
+    fails it where DUET_REQUIRE names `what`."""
+    check(not required(what), f"DUET_REQUIRE names {what}: {why}")
+    print(f"SKIPPED: {why}")
+    sys.exit(77)
+
+
+def not_run(what, why):
+    """A part of a test that cannot run here: says so, or fails where DUET_REQUIRE
+    names `what`."""
+    check(not required(what), f"DUET_REQUIRE names {what}: {why}")
+    print(f"not run: {why}")

@@ -33,6 +33,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_test as st  # noqa: E402
 import gpu_serve_test as gs  # noqa: E402  (gpu_available, same_or_near_tie; its main() does not run)
+from duet_e2e import not_run, skip  # noqa: E402
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-gpu-contexts-test-{os.getpid()}"
@@ -87,8 +88,10 @@ def while_busy(port, fn):
 
 def main():
     if not gs.gpu_available():
-        sys.exit(77)
+        skip("gpu", "no CUDA device here (or a build without CUDA)")
     devices = ["cuda:0", "cuda:1"] if n_gpus() > 1 else ["cuda:0"]
+    if len(devices) == 1:
+        not_run("gpus2", "one GPU: contexts on two GPU pairs")
     device = ",".join(devices)
     cdir = tempfile.mkdtemp(prefix="duet-gpu-contexts-")
     saved = {}

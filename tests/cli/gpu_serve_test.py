@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_test as st  # noqa: E402  (helpers; its main() does not run on import)
+from duet_e2e import not_run, skip  # noqa: E402
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-gpu-serve-test-{os.getpid()}"
@@ -141,7 +142,7 @@ def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, dec
 
 def main():
     if not gpu_available():
-        sys.exit(77)
+        skip("gpu", "no CUDA device here (or a build without CUDA)")
     st.serving(INSTANCE, on_gpu, ("--device", "cuda:0", *M))
     # The same with the legacy sharing (cudaIpc handles, the arena held by the launcher).
     os.environ["DUET_KV_SHARING"] = "ipc"
@@ -170,7 +171,7 @@ def main():
                    ("--device", "cuda:0,cuda:1", "--kv-arenas", "per-role", *M))
         print("per-role arenas on two GPUs (prefill cuda:0, decode cuda:1): ok")
     else:
-        print("one GPU: the two-GPU hand-off was not run")
+        not_run("gpus2", "one GPU: the hand-off between two GPUs")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_test as st  # noqa: E402
 import gpu_serve_test as gs  # noqa: E402  (gpu_available, same_or_near_tie, M)
+from duet_e2e import skip  # noqa: E402
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-gpu-swap-test-{os.getpid()}"
@@ -89,7 +90,7 @@ def pressure(swap):
 
 def main():
     if not gs.gpu_available():
-        sys.exit(77)
+        skip("gpu", "no CUDA device here (or a build without CUDA)")
     pressure(swap=True)
     pressure(swap=False)
     print("preemption on a GPU arena, by swap through page-locked host memory and by recompute: ok")
