@@ -450,6 +450,7 @@ struct FrontSession {
     static awaitable<void> serve(Front& f, tcp::socket sock);
     static awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
     static awaitable<bool> unauthorized(Front& f, beast::tcp_stream& stream, const Request& req);
+    static bool open_route(const Front& f, std::string_view path);
     static awaitable<bool> import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
                                        http::request_parser<http::empty_body>& head, uint64_t limit);
     static awaitable<bool> export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
@@ -709,20 +710,25 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
         const bool import = !ec && f.opts_.contexts && head.get().method() == http::verb::post &&
                             target_path(head.get().target()) == "/v1/contexts/import";
         const uint64_t limit = import ? blob_limit : f.opts_.max_body_bytes;
-        if (!ec && head.content_length() && *head.content_length() > limit) ec = http::error::body_limit;
-        if (ec == http::error::body_limit) {
-            co_await too_large(stream, limit);
-            break;
-        }
-        if (ec) break;  // end of stream, timeout, malformed HTTP
-        if (import && !f.key_.allows(sv(head.get()[http::field::authorization]))) {
-            // Refused before its body is read; the connection closes (the body is not read).
+        // (A header whose Content-Length passes the parser's limit is whole: Beast
+        // says body_limit right after it.)
+        const bool have_head = !ec || ec == http::error::body_limit;
+        if (have_head && !open_route(f, target_path(head.get().target())) &&
+            !f.key_.allows(sv(head.get()[http::field::authorization]))) {
+            // Refused from its header, before any limit on its body is told or the body
+            // read; the connection closes (the body is not read).
             Request dummy;
             dummy.version(head.get().version());
             dummy.keep_alive(false);
             co_await unauthorized(f, stream, dummy);
             break;
         }
+        if (!ec && head.content_length() && *head.content_length() > limit) ec = http::error::body_limit;
+        if (ec == http::error::body_limit) {
+            co_await too_large(stream, limit);
+            break;
+        }
+        if (ec) break;  // end of stream, timeout, malformed HTTP
         // "Expect: 100-continue" (curl sends it with bodies over 1 KiB): the client
         // waits for a go-ahead before sending the body, a second without one.
         if (beast::iequals(head.get()[http::field::expect], "100-continue")) {
@@ -841,15 +847,18 @@ awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, R
     co_return !ec;
 }
 
+// Liveness and readiness are open (probes carry no key); /metrics with
+// --public-metrics; everything else asks for the key when there is one.
+bool FrontSession::open_route(const Front& f, std::string_view path) {
+    return path == "/health" || path == "/ready" || path == "/readiness" || (path == "/metrics" && f.opts_.public_metrics);
+}
+
 awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Request& req) {
     const std::string path = target_path(req.target());
     const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
     const std::string js = "application/json";
-    // Liveness and readiness are open (probes carry no key); /metrics with
-    // --public-metrics; everything else asks for the key when there is one.
-    const bool open = path == "/health" || path == "/ready" || path == "/readiness" ||
-                      (path == "/metrics" && f.opts_.public_metrics);
-    if (!open && !f.key_.allows(sv(req[http::field::authorization]))) co_return co_await unauthorized(f, stream, req);
+    if (!open_route(f, path) && !f.key_.allows(sv(req[http::field::authorization])))
+        co_return co_await unauthorized(f, stream, req);
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
         // A retry of a request a dead front took (the same X-Request-Id): its answer.
         if (auto id = orphan_of_xid(f, std::string(req["X-Request-Id"]))) co_return co_await resume(f, stream, req, *id, false);
