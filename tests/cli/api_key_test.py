@@ -20,6 +20,8 @@ import urllib.request
 
 import openai
 
+from duet_e2e import drain
+
 DUET = sys.argv[1]
 KEY = "sk-duet-test-Zq8"
 
@@ -37,6 +39,7 @@ def start(extra, env=None):
     for line in p.stderr:
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
         if m:
+            drain(p)
             return p, int(m.group(1)), inst
     check(False, "the server exited before listening")
 

@@ -75,3 +75,13 @@ def not_run(what, why):
     names `what`."""
     check(not required(what), f"DUET_REQUIRE names {what}: {why}")
     print(f"not run: {why}")
+
+
+def drain(proc, keep=200):
+    """Reads the rest of proc.stderr (text) on a daemon thread, so that a server that
+    logs a lot never blocks on a full pipe; returns the list of its last `keep` lines."""
+    import collections
+    import threading
+    lines = collections.deque(maxlen=keep)
+    threading.Thread(target=lambda: [lines.append(l) for l in proc.stderr], daemon=True).start()
+    return lines

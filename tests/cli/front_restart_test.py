@@ -28,26 +28,28 @@ import threading
 import time
 import http.client
 
-from duet_e2e import check, free_port
+from duet_e2e import check
 
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
 MAX_TOKENS = 96 if os.environ.get("DUET_E2E_SUBSET") else 200  # the sanitizer run: shorter
 
 
-port = free_port()
+# --port 0: the server picks a free port and says which (no check-then-bind race); a
+# restarted front listens on the same one.
 # --admit-slack 0: the burst tests the restart, not admission (on a loaded machine
 # A1 may rightly refuse part of it).
 contexts_dir = tempfile.TemporaryDirectory(prefix="duet-front-restart-")
 # (Under sanitizers a start beside other e2e servers can pass the default 60 s.)
-serve = subprocess.Popen([DUET, "serve", "--port", str(port), "--ctx", "512", "--slots", "48", "--admit-slack", "0",
+serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "48", "--admit-slack", "0",
                           "--contexts-dir", contexts_dir.name,
                           *(("--start-timeout", "300") if os.environ.get("DUET_E2E_SUBSET") else ())],
                          stderr=subprocess.PIPE, text=True)
 log = []
 for line in serve.stderr:
     log.append(line)
-    if "listening on http" in line:
+    if m := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
+        port = int(m.group(1))
         break
 else:
     print(f"FAIL: the server exited before listening (exit status {serve.wait()}); it said:\n" + "".join(log[-60:]),

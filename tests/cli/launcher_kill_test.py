@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 
-from duet_e2e import check, free_port
+from duet_e2e import check
 
 DUET = sys.argv[1]
 
@@ -29,9 +29,9 @@ def start(port):
     lines = []
     for line in p.stderr:
         lines.append(line)
-        if re.search(r"listening on http://127\.0\.0\.1:\d+", line):
+        if m := re.search(r"listening on http://127\.0\.0\.1:(\d+)", line):
             threading.Thread(target=lambda: [lines.append(l) for l in p.stderr], daemon=True).start()
-            return p, lines
+            return p, lines, int(m.group(1))
     check(False, "the server exited before listening:\n" + "".join(lines))
 
 
@@ -54,8 +54,9 @@ def port_open(port):
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-port = free_port()
-first, _ = start(port)
+# Port 0: the server picks a free one and says which (no check-then-bind race); the
+# second start takes the same one again.
+first, _, port = start(0)
 roles = children(first.pid)
 check(len(roles) >= 3, f"front, prefill and decode under the launcher: {roles}")
 # Default instance names carry the test's shm scope (ctest sets DUET_SHM_SCOPE).
@@ -110,7 +111,7 @@ check(all(e and e != "done" and not e.startswith("never started") for e in ended
 check(all(os.path.exists(s) for s in segments), "the dead instance's segments are left (stale)")
 print(f"launcher SIGKILL: {len(roles)} roles and the port gone in {gone:.2f} s, streams cut ({ended[0]}): ok")
 
-second, log = start(port)
+second, log, _ = start(port)
 try:
     check(not any(os.path.exists(s) for s in segments), f"stale segments reclaimed: {segments}")
     check(any("stale shared-memory segment" in l for l in log), "the start says it removed stale segments")

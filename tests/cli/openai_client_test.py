@@ -18,6 +18,8 @@ import urllib.request
 
 import openai
 
+from duet_e2e import drain
+
 DUET = sys.argv[1]
 INSTANCE = f"duet-openai-test-{os.getpid()}"
 
@@ -39,6 +41,7 @@ try:
             port = int(m.group(1))
             break
     check(port, "the server did not start")
+    drain(server)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     model = c.models.list().data[0].id
 

@@ -18,7 +18,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from duet_e2e import check, free_port, listening_port
+from duet_e2e import check, drain, free_port, listening_port
 
 DUET = sys.argv[1]
 
@@ -39,6 +39,7 @@ prom = None
 try:
     port = listening_port(serve)
     check(port, "the server exited before listening")
+    drain(serve)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):  # /ready: the workers are up
         try:
