@@ -85,7 +85,7 @@ uint64_t yields(Pair& p) { return p.reg.slot(p.decode.slot).yields.load(); }
 TEST(Claims, DecodeStepsAsideForACriticalPassUntilItIsWithdrawn) {
     Pair p;
     DecodeLoop d(p, 0);  // no budget: a critical claim is answered anyway
-    while (d.steps.load() < 3) std::this_thread::yield();
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() >= 3; })) << "decode steps";
     CoreClaims c;
     ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0, kAnswer));
     EXPECT_TRUE(c.out());
@@ -141,7 +141,7 @@ TEST(Claims, DecodeStepsBetweenTwoClaims) {
 TEST(Claims, APassLongerThanTheBudgetIsDeclined) {
     Pair p;
     DecodeLoop d(p, 10 * kMs);
-    while (d.steps.load() < 2) std::this_thread::yield();
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() >= 2; })) << "decode steps";
     CoreClaims c;
     const uint64_t t0 = shm::monotonic_ns();
     EXPECT_FALSE(c.claim(p.reg, p.prefill.slot, 0, 50 * kMs, kAnswer));
@@ -166,7 +166,7 @@ TEST(Claims, DecodeWaitsForAClaimedPassNoLongerThanItsLimit) {
     EXPECT_EQ(yield_limit_ns(10'000 * kMs), kYieldMaxNs);
     Pair p;
     DecodeLoop d(p, 1000 * kMs);
-    while (d.steps.load() < 2) std::this_thread::yield();
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() >= 2; })) << "decode steps";
     CoreClaims c;
     ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 40 * kMs, kAnswer));
     const uint64_t steps = d.steps.load(), t0 = shm::monotonic_ns();
@@ -191,10 +191,10 @@ TEST(Claims, PrefillWaitsAStepAndAHalfOfASlowPartner) {
     EXPECT_EQ(claim_wait_ns(10'000 * kMs), kYieldMaxNs);
     Pair p;
     DecodeLoop d(p, 0, 500 * kMs);
-    while (d.steps.load() < 2) std::this_thread::yield();  // step_ns published
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() >= 2; })) << "decode steps";  // step_ns published
     // Claimed at the start of a step: the answer comes about 500 ms later, past kClaimWaitNs.
     const uint64_t at = d.steps.load();
-    while (d.steps.load() == at) std::this_thread::yield();
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() != at; })) << "decode steps";
     CoreClaims c;
     const uint64_t t0 = shm::monotonic_ns();
     ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0)) << "answered within claim_wait_ns of its step";
@@ -210,7 +210,7 @@ TEST(Claims, PrefillWaitsAStepAndAHalfOfASlowPartner) {
 TEST(Claims, DecodeReturnsWhenTheClaimerDies) {
     Pair p;
     DecodeLoop d(p, 0);
-    while (d.steps.load() < 2) std::this_thread::yield();
+    ASSERT_TRUE(shm::testing::wait_until([&] { return d.steps.load() >= 2; })) << "decode steps";
     CoreClaims c;
     ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0, kAnswer));
     const uint64_t steps = d.steps.load();
@@ -233,12 +233,14 @@ TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
     for (bool same_slot : {true, false}) {
         Pair p;
         CoreClaims old;
+        bool answered = false;
         std::thread answer([&] {  // one answer, then decode computes (never answers again)
-            while (!yield_to_claim(p.reg, p.decode.slot, 0, 0, [] {})) std::this_thread::yield();
+            answered = shm::testing::wait_until([&] { return yield_to_claim(p.reg, p.decode.slot, 0, 0, [] {}); });
         });
         ASSERT_TRUE(old.claim(p.reg, p.prefill.slot, 0, 0, kAnswer));
         ASSERT_TRUE(p.reg.mark_dead(p.prefill));  // killed mid-pass: the claim is never withdrawn
         answer.join();
+        ASSERT_TRUE(answered) << "decode answered the claim";
         ASSERT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), old.last_stamp());
         ProcRef again;
         if (same_slot) {

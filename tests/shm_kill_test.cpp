@@ -323,7 +323,7 @@ TEST(ShmKill, RandomSigkillsLoseNothing) {
     World w;
     pid_t surv = fork_run([&] { return survivor(w); });
     ChildReaper reaper{{&surv}};
-    while (w.inst.registry().state(0) != ProcState::Running) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    ASSERT_TRUE(wait_until([&] { return w.inst.registry().state(0) == ProcState::Running; })) << "the survivor started";
     auto front = w.inst.registry().claim(Role::Front, -1, getpid());
     ASSERT_TRUE(front.ok());
     w.inst.registry().set_running(*front);
@@ -378,7 +378,8 @@ TEST(ShmKill, RandomSigkillsLoseNothing) {
 
     // Pause the survivor and account for every block exactly.
     w.ctl->stop.store(1, std::memory_order_release);  // pairs with the survivor's acquire
-    while (!w.ctl->paused.load(std::memory_order_acquire)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    // Acquire pairs with the survivor's release store of paused.
+    ASSERT_TRUE(wait_until([&] { return w.ctl->paused.load(std::memory_order_acquire) != 0; })) << "the survivor paused";
     KvArena& arena = w.inst.arena(0);
     ArenaCensus c = arena.census();
     int32_t su = arena.user_of(w.inst.registry().current(0));

@@ -13,7 +13,11 @@
 #include <vector>
 #include <string>
 
+#include <chrono>
+#include <thread>
+
 #include "shm/segment.h"
+#include "time_scale.h"
 
 namespace duet::shm::testing {
 
@@ -26,6 +30,20 @@ struct Mem {
     size_t bytes;
     uint8_t* p;
 };
+
+// Waits (yielding) until pred() holds, at most limit_ms (widened by DUET_TIME_SCALE):
+// whether it held. A test asserts it, so that a lost wake-up fails the test instead
+// of spinning until ctest's timeout.
+template <typename Pred>
+inline bool wait_until(Pred pred, uint64_t limit_ms = 30'000) {
+    const auto end = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(static_cast<int64_t>(duet::test_time::scaled_ns(limit_ms * 1'000'000) / 1'000'000));
+    while (!pred()) {
+        if (std::chrono::steady_clock::now() > end) return false;
+        std::this_thread::yield();
+    }
+    return true;
+}
 
 inline std::string unique_name(const char* what) {
     static std::atomic<int> n{0};
