@@ -28,6 +28,8 @@ import time
 import urllib.error
 import urllib.request
 
+from duet_e2e import check_restarts
+
 DUET = sys.argv[1]
 N_OPS = int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ.get("DUET_CONTEXT_OPS", "200"))
 
@@ -101,6 +103,7 @@ class Server:
                                    *(("--start-timeout", "300") if os.environ.get("DUET_E2E_SUBSET") else ()), *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
+        self.kills = 0  # roles this test SIGKILLed (kill_role): the restarts it expects
         # A guard against a hang, not a figure: under ASan with other e2e tests on the
         # same two cores, a restart (each worker's golden check first) once took more
         # than 120 s (2026-12-03).
@@ -127,6 +130,17 @@ class Server:
         out = subprocess.run([DUET, "shm", "status", self.instance, "--json"], capture_output=True, text=True,
                              check=True)
         return [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == role]
+
+    def kill_role(self, role):
+        """SIGKILL of every process of a role; returns their pids."""
+        pids = self.pids(role)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        self.kills += len(pids)
+        return pids
+
+    def check_restarts(self):
+        check_restarts(self.port, self.kills)
 
     def kill_all(self):  # SIGKILL of the whole process group: launcher, front, workers
         os.killpg(self.p.pid, signal.SIGKILL)
@@ -562,10 +576,13 @@ def decode_killed_mid_generation(srv):
         # request), not after a guessed time; 500 tokens, so that decode is still at
         # it then (an event may carry many tokens on a loaded machine).
         check(mid.wait(120) and th.is_alive() and not got, f"the stream before the kill: {err} {got}")
-        victims = srv.pids("decode")
+        # ... and decode holds it (not preempted and being recomputed by prefill).
+        holds = lambda: metric(port, r'^duet_worker_requests\{role="decode",worker="0"\} (\d+)$') or 0
+        t_hold = time.time()
+        while holds() < 1 and time.time() - t_hold < 30 and th.is_alive():
+            time.sleep(0.01)
+        victims = srv.kill_role("decode")
         check(victims, "no decode worker to kill")
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
         th.join(120)
         check(not err and got, f"the stream failed: {err}")
         check(got[0] == want, f"after decode's SIGKILL the stream says {got[0]!r}, undisturbed {want!r}")
@@ -592,8 +609,7 @@ def front_killed(srv):
     listing = ok(port, "GET", "/v1/contexts")["data"]
     durable = {c["id"]: c["durable"] for c in listing}
     before = {c["id"]: tokens_of(port, c["id"]) for c in listing}
-    for pid in srv.pids("front"):
-        os.kill(pid, signal.SIGKILL)
+    srv.kill_role("front")
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
@@ -638,6 +654,7 @@ def memory_pressure(cdir, instance):
                 expect_exact(port, cid, f"round {rnd} under memory pressure")
         evictions = metric(port, r'^duet_context_evictions_total (\d+)$')
         print(f"memory pressure: 6 contexts in a 48-block arena, {evictions} evictions, every answer exact")
+        srv.check_restarts()
     finally:
         srv.stop()
 
@@ -689,6 +706,7 @@ def main():
             kept = {c["id"]: tokens_of(srv.port, c["id"]) for c in ok(srv.port, "GET", "/v1/contexts")["data"]
                     if c["durable"] and c["id"] not in sizes}
             lp_before = next_logprobs(srv.port, "big")
+            srv.check_restarts()
         finally:
             srv.kill_all()
         damage_logs(cdir, sizes)
@@ -739,6 +757,7 @@ def main():
             check(tokens_of(srv.port, "a.5") == list(range(2200, 2240)), "a.5 after a's deletion")
             expect_exact(srv.port, "a.5", "the deletion of a")
             print("ids of 64 characters with dots: durable across the kill; deleting a leaves a.5 whole: ok")
+            srv.check_restarts()
         finally:
             srv.stop()
         shutil.rmtree(cdir, ignore_errors=True)

@@ -85,3 +85,16 @@ def drain(proc, keep=200):
     lines = collections.deque(maxlen=keep)
     threading.Thread(target=lambda: [lines.append(l) for l in proc.stderr], daemon=True).start()
     return lines
+
+
+def check_restarts(port, kills):
+    """/metrics' duet_worker_restarts_total equals the kills this test made: a role
+    that died on its own (a crash, an abort on a sanitizer report) is restarted and
+    its requests re-driven, so its test could pass without this."""
+    import re
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    m = re.search(r"^duet_worker_restarts_total (\d+)$", text, re.M)
+    check(m, "/metrics has no duet_worker_restarts_total")
+    check(int(m.group(1)) == kills, f"{m.group(1)} role restarts for the {kills} kill(s) this test made: "
+                                    "a role died on its own (its log says why)")

@@ -28,7 +28,7 @@ import threading
 import time
 import http.client
 
-from duet_e2e import check
+from duet_e2e import check, check_restarts
 
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
@@ -273,6 +273,7 @@ try:
         check(after["prefill"] == before["prefill"] and after["decode"] == before["decode"]
               and after["front"] != before["front"], f"workers kept (same pids), a new front: {before} -> {after}")
         print("workers kept running (same pids), a new front serves: ok")
+        check_restarts(port, 1)
 
         # The resumed completion of the context was committed by the new front: the
         # context is its tokens, the completion's prompt and its output, and it goes on

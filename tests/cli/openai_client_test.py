@@ -18,7 +18,7 @@ import urllib.request
 
 import openai
 
-from duet_e2e import drain
+from duet_e2e import check_restarts, drain
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-openai-test-{os.getpid()}"
@@ -136,6 +136,7 @@ try:
     got = http("GET", "/v1/contexts/chat?tokens=true")["tokens"]
     check(got == want, f"the context holds the whole conversation's tokens:\n{got}\nvs\n{want}")
     print("a chat through a context with extra_body: ok (3 turns, the whole conversation's tokens)")
+    check_restarts(port, 0)
 finally:
     server.send_signal(signal.SIGTERM)
     rc = server.wait(60)

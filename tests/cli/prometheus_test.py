@@ -18,7 +18,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from duet_e2e import check, drain, free_port, listening_port
+from duet_e2e import check, check_restarts, drain, free_port, listening_port
 
 DUET = sys.argv[1]
 
@@ -104,6 +104,7 @@ try:
     ctx = query('duet_contexts')
     check(ctx and {s["metric"]["state"] for s in ctx} == {"resident", "on_disk"}, f"duet_contexts: {ctx}")
     print(f"prometheus scraping duet serve: ok (requests {requests:.0f}, TTFT median {float(q[0]['value'][1]):.3f} s)")
+    check_restarts(port, 0)
 finally:
     if prom:
         prom.terminate()

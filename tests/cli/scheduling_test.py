@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from duet_e2e import check, listening_port, time_scale  # noqa: E402
+from duet_e2e import check, check_restarts, listening_port, time_scale  # noqa: E402
 
 import openai  # noqa: E402
 
@@ -71,6 +71,7 @@ def serving(name, *args):
         check(port, f"the server{name} did not start")
         threading.Thread(target=lambda: [log.append(l) for l in server.stderr], daemon=True).start()
         yield port, server
+        check_restarts(port, 0)  # no test here kills a role
     except BaseException:
         print(f"--- the server{name}'s last lines:\n" + "".join(log), file=sys.stderr)
         raise
