@@ -3,6 +3,7 @@
 // small subset of std::expected the engine uses.
 #pragma once
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -25,12 +26,16 @@ enum class ErrorKind : uint8_t {
     Invalid = 5,     // the request itself is wrong (a position past the end): HTTP 400
     Limit = 6,       // a configured limit is reached (contexts, disk): HTTP 429
     Interrupted = 7,  // stopped on purpose before the end (Backend::set_interrupt); nothing changed
+    NoSpace = 8,      // the disk is full (ENOSPC, EDQUOT); nothing changed: HTTP 507
 };
 
 struct Error {
     std::string message;
     ErrorKind kind = ErrorKind::Other;
 };
+
+// The kind of a failed system call's errno: NoSpace for ENOSPC and EDQUOT.
+inline ErrorKind errno_kind(int e) { return e == ENOSPC || e == EDQUOT ? ErrorKind::NoSpace : ErrorKind::Other; }
 
 template <typename... Args>
 Error make_error(fmt::format_string<Args...> f, Args&&... args) {

@@ -38,7 +38,8 @@ constexpr uint32_t kMaxLayers = 4096, kMaxHeads = 4096, kMaxHeadDim = 4096, kMax
 constexpr uint64_t kMaxTokens = uint64_t{1} << 32, kMaxPos = uint64_t{1} << 40;
 
 Error errno_error(const char* what, const std::string& path) {
-    return make_error("{} {}: {}", what, path, std::strerror(errno));
+    const int e = errno;
+    return make_error(errno_kind(e), "{} {}: {}", what, path, std::strerror(e));
 }
 
 // Bytes of one value of a dtype as stored.
@@ -227,8 +228,9 @@ Status transfer_iov(int fd, uint64_t at, std::span<const iovec> iov, bool write)
         const ssize_t r = write ? ::pwritev(fd, chunk.data(), n, static_cast<off_t>(at))
                                 : ::preadv(fd, chunk.data(), n, static_cast<off_t>(at));
         if (r < 0) {
-            if (errno == EINTR) continue;
-            return make_error("{} at offset {}: {}", write ? "write" : "read", at, std::strerror(errno));
+            const int e = errno;
+            if (e == EINTR) continue;
+            return make_error(errno_kind(e), "{} at offset {}: {}", write ? "write" : "read", at, std::strerror(e));
         }
         if (r == 0 && !write) return make_error("the file ends at offset {}, before the data it should hold", at);
         at += static_cast<uint64_t>(r);

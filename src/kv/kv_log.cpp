@@ -72,7 +72,7 @@ std::string record_header_problem(const uint8_t* h, uint64_t salt) {
 }
 
 Error errno_error(const char* what, const std::string& path, int e = errno) {
-    return make_error("{} {}: {}", what, path, std::strerror(e));
+    return make_error(errno_kind(e), "{} {}: {}", what, path, std::strerror(e));
 }
 
 uint64_t random_salt() {
@@ -630,7 +630,8 @@ void KvLogSync::commit(std::vector<Pending*>& batch) {
             // last durable record again, and say the state kept.
             const int e = res[i].write_err;
             bool cut = ::ftruncate(log.fd_, static_cast<off_t>(log.size_)) == 0 && ::fdatasync(log.fd_) == 0;
-            st = make_error("{}: writing {} bytes at offset {}: {}; the context keeps its last durable state ({} "
+            st = make_error(errno_kind(e),
+                            "{}: writing {} bytes at offset {}: {}; the context keeps its last durable state ({} "
                             "positions)",
                             log.path_, g.bytes, log.size_, std::strerror(e), log.n_tokens_);
             if (!cut) {
@@ -705,7 +706,7 @@ Result<NewLog> write_new_log(const std::string& tmp, LogHeader& h, const std::st
         nl.last_crc = get<uint32_t>(rh, kRecHeaderCrc);
         nl.next_seq = 1;
     }
-    if (Status s = pwrite_iov(fd, 0, iov); !s) return make_error("{}: {}", tmp, s.error().message);
+    if (Status s = pwrite_iov(fd, 0, iov); !s) return make_error(s.error().kind, "{}: {}", tmp, s.error().message);
     if (::fsync(fd) != 0) return errno_error("fsync", tmp);
     nl.fd = guard.release();
     return nl;

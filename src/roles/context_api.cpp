@@ -149,14 +149,44 @@ ApiReply error_reply(int status, const std::string& message, const std::string& 
     return {status, error_json(e)};
 }
 
-ApiReply error_reply(const Error& e) {
+// A store's message as a client may read it: the server's paths under the contexts
+// directory become the context they belong to (<dir>/<id>.kvlog -> context '<id>'),
+// anything else under it "the contexts directory". The whole message goes to the
+// server's log.
+std::string public_message(const std::string& msg, const std::string& dir) {
+    if (dir.empty() || msg.find(dir) == std::string::npos) return msg;
+    std::fprintf(stderr, "duet front: contexts: %s\n", msg.c_str());
+    std::string out;
+    size_t at = 0;
+    for (size_t p; (p = msg.find(dir, at)) != std::string::npos;) {
+        out.append(msg, at, p - at);
+        size_t q = p + dir.size();
+        if (q < msg.size() && msg[q] == '/') ++q;
+        size_t end = q;
+        while (end < msg.size() && msg[end] != ':' && msg[end] != ' ' && msg[end] != ',' && msg[end] != ';') ++end;
+        const std::string file = msg.substr(q, end - q);
+        const size_t dot = file.find(".kvlog");
+        if (dot != std::string::npos && file.find('/') == std::string::npos) {
+            out += "context '" + file.substr(0, dot) + "'";
+        } else {
+            out += "the contexts directory";
+        }
+        at = end;
+    }
+    out.append(msg, at);
+    return out;
+}
+
+ApiReply error_reply(const Error& e, const std::string& dir) {
+    const std::string m = public_message(e.message, dir);
     switch (e.kind) {
-        case ErrorKind::NotFound: return error_reply(404, e.message);
-        case ErrorKind::Exists: return error_reply(409, e.message, "id");
-        case ErrorKind::Invalid: return error_reply(400, e.message);
-        case ErrorKind::Limit: return error_reply(429, e.message);
-        case ErrorKind::NoKvBlocks: return error_reply(503, e.message);
-        default: return error_reply(500, e.message);
+        case ErrorKind::NotFound: return error_reply(404, m);
+        case ErrorKind::Exists: return error_reply(409, m, "id");
+        case ErrorKind::Invalid: return error_reply(400, m);
+        case ErrorKind::Limit: return error_reply(429, m);
+        case ErrorKind::NoKvBlocks: return error_reply(503, m);
+        case ErrorKind::NoSpace: return error_reply(507, m + " (the contexts' disk is full: free space and retry)");
+        default: return error_reply(500, m);
     }
 }
 
@@ -324,6 +354,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     s->store_ = std::move(store).value();
     // Exports and imports pass through files here; a previous run's are left-overs.
     s->spool_dir_ = dir + "/spool";
+    s->store_dir_ = dir;
     if (::mkdir(s->spool_dir_.c_str(), 0700) != 0 && errno != EEXIST)
         return make_error("{}: cannot create: {}", s->spool_dir_, std::strerror(errno));
     if (DIR* d = ::opendir(s->spool_dir_.c_str())) {
@@ -373,7 +404,7 @@ ApiReply ContextService::create(const std::string& body) {
     if (auto* e = std::get_if<ApiReply>(&toks)) return *e;
     ContextUsage u;
     auto r = store_->create(id, std::get<std::vector<int32_t>>(toks), durable, &u, pin);
-    if (!r) return error_reply(r.error());
+    if (!r) return error_reply(r.error(), store_dir_);
     return ok(201, info_json(*r, &u));
 }
 
@@ -382,13 +413,13 @@ ApiReply ContextService::route_one(const std::string& method, const std::string&
     if (auto refused = refused_reply(id)) return *refused;
     if (op.empty() && method == "GET") {
         auto i = store_->info(id);
-        if (!i) return error_reply(i.error());
+        if (!i) return error_reply(i.error(), store_dir_);
         json j = info_json(*i);
         if (query.find("tokens=true") != std::string::npos) j["tokens"] = *store_->tokens(id);
         return ok(200, j);
     }
     if (op.empty() && method == "DELETE") {
-        if (Status st = store_->remove(id); !st) return error_reply(st.error());
+        if (Status st = store_->remove(id); !st) return error_reply(st.error(), store_dir_);
         return ok(200, {{"id", id}, {"object", "context"}, {"deleted", true}});
     }
     if (method != "POST" || op.empty()) return error_reply(405, fmt::format("{} is not allowed here", method));
@@ -403,7 +434,7 @@ ApiReply ContextService::route_one(const std::string& method, const std::string&
         int64_t at = 0;
         if (op == "append") {
             auto i = store_->info(id);
-            if (!i) return error_reply(i.error());
+            if (!i) return error_reply(i.error(), store_dir_);
             at = i->n_tokens;
         } else {
             auto a = int_field(j, "at", 0, true);
@@ -437,7 +468,7 @@ ApiReply ContextService::route_one(const std::string& method, const std::string&
     } else {
         return error_reply(404, fmt::format("no route for POST /v1/contexts/{}/{}", id, op));
     }
-    if (!r) return error_reply(r.error());
+    if (!r) return error_reply(r.error(), store_dir_);
     return ok(200, info_json(*r, &u));
 }
 
@@ -497,7 +528,7 @@ std::variant<std::string, ApiReply> ContextService::export_file(const std::strin
     auto r = store_->export_blob(id, path);
     if (!r) {
         ::unlink(path.c_str());
-        return error_reply(r.error());
+        return error_reply(r.error(), store_dir_);
     }
     return path;
 }
@@ -520,13 +551,13 @@ ApiReply ContextService::import_file(const std::string& query, const std::string
         return error_reply(400, "durable: true or false", "durable");
     ContextUsage u;
     auto r = store_->import_blob(id, path, durable != "false", &u);
-    if (!r) return error_reply(r.error());
+    if (!r) return error_reply(r.error(), store_dir_);
     return ok(201, info_json(*r, &u));
 }
 
 std::variant<ContextKv, ApiReply> ContextService::lease(const std::string& id) {
     auto kv = store_->lease(id);
-    if (!kv) return error_reply(kv.error());
+    if (!kv) return error_reply(kv.error(), store_dir_);
     return std::move(kv).value();
 }
 
@@ -545,7 +576,7 @@ ApiReply ContextService::commit(const std::string& id, size_t context_tokens, st
             std::equal(added.begin(), added.end(), t->begin() + static_cast<std::ptrdiff_t>(context_tokens))) {
             release(kv_blocks);
             auto info = store_->info(id);
-            if (!info) return error_reply(info.error());
+            if (!info) return error_reply(info.error(), store_dir_);
             return ok(200, info_json(*info, nullptr));
         }
     }
@@ -556,18 +587,18 @@ ApiReply ContextService::commit(const std::string& id, size_t context_tokens, st
             return error_reply(409, fmt::format("context '{}' changed during the completion: the completion was not "
                                                 "added ({})",
                                                 id, r.error().message));
-        if (!r) return error_reply(r.error());
+        if (!r) return error_reply(r.error(), store_dir_);
         return ok(200, info_json(*r, &u));
     }
     auto t = store_->tokens(id);
-    if (!t) return error_reply(t.error());
+    if (!t) return error_reply(t.error(), store_dir_);
     if (t->size() != context_tokens)
         return error_reply(409, fmt::format("context '{}' changed during the completion ({} tokens, was {}): the "
                                             "completion was not added",
                                             id, t->size(), context_tokens));
     ContextUsage u;
     auto r = store_->append(id, added, &u);
-    if (!r) return error_reply(r.error());
+    if (!r) return error_reply(r.error(), store_dir_);
     return ok(200, info_json(*r, &u));
 }
 

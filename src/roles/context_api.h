@@ -147,6 +147,7 @@ private:
     const Tokenizer* tok_ = nullptr;
     std::unique_ptr<ChatTurns> turns_;
     std::string spool_dir_;
+    std::string store_dir_;  // its paths are not shown to clients (public_message)
     uint64_t max_blob_bytes_ = 0;
     ShmBlockAllocator* alloc_ = nullptr;
     // CPU: a pool over the shared host arena. GPU: the arena's host mirror and the
