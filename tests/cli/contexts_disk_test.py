@@ -13,7 +13,6 @@ Skipped (exit 77, saying why) where the kernel refuses a mount namespace or tmpf
 Usage: contexts_disk_test.py path/to/duet"""
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from duet_e2e import check, check_restarts, drain, listening_port, skip
+from duet_e2e import check, check_restarts, drain, listening_port, skip, stop
 
 DUET = sys.argv[1]
 
@@ -111,8 +110,4 @@ except SystemExit:
 finally:
     if os.path.exists(filler):
         os.unlink(filler)
-    serve.send_signal(signal.SIGTERM)
-    try:
-        serve.wait(60)
-    except subprocess.TimeoutExpired:
-        serve.kill()
+    stop(serve)

@@ -98,3 +98,14 @@ def check_restarts(port, kills):
     check(m, "/metrics has no duet_worker_restarts_total")
     check(int(m.group(1)) == kills, f"{m.group(1)} role restarts for the {kills} kill(s) this test made: "
                                     "a role died on its own (its log says why)")
+
+
+def stop(proc, grace=60):
+    """SIGTERM to a server, SIGKILL if it has not exited after `grace` seconds."""
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()

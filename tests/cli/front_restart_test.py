@@ -28,7 +28,7 @@ import threading
 import time
 import http.client
 
-from duet_e2e import check, check_restarts
+from duet_e2e import check, check_restarts, stop
 
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
@@ -309,8 +309,4 @@ try:
         print("".join(log[-40:]), file=sys.stderr)
         raise
 finally:
-    serve.send_signal(signal.SIGTERM)
-    try:
-        serve.wait(60)
-    except subprocess.TimeoutExpired:
-        serve.kill()
+    stop(serve)

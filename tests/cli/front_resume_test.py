@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from duet_e2e import check, listening_port, time_scale
+from duet_e2e import check, listening_port, stop, time_scale
 
 DUET = sys.argv[1]
 SUBSET = os.environ.get("DUET_E2E_SUBSET") == "1"
@@ -213,8 +213,4 @@ except SystemExit:
     print("".join(log[-40:]), file=sys.stderr)
     raise
 finally:
-    serve.send_signal(signal.SIGTERM)
-    try:
-        serve.wait(60)
-    except subprocess.TimeoutExpired:
-        serve.kill()
+    stop(serve)
