@@ -73,7 +73,14 @@ for u in units[1:]:
     m = re.search(r"Overall exposure level for \S+: ([\d.]+)", sec.stdout + sec.stderr)
     check(m, f"security of {u}: {sec.stdout[-300:]}{sec.stderr[-300:]}")
     scores[u] = float(m.group(1))
-print(f"generate: units, drop-ins, duet.env (0600); verify clean; security exposure {scores}")
+# Bounded, not only printed: no higher than measured with systemd 252 (Debian 12) on
+# 2026-12-05, 3.2, and 3.4 for the front, which listens on the network. Dropping one
+# hardening directive (ProtectSystem=strict, NoNewPrivileges=yes or PrivateTmp=yes
+# from the decode unit) raised it to 3.3. Another systemd may score otherwise: then
+# measure again and say so here.
+bound = {u: 3.4 if u == "duet-front.service" else 3.2 for u in scores}
+check(all(scores[u] <= bound[u] + 1e-9 for u in scores), f"systemd-analyze security exposure above {bound}: {scores}")
+print(f"generate: units, drop-ins, duet.env (0600); verify clean; security exposure {scores} (bounded)")
 root = os.path.join(tmp, "root")
 ins = subprocess.run([DUET, "systemd", "install", gen, "--root", root], capture_output=True, text=True)
 check(ins.returncode == 0 and os.path.exists(os.path.join(root, "etc/systemd/system/duet-prefill@0.service.d/placement.conf"))
