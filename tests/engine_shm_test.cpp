@@ -136,3 +136,41 @@ TEST(EngineShm, LeftoversOfDeadDefaultRunsAreSwept) {
     EXPECT_FALSE(exists("/dev/shm/duet." + stale));
     EXPECT_FALSE(exists("/dev/shm/duet." + stale + ".kv"));
 }
+
+// Tests run side by side each in a scope of their own (DUET_SHM_SCOPE): a start sweeps
+// the stale default-named segments of its own scope only, never another scope's (a
+// test that left them behind on purpose checks them next), nor a named instance's.
+TEST(EngineShm, ASweepLeavesOtherScopesAndNamedInstances) {
+    auto scope = shm_scope();
+    ASSERT_TRUE(scope.ok() && !scope->empty());
+    const std::string other = "o" + std::to_string(getpid());
+    const std::string theirs = other + ".run-999999998-" + std::to_string(getpid());
+    const std::string named = unique_name("named");
+    for (const std::string& name : {theirs, named}) {
+        pid_t child = fork_run([&] {
+            auto e = Engine::create(options(name));
+            if (!e.ok()) return 1;
+            kill(getpid(), SIGKILL);
+            return 0;
+        });
+        EXPECT_EQ(wait_exit(child), 128 + SIGKILL);
+        ASSERT_TRUE(exists("/dev/shm/duet." + name)) << name;
+    }
+    {
+        auto e = Engine::create(options(""));  // sweeps this process's scope
+        ASSERT_TRUE(e.ok()) << e.error().message;
+    }
+    EXPECT_TRUE(exists("/dev/shm/duet." + theirs)) << "another scope's stale segments are left";
+    EXPECT_TRUE(exists("/dev/shm/duet." + named)) << "a named instance's stale segments are left";
+    // The other scope's own start removes them.
+    const std::string mine = std::getenv("DUET_SHM_SCOPE");
+    setenv("DUET_SHM_SCOPE", other.c_str(), 1);
+    EXPECT_GE(remove_stale_segments("run-"), 1);
+    setenv("DUET_SHM_SCOPE", mine.c_str(), 1);
+    EXPECT_FALSE(exists("/dev/shm/duet." + theirs));
+    EXPECT_FALSE(exists("/dev/shm/duet." + theirs + ".kv"));
+    // A named instance is replaced by name when it starts again.
+    auto again = Engine::create(options(named));
+    ASSERT_TRUE(again.ok()) << again.error().message;
+    EXPECT_TRUE((*again)->shm().instance().control_segment().replaced_stale());
+}
