@@ -24,6 +24,8 @@ import time
 import urllib.error
 import urllib.request
 
+from duet_e2e import time_scale
+
 DUET = sys.argv[1]
 INSTANCE = f"duet-serve-test-{os.getpid()}"
 
@@ -634,18 +636,22 @@ def run(port, server):
     os.kill(front[0], signal.SIGKILL)
     t.join(60)
     check(broke.get("how") not in (None, "completed"), f"the stream outlived its front: {broke}")
-    for _ in range(200):
+    # The new front: 10 s was once too short under ASan beside other e2e tests.
+    deadline = time.monotonic() + 60 * time_scale()
+    while True:
         try:
             if request(port, "GET", "/ready")[0] == 200:
                 break
         except OSError:
             pass
+        check(time.monotonic() < deadline, "no front ready 60 s (scaled) after the front's SIGKILL")
         time.sleep(0.05)
     st, body = request(port, "POST", "/v1/completions", ref_body)
     check(st == 200 and json.loads(body)["choices"][0]["text"] == ref, f"after the front restart: {st} {body[:200]}")
-    for _ in range(200):
+    deadline = time.monotonic() + 30 * time_scale()  # the resume window (2 s), then the cancel
+    while True:
         busy = {k: v for k, v in shm_processes()["requests"]["by_state"].items() if k != "FREE" and v}
-        if not busy and reclaimable() == baseline:
+        if (not busy and reclaimable() == baseline) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     check(not busy, f"requests left after the front died: {busy}")
