@@ -151,11 +151,11 @@ ApiReply error_reply(int status, const std::string& message, const std::string& 
 
 // A store's message as a client may read it: the server's paths under the contexts
 // directory become the context they belong to (<dir>/<id>.kvlog -> context '<id>'),
-// anything else under it "the contexts directory". The whole message goes to the
-// server's log.
-std::string public_message(const std::string& msg, const std::string& dir) {
+// anything else under it "the contexts directory". The whole message of a server
+// error goes to the server's log (a client's own errors, a bad import say, do not).
+std::string public_message(const std::string& msg, const std::string& dir, bool server_error) {
     if (dir.empty() || msg.find(dir) == std::string::npos) return msg;
-    std::fprintf(stderr, "duet front: contexts: %s\n", msg.c_str());
+    if (server_error) std::fprintf(stderr, "duet front: contexts: %s\n", msg.c_str());
     std::string out;
     size_t at = 0;
     for (size_t p; (p = msg.find(dir, at)) != std::string::npos;) {
@@ -178,7 +178,9 @@ std::string public_message(const std::string& msg, const std::string& dir) {
 }
 
 ApiReply error_reply(const Error& e, const std::string& dir) {
-    const std::string m = public_message(e.message, dir);
+    const bool client = e.kind == ErrorKind::NotFound || e.kind == ErrorKind::Exists || e.kind == ErrorKind::Invalid ||
+                        e.kind == ErrorKind::Limit;
+    const std::string m = public_message(e.message, dir, !client);
     switch (e.kind) {
         case ErrorKind::NotFound: return error_reply(404, m);
         case ErrorKind::Exists: return error_reply(409, m, "id");

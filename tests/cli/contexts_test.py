@@ -28,9 +28,11 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check_restarts
+from duet_e2e import check_restarts, time_scale
 
 DUET = sys.argv[1]
+# The decode kill's generation: long enough to be cut, short enough for ASan.
+GEN_TOKENS = 160 if os.environ.get("DUET_E2E_SUBSET") else 300
 N_OPS = int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ.get("DUET_CONTEXT_OPS", "200"))
 
 
@@ -49,7 +51,7 @@ def request(port, method, path, body=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=120 * time_scale()) as r:
             return r.status, json.loads(r.read().decode() or "null")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode() or "null")
@@ -66,7 +68,7 @@ def stream_text(port, path, body, on_event=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(dict(body, stream=True)).encode(),
                                  method="POST", headers={"Content-Type": "application/json"})
     text, done, n = "", False, 0
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=120 * time_scale()) as r:
         for line in r:
             line = line.decode().rstrip("\n")
             if not line.startswith("data: "):
@@ -274,7 +276,7 @@ def raw(port, method, path, data=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/octet-stream"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=120 * time_scale()) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -555,7 +557,7 @@ def decode_killed_mid_generation(srv):
         cid = f"gen{attempt}"
         ok(port, "POST", "/v1/contexts", {"id": cid, "prompt": "Once upon a time, in a land far away,"}, want=201)
         t0 = tokens_of(port, cid)
-        want = ok(port, "POST", "/v1/completions", {"prompt": t0, "max_tokens": 500, "temperature": 0,
+        want = ok(port, "POST", "/v1/completions", {"prompt": t0, "max_tokens": GEN_TOKENS, "temperature": 0,
                                                     "ignore_eos": True})["choices"][0]["text"]
         got, err = [], []
         mid = threading.Event()
@@ -564,7 +566,7 @@ def decode_killed_mid_generation(srv):
         def run():
             try:
                 got.append(stream_text(port, f"/v1/contexts/{cid}/completions",
-                                       {"max_tokens": 500, "temperature": 0, "ignore_eos": True},
+                                       {"max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True},
                                        lambda n: n == 8 and mid.set()))
             except Exception as e:  # reported below
                 err.append(repr(e))
@@ -573,8 +575,8 @@ def decode_killed_mid_generation(srv):
         th = threading.Thread(target=run)
         th.start()
         # Killed mid-generation: once the stream has 8 events (decode has the
-        # request), not after a guessed time; 500 tokens, so that decode is still at
-        # it then (an event may carry many tokens on a loaded machine).
+        # request), not after a guessed time, with tokens enough that decode is still
+        # at it then (an event may carry many tokens on a loaded machine).
         check(mid.wait(120) and th.is_alive() and not got, f"the stream before the kill: {err} {got}")
         # ... and decode holds it (not preempted and being recomputed by prefill).
         holds = lambda: metric(port, r'^duet_worker_requests\{role="decode",worker="0"\} (\d+)$') or 0
@@ -586,7 +588,7 @@ def decode_killed_mid_generation(srv):
         th.join(120)
         check(not err and got, f"the stream failed: {err}")
         check(got[0] == want, f"after decode's SIGKILL the stream says {got[0]!r}, undisturbed {want!r}")
-        check(len(tokens_of(port, cid)) == len(t0) + 500, "the context holds exactly the committed tokens")
+        check(len(tokens_of(port, cid)) == len(t0) + GEN_TOKENS, "the context holds exactly the committed tokens")
         expect_exact(port, cid, "a decode worker's SIGKILL")
         after = counter(port, "duet_requests_redriven_total")
         if after > redriven:
