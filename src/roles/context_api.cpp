@@ -178,18 +178,16 @@ std::string public_message(const std::string& msg, const std::string& dir, bool 
 }
 
 ApiReply error_reply(const Error& e, const std::string& dir) {
-    const bool client = e.kind == ErrorKind::NotFound || e.kind == ErrorKind::Exists || e.kind == ErrorKind::Invalid ||
-                        e.kind == ErrorKind::Limit;
-    const std::string m = public_message(e.message, dir, !client);
-    switch (e.kind) {
-        case ErrorKind::NotFound: return error_reply(404, m);
-        case ErrorKind::Exists: return error_reply(409, m, "id");
-        case ErrorKind::Invalid: return error_reply(400, m);
-        case ErrorKind::Limit: return error_reply(429, m);
-        case ErrorKind::NoKvBlocks: return error_reply(503, m);
-        case ErrorKind::NoSpace: return error_reply(507, m + " (the contexts' disk is full: free space and retry)");
-        default: return error_reply(500, m);
-    }
+    const int status = e.kind == ErrorKind::NotFound     ? 404
+                       : e.kind == ErrorKind::Exists     ? 409
+                       : e.kind == ErrorKind::Invalid    ? 400
+                       : e.kind == ErrorKind::Limit      ? 429
+                       : e.kind == ErrorKind::NoKvBlocks ? 503
+                       : e.kind == ErrorKind::NoSpace    ? 507
+                                                         : 500;
+    std::string m = public_message(e.message, dir, status >= 500);
+    if (status == 507) m += " (the contexts' disk is full: free space and retry)";
+    return error_reply(status, m, status == 409 ? "id" : "");
 }
 
 json info_json(const ContextInfo& i, const ContextUsage* u = nullptr) {

@@ -1551,7 +1551,6 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
 // the request first (then its resume was cut short, or answered 404). False: not
 // resumable (no grace, no front record, or not a stream); the caller cancels it.
 bool FrontSession::detach(Front& f, Completion& c) {
-    if (c.detached) return true;
     // A context completion is not kept: its commit belongs to the connection that asked.
     if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty()) return false;
     shm::RequestTable& t = f.inst_.requests();
