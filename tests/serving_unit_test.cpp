@@ -68,6 +68,77 @@ std::vector<shm::BlockHash> publish_leading_blocks(shm::Instance& inst, uint32_t
 
 }  // namespace
 
+// Every field is honoured, refused naming it, or (OpenAI's own bookkeeping) ignored;
+// an unknown one is refused with OpenAI's wording. The expected values are OpenAI's
+// documented request surface, written out here, not read from the server's table.
+TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
+    const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+    auto err = [](const std::string& body, bool chat) {
+        auto r = parse_completion(body, chat);
+        if (auto* e = std::get_if<ApiError>(&r)) return *e;
+        ADD_FAILURE() << body << " was accepted";
+        return ApiError{};
+    };
+    // Unknown: OpenAI's message, the field as param; in either API.
+    ApiError e = err(R"({"prompt": "x", "frobnicate": 1})", false);
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "frobnicate");
+    EXPECT_EQ(e.message, "Unrecognized request argument supplied: frobnicate");
+    EXPECT_EQ(err("{" + msgs + R"(, "cache_prompt": true})", true).param, "cache_prompt");
+    // A field of the other API is unknown here.
+    EXPECT_EQ(err("{" + msgs + R"(, "echo": true})", true).param, "echo");
+    EXPECT_EQ(err("{" + msgs + R"(, "best_of": 2})", true).param, "best_of");
+    EXPECT_EQ(err("{" + msgs + R"(, "suffix": "x"})", true).param, "suffix");
+    EXPECT_EQ(err(R"({"prompt": "x", "tools": []})", false).param, "tools");
+    EXPECT_EQ(err(R"({"prompt": "x", "max_completion_tokens": 3})", false).param, "max_completion_tokens");
+    EXPECT_EQ(err(R"({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}})", false).param,
+              "stream_options");
+    // Refused whenever they ask for something.
+    for (const char* body : {R"("logit_bias": {"1876": -100})", R"("min_tokens": 3)", R"("grammar": "root ::= \"a\"")",
+                             R"("json_schema": {"type": "object"})"}) {
+        const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
+        const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
+        EXPECT_EQ(err(b, false).param, name) << b;
+        EXPECT_EQ(err("{" + msgs + ", " + body + "}", true).param, name) << body;
+    }
+    EXPECT_EQ(err(R"({"prompt": "x", "suffix": "end"})", false).param, "suffix");
+    for (const char* body : {R"("tools": [{"type": "function", "function": {"name": "f"}}])", R"("tool_choice": "auto")",
+                             R"("parallel_tool_calls": true)", R"("functions": [{"name": "f"}])",
+                             R"("function_call": "auto")", R"("response_format": {"type": "json_object"})",
+                             R"("modalities": ["text", "audio"])", R"("audio": {"voice": "alloy"})",
+                             R"("prediction": {"type": "content", "content": "x"})", R"("reasoning_effort": "low")",
+                             R"("verbosity": "low")", R"("web_search_options": {})"}) {
+        const std::string b = "{" + msgs + ", " + body + "}";
+        EXPECT_EQ(err(b, true).param, std::string(body).substr(1, std::string(body).find('"', 1) - 1)) << b;
+    }
+    // ... and taken as absent when they ask for nothing.
+    for (const char* body : {R"("logit_bias": {})", R"("logit_bias": null)", R"("min_tokens": 0)", R"("tools": [])",
+                             R"("tool_choice": "none")", R"("response_format": {"type": "text"})",
+                             R"("modalities": ["text"])", R"("user": "u1")", R"("metadata": {"a": "b"})",
+                             R"("store": false)", R"("service_tier": "auto")", R"("safety_identifier": "s")",
+                             R"("prompt_cache_key": "k")"})
+        parse_ok("{" + msgs + ", " + body + "}", true);
+    parse_ok(R"({"prompt": "x", "suffix": "", "user": "u", "logit_bias": {}})", false);
+    // Chat roles: OpenAI's, developer taken as system; tools' roles and other
+    // message fields refused.
+    EXPECT_EQ(parse_ok(R"({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]})",
+                       true).messages[0].role,
+              "system");
+    for (const char* m : {R"({"role": "tool", "content": "4", "tool_call_id": "c"})", R"({"role": "robot", "content": "x"})",
+                          R"({"role": "user", "content": "x", "name": "bob"})",
+                          R"({"role": "assistant", "content": null, "tool_calls": []})"})
+        EXPECT_EQ(err(std::string(R"({"messages": [)") + m + "]}", true).param, "messages") << m;
+    // echo and best_of (completions).
+    EXPECT_TRUE(parse_ok(R"({"prompt": "x", "echo": true})", false).echo);
+    EXPECT_EQ(err(R"({"prompt": "x", "echo": true, "logprobs": 1})", false).param, "echo");
+    EXPECT_EQ(err(R"({"prompt": "x", "echo": 1})", false).param, "echo");
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "best_of": 3, "n": 2})", false).best_of, 3);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "best_of": 2, "n": 2, "stream": true})", false).best_of, 2);
+    EXPECT_EQ(err(R"({"prompt": "x", "best_of": 1, "n": 2})", false).param, "best_of");
+    EXPECT_EQ(err(R"({"prompt": "x", "best_of": 17})", false).param, "best_of");
+    EXPECT_EQ(err(R"({"prompt": "x", "best_of": 3, "stream": true})", false).param, "best_of");
+}
+
 TEST(OpenAiParse, ChoicesLogprobsAndTokenPrompts) {
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "n": 3})", false).n, 3);
     EXPECT_EQ(parse_err(R"({"prompt": "x", "n": 0})", false), "n");

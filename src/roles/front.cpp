@@ -57,6 +57,8 @@ struct FrontRecord {
     size_t context_len = 0;
     bool commit = true;
     bool return_kv = false;
+    std::string echo;  // Completion's
+    int keep = 1;
 };
 
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
@@ -297,6 +299,12 @@ struct Completion {
     } lease, returned;
     bool return_kv = false;
     bool commit = true;
+    // "echo": the prompt's text, put before each choice's output. "best_of": r.n
+    // candidates run, and the `keep` with the highest mean log-probability per token
+    // are the reply (keep == r.n: no ranking).
+    std::string echo;
+    int keep = 1;
+    bool ranked() const { return keep < r.n; }
     uint64_t arrived = 0;  // the body read
     std::vector<int32_t> prompt;
     std::vector<Choice> ch;
@@ -345,7 +353,9 @@ std::string front_record_json(const Completion& c) {
                 {"context", c.context},
                 {"context_len", c.context_len},
                 {"commit", c.commit},
-                {"return_kv", c.return_kv}}
+                {"return_kv", c.return_kv},
+                {"echo", c.echo},
+                {"keep", c.keep}}
         .dump();
 }
 
@@ -371,6 +381,8 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
         f.context_len = j.value("context_len", size_t{0});
         f.commit = j.value("commit", true);
         f.return_kv = j.value("return_kv", false);
+        f.echo = j.value("echo", std::string());
+        f.keep = std::clamp(j.value("keep", f.r.n), 1, f.r.n);
         if (f.refs.empty()) return std::nullopt;
         return f;
     } catch (const std::exception&) {
@@ -385,6 +397,19 @@ struct Outcome {
     int32_t error_code = 0;  // of a failed choice
     std::vector<ChoiceText> texts;
 };
+
+// best_of: the `keep` choices with the highest mean log-probability per token (an
+// empty one scores 0), best first; equal scores keep their order.
+void keep_best(std::vector<ChoiceText>& texts, size_t keep) {
+    auto score = [](const ChoiceText& x) {
+        double sum = 0;
+        for (const LogprobToken& t : x.logprobs) sum += t.logprob;
+        return x.logprobs.empty() ? 0.0 : sum / static_cast<double>(x.logprobs.size());
+    };
+    std::stable_sort(texts.begin(), texts.end(),
+                     [&](const ChoiceText& a, const ChoiceText& b) { return score(a) > score(b); });
+    texts.resize(std::min(keep, texts.size()));
+}
 
 // What one look at a choice's slot found.
 struct ChoiceStep {
@@ -1131,7 +1156,15 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
     if (!c.context.empty() && c.r.n != 1)
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error", "n: a context completion has one choice", "n", ""));
+    if (!c.context.empty() && (c.r.best_of > 1 || c.r.echo))
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error",
+                                           fmt::format("{}: not for a context completion", c.r.echo ? "echo" : "best_of"),
+                                           c.r.echo ? "echo" : "best_of", ""));
+    c.keep = c.r.n;
+    c.r.n = std::max(c.r.n, c.r.best_of);  // best_of's candidates, each a choice
     if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
+    if (c.r.echo) c.echo = c.r.prompt_ids.empty() ? c.r.prompt : f.tok_.decode(c.prompt, false);
     if (!c.context_tokens.empty()) c.prompt.insert(c.prompt.begin(), c.context_tokens.begin(), c.context_tokens.end());
     auto params = request_params_of(f, c);
     if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
@@ -1237,7 +1270,7 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
-    params.logprobs = r.logprobs;
+    params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
     return params;
 }
 
@@ -1379,7 +1412,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
         ch.last_token_ns = step.seen_ns;
-        if (c.r.logprobs >= 0) read_logprobs(t, f.tok_, ch, c.r.logprobs, before, ch.out.size());
+        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
     }
     if (!ch.stream.stopped()) {
         std::string piece;
@@ -1399,6 +1432,7 @@ awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream,
     Choice& ch = c.ch[ci];
     std::string piece = ch.stream.take(step.terminal);
     if (piece.empty() && !ch.first) co_return;
+    if (ch.first) piece.insert(0, c.echo);
     ch.sent_have = ch.have;
     if (!co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece, "",
                                                  ch.first, ch.unsent()),
@@ -1484,8 +1518,10 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
-        o.texts.push_back({ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps)});
+        o.texts.push_back({(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish,
+                           c.r.stream ? ch.lps : std::move(ch.lps)});
     }
+    if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
     o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
     if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
     else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
@@ -1632,6 +1668,16 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     c.context_len = fr->context_len;
     c.commit = fr->commit;
     c.return_kv = fr->return_kv;
+    c.echo = fr->echo;
+    c.keep = fr->keep;
+    if (events && c.ranked()) {
+        unclaim(false);
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error",
+                                           fmt::format("request '{}' has 'best_of' greater than 'n': it cannot be "
+                                                       "streamed; resume it without Accept: text/event-stream", id),
+                                           "best_of", ""));
+    }
     // The prompt as the slot holds it (the commit adds its tokens past context_len).
     {
         const uint32_t s0 = fr->refs[0].slot;
@@ -1689,7 +1735,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         out.resize(from[i]);
         ch.out = std::move(out);
         ch.have = from[i];
-        if (c.r.logprobs >= 0) read_logprobs(t, f.tok_, ch, c.r.logprobs, 0, ch.out.size());
+        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
         std::string piece;
         for (int32_t tok : ch.out) piece += ch.detok.push(tok);
         if (ch.stream.append(piece)) ch.finish = "stop";

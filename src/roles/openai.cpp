@@ -68,8 +68,18 @@ std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessag
     for (const json& m : *it) {
         if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
             return bad("messages", "each message needs a string 'role'");
+        const size_t i = out.size();
         ChatMessage msg;
         msg.role = m["role"].get<std::string>();
+        // OpenAI's newer name for the system role (its o-series models take it so).
+        if (msg.role == "developer") msg.role = "system";
+        if (msg.role != "system" && msg.role != "user" && msg.role != "assistant")
+            return bad("messages",
+                       fmt::format("messages[{}]: the role '{}' is not supported (system, developer, user, assistant){}",
+                                   i, msg.role, msg.role == "tool" || msg.role == "function" ? "; tools are not so far" : ""));
+        for (const auto& [key, v] : m.items())
+            if (key != "role" && key != "content" && !v.is_null())
+                return bad("messages", fmt::format("messages[{}].{} is not supported by this server so far", i, key));
         const json& c = m.value("content", json(nullptr));
         if (c.is_string()) {
             msg.content = c.get<std::string>();
@@ -210,13 +220,115 @@ Field read_scheduling(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
-// Options this server does not implement are errors, never ignored.
-Field refuse_unsupported(const json& j) {
-    for (const char* key : {"tools", "functions", "response_format"}) {
-        auto it = j.find(key);
-        if (it == j.end() || it->is_null() || (it->is_boolean() && !it->get<bool>())) continue;
-        return bad(key, fmt::format("'{}' is not supported by this server so far", key));
+// echo (completions) and best_of (completions: candidates of which the n with the
+// highest mean log-probability per token are returned; not streamed).
+Field read_echo_best_of(const json& j, CompletionRequest& r) {
+    if (auto e = boolean(j, "echo", r.echo)) return e;
+    if (r.echo && r.logprobs >= 0)
+        return bad("echo", "'echo' with 'logprobs' needs the prompt tokens' log-probabilities, which this server does "
+                           "not compute; ask for one or the other");
+    if (auto it = j.find("best_of"); it != j.end() && !it->is_null()) {
+        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > kMaxChoices)
+            return bad("best_of", fmt::format("'best_of' must be an integer from 1 to {}", kMaxChoices));
+        r.best_of = it->get<int>();
+        if (r.best_of < r.n)
+            return bad("best_of", fmt::format("'best_of' ({}) must be at least 'n' ({})", r.best_of, r.n));
+        if (r.best_of > r.n && r.stream) return bad("best_of", "'best_of' greater than 'n' cannot be streamed");
     }
+    return std::nullopt;
+}
+
+// What the server does with each field of a body. Honoured: read above. Ignored:
+// bookkeeping of OpenAI's own service that changes no output there either. Refused:
+// a 400 naming it whenever it asks for something (any value but null, and the few
+// values that ask for nothing: an empty logit_bias, response_format text, ...).
+enum class Does : uint8_t { Honour, Ignore, Refuse };
+enum : uint8_t { kCompletions = 1, kChat = 2, kBoth = 3 };
+struct FieldRule {
+    const char* name;
+    uint8_t apis;
+    Does does;
+    const char* why;  // Refuse: the reason in the 400
+};
+constexpr FieldRule kFields[] = {
+    {"model", kBoth, Does::Honour, ""},
+    {"prompt", kCompletions, Does::Honour, ""},
+    {"messages", kChat, Does::Honour, ""},
+    {"max_tokens", kBoth, Does::Honour, ""},
+    {"max_completion_tokens", kChat, Does::Honour, ""},
+    {"temperature", kBoth, Does::Honour, ""},
+    {"top_p", kBoth, Does::Honour, ""},
+    {"top_k", kBoth, Does::Honour, ""},               // vLLM, llama.cpp
+    {"min_p", kBoth, Does::Honour, ""},               // vLLM, llama.cpp
+    {"repetition_penalty", kBoth, Does::Honour, ""},  // vLLM
+    {"presence_penalty", kBoth, Does::Honour, ""},
+    {"frequency_penalty", kBoth, Does::Honour, ""},
+    {"seed", kBoth, Does::Honour, ""},
+    {"stop", kBoth, Does::Honour, ""},
+    {"stream", kBoth, Does::Honour, ""},
+    {"stream_options", kBoth, Does::Honour, ""},
+    {"ignore_eos", kBoth, Does::Honour, ""},  // vLLM, llama.cpp
+    {"n", kBoth, Does::Honour, ""},
+    {"logprobs", kBoth, Does::Honour, ""},
+    {"top_logprobs", kChat, Does::Honour, ""},
+    {"echo", kCompletions, Does::Honour, ""},
+    {"best_of", kCompletions, Does::Honour, ""},
+    {"priority", kBoth, Does::Honour, ""},  // duet (engine/scheduling.h)
+    {"timeout", kBoth, Does::Honour, ""},   // duet
+    {"user", kBoth, Does::Ignore, ""},
+    {"safety_identifier", kChat, Does::Ignore, ""},
+    {"prompt_cache_key", kChat, Does::Ignore, ""},  // a cache hint: duet's prefix cache needs none
+    {"metadata", kChat, Does::Ignore, ""},
+    {"store", kChat, Does::Ignore, ""},
+    {"service_tier", kChat, Does::Ignore, ""},
+    {"logit_bias", kBoth, Does::Refuse, "is not supported by this server so far"},
+    {"min_tokens", kBoth, Does::Refuse, "is not supported by this server so far"},  // vLLM
+    {"suffix", kCompletions, Does::Refuse, "needs an infill template, which this model's has not"},
+    {"tools", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"tool_choice", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"parallel_tool_calls", kChat, Does::Refuse, "is only allowed when 'tools' are given"},
+    {"functions", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"function_call", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"response_format", kChat, Does::Refuse, "other than {\"type\": \"text\"} is not supported by this server so far"},
+    {"grammar", kBoth, Does::Refuse, "is not supported by this server so far"},      // llama.cpp
+    {"json_schema", kBoth, Does::Refuse, "is not supported by this server so far"},  // llama.cpp
+    {"modalities", kChat, Does::Refuse, "other than [\"text\"] is not supported: this model writes text"},
+    {"audio", kChat, Does::Refuse, "is not supported: this model writes text"},
+    {"prediction", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"reasoning_effort", kChat, Does::Refuse, "is not supported: this model does not reason"},
+    {"verbosity", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"web_search_options", kChat, Does::Refuse, "is not supported: this server does not search the web"},
+};
+
+// A refused field's values that ask for nothing, and are taken as its absence.
+bool asks_nothing(std::string_view key, const json& v) {
+    if (v.is_null()) return true;
+    if (key == "logit_bias") return v.is_object() && v.empty();
+    if (key == "min_tokens") return v.is_number_integer() && v.get<int64_t>() == 0;
+    if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
+    if (key == "tool_choice") return v == "none";
+    if (key == "response_format") return v.is_object() && v.size() == 1 && v.value("type", "") == "text";
+    if (key == "modalities") return v == json::array({"text"});
+    if (key == "tools" || key == "functions") return v.is_array() && v.empty();
+    return false;
+}
+
+// Every field of the body is one the server honours, or ignores as OpenAI does; a
+// refused one that asks for something, or an unknown one, is a 400 naming it.
+Field check_fields(const json& j, bool chat) {
+    const uint8_t api = chat ? kChat : kCompletions;
+    for (const auto& [key, v] : j.items()) {
+        const FieldRule* rule = nullptr;
+        for (const FieldRule& f : kFields)
+            if (key == f.name && (f.apis & api)) rule = &f;
+        if (!rule) return bad(key, fmt::format("Unrecognized request argument supplied: {}", key));
+        if (rule->does == Does::Refuse && !asks_nothing(key, v))
+            return bad(key, fmt::format("'{}' {}", key, rule->why));
+    }
+    if (auto it = j.find("stream_options"); it != j.end() && it->is_object())
+        for (const auto& [key, v] : it->items())
+            if (key != "include_usage")
+                return bad("stream_options", fmt::format("Unrecognized request argument supplied: stream_options.{}", key));
     return std::nullopt;
 }
 
@@ -235,13 +347,13 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     json j = json::parse(body, nullptr, false);
     if (j.is_discarded()) return bad("", "the request body is not valid JSON");
     if (!j.is_object()) return bad("", "the request body must be a JSON object");
+    if (auto e = check_fields(j, chat)) return *e;
     CompletionRequest r;
     r.chat = chat;
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
-    for (auto read : {read_sampling, read_stop, read_stream, read_choices, read_scheduling})
+    for (auto read : {read_sampling, read_stop, read_stream, read_choices, read_echo_best_of, read_scheduling})
         if (auto e = read(j, r)) return *e;
-    if (auto e = refuse_unsupported(j)) return *e;
     return r;
 }
 

@@ -44,6 +44,8 @@ struct CompletionRequest {
     bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
     int n = 1;                // choices, each its own request sharing the prompt's cached blocks
     int logprobs = -1;        // -1: none; else log-probabilities with this many top alternatives
+    bool echo = false;        // completions: the prompt's text before the output
+    int best_of = 0;          // completions: 0 (none) or >= n candidates; the n best are returned
     // duet's scheduling extensions (engine/scheduling.h): "priority" (critical,
     // standard, batch or an integer; else the X-Duet-Priority header, else standard)
     // and "timeout" (seconds; past it the request ends with finish_reason "timeout").
@@ -54,7 +56,10 @@ inline constexpr int kMaxChoices = 16;
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 
 // Parses and validates a request body. Errors name the parameter and what was
-// expected; unsupported options (tools, response_format) are errors, never ignored.
+// expected. Every field is honoured, refused with a 400 naming it (tools,
+// logit_bias, ...: docs/API.md has the table) or, where OpenAI's service ignores it
+// too (user, metadata, ...), ignored; an unknown field is a 400 "Unrecognized
+// request argument supplied: NAME", as OpenAI answers.
 std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat);
 
 // The "messages" of a body object (chat completions, contexts) into out: each a

@@ -95,6 +95,57 @@ try:
         check(e.status_code == 404, "404")
     print("errors as the client's exceptions: ok")
 
+    # Every parameter honoured or refused (docs/API.md's table): the client's own
+    # BadRequestError, naming the field, for one it would otherwise drop.
+    def refused(param, **kw):
+        try:
+            kw.setdefault("max_tokens", 4)
+            if "messages" in kw:
+                c.chat.completions.create(model=model, **kw)
+            else:
+                c.completions.create(model=model, prompt=kw.pop("prompt", "x"), **kw)
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.body and e.body.get("param") == param, f"{param}: {e.body}")
+            return e.body["message"]
+        check(False, f"{param} accepted: {kw}")
+    check(refused("logit_bias", logit_bias={"1876": -100}) == "'logit_bias' is not supported by this server so far",
+          "logit_bias's message")
+    check(refused("frobnicate", extra_body={"frobnicate": 1}) == "Unrecognized request argument supplied: frobnicate",
+          "OpenAI's words for an unknown field")
+    refused("suffix", suffix=" and so on.")
+    refused("tools", messages=msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    refused("response_format", messages=msgs, response_format={"type": "json_object"})
+    refused("messages", messages=[{"role": "user", "content": "hi", "name": "bob"}])
+    refused("echo", echo=True, logprobs=1)
+    c.chat.completions.create(model=model, messages=msgs, max_tokens=2, user="u1", metadata={"a": "b"},
+                              response_format={"type": "text"})  # ignored as OpenAI does, or asking for nothing
+    print("refused parameters name themselves (the client's BadRequestError): ok")
+
+    # echo: the prompt's text, then the completion (the plain one computed above).
+    prompt = "The capital of France is"
+    echoed = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, echo=True)
+    check(echoed.choices[0].text == prompt + comp.choices[0].text, f"echo: {echoed.choices[0].text!r}")
+    streamed = "".join(ev.choices[0].text for ev in c.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, echo=True, stream=True) if ev.choices)
+    check(streamed == echoed.choices[0].text, f"echo streamed: {streamed!r}")
+    # best_of: of the candidates (n = best_of with the same seed gives the same ones),
+    # the one with the highest mean log-probability per token, computed here.
+    cands = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=7, n=4,
+                                 logprobs=0)
+    means = [sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs) for ch in cands.choices]
+    best = max(range(4), key=lambda i: (means[i], -i))
+    check(len({ch.text for ch in cands.choices}) > 1, f"the candidates differ: {[ch.text for ch in cands.choices]}")
+    one = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=7, best_of=4)
+    check(len(one.choices) == 1 and one.choices[0].text == cands.choices[best].text and one.choices[0].logprobs is None,
+          f"best_of 4: {one.choices[0].text!r}, want {cands.choices[best].text!r} (means {means})")
+    check(one.usage.completion_tokens == cands.usage.completion_tokens, "best_of's usage counts every candidate")
+    two_best = c.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=7,
+                                    best_of=4, n=2)
+    order = sorted(range(4), key=lambda i: (-means[i], i))[:2]
+    check([ch.text for ch in two_best.choices] == [cands.choices[i].text for i in order] and
+          [ch.index for ch in two_best.choices] == [0, 1], f"best_of 4, n 2: {two_best.choices}")
+    print(f"echo (whole and streamed) and best_of (means {[round(m, 3) for m in means]}): ok")
+
     # A context through the client: its completions route as base_url (extra_body for
     # the contexts API's own fields), created and read with plain HTTP.
     def http(method, path, body=None):
