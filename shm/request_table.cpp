@@ -173,6 +173,7 @@ Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, c
     s.n_blocks.store(0, std::memory_order_relaxed);
     s.error_code.store(0, std::memory_order_relaxed);
     s.n_swapped.store(0, std::memory_order_relaxed);
+    s.end_code.store(0, std::memory_order_relaxed);
     s.prefill_ns.store(0, std::memory_order_relaxed);
     s.handoff_ns.store(0, std::memory_order_relaxed);
     s.first_step_ns.store(0, std::memory_order_relaxed);

@@ -84,6 +84,10 @@ struct alignas(64) ReqSlot {
     // is computed again). Written before the transition back to QUEUED; prefill
     // reads the blob instead of computing them and sets it to 0.
     std::atomic<uint32_t> n_swapped;
+    // Why it ended, as the process that ended it says: a code the serving layer
+    // defines (roles: engine/token_step.h's Finish), opaque here. Written before the
+    // transition that publishes the end; 0 until then.
+    std::atomic<uint32_t> end_code;
     // Phase times (monotonic_ns), written by whoever runs the phase before its
     // state transition publishes them; 0 until then. For latency metrics only.
     uint64_t submit_ns;      // queued by the front

@@ -138,13 +138,13 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
         }
         out.push_back(id);
         ++st.generated;
-        const bool eog = opts.stop_at_eog && tok_->is_eog(id);
+        const Finish f =
+            check_stop(StopRules{static_cast<uint64_t>(budget), opts.stop_at_eog}, tok_->is_eog(id), static_cast<size_t>(st.generated));
         if (!on_token(id)) break;
-        if (eog) {
-            st.stopped_at_eog = true;
+        if (f != Finish::None) {
+            st.finish = f;
             break;
         }
-        if (st.generated == budget) break;
         shm_->instance().registry().heartbeat(shm_->self());  // `duet shm status` shows it
         SeqBatch b{&seq, &out.back(), 1, false};
         if (Status s = backend_->forward({&b, 1}, logits); !s) return fail(s.error());

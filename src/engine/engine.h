@@ -10,6 +10,7 @@
 
 #include "base/result.h"
 #include "base/thread_pool.h"
+#include "engine/token_step.h"
 #include "kernels/cpu/kernels.h"
 #include "kv/kv_pool.h"
 #include "kv/shm_kv.h"
@@ -47,7 +48,7 @@ struct GenerateStats {
     int64_t generated = 0;
     double prompt_seconds = 0;    // prefill, up to the first sampled token
     double generate_seconds = 0;  // the decode steps after it
-    bool stopped_at_eog = false;
+    Finish finish = Finish::None;  // Eog or Length once it ends; None if on_token stopped it
 };
 
 class DeviceKvMemory;

@@ -1419,7 +1419,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
         for (size_t i = before; i < ch.out.size(); ++i) piece += ch.detok.push(ch.out[i]);
         if (step.terminal) piece += ch.detok.finish();
         if (ch.stream.append(piece)) {
-            ch.finish = "stop";
+            ch.finish = finish_reason(Finish::StopString);
             if (!step.terminal) ch.cancel(t);
         }
     }
@@ -1500,14 +1500,17 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
         o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
         if (ch.finish.empty() && ch.final_state == shm::ReqState::Cancelled && c.timed_out) {
-            ch.finish = "timeout";  // duet's extension: ended by its "timeout"
+            ch.finish = finish_reason(Finish::Timeout);  // duet's extension: ended by its "timeout"
             f.counters_.timeouts.fetch_add(1, std::memory_order_relaxed);
         }
         if (ch.finish.empty()) {
+            // As the worker that chose its last token says (engine/token_step.h); one
+            // that ended without choosing (a slot past its room) was cut: "length".
+            const auto said = static_cast<Finish>(s.end_code.load(std::memory_order_relaxed));
             if (ch.final_state == shm::ReqState::Finished)
-                ch.finish = (!c.r.ignore_eos && !ch.out.empty() && f.tok_.is_eog(ch.out.back())) ? "stop" : "length";
+                ch.finish = finish_reason(said == Finish::None ? Finish::Length : said);
             else if (ch.final_state == shm::ReqState::Cancelled)
-                ch.finish = "cancelled";  // duet's extension: ended by someone else (a stop string or the timeout say so)
+                ch.finish = finish_reason(Finish::Cancelled);  // duet's extension: ended by someone else (a stop string or the timeout say so)
         }
         o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
         f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
@@ -1738,7 +1741,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
         std::string piece;
         for (int32_t tok : ch.out) piece += ch.detok.push(tok);
-        if (ch.stream.append(piece)) ch.finish = "stop";
+        if (ch.stream.append(piece)) ch.finish = finish_reason(Finish::StopString);
         (void)ch.stream.take(false);
         ch.lps_sent = ch.lps.size();
         ch.sent_have = ch.have;

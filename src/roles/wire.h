@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "engine/token_step.h"
 #include "kv/kv_pool.h"
 #include "model/model.h"
 #include "model/sampler.h"
@@ -193,6 +194,9 @@ inline RequestParams request_params(const shm::RequestTable& t, uint32_t slot) {
     std::memcpy(&p, t.slot(slot).params, sizeof p);
     return p;
 }
+
+// The rules its generation stops by (engine/token_step.h).
+inline StopRules stop_rules(const RequestParams& p) { return {p.max_tokens, p.stop_at_eog != 0}; }
 
 // Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
 // model's distribution (log-softmax of the raw logits, before any sampling

@@ -495,10 +495,12 @@ void PrefillWorker::take(const WireMsg& m) {
         const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
-        const bool done_already =
-            !no || j.output.size() >= j.params.max_tokens ||
-            (j.params.stop_at_eog && !j.output.empty() && tok_->is_eog(j.output.back()));
-        if (done_already) {  // re-driven after its last token was written
+        // Re-driven after its last token was written: it ends as that token said.
+        const Finish said = !no                 ? Finish::Length
+                            : j.output.empty() ? Finish::None
+                                               : check_stop(stop_rules(j.params), tok_->is_eog(j.output.back()), j.output.size());
+        if (said != Finish::None) {
+            slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
             inst_->registry().wake(shm::Role::Front);
         } else {
@@ -700,8 +702,9 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         give_kv_to_client(j);
         t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
         release(j);
-    } else if (j.output.size() + 1 >= j.params.max_tokens || (j.params.stop_at_eog && tok_->is_eog(next)) ||
-               t.cancelled(r)) {
+    } else if (const Finish f = check_stop(stop_rules(j.params), tok_->is_eog(next), j.output.size() + 1);
+               f != Finish::None || t.cancelled(r)) {
+        t.slot(r.slot).end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published below
         // return_kv (the table names our blocks already, appended above): as decode's
         // finish, a FINISHED request's table names exactly what the client holds.
         if (j.params.return_kv && !t.cancelled(r) && (copied || !give_kv_to_client(j))) (void)t.reset_blocks(r);
@@ -1436,9 +1439,12 @@ Result<bool> DecodeWorker::step() {
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
         a.output.push_back(next);
-        if (!t.append_output(a.req, &next, 1).ok() || a.output.size() >= a.params.max_tokens ||
-            (a.params.stop_at_eog && tok_->is_eog(next)))
+        Finish f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
+        if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
+        if (f != Finish::None) {
+            t.slot(a.req.slot).end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
             done.push_back(i);
+        }
     }
     for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
     publish_load();

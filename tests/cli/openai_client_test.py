@@ -146,6 +146,27 @@ try:
           [ch.index for ch in two_best.choices] == [0, 1], f"best_of 4, n 2: {two_best.choices}")
     print(f"echo (whole and streamed) and best_of (means {[round(m, 3) for m in means]}): ok")
 
+    # Finish reasons, whole and streamed, as the worker that chose the last token
+    # said (engine/token_step.h): an end-of-generation token "stop", max_tokens
+    # "length" (ignore_eos too), a stop string "stop".
+    colors = [{"role": "user", "content": "Name three colors."}]  # SmolLM2 ends this one itself
+
+    def finishes(**kw):
+        whole = c.chat.completions.create(model=model, messages=colors, temperature=0, **kw)
+        last = [ev.choices[0].finish_reason for ev in c.chat.completions.create(
+            model=model, messages=colors, temperature=0, stream=True, **kw) if ev.choices and ev.choices[0].finish_reason]
+        check(last == [whole.choices[0].finish_reason], f"{kw}: streamed {last}, whole {whole.choices[0].finish_reason}")
+        return whole.choices[0].finish_reason, whole.usage.completion_tokens, whole.choices[0].message.content
+    reason, n_eog, said = finishes(max_tokens=200)
+    check(reason == "stop" and n_eog < 200, f"an eog ends the answer: {reason}, {n_eog} tokens")
+    check(finishes(max_tokens=3)[:2] == ("length", 3), "max_tokens: length")
+    reason, n, _ = finishes(max_tokens=n_eog + 20, extra_body={"ignore_eos": True})
+    check((reason, n) == ("length", n_eog + 20), f"ignore_eos: {reason}, {n} tokens")
+    word = said.split()[1]
+    reason, n, cut = finishes(max_tokens=200, stop=[word])
+    check(reason == "stop" and word not in cut and said.startswith(cut), f"stop string {word!r}: {reason}, {cut!r}")
+    print(f"finish reasons whole and streamed (eog after {n_eog} tokens, length, ignore_eos, stop string): ok")
+
     # A context through the client: its completions route as base_url (extra_body for
     # the contexts API's own fields), created and read with plain HTTP.
     def http(method, path, body=None):

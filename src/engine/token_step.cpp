@@ -1,0 +1,23 @@
+#include "engine/token_step.h"
+
+namespace duet {
+
+Finish check_stop(const StopRules& r, bool eog, size_t n_out) {
+    if (r.stop_at_eog && eog) return Finish::Eog;
+    if (n_out >= r.max_tokens) return Finish::Length;
+    return Finish::None;
+}
+
+std::string_view finish_reason(Finish f) {
+    switch (f) {
+    case Finish::Length: return "length";
+    case Finish::Eog:
+    case Finish::StopString: return "stop";
+    case Finish::Timeout: return "timeout";
+    case Finish::Cancelled: return "cancelled";
+    case Finish::None: break;
+    }
+    return "";
+}
+
+}  // namespace duet

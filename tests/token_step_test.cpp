@@ -1,0 +1,46 @@
+// The stop rule every token path applies (engine/token_step.h), as a table: no model,
+// no processes. The expected finishes are OpenAI's finish_reason meanings written
+// out: an end-of-generation token stops ("stop") unless ignore_eos, max_tokens cuts
+// ("length"), and a last allowed token that is an eog says "stop".
+#include <gtest/gtest.h>
+
+#include "engine/token_step.h"
+
+namespace duet {
+namespace {
+
+TEST(TokenStep, CheckStopTable) {
+    struct Row {
+        uint64_t max_tokens;
+        bool stop_at_eog, eog;
+        size_t n_out;
+        Finish want;
+    };
+    const Row rows[] = {
+        {16, true, false, 1, Finish::None},     // first token, room left
+        {16, true, false, 15, Finish::None},    // one short of max_tokens
+        {16, true, false, 16, Finish::Length},  // max_tokens reached
+        {16, true, true, 3, Finish::Eog},       // eog mid-way
+        {16, true, true, 16, Finish::Eog},      // eog as the last allowed token: "stop"
+        {16, false, true, 3, Finish::None},     // ignore_eos: an eog is a token like any
+        {16, false, true, 16, Finish::Length},  // ... and max_tokens still cuts
+        {1, true, false, 1, Finish::Length},    // max_tokens 1: the first token ends it
+        {1, false, false, 1, Finish::Length},
+        {0, true, false, 1, Finish::Length},    // nothing allowed: whatever came ends it
+    };
+    for (const Row& r : rows)
+        EXPECT_EQ(check_stop(StopRules{r.max_tokens, r.stop_at_eog}, r.eog, r.n_out), r.want)
+            << "max " << r.max_tokens << " stop_at_eog " << r.stop_at_eog << " eog " << r.eog << " n_out " << r.n_out;
+}
+
+TEST(TokenStep, FinishReasonsAreOpenAisWords) {
+    EXPECT_EQ(finish_reason(Finish::Length), "length");
+    EXPECT_EQ(finish_reason(Finish::Eog), "stop");
+    EXPECT_EQ(finish_reason(Finish::StopString), "stop");
+    EXPECT_EQ(finish_reason(Finish::Timeout), "timeout");
+    EXPECT_EQ(finish_reason(Finish::Cancelled), "cancelled");
+    EXPECT_EQ(finish_reason(Finish::None), "");
+}
+
+}  // namespace
+}  // namespace duet
