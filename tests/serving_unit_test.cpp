@@ -94,7 +94,7 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(err(R"({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}})", false).param,
               "stream_options");
     // Refused whenever they ask for something.
-    for (const char* body : {R"("logit_bias": {"1876": -100})", R"("min_tokens": 3)", R"("grammar": "root ::= \"a\"")",
+    for (const char* body : {R"("logit_bias": {"1876": -100})", R"("grammar": "root ::= \"a\"")",
                              R"("json_schema": {"type": "object"})"}) {
         const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
         const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
@@ -112,7 +112,7 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
         EXPECT_EQ(err(b, true).param, std::string(body).substr(1, std::string(body).find('"', 1) - 1)) << b;
     }
     // ... and taken as absent when they ask for nothing.
-    for (const char* body : {R"("logit_bias": {})", R"("logit_bias": null)", R"("min_tokens": 0)", R"("tools": [])",
+    for (const char* body : {R"("logit_bias": {})", R"("logit_bias": null)", R"("tools": [])",
                              R"("tool_choice": "none")", R"("response_format": {"type": "text"})",
                              R"("modalities": ["text"])", R"("user": "u1")", R"("metadata": {"a": "b"})",
                              R"("store": false)", R"("service_tier": "auto")", R"("safety_identifier": "s")",
@@ -128,6 +128,12 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
                           R"({"role": "user", "content": "x", "name": "bob"})",
                           R"({"role": "assistant", "content": null, "tool_calls": []})"})
         EXPECT_EQ(err(std::string(R"({"messages": [)") + m + "]}", true).param, "messages") << m;
+    // min_tokens (vLLM's): at most max_tokens; not with stop strings.
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "min_tokens": 5, "max_tokens": 9})", false).min_tokens, 5);
+    EXPECT_EQ(parse_ok("{" + msgs + R"(, "min_tokens": 0, "stop": "x"})", true).min_tokens, 0);
+    EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": 10, "max_tokens": 9})", false).param, "min_tokens");
+    EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": -1})", false).param, "min_tokens");
+    EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": 2, "stop": ["."]})", false).param, "min_tokens");
     // echo and best_of (completions).
     EXPECT_TRUE(parse_ok(R"({"prompt": "x", "echo": true})", false).echo);
     EXPECT_EQ(err(R"({"prompt": "x", "echo": true, "logprobs": 1})", false).param, "echo");

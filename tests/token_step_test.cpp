@@ -33,6 +33,17 @@ TEST(TokenStep, CheckStopTable) {
             << "max " << r.max_tokens << " stop_at_eog " << r.stop_at_eog << " eog " << r.eog << " n_out " << r.n_out;
 }
 
+// min_tokens: outputs 1..min_tokens may not be an eog (n_out counts the outputs so
+// far, before the pick); ignore_eos needs no ban.
+TEST(TokenStep, EogBannedUntilMinTokens) {
+    const StopRules r{16, true, 3};
+    EXPECT_TRUE(eog_banned(r, 0));
+    EXPECT_TRUE(eog_banned(r, 2));
+    EXPECT_FALSE(eog_banned(r, 3));
+    EXPECT_FALSE(eog_banned(StopRules{16, true, 0}, 0));
+    EXPECT_FALSE(eog_banned(StopRules{16, false, 3}, 0));
+}
+
 TEST(TokenStep, FinishReasonsAreOpenAisWords) {
     EXPECT_EQ(finish_reason(Finish::Length), "length");
     EXPECT_EQ(finish_reason(Finish::Eog), "stop");

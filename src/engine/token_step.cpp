@@ -8,6 +8,8 @@ Finish check_stop(const StopRules& r, bool eog, size_t n_out) {
     return Finish::None;
 }
 
+bool eog_banned(const StopRules& r, size_t n_out) { return r.stop_at_eog && n_out < r.min_tokens; }
+
 std::string_view finish_reason(Finish f) {
     switch (f) {
     case Finish::Length: return "length";

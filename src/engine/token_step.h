@@ -24,7 +24,12 @@ enum class Finish : uint8_t {
 struct StopRules {
     uint64_t max_tokens = 0;  // outputs at most
     bool stop_at_eog = true;
+    uint64_t min_tokens = 0;  // outputs before an end-of-generation token may be chosen
 };
+
+// Whether output number n_out + 1 may not be an end-of-generation token (min_tokens
+// not reached): the picker sets those tokens' logits to -inf before sampling.
+bool eog_banned(const StopRules& r, size_t n_out);
 
 // The finish once a token is output number n_out (n_out counts it); eog: the
 // token is an end-of-generation one (Tokenizer::is_eog). Eog before Length, so a

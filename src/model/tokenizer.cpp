@@ -866,6 +866,13 @@ TokenType Tokenizer::token_type(int32_t id) const {
 
 bool Tokenizer::is_eog(int32_t id) const { return id >= 0 && id < n_vocab() && eog_[id]; }
 
+std::vector<int32_t> Tokenizer::eog_ids() const {
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < eog_.size(); ++i)
+        if (eog_[i]) ids.push_back(static_cast<int32_t>(i));
+    return ids;
+}
+
 bool Tokenizer::is_special(int32_t id) const {
     TokenType t = token_type(id);
     return t == TokenType::Control || t == TokenType::Unknown;

@@ -98,6 +98,8 @@ public:
     // and <|call|> exist (gpt-oss). For SmolLM2 that is ids 0, 2 and 4
     // (<reponame> counts as the FIM repo token, as in llama.cpp).
     bool is_eog(int32_t id) const;
+    // Every id is_eog says yes to, ascending.
+    std::vector<int32_t> eog_ids() const;
     // Control or unknown: what decode(skip_special = true) leaves out.
     bool is_special(int32_t id) const;
 

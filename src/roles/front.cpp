@@ -1270,6 +1270,7 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
+    params.min_tokens = static_cast<uint32_t>(r.min_tokens);
     params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
     return params;
 }

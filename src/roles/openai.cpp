@@ -164,6 +164,19 @@ Field read_stop(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// min_tokens (vLLM's): no end-of-generation token before this many outputs.
+Field read_min_tokens(const json& j, CompletionRequest& r) {
+    if (auto e = number<int64_t>(j, "min_tokens", r.min_tokens, 0, 1e9)) return *e;
+    if (r.max_tokens >= 0 && r.min_tokens > r.max_tokens)
+        return bad("min_tokens", fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", r.min_tokens,
+                                             r.max_tokens));
+    // vLLM holds stop strings back until min_tokens too; duet's stop strings are
+    // matched by the front, which does not count tokens in the text: refused.
+    if (r.min_tokens > 0 && !r.stop.empty())
+        return bad("min_tokens", "'min_tokens' with 'stop' strings is not supported by this server so far");
+    return std::nullopt;
+}
+
 // stream, ignore_eos, stream_options.include_usage.
 Field read_stream(const json& j, CompletionRequest& r) {
     if (auto e = boolean(j, "stream", r.stream)) return e;
@@ -268,6 +281,7 @@ constexpr FieldRule kFields[] = {
     {"stream", kBoth, Does::Honour, ""},
     {"stream_options", kBoth, Does::Honour, ""},
     {"ignore_eos", kBoth, Does::Honour, ""},  // vLLM, llama.cpp
+    {"min_tokens", kBoth, Does::Honour, ""},  // vLLM
     {"n", kBoth, Does::Honour, ""},
     {"logprobs", kBoth, Does::Honour, ""},
     {"top_logprobs", kChat, Does::Honour, ""},
@@ -282,7 +296,6 @@ constexpr FieldRule kFields[] = {
     {"store", kChat, Does::Ignore, ""},
     {"service_tier", kChat, Does::Ignore, ""},
     {"logit_bias", kBoth, Does::Refuse, "is not supported by this server so far"},
-    {"min_tokens", kBoth, Does::Refuse, "is not supported by this server so far"},  // vLLM
     {"suffix", kCompletions, Does::Refuse, "needs an infill template, which this model's has not"},
     {"tools", kChat, Does::Refuse, "is not supported by this server so far"},
     {"tool_choice", kChat, Does::Refuse, "is not supported by this server so far"},
@@ -304,7 +317,6 @@ constexpr FieldRule kFields[] = {
 bool asks_nothing(std::string_view key, const json& v) {
     if (v.is_null()) return true;
     if (key == "logit_bias") return v.is_object() && v.empty();
-    if (key == "min_tokens") return v.is_number_integer() && v.get<int64_t>() == 0;
     if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
     if (key == "tool_choice") return v == "none";
     if (key == "response_format") return v.is_object() && v.size() == 1 && v.value("type", "") == "text";
@@ -352,7 +364,8 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     r.chat = chat;
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
-    for (auto read : {read_sampling, read_stop, read_stream, read_choices, read_echo_best_of, read_scheduling})
+    for (auto read :
+         {read_sampling, read_stop, read_min_tokens, read_stream, read_choices, read_echo_best_of, read_scheduling})
         if (auto e = read(j, r)) return *e;
     return r;
 }

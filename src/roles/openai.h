@@ -42,6 +42,7 @@ struct CompletionRequest {
     bool stream = false;
     bool include_usage = false;
     bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
+    int64_t min_tokens = 0;   // vLLM extension: no end-of-generation token before this many outputs
     int n = 1;                // choices, each its own request sharing the prompt's cached blocks
     int logprobs = -1;        // -1: none; else log-probabilities with this many top alternatives
     bool echo = false;        // completions: the prompt's text before the output

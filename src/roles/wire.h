@@ -142,6 +142,7 @@ struct RequestParams {
     SamplingParams sampling;
     uint32_t max_tokens = 128;
     uint32_t stop_at_eog = 1;
+    uint32_t min_tokens = 0;  // no end-of-generation token before this many outputs
     int32_t logprobs = -1;  // -1: none; else the sampled token's and this many top ones (<= kMaxTopLogprobs)
     // A context's KV computation (the front's context store): prefill computes the
     // prompt and, instead of handing off, gives the request's blocks to the client
@@ -196,7 +197,7 @@ inline RequestParams request_params(const shm::RequestTable& t, uint32_t slot) {
 }
 
 // The rules its generation stops by (engine/token_step.h).
-inline StopRules stop_rules(const RequestParams& p) { return {p.max_tokens, p.stop_at_eog != 0}; }
+inline StopRules stop_rules(const RequestParams& p) { return {p.max_tokens, p.stop_at_eog != 0, p.min_tokens}; }
 
 // Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
 // model's distribution (log-softmax of the raw logits, before any sampling

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -58,6 +59,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     auto tok = Tokenizer::from_gguf(model.file());
     if (!tok) return tok.error();
     tok_ = std::move(tok).value();
+    eog_ids_ = tok_->eog_ids();
     rings_ = ServeRings::of(inst.config());
     const uint32_t n_workers = role == shm::Role::Prefill ? rings_.n_prefill : rings_.n_decode;
     if (o.index >= n_workers)
@@ -183,6 +185,18 @@ WorkerBase::~WorkerBase() {
     // whoever recovers this process (the supervisor, on seeing it exit) finds them
     // and re-drives them; releasing it would leave them owned by nobody.
     if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
+}
+
+int32_t WorkerBase::pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output) {
+    const int64_t nv = backend_->n_vocab();
+    if (eog_banned(stop_rules(p), output.size())) {
+        banned_row_.assign(row, row + nv);
+        for (int32_t id : eog_ids_)
+            if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+        row = banned_row_.data();
+    }
+    return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
 }
 
 void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
@@ -685,8 +699,7 @@ bool PrefillWorker::give_kv_to_client(Job& j) {
 void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
-    const int32_t next =
-        sampler_.sample(logits, backend_->n_vocab(), j.params.sampling, j.prompt, j.output, j.output.size());
+    const int32_t next = pick(logits, j.params, j.prompt, j.output);
     if (j.params.logprobs >= 0 && j.prompt.size() + j.output.size() < t.max_tokens())
         fill_logprobs(logits, backend_->n_vocab(), next, j.params.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(j.output.size())));
@@ -1355,9 +1368,11 @@ Result<bool> DecodeWorker::step() {
         // copies no logits for it): the argmax alone for greedy without penalties,
         // else the sampler's pick for this request and position.
         const SamplingParams& sp = a.params.sampling;
-        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && a.params.logprobs < 0;
+        // While min_tokens bans end-of-generation tokens, the host picks (pick()).
+        const bool host = a.params.logprobs >= 0 || eog_banned(stop_rules(a.params), a.output.size());
+        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
         SeqBatch b{&a.seq, &a.output.back(), 1, false, argmax_only};
-        if (!argmax_only && a.params.logprobs < 0) {
+        if (!argmax_only && !host) {
             samples_[i] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
             b.sample = &samples_[i];
         }
@@ -1435,7 +1450,7 @@ Result<bool> DecodeWorker::step() {
         const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
         const int32_t next = batch[i].argmax_only || batch[i].sample
                                  ? picks_[i]
-                                 : sampler_.sample(row, nv, a.params.sampling, a.prompt, a.output, a.output.size());
+                                 : pick(row, a.params, a.prompt, a.output);
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
         a.output.push_back(next);

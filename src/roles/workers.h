@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,11 @@ protected:
     virtual bool has_work() = 0;
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
+    // A request's next token from its logits row on the host: the sampler's pick for
+    // its position, end-of-generation tokens banned while its min_tokens is not
+    // reached (engine/token_step.h eog_banned). The row is not changed.
+    int32_t pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
+                 std::span<const int32_t> output);
     // Before a step or pass: the pool's width, with the borrowed cores while the
     // running worker of `lender` with this one's index holds no request
     // (WorkerOptions::borrow_cpus). True when this one runs with them (the caller
@@ -161,6 +167,8 @@ protected:
     std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
+    std::vector<int32_t> eog_ids_;     // tok_->eog_ids(): banned while min_tokens is not reached
+    std::vector<float> banned_row_;    // pick()'s copy of a row with them banned
     std::vector<float> logits_;
     std::vector<int32_t> picks_;          // per output row, from forward_pick
     std::vector<SampleRequest> samples_;  // the step's rows the backend samples

@@ -162,10 +162,15 @@ try:
     check(finishes(max_tokens=3)[:2] == ("length", 3), "max_tokens: length")
     reason, n, _ = finishes(max_tokens=n_eog + 20, extra_body={"ignore_eos": True})
     check((reason, n) == ("length", n_eog + 20), f"ignore_eos: {reason}, {n} tokens")
+    # min_tokens (vLLM's): no eog before it; the text so far is the same greedy text.
+    reason, n_min, longer = finishes(max_tokens=n_eog + 40, extra_body={"min_tokens": n_eog + 10})
+    check(n_min >= n_eog + 10 and longer.startswith(said) and len(longer) > len(said),
+          f"min_tokens {n_eog + 10}: {n_min} tokens, {longer!r} after {said!r}")
     word = said.split()[1]
     reason, n, cut = finishes(max_tokens=200, stop=[word])
     check(reason == "stop" and word not in cut and said.startswith(cut), f"stop string {word!r}: {reason}, {cut!r}")
-    print(f"finish reasons whole and streamed (eog after {n_eog} tokens, length, ignore_eos, stop string): ok")
+    print(f"finish reasons whole and streamed (eog after {n_eog} tokens, length, ignore_eos, stop string), "
+          f"min_tokens {n_eog + 10} ({n_min} tokens): ok")
 
     # A context through the client: its completions route as base_url (extra_body for
     # the contexts API's own fields), created and read with plain HTTP.
