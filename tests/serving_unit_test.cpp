@@ -94,7 +94,7 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(err(R"({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}})", false).param,
               "stream_options");
     // Refused whenever they ask for something.
-    for (const char* body : {R"("logit_bias": {"1876": -100})", R"("grammar": "root ::= \"a\"")",
+    for (const char* body : {R"("grammar": "root ::= \"a\"")",
                              R"("json_schema": {"type": "object"})"}) {
         const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
         const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
@@ -128,6 +128,17 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
                           R"({"role": "user", "content": "x", "name": "bob"})",
                           R"({"role": "assistant", "content": null, "tool_calls": []})"})
         EXPECT_EQ(err(std::string(R"({"messages": [)") + m + "]}", true).param, "messages") << m;
+    // logit_bias: token ids to numbers in [-100, 100], at most 16 entries.
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "logit_bias": {"1876": -100, "7": 2.5}})", false).logit_bias,
+              (std::vector<std::pair<int32_t, float>>{{1876, -100.0f}, {7, 2.5f}}));
+    EXPECT_TRUE(parse_ok(R"({"prompt": "x", "logit_bias": {}})", false).logit_bias.empty());
+    for (const char* bad : {R"({"a": 1})", R"({"-1": 1})", R"({"1x": 1})", R"({"5": 101})", R"({"5": "1"})", "[1]"})
+        EXPECT_EQ(err(std::string(R"({"prompt": "x", "logit_bias": )") + bad + "}", false).param, "logit_bias") << bad;
+    std::string many = R"({"prompt": "x", "logit_bias": {)";
+    for (int i = 0; i < 17; ++i) many += (i ? ", \"" : "\"") + std::to_string(i) + "\": 1";
+    ApiError too_many = err(many + "}}", false);
+    EXPECT_EQ(too_many.param, "logit_bias");
+    EXPECT_NE(too_many.message.find("at most 16"), std::string::npos) << too_many.message;
     // min_tokens (vLLM's): at most max_tokens; not with stop strings.
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "min_tokens": 5, "max_tokens": 9})", false).min_tokens, 5);
     EXPECT_EQ(parse_ok("{" + msgs + R"(, "min_tokens": 0, "stop": "x"})", true).min_tokens, 0);

@@ -1271,6 +1271,14 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
     params.min_tokens = static_cast<uint32_t>(r.min_tokens);
+    static_assert(kMaxLogitBias == RequestParams::kMaxLogitBias);
+    for (const auto& [id, bias] : r.logit_bias) {
+        if (id >= f.tok_.n_vocab())
+            return api_error(400, "invalid_request_error",
+                             fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                             "logit_bias", "");
+        params.bias[params.n_bias++] = RequestParams::Bias{id, bias};
+    }
     params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
     return params;
 }

@@ -1,5 +1,6 @@
 #include "roles/openai.h"
 
+#include <cstdlib>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -177,6 +178,27 @@ Field read_min_tokens(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// logit_bias: {"token id": bias in [-100, 100]}, at most kMaxLogitBias entries (the
+// front checks the ids against the vocabulary).
+Field read_logit_bias(const json& j, CompletionRequest& r) {
+    auto it = j.find("logit_bias");
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    if (!it->is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
+    if (it->size() > static_cast<size_t>(kMaxLogitBias))
+        return bad("logit_bias", fmt::format("'logit_bias' has {} entries; this server takes at most {}", it->size(),
+                                             kMaxLogitBias));
+    for (const auto& [key, v] : it->items()) {
+        char* end = nullptr;
+        const long long id = std::strtoll(key.c_str(), &end, 10);
+        if (key.empty() || *end != '\0' || id < 0 || id > INT32_MAX)
+            return bad("logit_bias", fmt::format("'logit_bias' key '{}' is not a token id", key));
+        if (!v.is_number() || v.get<double>() < -100 || v.get<double>() > 100)
+            return bad("logit_bias", fmt::format("'logit_bias' of token {} must be a number from -100 to 100", key));
+        r.logit_bias.emplace_back(static_cast<int32_t>(id), v.get<float>());
+    }
+    return std::nullopt;
+}
+
 // stream, ignore_eos, stream_options.include_usage.
 Field read_stream(const json& j, CompletionRequest& r) {
     if (auto e = boolean(j, "stream", r.stream)) return e;
@@ -282,6 +304,7 @@ constexpr FieldRule kFields[] = {
     {"stream_options", kBoth, Does::Honour, ""},
     {"ignore_eos", kBoth, Does::Honour, ""},  // vLLM, llama.cpp
     {"min_tokens", kBoth, Does::Honour, ""},  // vLLM
+    {"logit_bias", kBoth, Does::Honour, ""},
     {"n", kBoth, Does::Honour, ""},
     {"logprobs", kBoth, Does::Honour, ""},
     {"top_logprobs", kChat, Does::Honour, ""},
@@ -295,7 +318,6 @@ constexpr FieldRule kFields[] = {
     {"metadata", kChat, Does::Ignore, ""},
     {"store", kChat, Does::Ignore, ""},
     {"service_tier", kChat, Does::Ignore, ""},
-    {"logit_bias", kBoth, Does::Refuse, "is not supported by this server so far"},
     {"suffix", kCompletions, Does::Refuse, "needs an infill template, which this model's has not"},
     {"tools", kChat, Does::Refuse, "is not supported by this server so far"},
     {"tool_choice", kChat, Does::Refuse, "is not supported by this server so far"},
@@ -316,7 +338,6 @@ constexpr FieldRule kFields[] = {
 // A refused field's values that ask for nothing, and are taken as its absence.
 bool asks_nothing(std::string_view key, const json& v) {
     if (v.is_null()) return true;
-    if (key == "logit_bias") return v.is_object() && v.empty();
     if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
     if (key == "tool_choice") return v == "none";
     if (key == "response_format") return v.is_object() && v.size() == 1 && v.value("type", "") == "text";
@@ -365,7 +386,8 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
     for (auto read :
-         {read_sampling, read_stop, read_min_tokens, read_stream, read_choices, read_echo_best_of, read_scheduling})
+         {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices, read_echo_best_of,
+          read_scheduling})
         if (auto e = read(j, r)) return *e;
     return r;
 }

@@ -43,6 +43,7 @@ struct CompletionRequest {
     bool include_usage = false;
     bool ignore_eos = false;  // vLLM / llama.cpp extension: generate max_tokens whatever the model says
     int64_t min_tokens = 0;   // vLLM extension: no end-of-generation token before this many outputs
+    std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias in [-100, 100])
     int n = 1;                // choices, each its own request sharing the prompt's cached blocks
     int logprobs = -1;        // -1: none; else log-probabilities with this many top alternatives
     bool echo = false;        // completions: the prompt's text before the output
@@ -54,6 +55,7 @@ struct CompletionRequest {
     double timeout_s = 0;  // 0: the server's --request-timeout
 };
 inline constexpr int kMaxChoices = 16;
+inline constexpr int kMaxLogitBias = 16;  // = RequestParams::kMaxLogitBias
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 
 // Parses and validates a request body. Errors name the parameter and what was

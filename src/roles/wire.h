@@ -187,6 +187,16 @@ struct RequestParams {
     uint32_t arena_plus_one = 0;
     void bind_arena(uint32_t a) { arena_plus_one = a + 1; }
     int32_t bound_arena() const { return static_cast<int32_t>(arena_plus_one) - 1; }
+    // logit_bias (OpenAI's): added to these tokens' logits before each pick, on the
+    // host (WorkerBase::pick). At most kMaxLogitBias entries, inline: a larger table
+    // needs per-request data beyond the slot's params bytes (a 400 names the limit).
+    struct Bias {
+        int32_t token;
+        float bias;
+    };
+    static constexpr uint32_t kMaxLogitBias = 16;
+    uint32_t n_bias = 0;
+    Bias bias[kMaxLogitBias] = {};
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -190,10 +190,14 @@ WorkerBase::~WorkerBase() {
 int32_t WorkerBase::pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
                          std::span<const int32_t> output) {
     const int64_t nv = backend_->n_vocab();
-    if (eog_banned(stop_rules(p), output.size())) {
+    const bool ban = eog_banned(stop_rules(p), output.size());
+    if (ban || p.n_bias > 0) {
         banned_row_.assign(row, row + nv);
-        for (int32_t id : eog_ids_)
-            if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+        for (uint32_t k = 0; k < std::min(p.n_bias, RequestParams::kMaxLogitBias); ++k)
+            if (p.bias[k].token >= 0 && p.bias[k].token < nv) banned_row_[static_cast<size_t>(p.bias[k].token)] += p.bias[k].bias;
+        if (ban)
+            for (int32_t id : eog_ids_)
+                if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
         row = banned_row_.data();
     }
     return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
@@ -1369,7 +1373,8 @@ Result<bool> DecodeWorker::step() {
         // else the sampler's pick for this request and position.
         const SamplingParams& sp = a.params.sampling;
         // While min_tokens bans end-of-generation tokens, the host picks (pick()).
-        const bool host = a.params.logprobs >= 0 || eog_banned(stop_rules(a.params), a.output.size());
+        const bool host =
+            a.params.logprobs >= 0 || a.params.n_bias > 0 || eog_banned(stop_rules(a.params), a.output.size());
         const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
         SeqBatch b{&a.seq, &a.output.back(), 1, false, argmax_only};
         if (!argmax_only && !host) {

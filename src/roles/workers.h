@@ -127,8 +127,9 @@ protected:
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
     // A request's next token from its logits row on the host: the sampler's pick for
-    // its position, end-of-generation tokens banned while its min_tokens is not
-    // reached (engine/token_step.h eog_banned). The row is not changed.
+    // its position, after its logit_bias is added and, while its min_tokens is not
+    // reached, end-of-generation tokens banned (engine/token_step.h eog_banned). The
+    // row is not changed.
     int32_t pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
                  std::span<const int32_t> output);
     // Before a step or pass: the pool's width, with the borrowed cores while the

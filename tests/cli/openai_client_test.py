@@ -108,8 +108,8 @@ try:
             check(e.status_code == 400 and e.body and e.body.get("param") == param, f"{param}: {e.body}")
             return e.body["message"]
         check(False, f"{param} accepted: {kw}")
-    check(refused("logit_bias", logit_bias={"1876": -100}) == "'logit_bias' is not supported by this server so far",
-          "logit_bias's message")
+    check(refused("grammar", extra_body={"grammar": 'root ::= "a"'}) == "'grammar' is not supported by this server so far",
+          "grammar's message")
     check(refused("frobnicate", extra_body={"frobnicate": 1}) == "Unrecognized request argument supplied: frobnicate",
           "OpenAI's words for an unknown field")
     refused("suffix", suffix=" and so on.")
@@ -120,6 +120,29 @@ try:
     c.chat.completions.create(model=model, messages=msgs, max_tokens=2, user="u1", metadata={"a": "b"},
                               response_format={"type": "text"})  # ignored as OpenAI does, or asking for nothing
     print("refused parameters name themselves (the client's BadRequestError): ok")
+
+    # logit_bias (OpenAI's meaning: added to the logits before sampling): -100 bans
+    # the token greedy decoding chose first, +100 forces one token at every step.
+    def tokenize(text):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", method="POST", data=json.dumps(
+            {"prompt": text, "add_special_tokens": False}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read().decode())["tokens"]
+    plain = comp.choices[0].text
+    first = tokenize(plain)[0]
+    for stream in (False, True):
+        def text_of(**kw):
+            r = c.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                     stream=stream, **kw)
+            return "".join(ev.choices[0].text for ev in r if ev.choices) if stream else r.choices[0].text
+        banned = text_of(logit_bias={str(first): -100})
+        check(banned != plain and tokenize(banned)[0] != first, f"-100 on {first}: {banned!r} (plain {plain!r})")
+        blue = tokenize(" blue")
+        check(len(blue) == 1, f"' blue' is one token: {blue}")
+        forced = text_of(logit_bias={str(blue[0]): 100})
+        check(forced == " blue" * 12, f"+100 on ' blue': {forced!r}")
+        check(text_of(logit_bias={str(blue[0]): 0.0}) == plain, "a zero bias changes nothing")
+    print(f"logit_bias: -100 bans token {first}, +100 forces ' blue', whole and streamed: ok")
 
     # echo: the prompt's text, then the completion (the plain one computed above).
     prompt = "The capital of France is"
