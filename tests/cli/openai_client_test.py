@@ -236,7 +236,33 @@ try:
     got = http("GET", "/v1/contexts/chat?tokens=true")["tokens"]
     check(got == want, f"the context holds the whole conversation's tokens:\n{got}\nvs\n{want}")
     print("a chat through a context with extra_body: ok (3 turns, the whole conversation's tokens)")
-    check_restarts(port, 0)
+    # A biased stream survives decode's SIGKILL: the bias rides in the request slot,
+    # so the re-driven request picks exactly as before. Killed while decode holds
+    # the request with most of its tokens to make (its own gauges, read just before).
+    def metric(name):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
+        return int(m.group(1)) if m else 0
+    biased = dict(model=model, prompt="The capital of France is", max_tokens=200, temperature=0.8, seed=3,
+                  logit_bias={str(first): -100, str(blue[0]): 5}, extra_body={"ignore_eos": True})
+    want = c.completions.create(**biased).choices[0].text
+    out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True, check=True)
+    decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
+    redriven = metric("duet_requests_redriven_total")
+    parts, killed = [], None
+    for ev in c.completions.create(stream=True, **biased):
+        parts.extend(ch.text for ch in ev.choices)
+        if killed is None:
+            held = metric('duet_worker_requests{role="decode",worker="0"}')
+            made = metric('duet_worker_tokens{role="decode",worker="0"}')
+            if held == 1:
+                os.kill(decode[0], signal.SIGKILL)
+                killed = made
+    check(killed is not None, "decode never held the biased request")
+    check("".join(parts) == want, f"after decode's SIGKILL: {''.join(parts)!r} != {want!r}")
+    check(metric("duet_requests_redriven_total") == redriven + 1, "the biased request was re-driven")
+    print(f"logit_bias through decode's SIGKILL (at {killed} tokens held): re-driven, identical: ok")
+    check_restarts(port, 1)
 finally:
     server.send_signal(signal.SIGTERM)
     rc = server.wait(60)
