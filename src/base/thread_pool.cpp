@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #if defined(__x86_64__)
@@ -18,6 +19,29 @@ namespace duet {
 namespace {
 
 constexpr int kSpinBeforeWait = 1 << 14;
+// How long a waiter past its spins yields before it sleeps.
+constexpr auto kYieldBeforeSleep = std::chrono::milliseconds(20);
+
+// Returns once a.load() != old: spins, then yields (a descheduled partner thread
+// needs a core), then sleeps on a (the writer notifies). A waiter that only yielded
+// stayed runnable and, on a core shared with another busy process's threads, kept
+// the core its own partner needed: passes of 1 s took minutes (serve_e2e beside
+// contexts_e2e under ASan on 2 cores: prefill's heartbeat 41 s old with 2 s of CPU
+// used). Sleeping only past 2 ms of yields keeps a pass's barriers as fast as
+// before (a futex wake-up costs tens of microseconds).
+template <typename T>
+void await_change(const std::atomic<T>& a, T old) {
+    for (int i = 0; i < kSpinBeforeWait; ++i) {
+        // acquire: pairs with the writer's release, publishing what it wrote before.
+        if (a.load(std::memory_order_acquire) != old) return;
+        DUET_PAUSE();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    while (a.load(std::memory_order_acquire) == old) {
+        if (std::chrono::steady_clock::now() - t0 < kYieldBeforeSleep) std::this_thread::yield();
+        else a.wait(old, std::memory_order_acquire);
+    }
+}
 
 void pin_to(std::thread::native_handle_type h, int cpu) {
     cpu_set_t set;
@@ -69,6 +93,7 @@ void ThreadPool::worker(int tid) {
         (*fn_)(tid, w);
         // release: pairs with the acquire load in run(), publishing this thread's writes.
         done_.fetch_add(1, std::memory_order_release);
+        done_.notify_one();  // run() may sleep on it (no system call unless it does)
     }
 }
 
@@ -86,13 +111,8 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     job_.store(((j & ~(kJobStep - 1)) + kJobStep) | static_cast<uint32_t>(w), std::memory_order_release);
     job_.notify_all();
     fn(0, w);
-    // acquire: pairs with each worker's release increment of done_.
-    int spins = 0;
-    while (done_.load(std::memory_order_acquire) != w - 1) {
-        DUET_PAUSE();
-        // A descheduled worker (more threads than free cores) needs this core.
-        if (++spins > kSpinBeforeWait) std::this_thread::yield();
-    }
+    // acquire (in await_change): pairs with each worker's release increment of done_.
+    for (int d; (d = done_.load(std::memory_order_acquire)) != w - 1;) await_change(done_, d);
 }
 
 void ThreadPool::barrier() {
@@ -105,14 +125,11 @@ void ThreadPool::barrier() {
         barrier_count_.store(0, std::memory_order_relaxed);
         // release: pairs with the acquire loads of waiters below.
         barrier_phase_.store(phase + 1, std::memory_order_release);
+        barrier_phase_.notify_all();  // waiters past their yields sleep (await_change)
         return;
     }
-    int spins = 0;
-    // acquire: pairs with the release store of the last arriver.
-    while (barrier_phase_.load(std::memory_order_acquire) == phase) {
-        DUET_PAUSE();
-        if (++spins > kSpinBeforeWait) std::this_thread::yield();
-    }
+    // acquire (in await_change): pairs with the release store of the last arriver.
+    await_change(barrier_phase_, phase);
 }
 
 void ThreadPool::split(int64_t n, int tid, int nth, int64_t& begin, int64_t& end, int64_t align) {

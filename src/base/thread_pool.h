@@ -5,7 +5,9 @@
 // dispatch per operation.
 //
 // Workers spin briefly waiting for work, then block on an atomic wait (a futex),
-// so an idle engine uses no CPU. Threads can be pinned to given CPUs.
+// so an idle engine uses no CPU; run()'s wait for the workers and barrier() do the
+// same, so that a thread whose partner is descheduled sleeps instead of holding a
+// core. Threads can be pinned to given CPUs.
 //
 // The width: how many of the threads a run() uses (set_width, between runs; all by
 // default). Threads past it skip the run, so a pool can hold threads pinned to
