@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <set>
+#include <thread>
 
 using namespace duet;
 
@@ -72,6 +74,27 @@ TEST(ThreadPool, OversubscribedPoolStillCompletes) {
         });
     }
     EXPECT_EQ(sum.load(), 50 * (0 + 1 + 2 + 3 + 4 + 5 + 6 + 7));
+}
+
+// A waiter whose partner takes longer than its spins and yields (20 ms) sleeps on
+// the atomic: a late barrier arrival and a late worker still wake it (a lost
+// wake-up hangs here), and the phases stay ordered. (Its CPU time is not checked:
+// on a loaded machine a yielding waiter uses little too, so such a check could not
+// tell the two apart.)
+TEST(ThreadPool, ALongWaitSleepsAndIsWoken) {
+    ThreadPool pool(3);
+    std::vector<int> phase1(3, 0), seen(9, -1);
+    for (int rep = 1; rep <= 4; ++rep) {
+        const int late = rep % 3;  // each thread late in turn (tid 0 too: run()'s wait)
+        pool.run([&](int tid, int nth) {
+            if (tid == late) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+            phase1[tid] = rep;
+            pool.barrier();
+            for (int t = 0; t < nth; ++t) seen[tid * 3 + t] = phase1[t];
+            if (tid == (late + 1) % 3) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+        });
+        for (int v : seen) ASSERT_EQ(v, rep);
+    }
 }
 
 TEST(ThreadPool, SplitCoversTheRangeInAlignedParts) {
