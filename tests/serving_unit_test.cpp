@@ -94,38 +94,40 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(err(R"({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}})", false).param,
               "stream_options");
     // Refused whenever they ask for something.
-    for (const char* body : {R"("grammar": "root ::= \"a\"")",
-                             R"("json_schema": {"type": "object"})"}) {
+    for (const char* body : {R"("grammar": "root ::= \"a\"")", R"("json_schema": {"type": "object"})"}) {
         const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
         const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
         EXPECT_EQ(err(b, false).param, name) << b;
         EXPECT_EQ(err("{" + msgs + ", " + body + "}", true).param, name) << body;
     }
     EXPECT_EQ(err(R"({"prompt": "x", "suffix": "end"})", false).param, "suffix");
-    for (const char* body : {R"("tools": [{"type": "function", "function": {"name": "f"}}])", R"("tool_choice": "auto")",
-                             R"("parallel_tool_calls": true)", R"("functions": [{"name": "f"}])",
-                             R"("function_call": "auto")", R"("response_format": {"type": "json_object"})",
-                             R"("modalities": ["text", "audio"])", R"("audio": {"voice": "alloy"})",
-                             R"("prediction": {"type": "content", "content": "x"})", R"("reasoning_effort": "low")",
-                             R"("verbosity": "low")", R"("web_search_options": {})"}) {
+    for (const char* body :
+         {R"("tools": [{"type": "function", "function": {"name": "f"}}])", R"("tool_choice": "auto")",
+          R"("parallel_tool_calls": true)", R"("functions": [{"name": "f"}])", R"("function_call": "auto")",
+          R"("response_format": {"type": "json_object"})", R"("modalities": ["text", "audio"])",
+          R"("audio": {"voice": "alloy"})", R"("prediction": {"type": "content", "content": "x"})",
+          R"("reasoning_effort": "low")", R"("verbosity": "low")", R"("web_search_options": {})"}) {
         const std::string b = "{" + msgs + ", " + body + "}";
         EXPECT_EQ(err(b, true).param, std::string(body).substr(1, std::string(body).find('"', 1) - 1)) << b;
     }
     // ... and taken as absent when they ask for nothing.
-    for (const char* body : {R"("logit_bias": {})", R"("logit_bias": null)", R"("tools": [])",
-                             R"("tool_choice": "none")", R"("response_format": {"type": "text"})",
-                             R"("modalities": ["text"])", R"("user": "u1")", R"("metadata": {"a": "b"})",
-                             R"("store": false)", R"("service_tier": "auto")", R"("safety_identifier": "s")",
-                             R"("prompt_cache_key": "k")"})
+    for (const char* body :
+         {R"("logit_bias": {})", R"("logit_bias": null)", R"("tools": [])", R"("tool_choice": "none")",
+          R"("response_format": {"type": "text"})", R"("modalities": ["text"])", R"("user": "u1")",
+          R"("metadata": {"a": "b"})", R"("store": false)", R"("service_tier": "auto")", R"("safety_identifier": "s")",
+          R"("prompt_cache_key": "k")"})
         parse_ok("{" + msgs + ", " + body + "}", true);
     parse_ok(R"({"prompt": "x", "suffix": "", "user": "u", "logit_bias": {}})", false);
     // Chat roles: OpenAI's, developer taken as system; tools' roles and other
     // message fields refused.
-    EXPECT_EQ(parse_ok(R"({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]})",
-                       true).messages[0].role,
-              "system");
-    for (const char* m : {R"({"role": "tool", "content": "4", "tool_call_id": "c"})", R"({"role": "robot", "content": "x"})",
-                          R"({"role": "user", "content": "x", "name": "bob"})",
+    EXPECT_EQ(
+        parse_ok(R"({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]})",
+                 true)
+            .messages[0]
+            .role,
+        "system");
+    for (const char* m : {R"({"role": "tool", "content": "4", "tool_call_id": "c"})",
+                          R"({"role": "robot", "content": "x"})", R"({"role": "user", "content": "x", "name": "bob"})",
                           R"({"role": "assistant", "content": null, "tool_calls": []})"})
         EXPECT_EQ(err(std::string(R"({"messages": [)") + m + "]}", true).param, "messages") << m;
     // logit_bias: token ids to numbers in [-100, 100], at most 16 entries.

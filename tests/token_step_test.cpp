@@ -26,7 +26,7 @@ TEST(TokenStep, CheckStopTable) {
         {16, false, true, 16, Finish::Length},  // ... and max_tokens still cuts
         {1, true, false, 1, Finish::Length},    // max_tokens 1: the first token ends it
         {1, false, false, 1, Finish::Length},
-        {0, true, false, 1, Finish::Length},    // nothing allowed: whatever came ends it
+        {0, true, false, 1, Finish::Length},  // nothing allowed: whatever came ends it
     };
     for (const Row& r : rows)
         EXPECT_EQ(check_stop(StopRules{r.max_tokens, r.stop_at_eog}, r.eog, r.n_out), r.want)

@@ -38,8 +38,10 @@ void await_change(const std::atomic<T>& a, T old) {
     }
     const auto t0 = std::chrono::steady_clock::now();
     while (a.load(std::memory_order_acquire) == old) {
-        if (std::chrono::steady_clock::now() - t0 < kYieldBeforeSleep) std::this_thread::yield();
-        else a.wait(old, std::memory_order_acquire);
+        if (std::chrono::steady_clock::now() - t0 < kYieldBeforeSleep)
+            std::this_thread::yield();
+        else
+            a.wait(old, std::memory_order_acquire);
     }
 }
 

@@ -138,8 +138,8 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
         }
         out.push_back(id);
         ++st.generated;
-        const Finish f =
-            check_stop(StopRules{static_cast<uint64_t>(budget), opts.stop_at_eog}, tok_->is_eog(id), static_cast<size_t>(st.generated));
+        const Finish f = check_stop(StopRules{static_cast<uint64_t>(budget), opts.stop_at_eog}, tok_->is_eog(id),
+                                    static_cast<size_t>(st.generated));
         if (!on_token(id)) break;
         if (f != Finish::None) {
             st.finish = f;

@@ -1157,10 +1157,11 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error", "n: a context completion has one choice", "n", ""));
     if (!c.context.empty() && (c.r.best_of > 1 || c.r.echo))
-        co_return co_await error(f, stream, req,
-                                 api_error(400, "invalid_request_error",
-                                           fmt::format("{}: not for a context completion", c.r.echo ? "echo" : "best_of"),
-                                           c.r.echo ? "echo" : "best_of", ""));
+        co_return co_await error(
+            f, stream, req,
+            api_error(400, "invalid_request_error",
+                      fmt::format("{}: not for a context completion", c.r.echo ? "echo" : "best_of"),
+                      c.r.echo ? "echo" : "best_of", ""));
     c.keep = c.r.n;
     c.r.n = std::max(c.r.n, c.r.best_of);  // best_of's candidates, each a choice
     if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
@@ -1274,9 +1275,10 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     static_assert(kMaxLogitBias == RequestParams::kMaxLogitBias);
     for (const auto& [id, bias] : r.logit_bias) {
         if (id >= f.tok_.n_vocab())
-            return api_error(400, "invalid_request_error",
-                             fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
-                             "logit_bias", "");
+            return api_error(
+                400, "invalid_request_error",
+                fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                "logit_bias", "");
         params.bias[params.n_bias++] = RequestParams::Bias{id, bias};
     }
     params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
@@ -1421,7 +1423,8 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
         ch.last_token_ns = step.seen_ns;
-        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
+        if (c.r.logprobs >= 0 || c.ranked())
+            read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
     }
     if (!ch.stream.stopped()) {
         std::string piece;
@@ -1518,8 +1521,8 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
             const auto said = static_cast<Finish>(s.end_code.load(std::memory_order_relaxed));
             if (ch.final_state == shm::ReqState::Finished)
                 ch.finish = finish_reason(said == Finish::None ? Finish::Length : said);
-            else if (ch.final_state == shm::ReqState::Cancelled)
-                ch.finish = finish_reason(Finish::Cancelled);  // duet's extension: ended by someone else (a stop string or the timeout say so)
+            else if (ch.final_state == shm::ReqState::Cancelled)  // duet's extension: ended by someone else (a
+                ch.finish = finish_reason(Finish::Cancelled);     // stop string or the timeout say so)
         }
         o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
         f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
@@ -1530,8 +1533,8 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
-        o.texts.push_back({(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish,
-                           c.r.stream ? ch.lps : std::move(ch.lps)});
+        o.texts.push_back(
+            {(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps)});
     }
     if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
     o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
@@ -1687,7 +1690,8 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error",
                                            fmt::format("request '{}' has 'best_of' greater than 'n': it cannot be "
-                                                       "streamed; resume it without Accept: text/event-stream", id),
+                                                       "streamed; resume it without Accept: text/event-stream",
+                                                       id),
                                            "best_of", ""));
     }
     // The prompt as the slot holds it (the commit adds its tokens past context_len).

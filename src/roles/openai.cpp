@@ -75,9 +75,10 @@ std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessag
         // OpenAI's newer name for the system role (its o-series models take it so).
         if (msg.role == "developer") msg.role = "system";
         if (msg.role != "system" && msg.role != "user" && msg.role != "assistant")
-            return bad("messages",
-                       fmt::format("messages[{}]: the role '{}' is not supported (system, developer, user, assistant){}",
-                                   i, msg.role, msg.role == "tool" || msg.role == "function" ? "; tools are not so far" : ""));
+            return bad(
+                "messages",
+                fmt::format("messages[{}]: the role '{}' is not supported (system, developer, user, assistant){}", i,
+                            msg.role, msg.role == "tool" || msg.role == "function" ? "; tools are not so far" : ""));
         for (const auto& [key, v] : m.items())
             if (key != "role" && key != "content" && !v.is_null())
                 return bad("messages", fmt::format("messages[{}].{} is not supported by this server so far", i, key));
@@ -169,8 +170,8 @@ Field read_stop(const json& j, CompletionRequest& r) {
 Field read_min_tokens(const json& j, CompletionRequest& r) {
     if (auto e = number<int64_t>(j, "min_tokens", r.min_tokens, 0, 1e9)) return *e;
     if (r.max_tokens >= 0 && r.min_tokens > r.max_tokens)
-        return bad("min_tokens", fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", r.min_tokens,
-                                             r.max_tokens));
+        return bad("min_tokens",
+                   fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", r.min_tokens, r.max_tokens));
     // vLLM holds stop strings back until min_tokens too; duet's stop strings are
     // matched by the front, which does not count tokens in the text: refused.
     if (r.min_tokens > 0 && !r.stop.empty())
@@ -185,8 +186,8 @@ Field read_logit_bias(const json& j, CompletionRequest& r) {
     if (it == j.end() || it->is_null()) return std::nullopt;
     if (!it->is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
     if (it->size() > static_cast<size_t>(kMaxLogitBias))
-        return bad("logit_bias", fmt::format("'logit_bias' has {} entries; this server takes at most {}", it->size(),
-                                             kMaxLogitBias));
+        return bad("logit_bias",
+                   fmt::format("'logit_bias' has {} entries; this server takes at most {}", it->size(), kMaxLogitBias));
     for (const auto& [key, v] : it->items()) {
         char* end = nullptr;
         const long long id = std::strtoll(key.c_str(), &end, 10);
@@ -260,8 +261,9 @@ Field read_scheduling(const json& j, CompletionRequest& r) {
 Field read_echo_best_of(const json& j, CompletionRequest& r) {
     if (auto e = boolean(j, "echo", r.echo)) return e;
     if (r.echo && r.logprobs >= 0)
-        return bad("echo", "'echo' with 'logprobs' needs the prompt tokens' log-probabilities, which this server does "
-                           "not compute; ask for one or the other");
+        return bad("echo",
+                   "'echo' with 'logprobs' needs the prompt tokens' log-probabilities, which this server does "
+                   "not compute; ask for one or the other");
     if (auto it = j.find("best_of"); it != j.end() && !it->is_null()) {
         if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > kMaxChoices)
             return bad("best_of", fmt::format("'best_of' must be an integer from 1 to {}", kMaxChoices));
@@ -361,7 +363,8 @@ Field check_fields(const json& j, bool chat) {
     if (auto it = j.find("stream_options"); it != j.end() && it->is_object())
         for (const auto& [key, v] : it->items())
             if (key != "include_usage")
-                return bad("stream_options", fmt::format("Unrecognized request argument supplied: stream_options.{}", key));
+                return bad("stream_options",
+                           fmt::format("Unrecognized request argument supplied: stream_options.{}", key));
     return std::nullopt;
 }
 
@@ -385,9 +388,8 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     r.chat = chat;
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
-    for (auto read :
-         {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices, read_echo_best_of,
-          read_scheduling})
+    for (auto read : {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices,
+                      read_echo_best_of, read_scheduling})
         if (auto e = read(j, r)) return *e;
     return r;
 }

@@ -194,7 +194,8 @@ int32_t WorkerBase::pick(const float* row, const RequestParams& p, std::span<con
     if (ban || p.n_bias > 0) {
         banned_row_.assign(row, row + nv);
         for (uint32_t k = 0; k < std::min(p.n_bias, RequestParams::kMaxLogitBias); ++k)
-            if (p.bias[k].token >= 0 && p.bias[k].token < nv) banned_row_[static_cast<size_t>(p.bias[k].token)] += p.bias[k].bias;
+            if (p.bias[k].token >= 0 && p.bias[k].token < nv)
+                banned_row_[static_cast<size_t>(p.bias[k].token)] += p.bias[k].bias;
         if (ban)
             for (int32_t id : eog_ids_)
                 if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
@@ -514,9 +515,10 @@ void PrefillWorker::take(const WireMsg& m) {
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
         // Re-driven after its last token was written: it ends as that token said.
-        const Finish said = !no                 ? Finish::Length
-                            : j.output.empty() ? Finish::None
-                                               : check_stop(stop_rules(j.params), tok_->is_eog(j.output.back()), j.output.size());
+        const Finish said = !no ? Finish::Length
+                            : j.output.empty()
+                                ? Finish::None
+                                : check_stop(stop_rules(j.params), tok_->is_eog(j.output.back()), j.output.size());
         if (said != Finish::None) {
             slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
@@ -1453,16 +1455,16 @@ Result<bool> DecodeWorker::step() {
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
         const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
-        const int32_t next = batch[i].argmax_only || batch[i].sample
-                                 ? picks_[i]
-                                 : pick(row, a.params, a.prompt, a.output);
+        const int32_t next =
+            batch[i].argmax_only || batch[i].sample ? picks_[i] : pick(row, a.params, a.prompt, a.output);
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
         a.output.push_back(next);
         Finish f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
         if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
         if (f != Finish::None) {
-            t.slot(a.req.slot).end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
+            t.slot(a.req.slot)
+                .end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
             done.push_back(i);
         }
     }

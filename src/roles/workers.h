@@ -168,8 +168,8 @@ protected:
     std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
-    std::vector<int32_t> eog_ids_;     // tok_->eog_ids(): banned while min_tokens is not reached
-    std::vector<float> banned_row_;    // pick()'s copy of a row with them banned
+    std::vector<int32_t> eog_ids_;   // tok_->eog_ids(): banned while min_tokens is not reached
+    std::vector<float> banned_row_;  // pick()'s copy of a row with them banned
     std::vector<float> logits_;
     std::vector<int32_t> picks_;          // per output row, from forward_pick
     std::vector<SampleRequest> samples_;  // the step's rows the backend samples
