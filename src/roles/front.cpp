@@ -241,6 +241,24 @@ struct Choice {
     uint64_t last_token_ns = 0;
     std::vector<LogprobToken> lps;  // one per output token, when asked for
     size_t lps_sent = 0;            // streamed so far
+    // Once a stop string ended it: the output tokens it keeps, those up to the one
+    // that completed the stop string. Tokens the worker made past it (it had not
+    // seen the cancel yet; a verify row makes several at once) are not part of the
+    // response: not in its log-probs, usage or context, whatever the timing.
+    size_t kept = SIZE_MAX;
+    // Feeds out[from, out.size()) to the text and its stop strings (terminal: no
+    // more tokens come); true when a stop string ended it now.
+    bool feed(size_t from, bool terminal) {
+        if (stream.stopped()) return false;
+        for (size_t i = from; i < out.size(); ++i) {
+            if (!stream.append(detok.push(out[i]))) continue;
+            kept = i + 1;
+            out.resize(kept);
+            if (lps.size() > kept) lps.resize(kept);
+            return true;
+        }
+        return terminal && stream.append(detok.finish());
+    }
     int64_t text_bytes = 0;         // bytes of the tokens so far (text_offset)
     std::vector<LogprobToken> unsent() const {
         if (lps_sent >= lps.size()) return {};
@@ -1399,6 +1417,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
     f.resend_if_preempted(ch.ref, ch.attempt);
     const size_t before = ch.out.size();
     if (auto n = t.read_output(ch.ref, ch.have, ch.out)) ch.have = *n;
+    if (ch.out.size() > ch.kept) ch.out.resize(ch.kept);
     step.seen_ns = shm::monotonic_ns();
     if (ch.out.size() > before) {
         if (ch.last_token_ns == 0) {
@@ -1426,14 +1445,9 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
         if (c.r.logprobs >= 0 || c.ranked())
             read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
     }
-    if (!ch.stream.stopped()) {
-        std::string piece;
-        for (size_t i = before; i < ch.out.size(); ++i) piece += ch.detok.push(ch.out[i]);
-        if (step.terminal) piece += ch.detok.finish();
-        if (ch.stream.append(piece)) {
-            ch.finish = finish_reason(Finish::StopString);
-            if (!step.terminal) ch.cancel(t);
-        }
+    if (ch.feed(before, step.terminal)) {
+        ch.finish = finish_reason(Finish::StopString);
+        if (!step.terminal) ch.cancel(t);
     }
     return step;
 }
@@ -1752,9 +1766,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         ch.out = std::move(out);
         ch.have = from[i];
         if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
-        std::string piece;
-        for (int32_t tok : ch.out) piece += ch.detok.push(tok);
-        if (ch.stream.append(piece)) ch.finish = finish_reason(Finish::StopString);
+        if (ch.feed(0, false)) ch.finish = finish_reason(Finish::StopString);
         (void)ch.stream.take(false);
         ch.lps_sent = ch.lps.size();
         ch.sent_have = ch.have;
