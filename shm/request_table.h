@@ -133,7 +133,10 @@ struct RequestTableHeader {
     std::atomic<uint32_t> role_changes[2];
     // Prefill passes stopped for a critical request (WorkerOptions::pass_interrupt).
     std::atomic<uint64_t> passes_interrupted;
-    uint8_t spare[56];  // room for more counters (zeroed by init)
+    // Drafted tokens decode checked in verify rows, and those the draws kept.
+    std::atomic<uint64_t> drafted;
+    std::atomic<uint64_t> drafts_accepted;
+    uint8_t spare[40];  // room for more counters (zeroed by init)
 };
 static_assert(sizeof(RequestTableHeader) == 128);
 
@@ -153,6 +156,8 @@ public:
     std::atomic<uint64_t>& swaps() const { return h_->swaps; }
     std::atomic<uint64_t>& swapped_bytes() const { return h_->swapped_bytes; }
     std::atomic<uint64_t>& passes_interrupted() const { return h_->passes_interrupted; }
+    std::atomic<uint64_t>& drafted() const { return h_->drafted; }
+    std::atomic<uint64_t>& drafts_accepted() const { return h_->drafts_accepted; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }

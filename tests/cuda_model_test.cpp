@@ -213,6 +213,52 @@ TEST(CudaModel, LogitsDoNotDependOnBatchChunkingOrForks) {
     });
 }
 
+// A verify row (a decode step of k positions: the newest token and k - 1 drafts) on
+// the GPU runs as a plain launch (decode graphs replay one-token rows only) and
+// gives the logits of k single steps, alone and beside graph-sized one-token rows,
+// within the CUDA backend's chunking tolerance (the same as the test above; bitwise
+// only on the CPU backend, tests/model_test.cpp), with the same greedy picks.
+TEST(CudaModel, AVerifyRowGivesTheLogitsOfSingleSteps) {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+    in_child([] {
+        auto e = make_engine("cuda:0", true, 2048);
+        ASSERT_TRUE(e);
+        const int64_t nv = e->backend().n_vocab();
+        std::vector<int32_t> prefix(300), cont(8), other(40);
+        for (size_t i = 0; i < prefix.size(); ++i) prefix[i] = static_cast<int32_t>((i * 7919 + 3) % nv);
+        for (size_t i = 0; i < cont.size(); ++i) cont[i] = static_cast<int32_t>((i * 104729 + 11) % nv);
+        for (size_t i = 0; i < other.size(); ++i) other[i] = static_cast<int32_t>((i * 31 + 5) % nv);
+        std::vector<float> l;
+        auto prefilled = [&](const std::vector<int32_t>& toks) {
+            KvSeq s;
+            SeqBatch b{&s, toks.data(), static_cast<int32_t>(toks.size()), false};
+            EXPECT_TRUE(e->backend().forward({&b, 1}, l).ok());
+            return s;
+        };
+        KvSeq ref = prefilled(prefix);
+        std::vector<std::vector<float>> singles;
+        for (int32_t t : cont) {
+            SeqBatch b{&ref, &t, 1, false};
+            ASSERT_TRUE(e->backend().forward({&b, 1}, l).ok());
+            singles.push_back(l);
+        }
+        ref.release(e->pool());
+        for (int32_t k = 1; k <= 8; ++k) {
+            KvSeq sv = prefilled(prefix), so = prefilled(other);
+            SeqBatch rows[2] = {{&so, other.data() + 39, 1, false}, {&sv, cont.data(), k, true}};
+            ASSERT_TRUE(e->backend().forward(rows, l).ok());
+            ASSERT_EQ(l.size(), static_cast<size_t>((1 + k) * nv));
+            for (int32_t j = 0; j < k; ++j) {
+                const std::vector<float> row(l.begin() + (1 + j) * nv, l.begin() + (2 + j) * nv);
+                EXPECT_LT(rms_diff(singles[j], row) / rms(singles[j]), 1e-3) << "k = " << k << ", position " << j;
+                EXPECT_EQ(argmax(singles[j].data(), nv), argmax(row.data(), nv)) << "k = " << k << ", position " << j;
+            }
+            sv.release(e->pool());
+            so.release(e->pool());
+        }
+    });
+}
+
 // Decode steps replayed from CUDA graphs give the eager pass's logits, for batch
 // sizes that fill a bucket and that leave padding rows, across an attention split
 // boundary (512 tokens).

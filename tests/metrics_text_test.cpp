@@ -19,6 +19,7 @@ MetricsSnapshot two_arenas_three_workers() {
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
     s.role_changes_to_prefill = 1, s.role_changes_to_decode = 2;
     s.passes_interrupted = 3;
+    s.drafted = 10, s.drafts_accepted = 7;
     s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
@@ -85,6 +86,11 @@ const char* const kTwoArenasThreeWorkers =
     "arrived meanwhile (--no-pass-interrupt: none); each is computed again.\n"
     "# TYPE duet_prefill_passes_interrupted_total counter\n"
     "duet_prefill_passes_interrupted_total 3\n"
+    "# HELP duet_draft_tokens_total Drafted tokens decode checked in verify rows (--draft-tokens), by outcome: "
+    "accepted (the draw at their position picked them) or rejected.\n"
+    "# TYPE duet_draft_tokens_total counter\n"
+    "duet_draft_tokens_total{outcome=\"accepted\"} 7\n"
+    "duet_draft_tokens_total{outcome=\"rejected\"} 3\n"
     "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"
@@ -146,7 +152,8 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n"
-    "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not restarted; /ready says why).\n"
+    "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not restarted; /ready says "
+    "why).\n"
     "# TYPE duet_golden_check_failures_total counter\n"
     "duet_golden_check_failures_total 1\n";
 
@@ -240,7 +247,8 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 34u);  // 14 front families (role changes, interrupted passes among them), 2 of arenas, 11 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 35u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
+                                  // arenas, 11 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

@@ -239,6 +239,61 @@ TEST(Model, LogitsAreBitwiseIndependentOfBatch) {
     sc.release(e.pool());
 }
 
+// A verify row (engine/decode_scheduler.h): a decode step of k positions, the newest
+// token and k - 1 drafted ones, whose logits must be bitwise those of k single
+// steps, alone and batched beside plain one-token rows and a prefill chunk; and a
+// row whose tail was rejected (truncated) continues as if it had never been
+// computed. Speculative decoding is exact because of this.
+TEST(Model, AVerifyRowOfKTokensGivesTheLogitsOfKSingleSteps) {
+    Engine& e = engine();
+    const int64_t nv = e.model().config().n_vocab;
+    const auto prefix = prompt_ids(30, 11), cont = prompt_ids(9, 12);
+    const auto other = prompt_ids(20, 13), third = prompt_ids(12, 14);
+    std::vector<float> l;
+    auto prefilled = [&](const std::vector<int32_t>& toks) {
+        KvSeq s;
+        SeqBatch b{&s, toks.data(), static_cast<int32_t>(toks.size()), false};
+        EXPECT_TRUE(e.backend().forward({&b, 1}, l).ok());
+        return s;
+    };
+    // The reference: cont fed one token per pass after the prefix.
+    KvSeq ref = prefilled(prefix);
+    std::vector<float> singles;
+    for (int32_t t : cont) {
+        SeqBatch b{&ref, &t, 1, false};
+        ASSERT_TRUE(e.backend().forward({&b, 1}, l).ok());
+        singles.insert(singles.end(), l.begin(), l.end());
+    }
+    ref.release(e.pool());
+    for (int32_t k = 1; k <= 8; ++k) {
+        const size_t bytes = static_cast<size_t>(k * nv) * sizeof(float);
+        KvSeq alone = prefilled(prefix);
+        SeqBatch v{&alone, cont.data(), k, true};
+        ASSERT_TRUE(e.backend().forward({&v, 1}, l).ok());
+        ASSERT_EQ(l.size(), static_cast<size_t>(k * nv));
+        EXPECT_EQ(0, std::memcmp(singles.data(), l.data(), bytes)) << "alone, k = " << k;
+        // Rejected past j: the KV truncated to the prefix and j positions, the next
+        // single step gives position j's reference logits again.
+        const int32_t j = k / 2;
+        alone.truncate(e.pool(), static_cast<int64_t>(prefix.size()) + j);
+        SeqBatch next{&alone, cont.data() + j, 1, false};
+        ASSERT_TRUE(e.backend().forward({&next, 1}, l).ok());
+        EXPECT_EQ(0, std::memcmp(singles.data() + j * nv, l.data(), static_cast<size_t>(nv) * sizeof(float)))
+            << "after truncating to " << j << " of " << k;
+        alone.release(e.pool());
+
+        KvSeq sv = prefilled(prefix), so = prefilled(other), st;
+        SeqBatch mixed[3] = {
+            {&so, other.data() + 19, 1, false}, {&sv, cont.data(), k, true}, {&st, third.data(), 12, false}};
+        ASSERT_TRUE(e.backend().forward(mixed, l).ok());
+        ASSERT_EQ(l.size(), static_cast<size_t>((1 + k + 1) * nv));
+        EXPECT_EQ(0, std::memcmp(singles.data(), l.data() + nv, bytes)) << "batched, k = " << k;
+        sv.release(e.pool());
+        so.release(e.pool());
+        st.release(e.pool());
+    }
+}
+
 TEST(Model, ForwardRejectsBadTokenIdsAndKeepsState) {
     Engine& e = engine();
     KvSeq s;

@@ -38,6 +38,10 @@ constexpr const char* kPassInterruptHelp =
 constexpr const char* kSwapDir = "--swap-dir";
 constexpr const char* kMaxBatch = "--max-batch";
 constexpr const char* kBorrowCpus = "--borrow-cpus";
+constexpr const char* kDraftTokens = "--draft-tokens";
+constexpr const char* kDraftTokensHelp =
+    "decode: up to this many tokens per sequence and step drafted by prompt lookup and checked in the step's pass "
+    "(kept only where the draw picked them: the output does not change); 0: off";
 constexpr const char* kMaxBatchHelp =
     "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
     "less urgent sequence (preempted)";
@@ -189,6 +193,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
+    c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
     c.add_flag("--lend-cores,!--no-lend-cores", s.lend_cores,
                "CPU (on by default; --no-lend-cores: off): prefill worker i computes on decode worker i's cores too "
                "while that one holds no request, and decode i on prefill i's while it holds none (given back within "
@@ -239,6 +244,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(kBorrowCpus, s.borrow_cpus, "the other role's CPUs, computed on while it holds no request");
     if (!prefill) {
         c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
+        c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
         return;
     }
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
@@ -296,7 +302,10 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     put(kGolden, w.golden);
     put_if(kSwapDir, w.swap_dir);
     put_if(kBorrowCpus, w.borrow_cpus);
-    if (r.role == "decode") put(kMaxBatch, std::to_string(w.max_batch));
+    if (r.role == "decode") {
+        put(kMaxBatch, std::to_string(w.max_batch));
+        put(kDraftTokens, std::to_string(w.max_draft));
+    }
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));
         put(kPrefillPassMs, std::to_string(w.prefill_pass_ms));

@@ -83,6 +83,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.pass_interrupt = a.pass_interrupt;
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;
+    o.max_draft = a.max_draft;
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
     // The golden-logits gate before READY: a failure exits kGoldenExitCode, which

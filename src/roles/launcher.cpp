@@ -187,7 +187,10 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         ws.isa = s.isa;
         ws.golden = s.golden;
         ws.swap_dir = swap_dir_of(s, plan.layout.instance);
-        if (p.role == "decode") ws.max_batch = s.max_batch;
+        if (p.role == "decode") {
+            ws.max_batch = s.max_batch;
+            ws.max_draft = s.max_draft;
+        }
         if (s.lend_cores && plan.gpus.empty()) ws.borrow_cpus = format_cpu_list(lent_cpus(placed, p));
         if (p.role == "prefill") {
             ws.prefill_budget = s.prefill_budget;

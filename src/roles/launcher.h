@@ -84,6 +84,9 @@ struct ServeSettings {
     // Sequences a decode step runs at most (WorkerOptions::max_batch): when they are
     // all taken, a more urgent hand-off takes a less urgent sequence's slot.
     int max_batch = 256;
+    // Decode: drafted tokens per sequence and step, verified in the pass
+    // (WorkerOptions::max_draft; 0: off).
+    int max_draft = 0;
     // CPU serving: prefill i and decode i each borrow the other's cores while the other
     // holds no request (WorkerOptions::borrow_cpus, lent_cpus). On by default: in the
     // mixed scenario it cut ITL p50 from 27.9 to 18.6 ms and TTFT p50 from 8.8 to
@@ -135,6 +138,7 @@ struct WorkerSettings {
     bool pass_interrupt = true;    // prefill: WorkerOptions::pass_interrupt
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
+    int max_draft = 0;             // decode: drafted tokens per sequence and step (WorkerOptions::max_draft)
     std::string borrow_cpus;       // the other role's cores, borrowed while it is idle ("": none)
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;

@@ -56,6 +56,12 @@ std::string metrics_counters(const MetricsSnapshot& s) {
                 "Prefill passes stopped between layers for a critical request that arrived meanwhile "
                 "(--no-pass-interrupt: none); each is computed again.") +
          fmt::format("duet_prefill_passes_interrupted_total {}\n", s.passes_interrupted);
+    m += family("duet_draft_tokens_total", "counter",
+                "Drafted tokens decode checked in verify rows (--draft-tokens), by outcome: accepted (the draw at "
+                "their position picked them) or rejected.") +
+         fmt::format(
+             "duet_draft_tokens_total{{outcome=\"accepted\"}} {}\nduet_draft_tokens_total{{outcome=\"rejected\"}} {}\n",
+             s.drafts_accepted, s.drafted - std::min(s.drafted, s.drafts_accepted));
     return m;
 }
 

@@ -1127,6 +1127,7 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
         if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
     inst.registry().slot(w->self_.slot).max_items.store(static_cast<uint32_t>(std::max(1, o.max_batch)),
                                                          std::memory_order_relaxed);
+    if (o.max_draft > 0) w->drafter_ = std::make_unique<PromptLookupDrafter>();
     w->publish_load();
     return w;
 }
@@ -1341,18 +1342,97 @@ uint32_t DecodeWorker::swap_out(Active& a) {
     return static_cast<uint32_t>(n);
 }
 
-// Whether decode's last sequence, which found no block for its next token, waits for
-// one: its KV with the next token fits the whole arena, others hold blocks now
-// (prefill's passes, another decode worker's sequences), and it has waited less
-// than kKvWaitNs.
-bool DecodeWorker::waits_for_kv(Active& a) {
+DecodeStep DecodeWorker::plan_step(int64_t available) {
+    const shm::RequestTable& t = inst_->requests();
     const KvBlockAllocator& al = pool_->allocator();
     const int64_t bt = pool_->layout().block_tokens;
-    const int64_t need = (a.seq.n_tokens() + 1 + bt - 1) / bt;
-    if (need > al.n_blocks() || al.n_available() >= al.n_blocks()) return false;
     const uint64_t now = shm::monotonic_ns();
-    if (a.kv_wait_since == 0) a.kv_wait_since = now;
-    return now - a.kv_wait_since < kKvWaitNs;
+    std::vector<DecodeRowView> rows(active_.size());
+    for (size_t i = 0; i < active_.size(); ++i) {
+        Active& a = active_[i];
+        a.row.assign(1, a.output.back());
+        // Drafts only where they can all be kept: within max_tokens (the newest draw
+        // counts too) and the slot's token room.
+        const size_t made = a.prompt.size() + a.output.size();
+        const size_t room =
+            std::min<size_t>(a.params.max_tokens > a.output.size() ? a.params.max_tokens - a.output.size() : 0,
+                             t.max_tokens() > made ? t.max_tokens() - made : 0);
+        const size_t k = std::min<size_t>(static_cast<size_t>(std::max(0, opts_.max_draft)), room > 0 ? room - 1 : 0);
+        if (drafter_ && k > 0) {
+            a.row.resize(1 + k);
+            a.row.resize(1 + drafter_->propose(a.prompt, a.output, std::span(a.row).subspan(1)));
+        }
+        const auto want = static_cast<int32_t>(a.row.size());
+        rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.slo_class},
+                   want,
+                   blocks_to_append(*pool_, a.seq, want),
+                   blocks_to_append(*pool_, a.seq, 1),
+                   (a.seq.n_tokens() + 1 + bt - 1) / bt <= al.n_blocks(),
+                   a.kv_wait_since ? now - a.kv_wait_since : 0};
+    }
+    const DecodeArenaView arena{available >= 0 ? available : al.n_available(), al.n_available() < al.n_blocks()};
+    return plan_decode(rows, views_of(parked_), arena, kKvWaitNs);
+}
+
+// Short of blocks: the decode policy (engine/decode_scheduler.h) named the sequence
+// that gives way (the least urgent class, the newest of it), which is preempted, by
+// swap or recompute; the rest try again next step. With one sequence left there is
+// nobody to give way to: it waits for blocks others hold (prefill gives back those of
+// prompts that wait: PrefillWorker::set_aside) if it would fit in the arena, up to
+// kKvWaitNs, and then fails. A victim cancelled meanwhile ends as such.
+void DecodeWorker::make_room(const DecodeStep& plan) {
+    shm::RequestTable& t = inst_->requests();
+    using A = DecodeStep::Action;
+    if (plan.action == A::PreemptParked) {
+        if (!preempt(parked_, plan.victim)) finish(parked_, plan.victim, shm::ReqState::Cancelled);
+        publish_load();
+    } else if (t.cancelled(active_[plan.victim].req)) {
+        finish(plan.victim, shm::ReqState::Cancelled);
+    } else if (plan.action == A::Preempt) {
+        if (!preempt(active_, plan.victim)) finish(plan.victim, shm::ReqState::Cancelled);
+        publish_load();
+    } else if (plan.action == A::Wait) {
+        Active& a = active_[plan.victim];
+        if (a.kv_wait_since == 0) a.kv_wait_since = shm::monotonic_ns();
+        usleep(2000);
+        return;
+    } else {
+        t.slot(active_[plan.victim].req.slot)
+            .error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
+        finish(plan.victim, shm::ReqState::Failed);
+    }
+    inst_->registry().wake(shm::Role::Front);
+}
+
+Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n) {
+    shm::RequestTable& t = inst_->requests();
+    const int64_t nv = backend_->n_vocab();
+    const int64_t kept_from = a.seq.n_tokens() - n;  // the positions before the row
+    Finish f = Finish::None;
+    int32_t j = 0;  // tokens emitted
+    bool matched = true;
+    while (j < n && matched && f == Finish::None) {
+        const float* row = rows + static_cast<int64_t>(j) * nv;
+        const int32_t next = host ? pick(row, a.params, a.prompt, a.output) : picks[j];
+        if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
+            fill_logprobs(row, nv, next, a.params.logprobs,
+                          t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
+        a.output.push_back(next);
+        f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
+        if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
+        ++j;
+        // The draft at the next position is kept only if this draw picked it; if not,
+        // this draw is its correction and the row ends here.
+        matched = j < n && next == a.row[static_cast<size_t>(j)];
+    }
+    if (n > 1) {
+        t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
+        t.drafts_accepted().fetch_add(static_cast<uint64_t>(j - 1), std::memory_order_relaxed);
+    }
+    // Every token but the newest output keeps its KV: the row's positions up to the
+    // last kept token's input.
+    if (j < n) a.seq.truncate(*pool_, kept_from + j);
+    return f;
 }
 
 Result<bool> DecodeWorker::step() {
@@ -1365,25 +1445,43 @@ Result<bool> DecodeWorker::step() {
         if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
         return false;
     }
+    // The step's blocks first (KvCacheManager). The allocator's count allowed it, yet
+    // the arena is shared: blocks gone meanwhile are a shortage, planned as one.
+    DecodeStep plan = plan_step();
     std::vector<SeqBatch> batch;
-    const uint64_t step_ns = shm::monotonic_ns();
-    samples_.resize(active_.size());
-    for (size_t i = 0; i < active_.size(); ++i) {
-        Active& a = active_[i];
-        // Without log-probabilities the backend picks the token (a GPU backend then
-        // copies no logits for it): the argmax alone for greedy without penalties,
-        // else the sampler's pick for this request and position.
-        const SamplingParams& sp = a.params.sampling;
-        // While min_tokens bans end-of-generation tokens, the host picks (pick()).
-        const bool host =
-            a.params.logprobs >= 0 || a.params.n_bias > 0 || eog_banned(stop_rules(a.params), a.output.size());
-        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
-        SeqBatch b{&a.seq, &a.output.back(), 1, false, argmax_only};
-        if (!argmax_only && !host) {
-            samples_[i] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
-            b.sample = &samples_[i];
+    if (plan.action == DecodeStep::Action::Run) {
+        samples_.resize(active_.size());
+        for (const DecodeRow& r : plan.rows) {
+            Active& a = active_[r.seq];
+            a.row.resize(static_cast<size_t>(r.n_tokens));
+            // Without log-probabilities the backend picks the token (a GPU backend then
+            // copies no logits for it): the argmax alone for greedy without penalties,
+            // else the sampler's pick for this request and position. The host picks
+            // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
+            // for a verify row, whose every position is drawn in turn.
+            const SamplingParams& sp = a.params.sampling;
+            const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 ||
+                              eog_banned(stop_rules(a.params), a.output.size());
+            const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
+            SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
+            if (!argmax_only && !host) {
+                samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
+                b.sample = &samples_[r.seq];
+            }
+            batch.push_back(b);
         }
-        batch.push_back(b);
+        if (!kv_->reserve(batch)) {
+            batch.clear();
+            plan = plan_step(0);
+        }
+    }
+    if (plan.action != DecodeStep::Action::Run) {
+        make_room(plan);
+        return true;
+    }
+    const uint64_t step_ns = shm::monotonic_ns();
+    for (Active& a : active_) {
+        a.kv_wait_since = 0;
         if (a.fresh) {
             t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
             a.first_step_ns = step_ns;
@@ -1391,44 +1489,7 @@ Result<bool> DecodeWorker::step() {
         }
         a.fresh = false;
     }
-    // The step's blocks first (KvCacheManager). None to be had: the decode policy
-    // names the sequence that gives way (the least urgent class, the newest of it),
-    // which is preempted by recompute, and the rest try again next step. With one
-    // sequence left there is nobody to give way to: it waits for blocks others hold
-    // (prefill gives back those of prompts that wait: PrefillWorker::set_aside) if it
-    // would fit in the arena, up to kKvWaitNs, and then fails.
-    Status st = kv_->reserve(batch);
-    if (!st) {
-        const size_t v = pick_decode_victim(views_of(active_));
-        // A sequence waiting for a slot gives its blocks first, unless a running one
-        // is of a less urgent class.
-        const size_t vp = pick_decode_victim(views_of(parked_));
-        if (vp != SIZE_MAX && parked_[vp].params.slo_class >= active_[v].params.slo_class) {
-            if (!preempt(parked_, vp)) finish(parked_, vp, shm::ReqState::Cancelled);  // cancelled meanwhile
-            publish_load();
-            inst_->registry().wake(shm::Role::Front);
-            return true;
-        }
-        if (active_.size() > 1 && preempt(active_, v)) {
-            publish_load();
-            inst_->registry().wake(shm::Role::Front);
-            return true;
-        }
-        if (t.cancelled(active_[v].req)) {  // it was leaving anyway
-            finish(v, shm::ReqState::Cancelled);
-            inst_->registry().wake(shm::Role::Front);
-            return true;
-        }
-        if (waits_for_kv(active_[v])) {  // alone, and it would fit: others hold blocks now
-            usleep(2000);
-            return true;
-        }
-        t.slot(active_[v].req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
-        finish(v, shm::ReqState::Failed);
-        inst_->registry().wake(shm::Role::Front);
-        return true;
-    }
-    for (Active& a : active_) a.kv_wait_since = 0;
+    Status st;
     {
         yield_to_claim(yield_budget());
         trace::Range range("decode step");
@@ -1452,18 +1513,14 @@ Result<bool> DecodeWorker::step() {
     }
     const int64_t nv = backend_->n_vocab();
     std::vector<size_t> done;
+    int64_t r = 0;  // the pass's output row of the entry
     for (size_t i = 0; i < active_.size(); ++i) {
-        Active& a = active_[i];
-        const float* row = logits_.data() + static_cast<int64_t>(i) * nv;
-        const int32_t next =
-            batch[i].argmax_only || batch[i].sample ? picks_[i] : pick(row, a.params, a.prompt, a.output);
-        if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
-            fill_logprobs(row, nv, next, a.params.logprobs, t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
-        a.output.push_back(next);
-        Finish f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
-        if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
+        const SeqBatch& b = batch[i];
+        const bool host = !b.argmax_only && !b.sample;
+        const Finish f = emit(active_[i], logits_.data() + r * nv, picks_.data() + r, host, b.n_tokens);
+        r += b.output_rows();
         if (f != Finish::None) {
-            t.slot(a.req.slot)
+            t.slot(active_[i].req.slot)
                 .end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
             done.push_back(i);
         }

@@ -18,6 +18,8 @@
 #include "base/thread_pool.h"
 #include "engine/backends.h"
 #include "engine/decode_policy.h"
+#include "engine/decode_scheduler.h"
+#include "engine/drafter.h"
 #include "engine/golden.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/prefill_scheduler.h"
@@ -72,6 +74,10 @@ struct WorkerOptions {
     // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
     // routing sends them to a decode worker with room).
     int max_batch = 256;
+    // Decode: up to this many drafted tokens per sequence and step (prompt lookup,
+    // engine/drafter.h), checked in the step's pass as a verify row; the output is
+    // the same with any value. 0: off.
+    int max_draft = 0;
     // Where it computes: the CPU (KV in the instance's /dev/shm segment) or a GPU
     // (KV in the instance's shared device arena on it).
     DeviceSpec device;
@@ -348,12 +354,12 @@ private:
         uint64_t kv_wait_since = 0;  // alone and waiting for a KV block others hold, since (0: not)
         uint64_t first_step_ns = 0;   // its pace since (yield_budget_ns): when its first step here began
         size_t first_step_tokens = 0;  // and its output tokens then
+        std::vector<int32_t> row;      // the step's input: the newest output token, then its drafts
     };
     uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
     // from[i] (active_ or parked_) ends in state `to`.
     void finish(std::vector<Active>& from, size_t i, shm::ReqState to);
     void finish(size_t i, shm::ReqState to) { finish(active_, i, to); }
-    bool waits_for_kv(Active& a);  // a lone sequence that found no KV block (workers.cpp)
     // Writes a's KV to its swap blob when that is cheaper than recomputing it: the
     // positions written (0: it will be computed again).
     uint32_t swap_out(Active& a);
@@ -365,7 +371,18 @@ private:
     // when parked requests found cancelled were ended.
     bool take_handoffs();
     bool end_cancelled(std::vector<Active>& from);  // from's cancelled requests ended; true if any
-    static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy  // the rings' hand-offs into parked_, parked_ into the batch (workers.cpp)
+    static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy
+    // The step's plan (engine/decode_scheduler.h) over active_ and parked_, each
+    // Active's row filled with its input (drafts included); available: the blocks a
+    // reservation may take (-1: the allocator's count now).
+    DecodeStep plan_step(int64_t available = -1);
+    // Carries out a plan that is not Run (one preemption, a wait or a failure).
+    void make_room(const DecodeStep& plan);
+    // Takes the tokens of a's row (of n positions) from the pass's rows at `rows`:
+    // each drawn as plain decoding draws it, a draft kept while it matches, the rest
+    // of the row's KV dropped. The Finish that ends it, or None.
+    Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
+    std::unique_ptr<Drafter> drafter_;  // null: no drafts (WorkerOptions::max_draft 0)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)

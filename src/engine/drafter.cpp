@@ -1,0 +1,27 @@
+#include "engine/drafter.h"
+
+#include <algorithm>
+
+namespace duet {
+
+size_t PromptLookupDrafter::propose(std::span<const int32_t> prompt, std::span<const int32_t> output,
+                                    std::span<int32_t> out) const {
+    const size_t np = prompt.size(), n = np + output.size();
+    auto at = [&](size_t i) { return i < np ? prompt[i] : output[i - np]; };
+    if (out.empty() || n == 0) return 0;
+    for (int len = std::min<int>(max_, static_cast<int>(n) - 1); len >= std::max(1, min_); --len) {
+        const size_t l = static_cast<size_t>(len);
+        // The suffix [n - l, n) matched at [s, s + l), s + l < n (something follows it).
+        for (size_t s = n - l; s-- > 0;) {
+            size_t k = 0;
+            while (k < l && at(s + k) == at(n - l + k)) ++k;
+            if (k < l) continue;
+            size_t got = 0;
+            for (size_t i = s + l; i < n && got < out.size(); ++i) out[got++] = at(i);
+            return got;
+        }
+    }
+    return 0;
+}
+
+}  // namespace duet

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Verify rows in `duet serve` (--draft-tokens): the decode worker checks prompt-lookup
+drafts in its step's pass and keeps a drafted token only where the draw at its
+position picked it, so the output, token for token and logprob for logprob, is the
+output without drafts. Driven through the official `openai` client against two
+servers, one without drafts (the reference) and one with: input-grounded prompts
+(where drafts are accepted; /metrics proves they were) and open ones, greedy and
+seeded sampling, penalties, logit_bias, min_tokens, stop strings, logprobs, one at a
+time and all at once (verify rows batched with plain ones); then a stream through a
+SIGKILL of decode in the middle of its verify steps, re-driven, identical.
+
+Usage: speculate_test.py path/to/duet   (run with the venv's python)
+"""
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import openai
+
+from duet_e2e import check, check_restarts, drain, listening_port, stop
+
+DUET = sys.argv[1]
+
+GROUNDED = [
+    "Copy this list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, "
+    "mango.\nCopy: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+]
+OPEN = ["Tell me a short story about a cat.", "Why is the sky blue?", "Write a haiku about rain."]
+MODES = [
+    {"temperature": 0},
+    {"temperature": 0.8, "seed": 7},
+    {"temperature": 0.7, "seed": 11, "top_p": 0.9, "frequency_penalty": 0.6, "presence_penalty": 0.3},
+    {"temperature": 0, "logit_bias": {"28": -100}},  # "," (28) banned: drafts of the list miss where a comma was
+    {"temperature": 0.9, "seed": 5, "extra_body": {"min_tokens": 40}, "max_tokens": 48},
+    {"temperature": 0, "stop": [" fig", "lazy"]},
+]
+
+
+def start(draft):
+    inst = f"duet-speculate-test-{os.getpid()}-{draft}"
+    p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, "--draft-tokens",
+                          str(draft)], stderr=subprocess.PIPE, text=True)
+    port = listening_port(p)
+    check(port, f"the server with --draft-tokens {draft} did not start")
+    drain(p)
+    return p, port, inst
+
+
+def run_all(port, parallel):
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = c.models.list().data[0].id
+    jobs = [(p, m) for p in GROUNDED + OPEN for m in MODES]
+
+    def one(job):
+        prompt, mode = job
+        kw = dict(model=model, prompt=prompt, max_tokens=64, logprobs=2)
+        kw.update(mode)
+        ch = c.completions.create(**kw).choices[0]
+        lp = ch.logprobs
+        return ch.text, ch.finish_reason, lp.tokens, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as ex:
+        return list(ex.map(one, jobs)), jobs
+
+
+def metric(port, name):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
+    return int(m.group(1)) if m else None
+
+
+KILLED = dict(prompt=GROUNDED[0] * 3 + " cherry,", max_tokens=160, temperature=0.8, seed=3,
+              extra_body={"ignore_eos": True})
+
+# The reference: no drafts.
+server, port, _ = start(0)
+try:
+    want_one, jobs = run_all(port, 1)
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
+    check(metric(port, 'duet_draft_tokens_total{outcome="accepted"}') == 0, "no drafts without --draft-tokens")
+finally:
+    stop(server)
+
+server, port, inst = start(8)
+try:
+    got_one, _ = run_all(port, 1)
+    stopped_by_string = False
+    accepted = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
+    rejected = metric(port, 'duet_draft_tokens_total{outcome="rejected"}')
+    for (prompt, mode), w, g in zip(jobs, want_one, got_one):
+        check(w == g, f"one at a time, {mode} on {prompt[:40]!r}: with drafts {g}, without {w}")
+        if "stop" in mode and w[1] == "stop" and any(x in "".join(w[2]) for x in mode["stop"]):
+            # Ended by a stop string: the log-probs end with the token that completed
+            # it (not with what decode made before it saw the cancel).
+            check(not any(x in "".join(w[2][:-1]) for x in mode["stop"]),
+                  f"log-probs past the stop string's token: {w[2]}")
+            stopped_by_string = True
+    check(stopped_by_string, "a completion ended by a stop string")
+    check(accepted >= 100, f"drafts were checked and kept: {accepted} accepted, {rejected} rejected")
+    print(f"{len(jobs)} completions one at a time: identical with drafts ({accepted} accepted, {rejected} rejected)")
+    got_all, _ = run_all(port, 8)
+    for (prompt, mode), w, g in zip(jobs, want_one, got_all):
+        check(w == g, f"eight at a time, {mode} on {prompt[:40]!r}: with drafts {g[0]!r}, without {w[0]!r}")
+    print(f"{len(jobs)} completions eight at a time: identical")
+    # Decode killed while it verifies drafts for the stream: re-driven, identical.
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
+    decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
+    redriven = metric(port, "duet_requests_redriven_total")
+    base = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
+    parts, killed = [], None
+    for ev in c.completions.create(model=c.models.list().data[0].id, stream=True, **KILLED):
+        parts.extend(ch.text for ch in ev.choices)
+        if killed is None and len(parts) >= 8:
+            now = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
+            if metric(port, 'duet_worker_requests{role="decode",worker="0"}') == 1 and now > base:
+                os.kill(decode[0], signal.SIGKILL)
+                killed = len(parts)
+    check(killed is not None, "decode never held the stream while verifying its drafts")
+    check("".join(parts) == want_killed, f"after decode's SIGKILL: {''.join(parts)!r} != {want_killed!r}")
+    check(metric(port, "duet_requests_redriven_total") == redriven + 1, "the stream was re-driven")
+    print(f"a stream through decode's SIGKILL at {killed} parts, drafts on: re-driven, identical")
+    check_restarts(port, 1)
+finally:
+    stop(server)
+print("ok")

@@ -1,0 +1,125 @@
+// Decode's plan (engine/decode_scheduler.h) and the prompt-lookup drafter
+// (engine/drafter.h) as tables: no model, no processes. Each row of the shortage
+// table is one branch of the policy the decode worker carries out, with the
+// expected action written out from the policy's statement in the header.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "engine/decode_scheduler.h"
+#include "engine/drafter.h"
+
+namespace duet {
+namespace {
+
+using A = DecodeStep::Action;
+constexpr uint64_t kWait = 1000;
+
+// A row: admitted order, class, positions wanted, blocks with them and with one.
+DecodeRowView row(uint64_t admitted, uint32_t cls, int32_t want = 1, int64_t need = 1, int64_t need_one = 1) {
+    DecodeRowView r;
+    r.seq = {admitted, 100, cls};
+    r.want = want;
+    r.need = need;
+    r.need_one = need_one;
+    return r;
+}
+
+TEST(DecodeScheduler, RunsEveryRowWhenTheBlocksFit) {
+    const std::vector<DecodeRowView> active = {row(1, 1, 1, 0, 0), row(2, 1, 5, 1, 0), row(3, 2, 1, 1, 1)};
+    const DecodeStep s = plan_decode(active, {}, {2, true}, kWait);
+    ASSERT_EQ(s.action, A::Run);
+    ASSERT_EQ(s.rows.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(s.rows[i].seq, i);
+    EXPECT_EQ(s.rows[0].n_tokens, 1);
+    EXPECT_EQ(s.rows[1].n_tokens, 5);  // the verify row keeps its drafts
+    EXPECT_EQ(s.rows[2].n_tokens, 1);
+    EXPECT_EQ(plan_decode({}, {}, {0, true}, kWait).action, A::Idle);
+}
+
+// Drafts are optional work: the step that fits only without them runs every row
+// with one position, and nobody is preempted for a draft.
+TEST(DecodeScheduler, DraftsGoBeforeAnyoneIsPreempted) {
+    const std::vector<DecodeRowView> active = {row(1, 1, 9, 2, 0), row(2, 1, 3, 1, 1)};
+    const DecodeStep s = plan_decode(active, {}, {1, true}, kWait);
+    ASSERT_EQ(s.action, A::Run);
+    ASSERT_EQ(s.rows.size(), 2u);
+    EXPECT_EQ(s.rows[0].n_tokens, 1);
+    EXPECT_EQ(s.rows[1].n_tokens, 1);
+    // Short even without them: the shortage policy, not a smaller step.
+    EXPECT_EQ(plan_decode(active, {}, {0, true}, kWait).action, A::Preempt);
+}
+
+TEST(DecodeScheduler, ShortageTable) {
+    struct Case {
+        const char* what;
+        std::vector<DecodeRowView> active;
+        std::vector<DecodeSeqView> parked;
+        DecodeArenaView arena;
+        A action;
+        size_t victim;
+    };
+    auto waited = [](DecodeRowView r, uint64_t ns, bool fits = true) {
+        r.waited_ns = ns;
+        r.fits_arena = fits;
+        return r;
+    };
+    // clang-format off
+    const std::vector<Case> cases = {
+        {"a parked one of the same class gives its blocks first",
+         {row(1, 1), row(5, 1)}, {{9, 100, 1}}, {0, true}, A::PreemptParked, 0},
+        {"a parked one of a less urgent class too",
+         {row(1, 1), row(5, 1)}, {{3, 100, 1}, {9, 100, 2}}, {0, true}, A::PreemptParked, 1},
+        {"a parked one more urgent than the running victim keeps its blocks",
+         {row(1, 1), row(5, 2)}, {{9, 100, 1}}, {0, true}, A::Preempt, 1},
+        {"two running: the newest of the least urgent class gives way",
+         {row(1, 2), row(5, 1), row(3, 2)}, {}, {0, true}, A::Preempt, 2},
+        {"one class: the newest", {row(7, 0), row(2, 0)}, {}, {0, true}, A::Preempt, 0},
+        {"alone, it fits, others hold blocks, waited less: it waits",
+         {waited(row(1, 1), 0)}, {}, {0, true}, A::Wait, 0},
+        {"alone, still in its wait", {waited(row(1, 1), kWait - 1)}, {}, {0, true}, A::Wait, 0},
+        {"alone, waited the limit: it fails", {waited(row(1, 1), kWait)}, {}, {0, true}, A::Fail, 0},
+        {"alone, nobody else holds blocks: waiting cannot help", {row(1, 1)}, {}, {0, false}, A::Fail, 0},
+        {"alone, larger than the whole arena", {waited(row(1, 1), 0, false)}, {}, {0, true}, A::Fail, 0},
+        {"alone, a parked one of its class gives first", {row(1, 0)}, {{4, 10, 0}}, {0, true}, A::PreemptParked, 0},
+        {"alone, a parked critical one does not", {row(1, 1)}, {{4, 10, 0}}, {0, true}, A::Wait, 0},
+    };
+    // clang-format on
+    for (const Case& c : cases) {
+        const DecodeStep s = plan_decode(c.active, c.parked, c.arena, kWait);
+        EXPECT_EQ(s.action, c.action) << c.what;
+        EXPECT_EQ(s.victim, c.victim) << c.what;
+        EXPECT_TRUE(s.rows.empty()) << c.what;
+    }
+}
+
+std::vector<int32_t> propose(const std::vector<int32_t>& prompt, const std::vector<int32_t>& output, size_t k,
+                             int min_ngram = 2, int max_ngram = 4) {
+    std::vector<int32_t> out(k);
+    out.resize(PromptLookupDrafter(min_ngram, max_ngram).propose(prompt, output, out));
+    return out;
+}
+
+TEST(PromptLookupDrafter, ProposesWhatFollowedTheSuffixBefore) {
+    using V = std::vector<int32_t>;
+    // "... 5 6 7 8 9 ..." then output ends in 5 6: propose 7 8 9.
+    EXPECT_EQ(propose({1, 5, 6, 7, 8, 9, 2}, {3, 5, 6}, 3), (V{7, 8, 9}));
+    EXPECT_EQ(propose({1, 5, 6, 7, 8, 9, 2}, {3, 5, 6}, 2), (V{7, 8}));  // at most k
+    // Runs to the end of what is known: the draft may reach into the output.
+    EXPECT_EQ(propose({5, 6}, {7, 5, 6}, 8), (V{7, 5, 6}));
+    // The longest suffix wins over a more recent shorter one: 4 6 matched at its
+    // earlier place (followed by 1), not 6 alone (followed by 2).
+    EXPECT_EQ(propose({4, 6, 1, 9, 6, 2}, {4, 6}, 1, 1, 4), (V{1}));
+    // Of equal length, the most recent occurrence.
+    EXPECT_EQ(propose({5, 6, 1, 5, 6, 2}, {5, 6}, 1), (V{2}));
+    // The suffix spans the prompt's end and the output's start.
+    EXPECT_EQ(propose({8, 9, 3, 0, 8}, {9}, 2), (V{3, 0}));
+    // Nothing matches (or too short a match): nothing proposed.
+    EXPECT_TRUE(propose({1, 2, 3}, {4, 5}, 4).empty());
+    EXPECT_TRUE(propose({1, 2, 3}, {9, 3}, 4).empty());  // only a 1-gram matches; min_ngram 2
+    EXPECT_TRUE(propose({}, {}, 4).empty());
+    EXPECT_TRUE(propose({5, 6, 7}, {5, 6}, 0).empty());
+}
+
+}  // namespace
+}  // namespace duet
