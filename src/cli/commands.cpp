@@ -237,7 +237,9 @@ int cmd_bench_model(BenchArgs a) {
         std::fprintf(stderr, "duet: --n-prompt, --n-gen and --repetitions must be >= 1\n");
         return 2;
     }
-    a.engine.n_ctx = std::max(a.n_prompt, a.n_gen) + 16;
+    // KV for the prompt and its generation, or for the 8 sequences of the verify measure.
+    a.engine.n_ctx =
+        std::max<int64_t>(std::max(a.n_prompt, a.n_gen) + 16, a.verify > 0 ? 8 * (a.n_prompt + a.verify + 16) : 0);
     auto eng = Engine::create(a.engine);
     if (!eng) {
         std::fprintf(stderr, "duet: %s\n", eng.error().message.c_str());
@@ -274,12 +276,39 @@ int cmd_bench_model(BenchArgs a) {
         seq.release(e.pool());
         return a.n_gen / dt;
     };
+    // Decode passes over sequences holding the prompt's KV: `rows` sequences of one
+    // position each (`steps` passes), or one row of a.verify positions; seconds per pass.
+    auto run_decode = [&](int rows, int width, int steps) -> double {
+        std::vector<KvSeq> seqs(static_cast<size_t>(rows));
+        for (KvSeq& s : seqs) {
+            SeqBatch b{&s, toks.data(), a.n_prompt, false};
+            if (Status st = e.backend().forward({&b, 1}, logits); !st) throw std::runtime_error(st.error().message);
+        }
+        std::vector<SeqBatch> batch;
+        double t0 = now_s();
+        for (int i = 0; i < steps; ++i) {
+            batch.clear();
+            for (KvSeq& s : seqs) batch.push_back({&s, &toks[static_cast<size_t>(i)], width, width > 1});
+            if (Status st = e.backend().forward(batch, logits); !st) throw std::runtime_error(st.error().message);
+        }
+        const double dt = (now_s() - t0) / steps;
+        for (KvSeq& s : seqs) s.release(e.pool());
+        return dt;
+    };
     // Warm-up: page in weights, size scratch buffers.
     run_pp();
     run_tg();
-    std::vector<double> pp, tg;
+    std::vector<double> pp, tg, single, verify, batch8;
     for (int r = 0; r < a.reps; ++r) pp.push_back(run_pp());
     for (int r = 0; r < a.reps; ++r) tg.push_back(run_tg());
+    if (a.verify > 0) {
+        run_decode(8, 1, 1);
+        for (int r = 0; r < a.reps; ++r) {
+            single.push_back(run_decode(1, 1, a.verify) * 1e3);
+            verify.push_back(run_decode(1, a.verify, 1) * 1e3);
+            batch8.push_back(run_decode(8, 1, a.verify) * 1e3);
+        }
+    }
     const double bytes = static_cast<double>(e.model().weight_bytes_per_token());
     const double floor_tps = 1.0 / measure_weight_read_seconds(e.model(), e.threads(), e.isa());
     const double bw = bytes * floor_tps;
@@ -300,6 +329,12 @@ int cmd_bench_model(BenchArgs a) {
             {"tg_floor_tokens_per_s", floor_tps},
             {"tg_fraction_of_floor", stg.mean / floor_tps},
         };
+        if (a.verify > 0) {
+            j["verify"] = a.verify;
+            j["step_ms"] = stats(single).mean;
+            j["verify_row_ms"] = stats(verify).mean;
+            j["step_batch8_ms"] = stats(batch8).mean;
+        }
         std::printf("%s\n", j.dump().c_str());
     } else {
         fmt::print("model {} | {} threads | {}\n", a.model, e.threads().size(), cpu::isa_name(e.isa()));
@@ -308,6 +343,14 @@ int cmd_bench_model(BenchArgs a) {
         fmt::print("floor: reading the {:.1f} MB of weights a token uses takes {:.1f} GB/s -> {:.1f} tokens/s; "
                    "tg is {:.0f}% of it\n",
                    bytes / 1e6, bw / 1e9, floor_tps, 100.0 * stg.mean / floor_tps);
+        if (a.verify > 0) {
+            const Stat s1 = stats(single), sv = stats(verify), s8 = stats(batch8);
+            fmt::print(
+                "decode at {} tokens: a step {:.2f} ± {:.2f} ms; a verify row of {} positions {:.2f} ± {:.2f} ms "
+                "({:.2f} steps' time for {} positions); a step of 8 sequences {:.2f} ± {:.2f} ms ({:.2f} steps)\n",
+                a.n_prompt, s1.mean, s1.sd, a.verify, sv.mean, sv.sd, sv.mean / s1.mean, a.verify, s8.mean, s8.sd,
+                s8.mean / s1.mean);
+        }
     }
     return 0;
 }

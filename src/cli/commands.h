@@ -26,6 +26,7 @@ struct BenchArgs {
     int n_prompt = 512;
     int n_gen = 128;
     int reps = 3;
+    int verify = 8;  // a verify row of this many positions against as many single steps (0: not measured)
     bool json = false;
     std::string cpus;
     EngineOptions engine;

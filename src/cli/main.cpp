@@ -123,6 +123,11 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
     c_bm->add_option("--cpus", bench.cpus, "pin threads to these CPUs");
     c_bm->add_option("--isa", bench.engine.isa, "kernel level");
     c_bm->add_option("--kv-dtype", bench.engine.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
+    c_bm->add_option("--verify", bench.verify,
+                     "after the prompt: one decode row of this many positions (a verify row) against as many "
+                     "single steps, and a step of 8 sequences against one (0: neither)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 64));
     c_bm->add_flag("--json", bench.json, "print one JSON object");
 
     // duet bench cuda
