@@ -63,7 +63,7 @@ Result<std::unique_ptr<DeviceKvMemory>> open_peer_kv(const std::string& instance
 // then copies fail with "not kept"), on its own GPU.
 Result<std::unique_ptr<KvStage>> kept_kv_stage(const std::string& instance, uint32_t arena, KvPool& mirror);
 // The stage between GPU memory this process has mapped (a worker's own arena) and
-// its host mirror: a preempted request's swap (roles/workers.cpp), through
+// its host mirror: a preempted request's swap (roles/decode_worker.cpp), through
 // page-locked halves of about 16 MiB (CudaKvStage). Errors: a build without CUDA,
 // CUDA failures.
 Result<std::unique_ptr<KvStage>> device_kv_stage(const DeviceKvMemory& kv, KvPool& mirror);

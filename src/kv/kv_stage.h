@@ -82,7 +82,7 @@ std::span<const int32_t> blocks_of_positions(std::span<const int32_t> blocks, in
                                              uint64_t n);
 
 // A sequence's KV to and from a blob where the arena may be one this process cannot
-// address (a GPU's): a preempted request's swap (roles/workers.cpp). `io` is the
+// address (a GPU's): a preempted request's swap (roles/decode_worker.cpp). `io` is the
 // pool the blob code reads and writes: the arena's own (CPU; stage and mirror null)
 // or the mirror's (stage and mirror set: the arena's ids, its allocator).
 struct StagedKvIo {

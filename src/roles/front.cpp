@@ -1057,7 +1057,7 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
 }
 
 // A FINISHED return_kv request's table names exactly the blocks its worker moved to
-// its client (workers.cpp, DecodeWorker::finish), positions [0, prompt + output - 1):
+// its client (decode_worker.cpp, DecodeWorker::finish), positions [0, prompt + output - 1):
 // ours when the slot's kv_to names us. (An adopted request's worker may have moved
 // them to the dead front, whose recovery drops them: the commit then computes the
 // added tokens again.)

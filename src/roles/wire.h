@@ -212,7 +212,7 @@ inline StopRules stop_rules(const RequestParams& p) { return {p.max_tokens, p.st
 // Fills a log-probability row (shm::kLogprobRow entries) from a token's logits: the
 // model's distribution (log-softmax of the raw logits, before any sampling
 // parameter), the sampled token first, then the `top` most likely, most likely first.
-// (The workers compute it: src/roles/workers.cpp.)
+// (The workers compute it: src/roles/decode_worker.cpp, prefill_worker.cpp.)
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
 
 }  // namespace duet

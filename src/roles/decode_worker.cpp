@@ -1,0 +1,439 @@
+#include "roles/decode_worker.h"
+
+#include "base/trace.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "engine/backends.h"
+#include "engine/scheduling.h"
+#include "model/fingerprint.h"
+#include "roles/claims.h"
+#include "roles/sd_notify.h"
+
+namespace duet {
+
+Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, const Model& model,
+                                                           const WorkerOptions& o) {
+    std::unique_ptr<DecodeWorker> w(new DecodeWorker());
+    if (Status st = w->init(inst, model, shm::Role::Decode, o); !st) return st.error();
+    for (uint32_t p = 0; p < w->rings_.n_prefill; ++p)
+        if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
+    inst.registry().slot(w->self_.slot).max_items.store(static_cast<uint32_t>(std::max(1, o.max_batch)),
+                                                         std::memory_order_relaxed);
+    if (o.max_draft > 0) w->drafter_ = std::make_unique<PromptLookupDrafter>();
+    w->publish_load();
+    return w;
+}
+
+DecodeWorker::~DecodeWorker() {
+    for (Active& a : active_) a.seq.release(*pool_);
+    for (Active& a : parked_) a.seq.release(*pool_);
+}
+
+bool DecodeWorker::has_work() {
+    if (!active_.empty() || !parked_.empty()) return true;
+    for (auto& in : in_)
+        if (in.readable()) return true;
+    return false;
+}
+
+void DecodeWorker::publish_load() {
+    uint64_t tokens = 0;
+    for (const Active& a : active_) tokens += static_cast<uint64_t>(a.seq.n_tokens());
+    for (const Active& a : parked_) tokens += static_cast<uint64_t>(a.seq.n_tokens());
+    WorkerBase::publish_load(static_cast<uint32_t>(active_.size() + parked_.size()), tokens);
+}
+
+void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to) {
+    shm::RequestTable& t = inst_->requests();
+    Active& a = from[i];
+    if (to == shm::ReqState::Finished && a.params.return_kv) {
+        // The blocks go back to the client. The rule its reader relies on: a FINISHED
+        // return_kv request's table names exactly the blocks the client now holds a
+        // reference on (none when it is gone). The table is emptied, then names them
+        // all, then each reference moves, before the transition publishes FINISHED.
+        const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
+        const int32_t to_user = inst_->arena(arena_).user_of(client);
+        (void)t.reset_blocks(a.req);
+        if (to_user >= 0 &&
+            t.append_blocks(a.req, a.seq.blocks().data(), static_cast<uint32_t>(a.seq.blocks().size())).ok()) {
+            for (int32_t b : a.seq.detach())
+                if (!inst_->arena(arena_).transfer(user_, static_cast<uint32_t>(to_user), b)) alloc_->unref(b);
+            t.slot(a.req.slot).kv_to.store(client.pack(), std::memory_order_relaxed);  // published by the transition
+        }
+    }
+    t.transition(a.req, shm::ReqState::Decoding, to);
+    a.seq.release(*pool_);
+    from[i] = std::move(from.back());
+    from.pop_back();
+}
+
+// Preemption by recompute: the sequence's KV is dropped and its request goes back to
+// QUEUED with its output so far, owned by its client, which sends it to prefill again
+// (FrontSession::read_choice); prefill computes prompt + output (its re-drive path) and
+// the request continues token-identically (the invariance contract: chunking and
+// batching never change a sequence's logits; sampling is keyed by seed and position).
+// It keeps its place: its prefill deadline counts from its first submission. False
+// when the request is no longer ours to move (cancelled meanwhile: it ends as such).
+bool DecodeWorker::preempt(std::vector<Active>& from, size_t i) {
+    shm::RequestTable& t = inst_->requests();
+    Active& a = from[i];
+    const shm::ProcRef client = shm::ProcRef::unpack(t.slot(a.req.slot).client.load(std::memory_order_relaxed));
+    if (t.cancelled(a.req)) return false;
+    // Published by the transition: prefill reads the blob, or computes them all.
+    const uint32_t swapped = swap_out(a);
+    t.slot(a.req.slot).n_swapped.store(swapped, std::memory_order_relaxed);
+    (void)t.reset_blocks(a.req);  // the table names no block of ours past this point
+    if (!t.transition(a.req, shm::ReqState::Decoding, shm::ReqState::Queued, client)) {
+        if (swapped) ::unlink(swap_path(a.req).c_str());
+        return false;
+    }
+    a.seq.release(*pool_);
+    from[i] = std::move(from.back());
+    from.pop_back();
+    return true;
+}
+
+bool DecodeWorker::end_cancelled(std::vector<Active>& from) {
+    bool any = false;
+    for (size_t i = 0; i < from.size();) {
+        if (inst_->requests().cancelled(from[i].req)) {
+            finish(from, i, shm::ReqState::Cancelled);
+            any = true;
+        } else {
+            ++i;
+        }
+    }
+    return any;
+}
+
+std::vector<DecodeSeqView> DecodeWorker::views_of(const std::vector<Active>& v) {
+    std::vector<DecodeSeqView> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = {v[i].admitted, v[i].seq.n_tokens(), v[i].params.slo_class};
+    return out;
+}
+
+// New hand-offs join at a step boundary. Every hand-off in the rings is taken (up
+// to the batch size again, waiting: parked_), so that one waiting for a slot never
+// holds up a more urgent one behind it in its ring. Parked ones join the batch most
+// urgent first (class, then first submission); with every slot taken, a parked one
+// of a more urgent class takes the slot of a less urgent sequence (pick_slot_victim:
+// preempted as for a KV shortage, swapped or recomputed, keeping its place).
+bool DecodeWorker::take_handoffs() {
+    shm::RequestTable& t = inst_->requests();
+    const size_t room = static_cast<size_t>(std::max(1, opts_.max_batch));
+    for (size_t r = 0; r < in_.size(); ++r) {
+        auto& in = in_[(first_in_ + r) % in_.size()];
+        size_t n = 0;
+        const WireMsg* m = in.peek(&n);
+        size_t used = 0;
+        for (; used < n && active_.size() + parked_.size() < 2 * room; ++used) {
+            const WireMsg& w = m[used];
+            shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
+            if (!shm::handoff_accept(inst_->arena(arena_), t, h, self_, user_)) continue;
+            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+            Active a;
+            a.req = h.req;
+            a.params = request_params(t, h.req.slot);
+            const uint32_t np = t.slot(h.req.slot).n_prompt.load(std::memory_order_relaxed);
+            a.prompt.assign(t.tokens(h.req.slot), t.tokens(h.req.slot) + np);
+            (void)t.read_output(h.req, 0, a.output);
+            const uint32_t nb = t.slot(h.req.slot).n_blocks.load(std::memory_order_acquire);
+            std::vector<int32_t> blocks(t.blocks(h.req.slot), t.blocks(h.req.slot) + nb);
+            alloc_->handed_by(h.from_user, blocks);
+            // Every token but the newest output has its KV in the blocks.
+            a.seq = KvSeq::adopt(std::move(blocks), static_cast<int64_t>(np + a.output.size()) - 1);
+            a.fresh = true;
+            // Its order is its first submission's time: a request preempted and back
+            // again keeps its place (it is not the newest, so not the next victim).
+            a.admitted = t.slot(h.req.slot).submit_ns;
+            parked_.push_back(std::move(a));
+        }
+        in.release(used);
+    }
+    first_in_ = (first_in_ + 1) % in_.size();
+    const bool dropped = end_cancelled(parked_);  // cancelled while they waited: they displace nobody
+    while (!parked_.empty()) {
+        size_t p = 0;
+        for (size_t i = 1; i < parked_.size(); ++i)
+            if (parked_[i].params.slo_class < parked_[p].params.slo_class ||
+                (parked_[i].params.slo_class == parked_[p].params.slo_class && parked_[i].admitted < parked_[p].admitted))
+                p = i;
+        if (active_.size() >= room) {
+            const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.slo_class);
+            if (v == SIZE_MAX) break;  // it waits for a slot to end
+            if (!preempt(active_, v)) finish(v, shm::ReqState::Cancelled);  // cancelled meanwhile: leaving anyway
+            inst_->registry().wake(shm::Role::Front);
+        }
+        active_.push_back(std::move(parked_[p]));
+        parked_[p] = std::move(parked_.back());
+        parked_.pop_back();
+    }
+    return dropped;
+}
+
+uint64_t DecodeWorker::yield_budget() const {
+    std::vector<StreamPace> pace;
+    const uint64_t now = shm::monotonic_ns();
+    for (const Active& a : active_)
+        pace.push_back({a.params.itl_target_ns, now - std::min(now, a.first_step_ns),
+                        static_cast<uint64_t>(a.output.size() - a.first_step_tokens)});
+    return yield_budget_ns(pace, kYieldPace, kYieldMaxNs);
+}
+
+// The fastest running prefill worker's measured rate (its ProcSlot work counters),
+// once it has kRateEvidenceTokens behind it; 0 before.
+double DecodeWorker::prefill_rate() const {
+    const shm::Registry& reg = inst_->registry();
+    double best = 0;
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        if (!reg.running_as(s, shm::Role::Prefill)) continue;
+        const OwnPassWork w = own_pass_work(reg.slot(s));
+        if (w.busy_ns > 0 && w.tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
+            best = std::max(best, static_cast<double>(w.tokens) * 1e9 / static_cast<double>(w.busy_ns));
+    }
+    return best;
+}
+
+// Swap or recompute (choose_preemption): the swap rate is this worker's measured
+// writes (an exponential average over swaps; on a GPU the device-to-host copy
+// included), 1 GB/s before the first: the order of a page-cache write here, and what
+// a first choice needs only roughly (on the CPU swap wins by 50x; on a GPU, whose
+// prefill is fast, the measured rates decide, and the first swap measures ours).
+uint32_t DecodeWorker::swap_out(Active& a) {
+    const int64_t n = a.seq.n_tokens();
+    // A request that started from its client's blocks (a context's) is computed again
+    // from them: prefill ignores a swap blob for it (take_given), so none is written.
+    if (!swap_ || n <= 0 || a.params.given_tokens > 0) return 0;
+    const uint64_t bytes = static_cast<uint64_t>(n) * pool_->layout().bytes_per_token();
+    const double rate = swap_rate_ > 0 ? swap_rate_ : 1e9;
+    if (choose_preemption(bytes, n, rate, prefill_rate()) != PreemptMode::Swap) return 0;
+    std::vector<int32_t> tokens = a.prompt;
+    tokens.insert(tokens.end(), a.output.begin(), a.output.end());
+    const auto t0 = std::chrono::steady_clock::now();
+    // GPU KV: the stage reads it on a stream of its own; a copy-on-write copy queued
+    // on the backend's stream (a reservation that failed part way) must land first.
+    if (swap_stage_) {
+        if (Status st = backend_->sync(); !st) {
+            std::fprintf(stderr, "duet decode: swap of request %u.%u: %s (it is computed again)\n", a.req.slot,
+                         a.req.gen, st.error().message.c_str());
+            return 0;
+        }
+    }
+    // No fsync: a crash re-drives the request, which then computes its KV again.
+    auto h = staged_blob_write(swap_io(), swap_path(a.req), ident_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
+    if (!h) {
+        std::fprintf(stderr, "duet decode: swap of request %u.%u failed (it is computed again): %s\n", a.req.slot,
+                     a.req.gen, h.error().message.c_str());
+        return 0;
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double measured = static_cast<double>(bytes) / std::max(s, 1e-6);
+    swap_rate_ = swap_rate_ > 0 ? 0.7 * swap_rate_ + 0.3 * measured : measured;
+    inst_->requests().swaps().fetch_add(1, std::memory_order_relaxed);
+    inst_->requests().swapped_bytes().fetch_add(bytes, std::memory_order_relaxed);
+    return static_cast<uint32_t>(n);
+}
+
+DecodeStep DecodeWorker::plan_step(int64_t available) {
+    const shm::RequestTable& t = inst_->requests();
+    const KvBlockAllocator& al = pool_->allocator();
+    const int64_t bt = pool_->layout().block_tokens;
+    const uint64_t now = shm::monotonic_ns();
+    std::vector<DecodeRowView> rows(active_.size());
+    for (size_t i = 0; i < active_.size(); ++i) {
+        Active& a = active_[i];
+        a.row.assign(1, a.output.back());
+        // Drafts only where they can all be kept: within max_tokens (the newest draw
+        // counts too) and the slot's token room.
+        const size_t made = a.prompt.size() + a.output.size();
+        const size_t room =
+            std::min<size_t>(a.params.max_tokens > a.output.size() ? a.params.max_tokens - a.output.size() : 0,
+                             t.max_tokens() > made ? t.max_tokens() - made : 0);
+        const size_t k = std::min<size_t>(static_cast<size_t>(std::max(0, opts_.max_draft)), room > 0 ? room - 1 : 0);
+        if (drafter_ && k > 0) {
+            a.row.resize(1 + k);
+            a.row.resize(1 + drafter_->propose(a.prompt, a.output, std::span(a.row).subspan(1)));
+        }
+        const auto want = static_cast<int32_t>(a.row.size());
+        rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.slo_class},
+                   want,
+                   blocks_to_append(*pool_, a.seq, want),
+                   blocks_to_append(*pool_, a.seq, 1),
+                   (a.seq.n_tokens() + 1 + bt - 1) / bt <= al.n_blocks(),
+                   a.kv_wait_since ? now - a.kv_wait_since : 0};
+    }
+    const DecodeArenaView arena{available >= 0 ? available : al.n_available(), al.n_available() < al.n_blocks()};
+    return plan_decode(rows, views_of(parked_), arena, kKvWaitNs);
+}
+
+// Short of blocks: the decode policy (engine/decode_scheduler.h) named the sequence
+// that gives way (the least urgent class, the newest of it), which is preempted, by
+// swap or recompute; the rest try again next step. With one sequence left there is
+// nobody to give way to: it waits for blocks others hold (prefill gives back those of
+// prompts that wait: PrefillWorker::set_aside) if it would fit in the arena, up to
+// kKvWaitNs, and then fails. A victim cancelled meanwhile ends as such.
+void DecodeWorker::make_room(const DecodeStep& plan) {
+    shm::RequestTable& t = inst_->requests();
+    using A = DecodeStep::Action;
+    if (plan.action == A::PreemptParked) {
+        if (!preempt(parked_, plan.victim)) finish(parked_, plan.victim, shm::ReqState::Cancelled);
+        publish_load();
+    } else if (t.cancelled(active_[plan.victim].req)) {
+        finish(plan.victim, shm::ReqState::Cancelled);
+    } else if (plan.action == A::Preempt) {
+        if (!preempt(active_, plan.victim)) finish(plan.victim, shm::ReqState::Cancelled);
+        publish_load();
+    } else if (plan.action == A::Wait) {
+        Active& a = active_[plan.victim];
+        if (a.kv_wait_since == 0) a.kv_wait_since = shm::monotonic_ns();
+        usleep(2000);
+        return;
+    } else {
+        t.slot(active_[plan.victim].req.slot)
+            .error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
+        finish(plan.victim, shm::ReqState::Failed);
+    }
+    inst_->registry().wake(shm::Role::Front);
+}
+
+Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n) {
+    shm::RequestTable& t = inst_->requests();
+    const int64_t nv = backend_->n_vocab();
+    const int64_t kept_from = a.seq.n_tokens() - n;  // the positions before the row
+    Finish f = Finish::None;
+    int32_t j = 0;  // tokens emitted
+    bool matched = true;
+    while (j < n && matched && f == Finish::None) {
+        const float* row = rows + static_cast<int64_t>(j) * nv;
+        const int32_t next = host ? pick(row, a.params, a.prompt, a.output) : picks[j];
+        if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
+            fill_logprobs(row, nv, next, a.params.logprobs,
+                          t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
+        a.output.push_back(next);
+        f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
+        if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
+        ++j;
+        // The draft at the next position is kept only if this draw picked it; if not,
+        // this draw is its correction and the row ends here.
+        matched = j < n && next == a.row[static_cast<size_t>(j)];
+    }
+    if (n > 1) {
+        t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
+        t.drafts_accepted().fetch_add(static_cast<uint64_t>(j - 1), std::memory_order_relaxed);
+    }
+    // Every token but the newest output keeps its KV: the row's positions up to the
+    // last kept token's input.
+    if (j < n) a.seq.truncate(*pool_, kept_from + j);
+    return f;
+}
+
+Result<bool> DecodeWorker::step() {
+    shm::RequestTable& t = inst_->requests();
+    bool dropped = take_handoffs();
+    publish_load();  // before the step: what it holds now, for routing while it runs
+    dropped = end_cancelled(active_) || dropped;
+    if (active_.empty()) {
+        publish_load();
+        if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
+        return false;
+    }
+    // The step's blocks first (KvCacheManager). The allocator's count allowed it, yet
+    // the arena is shared: blocks gone meanwhile are a shortage, planned as one.
+    DecodeStep plan = plan_step();
+    std::vector<SeqBatch> batch;
+    if (plan.action == DecodeStep::Action::Run) {
+        samples_.resize(active_.size());
+        for (const DecodeRow& r : plan.rows) {
+            Active& a = active_[r.seq];
+            a.row.resize(static_cast<size_t>(r.n_tokens));
+            // Without log-probabilities the backend picks the token (a GPU backend then
+            // copies no logits for it): the argmax alone for greedy without penalties,
+            // else the sampler's pick for this request and position. The host picks
+            // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
+            // for a verify row, whose every position is drawn in turn.
+            const SamplingParams& sp = a.params.sampling;
+            const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 ||
+                              eog_banned(stop_rules(a.params), a.output.size());
+            const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
+            SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
+            if (!argmax_only && !host) {
+                samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
+                b.sample = &samples_[r.seq];
+            }
+            batch.push_back(b);
+        }
+        if (!kv_->reserve(batch)) {
+            batch.clear();
+            plan = plan_step(0);
+        }
+    }
+    if (plan.action != DecodeStep::Action::Run) {
+        make_room(plan);
+        return true;
+    }
+    const uint64_t step_ns = shm::monotonic_ns();
+    for (Active& a : active_) {
+        a.kv_wait_since = 0;
+        if (a.fresh) {
+            t.slot(a.req.slot).first_step_ns.store(step_ns, std::memory_order_relaxed);
+            a.first_step_ns = step_ns;
+            a.first_step_tokens = a.output.size();
+        }
+        a.fresh = false;
+    }
+    Status st;
+    {
+        yield_to_claim(yield_budget());
+        trace::Range range("decode step");
+        const bool lent = borrow_cores(shm::Role::Prefill);
+        const uint64_t t0 = shm::monotonic_ns();
+        st = backend_->forward_pick(batch, logits_, picks_);
+        if (lent) borrowed(t0);
+        std::atomic<uint64_t>& avg = inst_->registry().slot(self_.slot).step_ns;  // C6's cost of a claim
+        const uint64_t took = shm::monotonic_ns() - t0, was = avg.load(std::memory_order_relaxed);
+        avg.store(was == 0 ? took : (3 * was + took) / 4, std::memory_order_relaxed);
+    }
+    if (!st) {
+        // Not a shortage: the blocks were taken. The newest request fails and the
+        // rest try again next step (a device left unusable ended the process).
+        kv_->unreserve(batch);
+        std::fprintf(stderr, "duet decode: a step of %zu sequences failed: %s\n", batch.size(), st.error().message.c_str());
+        t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
+        finish(active_.size() - 1, shm::ReqState::Failed);
+        inst_->registry().wake(shm::Role::Front);
+        return true;
+    }
+    const int64_t nv = backend_->n_vocab();
+    std::vector<size_t> done;
+    int64_t r = 0;  // the pass's output row of the entry
+    for (size_t i = 0; i < active_.size(); ++i) {
+        const SeqBatch& b = batch[i];
+        const bool host = !b.argmax_only && !b.sample;
+        const Finish f = emit(active_[i], logits_.data() + r * nv, picks_.data() + r, host, b.n_tokens);
+        r += b.output_rows();
+        if (f != Finish::None) {
+            t.slot(active_[i].req.slot)
+                .end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
+            done.push_back(i);
+        }
+    }
+    for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
+    publish_load();
+    inst_->registry().wake(shm::Role::Front);
+    return true;
+}
+
+}  // namespace duet

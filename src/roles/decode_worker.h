@@ -1,0 +1,69 @@
+// The decode worker (roles/workers.h says what each worker does).
+#pragma once
+
+#include "roles/worker_base.h"
+
+namespace duet {
+
+class DecodeWorker final : public WorkerBase {
+public:
+    static Result<std::unique_ptr<DecodeWorker>> create(shm::Instance& inst, const Model& model,
+                                                        const WorkerOptions& o);
+    ~DecodeWorker();
+    // Takes new hand-offs and runs one decode step over every request it holds;
+    // false when it holds none.
+    Result<bool> step() override;
+    size_t active() const { return active_.size(); }
+
+private:
+    bool has_work() override;
+    struct Active {
+        shm::ReqRef req;
+        KvSeq seq;
+        RequestParams params;
+        std::vector<int32_t> prompt, output;
+        bool fresh = false;  // not yet in a step
+        uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)
+        uint64_t kv_wait_since = 0;  // alone and waiting for a KV block others hold, since (0: not)
+        uint64_t first_step_ns = 0;   // its pace since (yield_budget_ns): when its first step here began
+        size_t first_step_tokens = 0;  // and its output tokens then
+        std::vector<int32_t> row;      // the step's input: the newest output token, then its drafts
+    };
+    uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
+    // from[i] (active_ or parked_) ends in state `to`.
+    void finish(std::vector<Active>& from, size_t i, shm::ReqState to);
+    void finish(size_t i, shm::ReqState to) { finish(active_, i, to); }
+    // Writes a's KV to its swap blob when that is cheaper than recomputing it: the
+    // positions written (0: it will be computed again).
+    uint32_t swap_out(Active& a);
+    double swap_rate_ = 0;      // bytes/s of this worker's swap writes (0: none measured yet)
+    double prefill_rate() const;  // tokens/s of the fastest prefill worker (0: not known yet)
+    // Preemption by swap or recompute of from[i] (active_ or parked_; decode_worker.cpp).
+    bool preempt(std::vector<Active>& from, size_t i);
+    // The rings' hand-offs into parked_, parked_ into the batch (decode_worker.cpp); true
+    // when parked requests found cancelled were ended.
+    bool take_handoffs();
+    bool end_cancelled(std::vector<Active>& from);  // from's cancelled requests ended; true if any
+    static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy
+    // The step's plan (engine/decode_scheduler.h) over active_ and parked_, each
+    // Active's row filled with its input (drafts included); available: the blocks a
+    // reservation may take (-1: the allocator's count now).
+    DecodeStep plan_step(int64_t available = -1);
+    // Carries out a plan that is not Run (one preemption, a wait or a failure).
+    void make_room(const DecodeStep& plan);
+    // Takes the tokens of a's row (of n positions) from the pass's rows at `rows`:
+    // each drawn as plain decoding draws it, a draft kept while it matches, the rest
+    // of the row's KV dropped. The Finish that ends it, or None.
+    Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
+    std::unique_ptr<Drafter> drafter_;  // null: no drafts (WorkerOptions::max_draft 0)
+    void publish_load();
+    std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
+    size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)
+    std::vector<Active> active_;
+    // Hand-offs taken from the rings that wait for a batch slot (they hold their KV),
+    // so a more urgent one behind them in a ring is not held up; they join the batch
+    // most urgent first.
+    std::vector<Active> parked_;
+};
+
+}  // namespace duet

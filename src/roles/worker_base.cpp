@@ -1,0 +1,276 @@
+#include "roles/worker_base.h"
+
+#include "base/trace.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "engine/backends.h"
+#include "engine/scheduling.h"
+#include "model/fingerprint.h"
+#include "roles/claims.h"
+#include "roles/sd_notify.h"
+
+namespace duet {
+
+// The sampled token's log-probability and the top ones, into a request slot's row.
+void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
+    float mx = logits[0];
+    for (int64_t i = 1; i < n_vocab; ++i) mx = std::max(mx, logits[i]);
+    double sum = 0;
+    for (int64_t i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - mx));
+    const double lse = static_cast<double>(mx) + std::log(sum);
+    auto lp = [&](int32_t id) { return static_cast<float>(static_cast<double>(logits[id]) - lse); };
+    row[0] = {sampled, lp(sampled)};
+    top = std::clamp(top, 0, static_cast<int>(shm::kMaxTopLogprobs));
+    std::vector<int32_t> ids(static_cast<size_t>(n_vocab));
+    for (int64_t i = 0; i < n_vocab; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    const auto k = static_cast<ptrdiff_t>(std::min<int64_t>(top, n_vocab));
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (uint32_t i = 0; i < shm::kMaxTopLogprobs; ++i)
+        row[1 + i] = static_cast<ptrdiff_t>(i) < k ? shm::TokenLogprob{ids[i], lp(ids[i])} : shm::TokenLogprob{-1, 0.0f};
+}
+
+Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o) {
+    inst_ = &inst;
+    model_ = &model;
+    opts_ = o;
+    auto tok = Tokenizer::from_gguf(model.file());
+    if (!tok) return tok.error();
+    tok_ = std::move(tok).value();
+    eog_ids_ = tok_->eog_ids();
+    rings_ = ServeRings::of(inst.config());
+    const uint32_t n_workers = role == shm::Role::Prefill ? rings_.n_prefill : rings_.n_decode;
+    if (o.index >= n_workers)
+        return make_error("{} worker {} does not exist: instance {} has {} (0 to {})", shm::role_name(role), o.index,
+                          inst.config().name, n_workers, static_cast<int>(n_workers) - 1);
+    auto self = inst.registry().claim(role, o.device.cuda ? o.device.index : -1, getpid(), o.index);
+    if (!self) return self.error();
+    self_ = *self;
+    // One process per (role, index): its rings have one consumer and one producer.
+    shm::Registry& reg = inst.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcSlot& ps = reg.slot(s);
+        const shm::ProcState st = reg.state(s);
+        if (s != self_.slot &&
+            (st == shm::ProcState::Starting || st == shm::ProcState::Running || st == shm::ProcState::Leaving) &&
+            // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
+            ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
+            ps.index.load(std::memory_order_relaxed) == o.index) {
+            reg.release(self_);
+            self_ = {};
+            return make_error("{} worker {} of instance {} is already running (pid {})", shm::role_name(role), o.index,
+                              inst.config().name, reg.pid(s));
+        }
+    }
+    reg.slot(self_.slot).numa.store(o.numa, std::memory_order_relaxed);
+    arena_ = worker_arena(inst.config(), role, o.index);
+    auto user = inst.arena(arena_).join(self_);
+    if (!user) return user.error();
+    user_ = *user;
+    joined_ = true;
+    auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(arena_), user_);
+    alloc_ = alloc.get();
+    auto dtype = kv_dtype_from(inst.config().kv_dtype);
+    if (!dtype) return make_error("instance {}: {}", inst.config().name, dtype.error().message);
+    const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
+    own_threads_ = std::max(1, o.threads);
+    index_ = o.index;
+    if (!o.borrow_cpus.empty() && !o.device.cuda && !o.cpus.empty()) {
+        // The own threads on their CPUs, then one on each borrowed core; only the own
+        // ones run until the other role is idle (borrow_cores).
+        std::vector<int> cpus;
+        for (int t = 0; t < own_threads_; ++t) cpus.push_back(o.cpus[static_cast<size_t>(t) % o.cpus.size()]);
+        cpus.insert(cpus.end(), o.borrow_cpus.begin(), o.borrow_cpus.end());
+        threads_ = std::make_unique<ThreadPool>(static_cast<int>(cpus.size()), cpus);
+        threads_->set_width(own_threads_);
+    } else {
+        threads_ = std::make_unique<ThreadPool>(own_threads_, o.cpus);
+    }
+    const bool kv_on_gpu = inst.config().cpu_kv_bytes == 0;
+    if (kv_on_gpu != o.device.cuda)
+        return make_error("instance {} keeps its KV {}; this worker was started with --device {}", inst.config().name,
+                          kv_on_gpu ? "on a GPU (start workers with --device cuda:N)" : "in /dev/shm (CPU workers)",
+                          o.device.name());
+    if (o.device.cuda) {
+        if (Status st = check_device(o.device); !st) return st;
+        const uint64_t bytes = layout.block_bytes() * inst.arena(arena_).n_blocks();
+        auto arena = open_shared_kv(inst.config().name, arena_, o.device, bytes);
+        if (!arena) return arena.error();
+        gpu_kv_ = std::move(arena).value();
+        pool_ = std::make_unique<KvPool>(layout, gpu_kv_->data(), std::move(alloc));
+    } else {
+        pool_ = std::make_unique<KvPool>(layout, inst.cpu_kv_data(arena_), std::move(alloc));
+    }
+    BackendOptions bo;
+    bo.device = o.device;
+    bo.isa = o.isa;
+    bo.threads = threads_.get();
+    bo.max_batch = std::max(1, o.max_batch);
+    bo.max_ctx = inst.config().requests.max_tokens;
+    bo.cuda_graphs = o.cuda_graphs;
+    bo.cuda_qgemv = o.cuda_qgemv;
+    bo.share_weights_instance = inst.config().name;  // one copy of the weights per GPU
+    auto b = make_backend(model, *pool_, bo);
+    if (!b) return b.error();
+    if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
+    backend_ = std::move(b->backend);
+    kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
+    ident_ = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
+    if (!o.swap_dir.empty()) {
+        // The launcher made the directory; one this process does not see (units with a
+        // private /var/tmp each) is not made here: a blob written where prefill cannot
+        // read it would only be lost.
+        struct stat st{};
+        if (::stat(o.swap_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+            std::fprintf(stderr, "duet %s: no swap directory %s (preemption recomputes)\n", shm::role_name(role),
+                         o.swap_dir.c_str());
+        } else if (gpu_kv_) {
+            // GPU KV: swapped through the arena's host mirror (reserved, not committed:
+            // only a swap's blocks are touched, and released after it) and a stage of
+            // two page-locked halves. Without them a victim is computed again.
+            auto mirror = KvMirror::create(pool_->layout(), *alloc_);
+            auto stage = mirror ? device_kv_stage(*gpu_kv_, (*mirror)->pool())
+                                : Result<std::unique_ptr<KvStage>>(mirror.error());
+            if (!stage) {
+                std::fprintf(stderr, "duet %s: swap of GPU KV: %s (preemption recomputes)\n", shm::role_name(role),
+                             stage.error().message.c_str());
+            } else {
+                swap_mirror_ = std::move(mirror).value();
+                swap_stage_ = std::move(stage).value();
+                swap_ = true;
+            }
+        } else {
+            swap_ = true;
+        }
+    }
+    if (!o.defer_running) inst.registry().set_running(self_);
+    return {};
+}
+
+std::string WorkerBase::swap_path(shm::ReqRef r) const {
+    return fmt::format("{}/{}.{}.kvblob", opts_.swap_dir, r.slot, r.gen);
+}
+
+WorkerBase::~WorkerBase() {
+    swap_stage_.reset();  // copies into gpu_kv_, through swap_mirror_ (over pool_'s allocator)
+    swap_mirror_.reset();
+    kv_.reset();
+    backend_.reset();
+    pool_.reset();
+    gpu_kv_.reset();
+    if (inst_ && joined_) inst_->arena(arena_).leave(user_);
+    // Requests still in hand (stopped mid-work): keep the registry slot, so that
+    // whoever recovers this process (the supervisor, on seeing it exit) finds them
+    // and re-drives them; releasing it would leave them owned by nobody.
+    if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
+}
+
+int32_t WorkerBase::pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output) {
+    const int64_t nv = backend_->n_vocab();
+    const bool ban = eog_banned(stop_rules(p), output.size());
+    if (ban || p.n_bias > 0) {
+        banned_row_.assign(row, row + nv);
+        for (uint32_t k = 0; k < std::min(p.n_bias, RequestParams::kMaxLogitBias); ++k)
+            if (p.bias[k].token >= 0 && p.bias[k].token < nv)
+                banned_row_[static_cast<size_t>(p.bias[k].token)] += p.bias[k].bias;
+        if (ban)
+            for (int32_t id : eog_ids_)
+                if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+        row = banned_row_.data();
+    }
+    return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
+}
+
+void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
+    shm::ProcSlot& s = inst_->registry().slot(self_.slot);
+    s.load_items.store(items, std::memory_order_relaxed);
+    s.load_tokens.store(tokens, std::memory_order_relaxed);
+}
+
+bool WorkerBase::borrow_cores(shm::Role lender) {
+    if (threads_->size() == own_threads_) return false;
+    const shm::Registry& reg = inst_->registry();
+    // The lender is the other role's worker of the same index (the launcher pairs
+    // them: role_launches). Only a running lender lends: one that is starting (a
+    // restart loads the model on those cores) or leaving (`--rebalance`: its cores
+    // go to a worker of the other role) does not.
+    const int32_t s = reg.find_running(lender, static_cast<int32_t>(index_));
+    const bool idle = s >= 0 && reg.slot(static_cast<uint32_t>(s)).load_items.load(std::memory_order_relaxed) == 0;
+    if (!idle) {
+        threads_->set_width(own_threads_);
+        return false;
+    }
+    if (threads_->width() == own_threads_)
+        inst_->registry().slot(self_.slot).borrows.fetch_add(1, std::memory_order_relaxed);
+    threads_->set_width(threads_->size());
+    return true;
+}
+
+void WorkerBase::borrowed(uint64_t since_ns) {
+    inst_->registry().slot(self_.slot).borrowed_ns.fetch_add(shm::monotonic_ns() - since_ns, std::memory_order_relaxed);
+}
+
+OwnPassWork own_pass_work(const shm::ProcSlot& ps) {
+    OwnPassWork w{ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed)};
+    if (w.tokens < static_cast<uint64_t>(kRateEvidenceTokens)) {
+        w.busy_ns += ps.wide_busy_ns.load(std::memory_order_relaxed);
+        w.tokens += ps.wide_tokens.load(std::memory_order_relaxed);
+    }
+    return w;
+}
+
+int32_t WorkerBase::partner_slot(shm::Role role) const {
+    return inst_->registry().find_running(role, static_cast<int32_t>(index_));
+}
+
+// Claims on a busy partner's cores: the rules (C1-C6) are in roles/claims.h.
+bool WorkerBase::claim_cores(uint64_t pass_ns) {
+    if (threads_->size() == own_threads_) return false;
+    if (!claims_.claim(inst_->registry(), self_.slot, index_, pass_ns)) return false;
+    threads_->set_width(threads_->size());
+    return true;
+}
+
+void WorkerBase::end_claim() {
+    if (!claims_.out()) return;
+    threads_->set_width(own_threads_);
+    claims_.end(inst_->registry(), self_.slot, index_);
+}
+
+void WorkerBase::yield_to_claim(uint64_t budget_ns) {
+    duet::yield_to_claim(inst_->registry(), self_.slot, index_, budget_ns, [&] { threads_->set_width(own_threads_); });
+}
+
+Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
+    return check_golden(*backend_, *pool_, model_->fingerprint(), ref);
+}
+
+Status WorkerBase::run(const std::atomic<bool>& stop) {
+    shm::Doorbell& bell = inst_->registry().doorbell(self_.slot);
+    while (!stop.load(std::memory_order_relaxed)) {
+        auto did = step();
+        if (!did) return did.error();
+        inst_->registry().heartbeat(self_);
+        SdNotify::get().watchdog(shm::monotonic_ns());  // from this loop: a wedged step stops it
+        // Idle: sleep until a producer rings, or 1 ms (to settle hand-offs, see stop).
+        if (!*did) shm::doorbell_wait(bell, [&] { return has_work(); }, 256, 1'000'000);
+    }
+    return {};
+}
+
+}  // namespace duet

@@ -1,0 +1,198 @@
+// What the prefill and decode workers share (WorkerBase): registration, the arena
+// user, a KV pool over the instance's KV data, the backend, cores lent between
+// roles, host sampling; and their options (WorkerOptions).
+#pragma once
+
+
+#include <atomic>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/thread_pool.h"
+#include "engine/backends.h"
+#include "engine/decode_policy.h"
+#include "engine/decode_scheduler.h"
+#include "engine/drafter.h"
+#include "engine/golden.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/prefill_scheduler.h"
+#include "engine/scheduling.h"
+#include "kernels/cpu/kernels.h"
+#include "kv/blob.h"
+#include "kv/shm_kv.h"
+#include "model/cpu_backend.h"
+#include "model/device_spec.h"
+#include "model/tokenizer.h"
+#include "roles/claims.h"
+#include "roles/routing.h"
+#include "roles/wire.h"
+#include "shm/handoff.h"
+
+namespace duet {
+
+// How long a request that would fit in the arena waits for KV blocks others hold
+// before it fails: prefill's alone in its pass, decode's last sequence (and a
+// swapped request's KV waits this long to be read back). Blocks held
+// for good (pinned contexts, another decode worker's lone sequence that fills the
+// rest) end in the failure rather than a hang.
+inline constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
+
+// The log-probability of `sampled` and the `top` most likely tokens of a logits
+// row, into a request slot's log-probability row.
+void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
+
+struct WorkerOptions {
+    uint32_t index = 0;  // which of its role's workers (its rings follow from it)
+    int numa = -1;       // the NUMA node of its CPUs, for routing (-1: not known)
+    int threads = 1;
+    std::vector<int> cpus;
+    cpu::Isa isa = cpu::Isa::Scalar;
+    // Prefill: tokens per forward pass, shared by the requests packed into it.
+    int64_t prefill_budget = 512;
+    // A pass not led by a critical request takes at most the tokens this worker
+    // computes in this long at its measured rate (its ProcSlot work counters; at
+    // least 64): a critical request arriving meanwhile waits for the pass in flight,
+    // and at 512 tokens on one core that was 1.1 s of its 1 s target. 0: not cut.
+    uint64_t prefill_pass_ns = 250'000'000;
+    // The cut only within this long of the last critical request taken (0: always).
+    uint64_t prefill_cut_window_ns = 60'000'000'000ull;
+    // Prefill: requests being prefilled at once (taken from the queue, scheduled by
+    // deadline within the token budget).
+    int max_prefills = 16;
+    // Prefill: a request's deadline is its submit time + this per token to prefill;
+    // earliest deadline first (short prompts overtake long ones that arrived about
+    // as early, and nothing waits for ever).
+    int64_t deadline_ns_per_token = kDeadlineNsPerToken;
+    bool prefix_cache = true;
+    // Prefill, with borrow_cpus: passes claim decode's cores for prompts at risk
+    // (rule C6, prefill_worker.cpp) while no critical work is around (prefill_cut_window_ns);
+    // false: only for critical ones.
+    bool risk_claims = true;
+    // Prefill: a critical request arriving in its rings while a pass that no critical
+    // request leads is computed stops that pass between layers, within its first
+    // half (Backend::set_interrupt): the pass is computed again later, exactly (the
+    // invariance contract); the critical one goes first. Each arrival stops at most
+    // one pass, so work that is not critical loses at most half a pass per critical
+    // request sent here. (The CUDA backend does not stop: its passes are short.)
+    bool pass_interrupt = true;
+    // Decode: sequences in one step; hand-offs beyond it wait in the rings (and
+    // routing sends them to a decode worker with room).
+    int max_batch = 256;
+    // Decode: up to this many drafted tokens per sequence and step (prompt lookup,
+    // engine/drafter.h), checked in the step's pass as a verify row; the output is
+    // the same with any value. 0: off.
+    int max_draft = 0;
+    // Where it computes: the CPU (KV in the instance's /dev/shm segment) or a GPU
+    // (KV in the instance's shared device arena on it).
+    DeviceSpec device;
+    bool cuda_graphs = true;
+    bool cuda_qgemv = false;  // CudaBackendOptions::quantized_gemv
+    // Stay STARTING in the registry (no work routed to it, not counted ready) until
+    // mark_running(): `duet prefill|decode` runs the golden check first.
+    bool defer_running = false;
+    // Preemption by swap: decode writes a victim's KV here as a blob
+    // (ReqSlot::n_swapped) when that costs less than computing it again
+    // (choose_preemption), and prefill reads it back. GPU KV goes through a host
+    // mirror of the arena and page-locked memory (kv/kv_stage.h staged_blob_write /
+    // staged_blob_import): device -> pinned host -> disk, and back. The same directory for every
+    // worker of an instance, made by the launcher (a worker that does not find it
+    // recomputes). "": recompute only.
+    std::string swap_dir;
+    // Cores the other role's worker of the same index lends while it is idle (CPU
+    // serving; the launcher pairs prefill i with decode i): the pool gets a thread
+    // pinned to each, used (ThreadPool::set_width) for the steps or passes that start
+    // while that worker holds no request, and given back at the next one after it
+    // takes one: within one decode step (prefill's cores) or one prefill pass
+    // (decode's). The kernels' results do not depend on the thread count. Empty: none.
+    std::vector<int> borrow_cpus;
+};
+
+// A prefill worker's pass time and tokens for its rate on its own cores (the pass
+// cut; decode's swap-or-recompute choice): the passes on its own cores alone, or
+// with those computed on lent cores too while the former are under
+// kRateEvidenceTokens (a worker whose partner was always idle has only wide passes).
+struct OwnPassWork {
+    uint64_t busy_ns = 0, tokens = 0;
+};
+OwnPassWork own_pass_work(const shm::ProcSlot& ps);
+
+// What both workers share: registration, the arena user, a KV pool over the
+// instance's KV data, the backend.
+class WorkerBase {
+public:
+    virtual ~WorkerBase();
+    shm::ProcRef self() const { return self_; }
+    // Loops on step() until *stop, sleeping on this process's doorbell when idle.
+    Status run(const std::atomic<bool>& stop);
+    // The golden-logits check (engine/golden.h) on this worker's own backend and KV
+    // arena, before it takes work; the blocks it takes are released.
+    Result<GoldenReport> golden_check(const GoldenRef& ref);
+    // STARTING -> RUNNING in the registry (WorkerOptions::defer_running).
+    void mark_running() { inst_->registry().set_running(self_); }
+    virtual Result<bool> step() = 0;
+
+protected:
+    Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
+    virtual bool has_work() = 0;
+    // Load gauges in this process's registry slot, for routing.
+    void publish_load(uint32_t items, uint64_t tokens);
+    // A request's next token from its logits row on the host: the sampler's pick for
+    // its position, after its logit_bias is added and, while its min_tokens is not
+    // reached, end-of-generation tokens banned (engine/token_step.h eog_banned). The
+    // row is not changed.
+    int32_t pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
+                 std::span<const int32_t> output);
+    // Before a step or pass: the pool's width, with the borrowed cores while the
+    // running worker of `lender` with this one's index holds no request
+    // (WorkerOptions::borrow_cpus). True when this one runs with them (the caller
+    // counts its time: borrowed()).
+    bool borrow_cores(shm::Role lender);
+    void borrowed(uint64_t since_ns);
+    // Claims on a busy partner's cores, for passes led by a critical request or by
+    // a prompt at risk (the rules, C1-C6, are in roles/claims.h).
+    // Prefill: claim_cores(pass_ns) before such a pass (pass_ns: how long it should
+    // take, 0 for a critical-led one; true: the pool runs with the partner's cores;
+    // end_claim() after it, whatever happened). Decode: yield_to_claim(budget)
+    // before each step, with its yield budget (engine/scheduling.h yield_budget_ns).
+    bool claim_cores(uint64_t pass_ns);
+    void end_claim();
+    void yield_to_claim(uint64_t budget_ns);
+    // The running worker of `role` with this one's index (the partner), or -1.
+    int32_t partner_slot(shm::Role role) const;
+    CoreClaims claims_;  // prefill's
+    int own_threads_ = 1;
+    uint32_t index_ = 0;  // WorkerOptions::index
+    ServeRings rings_;
+
+    shm::Instance* inst_ = nullptr;
+    const Model* model_ = nullptr;
+    shm::ProcRef self_;
+    uint32_t arena_ = 0;  // which of the instance's KV arenas (its GPU's, or the CPU's)
+    uint32_t user_ = 0;
+    bool joined_ = false;
+    ShmBlockAllocator* alloc_ = nullptr;  // owned by pool_
+    std::unique_ptr<KvPool> pool_;
+    std::unique_ptr<ThreadPool> threads_;
+    std::unique_ptr<DeviceKvMemory> gpu_kv_;  // the KV data, on a GPU
+    std::unique_ptr<Backend> backend_;
+    std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
+    std::unique_ptr<Tokenizer> tok_;
+    Sampler sampler_;
+    std::vector<int32_t> eog_ids_;   // tok_->eog_ids(): banned while min_tokens is not reached
+    std::vector<float> banned_row_;  // pick()'s copy of a row with them banned
+    std::vector<float> logits_;
+    std::vector<int32_t> picks_;          // per output row, from forward_pick
+    std::vector<SampleRequest> samples_;  // the step's rows the backend samples
+    WorkerOptions opts_;
+    KvIdentity ident_;        // the model and tokenizer a swapped blob must belong to
+    bool swap_ = false;       // preemption by swap here (WorkerOptions::swap_dir)
+    std::string swap_path(shm::ReqRef r) const;  // the blob of request r's swapped KV
+    // GPU KV: the arena's host mirror and the stage to it, for swaps (null on CPU).
+    std::unique_ptr<KvMirror> swap_mirror_;
+    std::unique_ptr<KvStage> swap_stage_;
+    StagedKvIo swap_io() const { return {swap_mirror_ ? &swap_mirror_->pool() : pool_.get(), swap_stage_.get(), swap_mirror_.get()}; }
+};
+
+}  // namespace duet
