@@ -1,0 +1,562 @@
+// A completion in the front, in the order it runs (FrontSession::completion): parse,
+// tokenize, admit, follow its choices (streaming if asked), finish and reply; a
+// context completion's commit.
+#include "roles/front_session.h"
+
+namespace duet {
+
+// A FINISHED return_kv request's table names exactly the blocks its worker moved to
+// its client (decode_worker.cpp, DecodeWorker::finish), positions [0, prompt + output - 1):
+// ours when the slot's kv_to names us. (An adopted request's worker may have moved
+// them to the dead front, whose recovery drops them: the commit then computes the
+// added tokens again.)
+void FrontSession::take_returned_kv(Front& f, Completion& c) {
+    const shm::RequestTable& t = f.inst_.requests();
+    const uint32_t slot = c.ch[0].ref.slot;
+    // Relaxed: written before the transition to FINISHED, whose acquire load we made.
+    if (t.slot(slot).kv_to.load(std::memory_order_relaxed) != f.self_.pack()) return;
+    // Acquire pairs with the worker's release of n_blocks (and the state we saw).
+    const uint32_t nb = t.slot(slot).n_blocks.load(std::memory_order_acquire);
+    c.returned.svc = f.opts_.contexts;
+    c.returned.blocks.assign(t.blocks(slot), t.blocks(slot) + nb);
+    c.returned.valid = static_cast<int64_t>(c.prompt.size() + c.ch[0].out.size()) - 1;
+}
+
+// A context completion's prompt and output join the context (on the store thread).
+awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Completion& c) {
+    std::vector<int32_t> added(c.prompt.begin() + static_cast<std::ptrdiff_t>(c.context_len), c.prompt.end());
+    added.insert(added.end(), c.ch[0].out.begin(), c.ch[0].out.end());
+    ContextService& svc = *f.opts_.contexts;
+    if (c.chat) {
+        // The reply ends as the template ends an assistant message, so the next turn's
+        // messages follow it as in a whole render of the conversation.
+        auto close = svc.turns().close_reply(c.ch[0].out);
+        if (!close) co_return api_error(500, "server_error", close.error().message, "", "");
+        added.insert(added.end(), close->begin(), close->end());
+    }
+    // The returned blocks go to the context (or are dropped by the commit).
+    std::vector<int32_t> kv = std::exchange(c.returned.blocks, {});
+    const int64_t kv_valid = c.returned.valid;
+    ApiReply reply = co_await asio::co_spawn(
+        f.impl_->store,
+        [&]() -> awaitable<ApiReply> {
+            co_return svc.commit(c.context, c.context_len, added, std::move(kv), kv_valid, !c.resumed_id.empty());
+        },
+        use_awaitable);
+    if (reply.status < 400) co_return std::nullopt;
+    auto j = nlohmann::json::parse(reply.body, nullptr, false);
+    std::string msg = j.is_object() && j.contains("error") ? j["error"].value("message", reply.body) : reply.body;
+    co_return api_error(reply.status, "server_error", "the completion was not added to the context: " + msg, "", "");
+}
+
+awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
+                                         std::string context) {
+    Completion c;
+    c.chat = chat;
+    c.arrived = shm::monotonic_ns();
+    c.context = std::move(context);
+    c.xid = std::string(req["X-Request-Id"]);
+    if (c.xid.size() > 200)
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error", "X-Request-Id: at most 200 characters", "", ""));
+    // The contexts API's own fields, taken out of the body before the OpenAI parse:
+    // "context" (chat completions; the openai client's extra_body) names the context
+    // the messages join, "commit" says whether the completion joins it. (A plain
+    // completion has neither: its body is parsed once, by parse.)
+    nlohmann::json body;
+    if (chat || !c.context.empty()) body = nlohmann::json::parse(req.body(), nullptr, false);
+    bool edited = false;
+    if (chat && body.is_object() && body.contains("context") && !body["context"].is_null()) {
+        if (!body["context"].is_string() || body["context"].get<std::string>().empty())
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error", "context: a context's id", "context"));
+        if (!f.opts_.contexts)
+            co_return co_await error(f, stream, req,
+                                     api_error(404, "not_found_error",
+                                               "contexts are off on this server (duet serve --contexts-dir DIR)",
+                                               "context"));
+        c.context = body["context"].get<std::string>();
+        body.erase("context");
+        edited = true;
+    }
+    if (!c.context.empty()) {
+        if (body.is_object() && body.contains("commit")) {
+            if (!body["commit"].is_boolean())
+                co_return co_await error(f, stream, req,
+                                         api_error(400, "invalid_request_error", "commit: a boolean", "commit", ""));
+            c.commit = body["commit"].get<bool>();
+            body.erase("commit");
+            edited = true;
+        }
+        ContextService& svc = *f.opts_.contexts;
+        auto kv = co_await asio::co_spawn(
+            f.impl_->store, [&]() -> awaitable<std::variant<ContextKv, ApiReply>> { co_return svc.lease(c.context); },
+            use_awaitable);
+        if (auto* e = std::get_if<ApiReply>(&kv))
+            co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body),
+                                              "application/json", false);
+        ContextKv& got = std::get<ContextKv>(kv);
+        c.lease.svc = &svc;
+        c.lease.blocks = std::move(got.blocks);
+        c.lease.valid = got.valid;
+        c.context_tokens = std::move(got.tokens);
+        c.context_len = c.context_tokens.size();
+        // No prompt: the completion continues the context itself. The OpenAI parse
+        // wants a prompt: the context's last token is moved into it.
+        const bool no_prompt = !chat && body.is_object() && (!body.contains("prompt") || body["prompt"] == "" ||
+                                                    (body["prompt"].is_array() && body["prompt"].empty()));
+        if (no_prompt && !c.context_tokens.empty()) {
+            body["prompt"] = nlohmann::json::array({c.context_tokens.back()});
+            c.context_tokens.pop_back();
+            edited = true;
+        }
+    }
+    if (edited) req.body() = body.dump();
+    if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
+    // Its class: the body's "priority", else the X-Duet-Priority header, else standard.
+    if (c.r.priority) {
+        c.cls = *c.r.priority;
+    } else if (const auto h = req["X-Duet-Priority"]; !h.empty()) {
+        auto cls = parse_priority(std::string_view(h.data(), h.size()));
+        if (!cls) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
+                                                                     "X-Duet-Priority: " + cls.error().message, "", ""));
+        c.cls = *cls;
+    }
+    if (!c.context.empty() && c.r.n != 1)
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error", "n: a context completion has one choice", "n", ""));
+    if (!c.context.empty() && (c.r.best_of > 1 || c.r.echo))
+        co_return co_await error(
+            f, stream, req,
+            api_error(400, "invalid_request_error",
+                      fmt::format("{}: not for a context completion", c.r.echo ? "echo" : "best_of"),
+                      c.r.echo ? "echo" : "best_of", ""));
+    c.keep = c.r.n;
+    c.r.n = std::max(c.r.n, c.r.best_of);  // best_of's candidates, each a choice
+    if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
+    if (c.r.echo) c.echo = c.r.prompt_ids.empty() ? c.r.prompt : f.tok_.decode(c.prompt, false);
+    if (!c.context_tokens.empty()) c.prompt.insert(c.prompt.begin(), c.context_tokens.begin(), c.context_tokens.end());
+    auto params = request_params_of(f, c);
+    if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
+    if (f.opts_.contexts) {
+        // Idle contexts never make a request fail for KV: they give way first (their
+        // KV is on disk), as many as this request's choices may take at most.
+        const auto bt = static_cast<uint64_t>(f.inst_.config().requests.block_tokens);
+        const uint64_t tokens = c.prompt.size() + std::get<RequestParams>(params).max_tokens;
+        const uint64_t need = (tokens + bt - 1) / bt * static_cast<uint64_t>(c.r.n);
+        ContextService& svc = *f.opts_.contexts;
+        if (!svc.has_room(need))
+            co_await asio::co_spawn(
+                f.impl_->store, [&]() -> awaitable<void> { svc.make_room(need, c.context); co_return; },
+                use_awaitable);
+    }
+    c.id = request_id();
+    c.created = static_cast<int64_t>(time(nullptr));
+    if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
+    if (c.r.stream) co_await write_stream_head(stream, req, c);
+    co_await follow(f, stream, c);
+    co_return co_await end_completion(f, stream, req, c);
+}
+
+// Once every choice has ended (follow): a context completion's KV taken back and its
+// tokens committed, then the reply. True: the connection may serve another request.
+awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
+    if (c.detached) co_return false;  // an orphan now (detach): expire_orphans or a resume ends it
+    if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
+    // finish frees the request's slots before the commit: the commit computes the
+    // closing tokens through a request of its own, and with every slot held by
+    // completions waiting for the store thread a commit holding its own would find
+    // none (and wait on them while they wait on it). The price: a front that dies
+    // during the commit leaves nothing to resume; its client's stream ends without
+    // [DONE] and the context holds the completion or not (the commit is one durable
+    // step).
+    Outcome o = finish(f, c);
+    std::optional<ApiError> commit_error;
+    if (!c.context.empty() && c.commit && !o.failed && !c.client_gone)
+        commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
+    if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
+    if (commit_error) {
+        if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
+        co_await write_event(stream, error_json(*commit_error));
+        co_return false;
+    }
+    co_return co_await reply(f, stream, req, c, o);
+}
+
+// The request body, and the model it names.
+std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Completion& c) {
+    if (f.draining_.load(std::memory_order_relaxed)) return api_error(503, "server_error", "the server is shutting down", "", "");
+    auto parsed = parse_completion(req.body(), c.chat);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
+    c.r = std::move(std::get<CompletionRequest>(parsed));
+    if (!c.r.model.empty() && c.r.model != f.opts_.model_id)
+        return api_error(404, "invalid_request_error",
+                         fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts_.model_id),
+                         "model", "model_not_found");
+    return std::nullopt;
+}
+
+// The prompt's tokens: the chat template's text, token ids as given, or the text.
+std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
+    CompletionRequest& r = c.r;
+    if (c.chat && !c.context.empty()) {
+        // The messages added to the context's conversation, the assistant's turn opened.
+        auto ids = f.opts_.contexts->turns().extend(c.context_len, r.messages, true);
+        if (!ids) return api_error(400, "invalid_request_error", ids.error().message, "messages", "");
+        c.prompt = std::move(ids).value();
+    } else if (c.chat) {
+        auto text = f.tmpl_.apply(r.messages, true);
+        if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
+        c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
+    } else if (!r.prompt_ids.empty()) {
+        for (int32_t id : r.prompt_ids)
+            if (id >= f.tok_.n_vocab())
+                return api_error(400, "invalid_request_error",
+                                 fmt::format("token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                                 "prompt", "");
+        c.prompt = std::move(r.prompt_ids);
+    } else {
+        c.prompt = f.tok_.encode(r.prompt, true, false);
+    }
+    return std::nullopt;
+}
+
+// What the workers read from each choice's slot; the prompt and max_tokens must fit
+// the context.
+std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, const Completion& c) {
+    const CompletionRequest& r = c.r;
+    const int64_t n_ctx = f.inst_.config().requests.max_tokens;
+    const int64_t room = n_ctx - static_cast<int64_t>(c.prompt.size());
+    if (room < 1)
+        return api_error(400, "invalid_request_error",
+                         fmt::format("the prompt has {} tokens; this model's context is {} tokens", c.prompt.size(), n_ctx),
+                         c.chat ? "messages" : "prompt", "context_length_exceeded");
+    if (r.max_tokens > room)
+        return api_error(400, "invalid_request_error",
+                         fmt::format("the prompt ({} tokens) plus max_tokens ({}) exceed the context of {} tokens",
+                                     c.prompt.size(), r.max_tokens, n_ctx),
+                         "max_tokens", "context_length_exceeded");
+    RequestParams params;
+    params.sampling = r.sampling;
+    params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
+    params.stop_at_eog = r.ignore_eos ? 0 : 1;
+    params.min_tokens = static_cast<uint32_t>(r.min_tokens);
+    static_assert(kMaxLogitBias == RequestParams::kMaxLogitBias);
+    for (const auto& [id, bias] : r.logit_bias) {
+        if (id >= f.tok_.n_vocab())
+            return api_error(
+                400, "invalid_request_error",
+                fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                "logit_bias", "");
+        params.bias[params.n_bias++] = RequestParams::Bias{id, bias};
+    }
+    params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
+    return params;
+}
+
+// One request per choice; choice i samples with its own seed, so choices differ
+// unless decoding is greedy. Sent after all are in: the later ones then find the
+// first one's prompt blocks in the prefix cache (prefill waits for them).
+std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
+    shm::RequestTable& t = f.inst_.requests();
+    // Admission (engine/scheduling.h A1/A2), before any slot or KV is taken. The work
+    // is what prefill will compute: each choice's prompt (the n choices share cached
+    // blocks, but each is its own request), less a context's offered KV.
+    const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
+    const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
+    const AdmissionDecision d =
+        f.admit_tokens(c.cls, prompt_tokens, static_cast<int64_t>(c.prompt.size()),
+                       RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
+    if (!d.admit) {
+        (d.reason == "queue" ? f.counters_.rejected_queue
+         : d.reason == "kv"  ? f.counters_.rejected_kv
+                             : f.counters_.rejected_ttft)
+            .fetch_add(1, std::memory_order_relaxed);
+        std::string msg = d.reason == "queue"
+                              ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
+                                            slo_class_name(c.cls), d.retry_after_ms)
+                          : d.reason == "kv"
+                              ? fmt::format("the server's KV cache is full ({} class: critical requests only until "
+                                            "running ones end); retry in {} ms",
+                                            slo_class_name(c.cls), d.retry_after_ms)
+                              : fmt::format("a first token within the {} class's {} ms is not possible now "
+                                            "(predicted {} ms); retry in {} ms",
+                                            slo_class_name(c.cls), f.opts_.admission.slo.of(c.cls).ttft_ns / 1000000,
+                                            d.predicted_ttft_ns / 1000000, d.retry_after_ms);
+        ApiError e = api_error(429, "rate_limit_error", msg, "",
+                               d.reason == "queue" ? "queue_full" : d.reason == "kv" ? "kv_full" : "slo_unreachable");
+        e.retry_after_ms = d.retry_after_ms;
+        return e;
+    }
+    c.queued = prompt_tokens;
+    params.slo_class = static_cast<uint32_t>(c.cls);
+    params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
+    params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
+    c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
+    // A context completion: prefill starts from the context's leased blocks.
+    const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
+    if (offer) {
+        params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
+        params.given_by = f.self_.pack();
+    }
+    // Its KV comes back to join the context (one shared arena: the context's).
+    c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst_.config().kv_split;
+    params.return_kv = c.return_kv ? 1 : 0;
+    // Computed where the context's blocks are (offered from there, returned there).
+    if (!c.context.empty()) params.bind_arena(kContextArena);
+    for (size_t i = 0; i < c.ch.size(); ++i) {
+        params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
+        auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
+        // A failed offer leaves the table empty: prefill then looks the prefix up.
+        if (sub && offer)
+            (void)t.offer_blocks(*sub, c.lease.blocks.data(), static_cast<uint32_t>(c.lease.blocks.size()));
+        if (!sub) {
+            for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them
+                t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
+            }
+            f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
+            f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+            return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
+        }
+        c.ch[i].ref = *sub;
+        c.ch[i].attempt = t.attempt(sub->slot);
+    }
+    // Resumable after a front restart (a context's completion too: the front that
+    // resumes it commits it): the record goes in before any worker sees the request.
+    const std::string rec = front_record_json(c);
+    for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
+    f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
+    f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
+    f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
+    for (const Choice& ch : c.ch) f.send(ch.ref);
+    f.counters_.admit.observe(seconds_between(c.arrived, shm::monotonic_ns()));
+    return std::nullopt;
+}
+
+// Until every choice has ended: reads each one's new tokens, streams them if asked,
+// and sleeps until a slot changes.
+awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Completion& c) {
+    // The request's own "timeout", else the server's; from its arrival.
+    c.deadline = c.arrived + (c.r.timeout_s > 0 ? static_cast<uint64_t>(c.r.timeout_s * 1e9)
+                                                 : static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull);
+    auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
+    for (;;) {
+        bool all_done = true;
+        for (size_t ci = 0; ci < c.ch.size(); ++ci) {
+            Choice& ch = c.ch[ci];
+            if (ch.done) continue;
+            const ChoiceStep step = read_choice(f, c, ch);
+            if (c.r.stream && !c.client_gone) co_await stream_choice(f, stream, c, ci, step);
+            if (c.client_gone && !step.terminal && detach(f, c)) co_return;  // its client may come back
+            if (!settle_choice(f, c, ch, step)) all_done = false;
+        }
+        if (all_done) break;
+        co_await wait_for_change(f, c, timer);
+    }
+}
+
+// The choice's state and new tokens: latency histograms, log-probs, and its text
+// with the stop strings applied (a stop string cancels the request).
+ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
+    shm::RequestTable& t = f.inst_.requests();
+    ChoiceStep step;
+    step.st = t.state(ch.ref.slot);
+    ch.seen_state = step.st;
+    step.terminal = step.st == shm::ReqState::Finished || step.st == shm::ReqState::Failed ||
+                    step.st == shm::ReqState::Cancelled;
+    f.resend_if_preempted(ch.ref, ch.attempt);
+    const size_t before = ch.out.size();
+    if (auto n = t.read_output(ch.ref, ch.have, ch.out)) ch.have = *n;
+    if (ch.out.size() > ch.kept) ch.out.resize(ch.kept);
+    step.seen_ns = shm::monotonic_ns();
+    if (ch.out.size() > before) {
+        if (ch.last_token_ns == 0) {
+            f.counters_.ttft.observe(seconds_between(c.arrived, step.seen_ns));
+            if (c.first_ns == 0) {
+                c.first_ns = step.seen_ns;
+                f.counters_.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
+            }
+            if (c.queued > 0)  // prefill is done with the prompt: it leaves the queue
+                f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+        } else {  // several tokens at once share the gap
+            const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
+            for (size_t i = before; i < ch.out.size(); ++i) {
+                f.counters_.itl.observe(gap);
+                f.counters_.class_itl[static_cast<size_t>(c.cls)].observe(gap);
+            }
+            // A3's time per token: an average over recent gaps (a racy update loses
+            // one gap at most).
+            const double was = f.itl_s_.load(std::memory_order_relaxed);
+            f.itl_s_.store(was > 0 ? 0.95 * was + 0.05 * gap : gap, std::memory_order_relaxed);
+            c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
+            c.gaps += static_cast<int64_t>(ch.out.size() - before);
+        }
+        ch.last_token_ns = step.seen_ns;
+        if (c.r.logprobs >= 0 || c.ranked())
+            read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
+    }
+    if (ch.feed(before, step.terminal)) {
+        ch.finish = finish_reason(Finish::StopString);
+        if (!step.terminal) ch.cancel(t);
+    }
+    return step;
+}
+
+// Streams what choice ci may release now (its first event even if empty).
+awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
+                                            const ChoiceStep& step) {
+    Choice& ch = c.ch[ci];
+    std::string piece = ch.stream.take(step.terminal);
+    if (piece.empty() && !ch.first) co_return;
+    if (ch.first) piece.insert(0, c.echo);
+    ch.sent_have = ch.have;
+    if (!co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece, "",
+                                                 ch.first, ch.unsent()),
+                              c.event_id()))
+        c.client_gone = true;
+    ch.lps_sent = ch.lps.size();
+    ch.first = false;
+    f.counters_.stream_event.observe(seconds_between(step.seen_ns, shm::monotonic_ns()));
+}
+
+// Cancels the choice if its client left or its time ran out, and marks it done once
+// it has ended (a failed one stops the others: the response is an error). Returns
+// whether it is done.
+bool FrontSession::settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step) {
+    shm::RequestTable& t = f.inst_.requests();
+    if (c.client_gone && !step.terminal) ch.cancel(t);
+    if (!step.terminal) {
+        if (shm::monotonic_ns() > c.deadline) {
+            c.timed_out = true;
+            ch.cancel(t);
+        }
+        return false;
+    }
+    ch.done = true;
+    ch.final_state = step.st;
+    if (step.st == shm::ReqState::Failed)
+        for (const Choice& o : c.ch)
+            if (!o.done) o.cancel(t);
+    return true;
+}
+
+// Sleeps until the notifier sees a slot change (or 20 ms pass: deadlines,
+// recoveries). Re-checked after registering, so no change is missed.
+awaitable<void> FrontSession::wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer) {
+    const shm::RequestTable& t = f.inst_.requests();
+    std::vector<std::shared_ptr<Waiter>> waiting;
+    bool changed = false;
+    for (const Choice& ch : c.ch)
+        if (!ch.done) {
+            waiting.push_back(std::make_shared<Waiter>(Waiter{ch.ref.slot, ch.have, ch.seen_state, timer}));
+            f.impl_->add(waiting.back());
+            changed = changed || Front::Impl::changed(t, *waiting.back());
+        }
+    if (!changed) {
+        timer->expires_after(std::chrono::milliseconds(20));
+        beast::error_code ec;
+        co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
+    }
+    for (const auto& w : waiting) f.impl_->remove(w);
+}
+
+// Every choice has ended: the phase histograms, finish reasons, usage and the
+// counters; the slots go back to FREE.
+Outcome FrontSession::finish(Front& f, Completion& c) {
+    shm::RequestTable& t = f.inst_.requests();
+    Outcome o;
+    o.u = Usage{static_cast<int64_t>(c.prompt.size()), 0, 0};
+    for (Choice& ch : c.ch) {
+        const shm::ReqSlot& s = t.slot(ch.ref.slot);
+        const uint64_t q = s.prefill_ns.load(std::memory_order_relaxed), h = s.handoff_ns.load(std::memory_order_relaxed),
+                       d = s.first_step_ns.load(std::memory_order_relaxed);
+        f.counters_.e2e.observe(seconds_between(c.arrived, shm::monotonic_ns()));
+        if (q >= s.submit_ns && q != 0) f.counters_.queue.observe(seconds_between(s.submit_ns, q));
+        if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
+        if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
+        o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
+        if (ch.finish.empty() && ch.final_state == shm::ReqState::Cancelled && c.timed_out) {
+            ch.finish = finish_reason(Finish::Timeout);  // duet's extension: ended by its "timeout"
+            f.counters_.timeouts.fetch_add(1, std::memory_order_relaxed);
+        }
+        if (ch.finish.empty()) {
+            // As the worker that chose its last token says (engine/token_step.h); one
+            // that ended without choosing (a slot past its room) was cut: "length".
+            const auto said = static_cast<Finish>(s.end_code.load(std::memory_order_relaxed));
+            if (ch.final_state == shm::ReqState::Finished)
+                ch.finish = finish_reason(said == Finish::None ? Finish::Length : said);
+            else if (ch.final_state == shm::ReqState::Cancelled)  // duet's extension: ended by someone else (a
+                ch.finish = finish_reason(Finish::Cancelled);     // stop string or the timeout say so)
+        }
+        o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
+        f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
+        if (ch.final_state == shm::ReqState::Failed) {
+            o.failed = true;
+            o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
+        }
+        t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
+        // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
+        // keep them; a whole reply takes them.
+        o.texts.push_back(
+            {(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps)});
+    }
+    if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
+    o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
+    if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
+    else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
+    else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
+    // Ended without a first token: its prompt leaves the queue unmeasured.
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+    // SLO attainment: a completion that ended without failing meets its class's
+    // targets when its first token came within the TTFT target and its tokens, on
+    // average, within the ITL target.
+    if (!o.failed && c.first_ns != 0) {
+        const size_t k = static_cast<size_t>(c.cls);
+        const SloTarget& target = f.opts_.admission.slo.of(c.cls);
+        const bool met = c.first_ns - c.arrived <= target.ttft_ns &&
+                         (c.gaps == 0 || c.gap_sum / static_cast<double>(c.gaps) <= static_cast<double>(target.itl_ns) / 1e9);
+        f.counters_.class_done[k].fetch_add(1, std::memory_order_relaxed);
+        if (met) f.counters_.class_met[k].fetch_add(1, std::memory_order_relaxed);
+    }
+    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    return o;
+}
+
+// A completion's answer once every choice has ended: the stream's last events, or
+// the whole response (or its error).
+awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
+                                    const Outcome& o) {
+    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
+    if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
+    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
+    beast::error_code ec;
+    co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+// The stream's last events: each choice's rest and finish reason (or the error),
+// usage if asked, [DONE], and the last chunk.
+awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o) {
+    if (c.client_gone) co_return false;
+    bool ok = true;
+    if (o.failed) {
+        ok = co_await write_event(stream, error_json(failure(o.error_code)));
+    } else {
+        for (Choice& ch : c.ch) ch.sent_have = ch.have;
+        for (size_t ci = 0; ok && ci < c.ch.size(); ++ci)
+            ok = co_await write_event(stream,
+                                      chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
+                                                 c.ch[ci].stream.take(true), c.ch[ci].finish, false, c.ch[ci].unsent()),
+                                      c.event_id());
+        if (ok && c.r.include_usage)
+            ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts_.model_id, o.u));
+    }
+    if (ok) ok = co_await write_event(stream, "[DONE]");
+    if (!ok) co_return false;
+    beast::error_code ec;
+    co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
+}  // namespace duet

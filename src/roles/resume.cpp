@@ -1,0 +1,329 @@
+// A response that outlives its connection or its front: front records in the
+// request slots, streams detached from a client that left (--resume-grace), and
+// requests adopted from a dead front, answered again (resume).
+#include "roles/front_session.h"
+
+namespace duet {
+
+namespace front_detail {
+
+// What a restarted front needs to answer a request's client again, kept in the
+// request's slots (shm::ReqFrontRecord, JSON): the response's id and creation time,
+// how its chunks are made, and every choice's slot.
+std::string front_record_json(const Completion& c) {
+    json slots = json::array();
+    for (const Choice& ch : c.ch) slots.push_back({ch.ref.slot, ch.ref.gen});
+    return json{{"v", 1},
+                {"id", c.id},
+                {"xid", c.xid},
+                {"created", c.created},
+                {"chat", c.chat},
+                {"stream", c.r.stream},
+                {"include_usage", c.r.include_usage},
+                {"ignore_eos", c.r.ignore_eos},
+                {"logprobs", c.r.logprobs},
+                {"stop", c.r.stop},
+                {"prompt_tokens", c.prompt.size()},
+                {"slots", slots},
+                {"context", c.context},
+                {"context_len", c.context_len},
+                {"commit", c.commit},
+                {"return_kv", c.return_kv},
+                {"echo", c.echo},
+                {"keep", c.keep}}
+        .dump();
+}
+
+std::optional<FrontRecord> parse_front_record(const std::string& text) {
+    json j = json::parse(text, nullptr, false);
+    if (!j.is_object() || j.value("v", 0) != 1) return std::nullopt;
+    try {
+        FrontRecord f;
+        f.id = j.at("id").get<std::string>();
+        f.xid = j.at("xid").get<std::string>();
+        f.created = j.at("created").get<int64_t>();
+        f.chat = j.at("chat").get<bool>();
+        f.r.chat = f.chat;
+        f.r.stream = j.at("stream").get<bool>();
+        f.r.include_usage = j.at("include_usage").get<bool>();
+        f.r.ignore_eos = j.at("ignore_eos").get<bool>();
+        f.r.logprobs = j.at("logprobs").get<int>();
+        f.r.stop = j.at("stop").get<std::vector<std::string>>();
+        f.prompt_tokens = j.at("prompt_tokens").get<size_t>();
+        for (const json& s : j.at("slots")) f.refs.push_back(shm::ReqRef{s.at(0).get<uint32_t>(), s.at(1).get<uint32_t>()});
+        f.r.n = static_cast<int>(f.refs.size());
+        f.context = j.value("context", std::string());
+        f.context_len = j.value("context_len", size_t{0});
+        f.commit = j.value("commit", true);
+        f.return_kv = j.value("return_kv", false);
+        f.echo = j.value("echo", std::string());
+        f.keep = std::clamp(j.value("keep", f.r.n), 1, f.r.n);
+        if (f.refs.empty()) return std::nullopt;
+        return f;
+    } catch (const std::exception&) {
+        return std::nullopt;
+    }
+}
+
+}  // namespace front_detail
+
+// A stream whose client disconnected before it ended: instead of cancelling it, this
+// front keeps it as an orphan of its own for --resume-grace, so that a client that
+// comes back (Last-Event-ID) gets the rest exactly as if the front had died: an SSE
+// client reconnects after any lost connection and cannot tell which side dropped it,
+// and a front SIGKILLed just after the client closed would otherwise have cancelled
+// the request first (then its resume was cut short, or answered 404). False: not
+// resumable (no grace, no front record, or not a stream); the caller cancels it.
+bool FrontSession::detach(Front& f, Completion& c) {
+    // A context completion is not kept: its commit belongs to the connection that asked.
+    if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty()) return false;
+    shm::RequestTable& t = f.inst_.requests();
+    auto rec = t.front_data(c.ch[0].ref);
+    if (!rec) return false;
+    auto fr = parse_front_record(*rec);
+    if (!fr) return false;
+    Orphan o;
+    o.rec = std::move(*fr);
+    o.since_ns = shm::monotonic_ns();
+    o.window_ns = f.opts_.resume_grace_ns;
+    for (const Choice& ch : c.ch) o.attempts.push_back(ch.attempt);
+    {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        f.impl_->orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
+    }
+    // It leaves the connection: the queue and in-flight counts as when it ends.
+    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    c.detached = true;
+    return true;
+}
+
+std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::string& xid) {
+    if (xid.empty()) return std::nullopt;
+    std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+    for (const auto& [id, o] : f.impl_->orphans)
+        if (o.rec.xid == xid) return id;
+    return std::nullopt;
+}
+
+awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
+                                     bool events) {
+    std::optional<FrontRecord> fr;
+    std::vector<uint32_t> attempts;  // each choice's attempt this front last sent
+    bool busy = false;
+    {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        auto it = f.impl_->orphans.find(id);
+        if (it != f.impl_->orphans.end() && !it->second.expiring) {
+            busy = it->second.claimed;
+            if (!busy) {
+                it->second.claimed = true;
+                fr = it->second.rec;
+                attempts = it->second.attempts;
+            }
+        }
+    }
+    if (busy)
+        co_return co_await error(f, stream, req,
+                                 api_error(409, "invalid_request_error",
+                                           fmt::format("request '{}' is being answered on another connection", id)));
+    if (!fr)
+        co_return co_await error(f, stream, req,
+                                 api_error(404, "not_found_error",
+                                           fmt::format("no request '{}' to resume: resumable are the requests of a front "
+                                                       "that died, for {} s after it, and streams whose client "
+                                                       "disconnected, for {} s after it",
+                                                       id, f.opts_.resume_window_ns / 1000000000ull,
+                                                       f.opts_.resume_grace_ns / 1000000000ull),
+                                           "", "request_not_found"));
+    auto unclaim = [&](bool forget) {
+        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+        auto it = f.impl_->orphans.find(id);
+        if (it == f.impl_->orphans.end()) return;
+        if (forget) f.impl_->orphans.erase(it);
+        else it->second.claimed = false;
+    };
+    shm::RequestTable& t = f.inst_.requests();
+    Completion c;
+    c.r = fr->r;
+    c.chat = fr->chat;
+    c.id = fr->id;
+    c.xid = fr->xid;
+    c.created = fr->created;
+    c.resumed_id = id;
+    c.arrived = shm::monotonic_ns();
+    c.context = fr->context;
+    c.context_len = fr->context_len;
+    c.commit = fr->commit;
+    c.return_kv = fr->return_kv;
+    c.echo = fr->echo;
+    c.keep = fr->keep;
+    if (events && c.ranked()) {
+        unclaim(false);
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error",
+                                           fmt::format("request '{}' has 'best_of' greater than 'n': it cannot be "
+                                                       "streamed; resume it without Accept: text/event-stream",
+                                                       id),
+                                           "best_of", ""));
+    }
+    // The prompt as the slot holds it (the commit adds its tokens past context_len).
+    {
+        const uint32_t s0 = fr->refs[0].slot;
+        const uint32_t np = std::min<uint32_t>(t.slot(s0).n_prompt.load(std::memory_order_relaxed), t.max_tokens());
+        c.prompt.assign(t.tokens(s0), t.tokens(s0) + np);
+        if (c.prompt.size() != fr->prompt_tokens || c.context_len > c.prompt.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(500, "server_error",
+                                               fmt::format("request '{}': its slot no longer holds its prompt", id)));
+        }
+    }
+    if (events) c.r.stream = true;
+    // Last-Event-ID: each choice's output tokens covered by the last event the client
+    // got ("12", or "12.9" for two choices); none: from the start.
+    std::vector<uint32_t> from(fr->refs.size(), 0);
+    const std::string last(req["Last-Event-ID"]);
+    if (!last.empty()) {
+        size_t i = 0, at = 0;
+        bool ok = true;
+        for (; ok && i < from.size(); ++i) {
+            const size_t dot = std::min(last.find('.', at), last.size());
+            const std::string part = last.substr(at, dot - at);
+            ok = !part.empty() && part.size() <= 9 && part.find_first_not_of("0123456789") == std::string::npos;
+            if (ok) from[i] = static_cast<uint32_t>(std::stoul(part));
+            at = dot + 1;
+            if (dot == last.size() && i + 1 < from.size()) ok = false;
+        }
+        if (!ok || at <= last.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error",
+                                               fmt::format("Last-Event-ID '{}': one output count per choice ({}), "
+                                                           "as the stream's event ids",
+                                                           last, from.size())));
+        }
+    }
+    const uint64_t now = shm::monotonic_ns();
+    for (size_t i = 0; i < fr->refs.size(); ++i) {
+        Choice ch(f.tok_, c.r.stop);
+        ch.ref = fr->refs[i];
+        // The attempt sent last (by adoption, or again by expire_orphans): a later one
+        // found QUEUED was preempted, and read_choice sends it.
+        ch.attempt = i < attempts.size() ? attempts[i] : t.attempt(ch.ref.slot);
+        std::vector<int32_t> out;
+        auto n = t.read_output(ch.ref, 0, out);
+        if (!n || from[i] > out.size()) {
+            unclaim(false);
+            co_return co_await error(f, stream, req,
+                                     api_error(400, "invalid_request_error",
+                                               fmt::format("Last-Event-ID '{}' is past what choice {} has produced", last, i)));
+        }
+        // The state the stream was in when its last event was written: its tokens
+        // read, their text and log-probs made and sent.
+        out.resize(from[i]);
+        ch.out = std::move(out);
+        ch.have = from[i];
+        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
+        if (ch.feed(0, false)) ch.finish = finish_reason(Finish::StopString);
+        (void)ch.stream.take(false);
+        ch.lps_sent = ch.lps.size();
+        ch.sent_have = ch.have;
+        ch.first = last.empty();
+        ch.last_token_ns = now;  // no time to first token for an adopted request
+        c.ch.push_back(std::move(ch));
+    }
+    for (Choice& ch : c.ch)
+        if (!ch.finish.empty()) ch.cancel(t);  // its stop string is in what was sent
+    f.in_flight_.fetch_add(1, std::memory_order_relaxed);
+    if (c.r.stream) co_await write_stream_head(stream, req, c);
+    co_await follow(f, stream, c);
+    co_return co_await end_completion(f, stream, req, c);  // forgets the orphan
+}
+
+void Front::forget_orphan(const std::string& id) {
+    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+    impl_->orphans.erase(id);
+}
+
+// Requests of a dead front with a front record: this process answers them from now
+// on (their client comes back, or the window passes). QUEUED ones are sent again (a
+// prefill worker drops a copy whose request it already took).
+void Front::adopt_orphans() {
+    shm::RequestTable& t = inst_.requests();
+    const shm::Registry& reg = inst_.registry();
+    std::vector<shm::ReqRef> queued;
+    size_t n = 0;
+    {
+        std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+        const uint64_t now = shm::monotonic_ns();
+        for (uint32_t s = 0; s < t.n_slots(); ++s) {
+            if (t.state(s) == shm::ReqState::Free) continue;
+            const uint64_t client = t.slot(s).client.load(std::memory_order_acquire);
+            if (client == 0 || client == self_.pack() || reg.alive(shm::ProcRef::unpack(client))) continue;
+            auto rec = t.front_data(t.current(s));
+            if (!rec) continue;
+            auto fr = parse_front_record(*rec);
+            if (!fr || impl_->orphans.count(fr->id)) continue;
+            // A context completion is answered by a front that can commit it; one
+            // without contexts leaves it to the launcher's sweep.
+            if (!fr->context.empty() && !opts_.contexts) continue;
+            for (shm::ReqRef r : fr->refs)
+                if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
+            Orphan o;
+            o.since_ns = now;
+            o.window_ns = opts_.resume_window_ns;
+            for (shm::ReqRef r : fr->refs) o.attempts.push_back(t.attempt(r.slot));
+            const std::string id = fr->id;
+            o.rec = std::move(*fr);
+            impl_->orphans.emplace(id, std::move(o));
+            ++n;
+        }
+    }
+    for (shm::ReqRef r : queued) (void)send(r);
+    if (n) std::fprintf(stderr, "duet front: adopted %zu requests of a front that died (resumable for %llu s)\n", n,
+                        static_cast<unsigned long long>(opts_.resume_window_ns / 1000000000ull));
+}
+
+// Orphans nobody came back for within the window: cancelled, then freed once ended.
+void Front::expire_orphans(uint64_t now) {
+    shm::RequestTable& t = inst_.requests();
+    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+    for (auto it = impl_->orphans.begin(); it != impl_->orphans.end();) {
+        Orphan& o = it->second;
+        if (!o.claimed && !o.expiring)  // nobody follows it: a preempted choice is sent again here
+            for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i)
+                resend_if_preempted(o.rec.refs[i], o.attempts[i]);
+        if (o.claimed || (!o.expiring && now - o.since_ns < o.window_ns)) {
+            ++it;
+            continue;
+        }
+        bool ended = true, cancelled = false;
+        for (shm::ReqRef r : o.rec.refs) {
+            if (t.current(r.slot).gen != r.gen) continue;
+            const shm::ReqState st = t.state(r.slot);
+            if (st == shm::ReqState::Free) continue;
+            if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) {
+                // A context completion's KV that came back to us: nobody commits it.
+                if (st == shm::ReqState::Finished && o.rec.return_kv && opts_.contexts &&
+                    t.slot(r.slot).kv_to.load(std::memory_order_relaxed) == self_.pack()) {
+                    const uint32_t nb = t.slot(r.slot).n_blocks.load(std::memory_order_acquire);
+                    opts_.contexts->release(std::span<const int32_t>(t.blocks(r.slot), nb));
+                }
+                t.transition(r, st, shm::ReqState::Free);
+                continue;
+            }
+            if (!o.expiring) {
+                t.cancel(r);
+                t.transition(r, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                cancelled = true;
+            }
+            ended = false;
+        }
+        if (cancelled) counters_.cancelled.fetch_add(1, std::memory_order_relaxed);  // its client never came back
+        o.expiring = true;
+        it = ended ? impl_->orphans.erase(it) : std::next(it);
+    }
+}
+
+}  // namespace duet
