@@ -22,6 +22,7 @@ struct StoredConfig {
     uint32_t prefill_workers, decode_workers;
     uint32_t kv_split, kv_dtype;
     uint32_t context_slots, context_tokens;
+    uint32_t req_ext_bytes, pad_;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -38,6 +39,7 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->req_slots = c.requests.n_slots;
     s->req_max_tokens = c.requests.max_tokens;
     s->req_block_tokens = c.requests.block_tokens;
+    s->req_ext_bytes = c.requests.ext_bytes;
     s->huge_pages = c.huge_pages;
     s->cpu_kv_bytes = c.cpu_kv_bytes;
     s->model_fingerprint = c.model_fingerprint;
@@ -65,6 +67,7 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.requests.n_slots = s->req_slots;
     c.requests.max_tokens = s->req_max_tokens;
     c.requests.block_tokens = s->req_block_tokens;
+    c.requests.ext_bytes = s->req_ext_bytes;
     c.huge_pages = s->huge_pages;
     c.cpu_kv_bytes = s->cpu_kv_bytes;
     c.model_fingerprint = s->model_fingerprint;
@@ -119,6 +122,7 @@ uint64_t InstanceConfig::fingerprint() const {
     f.add(requests.n_slots);
     f.add(requests.max_tokens);
     f.add(requests.block_tokens);
+    f.add(requests.ext_bytes);
     for (const ArenaConfig& a : arenas) {
         f.add(a.n_blocks);
         f.add(a.n_users);

@@ -23,7 +23,7 @@
 namespace duet::shm {
 
 // Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 18;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures; 9: context table; 10: work counters in process slots; 11: where a request's KV went (kv_to); 12: borrowed cores in process slots; 13: claims on a partner's cores, wide work counters; 14: claims declined and unanswered; 15: LEAVING workers, role changes; 16: interrupted prefill passes (request table header of 128 bytes); 17: end codes in request slots; 18: draft counters
+inline constexpr uint32_t kLayoutVersion = 19;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures; 9: context table; 10: work counters in process slots; 11: where a request's KV went (kv_to); 12: borrowed cores in process slots; 13: claims on a partner's cores, wide work counters; 14: claims declined and unanswered; 15: LEAVING workers, role changes; 16: interrupted prefill passes (request table header of 128 bytes); 17: end codes in request slots; 18: draft counters; 19: request data (ReqExtHeader)
 
 inline constexpr uint32_t kMaxArenas = 16;
 

@@ -25,6 +25,9 @@ uint32_t attempt_of(uint64_t sg) { return static_cast<uint32_t>(sg >> 56); }
 uint32_t owner_of(uint64_t sg) { return static_cast<uint32_t>((sg >> 8) & 0xffff); }
 ReqState state_of(uint64_t sg) { return static_cast<ReqState>(sg & 0xff); }
 
+// A request's own data: its header, then up to ext_bytes, in whole cache lines.
+size_t ext_stride(uint32_t ext_bytes) { return sizeof(ReqExtHeader) + (size_t{ext_bytes} + 63) / 64 * 64; }
+
 size_t slot_bytes(uint32_t max_tokens, uint32_t max_blocks) {
     size_t b = sizeof(ReqSlot) + 4ull * max_tokens + 4ull * max_blocks;
     return (b + 63) / 64 * 64;
@@ -64,7 +67,8 @@ size_t RequestTable::bytes(const RequestTableConfig& c) {
     if (c.block_tokens == 0) return sizeof(RequestTableHeader);  // init() rejects it
     uint32_t max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
     return sizeof(RequestTableHeader) + slot_bytes(c.max_tokens, max_blocks) * c.n_slots +
-           sizeof(TokenLogprob) * kLogprobRow * c.max_tokens * c.n_slots + size_t{kReqFrontBytes} * c.n_slots;
+           sizeof(TokenLogprob) * kLogprobRow * c.max_tokens * c.n_slots + size_t{kReqFrontBytes} * c.n_slots +
+           ext_stride(c.ext_bytes) * c.n_slots;
 }
 
 Status RequestTable::init(void* mem, const RequestTableConfig& c) {
@@ -80,6 +84,7 @@ Status RequestTable::init(void* mem, const RequestTableConfig& c) {
     h->max_tokens = c.max_tokens;
     h->max_blocks = (c.max_tokens + c.block_tokens - 1) / c.block_tokens;
     h->slot_bytes = slot_bytes(h->max_tokens, h->max_blocks);
+    h->ext_bytes = c.ext_bytes;
     for (uint32_t i = 0; i < c.n_slots; ++i)
         new (reinterpret_cast<uint8_t*>(h + 1) + i * h->slot_bytes) ReqSlot{};
     h->magic = kReqMagic;
@@ -104,6 +109,36 @@ Status RequestTable::set_front_data(ReqRef r, const void* data, uint32_t len) {
     // Release: a reader that sees the ref sees the bytes.
     f.ref.store(((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1, std::memory_order_release);
     return {};
+}
+
+ReqExtHeader& RequestTable::ext(uint32_t i) const {
+    auto* base = reinterpret_cast<uint8_t*>(&front_record(0)) + size_t{kReqFrontBytes} * h_->n_slots;
+    return *reinterpret_cast<ReqExtHeader*>(base + static_cast<size_t>(i) * ext_stride(h_->ext_bytes));
+}
+
+Status RequestTable::set_ext_data(ReqRef r, const void* data, uint32_t len) {
+    if (len > h_->ext_bytes)
+        return make_error("{} bytes of request data; a request holds at most {}", len, h_->ext_bytes);
+    if (current(r.slot).gen != r.gen) return make_error("request slot {} no longer holds the request", r.slot);
+    ReqExtHeader& e = ext(r.slot);
+    e.ref.store(0, std::memory_order_relaxed);
+    std::memcpy(reinterpret_cast<uint8_t*>(&e) + sizeof e, data, len);
+    e.len = len;
+    // Release: a reader that sees the ref sees the bytes.
+    e.ref.store(((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1, std::memory_order_release);
+    return {};
+}
+
+std::optional<std::vector<uint8_t>> RequestTable::ext_data(ReqRef r) const {
+    const ReqExtHeader& e = ext(r.slot);
+    const uint64_t want = ((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1;
+    if (e.ref.load(std::memory_order_acquire) != want || e.len > h_->ext_bytes) return std::nullopt;
+    const auto* p = reinterpret_cast<const uint8_t*>(&e) + sizeof e;
+    std::vector<uint8_t> out(p, p + e.len);
+    // Written once per request, before the request was sent: data still naming r
+    // after the copy, in a slot that still holds r, is r's.
+    if (e.ref.load(std::memory_order_acquire) != want || current(r.slot).gen != r.gen) return std::nullopt;
+    return out;
 }
 
 std::optional<std::string> RequestTable::front_data(ReqRef r) const {

@@ -66,6 +66,19 @@ struct ReqFrontRecord {
 };
 static_assert(sizeof(ReqFrontRecord) == kReqFrontBytes);
 
+// A request's own data of variable size (per slot, after the front records): bytes
+// opaque to shm that its client writes once, before the request is sent anywhere,
+// and every process that takes the request reads (the serving layer keeps what does
+// not fit the fixed parameters there). Valid for the request (slot, generation) it
+// was written for, like the front record: a reused slot's old data is not, so it
+// needs no freeing. At most RequestTableConfig::ext_bytes per request.
+struct ReqExtHeader {
+    std::atomic<uint64_t> ref;  // (gen << 32) | slot of the request it belongs to, +1 (0: none)
+    uint32_t len;
+    uint32_t pad_[13];
+};
+static_assert(sizeof(ReqExtHeader) == 64);
+
 struct alignas(64) ReqSlot {
     // (attempt << 56) | (generation << 24) | (owner registry slot + 1) << 8 | ReqState. The owner is in
     // the state word so that taking a request and naming its owner is one CAS: no
@@ -113,6 +126,9 @@ struct RequestTableConfig {
     uint32_t n_slots = 64;
     uint32_t max_tokens = 4096;  // prompt + output per request
     uint32_t block_tokens = 16;
+    // Bytes of a request's own data (ReqExtHeader) at most. Pages are touched only
+    // where a request writes data, so the bound costs address space, not memory.
+    uint32_t ext_bytes = 64 * 1024;
 };
 
 struct RequestTableHeader {
@@ -136,7 +152,8 @@ struct RequestTableHeader {
     // Drafted tokens decode checked in verify rows, and those the draws kept.
     std::atomic<uint64_t> drafted;
     std::atomic<uint64_t> drafts_accepted;
-    uint8_t spare[40];  // room for more counters (zeroed by init)
+    uint32_t ext_bytes;  // RequestTableConfig::ext_bytes
+    uint8_t spare[36];   // room for more counters (zeroed by init)
 };
 static_assert(sizeof(RequestTableHeader) == 128);
 
@@ -149,6 +166,7 @@ public:
     uint32_t n_slots() const { return h_->n_slots; }
     uint32_t max_tokens() const { return h_->max_tokens; }
     uint32_t max_blocks() const { return h_->max_blocks; }
+    uint32_t ext_bytes() const { return h_->ext_bytes; }
     std::atomic<uint32_t>& worker_restarts() const { return h_->worker_restarts; }
     // [0]: a decode worker became a prefill worker; [1]: the other way.
     std::atomic<uint32_t>& role_changes(bool to_decode) const { return h_->role_changes[to_decode ? 1 : 0]; }
@@ -178,6 +196,11 @@ public:
     Status set_front_data(ReqRef r, const void* data, uint32_t len);
     // r's record, if one was written for it (and r still holds the slot).
     std::optional<std::string> front_data(ReqRef r) const;
+    // The client, after submit() and before it sends the request anywhere: r's own
+    // data (at most ext_bytes()). Errors: too long (naming the bound), r not in the slot.
+    Status set_ext_data(ReqRef r, const void* data, uint32_t len);
+    // r's data, if some was written for it (and r still holds the slot).
+    std::optional<std::vector<uint8_t>> ext_data(ReqRef r) const;
     // Makes `client` the process that answers r's client (a restarted front adopting
     // the request); false if the slot no longer holds r.
     bool set_client(ReqRef r, ProcRef client);
@@ -246,6 +269,7 @@ public:
 
 private:
     Status check_running(ReqRef r) const;
+    ReqExtHeader& ext(uint32_t i) const;
     RequestTableHeader* h_ = nullptr;
 };
 

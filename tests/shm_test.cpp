@@ -952,6 +952,57 @@ TEST(Instance, CreateOpenAndConfigMismatch) {
     Instance::unlink(c.name);
 }
 
+// A request's own data: readable for exactly the request it was written for, by
+// every process (the bytes are in the table); up to ext_bytes() and the bound named
+// past it; the last slot's bytes do not run past the table; gone once the slot is
+// reused, without being freed.
+TEST_F(Requests, RequestDataBelongsToItsRequestAlone) {
+    int32_t prompt[2] = {5, 6};
+    EXPECT_EQ(table.ext_bytes(), RequestTableConfig{}.ext_bytes);
+    std::vector<ReqRef> all;
+    for (uint32_t i = 0; i < 4; ++i) {
+        auto r = table.submit(front, prompt, 2, nullptr, 0);
+        ASSERT_TRUE(r.ok());
+        all.push_back(*r);
+    }
+    EXPECT_FALSE(table.ext_data(all[0]).has_value()) << "none written yet";
+    // Each slot's data at its full size, with a pattern of its own: none overlaps
+    // another's or the front records (written too), and the last one fits the table.
+    const std::string rec(kReqFrontBytes - 24, 'r');
+    for (uint32_t i = 0; i < 4; ++i) {
+        std::vector<uint8_t> d(table.ext_bytes());
+        for (size_t k = 0; k < d.size(); ++k) d[k] = static_cast<uint8_t>(k * 7 + i * 31);
+        ASSERT_TRUE(table.set_ext_data(all[i], d.data(), static_cast<uint32_t>(d.size())).ok());
+        ASSERT_TRUE(table.set_front_data(all[i], rec.data(), static_cast<uint32_t>(rec.size())).ok());
+    }
+    for (uint32_t i = 0; i < 4; ++i) {
+        auto got = table.ext_data(all[i]);
+        ASSERT_TRUE(got.has_value());
+        ASSERT_EQ(got->size(), table.ext_bytes());
+        for (size_t k = 0; k < got->size(); k += 997) EXPECT_EQ((*got)[k], static_cast<uint8_t>(k * 7 + i * 31)) << i;
+        EXPECT_EQ(*table.front_data(all[i]), rec);
+    }
+    const std::vector<uint8_t> small = {1, 2, 3};
+    ASSERT_TRUE(table.set_ext_data(all[1], small.data(), 3).ok());
+    EXPECT_EQ(*table.ext_data(all[1]), small);
+    EXPECT_FALSE(table.ext_data(ReqRef{all[1].slot, all[1].gen + 1}).has_value()) << "another generation's";
+    std::vector<uint8_t> huge(table.ext_bytes() + 1u, 9);
+    duet::Status st = table.set_ext_data(all[1], huge.data(), static_cast<uint32_t>(huge.size()));
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.error().message.find(std::to_string(table.ext_bytes())), std::string::npos) << st.error().message;
+    EXPECT_EQ(*table.ext_data(all[1]), small) << "refused data changes nothing";
+
+    // Ended and freed, the slot taken again: the old data names nobody.
+    ASSERT_TRUE(table.transition(all[1], ReqState::Queued, ReqState::Cancelled));
+    ASSERT_TRUE(table.transition(all[1], ReqState::Cancelled, ReqState::Free));
+    auto again = table.submit(front, prompt, 2, nullptr, 0);
+    ASSERT_TRUE(again.ok());
+    ASSERT_EQ(again->slot, all[1].slot);
+    EXPECT_FALSE(table.ext_data(*again).has_value()) << "the reused slot's old data is not the new request's";
+    EXPECT_FALSE(table.ext_data(all[1]).has_value()) << "nor the old request's any more";
+    EXPECT_FALSE(table.set_ext_data(all[1], small.data(), 3).ok()) << "a request gone takes no data";
+}
+
 // The front record of a request (what a restarted front answers its client from):
 // readable for exactly the request it was written for, gone once the slot is reused,
 // too long refused; set_client hands the request to another front.

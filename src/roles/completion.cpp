@@ -223,7 +223,7 @@ std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
 
 // What the workers read from each choice's slot; the prompt and max_tokens must fit
 // the context.
-std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, const Completion& c) {
+std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, Completion& c) {
     const CompletionRequest& r = c.r;
     const int64_t n_ctx = f.inst_.config().requests.max_tokens;
     const int64_t room = n_ctx - static_cast<int64_t>(c.prompt.size());
@@ -241,14 +241,26 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
     params.min_tokens = static_cast<uint32_t>(r.min_tokens);
-    static_assert(kMaxLogitBias == RequestParams::kMaxLogitBias);
+    RequestData data;
     for (const auto& [id, bias] : r.logit_bias) {
         if (id >= f.tok_.n_vocab())
             return api_error(
                 400, "invalid_request_error",
                 fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
                 "logit_bias", "");
-        params.bias[params.n_bias++] = RequestParams::Bias{id, bias};
+        data.bias.push_back({id, bias});
+    }
+    params.n_bias = static_cast<uint32_t>(data.bias.size());
+    if (!data.empty()) {
+        c.data = encode_request_data(data);
+        const size_t bytes = c.data.size(), bound = f.inst_.requests().ext_bytes();
+        if (bytes > bound)
+            return api_error(400, "invalid_request_error",
+                             fmt::format("logit_bias: {} entries take {} bytes of request data; this server holds at "
+                                         "most {} bytes per request",
+                                         data.bias.size(), bytes, bound),
+                             "logit_bias", "request_data_too_large");
+        params.data_bytes = static_cast<uint32_t>(bytes);
     }
     params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them
     return params;
@@ -321,6 +333,9 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         }
         c.ch[i].ref = *sub;
         c.ch[i].attempt = t.attempt(sub->slot);
+        // Its data before anyone sees the request (set_ext_data fails only for a
+        // size checked in request_params_of, or a slot no longer ours: neither here).
+        if (!c.data.empty()) (void)t.set_ext_data(*sub, c.data.data(), static_cast<uint32_t>(c.data.size()));
     }
     // Resumable after a front restart (a context's completion too: the front that
     // resumes it commits it): the record goes in before any worker sees the request.

@@ -159,7 +159,15 @@ bool DecodeWorker::take_handoffs() {
             // Its order is its first submission's time: a request preempted and back
             // again keeps its place (it is not the newest, so not the next victim).
             a.admitted = t.slot(h.req.slot).submit_ns;
+            auto data = read_request_data(t, h.req, a.params);
+            if (data) a.data = std::move(data).value();
             parked_.push_back(std::move(a));
+            if (!data) {  // honoured or refused: never run without it
+                std::fprintf(stderr, "duet decode: %s\n", data.error().message.c_str());
+                t.slot(h.req.slot).error_code.store(static_cast<int32_t>(ReqError::Data), std::memory_order_relaxed);
+                finish(parked_, parked_.size() - 1, shm::ReqState::Failed);
+                inst_->registry().wake(shm::Role::Front);
+            }
         }
         in.release(used);
     }
@@ -318,7 +326,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     bool matched = true;
     while (j < n && matched && f == Finish::None) {
         const float* row = rows + static_cast<int64_t>(j) * nv;
-        const int32_t next = host ? pick(row, a.params, a.prompt, a.output) : picks[j];
+        const int32_t next = host ? pick(row, a.params, a.data, a.prompt, a.output) : picks[j];
         if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
             fill_logprobs(row, nv, next, a.params.logprobs,
                           t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));

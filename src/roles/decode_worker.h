@@ -21,6 +21,7 @@ private:
         shm::ReqRef req;
         KvSeq seq;
         RequestParams params;
+        RequestData data;  // its tables beyond the parameters (logit_bias)
         std::vector<int32_t> prompt, output;
         bool fresh = false;  // not yet in a step
         uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)

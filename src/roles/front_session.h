@@ -24,6 +24,7 @@
 #include "roles/metrics_text.h"
 #include "roles/openai.h"
 #include "roles/recovery.h"
+#include "roles/request_data.h"
 #include "roles/routing.h"
 #include "roles/stop_text.h"
 #include "roles/wire.h"
@@ -237,6 +238,7 @@ struct Completion {
     // are the reply (keep == r.n: no ranking).
     std::string echo;
     int keep = 1;
+    std::vector<uint8_t> data;  // its request data (roles/request_data.h), encoded; empty: none
     bool ranked() const { return keep < r.n; }
     uint64_t arrived = 0;  // the body read
     std::vector<int32_t> prompt;
@@ -329,7 +331,8 @@ struct FrontSession {
     static void take_returned_kv(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
-    static std::variant<RequestParams, ApiError> request_params_of(Front& f, const Completion& c);
+    // Its parameters, and its request data (c.data) when it has some.
+    static std::variant<RequestParams, ApiError> request_params_of(Front& f, Completion& c);
     static std::optional<ApiError> admit(Front& f, Completion& c, RequestParams params);
     static awaitable<void> follow(Front& f, beast::tcp_stream& stream, Completion& c);
     static ChoiceStep read_choice(Front& f, Completion& c, Choice& ch);

@@ -78,6 +78,8 @@ ApiError failure(int32_t code) {
         return api_error(500, "server_error", "decode ran out of KV cache for this request");
     case ReqError::PrefillKv:
         return api_error(503, "server_error", "prefill ran out of KV cache for this request; retry shortly");
+    case ReqError::Data:
+        return api_error(500, "server_error", "the request's data (logit_bias) was missing or damaged in the server");
     default:
         return api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
     }

@@ -179,15 +179,12 @@ Field read_min_tokens(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
-// logit_bias: {"token id": bias in [-100, 100]}, at most kMaxLogitBias entries (the
-// front checks the ids against the vocabulary).
+// logit_bias: {"token id": bias in [-100, 100]} (the front checks the ids against the
+// vocabulary, and the table's size against the request data's bound).
 Field read_logit_bias(const json& j, CompletionRequest& r) {
     auto it = j.find("logit_bias");
     if (it == j.end() || it->is_null()) return std::nullopt;
     if (!it->is_object()) return bad("logit_bias", "'logit_bias' must be an object of token ids to biases");
-    if (it->size() > static_cast<size_t>(kMaxLogitBias))
-        return bad("logit_bias",
-                   fmt::format("'logit_bias' has {} entries; this server takes at most {}", it->size(), kMaxLogitBias));
     for (const auto& [key, v] : it->items()) {
         char* end = nullptr;
         const long long id = std::strtoll(key.c_str(), &end, 10);

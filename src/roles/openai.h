@@ -55,7 +55,6 @@ struct CompletionRequest {
     double timeout_s = 0;  // 0: the server's --request-timeout
 };
 inline constexpr int kMaxChoices = 16;
-inline constexpr int kMaxLogitBias = 16;    // = RequestParams::kMaxLogitBias
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 
 // Parses and validates a request body. Errors name the parameter and what was

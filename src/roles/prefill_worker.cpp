@@ -144,6 +144,14 @@ void PrefillWorker::take(const WireMsg& m) {
         Job j;
         j.req = r;
         j.params = request_params(t, r.slot);
+        auto data = read_request_data(t, r, j.params);
+        if (!data) {  // honoured or refused: never run without it
+            std::fprintf(stderr, "duet prefill: %s\n", data.error().message.c_str());
+            fail(j, ReqError::Data);
+            inst_->registry().wake(shm::Role::Front);
+            return;
+        }
+        j.data = std::move(data).value();
         const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
@@ -338,7 +346,7 @@ bool PrefillWorker::give_kv_to_client(Job& j) {
 void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
-    const int32_t next = pick(logits, j.params, j.prompt, j.output);
+    const int32_t next = pick(logits, j.params, j.data, j.prompt, j.output);
     if (j.params.logprobs >= 0 && j.prompt.size() + j.output.size() < t.max_tokens())
         fill_logprobs(logits, backend_->n_vocab(), next, j.params.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(j.output.size())));

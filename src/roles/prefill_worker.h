@@ -41,6 +41,7 @@ private:
     struct Job {
         shm::ReqRef req;
         RequestParams params;
+        RequestData data;                          // its tables beyond the parameters (logit_bias)
         std::vector<int32_t> prompt, output, all;  // all: prompt + output already produced (re-drive)
         std::vector<shm::BlockHash> hashes;        // of all's full blocks, chained
         KvSeq seq;

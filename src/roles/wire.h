@@ -130,11 +130,12 @@ static_assert(sizeof(WireMsg) == 64 && std::is_trivially_copyable_v<WireMsg>);
 // Why a request FAILED (its slot's error_code).
 enum class ReqError : int32_t {
     None = 0,
-    Prefill = 1,      // prefill could not run it (a pass failed)
-    Decode = 2,       // decode ran out of KV blocks
-    NoWorker = 3,     // a worker role died and could not be restarted
-    NotSent = 4,      // the queue to prefill stayed full
-    PrefillKv = 5,    // prefill ran out of KV blocks even for this request alone
+    Prefill = 1,    // prefill could not run it (a pass failed)
+    Decode = 2,     // decode ran out of KV blocks
+    NoWorker = 3,   // a worker role died and could not be restarted
+    NotSent = 4,    // the queue to prefill stayed full
+    PrefillKv = 5,  // prefill ran out of KV blocks even for this request alone
+    Data = 6,       // the request's data (roles/request_data.h) was missing or damaged
 };
 
 // Stored in a request slot's params bytes.
@@ -187,16 +188,18 @@ struct RequestParams {
     uint32_t arena_plus_one = 0;
     void bind_arena(uint32_t a) { arena_plus_one = a + 1; }
     int32_t bound_arena() const { return static_cast<int32_t>(arena_plus_one) - 1; }
-    // logit_bias (OpenAI's): added to these tokens' logits before each pick, on the
-    // host (WorkerBase::pick). At most kMaxLogitBias entries, inline: a larger table
-    // needs per-request data beyond the slot's params bytes (a 400 names the limit).
+    // logit_bias (OpenAI's): its entries, whose table is in the request's data
+    // (roles/request_data.h); a worker picks such a request's tokens on the host.
     struct Bias {
-        int32_t token;
-        float bias;
+        int32_t token = 0;
+        float bias = 0;
+        friend bool operator==(const Bias&, const Bias&) = default;
     };
-    static constexpr uint32_t kMaxLogitBias = 16;
     uint32_t n_bias = 0;
-    Bias bias[kMaxLogitBias] = {};
+    // Bytes of the request's data in its slot (shm::RequestTable::set_ext_data), 0:
+    // none. A worker that cannot read exactly that much, undamaged, fails the
+    // request (ReqError::Data) rather than run it without.
+    uint32_t data_bytes = 0;
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

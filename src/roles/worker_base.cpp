@@ -24,7 +24,6 @@
 
 namespace duet {
 
-// The sampled token's log-probability and the top ones, into a request slot's row.
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row) {
     float mx = logits[0];
     for (int64_t i = 1; i < n_vocab; ++i) mx = std::max(mx, logits[i]);
@@ -179,15 +178,14 @@ WorkerBase::~WorkerBase() {
     if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
 }
 
-int32_t WorkerBase::pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
-                         std::span<const int32_t> output) {
+int32_t WorkerBase::pick(const float* row, const RequestParams& p, const RequestData& d,
+                         std::span<const int32_t> prompt, std::span<const int32_t> output) {
     const int64_t nv = backend_->n_vocab();
     const bool ban = eog_banned(stop_rules(p), output.size());
-    if (ban || p.n_bias > 0) {
+    if (ban || !d.bias.empty()) {
         banned_row_.assign(row, row + nv);
-        for (uint32_t k = 0; k < std::min(p.n_bias, RequestParams::kMaxLogitBias); ++k)
-            if (p.bias[k].token >= 0 && p.bias[k].token < nv)
-                banned_row_[static_cast<size_t>(p.bias[k].token)] += p.bias[k].bias;
+        for (const RequestParams::Bias& b : d.bias)
+            if (b.token >= 0 && b.token < nv) banned_row_[static_cast<size_t>(b.token)] += b.bias;
         if (ban)
             for (int32_t id : eog_ids_)
                 if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();

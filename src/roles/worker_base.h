@@ -26,6 +26,7 @@
 #include "model/device_spec.h"
 #include "model/tokenizer.h"
 #include "roles/claims.h"
+#include "roles/request_data.h"
 #include "roles/routing.h"
 #include "roles/wire.h"
 #include "shm/handoff.h"
@@ -38,10 +39,6 @@ namespace duet {
 // for good (pinned contexts, another decode worker's lone sequence that fills the
 // rest) end in the failure rather than a hang.
 inline constexpr uint64_t kKvWaitNs = 30'000'000'000ull;
-
-// The log-probability of `sampled` and the `top` most likely tokens of a logits
-// row, into a request slot's log-probability row.
-void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
 
 struct WorkerOptions {
     uint32_t index = 0;  // which of its role's workers (its rings follow from it)
@@ -142,7 +139,7 @@ protected:
     // its position, after its logit_bias is added and, while its min_tokens is not
     // reached, end-of-generation tokens banned (engine/token_step.h eog_banned). The
     // row is not changed.
-    int32_t pick(const float* row, const RequestParams& p, std::span<const int32_t> prompt,
+    int32_t pick(const float* row, const RequestParams& p, const RequestData& d, std::span<const int32_t> prompt,
                  std::span<const int32_t> output);
     // Before a step or pass: the pool's width, with the borrowed cores while the
     // running worker of `lender` with this one's index holds no request

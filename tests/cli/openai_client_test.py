@@ -142,7 +142,25 @@ try:
         forced = text_of(logit_bias={str(blue[0]): 100})
         check(forced == " blue" * 12, f"+100 on ' blue': {forced!r}")
         check(text_of(logit_bias={str(blue[0]): 0.0}) == plain, "a zero bias changes nothing")
-    print(f"logit_bias: -100 bans token {first}, +100 forces ' blue', whole and streamed: ok")
+        # A table of any size up to the request data's bound (kept in the request's
+        # slot, not its fixed parameters): the entry that matters after 299 others.
+        filler = [str(t) for t in range(1000, 1400) if t not in (first, blue[0])][:299]
+        big = dict.fromkeys(filler, 0.0)
+        big[str(first)] = -100
+        check(text_of(logit_bias=big) == banned, f"the 300th entry bans {first} as the only one does")
+        big = dict.fromkeys(filler[:150], 0.0)
+        big[str(blue[0])] = 100
+        big.update(dict.fromkeys(filler[150:], 0.0))
+        check(text_of(logit_bias=big) == " blue" * 12, "an entry in the middle of 300 forces ' blue'")
+    try:
+        c.completions.create(model=model, prompt="x", max_tokens=1,
+                             logit_bias={str(t): 1 for t in range(9000)})
+        check(False, "a logit_bias table past the request data's bound was accepted")
+    except openai.BadRequestError as e:
+        check(e.body.get("param") == "logit_bias" and e.body.get("code") == "request_data_too_large"
+              and "65536" in e.body.get("message", ""), f"the bound named: {e.body}")
+    print(f"logit_bias: -100 bans token {first}, +100 forces ' blue', whole and streamed, from tables of 1 to 300 "
+          "entries; 9000 refused naming the bound: ok")
 
     # echo: the prompt's text, then the completion (the plain one computed above).
     prompt = "The capital of France is"
@@ -243,8 +261,12 @@ try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
         return int(m.group(1)) if m else 0
+    # The table (40 entries: in the request's data) is read again by the decode
+    # worker that takes the re-driven request.
+    bias = {str(t): 0.0 for t in range(1000, 1040) if t not in (first, blue[0])}
+    bias.update({str(first): -100, str(blue[0]): 5})
     biased = dict(model=model, prompt="The capital of France is", max_tokens=200, temperature=0.8, seed=3,
-                  logit_bias={str(first): -100, str(blue[0]): 5}, extra_body={"ignore_eos": True})
+                  logit_bias=bias, extra_body={"ignore_eos": True})
     want = c.completions.create(**biased).choices[0].text
     out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True, check=True)
     decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
