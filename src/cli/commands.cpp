@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/chat_template.h"
+#include "model/synth.h"
 
 namespace duet {
 
@@ -352,6 +354,42 @@ int cmd_bench_model(BenchArgs a) {
                 s8.mean / s1.mean);
         }
     }
+    return 0;
+}
+
+int cmd_model_synth(const std::string& shape, const std::string& type, int64_t layers, uint64_t seed,
+                    const std::string& out) {
+    auto s = synth_shape(shape);
+    if (!s) {
+        std::string names;
+        for (const std::string& n : synth_shape_names()) names += (names.empty() ? "" : ", ") + n;
+        std::fprintf(stderr, "duet: no shape '%s' (%s)\n", shape.c_str(), names.c_str());
+        return 2;
+    }
+    SynthOptions o;
+    o.shape = *s;
+    o.layers = layers;
+    o.seed = seed;
+    bool found = false;
+    for (DType t :
+         {DType::BF16, DType::F16, DType::F32, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
+        std::string n = dtype_name(t);
+        for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        if (n == type) o.type = t, found = true;
+    }
+    if (!found) {
+        std::fprintf(stderr, "duet: no weight type '%s' (bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q6_k)\n",
+                     type.c_str());
+        return 2;
+    }
+    const double t0 = now_s();
+    if (Status st = write_synth_model(out, o); !st) {
+        std::fprintf(stderr, "duet: %s\n", st.error().message.c_str());
+        return 1;
+    }
+    std::fprintf(stderr, "duet: wrote %s: %s, %lld layers, %s, %.2f GB in %.1f s\n", out.c_str(), s->name.c_str(),
+                 static_cast<long long>(layers >= 0 ? layers : s->n_layer), dtype_name(o.type),
+                 static_cast<double>(synth_model_bytes(o)) / 1e9, now_s() - t0);
     return 0;
 }
 

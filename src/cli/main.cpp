@@ -99,6 +99,26 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     c_tok->add_option("text", tok_text, "text to tokenize (default: standard input)");
     c_tok->add_option("--parse-special", tok_special, "recognize special token texts")->capture_default_str();
 
+    // duet model synth
+    struct Synth {
+        std::string shape = "llama3-8b", type = "q4_k", out;
+        uint64_t seed = 1;
+        int64_t layers = -1;
+    };
+    auto& sy = keep<Synth>(store);
+    CLI::App* c_model = app.add_subcommand("model", "model files");
+    c_model->require_subcommand(1);
+    CLI::App* c_synth = c_model->add_subcommand(
+        "synth", "write a GGUF of a real model's exact shape with seeded random weights (speed figures, no network)");
+    c_synth->add_option("--shape", sy.shape, "llama3-8b, llama3-70b, smollm2-135m or tiny")->capture_default_str();
+    c_synth->add_option("--type", sy.type, "every matrix's type: bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q6_k")
+        ->capture_default_str();
+    c_synth->add_option("--layers", sy.layers, "layers (a slice of the shape; default: all of them)")
+        ->check(CLI::Range(int64_t{0}, int64_t{1000}));
+    c_synth->add_option("--seed", sy.seed, "random seed")->capture_default_str();
+    c_synth->add_option("-o,--out", sy.out, "the GGUF file to write")->required();
+    c_synth->callback([&sy = sy, &rc = rc] { rc = cmd_model_synth(sy.shape, sy.type, sy.layers, sy.seed, sy.out); });
+
     c_info->callback([&info_model = info_model, &rc = rc] { rc = cmd_info(info_model); });
     c_tok->callback([&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &rc = rc, c_tok] {
         rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
