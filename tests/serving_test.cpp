@@ -105,7 +105,7 @@ struct Serving {
     shm::ReqRef submit(const std::vector<int32_t>& prompt, uint32_t max_tokens = kMaxTokens, bool stop_at_eog = true,
                        SloClass cls = SloClass::Standard) {
         RequestParams p;
-        p.slo_class = static_cast<uint32_t>(cls);
+        p.slo_class = cls;
         p.sampling.temperature = 0.0f;
         p.max_tokens = max_tokens;
         p.stop_at_eog = stop_at_eog ? 1 : 0;

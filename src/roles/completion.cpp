@@ -301,7 +301,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         return e;
     }
     c.queued = prompt_tokens;
-    params.slo_class = static_cast<uint32_t>(c.cls);
+    params.slo_class = c.cls;
     params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
     params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));

@@ -121,7 +121,7 @@ bool DecodeWorker::end_cancelled(std::vector<Active>& from) {
 
 std::vector<DecodeSeqView> DecodeWorker::views_of(const std::vector<Active>& v) {
     std::vector<DecodeSeqView> out(v.size());
-    for (size_t i = 0; i < v.size(); ++i) out[i] = {v[i].admitted, v[i].seq.n_tokens(), v[i].params.slo_class};
+    for (size_t i = 0; i < v.size(); ++i) out[i] = {v[i].admitted, v[i].seq.n_tokens(), v[i].params.class_rank()};
     return out;
 }
 
@@ -176,11 +176,12 @@ bool DecodeWorker::take_handoffs() {
     while (!parked_.empty()) {
         size_t p = 0;
         for (size_t i = 1; i < parked_.size(); ++i)
-            if (parked_[i].params.slo_class < parked_[p].params.slo_class ||
-                (parked_[i].params.slo_class == parked_[p].params.slo_class && parked_[i].admitted < parked_[p].admitted))
+            if (parked_[i].params.class_rank() < parked_[p].params.class_rank() ||
+                (parked_[i].params.slo_class == parked_[p].params.slo_class &&
+                 parked_[i].admitted < parked_[p].admitted))
                 p = i;
         if (active_.size() >= room) {
-            const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.slo_class);
+            const size_t v = pick_slot_victim(views_of(active_), parked_[p].params.class_rank());
             if (v == SIZE_MAX) break;  // it waits for a slot to end
             if (!preempt(active_, v)) finish(v, shm::ReqState::Cancelled);  // cancelled meanwhile: leaving anyway
             inst_->registry().wake(shm::Role::Front);
@@ -276,7 +277,7 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
             a.row.resize(1 + drafter_->propose(a.prompt, a.output, std::span(a.row).subspan(1)));
         }
         const auto want = static_cast<int32_t>(a.row.size());
-        rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.slo_class},
+        rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.class_rank()},
                    want,
                    blocks_to_append(*pool_, a.seq, want),
                    blocks_to_append(*pool_, a.seq, 1),

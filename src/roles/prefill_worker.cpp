@@ -54,7 +54,7 @@ bool PrefillWorker::critical_arrived() {
     if (!interruptible_ || jobs_.size() >= static_cast<size_t>(std::max(1, opts_.max_prefills))) return false;
     const shm::RequestTable& t = inst_->requests();
     const auto critical = [&](const WireMsg& m) {
-        return t.is(shm::ReqRef{m.slot, m.gen}, shm::ReqState::Queued) && request_params(t, m.slot).slo_class == 0;
+        return t.is(shm::ReqRef{m.slot, m.gen}, shm::ReqState::Queued) && request_params(t, m.slot).critical();
     };
     size_t n = 0;
     in_.refresh();
@@ -180,10 +180,10 @@ void PrefillWorker::take(const WireMsg& m) {
             }
             // Its order key (engine/scheduling.h "Order": earliest deadline first
             // within a class, priority with aging between classes).
-            if (j.params.slo_class == 0) last_critical_ns_ = shm::monotonic_ns();
+            if (j.params.critical()) last_critical_ns_ = shm::monotonic_ns();
             j.submit_ns = slot.submit_ns;
-            j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.slo_class, j.params.ttft_target_ns, j.all.size(),
-                                              static_cast<uint64_t>(opts_.deadline_ns_per_token));
+            j.deadline_ns = prefill_order_key(slot.submit_ns, j.params.class_rank(), j.params.ttft_target_ns,
+                                              j.all.size(), static_cast<uint64_t>(opts_.deadline_ns_per_token));
             if (opts_.prefix_cache) {
                 shm::BlockHash h;
                 for (size_t at = 0; at + static_cast<size_t>(bt) <= j.all.size(); at += static_cast<size_t>(bt)) {
@@ -207,9 +207,9 @@ uint64_t PrefillWorker::queued_deadline(const WireMsg& m) {
     if (!t.is(r, shm::ReqState::Queued)) return 0;
     const shm::ReqSlot& slot = t.slot(r.slot);
     const RequestParams p = request_params(t, r.slot);
-    if (p.slo_class == 0) last_critical_ns_ = shm::monotonic_ns();
+    if (p.critical()) last_critical_ns_ = shm::monotonic_ns();
     const uint64_t n = slot.n_prompt.load(std::memory_order_relaxed);
-    return std::max<uint64_t>(1, prefill_order_key(slot.submit_ns, p.slo_class, p.ttft_target_ns, n,
+    return std::max<uint64_t>(1, prefill_order_key(slot.submit_ns, p.class_rank(), p.ttft_target_ns, n,
                                                    static_cast<uint64_t>(opts_.deadline_ns_per_token)));
 }
 
@@ -526,7 +526,7 @@ PrefillPlan PrefillWorker::plan_pass(int64_t cap) {
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
-                        jobs_[k].looked_up, follows(k) || jobs_[k].swapped > 0, jobs_[k].params.slo_class == 0};
+                        jobs_[k].looked_up, follows(k) || jobs_[k].swapped > 0, jobs_[k].params.critical()};
         PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser);
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
@@ -693,7 +693,7 @@ Result<bool> PrefillWorker::step() {
     // C6: with a prompt at risk on prefill's own cores, a pass claims decode's, cut
     // to fit decode's time in hand.
     RiskClaim risk;
-    if (!plan.entries.empty() && jobs_[plan.entries.front().job].params.slo_class != 0) {
+    if (!plan.entries.empty() && !jobs_[plan.entries.front().job].params.critical()) {
         risk = risk_claim();
         if (risk.pass_ns > 0) plan = plan_pass(risk.tokens);
     }
@@ -727,11 +727,12 @@ Result<bool> PrefillWorker::step() {
         trace::Range range("prefill pass");
         bool lent = borrow_cores(shm::Role::Decode);
         // C1: a pass led by a critical request holds only critical work.
-        if (!lent && jobs_[p.jobs.front()].params.slo_class == 0) lent = claim_cores(0);
+        if (!lent && jobs_[p.jobs.front()].params.critical())
+            lent = claim_cores(0);
         else if (!lent && risk.pass_ns > 0) lent = claim_cores(risk.pass_ns);
         const uint64_t t0 = shm::monotonic_ns();
         // A pass no critical request leads stops for one that arrives meanwhile.
-        interruptible_ = opts_.pass_interrupt && jobs_[p.jobs.front()].params.slo_class != 0;
+        interruptible_ = opts_.pass_interrupt && !jobs_[p.jobs.front()].params.critical();
         if (interruptible_) note_arrivals();
         st = outlets_.empty() ? backend_->forward(p.batch, logits_) : backend_->forward_export(p.batch, logits_, p.exp);
         interruptible_ = false;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "engine/scheduling.h"
 #include "engine/token_step.h"
 #include "kv/kv_pool.h"
 #include "model/model.h"
@@ -173,7 +174,11 @@ struct RequestParams {
     // serves earliest deadline first, the deadline being the submission time plus
     // the target plus a millisecond per prompt token (a context's computation has no
     // target: the per-token term alone).
-    uint32_t slo_class = 1;
+    SloClass slo_class = SloClass::Standard;
+    uint8_t slo_pad_[3] = {};
+    bool critical() const { return slo_class == SloClass::Critical; }
+    // Its class as decode's policy ranks it (engine/decode_policy.h: 0 most urgent).
+    uint32_t class_rank() const { return static_cast<uint32_t>(slo_class); }
     uint64_t ttft_target_ns = 0;
     // Its class's inter-token target: how far behind its own pace a decode worker
     // may fall to let a prompt at risk compute on its cores (yield_budget_ns). 0: none.
