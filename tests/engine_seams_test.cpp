@@ -189,6 +189,69 @@ PrefillJobView job(uint64_t deadline, int64_t remaining, bool looked_up = true, 
 // The prefill plan: earliest deadline first (ties in arrival order), the budget
 // shared in that order, followers left out, one request after a shortage, and a
 // prefix lookup asked for exactly when the budget reaches a job not yet looked up.
+// Prefill's KV-shortage policy, each branch a row: the expected action written out
+// from the policy's statement (engine/prefill_scheduler.h).
+TEST(PrefillScheduler, ShortageTable) {
+    using A = PrefillShortage::Action;
+    constexpr uint64_t kWait = 1000;
+    // held, need, own blocks, client waits, waited
+    const PrefillKvView idle{0, 4, true, true, 0}, holding{3, 4, true, true, 0}, given{3, 4, false, true, 0};
+    struct Case {
+        const char* what;
+        std::vector<PrefillKvView> jobs;
+        std::vector<size_t> pass;
+        PrefillArenaView arena;
+        A action;
+        std::vector<size_t> set_aside;
+    };
+    // clang-format off
+    const std::vector<Case> cases = {
+        {"several in the pass: shrink to one", {idle, idle, idle}, {0, 2}, {10, 0}, A::Shrink, {}},
+        {"alone, others hold blocks: they give them back", {holding, idle, holding}, {1}, {10, 0}, A::SetAside, {0, 2}},
+        {"alone, the only holder is itself: nothing to set aside", {holding}, {0}, {10, 0}, A::Wait, {}},
+        {"alone, others hold their client's blocks only: kept", {given, idle}, {1}, {10, 0}, A::Wait, {}},
+        {"alone, it waited its limit", {{0, 4, true, true, kWait}}, {0}, {10, 0}, A::Fail, {}},
+        {"alone, just short of its limit", {{0, 4, true, true, kWait - 1}}, {0}, {10, 0}, A::Wait, {}},
+        {"alone, bigger than the arena", {{0, 11, true, true, 0}}, {0}, {10, 0}, A::Fail, {}},
+        {"alone, bigger than what others' kept blocks leave", {given, {0, 8, true, true, 0}}, {1}, {10, 0}, A::Fail, {}},
+        {"alone, fits beside them exactly", {given, {0, 7, true, true, 0}}, {1}, {10, 0}, A::Wait, {}},
+        {"alone, nobody else holds a block: waiting cannot help", {idle}, {0}, {10, 10}, A::Fail, {}},
+        {"alone, a context's computation: its store evicts instead", {{0, 4, true, false, 0}}, {0}, {10, 0}, A::Fail, {}},
+    };
+    // clang-format on
+    for (const Case& c : cases) {
+        const PrefillShortage s = plan_prefill_shortage(c.jobs, c.pass, c.arena, kWait);
+        EXPECT_EQ(s.action, c.action) << c.what;
+        EXPECT_EQ(s.jobs, c.set_aside) << c.what;
+    }
+}
+
+// The shortage mode: entered by a pass short of blocks (unless its request fails),
+// planning one job at a time; left by a pass that ran or by nothing to do.
+TEST(PrefillScheduler, TheShortageModeIsEnteredAndLeft) {
+    const std::vector<PrefillJobView> jobs = {{10, 8, true, false, false}, {5, 8, true, false, false}};
+    PrefillScheduler s;
+    EXPECT_FALSE(s.short_of_kv());
+    EXPECT_EQ(s.plan(jobs, 64).entries.size(), 2u);
+    const std::vector<PrefillKvView> kv = {{0, 1, true, true, 0}, {0, 1, true, true, 0}};
+    const std::vector<size_t> both = {0, 1}, lone = {1};
+    EXPECT_EQ(s.short_of_blocks(kv, both, {10, 0}, 1000).action, PrefillShortage::Action::Shrink);
+    EXPECT_TRUE(s.short_of_kv());
+    const PrefillPlan p = s.plan(jobs, 64);
+    ASSERT_EQ(p.entries.size(), 1u);
+    EXPECT_EQ(p.entries.front().job, 1u) << "the earliest deadline alone";
+    s.ran();
+    EXPECT_FALSE(s.short_of_kv());
+    s.nothing_to_run(true);  // waiting for blocks to read a swapped request into
+    EXPECT_TRUE(s.short_of_kv());
+    s.nothing_to_run(false);
+    EXPECT_FALSE(s.short_of_kv());
+    // A failure leaves the mode as it was.
+    const std::vector<PrefillKvView> huge = {{0, 1, true, true, 0}, {0, 99, true, true, 0}};
+    EXPECT_EQ(s.short_of_blocks(huge, lone, {10, 0}, 1000).action, PrefillShortage::Action::Fail);
+    EXPECT_FALSE(s.short_of_kv());
+}
+
 TEST(PrefillScheduler, PacksTheBudgetByDeadline) {
     struct Case {
         const char* what;

@@ -30,4 +30,27 @@ PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, b
     return plan;
 }
 
+PrefillShortage plan_prefill_shortage(std::span<const PrefillKvView> jobs, std::span<const size_t> pass,
+                                      PrefillArenaView arena, uint64_t kv_wait_ns) {
+    PrefillShortage s;
+    if (pass.size() != 1) return s;  // Shrink
+    const size_t lone = pass.front();
+    for (size_t k = 0; k < jobs.size(); ++k)
+        if (k != lone && jobs[k].own_blocks && jobs[k].held > 0) s.jobs.push_back(k);
+    if (!s.jobs.empty()) {
+        s.action = PrefillShortage::Action::SetAside;
+        return s;
+    }
+    // The other jobs' blocks are not freed by waiting (they do not run while it
+    // waits): only the rest of the arena counts.
+    int64_t others = 0;
+    for (size_t k = 0; k < jobs.size(); ++k)
+        if (k != lone) others += jobs[k].held;
+    const PrefillKvView& j = jobs[lone];
+    const bool waits =
+        j.client_waits && j.need <= arena.blocks - others && arena.available < arena.blocks && j.waited_ns < kv_wait_ns;
+    s.action = waits ? PrefillShortage::Action::Wait : PrefillShortage::Action::Fail;
+    return s;
+}
+
 }  // namespace duet

@@ -527,7 +527,7 @@ PrefillPlan PrefillWorker::plan_pass(int64_t cap) {
         for (size_t k = 0; k < jobs_.size(); ++k)
             views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
                         jobs_[k].looked_up, follows(k) || jobs_[k].swapped > 0, jobs_[k].params.critical()};
-        PrefillPlan plan = plan_prefill(views, opts_.prefill_budget, kv_short_, lesser);
+        PrefillPlan plan = sched_.plan(views, opts_.prefill_budget, lesser);
         if (plan.lookup < 0) return plan;
         Job& j = jobs_[static_cast<size_t>(plan.lookup)];
         if (opts_.prefix_cache) lookup_prefix(j);
@@ -564,28 +564,6 @@ void PrefillWorker::erase_jobs(std::vector<size_t> which) {
     for (size_t k = which.size(); k-- > 0;) jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(which[k]));
 }
 
-// A pass that did not run: nothing it reserved is held any more.
-// Whether a request whose pass alone found no KV blocks waits for them rather than
-// failing: it fits the whole arena, others hold blocks now, it is not a context's
-// computation (the context store answers that failure by evicting idle contexts,
-// ContextStore::compute: waiting would wait on it), and it has waited less than
-// kKvWaitNs (blocks held for good, by pinned contexts say, end in the failure).
-bool PrefillWorker::waits_for_kv(Job& j) {
-    const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
-    const KvBlockAllocator& a = pool_->allocator();
-    const uint64_t now = shm::monotonic_ns();
-    // Blocks this worker's other jobs hold: they are not freed by waiting (they do
-    // not run while this one waits), so only the rest of the arena counts.
-    int64_t mine = 0;
-    for (const Job& o : jobs_)
-        if (&o != &j) mine += static_cast<int64_t>(o.seq.blocks().size());
-    if (j.params.keep_kv || static_cast<int64_t>((j.all.size() + bt - 1) / bt) > a.n_blocks() - mine ||
-        a.n_available() >= a.n_blocks())
-        return false;
-    if (j.kv_wait_since == 0) j.kv_wait_since = now;
-    return now - j.kv_wait_since < kKvWaitNs;
-}
-
 // A job that is not running while prefill is short of KV gives back its blocks (true
 // if it held any). Its full blocks were published as each pass ended: they stay in
 // the prefix cache, referenced by nobody, where an allocation may evict them; what
@@ -617,36 +595,44 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
                      st.error().message.c_str());
         for (size_t k : p.jobs) fail(jobs_[k]);
         erase_jobs(p.jobs);
-    } else if (p.batch.size() > 1) {
-        // Out of KV blocks (nothing was taken). With several requests in the pass, run
-        // the next pass with the earliest-deadline one alone, taking no new ones.
-        kv_short_ = true;
+        publish_load();
+        inst_->registry().wake(shm::Role::Front);
         return;
-    } else {
-        // Alone in its pass and still short. First the jobs set aside (partly computed
-        // prompts not in this pass) give back their blocks, and it tries again.
+    }
+    // Out of KV blocks (nothing was taken): the shortage policy decides
+    // (engine/prefill_scheduler.h plan_prefill_shortage).
+    const auto bt = static_cast<int64_t>(pool_->layout().block_tokens);
+    const uint64_t now = shm::monotonic_ns();
+    std::vector<PrefillKvView> views(jobs_.size());
+    for (size_t k = 0; k < jobs_.size(); ++k) {
+        const Job& j = jobs_[k];
+        views[k] = {static_cast<int64_t>(j.seq.blocks().size()), (static_cast<int64_t>(j.all.size()) + bt - 1) / bt,
+                    j.params.given_tokens == 0, !j.params.keep_kv, j.kv_wait_since ? now - j.kv_wait_since : 0};
+    }
+    const KvBlockAllocator& a = pool_->allocator();
+    const PrefillShortage s = sched_.short_of_blocks(views, p.jobs, {a.n_blocks(), a.n_available()}, kKvWaitNs);
+    switch (s.action) {
+    case PrefillShortage::Action::Shrink: return;  // the next pass runs the earliest deadline alone
+    case PrefillShortage::Action::SetAside:
+        for (size_t k : s.jobs) set_aside(jobs_[k]);
+        return;
+    case PrefillShortage::Action::Wait: {
+        // It would fit in the arena, but others hold blocks now (decode's running
+        // sequences, which end or give way: DecodeWorker::preempt; a preempted
+        // request comes back here). It gives back its own blocks too while it
+        // waits: decode's last sequence, with nobody to preempt, may need one.
         Job& j = jobs_[p.jobs.front()];
-        bool freed = false;
-        for (Job& o : jobs_)
-            if (&o != &j) freed |= set_aside(o);
-        if (freed) {
-            kv_short_ = true;
-            return;
-        }
-        if (waits_for_kv(j)) {
-            // It would fit in the arena, but others hold blocks now (decode's running
-            // sequences, which end or give way: DecodeWorker::preempt; a preempted
-            // request comes back here). It gives back its own blocks too while it
-            // waits: decode's last sequence, with nobody to preempt, may need one.
-            set_aside(j);
-            kv_short_ = true;
-            usleep(2000);
-            return;
-        }
-
-        // A request that cannot fit even in the whole arena fails (freeing its blocks).
-        fail(j, ReqError::PrefillKv);
+        if (j.kv_wait_since == 0) j.kv_wait_since = now;
+        set_aside(j);
+        usleep(2000);
+        return;
+    }
+    case PrefillShortage::Action::Fail:
+        // A request that cannot fit even in the whole arena (or waited its limit, or
+        // whose client would rather hear now) fails, freeing its blocks.
+        fail(jobs_[p.jobs.front()], ReqError::PrefillKv);
         erase_jobs(p.jobs);
+        break;
     }
     publish_load();
     inst_->registry().wake(shm::Role::Front);
@@ -655,7 +641,7 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
 // A pass that ran: its tokens are done, its full blocks published, and requests
 // whose prompt it completed sample their first token and are handed off.
 void PrefillWorker::pass_done(const Pass& p) {
-    kv_short_ = false;  // it worked: pack again (another shortage shrinks again)
+    sched_.ran();  // it worked: pack again (another shortage shrinks again)
     for (size_t k : p.jobs) jobs_[k].kv_wait_since = 0;
     std::vector<size_t> finished;
     for (size_t i = 0; i < p.jobs.size(); ++i) {
@@ -677,8 +663,8 @@ void PrefillWorker::pass_done(const Pass& p) {
 // earliest deadline first; requests whose prompt completes are handed off.
 Result<bool> PrefillWorker::step() {
     settle();
-    if (jobs_.empty()) kv_short_ = false;
-    const bool took = !kv_short_ && admit();
+    if (jobs_.empty()) sched_.ran();
+    const bool took = !sched_.short_of_kv() && admit();
     const bool dropped = drop_cancelled();
     if (jobs_.empty()) {
         if (dropped) publish_load();
@@ -687,7 +673,7 @@ Result<bool> PrefillWorker::step() {
     }
     // Not while short of KV: the job that runs alone then would lose the blocks a
     // blob was read into (set aside), and the next read would take them again.
-    const bool swap_waits = !kv_short_ && swap_in();
+    const bool swap_waits = !sched_.short_of_kv() && swap_in();
     Pass p;
     PrefillPlan plan = plan_pass();
     // C6: with a prompt at risk on prefill's own cores, a pass claims decode's, cut
@@ -705,7 +691,7 @@ Result<bool> PrefillWorker::step() {
     if (p.batch.empty()) {
         // Every job waits: for blocks to read its swapped KV into (and no new one is
         // taken meanwhile), or for another job's blocks.
-        kv_short_ = swap_waits;
+        sched_.nothing_to_run(swap_waits);
         usleep(2000);
         return true;
     }
@@ -716,7 +702,7 @@ Result<bool> PrefillWorker::step() {
             // sequences finish) or for a decode worker to make its arena. Nothing
             // holds destination blocks meanwhile (a failed pass releases them), so
             // waiting cannot starve decode.
-            kv_short_ = false;
+            sched_.nothing_to_run(false);
             usleep(2000);
             return true;
         }

@@ -64,7 +64,6 @@ private:
     // Drops the blocks of hand-offs decode took (or that were re-driven); sends again
     // those whose decode worker died before taking them.
     void settle();
-    bool waits_for_kv(Job& j);  // after a pass of j alone found no KV blocks (prefill_worker.cpp)
     bool set_aside(Job& j);     // gives back the blocks of a job that is not running (prefill_worker.cpp)
     // Sends a hand-off to the decode worker with room and the least work; the ref of
     // the process it went to (invalid if no decode worker runs: it waits in the ring
@@ -145,7 +144,7 @@ private:
     std::vector<Pending> pending_;
     std::vector<Job> jobs_;
     std::vector<Outlet> outlets_;  // kv_split: one per decode arena
-    bool kv_short_ = false;  // the last packed pass ran out of KV blocks
+    PrefillScheduler sched_;       // its shortage mode across passes (engine/prefill_scheduler.h)
     shm::BlockHasher hasher_;
 };
 
