@@ -326,13 +326,11 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     int32_t j = 0;  // tokens emitted
     bool matched = true;
     while (j < n && matched && f == Finish::None) {
-        const float* row = rows + static_cast<int64_t>(j) * nv;
-        const int32_t next = host ? pick(row, a.params, a.data, a.prompt, a.output) : picks[j];
-        if (a.params.logprobs >= 0 && a.prompt.size() + a.output.size() < t.max_tokens())
-            fill_logprobs(row, nv, next, a.params.logprobs,
-                          t.logprobs(a.req.slot, static_cast<uint32_t>(a.output.size())));
+        const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
+                             a.prompt, a.output);
+        const int32_t next = d.token;
         a.output.push_back(next);
-        f = check_stop(stop_rules(a.params), tok_->is_eog(next), a.output.size());
+        f = d.finish;
         if (!t.append_output(a.req, &next, 1).ok()) f = Finish::Length;  // no room left in the slot
         ++j;
         // The draft at the next position is kept only if this draw picked it; if not,

@@ -346,10 +346,8 @@ bool PrefillWorker::give_kv_to_client(Job& j) {
 void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
-    const int32_t next = pick(logits, j.params, j.data, j.prompt, j.output);
-    if (j.params.logprobs >= 0 && j.prompt.size() + j.output.size() < t.max_tokens())
-        fill_logprobs(logits, backend_->n_vocab(), next, j.params.logprobs,
-                      t.logprobs(r.slot, static_cast<uint32_t>(j.output.size())));
+    const Drawn drawn = draw(logits, -1, r, j.params, j.data, j.prompt, j.output);
+    const int32_t next = drawn.token;
     // The blocks decode takes: ours (one arena for both: no copy), or, kv_split, the
     // copies the pass made in decode's arena.
     const bool copied = j.outlet >= 0;
@@ -362,8 +360,7 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         give_kv_to_client(j);
         t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
         release(j);
-    } else if (const Finish f = check_stop(stop_rules(j.params), tok_->is_eog(next), j.output.size() + 1);
-               f != Finish::None || t.cancelled(r)) {
+    } else if (const Finish f = drawn.finish; f != Finish::None || t.cancelled(r)) {
         t.slot(r.slot).end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published below
         // return_kv (the table names our blocks already, appended above): as decode's
         // finish, a FINISHED request's table names exactly what the client holds.

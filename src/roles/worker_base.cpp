@@ -194,6 +194,17 @@ int32_t WorkerBase::pick(const float* row, const RequestParams& p, const Request
     return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
 }
 
+WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p,
+                                   const RequestData& d, std::span<const int32_t> prompt,
+                                   std::span<const int32_t> output) {
+    const shm::RequestTable& t = inst_->requests();
+    const int32_t next = picked >= 0 ? picked : pick(row, p, d, prompt, output);
+    if (p.logprobs >= 0 && prompt.size() + output.size() < t.max_tokens())
+        fill_logprobs(row, backend_->n_vocab(), next, p.logprobs,
+                      t.logprobs(r.slot, static_cast<uint32_t>(output.size())));
+    return {next, check_stop(stop_rules(p), tok_->is_eog(next), output.size() + 1)};
+}
+
 void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
     shm::ProcSlot& s = inst_->registry().slot(self_.slot);
     s.load_items.store(items, std::memory_order_relaxed);

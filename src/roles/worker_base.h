@@ -141,6 +141,17 @@ protected:
     // row is not changed.
     int32_t pick(const float* row, const RequestParams& p, const RequestData& d, std::span<const int32_t> prompt,
                  std::span<const int32_t> output);
+    // The one way a token is decided, for prefill's first token and each of decode's:
+    // the backend's pick (picked >= 0) or pick()'s, its log-probabilities into request
+    // r's slot when asked, and the stop rule's verdict with it as the next output
+    // (engine/token_step.h check_stop). Appending it is the caller's (its slot write
+    // comes with blocks or drafts).
+    struct Drawn {
+        int32_t token;
+        Finish finish;
+    };
+    Drawn draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p, const RequestData& d,
+               std::span<const int32_t> prompt, std::span<const int32_t> output);
     // Before a step or pass: the pool's width, with the borrowed cores while the
     // running worker of `lender` with this one's index holds no request
     // (WorkerOptions::borrow_cpus). True when this one runs with them (the caller
