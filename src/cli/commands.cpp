@@ -239,9 +239,19 @@ int cmd_bench_model(BenchArgs a) {
         std::fprintf(stderr, "duet: --n-prompt, --n-gen and --repetitions must be >= 1\n");
         return 2;
     }
-    // KV for the prompt and its generation, or for the 8 sequences of the verify measure.
-    a.engine.n_ctx =
-        std::max<int64_t>(std::max(a.n_prompt, a.n_gen) + 16, a.verify > 0 ? 8 * (a.n_prompt + a.verify + 16) : 0);
+    // KV for the prompt and its generation, or for the 8 sequences of the verify
+    // measure where the model's context holds them (the engine's KV is one context
+    // long): otherwise the measure is left out, and said so.
+    const int64_t plain = std::max(a.n_prompt, a.n_gen) + 16, eight = 8 * int64_t{a.n_prompt + a.verify + 16};
+    if (a.verify > 0) {
+        auto m = Model::load(a.model);
+        if (m && (*m)->config().n_ctx_train < eight) {
+            std::fprintf(stderr, "duet: --verify left out: 8 sequences of %d tokens exceed the model's context of %lld\n",
+                         a.n_prompt + a.verify, static_cast<long long>((*m)->config().n_ctx_train));
+            a.verify = 0;
+        }
+    }
+    a.engine.n_ctx = std::max<int64_t>(plain, a.verify > 0 ? eight : 0);
     auto eng = Engine::create(a.engine);
     if (!eng) {
         std::fprintf(stderr, "duet: %s\n", eng.error().message.c_str());
