@@ -117,6 +117,7 @@ ReqExtHeader& RequestTable::ext(uint32_t i) const {
 }
 
 Status RequestTable::set_ext_data(ReqRef r, const void* data, uint32_t len) {
+    if (r.slot >= h_->n_slots) return make_error("request slot {} out of range", r.slot);
     if (len > h_->ext_bytes)
         return make_error("{} bytes of request data; a request holds at most {}", len, h_->ext_bytes);
     if (current(r.slot).gen != r.gen) return make_error("request slot {} no longer holds the request", r.slot);
@@ -130,14 +131,22 @@ Status RequestTable::set_ext_data(ReqRef r, const void* data, uint32_t len) {
 }
 
 std::optional<std::vector<uint8_t>> RequestTable::ext_data(ReqRef r) const {
+    if (r.slot >= h_->n_slots) return std::nullopt;
     const ReqExtHeader& e = ext(r.slot);
     const uint64_t want = ((static_cast<uint64_t>(r.gen) << 32) | r.slot) + 1;
     if (e.ref.load(std::memory_order_acquire) != want || e.len > h_->ext_bytes) return std::nullopt;
     const auto* p = reinterpret_cast<const uint8_t*>(&e) + sizeof e;
     std::vector<uint8_t> out(p, p + e.len);
     // Written once per request, before the request was sent: data still naming r
-    // after the copy, in a slot that still holds r, is r's.
-    if (e.ref.load(std::memory_order_acquire) != want || current(r.slot).gen != r.gen) return std::nullopt;
+    // after the copy, in a slot that still holds r, is r's. The check comes after
+    // the copy's loads (a seqlock reader, as read_output).
+#ifdef DUET_TSAN
+    const bool still = const_cast<ReqExtHeader&>(e).ref.fetch_add(0, std::memory_order_acq_rel) == want;
+#else
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const bool still = e.ref.load(std::memory_order_relaxed) == want;
+#endif
+    if (!still || current(r.slot).gen != r.gen) return std::nullopt;
     return out;
 }
 

@@ -323,7 +323,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     const int64_t nv = backend_->n_vocab();
     const int64_t kept_from = a.seq.n_tokens() - n;  // the positions before the row
     Finish f = Finish::None;
-    int32_t j = 0;  // tokens emitted
+    int32_t j = 0, accepted = 0;  // tokens emitted; drafts among them
     bool matched = true;
     while (j < n && matched && f == Finish::None) {
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
@@ -336,15 +336,40 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
         // The draft at the next position is kept only if this draw picked it; if not,
         // this draw is its correction and the row ends here.
         matched = j < n && next == a.row[static_cast<size_t>(j)];
+        accepted += matched ? 1 : 0;
     }
     if (n > 1) {
         t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
-        t.drafts_accepted().fetch_add(static_cast<uint64_t>(j - 1), std::memory_order_relaxed);
+        t.drafts_accepted().fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
     }
     // Every token but the newest output keeps its KV: the row's positions up to the
     // last kept token's input.
     if (j < n) a.seq.truncate(*pool_, kept_from + j);
     return f;
+}
+
+void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch) {
+    batch.clear();
+    samples_.resize(active_.size());
+    for (const DecodeRow& r : plan.rows) {
+        Active& a = active_[r.seq];
+        a.row.resize(static_cast<size_t>(r.n_tokens));
+        // Without log-probabilities the backend picks the token (a GPU backend then
+        // copies no logits for it): the argmax alone for greedy without penalties,
+        // else the sampler's pick for this request and position. The host picks
+        // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
+        // for a verify row, whose every position is drawn in turn.
+        const SamplingParams& sp = a.params.sampling;
+        const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 ||
+                          eog_banned(stop_rules(a.params), a.output.size());
+        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
+        SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
+        if (!argmax_only && !host) {
+            samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
+            b.sample = &samples_[r.seq];
+        }
+        batch.push_back(b);
+    }
 }
 
 Result<bool> DecodeWorker::step() {
@@ -357,35 +382,21 @@ Result<bool> DecodeWorker::step() {
         if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
         return false;
     }
-    // The step's blocks first (KvCacheManager). The allocator's count allowed it, yet
-    // the arena is shared: blocks gone meanwhile are a shortage, planned as one.
+    // The step's blocks first (KvCacheManager). The allocator's count allowed the
+    // plan, yet the arena is shared: blocks gone meanwhile make the step planned
+    // again with what is there now (drafts go first), then as a shortage (no new
+    // block at all); a third miss waits for the next step.
     DecodeStep plan = plan_step();
     std::vector<SeqBatch> batch;
-    if (plan.action == DecodeStep::Action::Run) {
-        samples_.resize(active_.size());
-        for (const DecodeRow& r : plan.rows) {
-            Active& a = active_[r.seq];
-            a.row.resize(static_cast<size_t>(r.n_tokens));
-            // Without log-probabilities the backend picks the token (a GPU backend then
-            // copies no logits for it): the argmax alone for greedy without penalties,
-            // else the sampler's pick for this request and position. The host picks
-            // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
-            // for a verify row, whose every position is drawn in turn.
-            const SamplingParams& sp = a.params.sampling;
-            const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 ||
-                              eog_banned(stop_rules(a.params), a.output.size());
-            const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
-            SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
-            if (!argmax_only && !host) {
-                samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
-                b.sample = &samples_[r.seq];
-            }
-            batch.push_back(b);
+    for (int attempt = 0; plan.action == DecodeStep::Action::Run; ++attempt) {
+        build_batch(plan, batch);
+        if (kv_->reserve(batch)) break;
+        batch.clear();
+        if (attempt == 2) {
+            usleep(2000);
+            return true;
         }
-        if (!kv_->reserve(batch)) {
-            batch.clear();
-            plan = plan_step(0);
-        }
+        plan = plan_step(attempt == 0 ? -1 : 0);
     }
     if (plan.action != DecodeStep::Action::Run) {
         make_room(plan);

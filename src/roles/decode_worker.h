@@ -56,6 +56,8 @@ private:
     // each drawn as plain decoding draws it, a draft kept while it matches, the rest
     // of the row's KV dropped. The Finish that ends it, or None.
     Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
+    // The step's batch for a Run plan: each row's input and who picks its tokens.
+    void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
     std::unique_ptr<Drafter> drafter_;  // null: no drafts (WorkerOptions::max_draft 0)
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker

@@ -147,6 +147,7 @@ void PrefillWorker::take(const WireMsg& m) {
         auto data = read_request_data(t, r, j.params);
         if (!data) {  // honoured or refused: never run without it
             std::fprintf(stderr, "duet prefill: %s\n", data.error().message.c_str());
+            j.swapped = slot.n_swapped.load(std::memory_order_relaxed);  // its blob goes too (fail: drop_swap)
             fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
             return;
