@@ -22,7 +22,7 @@ struct StoredConfig {
     uint32_t prefill_workers, decode_workers;
     uint32_t kv_split, kv_dtype;
     uint32_t context_slots, context_tokens;
-    uint32_t req_ext_bytes, pad_;
+    uint32_t req_ext_bytes, user_protocol;
     ArenaConfig arenas[kMaxArenas];
     char name[256];
 };
@@ -40,6 +40,7 @@ void store_config(void* mem, const InstanceConfig& c) {
     s->req_max_tokens = c.requests.max_tokens;
     s->req_block_tokens = c.requests.block_tokens;
     s->req_ext_bytes = c.requests.ext_bytes;
+    s->user_protocol = c.user_protocol;
     s->huge_pages = c.huge_pages;
     s->cpu_kv_bytes = c.cpu_kv_bytes;
     s->model_fingerprint = c.model_fingerprint;
@@ -68,6 +69,7 @@ Result<InstanceConfig> load_config(const void* mem) {
     c.requests.max_tokens = s->req_max_tokens;
     c.requests.block_tokens = s->req_block_tokens;
     c.requests.ext_bytes = s->req_ext_bytes;
+    c.user_protocol = s->user_protocol;
     c.huge_pages = s->huge_pages;
     c.cpu_kv_bytes = s->cpu_kv_bytes;
     c.model_fingerprint = s->model_fingerprint;
@@ -136,6 +138,7 @@ uint64_t InstanceConfig::fingerprint() const {
     f.add(kv_dtype);
     f.add(contexts.n_slots);
     f.add(contexts.max_tokens);
+    f.add(user_protocol);
     return f.h;
 }
 

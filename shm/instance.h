@@ -22,8 +22,18 @@
 
 namespace duet::shm {
 
-// Bumped whenever any structure in the control segment changes shape.
-inline constexpr uint32_t kLayoutVersion = 19;  // 2: phase times in request slots; 3: clients, serving counters; 4: worker indices and load gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures; 9: context table; 10: work counters in process slots; 11: where a request's KV went (kv_to); 12: borrowed cores in process slots; 13: claims on a partner's cores, wide work counters; 14: claims declined and unanswered; 15: LEAVING workers, role changes; 16: interrupted prefill passes (request table header of 128 bytes); 17: end codes in request slots; 18: draft counters; 19: request data (ReqExtHeader)
+// Bumped whenever any structure in the control segment changes shape. 2: phase
+// times in request slots; 3: clients, serving counters; 4: worker indices and load
+// gauges; 5: per-role KV arenas; 6: KV dtype; 7: front records; 8: golden failures;
+// 9: context table; 10: work counters in process slots; 11: where a request's KV
+// went (kv_to); 12: borrowed cores in process slots; 13: claims on a partner's
+// cores, wide work counters; 14: claims declined and unanswered; 15: LEAVING
+// workers, role changes; 16: interrupted prefill passes (request table header of
+// 128 bytes); 17: end codes in request slots; 18: draft counters; 19: request data
+// (ReqExtHeader); 20: process slots keep identity and an opaque role page (the
+// serving counters left for src/roles/worker_stats.h), the users' protocol in the
+// configuration.
+inline constexpr uint32_t kLayoutVersion = 20;
 
 inline constexpr uint32_t kMaxArenas = 16;
 
@@ -53,6 +63,11 @@ struct InstanceConfig {
     bool huge_pages = true;
     // The front's contexts that outlive it (shm/context_table.h); n_slots 0: none.
     ContextTableConfig contexts;
+    // The version of what the instance's users keep in its opaque bytes (request
+    // parameters and data, process role pages), which shm/ does not read: the serving
+    // roles' kServingProtocol (src/roles/wire.h). Part of the fingerprint, so that a
+    // process built with another shape of those bytes refuses to attach.
+    uint32_t user_protocol = 0;
 
     // FNV-1a over every field that shapes the segments.
     uint64_t fingerprint() const;

@@ -130,26 +130,8 @@ Result<ProcRef> Registry::claim(Role role, int32_t device, pid_t pid, uint32_t i
         s.device.store(device, std::memory_order_relaxed);
         s.start_ticks.store((ticks << 24) | gen, std::memory_order_relaxed);
         s.index.store(index, std::memory_order_relaxed);
-        s.load_items.store(0, std::memory_order_relaxed);
-        s.load_tokens.store(0, std::memory_order_relaxed);
-        s.served.store(0, std::memory_order_relaxed);
-        s.max_items.store(0, std::memory_order_relaxed);
         s.numa.store(-1, std::memory_order_relaxed);
-        s.busy_ns.store(0, std::memory_order_relaxed);
-        s.work_tokens.store(0, std::memory_order_relaxed);
-        s.borrows.store(0, std::memory_order_relaxed);
-        s.borrowed_ns.store(0, std::memory_order_relaxed);
-        s.wide_busy_ns.store(0, std::memory_order_relaxed);
-        s.wide_tokens.store(0, std::memory_order_relaxed);
-        s.claims_declined.store(0, std::memory_order_relaxed);
-        s.claims_unanswered.store(0, std::memory_order_relaxed);
-        s.claim.store(0, std::memory_order_relaxed);
-        s.claim_pass_ns.store(0, std::memory_order_relaxed);
-        s.claim_ack.store(0, std::memory_order_relaxed);
-        s.yield_budget_ns.store(0, std::memory_order_relaxed);
-        s.step_ns.store(0, std::memory_order_relaxed);
-        s.yields.store(0, std::memory_order_relaxed);
-        s.yielded_ns.store(0, std::memory_order_relaxed);
+        for (std::atomic<uint64_t>& w : s.role_page) w.store(0, std::memory_order_relaxed);
         s.doorbell.word.store(0, std::memory_order_relaxed);
         // Release pairs with readers' acquire of heartbeat: the fields above are set.
         s.heartbeat_ns.store(monotonic_ns(), std::memory_order_release);

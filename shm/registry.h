@@ -44,57 +44,24 @@ struct ProcRef {
     friend bool operator==(ProcRef a, ProcRef b) { return a.slot == b.slot && a.gen == b.gen; }
 };
 
+// The opaque page of a process slot: its user's own fields (the serving roles'
+// load gauges and work counters: src/roles/worker_stats.h), zeroed by each claim.
+// Words, so that a claim zeroes them with atomic stores while others still read.
+inline constexpr size_t kRolePageWords = 24;
+
 struct alignas(64) ProcSlot {
     std::atomic<uint64_t> state_gen;  // (pid << 32) | (generation << 8) | ProcState
     std::atomic<uint32_t> role;
-    std::atomic<uint32_t> index;  // which of its role's workers (its rings follow from it)
+    std::atomic<uint32_t> index;  // which of its role's processes (what that means is its role's business)
     std::atomic<int32_t> device;  // -1: CPU
-    // Load gauges, written by the process itself (with its heartbeat, on this line),
-    // read by whoever routes work to it. Meaning by role: prefill: requests in hand /
-    // tokens they still have to prefill; decode: sequences held / tokens they hold.
-    std::atomic<uint32_t> load_items;
+    std::atomic<int32_t> numa;    // the NUMA node of its CPUs (-1: not known); set once at start
     std::atomic<uint64_t> start_ticks;   // (/proc/<pid>/stat starttime << 24) | its generation: tells a reused pid apart
     std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
-    std::atomic<uint64_t> load_tokens;
-    std::atomic<uint64_t> served;     // requests it has taken since it started (prefill: admitted; decode: accepted)
-    std::atomic<uint32_t> max_items;  // the most load_items it takes (decode: its batch); set once at start
-    std::atomic<int32_t> numa;        // the NUMA node of its CPUs (-1: not known); set once at start
-    // Work counters, written by the process itself after each pass, read by the front
-    // (admission's measured rate: engine/scheduling.h). Prefill: nanoseconds spent in
-    // forward passes and the prompt tokens those passes computed, since it started.
-    alignas(64) std::atomic<uint64_t> busy_ns;
-    std::atomic<uint64_t> work_tokens;
-    // Cores lent by the other role (WorkerOptions::borrow_cpus): how many times this
-    // process took them, and how long it computed with them.
-    std::atomic<uint64_t> borrows;
-    std::atomic<uint64_t> borrowed_ns;
-    // Prefill: passes computed with the other role's cores as well (lent while it was
-    // idle, or yielded to a claim): their time and tokens, apart from busy_ns and
-    // work_tokens (which count passes on the worker's own cores alone), so that the
-    // front measures both rates (engine/scheduling.h, admission_rates).
-    std::atomic<uint64_t> wide_busy_ns;
-    std::atomic<uint64_t> wide_tokens;
-    // Prefill: its claims (src/roles/claims.h) that computed on its own cores alone:
-    // declined by decode (C6), or withdrawn unanswered (C3).
-    std::atomic<uint64_t> claims_declined;
-    std::atomic<uint64_t> claims_unanswered;
-    // The claim on a busy partner's cores (the rules are in src/roles/claims.h).
-    // Prefill: claim, the stamp of the claim it holds (0: none), and
-    // claim_pass_ns, how long the claiming pass should take (0: led by a critical
-    // request). Decode: claim_ack, the stamp of the claim it answered last (with
-    // kClaimDeclined set: not stepping aside); yield_budget_ns, how long it may step
-    // aside for a pass not led by a critical request (engine/scheduling.h); yields
-    // and yielded_ns, how many times and how long it stepped aside.
-    alignas(64) std::atomic<uint64_t> claim;
-    std::atomic<uint64_t> claim_pass_ns;
-    std::atomic<uint64_t> claim_ack;
-    std::atomic<uint64_t> yield_budget_ns;
-    std::atomic<uint64_t> yields;
-    std::atomic<uint64_t> yielded_ns;
-    std::atomic<uint64_t> step_ns;  // decode: its steps' time, a moving average (C6's cost of a claim)
+    // Written and read by the process's role alone (Registry::role_page); three lines.
+    alignas(64) std::atomic<uint64_t> role_page[kRolePageWords];
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
-static_assert(sizeof(ProcSlot) == 256);
+static_assert(sizeof(ProcSlot) == 320);
 
 struct RegistryHeader {
     uint32_t magic;
@@ -124,9 +91,11 @@ public:
 
     uint32_t n_slots() const { return hdr_->n_slots; }
     ProcSlot& slot(uint32_t i) const { return slots_[i]; }
+    // Slot i's opaque page (kRolePageWords words, 64-byte aligned), zero at each claim.
+    std::atomic<uint64_t>* role_page(uint32_t i) const { return slots_[i].role_page; }
 
     // Claims a FREE slot for process pid (STARTING, new generation), as worker `index`
-    // of its role; the load gauges start at zero. (Which processes may hold which
+    // of its role; its role page starts at zero. (Which processes may hold which
     // index is the roles' business: see WorkerBase::init.)
     Result<ProcRef> claim(Role role, int32_t device, pid_t pid, uint32_t index = 0);
     // STARTING -> RUNNING.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "roles/claims.h"
+#include "roles/worker_stats.h"
 #include "shm/doorbell.h"
 #include "shm_test_util.h"
 #include "time_scale.h"
@@ -36,7 +37,7 @@ struct Pair {
         reg = *Registry::attach(mem.p);
         prefill = start(Role::Prefill);
         decode = start(Role::Decode);
-        reg.slot(decode.slot).load_items.store(1);  // decode holds a request: it must answer
+        worker_stats(reg, decode.slot).load_items.store(1);  // decode holds a request: it must answer
     }
     ProcRef start(Role r) {
         auto ref = reg.claim(r, -1, getpid(), 0);
@@ -65,7 +66,7 @@ struct DecodeLoop {
             yield_to_claim(p_.reg, p_.decode.slot, 0, budget_, [&] { narrowed.fetch_add(1); });
             stepping = true;
             steps.fetch_add(1);
-            p_.reg.slot(p_.decode.slot).step_ns.store(step_);
+            worker_stats(p_.reg, p_.decode.slot).step_ns.store(step_);
             std::this_thread::sleep_for(std::chrono::nanoseconds(step_));
             stepping = false;
             std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -78,7 +79,7 @@ struct DecodeLoop {
     std::thread t_;
 };
 
-uint64_t yields(Pair& p) { return p.reg.slot(p.decode.slot).yields.load(); }
+uint64_t yields(Pair& p) { return worker_stats(p.reg, p.decode.slot).yields.load(); }
 
 // C1-C4: a critical-led claim is answered between steps; decode computes nothing
 // until it is withdrawn, then goes on.
@@ -90,7 +91,7 @@ TEST(Claims, DecodeStepsAsideForACriticalPassUntilItIsWithdrawn) {
     ASSERT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0, kAnswer));
     EXPECT_TRUE(c.out());
     EXPECT_EQ(d.narrowed.load(), 1u) << "decode gave back borrowed cores before answering";
-    EXPECT_EQ(p.reg.slot(p.prefill.slot).borrows.load(), 1u);
+    EXPECT_EQ(worker_stats(p.reg, p.prefill.slot).borrows.load(), 1u);
     const uint64_t steps = d.steps.load();
     for (int i = 0; i < 50; ++i) {  // 50 ms of a pass: decode does not step
         EXPECT_FALSE(d.stepping.load());
@@ -99,13 +100,13 @@ TEST(Claims, DecodeStepsAsideForACriticalPassUntilItIsWithdrawn) {
     EXPECT_EQ(d.steps.load(), steps);
     c.end(p.reg, p.prefill.slot, 0);
     EXPECT_FALSE(c.out());
-    EXPECT_EQ(p.reg.slot(p.prefill.slot).claim.load(), 0u);
+    EXPECT_EQ(worker_stats(p.reg, p.prefill.slot).claim.load(), 0u);
     const uint64_t t1 = shm::monotonic_ns();
     while (d.steps.load() == steps && shm::monotonic_ns() - t1 < 1000 * kMs) std::this_thread::yield();
     EXPECT_GT(d.steps.load(), steps) << "decode went back to work when the claim was withdrawn";
     d.stop();
     EXPECT_EQ(yields(p), 1u);
-    const uint64_t yielded = p.reg.slot(p.decode.slot).yielded_ns.load();
+    const uint64_t yielded = worker_stats(p.reg, p.decode.slot).yielded_ns.load();
     EXPECT_GE(yielded, 50 * kMs);
     EXPECT_LT(yielded, kYieldMaxNs);
 }
@@ -147,9 +148,9 @@ TEST(Claims, APassLongerThanTheBudgetIsDeclined) {
     EXPECT_FALSE(c.claim(p.reg, p.prefill.slot, 0, 50 * kMs, kAnswer));
     EXPECT_LT(shm::monotonic_ns() - t0, kAnswer / 2) << "declined, not timed out";
     EXPECT_FALSE(c.out()) << "withdrawn";
-    EXPECT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), c.last_stamp() | kClaimDeclined);
-    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_declined.load(), 1u);
-    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_unanswered.load(), 0u);
+    EXPECT_EQ(worker_stats(p.reg, p.decode.slot).claim_ack.load(), c.last_stamp() | kClaimDeclined);
+    EXPECT_EQ(worker_stats(p.reg, p.prefill.slot).claims_declined.load(), 1u);
+    EXPECT_EQ(worker_stats(p.reg, p.prefill.slot).claims_unanswered.load(), 0u);
     // One within the budget is answered.
     EXPECT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 5 * kMs, kAnswer));
     c.end(p.reg, p.prefill.slot, 0);
@@ -176,7 +177,7 @@ TEST(Claims, DecodeWaitsForAClaimedPassNoLongerThanItsLimit) {
     d.stop();
     c.end(p.reg, p.prefill.slot, 0);
     EXPECT_EQ(yields(p), 1u) << "the claim was answered once";
-    const uint64_t yielded = p.reg.slot(p.decode.slot).yielded_ns.load();
+    const uint64_t yielded = worker_stats(p.reg, p.decode.slot).yielded_ns.load();
     EXPECT_GE(yielded, 70 * kMs);
     EXPECT_LT(yielded, 1000 * kMs);
 }
@@ -202,7 +203,7 @@ TEST(Claims, PrefillWaitsAStepAndAHalfOfASlowPartner) {
     c.end(p.reg, p.prefill.slot, 0);
     d.stop();
     EXPECT_EQ(yields(p), 1u);
-    EXPECT_EQ(p.reg.slot(p.prefill.slot).claims_unanswered.load(), 0u);
+    EXPECT_EQ(worker_stats(p.reg, p.prefill.slot).claims_unanswered.load(), 0u);
 }
 
 // C4: a claimer that dies while decode stands aside does not hold decode for
@@ -241,7 +242,7 @@ TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
         ASSERT_TRUE(p.reg.mark_dead(p.prefill));  // killed mid-pass: the claim is never withdrawn
         answer.join();
         ASSERT_TRUE(answered) << "decode answered the claim";
-        ASSERT_EQ(p.reg.slot(p.decode.slot).claim_ack.load(), old.last_stamp());
+        ASSERT_EQ(worker_stats(p.reg, p.decode.slot).claim_ack.load(), old.last_stamp());
         ProcRef again;
         if (same_slot) {
             ASSERT_TRUE(p.reg.reclaim(p.prefill));
@@ -255,8 +256,8 @@ TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
         EXPECT_FALSE(fresh.claim(p.reg, again.slot, 0, 0, 30 * kMs)) << (same_slot ? "same slot" : "another slot");
         EXPECT_GT(fresh.last_stamp(), old.last_stamp());
         EXPECT_FALSE(fresh.out());
-        EXPECT_EQ(p.reg.slot(again.slot).claim.load(), 0u) << "withdrawn";
-        EXPECT_EQ(p.reg.slot(again.slot).claims_unanswered.load(), 1u);
+        EXPECT_EQ(worker_stats(p.reg, again.slot).claim.load(), 0u) << "withdrawn";
+        EXPECT_EQ(worker_stats(p.reg, again.slot).claims_unanswered.load(), 1u);
     }
 }
 
@@ -264,16 +265,16 @@ TEST(Claims, AnAnswerToADeadWorkersClaimDoesNotPassForANewOnes) {
 // there is nothing to claim and nothing to step aside for.
 TEST(Claims, AnIdlePartnerLendsAndNoPartnerNoClaim) {
     Pair p;
-    p.reg.slot(p.decode.slot).load_items.store(0);
+    worker_stats(p.reg, p.decode.slot).load_items.store(0);
     CoreClaims c;
     EXPECT_TRUE(c.claim(p.reg, p.prefill.slot, 0, 0)) << "idle: no answer needed";
     c.end(p.reg, p.prefill.slot, 0);
     EXPECT_FALSE(c.claim(p.reg, p.prefill.slot, 1, 0)) << "no decode worker 1";
     EXPECT_FALSE(c.out());
     EXPECT_FALSE(yield_to_claim(p.reg, p.decode.slot, 1, 0, [] {})) << "no prefill worker 1";
-    EXPECT_EQ(p.reg.slot(p.decode.slot).yield_budget_ns.load(), 0u);
+    EXPECT_EQ(worker_stats(p.reg, p.decode.slot).yield_budget_ns.load(), 0u);
     EXPECT_FALSE(yield_to_claim(p.reg, p.decode.slot, 0, 123, [] {})) << "no claim out";
-    EXPECT_EQ(p.reg.slot(p.decode.slot).yield_budget_ns.load(), 123u) << "the budget is published";
+    EXPECT_EQ(worker_stats(p.reg, p.decode.slot).yield_budget_ns.load(), 123u) << "the budget is published";
 }
 
 }  // namespace

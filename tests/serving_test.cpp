@@ -14,6 +14,7 @@
 #include "engine/engine.h"
 #include "engine/scheduling.h"
 #include "roles/supervisor.h"
+#include "roles/worker_stats.h"
 #include "roles/workers.h"
 #include "shm_test_util.h"
 
@@ -459,7 +460,7 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     uint64_t computed = 0;
     for (uint32_t s = 0; s < sv.inst.registry().n_slots(); ++s)
         if (sv.inst.registry().slot(s).role.load() == static_cast<uint32_t>(shm::Role::Prefill))
-            computed += sv.inst.registry().slot(s).work_tokens.load();
+            computed += worker_stats(sv.inst.registry(), s).work_tokens.load();
     EXPECT_EQ(computed, pa.size() + pb.size() + swaps) << "a swapped request was computed again";
     EXPECT_EQ(t.slot(b.slot).n_swapped.load(), 0u);
     t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
@@ -660,7 +661,7 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     auto served = [&](shm::Role role, int32_t index) -> uint64_t {
         const int32_t s = reg.find_running(role, index);
         EXPECT_GE(s, 0) << shm::role_name(role) << " " << index << " is not running";
-        return s < 0 ? 0 : reg.slot(static_cast<uint32_t>(s)).served.load();
+        return s < 0 ? 0 : worker_stats(reg, static_cast<uint32_t>(s)).served.load();
     };
     shm::RequestTable& t = sv.inst.requests();
     const uint32_t bt = sv.cfg.requests.block_tokens;

@@ -220,6 +220,33 @@ TEST(Registry, ClaimBumpsGenerationAndStaleRefsLose) {
     EXPECT_EQ(reg->state(b->slot), ProcState::Free);
 }
 
+// The role page is its user's alone: whatever the last process of a slot left there
+// is gone when the slot is claimed again, and it does not touch its neighbours.
+TEST(Registry, ARoleStartsWithAZeroedPageOfItsOwn) {
+    Mem m(Registry::bytes(2));
+    ASSERT_TRUE(Registry::init(m.p, 2).ok());
+    auto reg = Registry::attach(m.p);
+    ASSERT_TRUE(reg.ok());
+    auto a = reg->claim(Role::Prefill, -1, getpid());
+    auto n = reg->claim(Role::Decode, -1, getpid());
+    ASSERT_TRUE(a.ok() && n.ok());
+    for (size_t w = 0; w < kRolePageWords; ++w) {
+        reg->role_page(a->slot)[w].store(0x1111 + w);
+        reg->role_page(n->slot)[w].store(0x2222 + w);
+    }
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(reg->role_page(a->slot)) % 64, 0u);
+    EXPECT_EQ(reg->pid(a->slot), getpid()) << "the page does not overwrite the identity";
+    EXPECT_EQ(reg->slot(a->slot).doorbell.word.load(), 0u) << "nor the doorbell";
+    ASSERT_TRUE(reg->release(*a));
+    auto b = reg->claim(Role::Decode, -1, getpid());
+    ASSERT_TRUE(b.ok());
+    ASSERT_EQ(b->slot, a->slot);
+    for (size_t w = 0; w < kRolePageWords; ++w) {
+        EXPECT_EQ(reg->role_page(b->slot)[w].load(), 0u) << "word " << w;
+        EXPECT_EQ(reg->role_page(n->slot)[w].load(), 0x2222 + w) << "word " << w;
+    }
+}
+
 TEST(Registry, FullRegistryIsAnError) {
     Mem m(Registry::bytes(2));
     ASSERT_TRUE(Registry::init(m.p, 2).ok());
@@ -915,6 +942,7 @@ TEST(Instance, CreateOpenAndConfigMismatch) {
     c.requests.max_tokens = 256;
     c.arenas.push_back(ArenaConfig{128, 4, 0});
     c.cpu_kv_bytes = 1 << 20;
+    c.user_protocol = 3;  // kept, for a tool that attaches by name
     auto a = Instance::create(c);
     ASSERT_TRUE(a.ok()) << a.error().message;
     auto b = Instance::open(c);
@@ -949,6 +977,10 @@ TEST(Instance, CreateOpenAndConfigMismatch) {
     auto bad = Instance::open(other);
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.error().message.find("config fingerprint"), std::string::npos) << bad.error().message;
+    // The users' protocol (the shape of the bytes shm keeps for them) is part of it.
+    InstanceConfig users = c;
+    users.user_protocol = c.user_protocol + 1;
+    EXPECT_FALSE(Instance::open(users).ok());
     Instance::unlink(c.name);
 }
 

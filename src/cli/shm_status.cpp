@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_pool.h"
+#include "roles/worker_stats.h"
 #include "shm/instance.h"
 
 namespace duet {
@@ -39,17 +40,22 @@ int cmd_shm_status(const std::string& name, bool as_json) {
         const shm::ProcSlot& ps = reg.slot(s);
         // A snapshot for display: every field relaxed (a live process may change them meanwhile).
         uint64_t hb = ps.heartbeat_ns.load(std::memory_order_relaxed);
-        j["processes"].push_back({{"slot", s},
-                                  {"generation", reg.current(s).gen},
-                                  {"state", shm::proc_state_name(st)},
-                                  {"role", shm::role_name(static_cast<shm::Role>(ps.role.load(std::memory_order_relaxed)))},
-                                  {"index", ps.index.load(std::memory_order_relaxed)},
-                                  {"device", ps.device.load(std::memory_order_relaxed)},
-                                  {"pid", reg.pid(s)},
-                                  {"load_items", ps.load_items.load(std::memory_order_relaxed)},
-                                  {"load_tokens", ps.load_tokens.load(std::memory_order_relaxed)},
-                                  {"served", ps.served.load(std::memory_order_relaxed)},
-                                  {"heartbeat_age_ms", hb && now > hb ? (now - hb) / 1e6 : 0.0}});
+        const auto role = static_cast<shm::Role>(ps.role.load(std::memory_order_relaxed));
+        nlohmann::json p = {{"slot", s},
+                            {"generation", reg.current(s).gen},
+                            {"state", shm::proc_state_name(st)},
+                            {"role", shm::role_name(role)},
+                            {"index", ps.index.load(std::memory_order_relaxed)},
+                            {"device", ps.device.load(std::memory_order_relaxed)},
+                            {"pid", reg.pid(s)},
+                            {"heartbeat_age_ms", hb && now > hb ? (now - hb) / 1e6 : 0.0}};
+        if (role == shm::Role::Prefill || role == shm::Role::Decode) {  // the workers' own page (roles/worker_stats.h)
+            const WorkerStats& w = worker_stats(reg, s);
+            p["load_items"] = w.load_items.load(std::memory_order_relaxed);
+            p["load_tokens"] = w.load_tokens.load(std::memory_order_relaxed);
+            p["served"] = w.served.load(std::memory_order_relaxed);
+        }
+        j["processes"].push_back(std::move(p));
     }
     j["arenas"] = nlohmann::json::array();
     for (size_t d = 0; d < in->n_arenas(); ++d) {

@@ -99,7 +99,7 @@ struct SloTable {
 };
 
 // Prefill's throughput in prompt tokens per second of busy time, measured from each
-// prefill worker's work counters (shm ProcSlot: nanoseconds in forward passes and
+// prefill worker's work counters (roles/worker_stats.h: nanoseconds in forward passes and
 // the prompt tokens they computed), which the front samples and feeds here as
 // deltas. Only pass time counts: a prompt waiting for KV, for decode to take its
 // hand-off or for a restarted worker is not prefill being slow. (It measured the

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "roles/worker_stats.h"
 #include "shm/doorbell.h"
 
 namespace duet {
@@ -19,8 +20,8 @@ uint64_t claim_wait_ns(uint64_t step_ns) {
 bool CoreClaims::claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t pass_ns, uint64_t wait_ns) {
     const int32_t partner = reg.find_running(shm::Role::Decode, static_cast<int32_t>(index));
     if (partner < 0) return false;
-    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
-    shm::ProcSlot& me = reg.slot(self_slot);
+    const WorkerStats& ps = worker_stats(reg, static_cast<uint32_t>(partner));
+    WorkerStats& me = worker_stats(reg, self_slot);
     const uint64_t stamp = stamp_ = std::max(stamp_ + 1, shm::monotonic_ns());  // C5
     me.claim_pass_ns.store(pass_ns, std::memory_order_relaxed);  // published by the claim's release
     me.claim.store(stamp, std::memory_order_release);
@@ -52,17 +53,17 @@ bool CoreClaims::claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, u
 void CoreClaims::end(shm::Registry& reg, uint32_t self_slot, uint32_t index) {
     if (!out_) return;
     out_ = false;
-    reg.slot(self_slot).claim.store(0, std::memory_order_release);
+    worker_stats(reg, self_slot).claim.store(0, std::memory_order_release);
     reg.wake(shm::Role::Decode, static_cast<int32_t>(index));
 }
 
 bool yield_to_claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t budget_ns,
                     const std::function<void()>& narrow) {
-    shm::ProcSlot& me = reg.slot(self_slot);
+    WorkerStats& me = worker_stats(reg, self_slot);
     me.yield_budget_ns.store(budget_ns, std::memory_order_relaxed);
     const int32_t partner = reg.find_running(shm::Role::Prefill, static_cast<int32_t>(index));
     if (partner < 0) return false;
-    const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(partner));
+    const WorkerStats& ps = worker_stats(reg, static_cast<uint32_t>(partner));
     const uint64_t stamp = ps.claim.load(std::memory_order_acquire);
     if (stamp == 0 || (me.claim_ack.load(std::memory_order_relaxed) & ~kClaimDeclined) == stamp) return false;  // C5
     const uint64_t pass_ns = ps.claim_pass_ns.load(std::memory_order_relaxed);

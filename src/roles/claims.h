@@ -52,7 +52,7 @@ namespace duet {
 //       claim's pass_ns against its budget when it answers, and declines
 //       (kClaimDeclined) when the budget is smaller by then: prefill computes on its
 //       own cores at once. And only for a pass of at least kClaimSteps of decode's
-//       steps (ProcSlot step_ns): a claim costs prefill up to a step waiting for
+//       steps (WorkerStats step_ns): a claim costs prefill up to a step waiting for
 //       the answer and decode's step after it (C2); and of at least
 //       kClaimMinTokens at the wide rate. And not while critical work is
 //       around (within --prefill-cut-window of the last critical request): under
@@ -62,7 +62,7 @@ namespace duet {
 //       waits for its step.
 // Prefill's side is CoreClaims (WorkerBase::claim_cores and end_claim around a
 // pass), decode's yield_to_claim (WorkerBase::yield_to_claim before each step); the
-// protocol runs through the two workers' ProcSlots (claim, claim_pass_ns,
+// protocol runs through the two workers' WorkerStats (claim, claim_pass_ns,
 // claim_ack, yield_budget_ns) and decode's doorbell.
 // A claim only moves time between the roles: the kernels' results do not depend on
 // the thread count (the invariance contract), so no output changes.
@@ -84,7 +84,7 @@ inline constexpr int64_t kClaimMinTokens = 16;
 uint64_t yield_limit_ns(uint64_t pass_ns);
 
 // C3: how long prefill waits for the answer of a partner whose steps take `step_ns`
-// (ProcSlot step_ns, a moving average): a step and a half plus kYieldSlackNs, at
+// (WorkerStats step_ns, a moving average): a step and a half plus kYieldSlackNs, at
 // least kClaimWaitNs, at most kYieldMaxNs. (A fixed wait shorter than a step, as
 // under a sanitizer on a loaded machine, would see most claims go unanswered.)
 uint64_t claim_wait_ns(uint64_t step_ns);
@@ -96,8 +96,8 @@ public:
     // Claims them for a pass of about pass_ns (0: led by a critical request) and
     // waits for the answer (C3, at most wait_ns; 0: claim_wait_ns of the partner's
     // step_ns). True: the pass computes with them (the partner answered, or holds no
-    // request; ProcSlot::borrows counts it) and end() follows the pass. False: no
-    // partner, or the claim was declined (ProcSlot::claims_declined counts it), not
+    // request; WorkerStats::borrows counts it) and end() follows the pass. False: no
+    // partner, or the claim was declined (WorkerStats::claims_declined counts it), not
     // answered in time (claims_unanswered) or the partner stopped running: withdrawn
     // already.
     bool claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t pass_ns, uint64_t wait_ns = 0);
@@ -116,7 +116,7 @@ private:
 // its yield budget (engine/scheduling.h yield_budget_ns), which it publishes: steps
 // aside for its partner's claim not answered yet (C2, C5, C6). `narrow` runs
 // before the answer (the worker gives back cores it borrowed). True when it
-// stepped aside (ProcSlot yields and yielded_ns count it).
+// stepped aside (WorkerStats yields and yielded_ns count it).
 bool yield_to_claim(shm::Registry& reg, uint32_t self_slot, uint32_t index, uint64_t budget_ns,
                     const std::function<void()>& narrow);
 

@@ -21,6 +21,7 @@
 #include "model/fingerprint.h"
 #include "roles/claims.h"
 #include "roles/sd_notify.h"
+#include "roles/worker_stats.h"
 
 namespace duet {
 
@@ -30,8 +31,8 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
     if (Status st = w->init(inst, model, shm::Role::Decode, o); !st) return st.error();
     for (uint32_t p = 0; p < w->rings_.n_prefill; ++p)
         if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
-    inst.registry().slot(w->self_.slot).max_items.store(static_cast<uint32_t>(std::max(1, o.max_batch)),
-                                                         std::memory_order_relaxed);
+    worker_stats(inst.registry(), w->self_.slot)
+        .max_items.store(static_cast<uint64_t>(std::max(1, o.max_batch)), std::memory_order_relaxed);
     if (o.max_draft > 0) w->drafter_ = std::make_unique<PromptLookupDrafter>();
     w->publish_load();
     return w;
@@ -143,7 +144,7 @@ bool DecodeWorker::take_handoffs() {
             const WireMsg& w = m[used];
             shm::Handoff h{{w.slot, w.gen}, w.attempt, {w.from_slot, w.from_gen}, w.from_user};
             if (!shm::handoff_accept(inst_->arena(arena_), t, h, self_, user_)) continue;
-            inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+            worker_stats(inst_->registry(), self_.slot).served.fetch_add(1, std::memory_order_relaxed);
             Active a;
             a.req = h.req;
             a.params = request_params(t, h.req.slot);
@@ -202,14 +203,14 @@ uint64_t DecodeWorker::yield_budget() const {
     return yield_budget_ns(pace, kYieldPace, kYieldMaxNs);
 }
 
-// The fastest running prefill worker's measured rate (its ProcSlot work counters),
+// The fastest running prefill worker's measured rate (its WorkerStats work counters),
 // once it has kRateEvidenceTokens behind it; 0 before.
 double DecodeWorker::prefill_rate() const {
     const shm::Registry& reg = inst_->registry();
     double best = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (!reg.running_as(s, shm::Role::Prefill)) continue;
-        const OwnPassWork w = own_pass_work(reg.slot(s));
+        const OwnPassWork w = own_pass_work(worker_stats(reg, s));
         if (w.busy_ns > 0 && w.tokens >= static_cast<uint64_t>(kRateEvidenceTokens))
             best = std::max(best, static_cast<double>(w.tokens) * 1e9 / static_cast<double>(w.busy_ns));
     }
@@ -420,7 +421,7 @@ Result<bool> DecodeWorker::step() {
         const uint64_t t0 = shm::monotonic_ns();
         st = backend_->forward_pick(batch, logits_, picks_);
         if (lent) borrowed(t0);
-        std::atomic<uint64_t>& avg = inst_->registry().slot(self_.slot).step_ns;  // C6's cost of a claim
+        std::atomic<uint64_t>& avg = worker_stats(inst_->registry(), self_.slot).step_ns;  // C6's cost of a claim
         const uint64_t took = shm::monotonic_ns() - t0, was = avg.load(std::memory_order_relaxed);
         avg.store(was == 0 ? took : (3 * was + took) / 4, std::memory_order_relaxed);
     }

@@ -1,5 +1,7 @@
 #include "roles/front_session.h"
 
+#include "roles/worker_stats.h"
+
 namespace duet {
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
@@ -44,7 +46,7 @@ void Front::sample_prefill_work() {
     uint32_t running = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (!reg.running_as(s, shm::Role::Prefill)) continue;
-        const shm::ProcSlot& ps = reg.slot(s);
+        const WorkerStats& ps = worker_stats(reg, s);
         ++running;
         // Two counters read one after the other: a pass's time may be seen before its
         // tokens; the next reading has them (a window holds many readings).
@@ -474,7 +476,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
         const int32_t s = reg.find_working(role, static_cast<int32_t>(i));
         w.spare = s < 0 && queued == 0 && !reg.assigned(role, i);
         if (s >= 0) {
-            const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+            const WorkerStats& ps = worker_stats(reg, static_cast<uint32_t>(s));
             w.up = true;
             w.items = ps.load_items.load(std::memory_order_relaxed);
             w.tokens = ps.load_tokens.load(std::memory_order_relaxed);

@@ -23,6 +23,7 @@
 #include "roles/routing.h"
 #include "roles/sd_notify.h"
 #include "roles/supervisor.h"
+#include "roles/worker_stats.h"
 #include "shm/fd_keeper.h"
 
 namespace duet {
@@ -494,7 +495,9 @@ uint64_t Launcher::work_items(shm::Role role, uint32_t index, int32_t slot) cons
     const uint64_t queued =
         role == shm::Role::Prefill ? queued_for_prefill(inst_, index) : queued_for_decode(inst_, index);
     const uint64_t items =
-        slot < 0 ? 0 : inst_.registry().slot(static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed);
+        slot < 0
+            ? 0
+            : worker_stats(inst_.registry(), static_cast<uint32_t>(slot)).load_items.load(std::memory_order_relaxed);
     return queued > 0 ? items + 2 * queued : items;
 }
 

@@ -21,6 +21,7 @@
 #include "model/fingerprint.h"
 #include "roles/claims.h"
 #include "roles/sd_notify.h"
+#include "roles/worker_stats.h"
 
 namespace duet {
 
@@ -140,7 +141,7 @@ void PrefillWorker::take(const WireMsg& m) {
     if (t.transition(r, shm::ReqState::Queued, shm::ReqState::Prefilling, self_)) {
         shm::ReqSlot& slot = t.slot(r.slot);
         slot.prefill_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
-        inst_->registry().slot(self_.slot).served.fetch_add(1, std::memory_order_relaxed);
+        worker_stats(inst_->registry(), self_.slot).served.fetch_add(1, std::memory_order_relaxed);
         Job j;
         j.req = r;
         j.params = request_params(t, r.slot);
@@ -409,7 +410,7 @@ bool PrefillWorker::drop_cancelled() {
 // The budget of a pass not led by a critical request (engine/scheduling.h,
 // pass_cut_tokens): from this worker's measured rate, while critical work is around.
 int64_t PrefillWorker::lesser_budget() const {
-    const OwnPassWork w = own_pass_work(inst_->registry().slot(self_.slot));
+    const OwnPassWork w = own_pass_work(worker_stats(inst_->registry(), self_.slot));
     return pass_cut_tokens(w.busy_ns, w.tokens, opts_.prefill_pass_ns, last_critical_ns_, shm::monotonic_ns(),
                            opts_.prefill_cut_window_ns);
 }
@@ -422,9 +423,9 @@ PrefillWorker::RiskClaim PrefillWorker::risk_claim() const {
         return {};
     const int32_t partner = partner_slot(shm::Role::Decode);
     if (partner < 0) return {};
-    const shm::ProcSlot& ps = inst_->registry().slot(static_cast<uint32_t>(partner));
+    const WorkerStats& ps = worker_stats(inst_->registry(), static_cast<uint32_t>(partner));
     if (ps.load_items.load(std::memory_order_relaxed) == 0) return {};  // idle: lent anyway (borrow_cores)
-    const shm::ProcSlot& me = inst_->registry().slot(self_.slot);
+    const WorkerStats& me = worker_stats(inst_->registry(), self_.slot);
     const OwnPassWork own = own_pass_work(me);
     if (own.tokens < static_cast<uint64_t>(kRateEvidenceTokens) || own.busy_ns == 0) return {};
     const double rate = static_cast<double>(own.tokens) * 1e9 / static_cast<double>(own.busy_ns);
@@ -723,10 +724,10 @@ Result<bool> PrefillWorker::step() {
         end_claim();
         if (lent) borrowed(t0);
         if (!st) kv_->unreserve(p.batch);
-        if (st) {  // the front's measured prefill rates (ProcSlot work counters), own and wide
+        if (st) {  // the front's measured prefill rates (WorkerStats work counters), own and wide
             uint64_t tokens = 0;
             for (const SeqBatch& b : p.batch) tokens += static_cast<uint64_t>(b.n_tokens);
-            shm::ProcSlot& me = inst_->registry().slot(self_.slot);
+            WorkerStats& me = worker_stats(inst_->registry(), self_.slot);
             (lent ? me.wide_busy_ns : me.busy_ns).fetch_add(shm::monotonic_ns() - t0, std::memory_order_relaxed);
             (lent ? me.wide_tokens : me.work_tokens).fetch_add(tokens, std::memory_order_relaxed);
         }

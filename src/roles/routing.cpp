@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <tuple>
 
+#include "roles/worker_stats.h"
 #include "shm/doorbell.h"
 
 namespace duet {
@@ -43,12 +44,12 @@ DecodeView decode_view(shm::Instance& inst, uint32_t d, int numa) {
     v.items = queued_for_decode(inst, d);
     shm::Registry& reg = inst.registry();
     if (int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d)); s >= 0) {
-        const shm::ProcSlot& ps = reg.slot(static_cast<uint32_t>(s));
+        const WorkerStats& ps = worker_stats(reg, static_cast<uint32_t>(s));
         v.running = true;
         v.items += ps.load_items.load(std::memory_order_relaxed);
         v.tokens = ps.load_tokens.load(std::memory_order_relaxed);
         v.max_items = ps.max_items.load(std::memory_order_relaxed);
-        const int32_t node = ps.numa.load(std::memory_order_relaxed);
+        const int32_t node = reg.slot(static_cast<uint32_t>(s)).numa.load(std::memory_order_relaxed);
         v.near = numa < 0 || node < 0 || node == numa;
     }
     return v;
@@ -152,7 +153,7 @@ PrefillRouter::Choice PrefillRouter::choose(shm::ReqRef r, bool with_affinity) {
             // A GPU pair serves only with both halves up: its prefill hands off to its
             // own decode worker alone.
             v[i].running = !paired || reg.find_running(shm::Role::Decode, static_cast<int32_t>(i)) >= 0;
-            v[i].ahead += reg.slot(static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
+            v[i].ahead += worker_stats(reg, static_cast<uint32_t>(s)).load_tokens.load(std::memory_order_relaxed);
         }
         uint64_t cached = m.worker == static_cast<int32_t>(i) ? m.blocks * bt : 0;
         if (per_arena && !chain_.empty()) {

@@ -17,6 +17,7 @@ shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& mod
     }
     shm::InstanceConfig c;
     c.name = l.instance;
+    c.user_protocol = kServingProtocol;
     const bool split_gpus = l.n_gpus > 0 && l.kv_split;
     const uint32_t n_prefill = l.n_gpus && !split_gpus ? l.n_gpus : l.n_prefill;
     const uint32_t n_decode = l.n_gpus && !split_gpus ? l.n_gpus : l.n_decode;

@@ -20,6 +20,14 @@
 
 namespace duet {
 
+// The shape of what the serving roles keep in the instance's opaque bytes: request
+// parameters (RequestParams) and data (roles/request_data.h) in request slots, and
+// the workers' gauges and counters in process slots' role pages
+// (roles/worker_stats.h). Bumped whenever one of them changes shape; it is
+// shm::InstanceConfig::user_protocol, so processes of different shapes refuse to
+// share an instance. 1: RequestParams with data_bytes, WorkerStats.
+inline constexpr uint32_t kServingProtocol = 1;
+
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.
 inline constexpr uint32_t kMaxServeWorkers = shm::kArenaMaxUsers;

@@ -206,7 +206,7 @@ WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef
 }
 
 void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
-    shm::ProcSlot& s = inst_->registry().slot(self_.slot);
+    WorkerStats& s = worker_stats(inst_->registry(), self_.slot);
     s.load_items.store(items, std::memory_order_relaxed);
     s.load_tokens.store(tokens, std::memory_order_relaxed);
 }
@@ -219,22 +219,24 @@ bool WorkerBase::borrow_cores(shm::Role lender) {
     // restart loads the model on those cores) or leaving (`--rebalance`: its cores
     // go to a worker of the other role) does not.
     const int32_t s = reg.find_running(lender, static_cast<int32_t>(index_));
-    const bool idle = s >= 0 && reg.slot(static_cast<uint32_t>(s)).load_items.load(std::memory_order_relaxed) == 0;
+    const bool idle =
+        s >= 0 && worker_stats(reg, static_cast<uint32_t>(s)).load_items.load(std::memory_order_relaxed) == 0;
     if (!idle) {
         threads_->set_width(own_threads_);
         return false;
     }
     if (threads_->width() == own_threads_)
-        inst_->registry().slot(self_.slot).borrows.fetch_add(1, std::memory_order_relaxed);
+        worker_stats(inst_->registry(), self_.slot).borrows.fetch_add(1, std::memory_order_relaxed);
     threads_->set_width(threads_->size());
     return true;
 }
 
 void WorkerBase::borrowed(uint64_t since_ns) {
-    inst_->registry().slot(self_.slot).borrowed_ns.fetch_add(shm::monotonic_ns() - since_ns, std::memory_order_relaxed);
+    worker_stats(inst_->registry(), self_.slot)
+        .borrowed_ns.fetch_add(shm::monotonic_ns() - since_ns, std::memory_order_relaxed);
 }
 
-OwnPassWork own_pass_work(const shm::ProcSlot& ps) {
+OwnPassWork own_pass_work(const WorkerStats& ps) {
     OwnPassWork w{ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed)};
     if (w.tokens < static_cast<uint64_t>(kRateEvidenceTokens)) {
         w.busy_ns += ps.wide_busy_ns.load(std::memory_order_relaxed);

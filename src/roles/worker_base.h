@@ -29,6 +29,7 @@
 #include "roles/request_data.h"
 #include "roles/routing.h"
 #include "roles/wire.h"
+#include "roles/worker_stats.h"
 #include "shm/handoff.h"
 
 namespace duet {
@@ -49,7 +50,7 @@ struct WorkerOptions {
     // Prefill: tokens per forward pass, shared by the requests packed into it.
     int64_t prefill_budget = 512;
     // A pass not led by a critical request takes at most the tokens this worker
-    // computes in this long at its measured rate (its ProcSlot work counters; at
+    // computes in this long at its measured rate (its WorkerStats work counters; at
     // least 64): a critical request arriving meanwhile waits for the pass in flight,
     // and at 512 tokens on one core that was 1.1 s of its 1 s target. 0: not cut.
     uint64_t prefill_pass_ns = 250'000'000;
@@ -113,7 +114,7 @@ struct WorkerOptions {
 struct OwnPassWork {
     uint64_t busy_ns = 0, tokens = 0;
 };
-OwnPassWork own_pass_work(const shm::ProcSlot& ps);
+OwnPassWork own_pass_work(const WorkerStats& ps);
 
 // What both workers share: registration, the arena user, a KV pool over the
 // instance's KV data, the backend.
