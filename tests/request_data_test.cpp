@@ -17,6 +17,7 @@ RequestData sample() {
     RequestData d;
     for (int32_t t = 0; t < 300; ++t) d.bias.push_back({t * 97 % 49152, static_cast<float>(t % 201) - 100.0f});
     d.bias.push_back({7, 0.25f});
+    d.grammar = GrammarSpec{GrammarKind::JsonSchema, R"({"type": "object", "properties": {"a": {"type": "integer"}}})"};
     return d;
 }
 
@@ -42,6 +43,29 @@ TEST(RequestData, WhatIsWrittenIsRead) {
     float f;
     std::memcpy(&f, b.data() + 28, 4);
     EXPECT_EQ(f, -100.0f);
+}
+
+TEST(RequestData, AGrammarTravelsWithItsKind) {
+    for (const GrammarSpec& g :
+         {GrammarSpec{GrammarKind::JsonObject, ""}, GrammarSpec{GrammarKind::Ebnf, "root ::= \"a\""},
+          GrammarSpec{GrammarKind::JsonSchema, std::string(40000, ' ') + "{}"}}) {
+        RequestData d;
+        d.grammar = g;
+        auto got = decode_request_data(encode_request_data(d));
+        ASSERT_TRUE(got.ok()) << got.error().message;
+        EXPECT_EQ(*got, d);
+    }
+    // A kind this reader does not know is refused, not read as another.
+    RequestData d;
+    d.grammar = GrammarSpec{GrammarKind::Ebnf, "root ::= \"a\""};
+    std::vector<uint8_t> b = encode_request_data(d);
+    ASSERT_EQ(b[16], 2);  // the grammar section
+    b[24] = 9;            // its kind byte
+    const uint32_t crc = crc32c(b.data() + 16, b.size() - 16);
+    std::memcpy(b.data() + 12, &crc, 4);
+    auto r = decode_request_data(b);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find("grammar section"), std::string::npos) << r.error().message;
 }
 
 TEST(RequestData, DamagedForeignOrUnknownIsRefused) {

@@ -93,20 +93,45 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(err(R"({"prompt": "x", "max_completion_tokens": 3})", false).param, "max_completion_tokens");
     EXPECT_EQ(err(R"({"prompt": "x", "stream_options": {"include_usage": true, "x": 1}})", false).param,
               "stream_options");
-    // Refused whenever they ask for something.
-    for (const char* body : {R"("grammar": "root ::= \"a\"")", R"("json_schema": {"type": "object"})"}) {
+    // Grammars: honoured on both APIs (llama.cpp's fields and response_format), and
+    // refused, naming the field, when any part cannot be enforced exactly.
+    for (
+        const char* body :
+        {R"("grammar": "root ::= \"a\"")", R"("json_schema": {"type": "object"})",
+         R"("response_format": {"type": "json_object"})",
+         R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})"}) {
+        EXPECT_TRUE(parse_ok(std::string("{\"prompt\": \"x\", ") + body + "}", false).grammar) << body;
+        EXPECT_TRUE(parse_ok("{" + msgs + ", " + body + "}", true).grammar) << body;
+    }
+    for (const char* body :
+         {R"("grammar": "root ::= ")", R"("grammar": "")", R"("json_schema": {"type": "array", "uniqueItems": true})",
+          R"("json_schema": {"$ref": "#/$defs/missing"})",
+          R"("json_schema": {"type": "string", "pattern": "a+", "maxLength": 3})",
+          R"("json_schema": {"allOf": [{"type": "object"}, {"required": ["a"]}]})",
+          R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}})",
+          R"("response_format": {"type": "json_schema", "json_schema": {"name": "n"}})",
+          R"("response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}})",
+          R"("response_format": {"type": "yaml"})", R"("response_format": {"type": "json_object", "schema": {}})"}) {
         const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
         const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
         EXPECT_EQ(err(b, false).param, name) << b;
         EXPECT_EQ(err("{" + msgs + ", " + body + "}", true).param, name) << body;
     }
+    // A grammar ends the output with an end-of-generation token: what would keep it
+    // from ending, or keep it going past the end, is refused with it.
+    EXPECT_EQ(err(R"({"prompt": "x", "json_schema": {"type": "integer"}, "ignore_eos": true})", false).param,
+              "ignore_eos");
+    EXPECT_EQ(err(R"({"prompt": "x", "json_schema": {"type": "integer"}, "min_tokens": 2})", false).param,
+              "min_tokens");
+    EXPECT_EQ(err(R"({"prompt": "x", "json_schema": {"type": "integer"}, "grammar": "root ::= \"a\""})", false).param,
+              "grammar");
     EXPECT_EQ(err(R"({"prompt": "x", "suffix": "end"})", false).param, "suffix");
     for (const char* body :
          {R"("tools": [{"type": "function", "function": {"name": "f"}}])", R"("tool_choice": "auto")",
           R"("parallel_tool_calls": true)", R"("functions": [{"name": "f"}])", R"("function_call": "auto")",
-          R"("response_format": {"type": "json_object"})", R"("modalities": ["text", "audio"])",
-          R"("audio": {"voice": "alloy"})", R"("prediction": {"type": "content", "content": "x"})",
-          R"("reasoning_effort": "low")", R"("verbosity": "low")", R"("web_search_options": {})"}) {
+          R"("modalities": ["text", "audio"])", R"("audio": {"voice": "alloy"})",
+          R"("prediction": {"type": "content", "content": "x"})", R"("reasoning_effort": "low")",
+          R"("verbosity": "low")", R"("web_search_options": {})"}) {
         const std::string b = "{" + msgs + ", " + body + "}";
         EXPECT_EQ(err(b, true).param, std::string(body).substr(1, std::string(body).find('"', 1) - 1)) << b;
     }

@@ -17,7 +17,8 @@ std::string_view finish_reason(Finish f) {
     case Finish::StopString: return "stop";
     case Finish::Timeout: return "timeout";
     case Finish::Cancelled: return "cancelled";
-    case Finish::None: break;
+    case Finish::None:
+    case Finish::Failed: break;
     }
     return "";
 }

@@ -19,6 +19,10 @@ enum class Finish : uint8_t {
     StopString = 3,  // a stop string (the front's text-level match)
     Timeout = 4,     // the request's timeout (duet's extension)
     Cancelled = 5,   // ended by someone else (duet's extension)
+    // Not a finish reason: the request's data (its grammar) could not be honoured at
+    // this token, and the request FAILED (ReqError::Data) instead of going on
+    // without it.
+    Failed = 6,
 };
 
 struct StopRules {
@@ -37,7 +41,7 @@ bool eog_banned(const StopRules& r, size_t n_out);
 Finish check_stop(const StopRules& r, bool eog, size_t n_out);
 
 // OpenAI's finish_reason: "stop" (Eog, StopString), "length", and duet's
-// "timeout" and "cancelled"; "" for None.
+// "timeout" and "cancelled"; "" for None and Failed.
 std::string_view finish_reason(Finish f);
 
 }  // namespace duet

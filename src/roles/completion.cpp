@@ -251,15 +251,23 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
         data.bias.push_back({id, bias});
     }
     params.n_bias = static_cast<uint32_t>(data.bias.size());
+    data.grammar = r.grammar;
     if (!data.empty()) {
         c.data = encode_request_data(data);
         const size_t bytes = c.data.size(), bound = f.inst_.requests().ext_bytes();
-        if (bytes > bound)
+        if (bytes > bound) {
+            const bool grammar = r.grammar && r.grammar->source.size() >= data.bias.size() * 8;
+            const std::string param = grammar ? r.grammar_param : "logit_bias";
             return api_error(400, "invalid_request_error",
-                             fmt::format("logit_bias: {} entries take {} bytes of request data; this server holds at "
-                                         "most {} bytes per request",
-                                         data.bias.size(), bytes, bound),
-                             "logit_bias", "request_data_too_large");
+                             grammar ? fmt::format("{}: {} bytes of grammar{} take {} bytes of request data; this "
+                                                   "server holds at most {} bytes per request",
+                                                   param, r.grammar->source.size(),
+                                                   data.bias.empty() ? "" : " and logit_bias", bytes, bound)
+                                     : fmt::format("logit_bias: {} entries take {} bytes of request data; this "
+                                                   "server holds at most {} bytes per request",
+                                                   data.bias.size(), bytes, bound),
+                             param, "request_data_too_large");
+        }
         params.data_bytes = static_cast<uint32_t>(bytes);
     }
     params.logprobs = c.ranked() ? std::max(r.logprobs, 0) : r.logprobs;  // best_of ranks by them

@@ -77,6 +77,7 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     }
     t.transition(a.req, shm::ReqState::Decoding, to);
     a.seq.release(*pool_);
+    forget_grammar(a.req);
     from[i] = std::move(from.back());
     from.pop_back();
 }
@@ -160,8 +161,11 @@ bool DecodeWorker::take_handoffs() {
             // Its order is its first submission's time: a request preempted and back
             // again keeps its place (it is not the newest, so not the next victim).
             a.admitted = t.slot(h.req.slot).submit_ns;
-            auto data = read_request_data(t, h.req, a.params);
-            if (data) a.data = std::move(data).value();
+            Result<RequestData> data = read_request_data(t, h.req, a.params);
+            if (data) {
+                a.data = std::move(data).value();
+                if (Status st = prepare_grammar(h.req, a.data, a.output); !st) data = st.error();
+            }
             parked_.push_back(std::move(a));
             if (!data) {  // honoured or refused: never run without it
                 std::fprintf(stderr, "duet decode: %s\n", data.error().message.c_str());
@@ -329,6 +333,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     while (j < n && matched && f == Finish::None) {
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
                              a.prompt, a.output);
+        if (d.finish == Finish::Failed) return Finish::Failed;  // nothing emitted at this position
         const int32_t next = d.token;
         a.output.push_back(next);
         f = d.finish;
@@ -361,7 +366,7 @@ void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& ba
         // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
         // for a verify row, whose every position is drawn in turn.
         const SamplingParams& sp = a.params.sampling;
-        const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 ||
+        const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 || a.data.grammar ||
                           eog_banned(stop_rules(a.params), a.output.size());
         const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
         SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
@@ -436,20 +441,25 @@ Result<bool> DecodeWorker::step() {
         return true;
     }
     const int64_t nv = backend_->n_vocab();
-    std::vector<size_t> done;
+    std::vector<std::pair<size_t, shm::ReqState>> done;
     int64_t r = 0;  // the pass's output row of the entry
     for (size_t i = 0; i < active_.size(); ++i) {
         const SeqBatch& b = batch[i];
         const bool host = !b.argmax_only && !b.sample;
         const Finish f = emit(active_[i], logits_.data() + r * nv, picks_.data() + r, host, b.n_tokens);
         r += b.output_rows();
-        if (f != Finish::None) {
+        if (f == Finish::Failed) {  // its grammar could not be followed (pick() said why)
+            t.slot(active_[i].req.slot)
+                .error_code.store(static_cast<int32_t>(ReqError::Data),
+                                  std::memory_order_relaxed);  // published by finish
+            done.push_back({i, shm::ReqState::Failed});
+        } else if (f != Finish::None) {
             t.slot(active_[i].req.slot)
                 .end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published by finish
-            done.push_back(i);
+            done.push_back({i, shm::ReqState::Finished});
         }
     }
-    for (size_t k = done.size(); k-- > 0;) finish(done[k], shm::ReqState::Finished);
+    for (size_t k = done.size(); k-- > 0;) finish(done[k].first, done[k].second);
     publish_load();
     inst_->registry().wake(shm::Role::Front);
     return true;

@@ -53,6 +53,7 @@ int32_t PrefillWorker::find_outlet(uint32_t arena) const {
 
 void PrefillWorker::release(Job& j) {
     j.seq.release(*pool_);
+    forget_grammar(j.req);
     release_destination(j);
 }
 

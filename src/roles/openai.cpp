@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "roles/json_schema_check.h"
+
 namespace duet {
 
 using nlohmann::json;
@@ -197,6 +199,81 @@ Field read_logit_bias(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// response_format (json_object, json_schema), or llama.cpp's json_schema (a schema)
+// or grammar (GBNF, as xgrammar's EBNF reads it): the grammar the output follows.
+// A schema's keywords must all be honoured (roles/json_schema_check.h), and the
+// grammar must be one xgrammar enforces exactly (engine/grammar.h check_grammar).
+Field read_grammar(const json& j, CompletionRequest& r) {
+    const char* param = nullptr;
+    GrammarSpec g;
+    if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
+        if (!it->is_object() || !it->contains("type") || !(*it)["type"].is_string())
+            return bad("response_format", "'response_format' must be an object with a 'type'");
+        const std::string type = (*it)["type"].get<std::string>();
+        for (const auto& [key, v] : it->items())
+            if (key != "type" && !(key == "json_schema" && type == "json_schema"))
+                return bad("response_format",
+                           fmt::format("Unrecognized request argument supplied: response_format.{}", key));
+        if (type == "text") return std::nullopt;
+        if (type == "json_object") {
+            g.kind = GrammarKind::JsonObject;
+        } else if (type == "json_schema") {
+            auto js = it->find("json_schema");
+            if (js == it->end() || !js->is_object())
+                return bad("response_format", "'response_format.json_schema' must be an object");
+            for (const auto& [key, v] : js->items()) {
+                if (key != "name" && key != "schema" && key != "strict" && key != "description")
+                    return bad(
+                        "response_format",
+                        fmt::format("Unrecognized request argument supplied: response_format.json_schema.{}", key));
+                if ((key == "name" || key == "description") && !v.is_string())
+                    return bad("response_format",
+                               fmt::format("'response_format.json_schema.{}' must be a string", key));
+                if (key == "strict" && !v.is_boolean() && !v.is_null())
+                    return bad("response_format", "'response_format.json_schema.strict' must be a boolean");
+            }
+            auto schema = js->find("schema");
+            if (schema == js->end() || !(schema->is_object() || schema->is_boolean()))
+                return bad("response_format", "'response_format.json_schema.schema' must be a JSON schema object");
+            if (auto e = unsupported_schema_keyword(*schema))
+                return bad("response_format", fmt::format("response_format.json_schema.schema: {}", *e));
+            g.kind = GrammarKind::JsonSchema;
+            g.source = schema->dump();
+        } else {
+            return bad("response_format", fmt::format("'response_format' type '{}' is not one of text, json_object, "
+                                                      "json_schema",
+                                                      type));
+        }
+        param = "response_format";
+    }
+    if (auto it = j.find("json_schema"); it != j.end() && !it->is_null()) {
+        if (param) return bad("json_schema", "'json_schema' and 'response_format' cannot both be given");
+        if (!it->is_object() && !it->is_boolean())
+            return bad("json_schema", "'json_schema' must be a JSON schema object");
+        if (auto e = unsupported_schema_keyword(*it)) return bad("json_schema", fmt::format("json_schema: {}", *e));
+        g.kind = GrammarKind::JsonSchema;
+        g.source = it->dump();
+        param = "json_schema";
+    }
+    if (auto it = j.find("grammar"); it != j.end() && !it->is_null()) {
+        if (param) return bad("grammar", fmt::format("'grammar' and '{}' cannot both be given", param));
+        if (!it->is_string() || it->get<std::string>().empty())
+            return bad("grammar", "'grammar' must be a grammar (GBNF) in a string");
+        g.kind = GrammarKind::Ebnf;
+        g.source = it->get<std::string>();
+        param = "grammar";
+    }
+    if (!param) return std::nullopt;
+    // The grammar ends the output with an end-of-generation token; these would keep
+    // it going past the grammar's end, or stop it from ending.
+    if (r.ignore_eos) return bad("ignore_eos", fmt::format("'ignore_eos' cannot be used with '{}'", param));
+    if (r.min_tokens > 0) return bad("min_tokens", fmt::format("'min_tokens' cannot be used with '{}'", param));
+    if (Status st = check_grammar(g); !st) return bad(param, fmt::format("{}: {}", param, st.error().message));
+    r.grammar = std::move(g);
+    r.grammar_param = param;
+    return std::nullopt;
+}
+
 // stream, ignore_eos, stream_options.include_usage.
 Field read_stream(const json& j, CompletionRequest& r) {
     if (auto e = boolean(j, "stream", r.stream)) return e;
@@ -323,9 +400,9 @@ constexpr FieldRule kFields[] = {
     {"parallel_tool_calls", kChat, Does::Refuse, "is only allowed when 'tools' are given"},
     {"functions", kChat, Does::Refuse, "is not supported by this server so far"},
     {"function_call", kChat, Does::Refuse, "is not supported by this server so far"},
-    {"response_format", kChat, Does::Refuse, "other than {\"type\": \"text\"} is not supported by this server so far"},
-    {"grammar", kBoth, Does::Refuse, "is not supported by this server so far"},      // llama.cpp
-    {"json_schema", kBoth, Does::Refuse, "is not supported by this server so far"},  // llama.cpp
+    {"response_format", kBoth, Does::Honour, ""},
+    {"grammar", kBoth, Does::Honour, ""},      // llama.cpp (GBNF)
+    {"json_schema", kBoth, Does::Honour, ""},  // llama.cpp
     {"modalities", kChat, Does::Refuse, "other than [\"text\"] is not supported: this model writes text"},
     {"audio", kChat, Does::Refuse, "is not supported: this model writes text"},
     {"prediction", kChat, Does::Refuse, "is not supported by this server so far"},
@@ -339,7 +416,6 @@ bool asks_nothing(std::string_view key, const json& v) {
     if (v.is_null()) return true;
     if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
     if (key == "tool_choice") return v == "none";
-    if (key == "response_format") return v.is_object() && v.size() == 1 && v.value("type", "") == "text";
     if (key == "modalities") return v == json::array({"text"});
     if (key == "tools" || key == "functions") return v.is_array() && v.empty();
     return false;
@@ -386,8 +462,19 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
     for (auto read : {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices,
-                      read_echo_best_of, read_scheduling})
+                      read_echo_best_of, read_scheduling, read_grammar})
         if (auto e = read(j, r)) return *e;
+    if (r.grammar && r.grammar->kind == GrammarKind::JsonSchema) {
+        // The schema as the client wrote it: its properties in their order, which is
+        // the order the output writes them in (json sorts keys; ordered_json keeps them).
+        const auto o = nlohmann::ordered_json::parse(body, nullptr, false);
+        static const std::vector<const char*> kTop = {"json_schema"},
+                                              kNested = {"response_format", "json_schema", "schema"};
+        const nlohmann::ordered_json* s = &o;
+        for (const char* k : r.grammar_param == "json_schema" ? kTop : kNested)
+            if (s->is_object() && s->contains(k)) s = &(*s)[k];
+        if (s != &o) r.grammar->source = s->dump();
+    }
     return r;
 }
 

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/grammar.h"
 #include "engine/scheduling.h"
 
 #include "model/chat_template.h"
@@ -53,6 +54,11 @@ struct CompletionRequest {
     // and "timeout" (seconds; past it the request ends with finish_reason "timeout").
     std::optional<SloClass> priority;
     double timeout_s = 0;  // 0: the server's --request-timeout
+    // The grammar the output follows (engine/grammar.h): from response_format
+    // (json_object, json_schema), or llama.cpp's json_schema or grammar fields, the
+    // one named by grammar_param.
+    std::optional<GrammarSpec> grammar;
+    std::string grammar_param;
 };
 inline constexpr int kMaxChoices = 16;
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs

@@ -157,6 +157,13 @@ void PrefillWorker::take(const WireMsg& m) {
         const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
+        if (Status st = prepare_grammar(r, j.data, j.output); !st) {
+            std::fprintf(stderr, "duet prefill: %s\n", st.error().message.c_str());
+            j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
+            fail(j, ReqError::Data);
+            inst_->registry().wake(shm::Role::Front);
+            return;
+        }
         // Re-driven after its last token was written: it ends as that token said.
         const Finish said = !no ? Finish::Length
                             : j.output.empty()
@@ -349,6 +356,10 @@ void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
     const Drawn drawn = draw(logits, -1, r, j.params, j.data, j.prompt, j.output);
+    if (drawn.finish == Finish::Failed) {
+        fail(j, ReqError::Data);
+        return;
+    }
     const int32_t next = drawn.token;
     // The blocks decode takes: ours (one arena for both: no copy), or, kv_split, the
     // copies the pass made in decode's arena.

@@ -11,7 +11,7 @@ namespace {
 constexpr uint32_t kMagic = 0x71727864;  // "dxrq"
 constexpr uint32_t kHeaderBytes = 16;    // magic, version, body length, body CRC32C
 
-enum class Kind : uint32_t { LogitBias = 1 };
+enum class Kind : uint32_t { LogitBias = 1, Grammar = 2 };
 
 void put32(std::vector<uint8_t>& out, uint32_t v) {
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -34,6 +34,12 @@ std::vector<uint8_t> encode_request_data(const RequestData& d) {
             put32(body, static_cast<uint32_t>(b.token));
             put32(body, f);
         }
+    }
+    if (d.grammar) {  // its kind (one byte), then its source
+        put32(body, static_cast<uint32_t>(Kind::Grammar));
+        put32(body, static_cast<uint32_t>(1 + d.grammar->source.size()));
+        body.push_back(static_cast<uint8_t>(d.grammar->kind));
+        body.insert(body.end(), d.grammar->source.begin(), d.grammar->source.end());
     }
     std::vector<uint8_t> out;
     put32(out, kMagic);
@@ -76,6 +82,16 @@ Result<RequestData> decode_request_data(std::span<const uint8_t> bytes) {
                 d.bias.push_back(b);
             }
             break;
+        case Kind::Grammar: {
+            const uint8_t g = n > 0 ? body[at] : 0;
+            if (n == 0 || d.grammar ||
+                (g != static_cast<uint8_t>(GrammarKind::JsonSchema) &&
+                 g != static_cast<uint8_t>(GrammarKind::JsonObject) && g != static_cast<uint8_t>(GrammarKind::Ebnf)))
+                return make_error(ErrorKind::Invalid, "request data: a grammar section of {} bytes, kind {}", n, g);
+            d.grammar = GrammarSpec{static_cast<GrammarKind>(g),
+                                    std::string(reinterpret_cast<const char*>(body + at + 1), n - 1)};
+            break;
+        }
         default: return make_error(ErrorKind::Invalid, "request data: a section of unknown kind {}", kind);
         }
         at += n;

@@ -10,15 +10,16 @@
 // the body: sections of (kind, length, bytes), little-endian. A reader refuses data
 // that is damaged (the checksum), of another version, or with a kind it does not
 // know: a request whose data a worker cannot honour fails rather than running
-// without it. First kind: the logit-bias table; next: a grammar's source and draft
-// settings.
+// without it. Kinds: the logit-bias table (1); a grammar, its kind and source (2).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "base/result.h"
+#include "engine/grammar.h"
 #include "roles/wire.h"
 #include "shm/request_table.h"
 
@@ -30,7 +31,10 @@ struct RequestData {
     // logit_bias (OpenAI's): added to these tokens' logits before each pick, on the
     // host (WorkerBase::pick); RequestParams::n_bias counts them.
     std::vector<RequestParams::Bias> bias;
-    bool empty() const { return bias.empty(); }
+    // A grammar its output must follow (response_format and the like): the tokens it
+    // does not allow next are banned before each pick (engine/grammar.h).
+    std::optional<GrammarSpec> grammar;
+    bool empty() const { return bias.empty() && !grammar; }
     friend bool operator==(const RequestData&, const RequestData&) = default;
 };
 

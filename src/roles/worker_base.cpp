@@ -88,6 +88,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
     own_threads_ = std::max(1, o.threads);
     index_ = o.index;
+    role_ = role;
     if (!o.borrow_cpus.empty() && !o.device.cuda && !o.cpus.empty()) {
         // The own threads on their CPUs, then one on each borrowed core; only the own
         // ones run until the other role is idle (borrow_cores).
@@ -178,17 +179,48 @@ WorkerBase::~WorkerBase() {
     if (inst_ && self_.valid() && inst_->requests().owned_by(self_.slot).empty()) inst_->registry().release(self_);
 }
 
-int32_t WorkerBase::pick(const float* row, const RequestParams& p, const RequestData& d,
+GrammarSet& WorkerBase::grammars() {
+    if (!grammars_) grammars_ = std::make_unique<GrammarSet>(*tok_, static_cast<int32_t>(backend_->n_vocab()));
+    return *grammars_;
+}
+
+Status WorkerBase::prepare_grammar(shm::ReqRef r, const RequestData& d, std::span<const int32_t> output) {
+    if (!d.grammar) return {};
+    auto mask = grammars().allowed(req_key(r), *d.grammar, output);
+    if (!mask) return make_error("request {}.{}: {}", r.slot, r.gen, mask.error().message);
+    return {};
+}
+
+void WorkerBase::forget_grammar(shm::ReqRef r) {
+    if (grammars_) grammars_->forget(req_key(r));
+}
+
+int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
                          std::span<const int32_t> prompt, std::span<const int32_t> output) {
     const int64_t nv = backend_->n_vocab();
     const bool ban = eog_banned(stop_rules(p), output.size());
-    if (ban || !d.bias.empty()) {
+    if (ban || !d.bias.empty() || d.grammar) {
+        constexpr float kBanned = -std::numeric_limits<float>::infinity();
         banned_row_.assign(row, row + nv);
         for (const RequestParams::Bias& b : d.bias)
             if (b.token >= 0 && b.token < nv) banned_row_[static_cast<size_t>(b.token)] += b.bias;
         if (ban)
             for (int32_t id : eog_ids_)
-                if (id < nv) banned_row_[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+                if (id < nv) banned_row_[static_cast<size_t>(id)] = kBanned;
+        if (d.grammar) {
+            auto mask = grammars().allowed(req_key(r), *d.grammar, output);
+            if (!mask) {
+                std::fprintf(stderr, "duet %s: request %u.%u: %s\n", shm::role_name(role_), r.slot, r.gen,
+                             mask.error().message.c_str());
+                return -1;
+            }
+            if (apply_token_mask(banned_row_.data(), nv, *mask) ==
+                0) {  // its bias banned every token the grammar allows: nothing can be chosen
+                std::fprintf(stderr, "duet %s: request %u.%u: no token its grammar allows is left\n",
+                             shm::role_name(role_), r.slot, r.gen);
+                return -1;
+            }
+        }
         row = banned_row_.data();
     }
     return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
@@ -198,7 +230,8 @@ WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef
                                    const RequestData& d, std::span<const int32_t> prompt,
                                    std::span<const int32_t> output) {
     const shm::RequestTable& t = inst_->requests();
-    const int32_t next = picked >= 0 ? picked : pick(row, p, d, prompt, output);
+    const int32_t next = picked >= 0 ? picked : pick(row, r, p, d, prompt, output);
+    if (next < 0) return {-1, Finish::Failed};
     if (p.logprobs >= 0 && prompt.size() + output.size() < t.max_tokens())
         fill_logprobs(row, backend_->n_vocab(), next, p.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(output.size())));

@@ -116,6 +116,9 @@ struct OwnPassWork {
 };
 OwnPassWork own_pass_work(const WorkerStats& ps);
 
+// A request's key in a worker's per-request tables (its grammar matchers).
+inline uint64_t req_key(shm::ReqRef r) { return (static_cast<uint64_t>(r.gen) << 32) | r.slot; }
+
 // What both workers share: registration, the arena user, a KV pool over the
 // instance's KV data, the backend.
 class WorkerBase {
@@ -137,16 +140,26 @@ protected:
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
     // A request's next token from its logits row on the host: the sampler's pick for
-    // its position, after its logit_bias is added and, while its min_tokens is not
-    // reached, end-of-generation tokens banned (engine/token_step.h eog_banned). The
-    // row is not changed.
-    int32_t pick(const float* row, const RequestParams& p, const RequestData& d, std::span<const int32_t> prompt,
-                 std::span<const int32_t> output);
+    // its position, after its logit_bias is added, while its min_tokens is not
+    // reached end-of-generation tokens banned (engine/token_step.h eog_banned), and
+    // with a grammar every token it does not allow next banned (engine/grammar.h).
+    // The row is not changed. -1: its grammar could not be followed (the request
+    // fails).
+    int32_t pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
+                 std::span<const int32_t> prompt, std::span<const int32_t> output);
+    // Before a request with a grammar runs here: its grammar compiled (or found in the
+    // cache) and its matcher brought to the output so far, so that a grammar this
+    // worker cannot follow fails the request when it is taken, and the compile time is
+    // spent then, not inside a step. forget_grammar() when it leaves.
+    Status prepare_grammar(shm::ReqRef r, const RequestData& d, std::span<const int32_t> output);
+    void forget_grammar(shm::ReqRef r);
+    GrammarSet& grammars();
     // The one way a token is decided, for prefill's first token and each of decode's:
     // the backend's pick (picked >= 0) or pick()'s, its log-probabilities into request
     // r's slot when asked, and the stop rule's verdict with it as the next output
     // (engine/token_step.h check_stop). Appending it is the caller's (its slot write
-    // comes with blocks or drafts).
+    // comes with blocks or drafts). Finish::Failed (token -1): pick() could not
+    // follow the request's grammar; the caller fails the request (ReqError::Data).
     struct Drawn {
         int32_t token;
         Finish finish;
@@ -173,6 +186,7 @@ protected:
     CoreClaims claims_;  // prefill's
     int own_threads_ = 1;
     uint32_t index_ = 0;  // WorkerOptions::index
+    shm::Role role_ = shm::Role::Prefill;
     ServeRings rings_;
 
     shm::Instance* inst_ = nullptr;
@@ -191,6 +205,7 @@ protected:
     Sampler sampler_;
     std::vector<int32_t> eog_ids_;   // tok_->eog_ids(): banned while min_tokens is not reached
     std::vector<float> banned_row_;  // pick()'s copy of a row with them banned
+    std::unique_ptr<GrammarSet> grammars_;  // made at the first request with a grammar
     std::vector<float> logits_;
     std::vector<int32_t> picks_;          // per output row, from forward_pick
     std::vector<SampleRequest> samples_;  // the step's rows the backend samples

@@ -1,0 +1,233 @@
+#include "engine/grammar.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <unordered_map>
+
+#include <xgrammar/xgrammar.h>
+
+#include "model/tokenizer.h"
+
+// xgrammar's logging, routed here (cmake/xgrammar.cmake builds it with
+// XGRAMMAR_LOG_CUSTOMIZE=1): a fatal error is an exception its caller catches; a
+// warning says a constraint is dropped or approximated, which check_grammar() turns
+// into an error. Warnings are collected per thread while a check runs; any other
+// time they are dropped (a compile after a passed check emits none).
+namespace {
+thread_local std::vector<std::string>* g_warnings = nullptr;
+}  // namespace
+
+namespace xgrammar {
+[[noreturn]] void LogFatalImpl(const std::string& file, int lineno, const std::string& message) {
+    (void)file;
+    (void)lineno;
+    throw std::runtime_error(message);
+}
+void LogMessageImpl(const std::string& file, int lineno, int level, const std::string& message) {
+    (void)file;
+    (void)lineno;
+    if (level >= 2 && g_warnings) g_warnings->push_back(message);  // XGRAMMAR_LOG_LEVEL_WARNING
+}
+}  // namespace xgrammar
+
+namespace duet {
+
+namespace {
+
+uint64_t now_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+// Whitespace between JSON tokens: any, but at most this much in a row, so that a
+// sampled model cannot spend its whole budget on blanks where the grammar allows
+// them (xgrammar's any_whitespace without a bound).
+constexpr int kMaxWhitespace = 16;
+
+// Any JSON object: the schema form, so that it gets the same whitespace bound as a
+// schema (xgrammar's built-in JSON grammar has none).
+constexpr const char* kAnyObject = R"({"type": "object", "additionalProperties": true})";
+
+xgrammar::Grammar grammar_of(const duet::GrammarSpec& g) {
+    switch (g.kind) {
+        case GrammarKind::JsonSchema:
+            return xgrammar::Grammar::FromJSONSchema(g.source, true, std::nullopt, std::nullopt, true, kMaxWhitespace);
+        case GrammarKind::JsonObject:
+            return xgrammar::Grammar::FromJSONSchema(kAnyObject, true, std::nullopt, std::nullopt, true,
+                                                     kMaxWhitespace);
+        case GrammarKind::Ebnf: return xgrammar::Grammar::FromEBNF(g.source, "root");
+    }
+    throw std::runtime_error("unknown grammar kind");
+}
+
+}  // namespace
+
+int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits) {
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    int64_t left = 0;
+    for (int64_t w = 0; w * 32 < n; ++w) {
+        const int64_t lo = w * 32, hi = std::min<int64_t>(n, lo + 32);
+        const uint32_t word = static_cast<size_t>(w) < bits.size() ? bits[static_cast<size_t>(w)] : 0;
+        if (word == 0) {
+            std::fill(row + lo, row + hi, kBanned);
+            continue;
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+            if ((word >> (i - lo)) & 1u)
+                left += row[i] != kBanned;
+            else
+                row[i] = kBanned;
+        }
+    }
+    return left;
+}
+
+Status check_grammar(const GrammarSpec& g) {
+    std::vector<std::string> warnings;
+    g_warnings = &warnings;
+    try {
+        (void)grammar_of(g);
+    } catch (const std::exception& e) {
+        g_warnings = nullptr;
+        return make_error("{}", e.what());
+    }
+    g_warnings = nullptr;
+    if (!warnings.empty()) return make_error("cannot be enforced exactly: {}", warnings.front());
+    return {};
+}
+
+struct GrammarSet::Impl {
+    explicit Impl(const Tokenizer& tok, int32_t nv) : n_vocab(nv), info(vocab_of(tok, nv)), compiler(info, 1, true) {}
+
+    // The vocabulary as xgrammar takes it: each token's bytes (RAW), control and
+    // unknown tokens as "" (never allowed as text), the end-of-generation ids as its
+    // stop tokens (allowed once the grammar is complete), ids past the tokenizer's
+    // vocabulary (padding of the logits) never allowed.
+    static xgrammar::TokenizerInfo vocab_of(const Tokenizer& tok, int32_t nv) {
+        std::vector<std::string> v(static_cast<size_t>(tok.n_vocab()));
+        for (int32_t i = 0; i < tok.n_vocab(); ++i)
+            if (!tok.is_special(i) && !tok.is_eog(i)) v[static_cast<size_t>(i)] = std::string(tok.piece(i));
+        return xgrammar::TokenizerInfo(v, xgrammar::VocabType::RAW, nv, tok.eog_ids(), false);
+    }
+
+    struct Matcher {
+        GrammarSpec spec;
+        xgrammar::GrammarMatcher m;
+        std::vector<int32_t> fed;  // the tokens it accepted, in order
+        uint64_t used = 0;
+    };
+
+    std::shared_ptr<xgrammar::CompiledGrammar> compiled(const GrammarSpec& g) {
+        const std::string key = std::to_string(static_cast<int>(g.kind)) + ":" + g.source;
+        if (auto it = cache.find(key); it != cache.end()) return it->second;
+        const uint64_t t0 = now_ns();
+        std::shared_ptr<xgrammar::CompiledGrammar> c;
+        switch (g.kind) {
+            case GrammarKind::JsonSchema:
+                c = std::make_shared<xgrammar::CompiledGrammar>(
+                    compiler.CompileJSONSchema(g.source, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
+                break;
+            case GrammarKind::JsonObject:
+                c = std::make_shared<xgrammar::CompiledGrammar>(
+                    compiler.CompileJSONSchema(kAnyObject, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
+                break;
+            case GrammarKind::Ebnf:
+                c = std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(g.source, "root"));
+                break;
+        }
+        stats.compiles += 1;
+        stats.compile_ns += now_ns() - t0;
+        if (cache.size() >= kMaxCached) cache.clear();  // a bound, not a policy: recompiling is correct
+        cache.emplace(key, c);
+        return c;
+    }
+
+    static constexpr size_t kMaxCached = 64;
+    int32_t n_vocab;
+    xgrammar::TokenizerInfo info;
+    xgrammar::GrammarCompiler compiler;
+    std::unordered_map<std::string, std::shared_ptr<xgrammar::CompiledGrammar>> cache;
+    std::unordered_map<uint64_t, std::unique_ptr<Matcher>> matchers;
+    std::vector<int32_t> bits;  // the last mask (xgrammar's int32 words)
+    uint64_t tick = 0;
+    Stats stats;
+};
+
+GrammarSet::GrammarSet(const Tokenizer& tok, int32_t n_vocab) : impl_(std::make_unique<Impl>(tok, n_vocab)) {
+    impl_->bits.assign(static_cast<size_t>(xgrammar::GetBitmaskSize(n_vocab)), 0);
+}
+
+GrammarSet::~GrammarSet() = default;
+
+int32_t GrammarSet::n_vocab() const { return impl_->n_vocab; }
+size_t GrammarSet::n_matchers() const { return impl_->matchers.size(); }
+const GrammarSet::Stats& GrammarSet::stats() const { return impl_->stats; }
+void GrammarSet::forget(uint64_t key) { impl_->matchers.erase(key); }
+
+Result<std::span<const uint32_t>> GrammarSet::allowed(uint64_t key, const GrammarSpec& g,
+                                                      std::span<const int32_t> output) {
+    Impl& s = *impl_;
+    try {
+        auto it = s.matchers.find(key);
+        if (it != s.matchers.end() && !(it->second->spec == g)) {
+            s.matchers.erase(it);
+            it = s.matchers.end();
+        }
+        if (it == s.matchers.end()) {
+            // A bound on matchers kept for requests that left without being forgotten:
+            // the least recently used go (rebuilt from their output if they come back).
+            if (s.matchers.size() >= 256) {
+                auto oldest = s.matchers.begin();
+                for (auto i = s.matchers.begin(); i != s.matchers.end(); ++i)
+                    if (i->second->used < oldest->second->used) oldest = i;
+                s.matchers.erase(oldest);
+            }
+            auto c = s.compiled(g);
+            auto m = std::make_unique<Impl::Matcher>(Impl::Matcher{g, xgrammar::GrammarMatcher(*c), {}, 0});
+            it = s.matchers.emplace(key, std::move(m)).first;
+        }
+        Impl::Matcher& m = *it->second;
+        m.used = ++s.tick;
+        // Sync with the output: back to the common prefix, then feed the rest.
+        size_t common = 0;
+        while (common < m.fed.size() && common < output.size() && m.fed[common] == output[common]) ++common;
+        if (common < m.fed.size()) {
+            const auto back = static_cast<int>(m.fed.size() - common);
+            m.m.Rollback(back);
+            m.fed.resize(common);
+            s.stats.rolled_back += static_cast<uint64_t>(back);
+        }
+        for (size_t i = common; i < output.size(); ++i) {
+            if (!m.m.AcceptToken(output[i])) {
+                const int32_t bad = output[i];
+                s.matchers.erase(it);
+                return make_error("output token {} (position {}) is not allowed by the request's grammar", bad, i);
+            }
+            m.fed.push_back(output[i]);
+            ++s.stats.fed;
+        }
+        int64_t shape[1] = {static_cast<int64_t>(s.bits.size())};
+        DLTensor t{};
+        t.data = s.bits.data();
+        t.device = DLDevice{kDLCPU, 0};
+        t.ndim = 1;
+        t.dtype = xgrammar::GetBitmaskDLType();
+        t.shape = shape;
+        t.strides = nullptr;
+        t.byte_offset = 0;
+        const uint64_t t0 = now_ns();
+        m.m.FillNextTokenBitmask(&t);
+        s.stats.masks += 1;
+        s.stats.mask_ns += now_ns() - t0;
+    } catch (const std::exception& e) {
+        impl_->matchers.erase(key);
+        return make_error("grammar: {}", e.what());
+    }
+    return std::span<const uint32_t>(reinterpret_cast<const uint32_t*>(s.bits.data()), s.bits.size());
+}
+
+}  // namespace duet

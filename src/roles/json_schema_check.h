@@ -1,0 +1,33 @@
+// Which JSON-schema keywords duet's structured outputs honour (engine/grammar.h,
+// xgrammar underneath), checked before a request is admitted: any keyword outside
+// this set is refused with a 400 naming it and where it is, never skipped. (What
+// xgrammar itself would approximate — minLength with a pattern, multipleOf on a
+// number, an allOf of several schemas, a oneOf whose branches overlap — is refused
+// by check_grammar() from its warnings.)
+//
+// Honoured: type (a name or a list), properties, required, additionalProperties,
+// patternProperties, propertyNames, minProperties, maxProperties,
+// unevaluatedProperties, items, prefixItems, minItems, maxItems, unevaluatedItems,
+// enum, const, anyOf, oneOf, allOf, $ref with $defs / definitions (recursion too),
+// minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, minLength,
+// maxLength, pattern, and format: email, date, time, date-time, duration, ipv4,
+// ipv6, hostname, uuid, uri, uri-reference, uri-template, json-pointer,
+// relative-json-pointer. Annotations that constrain nothing are accepted: title,
+// description, default, examples, deprecated, readOnly, writeOnly, $schema, $id,
+// $comment. Everything else (not, if/then/else, contains, uniqueItems,
+// dependentRequired, contentMediaType, nullable, ...) is refused.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace duet {
+
+// The first keyword of `schema` (or a sub-schema) that is not honoured, as a message
+// naming it and its JSON pointer ("'uniqueItems' at /properties/tags is not
+// supported"); nullopt when every keyword is.
+std::optional<std::string> unsupported_schema_keyword(const nlohmann::json& schema);
+
+}  // namespace duet

@@ -1,0 +1,237 @@
+// Grammar-constrained decoding (engine/grammar.h) over the real model's vocabulary:
+// the mask a worker applies equals every vocabulary token tried against the grammar
+// one by one; a matcher follows any output exactly (rolled back and fed again, as
+// after rejected drafts, a hand-off or a re-drive), so its mask is a function of the
+// output alone; a walk that follows the masks ends in JSON that has what the schema
+// requires, with only end-of-generation tokens allowed at the end. And what is
+// refused: schema keywords outside the honoured set (roles/json_schema_check.h) and
+// whatever xgrammar would drop or approximate (check_grammar).
+#include <gtest/gtest.h>
+#include <xgrammar/xgrammar.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <random>
+
+#include "engine/grammar.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
+#include "roles/json_schema_check.h"
+
+namespace duet {
+namespace {
+
+const Tokenizer& tok() {
+    static const std::unique_ptr<Tokenizer> t = [] {
+        auto f = GgufFile::open(DUET_MODEL_PATH);
+        if (!f) throw std::runtime_error(f.error().message);
+        auto r = Tokenizer::from_gguf(**f);
+        if (!r) throw std::runtime_error(r.error().message);
+        return std::move(*r);
+    }();
+    return *t;
+}
+
+bool bit(std::span<const uint32_t> m, int32_t i) { return (m[static_cast<size_t>(i) / 32] >> (i % 32)) & 1u; }
+
+// The reference: a matcher of its own over the same grammar, fed the output, then
+// every vocabulary token tried in turn (accepted or not, then undone).
+struct Reference {
+    xgrammar::TokenizerInfo info;
+    xgrammar::GrammarCompiler compiler;
+    xgrammar::CompiledGrammar compiled;
+    explicit Reference(const std::string& schema)
+        : info(vocab(), xgrammar::VocabType::RAW, tok().n_vocab(), tok().eog_ids(), false),
+          compiler(info, 1, false),
+          compiled(compiler.CompileJSONSchema(schema, true, std::nullopt, std::nullopt, true, 16)) {}
+    static std::vector<std::string> vocab() {
+        std::vector<std::string> v;
+        for (int32_t i = 0; i < tok().n_vocab(); ++i)
+            v.push_back(tok().is_special(i) || tok().is_eog(i) ? std::string() : std::string(tok().piece(i)));
+        return v;
+    }
+    std::vector<bool> allowed(const std::vector<int32_t>& output) {
+        xgrammar::GrammarMatcher m(compiled);
+        for (int32_t t : output) EXPECT_TRUE(m.AcceptToken(t));
+        std::vector<bool> ok(static_cast<size_t>(tok().n_vocab()));
+        for (int32_t t = 0; t < tok().n_vocab(); ++t) {
+            if (m.IsTerminated()) break;
+            if (m.AcceptToken(t)) {
+                ok[static_cast<size_t>(t)] = true;
+                m.Rollback(1);
+            }
+        }
+        return ok;
+    }
+};
+
+// A random walk that follows the masks: the next token is drawn among those
+// allowed (end-of-generation only when nothing else is).
+// prefer: single-byte tokens tried first, in this order, when allowed (a walk that
+// closes what it opens; a random one may write an unbounded key for ever).
+std::vector<int32_t> walk(GrammarSet& g, uint64_t key, const GrammarSpec& spec, std::vector<int32_t> out, int steps,
+                          uint32_t seed, std::string_view prefer = "") {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> preferred;
+    for (char ch : prefer) preferred.push_back(tok().encode(std::string(1, ch), false, false).at(0));
+    for (int s = 0; s < steps; ++s) {
+        auto m = g.allowed(key, spec, out);
+        EXPECT_TRUE(m.ok()) << m.error().message;
+        if (!m.ok()) break;
+        std::vector<int32_t> text, eog;
+        for (int32_t t = 0; t < g.n_vocab(); ++t)
+            if (bit(*m, t)) (tok().is_eog(t) ? eog : text).push_back(t);
+        if (text.empty()) break;  // complete: only the end is left
+        auto first = std::find_if(preferred.begin(), preferred.end(), [&](int32_t t) { return bit(*m, t); });
+        out.push_back(first != preferred.end() ? *first : text[rng() % text.size()]);
+    }
+    return out;
+}
+
+const char* kPerson = R"({"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3}},
+  "required": ["name", "age", "tags"], "additionalProperties": false})";
+
+TEST(Grammar, TheMaskIsEveryTokenTheGrammarAcceptsAndNoOther) {
+    GrammarSet g(tok(), tok().n_vocab());
+    Reference ref(kPerson);
+    const GrammarSpec spec{GrammarKind::JsonSchema, kPerson};
+    std::vector<int32_t> out;
+    for (int state = 0; state < 6; ++state) {
+        auto m = g.allowed(1, spec, out);
+        ASSERT_TRUE(m.ok()) << m.error().message;
+        const std::vector<bool> want = ref.allowed(out);
+        int64_t n = 0;
+        for (int32_t t = 0; t < tok().n_vocab(); ++t) {
+            ASSERT_EQ(bit(*m, t), want[static_cast<size_t>(t)])
+                << "token " << t << " '" << tok().piece(t) << "' after '" << tok().decode(out, false) << "'";
+            n += want[static_cast<size_t>(t)];
+        }
+        EXPECT_GT(n, 0);
+        out = walk(g, 1, spec, out, 1 + state * 3, 17 + state);
+    }
+}
+
+TEST(Grammar, AWalkEndsInJsonWithWhatTheSchemaRequiresThenOnlyTheEnd) {
+    GrammarSet g(tok(), tok().n_vocab());
+    const GrammarSpec spec{GrammarKind::JsonSchema, kPerson};
+    for (uint32_t seed = 1; seed <= 3; ++seed) {
+        const std::vector<int32_t> out = walk(g, seed, spec, {}, 400, seed);
+        const std::string text = tok().decode(out, false);
+        auto j = nlohmann::json::parse(text, nullptr, false);
+        ASSERT_FALSE(j.is_discarded()) << text;
+        ASSERT_TRUE(j.is_object()) << text;
+        EXPECT_EQ(j.size(), 3u) << text;
+        ASSERT_TRUE(j.contains("name") && j["name"].is_string()) << text;
+        EXPECT_LE(j["name"].get<std::string>().size(), 12u) << text;
+        ASSERT_TRUE(j.contains("age") && j["age"].is_number_integer()) << text;
+        EXPECT_GE(j["age"].get<int>(), 0);
+        EXPECT_LE(j["age"].get<int>(), 120);
+        ASSERT_TRUE(j["tags"].is_array() && j["tags"].size() <= 3) << text;
+        for (const auto& t : j["tags"]) EXPECT_TRUE(t == "a" || t == "bb" || t == "ccc") << text;
+        auto m = g.allowed(seed, spec, out);
+        ASSERT_TRUE(m.ok());
+        for (int32_t t = 0; t < g.n_vocab(); ++t) EXPECT_EQ(bit(*m, t), tok().is_eog(t)) << t;
+    }
+    // Any JSON object (json_object).
+    const std::vector<int32_t> out = walk(g, 9, {GrammarKind::JsonObject, ""}, {}, 300, 5, "\"}:1");
+    auto j = nlohmann::json::parse(tok().decode(out, false), nullptr, false);
+    EXPECT_TRUE(j.is_object()) << tok().decode(out, false);
+}
+
+// The mask is a function of the output: a matcher that saw another output (drafts
+// rejected, a re-drive that chose otherwise) gives what a fresh one gives.
+TEST(Grammar, AMatcherFollowsAnyOutputExactly) {
+    const GrammarSpec spec{GrammarKind::JsonSchema, kPerson};
+    GrammarSet g(tok(), tok().n_vocab());
+    const std::vector<int32_t> a = walk(g, 1, spec, {}, 12, 3);
+    const std::vector<int32_t> prefix(a.begin(), a.begin() + 5);
+    const std::vector<int32_t> b = walk(g, 1, spec, prefix, 9, 4);  // from a's first 5 tokens, on the same matcher
+    ASSERT_NE(a, b);
+    GrammarSet fresh(tok(), tok().n_vocab());
+    for (const std::vector<int32_t>* o : {&b, &a, &prefix, &b}) {
+        auto m = g.allowed(1, spec, *o);
+        auto f = fresh.allowed(2, spec, *o);
+        ASSERT_TRUE(m.ok() && f.ok());
+        EXPECT_TRUE(std::equal(m->begin(), m->end(), f->begin(), f->end()));
+        fresh.forget(2);
+    }
+    EXPECT_GT(g.stats().rolled_back, 0u);
+    EXPECT_EQ(g.n_matchers(), 1u);
+    g.forget(1);
+    EXPECT_EQ(g.n_matchers(), 0u);
+    // An output the grammar does not allow (a letter where the object must open).
+    auto bad = g.allowed(3, spec, tok().encode("x", false, false));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.error().message.find("not allowed by the request's grammar"), std::string::npos)
+        << bad.error().message;
+    // A grammar that does not compile is an error, not an empty mask.
+    EXPECT_FALSE(g.allowed(4, {GrammarKind::Ebnf, "root ::= "}, {}).ok());
+    EXPECT_EQ(g.stats().compiles, 1u) << "one schema, compiled once for all its requests";
+}
+
+TEST(Grammar, AMaskBansExactlyTheTokensItDoesNotAllow) {
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    const int64_t n = 70;  // two whole words and 6 bits of a third
+    std::vector<uint32_t> bits = {0xFFFFFFFFu, 0x00000000u, 0b100101u};
+    std::vector<float> row(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = static_cast<float>(i);
+    row[3] = kBanned;  // banned already (a bias of -100 after min_tokens, say)
+    EXPECT_EQ(apply_token_mask(row.data(), n, bits), 31 + 3);
+    for (int64_t i = 0; i < n; ++i) {
+        const bool allowed = i < 32 ? i != 3 : i >= 64 && ((0b100101u >> (i - 64)) & 1u);
+        EXPECT_EQ(row[static_cast<size_t>(i)], allowed ? static_cast<float>(i) : kBanned) << i;
+    }
+    std::vector<float> one = {1, 2, 3};
+    EXPECT_EQ(apply_token_mask(one.data(), 3, std::vector<uint32_t>{0}), 0) << "nothing allowed: nothing left";
+    EXPECT_EQ(one, std::vector<float>(3, kBanned));
+}
+
+TEST(Grammar, WhatXgrammarWouldDropOrApproximateIsRefused) {
+    auto ok = [](GrammarKind k, const char* s) { return check_grammar({k, s}).ok(); };
+    EXPECT_TRUE(ok(GrammarKind::JsonSchema, kPerson));
+    EXPECT_TRUE(ok(GrammarKind::JsonObject, ""));
+    EXPECT_TRUE(ok(GrammarKind::Ebnf, R"(root ::= "yes" | "no")"));
+    EXPECT_TRUE(ok(GrammarKind::JsonSchema, R"({"$defs": {"n": {"type": "object", "properties": {"next": {"anyOf":
+        [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}}, "$ref": "#/$defs/n"})"))
+        << "recursion";
+    EXPECT_TRUE(ok(GrammarKind::JsonSchema, R"({"type": "string", "format": "date-time"})"));
+    EXPECT_TRUE(ok(GrammarKind::JsonSchema, R"({"allOf": [{"type": "integer"}]})"));
+    for (const char* s :
+         {R"({"type": "string", "pattern": "[a-z]+", "minLength": 2})", R"({"type": "number", "multipleOf": 0.5})",
+          R"({"allOf": [{"type": "object"}, {"required": ["a"]}]})", R"({"$ref": "#/$defs/none"})",
+          R"({"type": "frob"})", "not json"}) {
+        const Status st = check_grammar({GrammarKind::JsonSchema, s});
+        EXPECT_FALSE(st.ok()) << s;
+    }
+    EXPECT_FALSE(ok(GrammarKind::Ebnf, "root ::= "));
+}
+
+TEST(Grammar, KeywordsOutsideTheHonouredSetAreNamedWithWhereTheyAre) {
+    auto why = [](const char* s) { return unsupported_schema_keyword(nlohmann::json::parse(s)).value_or(""); };
+    EXPECT_EQ(why(kPerson), "");
+    EXPECT_EQ(why(R"({"title": "t", "description": "d", "$schema": "x", "examples": [{"not": 1}],
+                      "default": {"uniqueItems": 1}, "enum": [{"if": 2}]})"),
+              "")
+        << "annotations and data are not keywords";
+    EXPECT_EQ(why(R"({"type": "array", "uniqueItems": true})"), "'uniqueItems' at / is not supported");
+    EXPECT_EQ(why(R"({"properties": {"a/b": {"properties": {"c": {"not": {}}}}}})"),
+              "'not' at /properties/a~1b/properties/c is not supported");
+    EXPECT_EQ(why(R"({"anyOf": [{"type": "string"}, {"if": {}}]})"), "'if' at /anyOf/1 is not supported");
+    EXPECT_EQ(why(R"({"$defs": {"x": {"contains": {}}}})"), "'contains' at /$defs/x is not supported");
+    EXPECT_EQ(why(R"({"items": {"type": "string", "format": "color"}})"),
+              "'format': \"color\" at /items is not supported");
+    EXPECT_EQ(why(R"({"type": "string", "nullable": true})"), "'nullable' at / is not supported");
+    EXPECT_EQ(why(R"({"items": [{"type": "string"}]})"),
+              "'items' as a list at /items is not supported: use 'prefixItems'");
+    EXPECT_EQ(why(R"({"anyOf": {"type": "string"}})"), "'anyOf' at / must be a list of schemas");
+    EXPECT_EQ(why("3"), "the schema at / is not an object or a boolean");
+}
+
+}  // namespace
+}  // namespace duet
