@@ -10,6 +10,7 @@
 
 #include "bench/contexts_bench.h"
 #include "bench/cuda_cmd.h"
+#include "bench/grammar_bench.h"
 #include "bench/kv_bench.h"
 #include "bench/serve_bench.h"
 #include "bench/shm_bench.h"
@@ -203,6 +204,22 @@ void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string
         ->check(CLI::Range(1, 100));
     c_bk->add_option("--kv-dtype", kvb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bk->add_flag("--json", kvb.json, "print one JSON object");
+
+    // duet bench grammar
+    auto& gb = keep<GrammarBenchArgs>(store);
+    gb.model = default_model;
+    CLI::App* c_bg = c_bench->add_subcommand(
+        "grammar", "structured outputs: schema compile time and the per-token mask, against its goals");
+    c_bg->add_option("-m,--model", gb.model, "GGUF model file (its vocabulary)")->capture_default_str();
+    c_bg->add_option("--schemas", gb.schemas,
+                     "JSON lines with a \"schema\" each (tests/cli/schema_corpus.py); - for stdin")
+        ->required();
+    c_bg->add_option("--tokens", gb.tokens, "tokens walked per schema")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100000));
+    c_bg->add_option("--seed", gb.seed, "the walk's seed")->capture_default_str();
+    c_bg->add_flag("--json", gb.json, "print one JSON object");
+    c_bg->callback([&gb, &rc] { rc = cmd_bench_grammar(gb); });
 
     // duet bench contexts
     auto& cxb = keep<ContextBenchArgs>(store);
