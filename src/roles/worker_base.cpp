@@ -1,5 +1,7 @@
 #include "roles/worker_base.h"
 
+#include <bit>
+
 #include "base/trace.h"
 
 #include <sys/stat.h>
@@ -199,6 +201,30 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
                          std::span<const int32_t> prompt, std::span<const int32_t> output) {
     const int64_t nv = backend_->n_vocab();
     const bool ban = eog_banned(stop_rules(p), output.size());
+    if (d.grammar && d.bias.empty() && !ban && p.sampling.temperature <= 0.0f && !has_penalties(p.sampling)) {
+        // Greedy under a grammar: the argmax over the tokens it allows, read from the
+        // mask's set bits (what the general path below picks, lowest id on a tie,
+        // without copying and banning the whole row).
+        auto mask = grammars().allowed(req_key(r), *d.grammar, output);
+        if (!mask) {
+            std::fprintf(stderr, "duet %s: request %u.%u: %s\n", shm::role_name(role_), r.slot, r.gen,
+                         mask.error().message.c_str());
+            return -1;
+        }
+        int32_t best = -1;
+        float best_v = -std::numeric_limits<float>::infinity();
+        const std::span<const uint32_t> bits = *mask;
+        for (size_t w = 0; w < bits.size(); ++w)
+            for (uint32_t word = bits[w]; word != 0; word &= word - 1) {
+                const int64_t i = static_cast<int64_t>(w) * 32 + std::countr_zero(word);
+                if (i >= nv) break;
+                if (row[i] > best_v) {
+                    best_v = row[i];
+                    best = static_cast<int32_t>(i);
+                }
+            }
+        return best;  // -1: nothing the grammar allows has a logit above -inf
+    }
     if (ban || !d.bias.empty() || d.grammar) {
         constexpr float kBanned = -std::numeric_limits<float>::infinity();
         banned_row_.assign(row, row + nv);
