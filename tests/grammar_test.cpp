@@ -170,9 +170,17 @@ TEST(Grammar, AMatcherFollowsAnyOutputExactly) {
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.error().message.find("not allowed by the request's grammar"), std::string::npos)
         << bad.error().message;
+    // A request whose output is complete, its end token included (re-driven after its
+    // last token was written): nothing may follow, and that is no error.
+    std::vector<int32_t> done = walk(g, 5, spec, {}, 400, 6);
+    done.push_back(tok().eog_ids().front());
+    auto after = g.allowed(5, spec, done);
+    ASSERT_TRUE(after.ok()) << after.error().message;
+    EXPECT_TRUE(std::all_of(after->begin(), after->end(), [](uint32_t w) { return w == 0; }));
     // A grammar that does not compile is an error, not an empty mask.
     EXPECT_FALSE(g.allowed(4, {GrammarKind::Ebnf, "root ::= "}, {}).ok());
     EXPECT_EQ(g.stats().compiles, 1u) << "one schema, compiled once for all its requests";
+    (void)done;
 }
 
 TEST(Grammar, AMaskBansExactlyTheTokensItDoesNotAllow) {
@@ -210,6 +218,9 @@ TEST(Grammar, WhatXgrammarWouldDropOrApproximateIsRefused) {
         EXPECT_FALSE(st.ok()) << s;
     }
     EXPECT_FALSE(ok(GrammarKind::Ebnf, "root ::= "));
+    EXPECT_FALSE(ok(GrammarKind::Ebnf, R"(root ::= a
+a[max_tokens=3] ::= "x"*)"))
+        << "rule budgets are not exact";
 }
 
 TEST(Grammar, KeywordsOutsideTheHonouredSetAreNamedWithWhereTheyAre) {
@@ -220,17 +231,43 @@ TEST(Grammar, KeywordsOutsideTheHonouredSetAreNamedWithWhereTheyAre) {
               "")
         << "annotations and data are not keywords";
     EXPECT_EQ(why(R"({"type": "array", "uniqueItems": true})"), "'uniqueItems' at / is not supported");
-    EXPECT_EQ(why(R"({"properties": {"a/b": {"properties": {"c": {"not": {}}}}}})"),
+    EXPECT_EQ(why(R"({"type": "object", "properties": {"a/b": {"type": "object", "properties": {"c": {"not": {}}}}}})"),
               "'not' at /properties/a~1b/properties/c is not supported");
     EXPECT_EQ(why(R"({"anyOf": [{"type": "string"}, {"if": {}}]})"), "'if' at /anyOf/1 is not supported");
     EXPECT_EQ(why(R"({"$defs": {"x": {"contains": {}}}})"), "'contains' at /$defs/x is not supported");
-    EXPECT_EQ(why(R"({"items": {"type": "string", "format": "color"}})"),
+    EXPECT_EQ(why(R"({"type": "array", "items": {"type": "string", "format": "color"}})"),
               "'format': \"color\" at /items is not supported");
     EXPECT_EQ(why(R"({"type": "string", "nullable": true})"), "'nullable' at / is not supported");
-    EXPECT_EQ(why(R"({"items": [{"type": "string"}]})"),
+    EXPECT_EQ(why(R"({"type": "array", "items": [{"type": "string"}]})"),
               "'items' as a list at /items is not supported: use 'prefixItems'");
     EXPECT_EQ(why(R"({"anyOf": {"type": "string"}})"), "'anyOf' at / must be a list of schemas");
     EXPECT_EQ(why("3"), "the schema at / is not an object or a boolean");
+    // Combinations the grammar engine would read only in part.
+    EXPECT_EQ(why(R"({"type": "string", "enum": ["ok", "toolong"], "maxLength": 3})"),
+              "'maxLength' beside 'enum' at / is not supported (the value is read from 'enum' alone)");
+    EXPECT_EQ(why(R"({"type": "string", "enum": ["a", 1]})"), "'enum' at / has 1, which is not of its 'type'");
+    EXPECT_EQ(why(R"({"type": ["string", "integer"], "enum": ["a", 1], "description": "d"})"), "");
+    EXPECT_EQ(why(R"({"type": "object", "properties": {"a": {"type": "string"}}, "anyOf": [{"required": ["a"]}]})"),
+              "'properties' beside 'anyOf' at / is not supported (the value is read from 'anyOf' alone)");
+    EXPECT_EQ(why(R"({"$ref": "#/$defs/a", "required": ["x"], "$defs": {"a": {"type": "string"}}})"),
+              "'required' beside '$ref' at / is not supported (the value is read from '$ref' alone)");
+    EXPECT_EQ(why(R"({"enum": [1], "const": 1})"),
+              "'const' and 'enum' at / cannot be combined: put them in an 'allOf' of one");
+    EXPECT_EQ(why(R"({"properties": {"a": {"minLength": 3}}})"), "'properties' at / needs a 'type' beside it");
+    EXPECT_EQ(why(R"({"type": "object", "properties": {"a": {"minLength": 3}}})"),
+              "'minLength' at /properties/a needs a 'type' beside it");
+    EXPECT_EQ(why(R"({"type": "object", "required": ["a"]})"),
+              "'required' at / names \"a\", which is not in 'properties'");
+    EXPECT_EQ(why(R"({"type": "string", "format": "email", "pattern": "a"})"),
+              "'format' and 'pattern' at / cannot be combined");
+    EXPECT_EQ(why(R"({"type": "object", "patternProperties": {"^a": {"type": "integer"}}, "additionalProperties":
+                      {"type": "string"}})"),
+              "'patternProperties' with an 'additionalProperties' schema at / is not supported");
+    EXPECT_EQ(why(R"({"type": "object", "propertyNames": {"type": "string", "maxLength": 2}, "additionalProperties":
+                      false})"),
+              "'propertyNames' with 'additionalProperties': false at / is not supported");
+    EXPECT_EQ(why(R"({"$id": "x", "type": "object", "properties": {"a": {"$id": "y", "type": "string"}}})"),
+              "'$id' at /properties/a is not supported below the root");
 }
 
 }  // namespace

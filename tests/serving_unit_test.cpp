@@ -111,7 +111,9 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
           R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}})",
           R"("response_format": {"type": "json_schema", "json_schema": {"name": "n"}})",
           R"("response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}})",
-          R"("response_format": {"type": "yaml"})", R"("response_format": {"type": "json_object", "schema": {}})"}) {
+          R"("response_format": {"type": "yaml"})", R"("response_format": {"type": "json_object", "schema": {}})",
+          R"("json_schema": {"type": "object", "required": ["a"]})",
+          R"("grammar": "root ::= a\na[max_chars=2] ::= \"x\"*")"}) {
         const std::string b = std::string("{\"prompt\": \"x\", ") + body + "}";
         const std::string name = std::string(body).substr(1, std::string(body).find('"', 1) - 1);
         EXPECT_EQ(err(b, false).param, name) << b;

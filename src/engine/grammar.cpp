@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <regex>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -78,7 +79,7 @@ int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits) 
         }
         for (int64_t i = lo; i < hi; ++i) {
             if ((word >> (i - lo)) & 1u)
-                left += row[i] != kBanned;
+                left += row[i] > kBanned;  // (a NaN is no choice either)
             else
                 row[i] = kBanned;
         }
@@ -86,11 +87,35 @@ int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits) 
     return left;
 }
 
+// The 256 single bytes and an end token: a vocabulary small enough to compile any
+// grammar against in a check, so that what xgrammar's compiler does (its optimizer
+// builds the automata of regular expressions, and warns or fails there) happens
+// before a request is admitted, not in a worker after the client got a 200.
+static const xgrammar::TokenizerInfo& byte_vocabulary() {
+    static const xgrammar::TokenizerInfo info = [] {
+        std::vector<std::string> v;
+        for (int b = 0; b < 256; ++b) v.emplace_back(1, static_cast<char>(b));
+        v.emplace_back();  // the end token
+        return xgrammar::TokenizerInfo(v, xgrammar::VocabType::RAW, static_cast<int>(v.size()),
+                                       std::vector<int32_t>{256}, false);
+    }();
+    return info;
+}
+
 Status check_grammar(const GrammarSpec& g) {
+    // Token and character budgets on rules ("name[max_tokens=N]") are approximate, and
+    // their state depends on how the matcher was stepped: not the exact, replayable
+    // state a re-drive needs.
+    if (g.kind == GrammarKind::Ebnf) {
+        static const std::regex budget(R"(\[\s*(max_tokens|max_chars)\s*=)");
+        if (std::regex_search(g.source, budget))
+            return make_error("rule budgets (max_tokens, max_chars) are not supported: they are not exact");
+    }
     std::vector<std::string> warnings;
     g_warnings = &warnings;
     try {
-        (void)grammar_of(g);
+        xgrammar::GrammarCompiler compiler(byte_vocabulary(), 1, false);
+        (void)compiler.CompileGrammar(grammar_of(g));
     } catch (const std::exception& e) {
         g_warnings = nullptr;
         return make_error("{}", e.what());
@@ -101,7 +126,9 @@ Status check_grammar(const GrammarSpec& g) {
 }
 
 struct GrammarSet::Impl {
-    explicit Impl(const Tokenizer& tok, int32_t nv) : n_vocab(nv), info(vocab_of(tok, nv)), compiler(info, 1, true) {}
+    // xgrammar's own cache is off: it has no bound by default (a schema per request,
+    // each with its enum, would stay for the life of the process); ours holds 64.
+    explicit Impl(const Tokenizer& tok, int32_t nv) : n_vocab(nv), info(vocab_of(tok, nv)), compiler(info, 1, false) {}
 
     // The vocabulary as xgrammar takes it: each token's bytes (RAW), control and
     // unknown tokens as "" (never allowed as text), the end-of-generation ids as its
@@ -147,6 +174,8 @@ struct GrammarSet::Impl {
     }
 
     static constexpr size_t kMaxCached = 64;
+    // Above any batch a worker holds (decode: 2 x --max-batch of 256 at most, parked included).
+    static constexpr size_t kMaxMatchers = 1024;
     int32_t n_vocab;
     xgrammar::TokenizerInfo info;
     xgrammar::GrammarCompiler compiler;
@@ -180,7 +209,7 @@ Result<std::span<const uint32_t>> GrammarSet::allowed(uint64_t key, const Gramma
         if (it == s.matchers.end()) {
             // A bound on matchers kept for requests that left without being forgotten:
             // the least recently used go (rebuilt from their output if they come back).
-            if (s.matchers.size() >= 256) {
+            if (s.matchers.size() >= Impl::kMaxMatchers) {
                 auto oldest = s.matchers.begin();
                 for (auto i = s.matchers.begin(); i != s.matchers.end(); ++i)
                     if (i->second->used < oldest->second->used) oldest = i;
@@ -209,6 +238,12 @@ Result<std::span<const uint32_t>> GrammarSet::allowed(uint64_t key, const Gramma
             }
             m.fed.push_back(output[i]);
             ++s.stats.fed;
+        }
+        if (m.m.IsTerminated()) {
+            // Complete, its end token fed (a request re-driven after its last token was
+            // written): nothing may follow.
+            std::fill(s.bits.begin(), s.bits.end(), 0);
+            return std::span<const uint32_t>(reinterpret_cast<const uint32_t*>(s.bits.data()), s.bits.size());
         }
         int64_t shape[1] = {static_cast<int64_t>(s.bits.size())};
         DLTensor t{};

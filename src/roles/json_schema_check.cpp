@@ -47,10 +47,105 @@ std::string pointer_part(std::string_view k) {
     return out;
 }
 
+// Keywords that constrain one type of value (with no "type" beside them the grammar
+// engine would take the schema as any value), and those that decide the value alone
+// (the grammar engine reads one of them and nothing beside it but annotations).
+constexpr std::string_view kTyped[] = {"minLength",
+                                       "maxLength",
+                                       "pattern",
+                                       "format",
+                                       "minimum",
+                                       "maximum",
+                                       "exclusiveMinimum",
+                                       "exclusiveMaximum",
+                                       "multipleOf",
+                                       "properties",
+                                       "required",
+                                       "additionalProperties",
+                                       "patternProperties",
+                                       "propertyNames",
+                                       "minProperties",
+                                       "maxProperties",
+                                       "unevaluatedProperties",
+                                       "items",
+                                       "prefixItems",
+                                       "minItems",
+                                       "maxItems",
+                                       "unevaluatedItems"};
+constexpr std::string_view kBranch[] = {"$ref", "const", "enum", "anyOf", "oneOf", "allOf"};
+
+bool of_type(const json& v, std::string_view t) {
+    if (t == "string") return v.is_string();
+    if (t == "integer")
+        return v.is_number_integer() ||
+               (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())));
+    if (t == "number") return v.is_number();
+    if (t == "boolean") return v.is_boolean();
+    if (t == "null") return v.is_null();
+    if (t == "object") return v.is_object();
+    if (t == "array") return v.is_array();
+    return false;
+}
+
+bool of_types(const json& v, const json& type) {
+    if (type.is_string()) return of_type(v, type.get<std::string>());
+    if (type.is_array())
+        for (const json& t : type)
+            if (t.is_string() && of_type(v, t.get<std::string>())) return true;
+    return false;
+}
+
+// What a schema's keywords mean together that the grammar engine would not
+// enforce (xgrammar 0.2.9's json_schema_converter.cc, read for each): refused.
+std::optional<std::string> combination(const json& s, const std::string& where, bool root) {
+    std::string branch;
+    for (std::string_view k : kBranch)
+        if (s.contains(k)) {
+            if (!branch.empty())
+                return fmt::format("'{}' and '{}' at {} cannot be combined: put them in an 'allOf' of one", branch, k,
+                                   where);
+            branch = std::string(k);
+        }
+    if (!branch.empty()) {
+        for (const auto& [key, v] : s.items()) {
+            if (key == branch || among(key, kAnnotations) || key == "$defs" || key == "definitions") continue;
+            if (key == "type" && (branch == "enum" || branch == "const")) {
+                const json values = branch == "const" ? json::array({s["const"]}) : s["enum"];
+                if (values.is_array())
+                    for (const json& x : values)
+                        if (!of_types(x, v))
+                            return fmt::format("'{}' at {} has {}, which is not of its 'type'", branch, where,
+                                               x.dump());
+                continue;
+            }
+            return fmt::format("'{}' beside '{}' at {} is not supported (the value is read from '{}' alone)", key,
+                               branch, where, branch);
+        }
+    } else if (!s.contains("type")) {
+        for (std::string_view k : kTyped)
+            if (s.contains(k)) return fmt::format("'{}' at {} needs a 'type' beside it", k, where);
+    }
+    if (auto r = s.find("required"); r != s.end() && r->is_array()) {
+        const json props = s.value("properties", json::object());
+        for (const json& name : *r)
+            if (!name.is_string() || !props.is_object() || !props.contains(name.get<std::string>()))
+                return fmt::format("'required' at {} names {}, which is not in 'properties'", where, name.dump());
+    }
+    if (s.contains("format") && s.contains("pattern"))
+        return fmt::format("'format' and 'pattern' at {} cannot be combined", where);
+    if (s.contains("patternProperties") && s.contains("additionalProperties") && s["additionalProperties"].is_object())
+        return fmt::format("'patternProperties' with an 'additionalProperties' schema at {} is not supported", where);
+    if (s.contains("propertyNames") && s.value("additionalProperties", json(true)) == json(false))
+        return fmt::format("'propertyNames' with 'additionalProperties': false at {} is not supported", where);
+    if (!root && s.contains("$id")) return fmt::format("'$id' at {} is not supported below the root", where);
+    return std::nullopt;
+}
+
 std::optional<std::string> check(const json& s, const std::string& at, int depth) {
     if (depth > 64) return fmt::format("the schema nests deeper than 64 levels at {}", at.empty() ? "/" : at);
     if (s.is_boolean()) return std::nullopt;
     if (!s.is_object()) return fmt::format("the schema at {} is not an object or a boolean", at.empty() ? "/" : at);
+    if (auto e = combination(s, at.empty() ? "/" : at, depth == 0)) return e;
     for (const auto& [key, v] : s.items()) {
         const std::string here = at + "/" + pointer_part(key);
         if (among(key, kOneSchema)) {

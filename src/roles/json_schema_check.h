@@ -16,6 +16,14 @@
 // description, default, examples, deprecated, readOnly, writeOnly, $schema, $id,
 // $comment. Everything else (not, if/then/else, contains, uniqueItems,
 // dependentRequired, contentMediaType, nullable, ...) is refused.
+//
+// So are combinations the grammar engine would read only in part: a keyword beside
+// one that decides the value alone ($ref, const, enum, anyOf, oneOf, allOf; only
+// annotations, $defs, and a 'type' every enum value has may stand beside them), a
+// type-specific keyword with no 'type', 'required' naming a property not in
+// 'properties', 'format' with 'pattern', 'patternProperties' with an
+// 'additionalProperties' schema, 'propertyNames' with 'additionalProperties': false,
+// and '$id' below the root.
 #pragma once
 
 #include <optional>

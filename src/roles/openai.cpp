@@ -202,7 +202,8 @@ Field read_logit_bias(const json& j, CompletionRequest& r) {
 // response_format (json_object, json_schema), or llama.cpp's json_schema (a schema)
 // or grammar (GBNF, as xgrammar's EBNF reads it): the grammar the output follows.
 // A schema's keywords must all be honoured (roles/json_schema_check.h), and the
-// grammar must be one xgrammar enforces exactly (engine/grammar.h check_grammar).
+// grammar must be one xgrammar enforces exactly (engine/grammar.h check_grammar, in
+// parse_completion once the schema is in the client's order).
 Field read_grammar(const json& j, CompletionRequest& r) {
     const char* param = nullptr;
     GrammarSpec g;
@@ -268,8 +269,7 @@ Field read_grammar(const json& j, CompletionRequest& r) {
     // it going past the grammar's end, or stop it from ending.
     if (r.ignore_eos) return bad("ignore_eos", fmt::format("'ignore_eos' cannot be used with '{}'", param));
     if (r.min_tokens > 0) return bad("min_tokens", fmt::format("'min_tokens' cannot be used with '{}'", param));
-    if (Status st = check_grammar(g); !st) return bad(param, fmt::format("{}: {}", param, st.error().message));
-    r.grammar = std::move(g);
+    r.grammar = std::move(g);  // checked by parse_completion, in the client's order
     r.grammar_param = param;
     return std::nullopt;
 }
@@ -475,6 +475,10 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
             if (s->is_object() && s->contains(k)) s = &(*s)[k];
         if (s != &o) r.grammar->source = s->dump();
     }
+    // The grammar the workers will compile, checked as they will compile it.
+    if (r.grammar)
+        if (Status st = check_grammar(*r.grammar); !st)
+            return bad(r.grammar_param, fmt::format("{}: {}", r.grammar_param, st.error().message));
     return r;
 }
 

@@ -157,13 +157,6 @@ void PrefillWorker::take(const WireMsg& m) {
         const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
-        if (Status st = prepare_grammar(r, j.data, j.output); !st) {
-            std::fprintf(stderr, "duet prefill: %s\n", st.error().message.c_str());
-            j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
-            fail(j, ReqError::Data);
-            inst_->registry().wake(shm::Role::Front);
-            return;
-        }
         // Re-driven after its last token was written: it ends as that token said.
         const Finish said = !no ? Finish::Length
                             : j.output.empty()
@@ -172,6 +165,11 @@ void PrefillWorker::take(const WireMsg& m) {
         if (said != Finish::None) {
             slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
+            inst_->registry().wake(shm::Role::Front);
+        } else if (Status st = prepare_grammar(r, j.data, j.output); !st) {
+            std::fprintf(stderr, "duet prefill: %s\n", st.error().message.c_str());
+            j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
+            fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
         } else {
             j.all = j.prompt;
@@ -397,6 +395,7 @@ void PrefillWorker::complete(Job& j, const float* logits) {
             blocks = j.seq.detach();
         }
         pending_.push_back({shm::Handoff{r, att, self_, user}, std::move(blocks), h, to, arena, alloc});
+        forget_grammar(r);  // decode follows it from here
     }
 }
 

@@ -145,6 +145,10 @@ def unsupported():
         ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
         ({"$ref": "#/$defs/missing"}, "missing"),
+        ({"type": "string", "enum": ["ok", "toolong"], "maxLength": 3}, "maxLength"),
+        ({"type": "object", "required": ["a"]}, "required"),
+        ({"properties": {"a": {"type": "string"}}}, "type"),
+        ({"type": "string", "format": "email", "pattern": "^a"}, "pattern"),
     ]
 
 
