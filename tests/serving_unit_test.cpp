@@ -223,6 +223,11 @@ TEST(OpenAiJson, LogprobsInBothApis) {
     json c = json::parse(completion_json(chat, "id", 0, "m", {{"Hello", "stop", {t, u}}}, {}));
     const json& content = c["choices"][0]["logprobs"]["content"];
     ASSERT_EQ(content.size(), 2u);
+    // OpenAI's schema requires both (nullable): message.refusal, logprobs.refusal.
+    ASSERT_TRUE(c["choices"][0]["message"].contains("refusal"));
+    EXPECT_TRUE(c["choices"][0]["message"]["refusal"].is_null());
+    ASSERT_TRUE(c["choices"][0]["logprobs"].contains("refusal"));
+    EXPECT_TRUE(c["choices"][0]["logprobs"]["refusal"].is_null());
     EXPECT_EQ(content[0]["token"], "He");
     EXPECT_EQ(content[0]["bytes"], json({72, 101}));
     EXPECT_EQ(content[1]["top_logprobs"][1]["token"], "y");

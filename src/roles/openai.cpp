@@ -512,7 +512,7 @@ json logprobs_json(const CompletionRequest& r, const std::vector<LogprobToken>& 
             for (const auto& [tok, lp] : t.top) top.push_back({{"token", tok}, {"logprob", lp}, {"bytes", bytes_of(tok)}});
             content.push_back({{"token", t.token}, {"logprob", t.logprob}, {"bytes", bytes_of(t.token)}, {"top_logprobs", top}});
         }
-        return {{"content", content}};
+        return {{"content", content}, {"refusal", nullptr}};  // both required (nullable) by OpenAI's schema
     }
     json tokens = json::array(), token_lps = json::array(), tops = json::array(), offsets = json::array();
     for (const LogprobToken& t : lps) {
@@ -535,7 +535,9 @@ std::string completion_json(const CompletionRequest& r, const std::string& id, i
         json choice = {{"index", i},
                        {"finish_reason", choices[i].finish_reason},
                        {"logprobs", logprobs_json(r, choices[i].logprobs)}};
-        if (r.chat) choice["message"] = {{"role", "assistant"}, {"content", choices[i].text}};
+        // refusal: required (nullable) by OpenAI's schema; this server never refuses in text.
+        if (r.chat)
+            choice["message"] = {{"role", "assistant"}, {"content", choices[i].text}, {"refusal", nullptr}};
         else choice["text"] = choices[i].text;
         j["choices"].push_back(std::move(choice));
     }
