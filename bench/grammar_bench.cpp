@@ -61,7 +61,7 @@ int cmd_bench_grammar(const GrammarBenchArgs& a) {
     for (float& x : row) x = std::uniform_real_distribution<float>(-10, 10)(rng);
     // The first mask builds the vocabulary's tables (xgrammar's TokenizerInfo): timed
     // with the first compile, apart.
-    std::vector<double> compile_us, cached_us, mask_us, apply_us, read_us;
+    std::vector<double> compile_us, cached_us, mask_us, apply_us, read_us, check_us, checked_us;
     double first_us = 0;
     size_t n_schemas = 0, refused = 0, tokens = 0;
     std::string line;
@@ -71,7 +71,13 @@ int cmd_bench_grammar(const GrammarBenchArgs& a) {
         auto j = nlohmann::json::parse(line, nullptr, false);
         if (j.is_discarded() || !j.contains("schema")) continue;
         const GrammarSpec g{GrammarKind::JsonSchema, j["schema"].dump()};
-        if (!check_grammar(g).ok()) {
+        auto tc = Clock::now();
+        const bool honoured = check_grammar(g).ok();
+        check_us.push_back(us_since(tc));
+        tc = Clock::now();
+        (void)check_grammar(g);
+        checked_us.push_back(us_since(tc));
+        if (!honoured) {
             ++refused;
             continue;
         }
@@ -130,6 +136,8 @@ int cmd_bench_grammar(const GrammarBenchArgs& a) {
             {"compile_us",
              {{"p50", pct(compile_us, 0.5)}, {"p99", pct(compile_us, 0.99)}, {"max", pct(compile_us, 1.0)}}},
             {"cached_us", {{"p50", pct(cached_us, 0.5)}, {"p99", pct(cached_us, 0.99)}}},
+            {"check_us", {{"p50", pct(check_us, 0.5)}, {"p99", pct(check_us, 0.99)}}},
+            {"check_again_us", {{"p50", pct(checked_us, 0.5)}, {"p99", pct(checked_us, 0.99)}}},
             {"mask_us", {{"p50", mask_p50}, {"p99", mask_p99}, {"max", pct(mask_us, 1.0)}}},
             {"apply_us", {{"p50", pct(apply_us, 0.5)}, {"p99", pct(apply_us, 0.99)}}},
             {"row_copy_us", {{"p50", pct(read_us, 0.5)}}}};
@@ -140,6 +148,10 @@ int cmd_bench_grammar(const GrammarBenchArgs& a) {
                 refused, tokens, nv);
     std::printf("| measure | p50 | p99 | max | goal |\n|---|---|---|---|---|\n");
     std::printf("| first compile, with the vocabulary's tables (us) | %.0f | | | |\n", first_us);
+    std::printf("| the front's check, first time (us) | %.0f | %.0f | %.0f | |\n", pct(check_us, 0.5),
+                pct(check_us, 0.99), pct(check_us, 1.0));
+    std::printf("| the front's check, same schema again (us) | %.1f | %.1f | | |\n", pct(checked_us, 0.5),
+                pct(checked_us, 0.99));
     std::printf("| compile (us) | %.0f | %.0f | %.0f | <= 10000 typical |\n", pct(compile_us, 0.5),
                 pct(compile_us, 0.99), pct(compile_us, 1.0));
     std::printf("| compiled, from the cache (us) | %.1f | %.1f | | |\n", pct(cached_us, 0.5), pct(cached_us, 0.99));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -120,7 +121,7 @@ static const xgrammar::TokenizerInfo& byte_vocabulary() {
     return info;
 }
 
-Status check_grammar(const GrammarSpec& g) {
+static Status check_grammar_now(const GrammarSpec& g) {
     // Token and character budgets on rules ("name[max_tokens=N]") are approximate, and
     // their state depends on how the matcher was stepped: not the exact, replayable
     // state a re-drive needs.
@@ -140,10 +141,34 @@ Status check_grammar(const GrammarSpec& g) {
     return {};
 }
 
+// Clients send the same schema again and again: its verdict is kept (256 sources at
+// most, all forgotten when full), so the front's thread compiles each once.
+Status check_grammar(const GrammarSpec& g) {
+    static std::mutex mu;
+    static std::unordered_map<std::string, std::string> seen;  // source -> "" (honoured) or why not
+    std::string key = std::to_string(static_cast<int>(g.kind)) + ":" + g.source;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (auto it = seen.find(key); it != seen.end()) {
+            if (it->second.empty()) return {};
+            return make_error("{}", it->second);
+        }
+    }
+    Status st = check_grammar_now(g);
+    std::lock_guard<std::mutex> lock(mu);
+    if (seen.size() >= 256) seen.clear();
+    seen.emplace(std::move(key), st ? std::string() : st.error().message);
+    return st;
+}
+
 struct GrammarSet::Impl {
-    // xgrammar's own cache is off: it has no bound by default (a schema per request,
-    // each with its enum, would stay for the life of the process); ours holds 64.
-    explicit Impl(const Tokenizer& tok, int32_t nv) : n_vocab(nv), info(vocab_of(tok, nv)), compiler(info, 1, false) {}
+    // xgrammar's own cache, bounded: without a bound (its default) a schema per
+    // request, each with its enum, would stay for the life of the process; without
+    // the cache, rules shared by schemas (JSON strings, numbers) are compiled anew
+    // each time (compile p50 12.2 ms against 1.9 ms on the bench corpus).
+    static constexpr int64_t kCompilerCacheBytes = 64ll << 20;
+    explicit Impl(const Tokenizer& tok, int32_t nv)
+        : n_vocab(nv), info(vocab_of(tok, nv)), compiler(info, 1, true, kCompilerCacheBytes) {}
 
     // The vocabulary as xgrammar takes it: each token's bytes (RAW), control and
     // unknown tokens as "" (never allowed as text), the end-of-generation ids as its

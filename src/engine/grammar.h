@@ -42,9 +42,11 @@ struct GrammarSpec {
     friend bool operator==(const GrammarSpec&, const GrammarSpec&) = default;
 };
 
-// Whether the grammar can be honoured exactly, without a vocabulary (what the front
-// asks before admitting a request): the parse or conversion error, or the first
-// constraint xgrammar would drop or approximate, as a message for a 400.
+// Whether the grammar can be honoured exactly (what the front asks before admitting
+// a request; compiled against a byte vocabulary, not the model's): the parse or
+// conversion error, or the first constraint xgrammar would drop or approximate, as
+// a message for a 400. A source seen before gets its verdict from a memo
+// (thread-safe; 256 sources).
 Status check_grammar(const GrammarSpec& g);
 
 // Bans, in a row of n logits, every token the mask (GrammarSet::allowed) does not
