@@ -1,7 +1,5 @@
 #include "engine/grammar.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <limits>
 #include <mutex>
@@ -11,6 +9,7 @@
 #include <xgrammar/xgrammar.h>
 
 #include "model/tokenizer.h"
+#include "shm/doorbell.h"
 
 // xgrammar's logging, routed here (cmake/xgrammar.cmake builds it with
 // XGRAMMAR_LOG_CUSTOMIZE=1): a fatal error is an exception its caller catches; a
@@ -37,12 +36,6 @@ void LogMessageImpl(const std::string& file, int lineno, int level, const std::s
 namespace duet {
 
 namespace {
-
-uint64_t now_ns() {
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
 
 // Whitespace between JSON tokens: any, but at most this much in a row, so that a
 // sampled model cannot spend its whole budget on blanks where the grammar allows
@@ -191,7 +184,7 @@ struct GrammarSet::Impl {
     std::shared_ptr<xgrammar::CompiledGrammar> compiled(const GrammarSpec& g) {
         const std::string key = std::to_string(static_cast<int>(g.kind)) + ":" + g.source;
         if (auto it = cache.find(key); it != cache.end()) return it->second;
-        const uint64_t t0 = now_ns();
+        const uint64_t t0 = shm::monotonic_ns();
         std::shared_ptr<xgrammar::CompiledGrammar> c;
         switch (g.kind) {
             case GrammarKind::JsonSchema:
@@ -207,7 +200,7 @@ struct GrammarSet::Impl {
                 break;
         }
         stats.compiles += 1;
-        stats.compile_ns += now_ns() - t0;
+        stats.compile_ns += shm::monotonic_ns() - t0;
         if (cache.size() >= kMaxCached) cache.clear();  // a bound, not a policy: recompiling is correct
         cache.emplace(key, c);
         return c;
@@ -294,10 +287,10 @@ Result<std::span<const uint32_t>> GrammarSet::allowed(uint64_t key, const Gramma
         t.shape = shape;
         t.strides = nullptr;
         t.byte_offset = 0;
-        const uint64_t t0 = now_ns();
+        const uint64_t t0 = shm::monotonic_ns();
         m.m.FillNextTokenBitmask(&t);
         s.stats.masks += 1;
-        s.stats.mask_ns += now_ns() - t0;
+        s.stats.mask_ns += shm::monotonic_ns() - t0;
     } catch (const std::exception& e) {
         impl_->matchers.erase(key);
         return make_error("grammar: {}", e.what());
