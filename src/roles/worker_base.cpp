@@ -201,21 +201,24 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
                          std::span<const int32_t> prompt, std::span<const int32_t> output) {
     const int64_t nv = backend_->n_vocab();
     const bool ban = eog_banned(stop_rules(p), output.size());
-    if (d.grammar && d.bias.empty() && !ban && p.sampling.temperature <= 0.0f && !has_penalties(p.sampling)) {
-        // Greedy under a grammar: the argmax over the tokens it allows, read from the
-        // mask's set bits (what the general path below picks, lowest id on a tie,
-        // without copying and banning the whole row).
+    std::span<const uint32_t> allowed;  // with a grammar: the tokens it allows next
+    if (d.grammar) {
         auto mask = grammars().allowed(req_key(r), *d.grammar, output);
         if (!mask) {
             std::fprintf(stderr, "duet %s: request %u.%u: %s\n", shm::role_name(role_), r.slot, r.gen,
                          mask.error().message.c_str());
             return -1;
         }
+        allowed = *mask;
+    }
+    if (d.grammar && d.bias.empty() && !ban && p.sampling.temperature <= 0.0f && !has_penalties(p.sampling)) {
+        // Greedy under a grammar: the argmax over the tokens it allows, read from the
+        // mask's set bits (what the general path below picks, lowest id on a tie,
+        // without copying and banning the whole row).
         int32_t best = -1;
         float best_v = -std::numeric_limits<float>::infinity();
-        const std::span<const uint32_t> bits = *mask;
-        for (size_t w = 0; w < bits.size(); ++w)
-            for (uint32_t word = bits[w]; word != 0; word &= word - 1) {
+        for (size_t w = 0; w < allowed.size(); ++w)
+            for (uint32_t word = allowed[w]; word != 0; word &= word - 1) {
                 const int64_t i = static_cast<int64_t>(w) * 32 + std::countr_zero(word);
                 if (i >= nv) break;
                 if (row[i] > best_v) {
@@ -233,19 +236,11 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
         if (ban)
             for (int32_t id : eog_ids_)
                 if (id < nv) banned_row_[static_cast<size_t>(id)] = kBanned;
-        if (d.grammar) {
-            auto mask = grammars().allowed(req_key(r), *d.grammar, output);
-            if (!mask) {
-                std::fprintf(stderr, "duet %s: request %u.%u: %s\n", shm::role_name(role_), r.slot, r.gen,
-                             mask.error().message.c_str());
-                return -1;
-            }
-            if (apply_token_mask(banned_row_.data(), nv, *mask) ==
-                0) {  // its bias banned every token the grammar allows: nothing can be chosen
-                std::fprintf(stderr, "duet %s: request %u.%u: no token its grammar allows is left\n",
-                             shm::role_name(role_), r.slot, r.gen);
-                return -1;
-            }
+        // Its bias may have banned every token the grammar allows: nothing can be chosen.
+        if (d.grammar && apply_token_mask(banned_row_.data(), nv, allowed) == 0) {
+            std::fprintf(stderr, "duet %s: request %u.%u: no token its grammar allows is left\n", shm::role_name(role_),
+                         r.slot, r.gen);
+            return -1;
         }
         row = banned_row_.data();
     }
