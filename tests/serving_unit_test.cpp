@@ -129,11 +129,9 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
               "grammar");
     EXPECT_EQ(err(R"({"prompt": "x", "suffix": "end"})", false).param, "suffix");
     for (const char* body :
-         {R"("tools": [{"type": "function", "function": {"name": "f"}}])", R"("tool_choice": "auto")",
-          R"("parallel_tool_calls": true)", R"("functions": [{"name": "f"}])", R"("function_call": "auto")",
-          R"("modalities": ["text", "audio"])", R"("audio": {"voice": "alloy"})",
-          R"("prediction": {"type": "content", "content": "x"})", R"("reasoning_effort": "low")",
-          R"("verbosity": "low")", R"("web_search_options": {})"}) {
+         {R"("functions": [{"name": "f"}])", R"("function_call": "auto")", R"("modalities": ["text", "audio"])",
+          R"("audio": {"voice": "alloy"})", R"("prediction": {"type": "content", "content": "x"})",
+          R"("reasoning_effort": "low")", R"("verbosity": "low")", R"("web_search_options": {})"}) {
         const std::string b = "{" + msgs + ", " + body + "}";
         EXPECT_EQ(err(b, true).param, std::string(body).substr(1, std::string(body).find('"', 1) - 1)) << b;
     }
@@ -153,10 +151,85 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
             .messages[0]
             .role,
         "system");
-    for (const char* m : {R"({"role": "tool", "content": "4", "tool_call_id": "c"})",
-                          R"({"role": "robot", "content": "x"})", R"({"role": "user", "content": "x", "name": "bob"})",
-                          R"({"role": "assistant", "content": null, "tool_calls": []})"})
+    for (
+        const char* m :
+        {R"({"role": "robot", "content": "x"})", R"({"role": "user", "content": "x", "name": "bob"})",
+         R"({"role": "tool", "content": "4"})", R"({"role": "user", "content": "x", "tool_call_id": "c"})",
+         R"({"role": "user", "content": "x", "tool_calls": []})", R"({"role": "function", "content": "x"})",
+         R"({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]})",
+         R"({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]})",
+         R"({"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "function": {"name": "f", "arguments": "{}"}}]})"})
         EXPECT_EQ(err(std::string(R"({"messages": [)") + m + "]}", true).param, "messages") << m;
+    // Tool calls and their results, read back as the client sent them.
+    {
+        const CompletionRequest r = parse_ok(
+            R"({"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": null, "tool_calls":
+                [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+                {"role": "tool", "content": [{"type": "text", "text": "5"}], "tool_call_id": "c1"}]})",
+            true);
+        ASSERT_EQ(r.messages.size(), 3u);
+        EXPECT_TRUE(r.tool_messages);
+        EXPECT_EQ(r.messages[1].tool_calls, (std::vector<ChatToolCall>{{"c1", "add", "{\"a\": 2, \"b\": 3}"}}));
+        EXPECT_EQ(r.messages[2].role, "tool");
+        EXPECT_EQ(r.messages[2].content, "5");
+        EXPECT_EQ(r.messages[2].tool_call_id, "c1");
+        EXPECT_FALSE(r.calls_tools());
+    }
+    // tools: functions with their schemas (property order kept), tool_choice and
+    // parallel_tool_calls; what cannot be honoured is a 400 naming it.
+    {
+        const std::string tool =
+            R"({"type": "function", "function": {"name": "get_w", "description": "d", "strict": true, "parameters":
+                {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}}})";
+        CompletionRequest r = parse_ok("{" + msgs + R"(, "tools": [)" + tool + "]}", true);
+        ASSERT_EQ(r.tools.size(), 1u);
+        EXPECT_EQ(r.tools[0].name, "get_w");
+        EXPECT_EQ(r.tools[0].description, "d");
+        EXPECT_EQ(r.tools[0].parameters,
+                  R"({"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}}})");
+        EXPECT_EQ(r.tool_choice.mode, ToolChoiceMode::Auto);
+        EXPECT_TRUE(r.parallel_tool_calls);
+        EXPECT_TRUE(r.calls_tools());
+        r = parse_ok(
+            "{" + msgs + R"(, "tools": [)" + tool +
+                R"(], "tool_choice": {"type": "function", "function": {"name": "get_w"}}, "parallel_tool_calls": false})",
+            true);
+        EXPECT_EQ(r.tool_choice.mode, ToolChoiceMode::Named);
+        EXPECT_EQ(r.tool_choice.name, "get_w");
+        EXPECT_FALSE(r.parallel_tool_calls);
+        EXPECT_EQ(
+            parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "tool_choice": "required"})", true).tool_choice.mode,
+            ToolChoiceMode::Required);
+        r = parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "tool_choice": "none"})", true);
+        EXPECT_FALSE(r.calls_tools());
+        // No parameters: a function of none.
+        r = parse_ok("{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "now"}}]})", true);
+        EXPECT_EQ(r.tools[0].parameters, R"({"type":"object","properties":{},"additionalProperties":false})");
+        for (
+            const std::string& bad :
+            {std::string(R"("tools": [{"type": "web_search"}])"), std::string(R"("tools": {"a": 1})"),
+             std::string(R"("tools": [{"type": "function", "function": {"name": "a b"}}])"),
+             std::string(
+                 R"("tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])"),
+             std::string(R"("tools": [{"type": "function", "function": {"name": "f", "returns": {}}}])"),
+             std::string(
+                 R"("tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}])"),
+             std::string(
+                 R"("tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": true}}}}}])")})
+            EXPECT_EQ(err("{" + msgs + ", " + bad + "}", true).param, "tools") << bad;
+        for (const std::string& bad :
+             {std::string(R"("tool_choice": "auto")"),
+              "\"tools\": [" + tool + R"(], "tool_choice": {"type": "function", "function": {"name": "nope"}})",
+              "\"tools\": [" + tool + R"(], "tool_choice": "sometimes")"})
+            EXPECT_EQ(err("{" + msgs + ", " + bad + "}", true).param, "tool_choice") << bad;
+        EXPECT_EQ(err("{" + msgs + R"(, "parallel_tool_calls": true})", true).param, "parallel_tool_calls");
+        EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "response_format": {"type": "json_object"}})", true)
+                      .param,
+                  "response_format");
+        EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "ignore_eos": true})", true).param, "ignore_eos");
+        // Not for completions.
+        EXPECT_EQ(err(R"({"prompt": "x", "tools": [)" + tool + "]}", false).param, "tools");
+    }
     // logit_bias: token ids to numbers in [-100, 100]; the table's size is bounded by
     // the request data (the front checks it, tests/cli/openai_client_test.py).
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "logit_bias": {"1876": -100, "7": 2.5}})", false).logit_bias,
@@ -220,7 +293,7 @@ TEST(OpenAiJson, LogprobsInBothApis) {
     CompletionRequest chat;
     chat.chat = true;
     chat.logprobs = 2;
-    json c = json::parse(completion_json(chat, "id", 0, "m", {{"Hello", "stop", {t, u}}}, {}));
+    json c = json::parse(completion_json(chat, "id", 0, "m", {{"Hello", "stop", {t, u}, {}}}, {}));
     const json& content = c["choices"][0]["logprobs"]["content"];
     ASSERT_EQ(content.size(), 2u);
     // OpenAI's schema requires both (nullable): message.refusal, logprobs.refusal.

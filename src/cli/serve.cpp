@@ -30,6 +30,7 @@
 #include "roles/front.h"
 #include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
+#include "roles/tool_calls.h"
 
 namespace duet {
 
@@ -217,6 +218,9 @@ int cmd_front(const FrontSettings& a) {
         fo.admission.kv_low = std::max(0.0, a.scheduling.admit_kv - 0.1);
         fo.request_timeout_s = a.scheduling.request_timeout_s;
         Front front(*inst, *self, **tok, *tmpl, fo);
+        std::fprintf(stderr, "duet front: chat template %s; tool calls in the %s format\n",
+                     std::string(tmpl->name()).c_str(),
+                     std::string(tool_format_name(tool_format_of(tmpl->format()))).c_str());
         std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {
             std::error_code ec;

@@ -54,6 +54,11 @@ xgrammar::Grammar grammar_of(const duet::GrammarSpec& g) {
             return xgrammar::Grammar::FromJSONSchema(kAnyObject, true, std::nullopt, std::nullopt, true,
                                                      kMaxWhitespace);
         case GrammarKind::Ebnf: return xgrammar::Grammar::FromEBNF(g.source, "root");
+        case GrammarKind::StructuralTag: {
+            auto v = xgrammar::Grammar::FromStructuralTag(g.source);
+            if (auto* grammar = std::get_if<xgrammar::Grammar>(&v)) return *grammar;
+            std::visit([](const auto& e) { throw std::runtime_error(e.what()); }, std::get<1>(v));
+        }
     }
     throw std::runtime_error("unknown grammar kind");
 }
@@ -197,6 +202,9 @@ struct GrammarSet::Impl {
                 break;
             case GrammarKind::Ebnf:
                 c = std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(g.source, "root"));
+                break;
+            case GrammarKind::StructuralTag:
+                c = std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(grammar_of(g)));
                 break;
         }
         stats.compiles += 1;

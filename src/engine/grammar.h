@@ -31,9 +31,10 @@ namespace duet {
 class Tokenizer;
 
 enum class GrammarKind : uint8_t {
-    JsonSchema = 1,  // source: a JSON schema (response_format json_schema)
-    JsonObject = 2,  // any JSON object (response_format json_object); source empty
-    Ebnf = 3,        // source: xgrammar's EBNF, root rule "root"
+    JsonSchema = 1,     // source: a JSON schema (response_format json_schema)
+    JsonObject = 2,     // any JSON object (response_format json_object); source empty
+    Ebnf = 3,           // source: xgrammar's EBNF, root rule "root"
+    StructuralTag = 4,  // source: an xgrammar structural tag (JSON): tool calls (roles/tool_calls.h)
 };
 
 struct GrammarSpec {

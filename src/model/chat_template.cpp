@@ -109,6 +109,11 @@ Result<std::string> ChatTemplate::apply(std::span<const ChatMessage> messages, b
     if (messages.empty()) return make_error("a chat needs at least one message, got none");
     for (size_t i = 0; i < messages.size(); ++i) {
         std::string_view role = messages[i].role;
+        if (!messages[i].tool_calls.empty())
+            return make_error(
+                "message {} has tool calls, which this template does not write (render them in the "
+                "model's tool format first)",
+                i);
         if (!valid_role(role))
             return make_error("message {} has role '{}'; a role is a non-empty word of letters, digits, '_' or '-' "
                               "(system, user, assistant, tool, ...)", i, role);

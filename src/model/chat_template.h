@@ -34,9 +34,23 @@
 
 namespace duet {
 
+// A function call an assistant message made (the OpenAI API's tool_calls): the
+// arguments are JSON text, as the model wrote them.
+struct ChatToolCall {
+    std::string id, name, arguments;
+    friend bool operator==(const ChatToolCall&, const ChatToolCall&) = default;
+};
+
 struct ChatMessage {
+    ChatMessage() = default;
+    ChatMessage(std::string r, std::string c) : role(std::move(r)), content(std::move(c)) {}
     std::string role;
     std::string content;
+    // An assistant's calls, and a tool message's answer to one: the templates here
+    // do not write them (apply() refuses them); roles/tool_calls.h renders them into
+    // plain messages in the model's tool format first.
+    std::vector<ChatToolCall> tool_calls;
+    std::string tool_call_id;
 };
 
 enum class ChatFormat { ChatML, SmolLM2, Qwen2, Llama3 };
@@ -51,9 +65,9 @@ public:
     // tokenizer.chat_template.
     static Result<ChatTemplate> from_gguf(const GgufFile& f, std::string_view override_name = {});
 
-    // Errors on an empty list and on a role that is empty or not made of
-    // [A-Za-z0-9_-]. ChatML formats pass any such role through (e.g. "tool");
-    // Llama-3 takes system, user, assistant, ipython and tool.
+    // Errors on an empty list, on a message with tool calls (render them first:
+    // roles/tool_calls.h), and on a role that is empty or not made of [A-Za-z0-9_-]. ChatML formats pass any such role
+    // through (e.g. "tool"); Llama-3 takes system, user, assistant, ipython and tool.
     Result<std::string> apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
 
     ChatFormat format() const { return format_; }

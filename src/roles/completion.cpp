@@ -3,6 +3,8 @@
 // context completion's commit.
 #include "roles/front_session.h"
 
+#include "base/fnv.h"
+
 namespace duet {
 
 // A FINISHED return_kv request's table names exactly the blocks its worker moved to
@@ -193,7 +195,28 @@ std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Comple
         return api_error(404, "invalid_request_error",
                          fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts_.model_id),
                          "model", "model_not_found");
+    if ((c.r.calls_tools() || c.r.tool_messages) && !c.context.empty())
+        return api_error(400, "invalid_request_error",
+                         "tools, tool calls and tool messages are not supported in a context's completions so far",
+                         c.r.calls_tools() ? "tools" : "messages");
+    if (c.r.calls_tools()) {
+        // The calls' grammar, in the model's format: a call, once opened, names an
+        // offered function and its arguments follow that function's schema.
+        const ToolFormat tf = tool_format_of(f.tmpl_.format());
+        c.r.grammar = GrammarSpec{GrammarKind::StructuralTag,
+                                  tool_grammar(tf, c.r.tools, c.r.tool_choice, c.r.parallel_tool_calls)};
+        c.r.grammar_param = "tools";
+        if (Status st = check_grammar(*c.r.grammar); !st)
+            return api_error(400, "invalid_request_error", "tools: " + st.error().message, "tools", "");
+    }
     return std::nullopt;
+}
+
+ToolCallParser front_detail::tool_parser(const std::string& completion_id, size_t index, ToolFormat f,
+                                         const std::vector<std::string>& names) {
+    Fnv h;
+    h.add(completion_id.data(), completion_id.size());
+    return ToolCallParser(f, names, fmt::format("call_{:012x}_{}_", h.h & 0xffffffffffffull, index));
 }
 
 // The prompt's tokens: the chat template's text, token ids as given, or the text.
@@ -205,7 +228,19 @@ std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
         if (!ids) return api_error(400, "invalid_request_error", ids.error().message, "messages", "");
         c.prompt = std::move(ids).value();
     } else if (c.chat) {
-        auto text = f.tmpl_.apply(r.messages, true);
+        // Tools: their list, earlier calls and results, in the model's tool format.
+        std::vector<ChatMessage> rendered;
+        std::span<const ChatMessage> msgs = r.messages;
+        if (r.calls_tools() || r.tool_messages) {
+            auto m =
+                render_tool_messages(tool_format_of(f.tmpl_.format()),
+                                     r.calls_tools() ? std::span<const ToolDef>(r.tools) : std::span<const ToolDef>(),
+                                     r.messages, f.tmpl_.default_system());
+            if (!m) return api_error(400, "invalid_request_error", m.error().message, "messages", "");
+            rendered = std::move(m).value();
+            msgs = rendered;
+        }
+        auto text = f.tmpl_.apply(msgs, true);
         if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
         c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
     } else if (!r.prompt_ids.empty()) {
@@ -313,6 +348,12 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
     params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
     c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
+    if (c.r.calls_tools()) {
+        std::vector<std::string> names;
+        for (const ToolDef& d : c.r.tools) names.push_back(d.name);
+        for (size_t i = 0; i < c.ch.size(); ++i)
+            c.ch[i].tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), names);
+    }
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
     if (offer) {
@@ -430,12 +471,13 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
 awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
                                             const ChoiceStep& step) {
     Choice& ch = c.ch[ci];
-    std::string piece = ch.stream.take(step.terminal);
-    if (piece.empty() && !ch.first) co_return;
-    if (ch.first) piece.insert(0, c.echo);
+    Choice::Piece piece = ch.take(step.terminal);
+    if (piece.text.empty() && piece.calls.empty() && !ch.first) co_return;
+    if (ch.first) piece.text.insert(0, c.echo);
     ch.sent_have = ch.have;
-    if (!co_await write_event(stream, chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece, "",
-                                                 ch.first, ch.unsent()),
+    if (!co_await write_event(stream,
+                              chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece.text, "",
+                                         ch.first, ch.unsent(), piece.calls),
                               c.event_id()))
         c.client_gone = true;
     ch.lps_sent = ch.lps.size();
@@ -522,7 +564,12 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
         o.texts.push_back(
-            {(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps)});
+            {(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps), {}});
+        if (ch.tools && !c.r.stream) {  // the whole text split as a stream of it would be
+            o.texts.back().text = ch.tools->feed(o.texts.back().text, true).content;
+            o.texts.back().tool_calls = ch.tools->calls();
+            o.texts.back().finish_reason = ch.reason();
+        }
     }
     if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
     o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
@@ -567,11 +614,13 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
         ok = co_await write_event(stream, error_json(failure(o.error_code)));
     } else {
         for (Choice& ch : c.ch) ch.sent_have = ch.have;
-        for (size_t ci = 0; ok && ci < c.ch.size(); ++ci)
+        for (size_t ci = 0; ok && ci < c.ch.size(); ++ci) {
+            Choice::Piece piece = c.ch[ci].take(true);
             ok = co_await write_event(stream,
                                       chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
-                                                 c.ch[ci].stream.take(true), c.ch[ci].finish, false, c.ch[ci].unsent()),
+                                                 piece.text, c.ch[ci].reason(), false, c.ch[ci].unsent(), piece.calls),
                                       c.event_id());
+        }
         if (ok && c.r.include_usage)
             ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts_.model_id, o.u));
     }

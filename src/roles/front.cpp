@@ -397,9 +397,11 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
                                           std::move(answer), js, false);
     }
     if (get && path == "/v1/models") {
-        co_return co_await write_response(stream, req, http::status::ok,
-                                          models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens), js,
-                                          false);
+        co_return co_await write_response(
+            stream, req, http::status::ok,
+            models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens, f.tmpl_.name(),
+                        tool_format_name(tool_format_of(f.tmpl_.format()))),
+            js, false);
     }
     if (get && path == "/metrics")
         co_return co_await write_response(stream, req, http::status::ok, metrics_text(metrics_snapshot(f)),

@@ -66,6 +66,7 @@ struct FrontRecord {
     bool return_kv = false;
     std::string echo;  // Completion's
     int keep = 1;
+    std::vector<std::string> tool_names;  // the functions offered, when its calls are parsed
 };
 
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
@@ -142,7 +143,10 @@ std::string target_path(beast::string_view target);
 std::string target_query(beast::string_view target);
 ApiError api_error(int status, std::string type, std::string message, std::string param = {}, std::string code = {});
 std::string request_id();
-std::string models_json(const std::string& id, uint32_t max_len);
+// /v1/models: the model, its context, its chat template and the format its tool
+// calls are rendered and parsed in (roles/tool_calls.h).
+std::string models_json(const std::string& id, uint32_t max_len, std::string_view chat_template,
+                        std::string_view tool_format);
 std::string tokens_json(const std::vector<int32_t>& ids);
 std::string text_json(const std::string& text);
 ApiError failure(int32_t code);  // a failed request's error (its ReqError code)
@@ -190,6 +194,25 @@ struct Choice {
         }
         return terminal && stream.append(detok.finish());
     }
+    // Chat with tools: splits the text into content and calls (roles/tool_calls.h).
+    std::optional<ToolCallParser> tools;
+    // The next part to stream (StopText::take), split into content and call deltas.
+    struct Piece {
+        std::string text;
+        std::vector<ToolCallDelta> calls;
+    };
+    Piece take(bool terminal) {
+        Piece p{stream.take(terminal), {}};
+        if (tools) {
+            ToolCallParser::Out o = tools->feed(p.text, terminal);
+            p.text = std::move(o.content);
+            p.calls = std::move(o.deltas);
+        }
+        return p;
+    }
+    // Its finish reason as the client sees it: an answer of calls that ended by
+    // itself ends with "tool_calls".
+    std::string reason() const { return tools && !tools->calls().empty() && finish == "stop" ? "tool_calls" : finish; }
     int64_t text_bytes = 0;         // bytes of the tokens so far (text_offset)
     std::vector<LogprobToken> unsent() const {
         if (lps_sent >= lps.size()) return {};
@@ -281,6 +304,12 @@ struct ChoiceStep {
     bool terminal = false;
     uint64_t seen_ns = 0;
 };
+
+// Choice `index`'s tool-call parser (chat with tools; the names of r.tools, or those
+// a front record kept): its calls' ids are call_<hash of the completion's id>_<index>_<n>,
+// the same after a front restart.
+ToolCallParser tool_parser(const std::string& completion_id, size_t index, ToolFormat f,
+                           const std::vector<std::string>& names);
 
 // Turns the log-probability rows of output tokens [from, to) into API entries.
 void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, int top, size_t from, size_t to);

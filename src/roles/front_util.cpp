@@ -52,13 +52,16 @@ std::string request_id() {
 }
 
 // JSON bodies are built outside the coroutines (see api_error).
-std::string models_json(const std::string& id, uint32_t max_len) {
+std::string models_json(const std::string& id, uint32_t max_len, std::string_view chat_template,
+                        std::string_view tool_format) {
     json j = {{"object", "list"},
               {"data", json::array({{{"id", id},
                                      {"object", "model"},
                                      {"created", 0},
                                      {"owned_by", "duet"},
-                                     {"max_model_len", max_len}}})}};
+                                     {"max_model_len", max_len},
+                                     {"chat_template", chat_template},
+                                     {"tool_format", tool_format}}})}};
     return j.dump();
 }
 

@@ -1,5 +1,6 @@
 #include "roles/openai.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <optional>
 
@@ -59,12 +60,66 @@ Field read_model(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
-Field read_messages(const json& j, CompletionRequest& r) { return read_chat_messages(j, r.messages); }
+Field read_messages(const json& j, CompletionRequest& r) {
+    if (auto e = read_chat_messages(j, r.messages, true)) return e;
+    for (const ChatMessage& m : r.messages)
+        r.tool_messages = r.tool_messages || m.role == "tool" || !m.tool_calls.empty();
+    return std::nullopt;
+}
+
+// A message's content: a string, text parts, or null (as "").
+std::optional<ApiError> read_content(const json& c, size_t i, std::string& out) {
+    if (c.is_string()) {
+        out = c.get<std::string>();
+    } else if (c.is_array()) {
+        for (const json& part : c) {
+            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+                !part["text"].is_string())
+                return bad("messages",
+                           fmt::format("messages[{}]: only text content parts ({{\"type\": \"text\", \"text\": "
+                                       "...}}) are supported",
+                                       i));
+            out += part["text"].get<std::string>();
+        }
+    } else if (!c.is_null()) {
+        return bad("messages", fmt::format("messages[{}]: 'content' must be a string or an array of text parts", i));
+    }
+    return std::nullopt;
+}
+
+// An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}].
+std::optional<ApiError> read_message_calls(const json& calls, size_t i, ChatMessage& msg) {
+    const auto wrong = [i](std::string what) {
+        return bad("messages", fmt::format("messages[{}].tool_calls: {}", i, what));
+    };
+    if (!calls.is_array()) return wrong("an array of calls");
+    for (const json& call : calls) {
+        if (!call.is_object()) return wrong("each call is an object");
+        for (const auto& [key, v] : call.items())
+            if (key != "id" && key != "type" && key != "function")
+                return wrong(fmt::format("'{}' is not a field of a call (id, type, function)", key));
+        if (call.value("type", "function") != "function") return wrong("only calls of type 'function' are supported");
+        const json& fn = call.value("function", json(nullptr));
+        if (!call.contains("id") || !call["id"].is_string() || !fn.is_object() || !fn.contains("name") ||
+            !fn["name"].is_string() || !fn.contains("arguments") || !fn["arguments"].is_string())
+            return wrong("each call needs a string 'id' and a 'function' with string 'name' and 'arguments'");
+        for (const auto& [key, v] : fn.items())
+            if (key != "name" && key != "arguments")
+                return wrong(fmt::format("'function.{}' is not a field of a call (name, arguments)", key));
+        // The arguments are written back as the model would write them: one JSON object.
+        const json args = json::parse(fn["arguments"].get<std::string>(), nullptr, false);
+        if (!args.is_object()) return wrong("a call's 'arguments' must be a JSON object in a string");
+        msg.tool_calls.push_back(
+            {call["id"].get<std::string>(), fn["name"].get<std::string>(), fn["arguments"].get<std::string>()});
+    }
+    return std::nullopt;
+}
 
 }  // namespace
 
-// Chat: role and content of each message (content parts: only text is understood).
-std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessage>& out) {
+// Chat: role and content of each message (content parts: only text is understood),
+// and with tools the calls and their results.
+std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessage>& out, bool tools) {
     auto it = j.find("messages");
     if (it == j.end() || !it->is_array() || it->empty())
         return bad("messages", "'messages' must be a non-empty array of {role, content} objects");
@@ -76,26 +131,26 @@ std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessag
         msg.role = m["role"].get<std::string>();
         // OpenAI's newer name for the system role (its o-series models take it so).
         if (msg.role == "developer") msg.role = "system";
-        if (msg.role != "system" && msg.role != "user" && msg.role != "assistant")
+        const bool tool = tools && msg.role == "tool";
+        if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" && !tool)
             return bad(
                 "messages",
-                fmt::format("messages[{}]: the role '{}' is not supported (system, developer, user, assistant){}", i,
-                            msg.role, msg.role == "tool" || msg.role == "function" ? "; tools are not so far" : ""));
-        for (const auto& [key, v] : m.items())
-            if (key != "role" && key != "content" && !v.is_null())
-                return bad("messages", fmt::format("messages[{}].{} is not supported by this server so far", i, key));
-        const json& c = m.value("content", json(nullptr));
-        if (c.is_string()) {
-            msg.content = c.get<std::string>();
-        } else if (c.is_array()) {
-            for (const json& part : c) {
-                if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-                    !part["text"].is_string())
-                    return bad("messages", "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported");
-                msg.content += part["text"].get<std::string>();
-            }
-        } else if (!c.is_null()) {
-            return bad("messages", "a message's 'content' must be a string or an array of text parts");
+                fmt::format("messages[{}]: the role '{}' is not supported (system, developer, user, assistant{})", i,
+                            msg.role, tools ? ", tool" : ""));
+        for (const auto& [key, v] : m.items()) {
+            if (key == "role" || key == "content" || v.is_null()) continue;
+            if (tools && key == "tool_calls" && msg.role == "assistant") continue;
+            if (tool && key == "tool_call_id") continue;
+            return bad("messages", fmt::format("messages[{}].{} is not supported by this server so far", i, key));
+        }
+        if (auto e = read_content(m.value("content", json(nullptr)), i, msg.content)) return e;
+        if (auto c = m.find("tool_calls"); c != m.end() && !c->is_null())
+            if (auto e = read_message_calls(*c, i, msg)) return e;
+        if (tool) {
+            auto id = m.find("tool_call_id");
+            if (id == m.end() || !id->is_string())
+                return bad("messages", fmt::format("messages[{}]: a tool message needs a string 'tool_call_id'", i));
+            msg.tool_call_id = id->get<std::string>();
         }
         out.push_back(std::move(msg));
     }
@@ -349,6 +404,104 @@ Field read_echo_best_of(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// tools: [{type: "function", function: {name, description, parameters, strict}}]
+// (o: the body with its keys in the client's order, for the parameters' property
+// order), tool_choice and parallel_tool_calls.
+Field read_tools(const nlohmann::ordered_json& o, CompletionRequest& r) {
+    using ojson = nlohmann::ordered_json;
+    auto it = o.find("tools");
+    if (it != o.end() && !it->is_null()) {
+        if (!it->is_array()) return bad("tools", "'tools' must be an array of {type: \"function\", function} objects");
+        for (size_t i = 0; i < it->size(); ++i) {
+            const ojson& t = (*it)[i];
+            const auto wrong = [i](std::string what) { return bad("tools", fmt::format("tools[{}]: {}", i, what)); };
+            if (!t.is_object()) return wrong("a tool is an object");
+            for (const auto& [key, v] : t.items())
+                if (key != "type" && key != "function")
+                    return wrong(fmt::format("Unrecognized request argument supplied: tools[{}].{}", i, key));
+            if (!t.contains("type") || t["type"] != "function")
+                return wrong(fmt::format("the type {} is not supported: this server calls functions ('function')",
+                                         t.contains("type") ? t["type"].dump() : "(none)"));
+            if (!t.contains("function") || !t["function"].is_object()) return wrong("'function' must be an object");
+            const ojson& fn = t["function"];
+            for (const auto& [key, v] : fn.items())
+                if (key != "name" && key != "description" && key != "parameters" && key != "strict")
+                    return wrong(fmt::format("Unrecognized request argument supplied: tools[{}].function.{}", i, key));
+            ToolDef d;
+            const ojson& name = fn.value("name", ojson());
+            if (!name.is_string()) return wrong("'function.name' must be a string");
+            d.name = name.get<std::string>();
+            bool ok = !d.name.empty() && d.name.size() <= 64;
+            for (char c : d.name) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-');
+            if (!ok) return wrong(fmt::format("the name '{}' must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'", d.name));
+            for (const ToolDef& other : r.tools)
+                if (other.name == d.name) return wrong(fmt::format("a second function named '{}'", d.name));
+            if (auto dsc = fn.find("description"); dsc != fn.end() && !dsc->is_null()) {
+                if (!dsc->is_string()) return wrong("'function.description' must be a string");
+                d.description = dsc->get<std::string>();
+            }
+            if (auto st = fn.find("strict"); st != fn.end() && !st->is_null() && !st->is_boolean())
+                return wrong("'function.strict' must be a boolean");
+            // No parameters: a function of none.
+            ojson params = ojson::parse(R"({"type": "object", "properties": {}, "additionalProperties": false})");
+            if (auto p = fn.find("parameters"); p != fn.end() && !p->is_null()) params = *p;
+            // Arguments are a JSON object in every format: a schema without a type
+            // ({} included, which clients send for "any") is one of an object.
+            if (params.is_object() && !params.contains("type")) params["type"] = "object";
+            if (!params.is_object() || params.value("type", ojson()) != "object")
+                return wrong("'function.parameters' must be a JSON schema of an object ({\"type\": \"object\", ...})");
+            if (auto e = unsupported_schema_keyword(json::parse(params.dump())))
+                return wrong(fmt::format("function.parameters: {}", *e));
+            d.parameters = params.dump();
+            if (Status st = check_grammar(GrammarSpec{GrammarKind::JsonSchema, d.parameters}); !st)
+                return wrong(fmt::format("function.parameters: {}", st.error().message));
+            r.tools.push_back(std::move(d));
+        }
+    }
+    r.tool_choice.mode = r.tools.empty() ? ToolChoiceMode::None : ToolChoiceMode::Auto;
+    if (auto c = o.find("tool_choice"); c != o.end() && !c->is_null()) {
+        if (*c == "none") {
+            r.tool_choice.mode = ToolChoiceMode::None;
+        } else if (r.tools.empty()) {
+            return bad("tool_choice", "'tool_choice' is only allowed when 'tools' are given");
+        } else if (*c == "auto") {
+            r.tool_choice.mode = ToolChoiceMode::Auto;
+        } else if (*c == "required") {
+            r.tool_choice.mode = ToolChoiceMode::Required;
+        } else if (c->is_object() && c->value("type", ojson()) == "function" && c->contains("function") &&
+                   (*c)["function"].is_object() && (*c)["function"].value("name", ojson()).is_string() &&
+                   c->size() == 2 && (*c)["function"].size() == 1) {
+            r.tool_choice.mode = ToolChoiceMode::Named;
+            r.tool_choice.name = (*c)["function"]["name"].get<std::string>();
+            bool known = false;
+            for (const ToolDef& d : r.tools) known = known || d.name == r.tool_choice.name;
+            if (!known)
+                return bad("tool_choice",
+                           fmt::format("'tool_choice' names '{}', which is not one of the tools", r.tool_choice.name));
+        } else {
+            return bad("tool_choice", fmt::format("'tool_choice' must be none, auto, required or {{\"type\": "
+                                                  "\"function\", \"function\": {{\"name\": ...}}}}, got {}",
+                                                  c->dump()));
+        }
+    }
+    if (auto p = o.find("parallel_tool_calls"); p != o.end() && !p->is_null()) {
+        if (!p->is_boolean()) return bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean");
+        if (r.tools.empty())
+            return bad("parallel_tool_calls", "'parallel_tool_calls' is only allowed when 'tools' are given");
+        r.parallel_tool_calls = p->get<bool>();
+    }
+    if (r.calls_tools()) {
+        // One grammar per request: the calls' (the front makes it in the model's format).
+        if (r.grammar)
+            return bad(r.grammar_param, fmt::format("'{}' cannot be used with 'tools' so far (unless 'tool_choice' "
+                                                    "is none)",
+                                                    r.grammar_param));
+        if (r.ignore_eos) return bad("ignore_eos", "'ignore_eos' cannot be used with 'tools'");
+        if (r.min_tokens > 0) return bad("min_tokens", "'min_tokens' cannot be used with 'tools'");
+    }
+    return std::nullopt;
+}
+
 // What the server does with each field of a body. Honoured: read above. Ignored:
 // bookkeeping of OpenAI's own service that changes no output there either. Refused:
 // a 400 naming it whenever it asks for something (any value but null, and the few
@@ -395,11 +548,11 @@ constexpr FieldRule kFields[] = {
     {"store", kChat, Does::Ignore, ""},
     {"service_tier", kChat, Does::Ignore, ""},
     {"suffix", kCompletions, Does::Refuse, "needs an infill template, which this model's has not"},
-    {"tools", kChat, Does::Refuse, "is not supported by this server so far"},
-    {"tool_choice", kChat, Does::Refuse, "is not supported by this server so far"},
-    {"parallel_tool_calls", kChat, Does::Refuse, "is only allowed when 'tools' are given"},
-    {"functions", kChat, Does::Refuse, "is not supported by this server so far"},
-    {"function_call", kChat, Does::Refuse, "is not supported by this server so far"},
+    {"tools", kChat, Does::Honour, ""},
+    {"tool_choice", kChat, Does::Honour, ""},
+    {"parallel_tool_calls", kChat, Does::Honour, ""},
+    {"functions", kChat, Does::Refuse, "is deprecated; send 'tools' instead"},
+    {"function_call", kChat, Does::Refuse, "is deprecated; send 'tool_choice' instead"},
     {"response_format", kBoth, Does::Honour, ""},
     {"grammar", kBoth, Does::Honour, ""},      // llama.cpp (GBNF)
     {"json_schema", kBoth, Does::Honour, ""},  // llama.cpp
@@ -415,9 +568,8 @@ constexpr FieldRule kFields[] = {
 bool asks_nothing(std::string_view key, const json& v) {
     if (v.is_null()) return true;
     if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
-    if (key == "tool_choice") return v == "none";
     if (key == "modalities") return v == json::array({"text"});
-    if (key == "tools" || key == "functions") return v.is_array() && v.empty();
+    if (key == "functions") return v.is_array() && v.empty();
     return false;
 }
 
@@ -464,6 +616,8 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     for (auto read : {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices,
                       read_echo_best_of, read_scheduling, read_grammar})
         if (auto e = read(j, r)) return *e;
+    if (chat && (j.contains("tools") || j.contains("tool_choice") || j.contains("parallel_tool_calls")))
+        if (auto e = read_tools(nlohmann::ordered_json::parse(body), r)) return *e;
     if (r.grammar && r.grammar->kind == GrammarKind::JsonSchema) {
         // The schema as the client wrote it: its properties in their order, which is
         // the order the output writes them in (json sorts keys; ordered_json keeps them).
@@ -536,9 +690,23 @@ std::string completion_json(const CompletionRequest& r, const std::string& id, i
                        {"finish_reason", choices[i].finish_reason},
                        {"logprobs", logprobs_json(r, choices[i].logprobs)}};
         // refusal: required (nullable) by OpenAI's schema; this server never refuses in text.
-        if (r.chat)
-            choice["message"] = {{"role", "assistant"}, {"content", choices[i].text}, {"refusal", nullptr}};
-        else choice["text"] = choices[i].text;
+        if (r.chat) {
+            const ChoiceText& c = choices[i];
+            // With calls, an empty text is no content (null), as OpenAI answers.
+            choice["message"] = {{"role", "assistant"},
+                                 {"content", c.tool_calls.empty() || !c.text.empty() ? json(c.text) : json(nullptr)},
+                                 {"refusal", nullptr}};
+            if (!c.tool_calls.empty()) {
+                json calls = json::array();
+                for (const ChatToolCall& t : c.tool_calls)
+                    calls.push_back({{"id", t.id},
+                                     {"type", "function"},
+                                     {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+                choice["message"]["tool_calls"] = std::move(calls);
+            }
+        } else {
+            choice["text"] = choices[i].text;
+        }
         j["choices"].push_back(std::move(choice));
     }
     j["usage"] = usage(u);
@@ -547,7 +715,7 @@ std::string completion_json(const CompletionRequest& r, const std::string& id, i
 
 std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model,
                        int index, const std::string& text, const std::string& finish_reason, bool first,
-                       const std::vector<LogprobToken>& logprobs) {
+                       const std::vector<LogprobToken>& logprobs, const std::vector<ToolCallDelta>& calls) {
     json j = base(r, id, created, model, true);
     json choice = {{"index", index},
                    {"finish_reason", finish_reason.empty() ? json(nullptr) : json(finish_reason)},
@@ -556,6 +724,23 @@ std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_
         json delta = json::object();
         if (first) delta["role"] = "assistant";
         if (!text.empty() || first) delta["content"] = text;
+        if (!calls.empty()) {
+            // A call's first delta has its id, type and name; every one a piece of its
+            // arguments (concatenated: the whole response's).
+            json list = json::array();
+            for (const ToolCallDelta& d : calls) {
+                json e = {{"index", d.index}};
+                if (d.header) {
+                    e["id"] = d.id;
+                    e["type"] = "function";
+                    e["function"] = {{"name", d.name}, {"arguments", d.arguments}};
+                } else {
+                    e["function"] = {{"arguments", d.arguments}};
+                }
+                list.push_back(std::move(e));
+            }
+            delta["tool_calls"] = std::move(list);
+        }
         choice["delta"] = delta;
     } else {
         choice["text"] = text;

@@ -16,6 +16,7 @@
 
 #include "model/chat_template.h"
 #include "model/sampler.h"
+#include "roles/tool_calls.h"
 
 namespace duet {
 
@@ -59,6 +60,15 @@ struct CompletionRequest {
     // one named by grammar_param.
     std::optional<GrammarSpec> grammar;
     std::string grammar_param;
+    // Chat: the functions the model may call (roles/tool_calls.h), how, and whether
+    // several calls may come in one answer. The front turns them into the rendered
+    // tool list and a grammar (tool_choice none: neither).
+    std::vector<ToolDef> tools;
+    ToolChoice tool_choice;
+    bool parallel_tool_calls = true;
+    // Whether the messages hold tool calls or tool results (rendered in the tool format).
+    bool tool_messages = false;
+    bool calls_tools() const { return !tools.empty() && tool_choice.mode != ToolChoiceMode::None; }
 };
 inline constexpr int kMaxChoices = 16;
 inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
@@ -71,8 +81,11 @@ inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat);
 
 // The "messages" of a body object (chat completions, contexts) into out: each a
-// role and a text content (a string, or text parts).
-std::optional<ApiError> read_chat_messages(const nlohmann::json& body, std::vector<ChatMessage>& out);
+// role and a text content (a string, or text parts); with `tools`, also assistant
+// messages' tool_calls and tool messages (role "tool", tool_call_id), which are
+// refused otherwise.
+std::optional<ApiError> read_chat_messages(const nlohmann::json& body, std::vector<ChatMessage>& out,
+                                           bool tools = false);
 
 struct Usage {
     int64_t prompt_tokens = 0, completion_tokens = 0;
@@ -91,6 +104,7 @@ struct LogprobToken {
 struct ChoiceText {
     std::string text, finish_reason;
     std::vector<LogprobToken> logprobs;  // used when the request asked for them
+    std::vector<ChatToolCall> tool_calls;  // chat with tools: the calls (text is the rest)
 };
 
 // A whole (non-streamed) response, choices in index order.
@@ -100,7 +114,7 @@ std::string completion_json(const CompletionRequest& r, const std::string& id, i
 // while running).
 std::string chunk_json(const CompletionRequest& r, const std::string& id, int64_t created, const std::string& model,
                        int index, const std::string& text, const std::string& finish_reason, bool first,
-                       const std::vector<LogprobToken>& logprobs = {});
+                       const std::vector<LogprobToken>& logprobs = {}, const std::vector<ToolCallDelta>& calls = {});
 // The usage chunk sent last when stream_options.include_usage is set.
 std::string usage_chunk_json(const CompletionRequest& r, const std::string& id, int64_t created,
                              const std::string& model, const Usage& u);

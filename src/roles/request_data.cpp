@@ -86,7 +86,8 @@ Result<RequestData> decode_request_data(std::span<const uint8_t> bytes) {
             const uint8_t g = n > 0 ? body[at] : 0;
             if (n == 0 || d.grammar ||
                 (g != static_cast<uint8_t>(GrammarKind::JsonSchema) &&
-                 g != static_cast<uint8_t>(GrammarKind::JsonObject) && g != static_cast<uint8_t>(GrammarKind::Ebnf)))
+                 g != static_cast<uint8_t>(GrammarKind::JsonObject) && g != static_cast<uint8_t>(GrammarKind::Ebnf) &&
+                 g != static_cast<uint8_t>(GrammarKind::StructuralTag)))
                 return make_error(ErrorKind::Invalid, "request data: a grammar section of {} bytes, kind {}", n, g);
             d.grammar = GrammarSpec{static_cast<GrammarKind>(g),
                                     std::string(reinterpret_cast<const char*>(body + at + 1), n - 1)};

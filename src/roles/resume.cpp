@@ -13,6 +13,9 @@ namespace front_detail {
 std::string front_record_json(const Completion& c) {
     json slots = json::array();
     for (const Choice& ch : c.ch) slots.push_back({ch.ref.slot, ch.ref.gen});
+    json names = json::array();  // its calls are parsed (tools)
+    if (c.r.calls_tools())
+        for (const ToolDef& d : c.r.tools) names.push_back(d.name);
     return json{{"v", 1},
                 {"id", c.id},
                 {"xid", c.xid},
@@ -30,7 +33,8 @@ std::string front_record_json(const Completion& c) {
                 {"commit", c.commit},
                 {"return_kv", c.return_kv},
                 {"echo", c.echo},
-                {"keep", c.keep}}
+                {"keep", c.keep},
+                {"tool_names", names}}
         .dump();
 }
 
@@ -58,6 +62,7 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
         f.return_kv = j.value("return_kv", false);
         f.echo = j.value("echo", std::string());
         f.keep = std::clamp(j.value("keep", f.r.n), 1, f.r.n);
+        f.tool_names = j.value("tool_names", std::vector<std::string>());
         if (f.refs.empty()) return std::nullopt;
         return f;
     } catch (const std::exception&) {
@@ -226,7 +231,8 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         ch.have = from[i];
         if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
         if (ch.feed(0, false)) ch.finish = finish_reason(Finish::StopString);
-        (void)ch.stream.take(false);
+        if (!fr->tool_names.empty()) ch.tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), fr->tool_names);
+        (void)ch.take(false);
         ch.lps_sent = ch.lps.size();
         ch.sent_have = ch.have;
         ch.first = last.empty();

@@ -25,8 +25,9 @@ namespace duet {
 // the workers' gauges and counters in process slots' role pages
 // (roles/worker_stats.h). Bumped whenever one of them changes shape; it is
 // shm::InstanceConfig::user_protocol, so processes of different shapes refuse to
-// share an instance. 1: RequestParams with data_bytes, WorkerStats.
-inline constexpr uint32_t kServingProtocol = 1;
+// share an instance. 1: RequestParams with data_bytes, WorkerStats. 2: grammars
+// of kind StructuralTag (tool calls) in the request data.
+inline constexpr uint32_t kServingProtocol = 2;
 
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.

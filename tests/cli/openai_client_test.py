@@ -115,7 +115,8 @@ try:
     check(refused("frobnicate", extra_body={"frobnicate": 1}) == "Unrecognized request argument supplied: frobnicate",
           "OpenAI's words for an unknown field")
     refused("suffix", suffix=" and so on.")
-    refused("tools", messages=msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    refused("tools", messages=msgs, tools=[{"type": "web_search_preview"}])
+    refused("functions", messages=msgs, functions=[{"name": "f", "parameters": {}}])
     refused("messages", messages=[{"role": "user", "content": "hi", "name": "bob"}])
     refused("echo", echo=True, logprobs=1)
     c.chat.completions.create(model=model, messages=msgs, max_tokens=2, user="u1", metadata={"a": "b"},
