@@ -202,9 +202,35 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
             ToolChoiceMode::Required);
         r = parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "tool_choice": "none"})", true);
         EXPECT_FALSE(r.calls_tools());
-        // No parameters: a function of none.
+        // No parameters: a function of none; {} or properties without a type: an object.
         r = parse_ok("{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "now"}}]})", true);
         EXPECT_EQ(r.tools[0].parameters, R"({"type":"object","properties":{},"additionalProperties":false})");
+        r = parse_ok("{" + msgs + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})",
+                     true);
+        EXPECT_EQ(r.tools[0].parameters, R"({"type":"object"})");
+        r = parse_ok(
+            "{" + msgs +
+                R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "integer"}}}}}]})",
+            true);
+        EXPECT_EQ(r.tools[0].parameters, R"({"properties":{"x":{"type":"integer"}},"type":"object"})");
+        // Stop strings could cut a call.
+        EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "stop": ["\n"]})", true).param, "stop");
+        parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "tool_choice": "none", "stop": ["\n"]})", true);
+        // A content part or call whose type is not a string: a 400, not an exception.
+        EXPECT_EQ(err(R"({"messages": [{"role": "user", "content": [{"type": 1, "text": "x"}]}]})", true).param,
+                  "messages");
+        EXPECT_EQ(
+            err(R"({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": 1, "function": {"name": "f", "arguments": "{}"}}]}]})",
+                true)
+                .param,
+            "messages");
+        // A root of another kind than an object's is refused, naming what is needed.
+        EXPECT_EQ(
+            err("{" + msgs +
+                    R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object"}}}}}]})",
+                true)
+                .param,
+            "tools");
         for (
             const std::string& bad :
             {std::string(R"("tools": [{"type": "web_search"}])"), std::string(R"("tools": {"a": 1})"),

@@ -113,13 +113,33 @@ TEST(ToolCalls, HermesTextAndCallsAreSplitWhateverThePieces) {
     p = parse_all_ways(h, "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>\n Done.");
     EXPECT_EQ(p.content, "\n Done.");
     EXPECT_EQ(p.calls.size(), 1u);
-    // A call cut short (max_tokens) keeps the arguments it has; an opener cut short is text.
+    // Whitespace first: text if text follows, dropped if a call or the end does.
+    EXPECT_EQ(parse_all_ways(h, "  Hi").content, "  Hi");
+    EXPECT_EQ(parse_all_ways(h, " \n ").content, "");
+    p = parse_all_ways(h, "\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>");
+    EXPECT_EQ(p.content, "");
+    EXPECT_EQ(p.calls.size(), 1u);
+    // After a call, a trigger's start at the end is text with its whitespace.
+    EXPECT_EQ(parse_all_ways(h, "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>\n<t").content,
+              "\n<t");
+    // A call cut short (max_tokens) keeps the arguments it has; one cut before its name
+    // was whole is dropped; a trigger's start is text.
     p = parse_all_ways(h, "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1");
     EXPECT_EQ(p.content, "");
     EXPECT_EQ(p.calls, (std::vector<ChatToolCall>{call("call_x_0", "add", "{\"a\": 1")}));
     p = parse_all_ways(h, "x <tool_call>\n{\"name\": \"ad");
-    EXPECT_EQ(p.content, "x <tool_call>\n{\"name\": \"ad");
+    EXPECT_EQ(p.content, "x ");
     EXPECT_TRUE(p.calls.empty());
+    p = parse_all_ways(h, "x <tool_ca");
+    EXPECT_EQ(p.content, "x <tool_ca");
+    // Where only calls are allowed (required, named), what is kept back at the end is a
+    // call cut short: dropped, not text.
+    const std::string cut = "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>\n<tool_ca";
+    ToolCallParser only(h, names(), "c", true), free(h, names(), "c", false);
+    EXPECT_EQ(only.feed(cut, true).content, "");
+    EXPECT_EQ(free.feed(cut, true).content, "\n<tool_ca");
+    EXPECT_EQ(only.calls(), free.calls());
+    EXPECT_EQ(only.calls().size(), 1u);
     // A function nobody offered is text.
     p = parse_all_ways(h, "<tool_call>\n{\"name\": \"rm\", \"arguments\": {}}\n</tool_call>");
     EXPECT_EQ(p.content, "<tool_call>\n{\"name\": \"rm\", \"arguments\": {}}\n</tool_call>");
@@ -234,9 +254,12 @@ TEST(ToolCalls, TheGrammarTakesTheCallsTheChoiceAllowsAndNoOthers) {
         const Verdict two = run(g, add + "\n" + weather);
         EXPECT_EQ(two.takes && two.ends, parallel);
     }
-    const std::string n = tool_grammar(ToolFormat::Hermes, tools(), named, false);
-    EXPECT_TRUE(run(n, weather).ends);
-    EXPECT_FALSE(run(n, add).takes);
+    for (bool parallel : {true, false}) {  // a named function is called once
+        const std::string n = tool_grammar(ToolFormat::Hermes, tools(), named, parallel);
+        EXPECT_TRUE(run(n, weather).ends);
+        EXPECT_FALSE(run(n, add).takes);
+        EXPECT_FALSE(run(n, weather + "\n" + weather).takes && run(n, weather + "\n" + weather).ends);
+    }
     for (bool parallel : {true, false}) {
         const std::string a = tool_grammar(ToolFormat::Hermes, tools(), autoc, parallel);
         EXPECT_TRUE(run(a, "Just text.").ends);

@@ -164,8 +164,12 @@ int cmd_info(const std::string& path) {
     return 0;
 }
 
-int cmd_tokenize(const std::string& path, std::string text, bool have_text, bool parse_special) {
-    if (!have_text) text = read_stdin();
+int cmd_tokenize(const std::string& path, std::string text, bool have_text, bool parse_special, bool jsonl) {
+    if (jsonl && have_text) {
+        std::fprintf(stderr, "duet: --jsonl reads its texts from standard input, not the command line\n");
+        return 2;
+    }
+    if (!have_text && !jsonl) text = read_stdin();
     auto f = GgufFile::open(path);
     if (!f) {
         std::fprintf(stderr, "duet: %s\n", f.error().message.c_str());
@@ -175,6 +179,18 @@ int cmd_tokenize(const std::string& path, std::string text, bool have_text, bool
     if (!tok) {
         std::fprintf(stderr, "duet: %s: %s\n", path.c_str(), tok.error().message.c_str());
         return 1;
+    }
+    if (jsonl) {
+        std::string line;
+        while (std::getline(std::cin, line)) {
+            const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+            if (!j.is_string()) {
+                std::fprintf(stderr, "duet: --jsonl: a line is not a JSON string: %.80s\n", line.c_str());
+                return 1;
+            }
+            fmt::print("{}\n", nlohmann::json((*tok)->encode(j.get<std::string>(), true, parse_special)).dump());
+        }
+        return 0;
     }
     std::vector<int32_t> ids = (*tok)->encode(text, true, parse_special);
     std::string out = "[";

@@ -34,7 +34,9 @@ struct BenchArgs {
 
 int cmd_run(RunArgs args);
 int cmd_info(const std::string& model);
-int cmd_tokenize(const std::string& model, std::string text, bool have_text, bool parse_special);
+// jsonl: each line of standard input a JSON string, tokenized to a line of ids (a
+// reference script's many texts, one process).
+int cmd_tokenize(const std::string& model, std::string text, bool have_text, bool parse_special, bool jsonl = false);
 int cmd_bench_model(BenchArgs args);
 // duet model synth (model/synth.h): the shape and type by name; layers -1: the shape's.
 int cmd_model_synth(const std::string& shape, const std::string& type, int64_t layers, uint64_t seed,

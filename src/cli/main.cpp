@@ -95,10 +95,13 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     auto& tok_text = keep<std::string>(store);
     auto& tok_special = keep<bool>(store);
     tok_special = true;
+    auto& tok_jsonl = keep<bool>(store);
     CLI::App* c_tok = app.add_subcommand("tokenize", "print the token ids of a text");
     c_tok->add_option("-m,--model", tok_model, "GGUF model file")->capture_default_str();
     c_tok->add_option("text", tok_text, "text to tokenize (default: standard input)");
     c_tok->add_option("--parse-special", tok_special, "recognize special token texts")->capture_default_str();
+    c_tok->add_flag("--jsonl", tok_jsonl,
+                    "many texts: each line of standard input a JSON string, each line of output its ids");
 
     // duet model synth
     struct Synth {
@@ -121,8 +124,9 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     c_synth->callback([&sy = sy, &rc = rc] { rc = cmd_model_synth(sy.shape, sy.type, sy.layers, sy.seed, sy.out); });
 
     c_info->callback([&info_model = info_model, &rc = rc] { rc = cmd_info(info_model); });
-    c_tok->callback([&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &rc = rc, c_tok] {
-        rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special);
+    c_tok->callback([&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &tok_jsonl = tok_jsonl,
+                     &rc = rc, c_tok] {
+        rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special, tok_jsonl);
     });
 }
 

@@ -213,10 +213,10 @@ std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Comple
 }
 
 ToolCallParser front_detail::tool_parser(const std::string& completion_id, size_t index, ToolFormat f,
-                                         const std::vector<std::string>& names) {
+                                         const std::vector<std::string>& names, bool calls_only) {
     Fnv h;
     h.add(completion_id.data(), completion_id.size());
-    return ToolCallParser(f, names, fmt::format("call_{:012x}_{}_", h.h & 0xffffffffffffull, index));
+    return ToolCallParser(f, names, fmt::format("call_{:012x}_{}_", h.h & 0xffffffffffffull, index), calls_only);
 }
 
 // The prompt's tokens: the chat template's text, token ids as given, or the text.
@@ -352,7 +352,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         std::vector<std::string> names;
         for (const ToolDef& d : c.r.tools) names.push_back(d.name);
         for (size_t i = 0; i < c.ch.size(); ++i)
-            c.ch[i].tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), names);
+            c.ch[i].tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), names,
+                                        c.r.tool_choice.mode != ToolChoiceMode::Auto);
     }
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;

@@ -67,6 +67,7 @@ struct FrontRecord {
     std::string echo;  // Completion's
     int keep = 1;
     std::vector<std::string> tool_names;  // the functions offered, when its calls are parsed
+    bool tool_calls_only = false;         // tool_choice required or named
 };
 
 // A request adopted from a dead front (Front::adopt_orphans), until its client comes
@@ -309,7 +310,7 @@ struct ChoiceStep {
 // a front record kept): its calls' ids are call_<hash of the completion's id>_<index>_<n>,
 // the same after a front restart.
 ToolCallParser tool_parser(const std::string& completion_id, size_t index, ToolFormat f,
-                           const std::vector<std::string>& names);
+                           const std::vector<std::string>& names, bool calls_only);
 
 // Turns the log-probability rows of output tokens [from, to) into API entries.
 void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, int top, size_t from, size_t to);

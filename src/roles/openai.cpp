@@ -73,7 +73,7 @@ std::optional<ApiError> read_content(const json& c, size_t i, std::string& out) 
         out = c.get<std::string>();
     } else if (c.is_array()) {
         for (const json& part : c) {
-            if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
                 !part["text"].is_string())
                 return bad("messages",
                            fmt::format("messages[{}]: only text content parts ({{\"type\": \"text\", \"text\": "
@@ -98,7 +98,8 @@ std::optional<ApiError> read_message_calls(const json& calls, size_t i, ChatMess
         for (const auto& [key, v] : call.items())
             if (key != "id" && key != "type" && key != "function")
                 return wrong(fmt::format("'{}' is not a field of a call (id, type, function)", key));
-        if (call.value("type", "function") != "function") return wrong("only calls of type 'function' are supported");
+        if (call.contains("type") && call["type"] != "function")
+            return wrong("only calls of type 'function' are supported");
         const json& fn = call.value("function", json(nullptr));
         if (!call.contains("id") || !call["id"].is_string() || !fn.is_object() || !fn.contains("name") ||
             !fn["name"].is_string() || !fn.contains("arguments") || !fn["arguments"].is_string())
@@ -445,11 +446,13 @@ Field read_tools(const nlohmann::ordered_json& o, CompletionRequest& r) {
             // No parameters: a function of none.
             ojson params = ojson::parse(R"({"type": "object", "properties": {}, "additionalProperties": false})");
             if (auto p = fn.find("parameters"); p != fn.end() && !p->is_null()) params = *p;
-            // Arguments are a JSON object in every format: a schema without a type
-            // ({} included, which clients send for "any") is one of an object.
-            if (params.is_object() && !params.contains("type")) params["type"] = "object";
+            // Arguments are a JSON object in every format: {} (which clients send for
+            // "any arguments") and a schema of properties without a type are ones of
+            // an object.
+            if (params.is_object() && !params.contains("type") && (params.empty() || params.contains("properties")))
+                params["type"] = "object";
             if (!params.is_object() || params.value("type", ojson()) != "object")
-                return wrong("'function.parameters' must be a JSON schema of an object ({\"type\": \"object\", ...})");
+                return wrong("'function.parameters' must be a JSON schema with \"type\": \"object\" at its root");
             if (auto e = unsupported_schema_keyword(json::parse(params.dump())))
                 return wrong(fmt::format("function.parameters: {}", *e));
             d.parameters = params.dump();
@@ -497,6 +500,9 @@ Field read_tools(const nlohmann::ordered_json& o, CompletionRequest& r) {
                                                     "is none)",
                                                     r.grammar_param));
         if (r.ignore_eos) return bad("ignore_eos", "'ignore_eos' cannot be used with 'tools'");
+        // A stop string could cut a call's opening or its arguments (hermes' opening
+        // holds a newline; llama3-json's arguments end with a brace).
+        if (!r.stop.empty()) return bad("stop", "'stop' cannot be used with 'tools' so far");
         if (r.min_tokens > 0) return bad("min_tokens", "'min_tokens' cannot be used with 'tools'");
     }
     return std::nullopt;

@@ -34,7 +34,8 @@ std::string front_record_json(const Completion& c) {
                 {"return_kv", c.return_kv},
                 {"echo", c.echo},
                 {"keep", c.keep},
-                {"tool_names", names}}
+                {"tool_names", names},
+                {"tool_calls_only", c.r.tool_choice.mode != ToolChoiceMode::Auto}}
         .dump();
 }
 
@@ -63,6 +64,7 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
         f.echo = j.value("echo", std::string());
         f.keep = std::clamp(j.value("keep", f.r.n), 1, f.r.n);
         f.tool_names = j.value("tool_names", std::vector<std::string>());
+        f.tool_calls_only = j.value("tool_calls_only", false);
         if (f.refs.empty()) return std::nullopt;
         return f;
     } catch (const std::exception&) {
@@ -231,8 +233,14 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         ch.have = from[i];
         if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
         if (ch.feed(0, false)) ch.finish = finish_reason(Finish::StopString);
-        if (!fr->tool_names.empty()) ch.tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), fr->tool_names);
-        (void)ch.take(false);
+        if (!fr->tool_names.empty())
+            ch.tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), fr->tool_names, fr->tool_calls_only);
+        // Streamed: what was sent, through the calls' parser too; whole: the parser
+        // takes the whole text at the end (finish).
+        if (c.r.stream)
+            (void)ch.take(false);
+        else
+            (void)ch.stream.take(false);
         ch.lps_sent = ch.lps.size();
         ch.sent_have = ch.have;
         ch.first = last.empty();

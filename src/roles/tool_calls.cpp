@@ -102,12 +102,12 @@ std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const Too
         format["at_least_one"] = false;
         format["stop_after_first"] = !parallel;
     } else {
-        // Calls only, separated.
+        // Calls only, separated; a named function is called once.
         format["type"] = "tags_with_separator";
         format["tags"] = std::move(tags);
         format["separator"] = std::string(syn.separator);
         format["at_least_one"] = true;
-        format["stop_after_first"] = !parallel;
+        format["stop_after_first"] = !parallel || choice.mode == ToolChoiceMode::Named;
     }
     ojson st = ojson::object();
     st["type"] = "structural_tag";
@@ -156,8 +156,8 @@ Result<std::vector<ChatMessage>> render_tool_messages(ToolFormat f, std::span<co
     return out;
 }
 
-ToolCallParser::ToolCallParser(ToolFormat f, std::vector<std::string> names, std::string id_prefix)
-    : syn_(&tool_syntax(f)), names_(std::move(names)), id_prefix_(std::move(id_prefix)) {
+ToolCallParser::ToolCallParser(ToolFormat f, std::vector<std::string> names, std::string id_prefix, bool calls_only)
+    : syn_(&tool_syntax(f)), names_(std::move(names)), id_prefix_(std::move(id_prefix)), calls_only_(calls_only) {
     for (const std::string& n : names_) begins_.push_back(syn_->begin(n));
 }
 
@@ -171,20 +171,19 @@ ToolCallParser::Out ToolCallParser::feed(std::string_view text, bool terminal) {
     for (char c : text) step(c, out);
     if (terminal) {
         switch (state_) {
-            case State::Text:
-            case State::Begin: {  // an opener the output never finished is text; whitespace after a call is not
-                size_t ws = 0;
-                if (after_call_)
-                    while (ws < hold_.size() && is_space(hold_[ws])) ++ws;
-                release(std::string_view(hold_).substr(ws), out);
+            case State::Text: {  // a trigger's start is text; whitespace alone after a call (or first) is not
+                bool blank = after_call_;
+                for (char h : hold_) blank = blank && is_space(h);
+                if (!calls_only_ && !blank) release(hold_, out);
                 break;
             }
-            case State::Args:  // cut short: the call keeps the arguments it has
+            case State::Begin:  // a call cut short before its name was whole: no call, and not text
+            case State::Args:   // cut short: the call keeps the arguments it has
             case State::End: break;
         }
         hold_.clear();
         state_ = State::Text;
-        after_call_ = false;
+        after_call_ = true;
     }
     return out;
 }

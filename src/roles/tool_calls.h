@@ -15,7 +15,9 @@
 //               in <tools></tools> in the system message, results returned in a
 //               user message as <tool_response>...</tool_response>
 //   llama3-json Llama 3.x's JSON calls: {"name": "NAME", "parameters": ARGS}, the
-//               tools listed in the system message, results as ipython messages
+//               tools listed in the system message, results as ipython messages.
+//               A call has no opening of its own, so with tools offered (auto) text
+//               that starts as a call does ({"name": "...) is one.
 #pragma once
 
 #include <span>
@@ -39,7 +41,7 @@ enum class ToolChoiceMode : uint8_t {
     Auto,      // the model writes text, calls, or both; a call it opens is constrained
     None,      // no call: the tools are neither shown nor parsed
     Required,  // one call or more (one with parallel_tool_calls false), nothing else
-    Named,     // one call (or more) of the named function, nothing else
+    Named,     // one call of the named function, nothing else
 };
 struct ToolChoice {
     ToolChoiceMode mode = ToolChoiceMode::Auto;
@@ -86,21 +88,25 @@ struct ToolCallDelta {
 
 // Splits a choice's text into its content and its calls, as the text arrives. Only
 // text the format could not still turn into a call is released as content; a call's
-// arguments are released as they come. A run of whitespace right after a call is
-// kept back and dropped when another call or the end follows. Feeding a text in any
+// arguments are released as they come. A run of whitespace at the start or right
+// after a call is kept back and dropped when a call or the end follows (a whole
+// answer of calls has no content, as OpenAI's). Feeding a text in any
 // number of pieces gives the same content (concatenated), the same deltas
 // (concatenated per call) and the same calls.
 class ToolCallParser {
 public:
-    // names: the functions offered; id_prefix: the calls' ids are id_prefix + index.
-    ToolCallParser(ToolFormat f, std::vector<std::string> names, std::string id_prefix);
+    // names: the functions offered; id_prefix: the calls' ids are id_prefix + index;
+    // calls_only: the grammar allows calls and nothing else (tool_choice required or
+    // a named function), so text kept back at the end is a call cut short, dropped.
+    ToolCallParser(ToolFormat f, std::vector<std::string> names, std::string id_prefix, bool calls_only = false);
 
     struct Out {
         std::string content;
         std::vector<ToolCallDelta> deltas;  // one per call touched, in call order
     };
-    // The next piece of text; terminal: the text has ended (what was kept back is
-    // released, or dropped, and a call cut short keeps the arguments it has).
+    // The next piece of text; terminal: the text has ended. What was kept back is
+    // released (the start of a trigger) or dropped (whitespace after a call, a call
+    // opened whose name is not whole yet); a call cut short keeps the arguments it has.
     Out feed(std::string_view text, bool terminal);
     const std::vector<ChatToolCall>& calls() const { return calls_; }
     const std::string& content() const { return content_; }  // all released so far
@@ -116,9 +122,12 @@ private:
     std::vector<std::string> begins_;  // begin(name) of each offered function
     std::vector<std::string> names_;
     std::string id_prefix_;
+    bool calls_only_ = false;
     State state_ = State::Text;
     std::string hold_;         // text kept back: a possible trigger or begin, or an end being matched
-    bool after_call_ = false;  // Text right after a call: whitespace is kept back in hold_
+    // Text at the start or right after a call: whitespace is kept back in hold_ (and
+    // dropped if a call or the end follows).
+    bool after_call_ = true;
     // The arguments' JSON value being scanned.
     int depth_ = 0;
     bool started_ = false, in_string_ = false, escape_ = false;

@@ -7,8 +7,8 @@
   the client closing its connection just before the kill in every other run (the
   race that cut streams short and called them "stop": the old front cancelled the
   request on the closed connection before it died), the stream resumed with
-  Last-Event-ID once /health answers: its text, finish reason and [DONE] equal an
-  undisturbed run's; the launcher restarted the front exactly once per kill;
+  Last-Event-ID once /health answers: its text (a chat's tool calls too), finish
+  reason and [DONE] equal an undisturbed run's; the launcher restarted the front exactly once per kill;
 - a client that drops with the front alive resumes within --resume-grace and gets
   the rest exactly;
 - a client that drops and never comes back: its request is cancelled once the grace
@@ -49,6 +49,12 @@ BODIES = [
     # Ends early by a stop string (finish "stop" from the text, not the token).
     {"prompt": "Count from one to one hundred: one, two, three,", "max_tokens": MAX_TOKENS, "temperature": 0,
      "stop": [" nine"]},
+    # Chat with tool calls: the deltas' calls (names and arguments; ids are the
+    # request's own) continue where the kill cut them.
+    {"messages": [{"role": "user", "content": "The weather in Oslo and in Rome?"}], "max_tokens": MAX_TOKENS,
+     "temperature": 0.8, "seed": 3, "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]},
 ]
 
 
@@ -64,7 +70,7 @@ def front_pid():
 def read_events(resp, stop_after=None):
     """What a stream gave: its response id, text, finish reason, last event id, events,
     and whether it ended with [DONE]; stops reading after `stop_after` events."""
-    st = {"id": None, "text": "", "fin": None, "ev": None, "n": 0, "done": False}
+    st = {"id": None, "text": "", "calls": {}, "fin": None, "ev": None, "n": 0, "done": False}
     for raw in resp:
         line = raw.decode().rstrip("\n")
         if line.startswith("id: "):
@@ -79,6 +85,13 @@ def read_events(resp, stop_after=None):
             st["id"] = j["id"]
             for ch in j.get("choices", []):
                 st["text"] += ch.get("text") or ""
+                delta = ch.get("delta") or {}
+                st["text"] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:  # name once, then arguments, per call
+                    c = st["calls"].setdefault(call["index"], ["", ""])
+                    if "id" in call:
+                        c[0] += call["function"]["name"]
+                    c[1] += call["function"].get("arguments") or ""
                 st["fin"] = ch.get("finish_reason") or st["fin"]
             st["n"] += 1
             if stop_after is not None and st["n"] >= stop_after:
@@ -86,9 +99,23 @@ def read_events(resp, stop_after=None):
     return st
 
 
+def outcome(*parts):
+    """The text, the calls (each name and arguments, the parts' deltas joined) and the
+    finish reason of a stream read in parts."""
+    calls = {}
+    for st in parts:
+        for i, (name, args) in st["calls"].items():
+            c = calls.setdefault(i, ["", ""])
+            c[0] += name
+            c[1] += args
+    return "".join(st["text"] for st in parts), [tuple(calls[i]) for i in sorted(calls)], \
+        next((st["fin"] for st in reversed(parts) if st["fin"]), None)
+
+
 def start_stream(body):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    c.request("POST", "/v1/chat/completions" if "messages" in body else "/v1/completions",
+              json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     r = c.getresponse()
     check(r.status == 200, f"a stream: {r.status}")
     return c, r
@@ -126,9 +153,11 @@ try:
     for b in BODIES:
         c, r = start_stream(b)
         st = read_events(r)
-        check(st["done"] and st["text"], f"reference {b}: {st}")
-        refs.append((st["text"], st["fin"]))
-    check(refs[2][1] == "stop" and len(refs[2][0]) < len(refs[0][0]), f"the stop string ends it: {refs[2]}")
+        check(st["done"] and (st["text"] or st["calls"]), f"reference {b}: {st}")
+        refs.append(outcome(st))
+    check(refs[2][2] == "stop" and len(refs[2][0]) < len(refs[0][0]), f"the stop string ends it: {refs[2]}")
+    check(refs[3][1] and refs[3][1][0][0] == "get_weather" and refs[3][1][0][1].startswith("{")
+          and refs[3][2] in ("tool_calls", "length"), f"the tool-call stream: {refs[3]}")
     kills = 0
     last_kill = 0.0
     for run in range(RUNS):
@@ -152,7 +181,7 @@ try:
             check(time.monotonic() - t0 < 60 * time_scale(), f"run {run}: no front 60 s after the kill")
             time.sleep(0.05)
         if st["done"]:  # the whole stream arrived before the kill
-            check((st["text"], st["fin"]) == refs[b], f"run {run}: an undisturbed stream differs: {st} {refs[b]}")
+            check(outcome(st) == refs[b], f"run {run}: an undisturbed stream differs: {st} {refs[b]}")
             continue
         rr = resume(st["id"], st["ev"])
         if rr.status != 200:
@@ -160,7 +189,7 @@ try:
                          f"{rr.read()[:300]}")
         more = read_events(rr)
         check(more["done"], f"run {run}: the resumed stream ends with [DONE]: cut at {st}, then {more}")
-        got = (st["text"] + more["text"], more["fin"] or st["fin"])
+        got = outcome(st, more)
         check(got == refs[b], f"run {run} (body {b}, k={k}, client gone first: {close_first}, cut at event "
                               f"{st['ev']}): resumed {got!r} != undisturbed {refs[b]!r}")
     print(f"{RUNS} kill-and-resume runs in a row (kills after 1-40 events, half with the client gone first): "
@@ -179,7 +208,7 @@ try:
     if rr.status != 200:
         check(False, f"a resume after the client dropped: {rr.status} {rr.read()[:300]}")
     more = read_events(rr)
-    check(more["done"] and (st["text"] + more["text"], more["fin"]) == refs[1],
+    check(more["done"] and outcome(st, more) == refs[1],
           f"resumed after a drop: {st['text'] + more['text']!r} != {refs[1][0]!r}")
     print("a client that dropped its connection (front alive) resumes within the grace, identical: ok")
 
