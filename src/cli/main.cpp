@@ -124,10 +124,9 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     c_synth->callback([&sy = sy, &rc = rc] { rc = cmd_model_synth(sy.shape, sy.type, sy.layers, sy.seed, sy.out); });
 
     c_info->callback([&info_model = info_model, &rc = rc] { rc = cmd_info(info_model); });
-    c_tok->callback([&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &tok_jsonl = tok_jsonl,
-                     &rc = rc, c_tok] {
-        rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special, tok_jsonl);
-    });
+    c_tok->callback(
+        [&tok_model = tok_model, &tok_text = tok_text, &tok_special = tok_special, &tok_jsonl = tok_jsonl, &rc = rc,
+         c_tok] { rc = cmd_tokenize(tok_model, tok_text, c_tok->count("text") > 0, tok_special, tok_jsonl); });
 }
 
 void add_bench_stores(CLI::App& parent, Store& store, int& rc, const std::string& default_model);
