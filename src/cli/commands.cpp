@@ -164,6 +164,45 @@ int cmd_info(const std::string& path) {
     return 0;
 }
 
+int cmd_chat_template(const std::string& path, const std::string& name) {
+    auto f = GgufFile::open(path);
+    if (!f) {
+        std::fprintf(stderr, "duet: %s\n", f.error().message.c_str());
+        return 1;
+    }
+    auto tmpl = ChatTemplate::from_gguf(**f, name);
+    if (!tmpl) {
+        std::fprintf(stderr, "duet: %s: %s\n", path.c_str(), tmpl.error().message.c_str());
+        return 1;
+    }
+    std::string line;
+    while (std::getline(std::cin, line)) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        std::vector<ChatMessage> msgs;
+        bool ok = j.is_object() && j.contains("messages") && j["messages"].is_array();
+        for (const nlohmann::json& m : ok ? j["messages"] : nlohmann::json::array()) {
+            ok = ok && m.is_object() && m.contains("role") && m["role"].is_string() && m.contains("content") &&
+                 m["content"].is_string();
+            if (ok) msgs.emplace_back(m["role"].get<std::string>(), m["content"].get<std::string>());
+        }
+        const nlohmann::json& gen = ok ? j.value("add_generation_prompt", nlohmann::json(false)) : nlohmann::json();
+        if (!ok || !gen.is_boolean()) {
+            std::fprintf(stderr,
+                         "duet: a line is not {\"messages\": [{role, content}...], \"add_generation_prompt\": "
+                         "bool}: %.80s\n",
+                         line.c_str());
+            return 1;
+        }
+        auto text = tmpl->apply(msgs, gen.get<bool>());
+        if (!text) {
+            std::fprintf(stderr, "duet: %s\n", text.error().message.c_str());
+            return 1;
+        }
+        fmt::print("{}\n", nlohmann::json(*text).dump());
+    }
+    return 0;
+}
+
 int cmd_tokenize(const std::string& path, std::string text, bool have_text, bool parse_special, bool jsonl) {
     if (jsonl && have_text) {
         std::fprintf(stderr, "duet: --jsonl reads its texts from standard input, not the command line\n");

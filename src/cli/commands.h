@@ -36,6 +36,9 @@ int cmd_run(RunArgs args);
 int cmd_info(const std::string& model);
 // jsonl: each line of standard input a JSON string, tokenized to a line of ids (a
 // reference script's many texts, one process).
+// Conversations rendered by the model's chat template (or the named one), a JSON line
+// each way (a reference script's many conversations, one process).
+int cmd_chat_template(const std::string& model, const std::string& name);
 int cmd_tokenize(const std::string& model, std::string text, bool have_text, bool parse_special, bool jsonl = false);
 int cmd_bench_model(BenchArgs args);
 // duet model synth (model/synth.h): the shape and type by name; layers -1: the shape's.

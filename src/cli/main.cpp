@@ -103,6 +103,18 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     c_tok->add_flag("--jsonl", tok_jsonl,
                     "many texts: each line of standard input a JSON string, each line of output its ids");
 
+    // duet chat-template
+    auto& ct_model = keep<std::string>(store);
+    ct_model = default_model;
+    auto& ct_name = keep<std::string>(store);
+    CLI::App* c_ct = app.add_subcommand(
+        "chat-template",
+        "render conversations with the model's chat template: each line of standard input "
+        "{\"messages\": [...], \"add_generation_prompt\": bool}, each line of output the text as a JSON string");
+    c_ct->add_option("-m,--model", ct_model, "GGUF model file")->capture_default_str();
+    c_ct->add_option("--chat-template", ct_name, "override the chat template (chatml, smollm2, qwen2, llama3)");
+    c_ct->callback([&ct_model = ct_model, &ct_name = ct_name, &rc = rc] { rc = cmd_chat_template(ct_model, ct_name); });
+
     // duet model synth
     struct Synth {
         std::string shape = "llama3-8b", type = "q4_k", out;

@@ -27,10 +27,10 @@ import sys
 import tempfile
 import unicodedata
 
-import gguf
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from duet_e2e import check
+from vocab_gguf import vocab_of, write_vocab_gguf
 
 DUET = sys.argv[1]
 MODEL = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
@@ -79,33 +79,6 @@ def texts():
     return out
 
 
-def vocab_of(path):
-    r = gguf.GGUFReader(path)
-
-    def strs(key):
-        f = r.fields[key]
-        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-
-    types = r.fields["tokenizer.ggml.token_type"]
-    return strs("tokenizer.ggml.tokens"), [int(types.parts[i][0]) for i in types.data], strs("tokenizer.ggml.merges")
-
-
-def write_gguf(path, pre, tokens, types, merges):
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def reference(pre, tokens, merges):
     vocab = {}
     for i, t in enumerate(tokens):
@@ -138,7 +111,7 @@ check(all(nfc(t) for t in all_texts), "every text is NFC")
 with tempfile.TemporaryDirectory() as tmp:
     for pre in PATTERNS:
         path = os.path.join(tmp, f"{pre}.gguf")
-        write_gguf(path, pre, tokens, types, merges)
+        write_vocab_gguf(path, pre, tokens, types, merges)
         got = subprocess.run([DUET, "tokenize", "-m", path, "--parse-special", "0", "--jsonl"],
                              input="".join(json.dumps(t) + "\n" for t in all_texts), capture_output=True, text=True)
         check(got.returncode == 0, f"duet tokenize --jsonl ({pre}): {got.stderr}")
