@@ -706,8 +706,16 @@ Result<NewLog> write_new_log(const std::string& tmp, LogHeader& h, const std::st
         nl.last_crc = get<uint32_t>(rh, kRecHeaderCrc);
         nl.next_seq = 1;
     }
-    if (Status s = pwrite_iov(fd, 0, iov); !s) return make_error(s.error().kind, "{}: {}", tmp, s.error().message);
-    if (::fsync(fd) != 0) return errno_error("fsync", tmp);
+    // A failed write (a full disk) leaves no half-written file behind.
+    if (Status s = pwrite_iov(fd, 0, iov); !s) {
+        ::unlink(tmp.c_str());
+        return make_error(s.error().kind, "{}: {}", tmp, s.error().message);
+    }
+    if (::fsync(fd) != 0) {
+        const int e = errno;
+        ::unlink(tmp.c_str());
+        return errno_error("fsync", tmp, e);
+    }
     nl.fd = guard.release();
     return nl;
 }

@@ -9,7 +9,18 @@ test sees it), filled up; then
 - creating a context answers 507 too, and leaves nothing behind;
 - once there is room again, the same append succeeds and the context goes on exactly.
 
-Skipped (exit 77, saying why) where the kernel refuses a mount namespace or tmpfs.
+Then EIO: the contexts directory on an ext4 file system in a sparse image on that
+tmpfs (a loop device), the tmpfs filled up, so that the image's writes fail in the
+block layer and reach the server as EIO (what a failing disk gives):
+
+- an append answers 500 naming the context and the I/O error, not the server's
+  paths, and the context is unchanged and exact (its KV is in memory);
+- once the disk is back (space freed, the file system checked and mounted again),
+  a restarted server has the context as it was before the failed append, exactly,
+  and appends to it.
+
+Skipped (exit 77, saying why) where the kernel refuses a mount namespace or tmpfs;
+the EIO part is reported as not run where loop devices cannot be mounted.
 Usage: contexts_disk_test.py path/to/duet"""
 import json
 import os
@@ -20,7 +31,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from duet_e2e import check, check_restarts, drain, listening_port, skip, stop
+from duet_e2e import check, check_restarts, drain, listening_port, not_run, skip, stop
 
 DUET = sys.argv[1]
 
@@ -39,11 +50,20 @@ if os.environ.get("DUET_DISK_NS") != "1":
     sys.exit(r.returncode)
 
 cdir = os.environ["DUET_DISK_DIR"]
-serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "4", "--contexts-dir", cdir],
-                         stderr=subprocess.PIPE, text=True)
-port = listening_port(serve)
-check(port, "the server did not start")
-log = drain(serve)
+
+
+def start(contexts_dir):
+    """A server on contexts_dir: (process, its log); `port` is its port from now on."""
+    global port
+    proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "4", "--contexts-dir",
+                             contexts_dir], stderr=subprocess.PIPE, text=True)
+    port = listening_port(proc)
+    check(port, "the server did not start")
+    return proc, drain(proc)
+
+
+port = None
+serve, log = start(cdir)
 
 
 def call(method, path, body=None):
@@ -95,6 +115,7 @@ try:
     check(st == 507 and cdir not in json.dumps(j), f"a new context on a full disk: {st} {j}")
     st, j = call("GET", "/v1/contexts/b")
     check(st == 404, f"the refused context is not there: {st} {j}")
+    check(not [f for f in os.listdir(cdir) if f.startswith("b.")], f"no file of it is left: {os.listdir(cdir)}")
     print(f"a full disk: an append answers 507 ({msg[:100]}...), the context unchanged and exact; "
           "a create answers 507 and leaves nothing: ok")
     os.unlink(filler)
@@ -111,3 +132,74 @@ finally:
     if os.path.exists(filler):
         os.unlink(filler)
     stop(serve)
+
+
+def fill():
+    """Fills the tmpfs: what is left, in 64 KiB writes, until ENOSPC (unbuffered: no
+    rest for close to write again)."""
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+
+
+def run(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+img, fs = os.path.join(cdir, "eio.img"), os.path.join(cdir, "eio")
+os.mkdir(fs)
+run("truncate", "-s", "64M", img)
+made = run("mkfs.ext4", "-q", "-F", img)
+mounted = made.returncode == 0 and run("mount", "-o", "loop", img, fs).returncode == 0
+if not mounted:
+    not_run("loop", f"EIO: no ext4 on a loop device here ({made.stderr.strip() or 'mount -o loop failed'})")
+    print("ok")
+    sys.exit(0)
+edir = os.path.join(fs, "contexts")
+os.mkdir(edir)
+serve, log = start(edir)
+try:
+    added = list(range(2000, 2030))
+    st, j = call("POST", "/v1/contexts", {"id": "e", "tokens": list(range(1000, 1040))})
+    check(st == 201, f"create e: {st} {j}")
+    before = tokens("e")
+    fill()
+    st, j = call("POST", "/v1/contexts/e/append", {"tokens": added})
+    msg = j.get("error", {}).get("message", "")
+    check(st == 500, f"an append on a disk that answers EIO: {st} {j}")
+    check("context 'e'" in msg and "Input/output error" in msg and cdir not in msg,
+          f"the 500 names the context and the error, not the server's paths: {msg!r}")
+    check(tokens("e") == before, "the context is unchanged after the failed append")
+    exact("e", "after an append that met EIO")
+    print(f"EIO: an append answers 500 ({msg[:110]}...), the context unchanged and exact: ok")
+except SystemExit:
+    print("".join(log), file=sys.stderr)
+    raise
+finally:
+    stop(serve)
+    if os.path.exists(filler):
+        os.unlink(filler)
+# The disk back: checked (the journal was aborted on the failed writes) and mounted again.
+check(run("umount", fs).returncode == 0, "umount the image")
+fsck = run("e2fsck", "-f", "-y", img)
+check(fsck.returncode in (0, 1), f"e2fsck: {fsck.returncode} {fsck.stdout[-300:]} {fsck.stderr[-300:]}")
+check(run("mount", "-o", "loop", img, fs).returncode == 0, "mount the image again")
+serve, log = start(edir)
+try:
+    check(tokens("e") == before, "restarted on the disk that came back: the context as before the failed append")
+    exact("e", "restarted after EIO")
+    st, j = call("POST", "/v1/contexts/e/append", {"tokens": added})
+    check(st == 200 and tokens("e") == before + added, f"the append once the disk is back: {st} {j}")
+    exact("e", "after the append on the disk that came back")
+    check_restarts(port, 0)
+    print("the disk back: a restarted server has the context as it was, exactly, and appends to it: ok")
+except SystemExit:
+    print("".join(log), file=sys.stderr)
+    raise
+finally:
+    stop(serve)
+    run("umount", fs)
+print("ok")
