@@ -52,6 +52,7 @@ constexpr const char* kGrace = "--grace";
 constexpr const char* kChatTemplate = "--chat-template";
 constexpr const char* kContextsDir = "--contexts-dir";
 constexpr const char* kContextsMax = "--contexts-max";
+constexpr const char* kResponsesMax = "--responses-max";
 constexpr const char* kContextsDiskMax = "--contexts-disk-max";
 constexpr const char* kApiKey = "--api-key";
 constexpr const char* kPublicMetrics = "--public-metrics";
@@ -88,10 +89,16 @@ std::string negated(const char* l) { return std::string("!") + l; }
 const char* const kQgemvHelp =
     "decode projections of up to 8 tokens from the GGUF blocks (Q4_0, Q4_1, Q8_0) instead of cuBLAS over bf16";
 
-// --contexts-dir, --contexts-max, --contexts-disk-max: serve's, passed on to the front.
-void add_contexts_flags(CLI::App& c, std::string& dir, int& max, uint64_t& disk_max) {
+// --contexts-dir, --contexts-max, --contexts-disk-max, --responses-max: serve's,
+// passed on to the front.
+void add_contexts_flags(CLI::App& c, std::string& dir, int& max, uint64_t& disk_max, int& responses_max) {
     c.add_option(kContextsDir, dir, kContextsDirHelp);
     c.add_option(kContextsMax, max, "contexts kept at most (429 past it)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
+    c.add_option(kResponsesMax, responses_max,
+                 "stored /v1/responses kept at most, the least recently used forgotten first (durable contexts with "
+                 "--contexts-dir, else in memory)")
         ->capture_default_str()
         ->check(CLI::Range(1, 1 << 20));
     c.add_option(kContextsDiskMax, disk_max, kContextsDiskHelp)
@@ -203,7 +210,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
                  "(25% at most) before an idle worker changes role, taking its cores to the busy role (0: never)")
         ->capture_default_str()
         ->check(CLI::Range(0, 3600));
-    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
+    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max, s.responses_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
@@ -220,7 +227,7 @@ void add_front_flags(CLI::App& c, FrontSettings& s) {
     c.add_option(kGrace, s.grace_s, "seconds running requests get to finish on SIGTERM")->capture_default_str();
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kCpus, s.cpus, "pin the front (all its threads) to these CPUs");
-    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max);
+    add_contexts_flags(c, s.contexts_dir, s.contexts_max, s.contexts_disk_max, s.responses_max);
     c.add_option(kApiKey, s.api_key, kApiKeyHelp)->envname("DUET_API_KEY");
     c.add_flag(kPublicMetrics, s.public_metrics, "serve /metrics without the API key (a local scraper)");
     c.add_option(kResumeWindow, s.resume_window_s, kResumeWindowHelp)->capture_default_str()->check(CLI::Range(0, 3600));
@@ -277,6 +284,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put_if(kContextsDir, f->contexts_dir);
         put(kContextsMax, std::to_string(f->contexts_max));
         put(kContextsDiskMax, std::to_string(f->contexts_disk_max));
+        put(kResponsesMax, std::to_string(f->responses_max));
         if (f->public_metrics) a.emplace_back(kPublicMetrics);
         put(kResumeWindow, std::to_string(f->resume_window_s));
         put(kResumeGrace, std::to_string(f->resume_grace_s));

@@ -217,6 +217,8 @@ int cmd_front(const FrontSettings& a) {
         fo.admission.kv_high = a.scheduling.admit_kv;
         fo.admission.kv_low = std::max(0.0, a.scheduling.admit_kv - 0.1);
         fo.request_timeout_s = a.scheduling.request_timeout_s;
+        fo.responses_max = static_cast<size_t>(a.responses_max);
+        if (!a.contexts_dir.empty()) fo.responses_dir = a.contexts_dir + "/responses";
         Front front(*inst, *self, **tok, *tmpl, fo);
         std::fprintf(stderr, "duet front: chat template %s; tool calls in the %s format\n",
                      std::string(tmpl->name()).c_str(),
@@ -382,6 +384,7 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
     if (s.kv_blocks > 0) inst_args += fmt::format(" --kv-blocks {}", s.kv_blocks);
     if (!s.contexts_dir.empty())
         inst_args += fmt::format(" --contexts-dir {} --contexts-max {}", s.contexts_dir, s.contexts_max);
+    if (s.responses_max != 256) inst_args += fmt::format(" --responses-max {}", s.responses_max);
     std::string env = "# duet systemd generate: the environment of every duet unit (/etc/duet/duet.env)\n";
     env += fmt::format("DUET_MODEL={}\nDUET_INSTANCE={}\nDUET_HOST={}\nDUET_PORT={}\n", env_quote(s.model),
                        env_quote(s.instance), env_quote(s.host), s.port);

@@ -52,9 +52,10 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
 }
 
 awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
-                                         std::string context) {
+                                         std::string context, ResponseRun* resp) {
     Completion c;
     c.chat = chat;
+    c.resp = resp;
     c.arrived = shm::monotonic_ns();
     c.context = std::move(context);
     c.xid = std::string(req["X-Request-Id"]);
@@ -152,10 +153,15 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                 f.impl_->store, [&]() -> awaitable<void> { svc.make_room(need, c.context); co_return; },
                 use_awaitable);
     }
-    c.id = request_id();
-    c.created = static_cast<int64_t>(time(nullptr));
+    c.id = c.resp ? c.resp->id : request_id();
+    c.created = c.resp ? c.resp->created : static_cast<int64_t>(time(nullptr));
     if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
+    if (c.r.stream && c.resp && !c.client_gone) {
+        c.resp->events.emplace(c.resp->rr, c.id, c.created, f.opts_.model_id);
+        for (const nlohmann::json& ev : c.resp->events->start())
+            if (!co_await write_typed_event(stream, ev)) c.client_gone = true;
+    }
     co_await follow(f, stream, c);
     co_return co_await end_completion(f, stream, req, c);
 }
@@ -176,6 +182,7 @@ awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream
     std::optional<ApiError> commit_error;
     if (!c.context.empty() && c.commit && !o.failed && !c.client_gone)
         commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
+    if (c.resp && !commit_error && !o.failed && !c.client_gone) commit_error = co_await store_response(f, c, o);
     if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
     if (commit_error) {
         if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
@@ -195,7 +202,8 @@ std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Comple
         return api_error(404, "invalid_request_error",
                          fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts_.model_id),
                          "model", "model_not_found");
-    if ((c.r.calls_tools() || c.r.tool_messages) && !c.context.empty())
+    // (A response's context holds its tool list from its first turn: responses_front.cpp.)
+    if ((c.r.calls_tools() || c.r.tool_messages) && !c.context.empty() && !c.resp)
         return api_error(400, "invalid_request_error",
                          "tools, tool calls and tool messages are not supported in a context's completions so far",
                          c.r.calls_tools() ? "tools" : "messages");
@@ -222,24 +230,25 @@ ToolCallParser front_detail::tool_parser(const std::string& completion_id, size_
 // The prompt's tokens: the chat template's text, token ids as given, or the text.
 std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
     CompletionRequest& r = c.r;
+    // Tools: their list (with the conversation's first turn), earlier calls and
+    // results, in the model's tool format.
+    std::vector<ChatMessage> rendered;
+    std::span<const ChatMessage> msgs = r.messages;
+    if (c.chat && (r.calls_tools() || r.tool_messages)) {
+        const bool list = r.calls_tools() && c.context_len == 0;
+        auto m = render_tool_messages(tool_format_of(f.tmpl_.format()),
+                                      list ? std::span<const ToolDef>(r.tools) : std::span<const ToolDef>(), r.messages,
+                                      f.tmpl_.default_system());
+        if (!m) return api_error(400, "invalid_request_error", m.error().message, "messages", "");
+        rendered = std::move(m).value();
+        msgs = rendered;
+    }
     if (c.chat && !c.context.empty()) {
         // The messages added to the context's conversation, the assistant's turn opened.
-        auto ids = f.opts_.contexts->turns().extend(c.context_len, r.messages, true);
+        auto ids = f.opts_.contexts->turns().extend(c.context_len, msgs, true);
         if (!ids) return api_error(400, "invalid_request_error", ids.error().message, "messages", "");
         c.prompt = std::move(ids).value();
     } else if (c.chat) {
-        // Tools: their list, earlier calls and results, in the model's tool format.
-        std::vector<ChatMessage> rendered;
-        std::span<const ChatMessage> msgs = r.messages;
-        if (r.calls_tools() || r.tool_messages) {
-            auto m =
-                render_tool_messages(tool_format_of(f.tmpl_.format()),
-                                     r.calls_tools() ? std::span<const ToolDef>(r.tools) : std::span<const ToolDef>(),
-                                     r.messages, f.tmpl_.default_system());
-            if (!m) return api_error(400, "invalid_request_error", m.error().message, "messages", "");
-            rendered = std::move(m).value();
-            msgs = rendered;
-        }
         auto text = f.tmpl_.apply(msgs, true);
         if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
         c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
@@ -389,8 +398,10 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     }
     // Resumable after a front restart (a context's completion too: the front that
     // resumes it commits it): the record goes in before any worker sees the request.
-    const std::string rec = front_record_json(c);
-    for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
+    // (Not a response: its answer's shape and its store are not in the record.)
+    const std::string rec = c.resp ? std::string() : front_record_json(c);
+    if (!c.resp)
+        for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
     f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
@@ -473,6 +484,15 @@ awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream,
                                             const ChoiceStep& step) {
     Choice& ch = c.ch[ci];
     Choice::Piece piece = ch.take(step.terminal);
+    if (c.resp) {  // a response's events
+        if (!c.resp->events) co_return;
+        for (const nlohmann::json& ev :
+             c.resp->events->piece(piece.text, piece.calls, ch.tools ? ch.tools->content_at() : 0))
+            if (!co_await write_typed_event(stream, ev)) c.client_gone = true;
+        ch.sent_have = ch.have;
+        ch.first = false;
+        co_return;
+    }
     if (piece.text.empty() && piece.calls.empty() && !ch.first) co_return;
     if (ch.first) piece.text.insert(0, c.echo);
     ch.sent_have = ch.have;
@@ -569,7 +589,15 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         if (ch.tools && !c.r.stream) {  // the whole text split as a stream of it would be
             o.texts.back().text = ch.tools->feed(o.texts.back().text, true).content;
             o.texts.back().tool_calls = ch.tools->calls();
+            o.texts.back().content_at = ch.tools->content_at();
             o.texts.back().finish_reason = ch.reason();
+        } else if (ch.tools) {  // streamed: what its parser will have made once fed the rest
+            ToolCallParser whole = *ch.tools;
+            whole.feed(std::string_view(ch.stream.text()).substr(ch.stream.taken()), true);
+            o.texts.back().text = whole.content();
+            o.texts.back().tool_calls = whole.calls();
+            o.texts.back().content_at = whole.content_at();
+            if (!whole.calls().empty() && ch.finish == "stop") o.texts.back().finish_reason = "tool_calls";
         }
     }
     if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
@@ -600,7 +628,15 @@ awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const R
                                     const Outcome& o) {
     if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
     if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
-    auto res = make_response(http::status::ok, completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u), req);
+    std::string body;
+    if (c.resp) {
+        const ResponseOutcome ro = response_outcome(c, o);
+        body = response_json(c.resp->rr, c.id, c.created, f.opts_.model_id, &ro)
+                   .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    } else {
+        body = completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u);
+    }
+    auto res = make_response(http::status::ok, std::move(body), req);
     beast::error_code ec;
     co_await http::async_write(stream, res, asio::redirect_error(use_awaitable, ec));
     co_return !ec;
@@ -613,6 +649,17 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
     bool ok = true;
     if (o.failed) {
         ok = co_await write_event(stream, error_json(failure(o.error_code)));
+    } else if (c.resp) {  // the rest, the items' ends, response.completed
+        Choice::Piece piece = c.ch[0].take(true);
+        std::vector<nlohmann::json> evs =
+            c.resp->events->piece(piece.text, piece.calls, c.ch[0].tools ? c.ch[0].tools->content_at() : 0);
+        const ResponseOutcome ro = response_outcome(c, o);
+        for (nlohmann::json& ev : c.resp->events->finish(ro)) evs.push_back(std::move(ev));
+        for (size_t i = 0; ok && i < evs.size(); ++i) ok = co_await write_typed_event(stream, evs[i]);
+        if (!ok) co_return false;
+        beast::error_code ec;
+        co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
+        co_return !ec;
     } else {
         for (Choice& ch : c.ch) ch.sent_have = ch.have;
         for (size_t ci = 0; ok && ci < c.ch.size(); ++ci) {

@@ -114,6 +114,19 @@ Status Front::start() {
     if (!ec) impl_->acceptor.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
     port_ = impl_->acceptor.local_endpoint().port();
+    responses_ = std::make_unique<ResponseStore>(opts_.responses_dir, opts_.responses_max);
+    std::vector<std::string> skipped;
+    if (Status st = responses_->open(skipped); !st) return make_error("responses: {}", st.error().message);
+    for (const std::string& name : skipped)
+        std::fprintf(stderr, "duet front: responses: %s is not a stored response; left as it is\n", name.c_str());
+    if (opts_.responses_dir.empty())
+        std::fprintf(stderr,
+                     "duet front: stored responses are kept in memory (at most %zu; --contexts-dir keeps them "
+                     "durable)\n",
+                     opts_.responses_max);
+    else
+        std::fprintf(stderr, "duet front: stored responses are durable contexts (%zu read back, at most %zu)\n",
+                     responses_->size(), opts_.responses_max);
     adopt_orphans();  // before the first connection: a client may come back at once
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
     loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);
@@ -379,6 +392,9 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
         if (auto id = orphan_of_xid(f, std::string(req["X-Request-Id"]))) co_return co_await resume(f, stream, req, *id, false);
         co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
     }
+    if (post && path == "/v1/responses") co_return co_await responses(f, stream, req);
+    if ((get || req.method() == http::verb::delete_) && path.rfind("/v1/responses/", 0) == 0 && path.size() > 14)
+        co_return co_await stored_response(f, stream, req, path.substr(14));
     if (get && path.rfind("/v1/requests/", 0) == 0 && path.size() > 20 && path.compare(path.size() - 7, 7, "/events") == 0)
         co_return co_await resume(f, stream, req, path.substr(13, path.size() - 20), true);
     if (path == "/v1/contexts" || path.rfind("/v1/contexts/", 0) == 0) co_return co_await contexts(f, stream, req, path);

@@ -27,6 +27,7 @@
 namespace duet {
 
 class ContextService;
+class ResponseStore;
 
 struct FrontOptions {
     std::string host = "127.0.0.1";
@@ -51,6 +52,10 @@ struct FrontOptions {
     // Classes, their targets and admission (engine/scheduling.h: --slo,
     // --admit-queue-tokens, --admit-slack).
     AdmissionOptions admission;
+    // /v1/responses' stored responses (roles/responses.h): their directory (""): in
+    // memory; with contexts, <contexts dir>/responses), and how many at most.
+    std::string responses_dir;
+    size_t responses_max = 256;
 };
 
 struct FrontCounters {
@@ -117,6 +122,7 @@ private:
     std::atomic<size_t> in_flight_{0};
     PrefillRouter router_;
     FrontCounters counters_;
+    std::unique_ptr<ResponseStore> responses_;  // opened by start()
     std::vector<std::thread> threads_;
     std::thread notifier_;
     std::atomic<bool> quit_{false};

@@ -25,6 +25,7 @@
 #include "roles/openai.h"
 #include "roles/recovery.h"
 #include "roles/request_data.h"
+#include "roles/responses.h"
 #include "roles/routing.h"
 #include "roles/stop_text.h"
 #include "roles/wire.h"
@@ -159,6 +160,8 @@ awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, ht
 // One SSE event; `id` (when not empty) is what a client sends back as Last-Event-ID
 // to resume the stream after a front restart (GET /v1/requests/{id}/events).
 awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload, const std::string& id = {});
+// One SSE event of a /v1/responses stream: "event: <its type>" and its JSON.
+awaitable<bool> write_typed_event(beast::tcp_stream& stream, const nlohmann::json& ev);
 
 // One choice of a completion: its request and what the front has made of its tokens.
 struct Choice {
@@ -228,11 +231,23 @@ struct Choice {
 
 static_assert(kMaxTopLogprobs == static_cast<int>(shm::kMaxTopLogprobs));
 
+// A /v1/responses request running as a chat completion (responses_front.cpp): what
+// was asked, its id, the conversation it stores, and its stream's events.
+struct ResponseRun {
+    ResponsesRequest rr;
+    std::string id;
+    int64_t created = 0;
+    std::vector<ChatMessage> convo;  // the conversation through its input (instructions apart)
+    bool own_context = false;        // its completion commits to a context of its id
+    std::optional<ResponseEvents> events;
+};
+
 // One completion while it runs: what was asked, its prompt, its choices (a request
 // slot each), and how its response goes.
 struct Completion {
     CompletionRequest r;
     bool chat = false;
+    ResponseRun* resp = nullptr;  // a /v1/responses request: answered as a Response
     // /v1/contexts/{id}/completions: the context's tokens go before the prompt, and
     // (commit) the prompt and the output join the context before the reply ends.
     std::string context;
@@ -353,7 +368,15 @@ struct FrontSession {
     // prompt, put its choices in the request table and send them to prefill, follow
     // them (streaming if asked) until all end, account for them, and reply.
     static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
-                                      std::string context = "");
+                                      std::string context = "", ResponseRun* resp = nullptr);
+    // /v1/responses (responses_front.cpp): POST runs one (as a chat completion, on a
+    // context with --contexts-dir); GET and DELETE a stored one.
+    static awaitable<bool> responses(Front& f, beast::tcp_stream& stream, Request& req);
+    static awaitable<bool> stored_response(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
+    // A finished response stored (before its reply: acknowledged means stored); the
+    // error when it could not be.
+    static awaitable<std::optional<ApiError>> store_response(Front& f, Completion& c, const Outcome& o);
+    static ResponseOutcome response_outcome(const Completion& c, const Outcome& o);
     static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
     static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
     static awaitable<bool> end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c);

@@ -113,6 +113,14 @@ awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload, cons
     co_return !ec;
 }
 
+awaitable<bool> write_typed_event(beast::tcp_stream& stream, const nlohmann::json& ev) {
+    std::string text = "event: " + ev.value("type", std::string()) +
+                       "\ndata: " + ev.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n\n";
+    beast::error_code ec;
+    co_await asio::async_write(stream, http::make_chunk(asio::buffer(text)), asio::redirect_error(use_awaitable, ec));
+    co_return !ec;
+}
+
 // Turns the log-probability rows of output tokens [from, to) into API entries.
 void read_logprobs(const shm::RequestTable& t, const Tokenizer& tok, Choice& c, int top, size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {

@@ -108,6 +108,7 @@ struct ServeSettings {
     std::string contexts_dir;
     int contexts_max = 1024;
     uint64_t contexts_disk_max = 0;  // bytes of logs at most (0: no limit)
+    int responses_max = 256;         // stored /v1/responses at most (FrontOptions::responses_max)
     // The API key (Bearer) every route but /health and /ready asks for ("": none).
     // Given to the front through its environment (DUET_API_KEY), never its argv.
     std::string api_key;
@@ -160,6 +161,7 @@ struct FrontSettings {
     std::string contexts_dir;  // "": no /v1/contexts
     int contexts_max = 1024;
     uint64_t contexts_disk_max = 0;
+    int responses_max = 256;
     std::string api_key;          // from --api-key or DUET_API_KEY (the launcher sets the latter)
     int resume_window_s = 30;
     int resume_grace_s = 5;

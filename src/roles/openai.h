@@ -105,6 +105,7 @@ struct ChoiceText {
     std::string text, finish_reason;
     std::vector<LogprobToken> logprobs;  // used when the request asked for them
     std::vector<ChatToolCall> tool_calls;  // chat with tools: the calls (text is the rest)
+    size_t content_at = 0;                 // the calls made before the first text (ToolCallParser::content_at)
 };
 
 // A whole (non-streamed) response, choices in index order.

@@ -83,7 +83,7 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
 // resumable (no grace, no front record, or not a stream); the caller cancels it.
 bool FrontSession::detach(Front& f, Completion& c) {
     // A context completion is not kept: its commit belongs to the connection that asked.
-    if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty()) return false;
+    if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty() || c.resp) return false;
     shm::RequestTable& t = f.inst_.requests();
     auto rec = t.front_data(c.ch[0].ref);
     if (!rec) return false;

@@ -154,6 +154,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             fs.contexts_dir = s.contexts_dir;
             fs.contexts_max = s.contexts_max;
             fs.contexts_disk_max = s.contexts_disk_max;
+            fs.responses_max = s.responses_max;
             fs.public_metrics = s.public_metrics;
             fs.resume_window_s = s.resume_window_s;
             fs.resume_grace_s = s.resume_grace_s;

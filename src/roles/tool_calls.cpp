@@ -162,6 +162,7 @@ ToolCallParser::ToolCallParser(ToolFormat f, std::vector<std::string> names, std
 }
 
 void ToolCallParser::release(std::string_view s, Out& out) {
+    if (content_.empty() && !s.empty()) content_at_ = calls_.size();
     out.content += s;
     content_ += s;
 }

@@ -110,6 +110,9 @@ public:
     Out feed(std::string_view text, bool terminal);
     const std::vector<ChatToolCall>& calls() const { return calls_; }
     const std::string& content() const { return content_; }  // all released so far
+    // How many calls had opened when the first content was released (the content's
+    // place among the calls; the calls' count while there is none).
+    size_t content_at() const { return content_.empty() ? calls_.size() : content_at_; }
 
 private:
     enum class State : uint8_t { Text, Begin, Args, End };
@@ -133,6 +136,7 @@ private:
     bool started_ = false, in_string_ = false, escape_ = false;
     std::vector<ChatToolCall> calls_;
     std::string content_;
+    size_t content_at_ = 0;
 };
 
 }  // namespace duet

@@ -3,8 +3,9 @@
 document (tests/fixtures/openai-openapi: its schemas, unchanged; the `jsonschema`
 package as the validator, not duet): chat completions whole (plain, logprobs, n = 2,
 tool calls, a JSON schema's answer) and every chunk of their streams (the usage chunk
-too), completions whole and streamed (logprobs, echo), /v1/models, and the errors of
-refused requests. Each body is read raw over HTTP, before any client library could
+too), completions whole and streamed (logprobs, echo), Responses objects (plain, a
+JSON schema, function calls, cut by max_output_tokens, stored and read back) and
+every event of their streams, /v1/models, and the errors of refused requests. Each body is read raw over HTTP, before any client library could
 fill in what is missing.
 
 Usage: openapi_test.py path/to/duet   (run with the venv's python)
@@ -46,12 +47,22 @@ def validator(name):
 
 
 SCHEMAS = {n: validator(n) for n in ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
-                                     "CreateCompletionResponse", "ErrorResponse", "ListModelsResponse")}
+                                     "CreateCompletionResponse", "ErrorResponse", "ListModelsResponse", "Response",
+                                     "ResponseStreamEvent")}
 counts = {n: 0 for n in SCHEMAS}
+
+
+# Each stream event's own schema, by its type (for a message that says what is wrong
+# rather than that no branch of the union matched).
+EVENT_SCHEMAS = {s["properties"]["type"]["enum"][0]: n for n, s in DOC["components"]["schemas"].items()
+                 if n.endswith("Event") and len(s.get("properties", {}).get("type", {}).get("enum", [])) == 1}
 
 
 def conforms(name, body, what):
     errors = sorted(SCHEMAS[name].iter_errors(body), key=lambda e: list(e.absolute_path))
+    if errors and name == "ResponseStreamEvent" and body.get("type") in EVENT_SCHEMAS:
+        errors = sorted(validator(EVENT_SCHEMAS[body["type"]]).iter_errors(body), key=lambda e: list(e.absolute_path))
+        check(errors, f"{what}: its own schema takes it, the union does not: {json.dumps(body)[:500]}")
     check(not errors, f"{what} does not conform to OpenAI's {name}: " +
           "; ".join(f"at /{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in errors[:5]) +
           f"\n{json.dumps(body)[:1500]}")
@@ -133,11 +144,40 @@ try:
             conforms("CreateCompletionResponse", ch, f"completions stream, {what}, chunk {i}")
     print(f"completions: {len(completions)} kinds of answer, whole and streamed: ok")
 
+    rtools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    responses = {
+        "plain": {"input": "Name three colours.", "instructions": "Be brief.", "max_output_tokens": 24,
+                  "temperature": 0},
+        "a JSON schema": {"input": "Name three colours.", "max_output_tokens": 60, "temperature": 0,
+                          "text": {"format": {"type": "json_schema", "name": "colours", "schema": {
+                              "type": "array", "items": {"type": "string"}, "maxItems": 3}}}},
+        "function calls": {"input": "Weather in Oslo and Rome?", "tools": rtools, "tool_choice": "required",
+                           "max_output_tokens": 80, "temperature": 0},
+        "cut by max_output_tokens": {"input": "Tell me a story.", "max_output_tokens": 3, "temperature": 0},
+    }
+    for what, body in responses.items():
+        st, data = post("/v1/responses", body)
+        check(st == 200, f"responses, {what}: {st} {data[:300]}")
+        resp = json.loads(data)
+        conforms("Response", resp, f"responses, {what}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/responses/{resp['id']}", timeout=30) as r:
+            conforms("Response", json.loads(r.read()), f"responses, {what}, read back")
+        st, data = post("/v1/responses", dict(body, stream=True))
+        check(st == 200, f"responses stream, {what}: {st} {data[:300]}")
+        evs = events(data)
+        check(len(evs) >= 4, f"responses stream, {what}: {len(evs)} events")
+        for i, ev in enumerate(evs):
+            conforms("ResponseStreamEvent", ev, f"responses stream, {what}, event {i} ({ev.get('type')})")
+    print(f"responses: {len(responses)} kinds of answer, whole, read back, and every event of their streams: ok")
+
     refused = {
         "/v1/chat/completions": [{"messages": msgs, "frobnicate": 1}, {"messages": []},
                                  {"messages": msgs, "tools": [{"type": "web_search_preview"}]},
                                  {"messages": msgs, "model": "no-such-model"}],
         "/v1/completions": [{"prompt": "x", "max_tokens": -1}, {"prompt": "x", "suffix": "y"}],
+        "/v1/responses": [{"input": "x", "background": True}, {"input": "x", "tools": [{"type": "web_search"}]},
+                          {"input": "x", "previous_response_id": "resp_none"}],
     }
     for path, bodies in refused.items():
         for body in bodies:
