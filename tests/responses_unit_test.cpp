@@ -53,15 +53,16 @@ TEST(Responses, ARequestBecomesAChatCompletion) {
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
         {"type": "function_call_output", "call_id": "c1", "output": "one"}]})");
-    ASSERT_EQ(r.input.size(), 5u);
+    ASSERT_EQ(r.input.size(), 4u);
     EXPECT_EQ(r.input[0].role, "system");
     EXPECT_EQ(r.input[1].content, "ab");
+    // The assistant's text and the calls after it: one message, as a stored output.
+    EXPECT_EQ(r.input[2].role, "assistant");
     EXPECT_EQ(r.input[2].content, "c");
-    EXPECT_EQ(r.input[3].role, "assistant");
-    EXPECT_EQ(r.input[3].tool_calls, (std::vector<ChatToolCall>{{"c1", "f", "{}"}, {"c2", "g", "{\"x\": 1}"}}));
-    EXPECT_EQ(r.input[4].role, "tool");
-    EXPECT_EQ(r.input[4].tool_call_id, "c1");
-    EXPECT_EQ(r.input[4].content, "one");
+    EXPECT_EQ(r.input[2].tool_calls, (std::vector<ChatToolCall>{{"c1", "f", "{}"}, {"c2", "g", "{\"x\": 1}"}}));
+    EXPECT_EQ(r.input[3].role, "tool");
+    EXPECT_EQ(r.input[3].tool_call_id, "c1");
+    EXPECT_EQ(r.input[3].content, "one");
     // What is shown before the conversation decides whether a continuation reuses KV.
     EXPECT_NE(ok(R"({"input": "x", "instructions": "A"})").shown, ok(R"({"input": "x", "instructions": "B"})").shown);
     EXPECT_EQ(ok(R"({"input": "x", "instructions": "A"})").shown, ok(R"({"input": "y", "instructions": "A"})").shown);
@@ -86,6 +87,11 @@ TEST(Responses, WhatCannotBeHonouredIsRefusedNamingIt) {
     EXPECT_EQ(refused(R"({"input": "x", "stream_options": {"include_obfuscation": true}})"), "stream_options");
     EXPECT_EQ(refused(R"({"input": "x", "metadata": {"k": 1}})"), "metadata");
     EXPECT_EQ(refused(R"({"input": "x", "store": "yes"})"), "store");
+    EXPECT_EQ(
+        refused(R"({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1}]})"),
+        "input");
+    EXPECT_EQ(refused(R"({"input": [{"type": "function_call_output", "call_id": "c", "output": "o", "x": 1}]})"),
+              "input");
     // Asking for nothing is not refused; OpenAI's bookkeeping is ignored.
     ok(R"({"input": "x", "background": false, "truncation": "disabled", "include": [], "reasoning": null,
         "user": "u", "safety_identifier": "s", "prompt_cache_key": "k", "service_tier": "auto",
@@ -116,6 +122,13 @@ TEST(Responses, TheObjectListsTextAndCallsInTheOrderTheyCame) {
     const nlohmann::json cut = response_json(r, "resp_1", 100, "m", &o);
     EXPECT_EQ(cut["status"], "incomplete");
     EXPECT_EQ(cut["incomplete_details"]["reason"], "max_output_tokens");
+    EXPECT_EQ(cut["output"][0]["status"], "incomplete");
+    EXPECT_FALSE(cut.contains("completed_at"));
+    o.finish = "timeout";  // duet's timeout, or cancelled
+    EXPECT_EQ(response_json(r, "resp_1", 100, "m", &o)["status"], "cancelled");
+    o.finish = "stop";
+    o.completed_at = 123;
+    EXPECT_EQ(response_json(r, "resp_1", 100, "m", &o)["completed_at"], 123);
     EXPECT_FALSE(response_json(r, "resp_1", 100, "m", nullptr).contains("usage"));  // in progress
 }
 
@@ -158,6 +171,12 @@ TEST(Responses, AStreamsEventsAddUpToTheWholeObject) {
     EXPECT_EQ(evs[2]["output_index"], 0);
     EXPECT_EQ(evs[5]["output_index"], 1);  // the message after the call, as in the whole object
     EXPECT_EQ(evs.back()["response"], response_json(r, "resp_9", 7, "m", &o));
+    ApiError err;
+    err.message = "no worker";
+    const nlohmann::json failed = e.error(err);
+    EXPECT_EQ(failed["type"], "error");
+    EXPECT_EQ(failed["message"], "no worker");
+    EXPECT_EQ(failed["sequence_number"], evs.size());
 }
 
 TEST(Responses, TheStoreReadsBackWhatItKeptAndForgetsTheLeastRecentlyUsed) {

@@ -186,7 +186,10 @@ awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream
     if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
     if (commit_error) {
         if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
-        co_await write_event(stream, error_json(*commit_error));
+        if (c.resp && c.resp->events)
+            co_await write_typed_event(stream, c.resp->events->error(*commit_error));
+        else
+            co_await write_event(stream, error_json(*commit_error));
         co_return false;
     }
     co_return co_await reply(f, stream, req, c, o);
@@ -647,7 +650,13 @@ awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const R
 awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o) {
     if (c.client_gone) co_return false;
     bool ok = true;
-    if (o.failed) {
+    if (o.failed && c.resp) {  // a Responses stream's error event, and its end
+        if (co_await write_typed_event(stream, c.resp->events->error(failure(o.error_code)))) {
+            beast::error_code ec;
+            co_await asio::async_write(stream, http::make_chunk_last(), asio::redirect_error(use_awaitable, ec));
+        }
+        co_return false;
+    } else if (o.failed) {
         ok = co_await write_event(stream, error_json(failure(o.error_code)));
     } else if (c.resp) {  // the rest, the items' ends, response.completed
         Choice::Piece piece = c.ch[0].take(true);

@@ -1,5 +1,7 @@
 #include "roles/front_session.h"
 
+#include <set>
+
 #include "roles/worker_stats.h"
 
 namespace duet {
@@ -119,6 +121,19 @@ Status Front::start() {
     if (Status st = responses_->open(skipped); !st) return make_error("responses: {}", st.error().message);
     for (const std::string& name : skipped)
         std::fprintf(stderr, "duet front: responses: %s is not a stored response; left as it is\n", name.c_str());
+    // Contexts of responses that were never stored (the process died between the two),
+    // or whose record was removed: nothing refers to them.
+    if (opts_.contexts && !opts_.responses_dir.empty()) {
+        const std::vector<std::string> kept = responses_->ids();
+        const std::set<std::string> known(kept.begin(), kept.end());
+        size_t swept = 0;
+        for (const ContextInfo& i : opts_.contexts->store().list())
+            if (i.id.rfind("resp_", 0) == 0 && !known.count(i.id) &&
+                opts_.contexts->handle("DELETE", "/v1/contexts/" + i.id, "", "").status < 400)
+                ++swept;
+        if (swept)
+            std::fprintf(stderr, "duet front: responses: %zu contexts no stored response refers to, removed\n", swept);
+    }
     if (opts_.responses_dir.empty())
         std::fprintf(stderr,
                      "duet front: stored responses are kept in memory (at most %zu; --contexts-dir keeps them "

@@ -240,6 +240,7 @@ struct ResponseRun {
     std::vector<ChatMessage> convo;  // the conversation through its input (instructions apart)
     bool own_context = false;        // its completion commits to a context of its id
     std::optional<ResponseEvents> events;
+    int64_t completed_at = 0;  // when it ended (response_outcome sets it)
 };
 
 // One completion while it runs: what was asked, its prompt, its choices (a request

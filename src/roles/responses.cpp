@@ -118,17 +118,23 @@ std::optional<ApiError> read_input(const ojson& in, std::vector<ChatMessage>& ou
             if (auto e = read_parts(it.value("content", ojson()), i, role == "assistant", m.content)) return e;
             out.push_back(std::move(m));
         } else if (type == "function_call") {
+            for (const auto& [k, v] : it.items())
+                if (k != "type" && k != "call_id" && k != "name" && k != "arguments" && k != "id" && k != "status")
+                    return bad("input", fmt::format("input[{}].{} is not supported", i, k));
             for (const char* k : {"call_id", "name", "arguments"})
                 if (!it.contains(k) || !it[k].is_string())
                     return bad("input", fmt::format("input[{}]: a function_call needs a string '{}'", i, k));
             if (!json::parse(it["arguments"].get<std::string>(), nullptr, false).is_object())
                 return bad("input", fmt::format("input[{}]: 'arguments' must be a JSON object in a string", i));
-            // Calls in a row are one assistant message's.
-            if (out.empty() || out.back().role != "assistant" || out.back().tool_calls.empty())
-                out.emplace_back("assistant", "");
+            // Calls after an assistant's text, or in a row, are that message's (as a
+            // response's output is stored).
+            if (out.empty() || out.back().role != "assistant") out.emplace_back("assistant", "");
             out.back().tool_calls.push_back(
                 {it["call_id"].get<std::string>(), it["name"].get<std::string>(), it["arguments"].get<std::string>()});
         } else if (type == "function_call_output") {
+            for (const auto& [k, v] : it.items())
+                if (k != "type" && k != "call_id" && k != "output" && k != "id" && k != "status")
+                    return bad("input", fmt::format("input[{}].{} is not supported", i, k));
             if (!it.contains("call_id") || !it["call_id"].is_string())
                 return bad("input", fmt::format("input[{}]: a function_call_output needs a string 'call_id'", i));
             ChatMessage m("tool", "");
@@ -282,8 +288,10 @@ std::variant<ResponsesRequest, ApiError> parse_responses(std::string_view body) 
     }
     // What the model is shown before the conversation: a continuation by context
     // needs the same.
+    // (The tool list is rendered when calls may be made: tool_choice none shows none.)
+    const bool listed = chat.contains("tools") && chat.value("tool_choice", ojson("auto")) != "none";
     r.shown = ojson({{"instructions", r.instructions ? ojson(*r.instructions) : ojson()},
-                     {"tools", chat.contains("tools") ? chat["tools"] : ojson()}})
+                     {"tools", listed ? chat["tools"] : ojson()}})
                   .dump();
     return r;
 }
@@ -300,21 +308,31 @@ json usage_json(const Usage& u) {
             {"total_tokens", u.prompt_tokens + u.completion_tokens}};
 }
 
-json message_item(const std::string& id, const std::string& text, bool done) {
+// An item's status: in_progress while it is written; completed, or incomplete when
+// the response was cut.
+json message_item(const std::string& id, const std::string& text, const char* status) {
     json content = json::array();
-    if (done || !text.empty())
+    if (std::string_view(status) != "in_progress" || !text.empty())
         content.push_back(
             {{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", json::array()}});
-    return {{"id", id},
-            {"type", "message"},
-            {"status", done ? "completed" : "in_progress"},
-            {"role", "assistant"},
-            {"content", content}};
+    return {{"id", id}, {"type", "message"}, {"status", status}, {"role", "assistant"}, {"content", content}};
 }
 
-json call_item(const std::string& id, const ChatToolCall& c, bool done) {
-    return {{"id", id},        {"type", "function_call"}, {"status", done ? "completed" : "in_progress"},
+json call_item(const std::string& id, const ChatToolCall& c, const char* status) {
+    const bool done = std::string_view(status) != "in_progress";
+    return {{"id", id},        {"type", "function_call"}, {"status", status},
             {"call_id", c.id}, {"name", c.name},          {"arguments", done ? c.arguments : std::string()}};
+}
+
+// The Response's status for a chat finish reason: cut by max_output_tokens
+// (incomplete), ended by its timeout or cancelled (cancelled), else completed.
+const char* status_of(const std::string& finish) {
+    if (finish == "length") return "incomplete";
+    if (finish == "timeout" || finish == "cancelled") return "cancelled";
+    return "completed";
+}
+const char* item_status(const char* status) {
+    return std::string_view(status) == "completed" ? "completed" : "incomplete";
 }
 
 std::string msg_id(const std::string& id) { return "msg_" + id.substr(5); }
@@ -343,11 +361,12 @@ json response_json(const ResponsesRequest& r, const std::string& id, int64_t cre
     std::string status = "in_progress";
     json incomplete = nullptr;
     if (o) {
+        const char* is = item_status(status_of(o->finish));
         for (size_t k = 0; k <= o->calls.size(); ++k) {
-            if (k == o->text_at && !o->text.empty()) out.push_back(message_item(msg_id(id), o->text, true));
-            if (k < o->calls.size()) out.push_back(call_item(fc_id(id, k), o->calls[k], true));
+            if (k == o->text_at && !o->text.empty()) out.push_back(message_item(msg_id(id), o->text, is));
+            if (k < o->calls.size()) out.push_back(call_item(fc_id(id, k), o->calls[k], is));
         }
-        status = o->finish == "length" ? "incomplete" : "completed";
+        status = status_of(o->finish);
         if (status == "incomplete") incomplete = {{"reason", "max_output_tokens"}};
     }
     json text_format = field("text", json::object());
@@ -376,7 +395,7 @@ json response_json(const ResponsesRequest& r, const std::string& id, int64_t cre
               {"metadata", field("metadata", json::object())}};
     if (b.contains("user") && b["user"].is_string()) j["user"] = b["user"];
     if (o) j["usage"] = usage_json(o->usage);
-    if (o && status == "completed") j["completed_at"] = created;
+    if (o && status == "completed") j["completed_at"] = o->completed_at;
     return j;
 }
 
@@ -400,7 +419,7 @@ std::vector<json> ResponseEvents::piece(const std::string& text, const std::vect
     auto open_message = [&] {
         message_index_ = next_index_++;
         out.push_back(ev("response.output_item.added",
-                         {{"output_index", message_index_}, {"item", message_item(msg_id(id_), "", false)}}));
+                         {{"output_index", message_index_}, {"item", message_item(msg_id(id_), "", "in_progress")}}));
         out.push_back(ev(
             "response.content_part.added",
             {{"item_id", msg_id(id_)},
@@ -414,9 +433,9 @@ std::vector<json> ResponseEvents::piece(const std::string& text, const std::vect
             if (message_index_ < 0 && !text.empty() && static_cast<size_t>(d.index) >= text_at) open_message();
             call_index_.push_back(next_index_++);
             calls_.push_back({d.id, d.name, ""});
-            out.push_back(ev("response.output_item.added",
-                             {{"output_index", call_index_.back()},
-                              {"item", call_item(fc_id(id_, static_cast<size_t>(d.index)), calls_.back(), false)}}));
+            out.push_back(ev("response.output_item.added", {{"output_index", call_index_.back()},
+                                                            {"item", call_item(fc_id(id_, static_cast<size_t>(d.index)),
+                                                                               calls_.back(), "in_progress")}}));
         }
         if (!d.arguments.empty()) {
             const size_t k = static_cast<size_t>(d.index);
@@ -437,6 +456,12 @@ std::vector<json> ResponseEvents::piece(const std::string& text, const std::vect
     return out;
 }
 
+json ResponseEvents::error(const ApiError& e) {
+    return ev("error", {{"code", e.code.empty() ? json(nullptr) : json(e.code)},
+                        {"message", e.message},
+                        {"param", e.param.empty() ? json(nullptr) : json(e.param)}});
+}
+
 std::vector<json> ResponseEvents::finish(const ResponseOutcome& o) {
     std::vector<json> out;
     // The items' ends, in output order.
@@ -452,8 +477,9 @@ std::vector<json> ResponseEvents::finish(const ResponseOutcome& o) {
                                                            {"logprobs", json::array()}}));
             out.push_back(ev("response.content_part.done",
                              {{"item_id", msg_id(id_)}, {"output_index", idx}, {"content_index", 0}, {"part", part}}));
-            out.push_back(ev("response.output_item.done",
-                             {{"output_index", idx}, {"item", message_item(msg_id(id_), text_, true)}}));
+            out.push_back(ev(
+                "response.output_item.done",
+                {{"output_index", idx}, {"item", message_item(msg_id(id_), text_, item_status(status_of(o.finish)))}}));
             continue;
         }
         for (size_t k = 0; k < call_index_.size(); ++k) {
@@ -463,12 +489,13 @@ std::vector<json> ResponseEvents::finish(const ResponseOutcome& o) {
                                                                        {"name", calls_[k].name},
                                                                        {"arguments", calls_[k].arguments}}));
             out.push_back(ev("response.output_item.done",
-                             {{"output_index", idx}, {"item", call_item(fc_id(id_, k), calls_[k], true)}}));
+                             {{"output_index", idx},
+                              {"item", call_item(fc_id(id_, k), calls_[k], item_status(status_of(o.finish)))}}));
         }
     }
     const json resp = response_json(r_, id_, created_, model_, &o);
     out.push_back(
-        ev(resp["status"] == "incomplete" ? "response.incomplete" : "response.completed", {{"response", resp}}));
+        ev(resp["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", resp}}));
     return out;
 }
 
@@ -507,6 +534,16 @@ ResponseStore::ResponseStore(std::string dir, size_t max) : dir_(std::move(dir))
 std::string ResponseStore::path_of(const std::string& id) const { return dir_ + "/" + id + ".json"; }
 
 namespace {
+// A file's directory synced: a rename or unlink in it is durable.
+void sync_dir(const std::string& path) {
+    const std::string dir = std::filesystem::path(path).parent_path().string();
+    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d >= 0) {
+        (void)::fsync(d);
+        ::close(d);
+    }
+}
+
 json record_json(const StoredResponse& r) {
     return {{"v", 1},
             {"response", r.response},
@@ -530,17 +567,15 @@ Status write_whole(const std::string& path, const std::string& text) {
         }
         at += static_cast<size_t>(n);
     }
-    if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-        const int e = errno;
+    const bool synced = ::fsync(fd) == 0;
+    const int e = errno;
+    ::close(fd);  // (always: a failed fsync must not leak it)
+    if (!synced || ::rename(tmp.c_str(), path.c_str()) != 0) {
+        const int err = synced ? errno : e;
         ::unlink(tmp.c_str());
-        return make_error(errno_kind(e), "storing a response file: {}", std::strerror(e));
+        return make_error(errno_kind(err), "storing a response file: {}", std::strerror(err));
     }
-    const std::string dir = std::filesystem::path(path).parent_path().string();
-    const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (d >= 0) {
-        (void)::fsync(d);
-        ::close(d);
-    }
+    sync_dir(path);
     return {};
 }
 }  // namespace
@@ -612,6 +647,7 @@ Result<std::vector<std::string>> ResponseStore::put(const StoredResponse& r) {
         if (!dir_.empty()) ::unlink(path_of(old).c_str());
         gone.push_back(old);
     }
+    if (!dir_.empty() && !gone.empty()) sync_dir(path_of(r.id));
     return gone;
 }
 
@@ -621,8 +657,16 @@ bool ResponseStore::remove(const std::string& id) {
     if (it == by_id_.end()) return false;
     lru_.erase(it->second.second);
     by_id_.erase(it);
-    if (!dir_.empty()) ::unlink(path_of(id).c_str());
+    if (!dir_.empty()) {
+        ::unlink(path_of(id).c_str());
+        sync_dir(path_of(id));
+    }
     return true;
+}
+
+std::vector<std::string> ResponseStore::ids() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {lru_.begin(), lru_.end()};
 }
 
 size_t ResponseStore::size() {

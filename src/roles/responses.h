@@ -58,8 +58,9 @@ struct ResponseOutcome {
     std::string text;
     std::vector<ChatToolCall> calls;
     size_t text_at = 0;  // where the message item goes among the calls (calls before it)
-    std::string finish;  // the chat finish reason
+    std::string finish;  // the chat finish reason (length: incomplete; timeout, cancelled: cancelled)
     Usage usage;
+    int64_t completed_at = 0;
 };
 
 // The Response object: in progress (o null) or finished.
@@ -76,6 +77,8 @@ public:
     std::vector<nlohmann::json> piece(const std::string& text, const std::vector<ToolCallDelta>& calls, size_t text_at);
     // The items' done events and response.completed (or .incomplete).
     std::vector<nlohmann::json> finish(const ResponseOutcome& o);
+    // An "error" event: the response failed (where a chat stream sends its error).
+    nlohmann::json error(const ApiError& e);
 
 private:
     nlohmann::json ev(std::string type, nlohmann::json fields);
@@ -112,6 +115,7 @@ public:
     // Stores r; returns the ids forgotten to make room (their contexts to remove).
     Result<std::vector<std::string>> put(const StoredResponse& r);
     bool remove(const std::string& id);
+    std::vector<std::string> ids();  // most recently used first
     bool durable() const { return !dir_.empty(); }
     size_t size();
 

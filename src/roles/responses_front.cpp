@@ -44,6 +44,19 @@ std::string chat_body(const nlohmann::ordered_json& base, const std::vector<Chat
     return chat.dump();
 }
 
+// A chat parse's error, naming the Responses field it came from.
+ApiError responses_error(ApiError e) {
+    static const std::pair<const char*, const char*> kNames[] = {
+        {"max_tokens", "max_output_tokens"}, {"response_format", "text"}, {"messages", "input"}};
+    for (const auto& [chat, resp] : kNames)
+        if (e.param == chat) {
+            e.param = resp;
+            if (e.message.find(chat) != std::string::npos)
+                e.message += fmt::format(" ('{}' as the chat API names it)", chat);
+        }
+    return e;
+}
+
 ApiError context_error(const ApiReply& r, const std::string& what) {
     auto j = nlohmann::json::parse(r.body, nullptr, false);
     const std::string msg = j.is_object() && j.contains("error") ? j["error"].value("message", r.body) : r.body;
@@ -54,6 +67,9 @@ ApiError context_error(const ApiReply& r, const std::string& what) {
 
 ResponseOutcome FrontSession::response_outcome(const Completion& c, const Outcome& o) {
     ResponseOutcome ro;
+    // When it ended: once (the stored object, the reply and the stream's last event agree).
+    if (c.resp->completed_at == 0) c.resp->completed_at = static_cast<int64_t>(time(nullptr));
+    ro.completed_at = c.resp->completed_at;
     if (!o.texts.empty()) {
         ro.text = o.texts[0].text;
         ro.calls = o.texts[0].tool_calls;
@@ -61,7 +77,6 @@ ResponseOutcome FrontSession::response_outcome(const Completion& c, const Outcom
         ro.finish = o.texts[0].finish_reason;
     }
     ro.usage = o.u;
-    (void)c;
     return ro;
 }
 
@@ -96,10 +111,28 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
     // (forked for this one when it is stored), or the whole conversation, on a new
     // context of its own when stored durably, else as it is.
     ContextService* svc = store.durable() ? f.opts_.contexts : nullptr;
+    // The request as the chat completion will read it, checked before any context is
+    // touched (its errors name the Responses field).
+    {
+        std::vector<ChatMessage> all;
+        if (rr.instructions) all.emplace_back("system", *rr.instructions);
+        all.insert(all.end(), run.convo.begin(), run.convo.end());
+        auto check = parse_completion(chat_body(rr.chat, all, "", false), true);
+        if (auto* e = std::get_if<ApiError>(&check)) co_return co_await error(f, stream, req, responses_error(*e));
+    }
     std::vector<ChatMessage> send;
     std::string context;
     bool commit = false;
-    const bool continues = svc && prev && prev->context && prev->shown == rr.shown;
+    // Continued from the previous response's context: it has one (still), and the
+    // new request shows the model what it showed.
+    bool continues = svc && prev && prev->context && prev->shown == rr.shown;
+    if (continues) {
+        const std::string path = "/v1/contexts/" + prev->id;
+        ApiReply r = co_await asio::co_spawn(
+            f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc->handle("GET", path, "", ""); },
+            use_awaitable);
+        continues = r.status == 200;
+    }
     std::string ctx_method, ctx_path, ctx_body;  // the context call before the completion, if any
     if (continues) {
         send = rr.input;
@@ -123,6 +156,17 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
         ApiReply r = co_await asio::co_spawn(
             f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc->handle(ctx_method, ctx_path, "", ctx_body); },
             use_awaitable);
+        if (r.status == 404 && continues) {
+            // The previous context went since it was looked at (deleted, pushed out):
+            // the conversation is rendered anew on a new context.
+            send.clear();
+            if (rr.instructions) send.emplace_back("system", *rr.instructions);
+            send.insert(send.end(), run.convo.begin(), run.convo.end());
+            r = co_await asio::co_spawn(
+                f.impl_->store,
+                [&]() -> awaitable<ApiReply> { co_return svc->handle("POST", "/v1/contexts", "", ctx_body); },
+                use_awaitable);
+        }
         if (r.status >= 400) co_return co_await error(f, stream, req, context_error(r, "storing the response"));
     }
     run.own_context = commit;
@@ -171,6 +215,10 @@ awaitable<std::optional<ApiError>> FrontSession::store_response(Front& f, Comple
 awaitable<bool> FrontSession::stored_response(Front& f, beast::tcp_stream& stream, Request& req,
                                               const std::string& id) {
     ResponseStore& store = *f.responses_;
+    if (const std::string q = target_query(req.target()); !q.empty())
+        co_return co_await error(f, stream, req,
+                                 api_error(400, "invalid_request_error",
+                                           fmt::format("query parameters ({}) are not supported here", q), "", ""));
     std::optional<StoredResponse> r = store.get(id);
     if (!r)
         co_return co_await error(

@@ -18,7 +18,9 @@
   by --responses-max is 404, and so is its context;
 - SIGKILL of every process, then a restart on the same --contexts-dir: every stored
   response reads back the same, and continuing one gives the same text as before the
-  kill, its earlier turns read from disk, not computed again;
+  kill, its earlier turns read from disk, not computed again; a response context no
+  stored response refers to is removed; a previous response whose context was removed
+  continues, rendered anew;
 - without --contexts-dir: stored in memory (said at start), previous_response_id
   works;
 - what cannot be honoured is a 400 naming it.
@@ -200,8 +202,17 @@ try:
         check(e.body.get("param") == "previous_response_id", f"{e.body}")
     print("GET, DELETE (its context too), store false: ok")
 
+    # A previous response whose context was removed (through /v1/contexts): the stored
+    # conversation is rendered anew.
+    req = urllib.request.Request(f"http://127.0.0.1:{s.port}/v1/contexts/{turns[0].id}", method="DELETE")
+    urllib.request.urlopen(req, timeout=30).read()
+    lost = c.responses.create(model=model, input="And of Italy?", previous_response_id=turns[0].id,
+                              instructions=kw["instructions"], max_output_tokens=40, temperature=0, store=False)
+    check(lost.output_text, f"continued without its context: {lost}")
+    print("a previous response whose context is gone: rendered anew: ok")
+
     # Refusals.
-    for field, extra in (("background", {"background": True}), ("tools", {"tools": [{"type": "web_search"}]}),
+    for field, extra in (("max_output_tokens", {"max_output_tokens": 0}),("background", {"background": True}), ("tools", {"tools": [{"type": "web_search"}]}),
                          ("reasoning", {"reasoning": {"effort": "low"}}), ("conversation", {"conversation": "c1"}),
                          ("input", {"input": [{"type": "input_image", "image_url": "x"}]}),
                          ("frobnicate", {"extra_body": {"frobnicate": 1}})):
@@ -210,17 +221,26 @@ try:
             check(False, f"{field} accepted")
         except openai.BadRequestError as e:
             check(e.body.get("param") == field, f"{field}: {e.body}")
+    check(s.status(f"/v1/responses/{turns[1].id}?stream=true") == 400, "a query on GET is refused")
     print("refusals name the field: ok")
 
     # SIGKILL of every process; a restart on the same directory.
     want = c.responses.create(model=model, input="And of Portugal?", previous_response_id=turns[-1].id,
                               instructions=kw["instructions"], max_output_tokens=40, temperature=0, store=False)
     stored = {r.id: c.responses.retrieve(r.id).model_dump() for r in turns + [f1]}
+    # A response's context no stored response refers to (as a death between the two
+    # leaves): the restart removes it.
+    req = urllib.request.Request(f"http://127.0.0.1:{s.port}/v1/contexts", method="POST",
+                                 data=json.dumps({"id": "resp_orphan", "tokens": [1, 2, 3]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
     s.kill_all()
     s = Server(instance, ["--contexts-dir", cdir, "--responses-max", "10"])
     c = s.c
     for rid, body in stored.items():
         check(c.responses.retrieve(rid).model_dump() == body, f"{rid} reads back the same after the SIGKILL")
+    check(s.status("/v1/contexts/resp_orphan") == 404 and any("no stored response refers to" in l for l in s.said),
+          "the context no response refers to is removed at the restart")
     again = c.responses.create(model=model, input="And of Portugal?", previous_response_id=turns[-1].id,
                                instructions=kw["instructions"], max_output_tokens=40, temperature=0, store=False)
     check(again.output_text == want.output_text,

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""A 10-turn conversation on `duet serve --contexts-dir`, two ways in the same run,
+one request at a time, greedy, streamed:
+
+- responses: each turn is client.responses.create(input=<the turn's question>,
+  previous_response_id=<the last turn's>): the server continues the stored context;
+- history: each turn is client.chat.completions.create(messages=<the whole
+  conversation so far>), as a client that keeps the conversation itself resends it
+  (the server's prefix cache may spare the repeated part while it holds it).
+
+Per turn: the prompt tokens the server computed (input less cached, from usage) and
+the time to the first token. Between turns 5 and 6 the server is SIGKILLed (every
+process) and restarted, as after a crash: the responses continue from the contexts
+on disk, the history is computed again from nothing (the prefix cache is memory).
+
+Usage: responses_bench.py path/to/duet [--turns N] [--tokens T]
+       (the venv's python: scripts/python-env)
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import openai
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
+from duet_e2e import drain  # noqa: E402
+
+QUESTIONS = ["Tell me about the history of Paris.", "What about its museums?", "Which one is the largest?",
+             "What can I see there?", "How long would a visit take?", "What else is nearby?",
+             "Where should I eat?", "What is a typical dish?", "How do I get there from the airport?",
+             "Summarize our conversation."]
+
+
+class Server:
+    def __init__(self, duet, instance, cdir):
+        self.instance = instance
+        self.p = subprocess.Popen([duet, "serve", "--port", "0", "--ctx", "4096", "--instance", instance,
+                                   "--contexts-dir", cdir], stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for line in self.p.stderr:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+        drain(self.p)
+        self.c = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                               timeout=600)
+        self.model = self.c.models.list().data[0].id
+
+    def kill(self):
+        os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+        for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
+            if os.path.exists(os.path.join("/dev/shm", f)):
+                os.unlink(os.path.join("/dev/shm", f))
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        self.p.wait(60)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("duet")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    cdir = tempfile.mkdtemp(prefix="duet-responses-bench-")
+    instance = f"duet-responses-bench-{os.getpid()}"
+    s = Server(args.duet, instance, cdir)
+    rows = []
+    prev = None
+    history = [{"role": "system", "content": "You are a helpful guide."}]
+    try:
+        for t in range(args.turns):
+            if t == 5:
+                s.kill()
+                s = Server(args.duet, instance, cdir)
+            q = QUESTIONS[t % len(QUESTIONS)]
+            # responses
+            t0, first, last = time.perf_counter(), None, None
+            for ev in s.c.responses.create(model=s.model, input=q, previous_response_id=prev,
+                                           instructions="You are a helpful guide.", max_output_tokens=args.tokens,
+                                           temperature=0, stream=True):
+                if ev.type == "response.output_text.delta" and first is None:
+                    first = time.perf_counter() - t0
+                if ev.type in ("response.completed", "response.incomplete"):
+                    last = ev.response
+            prev = last.id
+            r_in, r_cached = last.usage.input_tokens, last.usage.input_tokens_details.cached_tokens
+            r_ttft = first
+            # history
+            history.append({"role": "user", "content": q})
+            t0, first, text, usage = time.perf_counter(), None, "", None
+            for ev in s.c.chat.completions.create(model=s.model, messages=history, max_tokens=args.tokens,
+                                                  temperature=0, stream=True,
+                                                  stream_options={"include_usage": True}):
+                for ch in ev.choices:
+                    if ch.delta.content:
+                        if first is None:
+                            first = time.perf_counter() - t0
+                        text += ch.delta.content
+                if ev.usage:
+                    usage = ev.usage
+            history.append({"role": "assistant", "content": last.output_text})  # the same conversation
+            h_cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            rows.append((t + 1, r_in, r_in - r_cached, r_ttft, usage.prompt_tokens, usage.prompt_tokens - h_cached,
+                         first))
+    finally:
+        s.stop()
+    print("| turn | responses: input | computed | TTFT ms | history: input | computed | TTFT ms |")
+    print("|---|---|---|---|---|---|---|")
+    for t, ri, rc, rt, hi, hc, ht in rows:
+        mark = " (after the SIGKILL)" if t == 6 else ""
+        print(f"| {t}{mark} | {ri} | {rc} | {rt * 1e3:.0f} | {hi} | {hc} | {ht * 1e3:.0f} |")
+    print(f"\ncomputed prompt tokens in all: responses {sum(r[2] for r in rows)}, history {sum(r[5] for r in rows)}")
+
+
+if __name__ == "__main__":
+    main()
