@@ -6,12 +6,14 @@ one request at a time, greedy, streamed:
   previous_response_id=<the last turn's>): the server continues the stored context;
 - history: each turn is client.chat.completions.create(messages=<the whole
   conversation so far>), as a client that keeps the conversation itself resends it
-  (the server's prefix cache may spare the repeated part while it holds it).
+  (the server's prefix cache spares the repeated part while it holds it).
 
-Per turn: the prompt tokens the server computed (input less cached, from usage) and
-the time to the first token. Between turns 5 and 6 the server is SIGKILLed (every
-process) and restarted, as after a crash: the responses continue from the contexts
-on disk, the history is computed again from nothing (the prefix cache is memory).
+Each way on a server of its own (one after the other, so that neither warms the
+other's prefix cache). Per turn:
+the prompt tokens the server computed (input less cached, from usage) and the time
+to the first token. Before turn 6 each server is SIGKILLed (every process) and
+restarted, as after a crash: the responses continue from the contexts on disk, the
+history is computed again from nothing (the prefix cache is memory).
 
 Usage: responses_bench.py path/to/duet [--turns N] [--tokens T]
        (the venv's python: scripts/python-env)
@@ -63,61 +65,81 @@ class Server:
         self.p.wait(60)
 
 
+def run_responses(duet, turns, tokens):
+    """The conversation by previous_response_id, the server SIGKILLed and restarted
+    before turn 6: per turn (input, computed, TTFT s, the answer)."""
+    cdir = tempfile.mkdtemp(prefix="duet-responses-bench-")
+    instance = f"duet-responses-bench-{os.getpid()}"
+    s = Server(duet, instance, cdir)
+    rows, prev = [], None
+    try:
+        for t in range(turns):
+            if t == 5:
+                s.kill()
+                s = Server(duet, instance, cdir)
+            t0, first, last = time.perf_counter(), None, None
+            for ev in s.c.responses.create(model=s.model, input=QUESTIONS[t % len(QUESTIONS)],
+                                           previous_response_id=prev, instructions="You are a helpful guide.",
+                                           max_output_tokens=tokens, temperature=0, stream=True):
+                if ev.type == "response.output_text.delta" and first is None:
+                    first = time.perf_counter() - t0
+                if ev.type in ("response.completed", "response.incomplete"):
+                    last = ev.response
+            prev = last.id
+            u = last.usage
+            rows.append((u.input_tokens, u.input_tokens - u.input_tokens_details.cached_tokens, first,
+                         last.output_text))
+    finally:
+        s.stop()
+    return rows
+
+
+def run_history(duet, turns, tokens):
+    """The conversation resent whole each turn (chat completions, each answer as it
+    came), on a server of its own, SIGKILLed and restarted before turn 6."""
+    cdir = tempfile.mkdtemp(prefix="duet-history-bench-")
+    instance = f"duet-history-bench-{os.getpid()}"
+    s = Server(duet, instance, cdir)
+    rows = []
+    history = [{"role": "system", "content": "You are a helpful guide."}]
+    try:
+        for t in range(turns):
+            if t == 5:
+                s.kill()
+                s = Server(duet, instance, cdir)
+            history.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            t0, first, usage, answer = time.perf_counter(), None, None, ""
+            for ev in s.c.chat.completions.create(model=s.model, messages=history, max_tokens=tokens, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}):
+                for ch in ev.choices:
+                    if ch.delta.content:
+                        if first is None:
+                            first = time.perf_counter() - t0
+                        answer += ch.delta.content
+                if ev.usage:
+                    usage = ev.usage
+            history.append({"role": "assistant", "content": answer})
+            cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            rows.append((usage.prompt_tokens, usage.prompt_tokens - cached, first))
+    finally:
+        s.stop()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("duet")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    cdir = tempfile.mkdtemp(prefix="duet-responses-bench-")
-    instance = f"duet-responses-bench-{os.getpid()}"
-    s = Server(args.duet, instance, cdir)
-    rows = []
-    prev = None
-    history = [{"role": "system", "content": "You are a helpful guide."}]
-    try:
-        for t in range(args.turns):
-            if t == 5:
-                s.kill()
-                s = Server(args.duet, instance, cdir)
-            q = QUESTIONS[t % len(QUESTIONS)]
-            # responses
-            t0, first, last = time.perf_counter(), None, None
-            for ev in s.c.responses.create(model=s.model, input=q, previous_response_id=prev,
-                                           instructions="You are a helpful guide.", max_output_tokens=args.tokens,
-                                           temperature=0, stream=True):
-                if ev.type == "response.output_text.delta" and first is None:
-                    first = time.perf_counter() - t0
-                if ev.type in ("response.completed", "response.incomplete"):
-                    last = ev.response
-            prev = last.id
-            r_in, r_cached = last.usage.input_tokens, last.usage.input_tokens_details.cached_tokens
-            r_ttft = first
-            # history
-            history.append({"role": "user", "content": q})
-            t0, first, text, usage = time.perf_counter(), None, "", None
-            for ev in s.c.chat.completions.create(model=s.model, messages=history, max_tokens=args.tokens,
-                                                  temperature=0, stream=True,
-                                                  stream_options={"include_usage": True}):
-                for ch in ev.choices:
-                    if ch.delta.content:
-                        if first is None:
-                            first = time.perf_counter() - t0
-                        text += ch.delta.content
-                if ev.usage:
-                    usage = ev.usage
-            history.append({"role": "assistant", "content": last.output_text})  # the same conversation
-            h_cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            rows.append((t + 1, r_in, r_in - r_cached, r_ttft, usage.prompt_tokens, usage.prompt_tokens - h_cached,
-                         first))
-    finally:
-        s.stop()
+    resp = run_responses(args.duet, args.turns, args.tokens)
+    hist = run_history(args.duet, args.turns, args.tokens)
     print("| turn | responses: input | computed | TTFT ms | history: input | computed | TTFT ms |")
     print("|---|---|---|---|---|---|---|")
-    for t, ri, rc, rt, hi, hc, ht in rows:
+    for t, ((ri, rc, rt, _), (hi, hc, ht)) in enumerate(zip(resp, hist), 1):
         mark = " (after the SIGKILL)" if t == 6 else ""
         print(f"| {t}{mark} | {ri} | {rc} | {rt * 1e3:.0f} | {hi} | {hc} | {ht * 1e3:.0f} |")
-    print(f"\ncomputed prompt tokens in all: responses {sum(r[2] for r in rows)}, history {sum(r[5] for r in rows)}")
+    print(f"\ncomputed prompt tokens in all: responses {sum(r[1] for r in resp)}, history {sum(h[1] for h in hist)}")
 
 
 if __name__ == "__main__":
