@@ -30,7 +30,7 @@ import time
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
-from duet_e2e import drain  # noqa: E402
+from duet_e2e import drain, kill_server  # noqa: E402
 
 QUESTIONS = ["Tell me about the history of Paris.", "What about its museums?", "Which one is the largest?",
              "What can I see there?", "How long would a visit take?", "What else is nearby?",
@@ -54,11 +54,7 @@ class Server:
         self.model = self.c.models.list().data[0].id
 
     def kill(self):
-        os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
-        for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
-            if os.path.exists(os.path.join("/dev/shm", f)):
-                os.unlink(os.path.join("/dev/shm", f))
+        kill_server(self.p, self.instance)
 
     def stop(self):
         self.p.send_signal(signal.SIGTERM)

@@ -402,9 +402,10 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     // Resumable after a front restart (a context's completion too: the front that
     // resumes it commits it): the record goes in before any worker sees the request.
     // (Not a response: its answer's shape and its store are not in the record.)
-    const std::string rec = c.resp ? std::string() : front_record_json(c);
-    if (!c.resp)
+    if (!c.resp) {
+        const std::string rec = front_record_json(c);
         for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
+    }
     f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
     f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
     f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing

@@ -12,14 +12,16 @@ namespace duet {
 
 using nlohmann::json;
 
-namespace {
-
-ApiError bad(std::string param, std::string message) {
+ApiError bad_request(std::string param, std::string message) {
     ApiError e;
     e.param = std::move(param);
     e.message = std::move(message);
     return e;
 }
+
+namespace {
+
+ApiError bad(std::string param, std::string message) { return bad_request(std::move(param), std::move(message)); }
 
 // Reads an optional number field into out; an error if present with another type or
 // outside [lo, hi].

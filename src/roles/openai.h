@@ -31,6 +31,8 @@ struct ApiError {
 };
 // {"error": {"message", "type", "param", "code"}}
 std::string error_json(const ApiError& e);
+// A 400 invalid_request_error naming param ("": none).
+ApiError bad_request(std::string param, std::string message);
 
 struct CompletionRequest {
     bool chat = false;

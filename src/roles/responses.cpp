@@ -15,12 +15,7 @@ using nlohmann::json;
 
 namespace {
 
-ApiError bad(std::string param, std::string message) {
-    ApiError e;
-    e.param = std::move(param);
-    e.message = std::move(message);
-    return e;
-}
+ApiError bad(std::string param, std::string message) { return bad_request(std::move(param), std::move(message)); }
 
 // What the route does with each field (as kFields in openai.cpp does for chat).
 enum class Does : uint8_t { Honour, Ignore, Refuse };

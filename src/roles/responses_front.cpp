@@ -111,13 +111,13 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
     // (forked for this one when it is stored), or the whole conversation, on a new
     // context of its own when stored durably, else as it is.
     ContextService* svc = store.durable() ? f.opts_.contexts : nullptr;
-    // The request as the chat completion will read it, checked before any context is
-    // touched (its errors name the Responses field).
+    // The whole conversation, as rendered anew; checked as the chat completion will
+    // read it before any context is touched (its errors name the Responses field).
+    std::vector<ChatMessage> whole;
+    if (rr.instructions) whole.emplace_back("system", *rr.instructions);
+    whole.insert(whole.end(), run.convo.begin(), run.convo.end());
     {
-        std::vector<ChatMessage> all;
-        if (rr.instructions) all.emplace_back("system", *rr.instructions);
-        all.insert(all.end(), run.convo.begin(), run.convo.end());
-        auto check = parse_completion(chat_body(rr.chat, all, "", false), true);
+        auto check = parse_completion(chat_body(rr.chat, whole, "", false), true);
         if (auto* e = std::get_if<ApiError>(&check)) co_return co_await error(f, stream, req, responses_error(*e));
     }
     std::vector<ChatMessage> send;
@@ -144,8 +144,7 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
             context = prev->id;  // read, not changed
         }
     } else {
-        if (rr.instructions) send.emplace_back("system", *rr.instructions);
-        send.insert(send.end(), run.convo.begin(), run.convo.end());
+        send = whole;
         if (svc && rr.store) {
             ctx_method = "POST", ctx_path = "/v1/contexts", ctx_body = id_body(run.id);
             context = run.id;
@@ -159,9 +158,7 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
         if (r.status == 404 && continues) {
             // The previous context went since it was looked at (deleted, pushed out):
             // the conversation is rendered anew on a new context.
-            send.clear();
-            if (rr.instructions) send.emplace_back("system", *rr.instructions);
-            send.insert(send.end(), run.convo.begin(), run.convo.end());
+            send = whole;
             r = co_await asio::co_spawn(
                 f.impl_->store,
                 [&]() -> awaitable<ApiReply> { co_return svc->handle("POST", "/v1/contexts", "", ctx_body); },

@@ -243,13 +243,8 @@ void ToolCallParser::step(char c, Out& out) {
             }
             for (const std::string& b : begins_)
                 if (b.size() > hold_.size() && b.compare(0, hold_.size(), hold_) == 0) return;  // may still open one
-            // Not a call of any offered function (output not made under the grammar):
-            // text, and the last character may start a trigger again.
-            state_ = State::Text;
-            std::string held = std::exchange(hold_, {});
-            held.pop_back();
-            release(held, out);
-            step(c, out);
+            // Not a call of any offered function (output not made under the grammar).
+            back_to_text(c, out);
             return;
         }
         case State::Args: arg(c, out); return;
@@ -262,15 +257,21 @@ void ToolCallParser::step(char c, Out& out) {
                 return;
             }
             if (syn_->end.substr(0, hold_.size()) == hold_) return;
-            // Something else after the arguments: text.
-            state_ = State::Text;
-            std::string held = std::exchange(hold_, {});
-            held.pop_back();
-            release(held, out);
-            step(c, out);
+            // Something else after the arguments.
+            back_to_text(c, out);
             return;
         }
     }
+}
+
+// What was held (ending with c) is text after all: released, and c read again as
+// text (it may start a trigger).
+void ToolCallParser::back_to_text(char c, Out& out) {
+    state_ = State::Text;
+    std::string held = std::exchange(hold_, {});
+    held.pop_back();
+    release(held, out);
+    step(c, out);
 }
 
 // One character of a call's arguments (a JSON value): appended to the call and to

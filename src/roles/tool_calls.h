@@ -120,6 +120,7 @@ private:
     void release(std::string_view s, Out& out);
     void arg(char c, Out& out);
     void close_args(Out& out);
+    void back_to_text(char c, Out& out);
 
     const ToolSyntax* syn_;
     std::vector<std::string> begins_;  // begin(name) of each offered function

@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check_restarts, time_scale
+from duet_e2e import check_restarts, kill_server, time_scale
 
 DUET = sys.argv[1]
 # The decode kill's generation: long enough to be cut, short enough for ASan.
@@ -145,12 +145,7 @@ class Server:
         check_restarts(self.port, self.kills)
 
     def kill_all(self):  # SIGKILL of the whole process group: launcher, front, workers
-        os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
-        for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
-            for d in ("/dev/shm", "/dev/hugepages"):
-                if os.path.exists(os.path.join(d, f)):
-                    os.unlink(os.path.join(d, f))
+        kill_server(self.p, self.instance)
 
     def stop(self):
         self.p.send_signal(signal.SIGTERM)

@@ -100,6 +100,20 @@ def check_restarts(port, kills):
                                     "a role died on its own (its log says why)")
 
 
+def kill_server(proc, instance):
+    """SIGKILL of a `duet serve` started with start_new_session (its process group:
+    launcher, front, workers), as after a crash; its shared-memory segments removed,
+    as a machine's restart would."""
+    import os
+    import signal
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for f in (f"duet.{instance}", f"duet.{instance}.kv"):
+        for d in ("/dev/shm", "/dev/hugepages"):
+            if os.path.exists(os.path.join(d, f)):
+                os.unlink(os.path.join(d, f))
+
+
 def stop(proc, grace=60):
     """SIGTERM to a server, SIGKILL if it has not exited after `grace` seconds."""
     import signal

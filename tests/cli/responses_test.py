@@ -41,7 +41,7 @@ import urllib.request
 import jsonschema
 import openai
 
-from duet_e2e import check, check_restarts, drain
+from duet_e2e import check, check_restarts, drain, kill_server
 
 DUET = sys.argv[1]
 SUBSET = bool(os.environ.get("DUET_E2E_SUBSET"))
@@ -75,12 +75,7 @@ class Server:
             return e.code
 
     def kill_all(self):  # SIGKILL of the whole process group: launcher, front, workers
-        os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait()
-        for f in (f"duet.{self.instance}", f"duet.{self.instance}.kv"):
-            for d in ("/dev/shm", "/dev/hugepages"):
-                if os.path.exists(os.path.join(d, f)):
-                    os.unlink(os.path.join(d, f))
+        kill_server(self.p, self.instance)
 
     def stop(self):
         self.p.send_signal(signal.SIGTERM)
