@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check_restarts, kill_server, time_scale
+from duet_e2e import check_restarts, kill_server, stop, time_scale
 
 DUET = sys.argv[1]
 # The decode kill's generation: long enough to be cut, short enough for ASan.
@@ -148,11 +148,7 @@ class Server:
         kill_server(self.p, self.instance)
 
     def stop(self):
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
+        stop(self.p, instance=self.instance)
 
 
 def next_logprobs(port, cid):

@@ -114,12 +114,16 @@ def kill_server(proc, instance):
                 os.unlink(os.path.join(d, f))
 
 
-def stop(proc, grace=60):
-    """SIGTERM to a server, SIGKILL if it has not exited after `grace` seconds."""
+def stop(proc, grace=60, instance=None):
+    """SIGTERM to a server, SIGKILL if it has not exited after `grace` seconds (with
+    `instance`, of its whole process group, its segments removed: kill_server)."""
     import signal
     import subprocess
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        if instance is None:
+            proc.kill()
+        else:
+            kill_server(proc, instance)

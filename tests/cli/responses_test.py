@@ -30,7 +30,6 @@ Usage: responses_test.py path/to/duet   (run with the venv's python)
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import urllib.request
 import jsonschema
 import openai
 
-from duet_e2e import check, check_restarts, drain, kill_server
+from duet_e2e import check, check_restarts, drain, kill_server, stop
 
 DUET = sys.argv[1]
 SUBSET = bool(os.environ.get("DUET_E2E_SUBSET"))
@@ -78,11 +77,7 @@ class Server:
         kill_server(self.p, self.instance)
 
     def stop(self):
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
+        stop(self.p, instance=self.instance)
 
 
 def stream_of(c, **kw):
