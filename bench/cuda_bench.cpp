@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -212,27 +214,46 @@ Result<double> d2h_pageable_seconds(size_t bytes) {
 // on the device (forward_pick), greedy (Argmax) or sampled (Sample: temperature 0.8,
 // top-p 0.95, repetition penalty 1.1, the common chat settings).
 enum class Pick { Full, Argmax, Sample };
-Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx, int steps, Pick pick = Pick::Full) {
-    const int64_t nv = be.n_vocab();
-    std::vector<KvSeq> seqs(static_cast<size_t>(B));
-    std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(B));
-    auto release = [&] {
+// B sequences of ctx tokens each in the pool, prefilled once for every kind of
+// step timed over them (each kind truncates them back to ctx tokens when done).
+struct DecodeSeqs {
+    KvPool& pool;
+    std::vector<KvSeq> seqs;
+    std::vector<std::vector<int32_t>> prompts;
+    int ctx = 0;
+    explicit DecodeSeqs(KvPool& p) : pool(p) {}
+    DecodeSeqs(const DecodeSeqs&) = delete;
+    DecodeSeqs& operator=(const DecodeSeqs&) = delete;
+    ~DecodeSeqs() {
         for (KvSeq& s : seqs) s.release(pool);
-    };
+    }
+};
+
+Result<std::unique_ptr<DecodeSeqs>> prefill_seqs(CudaBackend& be, KvPool& pool, int B, int ctx) {
+    auto d = std::make_unique<DecodeSeqs>(pool);
+    d->seqs.resize(static_cast<size_t>(B));
+    d->prompts.resize(static_cast<size_t>(B));
+    d->ctx = ctx;
     std::vector<float> logits;
     // Prefill in passes of about 4096 tokens.
     const int per_pass = std::max(1, 4096 / std::max(1, ctx));
     for (int s0 = 0; s0 < B; s0 += per_pass) {
         std::vector<SeqBatch> batch;
         for (int s = s0; s < std::min(B, s0 + per_pass); ++s) {
-            prompts[static_cast<size_t>(s)] = synthetic_tokens(static_cast<size_t>(ctx), nv, static_cast<uint64_t>(s));
-            batch.push_back({&seqs[static_cast<size_t>(s)], prompts[static_cast<size_t>(s)].data(), ctx, false});
+            d->prompts[static_cast<size_t>(s)] =
+                synthetic_tokens(static_cast<size_t>(ctx), be.n_vocab(), static_cast<uint64_t>(s));
+            batch.push_back({&d->seqs[static_cast<size_t>(s)], d->prompts[static_cast<size_t>(s)].data(), ctx, false});
         }
-        if (Status st = be.forward(batch, logits); !st) {
-            release();
-            return st.error();
-        }
+        if (Status st = be.forward(batch, logits); !st) return st.error();
     }
+    return d;
+}
+
+// The median of `steps` decode steps over d's sequences (after two unmeasured ones:
+// graph capture), the token picked as `pick` says; d's sequences are back at ctx
+// tokens after.
+Result<double> decode_step_seconds(CudaBackend& be, DecodeSeqs& d, int steps, Pick pick = Pick::Full) {
+    const int B = static_cast<int>(d.seqs.size());
     std::vector<int32_t> next(static_cast<size_t>(B), 42);
     SamplingParams sp;
     sp.temperature = 0.8f;
@@ -241,23 +262,24 @@ Result<double> decode_step_seconds(CudaBackend& be, KvPool& pool, int B, int ctx
     std::vector<SampleRequest> reqs(static_cast<size_t>(B));
     std::vector<SeqBatch> step;
     for (int s = 0; s < B; ++s) {
-        step.push_back({&seqs[static_cast<size_t>(s)], &next[static_cast<size_t>(s)], 1, false, pick == Pick::Argmax});
+        step.push_back(
+            {&d.seqs[static_cast<size_t>(s)], &next[static_cast<size_t>(s)], 1, false, pick == Pick::Argmax});
         if (pick == Pick::Sample) {
-            reqs[static_cast<size_t>(s)] = SampleRequest{&sp, prompts[static_cast<size_t>(s)], {}, 0};
+            reqs[static_cast<size_t>(s)] = SampleRequest{&sp, d.prompts[static_cast<size_t>(s)], {}, 0};
             step.back().sample = &reqs[static_cast<size_t>(s)];
         }
     }
     std::vector<double> t;
+    std::vector<float> logits;
     std::vector<int32_t> am;
-    for (int i = 0; i < steps + 2; ++i) {
+    Status st;
+    for (int i = 0; i < steps + 2 && st; ++i) {
         const double t0 = now_s();
-        if (Status st = pick != Pick::Full ? be.forward_pick(step, logits, am) : be.forward(step, logits); !st) {
-            release();
-            return st.error();
-        }
-        if (i >= 2) t.push_back(now_s() - t0);  // two warm-up steps (graph capture)
+        st = pick != Pick::Full ? be.forward_pick(step, logits, am) : be.forward(step, logits);
+        if (st && i >= 2) t.push_back(now_s() - t0);  // two warm-up steps (graph capture)
     }
-    release();
+    for (KvSeq& s : d.seqs) s.truncate(d.pool, d.ctx);
+    if (!st) return st.error();
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
 }
@@ -324,7 +346,10 @@ Result<CudaBackend*> variant(CudaRun& r, std::unique_ptr<CudaBackend>& slot, voi
 // GEMV at some sizes.
 Result<nlohmann::json> decode_row(CudaRun& r, int B) {
     const CudaBenchOptions& o = r.o;
-    auto sec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps);
+    auto seqs = prefill_seqs(r.be, r.pool, B, o.ctx);
+    if (!seqs) return seqs.error();
+    DecodeSeqs& d = **seqs;
+    auto sec = decode_step_seconds(r.be, d, o.steps);
     if (!sec) return sec.error();
     // Attention reads K and V of every layer for each cached token (bytes_per_token).
     const double kv_read = static_cast<double>(B) * (o.ctx + 2 + o.steps / 2.0) *
@@ -344,25 +369,27 @@ Result<nlohmann::json> decode_row(CudaRun& r, int B) {
                           {"logits_copy_ms", *d2h * 1e3},
                           {"floor_with_logits_ms", floor_all * 1e3},
                           {"ratio_to_floor", *sec / floor_all}};
-    auto gsec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps, Pick::Argmax);
+    auto gsec = decode_step_seconds(r.be, d, o.steps, Pick::Argmax);
     if (!gsec) return gsec.error();
     row["argmax_step_ms"] = *gsec * 1e3;
     row["argmax_ratio_to_floor"] = *gsec / (floor + static_cast<double>(logit_bytes) / r.hbm);
-    auto ssec = decode_step_seconds(r.be, r.pool, B, o.ctx, o.steps, Pick::Sample);
-    if (!ssec) return ssec.error();
-    row["sampled_step_ms"] = *ssec * 1e3;
-    if (B == 1 || B == 64) {
+    if (o.sampled) {
+        auto ssec = decode_step_seconds(r.be, d, o.steps, Pick::Sample);
+        if (!ssec) return ssec.error();
+        row["sampled_step_ms"] = *ssec * 1e3;
+    }
+    if (o.eager && (B == 1 || B == 64)) {
         auto eager = variant(r, r.eager, [](CudaBackendOptions& v) { v.graphs = false; });
         if (!eager) return eager.error();
-        auto esec = decode_step_seconds(**eager, r.pool, B, o.ctx, o.steps);
+        auto esec = decode_step_seconds(**eager, d, o.steps);
         if (!esec) return esec.error();
         row["eager_step_ms"] = *esec * 1e3;
     }
-    if (B <= 8) {
+    if (o.qgemv && B <= 8) {
         // The same step with the projections from the GGUF blocks (quantized_gemv).
         auto qgemv = variant(r, r.qgemv, [](CudaBackendOptions& v) { v.quantized_gemv = true; });
         if (!qgemv) return qgemv.error();
-        auto qsec = decode_step_seconds(**qgemv, r.pool, B, o.ctx, o.steps);
+        auto qsec = decode_step_seconds(**qgemv, d, o.steps);
         if (!qsec) return qsec.error();
         row["qgemv_step_ms"] = *qsec * 1e3;
     }
@@ -614,28 +641,41 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     j["backend"] = (*be)->describe();
 
     CudaRun r{o, m, layout, pool, **be, co, s, *bw, *peak, matrix_params(m), nullptr, nullptr};
+    const auto progress = [](const char* name, const json& v) {
+        std::fprintf(stderr, "bench cuda: %s %s\n", name, v.dump().c_str());
+        std::fflush(stderr);
+    };
+    progress("references", j);
     auto prefill = prefill_figure(r);
     if (!prefill) return prefill.error();
     j["prefill"] = *prefill;
+    progress("prefill", *prefill);
     // Decode steps per batch size against (weights + KV read) / HBM bandwidth.
     json dec = json::array();
     for (int B : o.batches) {
         auto row = decode_row(r, B);
         if (!row) return row.error();
+        progress("decode", *row);
         dec.push_back(*row);
     }
     j["decode"] = dec;
     j["decode_ctx"] = o.ctx;
     j["graphs_captured"] = (*be)->graphs_captured();
-    auto kc = kv_copy_figure(r, (*mem)->data(), static_cast<int32_t>(blocks), *n_dev);
-    if (!kc) return kc.error();
-    j["kv_copy"] = *kc;
-    auto kst = kv_stage_figure(r, (*mem)->data(), static_cast<int32_t>(blocks));
-    if (!kst) return kst.error();
-    j["kv_stage"] = *kst;
-    auto q = qgemv_vs_bf16(m, *bw, s);
-    if (!q) return q.error();
-    j["qgemv"] = *q;
+    if (o.copies) {
+        auto kc = kv_copy_figure(r, (*mem)->data(), static_cast<int32_t>(blocks), *n_dev);
+        if (!kc) return kc.error();
+        j["kv_copy"] = *kc;
+        progress("kv_copy", *kc);
+        auto kst = kv_stage_figure(r, (*mem)->data(), static_cast<int32_t>(blocks));
+        if (!kst) return kst.error();
+        j["kv_stage"] = *kst;
+        progress("kv_stage", *kst);
+    }
+    if (o.qgemv) {
+        auto q = qgemv_vs_bf16(m, *bw, s);
+        if (!q) return q.error();
+        j["qgemv"] = *q;
+    }
     return j;
 }
 
@@ -658,14 +698,15 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
           "| eager step ms (no graph) | step ms with the quantized GEMV |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& r : j["decode"])
-        md += fmt::format("| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {:.3f} | {} | {} |\n",
-                          r["batch"].get<int>(), r["step_ms"].get<double>(), r["tokens_per_s"].get<double>(),
-                          r["floor_ms"].get<double>(), r["logits_copy_ms"].get<double>(),
-                          r["floor_with_logits_ms"].get<double>(), r["ratio_to_floor"].get<double>(),
-                          r["argmax_step_ms"].get<double>(), r["argmax_ratio_to_floor"].get<double>(),
-                          r["sampled_step_ms"].get<double>(),
-                          r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "",
-                          r.contains("qgemv_step_ms") ? fmt::format("{:.3f}", r["qgemv_step_ms"].get<double>()) : "");
+        md += fmt::format(
+            "| {} | {:.3f} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.3f} | {:.2f} | {} | {} | {} |\n",
+            r["batch"].get<int>(), r["step_ms"].get<double>(), r["tokens_per_s"].get<double>(),
+            r["floor_ms"].get<double>(), r["logits_copy_ms"].get<double>(), r["floor_with_logits_ms"].get<double>(),
+            r["ratio_to_floor"].get<double>(), r["argmax_step_ms"].get<double>(),
+            r["argmax_ratio_to_floor"].get<double>(),
+            r.contains("sampled_step_ms") ? fmt::format("{:.3f}", r["sampled_step_ms"].get<double>()) : "",
+            r.contains("eager_step_ms") ? fmt::format("{:.3f}", r["eager_step_ms"].get<double>()) : "",
+            r.contains("qgemv_step_ms") ? fmt::format("{:.3f}", r["qgemv_step_ms"].get<double>()) : "");
     if (j.contains("qgemv")) {
         const auto& q = j["qgemv"];
         md += fmt::format("\nDecode projections of one step, all layers (layer 0's matrices timed alone, x layers; the "
@@ -677,6 +718,7 @@ std::string cuda_bench_markdown(const nlohmann::json& j) {
             md += fmt::format("| {} | {:.3f} | {:.3f} | {:.2f} |\n", r["tokens"].get<int>(), r["bf16_ms"].get<double>(),
                               r["quantized_ms"].get<double>(), r["ratio"].get<double>());
     }
+    if (!j.contains("kv_copy")) return md;
     const auto& k = j["kv_copy"];
     md += fmt::format("\nHand-off KV copy, {} tokens ({} blocks, {:.1f} MiB), layer by layer into {} (plain copy {:.0f} GB/s):\n\n",
                       k["tokens"].get<int>(), k["blocks"].get<int>(), k["bytes"].get<double>() / 1048576.0,

@@ -32,10 +32,16 @@ struct CudaBenchOptions {
     int steps = 32;         // timed decode steps per batch size
     int prefill_tokens = 2048;
     KvDtype kv_dtype = KvDtype::F16;  // how the KV cache stores its values
+    // Figures left out, for a model at real size within a device check's minutes:
+    // sampled (the sampled step), eager (the graph-less backend: a second copy of
+    // the weights), qgemv (the quantized-GEMV backend and its projection table),
+    // copies (the hand-off copy and the mirror's).
+    bool sampled = true, eager = true, qgemv = true, copies = true;
 };
 
-// Runs everything; the figures as JSON ("hbm_gb_s", "bf16_tflops", "decode": [...],
-// "prefill": {...}, "kv_copy": {...}).
+// Runs everything asked for; each figure is also printed to stderr as one JSON line
+// when done (a run stopped at a time limit keeps what it measured); the figures as JSON ("hbm_gb_s", "bf16_tflops",
+// "decode": [...], "prefill": {...}, "kv_copy": {...}).
 Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o);
 
 // The same figures as a Markdown section (what scripts/gpu-check puts in its report).

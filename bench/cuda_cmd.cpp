@@ -35,6 +35,19 @@ int cmd_bench_cuda(const CudaBenchArgs& a) {
         return 2;
     }
     o.kv_dtype = *dt;
+    for (const std::string& f : a.skip) {
+        bool* flag = f == "sampled"  ? &o.sampled
+                     : f == "eager"  ? &o.eager
+                     : f == "qgemv"  ? &o.qgemv
+                     : f == "copies" ? &o.copies
+                                     : nullptr;
+        if (!flag) {
+            std::fprintf(stderr, "duet bench cuda: --skip: no figure '%s' (sampled, eager, qgemv, copies)\n",
+                         f.c_str());
+            return 2;
+        }
+        *flag = false;
+    }
     auto j = run_cuda_bench(o);
     if (!j) {
         std::fprintf(stderr, "duet bench cuda: %s\n", j.error().message.c_str());

@@ -17,6 +17,7 @@ struct CudaBenchArgs {
     std::string kv_dtype = "f16";
     bool json = false;
     std::string json_out;  // also write the JSON here
+    std::vector<std::string> skip;  // figures left out: sampled, eager, qgemv, copies
 };
 
 int cmd_bench_cuda(const CudaBenchArgs& a);

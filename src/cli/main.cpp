@@ -187,6 +187,11 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
     c_bc->add_option("--kv-dtype", cb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
+    c_bc->add_option(
+            "--skip", cb.skip,
+            "figures to leave out (a model at real size in a device check's minutes): sampled, eager, qgemv, copies")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"sampled", "eager", "qgemv", "copies"}));
 
     c_bm->callback([&bench = bench, &rc = rc] { rc = cmd_bench_model(bench); });
     c_bc->callback([&cb = cb, &rc = rc] { rc = cmd_bench_cuda(cb); });
