@@ -646,6 +646,44 @@ TEST(Matmul, BatchInvariantAtEveryIsa) {
     }
 }
 
+// The many-row contract (issue: many-row CPU products): for every weight type and
+// level, a pass of N rows gives each (row, token) the bits a one-token call gives
+// it, for N = 1..16, 31, 64 and 512: every tile shape, its ragged ends, and the
+// row-blocked path of long passes.
+TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
+    struct Shape {
+        DType t;
+        int64_t n_in, rows;
+    };
+    const Shape shapes[] = {{DType::Q4_0, 576, 37}, {DType::Q4_1, 576, 37}, {DType::Q8_0, 576, 37},
+                            {DType::Q4_K, 512, 37}, {DType::Q6_K, 512, 37}, {DType::F16, 100, 37},
+                            {DType::BF16, 100, 37}, {DType::F32, 100, 37}};
+    constexpr int kMaxTok = 512;
+    std::vector<int> counts;
+    for (int n = 1; n <= 16; ++n) counts.push_back(n);
+    for (int n : {31, 64, kMaxTok}) counts.push_back(n);
+    for (const Shape& s : shapes) {
+        const DType xt = vec_dot_type(s.t);
+        const size_t ws = row_bytes(s.t, s.n_in), xs = row_bytes(xt, s.n_in);
+        const std::vector<uint8_t> w = make_weights(s.t, s.rows, s.n_in, ws, 11);
+        const size_t ldy = static_cast<size_t>(s.rows);
+        for (Isa isa : supported_isas()) {
+            const std::vector<uint8_t> x = make_acts(isa, xt, kMaxTok, s.n_in, xs, 41);
+            std::vector<float> one(ldy * kMaxTok);
+            for (int t = 0; t < kMaxTok; ++t)
+                matmul(isa, s.t, w.data(), ws, s.n_in, x.data() + static_cast<size_t>(t) * xs, xs, 1,
+                       one.data() + static_cast<size_t>(t) * ldy, ldy, 0, s.rows);
+            for (int n : counts) {
+                std::vector<float> y(ldy * static_cast<size_t>(n), NAN);
+                matmul(isa, s.t, w.data(), ws, s.n_in, x.data(), xs, n, y.data(), ldy, 0, s.rows);
+                for (size_t i = 0; i < y.size(); ++i)
+                    ASSERT_EQ(bits(y[i]), bits(one[i])) << dtype_name(s.t) << " " << isa_str(isa) << " rows " << n
+                                                        << " token " << i / ldy << " row " << i % ldy;
+            }
+        }
+    }
+}
+
 // Random shapes (block counts that hit every tail length, odd row ranges,
 // padded strides): every level agrees with the scalar level within rounding,
 // and each (row, token) equals its value from a one-token, one-row call.

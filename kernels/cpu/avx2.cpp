@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstddef>
 
 #include "kernels/cpu/kernels_impl.h"
 
@@ -230,8 +231,16 @@ void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void
 }
 
 // ---------------------------------------------------------------------------
-// Q4_0, Q4_1, Q8_0 weights. Activation scales are converted to float once per
-// call (dx, and sx for Q8_1) into scratch: [token][block] floats.
+// Q4_0, Q4_1, Q8_0 weights, T tokens at a time (T <= kTile). Activation scales
+// are converted to float once per call into scratch, block-major per tile of
+// tokens: xd[b * kTile + j] (d of token j's block b; and Q8_1's s after them), so
+// that for each weight row one pass over its block scales forms every product
+// d_w * d_x of the tile with one vector multiply per block (and Q4_1's min terms
+// m_w * s_x, summed per token in a vector lane), and the main loop spends per
+// (block, token) only the integer dot, a conversion and one FMA. Per (row,
+// token) the operations and their order are those of a one-token call.
+
+constexpr int kTile = 8;
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
 
@@ -243,130 +252,171 @@ inline __m256i nibbles32(const uint8_t* qs) {
     return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
 }
 
-// Q4_1 x Q8_1, T tokens.
-template <int T>
-void q4_1_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
-               float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
-    const BlockQ8_1* xr[T];
-    const float* dx[T];
-    const float* sx[T];
-    for (int j = 0; j < T; ++j) {
-        xr[j] = reinterpret_cast<const BlockQ8_1*>(x + static_cast<size_t>(j) * x_stride);
-        dx[j] = xf + static_cast<size_t>(j) * 2 * nb;
-        sx[j] = dx[j] + nb;
-    }
-    for (int64_t r = r0; r < r1; ++r) {
-        const BlockQ4_1* wr = reinterpret_cast<const BlockQ4_1*>(w + static_cast<size_t>(r) * w_stride);
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(BlockQ4_1));
-        __m256 acc[T];
-        float sm[T];
-        for (int j = 0; j < T; ++j) {
-            acc[j] = _mm256_setzero_ps();
-            sm[j] = 0.0f;
-        }
-        for (int64_t b = 0; b < nb; ++b) {
-            const __m256i wv = nibbles32(wr[b].qs);
+// The row's per-block scale products for the tile: dd[b * kTile + j] = d_w(b) *
+// d_x(j, b), and for Q4_1 the lanes of the returned vector sum m_w(b) * s_x(j, b)
+// over the blocks in order (one rounding per product, one per sum, as a scalar
+// loop does). Lanes j >= T hold products of the padding (zeros).
+template <DType W>
+inline __m256 row_scales(const char* wr, int64_t nb, const float* xd, float* dd) {
+    __m256 sm = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = xd + b * kTile;
+        if constexpr (W == DType::Q4_1) {
+            const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
             // d and m (adjacent f16s) in one conversion.
             int32_t dm_bits;
-            std::memcpy(&dm_bits, &wr[b].d, 4);
+            std::memcpy(&dm_bits, &blk->d, 4);
             const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
             const __m256 dw = _mm256_broadcastss_ps(dm);
-            const float mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-            for (int j = 0; j < T; ++j) {
-                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones16());
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&dx[j][b])), acc[j]);
-                sm[j] += mw * sx[j][b];
-            }
+            const __m256 mw = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            _mm256_store_ps(dd + b * kTile, _mm256_mul_ps(dw, _mm256_load_ps(xb)));
+            sm = _mm256_add_ps(sm, _mm256_mul_ps(mw, _mm256_load_ps(xb + nb * kTile)));
+        } else {
+            const uint16_t d = W == DType::Q4_0 ? reinterpret_cast<const BlockQ4_0*>(wr)[b].d
+                                                : reinterpret_cast<const BlockQ8_0*>(wr)[b].d;
+            _mm256_store_ps(dd + b * kTile, _mm256_mul_ps(_mm256_set1_ps(h2f(d)), _mm256_load_ps(xb)));
         }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]) + sm[j];
     }
+    return sm;
 }
 
-// Q4_0 x Q8_0 and Q8_0 x Q8_0: signed weights, so |w| * sign(x, w) feeds
-// maddubs (at most 2 * 128 * 127 per pair: no saturation).
+// Q4_0 and Q8_0 weights against Q8_0 activations, Q4_1 against Q8_1, T tokens.
+// Q4_0 and Q8_0 are signed, so |w| * sign(x, w) feeds maddubs (at most 2 * 128 *
+// 127 per pair: no saturation); Q4_1's nibbles are unsigned (2 * 15 * 127).
 template <int T, DType W>
-void q8s_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
+void q32_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xd, float* dd,
               float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
-    const BlockQ8_0* xr[T];
-    const float* dx[T];
-    for (int j = 0; j < T; ++j) {
-        xr[j] = reinterpret_cast<const BlockQ8_0*>(x + static_cast<size_t>(j) * x_stride);
-        dx[j] = xf + static_cast<size_t>(j) * nb;
-    }
+    const int8_t* xq[T];
+    constexpr size_t xblk = W == DType::Q4_1 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
+    constexpr size_t xoff = W == DType::Q4_1 ? offsetof(BlockQ8_1, qs) : offsetof(BlockQ8_0, qs);
+    constexpr size_t wblk = W == DType::Q4_1   ? sizeof(BlockQ4_1)
+                            : W == DType::Q4_0 ? sizeof(BlockQ4_0)
+                                               : sizeof(BlockQ8_0);
+    for (int j = 0; j < T; ++j) xq[j] = reinterpret_cast<const int8_t*>(x + static_cast<size_t>(j) * x_stride + xoff);
+    // Up to four tokens: the scale products inline (a pass over the row's scales
+    // first costs more than it saves). The same operations per (row, token).
+    constexpr bool kPrepass = T > 4;
     for (int64_t r = r0; r < r1; ++r) {
         const char* wr = w + static_cast<size_t>(r) * w_stride;
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * (W == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0)));
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * wblk);
+        alignas(32) float sm[kTile] = {};
+        if constexpr (kPrepass) _mm256_store_ps(sm, row_scales<W>(wr, nb, xd, dd));
         __m256 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
+            alignas(32) float ddb_inline[kTile];
+            const float* ddb = dd + b * kTile;
             __m256i wv;
-            __m256 dw;
-            if constexpr (W == DType::Q4_0) {
-                const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
-                wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
-                dw = _mm256_set1_ps(h2f(blk->d));
+            if constexpr (W == DType::Q4_1) {
+                const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
+                wv = nibbles32(blk->qs);
+                if constexpr (!kPrepass) {
+                    int32_t dm_bits;
+                    std::memcpy(&dm_bits, &blk->d, 4);
+                    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+                    const float dw = _mm_cvtss_f32(dm), mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+                    for (int j = 0; j < T; ++j) {
+                        ddb_inline[j] = dw * xd[b * kTile + j];
+                        sm[j] += mw * xd[(nb + b) * kTile + j];
+                    }
+                    ddb = ddb_inline;
+                }
             } else {
-                const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
-                wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
-                dw = _mm256_set1_ps(h2f(blk->d));
+                uint16_t d;
+                if constexpr (W == DType::Q4_0) {
+                    const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
+                    wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
+                    d = blk->d;
+                } else {
+                    const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
+                    wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
+                    d = blk->d;
+                }
+                if constexpr (!kPrepass) {
+                    const float dw = h2f(d);
+                    for (int j = 0; j < T; ++j) ddb_inline[j] = dw * xd[b * kTile + j];
+                    ddb = ddb_inline;
+                }
             }
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            for (int j = 0; j < T; ++j) {
-                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones16());
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&dx[j][b])), acc[j]);
+            if constexpr (W == DType::Q4_1) {
+                for (int j = 0; j < T; ++j) {
+                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + b * xblk));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones16());
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddb[j]), acc[j]);
+                }
+            } else {
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+                for (int j = 0; j < T; ++j) {
+                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + b * xblk));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones16());
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddb[j]), acc[j]);
+                }
             }
         }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
+        for (int j = 0; j < T; ++j) {
+            const float v = hsum(acc[j]);
+            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
+        }
     }
 }
 
 template <int T>
-void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xf,
-            float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
+void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xd,
+            float* dd, float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     switch (t) {
-        case DType::Q4_1: q4_1_rows<T>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
-        case DType::Q4_0: q8s_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
-        default: q8s_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xf, y, ldy, r0, r1, prefetch); return;
+        case DType::Q4_1:
+            q32_rows<T, DType::Q4_1>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch);
+            return;
+        case DType::Q4_0:
+            q32_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch);
+            return;
+        default: q32_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch); return;
     }
 }
 
 void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                 float* y, size_t ldy, int64_t r0, int64_t r1) {
-    constexpr int kT = 4;
     const int64_t nb = n_in / kQK;
-    const int per_tok = t == DType::Q4_1 ? 2 : 1;  // floats per block per token
-    Scratch scratch(static_cast<size_t>(n_tok) * static_cast<size_t>(nb) * per_tok * sizeof(float));
+    const int per_tok = t == DType::Q4_1 ? 2 : 1;  // scales per block per token
+    const int n_tiles = (n_tok + kTile - 1) / kTile;
+    const size_t tile_floats = static_cast<size_t>(nb) * kTile * per_tok;
+    // The tiles' activation scales, then one row's scale products (dd).
+    Scratch scratch((static_cast<size_t>(n_tiles) * tile_floats + static_cast<size_t>(nb) * kTile) * sizeof(float));
     float* xf = reinterpret_cast<float*>(scratch.data());
+    float* dd = xf + static_cast<size_t>(n_tiles) * tile_floats;
+    std::fill(xf, xf + static_cast<size_t>(n_tiles) * tile_floats, 0.0f);
     const char* xb = static_cast<const char*>(xq);
     for (int j = 0; j < n_tok; ++j) {
-        float* f = xf + static_cast<size_t>(j) * nb * per_tok;
+        float* f = xf + static_cast<size_t>(j / kTile) * tile_floats + j % kTile;
         if (t == DType::Q4_1) {
             const BlockQ8_1* xr = reinterpret_cast<const BlockQ8_1*>(xb + static_cast<size_t>(j) * xq_stride);
             for (int64_t b = 0; b < nb; ++b) {
-                f[b] = h2f(xr[b].d);
-                f[nb + b] = h2f(xr[b].s);
+                f[b * kTile] = h2f(xr[b].d);
+                f[(nb + b) * kTile] = h2f(xr[b].s);
             }
         } else {
             const BlockQ8_0* xr = reinterpret_cast<const BlockQ8_0*>(xb + static_cast<size_t>(j) * xq_stride);
-            for (int64_t b = 0; b < nb; ++b) f[b] = h2f(xr[b].d);
+            for (int64_t b = 0; b < nb; ++b) f[b * kTile] = h2f(xr[b].d);
         }
     }
     const char* wb = static_cast<const char*>(w);
-    const bool single_pass = n_tok <= kT;  // decode: weights stream from memory once
+    const bool single_pass = n_tok <= kTile;  // decode: weights stream from memory once
     const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
-        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+        for (int t0 = 0; t0 < n_tok; t0 += kTile) {
             const char* x = xb + static_cast<size_t>(t0) * xq_stride;
-            const float* f = xf + static_cast<size_t>(t0) * nb * per_tok;
+            const float* f = xf + static_cast<size_t>(t0 / kTile) * tile_floats;
             float* yt = y + static_cast<size_t>(t0) * ldy;
-            switch (std::min(kT, n_tok - t0)) {
-                case 4: q_rows<4>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
-                case 3: q_rows<3>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
-                case 2: q_rows<2>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
-                default: q_rows<1>(t, wb, w_stride, nb, x, xq_stride, f, yt, ldy, b0, b1, single_pass); break;
+            switch (std::min(kTile, n_tok - t0)) {
+                case 8: q_rows<8>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 7: q_rows<7>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 6: q_rows<6>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 5: q_rows<5>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 4: q_rows<4>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 3: q_rows<3>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                case 2: q_rows<2>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
+                default: q_rows<1>(t, wb, w_stride, nb, x, xq_stride, f, dd, yt, ldy, b0, b1, single_pass); break;
             }
         }
     }
@@ -376,87 +426,165 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
 // K-quants. Integer sums per super-block are exact; the float step is the
 // scalar level's expression, so results equal Isa::Scalar's bit for bit.
 
-// sum_j sc_j * dot_j over the 8 sub-blocks of one Q4_K super-block.
-inline int q4k_sumi(const BlockQ4_K& w, const BlockQ8_K& x, const int* sc) {
-    __m256i acc = _mm256_setzero_si256();
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + 32 * c));
-        const __m256i lo = _mm256_and_si256(q, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + 64 * c));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs + 64 * c + 32));
-        // maddubs pairs are at most 2 * 15 * 127; times a 6-bit scale in madd.
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c])));
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1])));
-        acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
-    }
-    return hsum_i32(acc);
+// The 8 six-bit scales and the 8 six-bit mins of a Q4_K super-block, all at once:
+// the packing q4k_scale_min unpacks one at a time, as four 32-bit word operations
+// (byte k of each word is sub-block k's or k + 4's value).
+inline void q4k_scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    uint32_t w0, w1, w2;
+    std::memcpy(&w0, s, 4);
+    std::memcpy(&w1, s + 4, 4);
+    std::memcpy(&w2, s + 8, 4);
+    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+    const uint32_t sc03 = w0 & lo6, mn03 = w1 & lo6;
+    const uint32_t sc47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
+    const uint32_t mn47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
+    std::memcpy(sc, &sc03, 4);
+    std::memcpy(sc + 4, &sc47, 4);
+    std::memcpy(mn, &mn03, 4);
+    std::memcpy(mn + 4, &mn47, 4);
 }
 
-float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
-    float s = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; ++j) q4k_scale_min(j, w[b].scales, &sc[j], &mn[j]);
-        const int sumi = q4k_sumi(w[b], x[b], sc);
-        int summ = 0;
-        for (int j = 0; j < 8; ++j) summ += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
-        const float d = half_to_float(w[b].d) * x[b].d;
-        const float dm = half_to_float(w[b].dmin) * x[b].d;
-        s += d * static_cast<float>(sumi) - dm * static_cast<float>(summ);
-    }
-    return s;
+inline int hsum128_i32(__m128i s) {
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
 }
 
-float dot_q6_k(const BlockQ6_K* w, const BlockQ8_K* x, int64_t nb) {
+// Q4_K x Q8_K, T tokens: each super-block's nibbles, scales and mins are unpacked
+// once for the T tokens. Per (row, token) the integer sums are exact and the float
+// step is the scalar level's expression, super-block by super-block, so every
+// tile (and Isa::Scalar) gives the same bits.
+template <int T>
+void q4_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
+               int64_t r0, int64_t r1, bool prefetch) {
+    const BlockQ8_K* xr[T];
+    for (int j = 0; j < T; ++j) xr[j] = reinterpret_cast<const BlockQ8_K*>(x + static_cast<size_t>(j) * x_stride);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i m30 = _mm256_set1_epi8(0x30);
-    float s = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].ql + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[b].qh + 32 * h));
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            for (int k = 0; k < 4; ++k) {
-                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 128 * h + 32 * k));
-                const int8_t* sc = w[b].scales + 8 * h + 2 * k;
-                // First 16 values use sc[0], next 16 sc[1]; maddubs pairs <= 2*63*127.
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ4_K* wr = reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(BlockQ4_K));
+        float s[T];
+        for (int j = 0; j < T; ++j) s[j] = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            alignas(8) uint8_t sc[8], mn[8];
+            q4k_scales_mins(wr[b].scales, sc, mn);
+            __m256i acc[T];
+            for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
+                const __m256i lo = _mm256_and_si256(q, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i s0 = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
+                const __m256i s1 = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+                for (int j = 0; j < T; ++j) {
+                    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs + 64 * c));
+                    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs + 64 * c + 32));
+                    // maddubs pairs are at most 2 * 15 * 127; times a 6-bit scale in madd.
+                    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
+                    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
+                    acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(p0, p1));
+                }
+            }
+            // sum_j mn_j * (bsums[2j] + bsums[2j + 1]): pair sums (each at most
+            // 32 * 128 in magnitude) times the mins, exact in 32 bits.
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+            const float dw = half_to_float(wr[b].d), dmw = half_to_float(wr[b].dmin);
+            for (int j = 0; j < T; ++j) {
+                const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr[j][b].bsums));
+                const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr[j][b].bsums + 8));
+                const int summ = hsum128_i32(_mm_madd_epi16(mins, _mm_hadd_epi16(b0, b1)));
+                const int sumi = hsum_i32(acc[j]);
+                const float d = dw * xr[j][b].d;
+                const float dm = dmw * xr[j][b].d;
+                s[j] += d * static_cast<float>(sumi) - dm * static_cast<float>(summ);
             }
         }
-        int corr = 0;
-        for (int g = 0; g < 16; ++g) corr += w[b].scales[g] * x[b].bsums[g];
-        const int sumi = hsum_i32(acc) - 32 * corr;
-        s += (half_to_float(w[b].d) * x[b].d) * static_cast<float>(sumi);
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
     }
-    return s;
+}
+
+// Q6_K x Q8_K, T tokens: each half super-block's 6-bit values are assembled once
+// for the T tokens. The integer sum is sum q6 * q8 * scale - 32 * sum scale * bsums
+// (exact); the float step is the scalar level's.
+template <int T>
+void q6_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
+               int64_t r0, int64_t r1, bool prefetch) {
+    const BlockQ8_K* xr[T];
+    for (int j = 0; j < T; ++j) xr[j] = reinterpret_cast<const BlockQ8_K*>(x + static_cast<size_t>(j) * x_stride);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(BlockQ6_K));
+        float s[T];
+        for (int j = 0; j < T; ++j) s[j] = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256i acc[T];
+            for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_si256();
+            for (int h = 0; h < 2; ++h) {
+                const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].ql + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].ql + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh + 32 * h));
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                for (int k = 0; k < 4; ++k) {
+                    const int8_t* sc = wr[b].scales + 8 * h + 2 * k;
+                    // First 16 values use sc[0], next 16 sc[1]; maddubs pairs <= 2*63*127.
+                    const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+                    for (int j = 0; j < T; ++j) {
+                        const __m256i xv =
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs + 128 * h + 32 * k));
+                        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), scv));
+                    }
+                }
+            }
+            // sum_g scale_g * bsums_g over the 16 groups, exact in 32 bits.
+            const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[b].scales));
+            const __m128i sc_lo = _mm_cvtepi8_epi16(sc8), sc_hi = _mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8));
+            const float dw = half_to_float(wr[b].d);
+            for (int j = 0; j < T; ++j) {
+                const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr[j][b].bsums));
+                const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr[j][b].bsums + 8));
+                const int corr = hsum128_i32(_mm_add_epi32(_mm_madd_epi16(sc_lo, b0), _mm_madd_epi16(sc_hi, b1)));
+                const int sumi = hsum_i32(acc[j]) - 32 * corr;
+                s[j] += (dw * xr[j][b].d) * static_cast<float>(sumi);
+            }
+        }
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
+    }
+}
+
+template <int T>
+void k_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
+            int64_t r0, int64_t r1, bool prefetch) {
+    if (t == DType::Q4_K)
+        q4_k_rows<T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
+    else
+        q6_k_rows<T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
 }
 
 void matmul_k(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
               float* y, size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 4;
     const int64_t nb = n_in / kQKK;
     const char* wb = static_cast<const char*>(w);
     const char* xb = static_cast<const char*>(xq);
-    const int64_t rb = row_block(w_stride);
+    const bool single_pass = n_tok <= kT;  // decode: weights stream from memory once
+    const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
-        for (int j = 0; j < n_tok; ++j) {
-            const BlockQ8_K* x = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(j) * xq_stride);
-            for (int64_t r = b0; r < b1; ++r) {
-                const void* wr = wb + static_cast<size_t>(r) * w_stride;
-                if (n_tok == 1) prefetch_row(wr, static_cast<size_t>(nb) * (t == DType::Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ6_K)));
-                y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] =
-                    t == DType::Q4_K ? dot_q4_k(static_cast<const BlockQ4_K*>(wr), x, nb)
-                                     : dot_q6_k(static_cast<const BlockQ6_K*>(wr), x, nb);
+        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+            const char* x = xb + static_cast<size_t>(t0) * xq_stride;
+            float* yt = y + static_cast<size_t>(t0) * ldy;
+            switch (std::min(kT, n_tok - t0)) {
+                case 4: k_rows<4>(t, wb, w_stride, nb, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
+                case 3: k_rows<3>(t, wb, w_stride, nb, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
+                case 2: k_rows<2>(t, wb, w_stride, nb, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
+                default: k_rows<1>(t, wb, w_stride, nb, x, xq_stride, yt, ldy, b0, b1, single_pass); break;
             }
         }
     }
