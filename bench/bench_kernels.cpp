@@ -22,7 +22,10 @@
 //   together: read_GBps, ratio. The time is the kernels'.
 // - Prefill/<type>/<n_in>x<rows>/<n_tok>: matmul on hot weights; "ops" counts
 //   2 * rows * n_in * n_tok per iteration (GOPS). n_tok = 1 here is the decode
-//   kernel's speed when weights come from cache (its compute ceiling).
+//   kernel's speed when weights come from cache (its compute ceiling); 2 to 16,
+//   the many-row passes of batched decode and verify rows (time against n_tok = 1).
+// - Int8Peak/<isa>: one core's int8 dot-product peak in the kernels' instruction mix
+//   (GOPS, counted as Prefill's are): the ceiling for Prefill's quantized figures.
 // Times are CPU time of the one thread (robust to sharing the machine), except
 // L3Decode's: wall time of the kernel part.
 #include <benchmark/benchmark.h>
@@ -134,6 +137,54 @@ void BM_MemReadWide(benchmark::State& st) {
     for (size_t i = 0; i < n; i += 4096) buf.p[i] = static_cast<uint8_t>(i >> 12);
     for (auto _ : st) benchmark::DoNotOptimize(read_wide(buf.p, n));
     st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * static_cast<int64_t>(n));
+}
+
+// The int8 dot-product peak of one core at a level, in the instruction mix the
+// quantized kernels use for 32 products (AVX2: vpmaddubsw, vpmaddwd by ones, vpaddd;
+// AVX-512 VNNI: one vpdpbusd per 64): 8 independent accumulators on operands in
+// registers (the empty asm makes the weights look new each iteration, so nothing is
+// hoisted). "ops" counts 2 per product, as Prefill's do: a kernel's GOPS over this is
+// the fraction of the machine's int8 peak it reaches.
+__attribute__((target("avx2"))) int32_t int8_peak_avx2(int64_t iters) {
+    __m256i w = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i x[8], acc[8];
+    for (int i = 0; i < 8; ++i) {
+        x[i] = _mm256_set1_epi8(static_cast<char>(i + 1));
+        acc[i] = _mm256_setzero_si256();
+    }
+    for (int64_t it = 0; it < iters; ++it) {
+        asm volatile("" : "+x"(w));
+        for (int i = 0; i < 8; ++i)
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[i]), ones));
+    }
+    __m256i s = acc[0];
+    for (int i = 1; i < 8; ++i) s = _mm256_add_epi32(s, acc[i]);
+    return _mm256_extract_epi32(s, 0);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t int8_peak_vnni(int64_t iters) {
+    __m512i w = _mm512_set1_epi8(3);
+    __m512i x[8], acc[8];
+    for (int i = 0; i < 8; ++i) {
+        x[i] = _mm512_set1_epi8(static_cast<char>(i + 1));
+        acc[i] = _mm512_setzero_si512();
+    }
+    for (int64_t it = 0; it < iters; ++it) {
+        asm volatile("" : "+v"(w));
+        for (int i = 0; i < 8; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x[i]);
+    }
+    __m512i s = acc[0];
+    for (int i = 1; i < 8; ++i) s = _mm512_add_epi32(s, acc[i]);
+    return _mm512_reduce_add_epi32(s);
+}
+
+void BM_Int8Peak(benchmark::State& st, Isa isa) {
+    constexpr int64_t kIters = 1 << 16;
+    for (auto _ : st) benchmark::DoNotOptimize(isa == Isa::Avx512 ? int8_peak_vnni(kIters) : int8_peak_avx2(kIters));
+    const int64_t per_iter = isa == Isa::Avx512 ? 8 * 64 : 8 * 32;  // products per loop iteration
+    st.counters["ops"] =
+        benchmark::Counter(2.0 * static_cast<double>(per_iter * kIters) * static_cast<double>(st.iterations()),
+                           benchmark::Counter::kIsRate);
 }
 
 // n_tok = 1 on cold weights: rotate through copies totalling >= 256 MiB.
@@ -408,7 +459,8 @@ int main(int argc, char** argv) {
                             {DType::Q4_1, 576, 192},   {DType::Q8_0, 576, 49152}, {DType::Q4_0, 576, 1536},
                             {DType::F16, 576, 1536},   {DType::Q4_K, 1536, 576}, {DType::Q6_K, 1536, 576}};
     const Shape prefill[] = {{DType::Q4_1, 576, 576},  {DType::Q4_1, 576, 1536}, {DType::Q4_1, 1536, 576},
-                             {DType::Q8_0, 576, 1536}, {DType::Q4_0, 576, 1536}};
+                             {DType::Q8_0, 576, 1536}, {DType::Q4_0, 576, 1536}, {DType::Q4_K, 1536, 576},
+                             {DType::Q6_K, 1536, 576}};
     for (Isa isa : isas) {
         const std::string in = duet::cpu::isa_name(isa);
         for (const Shape& s : decode) {
@@ -429,8 +481,9 @@ int main(int argc, char** argv) {
             }
         }
         if (isa == Isa::Scalar) continue;
+        benchmark::RegisterBenchmark(("Int8Peak/" + in).c_str(), BM_Int8Peak, isa)->Unit(benchmark::kMicrosecond);
         for (const Shape& s : prefill) {
-            for (int n_tok : {1, 64, 512}) {
+            for (int n_tok : {1, 2, 4, 8, 16, 64, 512}) {
                 const std::string name = "Prefill/" + in + "/" + duet::dtype_name(s.t) + "/" + std::to_string(s.n_in) +
                                          "x" + std::to_string(s.rows) + "/" + std::to_string(n_tok);
                 benchmark::RegisterBenchmark(name.c_str(), BM_Prefill, isa, s.t, s.n_in, s.rows, n_tok)

@@ -27,6 +27,9 @@ struct BenchArgs {
     int n_gen = 128;
     int reps = 3;
     int verify = 8;  // a verify row of this many positions against as many single steps (0: not measured)
+    // Passes of R rows for each R here, R sequences of one position and one sequence of
+    // R positions, against the 1-row pass and the weight-read floor (empty: not measured).
+    std::vector<int> rows;
     bool json = false;
     std::string cpus;
     EngineOptions engine;

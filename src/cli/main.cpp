@@ -164,6 +164,11 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
                      "single steps, and a step of 8 sequences against one (0: neither)")
         ->capture_default_str()
         ->check(CLI::Range(0, 64));
+    c_bm->add_option("--rows", bench.rows,
+                     "passes of R rows for each R (e.g. 1,2,4,8,16): R sequences of one position and one sequence of R "
+                     "positions, against the first R and the weight-read floor")
+        ->delimiter(',')
+        ->check(CLI::Range(1, 256));
     c_bm->add_flag("--json", bench.json, "print one JSON object");
 
     // duet bench cuda
