@@ -280,83 +280,129 @@ inline __m256 row_scales(const char* wr, int64_t nb, const float* xd, float* dd)
     return sm;
 }
 
-// Q4_0 and Q8_0 weights against Q8_0 activations, Q4_1 against Q8_1, T tokens.
-// Q4_0 and Q8_0 are signed, so |w| * sign(x, w) feeds maddubs (at most 2 * 128 *
-// 127 per pair: no saturation); Q4_1's nibbles are unsigned (2 * 15 * 127).
+// One block of one weight row: its 32 values as bytes for maddubs (Q4_1's
+// unsigned nibbles; Q4_0's and Q8_0's magnitudes, with their signs in `sw`) and
+// its scale d_w (and Q4_1's min m_w).
+template <DType W>
+inline __m256i weight_block(const char* wr, int64_t b, __m256i* sw, float* dw, float* mw) {
+    if constexpr (W == DType::Q4_1) {
+        const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
+        // d and m (adjacent f16s) in one conversion.
+        int32_t dm_bits;
+        std::memcpy(&dm_bits, &blk->d, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+        *dw = _mm_cvtss_f32(dm);
+        *mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        return nibbles32(blk->qs);
+    } else {
+        __m256i wv;
+        if constexpr (W == DType::Q4_0) {
+            const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
+            wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
+            *dw = h2f(blk->d);
+        } else {
+            const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
+            wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
+            *dw = h2f(blk->d);
+        }
+        *sw = wv;
+        return _mm256_sign_epi8(wv, wv);
+    }
+}
+
+// The integer dot of a weight block with a token's block, as 8 int32 lanes
+// converted to float. Q4_0 and Q8_0 are signed, so |w| * sign(x, w) feeds maddubs
+// (at most 2 * 128 * 127 per pair: no saturation); Q4_1's nibbles are unsigned
+// (2 * 15 * 127).
+template <DType W>
+inline __m256 block_dot(__m256i wv, __m256i sw, const int8_t* xq) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    const __m256i u =
+        W == DType::Q4_1 ? _mm256_maddubs_epi16(wv, xv) : _mm256_maddubs_epi16(wv, _mm256_sign_epi8(xv, sw));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(u, ones16()));
+}
+
+template <DType W>
+constexpr size_t x_block_bytes() {
+    return W == DType::Q4_1 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
+}
+template <DType W>
+constexpr size_t w_block_bytes() {
+    return W == DType::Q4_1 ? sizeof(BlockQ4_1) : W == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0);
+}
+
+// T <= 4 tokens, one row: the scale products inline (a pass over the row's
+// scales first costs more than it saves; several rows interleaved ran slower on
+// a Zen 1 core). Per (row, token): acc = fma(dot_b, d_w * d_x, acc) block by
+// block, then hsum (+ Q4_1's sum of m_w * s_x, added block by block).
+template <int T, DType W>
+void q32_row_inline(const char* w, size_t w_stride, int64_t nb, const int8_t* const* xq, const float* xd, float* y,
+                    size_t ldy, int64_t r, bool prefetch) {
+    constexpr size_t xblk = x_block_bytes<W>();
+    const char* wr = w + static_cast<size_t>(r) * w_stride;
+    if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * w_block_bytes<W>());
+    __m256 acc[T];
+    float sm[T];
+    for (int j = 0; j < T; ++j) {
+        acc[j] = _mm256_setzero_ps();
+        sm[j] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i sw = _mm256_setzero_si256();
+        float dw, mw = 0.0f;
+        const __m256i wv = weight_block<W>(wr, b, &sw, &dw, &mw);
+        for (int j = 0; j < T; ++j) {
+            const float d = dw * xd[b * kTile + j];
+            if constexpr (W == DType::Q4_1) sm[j] += mw * xd[(nb + b) * kTile + j];
+            acc[j] = _mm256_fmadd_ps(block_dot<W>(wv, sw, xq[j] + b * xblk), _mm256_set1_ps(d), acc[j]);
+        }
+    }
+    for (int j = 0; j < T; ++j) {
+        const float v = hsum(acc[j]);
+        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
+    }
+}
+
+// T > 4 tokens, one row at a time: one pass over the row's block scales first
+// forms every d_w * d_x of the tile (row_scales), so the main loop is the
+// integer dot, a conversion and one FMA per (block, token). The same operations
+// per (row, token) as q32_row_inline's.
+template <int T, DType W>
+void q32_row_prepass(const char* w, size_t w_stride, int64_t nb, const int8_t* const* xq, const float* xd, float* dd,
+                     float* y, size_t ldy, int64_t r, bool prefetch) {
+    constexpr size_t xblk = x_block_bytes<W>();
+    const char* wr = w + static_cast<size_t>(r) * w_stride;
+    if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * w_block_bytes<W>());
+    alignas(32) float sm[kTile];
+    _mm256_store_ps(sm, row_scales<W>(wr, nb, xd, dd));
+    __m256 acc[T];
+    for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i sw = _mm256_setzero_si256();
+        float dw, mw;
+        const __m256i wv = weight_block<W>(wr, b, &sw, &dw, &mw);
+        const float* ddb = dd + b * kTile;
+        for (int j = 0; j < T; ++j)
+            acc[j] = _mm256_fmadd_ps(block_dot<W>(wv, sw, xq[j] + b * xblk), _mm256_broadcast_ss(ddb + j), acc[j]);
+    }
+    for (int j = 0; j < T; ++j) {
+        const float v = hsum(acc[j]);
+        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
+    }
+}
+
+// Rows [r0, r1) against T tokens of Q8_0 (Q8_1 for Q4_1) activations.
 template <int T, DType W>
 void q32_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xd, float* dd,
               float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
-    const int8_t* xq[T];
-    constexpr size_t xblk = W == DType::Q4_1 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
     constexpr size_t xoff = W == DType::Q4_1 ? offsetof(BlockQ8_1, qs) : offsetof(BlockQ8_0, qs);
-    constexpr size_t wblk = W == DType::Q4_1   ? sizeof(BlockQ4_1)
-                            : W == DType::Q4_0 ? sizeof(BlockQ4_0)
-                                               : sizeof(BlockQ8_0);
+    const int8_t* xq[T];
     for (int j = 0; j < T; ++j) xq[j] = reinterpret_cast<const int8_t*>(x + static_cast<size_t>(j) * x_stride + xoff);
-    // Up to four tokens: the scale products inline (a pass over the row's scales
-    // first costs more than it saves). The same operations per (row, token).
-    constexpr bool kPrepass = T > 4;
     for (int64_t r = r0; r < r1; ++r) {
-        const char* wr = w + static_cast<size_t>(r) * w_stride;
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * wblk);
-        alignas(32) float sm[kTile] = {};
-        if constexpr (kPrepass) _mm256_store_ps(sm, row_scales<W>(wr, nb, xd, dd));
-        __m256 acc[T];
-        for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            alignas(32) float ddb_inline[kTile];
-            const float* ddb = dd + b * kTile;
-            __m256i wv;
-            if constexpr (W == DType::Q4_1) {
-                const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
-                wv = nibbles32(blk->qs);
-                if constexpr (!kPrepass) {
-                    int32_t dm_bits;
-                    std::memcpy(&dm_bits, &blk->d, 4);
-                    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
-                    const float dw = _mm_cvtss_f32(dm), mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                    for (int j = 0; j < T; ++j) {
-                        ddb_inline[j] = dw * xd[b * kTile + j];
-                        sm[j] += mw * xd[(nb + b) * kTile + j];
-                    }
-                    ddb = ddb_inline;
-                }
-            } else {
-                uint16_t d;
-                if constexpr (W == DType::Q4_0) {
-                    const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
-                    wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
-                    d = blk->d;
-                } else {
-                    const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
-                    wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qs));
-                    d = blk->d;
-                }
-                if constexpr (!kPrepass) {
-                    const float dw = h2f(d);
-                    for (int j = 0; j < T; ++j) ddb_inline[j] = dw * xd[b * kTile + j];
-                    ddb = ddb_inline;
-                }
-            }
-            if constexpr (W == DType::Q4_1) {
-                for (int j = 0; j < T; ++j) {
-                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + b * xblk));
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones16());
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddb[j]), acc[j]);
-                }
-            } else {
-                const __m256i aw = _mm256_sign_epi8(wv, wv);
-                for (int j = 0; j < T; ++j) {
-                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + b * xblk));
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones16());
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ddb[j]), acc[j]);
-                }
-            }
-        }
-        for (int j = 0; j < T; ++j) {
-            const float v = hsum(acc[j]);
-            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
-        }
+        if constexpr (T > 4)
+            q32_row_prepass<T, W>(w, w_stride, nb, xq, xd, dd, y, ldy, r, prefetch);
+        else
+            q32_row_inline<T, W>(w, w_stride, nb, xq, xd, y, ldy, r, prefetch);
     }
 }
 
