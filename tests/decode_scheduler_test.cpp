@@ -121,5 +121,53 @@ TEST(PromptLookupDrafter, ProposesWhatFollowedTheSuffixBefore) {
     EXPECT_TRUE(propose({5, 6, 7}, {5, 6}, 0).empty());
 }
 
+// The draft pace (engine/drafter.h DraftPace), step by step: what each step may
+// draft, given what the previous verify rows kept. max_draft 4 throughout.
+TEST(DraftPace, GrowsOnKeptDraftsShrinksOnMissesAndBacksOffWhenNothingIsKept) {
+    DraftPace p;
+    EXPECT_EQ(draft_budget(p, 4), 4);  // a new sequence starts at the maximum
+    draft_verified(p, 4, 4, 2);        // two of four kept
+    EXPECT_EQ(draft_budget(p, 4), 2);
+    draft_verified(p, 4, 2, 2);  // all kept: one more
+    EXPECT_EQ(draft_budget(p, 4), 3);
+    draft_verified(p, 4, 1, 1);  // the drafter proposed fewer, all kept: from the cap
+    EXPECT_EQ(draft_budget(p, 4), 4);
+    draft_verified(p, 4, 4, 4);
+    EXPECT_EQ(draft_budget(p, 4), 4);  // never past max_draft
+    draft_verified(p, 4, 0, 0);        // nothing proposed: nothing learned
+    EXPECT_EQ(draft_budget(p, 4), 4);
+
+    draft_verified(p, 4, 4, 0);  // none kept: off, one step's wait
+    EXPECT_EQ(draft_budget(p, 4), 0);
+    EXPECT_EQ(draft_budget(p, 4), 1);  // then a probe of one token
+    draft_verified(p, 4, 1, 0);        // failed: wait 1, then 2, 4, ... 32 steps
+    int waited = 0;
+    for (int expect_wait : {1, 2, 4, 8, 16, 32, 32}) {
+        for (int i = 0; i < expect_wait; ++i)
+            EXPECT_EQ(draft_budget(p, 4), 0) << "wait " << expect_wait << " step " << i;
+        EXPECT_EQ(draft_budget(p, 4), 1) << "probe after " << expect_wait;
+        draft_verified(p, 4, 1, 0);
+        waited += expect_wait;
+    }
+    EXPECT_EQ(waited, 95);
+    // A probe that proposes nothing waits for nothing: the next step probes again.
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(draft_budget(p, 4), 0);
+    EXPECT_EQ(draft_budget(p, 4), 1);
+    draft_verified(p, 4, 0, 0);
+    EXPECT_EQ(draft_budget(p, 4), 1);
+    // A kept probe: drafting again, from two tokens, and the back-off starts over.
+    draft_verified(p, 4, 1, 1);
+    EXPECT_EQ(draft_budget(p, 4), 2);
+    draft_verified(p, 4, 2, 0);
+    EXPECT_EQ(draft_budget(p, 4), 0);
+    EXPECT_EQ(draft_budget(p, 4), 1);
+    draft_verified(p, 4, 1, 0);
+    EXPECT_EQ(draft_budget(p, 4), 0);  // a wait of 1 again
+    EXPECT_EQ(draft_budget(p, 4), 1);
+
+    DraftPace off;
+    EXPECT_EQ(draft_budget(off, 0), 0);  // drafting off
+}
+
 }  // namespace
 }  // namespace duet

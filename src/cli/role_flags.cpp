@@ -41,7 +41,8 @@ constexpr const char* kBorrowCpus = "--borrow-cpus";
 constexpr const char* kDraftTokens = "--draft-tokens";
 constexpr const char* kDraftTokensHelp =
     "decode: up to this many tokens per sequence and step drafted by prompt lookup and checked in the step's pass "
-    "(kept only where the draw picked them: the output does not change); 0: off";
+    "(kept only where the draw picked them: the output does not change), fewer or none while a sequence's drafts "
+    "miss; 0: off";
 constexpr const char* kMaxBatchHelp =
     "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
     "less urgent sequence (preempted)";

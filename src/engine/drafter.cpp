@@ -24,4 +24,31 @@ size_t PromptLookupDrafter::propose(std::span<const int32_t> prompt, std::span<c
     return 0;
 }
 
+int draft_budget(DraftPace& p, int max_draft) {
+    if (max_draft <= 0) return 0;
+    if (p.cap < 0) p.cap = max_draft;
+    if (p.cap > 0) return std::min(p.cap, max_draft);
+    if (p.wait > 0) {
+        --p.wait;
+        return 0;
+    }
+    return 1;  // a probe
+}
+
+void draft_verified(DraftPace& p, int max_draft, int drafted, int accepted) {
+    if (drafted <= 0) return;  // nothing was proposed: nothing learned
+    const bool probe = p.cap == 0;
+    if (accepted == drafted) {
+        p.cap = std::min(max_draft, std::max(p.cap, drafted) + 1);
+        p.backoff = 1;
+    } else if (accepted > 0) {
+        p.cap = accepted;
+        p.backoff = 1;
+    } else {
+        p.cap = 0;
+        p.wait = probe ? p.backoff : 1;
+        if (probe) p.backoff = std::min(DraftPace::kMaxWait, 2 * p.backoff);
+    }
+}
+
 }  // namespace duet

@@ -35,4 +35,24 @@ private:
     int min_, max_;
 };
 
+// How many tokens a sequence drafts next, from how its drafts fared: a verify row
+// costs more than a step (on a compute-bound CPU a row of 1 + k positions costs
+// nearly 1 + k steps: bench/RESULTS.md, "Many-row CPU products"), so a sequence whose
+// drafts keep failing stops drafting, and one whose drafts are kept drafts more.
+// Additive increase, back to what was kept on a miss; at 0 it waits, doubling the
+// wait after each failed probe (1, 2, 4 ... kMaxWait steps), then probes with one
+// token. Never changes the output (a draft only ever costs positions).
+struct DraftPace {
+    static constexpr int kMaxWait = 32;
+    int cap = -1;     // tokens it may draft next (-1: not yet set: the maximum)
+    int wait = 0;     // steps left before it drafts again (cap 0)
+    int backoff = 1;  // the next wait after a failed probe
+};
+
+// Up to how many tokens to draft at this step (0: none), at most max_draft; counts
+// one step of a wait down.
+int draft_budget(DraftPace& p, int max_draft);
+// After a verify row of `drafted` drafted tokens, `accepted` of them kept.
+void draft_verified(DraftPace& p, int max_draft, int drafted, int accepted);
+
 }  // namespace duet

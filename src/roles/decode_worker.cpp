@@ -276,8 +276,9 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
         const size_t room =
             std::min<size_t>(a.params.max_tokens > a.output.size() ? a.params.max_tokens - a.output.size() : 0,
                              t.max_tokens() > made ? t.max_tokens() - made : 0);
-        const size_t k = std::min<size_t>(static_cast<size_t>(std::max(0, opts_.max_draft)), room > 0 ? room - 1 : 0);
-        if (drafter_ && k > 0) {
+        const int budget = drafter_ ? draft_budget(a.pace, opts_.max_draft) : 0;
+        const size_t k = std::min<size_t>(static_cast<size_t>(budget), room > 0 ? room - 1 : 0);
+        if (k > 0) {
             a.row.resize(1 + k);
             a.row.resize(1 + drafter_->propose(a.prompt, a.output, std::span(a.row).subspan(1)));
         }
@@ -345,6 +346,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
         accepted += matched ? 1 : 0;
     }
     if (n > 1) {
+        draft_verified(a.pace, opts_.max_draft, n - 1, accepted);
         t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
         t.drafts_accepted().fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
     }

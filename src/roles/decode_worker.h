@@ -29,6 +29,7 @@ private:
         uint64_t first_step_ns = 0;   // its pace since (yield_budget_ns): when its first step here began
         size_t first_step_tokens = 0;  // and its output tokens then
         std::vector<int32_t> row;      // the step's input: the newest output token, then its drafts
+        DraftPace pace;                // how many tokens it drafts next (engine/drafter.h)
     };
     uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
     // from[i] (active_ or parked_) ends in state `to`.
