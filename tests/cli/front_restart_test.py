@@ -68,13 +68,16 @@ def roles():
     return found
 
 
+# ignore_eos: every stream runs its MAX_TOKENS, so each is still running at the kill
+# (a sampled story may end early: on the AVX2 level one did, seed 1000, 2026-12-05).
 def body(i, stream):
     return {"prompt": f"Story number {i}: once upon a time, in a land far away,", "max_tokens": MAX_TOKENS,
-            "temperature": 0.8, "seed": 1000 + i, "stream": stream}
+            "temperature": 0.8, "seed": 1000 + i, "stream": stream, "ignore_eos": True}
 
 
 CTX = "story"
-CTX_BODY = {"prompt": " And then the dragon said:", "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 77}
+CTX_BODY = {"prompt": " And then the dragon said:", "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 77,
+            "ignore_eos": True}
 
 
 def get(path):
@@ -175,7 +178,7 @@ try:
                 text, done = read_events(r, on_event)
             except Exception:
                 pass
-            if done:  # it ended before the kill (not expected with these lengths)
+            if done:  # it ended before the kill (ignore_eos: only if the kill came late)
                 results[i] = (text, state)
                 return
             cut_seen[i] = True
