@@ -22,17 +22,8 @@ import urllib.request
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
-from duet_e2e import drain, stop  # noqa: E402
-
-GROUNDED = [
-    "Copy this list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, "
-    "mango.\nCopy: apple, banana,",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
-]
-OPEN = ["Tell me a short story about a cat.", "Why is the sky blue?", "Write a haiku about rain."]
-
+from duet_e2e import drain, listening_port, stop  # noqa: E402
+from speculate_prompts import GROUNDED, OPEN  # noqa: E402
 
 def metric(port, name):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
@@ -44,12 +35,7 @@ def run(duet, flags, tokens):
     inst = f"duet-speculate-bench-{os.getpid()}"
     p = subprocess.Popen([duet, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags],
                          stderr=subprocess.PIPE, text=True)
-    port = None
-    for line in p.stderr:
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-            break
+    port = listening_port(p)
     drain(p)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)

@@ -23,17 +23,10 @@ import urllib.request
 import openai
 
 from duet_e2e import check, check_restarts, drain, listening_port, stop
+from speculate_prompts import GROUNDED, OPEN
 
 DUET = sys.argv[1]
 
-GROUNDED = [
-    "Copy this list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, "
-    "mango.\nCopy: apple, banana,",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
-]
-OPEN = ["Tell me a short story about a cat.", "Why is the sky blue?", "Write a haiku about rain."]
 MODES = [
     {"temperature": 0},
     {"temperature": 0.8, "seed": 7},
