@@ -45,7 +45,7 @@ def request(port, method, path, body=None, raw=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=120 * time_scale()) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -56,7 +56,7 @@ def stream(port, path, body, progress=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     text, events = "", []
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=120 * time_scale()) as r:
         check(r.headers.get("Content-Type", "").startswith("text/event-stream"), "SSE content type")
         for line in r:
             line = line.decode().rstrip("\n")
@@ -100,7 +100,7 @@ def finish_streams(port, threads, got, prompts, params, what):
     """Joins the streams; each must end with the text an undisturbed, non-streamed
     request with the same prompt and params gets now."""
     for t in threads:
-        t.join(300)
+        t.join(300 * time_scale())
     pending = sum(1 for g in got if g is None)
     check(pending == 0, f"{pending} streams did not finish")
     for i, prompt in enumerate(prompts):
@@ -209,7 +209,7 @@ def several_workers(port, server, per_role=False):
     prompts = [f"Item {i}: {body_text} In short, item {i}" for i in range(16)]
     params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
     threads, got, started = start_streams(port, prompts, params, lambda txt: len(txt) > 10)
-    check(started.wait(120), "no stream started")
+    check(started.wait(120 * time_scale()), "no stream started")
     victim = None
     for _ in range(500):  # a decode worker holding sequences
         busy = [p for p in procs()["processes"] if p["role"] == "decode" and p["load_items"] > 0]
@@ -554,7 +554,7 @@ def run(port, server):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(300 * time_scale())
     bad = [r for r in results if r != ref]
     check(not bad, f"{len(bad)} of {n_streams} concurrent streams differ, e.g. {bad[:1]!r} != {ref!r}")
     print(f"{n_streams} concurrent streams: ok")
@@ -583,11 +583,11 @@ def run(port, server):
     t = threading.Thread(target=lambda: got.update(text=stream(
         port, "/v1/chat/completions", dict(story, stream=True), lambda txt: len(txt) > 40 and seen.set())[0]))
     t.start()
-    check(seen.wait(120), "the stream did not start")  # decode is producing tokens now
+    check(seen.wait(120 * time_scale()), "the stream did not start")  # decode is producing tokens now
     decode = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "decode"]
     check(len(decode) == 1, f"one decode worker: {decode}")
     os.kill(decode[0], signal.SIGKILL)
-    t.join(120)
+    t.join(120 * time_scale())
     check(got.get("text") == want, f"after the kill: {got.get('text', '')[:120]!r}... != {want[:120]!r}...")
     restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
     check(restarts >= 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
@@ -602,7 +602,7 @@ def run(port, server):
     prompts = [f"Note {i}: {body_text} Summary {i}:" for i in range(16)]
     params = {"max_tokens": 12, "temperature": 0}
     threads, got16, started = start_streams(port, prompts, params, lambda txt: txt)
-    check(started.wait(120), "no stream started")
+    check(started.wait(120 * time_scale()), "no stream started")
     prefill = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "prefill"]
     check(len(prefill) == 1, f"one prefill worker: {prefill}")
     os.kill(prefill[0], signal.SIGKILL)
