@@ -17,6 +17,7 @@
 #include "roles/worker_stats.h"
 #include "roles/workers.h"
 #include "shm_test_util.h"
+#include "time_scale.h"
 
 using namespace duet;
 using namespace duet::shm::testing;
@@ -574,10 +575,16 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     std::vector<shm::ReqRef> reqs;
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
     shm::RequestTable& t = sv.inst.requests();
-    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) {
+    // Decode holds the first request once it has made 4 tokens. Both workers start
+    // with a golden check: under ASan on a loaded 2-core machine that passed a fixed
+    // 10 s (2026-12-05), decode was killed holding nothing, and the check below
+    // failed. The wait follows DUET_TIME_SCALE and fails rather than kill too early.
+    const uint64_t until = shm::monotonic_ns() + test_time::scaled_ns(30'000'000'000ull);
+    while (shm::monotonic_ns() < until && t.slot(reqs[0].slot).n_output.load() < 4) {
         sup.poll();
         usleep(500);
     }
+    ASSERT_GE(t.slot(reqs[0].slot).n_output.load(), 4u) << "the first request made no 4 tokens in time";
     pid_t dec = sup.pid_of("decode");
     ASSERT_GT(dec, 0);
     kill(dec, SIGKILL);
