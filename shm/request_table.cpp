@@ -218,6 +218,8 @@ Status RequestTable::queue(ReqRef r, const int32_t* prompt, uint32_t n_prompt, c
     s.error_code.store(0, std::memory_order_relaxed);
     s.n_swapped.store(0, std::memory_order_relaxed);
     s.end_code.store(0, std::memory_order_relaxed);
+    s.n_drafted.store(0, std::memory_order_relaxed);
+    s.n_draft_kept.store(0, std::memory_order_relaxed);
     s.prefill_ns.store(0, std::memory_order_relaxed);
     s.handoff_ns.store(0, std::memory_order_relaxed);
     s.first_step_ns.store(0, std::memory_order_relaxed);

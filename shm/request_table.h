@@ -101,6 +101,11 @@ struct alignas(64) ReqSlot {
     // defines (roles: engine/token_step.h's Finish), opaque here. Written before the
     // transition that publishes the end; 0 until then.
     std::atomic<uint32_t> end_code;
+    // Tokens decode drafted for it and checked in verify rows, and those of them it
+    // kept (they are among its output tokens): its usage, next to the table's totals.
+    // Added by the owner as it emits (a re-drive's new owner adds on).
+    std::atomic<uint32_t> n_drafted;
+    std::atomic<uint32_t> n_draft_kept;
     // Phase times (monotonic_ns), written by whoever runs the phase before its
     // state transition publishes them; 0 until then. For latency metrics only.
     uint64_t submit_ns;      // queued by the front

@@ -169,5 +169,30 @@ TEST(DraftPace, GrowsOnKeptDraftsShrinksOnMissesAndBacksOffWhenNothingIsKept) {
     EXPECT_EQ(draft_budget(off, 0), 0);  // drafting off
 }
 
+// A request's "speculative" against the server's --draft-tokens (engine/drafter.h
+// draft_limit): every mode, with and without its own maximum, on servers with
+// drafting off and on.
+TEST(DraftLimit, TheRequestsModeAndMaximumOverTheServersDefault) {
+    struct Case {
+        DraftMode mode;
+        int request_max, server_max, want;
+    };
+    const Case cases[] = {
+        {DraftMode::Server, 0, 0, 0},    // neither asks: off
+        {DraftMode::Server, 0, 5, 5},    // the server's
+        {DraftMode::Server, 0, 40, 16},  // never past the per-step maximum
+        {DraftMode::Off, 0, 5, 0},       // the request turns the server's off
+        {DraftMode::Auto, 0, 0, 8},      // on where the server's is off: the paced default
+        {DraftMode::Auto, 0, 5, 5},      // on: the server's depth
+        {DraftMode::Auto, 3, 0, 3},      // its own depth
+        {DraftMode::Auto, 3, 12, 3},     // its own depth, below the server's
+        {DraftMode::Auto, 12, 3, 12},    // or above it
+        {DraftMode::Auto, 99, 0, 16},
+    };
+    for (const Case& c : cases)
+        EXPECT_EQ(draft_limit(c.mode, c.request_max, c.server_max), c.want)
+            << "mode " << static_cast<int>(c.mode) << " request " << c.request_max << " server " << c.server_max;
+}
+
 }  // namespace
 }  // namespace duet

@@ -281,6 +281,21 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(err(R"({"prompt": "x", "best_of": 1, "n": 2})", false).param, "best_of");
     EXPECT_EQ(err(R"({"prompt": "x", "best_of": 17})", false).param, "best_of");
     EXPECT_EQ(err(R"({"prompt": "x", "best_of": 3, "stream": true})", false).param, "best_of");
+    // speculative (duet's): a mode and, with auto, a depth of 1 to 16; anything else
+    // a 400 naming it.
+    EXPECT_EQ(parse_ok(R"({"prompt": "x"})", false).draft_mode, DraftMode::Server);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": null})", false).draft_mode, DraftMode::Server);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": {"mode": "off"}})", false).draft_mode, DraftMode::Off);
+    const CompletionRequest spec = parse_ok("{" + msgs + R"(, "speculative": {"mode": "auto", "max_draft": 4}})", true);
+    EXPECT_EQ(spec.draft_mode, DraftMode::Auto);
+    EXPECT_EQ(spec.max_draft, 4);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": {"max_draft": 16}})", false).max_draft, 16);
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": {}})", false).draft_mode, DraftMode::Auto);
+    for (const char* bad :
+         {R"("auto")", R"({"mode": "fast"})", R"({"mode": "auto", "max_draft": 0})", R"({"max_draft": 17})",
+          R"({"max_draft": 2.5})", R"({"mode": "off", "max_draft": 2})", R"({"mode": "auto", "depth": 2})", "[1]"})
+        EXPECT_EQ(err(std::string(R"({"prompt": "x", "speculative": )") + bad + "}", false).param, "speculative")
+            << bad;
 }
 
 TEST(OpenAiParse, ChoicesLogprobsAndTokenPrompts) {

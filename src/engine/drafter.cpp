@@ -24,6 +24,18 @@ size_t PromptLookupDrafter::propose(std::span<const int32_t> prompt, std::span<c
     return 0;
 }
 
+int draft_limit(DraftMode mode, int request_max, int server_max) {
+    switch (mode) {
+        case DraftMode::Off: return 0;
+        case DraftMode::Auto:
+            return std::min(kMaxDraftTokens, request_max > 0  ? request_max
+                                             : server_max > 0 ? server_max
+                                                              : kAutoDraftTokens);
+        case DraftMode::Server: break;
+    }
+    return std::clamp(server_max, 0, kMaxDraftTokens);
+}
+
 int draft_budget(DraftPace& p, int max_draft) {
     if (max_draft <= 0) return 0;
     if (p.cap < 0) p.cap = max_draft;

@@ -49,6 +49,19 @@ struct DraftPace {
     int backoff = 1;  // the next wait after a failed probe
 };
 
+// A request's say in drafting (its "speculative" field): the server's default
+// (--draft-tokens), none, or drafts paced by DraftPace up to its own maximum.
+enum class DraftMode : uint8_t { Server = 0, Off = 1, Auto = 2 };
+inline constexpr int kMaxDraftTokens = 16;  // per sequence and step, a request's or the server's
+// Auto without a maximum where the server's default is off: the paced depth that
+// did best on the input-grounded prompts and held open chat's speed (bench/RESULTS.md,
+// "Paced drafts").
+inline constexpr int kAutoDraftTokens = 8;
+
+// The most tokens a sequence drafts per step: `request_max` (0: not given) under
+// Auto, else the server's `server_max` (0: off), none under Off.
+int draft_limit(DraftMode mode, int request_max, int server_max);
+
 // Up to how many tokens to draft at this step (0: none), at most max_draft; counts
 // one step of a wait down.
 int draft_budget(DraftPace& p, int max_draft);

@@ -288,6 +288,8 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
     params.min_tokens = static_cast<uint32_t>(r.min_tokens);
+    params.draft_mode = r.draft_mode;
+    params.max_draft = static_cast<uint8_t>(r.max_draft);
     RequestData data;
     for (const auto& [id, bias] : r.logit_bias) {
         if (id >= f.tok_.n_vocab())
@@ -566,6 +568,12 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
         if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
         if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
         o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
+        {
+            const int64_t drafted = s.n_drafted.load(std::memory_order_relaxed);
+            const int64_t kept = s.n_draft_kept.load(std::memory_order_relaxed);
+            o.u.drafted += drafted;
+            o.u.drafts_kept += std::min(kept, drafted);
+        }
         if (ch.finish.empty() && ch.final_state == shm::ReqState::Cancelled && c.timed_out) {
             ch.finish = finish_reason(Finish::Timeout);  // duet's extension: ended by its "timeout"
             f.counters_.timeouts.fetch_add(1, std::memory_order_relaxed);

@@ -33,7 +33,8 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
         if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
     worker_stats(inst.registry(), w->self_.slot)
         .max_items.store(static_cast<uint64_t>(std::max(1, o.max_batch)), std::memory_order_relaxed);
-    if (o.max_draft > 0) w->drafter_ = std::make_unique<PromptLookupDrafter>();
+    // Always there: a request may ask for drafts where the server's default is off.
+    w->drafter_ = std::make_unique<PromptLookupDrafter>();
     w->publish_load();
     return w;
 }
@@ -276,7 +277,7 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
         const size_t room =
             std::min<size_t>(a.params.max_tokens > a.output.size() ? a.params.max_tokens - a.output.size() : 0,
                              t.max_tokens() > made ? t.max_tokens() - made : 0);
-        const int budget = drafter_ ? draft_budget(a.pace, opts_.max_draft) : 0;
+        const int budget = draft_budget(a.pace, max_draft(a.params));
         const size_t k = std::min<size_t>(static_cast<size_t>(budget), room > 0 ? room - 1 : 0);
         if (k > 0) {
             a.row.resize(1 + k);
@@ -346,9 +347,12 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
         accepted += matched ? 1 : 0;
     }
     if (n > 1) {
-        draft_verified(a.pace, opts_.max_draft, n - 1, accepted);
+        draft_verified(a.pace, max_draft(a.params), n - 1, accepted);
         t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
         t.drafts_accepted().fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
+        shm::ReqSlot& s = t.slot(a.req.slot);
+        s.n_drafted.fetch_add(static_cast<uint32_t>(n - 1), std::memory_order_relaxed);
+        s.n_draft_kept.fetch_add(static_cast<uint32_t>(accepted), std::memory_order_relaxed);
     }
     // Every token but the newest output keeps its KV: the row's positions up to the
     // last kept token's input.

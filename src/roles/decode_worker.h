@@ -59,7 +59,10 @@ private:
     Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
     // The step's batch for a Run plan: each row's input and who picks its tokens.
     void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
-    std::unique_ptr<Drafter> drafter_;  // null: no drafts (WorkerOptions::max_draft 0)
+    std::unique_ptr<Drafter> drafter_;
+    // The most tokens a request drafts per step: its "speculative" over the server's
+    // WorkerOptions::max_draft (engine/drafter.h draft_limit).
+    int max_draft(const RequestParams& p) const { return draft_limit(p.draft_mode, p.max_draft, opts_.max_draft); }
     void publish_load();
     std::vector<shm::SpscConsumer<WireMsg>> in_;  // from each prefill worker
     size_t first_in_ = 0;  // the ring taken from first at the next step (round robin: none starves)

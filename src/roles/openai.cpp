@@ -388,6 +388,31 @@ Field read_scheduling(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
+// speculative (duet's extension, engine/drafter.h): {"mode": "auto" | "off",
+// "max_draft": 1..16}. Drafts never change the output; they change its speed.
+Field read_speculative(const json& j, CompletionRequest& r) {
+    auto it = j.find("speculative");
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    if (!it->is_object())
+        return bad("speculative", R"('speculative' must be an object: {"mode": "auto" or "off", "max_draft": k})");
+    for (const auto& [key, v] : it->items())
+        if (key != "mode" && key != "max_draft")
+            return bad("speculative", fmt::format("Unrecognized request argument supplied: speculative.{}", key));
+    const auto mode = it->find("mode");
+    if (mode != it->end() && !(mode->is_string() && (*mode == "auto" || *mode == "off")))
+        return bad("speculative", "'speculative.mode' must be \"auto\" or \"off\"");
+    const bool off = mode != it->end() && *mode == "off";
+    r.draft_mode = off ? DraftMode::Off : DraftMode::Auto;
+    if (const auto k = it->find("max_draft"); k != it->end() && !k->is_null()) {
+        if (off) return bad("speculative", "'speculative.max_draft' cannot be used with mode \"off\"");
+        if (!k->is_number_integer() || k->get<int64_t>() < 1 || k->get<int64_t>() > kMaxDraftTokens)
+            return bad("speculative",
+                       fmt::format("'speculative.max_draft' must be an integer from 1 to {}", kMaxDraftTokens));
+        r.max_draft = k->get<int>();
+    }
+    return std::nullopt;
+}
+
 // echo (completions) and best_of (completions: candidates of which the n with the
 // highest mean log-probability per token are returned; not streamed).
 Field read_echo_best_of(const json& j, CompletionRequest& r) {
@@ -547,8 +572,9 @@ constexpr FieldRule kFields[] = {
     {"top_logprobs", kChat, Does::Honour, ""},
     {"echo", kCompletions, Does::Honour, ""},
     {"best_of", kCompletions, Does::Honour, ""},
-    {"priority", kBoth, Does::Honour, ""},  // duet (engine/scheduling.h)
-    {"timeout", kBoth, Does::Honour, ""},   // duet
+    {"priority", kBoth, Does::Honour, ""},     // duet (engine/scheduling.h)
+    {"timeout", kBoth, Does::Honour, ""},      // duet
+    {"speculative", kBoth, Does::Honour, ""},  // duet (engine/drafter.h)
     {"user", kBoth, Does::Ignore, ""},
     {"safety_identifier", kChat, Does::Ignore, ""},
     {"prompt_cache_key", kChat, Does::Ignore, ""},  // a cache hint: duet's prefix cache needs none
@@ -622,7 +648,7 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
     for (auto read : {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices,
-                      read_echo_best_of, read_scheduling, read_grammar})
+                      read_echo_best_of, read_scheduling, read_speculative, read_grammar})
         if (auto e = read(j, r)) return *e;
     if (chat && (j.contains("tools") || j.contains("tool_choice") || j.contains("parallel_tool_calls")))
         if (auto e = read_tools(nlohmann::ordered_json::parse(body), r)) return *e;
@@ -652,10 +678,16 @@ json base(const CompletionRequest& r, const std::string& id, int64_t created, co
             {"model", model}};
 }
 json usage(const Usage& u) {
-    return {{"prompt_tokens", u.prompt_tokens},
-            {"completion_tokens", u.completion_tokens},
-            {"total_tokens", u.prompt_tokens + u.completion_tokens},
-            {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+    // completion_tokens_details: drafted tokens the verify rows kept (they are among
+    // the completion's tokens) and those they rejected (computed, not in it; unlike
+    // OpenAI's predicted outputs, not counted in completion_tokens).
+    return {
+        {"prompt_tokens", u.prompt_tokens},
+        {"completion_tokens", u.completion_tokens},
+        {"total_tokens", u.prompt_tokens + u.completion_tokens},
+        {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}},
+        {"completion_tokens_details",
+         {{"accepted_prediction_tokens", u.drafts_kept}, {"rejected_prediction_tokens", u.drafted - u.drafts_kept}}}};
 }
 json bytes_of(const std::string& s) {
     json b = json::array();

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/drafter.h"
 #include "engine/grammar.h"
 #include "engine/scheduling.h"
 
@@ -57,6 +58,10 @@ struct CompletionRequest {
     // and "timeout" (seconds; past it the request ends with finish_reason "timeout").
     std::optional<SloClass> priority;
     double timeout_s = 0;  // 0: the server's --request-timeout
+    // duet's "speculative" (engine/drafter.h draft_limit): the server's drafting
+    // (absent), none ("off"), or paced drafts up to max_draft ("auto"; 0: not given).
+    DraftMode draft_mode = DraftMode::Server;
+    int max_draft = 0;
     // The grammar the output follows (engine/grammar.h): from response_format
     // (json_object, json_schema), or llama.cpp's json_schema or grammar fields, the
     // one named by grammar_param.
@@ -92,6 +97,7 @@ std::optional<ApiError> read_chat_messages(const nlohmann::json& body, std::vect
 struct Usage {
     int64_t prompt_tokens = 0, completion_tokens = 0;
     int64_t cached_tokens = 0;  // prompt tokens whose KV came from the prefix cache
+    int64_t drafted = 0, drafts_kept = 0;  // decode's drafted tokens for it, and those kept (<= drafted)
 };
 
 // One output token's log-probability, with its top alternatives (token texts are

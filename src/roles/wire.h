@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "engine/drafter.h"
 #include "engine/scheduling.h"
 #include "engine/token_step.h"
 #include "kv/kv_pool.h"
@@ -214,6 +215,11 @@ struct RequestParams {
     // none. A worker that cannot read exactly that much, undamaged, fails the
     // request (ReqError::Data) rather than run it without.
     uint32_t data_bytes = 0;
+    // Its "speculative" (engine/drafter.h draft_limit): the server's drafting, none,
+    // or paced drafts up to max_draft (0: the server's depth, or kAutoDraftTokens).
+    DraftMode draft_mode = DraftMode::Server;
+    uint8_t max_draft = 0;
+    uint8_t draft_pad_[2] = {};
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

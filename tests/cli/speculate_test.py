@@ -6,8 +6,11 @@ output without drafts. Driven through the official `openai` client against two
 servers, one without drafts (the reference) and one with: input-grounded prompts
 (where drafts are accepted; /metrics proves they were) and open ones, greedy and
 seeded sampling, penalties, logit_bias, min_tokens, stop strings, logprobs, one at a
-time and all at once (verify rows batched with plain ones); then a stream through a
-SIGKILL of decode in the middle of its verify steps, re-driven, identical.
+time and all at once (verify rows batched with plain ones); a request's own
+"speculative" (auto on the server without drafts, off on the one with: the same
+outputs, and its usage.completion_tokens_details counts the drafts kept), and its
+refusals; then a stream through a SIGKILL of decode in the middle of its verify
+steps, re-driven, identical.
 
 Usage: speculate_test.py path/to/duet   (run with the venv's python)
 """
@@ -18,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import openai
@@ -71,6 +75,46 @@ def run_all(port, parallel):
         return list(ex.map(one, jobs)), jobs
 
 
+def per_request(port, speculative, modes):
+    """The grounded prompts in MODES[i] for i in modes, one at a time, each with the
+    request field speculative (None: none): (jobs, outputs as run_all's, the drafted
+    tokens kept and thrown away by usage.completion_tokens_details)."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = c.models.list().data[0].id
+    jobs, outs, kept, thrown = [], [], 0, 0
+    for prompt in GROUNDED:
+        for i in modes:
+            kw = dict(model=model, prompt=prompt, max_tokens=64, logprobs=2)
+            kw.update(MODES[i])
+            if speculative is not None:
+                kw["extra_body"] = {**kw.get("extra_body", {}), "speculative": speculative}
+            r = c.completions.create(**kw)
+            ch, lp = r.choices[0], r.choices[0].logprobs
+            jobs.append((prompt, MODES[i]))
+            outs.append((ch.text, ch.finish_reason, lp.tokens, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]))
+            d = r.usage.completion_tokens_details
+            check(d is not None and d.accepted_prediction_tokens <= r.usage.completion_tokens,
+                  f"usage.completion_tokens_details: {r.usage}")
+            kept += d.accepted_prediction_tokens
+            thrown += d.rejected_prediction_tokens
+    return jobs, outs, kept, thrown
+
+
+def refusals(port):
+    """A "speculative" the server cannot honour is a 400 naming it."""
+    for bad in ({"mode": "fast"}, {"mode": "auto", "max_draft": 0}, {"mode": "auto", "max_draft": 17},
+                {"mode": "off", "max_draft": 3}, {"mode": "auto", "depth": 2}, "auto", {"max_draft": 2.5}):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 2, "speculative": bad}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+            check(False, f"speculative {bad!r} was accepted")
+        except urllib.error.HTTPError as e:
+            err = json.loads(e.read())["error"]
+            check(e.code == 400 and err["param"] == "speculative", f"speculative {bad!r}: {e.code} {err}")
+
+
 def metric(port, name):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     m = re.search(rf"^{re.escape(name)} (\d+)$", text, re.M)
@@ -87,6 +131,16 @@ try:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
     check(metric(port, 'duet_draft_tokens_total{outcome="accepted"}') == 0, "no drafts without --draft-tokens")
+    # A request's own "speculative" on a server whose drafting is off: drafts for it
+    # (its usage counts them), the same output as without.
+    refusals(port)
+    for spec, modes in (({"mode": "auto"}, (0, 1)), ({"mode": "auto", "max_draft": 2}, (1,))):
+        spec_jobs, got, kept, thrown = per_request(port, spec, modes)
+        for (prompt, mode), g in zip(spec_jobs, got):
+            w = want_one[jobs.index((prompt, mode))]
+            check(w == g, f"speculative {spec}, {mode} on {prompt[:40]!r}: {g} != without {w}")
+        check(kept > 0, f"speculative {spec} on a server without drafts: none kept ({thrown} thrown)")
+        print(f"speculative {spec} on a server without drafts: identical, {kept} drafted tokens kept, {thrown} thrown")
 finally:
     stop(server)
 
@@ -111,6 +165,13 @@ try:
     for (prompt, mode), w, g in zip(jobs, want_one, got_all):
         check(w == g, f"eight at a time, {mode} on {prompt[:40]!r}: with drafts {g[0]!r}, without {w[0]!r}")
     print(f"{len(jobs)} completions eight at a time: identical")
+    # A request that turns the server's drafting off: none for it, the same output.
+    spec_jobs, got, kept, thrown = per_request(port, {"mode": "off"}, (0,))
+    for (prompt, mode), g in zip(spec_jobs, got):
+        w = want_one[jobs.index((prompt, mode))]
+        check(w == g, f"speculative off, {mode} on {prompt[:40]!r}: {g} != without drafts {w}")
+    check(kept == 0 and thrown == 0, f"speculative off: {kept} drafted tokens kept, {thrown} thrown")
+    print("speculative off on a server with drafts: none drafted, identical")
     # Decode killed while it verifies drafts for the stream: re-driven, identical.
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
