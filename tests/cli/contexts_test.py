@@ -102,7 +102,7 @@ class Server:
     def __init__(self, cdir, instance, ctx=1024, slots=16, extra=()):
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", str(ctx), "--slots", str(slots), "--instance",
                                    instance, "--contexts-dir", cdir, "--grace", "5",
-                                   *(("--start-timeout", "300") if os.environ.get("DUET_E2E_SUBSET") else ()), *extra],
+                                   "--start-timeout", "300", *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
         self.kills = 0  # roles this test SIGKILLed (kill_role): the restarts it expects

@@ -35,7 +35,7 @@ GRACE_S = 2
 MAX_TOKENS = 80
 
 serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--slots", "8", "--resume-grace", str(GRACE_S),
-                          *(("--start-timeout", "300") if SUBSET else ())], stderr=subprocess.PIPE, text=True)
+                          "--start-timeout", "300"], stderr=subprocess.PIPE, text=True)
 port = listening_port(serve)
 log = []
 if port is None:

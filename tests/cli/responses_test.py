@@ -43,14 +43,13 @@ import openai
 from duet_e2e import check, check_restarts, drain, kill_server, stop
 
 DUET = sys.argv[1]
-SUBSET = bool(os.environ.get("DUET_E2E_SUBSET"))
 
 
 class Server:
     def __init__(self, instance, extra=()):
         self.instance = instance
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--instance", instance, "--grace", "5",
-                                   *(("--start-timeout", "300") if SUBSET else ()), *extra],
+                                   "--start-timeout", "300", *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.said = []
         self.port = None

@@ -197,8 +197,9 @@ def client_waits(port):
         # client comes back before the next prompt is done and is refused again
         # (at least 1 s later each time). At ~450 tokens/s that is a retry or two;
         # under ASan (~40 tokens/s, 10 s a prompt) it was 22 in a row on
-        # 2026-12-04.
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=64 if SLOW else 8,
+        # 2026-12-04; 8 were too few for a release run on a loaded 2-core Zen 1 on
+        # 2026-12-06.
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=64,
                           http_client=openai.DefaultHttpxClient(event_hooks={"response": [hook]}, timeout=300))
         filler = [threading.Thread(target=post, args=(port, "/v1/completions",
                                                       {"prompt": prompt_ids(5000 + 50 * attempt + i, 400),

@@ -118,10 +118,11 @@ def shm_processes():
     return json.loads(out.stdout)
 
 
-# Under sanitizers (DUET_E2E_SUBSET) with other e2e servers starting on the same two
-# cores, the roles' start (each worker's golden check first) can pass the default
-# --start-timeout (60 s): the launcher gives up and the server exits before listening.
-START_TIMEOUT = ("--start-timeout", "300") if os.environ.get("DUET_E2E_SUBSET") else ()
+# With other e2e servers starting on the same two cores (under sanitizers, or a
+# loaded release run: responses_e2e on 2026-12-06), the roles' start (each worker's
+# golden check first) can pass the default --start-timeout (60 s): the launcher
+# gives up and the server exits before listening. The e2e tests give it 300 s.
+START_TIMEOUT = ("--start-timeout", "300")
 
 
 def serving(instance, test, extra=()):

@@ -105,7 +105,7 @@ def same_as_whole(c, what, **kw):
 
 
 server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--instance", INSTANCE,
-                           *(("--start-timeout", "300") if SUBSET else ())], stderr=subprocess.PIPE, text=True)
+                           "--start-timeout", "300"], stderr=subprocess.PIPE, text=True)
 try:
     port, said = None, []
     for line in server.stderr:
