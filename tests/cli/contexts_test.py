@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check_restarts, kill_server, stop, time_scale
+from duet_e2e import START_TIMEOUT, check_restarts, kill_server, stop, time_scale
 
 DUET = sys.argv[1]
 # The decode kill's generation: long enough to be cut, short enough for ASan.
@@ -102,7 +102,7 @@ class Server:
     def __init__(self, cdir, instance, ctx=1024, slots=16, extra=()):
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", str(ctx), "--slots", str(slots), "--instance",
                                    instance, "--contexts-dir", cdir, "--grace", "5",
-                                   "--start-timeout", "300", *extra],
+                                   *START_TIMEOUT, *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.instance = instance
         self.kills = 0  # roles this test SIGKILLed (kill_role): the restarts it expects

@@ -45,6 +45,14 @@ def listening_port(proc):
     return None
 
 
+# Extra `duet serve` arguments for every e2e server: with other e2e servers starting
+# on the same two cores (under sanitizers, or a loaded release run: responses_e2e on
+# 2026-12-06), the roles' start (each worker's golden check first) can pass the
+# default --start-timeout (60 s), and the launcher gives up before listening. The
+# bound is for a hang, not a speed.
+START_TIMEOUT = ("--start-timeout", "300")
+
+
 def time_scale():
     """DUET_TIME_SCALE (default 1; the sanitizer runs of `make test` set 4): every time
     bound a test sets is multiplied by it (tests/time_scale.h says why)."""

@@ -28,7 +28,7 @@ import threading
 import time
 import http.client
 
-from duet_e2e import check, check_restarts, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, stop
 
 DUET = sys.argv[1]
 N_STREAMS = 8 if os.environ.get("DUET_E2E_SUBSET") else 16
@@ -43,7 +43,7 @@ contexts_dir = tempfile.TemporaryDirectory(prefix="duet-front-restart-")
 # (Under sanitizers a start beside other e2e servers can pass the default 60 s.)
 serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--slots", "48", "--admit-slack", "0",
                           "--contexts-dir", contexts_dir.name,
-                          "--start-timeout", "300"],
+                          *START_TIMEOUT],
                          stderr=subprocess.PIPE, text=True)
 log = []
 for line in serve.stderr:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from duet_e2e import check, listening_port, stop, time_scale
+from duet_e2e import START_TIMEOUT, check, listening_port, stop, time_scale
 
 DUET = sys.argv[1]
 SUBSET = os.environ.get("DUET_E2E_SUBSET") == "1"
@@ -35,7 +35,7 @@ GRACE_S = 2
 MAX_TOKENS = 80
 
 serve = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--slots", "8", "--resume-grace", str(GRACE_S),
-                          "--start-timeout", "300"], stderr=subprocess.PIPE, text=True)
+                          *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
 port = listening_port(serve)
 log = []
 if port is None:

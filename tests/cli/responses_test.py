@@ -40,7 +40,7 @@ import urllib.request
 import jsonschema
 import openai
 
-from duet_e2e import check, check_restarts, drain, kill_server, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, drain, kill_server, stop
 
 DUET = sys.argv[1]
 
@@ -49,7 +49,7 @@ class Server:
     def __init__(self, instance, extra=()):
         self.instance = instance
         self.p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--instance", instance, "--grace", "5",
-                                   "--start-timeout", "300", *extra],
+                                   *START_TIMEOUT, *extra],
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.said = []
         self.port = None

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import time_scale
+from duet_e2e import START_TIMEOUT, time_scale
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-serve-test-{os.getpid()}"
@@ -116,13 +116,6 @@ def counter(port, name):
 def shm_processes():
     out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
-
-
-# With other e2e servers starting on the same two cores (under sanitizers, or a
-# loaded release run: responses_e2e on 2026-12-06), the roles' start (each worker's
-# golden check first) can pass the default --start-timeout (60 s): the launcher
-# gives up and the server exits before listening. The e2e tests give it 300 s.
-START_TIMEOUT = ("--start-timeout", "300")
 
 
 def serving(instance, test, extra=()):

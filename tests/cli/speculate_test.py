@@ -26,7 +26,7 @@ import urllib.request
 
 import openai
 
-from duet_e2e import check, check_restarts, drain, listening_port, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, drain, listening_port, stop
 from speculate_prompts import GROUNDED, OPEN
 
 DUET = sys.argv[1]
@@ -49,13 +49,18 @@ if os.environ.get("DUET_E2E_SUBSET"):
 
 def start(draft):
     inst = f"duet-speculate-test-{os.getpid()}-{draft}"
-    slow = ("--start-timeout", "300")  # as serve_test.py: a loaded machine's start
     p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, "--draft-tokens",
-                          str(draft), *slow], stderr=subprocess.PIPE, text=True)
+                          str(draft), *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
     port = listening_port(p)
     check(port, f"the server with --draft-tokens {draft} did not start")
     drain(p)
     return p, port, inst
+
+
+def outcome(ch):
+    """What must not change with drafts: a choice's text, finish reason and log-probs."""
+    lp = ch.logprobs
+    return ch.text, ch.finish_reason, lp.tokens, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]
 
 
 def run_all(port, parallel):
@@ -67,9 +72,7 @@ def run_all(port, parallel):
         prompt, mode = job
         kw = dict(model=model, prompt=prompt, max_tokens=64, logprobs=2)
         kw.update(mode)
-        ch = c.completions.create(**kw).choices[0]
-        lp = ch.logprobs
-        return ch.text, ch.finish_reason, lp.tokens, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]
+        return outcome(c.completions.create(**kw).choices[0])
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as ex:
         return list(ex.map(one, jobs)), jobs
@@ -89,9 +92,8 @@ def per_request(port, speculative, modes):
             if speculative is not None:
                 kw["extra_body"] = {**kw.get("extra_body", {}), "speculative": speculative}
             r = c.completions.create(**kw)
-            ch, lp = r.choices[0], r.choices[0].logprobs
             jobs.append((prompt, MODES[i]))
-            outs.append((ch.text, ch.finish_reason, lp.tokens, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]))
+            outs.append(outcome(r.choices[0]))
             d = r.usage.completion_tokens_details
             check(d is not None and d.accepted_prediction_tokens <= r.usage.completion_tokens,
                   f"usage.completion_tokens_details: {r.usage}")

@@ -22,7 +22,7 @@ import urllib.request
 import jsonschema
 import openai
 
-from duet_e2e import check, check_restarts, drain, listening_port, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, drain, listening_port, stop
 from schema_corpus import corpus, unsupported
 
 DUET = sys.argv[1]
@@ -54,7 +54,7 @@ def valid(schema, text, what):
 
 
 server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", INSTANCE,
-                           "--start-timeout", "300"], stderr=subprocess.PIPE, text=True)
+                           *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
 try:
     port = listening_port(server)
     check(port, "the server did not start")

@@ -23,7 +23,7 @@ import urllib.request
 import jsonschema
 import openai
 
-from duet_e2e import check, check_restarts, drain, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, drain, stop
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-tools-test-{os.getpid()}"
@@ -105,7 +105,7 @@ def same_as_whole(c, what, **kw):
 
 
 server = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "2048", "--instance", INSTANCE,
-                           "--start-timeout", "300"], stderr=subprocess.PIPE, text=True)
+                           *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
 try:
     port, said = None, []
     for line in server.stderr:
