@@ -417,13 +417,17 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
 }
 
 // Until every choice has ended: reads each one's new tokens, streams them if asked,
-// and sleeps until a slot changes.
+// and sleeps until a slot changes. A client that closed its connection is seen at
+// once, not at the second write after it (a write to a closed socket succeeds
+// once): its stream is kept for a resume from then, and a request that does not
+// stream is cancelled then, not computed to its end for nobody.
 awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Completion& c) {
     // The request's own "timeout", else the server's; from its arrival.
     c.deadline = c.arrived + (c.r.timeout_s > 0 ? static_cast<uint64_t>(c.r.timeout_s * 1e9)
                                                  : static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull);
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
     for (;;) {
+        if (!c.client_gone && peer_closed(stream)) c.client_gone = true;
         bool all_done = true;
         for (size_t ci = 0; ci < c.ch.size(); ++ci) {
             Choice& ch = c.ch[ci];

@@ -162,6 +162,10 @@ awaitable<bool> write_response(beast::tcp_stream& stream, const Request& req, ht
 awaitable<bool> write_event(beast::tcp_stream& stream, std::string payload, const std::string& id = {});
 // One SSE event of a /v1/responses stream: "event: <its type>" and its JSON.
 awaitable<bool> write_typed_event(beast::tcp_stream& stream, const nlohmann::json& ev);
+// Whether the client has closed (or reset) its connection, asked without waiting:
+// bytes it sent ahead (a pipelined request) are not an end. A client that shuts
+// down only its sending side reads as gone too, as in uvicorn and others.
+bool peer_closed(beast::tcp_stream& stream);
 
 // One choice of a completion: its request and what the front has made of its tokens.
 struct Choice {

@@ -1,6 +1,10 @@
 // The front's helpers (declared in front_session.h).
 #include "roles/front_session.h"
 
+#include <sys/socket.h>
+
+#include <cerrno>
+
 namespace duet {
 
 namespace front_detail {
@@ -176,6 +180,13 @@ std::variant<std::string, ApiError> token_route(const Tokenizer& tok, const std:
         ids.push_back(x.get<int32_t>());
     }
     return text_json(tok.decode(ids, false));
+}
+
+bool peer_closed(beast::tcp_stream& stream) {
+    char b;
+    const ssize_t n = ::recv(stream.socket().native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) return true;
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
 }
 
 awaitable<void> write_stream_head(beast::tcp_stream& stream, const Request& req, Completion& c) {

@@ -13,7 +13,9 @@
   the rest exactly;
 - a client that drops and never comes back: its request is cancelled once the grace
   has passed and its KV blocks and slot are freed (the time measured);
-- a resume of an unknown or expired request is 404 and names the grace.
+- a resume of an unknown or expired request is 404 and names the grace;
+- a request without a stream whose client closed its connection is cancelled then,
+  not computed to its end.
 
 Usage: front_resume_test.py path/to/duet"""
 import http.client
@@ -238,6 +240,31 @@ try:
     body = rr.read().decode()
     check(rr.status == 404 and "disconnected" in body, f"a resume past the grace: {rr.status} {body[:300]}")
     print("a resume past the grace: 404, saying what is resumable: ok")
+
+    # A request that does not stream, its client gone: cancelled when the connection
+    # closes, not computed to its end (1900 tokens) for nobody. The front writes
+    # nothing to it before the end, so only a watch on the connection sees it go.
+    m0 = metrics()
+    cancelled0, tokens0 = metric(m0, "duet_requests_cancelled_total"), metric(m0, "duet_generated_tokens_total")
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 1900,
+                                                     "ignore_eos": True, "temperature": 0}),
+              {"Content-Type": "application/json"})
+    time.sleep(0.5)
+    c.close()
+    t_drop = time.monotonic()
+    gone = None
+    while time.monotonic() - t_drop < 60 * time_scale():
+        m = metrics()
+        if metric(m, "duet_requests_cancelled_total") > cancelled0 and metric(m, "duet_requests_in_flight") == 0:
+            gone = time.monotonic() - t_drop
+            break
+        time.sleep(0.1)
+    tokens = metric(metrics(), "duet_generated_tokens_total") - tokens0
+    check(gone is not None and tokens < 1900,
+          f"a request without a stream, its client gone: cancelled {gone is not None}, {tokens} tokens computed")
+    print(f"a request without a stream whose client left: cancelled {gone:.2f} s after, at {tokens} of 1900 "
+          f"tokens: ok")
 except SystemExit:
     print("".join(log[-40:]), file=sys.stderr)
     raise
