@@ -31,6 +31,12 @@ def metric(port, name):
     return int(m.group(1)) if m else 0
 
 
+def drafts(port, outcome, drafter=None):
+    """duet_draft_tokens_total of an outcome, of one drafter or summed over both."""
+    return sum(metric(port, f'duet_draft_tokens_total{{drafter="{d}",outcome="{outcome}"}}') or 0
+               for d in ((drafter,) if drafter else ("sequence", "pool")))
+
+
 def run(duet, flags, tokens):
     inst = f"duet-speculate-bench-{os.getpid()}"
     p = subprocess.Popen([duet, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags],
@@ -42,8 +48,8 @@ def run(duet, flags, tokens):
         model = c.models.list().data[0].id
         out = {}
         for name, prompts in (("grounded", GROUNDED), ("open", OPEN)):
-            a0 = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
-            r0 = metric(port, 'duet_draft_tokens_total{outcome="rejected"}')
+            a0 = drafts(port, "accepted")
+            r0 = drafts(port, "rejected")
             n, secs = 0, 0.0
             for prompt in prompts:
                 first = None
@@ -54,8 +60,8 @@ def run(duet, flags, tokens):
                 end = time.monotonic()
                 n += tokens - 1
                 secs += end - first
-            out[name] = (n / secs, metric(port, 'duet_draft_tokens_total{outcome="accepted"}') - a0,
-                         metric(port, 'duet_draft_tokens_total{outcome="rejected"}') - r0)
+            out[name] = (n / secs, drafts(port, "accepted") - a0,
+                         drafts(port, "rejected") - r0)
         return out
     finally:
         stop(p)

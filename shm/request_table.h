@@ -154,11 +154,13 @@ struct RequestTableHeader {
     std::atomic<uint32_t> role_changes[2];
     // Prefill passes stopped for a critical request (WorkerOptions::pass_interrupt).
     std::atomic<uint64_t> passes_interrupted;
-    // Drafted tokens decode checked in verify rows, and those the draws kept.
-    std::atomic<uint64_t> drafted;
-    std::atomic<uint64_t> drafts_accepted;
+    // Drafted tokens decode checked in verify rows, and those the draws kept, by
+    // where the drafts came from (a number the serving layer gives its drafters).
+    static constexpr int kDraftSources = 2;
+    std::atomic<uint64_t> drafted[kDraftSources];
+    std::atomic<uint64_t> drafts_accepted[kDraftSources];
     uint32_t ext_bytes;  // RequestTableConfig::ext_bytes
-    uint8_t spare[36];   // room for more counters (zeroed by init)
+    uint8_t spare[20];   // room for more counters (zeroed by init)
 };
 static_assert(sizeof(RequestTableHeader) == 128);
 
@@ -179,8 +181,9 @@ public:
     std::atomic<uint64_t>& swaps() const { return h_->swaps; }
     std::atomic<uint64_t>& swapped_bytes() const { return h_->swapped_bytes; }
     std::atomic<uint64_t>& passes_interrupted() const { return h_->passes_interrupted; }
-    std::atomic<uint64_t>& drafted() const { return h_->drafted; }
-    std::atomic<uint64_t>& drafts_accepted() const { return h_->drafts_accepted; }
+    // source < RequestTableHeader::kDraftSources.
+    std::atomic<uint64_t>& drafted(int source) const { return h_->drafted[source]; }
+    std::atomic<uint64_t>& drafts_accepted(int source) const { return h_->drafts_accepted[source]; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }

@@ -121,6 +121,102 @@ TEST(PromptLookupDrafter, ProposesWhatFollowedTheSuffixBefore) {
     EXPECT_TRUE(propose({5, 6, 7}, {5, 6}, 0).empty());
 }
 
+std::vector<int32_t> pool_draft(const NgramPool& pool, const std::vector<int32_t>& history, size_t k,
+                                int* matched = nullptr) {
+    std::vector<int32_t> out(k);
+    const Proposal p = pool.draft({}, history, out);
+    out.resize(p.tokens);
+    if (matched) *matched = p.matched;
+    return out;
+}
+
+TEST(NgramPool, ProposesWhatFollowedTheLatestOccurrenceInEarlierSequences) {
+    using V = std::vector<int32_t>;
+    NgramPool pool(1024);
+    EXPECT_TRUE(pool_draft(pool, {1, 2}, 4).empty());  // nothing added yet
+    pool.add(V{10, 11, 12, 13, 14, 15});
+    int matched = 0;
+    EXPECT_EQ(pool_draft(pool, {7, 11, 12}, 3, &matched), (V{13, 14, 15}));
+    EXPECT_EQ(matched, 2);
+    EXPECT_EQ(pool_draft(pool, {10, 11, 12}, 2, &matched), (V{13, 14}));  // at most k; the 3-gram matched
+    EXPECT_EQ(matched, 3);
+    // The prompt and output together are the sequence; its suffix may span both.
+    {
+        V out(2);
+        EXPECT_EQ(pool.draft(V{9, 12}, V{13}, out).tokens, 2u);
+        EXPECT_EQ(out, (V{14, 15}));
+    }
+    // A sequence's end: nothing follows across it into the next sequence.
+    pool.add(V{20, 21});
+    EXPECT_TRUE(pool_draft(pool, {14, 15}, 4).empty());
+    EXPECT_EQ(pool_draft(pool, {13, 14}, 4), (V{15}));
+    // The latest occurrence wins at equal length; a longer match over a later one.
+    pool.add(V{11, 12, 30, 31});
+    EXPECT_EQ(pool_draft(pool, {5, 11, 12}, 4), (V{30, 31}));
+    EXPECT_EQ(pool_draft(pool, {10, 11, 12}, 4), (V{13, 14, 15}));
+    // Nothing matches, or only one token: nothing proposed.
+    EXPECT_TRUE(pool_draft(pool, {40, 41}, 4).empty());
+    EXPECT_TRUE(pool_draft(pool, {40, 12}, 4).empty());
+    EXPECT_TRUE(pool_draft(pool, {11, 12}, 0).empty());
+}
+
+TEST(NgramPool, ItsMemoryIsFixedAndTheOldestTokensGiveWay) {
+    using V = std::vector<int32_t>;
+    NgramPool pool(64);
+    const size_t bytes = pool.memory_bytes();
+    EXPECT_EQ(bytes, 64 * sizeof(int32_t) + 256 * sizeof(uint64_t));  // a ring of 64, an index of 4 x 64
+    pool.add(V{100, 101, 102, 103});
+    // 2000 sequences of 9 tokens (and a separator each) through a ring of 64.
+    for (int32_t i = 0; i < 2000; ++i) pool.add(V{i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7, i + 8});
+    EXPECT_EQ(pool.memory_bytes(), bytes);
+    EXPECT_EQ(pool.added(), 5u + 2000u * 10u);
+    // Long overwritten: its index entries may remain, the ring's tokens do not.
+    EXPECT_TRUE(pool_draft(pool, {100, 101}, 2).empty());
+    // The newest sequences are there: 1999 2000 ... 2007 last.
+    EXPECT_EQ(pool_draft(pool, {1999, 2000}, 3), (V{2001, 2002, 2003}));
+    EXPECT_EQ(pool_draft(pool, {2005, 2006}, 8), (V{2007}));
+}
+
+TEST(NgramPool, AnIndexCollisionProposesNothingFalse) {
+    // A pool whose index is far smaller than what is added: most n-grams' entries are
+    // taken by others. Every proposal must still be what followed the suffix in some
+    // added sequence still in the ring: checked against a plain search.
+    using V = std::vector<int32_t>;
+    NgramPool pool(512);
+    std::vector<V> seqs;
+    uint64_t x = 12345;
+    auto rnd = [&x]() { return static_cast<int32_t>((x = x * 6364136223846793005ull + 1442695040888963407ull) >> 60); };
+    for (int i = 0; i < 300; ++i) {
+        V s(8);
+        for (auto& t : s) t = rnd();  // 16 token values: n-grams recur
+        pool.add(s);
+        seqs.push_back(s);
+    }
+    // The last 512 tokens of the ring: the last 56 sequences (9 positions each) and
+    // the end of the one before.
+    const std::vector<V> kept(seqs.end() - 57, seqs.end());
+    int proposed = 0;
+    for (int q = 0; q < 2000; ++q) {
+        const V h{rnd(), rnd(), rnd()};
+        int matched = 0;
+        const V got = pool_draft(pool, h, 3, &matched);
+        if (got.empty()) continue;
+        ++proposed;
+        // Some kept sequence has the matched suffix followed by exactly these tokens.
+        bool found = false;
+        for (const V& s : kept)
+            for (size_t i = 0; i + static_cast<size_t>(matched) < s.size() && !found; ++i) {
+                if (!std::equal(h.end() - matched, h.end(), s.begin() + static_cast<std::ptrdiff_t>(i))) continue;
+                const size_t from = i + static_cast<size_t>(matched);
+                const V after(s.begin() + static_cast<std::ptrdiff_t>(from),
+                              s.begin() + static_cast<std::ptrdiff_t>(std::min(s.size(), from + 3)));
+                found = after == got;
+            }
+        EXPECT_TRUE(found) << "a proposal no kept sequence makes";
+    }
+    EXPECT_GT(proposed, 100);
+}
+
 // The draft pace (engine/drafter.h DraftPace), step by step: what each step may
 // draft, given what the previous verify rows kept. max_draft 4 throughout.
 TEST(DraftPace, GrowsOnKeptDraftsShrinksOnMissesAndBacksOffWhenNothingIsKept) {

@@ -19,7 +19,7 @@ MetricsSnapshot two_arenas_three_workers() {
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
     s.role_changes_to_prefill = 1, s.role_changes_to_decode = 2;
     s.passes_interrupted = 3;
-    s.drafted = 10, s.drafts_accepted = 7;
+    s.drafted = {10, 6}, s.drafts_accepted = {7, 6};
     s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
@@ -86,11 +86,14 @@ const char* const kTwoArenasThreeWorkers =
     "arrived meanwhile (--no-pass-interrupt: none); each is computed again.\n"
     "# TYPE duet_prefill_passes_interrupted_total counter\n"
     "duet_prefill_passes_interrupted_total 3\n"
-    "# HELP duet_draft_tokens_total Drafted tokens decode checked in verify rows (--draft-tokens), by outcome: "
+    "# HELP duet_draft_tokens_total Drafted tokens decode checked in verify rows (--draft-tokens), by drafter "
+    "(sequence: the sequence's own tokens; pool: the outputs the worker finished, --draft-pool-tokens) and outcome: "
     "accepted (the draw at their position picked them) or rejected.\n"
     "# TYPE duet_draft_tokens_total counter\n"
-    "duet_draft_tokens_total{outcome=\"accepted\"} 7\n"
-    "duet_draft_tokens_total{outcome=\"rejected\"} 3\n"
+    "duet_draft_tokens_total{drafter=\"sequence\",outcome=\"accepted\"} 7\n"
+    "duet_draft_tokens_total{drafter=\"sequence\",outcome=\"rejected\"} 3\n"
+    "duet_draft_tokens_total{drafter=\"pool\",outcome=\"accepted\"} 6\n"
+    "duet_draft_tokens_total{drafter=\"pool\",outcome=\"rejected\"} 0\n"
     "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"

@@ -57,6 +57,8 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     d.risk_claims = true;
     d.pass_interrupt = true;
     d.max_batch = 9;  // decode's own
+    d.max_draft = 5;
+    d.draft_pool_tokens = 4096;
     RoleLaunch rd{"decode", "decode 3", d, {}, 1};
     EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);
 

@@ -43,6 +43,10 @@ constexpr const char* kDraftTokensHelp =
     "decode: up to this many tokens per sequence and step drafted by prompt lookup and checked in the step's pass "
     "(kept only where the draw picked them: the output does not change), fewer or none while a sequence's drafts "
     "miss; 0: off";
+constexpr const char* kDraftPool = "--draft-pool-tokens";
+constexpr const char* kDraftPoolHelp =
+    "decode: the last this many tokens of the outputs a decode worker finished, a corpus every sequence drafts from "
+    "where its own tokens propose nothing (repeated answers, agent loops); 36 bytes a token; 0: none";
 constexpr const char* kMaxBatchHelp =
     "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
     "less urgent sequence (preempted)";
@@ -202,6 +206,9 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->check(CLI::Range(1, 5));
     c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
     c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
+    c.add_option(kDraftPool, s.draft_pool_tokens, kDraftPoolHelp)
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 26));
     c.add_flag("--lend-cores,!--no-lend-cores", s.lend_cores,
                "CPU (on by default; --no-lend-cores: off): prefill worker i computes on decode worker i's cores too "
                "while that one holds no request, and decode i on prefill i's while it holds none (given back within "
@@ -253,6 +260,9 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     if (!prefill) {
         c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
         c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
+        c.add_option(kDraftPool, s.draft_pool_tokens, kDraftPoolHelp)
+            ->capture_default_str()
+            ->check(CLI::Range(int64_t{0}, int64_t{1} << 26));
         return;
     }
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
@@ -314,6 +324,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     if (r.role == "decode") {
         put(kMaxBatch, std::to_string(w.max_batch));
         put(kDraftTokens, std::to_string(w.max_draft));
+        put(kDraftPool, std::to_string(w.draft_pool_tokens));
     }
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));

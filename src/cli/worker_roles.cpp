@@ -84,6 +84,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     o.swap_dir = a.swap_dir;
     o.max_batch = a.max_batch;
     o.max_draft = a.max_draft;
+    o.draft_pool_tokens = a.draft_pool_tokens;
     o.defer_running = true;  // after the golden check
     const std::atomic<bool>& stop = StopSignal::install();
     // The golden-logits gate before READY: a failure exits kGoldenExitCode, which

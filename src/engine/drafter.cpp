@@ -4,11 +4,11 @@
 
 namespace duet {
 
-size_t PromptLookupDrafter::propose(std::span<const int32_t> prompt, std::span<const int32_t> output,
+Proposal PromptLookupDrafter::draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
                                     std::span<int32_t> out) const {
     const size_t np = prompt.size(), n = np + output.size();
     auto at = [&](size_t i) { return i < np ? prompt[i] : output[i - np]; };
-    if (out.empty() || n == 0) return 0;
+    if (out.empty() || n == 0) return {};
     for (int len = std::min<int>(max_, static_cast<int>(n) - 1); len >= std::max(1, min_); --len) {
         const size_t l = static_cast<size_t>(len);
         // The suffix [n - l, n) matched at [s, s + l), s + l < n (something follows it).
@@ -18,10 +18,80 @@ size_t PromptLookupDrafter::propose(std::span<const int32_t> prompt, std::span<c
             if (k < l) continue;
             size_t got = 0;
             for (size_t i = s + l; i < n && got < out.size(); ++i) out[got++] = at(i);
-            return got;
+            return {got, len};
         }
     }
-    return 0;
+    return {};
+}
+
+namespace {
+
+// An n-gram's slot in the index: its length and tokens, mixed (splitmix64's finalizer).
+uint64_t ngram_hash(const int32_t* t, int len) {
+    uint64_t h = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(len);
+    for (int i = 0; i < len; ++i) {
+        h ^= static_cast<uint32_t>(t[i]) + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+        h ^= h >> 30;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 27;
+        h *= 0x94D049BB133111EBull;
+        h ^= h >> 31;
+    }
+    return h;
+}
+
+}  // namespace
+
+NgramPool::NgramPool(size_t capacity_tokens) : ring_(std::max<size_t>(capacity_tokens, 1), kSeparator) {
+    // Three n-grams a token, at most: an index of at least 4 entries a token keeps
+    // most of the ring's n-grams findable (a collision keeps the newer).
+    size_t n = 1;
+    while (n < 4 * ring_.size()) n *= 2;
+    index_.assign(n, 0);
+}
+
+void NgramPool::push(int32_t token) {
+    ring_[end_ % ring_.size()] = token;
+    ++end_;
+}
+
+void NgramPool::add(std::span<const int32_t> tokens) {
+    if (tokens.empty()) return;
+    const uint64_t start = end_;
+    for (int32_t t : tokens) push(t);
+    push(kSeparator);
+    // Each n-gram that something follows within the sequence, pointing past itself.
+    const uint64_t mask = index_.size() - 1;
+    for (size_t i = kMinNgram; i < tokens.size(); ++i)
+        for (int len = kMinNgram; len <= kMaxNgram && static_cast<size_t>(len) <= i; ++len)
+            index_[ngram_hash(tokens.data() + i - len, len) & mask] = start + i + 1;
+}
+
+Proposal NgramPool::draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
+                          std::span<int32_t> out) const {
+    const size_t np = prompt.size(), n = np + output.size();
+    if (out.empty() || end_ == 0) return {};
+    int32_t suffix[kMaxNgram];
+    const uint64_t cap = ring_.size(), mask = index_.size() - 1;
+    for (int len = std::min<int>(kMaxNgram, static_cast<int>(n)); len >= kMinNgram; --len) {
+        for (int k = 0; k < len; ++k) {
+            const size_t i = n - static_cast<size_t>(len) + static_cast<size_t>(k);
+            suffix[k] = i < np ? prompt[i] : output[i - np];
+        }
+        const uint64_t e = index_[ngram_hash(suffix, len) & mask];
+        if (e == 0) continue;
+        const uint64_t p = e - 1;  // the position after the n-gram
+        // Still in the ring, and the n-gram there (not another one that collided).
+        if (p < static_cast<uint64_t>(len) || p >= end_ || end_ - (p - static_cast<uint64_t>(len)) > cap) continue;
+        bool same = true;
+        for (int k = 0; k < len && same; ++k)
+            same = at(p - static_cast<uint64_t>(len) + static_cast<uint64_t>(k)) == suffix[k];
+        if (!same) continue;
+        size_t got = 0;
+        for (uint64_t q = p; q < end_ && got < out.size() && at(q) != kSeparator; ++q) out[got++] = at(q);
+        if (got > 0) return {got, len};
+    }
+    return {};
 }
 
 int draft_limit(DraftMode mode, int request_max, int server_max) {

@@ -9,16 +9,27 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace duet {
+
+// A draft: how many tokens were written, and how long the suffix of the sequence
+// was that the drafter matched to find them (a longer match: a likelier draft).
+struct Proposal {
+    size_t tokens = 0;
+    int matched = 0;
+};
 
 class Drafter {
 public:
     virtual ~Drafter() = default;
     // Up to out.size() tokens to follow `output` (the sequence's tokens so far:
-    // prompt then output), written to out; how many.
-    virtual size_t propose(std::span<const int32_t> prompt, std::span<const int32_t> output,
+    // prompt then output), written to out.
+    virtual Proposal draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
                            std::span<int32_t> out) const = 0;
+    size_t propose(std::span<const int32_t> prompt, std::span<const int32_t> output, std::span<int32_t> out) const {
+        return draft(prompt, output, out).tokens;
+    }
 };
 
 // Prompt lookup: the longest suffix of the sequence (max_ngram tokens down to
@@ -28,11 +39,45 @@ public:
 class PromptLookupDrafter final : public Drafter {
 public:
     PromptLookupDrafter(int min_ngram = 2, int max_ngram = 4) : min_(min_ngram), max_(max_ngram) {}
-    size_t propose(std::span<const int32_t> prompt, std::span<const int32_t> output,
+    Proposal draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
                    std::span<int32_t> out) const override;
 
 private:
     int min_, max_;
+};
+
+// A decode worker's pool by default: 2^18 tokens, 9 MiB (NgramPool::memory_bytes).
+inline constexpr int64_t kDefaultDraftPoolTokens = int64_t{1} << 18;
+
+// Earlier sequences' tokens as a corpus for drafts, shared by every sequence of a
+// decode worker: the outputs it finished, where templated answers and agent loops
+// repeat themselves across requests (the prompt is the sequence's own lookup's). A
+// ring of the last `capacity` tokens added (sequences kept apart) and a
+// direct-mapped index from each 2-, 3- and 4-token n-gram to the position after its
+// latest occurrence; a proposal is the tokens that followed the latest occurrence of
+// the longest suffix of the sequence found, checked against the ring (an index
+// entry is a hint: a collision or an overwritten stretch proposes nothing). Its
+// memory is fixed at construction, whatever runs: memory_bytes().
+class NgramPool final : public Drafter {
+public:
+    static constexpr int kMinNgram = 2, kMaxNgram = 4;
+    explicit NgramPool(size_t capacity_tokens);
+    // One sequence's tokens (the oldest tokens give way once the ring is full).
+    void add(std::span<const int32_t> tokens);
+    Proposal draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
+                   std::span<int32_t> out) const override;
+    size_t capacity() const { return ring_.size(); }
+    size_t memory_bytes() const { return ring_.size() * sizeof(int32_t) + index_.size() * sizeof(uint64_t); }
+    // Tokens added so far (the ring holds the last capacity() of them).
+    uint64_t added() const { return end_; }
+
+private:
+    static constexpr int32_t kSeparator = -1;  // between two sequences: nothing follows across it
+    void push(int32_t token);
+    int32_t at(uint64_t pos) const { return ring_[pos % ring_.size()]; }
+    std::vector<int32_t> ring_;    // token at absolute position p: ring_[p % capacity]
+    uint64_t end_ = 0;             // the absolute position of the next token
+    std::vector<uint64_t> index_;  // an n-gram's hash -> 1 + the position after it (0: none)
 };
 
 // How many tokens a sequence drafts next, from how its drafts fared: a verify row
@@ -48,6 +93,12 @@ struct DraftPace {
     int wait = 0;     // steps left before it drafts again (cap 0)
     int backoff = 1;  // the next wait after a failed probe
 };
+
+// Where a sequence's drafts came from: its own tokens (PromptLookupDrafter) or the
+// worker's pool (NgramPool). Counted apart (duet_draft_tokens_total's drafter).
+enum class DraftSource : uint8_t { Sequence = 0, Pool = 1 };
+inline constexpr int kDraftSources = 2;
+inline const char* draft_source_name(DraftSource s) { return s == DraftSource::Pool ? "pool" : "sequence"; }
 
 // A request's say in drafting (its "speculative" field): the server's default
 // (--draft-tokens), none, or drafts paced by DraftPace up to its own maximum.

@@ -25,6 +25,8 @@
 
 namespace duet {
 
+static_assert(kDraftSources == shm::RequestTableHeader::kDraftSources, "a counter for each drafter");
+
 Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, const Model& model,
                                                            const WorkerOptions& o) {
     std::unique_ptr<DecodeWorker> w(new DecodeWorker());
@@ -35,6 +37,8 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
         .max_items.store(static_cast<uint64_t>(std::max(1, o.max_batch)), std::memory_order_relaxed);
     // Always there: a request may ask for drafts where the server's default is off.
     w->drafter_ = std::make_unique<PromptLookupDrafter>();
+    if (o.draft_pool_tokens > 0)
+        w->pool_drafts_ = std::make_unique<NgramPool>(static_cast<size_t>(o.draft_pool_tokens));
     w->publish_load();
     return w;
 }
@@ -79,6 +83,8 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     t.transition(a.req, shm::ReqState::Decoding, to);
     a.seq.release(*pool_);
     forget_grammar(a.req);
+    // What the model wrote (a cancelled request's part too) drafts for the next ones.
+    if (pool_drafts_ && to != shm::ReqState::Failed) pool_drafts_->add(a.output);
     from[i] = std::move(from.back());
     from.pop_back();
 }
@@ -280,8 +286,22 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
         const int budget = draft_budget(a.pace, max_draft(a.params));
         const size_t k = std::min<size_t>(static_cast<size_t>(budget), room > 0 ? room - 1 : 0);
         if (k > 0) {
+            // The draft of the longer match, its own tokens' at a tie (the likeliest
+            // to be copied).
             a.row.resize(1 + k);
-            a.row.resize(1 + drafter_->propose(a.prompt, a.output, std::span(a.row).subspan(1)));
+            const std::span<int32_t> out = std::span(a.row).subspan(1);
+            Proposal got = drafter_->draft(a.prompt, a.output, out);
+            a.drafted_from = DraftSource::Sequence;
+            if (pool_drafts_) {
+                pool_scratch_.resize(k);
+                const Proposal alt = pool_drafts_->draft(a.prompt, a.output, pool_scratch_);
+                if (alt.matched > got.matched) {
+                    std::copy_n(pool_scratch_.begin(), alt.tokens, out.begin());
+                    got = alt;
+                    a.drafted_from = DraftSource::Pool;
+                }
+            }
+            a.row.resize(1 + got.tokens);
         }
         const auto want = static_cast<int32_t>(a.row.size());
         rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.class_rank()},
@@ -348,8 +368,9 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     }
     if (n > 1) {
         draft_verified(a.pace, max_draft(a.params), n - 1, accepted);
-        t.drafted().fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
-        t.drafts_accepted().fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
+        const int src = static_cast<int>(a.drafted_from);
+        t.drafted(src).fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
+        t.drafts_accepted(src).fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
         shm::ReqSlot& s = t.slot(a.req.slot);
         s.n_drafted.fetch_add(static_cast<uint32_t>(n - 1), std::memory_order_relaxed);
         s.n_draft_kept.fetch_add(static_cast<uint32_t>(accepted), std::memory_order_relaxed);

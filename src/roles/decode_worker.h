@@ -30,6 +30,7 @@ private:
         size_t first_step_tokens = 0;  // and its output tokens then
         std::vector<int32_t> row;      // the step's input: the newest output token, then its drafts
         DraftPace pace;                // how many tokens it drafts next (engine/drafter.h)
+        DraftSource drafted_from = DraftSource::Sequence;  // where the row's drafts came from
     };
     uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
     // from[i] (active_ or parked_) ends in state `to`.
@@ -60,6 +61,10 @@ private:
     // The step's batch for a Run plan: each row's input and who picks its tokens.
     void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
     std::unique_ptr<Drafter> drafter_;
+    // The outputs this worker finished, a corpus for the drafts of every sequence
+    // (WorkerOptions::draft_pool_tokens; null: none).
+    std::unique_ptr<NgramPool> pool_drafts_;
+    std::vector<int32_t> pool_scratch_;  // its draft, before it is chosen
     // The most tokens a request drafts per step: its "speculative" over the server's
     // WorkerOptions::max_draft (engine/drafter.h draft_limit).
     int max_draft(const RequestParams& p) const { return draft_limit(p.draft_mode, p.max_draft, opts_.max_draft); }

@@ -487,8 +487,10 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.role_changes_to_prefill = inst.requests().role_changes(false).load(std::memory_order_relaxed);
     m.role_changes_to_decode = inst.requests().role_changes(true).load(std::memory_order_relaxed);
     m.passes_interrupted = inst.requests().passes_interrupted().load(std::memory_order_relaxed);
-    m.drafted = inst.requests().drafted().load(std::memory_order_relaxed);
-    m.drafts_accepted = inst.requests().drafts_accepted().load(std::memory_order_relaxed);
+    for (int i = 0; i < kDraftSources; ++i) {
+        m.drafted[i] = inst.requests().drafted(i).load(std::memory_order_relaxed);
+        m.drafts_accepted[i] = inst.requests().drafts_accepted(i).load(std::memory_order_relaxed);
+    }
     m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
     m.golden_failures = inst.registry().golden_failures();
     m.in_flight = f.in_flight();

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "base/result.h"
+#include "engine/drafter.h"
 #include "kv/kv_pool.h"
 #include "model/device_spec.h"
 #include "roles/placement.h"
@@ -87,6 +88,9 @@ struct ServeSettings {
     // Decode: drafted tokens per sequence and step, verified in the pass
     // (WorkerOptions::max_draft; 0: off).
     int max_draft = 0;
+    // Decode: finished outputs kept for every sequence's drafts, in tokens
+    // (WorkerOptions::draft_pool_tokens; 0: none).
+    int64_t draft_pool_tokens = kDefaultDraftPoolTokens;
     // CPU serving: prefill i and decode i each borrow the other's cores while the other
     // holds no request (WorkerOptions::borrow_cpus, lent_cpus). On by default: in the
     // mixed scenario it cut ITL p50 from 27.9 to 18.6 ms and TTFT p50 from 8.8 to
@@ -140,6 +144,7 @@ struct WorkerSettings {
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
     int max_draft = 0;             // decode: drafted tokens per sequence and step (WorkerOptions::max_draft)
+    int64_t draft_pool_tokens = kDefaultDraftPoolTokens;  // decode: WorkerOptions::draft_pool_tokens
     std::string borrow_cpus;       // the other role's cores, borrowed while it is idle ("": none)
     std::string device = "cpu";    // or cuda:N
     bool cuda_graphs = true;

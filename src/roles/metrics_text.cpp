@@ -57,11 +57,16 @@ std::string metrics_counters(const MetricsSnapshot& s) {
                 "(--no-pass-interrupt: none); each is computed again.") +
          fmt::format("duet_prefill_passes_interrupted_total {}\n", s.passes_interrupted);
     m += family("duet_draft_tokens_total", "counter",
-                "Drafted tokens decode checked in verify rows (--draft-tokens), by outcome: accepted (the draw at "
-                "their position picked them) or rejected.") +
-         fmt::format(
-             "duet_draft_tokens_total{{outcome=\"accepted\"}} {}\nduet_draft_tokens_total{{outcome=\"rejected\"}} {}\n",
-             s.drafts_accepted, s.drafted - std::min(s.drafted, s.drafts_accepted));
+                "Drafted tokens decode checked in verify rows (--draft-tokens), by drafter (sequence: the sequence's "
+                "own tokens; pool: the outputs the worker finished, --draft-pool-tokens) and outcome: accepted (the "
+                "draw at their position picked them) or rejected.");
+    for (int i = 0; i < kDraftSources; ++i) {
+        const char* d = draft_source_name(static_cast<DraftSource>(i));
+        m += fmt::format(
+            "duet_draft_tokens_total{{drafter=\"{0}\",outcome=\"accepted\"}} {1}\n"
+            "duet_draft_tokens_total{{drafter=\"{0}\",outcome=\"rejected\"}} {2}\n",
+            d, s.drafts_accepted[i], s.drafted[i] - std::min(s.drafted[i], s.drafts_accepted[i]));
+    }
     return m;
 }
 

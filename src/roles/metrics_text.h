@@ -10,6 +10,7 @@
 
 #include "base/histogram.h"
 #include "engine/contexts.h"
+#include "engine/drafter.h"
 #include "engine/scheduling.h"
 
 namespace duet {
@@ -21,7 +22,9 @@ struct MetricsSnapshot {
     uint64_t worker_restarts = 0, redriven = 0;
     uint64_t role_changes_to_prefill = 0, role_changes_to_decode = 0;  // `duet serve --rebalance`
     uint64_t passes_interrupted = 0;  // prefill passes stopped for a critical request
-    uint64_t drafted = 0, drafts_accepted = 0;  // decode's drafted tokens checked in verify rows, and kept
+    // Decode's drafted tokens checked in verify rows, and kept, by where they came
+    // from (engine/drafter.h DraftSource).
+    std::array<uint64_t, kDraftSources> drafted{}, drafts_accepted{};
     uint64_t golden_failures = 0;  // workers whose golden-logits check failed
     uint64_t in_flight = 0;
     // Each KV arena's blocks, in arena order (one per GPU on a GPU instance, one per

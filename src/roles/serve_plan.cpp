@@ -177,6 +177,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
         if (p.role == "decode") {
             ws.max_batch = s.max_batch;
             ws.max_draft = s.max_draft;
+            ws.draft_pool_tokens = s.draft_pool_tokens;
         }
         if (s.lend_cores && plan.gpus.empty()) ws.borrow_cpus = format_cpu_list(lent_cpus(placed, p));
         if (p.role == "prefill") {

@@ -82,6 +82,9 @@ struct WorkerOptions {
     // engine/drafter.h), checked in the step's pass as a verify row; the output is
     // the same with any value. 0: off.
     int max_draft = 0;
+    // Decode: the tokens of finished outputs kept as a corpus for every sequence's
+    // drafts (engine/drafter.h NgramPool; its memory: 36 bytes a token). 0: none.
+    int64_t draft_pool_tokens = kDefaultDraftPoolTokens;
     // Where it computes: the CPU (KV in the instance's /dev/shm segment) or a GPU
     // (KV in the instance's shared device arena on it).
     DeviceSpec device;

@@ -9,7 +9,8 @@ seeded sampling, penalties, logit_bias, min_tokens, stop strings, logprobs, one 
 time and all at once (verify rows batched with plain ones); a request's own
 "speculative" (auto on the server without drafts, off on the one with: the same
 outputs, and its usage.completion_tokens_details counts the drafts kept), and its
-refusals; then a stream through a SIGKILL of decode in the middle of its verify
+refusals; an answer asked for again, drafted from the decode worker's pool of
+earlier outputs (--draft-pool-tokens); then a stream through a SIGKILL of decode in the middle of its verify
 steps, re-driven, identical.
 
 Usage: speculate_test.py path/to/duet   (run with the venv's python)
@@ -42,9 +43,11 @@ MODES = [
 
 
 # The sanitizer run (DUET_E2E_SUBSET): the same checks over fewer prompts and modes.
+# (388 s under ASan beside the other e2e tests on a 2-core Zen 1 with 2 grounded
+# prompts and 4 modes, 2026-12-06: one grounded prompt and 3 modes now.)
 if os.environ.get("DUET_E2E_SUBSET"):
-    GROUNDED, OPEN = GROUNDED[:2], OPEN[:1]
-    MODES = [MODES[0], MODES[1], MODES[4], MODES[5]]
+    GROUNDED, OPEN = GROUNDED[:1], OPEN[:1]
+    MODES = [MODES[0], MODES[4], MODES[5]]
 
 
 def start(draft):
@@ -123,6 +126,16 @@ def metric(port, name):
     return int(m.group(1)) if m else None
 
 
+def drafts(port, outcome, drafter=None):
+    """duet_draft_tokens_total of an outcome, of one drafter or summed over both."""
+    total = 0
+    for d in (drafter,) if drafter else ("sequence", "pool"):
+        v = metric(port, f'duet_draft_tokens_total{{drafter="{d}",outcome="{outcome}"}}')
+        check(v is not None, f"/metrics has no duet_draft_tokens_total of drafter {d}, outcome {outcome}")
+        total += v
+    return total
+
+
 KILLED = dict(prompt=GROUNDED[0] * 3 + " cherry,", max_tokens=160, temperature=0.8, seed=3,
               extra_body={"ignore_eos": True})
 
@@ -132,7 +145,7 @@ try:
     want_one, jobs = run_all(port, 1)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
-    check(metric(port, 'duet_draft_tokens_total{outcome="accepted"}') == 0, "no drafts without --draft-tokens")
+    check(drafts(port, "accepted") == 0, "no drafts without --draft-tokens")
     # A request's own "speculative" on a server whose drafting is off: drafts for it
     # (its usage counts them), the same output as without.
     refusals(port)
@@ -150,8 +163,8 @@ server, port, inst = start(8)
 try:
     got_one, _ = run_all(port, 1)
     stopped_by_string = False
-    accepted = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
-    rejected = metric(port, 'duet_draft_tokens_total{outcome="rejected"}')
+    accepted = drafts(port, "accepted")
+    rejected = drafts(port, "rejected")
     for (prompt, mode), w, g in zip(jobs, want_one, got_one):
         check(w == g, f"one at a time, {mode} on {prompt[:40]!r}: with drafts {g}, without {w}")
         if "stop" in mode and w[1] == "stop" and any(x in "".join(w[2]) for x in mode["stop"]):
@@ -161,12 +174,29 @@ try:
                   f"log-probs past the stop string's token: {w[2]}")
             stopped_by_string = True
     check(stopped_by_string, "a completion ended by a stop string")
-    check(accepted >= (40 if os.environ.get("DUET_E2E_SUBSET") else 100), f"drafts were checked and kept: {accepted} accepted, {rejected} rejected")
+    check(accepted >= (20 if os.environ.get("DUET_E2E_SUBSET") else 100), f"drafts were checked and kept: {accepted} accepted, {rejected} rejected")
     print(f"{len(jobs)} completions one at a time: identical with drafts ({accepted} accepted, {rejected} rejected)")
     got_all, _ = run_all(port, 8)
     for (prompt, mode), w, g in zip(jobs, want_one, got_all):
         check(w == g, f"eight at a time, {mode} on {prompt[:40]!r}: with drafts {g[0]!r}, without {w[0]!r}")
     print(f"{len(jobs)} completions eight at a time: identical")
+    # The worker's pool: an answer it gave before is drafted from the pool when asked
+    # again (an open prompt: its own tokens propose little), identical, and most of
+    # its tokens are kept drafts.
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    again = dict(model=c.models.list().data[0].id, prompt="Describe the sea at night in a few sentences.",
+                 max_tokens=64, logprobs=2, temperature=0.8, seed=17, extra_body={"ignore_eos": True})
+    first = c.completions.create(**again)
+    pool0 = drafts(port, "accepted", "pool")
+    second = c.completions.create(**again)
+    kept = second.usage.completion_tokens_details.accepted_prediction_tokens
+    check(outcome(second.choices[0]) == outcome(first.choices[0]),
+          f"asked again: {second.choices[0].text!r} != {first.choices[0].text!r}")
+    check(second.usage.completion_tokens == 64 and kept >= 32 and drafts(port, "accepted", "pool") - pool0 >= kept // 2,
+          f"asked again: {kept} of {second.usage.completion_tokens} tokens kept drafts, "
+          f"{drafts(port, 'accepted', 'pool') - pool0} from the pool")
+    print(f"an answer asked for again: identical, {kept} of its {second.usage.completion_tokens} tokens drafted "
+          f"and kept ({drafts(port, 'accepted', 'pool') - pool0} from the worker's pool)")
     # A request that turns the server's drafting off: none for it, the same output.
     spec_jobs, got, kept, thrown = per_request(port, {"mode": "off"}, (0,))
     for (prompt, mode), g in zip(spec_jobs, got):
@@ -179,12 +209,12 @@ try:
     out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
     decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
     redriven = metric(port, "duet_requests_redriven_total")
-    base = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
+    base = drafts(port, "accepted")
     parts, killed = [], None
     for ev in c.completions.create(model=c.models.list().data[0].id, stream=True, **KILLED):
         parts.extend(ch.text for ch in ev.choices)
         if killed is None and len(parts) >= 8:
-            now = metric(port, 'duet_draft_tokens_total{outcome="accepted"}')
+            now = drafts(port, "accepted")
             if metric(port, 'duet_worker_requests{role="decode",worker="0"}') == 1 and now > base:
                 os.kill(decode[0], signal.SIGKILL)
                 killed = len(parts)
