@@ -62,12 +62,19 @@ test: build model
 # mirror: eviction, refusals, pinning, contexts that are not durable), whose staging
 # steps the staged operations, restart and kill cases also take, run in the release
 # pass only (SAN_STAGED_SKIP: 280 s under ASan there).
+# Under TSan the model suite runs its thread-count, bad-token and interrupted-pass
+# cases: with the batch, chunking and quantized bitwise cases too it ran past 14
+# minutes under TSan on the 2-core Zen 1 (2026-12-06); those cases drive the same
+# thread pool over the same kernels, and run in the release and ASan passes.
+# A clean `make test` there (2026-12-06, before the xgrammar, test -O0 and TSan
+# cuts): release build 1000 s, release suite 1375 s, ASan build 1261 s, ASan
+# suite 1857 s (a compile beside it), TSan build 509 s, TSan run past 900 s.
 # scripts/sanitizer-run fails the run on any sanitizer report of any process (a role
 # that aborted on one is restarted, and its test may pass); DUET_TIME_SCALE widens
 # the tests' time bounds (tests/time_scale.h, duet_e2e.time_scale).
 SAN_E2E_SKIP = ^(scheduling_e2e|lend_cores_e2e|rebalance_e2e|front_restart_e2e|systemd_roles_e2e|openai_client|openapi_conformance|tools_e2e)$$
 SAN_STAGED_SKIP = ^Staged\.Contexts\.(IdleContextsGiveWayAndComeBackIdentical|BadRequestsAreRefusedAndChangeNothing|APinnedContextIsNeverEvictedAndIsResidentAfterARestart|ContextsThatAreNotDurableOutliveTheStoreThroughTheTable)$$
-SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
+SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=Release -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
 sanitize: deps model
 	@test -f build-asan/build.ninja || cmake -S . -B build-asan $(SAN_CMAKE) -DDUET_SANITIZE=address,undefined >/dev/null
 	cmake --build build-asan -j $(JOBS)
@@ -87,7 +94,7 @@ sanitize: deps model
 	  build-tsan/tests/shm_handoff_test --gtest_brief=1; \
 	  build-tsan/tests/kv_log_fault_test --gtest_brief=1; \
 	  build-tsan/tests/kv_log_crash_test --gtest_brief=1; \
-	  build-tsan/tests/model_test --gtest_brief=1 --gtest_filter="*Bitwise*:*BadToken*:*Interrupted*"; \
+	  build-tsan/tests/model_test --gtest_brief=1 --gtest_filter="*ThreadCount*:*BadToken*:*Interrupted*"; \
 	  build-tsan/tests/tokenizer_test --gtest_brief=1'
 
 # The GGUF reader, the KV blob reader and KV log recovery under libFuzzer +
