@@ -46,7 +46,8 @@ constexpr const char* kDraftTokensHelp =
 constexpr const char* kDraftPool = "--draft-pool-tokens";
 constexpr const char* kDraftPoolHelp =
     "decode: the last this many tokens of the outputs a decode worker finished, a corpus every sequence drafts from "
-    "where its own tokens propose nothing (repeated answers, agent loops); 36 bytes a token; 0: none";
+    "where it matches more of the sequence than the sequence's own tokens do (repeated answers, agent loops); 36 "
+    "bytes a token; 0: none";
 constexpr const char* kMaxBatchHelp =
     "sequences a decode step runs at most; when all are taken, a hand-off of a more urgent class takes the slot of a "
     "less urgent sequence (preempted)";
