@@ -66,7 +66,6 @@ public:
     void add(std::span<const int32_t> tokens);
     Proposal draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
                    std::span<int32_t> out) const override;
-    size_t capacity() const { return ring_.size(); }
     size_t memory_bytes() const { return ring_.size() * sizeof(int32_t) + index_.size() * sizeof(uint64_t); }
     // Tokens added so far (the ring holds the last capacity() of them).
     uint64_t added() const { return end_; }

@@ -287,12 +287,12 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
         const size_t k = std::min<size_t>(static_cast<size_t>(budget), room > 0 ? room - 1 : 0);
         if (k > 0) {
             // The draft of the longer match, its own tokens' at a tie (the likeliest
-            // to be copied).
+            // to be copied): the pool is not asked where no match of it could be longer.
             a.row.resize(1 + k);
             const std::span<int32_t> out = std::span(a.row).subspan(1);
             Proposal got = drafter_->draft(a.prompt, a.output, out);
             a.drafted_from = DraftSource::Sequence;
-            if (pool_drafts_) {
+            if (pool_drafts_ && got.matched < NgramPool::kMaxNgram) {
                 pool_scratch_.resize(k);
                 const Proposal alt = pool_drafts_->draft(a.prompt, a.output, pool_scratch_);
                 if (alt.matched > got.matched) {
