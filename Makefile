@@ -52,7 +52,8 @@ test: build model
 # critical hand-off cases), lend_cores_e2e and rebalance_e2e (claims_test,
 # rebalance_test; each role change restarts a worker, minutes under ASan),
 # front_restart_e2e (the front's crash and resume: front_resume_e2e),
-# systemd_roles_e2e (the units' harness; the roles' code: serve_e2e), openai_client
+# systemd_roles_e2e and systemd_pid1_e2e (the units under a manager; the roles' code:
+# serve_e2e), openai_client
 # and openapi_conformance (the official client and the response shapes:
 # structured_e2e, responses_e2e, speculate_e2e), tools_e2e (its parser: the
 # ToolCalls unit tests; its grammars: structured_e2e). They were 1445 of the ASan
@@ -72,7 +73,7 @@ test: build model
 # scripts/sanitizer-run fails the run on any sanitizer report of any process (a role
 # that aborted on one is restarted, and its test may pass); DUET_TIME_SCALE widens
 # the tests' time bounds (tests/time_scale.h, duet_e2e.time_scale).
-SAN_E2E_SKIP = ^(scheduling_e2e|lend_cores_e2e|rebalance_e2e|front_restart_e2e|systemd_roles_e2e|openai_client|openapi_conformance|tools_e2e)$$
+SAN_E2E_SKIP = ^(scheduling_e2e|lend_cores_e2e|rebalance_e2e|front_restart_e2e|systemd_roles_e2e|systemd_pid1_e2e|openai_client|openapi_conformance|tools_e2e)$$
 SAN_STAGED_SKIP = ^Staged\.Contexts\.(IdleContextsGiveWayAndComeBackIdentical|BadRequestsAreRefusedAndChangeNothing|APinnedContextIsNeverEvictedAndIsResidentAfterARestart|ContextsThatAreNotDurableOutliveTheStoreThroughTheTable)$$
 SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=Release -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
 sanitize: deps model

@@ -135,3 +135,22 @@ def stop(proc, grace=60, instance=None):
             proc.kill()
         else:
             kill_server(proc, instance)
+
+
+def broken_copy(duet, model, dst):
+    """A copy of the Q4_1 model at `dst` that fails its golden-logits check: the high
+    byte of a block's f16 scale, 100 blocks into layer 0's Wq, one bit flipped (past
+    the 256 bytes per tensor the model's fingerprint reads, so the built-in reference
+    still names the copy)."""
+    import shutil
+    import subprocess
+    out = subprocess.run([duet, "info", "-m", model], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^\s+blk\.0\.attn_q\.weight\s+(\S+)\s+.*?(\d+) bytes at (\d+)$", out, re.M)
+    check(m and m.group(1) == "Q4_1" and int(m.group(2)) > 2100, f"blk.0.attn_q.weight in duet info: {m and m.groups()}")
+    at = int(m.group(3)) + 100 * 20 + 1
+    shutil.copy(model, dst)
+    with open(dst, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x40]))

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""duet's units under the real systemd, booted as PID 1 in throw-away namespaces
+(scripts/systemd-container; ../shared/SYSTEMD-PID1.md says what works here):
+
+- `duet systemd generate` and `install --root` for this machine, the duet binary and
+  the model bound in read-only, a `duet` system user; `systemctl start duet.target`
+  returns once every unit sent READY=1: active, the front's STATUS= text, /ready 200;
+- under 8 sampled streams each (each must end exactly as an undisturbed run of the
+  same request, resumed with Last-Event-ID where the front died), through systemd:
+  SIGKILL of decode, of prefill, of the front; SIGSTOP of decode (its watchdog fires,
+  systemd kills and restarts it); `systemctl restart duet-front`. systemd's own
+  NRestarts counts each death, and each worker comes back;
+- systemd's NRestarts of each unit equals the deaths the test made (no watchdog fired
+  on a busy worker); the swap directory is in the units' CacheDirectory=;
+- SIGKILL of the instance: BindsTo= stops every role with it, its restart brings them
+  back (its Wants=), and a request after it is served (requests in flight then are
+  lost: the instance owns the segments; README says so);
+- a prefill worker on a model that fails its golden-logits check exits 3, systemd does
+  not restart it (RestartPreventExitStatus=3) and reports its result, and /ready says
+  why; on the right model again it serves;
+- durable contexts across a reboot of the manager: the contexts directory is kept
+  (the container's /var/lib/duet), every process is gone, and after a new boot the
+  context is there with the same tokens and continues as before;
+- `systemctl stop duet.target`: every unit inactive (not failed), exit 0, nothing
+  left in /dev/shm.
+
+Skipped (exit 77) with the reason where the machine cannot boot one
+(`scripts/systemd-container check` says why).
+
+Usage: systemd_pid1_test.py path/to/duet path/to/model.gguf path/to/systemd-container
+"""
+import ctypes
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from duet_e2e import broken_copy, check, skip, time_scale
+
+DUET, MODEL, CONTAINER = (os.path.abspath(a) for a in sys.argv[1:4])
+N = 8
+MAX_TOKENS = 48 if os.environ.get("DUET_E2E_SUBSET") else 64
+PORT = 8080  # the container's own network namespace: nothing else listens there
+IN_MODEL = "/usr/local/share/duet/models/" + os.path.basename(MODEL)
+IN_BROKEN = "/usr/local/share/duet/models/broken.gguf"
+IN_DUET = "/usr/local/bin/duet"
+SCALE = time_scale()
+
+can = subprocess.run([CONTAINER, "check"], capture_output=True, text=True)
+if can.returncode == 77:
+    skip("systemd", can.stdout.strip())
+check(can.returncode == 0, f"systemd-container check: {can.returncode} {can.stdout}{can.stderr}")
+
+tmp = tempfile.mkdtemp(prefix="duet-pid1-test-")
+ct = os.path.join(tmp, "ct")
+pid1 = None
+
+
+def boot():
+    """Boots the container; the test's own threads talk HTTP inside its network."""
+    global pid1
+    b = subprocess.run([CONTAINER, "boot", ct, os.path.join(tmp, "tree"), "--bind", f"{DUET}:{IN_DUET}",
+                        "--bind", f"{MODEL}:{IN_MODEL}", "--bind", f"{os.path.join(tmp, 'broken.gguf')}:{IN_BROKEN}",
+                        "duet"], capture_output=True, text=True, timeout=300)
+    check(b.returncode == 0, f"boot: {b.returncode}\n{b.stdout}{b.stderr}")
+    pid1 = int(b.stdout.split()[-1])
+    # setns(2) on this thread: threads made after it (the clients) are in it too.
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/proc/{pid1}/ns/net", os.O_RDONLY)
+    rc = libc.setns(fd, 0x40000000)  # CLONE_NEWNET
+    os.close(fd)
+    check(rc == 0, f"setns into the container's network: errno {ctypes.get_errno()}")
+
+
+def inside(*argv, timeout=120):
+    return subprocess.run(["nsenter", "-t", str(pid1), "-a", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def systemctl(*args, timeout=300):
+    r = inside("systemctl", *args, timeout=timeout)
+    check(r.returncode == 0, f"systemctl {' '.join(args)}: {r.returncode} {r.stdout}{r.stderr}\n{journal(40)}")
+    return r.stdout
+
+
+def show(unit, *props):
+    out = inside("systemctl", "show", unit, "-p", ",".join(props)).stdout
+    return dict(l.split("=", 1) for l in out.splitlines() if "=" in l)
+
+
+def journal(lines=30, *args):
+    return inside("journalctl", "--no-pager", "-n", str(lines), *args).stdout
+
+
+def wait_for(what, cond, timeout):
+    end = time.monotonic() + timeout * SCALE
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.1)
+    check(False, f"{what}: not within {timeout * SCALE:.0f} s\n{journal(40)}")
+
+
+def call(method, path, payload=None, timeout=300):
+    c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=timeout)
+    c.request(method, path, json.dumps(payload) if payload is not None else None,
+              {"Content-Type": "application/json"} if payload is not None else {})
+    r = c.getresponse()
+    return r.status, r.read().decode()
+
+
+def ready():
+    try:
+        return call("GET", "/ready", timeout=5)[0] == 200
+    except (ConnectionError, OSError, http.client.HTTPException):
+        return False
+
+
+ROLES = ("duet-instance.service", "duet-front.service", "duet-prefill@0.service", "duet-decode@0.service")
+
+
+def all_active():
+    return all(show(u, "ActiveState")["ActiveState"] == "active" for u in ROLES)
+
+
+def body(i, stream):
+    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": MAX_TOKENS, "temperature": 0.7,
+            "seed": 77 + i, "stream": stream}
+
+
+def read_events(resp, state, first_event):
+    text = ""
+    for raw in resp:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            state["ev"] = line[4:]
+        elif line.startswith("data: "):
+            if line == "data: [DONE]":
+                return text, True
+            j = json.loads(line[6:])
+            check("error" not in j, f"an error event: {line}")
+            state["id"] = j["id"]
+            first_event.set()
+            for ch in j["choices"]:
+                text += ch.get("text") or ""
+    return text, False
+
+
+def streams_through(what, disturb, offset):
+    """N streams; `disturb()` once the first has an event (the others in prefill or
+    decode); each resumes with Last-Event-ID if cut; each must equal an undisturbed
+    run of its request."""
+    refs = [None] * N
+
+    def ref(i):
+        st, out = call("POST", "/v1/completions", body(offset + i, False))
+        check(st == 200, f"reference {i}: {st} {out[:300]}")
+        refs[i] = json.loads(out)["choices"][0]["text"]
+    ts = [threading.Thread(target=ref, args=(i,)) for i in range(N)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    first_event, got = threading.Event(), [None] * N
+
+    def client(i):
+        state, text, done = {}, "", False
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
+            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True)), {"Content-Type": "application/json"})
+            text, done = read_events(c.getresponse(), state, first_event)
+        except (ConnectionError, OSError, http.client.HTTPException):
+            pass
+        end = time.time() + 120 * SCALE
+        while not done and "id" in state and time.time() < end:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
+                c.request("GET", f"/v1/requests/{state['id']}/events", headers={"Last-Event-ID": state["ev"]})
+                r = c.getresponse()
+                if r.status == 200:
+                    more, done = read_events(r, state, first_event)
+                    text += more
+                    continue
+                r.read()
+            except (ConnectionError, OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.1)
+        got[i] = text if done else None
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(N)]
+    [t.start() for t in ts]
+    check(first_event.wait(180 * SCALE), f"{what}: no stream started")
+    disturb()
+    [t.join(600) for t in ts]
+    bad = [i for i in range(N) if got[i] != refs[i]]
+    check(not bad, f"{what}: streams {bad} differ from undisturbed runs: {got[bad[0]]!r} vs {refs[bad[0]]!r}\n{journal(40)}"
+          if bad else "")
+
+
+def restarts(unit):
+    return int(show(unit, "NRestarts")["NRestarts"])
+
+
+def main_pid(unit):
+    return int(show(unit, "MainPID")["MainPID"])
+
+
+def killed_and_back(unit, signal, what, offset, expect_restart=True):
+    """`signal` to the unit's main process under N streams; systemd restarts it; the
+    streams end as undisturbed runs."""
+    before, pid = restarts(unit), main_pid(unit)
+    check(pid > 0, f"{unit}: no main PID")
+    t0 = time.monotonic()
+    streams_through(what, lambda: systemctl("kill", "-s", signal, "--kill-who=main", unit), offset)
+    wait_for(f"{unit} restarted", lambda: restarts(unit) == before + 1 and all_active() and ready(), 120)
+    check(main_pid(unit) != pid, f"{unit}: same main PID after {signal}")
+    print(f"{what}: systemd restarted {unit} (NRestarts {before + 1}), {N} streams identical to undisturbed runs "
+          f"({time.monotonic() - t0:.1f} s): ok")
+
+
+try:
+    # The units as `duet systemd generate` writes them for this machine, pointing at
+    # the paths the binary and the model are bound to inside.
+    gen, tree = os.path.join(tmp, "gen"), os.path.join(tmp, "tree")
+    g = subprocess.run([DUET, "systemd", "generate", "--out", gen, "--exe", IN_DUET, "--model", MODEL,
+                        "--port", str(PORT), "--ctx", "512", "--slots", "32", "--instance", "duet",
+                        "--contexts-dir", "/var/lib/duet/contexts"], capture_output=True, text=True)
+    check(g.returncode == 0, f"generate: {g.stdout}{g.stderr}")
+    env_file = os.path.join(gen, "duet.env")
+    env = open(env_file).read()
+    check(MODEL in env, f"duet.env names the model: {env}")
+    with open(env_file, "w") as f:
+        f.write(env.replace(MODEL, IN_MODEL))
+    ins = subprocess.run([DUET, "systemd", "install", gen, "--root", tree], capture_output=True, text=True)
+    check(ins.returncode == 0, f"install --root: {ins.stdout}{ins.stderr}")
+    # A copy of the model that fails its golden check, read by a drop-in below.
+    broken_copy(DUET, MODEL, os.path.join(tmp, "broken.gguf"))
+
+    t0 = time.monotonic()
+    boot()
+    booted = time.monotonic() - t0
+    t0 = time.monotonic()
+    systemctl("start", "duet.target")
+    started = time.monotonic() - t0
+    check(all_active(), f"every unit active after start:\n{journal(40)}")
+    status = show("duet-front.service", "StatusText")["StatusText"]
+    check(status.startswith("serving on http://127.0.0.1:8080"), f"the front's STATUS=: {status!r}")
+    check(ready(), "/ready once duet.target started")
+    print(f"boot {booted:.1f} s; systemctl start duet.target {started:.1f} s: every unit active, "
+          f"front STATUS={status!r}, /ready 200: ok")
+
+    killed_and_back("duet-decode@0.service", "SIGKILL", "SIGKILL of decode", 0)
+    killed_and_back("duet-prefill@0.service", "SIGKILL", "SIGKILL of prefill", 100)
+    killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
+
+    # SIGSTOP: no WATCHDOG=1 for WatchdogSec=; systemd kills it (SIGABRT) and restarts it.
+    unit = "duet-decode@0.service"
+    before, pid = restarts(unit), main_pid(unit)
+    t0 = time.monotonic()
+    streams_through("SIGSTOP of decode", lambda: systemctl("kill", "-s", "SIGSTOP", "--kill-who=main", unit), 300)
+    wait_for("decode restarted", lambda: restarts(unit) == before + 1 and all_active() and ready(), 120)
+    check("Watchdog timeout" in journal(200, "-u", unit), f"the journal of {unit} names the watchdog:\n{journal(30, '-u', unit)}")
+    print(f"SIGSTOP of decode: watchdog timeout, killed and restarted by systemd (NRestarts {before + 1}), "
+          f"{N} streams identical ({time.monotonic() - t0:.1f} s): ok")
+
+    unit = "duet-front.service"
+    pid = main_pid(unit)
+    streams_through("systemctl restart duet-front", lambda: systemctl("restart", unit), 400)
+    check(main_pid(unit) != pid and all_active(), "the front restarted")
+    print(f"systemctl restart duet-front under {N} streams: resumed with Last-Event-ID, identical: ok")
+
+    # Every death systemd counted is one this test made (a watchdog that fired on a
+    # busy worker, or a crash, would show here), and the swap directory of preempted
+    # requests is the instance's, in the units' shared CacheDirectory=.
+    # (`systemctl restart` starts the front's count again.)
+    counts = {u: restarts(u) for u in ROLES}
+    check(counts == {"duet-instance.service": 0, "duet-front.service": 0, "duet-prefill@0.service": 1,
+                     "duet-decode@0.service": 2}, f"NRestarts: {counts}")
+    swap = inside("stat", "-c", "%a %U", "/var/cache/duet/duet-swap-duet")
+    check(swap.returncode == 0 and swap.stdout.split() == ["700", "duet"], f"the swap directory: {swap.stdout}{swap.stderr}")
+    check("no swap directory" not in journal(400), "a worker does not see the swap directory")
+    print(f"NRestarts {counts}: the deaths this test made, no other; swap directory /var/cache/duet/duet-swap-duet "
+          "(0700, duet), seen by the workers: ok")
+
+    # The instance: its roles are bound to it.
+    workers = {u: main_pid(u) for u in ROLES}
+    before = restarts("duet-instance.service")
+    systemctl("kill", "-s", "SIGKILL", "--kill-who=main", "duet-instance.service")
+    wait_for("the instance and its roles back", lambda: restarts("duet-instance.service") == before + 1
+             and all_active() and ready(), 180)
+    now = {u: main_pid(u) for u in ROLES}
+    check(all(now[u] != workers[u] for u in ROLES), f"every role started again with the instance: {workers} -> {now}")
+    st, out = call("POST", "/v1/completions", body(500, False))
+    check(st == 200, f"a request after the instance's restart: {st} {out[:200]}")
+    print("SIGKILL of the instance: its roles stopped with it (BindsTo=), all started again (its Wants=), serving: ok")
+
+    # The golden gate under systemd: exit 3 is not restarted, and says why.
+    unit = "duet-prefill@0.service"
+    dropin = "/run/systemd/system/duet-prefill@0.service.d"
+    r = inside("sh", "-c", f"mkdir -p {dropin} && printf '%s\\n' '[Service]' 'ExecStart=' "
+               f"'ExecStart={IN_DUET} prefill --instance ${{DUET_INSTANCE}} --model {IN_BROKEN} --index %i $DUET_WORKER_ARGS' "
+               f"> {dropin}/broken.conf")
+    check(r.returncode == 0, f"the broken drop-in: {r.stderr}")
+    systemctl("daemon-reload")
+    before = restarts(unit)
+    inside("systemctl", "restart", unit)  # fails: the unit exits 3
+    wait_for("prefill failed", lambda: show(unit, "ActiveState")["ActiveState"] == "failed", 120)
+    time.sleep(3)  # RestartSec=1: a restart would have come by now
+    s = show(unit, "ActiveState", "Result", "ExecMainStatus", "NRestarts")
+    check(s["ActiveState"] == "failed" and s["Result"] == "exit-code" and s["ExecMainStatus"] == "3"
+          and int(s["NRestarts"]) == 0, f"the broken prefill: {s}")
+    st, why = call("GET", "/ready")
+    check(st == 503 and "golden" in why, f"/ready with prefill failed: {st} {why}")
+    check("golden check FAILED" in journal(100, "-u", unit), f"the journal says why:\n{journal(20, '-u', unit)}")
+    inside("rm", "-rf", dropin)
+    systemctl("daemon-reload")
+    systemctl("reset-failed", unit)
+    systemctl("start", unit)
+    wait_for("prefill back", lambda: all_active() and ready(), 120)
+    print(f"golden check failed: prefill exit 3, {s['Result']}, not restarted; /ready {st}: {why.strip()[:90]}; "
+          "on the right model again it serves: ok")
+
+    # A durable context across a reboot of the manager.
+    ctx_prompt = {"id": "kept", "prompt": "The three rules of the old lighthouse keeper were"}
+    st, out = call("POST", "/v1/contexts", ctx_prompt)
+    check(st in (200, 201), f"create a context: {st} {out}")
+    st, out = call("POST", "/v1/contexts/kept/completions", {"max_tokens": 24, "temperature": 0, "commit": True})
+    check(st == 200, f"a committed context completion: {st} {out}")
+    st, before_ctx = call("GET", "/v1/contexts/kept?tokens=true")
+    check(st == 200, f"the context: {st} {before_ctx}")
+    st, next_text = call("POST", "/v1/contexts/kept/completions", {"max_tokens": 24, "temperature": 0, "commit": False})
+    check(st == 200, f"a context completion: {st} {next_text}")
+    stop = subprocess.run([CONTAINER, "stop", ct], capture_output=True, text=True)
+    check(stop.returncode == 0, f"power off: {stop.stdout}{stop.stderr}")
+    check(not os.path.exists(f"/proc/{pid1}"), "the manager is gone")
+    boot()
+    systemctl("start", "duet.target")
+    wait_for("serving after the reboot", lambda: all_active() and ready(), 120)
+    st, after_ctx = call("GET", "/v1/contexts/kept?tokens=true")
+    check(st == 200 and json.loads(after_ctx)["tokens"] == json.loads(before_ctx)["tokens"],
+          f"the context after the reboot: {st} {after_ctx[:300]} vs {before_ctx[:300]}")
+    st, again = call("POST", "/v1/contexts/kept/completions", {"max_tokens": 24, "temperature": 0, "commit": False})
+    check(st == 200 and json.loads(again)["choices"][0]["text"] == json.loads(next_text)["choices"][0]["text"],
+          f"the context continues as before the reboot: {again} vs {next_text}")
+    print(f"reboot of the manager: context 'kept' ({len(json.loads(after_ctx)['tokens'])} tokens) there with the "
+          "same tokens, continues identically: ok")
+
+    t0 = time.monotonic()
+    systemctl("stop", "duet.target", "duet-instance.service")
+    for u in ROLES:
+        s = show(u, "ActiveState", "Result", "ExecMainStatus")
+        check(s["ActiveState"] == "inactive" and s["Result"] == "success" and s["ExecMainStatus"] == "0",
+              f"{u} after stop: {s}")
+    shm = inside("ls", "-A", "/dev/shm").stdout.split()
+    check(not shm, f"/dev/shm after stop: {shm}")
+    print(f"systemctl stop duet.target: every unit inactive, exit 0 ({time.monotonic() - t0:.1f} s), /dev/shm empty: ok")
+finally:
+    subprocess.run([CONTAINER, "stop", ct], capture_output=True)
+    shutil.rmtree(tmp, ignore_errors=True)
