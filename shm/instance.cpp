@@ -280,7 +280,8 @@ Result<Instance> Instance::attach(const std::string& name) {
     return in;
 }
 
-Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive) {
+Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive,
+                                         const std::function<int32_t(ReqRef)>& fail_code) {
     RecoveryReport rep;
     if (dead.slot >= registry_.n_slots()) return make_error("registry slot {} out of range", dead.slot);
     if (registry_.current(dead.slot).gen != dead.gen) return rep;  // already recovered, slot reused
@@ -308,7 +309,10 @@ Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive)
                 break;
             case ReqState::Prefilling:
             case ReqState::Decoding:
-                if (redrive) {
+                if (const int32_t code = redrive && fail_code ? fail_code(q) : 0; code != 0) {
+                    requests_.slot(q.slot).error_code.store(code, std::memory_order_relaxed);  // before the transition
+                    rep.failed += requests_.transition(q, st, ReqState::Failed, by);
+                } else if (redrive) {
                     (void)requests_.reset_blocks(q);  // its block references were just dropped
                     rep.redriven += requests_.transition(q, st, ReqState::Queued, by);
                 } else {

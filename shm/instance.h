@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -122,8 +123,11 @@ public:
     // queued and finished ones adopted so their clients can still read them), then
     // frees the registry slot. Idempotent: a second recoverer, or one resuming after
     // a recoverer died (Registry::dead_slots()), finds nothing left to do. An error
-    // if `dead` is still alive by its pid.
-    Result<RecoveryReport> recover(ProcRef dead, ProcRef by, bool redrive);
+    // if `dead` is still alive by its pid. With `fail_code`, a running request for
+    // which it returns nonzero is FAILED with that code in its error_code (opaque
+    // here: the serving layer's) instead of being re-driven.
+    Result<RecoveryReport> recover(ProcRef dead, ProcRef by, bool redrive,
+                                   const std::function<int32_t(ReqRef)>& fail_code = {});
     const Segment& kv_segment() const { return kv_seg_; }
 
 private:

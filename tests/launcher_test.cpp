@@ -1,10 +1,12 @@
 // The launcher's pure parts: parse_device_list, plan_serve over hand-made machines
-// and GPUs (no model, no GPU, no processes), and the launcher's state transitions.
+// and GPUs (no model, no GPU, no processes), the launcher's state transitions, and the
+// supervisor's restart and quarantine policy (roles/restart_policy.h).
 #include <map>
 
 #include <gtest/gtest.h>
 
 #include "roles/launcher.h"
+#include "roles/restart_policy.h"
 
 using namespace duet;
 
@@ -459,4 +461,94 @@ TEST(Launcher, EachGpuIsCheckedAsTheListIsRead) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.error().message, "cuda:99: no such device") << "the first error in the list, before the cpu entry's";
     EXPECT_EQ(asked, (std::vector<int>{0, 99}));
+}
+
+namespace {
+
+constexpr uint64_t kSec = 1'000'000'000ull;
+
+// Deaths at the given seconds (after it had run, unless told); the last plan.
+RestartPlan deaths_at(const std::vector<double>& seconds, bool had_run = true) {
+    RestartPlan p;
+    for (double t : seconds) p = plan_restart(p.deaths, static_cast<uint64_t>(t * 1e9) + 1000 * kSec, had_run, false);
+    return p;
+}
+
+}  // namespace
+
+TEST(RestartPolicy, ABurstOfDeathsOfARoleThatRunsIsNeverGivenUpOn) {
+    // The first three deaths within a minute restart at once; later ones after a
+    // backoff that doubles from 0.25 s to at most 8 s; never given up on.
+    EXPECT_EQ(deaths_at({0}).kind, RestartPlan::Kind::Now);
+    EXPECT_EQ(deaths_at({0, 1, 2}).kind, RestartPlan::Kind::Now);
+    std::vector<double> t;
+    const uint64_t want_ms[] = {0, 0, 0, 250, 500, 1000, 2000, 4000, 8000, 8000, 8000};
+    for (size_t i = 0; i < std::size(want_ms); ++i) {
+        t.push_back(0.1 * static_cast<double>(i));
+        const RestartPlan p = deaths_at(t);
+        const uint64_t now = static_cast<uint64_t>(t.back() * 1e9) + 1000 * kSec;
+        if (want_ms[i] == 0) {
+            EXPECT_EQ(p.kind, RestartPlan::Kind::Now) << "death " << i + 1;
+        } else {
+            ASSERT_EQ(p.kind, RestartPlan::Kind::Later) << "death " << i + 1;
+            EXPECT_EQ(p.at_ns - now, want_ms[i] * 1'000'000ull) << "death " << i + 1;
+        }
+    }
+    for (int n = 12; n < 200; ++n) t.push_back(0.1 * n);
+    EXPECT_EQ(deaths_at(t).kind, RestartPlan::Kind::Later);
+}
+
+TEST(RestartPolicy, DeathsOlderThanTheWindowAreForgotten) {
+    // Five deaths, but the first four more than 60 s before the fifth: at once.
+    EXPECT_EQ(deaths_at({0, 1, 2, 3}).kind, RestartPlan::Kind::Later);
+    const RestartPlan p = deaths_at({0, 1, 2, 3, 64});
+    EXPECT_EQ(p.kind, RestartPlan::Kind::Now);
+    EXPECT_EQ(p.deaths.deaths_ns.size(), 1u);
+}
+
+TEST(RestartPolicy, OnlyARoleThatCannotStartIsGivenUpOn) {
+    // Five deaths in a row before it ever ran (it cannot bind its port).
+    for (int n = 1; n < 5; ++n) {
+        std::vector<double> t;
+        for (int i = 0; i < n; ++i) t.push_back(i);
+        EXPECT_NE(deaths_at(t, false).kind, RestartPlan::Kind::Never) << n;
+    }
+    const RestartPlan p = deaths_at({0, 1, 2, 3, 4}, false);
+    EXPECT_EQ(p.kind, RestartPlan::Kind::Never);
+    EXPECT_NE(p.why.find("5 times in a row before it could serve"), std::string::npos) << p.why;
+    // A start that got as far as running in between clears the count.
+    RestartPlan q;
+    for (int i = 0; i < 12; ++i)
+        q = plan_restart(q.deaths, (1000 + static_cast<uint64_t>(i) * 100) * kSec, i % 4 == 3, false);
+    EXPECT_NE(q.kind, RestartPlan::Kind::Never);
+    EXPECT_EQ(q.deaths.failed_starts, 0u);
+}
+
+TEST(RestartPolicy, AFailedGoldenCheckIsNeverRestarted) {
+    const RestartPlan p = plan_restart({}, 1000 * kSec, true, true);
+    EXPECT_EQ(p.kind, RestartPlan::Kind::Never);
+    EXPECT_NE(p.why.find("golden"), std::string::npos);
+}
+
+TEST(RestartPolicy, ARequestIsQuarantinedOnlyWhenDeathsFollowIt) {
+    // Three deaths in a row with no new output: quarantined at the third.
+    RequestDeaths d;
+    d = count_request_death(d, 5);
+    EXPECT_FALSE(quarantined(d));
+    d = count_request_death(d, 5);
+    EXPECT_FALSE(quarantined(d));
+    d = count_request_death(d, 5);
+    EXPECT_TRUE(quarantined(d));
+    // A request that progressed between deaths is a bystander: any number of deaths.
+    RequestDeaths b;
+    for (uint32_t i = 0; i < 50; ++i) {
+        b = count_request_death(b, 10 + i);
+        EXPECT_FALSE(quarantined(b)) << i;
+    }
+    // Progress once resets the count; then three more deaths without progress.
+    RequestDeaths c = count_request_death(count_request_death({}, 3), 3);
+    c = count_request_death(c, 4);
+    EXPECT_EQ(c.deaths, 1u);
+    c = count_request_death(count_request_death(c, 4), 4);
+    EXPECT_TRUE(quarantined(c));
 }

@@ -1,5 +1,6 @@
 // The front's helpers (declared in front_session.h).
 #include "roles/front_session.h"
+#include "roles/restart_policy.h"
 
 #include <sys/socket.h>
 
@@ -87,6 +88,11 @@ ApiError failure(int32_t code) {
         return api_error(503, "server_error", "prefill ran out of KV cache for this request; retry shortly");
     case ReqError::Data:
         return api_error(500, "server_error", "the request's data (logit_bias) was missing or damaged in the server");
+    case ReqError::Poison:
+        return api_error(500, "server_error",
+                         fmt::format("the worker computing this request died {} times in a row while it made no "
+                                     "progress; it is not tried again (other requests are served)",
+                                     kPoisonDeaths));
     default:
         return api_error(500, "server_error", "generation failed (out of KV cache or a worker error)");
     }

@@ -418,23 +418,31 @@ void Launcher::handle_events() {
             }
             continue;
         }
-        if (e.restarted_as) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
+        if (!e.given_up) t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // /metrics counters
         t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
-        say(fmt::format("{} (pid {}) died ({} {}); recovered {} KV references, re-drove {} requests; {}", e.role, e.pid,
-                        WIFSIGNALED(e.status) ? "signal" : "exit",
+        const std::string next = e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as)
+                                 : e.restart_at_ns
+                                     ? fmt::format("restarting in {:.2f} s (it died often: backoff)",
+                                                   static_cast<double>(e.restart_at_ns - shm::monotonic_ns()) * 1e-9)
+                                     : fmt::format("not restarted: {}", e.why);
+        say(fmt::format("{} (pid {}) died ({} {}); recovered {} KV references, re-drove {} requests{}; {}", e.role,
+                        e.pid, WIFSIGNALED(e.status) ? "signal" : "exit",
                         WIFSIGNALED(e.status) ? WTERMSIG(e.status) : WEXITSTATUS(e.status), e.recovered.refs_dropped,
                         e.recovered.redriven,
-                        e.restarted_as ? fmt::format("restarted as pid {}", e.restarted_as) : "not restarted"));
+                        e.recovered.failed ? fmt::format(", failed {} its workers kept dying on", e.recovered.failed)
+                                           : std::string(),
+                        next));
         if (e.role == "front") sweep_orphans(inst_, window_ns());  // its clients are gone, or coming back
-        if (!e.restarted_as && WIFEXITED(e.status) && WEXITSTATUS(e.status) == kGoldenExitCode) {
+        if (!e.given_up) continue;
+        if (WIFEXITED(e.status) && WEXITSTATUS(e.status) == kGoldenExitCode) {
             say(fmt::format("{} failed its golden-logits check (its log above says how): this model does not compute "
                             "what it should here; stopping with exit code {}",
                             e.role, kGoldenExitCode));
             fail_in_flight(inst_, ReqError::NoWorker);
             failed_ = golden_failed_ = true;
-        } else if (!e.restarted_as) {
-            // It kept dying (at start, say the front cannot bind its port): nothing can
-            // serve requests. Fail them all with a clear error, drain, exit 1 (systemd
+        } else {
+            // It cannot start (say the front cannot bind its port): nothing can serve
+            // requests. Fail them all with a clear error, drain, exit 1 (systemd
             // restarts the whole service).
             say(fmt::format("giving up on {}; failing the requests in flight", e.role));
             fail_in_flight(inst_, ReqError::NoWorker);

@@ -16,8 +16,8 @@
 // and re-driving its requests; a dead front's requests are cancelled and freed,
 // their clients being gone); on SIGTERM or SIGINT drains: the front answers 503 to
 // new requests, running ones get a grace period, the rest are cancelled, everything
-// stops, the segments are removed, exit 0. A role that keeps dying fails the
-// requests in flight and stops the launcher with exit 1.
+// stops, the segments are removed, exit 0. A role that cannot start (restart_policy.h)
+// fails the requests in flight and stops the launcher with exit 1.
 #pragma once
 
 #include <atomic>

@@ -9,8 +9,10 @@
 #include <cstring>
 #include <string_view>
 #include <thread>
+#include <unordered_set>
 
 #include "engine/golden.h"
+#include "roles/wire.h"
 
 namespace duet {
 
@@ -56,19 +58,43 @@ Result<pid_t> Supervisor::spawn(const RoleSpec& spec) {
 Result<pid_t> Supervisor::start(const RoleSpec& spec) {
     auto pid = spawn(spec);
     if (!pid) return pid.error();
-    children_.push_back(Child{spec, *pid, {}, false, false});
+    children_.push_back(Child{spec, *pid, {}, 0, false, false});
     return *pid;
+}
+
+bool Supervisor::had_run(pid_t pid) {
+    shm::Registry& reg = inst_.registry();
+    for (uint32_t s = 0; s < reg.n_slots(); ++s)
+        if (reg.pid(s) == pid && (reg.state(s) == shm::ProcState::Running || reg.state(s) == shm::ProcState::Leaving))
+            return true;
+    return false;
 }
 
 shm::RecoveryReport Supervisor::recover(pid_t pid) {
     shm::RecoveryReport total;
     shm::Registry& reg = inst_.registry();
+    shm::RequestTable& t = inst_.requests();
+    // Each running request the dead process held: one more death in a row for it,
+    // unless its output grew since the last (restart_policy.h). Counted once per
+    // death, though recovery may look at a request on more than one pass.
+    std::unordered_set<uint64_t> counted;
+    const auto fail_code = [&](shm::ReqRef q) -> int32_t {
+        const uint64_t key = (static_cast<uint64_t>(q.slot) << 32) | q.gen;
+        RequestDeaths& d = request_deaths_[key];
+        if (counted.insert(key).second)
+            d = count_request_death(d, t.slot(q.slot).n_output.load(std::memory_order_acquire));
+        return quarantined(d) ? static_cast<int32_t>(ReqError::Poison) : 0;
+    };
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (reg.pid(s) != pid || reg.state(s) == shm::ProcState::Free) continue;
-        auto r = inst_.recover(reg.current(s), front_, true);
+        auto r = inst_.recover(reg.current(s), front_, true, fail_code);
         if (r) total += *r;  // an error: alive by its pid (cannot happen for a reaped child)
     }
-    shm::RequestTable& t = inst_.requests();
+    if (request_deaths_.size() > 2 * static_cast<size_t>(t.n_slots()))  // forget ended requests
+        std::erase_if(request_deaths_, [&](const auto& kv) {
+            const auto slot = static_cast<uint32_t>(kv.first >> 32);
+            return t.current(slot).gen != static_cast<uint32_t>(kv.first);
+        });
     for (uint32_t s = 0; s < t.n_slots(); ++s) {
         if (t.state(s) != shm::ReqState::Queued || t.owner_slot(s) != static_cast<int32_t>(front_.slot)) continue;
         // Not a request whose client is gone (a dead front's): sweep_orphans() ends those.
@@ -89,23 +115,43 @@ std::vector<Supervisor::Event> Supervisor::poll() {
         e.role = c.spec.name;
         e.pid = c.pid;
         e.status = status;
+        const bool ran = had_run(c.pid);  // before recovery frees its registry slot
         e.recovered = recover(c.pid);
         e.retired = c.retired;
         c.pid = 0;
-        const uint64_t now = shm::monotonic_ns();
-        c.deaths_ns.push_back(now);
-        std::erase_if(c.deaths_ns, [&](uint64_t t) { return now - t > 10'000'000'000ull; });
-        // A worker whose golden-logits check failed computes wrong answers on this
-        // box: starting it again cannot help (engine/golden.h).
-        const bool hopeless = WIFEXITED(status) && WEXITSTATUS(status) == kGoldenExitCode;
-        if (c.given_up || hopeless || c.deaths_ns.size() >= 5) {
-            c.given_up = true;
+        if (c.given_up) {  // retired
+            e.given_up = true;
+            events.push_back(std::move(e));
+            continue;
+        }
+        const bool golden = WIFEXITED(status) && WEXITSTATUS(status) == kGoldenExitCode;
+        RestartPlan plan = plan_restart(c.deaths, shm::monotonic_ns(), ran, golden);
+        c.deaths = std::move(plan.deaths);
+        if (plan.kind == RestartPlan::Kind::Never) {
+            c.given_up = e.given_up = true;
+            e.why = std::move(plan.why);
+        } else if (plan.kind == RestartPlan::Kind::Later) {
+            c.restart_at_ns = e.restart_at_ns = plan.at_ns;
         } else if (auto p = spawn(c.spec); p.ok()) {
-            c.pid = *p;
-            e.restarted_as = *p;
+            c.pid = e.restarted_as = *p;
             ++restarts_;
+        } else {
+            c.given_up = e.given_up = true;
+            e.why = p.error().message;
         }
         events.push_back(std::move(e));
+    }
+    // Restarts whose backoff has passed.
+    const uint64_t now = shm::monotonic_ns();
+    for (Child& c : children_) {
+        if (c.pid != 0 || c.given_up || c.restart_at_ns == 0 || now < c.restart_at_ns) continue;
+        c.restart_at_ns = 0;
+        if (auto p = spawn(c.spec); p.ok()) {
+            c.pid = *p;
+            ++restarts_;
+        } else {
+            c.given_up = true;
+        }
     }
     std::erase_if(children_, [](const Child& c) { return c.retired && c.pid == 0; });
     return events;

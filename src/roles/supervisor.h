@@ -3,17 +3,21 @@
 // (SIGCHLD-free: waitpid polling; `duet serve` polls every 2 ms), recovers what the
 // dead process held (shm::Instance::recover, re-driving its running requests),
 // hands each re-driven request whose client front is still alive to `resend` (the
-// launcher sends it to prefill on its own rings), and restarts the role. A role
-// that keeps dying (5 deaths within 10 s) is not restarted again.
+// launcher sends it to prefill on its own rings), and restarts the role: at once,
+// or after a backoff once it dies often, and never again only when it cannot start
+// (roles/restart_policy.h). A request that its workers keep dying on without
+// progress is failed alone (ReqError::Poison) instead of re-driven.
 #pragma once
 
 #include <sys/types.h>
 
 #include <functional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "base/result.h"
+#include "roles/restart_policy.h"
 #include "shm/instance.h"
 
 namespace duet {
@@ -41,10 +45,14 @@ public:
         pid_t pid = 0;
         int status = 0;  // as from waitpid
         shm::RecoveryReport recovered;
-        pid_t restarted_as = 0;  // 0: not restarted
-        bool retired = false;    // it was retire()d: an exit asked for, not a failure
+        pid_t restarted_as = 0;      // 0: not restarted (yet)
+        uint64_t restart_at_ns = 0;  // a restart after a backoff, then (monotonic_ns)
+        bool given_up = false;       // never restarted: `why`
+        std::string why;
+        bool retired = false;  // it was retire()d: an exit asked for, not a failure
     };
-    // Reaps children that ended, recovers and restarts them. Non-blocking.
+    // Reaps children that ended, recovers and restarts them (or plans their restart
+    // after a backoff, started by a later poll()). Non-blocking.
     std::vector<Event> poll();
     // Roles this supervisor did not start (systemd's units: `duet instance`): every
     // front, prefill or decode process in the registry whose process is gone (its
@@ -68,10 +76,13 @@ private:
     struct Child {
         RoleSpec spec;
         pid_t pid = 0;
-        std::vector<uint64_t> deaths_ns;
-        bool given_up = false;  // not restarted (kept dying, or retired)
+        RoleDeaths deaths;
+        uint64_t restart_at_ns = 0;  // a planned restart (pid 0 until then)
+        bool given_up = false;       // not restarted (it cannot start, or retired)
         bool retired = false;
     };
+    // Whether the process registered RUNNING (it had started) before it died.
+    bool had_run(pid_t pid);
     Result<pid_t> spawn(const RoleSpec& spec);
     // Waits for a signalled child until deadline_ns, then SIGKILLs it; recovers what
     // it left. True if it exited with status 0.
@@ -83,6 +94,9 @@ private:
     std::function<void(shm::ReqRef)> resend_;
     std::vector<Child> children_;
     size_t restarts_ = 0;
+    // Running requests that dead workers held: deaths in a row without progress,
+    // by (slot << 32 | generation).
+    std::unordered_map<uint64_t, RequestDeaths> request_deaths_;
 };
 
 }  // namespace duet

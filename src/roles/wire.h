@@ -147,6 +147,7 @@ enum class ReqError : int32_t {
     NotSent = 4,    // the queue to prefill stayed full
     PrefillKv = 5,  // prefill ran out of KV blocks even for this request alone
     Data = 6,       // the request's data (roles/request_data.h) was missing or damaged
+    Poison = 7,     // the workers computing it kept dying without progress (roles/restart_policy.h)
 };
 
 // Stored in a request slot's params bytes.

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import START_TIMEOUT, time_scale
+from duet_e2e import START_TIMEOUT, check_restarts, time_scale
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-serve-test-{os.getpid()}"
@@ -173,7 +173,8 @@ def main():
         serving(INSTANCE + "-r", lambda port, server: several_workers(port, server, per_role=True),
                 ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
         serving(INSTANCE + "-q", quantized_kv, ("--kv-dtype", "int8", "--kv-arenas", "per-role"))
-    serving(INSTANCE + "-g", give_up)
+    serving(INSTANCE + "-g", burst)
+    serving(INSTANCE + "-s", cannot_start)
     port_taken()
 
 
@@ -315,30 +316,72 @@ def port_taken():
     print("the port taken: the front gives up, the launcher exits 1, nothing left: ok")
 
 
-def give_up(port, server):
-    # A decode worker that keeps dying (5 deaths in 10 s): the launcher gives up,
-    # the stream in flight ends with a clear error instead of hanging, the server
-    # exits 1 (for systemd to restart it) and leaves nothing in /dev/shm.
+def decode_pids(instance, state):
+    try:
+        procs = json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True,
+                                          text=True).stdout)["processes"]
+    except (ValueError, KeyError):
+        return []
+    return [p["pid"] for p in procs if p["role"] == "decode" and p["state"] == state]
+
+
+def burst(port, server):
+    # A decode worker SIGKILLed five times in a row, each time once it serves again
+    # and the stream has moved on: the supervisor keeps restarting it (after the
+    # third within a minute, with a backoff: roles/restart_policy.h), the stream ends
+    # exactly as an undisturbed run, and the server serves on.
     instance = INSTANCE + "-g"
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    ref = json.loads(request(port, "POST", "/v1/completions", body)[1])["choices"][0]["text"]
+    texts, done = [""], threading.Event()
+
+    def run():
+        texts[0] = stream(port, "/v1/completions", dict(body, stream=True),
+                          lambda t: texts.__setitem__(0, t))[0]
+        done.set()
+    threading.Thread(target=run, daemon=True).start()
+    killed, seen = set(), 0
+    deadline = time.time() + 240 * time_scale()
+    while len(killed) < 5 and not done.is_set() and time.time() < deadline and server.poll() is None:
+        pids = [p for p in decode_pids(instance, "running") if p not in killed]
+        if pids and len(texts[0]) > seen + 8:  # it moved on since the last kill
+            os.kill(pids[0], signal.SIGKILL)
+            killed.add(pids[0])
+            seen = len(texts[0])
+        time.sleep(0.02)
+    check(len(killed) == 5, f"killed decode {len(killed)} times before the stream ended ({len(texts[0])} chars)")
+    check(done.wait(240 * time_scale()), "the stream did not end")
+    check(server.poll() is None, f"the server exited ({server.returncode}) after a burst of deaths")
+    check(texts[0] == ref, f"the stream across five deaths {texts[0]!r} != undisturbed {ref!r}")
+    check_restarts(port, 5)
+    print("a decode worker SIGKILLed five times in a row: restarted each time, the stream identical, "
+          "the server serving: ok")
+
+
+def cannot_start(port, server):
+    # A decode worker that dies five times in a row before it could serve (killed
+    # while it starts): the launcher gives up, the stream in flight ends with a clear
+    # error instead of hanging, the server exits 1 (for systemd to restart it) and
+    # leaves nothing in /dev/shm.
+    instance = INSTANCE + "-s"
     events = []
     t = threading.Thread(target=lambda: events.extend(stream(
         port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
                                   "ignore_eos": True, "stream": True})[1]))
     t.start()
     killed = set()
-    deadline = time.time() + 60
-    while len(killed) < 5 and time.time() < deadline and server.poll() is None:
-        try:
-            procs = json.loads(subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True,
-                                              text=True).stdout)["processes"]
-        except (ValueError, KeyError):
-            procs = []
-        for p in procs:
-            if p["role"] == "decode" and p["pid"] not in killed:
-                os.kill(p["pid"], signal.SIGKILL)
-                killed.add(p["pid"])
-        time.sleep(0.02)
-    check(len(killed) == 5, f"killed {len(killed)} decode workers")
+    first = [p for p in decode_pids(instance, "running")]
+    check(first, "a running decode worker")
+    os.kill(first[0], signal.SIGKILL)  # then each new one while it starts
+    killed.add(first[0])
+    deadline = time.time() + 120 * time_scale()
+    while len(killed) < 6 and time.time() < deadline and server.poll() is None:
+        for p in decode_pids(instance, "starting"):
+            if p not in killed:
+                os.kill(p, signal.SIGKILL)
+                killed.add(p)
+        time.sleep(0.005)
+    check(len(killed) == 6, f"killed {len(killed)} decode workers")
     check(server.wait(60) == 1, f"exit status {server.returncode} after giving up")
     t.join(60)
     check(events and events[-1] == "[DONE]", f"the stream did not end: {events[-3:]}")
@@ -347,7 +390,8 @@ def give_up(port, server):
     for d in ("/dev/shm", "/dev/hugepages"):
         left = [f for f in os.listdir(d) if instance in f] if os.path.isdir(d) else []
         check(not left, f"left in {d}: {left}")
-    print("a decode worker that keeps dying: the stream gets a clear error, exit 1, no segments left: ok")
+    print("a decode worker that dies five times in a row while it starts: the stream gets a clear error, exit 1, "
+          "no segments left: ok")
 
 
 def run(port, server):

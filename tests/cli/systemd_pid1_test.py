@@ -7,7 +7,8 @@
   returns once every unit sent READY=1: active, the front's STATUS= text, /ready 200;
 - under 8 sampled streams each (each must end exactly as an undisturbed run of the
   same request, resumed with Last-Event-ID where the front died), through systemd:
-  SIGKILL of decode, of prefill, of the front; SIGSTOP of decode (its watchdog fires,
+  SIGKILL of decode, of prefill, of the front; five SIGKILLs of decode in a row (the
+  unit's StartLimitBurst= is not reached); SIGSTOP of decode (its watchdog fires,
   systemd kills and restarts it); `systemctl restart duet-front`. systemd's own
   NRestarts counts each death, and each worker comes back;
 - systemd's NRestarts of each unit equals the deaths the test made (no watchdog fired
@@ -127,8 +128,8 @@ def all_active():
     return all(show(u, "ActiveState")["ActiveState"] == "active" for u in ROLES)
 
 
-def body(i, stream):
-    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": MAX_TOKENS, "temperature": 0.7,
+def body(i, stream, max_tokens=MAX_TOKENS):
+    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": max_tokens, "temperature": 0.7,
             "seed": 77 + i, "stream": stream}
 
 
@@ -150,14 +151,14 @@ def read_events(resp, state, first_event):
     return text, False
 
 
-def streams_through(what, disturb, offset):
+def streams_through(what, disturb, offset, max_tokens=MAX_TOKENS):
     """N streams; `disturb()` once the first has an event (the others in prefill or
     decode); each resumes with Last-Event-ID if cut; each must equal an undisturbed
     run of its request."""
     refs = [None] * N
 
     def ref(i):
-        st, out = call("POST", "/v1/completions", body(offset + i, False))
+        st, out = call("POST", "/v1/completions", body(offset + i, False, max_tokens))
         check(st == 200, f"reference {i}: {st} {out[:300]}")
         refs[i] = json.loads(out)["choices"][0]["text"]
     ts = [threading.Thread(target=ref, args=(i,)) for i in range(N)]
@@ -169,7 +170,8 @@ def streams_through(what, disturb, offset):
         state, text, done = {}, "", False
         try:
             c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
-            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True)), {"Content-Type": "application/json"})
+            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True, max_tokens)),
+                      {"Content-Type": "application/json"})
             text, done = read_events(c.getresponse(), state, first_event)
         except (ConnectionError, OSError, http.client.HTTPException):
             pass
@@ -255,6 +257,23 @@ try:
     killed_and_back("duet-prefill@0.service", "SIGKILL", "SIGKILL of prefill", 100)
     killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
 
+    # A burst: decode SIGKILLed five times in a row, each time once it is back.
+    unit = "duet-decode@0.service"
+    before = restarts(unit)
+
+    def five_kills():
+        for _ in range(5):
+            pid = main_pid(unit)
+            systemctl("kill", "-s", "SIGKILL", "--kill-who=main", unit)
+            wait_for("decode back", lambda: main_pid(unit) not in (0, pid)
+                     and show(unit, "ActiveState")["ActiveState"] == "active", 60)
+    t0 = time.monotonic()
+    streams_through("five SIGKILLs of decode", five_kills, 50, max_tokens=2 * MAX_TOKENS)
+    wait_for("decode serving", lambda: all_active() and ready(), 60)
+    check(restarts(unit) == before + 5, f"NRestarts of decode {restarts(unit)}, want {before + 5}")
+    print(f"five SIGKILLs of decode in a row: restarted each time (StartLimitBurst= not reached), {N} streams "
+          f"identical ({time.monotonic() - t0:.1f} s): ok")
+
     # SIGSTOP: no WATCHDOG=1 for WatchdogSec=; systemd kills it (SIGABRT) and restarts it.
     unit = "duet-decode@0.service"
     before, pid = restarts(unit), main_pid(unit)
@@ -277,7 +296,7 @@ try:
     # (`systemctl restart` starts the front's count again.)
     counts = {u: restarts(u) for u in ROLES}
     check(counts == {"duet-instance.service": 0, "duet-front.service": 0, "duet-prefill@0.service": 1,
-                     "duet-decode@0.service": 2}, f"NRestarts: {counts}")
+                     "duet-decode@0.service": 7}, f"NRestarts: {counts}")
     swap = inside("stat", "-c", "%a %U", "/var/cache/duet/duet-swap-duet")
     check(swap.returncode == 0 and swap.stdout.split() == ["700", "duet"], f"the swap directory: {swap.stdout}{swap.stderr}")
     check("no swap directory" not in journal(400), "a worker does not see the swap directory")
