@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <tuple>
 
 #include <gtest/gtest.h>
@@ -251,4 +252,109 @@ TEST(Placement, ArenaPagesAreBoundToTheirRolesNodes) {
     EXPECT_TRUE(bind_to_nodes(mem, bytes, {}).ok());
     EXPECT_TRUE(bind_to_nodes(static_cast<char*>(mem) + 4096, (2u << 20), {1000}).ok()) << "no whole aligned stretch";
     munmap(mem, bytes);
+}
+
+// Real machines' hwloc exports (tests/fixtures/hwloc, from hwloc's own tests): the
+// GPUs come from the export's PCI tree with the cores of their package, and each
+// GPU's prefill/decode pair is planned on its own package's cores.
+namespace {
+
+std::string hwloc_fixture(const char* name) { return std::string(DUET_FIXTURES) + "/hwloc/" + name; }
+
+// The NUMA node of every hardware thread in `pus`, or -1 if they span several.
+int node_of(const Machine& m, const std::vector<int>& pus) {
+    int node = -2;
+    for (const MachineCore& c : m.cores) {
+        for (int pu : c.pus) {
+            if (std::find(pus.begin(), pus.end(), pu) != pus.end()) node = node == -2 || node == c.numa ? c.numa : -1;
+        }
+    }
+    return node;
+}
+
+}  // namespace
+
+TEST(Placement, AnNvidiaDgx2ExportHasItsSixteenGpusNearTheirPackage) {
+    auto m = Machine::from_xml(hwloc_fixture("nvidiaDGX2.xml"));
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_EQ(m->n_numa, 2);
+    ASSERT_EQ(m->cores.size(), 4u) << "hwloc's export keeps two cores of each package";
+    ASSERT_EQ(m->gpus.size(), 16u) << "16 V100s; the 12 NVSwitches (class 0x0680) are not GPUs";
+    int per_node[2] = {0, 0};
+    for (const MachineGpu& g : m->gpus) {
+        const int node = node_of(*m, g.pus);
+        ASSERT_TRUE(node == 0 || node == 1)
+            << "GPU " << g.device << " (" << g.pci << ") near " << format_cpu_list(g.pus);
+        ++per_node[node];
+        if (g.device > 0) {
+            EXPECT_LT(m->gpus[static_cast<size_t>(g.device) - 1].pci, g.pci) << "PCI bus order";
+        }
+    }
+    EXPECT_EQ(per_node[0], 8);
+    EXPECT_EQ(per_node[1], 8);
+    EXPECT_EQ(m->gpus[0].pci, "0000:34:00.0");
+
+    // All 16 GPUs served: 32 workers on 4 cores. Each worker on a core of its GPU's
+    // package (shared, and said so), never across the socket link; the front on the
+    // least used core.
+    PlanOptions o;
+    for (int d = 0; d < 16; ++d) o.devices.push_back(d);
+    auto p = plan_placement(*m, o);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    ASSERT_EQ(p->roles.size(), 33u);
+    EXPECT_EQ(p->roles.front().role, "front");
+    std::map<int, int> users;
+    for (const Placement& r : p->roles) {
+        ASSERT_EQ(r.cpus.size(), 1u);
+        ++users[r.cpus[0]];
+        if (r.device < 0) continue;
+        const MachineGpu& g = m->gpus[static_cast<size_t>(r.device)];
+        EXPECT_EQ(r.numa, node_of(*m, g.pus)) << r.role << " of GPU " << r.device << " on CPU " << r.cpus[0];
+        EXPECT_EQ(r.index, r.device) << "worker index = position in the devices served";
+    }
+    ASSERT_EQ(users.size(), 4u);
+    for (auto [cpu, n] : users) EXPECT_LE(n, 9) << "CPU " << cpu << " carries " << n << ": spread evenly (33 on 4)";
+    EXPECT_FALSE(p->notes.empty()) << "sharing is said";
+
+    // One GPU of each package served: each pair on its own package's two cores, no
+    // core given twice but the front's, which shares the least used.
+    auto two = plan_placement(*m, PlanOptions{{0, 15}, {}, {}, {}});
+    ASSERT_TRUE(two.ok()) << two.error().message;
+    std::map<int, int> once;
+    for (const Placement& r : two->roles)
+        if (r.device >= 0) {
+            EXPECT_EQ(++once[r.cpus[0]], 1) << "CPU " << r.cpus[0] << " given twice";
+            EXPECT_EQ(r.numa, r.device == 0 ? 0 : 1);
+        }
+    EXPECT_EQ(once.size(), 4u);
+}
+
+TEST(Placement, APower8ExportGivesEachGpuPairCoresOfItsOwnPackageAndTheFrontACoreApart) {
+    auto m = Machine::from_xml(hwloc_fixture("power8gpudistances.xml"));
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    ASSERT_EQ(m->gpus.size(), 4u);
+    ASSERT_EQ(m->cores.size(), 8u);
+    auto p = plan_placement(*m, PlanOptions{{0, 1, 2, 3}, {}, {}, {}});
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    ASSERT_EQ(p->roles.size(), 9u);
+    std::map<int, int> users;
+    for (const Placement& r : p->roles) {
+        ++users[r.cpus[0]];
+        if (r.device < 0) continue;
+        EXPECT_EQ(r.numa, node_of(*m, m->gpus[static_cast<size_t>(r.device)].pus))
+            << r.role << " of GPU " << r.device << " on CPU " << r.cpus[0];
+    }
+    // 8 workers on 8 cores, each its own; the 9th process, the front, shares one.
+    EXPECT_EQ(users.size(), 8u);
+    int shared = 0;
+    for (auto [cpu, n] : users) shared += n > 1;
+    EXPECT_EQ(shared, 1);
+    EXPECT_EQ(users[p->roles.front().cpus[0]], 2) << "the front is the one that shares";
+}
+
+TEST(Placement, AnXmlThatIsNotATopologyIsRefusedByName) {
+    auto m = Machine::from_xml(hwloc_fixture("README.md"));
+    ASSERT_FALSE(m.ok());
+    EXPECT_NE(m.error().message.find("README.md"), std::string::npos) << m.error().message;
+    EXPECT_FALSE(Machine::from_xml("/nonexistent/machine.xml").ok());
 }

@@ -359,8 +359,13 @@ void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string& 
     // duet topo
     auto& topo = keep<TopoArgs>(store);
     CLI::App* c_topo = app.add_subcommand("topo", "the machine (hwloc) and where front, prefill and decode would run");
-    c_topo->add_option("--synthetic", topo.synthetic,
-                       "plan for an hwloc synthetic topology, e.g. \"pack:2 core:8 pu:2\"");
+    auto* o_synth = c_topo->add_option("--synthetic", topo.synthetic,
+                                       "plan for an hwloc synthetic topology, e.g. \"pack:2 core:8 pu:2\"");
+    c_topo
+        ->add_option("--xml", topo.xml,
+                     "plan for another machine from its hwloc XML export (lstopo machine.xml), GPUs included")
+        ->check(CLI::ExistingFile)
+        ->excludes(o_synth);
     c_topo->add_option("--devices", topo.devices, "GPUs to serve on, e.g. 0-3 (default: the CPU)");
     c_topo->add_option("--front-cpus", topo.front_cpus, "pin the front here");
     c_topo->add_option("--prefill-cpus", topo.prefill_cpus, "pin prefill here (CPU serving)");

@@ -12,7 +12,9 @@
 namespace duet {
 
 int cmd_topo(const TopoArgs& a) {
-    auto m = a.synthetic.empty() ? Machine::detect() : Machine::synthetic(a.synthetic);
+    auto m = !a.xml.empty()         ? Machine::from_xml(a.xml)
+             : !a.synthetic.empty() ? Machine::synthetic(a.synthetic)
+                                    : Machine::detect();
     if (!m) {
         std::fprintf(stderr, "duet: %s\n", m.error().message.c_str());
         return 1;

@@ -108,6 +108,33 @@ Result<Machine> Machine::synthetic(const std::string& description) {
     return from_topology(tp.t, fmt::format("synthetic \"{}\"", description));
 }
 
+Result<Machine> Machine::from_xml(const std::string& path) {
+    Topology tp;
+    if (hwloc_topology_init(&tp.t) != 0) return make_error("hwloc_topology_init failed");
+    if (hwloc_topology_set_xml(tp.t, path.c_str()) != 0)
+        return make_error("{}: cannot read it as an hwloc XML topology ({})", path, std::strerror(errno));
+    // The export's PCI devices (no discovery runs: nothing is read from this machine).
+    hwloc_topology_set_io_types_filter(tp.t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+    if (hwloc_topology_load(tp.t) != 0) return make_error("hwloc could not load {}", path);
+    auto m = from_topology(tp.t, fmt::format("hwloc XML {}", path));
+    if (!m) return m;
+    // NVIDIA display and 3D controllers (not its NVSwitches, class 0x0680), in PCI
+    // bus order as CUDA_DEVICE_ORDER=PCI_BUS_ID numbers them, each with the hardware
+    // threads of the first non-I/O object above it (its package or NUMA node).
+    for (hwloc_obj_t d = hwloc_get_next_pcidev(tp.t, nullptr); d; d = hwloc_get_next_pcidev(tp.t, d)) {
+        const auto& p = d->attr->pcidev;
+        if (p.vendor_id != 0x10de || (p.class_id >> 8) != 0x03) continue;
+        MachineGpu g;
+        g.pci = fmt::format("{:04x}:{:02x}:{:02x}.{:x}", static_cast<unsigned>(p.domain), static_cast<unsigned>(p.bus),
+                            static_cast<unsigned>(p.dev), static_cast<unsigned>(p.func));
+        if (hwloc_obj_t a = hwloc_get_non_io_ancestor_obj(tp.t, d); a && a->cpuset) g.pus = pus_of(a->cpuset);
+        m->gpus.push_back(std::move(g));
+    }
+    std::sort(m->gpus.begin(), m->gpus.end(), [](const MachineGpu& a, const MachineGpu& b) { return a.pci < b.pci; });
+    for (size_t i = 0; i < m->gpus.size(); ++i) m->gpus[i].device = static_cast<int>(i);
+    return m;
+}
+
 Status bind_to_nodes(void* addr, size_t bytes, std::vector<int> nodes) {
     std::sort(nodes.begin(), nodes.end());
     nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
@@ -253,28 +280,35 @@ Result<Plan> plan_cpu(const Machine& m, const PlanOptions& o, NodeCpus by_node) 
 }
 
 // GPUs: each process drives its device from one core close to it.
-Result<Plan> plan_gpus(const Machine& m, const PlanOptions& o, const NodeCpus& by_node) {
+Result<Plan> plan_gpus(const Machine& m, const PlanOptions& o) {
     Plan plan;
-    std::set<int> taken;
+    std::map<int, int> users;  // processes planned on each core (its first hardware thread)
+    // A free core near the GPU; else, where the GPU has cores near it, the least used
+    // of those (shared: a GPU worker's own CPU time is kernel launches and host-side
+    // sampling, while its page-locked staging memory and PCIe path belong to its
+    // package, so a free core across the socket link would cost every host copy);
+    // else the least used core anywhere. Sharing is noted.
     auto take_near = [&](const std::vector<int>& near, int device) -> int {
-        for (const MachineCore& c : m.cores)
-            if (!taken.count(c.pus.front()) && std::find(near.begin(), near.end(), c.pus.front()) != near.end()) {
-                taken.insert(c.pus.front());
-                return c.pus.front();
-            }
-        for (const MachineCore& c : m.cores)
-            if (!taken.count(c.pus.front())) {
-                taken.insert(c.pus.front());
-                if (device >= 0)
-                    plan.notes.push_back(
-                        fmt::format("GPU {}: no free core close to it; using CPU {}", device, c.pus.front()));
-                return c.pus.front();
-            }
-        return -1;
+        const auto is_near = [&](const MachineCore& c) {
+            return std::find(near.begin(), near.end(), c.pus.front()) != near.end();
+        };
+        int best = -1;
+        for (bool near_only : {true, false}) {
+            for (const MachineCore& c : m.cores)
+                if ((!near_only || is_near(c)) && (best < 0 || users[c.pus.front()] < users[best]))
+                    best = c.pus.front();
+            if (best >= 0) break;
+        }
+        if (best < 0) return -1;
+        if (users[best] > 0)
+            plan.notes.push_back(device >= 0
+                                     ? fmt::format("GPU {}: no free core close to it; sharing CPU {}", device, best)
+                                     : fmt::format("the front shares CPU {}", best));
+        else if (device >= 0 && !near.empty() && std::find(near.begin(), near.end(), best) == near.end())
+            plan.notes.push_back(fmt::format("GPU {}: no core close to it; using CPU {}", device, best));
+        ++users[best];
+        return best;
     };
-    std::vector<int> front = o.front_cpus;
-    if (front.empty()) front = {take_near(by_node.begin()->second, -1)};
-    plan.roles.push_back({"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
     for (size_t i = 0; i < o.devices.size(); ++i) {
         const int d = o.devices[i];
         if (d < 0 || d >= static_cast<int>(m.gpus.size()))
@@ -282,19 +316,22 @@ Result<Plan> plan_gpus(const Machine& m, const PlanOptions& o, const NodeCpus& b
         const MachineGpu& g = m.gpus[static_cast<size_t>(d)];
         if (o.prefill_gpus > 0) {  // one role per GPU: prefill on the first ones, decode on the rest
             const bool prefill = static_cast<int>(i) < o.prefill_gpus;
-            int c = take_near(g.pus, d);
-            if (c < 0) return make_error("not enough cores for a process per GPU");
+            const int c = take_near(g.pus, d);
             const int index = prefill ? static_cast<int>(i) : static_cast<int>(i) - o.prefill_gpus;
             plan.roles.push_back({prefill ? "prefill" : "decode", index, d, {c}, 1, numa_of_cpu(m, c)});
             continue;
         }
         for (const char* role : {"prefill", "decode"}) {
-            int c = take_near(g.pus, d);
-            if (c < 0) return make_error("not enough cores for a prefill and a decode process per GPU");
+            const int c = take_near(g.pus, d);
             // Worker i of each role is the pair on the i-th GPU served.
             plan.roles.push_back({role, static_cast<int>(i), d, {c}, 1, numa_of_cpu(m, c)});
         }
     }
+    // The front last, apart from the workers where a core is left: the least used
+    // core of the machine, the first NUMA node's first at a tie.
+    std::vector<int> front = o.front_cpus;
+    if (front.empty()) front = {take_near({}, -1)};
+    plan.roles.insert(plan.roles.begin(), {"front", 0, -1, front, 1, numa_of_cpu(m, front.front())});
     return plan;
 }
 
@@ -309,7 +346,7 @@ Result<Plan> plan_placement(const Machine& m, const PlanOptions& o) {
             return make_error("prefill and decode CPU lists overlap at CPU {}: they must be disjoint", c);
     NodeCpus by_node;
     for (const MachineCore& c : m.cores) by_node[c.numa].push_back(c.pus.front());
-    return o.devices.empty() ? plan_cpu(m, o, std::move(by_node)) : plan_gpus(m, o, by_node);
+    return o.devices.empty() ? plan_cpu(m, o, std::move(by_node)) : plan_gpus(m, o);
 }
 
 }  // namespace duet

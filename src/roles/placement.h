@@ -28,13 +28,16 @@ struct Machine {
     std::vector<MachineCore> cores;
     int n_numa = 1;
     std::vector<MachineGpu> gpus;
-    std::string source;  // "this machine" or the synthetic description
+    std::string source;  // "this machine", the synthetic description or the XML file
 
     // This machine, by hwloc (with NVIDIA GPUs found on its PCI bus).
     static Result<Machine> detect();
     // An hwloc synthetic topology, e.g. "pack:2 numa:1 core:8 pu:2" (for tests and
     // for planning another machine's layout).
     static Result<Machine> synthetic(const std::string& description);
+    // Another machine, from its hwloc XML export (`lstopo machine.xml`), with the
+    // NVIDIA GPUs on its PCI tree and the cores of the package each hangs off.
+    static Result<Machine> from_xml(const std::string& path);
 };
 
 struct Placement {
