@@ -174,7 +174,10 @@ def main():
                 ("--prefill-workers", "2", "--decode-workers", "2", "--kv-arenas", "per-role"))
         serving(INSTANCE + "-q", quantized_kv, ("--kv-dtype", "int8", "--kv-arenas", "per-role"))
     serving(INSTANCE + "-g", burst)
-    serving(INSTANCE + "-s", cannot_start)
+    # Release only: its server costs about a minute under ASan on two cores, for one
+    # path (fail_in_flight's walk over the request table) besides the burst's.
+    if not os.environ.get("DUET_E2E_SUBSET"):
+        serving(INSTANCE + "-s", cannot_start)
     port_taken()
 
 

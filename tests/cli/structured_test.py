@@ -64,8 +64,8 @@ try:
 
     schemas = corpus()
     check(len(schemas) >= 50, f"the corpus has {len(schemas)} schemas")
-    if SUBSET:
-        schemas = schemas[::5]
+    if SUBSET:  # under ASan, where xgrammar is not instrumented (cmake/xgrammar.cmake): duet's mask path
+        schemas = schemas[::10]
     # A small model may write a string the schema leaves unbounded until max_tokens:
     # such an output ("length") is a prefix the grammar allowed, not a value to
     # validate. Which outputs do depends on the kernel level's last bits (on AVX2 a
