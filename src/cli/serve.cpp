@@ -18,6 +18,7 @@
 #include <string_view>
 #include <thread>
 
+#include "base/log.h"
 #include "cli/role_flags.h"
 #include "engine/backends.h"
 #include "engine/golden.h"
@@ -135,7 +136,7 @@ Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port) {
     if (!facts) return facts.error();
     auto plan = plan_serve(s, *facts);
     if (!plan) return plan.error();
-    for (const std::string& n : plan->notes) std::fprintf(stderr, "duet serve: placement: %s\n", n.c_str());
+    for (const std::string& n : plan->notes) log::notice("placement: " + n);
     Prepared p;
     p.s = std::move(s);
     p.model = std::move(model).value();
@@ -146,8 +147,9 @@ Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port) {
 }  // namespace
 
 int cmd_serve(const ServeSettings& settings, RoleStart start) {
+    log::set_name("serve");
     auto fail = [](const std::string& m) {
-        std::fprintf(stderr, "duet serve: %s\n", m.c_str());
+        log::error(m);
         return 1;
     };
     const std::atomic<bool>& stop = StopSignal::install();
@@ -168,8 +170,9 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
 }
 
 int cmd_front(const FrontSettings& a) {
+    log::set_name("front");
     auto fail = [](const std::string& m) {
-        std::fprintf(stderr, "duet front: %s\n", m.c_str());
+        log::error(m);
         return 1;
     };
     SdNotify& sd = SdNotify::init();
@@ -220,9 +223,8 @@ int cmd_front(const FrontSettings& a) {
         fo.responses_max = static_cast<size_t>(a.responses_max);
         if (!a.contexts_dir.empty()) fo.responses_dir = a.contexts_dir + "/responses";
         Front front(*inst, *self, **tok, *tmpl, fo);
-        std::fprintf(stderr, "duet front: chat template %s; tool calls in the %s format\n",
-                     std::string(tmpl->name()).c_str(),
-                     std::string(tool_format_name(tool_format_of(tmpl->format()))).c_str());
+        log::info(fmt::format("chat template {}; tool calls in the {} format", tmpl->name(),
+                              tool_format_name(tool_format_of(tmpl->format()))));
         std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {
             std::error_code ec;
@@ -259,7 +261,7 @@ int cmd_front(const FrontSettings& a) {
             }
         }
         sd.stopping(fmt::format("draining {} requests (grace {} s)", front.in_flight(), a.grace_s));
-        std::fprintf(stderr, "duet front: draining (%zu requests in flight, grace %d s)\n", front.in_flight(), a.grace_s);
+        log::notice(fmt::format("draining ({} requests in flight, grace {} s)", front.in_flight(), a.grace_s));
         front.drain();
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.grace_s);
         while (front.in_flight() > 0 && std::chrono::steady_clock::now() < deadline)

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "base/log.h"
 #include "engine/engine.h"
 #include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
@@ -15,11 +16,12 @@ namespace duet {
 
 int cmd_worker(const WorkerSettings& a, bool prefill) {
     const char* role = prefill ? "prefill" : "decode";
+    log::set_name(role);
     SdNotify& sd = SdNotify::init();
     sd.status(fmt::format("attaching to instance {}", a.instance));
     auto inst = shm::Instance::attach(a.instance);
     if (!inst) {
-        std::fprintf(stderr, "duet %s: %s\n", role, inst.error().message.c_str());
+        log::error(inst.error().message);
         return 1;
     }
     // Loading (and on a GPU, uploading) a big model outlasts TimeoutStartSec's default:
@@ -30,19 +32,17 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     sd.status(fmt::format("loading {}", a.model));
     auto model = Model::load(a.model);
     if (!model) {
-        std::fprintf(stderr, "duet %s: %s\n", role, model.error().message.c_str());
+        log::error(model.error().message);
         return 1;
     }
     if ((*model)->fingerprint() != inst->config().model_fingerprint) {
-        std::fprintf(stderr, "duet %s: %s is not the model instance %s serves (fingerprint %016llx, expected %016llx)\n",
-                     role, a.model.c_str(), a.instance.c_str(),
-                     static_cast<unsigned long long>((*model)->fingerprint()),
-                     static_cast<unsigned long long>(inst->config().model_fingerprint));
+        log::error(fmt::format("{} is not the model instance {} serves (fingerprint {:016x}, expected {:016x})",
+                               a.model, a.instance, (*model)->fingerprint(), inst->config().model_fingerprint));
         return 2;
     }
     auto golden = find_golden(a.golden, a.model, (*model)->fingerprint());
     if (!golden) {
-        std::fprintf(stderr, "duet %s: --golden: %s\n", role, golden.error().message.c_str());
+        log::error("--golden: " + golden.error().message);
         return 2;
     }
     WorkerOptions o;
@@ -54,7 +54,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
         if (text.empty()) return true;
         auto list = parse_cpu_list(text);
         if (!list) {
-            std::fprintf(stderr, "duet %s: %s: %s\n", role, flag, list.error().message.c_str());
+            log::error(fmt::format("{}: {}", flag, list.error().message));
             return false;
         }
         out = *list;
@@ -63,13 +63,13 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     if (!cpu_flag("--cpus", a.cpus, o.cpus) || !cpu_flag("--borrow-cpus", a.borrow_cpus, o.borrow_cpus)) return 2;
     auto isa = parse_isa(a.isa);
     if (!isa) {
-        std::fprintf(stderr, "duet %s: %s\n", role, isa.error().message.c_str());
+        log::error(isa.error().message);
         return 2;
     }
     o.isa = *isa;
     auto dev = parse_device(a.device);
     if (!dev) {
-        std::fprintf(stderr, "duet %s: %s\n", role, dev.error().message.c_str());
+        log::error(dev.error().message);
         return 2;
     }
     o.device = *dev;
@@ -91,30 +91,29 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     // neither the launcher nor systemd (RestartPreventExitStatus=3) restarts.
     auto gate = [&](WorkerBase& w) -> int {
         if (!*golden) {
-            std::fprintf(stderr, "duet %s: no golden reference for this model (duet golden record makes one): unchecked\n",
-                         role);
+            log::warning("no golden reference for this model (duet golden record makes one): unchecked");
             return 0;
         }
         sd.status("checking the golden logits");
         auto rep = w.golden_check(**golden);
         if (!rep) {
-            std::fprintf(stderr, "duet %s: golden check: %s\n", role, rep.error().message.c_str());
+            log::error("golden check: " + rep.error().message);
             return 1;
         }
         if (!rep->passed) {
-            std::fprintf(stderr, "duet %s: golden check FAILED, not serving: %s\n", role, rep->summary.c_str());
+            log::error("golden check FAILED, not serving: " + rep->summary);
             inst->registry().note_golden_failure(fmt::format("{} {}: {}", role, a.index, rep->summary));
             sd.status("golden check failed: " + rep->summary);
             return kGoldenExitCode;
         }
-        std::fprintf(stderr, "duet %s: golden check passed: %s\n", role, rep->summary.c_str());
+        log::info("golden check passed: " + rep->summary);
         return 0;
     };
     Status st;
     if (prefill) {
         auto w = PrefillWorker::create(*inst, **model, o);
         if (!w) {
-            std::fprintf(stderr, "duet prefill: %s\n", w.error().message.c_str());
+            log::error(w.error().message);
             return 1;
         }
         if (int rc = gate(**w); rc != 0) return rc;
@@ -124,7 +123,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     } else {
         auto w = DecodeWorker::create(*inst, **model, o);
         if (!w) {
-            std::fprintf(stderr, "duet decode: %s\n", w.error().message.c_str());
+            log::error(w.error().message);
             return 1;
         }
         if (int rc = gate(**w); rc != 0) return rc;
@@ -134,7 +133,7 @@ int cmd_worker(const WorkerSettings& a, bool prefill) {
     }
     sd.stopping(st ? "stopped" : st.error().message);
     if (!st) {
-        std::fprintf(stderr, "duet %s: %s\n", role, st.error().message.c_str());
+        log::error(st.error().message);
         return 1;
     }
     return 0;

@@ -1,5 +1,7 @@
 #include "roles/context_api.h"
 
+#include "base/log.h"
+
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -155,7 +157,7 @@ ApiReply error_reply(int status, const std::string& message, const std::string& 
 // error goes to the server's log (a client's own errors, a bad import say, do not).
 std::string public_message(const std::string& msg, const std::string& dir, bool server_error) {
     if (dir.empty() || msg.find(dir) == std::string::npos) return msg;
-    if (server_error) std::fprintf(stderr, "duet front: contexts: %s\n", msg.c_str());
+    if (server_error) log::error("contexts: " + msg);
     std::string out;
     size_t at = 0;
     for (size_t p; (p = msg.find(dir, at)) != std::string::npos;) {
@@ -366,7 +368,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     if (!most) return most.error();
     s->max_blob_bytes_ = kBlobHeaderBytes + *most;
     for (const auto& [file, why] : s->store_->refused())
-        std::fprintf(stderr, "duet front: context log %s/%s refused: %s\n", dir.c_str(), file.c_str(), why.c_str());
+        log::warning(fmt::format("context log {}/{} refused: {}", dir, file, why));
     return s;
 }
 

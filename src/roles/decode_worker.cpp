@@ -1,5 +1,7 @@
 #include "roles/decode_worker.h"
 
+#include "base/log.h"
+
 #include "base/trace.h"
 
 #include <sys/stat.h>
@@ -175,7 +177,7 @@ bool DecodeWorker::take_handoffs() {
             }
             parked_.push_back(std::move(a));
             if (!data) {  // honoured or refused: never run without it
-                std::fprintf(stderr, "duet decode: %s\n", data.error().message.c_str());
+                log::error(data.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", h.req.slot, h.req.gen)}});
                 t.slot(h.req.slot).error_code.store(static_cast<int32_t>(ReqError::Data), std::memory_order_relaxed);
                 finish(parked_, parked_.size() - 1, shm::ReqState::Failed);
                 inst_->registry().wake(shm::Role::Front);
@@ -248,16 +250,18 @@ uint32_t DecodeWorker::swap_out(Active& a) {
     // on the backend's stream (a reservation that failed part way) must land first.
     if (swap_stage_) {
         if (Status st = backend_->sync(); !st) {
-            std::fprintf(stderr, "duet decode: swap of request %u.%u: %s (it is computed again)\n", a.req.slot,
-                         a.req.gen, st.error().message.c_str());
+            log::warning(fmt::format("swap of request {}.{}: {} (it is computed again)", a.req.slot, a.req.gen,
+                                     st.error().message),
+                         {{"DUET_REQUEST", fmt::format("{}.{}", a.req.slot, a.req.gen)}});
             return 0;
         }
     }
     // No fsync: a crash re-drives the request, which then computes its KV again.
     auto h = staged_blob_write(swap_io(), swap_path(a.req), ident_, a.seq, tokens, 0, static_cast<uint64_t>(n), false);
     if (!h) {
-        std::fprintf(stderr, "duet decode: swap of request %u.%u failed (it is computed again): %s\n", a.req.slot,
-                     a.req.gen, h.error().message.c_str());
+        log::warning(fmt::format("swap of request {}.{} failed (it is computed again): {}", a.req.slot, a.req.gen,
+                                 h.error().message),
+                     {{"DUET_REQUEST", fmt::format("{}.{}", a.req.slot, a.req.gen)}});
         return 0;
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -461,7 +465,8 @@ Result<bool> DecodeWorker::step() {
         // Not a shortage: the blocks were taken. The newest request fails and the
         // rest try again next step (a device left unusable ended the process).
         kv_->unreserve(batch);
-        std::fprintf(stderr, "duet decode: a step of %zu sequences failed: %s\n", batch.size(), st.error().message.c_str());
+        log::error(fmt::format("a step of {} sequences failed: {}", batch.size(), st.error().message),
+                   {{"DUET_REQUEST", fmt::format("{}.{}", active_.back().req.slot, active_.back().req.gen)}});
         t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
         inst_->registry().wake(shm::Role::Front);

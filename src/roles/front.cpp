@@ -1,5 +1,7 @@
 #include "roles/front_session.h"
 
+#include "base/log.h"
+
 #include <set>
 
 #include "roles/worker_stats.h"
@@ -120,7 +122,7 @@ Status Front::start() {
     std::vector<std::string> skipped;
     if (Status st = responses_->open(skipped); !st) return make_error("responses: {}", st.error().message);
     for (const std::string& name : skipped)
-        std::fprintf(stderr, "duet front: responses: %s is not a stored response; left as it is\n", name.c_str());
+        log::warning(fmt::format("responses: {} is not a stored response; left as it is", name));
     // Contexts of responses that were never stored (the process died between the two),
     // or whose record was removed: nothing refers to them.
     if (opts_.contexts && !opts_.responses_dir.empty()) {
@@ -131,17 +133,14 @@ Status Front::start() {
             if (i.id.rfind("resp_", 0) == 0 && !known.count(i.id) &&
                 opts_.contexts->handle("DELETE", "/v1/contexts/" + i.id, "", "").status < 400)
                 ++swept;
-        if (swept)
-            std::fprintf(stderr, "duet front: responses: %zu contexts no stored response refers to, removed\n", swept);
+        if (swept) log::notice(fmt::format("responses: {} contexts no stored response refers to, removed", swept));
     }
     if (opts_.responses_dir.empty())
-        std::fprintf(stderr,
-                     "duet front: stored responses are kept in memory (at most %zu; --contexts-dir keeps them "
-                     "durable)\n",
-                     opts_.responses_max);
+        log::info(fmt::format("stored responses are kept in memory (at most {}; --contexts-dir keeps them durable)",
+                              opts_.responses_max));
     else
-        std::fprintf(stderr, "duet front: stored responses are durable contexts (%zu read back, at most %zu)\n",
-                     responses_->size(), opts_.responses_max);
+        log::info(fmt::format("stored responses are durable contexts ({} read back, at most {})", responses_->size(),
+                              opts_.responses_max));
     adopt_orphans();  // before the first connection: a client may come back at once
     asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
     loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);

@@ -1,5 +1,7 @@
 #include "roles/prefill_worker.h"
 
+#include "base/log.h"
+
 #include "base/trace.h"
 
 #include <sys/stat.h>
@@ -76,8 +78,7 @@ bool PrefillWorker::reserve_destination(Job& j) {
             auto m = open_peer_kv(inst_->config().name, a, opts_.device,
                                   pool_->layout().block_bytes() * inst_->arena(a).n_blocks());
             if (!m) {
-                if (!o.said && m.error().message.find("not kept") == std::string::npos)
-                    std::fprintf(stderr, "duet prefill: %s\n", m.error().message.c_str());
+                if (!o.said && m.error().message.find("not kept") == std::string::npos) log::warning(m.error().message);
                 o.said = true;
                 continue;
             }
@@ -86,8 +87,10 @@ bool PrefillWorker::reserve_destination(Job& j) {
             o.dest.device = o.gpu->device();
             o.dest.peer = o.gpu->peer();
             if (!o.dest.peer)
-                std::fprintf(stderr, "duet prefill: cuda:%d cannot reach cuda:%d by peer access: hand-offs there are "
-                                     "staged through host memory\n", opts_.device.index, o.dest.device);
+                log::notice(
+                    fmt::format("cuda:{} cannot reach cuda:{} by peer access: hand-offs there are staged "
+                                "through host memory",
+                                opts_.device.index, o.dest.device));
         }
         auto got = kv_->reserve_in(*o.alloc, static_cast<int64_t>(j.all.size()));
         if (!got) continue;  // full: decode frees as it finishes

@@ -1,5 +1,7 @@
 #include "roles/launcher.h"
 
+#include "base/log.h"
+
 #include "engine/scheduling.h"
 
 #include <sys/wait.h>
@@ -34,7 +36,8 @@ namespace {
 
 constexpr uint64_t kSecond = 1'000'000'000ull;
 
-void say(const std::string& m) { std::fprintf(stderr, "duet serve: %s\n", m.c_str()); }
+// The launcher's lines: notices, unless a role died (warning) or cannot be served (error).
+void say(const std::string& m, log::Level level = log::Level::Notice) { log::line(level, m); }
 
 // Each role's host arena on its workers' NUMA nodes (ServePlan::bind_arenas).
 void bind_arenas(shm::Instance& inst, const ServePlan& plan) {
@@ -394,8 +397,11 @@ void Launcher::handle_external_events() {
     for (const Supervisor::Event& e : sup_.poll_registry()) {
         t.worker_restarts().fetch_add(1, std::memory_order_relaxed);  // its unit restarts it
         t.redriven().fetch_add(e.recovered.redriven, std::memory_order_relaxed);
-        say(fmt::format("{} (pid {}) is gone; recovered {} KV references, re-drove {} requests; its unit restarts it",
-                        e.role, e.pid, e.recovered.refs_dropped, e.recovered.redriven));
+        say(fmt::format("{} (pid {}) is gone; recovered {} KV references, re-drove {} requests{}; its unit restarts it",
+                        e.role, e.pid, e.recovered.refs_dropped, e.recovered.redriven,
+                        e.recovered.failed ? fmt::format(", failed {} its workers kept dying on", e.recovered.failed)
+                                           : std::string()),
+            log::Level::Warning);
         if (e.role == "front") sweep_orphans(inst_, window_ns());
     }
 }
@@ -431,20 +437,22 @@ void Launcher::handle_events() {
                         e.recovered.redriven,
                         e.recovered.failed ? fmt::format(", failed {} its workers kept dying on", e.recovered.failed)
                                            : std::string(),
-                        next));
+                        next),
+            log::Level::Warning);
         if (e.role == "front") sweep_orphans(inst_, window_ns());  // its clients are gone, or coming back
         if (!e.given_up) continue;
         if (WIFEXITED(e.status) && WEXITSTATUS(e.status) == kGoldenExitCode) {
             say(fmt::format("{} failed its golden-logits check (its log above says how): this model does not compute "
                             "what it should here; stopping with exit code {}",
-                            e.role, kGoldenExitCode));
+                            e.role, kGoldenExitCode),
+                log::Level::Error);
             fail_in_flight(inst_, ReqError::NoWorker);
             failed_ = golden_failed_ = true;
         } else {
             // It cannot start (say the front cannot bind its port): nothing can serve
             // requests. Fail them all with a clear error, drain, exit 1 (systemd
             // restarts the whole service).
-            say(fmt::format("giving up on {}; failing the requests in flight", e.role));
+            say(fmt::format("giving up on {}; failing the requests in flight", e.role), log::Level::Error);
             fail_in_flight(inst_, ReqError::NoWorker);
             failed_ = true;
         }

@@ -1,5 +1,7 @@
 #include "roles/prefill_worker.h"
 
+#include "base/log.h"
+
 #include "base/trace.h"
 
 #include <sys/stat.h>
@@ -147,7 +149,7 @@ void PrefillWorker::take(const WireMsg& m) {
         j.params = request_params(t, r.slot);
         auto data = read_request_data(t, r, j.params);
         if (!data) {  // honoured or refused: never run without it
-            std::fprintf(stderr, "duet prefill: %s\n", data.error().message.c_str());
+            log::error(data.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
             j.swapped = slot.n_swapped.load(std::memory_order_relaxed);  // its blob goes too (fail: drop_swap)
             fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
@@ -167,7 +169,7 @@ void PrefillWorker::take(const WireMsg& m) {
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
             inst_->registry().wake(shm::Role::Front);
         } else if (Status st = prepare_grammar(r, j.data, j.output); !st) {
-            std::fprintf(stderr, "duet prefill: %s\n", st.error().message.c_str());
+            log::error(st.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
             j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
             fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
@@ -502,14 +504,16 @@ bool PrefillWorker::swap_in() {
         j.swap_wait_since = 0;
         if (!im) {
             drop_swap(j);
-            std::fprintf(stderr, "duet prefill: request %u.%u: its swapped KV: %s (computed again)\n", j.req.slot,
-                         j.req.gen, im.error().message.c_str());
+            log::warning(fmt::format("request {}.{}: its swapped KV: {} (computed again)", j.req.slot, j.req.gen,
+                                     im.error().message),
+                         {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
             continue;
         }
         if (im->tokens.size() != n || seq.n_tokens() != static_cast<int64_t>(n) ||
             !std::equal(im->tokens.begin(), im->tokens.end(), j.all.begin())) {
-            std::fprintf(stderr, "duet prefill: request %u.%u: its swap blob holds other tokens (computed again)\n",
-                         j.req.slot, j.req.gen);
+            log::warning(
+                fmt::format("request {}.{}: its swap blob holds other tokens (computed again)", j.req.slot, j.req.gen),
+                {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
             seq.release(*pool_);
             drop_swap(j);
             continue;
@@ -600,8 +604,7 @@ void PrefillWorker::pass_failed(const Pass& p, const Status& st) {
         // Not a shortage (a device fault, a bad batch): retrying the same pass would
         // fail the same way. Its requests fail; a device left unusable ended the
         // process already (the supervisor re-drives its requests).
-        std::fprintf(stderr, "duet prefill: a pass of %zu requests failed: %s\n", p.jobs.size(),
-                     st.error().message.c_str());
+        log::error(fmt::format("a pass of {} requests failed: {}", p.jobs.size(), st.error().message));
         for (size_t k : p.jobs) fail(jobs_[k]);
         erase_jobs(p.jobs);
         publish_load();

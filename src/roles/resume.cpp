@@ -1,4 +1,6 @@
 // A response that outlives its connection or its front: front records in the
+
+#include "base/log.h"
 // request slots, streams detached from a client that left (--resume-grace), and
 // requests adopted from a dead front, answered again (resume).
 #include "roles/front_session.h"
@@ -295,8 +297,9 @@ void Front::adopt_orphans() {
         }
     }
     for (shm::ReqRef r : queued) (void)send(r);
-    if (n) std::fprintf(stderr, "duet front: adopted %zu requests of a front that died (resumable for %llu s)\n", n,
-                        static_cast<unsigned long long>(opts_.resume_window_ns / 1000000000ull));
+    if (n)
+        log::notice(fmt::format("adopted {} requests of a front that died (resumable for {} s)", n,
+                                opts_.resume_window_ns / 1000000000ull));
 }
 
 // Orphans nobody came back for within the window: cancelled, then freed once ended.

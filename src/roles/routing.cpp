@@ -1,5 +1,7 @@
 #include "roles/routing.h"
 
+#include "base/log.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -90,7 +92,7 @@ std::vector<uint64_t> PrefixAffinity::block_keys(const int32_t* tokens, size_t n
 
 PrefillRouter::PrefillRouter(shm::Instance& inst, bool redrive) : inst_(inst), rings_(ServeRings::of(inst.config())) {
     if (rings_.n_prefill == 0) {  // checked by whoever attaches (cmd_front): no ring to send on
-        std::fprintf(stderr, "duet: instance %s has no prefill workers\n", inst.config().name.c_str());
+        log::error(fmt::format("instance {} has no prefill workers", inst.config().name));
         std::abort();
     }
     for (uint32_t p = 0; p < rings_.n_prefill; ++p)

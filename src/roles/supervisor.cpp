@@ -11,6 +11,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "base/log.h"
 #include "engine/golden.h"
 #include "roles/wire.h"
 
@@ -81,8 +82,20 @@ shm::RecoveryReport Supervisor::recover(pid_t pid) {
     const auto fail_code = [&](shm::ReqRef q) -> int32_t {
         const uint64_t key = (static_cast<uint64_t>(q.slot) << 32) | q.gen;
         RequestDeaths& d = request_deaths_[key];
-        if (counted.insert(key).second)
+        if (counted.insert(key).second) {
             d = count_request_death(d, t.slot(q.slot).n_output.load(std::memory_order_acquire));
+            // Each request's story in the log (journalctl DUET_REQUEST=slot.gen).
+            const std::string id = fmt::format("{}.{}", q.slot, q.gen);
+            if (quarantined(d))
+                log::error(fmt::format("request {}: failed, not re-driven: the worker computing it died {} times in a "
+                                       "row (pid {} the last) while its output stayed at {} tokens",
+                                       id, d.deaths, pid, d.n_output),
+                           {{"DUET_REQUEST", id}});
+            else
+                log::notice(fmt::format("request {}: re-driven at {} output tokens (pid {} died holding it)", id,
+                                        d.n_output, pid),
+                            {{"DUET_REQUEST", id}});
+        }
         return quarantined(d) ? static_cast<int32_t>(ReqError::Poison) : 0;
     };
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {

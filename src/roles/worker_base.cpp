@@ -1,5 +1,7 @@
 #include "roles/worker_base.h"
 
+#include "base/log.h"
+
 #include <bit>
 
 #include "base/trace.h"
@@ -128,7 +130,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     bo.share_weights_instance = inst.config().name;  // one copy of the weights per GPU
     auto b = make_backend(model, *pool_, bo);
     if (!b) return b.error();
-    if (o.device.cuda) std::fprintf(stderr, "duet %s: %s\n", shm::role_name(role), b->description.c_str());
+    if (o.device.cuda) log::info(b->description);
     backend_ = std::move(b->backend);
     kv_ = std::make_unique<KvCacheManager>(*pool_, alloc_);
     ident_ = {model_fingerprint(model.file()), tokenizer_fingerprint(model.file()), model.config().n_vocab};
@@ -138,8 +140,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
         // read it would only be lost.
         struct stat st{};
         if (::stat(o.swap_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-            std::fprintf(stderr, "duet %s: no swap directory %s (preemption recomputes)\n", shm::role_name(role),
-                         o.swap_dir.c_str());
+            log::warning(fmt::format("no swap directory {} (preemption recomputes)", o.swap_dir));
         } else if (gpu_kv_) {
             // GPU KV: swapped through the arena's host mirror (reserved, not committed:
             // only a swap's blocks are touched, and released after it) and a stage of
@@ -148,8 +149,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
             auto stage = mirror ? device_kv_stage(*gpu_kv_, (*mirror)->pool())
                                 : Result<std::unique_ptr<KvStage>>(mirror.error());
             if (!stage) {
-                std::fprintf(stderr, "duet %s: swap of GPU KV: %s (preemption recomputes)\n", shm::role_name(role),
-                             stage.error().message.c_str());
+                log::warning(fmt::format("swap of GPU KV: {} (preemption recomputes)", stage.error().message));
             } else {
                 swap_mirror_ = std::move(mirror).value();
                 swap_stage_ = std::move(stage).value();
@@ -205,8 +205,8 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
     if (d.grammar) {
         auto mask = grammars().allowed(req_key(r), *d.grammar, output);
         if (!mask) {
-            std::fprintf(stderr, "duet %s: request %u.%u: %s\n", shm::role_name(role_), r.slot, r.gen,
-                         mask.error().message.c_str());
+            log::error(fmt::format("request {}.{}: {}", r.slot, r.gen, mask.error().message),
+                       {{"DUET_REQUEST", fmt::format("{}.{}", r.slot, r.gen)}});
             return -1;
         }
         allowed = *mask;
@@ -238,8 +238,8 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
                 if (id < nv) banned_row_[static_cast<size_t>(id)] = kBanned;
         // Its bias may have banned every token the grammar allows: nothing can be chosen.
         if (d.grammar && apply_token_mask(banned_row_.data(), nv, allowed) == 0) {
-            std::fprintf(stderr, "duet %s: request %u.%u: no token its grammar allows is left\n", shm::role_name(role_),
-                         r.slot, r.gen);
+            log::error(fmt::format("request {}.{}: no token its grammar allows is left", r.slot, r.gen),
+                       {{"DUET_REQUEST", fmt::format("{}.{}", r.slot, r.gen)}});
             return -1;
         }
         row = banned_row_.data();

@@ -16,6 +16,9 @@
 - SIGKILL of the instance: BindsTo= stops every role with it, its restart brings them
   back (its Wants=), and a request after it is served (requests in flight then are
   lost: the instance owns the segments; README says so);
+- the journal is the log: the instance's warning about a death, a notice for each
+  request it re-drove with its DUET_REQUEST field, each role's lines under its own
+  SYSLOG_IDENTIFIER (duet-decode, ...) and level;
 - a prefill worker on a model that fails its golden-logits check exits 3, systemd does
   not restart it (RestartPreventExitStatus=3) and reports its result, and /ready says
   why; on the right model again it serves;
@@ -95,6 +98,11 @@ def show(unit, *props):
 
 def journal(lines=30, *args):
     return inside("journalctl", "--no-pager", "-n", str(lines), *args).stdout
+
+
+def journal_json(*args):
+    out = inside("journalctl", "--no-pager", "-o", "json", *args).stdout
+    return [json.loads(l) for l in out.splitlines() if l.strip()]
 
 
 def wait_for(what, cond, timeout):
@@ -254,6 +262,23 @@ try:
           f"front STATUS={status!r}, /ready 200: ok")
 
     killed_and_back("duet-decode@0.service", "SIGKILL", "SIGKILL of decode", 0)
+    # The journal is the log: the instance's warning about the death, a line for
+    # each request it re-drove (its DUET_REQUEST field finds its story), the roles'
+    # own lines by name and level.
+    warnings = journal_json("-u", "duet-instance.service", "-p", "warning")
+    gone = [e for e in warnings if "decode (pid" in e.get("MESSAGE", "") and "is gone" in e["MESSAGE"]]
+    check(gone and gone[0].get("PRIORITY") == "4" and gone[0].get("SYSLOG_IDENTIFIER") == "duet-serve",
+          f"journalctl -u duet-instance -p warning: {[e.get('MESSAGE') for e in warnings][-5:]}")
+    redriven = [e for e in journal_json("-u", "duet-instance.service")
+                if "DUET_REQUEST" in e and "re-driven" in e.get("MESSAGE", "")]
+    check(redriven and redriven[0].get("PRIORITY") == "5", f"re-driven requests in the journal: {redriven[:2]}")
+    story = journal_json(f"DUET_REQUEST={redriven[0]['DUET_REQUEST']}")
+    check(story and all(e["DUET_REQUEST"] == redriven[0]["DUET_REQUEST"] for e in story), f"one request's story: {story}")
+    own = journal_json("-u", "duet-decode@0.service", "-t", "duet-decode")
+    check(any("golden check passed" in e.get("MESSAGE", "") and e.get("PRIORITY") == "6" for e in own),
+          f"decode's own lines as duet-decode: {[e.get('MESSAGE') for e in own][-3:]}")
+    print(f"journal: the death at warning ({gone[0]['MESSAGE'][:70]}...), {len(redriven)} re-driven requests at "
+          f"notice with DUET_REQUEST (journalctl DUET_REQUEST={redriven[0]['DUET_REQUEST']}), duet-decode's lines: ok")
     killed_and_back("duet-prefill@0.service", "SIGKILL", "SIGKILL of prefill", 100)
     killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
 
@@ -332,7 +357,9 @@ try:
           and int(s["NRestarts"]) == 0, f"the broken prefill: {s}")
     st, why = call("GET", "/ready")
     check(st == 503 and "golden" in why, f"/ready with prefill failed: {st} {why}")
-    check("golden check FAILED" in journal(100, "-u", unit), f"the journal says why:\n{journal(20, '-u', unit)}")
+    errors = journal_json("-u", unit, "-p", "err")
+    check(any("golden check FAILED" in e.get("MESSAGE", "") and e.get("SYSLOG_IDENTIFIER") == "duet-prefill"
+              for e in errors), f"journalctl -u {unit} -p err says why:\n{journal(20, '-u', unit)}")
     inside("rm", "-rf", dropin)
     systemctl("daemon-reload")
     systemctl("reset-failed", unit)
