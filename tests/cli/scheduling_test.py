@@ -232,7 +232,7 @@ def client_waits(port):
 
 def critical_first(port):
     """Batch work queued, then one critical request: earliest deadline first serves it
-    before most of the batch work (a batch deadline is 60 s away, a critical one 1 s)."""
+    before most of the batch work (a batch deadline is 300 s away, a critical one 1 s)."""
     firsts = {}
     t0 = time.time()
 
@@ -476,7 +476,11 @@ def main():
     # Under sanitizers prefill runs ~10x slower: 2400 batch tokens queued would
     # predict past a 60 s target and A1 would refuse the batch work critical_first
     # needs queued (it did: 5 of 6 refused). The batch target is scaled with it.
-    slo = "critical=1s/1s,standard=30s/1s,batch=" + ("600s/20s" if SLOW else "60s/2s")
+    # The batch target is far (300 s): critical_first's six batch prompts (2400 tokens)
+    # must be admitted, and on a 2-core machine busy with serve_e2e's worker restarts
+    # the measured prefill rate predicted past 60 s and A1 rightly refused one
+    # (2026-12-06). What the test checks is the order, not that admission.
+    slo = "critical=1s/1s,standard=30s/1s,batch=" + ("600s/20s" if SLOW else "300s/2s")
     with serving("", "--slots", "64", "--admit-queue-tokens", str(QUEUE), "--slo", slo) as (port, server):
         refusals(port)
         timeouts(port)
