@@ -136,8 +136,8 @@ def all_active():
     return all(show(u, "ActiveState")["ActiveState"] == "active" for u in ROLES)
 
 
-def body(i, stream, max_tokens=MAX_TOKENS):
-    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": max_tokens, "temperature": 0.7,
+def body(i, stream):
+    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": MAX_TOKENS, "temperature": 0.7,
             "seed": 77 + i, "stream": stream}
 
 
@@ -159,14 +159,14 @@ def read_events(resp, state, first_event):
     return text, False
 
 
-def streams_through(what, disturb, offset, max_tokens=MAX_TOKENS):
+def streams_through(what, disturb, offset):
     """N streams; `disturb()` once the first has an event (the others in prefill or
     decode); each resumes with Last-Event-ID if cut; each must equal an undisturbed
     run of its request."""
     refs = [None] * N
 
     def ref(i):
-        st, out = call("POST", "/v1/completions", body(offset + i, False, max_tokens))
+        st, out = call("POST", "/v1/completions", body(offset + i, False))
         check(st == 200, f"reference {i}: {st} {out[:300]}")
         refs[i] = json.loads(out)["choices"][0]["text"]
     ts = [threading.Thread(target=ref, args=(i,)) for i in range(N)]
@@ -178,7 +178,7 @@ def streams_through(what, disturb, offset, max_tokens=MAX_TOKENS):
         state, text, done = {}, "", False
         try:
             c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
-            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True, max_tokens)),
+            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True)),
                       {"Content-Type": "application/json"})
             text, done = read_events(c.getresponse(), state, first_event)
         except (ConnectionError, OSError, http.client.HTTPException):
@@ -217,7 +217,7 @@ def main_pid(unit):
     return int(show(unit, "MainPID")["MainPID"])
 
 
-def killed_and_back(unit, signal, what, offset, expect_restart=True):
+def killed_and_back(unit, signal, what, offset):
     """`signal` to the unit's main process under N streams; systemd restarts it; the
     streams end as undisturbed runs."""
     before, pid = restarts(unit), main_pid(unit)
