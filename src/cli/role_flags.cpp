@@ -76,7 +76,8 @@ const char* const kResumeWindowHelp =
     "cancelled";
 const char* const kResumeGraceHelp =
     "seconds a stream whose client disconnected keeps running for the client to come back (GET "
-    "/v1/requests/{id}/events with Last-Event-ID) before it is cancelled and its KV freed; 0: cancelled at once";
+    "/v1/requests/{id}/events with Last-Event-ID) before it is cancelled and its KV freed, and a stream that ended "
+    "keeps its request slots for a resume (given way to new requests when none is free); 0: neither";
 const char* const kGoldenHelp =
     "the golden-logits check each worker runs before it is ready: auto (<model>.golden.json beside the model, "
     "else the built-in reference for the model, else none), none, or a reference file (duet golden record); a "

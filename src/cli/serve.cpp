@@ -238,6 +238,7 @@ int cmd_front(const FrontSettings& a) {
                 return fail(c.error().message);
             }
             contexts = std::move(c).value();
+            contexts->set_make_room([&front] { return front.release_ended_orphan(); });
             front.set_contexts(contexts.get());
         }
         if (Status st = front.start(); !st) {

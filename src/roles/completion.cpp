@@ -178,12 +178,16 @@ awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream
     // during the commit leaves nothing to resume; its client's stream ends without
     // [DONE] and the context holds the completion or not (the commit is one durable
     // step).
-    Outcome o = finish(f, c);
+    // A stream stays resumable for --resume-grace after it ended: its last events may
+    // never reach the client (the front killed before it wrote them, or the client's
+    // connection closed with them unread).
+    const bool keep = c.r.stream && keep_as_orphan(f, c);
+    Outcome o = finish(f, c, keep);
     std::optional<ApiError> commit_error;
     if (!c.context.empty() && c.commit && !o.failed && !c.client_gone)
         commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
     if (c.resp && !commit_error && !o.failed && !c.client_gone) commit_error = co_await store_response(f, c, o);
-    if (!c.resumed_id.empty()) f.forget_orphan(c.resumed_id);
+    if (!c.resumed_id.empty() && !keep) f.forget_orphan(c.resumed_id);  // kept: its entry was replaced
     if (commit_error) {
         if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
         if (c.resp && c.resp->events)
@@ -383,6 +387,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     for (size_t i = 0; i < c.ch.size(); ++i) {
         params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
         auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
+        while (!sub && f.release_ended_orphan())  // a slot kept for a resume gives way
+            sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
         // A failed offer leaves the table empty: prefill then looks the prefix up.
         if (sub && offer)
             (void)t.offer_blocks(*sub, c.lease.blocks.data(), static_cast<uint32_t>(c.lease.blocks.size()));
@@ -559,7 +565,7 @@ awaitable<void> FrontSession::wait_for_change(Front& f, Completion& c, const std
 
 // Every choice has ended: the phase histograms, finish reasons, usage and the
 // counters; the slots go back to FREE.
-Outcome FrontSession::finish(Front& f, Completion& c) {
+Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
     shm::RequestTable& t = f.inst_.requests();
     Outcome o;
     o.u = Usage{static_cast<int64_t>(c.prompt.size()), 0, 0};
@@ -597,7 +603,7 @@ Outcome FrontSession::finish(Front& f, Completion& c) {
             o.failed = true;
             o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
         }
-        t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
+        if (!keep) t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
         o.texts.push_back(

@@ -70,6 +70,7 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     p.given_by = self_.pack();
     p.bind_arena(kContextArena);  // where our blocks are
     auto r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
+    while (!r && make_room_ && make_room_()) r = t.submit(self_, tokens.data(), static_cast<uint32_t>(n), &p, sizeof p);
     if (!r) return make_error(ErrorKind::Limit, "the server is at capacity ({})", r.error().message);
     // A failed offer leaves the table empty: prefill then computes every position.
     if (!seq.blocks().empty()) (void)t.offer_blocks(*r, seq.blocks().data(), static_cast<uint32_t>(seq.blocks().size()));

@@ -31,6 +31,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,6 +67,9 @@ public:
     // Publishes seq's full blocks in the prefix index (a context restored from disk).
     void resident(const KvSeq& seq, std::span<const int32_t> tokens) override;
     int64_t recomputed() const override { return recomputed_; }
+    // Called when no request slot is free, then the submit is tried again while it
+    // returns true (the front's Front::release_ended_orphan).
+    void set_make_room(std::function<bool()> f) { make_room_ = std::move(f); }
 
 private:
     std::vector<shm::BlockHash> hashes(std::span<const int32_t> tokens) const;
@@ -77,6 +81,7 @@ private:
     uint64_t fingerprint_;
     mutable shm::BlockHasher hasher_;
     int64_t recomputed_ = 0;  // a SHA-256 context, reused
+    std::function<bool()> make_room_;
 };
 
 struct ApiReply {
@@ -94,6 +99,9 @@ public:
                                                         const ChatTemplate& tmpl, const std::string& dir,
                                                         size_t max_contexts, uint64_t max_disk_bytes = 0);
     ~ContextService();
+    // What its computations call when they find no free request slot
+    // (ServingCompute::set_make_room).
+    void set_make_room(std::function<bool()> f) { compute_->set_make_room(std::move(f)); }
     // A /v1/contexts route (method, path without the query, the query, the body).
     ApiReply handle(const std::string& method, const std::string& path, const std::string& query,
                     const std::string& body);

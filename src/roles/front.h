@@ -108,6 +108,11 @@ public:
     PrefillRouter& router() { return router_; }
     void set_contexts(ContextService* c) { opts_.contexts = c; }
 
+    // Frees the slots of the stream kept longest for a resume whose choices have all
+    // ended (resume.cpp); false: none. Whoever found no free request slot calls it
+    // and tries again.
+    bool release_ended_orphan();
+
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;

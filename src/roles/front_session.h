@@ -386,6 +386,7 @@ struct FrontSession {
     static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
     static awaitable<bool> end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c);
     static bool detach(Front& f, Completion& c);
+    static bool keep_as_orphan(Front& f, Completion& c);
     static void take_returned_kv(Front& f, Completion& c);
     static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
     static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
@@ -398,7 +399,9 @@ struct FrontSession {
                                          const ChoiceStep& step);
     static bool settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step);
     static awaitable<void> wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer);
-    static Outcome finish(Front& f, Completion& c);
+    // Accounts for the ended choices; frees their slots unless `keep` (kept for a
+    // resume: keep_as_orphan).
+    static Outcome finish(Front& f, Completion& c, bool keep = false);
     static awaitable<bool> reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o);
     static awaitable<bool> reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
                                  const Outcome& o);

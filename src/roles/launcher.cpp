@@ -508,7 +508,10 @@ void Launcher::turn(const std::string& model_id) {
     if (state_ == LaunchState::Serving && now >= next_status_ && SdNotify::get().enabled()) {  // systemctl status
         const shm::RequestTable& t = inst_.requests();
         uint32_t busy = 0;
-        for (uint32_t s = 0; s < t.n_slots(); ++s) busy += t.state(s) != shm::ReqState::Free;
+        for (uint32_t s = 0; s < t.n_slots(); ++s) {  // not the ended ones a front keeps for a resume
+            const shm::ReqState st = t.state(s);
+            busy += st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding;
+        }
         SdNotify::get().status(fmt::format("serving: {} requests in flight, {} role restarts", busy,
                                            t.worker_restarts().load(std::memory_order_relaxed)));
         next_status_ = now + 2'000'000'000ull;

@@ -1,8 +1,8 @@
 // A response that outlives its connection or its front: front records in the
-
+// request slots, streams kept for a client that left or that may not have read their
+// end (--resume-grace), and requests adopted from a dead front, answered again
+// (resume).
 #include "base/log.h"
-// request slots, streams detached from a client that left (--resume-grace), and
-// requests adopted from a dead front, answered again (resume).
 #include "roles/front_session.h"
 
 namespace duet {
@@ -76,15 +76,18 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
 
 }  // namespace front_detail
 
-// A stream whose client disconnected before it ended: instead of cancelling it, this
-// front keeps it as an orphan of its own for --resume-grace, so that a client that
-// comes back (Last-Event-ID) gets the rest exactly as if the front had died: an SSE
-// client reconnects after any lost connection and cannot tell which side dropped it,
-// and a front SIGKILLed just after the client closed would otherwise have cancelled
-// the request first (then its resume was cut short, or answered 404). False: not
-// resumable (no grace, no front record, or not a stream); the caller cancels it.
-bool FrontSession::detach(Front& f, Completion& c) {
-    // A context completion is not kept: its commit belongs to the connection that asked.
+// A stream kept for its client after it left or after the stream ended, as an
+// orphan of this front's own for --resume-grace: a client that comes back
+// (Last-Event-ID) gets the rest exactly as if the front had died. An SSE client
+// reconnects after any lost connection and cannot tell which side dropped it, nor
+// whether the end was written before: a front SIGKILLed just after the client closed
+// would otherwise have cancelled the request first (then its resume was cut short, or
+// answered 404), and one SIGKILLed between freeing an ended stream's slots and
+// writing its last events (or after writing them into a connection the client had
+// already closed) left nothing to resume (404). False: not resumable (no grace, no
+// front record, not a stream, or a context's or a response's: their commit belongs to
+// the connection that asked).
+bool FrontSession::keep_as_orphan(Front& f, Completion& c) {
     if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty() || c.resp) return false;
     shm::RequestTable& t = f.inst_.requests();
     auto rec = t.front_data(c.ch[0].ref);
@@ -96,10 +99,15 @@ bool FrontSession::detach(Front& f, Completion& c) {
     o.since_ns = shm::monotonic_ns();
     o.window_ns = f.opts_.resume_grace_ns;
     for (const Choice& ch : c.ch) o.attempts.push_back(ch.attempt);
-    {
-        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
-        f.impl_->orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
-    }
+    std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
+    f.impl_->orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
+    return true;
+}
+
+// A stream whose client disconnected before it ended: kept instead of cancelled
+// (keep_as_orphan). False: the caller cancels it.
+bool FrontSession::detach(Front& f, Completion& c) {
+    if (!keep_as_orphan(f, c)) return false;
     // It leaves the connection: the queue and in-flight counts as when it ends.
     if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
     f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
@@ -137,14 +145,15 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
                                  api_error(409, "invalid_request_error",
                                            fmt::format("request '{}' is being answered on another connection", id)));
     if (!fr)
-        co_return co_await error(f, stream, req,
-                                 api_error(404, "not_found_error",
-                                           fmt::format("no request '{}' to resume: resumable are the requests of a front "
-                                                       "that died, for {} s after it, and streams whose client "
-                                                       "disconnected, for {} s after it",
-                                                       id, f.opts_.resume_window_ns / 1000000000ull,
-                                                       f.opts_.resume_grace_ns / 1000000000ull),
-                                           "", "request_not_found"));
+        co_return co_await error(
+            f, stream, req,
+            api_error(
+                404, "not_found_error",
+                fmt::format("no request '{}' to resume: resumable are the requests of a front "
+                            "that died, for {} s after it, and streams, for {} s after "
+                            "their client disconnected or they ended",
+                            id, f.opts_.resume_window_ns / 1000000000ull, f.opts_.resume_grace_ns / 1000000000ull),
+                "", "request_not_found"));
     auto unclaim = [&](bool forget) {
         std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
         auto it = f.impl_->orphans.find(id);
@@ -260,6 +269,39 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
 void Front::forget_orphan(const std::string& id) {
     std::lock_guard<std::mutex> lock(impl_->orphans_mu);
     impl_->orphans.erase(id);
+}
+
+// Kept streams hold their slots only while nobody else needs one: a submit that found
+// none frees the one kept longest whose choices have all ended and that no connection
+// is answering (its client, if it comes back, gets 404 as after the grace). Adopted
+// streams of a dead front too, not its context completions.
+bool Front::release_ended_orphan() {
+    shm::RequestTable& t = inst_.requests();
+    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+    auto oldest = impl_->orphans.end();
+    for (auto it = impl_->orphans.begin(); it != impl_->orphans.end(); ++it) {
+        const Orphan& o = it->second;
+        // A context completion adopted from a dead front waits for its client's commit.
+        if (o.claimed || !o.rec.context.empty() ||
+            (oldest != impl_->orphans.end() && o.since_ns >= oldest->second.since_ns))
+            continue;
+        bool ended = true;
+        for (shm::ReqRef r : o.rec.refs) {
+            const shm::ReqState st = t.state(r.slot);
+            ended = ended && (t.current(r.slot).gen != r.gen || st == shm::ReqState::Finished ||
+                              st == shm::ReqState::Failed || st == shm::ReqState::Cancelled);
+        }
+        if (ended) oldest = it;
+    }
+    if (oldest == impl_->orphans.end()) return false;
+    bool freed = false;
+    for (shm::ReqRef r : oldest->second.rec.refs) {
+        if (t.current(r.slot).gen != r.gen) continue;
+        const shm::ReqState st = t.state(r.slot);
+        freed = t.transition(r, st, shm::ReqState::Free) || freed;
+    }
+    impl_->orphans.erase(oldest);
+    return freed;
 }
 
 // Requests of a dead front with a front record: this process answers them from now

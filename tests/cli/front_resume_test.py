@@ -10,7 +10,8 @@
   Last-Event-ID once /health answers: its text (a chat's tool calls too), finish
   reason and [DONE] equal an undisturbed run's; the launcher restarted the front exactly once per kill;
 - a client that drops with the front alive resumes within --resume-grace and gets
-  the rest exactly;
+  the rest exactly; so does one whose stream ended while it read nothing (its last
+  events written, or the front killed as it wrote them);
 - a client that drops and never comes back: its request is cancelled once the grace
   has passed and its KV blocks and slot are freed (the time measured);
 - a resume of an unknown or expired request is 404 and names the grace;
@@ -213,6 +214,44 @@ try:
     check(more["done"] and outcome(st, more) == refs[1],
           f"resumed after a drop: {st['text'] + more['text']!r} != {refs[1][0]!r}")
     print("a client that dropped its connection (front alive) resumes within the grace, identical: ok")
+
+    # The stream ends while its client reads nothing (its end written into the
+    # connection, or about to be), then the client drops it unread; the second time the
+    # front dies too, at once. The request's slots are kept for the grace after it
+    # ended, so either way the rest comes back: before, the front freed them as the
+    # stream ended and the resume answered 404.
+    for kill_front in (False, True):
+        c, r = start_stream(BODIES[0])
+        st = read_events(r, stop_after=3)
+        t0 = time.monotonic()
+        while metric(metrics(), "duet_requests_in_flight") != 0:
+            check(time.monotonic() - t0 < 30 * time_scale(), "the stream did not end within 30 s")
+            time.sleep(0.05)
+        if not kill_front:
+            time.sleep(0.3)  # its last events written
+        c.close()
+        if kill_front:
+            os.kill(front_pid(), signal.SIGKILL)
+            kills += 1
+            t0 = time.monotonic()
+            while not healthy():
+                check(time.monotonic() - t0 < 60 * time_scale(), "no front 60 s after the kill")
+                time.sleep(0.05)
+        rr = resume(st["id"], st["ev"])
+        if rr.status != 200:
+            check(False, f"a resume of an ended stream (front killed: {kill_front}): {rr.status} {rr.read()[:300]}")
+        more = read_events(rr)
+        check(more["done"] and outcome(st, more) == refs[0],
+              f"resumed after its end (front killed: {kill_front}): {outcome(st, more)!r} != {refs[0]!r}")
+    check(metric(metrics(), "duet_worker_restarts_total") == kills, "a restart other than the front's kills")
+    # Kept slots give way: more short streams in a row than the server has slots
+    # (--slots 8), each kept for the grace after it ended, are all answered.
+    for i in range(12):
+        c, r = start_stream({"prompt": f"Say {i}:", "max_tokens": 2, "temperature": 0})
+        check(read_events(r)["done"], f"short stream {i} of 12 did not end")
+        c.close()
+    print("a stream that ended while its client read nothing resumes after the client drops it, the front alive "
+          "and the front killed, identical; 12 streams in a row on 8 slots kept for resumes: ok")
 
     # The client drops and never comes back: cancelled once the grace has passed, its
     # KV blocks and slot freed. A long stream, so that it still runs then.
