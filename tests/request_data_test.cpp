@@ -18,6 +18,7 @@ RequestData sample() {
     for (int32_t t = 0; t < 300; ++t) d.bias.push_back({t * 97 % 49152, static_cast<float>(t % 201) - 100.0f});
     d.bias.push_back({7, 0.25f});
     d.grammar = GrammarSpec{GrammarKind::JsonSchema, R"({"type": "object", "properties": {"a": {"type": "integer"}}})"};
+    d.stops = {"\n\n", "END", std::string(3000, 'x'), "\xe2\x82\xac"};
     return d;
 }
 
@@ -110,6 +111,15 @@ TEST(RequestData, DamagedForeignOrUnknownIsRefused) {
     refused(forged({1, 0, 0, 0, 16, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8}), "a section past the end");
     refused(forged({1, 0, 0}), "a section header cut short");
     refused(forged({}, kRequestDataVersion + 1), "another version");
+    // Stop strings: by hand (kind 3, 9 bytes: length 5, "hello"), then cut short,
+    // empty, and one longer than its section.
+    auto ok = decode_request_data(forged({3, 0, 0, 0, 9, 0, 0, 0, 5, 0, 0, 0, 'h', 'e', 'l', 'l', 'o'}));
+    ASSERT_TRUE(ok.ok()) << ok.error().message;
+    EXPECT_EQ(ok->stops, std::vector<std::string>{"hello"});
+    refused(forged({3, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0}), "a stop string's length cut short");
+    refused(forged({3, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0}), "an empty stop string");
+    refused(forged({3, 0, 0, 0, 8, 0, 0, 0, 5, 0, 0, 0, 'a', 'b', 'c', 'd'}), "a stop string past its section");
+    refused(forged({3, 0, 0, 0, 0, 0, 0, 0}), "an empty stop-string section");
 }
 
 // Through a request table: the data the parameters name, of exactly that length.

@@ -266,12 +266,12 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     std::string many = R"({"prompt": "x", "logit_bias": {)";
     for (int i = 0; i < 17; ++i) many += (i ? ", \"" : "\"") + std::to_string(i) + "\": 1";
     EXPECT_EQ(parse_ok(many + "}}", false).logit_bias.size(), 17u);  // past the old inline 16
-    // min_tokens (vLLM's): at most max_tokens; not with stop strings.
+    // min_tokens (vLLM's): at most max_tokens; with stop strings too.
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "min_tokens": 5, "max_tokens": 9})", false).min_tokens, 5);
     EXPECT_EQ(parse_ok("{" + msgs + R"(, "min_tokens": 0, "stop": "x"})", true).min_tokens, 0);
     EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": 10, "max_tokens": 9})", false).param, "min_tokens");
     EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": -1})", false).param, "min_tokens");
-    EXPECT_EQ(err(R"({"prompt": "x", "min_tokens": 2, "stop": ["."]})", false).param, "min_tokens");
+    EXPECT_EQ(parse_ok(R"({"prompt": "x", "min_tokens": 2, "stop": ["."]})", false).min_tokens, 2);
     // echo and best_of (completions).
     EXPECT_TRUE(parse_ok(R"({"prompt": "x", "echo": true})", false).echo);
     EXPECT_EQ(err(R"({"prompt": "x", "echo": true, "logprobs": 1})", false).param, "echo");

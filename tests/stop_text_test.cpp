@@ -87,3 +87,38 @@ TEST(StopText, NeverSplitsAUtf8Character) {
         EXPECT_EQ(got, text);
     }
 }
+
+// Of two stop strings completed by one piece, the text ends before the one that
+// begins first, whichever is listed first (one begun in an earlier piece too).
+TEST(StopText, TheStopStringBegunFirstWins) {
+    StopText s({"y", "xy"});
+    EXPECT_FALSE(s.append("abx"));
+    EXPECT_TRUE(s.append("yz"));
+    EXPECT_EQ(s.text(), "ab");
+    StopText t({"cd", "bcde"});
+    EXPECT_FALSE(t.append("ab"));
+    EXPECT_TRUE(t.append("cdef"));
+    EXPECT_EQ(t.text(), "a");  // "bcde" begins at 1, "cd" at 2
+}
+
+// min_tokens (vLLM's rule): pieces appended without checking are not searched then,
+// nor later; a stop string that ends in a checked piece is found wherever it began.
+TEST(StopText, PiecesBeforeMinTokensAreNotSearched) {
+    StopText s({","});
+    EXPECT_FALSE(s.append(" four", false));
+    EXPECT_FALSE(s.append(",", false));  // token 2 of min_tokens 4: not a stop
+    EXPECT_FALSE(s.append(" five", false));
+    EXPECT_TRUE(s.append(","));  // token 4: stops
+    EXPECT_EQ(s.text(), " four, five");
+    StopText t({"END"});
+    EXPECT_FALSE(t.append("xxE", false));
+    EXPECT_TRUE(t.append("ND yy"));  // begun before checking, ended in a checked piece
+    EXPECT_EQ(t.text(), "xx");
+    StopText u({"ab"});
+    EXPECT_FALSE(u.append("ab", false));
+    EXPECT_FALSE(u.append("c"));  // the one in the unchecked piece is not found later
+    EXPECT_TRUE(u.append("ab"));
+    EXPECT_EQ(u.text(), "abc");
+    // Nothing held back is lost: an unchecked text streams as any other.
+    EXPECT_EQ(u.take(true), "abc");
+}

@@ -305,20 +305,25 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     }
     params.n_bias = static_cast<uint32_t>(data.bias.size());
     data.grammar = r.grammar;
+    data.stops = r.stop;  // the worker ends the request at the token that completes one
     if (!data.empty()) {
         c.data = encode_request_data(data);
         const size_t bytes = c.data.size(), bound = f.inst_.requests().ext_bytes();
-        if (bytes > bound) {
-            const bool grammar = r.grammar && r.grammar->source.size() >= data.bias.size() * 8;
-            const std::string param = grammar ? r.grammar_param : "logit_bias";
+        if (bytes > bound) {  // named by its largest part
+            size_t stop_bytes = 0;
+            for (const std::string& x : data.stops) stop_bytes += 4 + x.size();
+            const size_t grammar_bytes = r.grammar ? r.grammar->source.size() : 0, bias_bytes = data.bias.size() * 8;
+            const bool grammar = grammar_bytes >= bias_bytes && grammar_bytes >= stop_bytes;
+            const bool stop = !grammar && stop_bytes >= bias_bytes;
+            const std::string param = grammar ? r.grammar_param : stop ? "stop" : "logit_bias";
+            const std::string what = grammar ? fmt::format("{} bytes of grammar", grammar_bytes)
+                                     : stop  ? fmt::format("{} stop strings of {} bytes", data.stops.size(),
+                                                           stop_bytes - 4 * data.stops.size())
+                                             : fmt::format("{} entries", data.bias.size());
             return api_error(400, "invalid_request_error",
-                             grammar ? fmt::format("{}: {} bytes of grammar{} take {} bytes of request data; this "
-                                                   "server holds at most {} bytes per request",
-                                                   param, r.grammar->source.size(),
-                                                   data.bias.empty() ? "" : " and logit_bias", bytes, bound)
-                                     : fmt::format("logit_bias: {} entries take {} bytes of request data; this "
-                                                   "server holds at most {} bytes per request",
-                                                   data.bias.size(), bytes, bound),
+                             fmt::format("{}: {} take {} bytes of request data with the rest; this server holds at "
+                                         "most {} bytes per request",
+                                         param, what, bytes, bound),
                              param, "request_data_too_large");
         }
         params.data_bytes = static_cast<uint32_t>(bytes);
@@ -365,7 +370,8 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     params.slo_class = c.cls;
     params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
     params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
-    c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok_, c.r.stop));
+    c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n),
+                               Choice(f.tok_, c.r.stop, static_cast<uint64_t>(c.r.min_tokens)));
     if (c.r.calls_tools()) {
         std::vector<std::string> names;
         for (const ToolDef& d : c.r.tools) names.push_back(d.name);

@@ -173,6 +173,9 @@ bool DecodeWorker::take_handoffs() {
             Result<RequestData> data = read_request_data(t, h.req, a.params);
             if (data) {
                 a.data = std::move(data).value();
+                // (Prefill ended a request whose outputs complete a stop string: none comes here.)
+                bool ended = false;
+                a.stops = watch_stops(a.params, a.data, a.output, &ended);
                 if (Status st = prepare_grammar(h.req, a.data, a.output); !st) data = st.error();
             }
             parked_.push_back(std::move(a));
@@ -358,7 +361,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     bool matched = true;
     while (j < n && matched && f == Finish::None) {
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
-                             a.prompt, a.output);
+                             a.prompt, a.output, a.stops.get());
         if (d.finish == Finish::Failed) return Finish::Failed;  // nothing emitted at this position
         const int32_t next = d.token;
         a.output.push_back(next);

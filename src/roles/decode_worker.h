@@ -22,6 +22,7 @@ private:
         KvSeq seq;
         RequestParams params;
         RequestData data;  // its tables beyond the parameters (logit_bias)
+        std::unique_ptr<StopWatch> stops;  // its stop strings (watch_stops), null: none
         std::vector<int32_t> prompt, output;
         bool fresh = false;  // not yet in a step
         uint64_t admitted = 0;  // its first submission's time (DecodeSeqView::admitted)

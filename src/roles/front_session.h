@@ -169,10 +169,12 @@ bool peer_closed(beast::tcp_stream& stream);
 
 // One choice of a completion: its request and what the front has made of its tokens.
 struct Choice {
-    Choice(const Tokenizer& tok, std::vector<std::string> stops) : detok(tok), stream(std::move(stops)) {}
+    Choice(const Tokenizer& tok, std::vector<std::string> stops, uint64_t min_tokens)
+        : detok(tok), stream(std::move(stops)), min_tokens(min_tokens) {}
     shm::ReqRef ref;
     Detokenizer detok;
     StopText stream;  // the generated text, stop strings applied, and what was streamed
+    uint64_t min_tokens = 0;  // stop strings are looked for from this output on (as the worker does)
     std::vector<int32_t> out;
     uint32_t have = 0;                             // output tokens read
     uint32_t attempt = 0;                          // the request's attempt this front last sent
@@ -194,7 +196,7 @@ struct Choice {
     bool feed(size_t from, bool terminal) {
         if (stream.stopped()) return false;
         for (size_t i = from; i < out.size(); ++i) {
-            if (!stream.append(detok.push(out[i]))) continue;
+            if (!stream.append(detok.push(out[i]), i + 1 >= min_tokens)) continue;
             kept = i + 1;
             out.resize(kept);
             if (lps.size() > kept) lps.resize(kept);

@@ -226,16 +226,14 @@ Field read_stop(const json& j, CompletionRequest& r) {
     return std::nullopt;
 }
 
-// min_tokens (vLLM's): no end-of-generation token before this many outputs.
+// min_tokens (vLLM's): no end-of-generation token before this many outputs, and stop
+// strings looked for from output number min_tokens on (vLLM's rule: one that ends in
+// an earlier output's text does not stop it).
 Field read_min_tokens(const json& j, CompletionRequest& r) {
     if (auto e = number<int64_t>(j, "min_tokens", r.min_tokens, 0, 1e9)) return *e;
     if (r.max_tokens >= 0 && r.min_tokens > r.max_tokens)
         return bad("min_tokens",
                    fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})", r.min_tokens, r.max_tokens));
-    // vLLM holds stop strings back until min_tokens too; duet's stop strings are
-    // matched by the front, which does not count tokens in the text: refused.
-    if (r.min_tokens > 0 && !r.stop.empty())
-        return bad("min_tokens", "'min_tokens' with 'stop' strings is not supported by this server so far");
     return std::nullopt;
 }
 

@@ -159,11 +159,14 @@ void PrefillWorker::take(const WireMsg& m) {
         const uint32_t np = slot.n_prompt.load(std::memory_order_relaxed);
         j.prompt.assign(t.tokens(r.slot), t.tokens(r.slot) + np);
         auto no = t.read_output(r, 0, j.output);
+        bool stopped = false;  // its outputs complete a stop string
+        j.stops = watch_stops(j.params, j.data, j.output, &stopped);
         // Re-driven after its last token was written: it ends as that token said.
-        const Finish said = !no ? Finish::Length
-                            : j.output.empty()
-                                ? Finish::None
-                                : check_stop(stop_rules(j.params), tok_->is_eog(j.output.back()), j.output.size());
+        Finish said = !no ? Finish::Length
+                      : j.output.empty()
+                          ? Finish::None
+                          : check_stop(stop_rules(j.params), tok_->is_eog(j.output.back()), j.output.size());
+        if (no && stopped && said != Finish::Eog) said = Finish::StopString;
         if (said != Finish::None) {
             slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
@@ -355,7 +358,7 @@ bool PrefillWorker::give_kv_to_client(Job& j) {
 void PrefillWorker::complete(Job& j, const float* logits) {
     shm::RequestTable& t = inst_->requests();
     const shm::ReqRef r = j.req;
-    const Drawn drawn = draw(logits, -1, r, j.params, j.data, j.prompt, j.output);
+    const Drawn drawn = draw(logits, -1, r, j.params, j.data, j.prompt, j.output, j.stops.get());
     if (drawn.finish == Finish::Failed) {
         fail(j, ReqError::Data);
         return;

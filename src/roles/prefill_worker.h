@@ -42,6 +42,7 @@ private:
         shm::ReqRef req;
         RequestParams params;
         RequestData data;                          // its tables beyond the parameters (logit_bias)
+        std::unique_ptr<StopWatch> stops;          // its stop strings (watch_stops), null: none
         std::vector<int32_t> prompt, output, all;  // all: prompt + output already produced (re-drive)
         std::vector<shm::BlockHash> hashes;        // of all's full blocks, chained
         KvSeq seq;

@@ -11,7 +11,7 @@ namespace {
 constexpr uint32_t kMagic = 0x71727864;  // "dxrq"
 constexpr uint32_t kHeaderBytes = 16;    // magic, version, body length, body CRC32C
 
-enum class Kind : uint32_t { LogitBias = 1, Grammar = 2 };
+enum class Kind : uint32_t { LogitBias = 1, Grammar = 2, Stops = 3 };
 
 void put32(std::vector<uint8_t>& out, uint32_t v) {
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -40,6 +40,16 @@ std::vector<uint8_t> encode_request_data(const RequestData& d) {
         put32(body, static_cast<uint32_t>(1 + d.grammar->source.size()));
         body.push_back(static_cast<uint8_t>(d.grammar->kind));
         body.insert(body.end(), d.grammar->source.begin(), d.grammar->source.end());
+    }
+    if (!d.stops.empty()) {  // each its length, then its bytes
+        size_t n = 0;
+        for (const std::string& x : d.stops) n += 4 + x.size();
+        put32(body, static_cast<uint32_t>(Kind::Stops));
+        put32(body, static_cast<uint32_t>(n));
+        for (const std::string& x : d.stops) {
+            put32(body, static_cast<uint32_t>(x.size()));
+            body.insert(body.end(), x.begin(), x.end());
+        }
     }
     std::vector<uint8_t> out;
     put32(out, kMagic);
@@ -93,6 +103,18 @@ Result<RequestData> decode_request_data(std::span<const uint8_t> bytes) {
                                     std::string(reinterpret_cast<const char*>(body + at + 1), n - 1)};
             break;
         }
+        case Kind::Stops:
+            if (n == 0 || !d.stops.empty())
+                return make_error(ErrorKind::Invalid, "request data: a stop-string section of {} bytes", n);
+            for (uint32_t k = 0; k < n;) {
+                const uint32_t m = n - k >= 4 ? get32(body + at + k) : 0;
+                if (m == 0 || m > n - k - 4)
+                    return make_error(ErrorKind::Invalid, "request data: a stop string of {} bytes at {} of {}", m, k,
+                                      n);
+                d.stops.emplace_back(reinterpret_cast<const char*>(body + at + k + 4), m);
+                k += 4 + m;
+            }
+            break;
         default: return make_error(ErrorKind::Invalid, "request data: a section of unknown kind {}", kind);
         }
         at += n;

@@ -10,12 +10,14 @@
 // the body: sections of (kind, length, bytes), little-endian. A reader refuses data
 // that is damaged (the checksum), of another version, or with a kind it does not
 // know: a request whose data a worker cannot honour fails rather than running
-// without it. Kinds: the logit-bias table (1); a grammar, its kind and source (2).
+// without it. Kinds: the logit-bias table (1); a grammar, its kind and source (2);
+// the stop strings, each its length and bytes (3).
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "base/result.h"
@@ -34,7 +36,11 @@ struct RequestData {
     // A grammar its output must follow (response_format and the like): the tokens it
     // does not allow next are banned before each pick (engine/grammar.h).
     std::optional<GrammarSpec> grammar;
-    bool empty() const { return bias.empty() && !grammar; }
+    // Stop strings (OpenAI's `stop`): the worker that chooses a token ends the request
+    // when its text completes one (Finish::StopString; checked from token min_tokens
+    // on, roles/stop_text.h); the front cuts the text there.
+    std::vector<std::string> stops;
+    bool empty() const { return bias.empty() && !grammar && stops.empty(); }
     friend bool operator==(const RequestData&, const RequestData&) = default;
 };
 

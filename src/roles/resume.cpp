@@ -28,6 +28,7 @@ std::string front_record_json(const Completion& c) {
                 {"ignore_eos", c.r.ignore_eos},
                 {"logprobs", c.r.logprobs},
                 {"stop", c.r.stop},
+                {"min_tokens", c.r.min_tokens},
                 {"prompt_tokens", c.prompt.size()},
                 {"slots", slots},
                 {"context", c.context},
@@ -56,6 +57,7 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
         f.r.ignore_eos = j.at("ignore_eos").get<bool>();
         f.r.logprobs = j.at("logprobs").get<int>();
         f.r.stop = j.at("stop").get<std::vector<std::string>>();
+        f.r.min_tokens = j.value("min_tokens", int64_t{0});
         f.prompt_tokens = j.at("prompt_tokens").get<size_t>();
         for (const json& s : j.at("slots")) f.refs.push_back(shm::ReqRef{s.at(0).get<uint32_t>(), s.at(1).get<uint32_t>()});
         f.r.n = static_cast<int>(f.refs.size());
@@ -224,7 +226,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     }
     const uint64_t now = shm::monotonic_ns();
     for (size_t i = 0; i < fr->refs.size(); ++i) {
-        Choice ch(f.tok_, c.r.stop);
+        Choice ch(f.tok_, c.r.stop, static_cast<uint64_t>(c.r.min_tokens));
         ch.ref = fr->refs[i];
         // The attempt sent last (by adoption, or again by expire_orphans): a later one
         // found QUEUED was preempted, and read_choice sends it.

@@ -8,19 +8,21 @@ StopText::StopText(std::vector<std::string> stops) : stops_(std::move(stops)) {
     for (const std::string& s : stops_) hold_ = std::max(hold_, s.size());
 }
 
-bool StopText::append(std::string_view piece) {
+bool StopText::append(std::string_view piece, bool check) {
     if (stopped_) return false;
+    const size_t old = text_.size();
     text_ += piece;
-    // A match can only end in the new text and only start in text not yet streamed
-    // or the stop string's length before it (what take() held back).
-    for (const std::string& s : stops_) {
-        const size_t at = text_.find(s, taken_ > s.size() ? taken_ - s.size() : 0);
-        if (at != std::string::npos) {
-            text_.resize(at);
-            stopped_ = true;
-        }
-    }
-    return stopped_;
+    if (!check) return false;
+    // A match ends in the new text (one that ended before was found then, or was not
+    // looked for), so it starts at most its length less one before it: in what take()
+    // held back. The text ends before the one that begins first.
+    size_t cut = std::string::npos;
+    for (const std::string& s : stops_)
+        if (!s.empty()) cut = std::min(cut, text_.find(s, old + 1 > s.size() ? old + 1 - s.size() : 0));
+    if (cut == std::string::npos) return false;
+    text_.resize(cut);
+    stopped_ = true;
+    return true;
 }
 
 std::string StopText::take(bool all) {

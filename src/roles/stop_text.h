@@ -1,7 +1,10 @@
 // A choice's text on its way to the client: stop strings cut it, and streaming
 // releases only what no stop string could still claim, never splitting a UTF-8
 // character (OpenAI's `stop`: the text ends before the first stop string, which is
-// not returned). The front feeds it the detokenized text of each new token.
+// not returned). It is fed the detokenized text of each new token: by the front, which
+// cuts the text it sends, and by the worker that chooses the tokens, which ends the
+// request at the token that completes a stop string (WorkerBase::draw); both feed the
+// same pieces, so both find the same one.
 #pragma once
 
 #include <string>
@@ -14,8 +17,11 @@ class StopText {
 public:
     explicit StopText(std::vector<std::string> stops);
     // Appends generated text (nothing once stopped). True when this made the text
-    // contain a stop string: the text is cut where it begins and stays so.
-    bool append(std::string_view piece);
+    // contain a stop string, one that ends in `piece`: the text is cut where it begins
+    // and stays so. `check` false: appended without looking (a token before
+    // min_tokens, as vLLM does); a stop string that ended there is not found later,
+    // one that ends in a later piece is, wherever it began.
+    bool append(std::string_view piece, bool check = true);
     bool stopped() const { return stopped_; }
     // The text so far, stop strings applied.
     const std::string& text() const { return text_; }

@@ -27,8 +27,9 @@ namespace duet {
 // (roles/worker_stats.h). Bumped whenever one of them changes shape; it is
 // shm::InstanceConfig::user_protocol, so processes of different shapes refuse to
 // share an instance. 1: RequestParams with data_bytes, WorkerStats. 2: grammars
-// of kind StructuralTag (tool calls) in the request data.
-inline constexpr uint32_t kServingProtocol = 2;
+// of kind StructuralTag (tool calls) in the request data. 3: stop strings in the
+// request data (the workers end requests on them).
+inline constexpr uint32_t kServingProtocol = 3;
 
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.

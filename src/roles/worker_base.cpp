@@ -249,14 +249,25 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
 
 WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p,
                                    const RequestData& d, std::span<const int32_t> prompt,
-                                   std::span<const int32_t> output) {
+                                   std::span<const int32_t> output, StopWatch* stops) {
     const shm::RequestTable& t = inst_->requests();
     const int32_t next = picked >= 0 ? picked : pick(row, r, p, d, prompt, output);
     if (next < 0) return {-1, Finish::Failed};
     if (p.logprobs >= 0 && prompt.size() + output.size() < t.max_tokens())
         fill_logprobs(row, backend_->n_vocab(), next, p.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(output.size())));
-    return {next, check_stop(stop_rules(p), tok_->is_eog(next), output.size() + 1)};
+    Finish f = check_stop(stop_rules(p), tok_->is_eog(next), output.size() + 1);
+    if (stops && stops->push(next, output.size() + 1, p.min_tokens) && f != Finish::Eog) f = Finish::StopString;
+    return {next, f};
+}
+
+std::unique_ptr<StopWatch> WorkerBase::watch_stops(const RequestParams& p, const RequestData& d,
+                                                   std::span<const int32_t> output, bool* ended) const {
+    *ended = false;
+    if (d.stops.empty()) return nullptr;
+    auto w = std::make_unique<StopWatch>(*tok_, d.stops);
+    for (size_t i = 0; i < output.size(); ++i) *ended = w->push(output[i], i + 1, p.min_tokens) || *ended;
+    return w;
 }
 
 void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {

@@ -28,6 +28,7 @@
 #include "roles/claims.h"
 #include "roles/request_data.h"
 #include "roles/routing.h"
+#include "roles/stop_text.h"
 #include "roles/wire.h"
 #include "roles/worker_stats.h"
 #include "shm/handoff.h"
@@ -122,6 +123,18 @@ OwnPassWork own_pass_work(const WorkerStats& ps);
 // A request's key in a worker's per-request tables (its grammar matchers).
 inline uint64_t req_key(shm::ReqRef r) { return (static_cast<uint64_t>(r.gen) << 32) | r.slot; }
 
+// A request's stop strings as the worker that chooses its tokens sees them: the text
+// of its outputs, detokenized as the front's Choice does it, fed to the same StopText,
+// so that the token this finds completing a stop string is the one the front cuts at.
+struct StopWatch {
+    StopWatch(const Tokenizer& tok, std::vector<std::string> stops) : detok(tok), text(std::move(stops)) {}
+    // Output number n (from 1) is `token`: true when its text completes a stop string,
+    // looked for from output number min_tokens on (vLLM's rule).
+    bool push(int32_t token, size_t n, uint64_t min_tokens) { return text.append(detok.push(token), n >= min_tokens); }
+    Detokenizer detok;
+    StopText text;
+};
+
 // What both workers share: registration, the arena user, a KV pool over the
 // instance's KV data, the backend.
 class WorkerBase {
@@ -167,8 +180,15 @@ protected:
         int32_t token;
         Finish finish;
     };
+    // `stops`: the request's (watch_stops), which a token completing a stop string ends
+    // (Finish::StopString, unless it is an end-of-generation token).
     Drawn draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p, const RequestData& d,
-               std::span<const int32_t> prompt, std::span<const int32_t> output);
+               std::span<const int32_t> prompt, std::span<const int32_t> output, StopWatch* stops);
+    // A request's stop strings (d.stops; null: none) with its outputs so far replayed;
+    // *ended: a stop string is complete in them already (re-driven after the token
+    // that completed it was written: it ends as that token said).
+    std::unique_ptr<StopWatch> watch_stops(const RequestParams& p, const RequestData& d,
+                                           std::span<const int32_t> output, bool* ended) const;
     // Before a step or pass: the pool's width, with the borrowed cores while the
     // running worker of `lender` with this one's index holds no request
     // (WorkerOptions::borrow_cpus). True when this one runs with them (the caller

@@ -215,6 +215,51 @@ try:
     print(f"finish reasons whole and streamed (eog after {n_eog} tokens, length, ignore_eos, stop string), "
           f"min_tokens {n_eog + 10} ({n_min} tokens): ok")
 
+    # Stop strings with min_tokens, against vLLM's rule applied here to the token texts
+    # of the same greedy run without stops: from output number min_tokens on, the first
+    # output whose text completes a stop string (ending in that output's text, begun
+    # anywhere) ends it, the text cut before the stop string that begins first, and
+    # usage counts that output. The worker ends such a request itself (finish "stop"
+    # from the worker, not a cancel by the front: the cancelled count stays).
+    def cancelled_total():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            return int(re.search(r"^duet_requests_cancelled_total (\d+)$", r.read().decode(), re.M).group(1))
+    count = "Count from one to one hundred: one, two, three,"
+    free = c.completions.create(model=model, prompt=count, max_tokens=24, temperature=0, logprobs=0)
+    pieces = free.choices[0].logprobs.tokens
+    check("".join(pieces) == free.choices[0].text and free.choices[0].text.startswith(" four, five"),
+          f"the count: {pieces}")
+
+    def expected(stops, min_tokens):
+        text = ""
+        for n, piece in enumerate(pieces, 1):
+            before = len(text)
+            text += piece
+            if n < min_tokens:
+                continue
+            at = [text.find(x, max(0, before - len(x) + 1)) for x in stops]
+            at = [a for a in at if a >= 0]
+            if at:
+                return text[:min(at)], n, "stop"
+        return text, len(pieces), "length"
+    cancelled0 = cancelled_total()
+    cases = [([","], 0), ([","], 2), ([","], 3), ([","], 4), ([","], 7), ([" six", ","], 4), ([", fi", " fiv"], 2),
+             (["seven,"], 1), (["x"], 5)]
+    for stops, min_tokens in cases:
+        want = expected(stops, min_tokens)
+        whole = c.completions.create(model=model, prompt=count, max_tokens=24, temperature=0, stop=stops,
+                                     extra_body={"min_tokens": min_tokens})
+        got = (whole.choices[0].text, whole.usage.completion_tokens, whole.choices[0].finish_reason)
+        check(got == want, f"stop {stops}, min_tokens {min_tokens}: {got}, want {want}")
+        evs = list(c.completions.create(model=model, prompt=count, max_tokens=24, temperature=0, stop=stops,
+                                        stream=True, extra_body={"min_tokens": min_tokens}))
+        streamed = ("".join(e.choices[0].text for e in evs if e.choices),
+                    [e.choices[0].finish_reason for e in evs if e.choices and e.choices[0].finish_reason])
+        check(streamed == (want[0], [want[2]]), f"stop {stops}, min_tokens {min_tokens} streamed: {streamed}, want {want}")
+    check(cancelled_total() == cancelled0, f"stop strings ended by cancels: {cancelled_total() - cancelled0}")
+    print(f"stop strings with min_tokens ({len(cases)} cases, whole and streamed) as vLLM's rule over the token "
+          f"texts; ended by the worker (no cancel): ok")
+
     # A context through the client: its completions route as base_url (extra_body for
     # the contexts API's own fields), created and read with plain HTTP.
     def http(method, path, body=None):
