@@ -450,6 +450,14 @@ void add_serving(CLI::App& app, Store& store, int& rc, const std::string& defaul
     add_serve_flags(*c_gen, gen);
     c_gen->add_option("--out", sysd.out, "where to write them")->capture_default_str();
     c_gen->add_option("--exe", sysd.exe, "the duet binary the units run")->capture_default_str();
+    c_gen->add_option("--xml", sysd.xml,
+                      "plan for another machine from its hwloc XML export (lstopo machine.xml), GPUs included: "
+                      "--device names its GPUs (cuda:N, by PCI bus order)");
+    c_gen
+        ->add_option("--gpu-memory", sysd.gpu_memory_gib,
+                     "with --xml: each GPU's memory in GiB, where the export does not say it (an export made "
+                     "without hwloc's CUDA backend)")
+        ->check(CLI::Range(1.0, 4096.0));
     CLI::App* c_ins = c_sys->add_subcommand("install", "copy generated units into ROOT/etc/systemd/system and "
                                                        "duet.env into ROOT/etc/duet");
     c_ins->add_option("dir", sysd.out, "what duet systemd generate wrote")->capture_default_str();

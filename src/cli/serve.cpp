@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string_view>
 #include <thread>
 
@@ -65,20 +66,43 @@ namespace {
 
 // The facts of the world plan_serve reads: the GPUs (each checked), hwloc's
 // topology, the model's sizes.
-Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const std::vector<DeviceSpec>& gpus) {
+// Another machine than this one, to plan for (duet systemd generate --xml): its
+// topology and GPUs from an hwloc XML export, and each GPU's memory where the export
+// does not say it.
+struct OtherMachine {
+    Machine machine;
+    uint64_t gpu_memory = 0;
+};
+
+Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const std::vector<DeviceSpec>& gpus,
+                               const OtherMachine* other) {
     ServeFacts f;
     for (const DeviceSpec& d : gpus) {  // each checked by parse_device_list
         GpuFacts g;
         g.device = d;
-        g.pci = cuda_pci_address(d);
+        g.pci = other ? other->machine.gpus[static_cast<size_t>(d.index)].pci : cuda_pci_address(d);
         f.gpus.push_back(std::move(g));
     }
     if (!gpus.empty())
         if (Status st = check_gpu_count(static_cast<int>(gpus.size())); !st) return st.error();
-    auto machine = Machine::detect();
-    if (!machine) return machine.error();
-    f.machine = std::move(machine).value();
+    if (other) {
+        f.machine = other->machine;
+    } else {
+        auto machine = Machine::detect();
+        if (!machine) return machine.error();
+        f.machine = std::move(machine).value();
+    }
     for (GpuFacts& g : f.gpus) {
+        if (other) {
+            const uint64_t said = other->machine.gpus[static_cast<size_t>(g.device.index)].memory_bytes;
+            g.total_memory = other->gpu_memory > 0 ? other->gpu_memory : said;
+            if (g.total_memory == 0)
+                return make_error(
+                    "--xml: the export does not say GPU {}'s memory (it was made without hwloc's CUDA "
+                    "backend); give it with --gpu-memory GiB",
+                    g.device.index);
+            continue;
+        }
         auto total = cuda_total_memory(g.device);
         if (!total) return total.error();
         g.total_memory = *total;
@@ -108,10 +132,16 @@ struct Prepared {
     ServePlan plan;
 };
 
-Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port) {
+Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port, const OtherMachine* other = nullptr) {
     if (settings.kv_arenas != "shared" && settings.kv_arenas != "per-role")
         return make_error("--kv-arenas {}: shared or per-role", settings.kv_arenas);
-    auto gpus = parse_device_list(settings.device, settings.kv_arenas == "per-role", check_device);
+    auto in_export = [&](const DeviceSpec& d) -> Status {
+        if (static_cast<size_t>(d.index) >= other->machine.gpus.size())
+            return make_error("{}: the export has {} NVIDIA GPUs", d.name(), other->machine.gpus.size());
+        return {};
+    };
+    auto gpus = other ? parse_device_list(settings.device, settings.kv_arenas == "per-role", in_export)
+                      : parse_device_list(settings.device, settings.kv_arenas == "per-role", check_device);
     if (!gpus) return gpus.error();
     SdNotify::init().status(fmt::format("loading {}", settings.model));  // `duet serve` as a Type=notify unit
     auto model = Model::load(settings.model);
@@ -132,7 +162,7 @@ Result<Prepared> prepare_serve(const ServeSettings& settings, bool pick_port) {
         if (!p) return p.error();
         s.port = *p;
     }
-    auto facts = serve_facts(s, **model, *gpus);
+    auto facts = serve_facts(s, **model, *gpus, other);
     if (!facts) return facts.error();
     auto plan = plan_serve(s, *facts);
     if (!plan) return plan.error();
@@ -362,7 +392,15 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
                                 "spaces or quotes; use {} (the default here), or \"\" to recompute",
                                 in.swap_root, root, root));
     if (in.port == 0) return fail("--port: the front's unit needs a fixed port");
-    auto prep = prepare_serve(in, /*pick_port=*/false);
+    std::optional<OtherMachine> other;
+    if (!a.xml.empty()) {
+        auto m = Machine::from_xml(a.xml);
+        if (!m) return fail(fmt::format("--xml: {}", m.error().message));
+        other = OtherMachine{std::move(m).value(), static_cast<uint64_t>(a.gpu_memory_gib * double(1ull << 30))};
+    } else if (a.gpu_memory_gib > 0) {
+        return fail("--gpu-memory: only with --xml (this machine's GPUs say their memory)");
+    }
+    auto prep = prepare_serve(in, /*pick_port=*/false, other ? &*other : nullptr);
     if (!prep) return fail(prep.error().message);
     const ServeSettings& s = prep->s;
     const ServePlan& plan = prep->plan;

@@ -22,6 +22,8 @@ struct SystemdArgs {
     std::string out = "duet-systemd";           // generate: where; install: from where
     std::string exe = "/usr/local/bin/duet";    // generate: the binary the units run
     std::string root;                           // install: a root other than / (tests, images)
+    std::string xml;                            // generate: plan for the machine of this hwloc XML export
+    double gpu_memory_gib = 0;                  // generate --xml: each GPU's memory where the export lacks it
 };
 // `duet systemd generate`: the units of systemd/ and, from this machine's plan (the
 // same as duet serve's), the drop-ins with each role's cores, NUMA node and device,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -128,6 +129,11 @@ Result<Machine> Machine::from_xml(const std::string& path) {
         g.pci = fmt::format("{:04x}:{:02x}:{:02x}.{:x}", static_cast<unsigned>(p.domain), static_cast<unsigned>(p.bus),
                             static_cast<unsigned>(p.dev), static_cast<unsigned>(p.func));
         if (hwloc_obj_t a = hwloc_get_non_io_ancestor_obj(tp.t, d); a && a->cpuset) g.pus = pus_of(a->cpuset);
+        // Its memory, where the export ran hwloc's CUDA backend (an OS device "cudaN"
+        // under it says, in KiB); NVML's devices do not say.
+        for (hwloc_obj_t o = d->io_first_child; o; o = o->next_sibling)
+            if (const char* kib = hwloc_obj_get_info_by_name(o, "CUDAGlobalMemorySize"))
+                g.memory_bytes = std::strtoull(kib, nullptr, 10) * 1024;
         m->gpus.push_back(std::move(g));
     }
     std::sort(m->gpus.begin(), m->gpus.end(), [](const MachineGpu& a, const MachineGpu& b) { return a.pci < b.pci; });

@@ -22,6 +22,7 @@ struct MachineGpu {
     int device = 0;         // CUDA ordinal, by PCI bus order
     std::string pci;        // domain:bus:dev.fn
     std::vector<int> pus;   // OS indices of the hardware threads close to it
+    uint64_t memory_bytes = 0;  // an export's (hwloc's CUDA backend: CUDAGlobalMemorySize); 0: not known
 };
 
 struct Machine {
