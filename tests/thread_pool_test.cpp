@@ -97,6 +97,20 @@ TEST(ThreadPool, ALongWaitSleepsAndIsWoken) {
     }
 }
 
+// progress(): one per run and one per barrier passed (not per thread arriving), at
+// width 1 and wider (what a worker's watchdog thread reads to see a long pass move).
+TEST(ThreadPool, ProgressCountsRunsAndBarriers) {
+    ThreadPool pool(3);
+    for (int w : {1, 3}) {
+        pool.set_width(w);
+        const uint64_t p0 = pool.progress();
+        pool.run([&](int, int) {
+            for (int i = 0; i < 5; ++i) pool.barrier();
+        });
+        EXPECT_EQ(pool.progress() - p0, 6u) << "width " << w;
+    }
+}
+
 TEST(ThreadPool, SplitCoversTheRangeInAlignedParts) {
     for (int64_t n : {0, 1, 15, 16, 17, 576, 49152}) {
         for (int nth : {1, 2, 3, 7}) {

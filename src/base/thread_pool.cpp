@@ -101,6 +101,7 @@ void ThreadPool::worker(int tid) {
 
 void ThreadPool::run(const std::function<void(int, int)>& fn) {
     const int w = width_;
+    tick();
     if (w == 1) {
         fn(0, 1);
         return;
@@ -119,12 +120,16 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
 
 void ThreadPool::barrier() {
     const int w = width_;
-    if (w == 1) return;
+    if (w == 1) {
+        tick();
+        return;
+    }
     // acquire: pairs with the release store of the phase by the last arriver.
     uint32_t phase = barrier_phase_.load(std::memory_order_acquire);
     // acq_rel: orders this thread's writes before the arrival and sees the others'.
     if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == w - 1) {
         barrier_count_.store(0, std::memory_order_relaxed);
+        tick();
         // release: pairs with the acquire loads of waiters below.
         barrier_phase_.store(phase + 1, std::memory_order_release);
         barrier_phase_.notify_all();  // waiters past their yields sleep (await_change)

@@ -46,6 +46,11 @@ public:
     // All threads of the current run() wait here until every one has arrived.
     void barrier();
 
+    // Counts runs started and barriers passed (at any width): work moving forward,
+    // read by another thread (a worker's watchdog: a long pass is alive while this
+    // moves, a wedged one is not).
+    uint64_t progress() const { return progress_.load(std::memory_order_relaxed); }
+
     // [begin, end) share of thread tid when n items are split into nth parts,
     // optionally in multiples of `align` items.
     static void split(int64_t n, int tid, int nth, int64_t& begin, int64_t& end, int64_t align = 1);
@@ -66,6 +71,9 @@ private:
     alignas(64) std::atomic<int> barrier_count_{0};
     alignas(64) std::atomic<uint32_t> barrier_phase_{0};
     std::atomic<bool> stop_{false};
+    // Written by one thread at a time: run()'s caller, or a barrier's last arriver.
+    std::atomic<uint64_t> progress_{0};
+    void tick() { progress_.store(progress_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
 };
 
 // Parses a CPU list such as "0-3,6,8-9".

@@ -134,7 +134,12 @@ shm::ProcRef PrefillWorker::send_handoff(const WireMsg& m, uint32_t arena) {
     const uint32_t d = cand.at(pick_decode(views));
     const int32_t s = reg.find_running(shm::Role::Decode, static_cast<int32_t>(d));
     auto& ring = out_[rings_.paired ? 0 : d];
-    while (!ring.try_push(m)) usleep(50);  // decode drains it every step
+    // Decode drains it every step; a decode worker that died is restarted and drains it
+    // then (its unit, or duet serve): a wait, not a wedge, for the watchdog.
+    for (int n = 0; !ring.try_push(m); ++n) {
+        if (n % 256 == 0) alive();
+        usleep(50);
+    }
     reg.wake(shm::Role::Decode, static_cast<int32_t>(d));
     return s < 0 ? shm::ProcRef{} : reg.current(static_cast<uint32_t>(s));
 }

@@ -1,7 +1,9 @@
 // Telling systemd how a role is doing (sd_notify(3) through libsystemd): READY=1 once
 // it serves, STATUS= lines while loading and serving, EXTEND_TIMEOUT_USEC= while a
-// big model loads, WATCHDOG=1 from the role's main loop (so a wedged loop, not a side
-// thread, is what trips WatchdogSec=), STOPPING=1 when it drains.
+// big model loads, WATCHDOG=1 while the role shows progress (the front's event loop
+// turning; a worker's loop turning or its pass computing: WorkerBase::watch_liveness),
+// so that a wedge, not a long pass, is what trips WatchdogSec=; STOPPING=1 when it
+// drains.
 //
 // Off (every call a no-op) unless the process was started with NOTIFY_SOCKET set, as
 // a Type=notify unit is. The watchdog is on when WATCHDOG_USEC is set and
@@ -31,7 +33,7 @@ public:
     // "Give me `usec` more to start (or stop)" from now on (EXTEND_TIMEOUT_USEC).
     void extend_timeout(uint64_t usec);
     void stopping(const std::string& status);
-    // From the main loop, every turn: WATCHDOG=1 at most every watchdog_usec / 4.
+    // WATCHDOG=1 at most every watchdog_usec / 4; from one thread (not thread-safe).
     void watchdog(uint64_t now_ns);
     // The raw message, for anything else (tests; "ERRNO=", ...).
     void send(const std::string& message);

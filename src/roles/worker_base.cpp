@@ -1,5 +1,8 @@
 #include "roles/worker_base.h"
 
+#include <chrono>
+#include <thread>
+
 #include "base/log.h"
 
 #include <bit>
@@ -336,17 +339,48 @@ Result<GoldenReport> WorkerBase::golden_check(const GoldenRef& ref) {
     return check_golden(*backend_, *pool_, model_->fingerprint(), ref);
 }
 
+// systemd's watchdog (WatchdogSec=) is told this worker lives while its loop turns or
+// its pass computes: a pass may be longer than the watchdog's period (a big prompt on
+// a slow or crowded CPU; a pass of a 512-token budget on an 8B model at 4 tokens/s
+// is two minutes) and is alive as long as its layers go by (ThreadPool::progress); a
+// step wedged in a wait (nothing computed, the loop not turning) stops the pings,
+// and systemd kills and restarts the worker.
+void WorkerBase::watch_liveness(const std::atomic<bool>& done) {
+    const uint64_t period_ns = SdNotify::get().watchdog_usec() * 1000 / 4;
+    uint64_t seen_turns = ~0ull, seen_progress = ~0ull, next = 0;
+    while (!done.load(std::memory_order_relaxed)) {
+        const uint64_t now = shm::monotonic_ns();
+        if (now >= next) {
+            const uint64_t t = turns_.load(std::memory_order_relaxed), p = threads_ ? threads_->progress() : 0;
+            if (t != seen_turns || p != seen_progress) SdNotify::get().watchdog(now);
+            seen_turns = t;
+            seen_progress = p;
+            next = now + period_ns;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+}
+
 Status WorkerBase::run(const std::atomic<bool>& stop) {
     shm::Doorbell& bell = inst_->registry().doorbell(self_.slot);
+    std::atomic<bool> done{false};
+    std::thread dog;
+    if (SdNotify::get().watchdog_usec() > 0) dog = std::thread([&] { watch_liveness(done); });
+    Status out;
     while (!stop.load(std::memory_order_relaxed)) {
         auto did = step();
-        if (!did) return did.error();
+        if (!did) {
+            out = did.error();
+            break;
+        }
         inst_->registry().heartbeat(self_);
-        SdNotify::get().watchdog(shm::monotonic_ns());  // from this loop: a wedged step stops it
+        alive();
         // Idle: sleep until a producer rings, or 1 ms (to settle hand-offs, see stop).
         if (!*did) shm::doorbell_wait(bell, [&] { return has_work(); }, 256, 1'000'000);
     }
-    return {};
+    done.store(true, std::memory_order_relaxed);
+    if (dog.joinable()) dog.join();
+    return out;
 }
 
 }  // namespace duet

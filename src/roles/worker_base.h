@@ -152,6 +152,13 @@ public:
 
 protected:
     Status init(shm::Instance& inst, const Model& model, shm::Role role, const WorkerOptions& o);
+    // run()'s watchdog thread: WATCHDOG=1 while the loop turns (alive()) or the pool
+    // computes, until `done`.
+    void watch_liveness(const std::atomic<bool>& done);
+    // The loop turned, or a step waits on something that is moving (a decode worker's
+    // ring it hands off to): not wedged.
+    void alive() { turns_.fetch_add(1, std::memory_order_relaxed); }
+    std::atomic<uint64_t> turns_{0};
     virtual bool has_work() = 0;
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
