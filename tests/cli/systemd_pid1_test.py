@@ -7,7 +7,8 @@
   returns once every unit sent READY=1: active, the front's STATUS= text, /ready 200;
 - under 8 sampled streams each (each must end exactly as an undisturbed run of the
   same request, resumed with Last-Event-ID where the front died), through systemd:
-  SIGKILL of decode, of prefill, of the front; SIGSTOP of decode (its watchdog fires,
+  SIGKILL of decode, of prefill, of the front; five SIGKILLs of decode in a row (the
+  unit's StartLimitBurst= is not reached); SIGSTOP of decode (its watchdog fires,
   systemd kills and restarts it); `systemctl restart duet-front`. systemd's own
   NRestarts counts each death, and each worker comes back;
 - systemd's NRestarts of each unit equals the deaths the test made (no watchdog fired
@@ -21,6 +22,8 @@
 - a prefill worker on a model that fails its golden-logits check exits 3, systemd does
   not restart it (RestartPreventExitStatus=3) and reports its result, and /ready says
   why; on the right model again it serves;
+- a prefill pass longer than the watchdog's period (WatchdogSec=2, scalar kernels)
+  is alive: the request is served, systemd restarts nothing;
 - durable contexts across a reboot of the manager: the contexts directory is kept
   (the container's /var/lib/duet), every process is gone, and after a new boot the
   context is there with the same tokens and continues as before;
@@ -136,8 +139,8 @@ def all_active():
     return all(show(u, "ActiveState")["ActiveState"] == "active" for u in ROLES)
 
 
-def body(i, stream):
-    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": MAX_TOKENS, "temperature": 0.7,
+def body(i, stream, max_tokens=MAX_TOKENS):
+    return {"prompt": f"Tale {i}: long ago, beyond the mountains,", "max_tokens": max_tokens, "temperature": 0.7,
             "seed": 77 + i, "stream": stream}
 
 
@@ -159,14 +162,14 @@ def read_events(resp, state, first_event):
     return text, False
 
 
-def streams_through(what, disturb, offset):
+def streams_through(what, disturb, offset, max_tokens=MAX_TOKENS):
     """N streams; `disturb()` once the first has an event (the others in prefill or
     decode); each resumes with Last-Event-ID if cut; each must equal an undisturbed
     run of its request."""
     refs = [None] * N
 
     def ref(i):
-        st, out = call("POST", "/v1/completions", body(offset + i, False))
+        st, out = call("POST", "/v1/completions", body(offset + i, False, max_tokens))
         check(st == 200, f"reference {i}: {st} {out[:300]}")
         refs[i] = json.loads(out)["choices"][0]["text"]
     ts = [threading.Thread(target=ref, args=(i,)) for i in range(N)]
@@ -178,7 +181,7 @@ def streams_through(what, disturb, offset):
         state, text, done = {}, "", False
         try:
             c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=120)
-            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True)),
+            c.request("POST", "/v1/completions", json.dumps(body(offset + i, True, max_tokens)),
                       {"Content-Type": "application/json"})
             text, done = read_events(c.getresponse(), state, first_event)
         except (ConnectionError, OSError, http.client.HTTPException):
@@ -217,7 +220,7 @@ def main_pid(unit):
     return int(show(unit, "MainPID")["MainPID"])
 
 
-def killed_and_back(unit, signal, what, offset):
+def killed_and_back(unit, signal, what, offset, expect_restart=True):
     """`signal` to the unit's main process under N streams; systemd restarts it; the
     streams end as undisturbed runs."""
     before, pid = restarts(unit), main_pid(unit)
@@ -284,10 +287,22 @@ try:
           f"(journalctl DUET_REQUEST={redriven[0]['DUET_REQUEST']}), duet-decode's own lines at info: ok")
     killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
 
-    # (Five SIGKILLs of decode in a row are serve_e2e's burst case under `duet serve`.
-    # Under these units, once in six runs on 2026-12-06, the server closed every new
-    # connection without a response after such a burst and no stream started for
-    # 180 s; not understood yet, so not run here until it is: see the stop's note.)
+    # A burst: decode SIGKILLed five times in a row, each time once it is back.
+    unit = "duet-decode@0.service"
+    before = restarts(unit)
+
+    def five_kills():
+        for _ in range(5):
+            pid = main_pid(unit)
+            systemctl("kill", "-s", "SIGKILL", "--kill-who=main", unit)
+            wait_for("decode back", lambda: main_pid(unit) not in (0, pid)
+                     and show(unit, "ActiveState")["ActiveState"] == "active", 60)
+    t0 = time.monotonic()
+    streams_through("five SIGKILLs of decode", five_kills, 50, max_tokens=2 * MAX_TOKENS)
+    wait_for("decode serving", lambda: all_active() and ready(), 60)
+    check(restarts(unit) == before + 5, f"NRestarts of decode {restarts(unit)}, want {before + 5}")
+    print(f"five SIGKILLs of decode in a row: restarted each time (StartLimitBurst= not reached), {N} streams "
+          f"identical ({time.monotonic() - t0:.1f} s): ok")
 
     # SIGSTOP: no WATCHDOG=1 for WatchdogSec=; systemd kills it (SIGABRT) and restarts it.
     unit = "duet-decode@0.service"
@@ -311,7 +326,7 @@ try:
     # (`systemctl restart` starts the front's count again.)
     counts = {u: restarts(u) for u in ROLES}
     check(counts == {"duet-instance.service": 0, "duet-front.service": 0, "duet-prefill@0.service": 1,
-                     "duet-decode@0.service": 2}, f"NRestarts: {counts}")
+                     "duet-decode@0.service": 7}, f"NRestarts: {counts}")
     swap = inside("stat", "-c", "%a %U", "/var/cache/duet/duet-swap-duet")
     check(swap.returncode == 0 and swap.stdout.split() == ["700", "duet"], f"the swap directory: {swap.stdout}{swap.stderr}")
     check("no swap directory" not in journal(400), "a worker does not see the swap directory")
@@ -357,6 +372,32 @@ try:
     wait_for("prefill back", lambda: all_active() and ready(), 120)
     print(f"golden check failed: prefill exit 3, {s['Result']}, not restarted; /ready {st}: {why.strip()[:90]}; "
           "on the right model again it serves: ok")
+
+    # A pass longer than the watchdog's period is alive: the worker pings while its
+    # layers go by (WorkerBase::watch_liveness), not only between steps. Prefill with
+    # WatchdogSec=2 and the scalar kernels (a prompt of ~450 tokens, one pass, takes
+    # seconds): the request is served and systemd restarts nothing.
+    dropin = "/run/systemd/system/duet-prefill@0.service.d"
+    r = inside("sh", "-c", f"mkdir -p {dropin} && printf '%s\\n' '[Service]' 'WatchdogSec=2' "
+               f"'Environment=DUET_ISA=scalar' > {dropin}/slow.conf")
+    check(r.returncode == 0, f"the slow drop-in: {r.stderr}")
+    systemctl("daemon-reload")
+    systemctl("restart", unit)
+    wait_for("prefill back, scalar", lambda: all_active() and ready(), 120)
+    before = restarts(unit)
+    long_prompt = " ".join(f"item {i}," for i in range(30))  # 140 tokens: one pass of seconds
+    t0 = time.monotonic()
+    st, out = call("POST", "/v1/completions", {"prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+    took = time.monotonic() - t0
+    check(st == 200, f"a long prompt under WatchdogSec=2: {st} {out[:300]}")
+    check(took > 3, f"the pass took {took:.1f} s: not longer than the watchdog's period, so this proves nothing")
+    check(restarts(unit) == before and "Watchdog timeout" not in journal(200, "-u", unit),
+          f"prefill killed by its watchdog during a long pass:\n{journal(30, '-u', unit)}")
+    inside("rm", "-rf", dropin)
+    systemctl("daemon-reload")
+    systemctl("restart", unit)
+    wait_for("prefill back", lambda: all_active() and ready(), 120)
+    print(f"a prefill pass of {took:.1f} s under WatchdogSec=2: pinged while it computed, not restarted: ok")
 
     # A durable context across a reboot of the manager.
     ctx_prompt = {"id": "kept", "prompt": "The three rules of the old lighthouse keeper were"}
