@@ -109,8 +109,8 @@ public:
     void set_contexts(ContextService* c) { opts_.contexts = c; }
 
     // Frees the slots of the stream kept longest for a resume whose choices have all
-    // ended (resume.cpp); false: none. Whoever found no free request slot calls it
-    // and tries again.
+    // ended (resume.cpp); false: there was none. Whoever found no free request slot
+    // calls it and tries again while it returns true.
     bool release_ended_orphan();
 
 private:

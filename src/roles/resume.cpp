@@ -296,14 +296,10 @@ bool Front::release_ended_orphan() {
         if (ended) oldest = it;
     }
     if (oldest == impl_->orphans.end()) return false;
-    bool freed = false;
-    for (shm::ReqRef r : oldest->second.rec.refs) {
-        if (t.current(r.slot).gen != r.gen) continue;
-        const shm::ReqState st = t.state(r.slot);
-        freed = t.transition(r, st, shm::ReqState::Free) || freed;
-    }
+    for (shm::ReqRef r : oldest->second.rec.refs)
+        if (t.current(r.slot).gen == r.gen) (void)t.transition(r, t.state(r.slot), shm::ReqState::Free);
     impl_->orphans.erase(oldest);
-    return freed;
+    return true;
 }
 
 // Requests of a dead front with a front record: this process answers them from now
