@@ -64,8 +64,6 @@ Result<int> free_port(const std::string& host) {
 
 namespace {
 
-// The facts of the world plan_serve reads: the GPUs (each checked), hwloc's
-// topology, the model's sizes.
 // Another machine than this one, to plan for (duet systemd generate --xml): its
 // topology and GPUs from an hwloc XML export, and each GPU's memory where the export
 // does not say it.
@@ -74,6 +72,8 @@ struct OtherMachine {
     uint64_t gpu_memory = 0;
 };
 
+// The facts of the world plan_serve reads: the GPUs (each checked), hwloc's
+// topology (this machine's, or `other`'s), the model's sizes.
 Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const std::vector<DeviceSpec>& gpus,
                                const OtherMachine* other) {
     ServeFacts f;

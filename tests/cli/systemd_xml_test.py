@@ -10,7 +10,8 @@ the first non-I/O object above it. Checked in the generated drop-ins: each GPU's
 prefill and decode worker runs on that GPU (--device in DUET_WORKER_ARGS), its
 CPUAffinity= lies in the GPU's near threads, its NUMAMask= is the NUMA node holding
 them; with one GPU of each package no thread is given to two workers; the front has a
-CPUAffinity= of its own. Refused with the reason: a GPU the export does not have, an
+CPUAffinity= of its own. An export that says the GPUs' memory (hwloc's CUDA backend)
+needs no --gpu-memory. Refused with the reason: a GPU the export does not have, an
 export that does not say the GPUs' memory without --gpu-memory, --gpu-memory without
 --xml.
 
@@ -103,6 +104,19 @@ for devices in ([0, 15], [0, 2, 4, 6, 9, 11, 13, 15]):
         check(not shared, f"one GPU of each package: no CPU given twice: {shared}")
     print(f"generate --xml (DGX-2) --device {devices}: each worker on its GPU, on CPUs near it, its NUMA node "
           f"bound{'; no CPU given twice' if len(devices) == 2 else ''}: ok")
+
+# An export made with hwloc's CUDA backend says each GPU's memory (in KiB, an info of
+# the GPU's OS device): no --gpu-memory needed. (Here the fixture's NVML devices are given it.)
+with open(XML) as f:
+    text = f.read()
+with_memory = os.path.join(tempfile.mkdtemp(prefix="duet-xml-"), "dgx2-memory.xml")
+with open(with_memory, "w") as f:
+    f.write(text.replace('<info name="Backend" value="NVML"/>',
+                         '<info name="Backend" value="NVML"/><info name="CUDAGlobalMemorySize" value="33554432"/>'))
+g = subprocess.run([DUET, "systemd", "generate", "--out", tempfile.mkdtemp(), "--model", MODEL, "--port", "8080",
+                    "--xml", with_memory, "--device", "cuda:0,cuda:15"], capture_output=True, text=True)
+check(g.returncode == 0, f"an export with the GPUs' memory, no --gpu-memory: {g.stdout}{g.stderr}")
+print("an export that says the GPUs' memory (CUDAGlobalMemorySize) needs no --gpu-memory: ok")
 
 g, _ = generate("cuda:16", "--gpu-memory", "32")
 check(g.returncode != 0 and "16 NVIDIA GPUs" in g.stderr, f"a GPU the export lacks: {g.stderr}")
