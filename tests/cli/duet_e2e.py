@@ -98,12 +98,19 @@ def drain(proc, keep=200):
 def check_restarts(port, kills):
     """/metrics' duet_worker_restarts_total equals the kills this test made: a role
     that died on its own (a crash, an abort on a sanitizer report) is restarted and
-    its requests re-driven, so its test could pass without this."""
+    its requests re-driven, so its test could pass without this. A kill the launcher
+    has not reaped yet (the last one, as a stream ended) is waited for, up to 30 s."""
     import re
+    import time
     import urllib.request
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    m = re.search(r"^duet_worker_restarts_total (\d+)$", text, re.M)
-    check(m, "/metrics has no duet_worker_restarts_total")
+    deadline = time.monotonic() + 30 * time_scale()
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        m = re.search(r"^duet_worker_restarts_total (\d+)$", text, re.M)
+        check(m, "/metrics has no duet_worker_restarts_total")
+        if int(m.group(1)) >= kills or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     check(int(m.group(1)) == kills, f"{m.group(1)} role restarts for the {kills} kill(s) this test made: "
                                     "a role died on its own (its log says why)")
 
