@@ -130,6 +130,16 @@ def resume(rid, last):
     return c.getresponse()
 
 
+def resume_rest(st, ref, what):
+    """Resumes a cut stream from its last event id: answered 200, the rest ends with
+    [DONE], and the whole (text, calls, finish reason) equals `ref`."""
+    rr = resume(st["id"], st["ev"])
+    if rr.status != 200:
+        check(False, f"{what}: resume answered {rr.status} {rr.read()[:300]}")
+    more = read_events(rr)
+    check(more["done"] and outcome(st, more) == ref, f"{what}: resumed {outcome(st, more)!r} != {ref!r}")
+
+
 def healthy():
     try:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -207,12 +217,7 @@ try:
     st = read_events(r, stop_after=5)
     c.close()
     time.sleep(0.5)
-    rr = resume(st["id"], st["ev"])
-    if rr.status != 200:
-        check(False, f"a resume after the client dropped: {rr.status} {rr.read()[:300]}")
-    more = read_events(rr)
-    check(more["done"] and outcome(st, more) == refs[1],
-          f"resumed after a drop: {st['text'] + more['text']!r} != {refs[1][0]!r}")
+    resume_rest(st, refs[1], "a resume after the client dropped")
     print("a client that dropped its connection (front alive) resumes within the grace, identical: ok")
 
     # The stream ends while its client reads nothing (its end written into the
@@ -237,12 +242,7 @@ try:
             while not healthy():
                 check(time.monotonic() - t0 < 60 * time_scale(), "no front 60 s after the kill")
                 time.sleep(0.05)
-        rr = resume(st["id"], st["ev"])
-        if rr.status != 200:
-            check(False, f"a resume of an ended stream (front killed: {kill_front}): {rr.status} {rr.read()[:300]}")
-        more = read_events(rr)
-        check(more["done"] and outcome(st, more) == refs[0],
-              f"resumed after its end (front killed: {kill_front}): {outcome(st, more)!r} != {refs[0]!r}")
+        resume_rest(st, refs[0], f"a resume of an ended stream (front killed: {kill_front})")
     check(metric(metrics(), "duet_worker_restarts_total") == kills, "a restart other than the front's kills")
     # Kept slots give way: more short streams in a row than the server has slots
     # (--slots 8), each kept for the grace after it ended, are all answered.
