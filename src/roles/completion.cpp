@@ -612,8 +612,10 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
         if (!keep) t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
-        o.texts.push_back(
-            {(c.r.stream ? "" : c.echo) + ch.stream.text(), ch.finish, c.r.stream ? ch.lps : std::move(ch.lps), {}});
+        o.texts.push_back({(c.r.stream ? "" : c.echo) + ch.watch.text.text(),
+                           ch.finish,
+                           c.r.stream ? ch.lps : std::move(ch.lps),
+                           {}});
         if (ch.tools && !c.r.stream) {  // the whole text split as a stream of it would be
             o.texts.back().text = ch.tools->feed(o.texts.back().text, true).content;
             o.texts.back().tool_calls = ch.tools->calls();
@@ -621,7 +623,7 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
             o.texts.back().finish_reason = ch.reason();
         } else if (ch.tools) {  // streamed: what its parser will have made once fed the rest
             ToolCallParser whole = *ch.tools;
-            whole.feed(std::string_view(ch.stream.text()).substr(ch.stream.taken()), true);
+            whole.feed(std::string_view(ch.watch.text.text()).substr(ch.watch.text.taken()), true);
             o.texts.back().text = whole.content();
             o.texts.back().tool_calls = whole.calls();
             o.texts.back().content_at = whole.content_at();

@@ -170,11 +170,11 @@ bool peer_closed(beast::tcp_stream& stream);
 // One choice of a completion: its request and what the front has made of its tokens.
 struct Choice {
     Choice(const Tokenizer& tok, std::vector<std::string> stops, uint64_t min_tokens)
-        : detok(tok), stream(std::move(stops)), min_tokens(min_tokens) {}
+        : watch(tok, std::move(stops), min_tokens) {}
     shm::ReqRef ref;
-    Detokenizer detok;
-    StopText stream;  // the generated text, stop strings applied, and what was streamed
-    uint64_t min_tokens = 0;  // stop strings are looked for from this output on (as the worker does)
+    // The generated text, stop strings applied (as the worker applies them), and what
+    // was streamed (watch.text).
+    StopWatch watch;
     std::vector<int32_t> out;
     uint32_t have = 0;                             // output tokens read
     uint32_t attempt = 0;                          // the request's attempt this front last sent
@@ -194,15 +194,15 @@ struct Choice {
     // Feeds out[from, out.size()) to the text and its stop strings (terminal: no
     // more tokens come); true when a stop string ended it now.
     bool feed(size_t from, bool terminal) {
-        if (stream.stopped()) return false;
+        if (watch.text.stopped()) return false;
         for (size_t i = from; i < out.size(); ++i) {
-            if (!stream.append(detok.push(out[i]), i + 1 >= min_tokens)) continue;
+            if (!watch.push(out[i], i + 1)) continue;
             kept = i + 1;
             out.resize(kept);
             if (lps.size() > kept) lps.resize(kept);
             return true;
         }
-        return terminal && stream.append(detok.finish());
+        return terminal && watch.finish();
     }
     // Chat with tools: splits the text into content and calls (roles/tool_calls.h).
     std::optional<ToolCallParser> tools;
@@ -212,7 +212,7 @@ struct Choice {
         std::vector<ToolCallDelta> calls;
     };
     Piece take(bool terminal) {
-        Piece p{stream.take(terminal), {}};
+        Piece p{watch.text.take(terminal), {}};
         if (tools) {
             ToolCallParser::Out o = tools->feed(p.text, terminal);
             p.text = std::move(o.content);

@@ -253,7 +253,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         if (c.r.stream)
             (void)ch.take(false);
         else
-            (void)ch.stream.take(false);
+            (void)ch.watch.text.take(false);
         ch.lps_sent = ch.lps.size();
         ch.sent_have = ch.have;
         ch.first = last.empty();

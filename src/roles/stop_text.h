@@ -7,9 +7,12 @@
 // same pieces, so both find the same one.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "model/tokenizer.h"
 
 namespace duet {
 
@@ -38,6 +41,22 @@ private:
     std::string text_;
     size_t taken_ = 0;  // bytes of text_ already streamed
     bool stopped_ = false;
+};
+
+// A choice's stop strings over its tokens: each output's text (a Detokenizer) fed to a
+// StopText, looked for from output number min_tokens on (vLLM's rule). The front's
+// Choice and the worker that chooses the tokens (WorkerBase::draw) each keep one, so
+// the token the worker ends a request at is the one the front cuts the text at.
+struct StopWatch {
+    StopWatch(const Tokenizer& tok, std::vector<std::string> stops, uint64_t min_tokens)
+        : detok(tok), text(std::move(stops)), min_tokens(min_tokens) {}
+    // Output number n (from 1) is `token`: true when its text completes a stop string.
+    bool push(int32_t token, size_t n) { return text.append(detok.push(token), n >= min_tokens); }
+    // The text held back at the end (an unfinished UTF-8 sequence); true as push.
+    bool finish() { return text.append(detok.finish()); }
+    Detokenizer detok;
+    StopText text;
+    uint64_t min_tokens = 0;
 };
 
 }  // namespace duet

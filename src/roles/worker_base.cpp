@@ -260,7 +260,7 @@ WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef
         fill_logprobs(row, backend_->n_vocab(), next, p.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(output.size())));
     Finish f = check_stop(stop_rules(p), tok_->is_eog(next), output.size() + 1);
-    if (stops && stops->push(next, output.size() + 1, p.min_tokens) && f != Finish::Eog) f = Finish::StopString;
+    if (stops && stops->push(next, output.size() + 1) && f != Finish::Eog) f = Finish::StopString;
     return {next, f};
 }
 
@@ -268,8 +268,8 @@ std::unique_ptr<StopWatch> WorkerBase::watch_stops(const RequestParams& p, const
                                                    std::span<const int32_t> output, bool* ended) const {
     *ended = false;
     if (d.stops.empty()) return nullptr;
-    auto w = std::make_unique<StopWatch>(*tok_, d.stops);
-    for (size_t i = 0; i < output.size(); ++i) *ended = w->push(output[i], i + 1, p.min_tokens) || *ended;
+    auto w = std::make_unique<StopWatch>(*tok_, d.stops, p.min_tokens);
+    for (size_t i = 0; i < output.size(); ++i) *ended = w->push(output[i], i + 1) || *ended;
     return w;
 }
 

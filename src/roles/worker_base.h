@@ -123,18 +123,6 @@ OwnPassWork own_pass_work(const WorkerStats& ps);
 // A request's key in a worker's per-request tables (its grammar matchers).
 inline uint64_t req_key(shm::ReqRef r) { return (static_cast<uint64_t>(r.gen) << 32) | r.slot; }
 
-// A request's stop strings as the worker that chooses its tokens sees them: the text
-// of its outputs, detokenized as the front's Choice does it, fed to the same StopText,
-// so that the token this finds completing a stop string is the one the front cuts at.
-struct StopWatch {
-    StopWatch(const Tokenizer& tok, std::vector<std::string> stops) : detok(tok), text(std::move(stops)) {}
-    // Output number n (from 1) is `token`: true when its text completes a stop string,
-    // looked for from output number min_tokens on (vLLM's rule).
-    bool push(int32_t token, size_t n, uint64_t min_tokens) { return text.append(detok.push(token), n >= min_tokens); }
-    Detokenizer detok;
-    StopText text;
-};
-
 // What both workers share: registration, the arena user, a KV pool over the
 // instance's KV data, the backend.
 class WorkerBase {
