@@ -648,16 +648,22 @@ TEST(Matmul, BatchInvariantAtEveryIsa) {
 
 // The many-row contract (issue: many-row CPU products): for every weight type and
 // level, a pass of N rows gives each (row, token) the bits a one-token call gives
-// it, for N = 1..16, 31, 64 and 512: every tile shape, its ragged ends, and the
-// row-blocked path of long passes.
+// it, for N = 1..16, 31, 64 and 512: every tile shape (AVX-512's tiles of 1-8
+// tokens on each kind of row end), its ragged ends, and the row-blocked path of
+// long passes.
 TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
     struct Shape {
         DType t;
         int64_t n_in, rows;
     };
-    const Shape shapes[] = {{DType::Q4_0, 576, 37}, {DType::Q4_1, 576, 37}, {DType::Q8_0, 576, 37},
-                            {DType::Q4_K, 512, 37}, {DType::Q6_K, 512, 37}, {DType::F16, 100, 37},
-                            {DType::BF16, 100, 37}, {DType::F32, 100, 37}};
+    // Q4 / Q8_0 widths: full chunks and a short tail (576 = 16 + 2 blocks), full
+    // chunks only (1536), a partial chunk (672 = 16 + 5 blocks), only a tail (32, 64).
+    const Shape shapes[] = {{DType::Q4_0, 576, 37},  {DType::Q4_1, 576, 37},  {DType::Q8_0, 576, 37},
+                            {DType::Q4_0, 1536, 19}, {DType::Q4_1, 1536, 19}, {DType::Q8_0, 1536, 19},
+                            {DType::Q4_0, 672, 23},  {DType::Q4_1, 672, 23},  {DType::Q8_0, 672, 23},
+                            {DType::Q4_1, 32, 9},    {DType::Q4_0, 64, 9},    {DType::Q8_0, 64, 9},
+                            {DType::Q4_K, 512, 37},  {DType::Q6_K, 512, 37},  {DType::F16, 100, 37},
+                            {DType::BF16, 100, 37},  {DType::F32, 100, 37}};
     constexpr int kMaxTok = 512;
     std::vector<int> counts;
     for (int n = 1; n <= 16; ++n) counts.push_back(n);

@@ -19,7 +19,7 @@
 //
 // Reduction order for one (row, token), the same in every tile shape:
 // - Per full chunk of 16 blocks: the 16 blocks' exact integer dots land in the
-//   16 lanes of one vector (see q4_rows and q8_chunk_full for the lane order),
+//   16 lanes of one vector (see q4_chunk_full and q8_chunk_full for the lane order),
 //   then acc = fma(cvt(dots), d_w * d_x, acc) and, Q4_1 only,
 //   acc = fma(m_w, s_x, acc).
 // - The rest of the row: Q4 with 3-15 blocks left, as a chunk whose missing
@@ -28,7 +28,8 @@
 //   except that a Q4 row with 1-2 blocks left (a "short tail", as SmolLM2's 576
 //   = 16 + 2 blocks) ends as hsum(acc) + (v_0 + v_1), one float v_t per tail
 //   block (see q4_tails8); decode gathers 8 rows' tails into one chunk.
-// Tiles (1 row x T tokens) reuse one unpacked weight group across T tokens.
+// Passes of two tokens or more run as tiles (one row x up to 8 tokens, see
+// "Tiles" below): the same numbers, with each weight chunk transposed once.
 // Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
 // F32/F16/BF16 weights and the K-quants use the AVX2 level's kernels (same
@@ -89,6 +90,26 @@ inline __m512 hsum16(const __m512* v) {
     // lane 4k + m: row 4m + k; permute to row order.
     const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, t);
+}
+
+// hsum of 8 vectors at once (lane i < 8 = hsum(v[i]) bit for bit; lanes 8-15
+// repeat them): hsum16's pairings for half as many rows.
+inline __m512 hsum8(const __m512* v) {
+    __m512 u[4], w[2];
+    for (int i = 0; i < 4; ++i) {  // lanes 0-7: row 2i, l + (l+8); lanes 8-15: row 2i+1
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 2; ++i) {  // 128-bit lane k: row 4i + k, l + (l+4)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    }
+    // lane k: [row k: l0+l2, l1+l3, row 4+k: l0+l2, l1+l3]
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    // 128-bit lane k: rows k, 4 + k, k, 4 + k; permute to row order.
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12, 1, 5, 9, 13);
     return _mm512_permutexvar_ps(order, t);
 }
 
@@ -480,7 +501,7 @@ inline void q4_chunk_tail(const uint8_t* wc, int64_t nbc, const XChunk4* const* 
 //   y = hsum(acc) + (v_0 + v_1).
 // Decode gathers the tails of 8 rows into one chunk (q4_tails8), so they cost
 // what any 16 blocks cost instead of a half-empty group per row pair; tiles
-// (q4_tail_tokens) compute the same values token by token. The activations'
+// (q4_tail_tile) gather one row's tails for 8 tokens the same way. The activations'
 // tail chunk holds its group 0 as slots 0-3 = tail blocks 0, 1, 0, 1, with
 // d_x and s_x of slot k in lanes 4k..4k+3.
 
@@ -550,80 +571,7 @@ inline __m512 q4_tails8(const uint8_t* t, size_t stride, int n, const Q4Tail<W>&
     return q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(xt.dx), _mm512_load_ps(xt.sx)));
 }
 
-// One row's tail against T tokens: out[j] = v_0 + v_1 for token j. dx4/sx4
-// hold, per four tokens q, lane 4k + i = d_x / s_x of tail block k of token
-// 4q + i (k < 2; zero elsewhere), see q4_tail_token_scales.
-template <DType W, int T>
-inline void q4_tail_tokens(const uint8_t* t, const Q4Tail<W>& tl, const XChunk4* const* xc, int64_t c,
-                           const float (*dx4)[16], const float (*sx4)[16], float* out) {
-    __m512i dm = _mm512_setzero_si512();
-    const __m512i zero = _mm512_setzero_si512();
-    // Slots 0-1 hold the row, 2-3 nothing; group j of the tree is token 4q + j.
-    const __m512i a = _mm512_maskz_loadu_epi8(tl.bytes, t);
-    dm = _mm512_mask_permutexvar_epi16(dm, Q4Tail<W>::dm_a(0) * 0xF, tl.idx_dm, a);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i qs = q4_gather_qs<W>(a, tl.idx_qs, zero);
-    const __m512i lo = _mm512_and_si512(qs, m4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
-    for (int q = 0; q < (T + 3) / 4; ++q) {
-        __m512i p[4];
-        for (int i = 0; i < 4; ++i) p[i] = 4 * q + i < T ? q4_group_dot(lo, hi, xc[4 * q + i][c], 0) : zero;
-        const __m512i s = pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3]));
-        alignas(64) float v[16];
-        _mm512_store_ps(v, q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(dx4[q]), _mm512_load_ps(sx4[q]))));
-        for (int i = 0; i < 4 && 4 * q + i < T; ++i) out[4 * q + i] = v[i];
-    }
-}
-
-template <int T>
-inline void q4_tail_token_scales(const XChunk4* const* xc, int64_t c, float (*dx4)[16], float (*sx4)[16]) {
-    for (int q = 0; q < (T + 3) / 4; ++q) {
-        for (int l = 0; l < 16; ++l) {
-            const int k = l / 4, j = 4 * q + l % 4;
-            const bool on = k < 2 && j < T;
-            dx4[q][l] = on ? xc[j][c].dx[4 * k] : 0.0f;
-            sx4[q][l] = on ? xc[j][c].sx[4 * k] : 0.0f;
-        }
-    }
-}
-
-template <DType W, int T>
-__attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
-                                       size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
-                                       uintptr_t pf_last) {
-    constexpr int kBB = Q4Traits<W>::kBlockBytes;
-    const int64_t nfull = nb / 16;
-    const int64_t ntail = nb % 16;
-    const bool short_tail = q4_short_tail_rows(nb);
-    const __m512i idx_qs = q4_idx_qs<W>();
-    const __m512i idx_dm = idx_words(W == DType::Q4_1 ? kQ41Dm : kQ40Dm);
-    const Q4Tail<W> tl(static_cast<int>(ntail));
-    const XChunk4* xc[T];
-    for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk4*>(xp + static_cast<size_t>(j) * xp_stride);
-    alignas(64) float dx4[(T + 3) / 4][16], sx4[(T + 3) / 4][16];
-    if (short_tail) q4_tail_token_scales<T>(xc, nfull, dx4, sx4);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
-        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
-        __m512 acc[T];
-        for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc, pf);
-        const uint8_t* tail = wr + nfull * 16 * kBB;
-        float tails[T] = {};
-        if (short_tail) {
-            q4_tail_tokens<W, T>(tail, tl, xc, nfull, dx4, sx4, tails);
-        } else if (ntail != 0) {
-            q4_chunk_tail<W, T>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
-        }
-        for (int j = 0; j < T; ++j) {
-            const float h = hsum(acc[j]);
-            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = short_tail ? h + tails[j] : h;
-        }
-    }
-}
-
-// One token (decode): the same per-row operations as q4_rows<W, 1>, 16 rows at
+// One token (decode): one row's chunks as q4_chunk_full<W, 1> / q4_chunk_tail<W, 1>, 16 rows at
 // a time: their final sums in one hsum16 and, for short tails, their tails in
 // two q4_tails8 chunks.
 template <DType W>
@@ -756,112 +704,499 @@ inline void q8_chunk_tail(const uint8_t* wc, int64_t ntail, const XChunk8* const
     }
 }
 
-template <int T>
-__attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp,
-                                       size_t xp_stride, float* y, size_t ldy, int64_t r0, int64_t r1,
-                                       uintptr_t pf_last) {
+// One token (decode), 16 rows' sums at a time (hsum16 equals hsum per row).
+__attribute__((noinline)) void q8_rows_t1(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y,
+                                          int64_t r0, int64_t r1, uintptr_t pf_last) {
     const int64_t nfull = nb / 16;
     const int64_t ntail = nb % 16;
     const __m512i idx_dm = idx_words(kQ80Dm);
     const __m512i idx_d = idx_words(kQ80D);
-    const XChunk8* xc[T];
-    for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk8*>(xp + static_cast<size_t>(j) * xp_stride);
+    const XChunk8* const xc[1] = {reinterpret_cast<const XChunk8*>(xp)};
     __m512 accs[16];
     int64_t b0 = r0;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * 34, pf_last);
         prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
-        __m512 acc[T];
-        for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
-        if (ntail != 0) q8_chunk_tail<T>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
-        if constexpr (T == 1) {
-            // Decode: sum 16 rows at once (hsum16 equals hsum per row).
-            accs[r - b0] = acc[0];
-            if (r - b0 == 15 || r == r1 - 1) {
-                const int64_t n = r - b0 + 1;
-                for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
-                _mm512_mask_storeu_ps(y + b0, static_cast<__mmask16>((1u << n) - 1), hsum16(accs));
-                b0 = r + 1;
-            }
-        } else {
-            for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
+        __m512 acc[1] = {_mm512_setzero_ps()};
+        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<1>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+        if (ntail != 0) q8_chunk_tail<1>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
+        accs[r - b0] = acc[0];
+        if (r - b0 == 15 || r == r1 - 1) {
+            const int64_t n = r - b0 + 1;
+            for (int64_t i = n; i < 16; ++i) accs[i] = _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(y + b0, static_cast<__mmask16>((1u << n) - 1), hsum16(accs));
+            b0 = r + 1;
         }
     }
 }
 
-template <int T>
-void rows_dispatch(DType t, const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride, float* y,
-                   size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
-    switch (t) {
-        case DType::Q4_1:
-            if constexpr (T == 1) {
-                q4_rows_t1<DType::Q4_1>(w, w_stride, nb, xp, y, r0, r1, pf_last);
+// ---------------------------------------------------------------------------
+// Tiles: one row x T <= 8 tokens, for passes of two tokens or more.
+//
+// Most of the work per token of the one-token kernels is reduction, not
+// products: a Q4 group's vpdpbusd leaves each block's products in four lanes,
+// and pair_sum gathers them (six operations per token and chunk beside eight
+// vpdpbusd); Q8_0's unpack tree costs three times that. A tile instead transposes each
+// weight chunk once, in registers, so that dword lane L of column vector i
+// holds bytes 4i..4i+3 of the very block whose sum lane L carries in the float
+// step (q4_lane_block, q8_lane_block: the lane orders above), and the
+// activations are repacked to match (XtChunk4, XtChunk8). Every vpdpbusd then
+// adds into its block's own lane: a token's chunk is its start value, eight
+// vpdpbusd and the float step. The transposition (eight in-lane shuffles for
+// Q4, twenty-four for Q8_0) is paid once per row and chunk and shared by the
+// tile's T tokens, whose sums are T independent chains. (Tiles of 2 or 4 rows,
+// sharing each activation load, measured 10-40% slower on an AMD EPYC Zen 4:
+// their weight columns and accumulators do not fit the 32 registers.)
+//
+// The integer sums are exact, so they are the numbers the reduction trees
+// give; the float step, the partial chunks (q4_chunk_tail, q8_chunk_tail, on
+// the one-token layout), the short tails (XtTail4) and hsum are the ones above
+// in the same order: a (row, token) gets the same bits from a tile as from the
+// one-token kernels.
+
+constexpr int q4_lane_block(int lane) { return 4 * (lane % 4) + lane / 4; }
+constexpr int q8_lane_block(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane / 4) % 2; }
+
+struct alignas(64) XtChunk4 {
+    int8_t lo[4][64];  // [i][4L + t]: quant 4i + t of block q4_lane_block(L)
+    int8_t hi[4][64];  // [i][4L + t]: its quant 16 + 4i + t
+    int32_t init[16];  // Q4_0: -8 * (the sum of the block's 32 quants); Q4_1: 0
+    float dx[16];      // the block's d (XChunk4::dx's order)
+    float sx[16];      // Q4_1: its s; Q4_0: 0
+};
+static_assert(sizeof(XtChunk4) == 704);
+
+struct alignas(64) XtChunk8 {
+    int8_t q[8][64];   // [i][4L + t]: quant 4i + t of block q8_lane_block(L)
+    int32_t init[16];  // -128 * (the sum of the block's 32 quants)
+    float dx[16];      // the block's d (XChunk8::dx's order)
+};
+static_assert(sizeof(XtChunk8) == 640);
+
+// Short tails in tiles: the tail blocks (t = 0, 1) of up to 8 tokens, one
+// lane per (t, token): lane 8t + j. The row's side (q4_tail_tile) puts block
+// t's dword i in lanes 8t..8t+7 of column i, so one chunk's worth of vpdpbusd
+// gives every S_t of the tile's tokens; v_t and v_0 + v_1 are then formed as
+// q4_tail_values and q4_tail_pair_sums form them (zeros for a missing second
+// block or token, as there).
+struct alignas(64) XtTail4 {
+    int8_t lo[4][64];  // [i][4L + t']: quant 4i + t' of tail block L / 8 of token L % 8
+    int8_t hi[4][64];  // its quant 16 + 4i + t'
+    int32_t init[16];  // Q4_0: -8 * (the block's quants summed); Q4_1: 0
+    float dx[16];
+    float sx[16];  // Q4_1
+};
+static_assert(sizeof(XtTail4) == 704);
+
+template <DType W>
+using XtChunk = std::conditional_t<W == DType::Q8_0, XtChunk8, XtChunk4>;
+template <DType W>
+using XChunk = std::conditional_t<W == DType::Q8_0, XChunk8, XChunk4>;
+
+// A tile's activations (n tokens): the tokens' full chunks transposed, chunk c
+// of token j at [c * n + j] (one base address for a chunk's n tokens); then
+// each token's last, partial chunk, if any, in the layout q4_chunk_tail and
+// q8_chunk_tail read; then, for Q4 rows with short tails, the tile's XtTail4.
+template <DType W>
+size_t tile_bytes(int64_t nb, int n) {
+    const bool short_tails = W != DType::Q8_0 && q4_short_tail_rows(nb);
+    return static_cast<size_t>(n) * (static_cast<size_t>(nb / 16) * sizeof(XtChunk<W>) +
+                                     (nb % 16 != 0 && !short_tails ? sizeof(XChunk<W>) : 0)) +
+           (short_tails ? sizeof(XtTail4) : 0);
+}
+
+template <DType W>
+void repack_tile(const void* xrow, int64_t nb, uint8_t* out, size_t chunk_stride, uint8_t* tail) {
+    using XBlock = std::conditional_t<W == DType::Q4_1, BlockQ8_1, BlockQ8_0>;
+    const XBlock* x = static_cast<const XBlock*>(xrow);
+    const int64_t nfull = nb / 16;
+    for (int64_t c = 0; c < nfull; ++c) {
+        XtChunk<W>& ch = *reinterpret_cast<XtChunk<W>*>(out + static_cast<size_t>(c) * chunk_stride);
+        for (int lane = 0; lane < 16; ++lane) {
+            const int bl = W == DType::Q8_0 ? q8_lane_block(lane) : q4_lane_block(lane);
+            const XBlock& b = x[16 * c + bl];
+            int32_t sum = 0;
+            for (int t = 0; t < kQK; ++t) sum += b.qs[t];
+            ch.dx[lane] = h2f(b.d);
+            if constexpr (W == DType::Q8_0) {
+                for (int i = 0; i < 8; ++i) std::memcpy(ch.q[i] + 4 * lane, b.qs + 4 * i, 4);
+                ch.init[lane] = -128 * sum;
             } else {
-                q4_rows<DType::Q4_1, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
+                for (int i = 0; i < 4; ++i) {
+                    std::memcpy(ch.lo[i] + 4 * lane, b.qs + 4 * i, 4);
+                    std::memcpy(ch.hi[i] + 4 * lane, b.qs + 16 + 4 * i, 4);
+                }
+                ch.init[lane] = W == DType::Q4_0 ? -8 * sum : 0;
+                if constexpr (W == DType::Q4_1) {
+                    ch.sx[lane] = h2f(b.s);
+                } else {
+                    ch.sx[lane] = 0.0f;
+                }
             }
-            return;
-        case DType::Q4_0:
-            if constexpr (T == 1) {
-                q4_rows_t1<DType::Q4_0>(w, w_stride, nb, xp, y, r0, r1, pf_last);
-            } else {
-                q4_rows<DType::Q4_0, T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
-            }
-            return;
-        default:
-            if constexpr (T <= 4) {
-                q8_rows<T>(w, w_stride, nb, xp, xp_stride, y, ldy, r0, r1, pf_last);
-            } else {
-                kernel_fail("matmul: Q8_0 tiles hold at most 4 tokens");
-            }
-            return;
+        }
+    }
+    // (Q4 rows with short tails take them from XtTail4 instead.)
+    if (nb % 16 != 0 && (W == DType::Q8_0 || !q4_short_tail_rows(nb))) {
+        if constexpr (W == DType::Q8_0) {
+            repack_q8(x + 16 * nfull, nb % 16, tail);
+        } else {
+            repack_q4<W>(x + 16 * nfull, nb % 16, tail);
+        }
     }
 }
 
-void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
-                float* y, size_t ldy, int64_t r0, int64_t r1) {
-    // Tokens per tile: 8 for Q4 (two live sums per token), 4 for Q8_0 (three).
-    const int kT = t == DType::Q8_0 ? 4 : 8;
+// One row's full chunk, transposed: column i's lane L holds bytes 4i..4i+3 of
+// the lane's block (Q4: low nibbles in lo, high in hi), with the float step's
+// d (and m) per lane.
+struct Q4Cols {
+    __m512i lo[4], hi[4];
+    __m512 dw, mw;
+};
+
+template <DType W>
+inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, RowPrefetch pf) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i dm = _mm512_setzero_si512();
+    __m512i q[4];
+    for (int g = 0; g < 4; ++g) {
+        prefetch_ahead(wc + 64 * g, pf);
+        if (g == 3) prefetch_ahead(wc + 256, pf);
+        const uint8_t* p = wc + 4 * g * kBB;
+        const __m512i a = _mm512_loadu_si512(p);
+        __m512i b;
+        if constexpr (W == DType::Q4_1) {
+            b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+        } else {
+            b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
+        }
+        const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
+        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
+        q[g] = q4_gather_qs<W>(a, idx_qs, b);  // 128-bit lane k: block 4g + k, dword i = its bytes 4i..4i+3
+    }
+    // A 4 x 4 dword transpose in each 128-bit lane k: column i's dword g = q[g]'s dword i,
+    // so lane 4k + g holds block 4g + k = q4_lane_block(4k + g).
+    const __m512i t0 = _mm512_unpacklo_epi32(q[0], q[1]), t1 = _mm512_unpackhi_epi32(q[0], q[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(q[2], q[3]), t3 = _mm512_unpackhi_epi32(q[2], q[3]);
+    const __m512i v[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                          _mm512_unpackhi_epi64(t1, t3)};
+    for (int i = 0; i < 4; ++i) {
+        k->lo[i] = _mm512_and_si512(v[i], m4);
+        k->hi[i] = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), m4);
+    }
+    k->dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    k->mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+}
+
+// One row's chunk against T tokens: the exact sums, token by token within
+// each column (T independent chains), then q4_chunk_float's step.
+template <DType W, int T>
+inline void q4_tile_chunk(const Q4Cols& k, const XtChunk4* xt, __m512* acc) {
+    __m512i s[T];
+    for (int j = 0; j < T; ++j) s[j] = W == DType::Q4_0 ? _mm512_load_si512(xt[j].init) : _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < T; ++j) {
+            s[j] = _mm512_dpbusd_epi32(s[j], k.lo[i], _mm512_load_si512(xt[j].lo[i]));
+            s[j] = _mm512_dpbusd_epi32(s[j], k.hi[i], _mm512_load_si512(xt[j].hi[i]));
+        }
+    }
+    for (int j = 0; j < T; ++j) {
+        const XtChunk4& x = xt[j];
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(k.dw, _mm512_load_ps(x.dx)), acc[j]);
+        if constexpr (W == DType::Q4_1) acc[j] = _mm512_fmadd_ps(k.mw, _mm512_load_ps(x.sx), acc[j]);
+    }
+}
+
+struct Q8Cols {
+    __m512i v[8];
+    __m512 dw;
+};
+
+inline void q8_cols(const uint8_t* wc, const __m512i& idx_dm, Q8Cols* k, RowPrefetch pf) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i dm = _mm512_setzero_si512();
+    __m512i pr[8];  // pair p: block 2p's 8 dwords in lanes 0-7, block 2p + 1's in 8-15 (w + 128)
+    for (int p = 0; p < 8; ++p) {
+        prefetch_ahead(wc + 64 * p, pf);
+        if (p == 7) prefetch_ahead(wc + 512, pf);
+        const uint8_t* bp = wc + 68 * p;
+        __m512i qs = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 2)));
+        qs = _mm512_inserti64x4(qs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 36)), 1);
+        const __mmask32 mask = (0x11u << (p & 3)) << (8 * (p >> 2));
+        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, _mm512_loadu_si512(bp));
+        pr[p] = _mm512_xor_si512(qs, bias);
+    }
+    // In each 128-bit lane l, a 4 x 4 dword transpose of pairs 4a..4a+3 (u[a][c]:
+    // dword r = pair 4a + r's dword c of lane l), then 128-bit lanes 0 and 2
+    // (dwords 0-3 of blocks 2p and 2p + 1) or 1 and 3 (dwords 4-7) of a = 0, 1:
+    // column c (c + 4) lane 8a' + 4h + r = dword c (c + 4) of block 2(4a' + r) + h,
+    // which is q8_lane_block's order.
+    __m512i u[2][4];
+    for (int a = 0; a < 2; ++a) {
+        const __m512i t0 = _mm512_unpacklo_epi32(pr[4 * a], pr[4 * a + 1]);
+        const __m512i t1 = _mm512_unpackhi_epi32(pr[4 * a], pr[4 * a + 1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(pr[4 * a + 2], pr[4 * a + 3]);
+        const __m512i t3 = _mm512_unpackhi_epi32(pr[4 * a + 2], pr[4 * a + 3]);
+        u[a][0] = _mm512_unpacklo_epi64(t0, t2);
+        u[a][1] = _mm512_unpackhi_epi64(t0, t2);
+        u[a][2] = _mm512_unpacklo_epi64(t1, t3);
+        u[a][3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for (int c = 0; c < 4; ++c) {
+        k->v[c] = _mm512_shuffle_i32x4(u[0][c], u[1][c], 0x88);
+        k->v[c + 4] = _mm512_shuffle_i32x4(u[0][c], u[1][c], 0xDD);
+    }
+    k->dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+}
+
+// The same for Q8_0, with q8_chunk_full's float step.
+template <int T>
+inline void q8_tile_chunk(const Q8Cols& k, const XtChunk8* xt, __m512* acc) {
+    __m512i s[T];
+    for (int j = 0; j < T; ++j) s[j] = _mm512_load_si512(xt[j].init);
+    for (int i = 0; i < 8; ++i) {
+        for (int j = 0; j < T; ++j) s[j] = _mm512_dpbusd_epi32(s[j], k.v[i], _mm512_load_si512(xt[j].q[i]));
+    }
+    for (int j = 0; j < T; ++j) {
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(k.dw, _mm512_load_ps(xt[j].dx)), acc[j]);
+    }
+}
+
+template <DType W>
+void repack_tail_tokens(const uint8_t* xq, size_t xq_stride, int n, int64_t nb, XtTail4* out) {
+    using XBlock = std::conditional_t<W == DType::Q4_1, BlockQ8_1, BlockQ8_0>;
+    std::memset(out, 0, sizeof *out);
+    const int64_t nfull = nb / 16;
+    for (int lane = 0; lane < 16; ++lane) {
+        const int t = lane / 8, j = lane % 8;
+        if (j >= n || t >= nb % 16) continue;
+        const XBlock& b = reinterpret_cast<const XBlock*>(xq + static_cast<size_t>(j) * xq_stride)[16 * nfull + t];
+        int32_t sum = 0;
+        for (int q = 0; q < kQK; ++q) sum += b.qs[q];
+        for (int i = 0; i < 4; ++i) {
+            std::memcpy(out->lo[i] + 4 * lane, b.qs + 4 * i, 4);
+            std::memcpy(out->hi[i] + 4 * lane, b.qs + 16 + 4 * i, 4);
+        }
+        out->init[lane] = W == DType::Q4_0 ? -8 * sum : 0;
+        out->dx[lane] = h2f(b.d);
+        if constexpr (W == DType::Q4_1) out->sx[lane] = h2f(b.s);
+    }
+}
+
+// Index vectors for q4_tail_tile: column i (dwords of both tail blocks' quants)
+// and the scales (words 0-15: d of lanes 0-15, 16-31: m).
+template <DType W>
+struct Q4TailIdx {
+    __m512i col[4], dm;
+    __mmask64 bytes;
+    explicit Q4TailIdx(int ntail) : bytes(bytes_mask(ntail * Q4Traits<W>::kBlockBytes)) {
+        constexpr int kBB = Q4Traits<W>::kBlockBytes;
+        alignas(64) uint16_t c[32], d[32];
+        for (int i = 0; i < 4; ++i) {
+            for (int lane = 0; lane < 16; ++lane) {
+                // Block t's quant bytes start at t * kBB + (Q4_1: 4, Q4_0: 2); dword i of them.
+                const int first = (lane / 8) * kBB + (W == DType::Q4_1 ? 4 : 2) + 4 * i;
+                c[2 * lane] = static_cast<uint16_t>(first / 2);
+                c[2 * lane + 1] = static_cast<uint16_t>(first / 2 + 1);
+            }
+            col[i] = _mm512_load_si512(c);
+        }
+        for (int lane = 0; lane < 16; ++lane) {
+            d[lane] = static_cast<uint16_t>((lane / 8) * kBB / 2);
+            d[16 + lane] = static_cast<uint16_t>((lane / 8) * kBB / 2 + 1);  // Q4_1's m (unused for Q4_0)
+        }
+        dm = _mm512_load_si512(d);
+    }
+};
+
+// The tail sums v_0 + v_1 of one row for the tile's tokens, token j in lane j (lanes 8-15: the same sums).
+template <DType W>
+inline __m512 q4_tail_tile(const uint8_t* t, const Q4TailIdx<W>& ti, const XtTail4& x) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i a = _mm512_maskz_loadu_epi8(ti.bytes, t);
+    __m512i s = W == DType::Q4_0 ? _mm512_load_si512(x.init) : _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_permutexvar_epi16(ti.col[i], a);
+        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(v, m4), _mm512_load_si512(x.lo[i]));
+        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_load_si512(x.hi[i]));
+    }
+    // Block 1's lanes of a row with one tail block: quants, d and m all zero (masked load).
+    const __m512i dm = _mm512_permutexvar_epi16(ti.dm, a);
+    const __m512 v = q4_tail_values<W>(s, dm, _mm512_load_ps(x.dx), _mm512_load_ps(x.sx));
+    return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+}
+
+// Per-call constants of tile_row.
+template <DType W>
+struct TileConsts {
+    __m512i idx_qs, idx_dm, idx_d;
+    Q4TailIdx<W> tail;
+    explicit TileConsts(int64_t nb)
+        : idx_qs(W == DType::Q8_0 ? _mm512_setzero_si512() : q4_idx_qs<W>()),
+          idx_dm(idx_words(W == DType::Q8_0   ? kQ80Dm
+                           : W == DType::Q4_1 ? kQ41Dm
+                                              : kQ40Dm)),
+          idx_d(idx_words(kQ80D)),
+          tail(static_cast<int>(nb % 16)) {}
+};
+
+// One row against a tile of T tokens: xt, their full chunks (chunk c of token j
+// at xt[c * T + j]); xo[j], token j's partial chunk; xtail, their short tails.
+template <DType W, int T>
+__attribute__((always_inline)) inline void tile_row(const char* w, size_t w_stride, int64_t nb, const XtChunk<W>* xt,
+                                                    const XChunk<W>* const* xo, const XtTail4* xtail,
+                                                    const TileConsts<W>& kc, float* y, size_t ldy, int64_t r,
+                                                    uintptr_t pf_last) {
+    constexpr int kBB = W == DType::Q8_0 ? 34 : Q4Traits<W>::kBlockBytes;
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+    const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
+    prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
+    const uint8_t* tail = wr + nfull * 16 * kBB;
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    __m512 tails = _mm512_setzero_ps();
+    if constexpr (W == DType::Q8_0) {
+        for (int64_t c = 0; c < nfull; ++c) {
+            Q8Cols k;
+            q8_cols(wr + c * 16 * kBB, kc.idx_dm, &k, pf);
+            q8_tile_chunk<T>(k, xt + c * T, acc);
+        }
+        if (ntail != 0) q8_chunk_tail<T>(tail, ntail, xo, 0, kc.idx_d, acc);
+    } else {
+        for (int64_t c = 0; c < nfull; ++c) {
+            Q4Cols k;
+            q4_cols<W>(wr + c * 16 * kBB, kc.idx_qs, kc.idx_dm, &k, pf);
+            q4_tile_chunk<W, T>(k, xt + c * T, acc);
+        }
+        if (q4_short_tail_rows(nb)) {
+            tails = q4_tail_tile<W>(tail, kc.tail, *xtail);
+        } else if (ntail != 0) {
+            q4_chunk_tail<W, T>(tail, ntail, xo, 0, kc.idx_qs, kc.idx_dm, acc);
+        }
+    }
+    // hsum8 gives each lane hsum's bits; a short tail's sums are then added, y = hsum(acc) + (v_0 + v_1).
+    __m512 h = hsum8(acc);
+    if (W != DType::Q8_0 && q4_short_tail_rows(nb)) h = _mm512_add_ps(h, tails);
+    alignas(64) float out[16];
+    _mm512_store_ps(out, h);
+    for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+}
+
+template <DType W, int T>
+__attribute__((noinline)) void tiles(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y,
+                                     size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
+    const int64_t nfull = nb / 16;
+    const XtChunk<W>* xt = reinterpret_cast<const XtChunk<W>*>(xp);
+    const uint8_t* tails = xp + static_cast<size_t>(nfull) * T * sizeof(XtChunk<W>);
+    const XChunk<W>* xo[T];
+    for (int j = 0; j < T; ++j) xo[j] = reinterpret_cast<const XChunk<W>*>(tails) + j;
+    const XtTail4* xtail = reinterpret_cast<const XtTail4*>(tails);
+    const TileConsts<W> kc(nb);
+    for (int64_t r = r0; r < r1; ++r) tile_row<W, T>(w, w_stride, nb, xt, xo, xtail, kc, y, ldy, r, pf_last);
+}
+
+template <DType W>
+void tiles_dispatch(int n, const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y, size_t ldy,
+                    int64_t r0, int64_t r1, uintptr_t pf_last) {
+    switch (n) {
+        case 8: tiles<W, 8>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 7: tiles<W, 7>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 6: tiles<W, 6>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 5: tiles<W, 5>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 4: tiles<W, 4>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 3: tiles<W, 3>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        case 2: tiles<W, 2>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+        default: tiles<W, 1>(w, w_stride, nb, xp, y, ldy, r0, r1, pf_last); break;
+    }
+}
+
+// Passes of two tokens or more: tiles of up to 8 tokens (the 16 accumulators
+// hsum16 takes hold 8 and live sums for 8 more fit the registers).
+template <DType W>
+void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok, float* y,
+                  size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 8;
     const int64_t nb = n_in / kQK;
-    const size_t tok_bytes = t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb);
+    const int64_t nfull = nb / 16;
+    const bool short_tails = W != DType::Q8_0 && q4_short_tail_rows(nb);
+    const int n_tiles = (n_tok + kT - 1) / kT;
     const char* wb = static_cast<const char*>(w);
-    // One pass over the rows (decode): weights come from memory, prefetch them.
     const bool single_pass = n_tok <= kT;
     const uintptr_t pf_last =
         single_pass && r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
     if (pf_last != 0) {
         prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
     }
-    Scratch scratch(static_cast<size_t>(n_tok) * tok_bytes);
+    // Tile i holds tokens [8i, 8i + n) at xp + i * tile_bytes(nb, 8) (all sizes are multiples of 64).
+    Scratch scratch(static_cast<size_t>(n_tiles - 1) * tile_bytes<W>(nb, kT) +
+                    tile_bytes<W>(nb, n_tok - (n_tiles - 1) * kT));
     uint8_t* xp = scratch.data();
     const char* xb = static_cast<const char*>(xq);
-    for (int j = 0; j < n_tok; ++j) {
-        const void* xr = xb + static_cast<size_t>(j) * xq_stride;
-        uint8_t* out = xp + static_cast<size_t>(j) * tok_bytes;
-        switch (t) {
-            case DType::Q4_1: repack_q4<DType::Q4_1>(xr, nb, out); break;
-            case DType::Q4_0: repack_q4<DType::Q4_0>(xr, nb, out); break;
-            default: repack_q8(xr, nb, out); break;
+    auto tile_at = [&](int i) { return xp + static_cast<size_t>(i) * tile_bytes<W>(nb, kT); };
+    for (int i = 0; i < n_tiles; ++i) {
+        const int n = std::min(kT, n_tok - i * kT);
+        uint8_t* base = tile_at(i);
+        uint8_t* tails = base + static_cast<size_t>(nfull) * n * sizeof(XtChunk<W>);
+        for (int j = 0; j < n; ++j) {
+            const char* xr = xb + static_cast<size_t>(i * kT + j) * xq_stride;
+            repack_tile<W>(xr, nb, base + static_cast<size_t>(j) * sizeof(XtChunk<W>), n * sizeof(XtChunk<W>),
+                           tails + static_cast<size_t>(j) * sizeof(XChunk<W>));
+        }
+        if constexpr (W != DType::Q8_0) {
+            if (short_tails) {
+                repack_tail_tokens<W>(reinterpret_cast<const uint8_t*>(xb) + static_cast<size_t>(i) * kT * xq_stride,
+                                      xq_stride, n, nb, reinterpret_cast<XtTail4*>(tails));
+            }
         }
     }
     const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
-        for (int t0 = 0; t0 < n_tok; t0 += kT) {
-            const uint8_t* x = xp + static_cast<size_t>(t0) * tok_bytes;
-            float* yt = y + static_cast<size_t>(t0) * ldy;
-            switch (std::min(kT, n_tok - t0)) {
-                case 8: rows_dispatch<8>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 7: rows_dispatch<7>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 6: rows_dispatch<6>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 5: rows_dispatch<5>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 4: rows_dispatch<4>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 3: rows_dispatch<3>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                case 2: rows_dispatch<2>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-                default: rows_dispatch<1>(t, wb, w_stride, nb, x, tok_bytes, yt, ldy, b0, b1, pf_last); break;
-            }
+        for (int i = 0; i < n_tiles; ++i) {
+            tiles_dispatch<W>(std::min(kT, n_tok - i * kT), wb, w_stride, nb, tile_at(i),
+                              y + static_cast<size_t>(i) * kT * ldy, ldy, b0, b1, pf_last);
         }
+    }
+}
+
+void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+                float* y, size_t ldy, int64_t r0, int64_t r1) {
+    if (n_tok >= 2) {
+        switch (t) {
+            case DType::Q4_1:
+                matmul_tiles<DType::Q4_1>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+                return;
+            case DType::Q4_0:
+                matmul_tiles<DType::Q4_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+                return;
+            default: matmul_tiles<DType::Q8_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
+        }
+    }
+    // One token (decode): one pass over the rows, whose weights come from memory; prefetch them.
+    const int64_t nb = n_in / kQK;
+    const char* wb = static_cast<const char*>(w);
+    const uintptr_t pf_last = r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
+    if (pf_last != 0) {
+        prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
+    }
+    Scratch scratch(t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb));
+    uint8_t* xp = scratch.data();
+    switch (t) {
+        case DType::Q4_1:
+            repack_q4<DType::Q4_1>(xq, nb, xp);
+            q4_rows_t1<DType::Q4_1>(wb, w_stride, nb, xp, y, r0, r1, pf_last);
+            return;
+        case DType::Q4_0:
+            repack_q4<DType::Q4_0>(xq, nb, xp);
+            q4_rows_t1<DType::Q4_0>(wb, w_stride, nb, xp, y, r0, r1, pf_last);
+            return;
+        default:
+            repack_q8(xq, nb, xp);
+            q8_rows_t1(wb, w_stride, nb, xp, y, r0, r1, pf_last);
+            return;
     }
 }
 
