@@ -472,24 +472,6 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
 // K-quants. Integer sums per super-block are exact; the float step is the
 // scalar level's expression, so results equal Isa::Scalar's bit for bit.
 
-// The 8 six-bit scales and the 8 six-bit mins of a Q4_K super-block, all at once:
-// the packing q4k_scale_min unpacks one at a time, as four 32-bit word operations
-// (byte k of each word is sub-block k's or k + 4's value).
-inline void q4k_scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-    uint32_t w0, w1, w2;
-    std::memcpy(&w0, s, 4);
-    std::memcpy(&w1, s + 4, 4);
-    std::memcpy(&w2, s + 8, 4);
-    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
-    const uint32_t sc03 = w0 & lo6, mn03 = w1 & lo6;
-    const uint32_t sc47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
-    const uint32_t mn47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
-    std::memcpy(sc, &sc03, 4);
-    std::memcpy(sc + 4, &sc47, 4);
-    std::memcpy(mn, &mn03, 4);
-    std::memcpy(mn + 4, &mn47, 4);
-}
-
 inline int hsum128_i32(__m128i s) {
     s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));

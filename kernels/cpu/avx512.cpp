@@ -32,8 +32,9 @@
 // "Tiles" below): the same numbers, with each weight chunk transposed once.
 // Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
-// F32/F16/BF16 weights and the K-quants use the AVX2 level's kernels (same
-// results as Isa::Avx2).
+// F32/F16/BF16 weights use the AVX2 level's kernels (same results as
+// Isa::Avx2); the K-quants too for one token, and tiles of their own for more
+// (see "K-quants" below; every level gives the scalar level's bits for them).
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
 // (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
@@ -1162,6 +1163,233 @@ void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, 
     }
 }
 
+// ---------------------------------------------------------------------------
+// K-quants: tiles of one row x up to 8 tokens, for passes of several tokens
+// (one token runs the AVX2 level's kernels, tuned for streaming weights).
+//
+// Each super-block's exact integer sums come from vpdpbusd on the row's values
+// unpacked once for the tile (64 per vector, in the order the activations'
+// quants already have); a vector's lanes hold 4-product sums (at most
+// 4 * 63 * 128), so packssdw keeps them exact and vpmaddwd / vpdpwssd apply
+// the 6- or 8-bit scales. The float step is the scalar level's expression, per
+// super-block, evaluated for the tile's tokens in the lanes of one vector (the
+// same IEEE operations per lane, no contraction): the bits are Isa::Scalar's,
+// as the AVX2 level's are.
+
+// From a and b each holding two rows' 8 lanes (lanes 0-7, 8-15): 128-bit lane
+// k = the partial sums of row k (a's rows 0, 1, b's 2, 3).
+inline __m512i add_halves8_epi32(const __m512i& a, const __m512i& b) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+
+// Lanes 0-7: the totals of the eight rows whose 4 partial sums are the 128-bit
+// lanes of w0 (rows 0-3) and w1 (rows 4-7).
+inline __m512i hsum_quads_epi32(const __m512i& w0, const __m512i& w1) {
+    const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi64(w0, w1), _mm512_unpackhi_epi64(w0, w1));
+    const __m512i t = _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_CDAB));  // dword 0: row k, dword 2: 4 + k
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 4, 8, 12, 2, 6, 10, 14), t);
+}
+
+// Lanes 0-7: the totals of v[0..7]'s 16 int32 lanes (exact: any order).
+inline __m512i hsum8_epi32(const __m512i* v) {
+    __m512i u[4], w[2];
+    for (int i = 0; i < 4; ++i) {
+        u[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 2; ++i) w[i] = add_halves8_epi32(u[2 * i], u[2 * i + 1]);
+    return hsum_quads_epi32(w[0], w[1]);
+}
+
+// The eight tokens' d (lanes 0-7; a missing token's lane is 0).
+template <int T>
+inline __m512 tokens_d(const BlockQ8_K* const* xr, int64_t b) {
+    alignas(64) float d[16] = {};
+    for (int j = 0; j < T; ++j) d[j] = xr[j][b].d;
+    return _mm512_load_ps(d);
+}
+
+// Lanes 0-7: sum_j mn_j * (bsums[2j] + bsums[2j + 1]) of each token (Q4_K's min term).
+// mins: the 8 mins as words 2j, 2j + 1 of both 256-bit halves.
+template <int T>
+inline __m512i q4k_min_sums(const BlockQ8_K* const* xr, int64_t b, const __m512i& mins) {
+    __m512i v[4];  // tokens 2q (lanes 0-7) and 2q + 1 (8-15)
+    for (int q = 0; q < 4; ++q) {
+        auto bsums = [&](int j) {
+            return j < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].bsums))
+                         : _mm256_setzero_si256();
+        };
+        v[q] = 2 * q < T ? _mm512_madd_epi16(
+                               _mm512_inserti64x4(_mm512_castsi256_si512(bsums(2 * q)), bsums(2 * q + 1), 1), mins)
+                         : _mm512_setzero_si512();
+    }
+    return hsum_quads_epi32(add_halves8_epi32(v[0], v[1]), add_halves8_epi32(v[2], v[3]));
+}
+
+template <int T>
+__attribute__((noinline)) void q4k_tiles(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr,
+                                         float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    // packssdw(P_2q, P_2q+1) holds, in 128-bit lane k, sub-block 4q + k / 2's sums
+    // (words 0-3) and 4q + 2 + k / 2's (words 4-7): the scale words to match.
+    alignas(64) uint16_t ia[32], ib[32], im[32];
+    for (int i = 0; i < 32; ++i) {
+        const int k = i / 8, m = i % 8;
+        ia[i] = static_cast<uint16_t>((m < 4 ? 0 : 2) + k / 2);
+        ib[i] = static_cast<uint16_t>(ia[i] + 4);
+        im[i] = static_cast<uint16_t>((i % 16) / 2);  // bsums 2j and 2j + 1 meet min j
+    }
+    const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib), idx_m = _mm512_load_si512(im);
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ4_K* wr = reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * w_stride);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            alignas(16) uint8_t sc[16], mn[16];
+            q4k_scales_mins(wr[b].scales, sc, mn);
+            const __m512i scw =
+                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+            const __m512i mnw =
+                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+            const __m512i sa = _mm512_permutexvar_epi16(idx_a, scw), sb = _mm512_permutexvar_epi16(idx_b, scw);
+            const __m512i mins = _mm512_permutexvar_epi16(idx_m, mnw);
+            __m512i q[4];  // values 64c..64c+63: sub-block 2c (low nibbles), 2c + 1 (high)
+            for (int c = 0; c < 4; ++c) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
+                q[c] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            }
+            __m512i sums[8];
+            for (int j = 0; j < 8; ++j) {
+                if (j >= T) {
+                    sums[j] = _mm512_setzero_si512();
+                    continue;
+                }
+                const int8_t* xq = xr[j][b].qs;
+                __m512i p[4];
+                for (int c = 0; c < 4; ++c)
+                    p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512(xq + 64 * c));
+                sums[j] = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p[0], p[1]), sa),
+                                              _mm512_packs_epi32(p[2], p[3]), sb);
+            }
+            const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
+            const __m512 summ = _mm512_cvtepi32_ps(q4k_min_sums<T>(xr, b, mins));
+            const __m512 xd = tokens_d<T>(xr, b);
+            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), xd);
+            const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].dmin)), xd);
+            s = _mm512_add_ps(s, _mm512_sub_ps(_mm512_mul_ps(d, sumi), _mm512_mul_ps(dm, summ)));
+        }
+        alignas(64) float out[16];
+        _mm512_store_ps(out, s);
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+    }
+}
+
+template <int T>
+__attribute__((noinline)) void q6k_tiles(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr,
+                                         float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    // qh's two bits for values 0-31 / 32-63 of a half (shifted left 4 / 2) and
+    // 64-95 / 96-127 (right 0 / 2), one vector of both halves each.
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    // packssdw(P_h0, P_h1): in 128-bit lane k, group 8h + k (words 0-3) and 8h + 4 + k (words 4-7).
+    alignas(64) uint16_t i0[32], i1[32];
+    for (int i = 0; i < 32; ++i) {
+        const int k = i / 8, m = i % 8;
+        i0[i] = static_cast<uint16_t>(k + (m < 4 ? 0 : 4));
+        i1[i] = static_cast<uint16_t>(i0[i] + 8);
+    }
+    const __m512i idx0 = _mm512_load_si512(i0), idx1 = _mm512_load_si512(i1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const __m512i scw = _mm512_castsi256_si512(
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[b].scales))));
+            const __m512i s0 = _mm512_permutexvar_epi16(idx0, scw), s1 = _mm512_permutexvar_epi16(idx1, scw);
+            // -32 * sum_g scale_g * bsums_g, from the bsums' 16 words in lanes 0-7.
+            const __m512i corr = _mm512_mullo_epi16(scw, _mm512_set1_epi16(-32));
+            __m512i q[2][2];  // [h][p]: values 128h + 64p .. + 63
+            for (int h = 0; h < 2; ++h) {
+                const __m512i l = _mm512_loadu_si512(wr[b].ql + 64 * h);
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh + 32 * h));
+                const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+                q[h][0] =
+                    _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh2, sh_lo), m30));
+                q[h][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi16(qh2, sh_hi), m30));
+            }
+            __m512i sums[8];
+            for (int j = 0; j < 8; ++j) {
+                if (j >= T) {
+                    sums[j] = _mm512_setzero_si512();
+                    continue;
+                }
+                const int8_t* xq = xr[j][b].qs;
+                __m512i p[2][2];
+                for (int h = 0; h < 2; ++h) {
+                    for (int pp = 0; pp < 2; ++pp) {
+                        p[h][pp] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[h][pp],
+                                                       _mm512_loadu_si512(xq + 128 * h + 64 * pp));
+                    }
+                }
+                const __m512i bs =
+                    _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].bsums)));
+                __m512i acc = _mm512_madd_epi16(bs, corr);
+                acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[0][0], p[0][1]), s0);
+                sums[j] = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[1][0], p[1][1]), s1);
+            }
+            const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
+            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), tokens_d<T>(xr, b));
+            s = _mm512_add_ps(s, _mm512_mul_ps(d, sumi));
+        }
+        alignas(64) float out[16];
+        _mm512_store_ps(out, s);
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+    }
+}
+
+template <int T>
+void k_tiles(DType t, const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr, float* y, size_t ldy,
+             int64_t r0, int64_t r1) {
+    if (t == DType::Q4_K) {
+        q4k_tiles<T>(w, w_stride, nb, xr, y, ldy, r0, r1);
+    } else {
+        q6k_tiles<T>(w, w_stride, nb, xr, y, ldy, r0, r1);
+    }
+}
+
+// Passes of two tokens or more; weights in row blocks that stay in L2 across
+// the tiles of a long pass.
+void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+                    float* y, size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 8;
+    const int64_t nb = n_in / kQKK;
+    const char* wb = static_cast<const char*>(w);
+    const char* xb = static_cast<const char*>(xq);
+    const int64_t rb = n_tok <= kT ? r1 - r0 : row_block(w_stride);
+    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+        const int64_t b1 = std::min(r1, b0 + rb);
+        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+            const BlockQ8_K* xr[kT];
+            for (int j = 0; j < kT; ++j) {
+                xr[j] = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(std::min(t0 + j, n_tok - 1)) *
+                                                                    xq_stride);
+            }
+            float* yt = y + static_cast<size_t>(t0) * ldy;
+            switch (std::min(kT, n_tok - t0)) {
+                case 8: k_tiles<8>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 7: k_tiles<7>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 6: k_tiles<6>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 5: k_tiles<5>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 4: k_tiles<4>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 3: k_tiles<3>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                case 2: k_tiles<2>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+                default: k_tiles<1>(t, wb, w_stride, nb, xr, yt, ldy, b0, b1); break;
+            }
+        }
+    }
+}
+
 void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                 float* y, size_t ldy, int64_t r0, int64_t r1) {
     if (n_tok >= 2) {
@@ -1309,6 +1537,16 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
     switch (wtype) {
         case DType::Q4_0: case DType::Q4_1: case DType::Q8_0:
             matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            return;
+        case DType::Q4_K:
+        case DType::Q6_K:
+            // Both levels give the scalar level's bits, so the faster one is taken:
+            // AVX2's for one token (streaming weights) and for Q4_K pairs.
+            if (n_tok >= (wtype == DType::Q4_K ? 3 : 2)) {
+                matmul_k_tiles(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            } else {
+                avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            }
             return;
         default:
             avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
