@@ -13,6 +13,8 @@ namespace {
 
 // Batches of at most this many tokens run with replicated per-token work.
 constexpr int64_t kReplicateTokens = 8;
+// Attention reads each KV block once for up to this many rows of one sequence.
+constexpr int64_t kAttnRows = 8;
 
 // A growable 64-byte aligned buffer.
 class Buf {
@@ -46,13 +48,16 @@ struct CpuBackend::Scratch {
     std::vector<int32_t> seq;         // [T] sequence index
     std::vector<const KvSeq*> seqs;   // per sequence
     std::vector<int64_t> out_rows;    // token indices whose logits are wanted
+    // Attention's work items, times the heads: runs of consecutive tokens of one
+    // sequence, at most kAttnRows long ({first token, count}).
+    std::vector<std::pair<int64_t, int64_t>> spans;
     float* logits = nullptr;
 
     // x, xn, hs and xq hold one copy per thread when `replicate` (see run()).
     Buf x, xn, hs, q, k, v, att, tmp, gate, up, xq, scores;
     bool replicate = false;
     size_t xq_stride = 0;
-    int64_t scores_n = 0;  // floats of attention scores per thread
+    int64_t scores_n = 0;  // floats of attention scores per row (kAttnRows rows per thread)
     // set_interrupt's check, for this pass (null: none); stop[l]: stop before layer
     // l (written by thread 0 before the last barrier of layer l - 1, read by every
     // thread after it).
@@ -176,7 +181,19 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
     s.scores_n = (max_ctx + 15) / 16 * 16;
-    s.scores.get(sizeof(float) * threads_.size() * s.scores_n);
+    s.scores.get(sizeof(float) * threads_.size() * kAttnRows * s.scores_n);
+    // Spans as long as leave every thread four items or more; any length gives
+    // the same results (see run()).
+    int64_t span_rows = kAttnRows;
+    const int64_t min_items = 4 * static_cast<int64_t>(threads_.size());
+    while (span_rows > 1 && (T + span_rows - 1) / span_rows * c.n_head < min_items) span_rows /= 2;
+    s.spans.clear();
+    for (int64_t i = 0; i < T;) {
+        int64_t n = 1;
+        while (n < span_rows && i + n < T && s.seq[i + n] == s.seq[i]) ++n;
+        s.spans.emplace_back(i, n);
+        i += n;
+    }
 
     s.interrupt = interrupt_ ? &interrupt_ : nullptr;
     s.stop.assign(static_cast<size_t>(c.n_layer) + 1, 0);
@@ -319,39 +336,56 @@ void CpuBackend::run(int tid, int nth) {
         }
         threads_.barrier();
 
-        // Attention: one (token, head) item at a time, positions in order, one
-        // KV block (16 positions) per kernel call.
+        // Attention: one (span, head) item at a time, a span being up to kAttnRows
+        // consecutive tokens of one sequence (a verify row, a prefill chunk): each
+        // KV block (16 positions) is read once for all the span's rows that reach
+        // it. Every (token, head) still meets its positions in order through the
+        // same kernel calls, one block per call, so its result is what it would be
+        // alone.
         {
             int64_t a0, a1;
-            ThreadPool::split(T * NH, tid, nth, a0, a1);
-            float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * s.scores_n;
+            ThreadPool::split(static_cast<int64_t>(s.spans.size()) * NH, tid, nth, a0, a1);
+            float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * kAttnRows * s.scores_n;
             for (int64_t it = a0; it < a1; ++it) {
-                const int64_t i = it / NH, h = it % NH;
+                const auto [first, rows] = s.spans[static_cast<size_t>(it / NH)];
+                const int64_t h = it % NH;
                 const int32_t kvh = static_cast<int32_t>(h / group);
-                const float* qh = q + i * Q + h * HD;
-                const std::vector<int32_t>& blocks = s.seqs[s.seq[i]]->blocks();
-                const int64_t n_ctx = s.pos[i] + 1;
-                for (int64_t j = 0; j < n_ctx; j += bt) {
-                    const int64_t n = std::min<int64_t>(bt, n_ctx - j);
+                const std::vector<int32_t>& blocks = s.seqs[s.seq[first]]->blocks();
+                // Positions grow along a span: its last row sees the most.
+                const int64_t n_max = s.pos[first + rows - 1] + 1;
+                auto n_ctx = [&](int64_t r) { return s.pos[first + r] + 1; };
+                auto row_sc = [&](int64_t r) { return sc + r * s.scores_n; };
+                for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
-                    if (!quant)
-                        cpu::attn_scores_f16(isa, qh, pool_.k16(b, li, kvh), HD, n, HD, scale, sc + j);
-                    else
-                        cpu::attn_scores_q(isa, qt, qh, pool_.k(b, li, kvh), pool_.k_scales(b, li, kvh), HD, n, HD, scale,
-                                           sc + j);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        if (j >= n_ctx(r)) continue;
+                        const int64_t n = std::min<int64_t>(bt, n_ctx(r) - j);
+                        const float* qh = q + (first + r) * Q + h * HD;
+                        if (!quant)
+                            cpu::attn_scores_f16(isa, qh, pool_.k16(b, li, kvh), HD, n, HD, scale, row_sc(r) + j);
+                        else
+                            cpu::attn_scores_q(isa, qt, qh, pool_.k(b, li, kvh), pool_.k_scales(b, li, kvh), HD, n, HD,
+                                               scale, row_sc(r) + j);
+                    }
                 }
-                cpu::softmax(isa, sc, n_ctx);
-                // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
-                cpu::round_fp16(isa, sc, n_ctx);
-                float* out = att + i * Q + h * HD;
-                std::memset(out, 0, sizeof(float) * HD);
-                for (int64_t j = 0; j < n_ctx; j += bt) {
-                    const int64_t n = std::min<int64_t>(bt, n_ctx - j);
+                for (int64_t r = 0; r < rows; ++r) {
+                    cpu::softmax(isa, row_sc(r), n_ctx(r));
+                    // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
+                    cpu::round_fp16(isa, row_sc(r), n_ctx(r));
+                    std::memset(att + (first + r) * Q + h * HD, 0, sizeof(float) * HD);
+                }
+                for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
-                    if (!quant)
-                        cpu::attn_accum_f16(isa, sc + j, pool_.v16(b, li, kvh), HD, n, HD, out);
-                    else
-                        cpu::attn_accum_q(isa, qt, sc + j, pool_.v(b, li, kvh), pool_.v_scales(b, li, kvh), HD, n, HD, out);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        if (j >= n_ctx(r)) continue;
+                        const int64_t n = std::min<int64_t>(bt, n_ctx(r) - j);
+                        float* out = att + (first + r) * Q + h * HD;
+                        if (!quant)
+                            cpu::attn_accum_f16(isa, row_sc(r) + j, pool_.v16(b, li, kvh), HD, n, HD, out);
+                        else
+                            cpu::attn_accum_q(isa, qt, row_sc(r) + j, pool_.v(b, li, kvh), pool_.v_scales(b, li, kvh),
+                                              HD, n, HD, out);
+                    }
                 }
             }
         }
