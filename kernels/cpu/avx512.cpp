@@ -572,6 +572,79 @@ inline __m512 q4_tails8(const uint8_t* t, size_t stride, int n, const Q4Tail<W>&
     return q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(xt.dx), _mm512_load_ps(xt.sx)));
 }
 
+// One row's tail against T tokens: out[j] = v_0 + v_1 for token j. dx4/sx4
+// hold, per four tokens q, lane 4k + i = d_x / s_x of tail block k of token
+// 4q + i (k < 2; zero elsewhere), see q4_tail_token_scales.
+template <DType W, int T>
+inline void q4_tail_tokens(const uint8_t* t, const Q4Tail<W>& tl, const XChunk4* const* xc, int64_t c,
+                           const float (*dx4)[16], const float (*sx4)[16], float* out) {
+    __m512i dm = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
+    // Slots 0-1 hold the row, 2-3 nothing; group j of the tree is token 4q + j.
+    const __m512i a = _mm512_maskz_loadu_epi8(tl.bytes, t);
+    dm = _mm512_mask_permutexvar_epi16(dm, Q4Tail<W>::dm_a(0) * 0xF, tl.idx_dm, a);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i qs = q4_gather_qs<W>(a, tl.idx_qs, zero);
+    const __m512i lo = _mm512_and_si512(qs, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+    for (int q = 0; q < (T + 3) / 4; ++q) {
+        __m512i p[4];
+        for (int i = 0; i < 4; ++i) p[i] = 4 * q + i < T ? q4_group_dot(lo, hi, xc[4 * q + i][c], 0) : zero;
+        const __m512i s = pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3]));
+        alignas(64) float v[16];
+        _mm512_store_ps(v, q4_tail_pair_sums(q4_tail_values<W>(s, dm, _mm512_load_ps(dx4[q]), _mm512_load_ps(sx4[q]))));
+        for (int i = 0; i < 4 && 4 * q + i < T; ++i) out[4 * q + i] = v[i];
+    }
+}
+
+template <int T>
+inline void q4_tail_token_scales(const XChunk4* const* xc, int64_t c, float (*dx4)[16], float (*sx4)[16]) {
+    for (int q = 0; q < (T + 3) / 4; ++q) {
+        for (int l = 0; l < 16; ++l) {
+            const int k = l / 4, j = 4 * q + l % 4;
+            const bool on = k < 2 && j < T;
+            dx4[q][l] = on ? xc[j][c].dx[4 * k] : 0.0f;
+            sx4[q][l] = on ? xc[j][c].sx[4 * k] : 0.0f;
+        }
+    }
+}
+
+// Passes of 2 or 3 tokens (see matmul_q32).
+template <DType W, int T>
+__attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride,
+                                       float* y, size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const bool short_tail = q4_short_tail_rows(nb);
+    const __m512i idx_qs = q4_idx_qs<W>();
+    const __m512i idx_dm = idx_words(W == DType::Q4_1 ? kQ41Dm : kQ40Dm);
+    const Q4Tail<W> tl(static_cast<int>(ntail));
+    const XChunk4* xc[T];
+    for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk4*>(xp + static_cast<size_t>(j) * xp_stride);
+    alignas(64) float dx4[(T + 3) / 4][16], sx4[(T + 3) / 4][16];
+    if (short_tail) q4_tail_token_scales<T>(xc, nfull, dx4, sx4);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
+        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
+        __m512 acc[T];
+        for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc, pf);
+        const uint8_t* tail = wr + nfull * 16 * kBB;
+        float tails[T] = {};
+        if (short_tail) {
+            q4_tail_tokens<W, T>(tail, tl, xc, nfull, dx4, sx4, tails);
+        } else if (ntail != 0) {
+            q4_chunk_tail<W, T>(tail, ntail, xc, nfull, idx_qs, idx_dm, acc);
+        }
+        for (int j = 0; j < T; ++j) {
+            const float h = hsum(acc[j]);
+            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = short_tail ? h + tails[j] : h;
+        }
+    }
+}
+
 // One token (decode): one row's chunks as q4_chunk_full<W, 1> / q4_chunk_tail<W, 1>, 16 rows at
 // a time: their final sums in one hsum16 and, for short tails, their tails in
 // two q4_tails8 chunks.
@@ -702,6 +775,28 @@ inline void q8_chunk_tail(const uint8_t* wc, int64_t ntail, const XChunk8* const
             const __m512i d = _mm512_dpbusd_epi32(_mm512_load_si512(x.init[p]), wq, _mm512_load_si512(x.q[p]));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, _mm512_load_ps(x.dxr[p])), acc[j]);
         }
+    }
+}
+
+// Passes of 2 or 3 tokens (see matmul_q32).
+template <int T>
+__attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, size_t xp_stride,
+                                       float* y, size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
+    const int64_t nfull = nb / 16;
+    const int64_t ntail = nb % 16;
+    const __m512i idx_dm = idx_words(kQ80Dm);
+    const __m512i idx_d = idx_words(kQ80D);
+    const XChunk8* xc[T];
+    for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk8*>(xp + static_cast<size_t>(j) * xp_stride);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * 34, pf_last);
+        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
+        __m512 acc[T];
+        for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+        if (ntail != 0) q8_chunk_tail<T>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
+        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
     }
 }
 
@@ -1390,9 +1485,26 @@ void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const
     }
 }
 
+// Passes of 2 or 3 tokens run the one-token layout's kernels with a row's sums
+// for all the tokens at once (q4_rows, q8_rows): their work per row is less
+// than a tile's transposition, tail gathering and hsum8 for so few tokens,
+// which measured 1.2-1.3x slower there in the model's passes (weights streamed
+// from memory, Zen 4). All three give the same bits.
+constexpr int kFewTokens = 3;
+
+template <int T>
+void few_tokens(DType t, const char* wb, size_t w_stride, int64_t nb, const uint8_t* xp, size_t tok_bytes, float* y,
+                size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
+    switch (t) {
+        case DType::Q4_1: q4_rows<DType::Q4_1, T>(wb, w_stride, nb, xp, tok_bytes, y, ldy, r0, r1, pf_last); return;
+        case DType::Q4_0: q4_rows<DType::Q4_0, T>(wb, w_stride, nb, xp, tok_bytes, y, ldy, r0, r1, pf_last); return;
+        default: q8_rows<T>(wb, w_stride, nb, xp, tok_bytes, y, ldy, r0, r1, pf_last); return;
+    }
+}
+
 void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                 float* y, size_t ldy, int64_t r0, int64_t r1) {
-    if (n_tok >= 2) {
+    if (n_tok > kFewTokens) {
         switch (t) {
             case DType::Q4_1:
                 matmul_tiles<DType::Q4_1>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
@@ -1403,28 +1515,34 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
             default: matmul_tiles<DType::Q8_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
         }
     }
-    // One token (decode): one pass over the rows, whose weights come from memory; prefetch them.
+    // Up to kFewTokens: one pass over the rows, whose weights come from memory; prefetch them.
     const int64_t nb = n_in / kQK;
     const char* wb = static_cast<const char*>(w);
     const uintptr_t pf_last = r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
     if (pf_last != 0) {
         prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
     }
-    Scratch scratch(t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb));
+    const size_t tok_bytes = t == DType::Q8_0 ? q8_token_bytes(nb) : q4_token_bytes(nb);
+    Scratch scratch(static_cast<size_t>(n_tok) * tok_bytes);
     uint8_t* xp = scratch.data();
+    for (int j = 0; j < n_tok; ++j) {
+        const void* xr = static_cast<const char*>(xq) + static_cast<size_t>(j) * xq_stride;
+        uint8_t* out = xp + static_cast<size_t>(j) * tok_bytes;
+        switch (t) {
+            case DType::Q4_1: repack_q4<DType::Q4_1>(xr, nb, out); break;
+            case DType::Q4_0: repack_q4<DType::Q4_0>(xr, nb, out); break;
+            default: repack_q8(xr, nb, out); break;
+        }
+    }
+    switch (n_tok) {
+        case 3: few_tokens<3>(t, wb, w_stride, nb, xp, tok_bytes, y, ldy, r0, r1, pf_last); return;
+        case 2: few_tokens<2>(t, wb, w_stride, nb, xp, tok_bytes, y, ldy, r0, r1, pf_last); return;
+        default: break;
+    }
     switch (t) {
-        case DType::Q4_1:
-            repack_q4<DType::Q4_1>(xq, nb, xp);
-            q4_rows_t1<DType::Q4_1>(wb, w_stride, nb, xp, y, r0, r1, pf_last);
-            return;
-        case DType::Q4_0:
-            repack_q4<DType::Q4_0>(xq, nb, xp);
-            q4_rows_t1<DType::Q4_0>(wb, w_stride, nb, xp, y, r0, r1, pf_last);
-            return;
-        default:
-            repack_q8(xq, nb, xp);
-            q8_rows_t1(wb, w_stride, nb, xp, y, r0, r1, pf_last);
-            return;
+        case DType::Q4_1: q4_rows_t1<DType::Q4_1>(wb, w_stride, nb, xp, y, r0, r1, pf_last); return;
+        case DType::Q4_0: q4_rows_t1<DType::Q4_0>(wb, w_stride, nb, xp, y, r0, r1, pf_last); return;
+        default: q8_rows_t1(wb, w_stride, nb, xp, y, r0, r1, pf_last); return;
     }
 }
 
