@@ -28,7 +28,8 @@
 //   except that a Q4 row with 1-2 blocks left (a "short tail", as SmolLM2's 576
 //   = 16 + 2 blocks) ends as hsum(acc) + (v_0 + v_1), one float v_t per tail
 //   block (see q4_tails8); decode gathers 8 rows' tails into one chunk.
-// Passes of two tokens or more run as tiles (one row x up to 8 tokens, see
+// Passes of 2-3 tokens take a row's sums for all their tokens at once
+// (q4_rows, q8_rows); of four or more, tiles (one row x up to 8 tokens, see
 // "Tiles" below): the same numbers, with each weight chunk transposed once.
 // Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
@@ -828,7 +829,7 @@ __attribute__((noinline)) void q8_rows_t1(const char* w, size_t w_stride, int64_
 }
 
 // ---------------------------------------------------------------------------
-// Tiles: one row x T <= 8 tokens, for passes of two tokens or more.
+// Tiles: one row x T <= 8 tokens, for passes of four tokens or more.
 //
 // Most of the work per token of the one-token kernels is reduction, not
 // products: a Q4 group's vpdpbusd leaves each block's products in four lanes,
@@ -873,9 +874,9 @@ static_assert(sizeof(XtChunk8) == 640);
 // Short tails in tiles: the tail blocks (t = 0, 1) of up to 8 tokens, one
 // lane per (t, token): lane 8t + j. The row's side (q4_tail_tile) puts block
 // t's dword i in lanes 8t..8t+7 of column i, so one chunk's worth of vpdpbusd
-// gives every S_t of the tile's tokens; v_t and v_0 + v_1 are then formed as
-// q4_tail_values and q4_tail_pair_sums form them (zeros for a missing second
-// block or token, as there).
+// gives every S_t of the tile's tokens; v_t is then formed by q4_tail_values
+// and v_0 + v_1 by one add (zeros for a missing second block or token, as in
+// q4_tails8).
 struct alignas(64) XtTail4 {
     int8_t lo[4][64];  // [i][4L + t']: quant 4i + t' of tail block L / 8 of token L % 8
     int8_t hi[4][64];  // its quant 16 + 4i + t'
@@ -1209,8 +1210,9 @@ void tiles_dispatch(int n, const char* w, size_t w_stride, int64_t nb, const uin
     }
 }
 
-// Passes of two tokens or more: tiles of up to 8 tokens (the 16 accumulators
-// hsum16 takes hold 8 and live sums for 8 more fit the registers).
+// Passes of four tokens or more (see matmul_q32): tiles of up to 8 tokens (8
+// float accumulators, which hsum8 sums at once, and 8 live integer sums fit the
+// registers beside a chunk's columns).
 template <DType W>
 void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok, float* y,
                   size_t ldy, int64_t r0, int64_t r1) {
@@ -1453,8 +1455,8 @@ void k_tiles(DType t, const char* w, size_t w_stride, int64_t nb, const BlockQ8_
     }
 }
 
-// Passes of two tokens or more; weights in row blocks that stay in L2 across
-// the tiles of a long pass.
+// Passes of several tokens (see matmul); weights in row blocks that stay in L2
+// across the tiles of a long pass.
 void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                     float* y, size_t ldy, int64_t r0, int64_t r1) {
     constexpr int kT = 8;
