@@ -421,29 +421,38 @@ inline void q4_chunk_float(const __m512i& dm, const __m512i& s, const XChunk4& x
     }
 }
 
+// Group g (blocks 4g..4g+3) of a full chunk: prefetches its line(s) ahead,
+// merges its scales into dm and returns its quants with block 4g + k's 16
+// bytes in 128-bit lane k.
+template <DType W>
+inline __m512i q4_full_group(const uint8_t* wc, int g, const __m512i& idx_qs, const __m512i& idx_dm, __m512i* dm,
+                             RowPrefetch pf) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    // One line per 64 bytes of the chunk (320 for Q4_1, 288 for Q4_0).
+    prefetch_ahead(wc + 64 * g, pf);
+    if (g == 3) prefetch_ahead(wc + 256, pf);
+    const uint8_t* p = wc + 4 * g * kBB;
+    const __m512i a = _mm512_loadu_si512(p);
+    __m512i b;
+    if constexpr (W == DType::Q4_1) {
+        b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
+    } else {
+        b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
+    }
+    const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
+    *dm = _mm512_mask_permutexvar_epi16(*dm, mask, idx_dm, a);
+    return q4_gather_qs<W>(a, idx_qs, b);
+}
+
 // A full chunk (16 blocks) of one row against T tokens.
 template <DType W, int T>
 inline void q4_chunk_full(const uint8_t* wc, const XChunk4* const* xc, int64_t c, const __m512i& idx_qs,
                           const __m512i& idx_dm, __m512* acc, RowPrefetch pf) {
-    constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
     __m512i l01[T], l23[T];
     for (int g = 0; g < 4; ++g) {
-        // One line per 64 bytes of the chunk (320 for Q4_1, 288 for Q4_0).
-        prefetch_ahead(wc + 64 * g, pf);
-        if (g == 3) prefetch_ahead(wc + 256, pf);
-        const uint8_t* p = wc + 4 * g * kBB;
-        const __m512i a = _mm512_loadu_si512(p);
-        __m512i b;
-        if constexpr (W == DType::Q4_1) {
-            b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-        } else {
-            b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
-        }
-        const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
-        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
-        const __m512i qs = q4_gather_qs<W>(a, idx_qs, b);
+        const __m512i qs = q4_full_group<W>(wc, g, idx_qs, idx_dm, &dm, pf);
         const __m512i lo = _mm512_and_si512(qs, m4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
         for (int j = 0; j < T; ++j) {
@@ -953,25 +962,10 @@ struct Q4Cols {
 
 template <DType W>
 inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, RowPrefetch pf) {
-    constexpr int kBB = Q4Traits<W>::kBlockBytes;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
-    __m512i q[4];
-    for (int g = 0; g < 4; ++g) {
-        prefetch_ahead(wc + 64 * g, pf);
-        if (g == 3) prefetch_ahead(wc + 256, pf);
-        const uint8_t* p = wc + 4 * g * kBB;
-        const __m512i a = _mm512_loadu_si512(p);
-        __m512i b;
-        if constexpr (W == DType::Q4_1) {
-            b = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)));
-        } else {
-            b = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64)));
-        }
-        const __mmask32 mask = W == DType::Q4_1 ? (0x11111111u << g) : (0x1111u << g);
-        dm = _mm512_mask_permutexvar_epi16(dm, mask, idx_dm, a);
-        q[g] = q4_gather_qs<W>(a, idx_qs, b);  // 128-bit lane k: block 4g + k, dword i = its bytes 4i..4i+3
-    }
+    __m512i q[4];  // 128-bit lane k: block 4g + k, dword i = its bytes 4i..4i+3
+    for (int g = 0; g < 4; ++g) q[g] = q4_full_group<W>(wc, g, idx_qs, idx_dm, &dm, pf);
     // A 4 x 4 dword transpose in each 128-bit lane k: column i's dword g = q[g]'s dword i,
     // so lane 4k + g holds block 4g + k = q4_lane_block(4k + g).
     const __m512i t0 = _mm512_unpacklo_epi32(q[0], q[1]), t1 = _mm512_unpackhi_epi32(q[0], q[1]);
