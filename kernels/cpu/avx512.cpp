@@ -73,46 +73,47 @@ inline float hsum(__m512 v) {
     return _mm_cvtss_f32(s4);
 }
 
+// The stages of hsum16 / hsum8, each adding the lanes of two registers' rows in
+// hsum's pairings:
+// lanes 0-7: row a's l + (l+8); lanes 8-15: row b's.
+inline __m512 add_halves(const __m512& a, const __m512& b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+// From two add_halves results (rows r, r+1 and r+2, r+3): 128-bit lane k = row r + k, l + (l+4).
+inline __m512 add_quarters(const __m512& a, const __m512& b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+// Within each 128-bit lane: [a: l0+l2, l1+l3, b: l0+l2, l1+l3].
+inline __m512 add_pairs(const __m512& a, const __m512& b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+// Within each 128-bit lane: [a: l0+l1, l2+l3, b: l0+l1, l2+l3].
+inline __m512 add_neighbours(const __m512& a, const __m512& b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
 // hsum of 16 vectors at once (lane i = hsum(v[i]) bit for bit): the same
 // pairings, (l, l+8), (l, l+4), (l, l+2), (l, l+1), done across registers.
 inline __m512 hsum16(const __m512* v) {
     __m512 u[8], w[4], z[2];
-    for (int i = 0; i < 8; ++i) {  // lanes 0-7: row 2i, l + (l+8); lanes 8-15: row 2i+1
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    }
-    for (int i = 0; i < 4; ++i) {  // 128-bit lane k: row 4i + k, l + (l+4)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    }
-    for (int i = 0; i < 2; ++i) {  // lane k: [row 8i+k: l0+l2, l1+l3, row 8i+4+k: l0+l2, l1+l3]
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-    }
+    for (int i = 0; i < 8; ++i) u[i] = add_halves(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) w[i] = add_quarters(u[2 * i], u[2 * i + 1]);  // 128-bit lane k: row 4i + k
+    for (int i = 0; i < 2; ++i) z[i] = add_pairs(w[2 * i], w[2 * i + 1]);     // lane k: rows 8i + k, 8i + 4 + k
     // lane 4k + m: row 4m + k; permute to row order.
-    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, t);
+    return _mm512_permutexvar_ps(order, add_neighbours(z[0], z[1]));
 }
 
 // hsum of 8 vectors at once (lane i < 8 = hsum(v[i]) bit for bit; lanes 8-15
 // repeat them): hsum16's pairings for half as many rows.
 inline __m512 hsum8(const __m512* v) {
     __m512 u[4], w[2];
-    for (int i = 0; i < 4; ++i) {  // lanes 0-7: row 2i, l + (l+8); lanes 8-15: row 2i+1
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    }
-    for (int i = 0; i < 2; ++i) {  // 128-bit lane k: row 4i + k, l + (l+4)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    }
-    // lane k: [row k: l0+l2, l1+l3, row 4+k: l0+l2, l1+l3]
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    for (int i = 0; i < 4; ++i) u[i] = add_halves(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) w[i] = add_quarters(u[2 * i], u[2 * i + 1]);  // 128-bit lane k: row 4i + k
+    const __m512 z = add_pairs(w[0], w[1]);                                   // lane k: rows k, 4 + k
     // 128-bit lane k: rows k, 4 + k, k, 4 + k; permute to row order.
-    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z, z, 0x88), _mm512_shuffle_ps(z, z, 0xDD));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12, 1, 5, 9, 13);
-    return _mm512_permutexvar_ps(order, t);
+    return _mm512_permutexvar_ps(order, add_neighbours(z, z));
 }
 
 // Scratch for repacked activations: on the stack when small, else the heap.
