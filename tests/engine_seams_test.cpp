@@ -183,6 +183,12 @@ namespace {
 PrefillJobView job(uint64_t deadline, int64_t remaining, bool looked_up = true, bool follows = false) {
     return {deadline, remaining, looked_up, follows};
 }
+// A job whose prompt may not end in this pass (kv_split: no room where it goes).
+PrefillJobView no_end(uint64_t deadline, int64_t remaining) {
+    PrefillJobView v = job(deadline, remaining);
+    v.may_end = false;
+    return v;
+}
 
 }  // namespace
 
@@ -275,6 +281,17 @@ TEST(PrefillScheduler, PacksTheBudgetByDeadline) {
         {"no lookup past a shortage's one", {job(1, 100), job(2, 100, false)}, 512, true, -1, {{0, 100}}},
         {"a follower is not looked up", {job(1, 100), job(2, 100, false, true)}, 512, false, -1, {{0, 100}}},
         {"zero budget", {job(1, 100)}, 0, false, -1, {}},
+        {"one that may not end is left out", {no_end(1, 100), job(2, 100)}, 512, false, -1, {{1, 100}}},
+        {"its budget goes to the next", {no_end(1, 300), job(2, 400)}, 512, false, -1, {{1, 400}}},
+        {"one that may not end is chunked", {no_end(1, 600), job(2, 100)}, 512, false, -1, {{0, 512}}},
+        {"left out where the budget would end it",
+         {job(1, 412), no_end(2, 100), job(3, 50)},
+         512,
+         false,
+         -1,
+         {{0, 412}, {2, 50}}},
+        {"ends it not, budget cut short", {job(1, 412), no_end(2, 101)}, 512, false, -1, {{0, 412}, {1, 100}}},
+        {"after a shortage, the next may run", {no_end(1, 100), job(2, 100)}, 512, true, -1, {{1, 100}}},
     };
     for (const Case& c : cases) {
         const PrefillPlan p = plan_prefill(c.jobs, c.budget, c.one);

@@ -842,3 +842,49 @@ TEST(Serving, PerRoleArenasCopyEachHandOffIntoDecodesArena) {
     }
     for (uint32_t s = 0; s < t.n_slots(); ++s) EXPECT_EQ(t.state(s), shm::ReqState::Free);
 }
+
+// Per-role arenas with a decode arena too small for every hand-off at once: a pass
+// that would end a prompt whose blocks find no room in decode's arena is planned
+// without it (PrefillJobView::may_end), and the prompt ends in a later pass, once
+// decode has freed blocks. Every output is still the engine's.
+TEST(Serving, APromptWaitsForRoomInDecodesArena) {
+    Serving sv;
+    sv.start(1, 1, /*kv_split=*/true, /*n_blocks=*/12);
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_EQ(sv.inst.n_arenas(), 2u);
+    WorkerOptions po;
+    po.prefill_budget = 64;
+    pid_t prefill = sv.spawn(true, 0, po);
+    pid_t dec = sv.spawn(false, 1, WorkerOptions{});
+    ChildReaper reaper{{&prefill, &dec}};
+    std::vector<std::vector<int32_t>> prompts, want;
+    engine_reference(prompts, want);
+    if (::testing::Test::HasFatalFailure()) return;
+    shm::RequestTable& t = sv.inst.requests();
+    std::vector<shm::ReqRef> reqs;
+    std::vector<uint32_t> sent;
+    for (size_t i = 0; i < 8; ++i) {  // every slot
+        reqs.push_back(sv.submit(prompts[i % prompts.size()]));
+        sent.push_back(t.attempt(reqs.back().slot));
+    }
+    const auto all_ended = [&] {
+        return std::all_of(reqs.begin(), reqs.end(), [&](shm::ReqRef r) { return sv.ended(r); });
+    };
+    for (int k = 0; k < 60000 && !all_ended(); ++k) {
+        usleep(1000);
+        // The front's part: a preempted request (QUEUED at a new attempt) is sent again.
+        for (size_t i = 0; i < reqs.size(); ++i)
+            if (t.is(reqs[i], shm::ReqState::Queued) && t.attempt(reqs[i].slot) != sent[i]) {
+                sent[i] = t.attempt(reqs[i].slot);
+                sv.send(reqs[i]);
+            }
+    }
+    for (size_t i = 0; i < reqs.size(); ++i)
+        EXPECT_EQ(sv.collect(reqs[i]), want[i % prompts.size()]) << kPrompts[i % prompts.size()];
+    sv.flags->stop.store(true);
+    for (pid_t* p : {&prefill, &dec}) {
+        EXPECT_EQ(wait_exit(*p), 0);
+        *p = 0;
+    }
+    for (uint32_t a = 0; a < 2; ++a) EXPECT_EQ(sv.inst.arena(a).census().held, 0u) << "arena " << a;
+}

@@ -22,10 +22,12 @@ PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, b
             plan.entries.clear();
             return plan;
         }
-        if (plan.entries.empty() && !j.urgent && lesser_budget > 0) budget = std::min(budget, lesser_budget);
-        const int64_t n = std::min(budget, j.remaining);
+        const int64_t b =
+            plan.entries.empty() && !j.urgent && lesser_budget > 0 ? std::min(budget, lesser_budget) : budget;
+        const int64_t n = std::min(b, j.remaining);
+        if (n == j.remaining && !j.may_end) continue;
         plan.entries.push_back({k, n});
-        budget -= n;
+        budget = b - n;
     }
     return plan;
 }

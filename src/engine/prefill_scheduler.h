@@ -22,6 +22,9 @@ struct PrefillJobView {
     bool looked_up = false;  // the prefix cache was consulted (it may lower remaining)
     bool follows = false;    // waits for another job's blocks (PrefillWorker::follows)
     bool urgent = false;     // of the critical class (engine/scheduling.h)
+    // false: its prompt may not end in this pass, which then leaves it out where it
+    // would (kv_split: the decode arena it goes to has no room for it now).
+    bool may_end = true;
 };
 
 struct PrefillEntry {
@@ -38,6 +41,8 @@ struct PrefillPlan {
     std::vector<PrefillEntry> entries;  // in deadline order
 };
 
+// A job that may not end (may_end false) is left out of a pass that would end its
+// prompt, and its share of the budget goes to the jobs after it.
 // budget: tokens in the pass; one_at_a_time: the previous pass ran out of KV blocks
 // (only the earliest deadline runs until a pass succeeds); lesser_budget: the budget
 // of a pass not led by an urgent job (<= 0: budget), so that an urgent request
@@ -82,7 +87,8 @@ PrefillShortage plan_prefill_shortage(std::span<const PrefillKvView> jobs, std::
 // Prefill's scheduling state across passes: the shortage mode (one job at a time,
 // no new ones) that a pass short of KV blocks enters and a pass that ran leaves.
 // The worker asks it for each pass's plan and tells it each pass's outcome; it
-// never edits a plan.
+// never edits a plan (a fact that changes one, such as a lookup's cached blocks or
+// no room where a prompt's KV goes, is put in the views and the pass planned again).
 class PrefillScheduler {
 public:
     // The next pass's plan (plan_prefill in the current mode).

@@ -535,41 +535,50 @@ bool PrefillWorker::swap_in() {
 // one's still being computed waits for it, then takes its blocks from the prefix
 // cache (n > 1 choices, or the same prompt sent twice at once). The plan asks for
 // each prefix lookup as the budget reaches the job.
+// kv_split: a request whose prompt the pass ends goes to a decode worker that keeps
+// its KV elsewhere, and the pass copies its blocks there, each layer as soon as it
+// is written. Blocks there are reserved for each such request the plan holds; one
+// that finds no room may not end in this pass (it waits for a later one: decode
+// frees blocks as its sequences finish), and the pass is planned again without it.
+// A request holding a reservation that the final plan does not end gives it back.
 PrefillPlan PrefillWorker::plan_pass(int64_t cap) {
     std::vector<PrefillJobView> views(jobs_.size());
+    std::vector<bool> no_room(jobs_.size(), false);
     int64_t lesser = lesser_budget();
     if (cap > 0) lesser = lesser > 0 ? std::min(lesser, cap) : cap;
     for (;;) {
         for (size_t k = 0; k < jobs_.size(); ++k)
-            views[k] = {jobs_[k].deadline_ns, static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
-                        jobs_[k].looked_up, follows(k) || jobs_[k].swapped > 0, jobs_[k].params.critical()};
+            views[k] = {jobs_[k].deadline_ns,       static_cast<int64_t>(jobs_[k].all.size() - jobs_[k].done),
+                        jobs_[k].looked_up,         follows(k) || jobs_[k].swapped > 0,
+                        jobs_[k].params.critical(), !no_room[k]};
         PrefillPlan plan = sched_.plan(views, opts_.prefill_budget, lesser);
-        if (plan.lookup < 0) return plan;
-        Job& j = jobs_[static_cast<size_t>(plan.lookup)];
-        if (opts_.prefix_cache) lookup_prefix(j);
-        j.looked_up = true;
+        if (plan.lookup >= 0) {
+            Job& j = jobs_[static_cast<size_t>(plan.lookup)];
+            if (opts_.prefix_cache) lookup_prefix(j);
+            j.looked_up = true;
+            continue;
+        }
+        if (outlets_.empty()) return plan;
+        std::vector<bool> ends(jobs_.size(), false);
+        bool again = false;
+        for (const PrefillEntry& e : plan.entries) {
+            Job& j = jobs_[e.job];
+            ends[e.job] = !j.params.keep_kv && j.done + static_cast<size_t>(e.tokens) == j.all.size();
+            if (ends[e.job] && j.outlet < 0 && !reserve_destination(j)) no_room[e.job] = again = true;
+        }
+        if (again) continue;
+        for (size_t k = 0; k < jobs_.size(); ++k)
+            if (!ends[k]) release_destination(jobs_[k]);
+        return plan;
     }
 }
 
-// kv_split: a request whose prompt this pass ends goes to a decode worker that keeps
-// its KV elsewhere; the pass copies its blocks there, each layer as soon as it is
-// written. One that finds no room there is taken out of the pass, to wait for a
-// later one.
-void PrefillWorker::reserve_destinations(Pass& p) {
-    for (size_t i = 0; i < p.batch.size();) {
-        Job& j = jobs_[p.jobs[i]];
-        if (j.params.keep_kv || j.done + static_cast<size_t>(p.batch[i].n_tokens) < j.all.size()) {
-            p.exp.dest.push_back(-1);
-            p.exp.dst_ids.emplace_back();
-            ++i;
-        } else if (reserve_destination(j)) {
-            p.exp.dest.push_back(j.outlet);
-            p.exp.dst_ids.push_back(j.dst);
-            ++i;
-        } else {
-            p.batch.erase(p.batch.begin() + static_cast<std::ptrdiff_t>(i));
-            p.jobs.erase(p.jobs.begin() + static_cast<std::ptrdiff_t>(i));
-        }
+// The pass's destinations (kv_split), as plan_pass reserved them.
+void PrefillWorker::export_plan(Pass& p) const {
+    for (size_t k : p.jobs) {
+        const Job& j = jobs_[k];
+        p.exp.dest.push_back(j.outlet);
+        p.exp.dst_ids.push_back(j.outlet >= 0 ? j.dst : std::vector<int32_t>{});
     }
     for (const Outlet& o : outlets_) p.exp.dests.push_back(o.dest);  // mapped by now where reserved
 }
@@ -705,23 +714,14 @@ Result<bool> PrefillWorker::step() {
     }
     if (p.batch.empty()) {
         // Every job waits: for blocks to read its swapped KV into (and no new one is
-        // taken meanwhile), or for another job's blocks.
+        // taken meanwhile), for another job's blocks, or (kv_split) for room in a
+        // decode arena or for a decode worker to make its arena. Nothing holds
+        // destination blocks meanwhile (plan_pass), so waiting cannot starve decode.
         sched_.nothing_to_run(swap_waits);
         usleep(2000);
         return true;
     }
-    if (!outlets_.empty()) {
-        reserve_destinations(p);
-        if (p.batch.empty()) {
-            // Every one waits for room in a decode arena (decode frees blocks as its
-            // sequences finish) or for a decode worker to make its arena. Nothing
-            // holds destination blocks meanwhile (a failed pass releases them), so
-            // waiting cannot starve decode.
-            sched_.nothing_to_run(false);
-            usleep(2000);
-            return true;
-        }
-    }
+    if (!outlets_.empty()) export_plan(p);
     // The pass's blocks first (KvCacheManager): too few free is a planned outcome.
     Status st = kv_->reserve(p.batch);
     if (st) {

@@ -103,7 +103,7 @@ private:
     };
     RiskClaim risk_claim() const;
     uint64_t last_critical_ns_ = 0;  // when a critical request was last seen or taken (0: none yet)
-    void reserve_destinations(Pass& p);
+    void export_plan(Pass& p) const;  // kv_split: the pass's destinations (plan_pass reserved them)
     void erase_jobs(std::vector<size_t> which);
     void pass_failed(const Pass& p, const Status& st);
     void pass_done(const Pass& p);
