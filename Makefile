@@ -73,7 +73,7 @@ test: build model
 # scripts/sanitizer-run fails the run on any sanitizer report of any process (a role
 # that aborted on one is restarted, and its test may pass); DUET_TIME_SCALE widens
 # the tests' time bounds (tests/time_scale.h, duet_e2e.time_scale).
-SAN_E2E_SKIP = ^(scheduling_e2e|lend_cores_e2e|rebalance_e2e|front_restart_e2e|systemd_roles_e2e|systemd_pid1_e2e|openai_client|openapi_conformance|tools_e2e)$$
+SAN_E2E_SKIP = ^(speculate_corpus_e2e|scheduling_e2e|lend_cores_e2e|rebalance_e2e|front_restart_e2e|systemd_roles_e2e|systemd_pid1_e2e|openai_client|openapi_conformance|tools_e2e)$$
 SAN_STAGED_SKIP = ^Staged\.Contexts\.(IdleContextsGiveWayAndComeBackIdentical|BadRequestsAreRefusedAndChangeNothing|APinnedContextIsNeverEvictedAndIsResidentAfterARestart|ContextsThatAreNotDurableOutliveTheStoreThroughTheTable)$$
 SAN_CMAKE = -G Ninja -DCMAKE_BUILD_TYPE=Release -DDUET_CUDA=OFF -DDUET_BENCH=OFF -DDUET_HEADER_CHECKS=OFF
 sanitize: deps model

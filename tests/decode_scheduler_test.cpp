@@ -290,5 +290,16 @@ TEST(DraftLimit, TheRequestsModeAndMaximumOverTheServersDefault) {
             << "mode " << static_cast<int>(c.mode) << " request " << c.request_max << " server " << c.server_max;
 }
 
+// The server's drafting where --draft-tokens was not given: on (8, paced) on the
+// CPU, off on a GPU (its logits are not yet bitwise equal between pass sizes); a
+// value given is kept on either.
+TEST(DraftLimit, TheServersDefaultIsOnForTheCpuAndOffForAGpu) {
+    EXPECT_EQ(server_draft_tokens(kDraftTokensUnset, false), 8);
+    EXPECT_EQ(server_draft_tokens(kDraftTokensUnset, true), 0);
+    EXPECT_EQ(server_draft_tokens(0, false), 0);
+    EXPECT_EQ(server_draft_tokens(3, true), 3);
+    EXPECT_EQ(server_draft_tokens(16, false), 16);
+}
+
 }  // namespace
 }  // namespace duet

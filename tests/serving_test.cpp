@@ -432,6 +432,7 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
     const auto want = engine_greedy({{pa, n_out}, {pb, n_out}});
     WorkerOptions o;
     o.swap_dir = dir;
+    o.max_draft = 0;  // a token a step: with drafts A could end before B took its blocks
     SteppedWorkers w;
     w.start(sv, o);
     if (::testing::Test::HasFatalFailure()) return;
@@ -492,6 +493,7 @@ TEST(Serving, ACriticalHandOffTakesTheSlotOfABatchSequence) {
     const auto want = engine_greedy({{pa, n_long}, {pb, n_long}, {pc, n_short}, {pd, n_short}});
     WorkerOptions o;
     o.max_batch = 2;
+    o.max_draft = 0;  // a token a step: the scenario counts steps
     SteppedWorkers w;
     w.start(sv, o);
     if (::testing::Test::HasFatalFailure()) return;

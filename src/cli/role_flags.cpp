@@ -42,7 +42,7 @@ constexpr const char* kDraftTokens = "--draft-tokens";
 constexpr const char* kDraftTokensHelp =
     "decode: up to this many tokens per sequence and step drafted by prompt lookup and checked in the step's pass "
     "(kept only where the draw picked them: the output does not change), fewer or none while a sequence's drafts "
-    "miss; 0: off";
+    "miss; 0: off (default: 8 on the CPU; off on a GPU, whose logits are not yet bitwise equal between pass sizes)";
 constexpr const char* kDraftPool = "--draft-pool-tokens";
 constexpr const char* kDraftPoolHelp =
     "decode: the last this many tokens of the outputs a decode worker finished, a corpus every sequence drafts from "
@@ -207,7 +207,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
         ->capture_default_str()
         ->check(CLI::Range(1, 5));
     c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
-    c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
+    c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->check(CLI::Range(0, 16));
     c.add_option(kDraftPool, s.draft_pool_tokens, kDraftPoolHelp)
         ->capture_default_str()
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 26));
@@ -261,7 +261,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(kBorrowCpus, s.borrow_cpus, "the other role's CPUs, computed on while it holds no request");
     if (!prefill) {
         c.add_option(kMaxBatch, s.max_batch, kMaxBatchHelp)->capture_default_str()->check(CLI::Range(1, 4096));
-        c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->capture_default_str()->check(CLI::Range(0, 16));
+        c.add_option(kDraftTokens, s.max_draft, kDraftTokensHelp)->check(CLI::Range(0, 16));
         c.add_option(kDraftPool, s.draft_pool_tokens, kDraftPoolHelp)
             ->capture_default_str()
             ->check(CLI::Range(int64_t{0}, int64_t{1} << 26));
@@ -325,7 +325,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
     put_if(kBorrowCpus, w.borrow_cpus);
     if (r.role == "decode") {
         put(kMaxBatch, std::to_string(w.max_batch));
-        put(kDraftTokens, std::to_string(w.max_draft));
+        if (w.max_draft != kDraftTokensUnset) put(kDraftTokens, std::to_string(w.max_draft));
         put(kDraftPool, std::to_string(w.draft_pool_tokens));
     }
     if (r.role == "prefill") {

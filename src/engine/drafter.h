@@ -103,10 +103,18 @@ inline const char* draft_source_name(DraftSource s) { return s == DraftSource::P
 // (--draft-tokens), none, or drafts paced by DraftPace up to its own maximum.
 enum class DraftMode : uint8_t { Server = 0, Off = 1, Auto = 2 };
 inline constexpr int kMaxDraftTokens = 16;  // per sequence and step, a request's or the server's
-// Auto without a maximum where the server's default is off: the paced depth that
-// did best on the input-grounded prompts and held open chat's speed (bench/RESULTS.md,
-// "Paced drafts").
+// Auto without a maximum where the server's default is off, and the CPU server's
+// default: the paced depth that did best on the input-grounded prompts and held open
+// chat's speed (bench/RESULTS.md, "Paced drafts").
 inline constexpr int kAutoDraftTokens = 8;
+
+// The server's drafting where none was asked for (--draft-tokens not given: -1):
+// paced drafts up to kAutoDraftTokens on the CPU, whose logits for a verify row are
+// bitwise those of single steps, so the output is the same (bench/RESULTS.md,
+// "Speculation on by default"); off on a GPU, whose logits still differ between
+// pass sizes (about 1e-3 relative, cuda_backend), where drafts could change it.
+inline constexpr int kDraftTokensUnset = -1;
+inline int server_draft_tokens(int given, bool gpu) { return given >= 0 ? given : gpu ? 0 : kAutoDraftTokens; }
 
 // The most tokens a sequence drafts per step: `request_max` (0: not given) under
 // Auto, else the server's `server_max` (0: off), none under Off.

@@ -33,6 +33,7 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
                                                            const WorkerOptions& o) {
     std::unique_ptr<DecodeWorker> w(new DecodeWorker());
     if (Status st = w->init(inst, model, shm::Role::Decode, o); !st) return st.error();
+    w->opts_.max_draft = server_draft_tokens(o.max_draft, o.device.cuda);
     for (uint32_t p = 0; p < w->rings_.n_prefill; ++p)
         if (w->rings_.linked(p, o.index)) w->in_.emplace_back(inst.ring(w->rings_.to_decode(p, o.index)));
     worker_stats(inst.registry(), w->self_.slot)

@@ -86,8 +86,8 @@ struct ServeSettings {
     // all taken, a more urgent hand-off takes a less urgent sequence's slot.
     int max_batch = 256;
     // Decode: drafted tokens per sequence and step, verified in the pass
-    // (WorkerOptions::max_draft; 0: off).
-    int max_draft = 0;
+    // (WorkerOptions::max_draft; 0: off; unset: the device's default).
+    int max_draft = kDraftTokensUnset;
     // Decode: finished outputs kept for every sequence's drafts, in tokens
     // (WorkerOptions::draft_pool_tokens; 0: none).
     int64_t draft_pool_tokens = kDefaultDraftPoolTokens;
@@ -143,7 +143,7 @@ struct WorkerSettings {
     bool pass_interrupt = true;    // prefill: WorkerOptions::pass_interrupt
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)
     int max_batch = 256;           // decode: sequences per step at most (WorkerOptions::max_batch)
-    int max_draft = 0;             // decode: drafted tokens per sequence and step (WorkerOptions::max_draft)
+    int max_draft = kDraftTokensUnset;  // decode: drafted tokens per sequence and step (WorkerOptions::max_draft)
     int64_t draft_pool_tokens = kDefaultDraftPoolTokens;  // decode: WorkerOptions::draft_pool_tokens
     std::string borrow_cpus;       // the other role's cores, borrowed while it is idle ("": none)
     std::string device = "cpu";    // or cuda:N

@@ -81,8 +81,9 @@ struct WorkerOptions {
     int max_batch = 256;
     // Decode: up to this many drafted tokens per sequence and step (prompt lookup,
     // engine/drafter.h), checked in the step's pass as a verify row; the output is
-    // the same with any value. 0: off.
-    int max_draft = 0;
+    // the same with any value. 0: off; kDraftTokensUnset: the device's default
+    // (engine/drafter.h server_draft_tokens: on for the CPU, off for a GPU).
+    int max_draft = kDraftTokensUnset;
     // Decode: the tokens of finished outputs kept as a corpus for every sequence's
     // drafts (engine/drafter.h NgramPool; its memory: 36 bytes a token). 0: none.
     int64_t draft_pool_tokens = kDefaultDraftPoolTokens;

@@ -467,6 +467,11 @@ def run(port, server):
     usage = json.loads(events[-2])["usage"]
     cached = usage.pop("prompt_tokens_details")["cached_tokens"]
     check(whole["usage"].pop("prompt_tokens_details")["cached_tokens"] == 0, "the first chat request found a cache")
+    # Drafts kept depend on what ran before too (the same answer again is drafted from
+    # the decode worker's pool of earlier outputs), as cached tokens do.
+    for u in (usage, whole["usage"]):
+        d = u.pop("completion_tokens_details")
+        check(0 <= d["accepted_prediction_tokens"] <= u["completion_tokens"], f"drafts kept: {u} {d}")
     check(usage == whole["usage"], f"stream usage {usage} != {whole['usage']}")
     # The same prompt again: all its full blocks but the last token's came from the prefix cache.
     check(cached == (usage["prompt_tokens"] - 1) // 16 * 16, f"cached tokens {cached} of {usage['prompt_tokens']}")

@@ -3,7 +3,8 @@
 drafts in its step's pass and keeps a drafted token only where the draw at its
 position picked it, so the output, token for token and logprob for logprob, is the
 output without drafts. Driven through the official `openai` client against two
-servers, one without drafts (the reference) and one with: input-grounded prompts
+servers, one with --draft-tokens 0 (the reference) and one with the default (drafts
+on, 8 paced: the default is what is tested): input-grounded prompts
 (where drafts are accepted; /metrics proves they were) and open ones, greedy and
 seeded sampling, penalties, logit_bias, min_tokens, stop strings, logprobs, one at a
 time and all at once (verify rows batched with plain ones); a request's own
@@ -51,9 +52,12 @@ if os.environ.get("DUET_E2E_SUBSET"):
 
 
 def start(draft):
+    """`duet serve` with --draft-tokens `draft`, or (None) without it: drafts are on
+    by default on the CPU."""
     inst = f"duet-speculate-test-{os.getpid()}-{draft}"
-    p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, "--draft-tokens",
-                          str(draft), *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
+    flags = [] if draft is None else ["--draft-tokens", str(draft)]
+    p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags, *START_TIMEOUT],
+                         stderr=subprocess.PIPE, text=True)
     port = listening_port(p)
     check(port, f"the server with --draft-tokens {draft} did not start")
     drain(p)
@@ -145,7 +149,7 @@ try:
     want_one, jobs = run_all(port, 1)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
-    check(drafts(port, "accepted") == 0, "no drafts without --draft-tokens")
+    check(drafts(port, "accepted") == 0, "no drafts with --draft-tokens 0")
     # A request's own "speculative" on a server whose drafting is off: drafts for it
     # (its usage counts them), the same output as without.
     refusals(port)
@@ -159,7 +163,8 @@ try:
 finally:
     stop(server)
 
-server, port, inst = start(8)
+# The server's default: drafts on (8, paced).
+server, port, inst = start(None)
 try:
     got_one, _ = run_all(port, 1)
     stopped_by_string = False
