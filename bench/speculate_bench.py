@@ -70,7 +70,7 @@ def start(server, streams):
     _, binary, flags = server
     if binary != "llama":
         inst = f"duet-speculate-bench-{os.getpid()}"
-        p = subprocess.Popen([binary, "serve", "--port", "0", "--ctx", "4096", "--instance", inst, *flags],
+        p = subprocess.Popen([binary, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags],
                              stderr=subprocess.PIPE, text=True)
         port = listening_port(p)
         drain(p)
@@ -103,7 +103,6 @@ def one(c, model, job, tokens):
     else:
         it = c.completions.create(model=model, prompt=body["prompt"], max_tokens=tokens, temperature=0, stream=True,
                                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    pieces = 0
     for ev in it:
         if ev.usage:
             n = ev.usage.completion_tokens
@@ -111,12 +110,13 @@ def one(c, model, job, tokens):
             continue
         d = ev.choices[0].delta.content if body.get("messages") else ev.choices[0].text
         if d:
-            pieces += 1
             text += d
             if first is None:
                 first = time.monotonic()
     end = time.monotonic()
-    return (n or pieces), (end - first if first else 0.0), text
+    if not n:  # an event may carry several tokens (duet's verify rows): events are no count
+        raise SystemExit(f"no usage in the stream of {body}")
+    return n, (end - first if first else 0.0), text
 
 
 def run(server, jobs, streams, tokens):
@@ -209,7 +209,7 @@ def report(a, servers, kinds, res, rounds):
             diff = sum(t != u for q in ks for x, y in zip(res[name][q], res[ref][q]) for t, u in zip(x[4], y[4]))
             n = sum(len(x[4]) for q in ks for x in res[name][q])
             shown = " ".join(f for f in flags if not os.path.isdir(f))
-            print(f"| {name} ({shown}) | {k} | {tps:.1f} | {tps / b:.2f} | "
+            print(f"| {name} ({shown}) | {k} | {tps:.1f} | {tps / max(b, 1e-9):.2f} | "
                   f"{f'{acc} / {chk}' if binary != 'llama' else ''} | {diff} of {n} |")
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Makes bench/speculate_corpus.jsonl: chat prompts for speculative decoding's
 benchmark (bench/speculate_bench.py --corpus) and its identity test
-(tests/cli/speculate_test.py's corpus mode), 40 of each kind:
+(tests/cli/speculate_corpus_test.py), 40 of each kind:
 
-  rewrite     a paragraph with seeded spelling mistakes, to be written out corrected
+  rewrite     a paragraph with up to 4 seeded spelling mistakes (two neighbouring
+              letters swapped; equal letters change nothing), to be written out
+              corrected
   summarize   one or two paragraphs, to be summarized
   code_edit   a Python function, a variable renamed or a docstring added
   extraction  order records, each customer's items to be listed

@@ -44,7 +44,8 @@ struct PrefillPlan {
 // A job that may not end (may_end false) is left out of a pass that would end its
 // prompt, and its share of the budget goes to the jobs after it.
 // budget: tokens in the pass; one_at_a_time: the previous pass ran out of KV blocks
-// (only the earliest deadline runs until a pass succeeds); lesser_budget: the budget
+// (only one job runs until a pass succeeds: the earliest deadline, or the earliest
+// that may run); lesser_budget: the budget
 // of a pass not led by an urgent job (<= 0: budget), so that an urgent request
 // arriving meanwhile waits for a short pass (PrefillWorker: --prefill-pass-ms).
 PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time,

@@ -541,9 +541,11 @@ bool PrefillWorker::swap_in() {
 // that finds no room may not end in this pass (it waits for a later one: decode
 // frees blocks as its sequences finish), and the pass is planned again without it.
 // A request holding a reservation that the final plan does not end gives it back.
-PrefillPlan PrefillWorker::plan_pass(int64_t cap) {
+// no_room: the jobs found without room so far in this step (a second plan, cut for a
+// risk claim, does not try them again).
+PrefillPlan PrefillWorker::plan_pass(std::vector<bool>& no_room, int64_t cap) {
     std::vector<PrefillJobView> views(jobs_.size());
-    std::vector<bool> no_room(jobs_.size(), false);
+    no_room.resize(jobs_.size(), false);
     int64_t lesser = lesser_budget();
     if (cap > 0) lesser = lesser > 0 ? std::min(lesser, cap) : cap;
     for (;;) {
@@ -699,13 +701,14 @@ Result<bool> PrefillWorker::step() {
     // blob was read into (set aside), and the next read would take them again.
     const bool swap_waits = !sched_.short_of_kv() && swap_in();
     Pass p;
-    PrefillPlan plan = plan_pass();
+    std::vector<bool> no_room;
+    PrefillPlan plan = plan_pass(no_room);
     // C6: with a prompt at risk on prefill's own cores, a pass claims decode's, cut
     // to fit decode's time in hand.
     RiskClaim risk;
     if (!plan.entries.empty() && !jobs_[plan.entries.front().job].params.critical()) {
         risk = risk_claim();
-        if (risk.pass_ns > 0) plan = plan_pass(risk.tokens);
+        if (risk.pass_ns > 0) plan = plan_pass(no_room, risk.tokens);
     }
     for (const PrefillEntry& e : plan.entries) {
         Job& j = jobs_[e.job];

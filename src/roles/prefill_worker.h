@@ -93,7 +93,7 @@ private:
     bool give_kv_to_client(Job& j);  // false: the client is gone (nothing given)
     bool drop_cancelled();
     // cap > 0: a pass not led by a critical request takes at most cap tokens.
-    PrefillPlan plan_pass(int64_t cap = 0);
+    PrefillPlan plan_pass(std::vector<bool>& no_room, int64_t cap = 0);
     int64_t lesser_budget() const;  // a pass not led by a critical request (prefill_pass_ns)
     // C6 (roles/claims.h): for a pass not led by a critical request, how long a pass
     // on the partner's cores may take (0: no claim) and the tokens it computes then.
