@@ -45,9 +45,9 @@ struct PrefillPlan {
 // prompt, and its share of the budget goes to the jobs after it.
 // budget: tokens in the pass; one_at_a_time: the previous pass ran out of KV blocks
 // (only one job runs until a pass succeeds: the earliest deadline, or the earliest
-// that may run); lesser_budget: the budget
-// of a pass not led by an urgent job (<= 0: budget), so that an urgent request
-// arriving meanwhile waits for a short pass (PrefillWorker: --prefill-pass-ms).
+// that may run); lesser_budget: the budget of a pass not led by an urgent job (<= 0:
+// budget), so that an urgent request arriving meanwhile waits for a short pass
+// (PrefillWorker: --prefill-pass-ms).
 PrefillPlan plan_prefill(std::span<const PrefillJobView> jobs, int64_t budget, bool one_at_a_time,
                          int64_t lesser_budget = 0);
 
