@@ -30,7 +30,6 @@ import concurrent.futures
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ import openai
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "cli"))
-from duet_e2e import drain, listening_port, stop  # noqa: E402
+from duet_e2e import drain, free_port, listening_port, stop  # noqa: E402
 from speculate_prompts import GROUNDED, OPEN  # noqa: E402
 
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -56,12 +55,6 @@ def drafts(port, outcome, drafter=None):
     """duet_draft_tokens_total of an outcome, of one drafter or summed over both."""
     return sum(metric(port, f'duet_draft_tokens_total{{drafter="{d}",outcome="{outcome}"}}') or 0
                for d in ((drafter,) if drafter else ("sequence", "pool")))
-
-
-def free_port():
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def start(server, streams):
