@@ -1,7 +1,7 @@
-// A completion in the front, in the order it runs (FrontSession::completion): parse,
+// A completion in the front, in the order it runs (CompletionRun): parse,
 // tokenize, admit, follow its choices (streaming if asked), finish and reply; a
 // context completion's commit.
-#include "roles/front_session.h"
+#include "roles/front_impl.h"
 
 #include "base/fnv.h"
 
@@ -12,23 +12,23 @@ namespace duet {
 // ours when the slot's kv_to names us. (An adopted request's worker may have moved
 // them to the dead front, whose recovery drops them: the commit then computes the
 // added tokens again.)
-void FrontSession::take_returned_kv(Front& f, Completion& c) {
-    const shm::RequestTable& t = f.inst_.requests();
+void CompletionRun::take_returned_kv() {
+    const shm::RequestTable& t = f.inst.requests();
     const uint32_t slot = c.ch[0].ref.slot;
     // Relaxed: written before the transition to FINISHED, whose acquire load we made.
-    if (t.slot(slot).kv_to.load(std::memory_order_relaxed) != f.self_.pack()) return;
+    if (t.slot(slot).kv_to.load(std::memory_order_relaxed) != f.self.pack()) return;
     // Acquire pairs with the worker's release of n_blocks (and the state we saw).
     const uint32_t nb = t.slot(slot).n_blocks.load(std::memory_order_acquire);
-    c.returned.svc = f.opts_.contexts;
+    c.returned.svc = f.opts.contexts;
     c.returned.blocks.assign(t.blocks(slot), t.blocks(slot) + nb);
     c.returned.valid = static_cast<int64_t>(c.prompt.size() + c.ch[0].out.size()) - 1;
 }
 
 // A context completion's prompt and output join the context (on the store thread).
-awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Completion& c) {
+awaitable<std::optional<ApiError>> CompletionRun::commit_context() {
     std::vector<int32_t> added(c.prompt.begin() + static_cast<std::ptrdiff_t>(c.context_len), c.prompt.end());
     added.insert(added.end(), c.ch[0].out.begin(), c.ch[0].out.end());
-    ContextService& svc = *f.opts_.contexts;
+    ContextService& svc = *f.opts.contexts;
     if (c.chat) {
         // The reply ends as the template ends an assistant message, so the next turn's
         // messages follow it as in a whole render of the conversation.
@@ -40,7 +40,7 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
     std::vector<int32_t> kv = std::exchange(c.returned.blocks, {});
     const int64_t kv_valid = c.returned.valid;
     ApiReply reply = co_await asio::co_spawn(
-        f.impl_->store,
+        f.store,
         [&]() -> awaitable<ApiReply> {
             co_return svc.commit(c.context, c.context_len, added, std::move(kv), kv_valid, !c.resumed_id.empty());
         },
@@ -51,9 +51,7 @@ awaitable<std::optional<ApiError>> FrontSession::commit_context(Front& f, Comple
     co_return api_error(reply.status, "server_error", "the completion was not added to the context: " + msg, "", "");
 }
 
-awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
-                                         std::string context, ResponseRun* resp) {
-    Completion c;
+awaitable<bool> CompletionRun::start(bool chat, std::string context, ResponseRun* resp) {
     c.chat = chat;
     c.resp = resp;
     c.arrived = shm::monotonic_ns();
@@ -73,7 +71,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         if (!body["context"].is_string() || body["context"].get<std::string>().empty())
             co_return co_await error(f, stream, req,
                                      api_error(400, "invalid_request_error", "context: a context's id", "context"));
-        if (!f.opts_.contexts)
+        if (!f.opts.contexts)
             co_return co_await error(f, stream, req,
                                      api_error(404, "not_found_error",
                                                "contexts are off on this server (duet serve --contexts-dir DIR)",
@@ -91,9 +89,9 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
             body.erase("commit");
             edited = true;
         }
-        ContextService& svc = *f.opts_.contexts;
+        ContextService& svc = *f.opts.contexts;
         auto kv = co_await asio::co_spawn(
-            f.impl_->store, [&]() -> awaitable<std::variant<ContextKv, ApiReply>> { co_return svc.lease(c.context); },
+            f.store, [&]() -> awaitable<std::variant<ContextKv, ApiReply>> { co_return svc.lease(c.context); },
             use_awaitable);
         if (auto* e = std::get_if<ApiReply>(&kv))
             co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body),
@@ -115,7 +113,7 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
         }
     }
     if (edited) req.body() = body.dump();
-    if (auto e = parse(f, req, c)) co_return co_await error(f, stream, req, *e);
+    if (auto e = parse()) co_return co_await error(f, stream, req, *e);
     // Its class: the body's "priority", else the X-Duet-Priority header, else standard.
     if (c.r.priority) {
         c.cls = *c.r.priority;
@@ -136,41 +134,45 @@ awaitable<bool> FrontSession::completion(Front& f, beast::tcp_stream& stream, Re
                       c.r.echo ? "echo" : "best_of", ""));
     c.keep = c.r.n;
     c.r.n = std::max(c.r.n, c.r.best_of);  // best_of's candidates, each a choice
-    if (auto e = tokenize_prompt(f, c)) co_return co_await error(f, stream, req, *e);
-    if (c.r.echo) c.echo = c.r.prompt_ids.empty() ? c.r.prompt : f.tok_.decode(c.prompt, false);
+    if (auto e = tokenize_prompt()) co_return co_await error(f, stream, req, *e);
+    if (c.r.echo) c.echo = c.r.prompt_ids.empty() ? c.r.prompt : f.tok.decode(c.prompt, false);
     if (!c.context_tokens.empty()) c.prompt.insert(c.prompt.begin(), c.context_tokens.begin(), c.context_tokens.end());
-    auto params = request_params_of(f, c);
+    auto params = request_params_of();
     if (auto* e = std::get_if<ApiError>(&params)) co_return co_await error(f, stream, req, *e);
-    if (f.opts_.contexts) {
+    if (f.opts.contexts) {
         // Idle contexts never make a request fail for KV: they give way first (their
         // KV is on disk), as many as this request's choices may take at most.
-        const auto bt = static_cast<uint64_t>(f.inst_.config().requests.block_tokens);
+        const auto bt = static_cast<uint64_t>(f.inst.config().requests.block_tokens);
         const uint64_t tokens = c.prompt.size() + std::get<RequestParams>(params).max_tokens;
         const uint64_t need = (tokens + bt - 1) / bt * static_cast<uint64_t>(c.r.n);
-        ContextService& svc = *f.opts_.contexts;
+        ContextService& svc = *f.opts.contexts;
         if (!svc.has_room(need))
             co_await asio::co_spawn(
-                f.impl_->store, [&]() -> awaitable<void> { svc.make_room(need, c.context); co_return; },
+                f.store,
+                [&]() -> awaitable<void> {
+                    svc.make_room(need, c.context);
+                    co_return;
+                },
                 use_awaitable);
     }
     c.id = c.resp ? c.resp->id : request_id();
     c.created = c.resp ? c.resp->created : static_cast<int64_t>(time(nullptr));
-    if (auto e = admit(f, c, std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
+    if (auto e = admit(std::get<RequestParams>(params))) co_return co_await error(f, stream, req, *e);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
     if (c.r.stream && c.resp && !c.client_gone) {
-        c.resp->events.emplace(c.resp->rr, c.id, c.created, f.opts_.model_id);
+        c.resp->events.emplace(c.resp->rr, c.id, c.created, f.opts.model_id);
         for (const nlohmann::json& ev : c.resp->events->start())
             if (!co_await write_typed_event(stream, ev)) c.client_gone = true;
     }
-    co_await follow(f, stream, c);
-    co_return co_await end_completion(f, stream, req, c);
+    co_await follow();
+    co_return co_await end_completion();
 }
 
 // Once every choice has ended (follow): a context completion's KV taken back and its
 // tokens committed, then the reply. True: the connection may serve another request.
-awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c) {
+awaitable<bool> CompletionRun::end_completion() {
     if (c.detached) co_return false;  // an orphan now (detach): expire_orphans or a resume ends it
-    if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv(f, c);
+    if (c.return_kv && c.ch[0].final_state == shm::ReqState::Finished) take_returned_kv();
     // finish frees the request's slots before the commit: the commit computes the
     // closing tokens through a request of its own, and with every slot held by
     // completions waiting for the store thread a commit holding its own would find
@@ -181,12 +183,12 @@ awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream
     // A stream stays resumable for --resume-grace after it ended: its last events may
     // never reach the client (the front killed before it wrote them, or the client's
     // connection closed with them unread).
-    const bool keep = c.r.stream && keep_as_orphan(f, c);
-    Outcome o = finish(f, c, keep);
+    const bool keep = c.r.stream && keep_as_orphan();
+    Outcome o = finish(keep);
     std::optional<ApiError> commit_error;
     if (!c.context.empty() && c.commit && !o.failed && !c.client_gone)
-        commit_error = co_await commit_context(f, c);  // before the reply ends: acknowledged means durable
-    if (c.resp && !commit_error && !o.failed && !c.client_gone) commit_error = co_await store_response(f, c, o);
+        commit_error = co_await commit_context();  // before the reply ends: acknowledged means durable
+    if (c.resp && !commit_error && !o.failed && !c.client_gone) commit_error = co_await store_response(o);
     if (!c.resumed_id.empty() && !keep) f.forget_orphan(c.resumed_id);  // kept: its entry was replaced
     if (commit_error) {
         if (!c.r.stream) co_return co_await error(f, stream, req, *commit_error);
@@ -196,18 +198,19 @@ awaitable<bool> FrontSession::end_completion(Front& f, beast::tcp_stream& stream
             co_await write_event(stream, error_json(*commit_error));
         co_return false;
     }
-    co_return co_await reply(f, stream, req, c, o);
+    co_return co_await reply(o);
 }
 
 // The request body, and the model it names.
-std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Completion& c) {
-    if (f.draining_.load(std::memory_order_relaxed)) return api_error(503, "server_error", "the server is shutting down", "", "");
+std::optional<ApiError> CompletionRun::parse() {
+    if (f.draining.load(std::memory_order_relaxed))
+        return api_error(503, "server_error", "the server is shutting down", "", "");
     auto parsed = parse_completion(req.body(), c.chat);
     if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
     c.r = std::move(std::get<CompletionRequest>(parsed));
-    if (!c.r.model.empty() && c.r.model != f.opts_.model_id)
+    if (!c.r.model.empty() && c.r.model != f.opts.model_id)
         return api_error(404, "invalid_request_error",
-                         fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts_.model_id),
+                         fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts.model_id),
                          "model", "model_not_found");
     // (A response's context holds its tool list from its first turn: responses_front.cpp.)
     if ((c.r.calls_tools() || c.r.tool_messages) && !c.context.empty() && !c.resp)
@@ -217,7 +220,7 @@ std::optional<ApiError> FrontSession::parse(Front& f, const Request& req, Comple
     if (c.r.calls_tools()) {
         // The calls' grammar, in the model's format: a call, once opened, names an
         // offered function and its arguments follow that function's schema.
-        const ToolFormat tf = tool_format_of(f.tmpl_.format());
+        const ToolFormat tf = tool_format_of(f.tmpl.format());
         c.r.grammar = GrammarSpec{GrammarKind::StructuralTag,
                                   tool_grammar(tf, c.r.tools, c.r.tool_choice, c.r.parallel_tool_calls)};
         c.r.grammar_param = "tools";
@@ -235,7 +238,7 @@ ToolCallParser front_detail::tool_parser(const std::string& completion_id, size_
 }
 
 // The prompt's tokens: the chat template's text, token ids as given, or the text.
-std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
+std::optional<ApiError> CompletionRun::tokenize_prompt() {
     CompletionRequest& r = c.r;
     // Tools: their list (with the conversation's first turn), earlier calls and
     // results, in the model's tool format.
@@ -243,40 +246,40 @@ std::optional<ApiError> FrontSession::tokenize_prompt(Front& f, Completion& c) {
     std::span<const ChatMessage> msgs = r.messages;
     if (c.chat && (r.calls_tools() || r.tool_messages)) {
         const bool list = r.calls_tools() && c.context_len == 0;
-        auto m = render_tool_messages(tool_format_of(f.tmpl_.format()),
+        auto m = render_tool_messages(tool_format_of(f.tmpl.format()),
                                       list ? std::span<const ToolDef>(r.tools) : std::span<const ToolDef>(), r.messages,
-                                      f.tmpl_.default_system());
+                                      f.tmpl.default_system());
         if (!m) return api_error(400, "invalid_request_error", m.error().message, "messages", "");
         rendered = std::move(m).value();
         msgs = rendered;
     }
     if (c.chat && !c.context.empty()) {
         // The messages added to the context's conversation, the assistant's turn opened.
-        auto ids = f.opts_.contexts->turns().extend(c.context_len, msgs, true);
+        auto ids = f.opts.contexts->turns().extend(c.context_len, msgs, true);
         if (!ids) return api_error(400, "invalid_request_error", ids.error().message, "messages", "");
         c.prompt = std::move(ids).value();
     } else if (c.chat) {
-        auto text = f.tmpl_.apply(msgs, true);
+        auto text = f.tmpl.apply(msgs, true);
         if (!text) return api_error(400, "invalid_request_error", text.error().message, "messages", "");
-        c.prompt = f.tok_.encode(*text, !f.tmpl_.includes_bos(), true);
+        c.prompt = f.tok.encode(*text, !f.tmpl.includes_bos(), true);
     } else if (!r.prompt_ids.empty()) {
         for (int32_t id : r.prompt_ids)
-            if (id >= f.tok_.n_vocab())
+            if (id >= f.tok.n_vocab())
                 return api_error(400, "invalid_request_error",
-                                 fmt::format("token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                                 fmt::format("token id {} is outside the vocabulary [0, {})", id, f.tok.n_vocab()),
                                  "prompt", "");
         c.prompt = std::move(r.prompt_ids);
     } else {
-        c.prompt = f.tok_.encode(r.prompt, true, false);
+        c.prompt = f.tok.encode(r.prompt, true, false);
     }
     return std::nullopt;
 }
 
 // What the workers read from each choice's slot; the prompt and max_tokens must fit
 // the context.
-std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, Completion& c) {
+std::variant<RequestParams, ApiError> CompletionRun::request_params_of() {
     const CompletionRequest& r = c.r;
-    const int64_t n_ctx = f.inst_.config().requests.max_tokens;
+    const int64_t n_ctx = f.inst.config().requests.max_tokens;
     const int64_t room = n_ctx - static_cast<int64_t>(c.prompt.size());
     if (room < 1)
         return api_error(400, "invalid_request_error",
@@ -296,10 +299,10 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     params.max_draft = static_cast<uint8_t>(r.max_draft);
     RequestData data;
     for (const auto& [id, bias] : r.logit_bias) {
-        if (id >= f.tok_.n_vocab())
+        if (id >= f.tok.n_vocab())
             return api_error(
                 400, "invalid_request_error",
-                fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok_.n_vocab()),
+                fmt::format("logit_bias: token id {} is outside the vocabulary [0, {})", id, f.tok.n_vocab()),
                 "logit_bias", "");
         data.bias.push_back({id, bias});
     }
@@ -308,7 +311,7 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
     data.stops = r.stop;  // the worker ends the request at the token that completes one
     if (!data.empty()) {
         c.data = encode_request_data(data);
-        const size_t bytes = c.data.size(), bound = f.inst_.requests().ext_bytes();
+        const size_t bytes = c.data.size(), bound = f.inst.requests().ext_bytes();
         if (bytes > bound) {  // named by its largest part
             size_t stop_bytes = 0;
             for (const std::string& x : data.stops) stop_bytes += 4 + x.size();
@@ -335,8 +338,8 @@ std::variant<RequestParams, ApiError> FrontSession::request_params_of(Front& f, 
 // One request per choice; choice i samples with its own seed, so choices differ
 // unless decoding is greedy. Sent after all are in: the later ones then find the
 // first one's prompt blocks in the prefix cache (prefill waits for them).
-std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestParams params) {
-    shm::RequestTable& t = f.inst_.requests();
+std::optional<ApiError> CompletionRun::admit(RequestParams params) {
+    shm::RequestTable& t = f.inst.requests();
     // Admission (engine/scheduling.h A1/A2), before any slot or KV is taken. The work
     // is what prefill will compute: each choice's prompt (the n choices share cached
     // blocks, but each is its own request), less a context's offered KV.
@@ -346,21 +349,22 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         f.admit_tokens(c.cls, prompt_tokens, static_cast<int64_t>(c.prompt.size()),
                        RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
     if (!d.admit) {
-        (d.reason == "queue" ? f.counters_.rejected_queue
-         : d.reason == "kv"  ? f.counters_.rejected_kv
-                             : f.counters_.rejected_ttft)
+        (d.reason == "queue" ? f.counters.rejected_queue
+         : d.reason == "kv"  ? f.counters.rejected_kv
+                             : f.counters.rejected_ttft)
             .fetch_add(1, std::memory_order_relaxed);
-        std::string msg = d.reason == "queue"
-                              ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
-                                            slo_class_name(c.cls), d.retry_after_ms)
-                          : d.reason == "kv"
-                              ? fmt::format("the server's KV cache is full ({} class: critical requests only until "
-                                            "running ones end); retry in {} ms",
-                                            slo_class_name(c.cls), d.retry_after_ms)
-                              : fmt::format("a first token within the {} class's {} ms is not possible now "
-                                            "(predicted {} ms); retry in {} ms",
-                                            slo_class_name(c.cls), f.opts_.admission.slo.of(c.cls).ttft_ns / 1000000,
-                                            d.predicted_ttft_ns / 1000000, d.retry_after_ms);
+        std::string msg =
+            d.reason == "queue" ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
+                                              slo_class_name(c.cls), d.retry_after_ms)
+            : d.reason == "kv"  ? fmt::format(
+                                      "the server's KV cache is full ({} class: critical requests only until "
+                                       "running ones end); retry in {} ms",
+                                      slo_class_name(c.cls), d.retry_after_ms)
+                               : fmt::format(
+                                     "a first token within the {} class's {} ms is not possible now "
+                                     "(predicted {} ms); retry in {} ms",
+                                     slo_class_name(c.cls), f.opts.admission.slo.of(c.cls).ttft_ns / 1000000,
+                                     d.predicted_ttft_ns / 1000000, d.retry_after_ms);
         ApiError e = api_error(429, "rate_limit_error", msg, "",
                                d.reason == "queue" ? "queue_full" : d.reason == "kv" ? "kv_full" : "slo_unreachable");
         e.retry_after_ms = d.retry_after_ms;
@@ -368,33 +372,33 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
     }
     c.queued = prompt_tokens;
     params.slo_class = c.cls;
-    params.ttft_target_ns = f.opts_.admission.slo.of(c.cls).ttft_ns;
-    params.itl_target_ns = f.opts_.admission.slo.of(c.cls).itl_ns;
-    c.ch = std::vector<Choice>(static_cast<size_t>(c.r.n),
-                               Choice(f.tok_, c.r.stop, static_cast<uint64_t>(c.r.min_tokens)));
+    params.ttft_target_ns = f.opts.admission.slo.of(c.cls).ttft_ns;
+    params.itl_target_ns = f.opts.admission.slo.of(c.cls).itl_ns;
+    c.ch =
+        std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok, c.r.stop, static_cast<uint64_t>(c.r.min_tokens)));
     if (c.r.calls_tools()) {
         std::vector<std::string> names;
         for (const ToolDef& d : c.r.tools) names.push_back(d.name);
         for (size_t i = 0; i < c.ch.size(); ++i)
-            c.ch[i].tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), names,
+            c.ch[i].tools = tool_parser(c.id, i, tool_format_of(f.tmpl.format()), names,
                                         c.r.tool_choice.mode != ToolChoiceMode::Auto);
     }
     // A context completion: prefill starts from the context's leased blocks.
     const bool offer = !c.lease.blocks.empty() && c.ch.size() == 1;
     if (offer) {
         params.given_tokens = static_cast<uint32_t>(std::min<int64_t>(c.lease.valid, c.prompt.size()));
-        params.given_by = f.self_.pack();
+        params.given_by = f.self.pack();
     }
     // Its KV comes back to join the context (one shared arena: the context's).
-    c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst_.config().kv_split;
+    c.return_kv = !c.context.empty() && c.commit && c.ch.size() == 1 && !f.inst.config().kv_split;
     params.return_kv = c.return_kv ? 1 : 0;
     // Computed where the context's blocks are (offered from there, returned there).
     if (!c.context.empty()) params.bind_arena(kContextArena);
     for (size_t i = 0; i < c.ch.size(); ++i) {
         params.sampling.seed = c.r.sampling.seed + 0x9E3779B97F4A7C15ull * i;
-        auto sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
+        auto sub = t.submit(f.self, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
         while (!sub && f.release_ended_orphan())  // a slot kept for a resume gives way
-            sub = t.submit(f.self_, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
+            sub = t.submit(f.self, c.prompt.data(), static_cast<uint32_t>(c.prompt.size()), &params, sizeof params);
         // A failed offer leaves the table empty: prefill then looks the prefix up.
         if (sub && offer)
             (void)t.offer_blocks(*sub, c.lease.blocks.data(), static_cast<uint32_t>(c.lease.blocks.size()));
@@ -403,7 +407,7 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
                 t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
                 t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
-            f.counters_.rejected_busy.fetch_add(1, std::memory_order_relaxed);
+            f.counters.rejected_busy.fetch_add(1, std::memory_order_relaxed);
             f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
             return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
@@ -420,11 +424,11 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
         const std::string rec = front_record_json(c);
         for (const Choice& ch : c.ch) (void)t.set_front_data(ch.ref, rec.data(), static_cast<uint32_t>(rec.size()));
     }
-    f.counters_.requests.fetch_add(1, std::memory_order_relaxed);
-    f.counters_.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
-    f.in_flight_.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
+    f.counters.requests.fetch_add(1, std::memory_order_relaxed);
+    f.counters.prompt_tokens.fetch_add(c.prompt.size() * c.ch.size(), std::memory_order_relaxed);
+    f.in_flight.fetch_add(1, std::memory_order_relaxed);  // a count for the drain and /metrics; orders nothing
     for (const Choice& ch : c.ch) f.send(ch.ref);
-    f.counters_.admit.observe(seconds_between(c.arrived, shm::monotonic_ns()));
+    f.counters.admit.observe(seconds_between(c.arrived, shm::monotonic_ns()));
     return std::nullopt;
 }
 
@@ -433,10 +437,10 @@ std::optional<ApiError> FrontSession::admit(Front& f, Completion& c, RequestPara
 // once, not at the second write after it (a write to a closed socket succeeds
 // once): its stream is kept for a resume from then, and a request that does not
 // stream is cancelled then, not computed to its end for nobody.
-awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Completion& c) {
+awaitable<void> CompletionRun::follow() {
     // The request's own "timeout", else the server's; from its arrival.
     c.deadline = c.arrived + (c.r.timeout_s > 0 ? static_cast<uint64_t>(c.r.timeout_s * 1e9)
-                                                 : static_cast<uint64_t>(f.opts_.request_timeout_s) * 1000000000ull);
+                                                : static_cast<uint64_t>(f.opts.request_timeout_s) * 1000000000ull);
     auto timer = std::make_shared<asio::steady_timer>(stream.get_executor());
     for (;;) {
         if (!c.client_gone && peer_closed(stream)) c.client_gone = true;
@@ -444,20 +448,20 @@ awaitable<void> FrontSession::follow(Front& f, beast::tcp_stream& stream, Comple
         for (size_t ci = 0; ci < c.ch.size(); ++ci) {
             Choice& ch = c.ch[ci];
             if (ch.done) continue;
-            const ChoiceStep step = read_choice(f, c, ch);
-            if (c.r.stream && !c.client_gone) co_await stream_choice(f, stream, c, ci, step);
-            if (c.client_gone && !step.terminal && detach(f, c)) co_return;  // its client may come back
-            if (!settle_choice(f, c, ch, step)) all_done = false;
+            const ChoiceStep step = read_choice(ch);
+            if (c.r.stream && !c.client_gone) co_await stream_choice(ci, step);
+            if (c.client_gone && !step.terminal && detach()) co_return;  // its client may come back
+            if (!settle_choice(ch, step)) all_done = false;
         }
         if (all_done) break;
-        co_await wait_for_change(f, c, timer);
+        co_await wait_for_change(timer);
     }
 }
 
 // The choice's state and new tokens: latency histograms, log-probs, and its text
 // with the stop strings applied (a stop string cancels the request).
-ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
-    shm::RequestTable& t = f.inst_.requests();
+ChoiceStep CompletionRun::read_choice(Choice& ch) {
+    shm::RequestTable& t = f.inst.requests();
     ChoiceStep step;
     step.st = t.state(ch.ref.slot);
     ch.seen_state = step.st;
@@ -470,29 +474,29 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
     step.seen_ns = shm::monotonic_ns();
     if (ch.out.size() > before) {
         if (ch.last_token_ns == 0) {
-            f.counters_.ttft.observe(seconds_between(c.arrived, step.seen_ns));
+            f.counters.ttft.observe(seconds_between(c.arrived, step.seen_ns));
             if (c.first_ns == 0) {
                 c.first_ns = step.seen_ns;
-                f.counters_.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
+                f.counters.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
             }
             if (c.queued > 0)  // prefill is done with the prompt: it leaves the queue
                 f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
         } else {  // several tokens at once share the gap
             const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
             for (size_t i = before; i < ch.out.size(); ++i) {
-                f.counters_.itl.observe(gap);
-                f.counters_.class_itl[static_cast<size_t>(c.cls)].observe(gap);
+                f.counters.itl.observe(gap);
+                f.counters.class_itl[static_cast<size_t>(c.cls)].observe(gap);
             }
             // A3's time per token: an average over recent gaps (a racy update loses
             // one gap at most).
-            const double was = f.itl_s_.load(std::memory_order_relaxed);
-            f.itl_s_.store(was > 0 ? 0.95 * was + 0.05 * gap : gap, std::memory_order_relaxed);
+            const double was = f.itl_s.load(std::memory_order_relaxed);
+            f.itl_s.store(was > 0 ? 0.95 * was + 0.05 * gap : gap, std::memory_order_relaxed);
             c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
         ch.last_token_ns = step.seen_ns;
         if (c.r.logprobs >= 0 || c.ranked())
-            read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
+            read_logprobs(t, f.tok, ch, std::max(c.r.logprobs, 0), before, ch.out.size());
     }
     if (ch.feed(before, step.terminal)) {
         ch.finish = finish_reason(Finish::StopString);
@@ -502,8 +506,7 @@ ChoiceStep FrontSession::read_choice(Front& f, Completion& c, Choice& ch) {
 }
 
 // Streams what choice ci may release now (its first event even if empty).
-awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
-                                            const ChoiceStep& step) {
+awaitable<void> CompletionRun::stream_choice(size_t ci, const ChoiceStep& step) {
     Choice& ch = c.ch[ci];
     Choice::Piece piece = ch.take(step.terminal);
     if (c.resp) {  // a response's events
@@ -519,20 +522,20 @@ awaitable<void> FrontSession::stream_choice(Front& f, beast::tcp_stream& stream,
     if (ch.first) piece.text.insert(0, c.echo);
     ch.sent_have = ch.have;
     if (!co_await write_event(stream,
-                              chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci), piece.text, "",
+                              chunk_json(c.r, c.id, c.created, f.opts.model_id, static_cast<int>(ci), piece.text, "",
                                          ch.first, ch.unsent(), piece.calls),
                               c.event_id()))
         c.client_gone = true;
     ch.lps_sent = ch.lps.size();
     ch.first = false;
-    f.counters_.stream_event.observe(seconds_between(step.seen_ns, shm::monotonic_ns()));
+    f.counters.stream_event.observe(seconds_between(step.seen_ns, shm::monotonic_ns()));
 }
 
 // Cancels the choice if its client left or its time ran out, and marks it done once
 // it has ended (a failed one stops the others: the response is an error). Returns
 // whether it is done.
-bool FrontSession::settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step) {
-    shm::RequestTable& t = f.inst_.requests();
+bool CompletionRun::settle_choice(Choice& ch, const ChoiceStep& step) {
+    shm::RequestTable& t = f.inst.requests();
     if (c.client_gone && !step.terminal) ch.cancel(t);
     if (!step.terminal) {
         if (shm::monotonic_ns() > c.deadline) {
@@ -551,14 +554,14 @@ bool FrontSession::settle_choice(Front& f, Completion& c, Choice& ch, const Choi
 
 // Sleeps until the notifier sees a slot change (or 20 ms pass: deadlines,
 // recoveries). Re-checked after registering, so no change is missed.
-awaitable<void> FrontSession::wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer) {
-    const shm::RequestTable& t = f.inst_.requests();
+awaitable<void> CompletionRun::wait_for_change(const std::shared_ptr<asio::steady_timer>& timer) {
+    const shm::RequestTable& t = f.inst.requests();
     std::vector<std::shared_ptr<Waiter>> waiting;
     bool changed = false;
     for (const Choice& ch : c.ch)
         if (!ch.done) {
             waiting.push_back(std::make_shared<Waiter>(Waiter{ch.ref.slot, ch.have, ch.seen_state, timer}));
-            f.impl_->add(waiting.back());
+            f.add(waiting.back());
             changed = changed || Front::Impl::changed(t, *waiting.back());
         }
     if (!changed) {
@@ -566,23 +569,23 @@ awaitable<void> FrontSession::wait_for_change(Front& f, Completion& c, const std
         beast::error_code ec;
         co_await timer->async_wait(asio::redirect_error(use_awaitable, ec));
     }
-    for (const auto& w : waiting) f.impl_->remove(w);
+    for (const auto& w : waiting) f.remove(w);
 }
 
 // Every choice has ended: the phase histograms, finish reasons, usage and the
 // counters; the slots go back to FREE.
-Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
-    shm::RequestTable& t = f.inst_.requests();
+Outcome CompletionRun::finish(bool keep) {
+    shm::RequestTable& t = f.inst.requests();
     Outcome o;
     o.u = Usage{static_cast<int64_t>(c.prompt.size()), 0, 0};
     for (Choice& ch : c.ch) {
         const shm::ReqSlot& s = t.slot(ch.ref.slot);
         const uint64_t q = s.prefill_ns.load(std::memory_order_relaxed), h = s.handoff_ns.load(std::memory_order_relaxed),
                        d = s.first_step_ns.load(std::memory_order_relaxed);
-        f.counters_.e2e.observe(seconds_between(c.arrived, shm::monotonic_ns()));
-        if (q >= s.submit_ns && q != 0) f.counters_.queue.observe(seconds_between(s.submit_ns, q));
-        if (h >= q && q != 0 && h != 0) f.counters_.prefill.observe(seconds_between(q, h));
-        if (d >= h && h != 0 && d != 0) f.counters_.handoff.observe(seconds_between(h, d));
+        f.counters.e2e.observe(seconds_between(c.arrived, shm::monotonic_ns()));
+        if (q >= s.submit_ns && q != 0) f.counters.queue.observe(seconds_between(s.submit_ns, q));
+        if (h >= q && q != 0 && h != 0) f.counters.prefill.observe(seconds_between(q, h));
+        if (d >= h && h != 0 && d != 0) f.counters.handoff.observe(seconds_between(h, d));
         o.u.cached_tokens += s.n_cached.load(std::memory_order_relaxed);
         {
             const int64_t drafted = s.n_drafted.load(std::memory_order_relaxed);
@@ -592,7 +595,7 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
         }
         if (ch.finish.empty() && ch.final_state == shm::ReqState::Cancelled && c.timed_out) {
             ch.finish = finish_reason(Finish::Timeout);  // duet's extension: ended by its "timeout"
-            f.counters_.timeouts.fetch_add(1, std::memory_order_relaxed);
+            f.counters.timeouts.fetch_add(1, std::memory_order_relaxed);
         }
         if (ch.finish.empty()) {
             // As the worker that chose its last token says (engine/token_step.h); one
@@ -604,7 +607,7 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
                 ch.finish = finish_reason(Finish::Cancelled);     // stop string or the timeout say so)
         }
         o.u.completion_tokens += static_cast<int64_t>(ch.out.size());
-        f.counters_.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
+        f.counters.tokens.fetch_add(ch.out.size(), std::memory_order_relaxed);
         if (ch.final_state == shm::ReqState::Failed) {
             o.failed = true;
             o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
@@ -632,9 +635,12 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
     }
     if (c.ranked()) keep_best(o.texts, static_cast<size_t>(c.keep));
     o.u.cached_tokens = std::min<int64_t>(o.u.cached_tokens, o.u.prompt_tokens);  // one prompt, however many choices
-    if (o.failed) f.counters_.failed.fetch_add(1, std::memory_order_relaxed);
-    else if (c.ch[0].final_state == shm::ReqState::Cancelled) f.counters_.cancelled.fetch_add(1, std::memory_order_relaxed);
-    else f.counters_.finished.fetch_add(1, std::memory_order_relaxed);
+    if (o.failed)
+        f.counters.failed.fetch_add(1, std::memory_order_relaxed);
+    else if (c.ch[0].final_state == shm::ReqState::Cancelled)
+        f.counters.cancelled.fetch_add(1, std::memory_order_relaxed);
+    else
+        f.counters.finished.fetch_add(1, std::memory_order_relaxed);
     // Ended without a first token: its prompt leaves the queue unmeasured.
     if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
     // SLO attainment: a completion that ended without failing meets its class's
@@ -642,29 +648,28 @@ Outcome FrontSession::finish(Front& f, Completion& c, bool keep) {
     // average, within the ITL target.
     if (!o.failed && c.first_ns != 0) {
         const size_t k = static_cast<size_t>(c.cls);
-        const SloTarget& target = f.opts_.admission.slo.of(c.cls);
+        const SloTarget& target = f.opts.admission.slo.of(c.cls);
         const bool met = c.first_ns - c.arrived <= target.ttft_ns &&
                          (c.gaps == 0 || c.gap_sum / static_cast<double>(c.gaps) <= static_cast<double>(target.itl_ns) / 1e9);
-        f.counters_.class_done[k].fetch_add(1, std::memory_order_relaxed);
-        if (met) f.counters_.class_met[k].fetch_add(1, std::memory_order_relaxed);
+        f.counters.class_done[k].fetch_add(1, std::memory_order_relaxed);
+        if (met) f.counters.class_met[k].fetch_add(1, std::memory_order_relaxed);
     }
-    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    f.in_flight.fetch_sub(1, std::memory_order_relaxed);
     return o;
 }
 
 // A completion's answer once every choice has ended: the stream's last events, or
 // the whole response (or its error).
-awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
-                                    const Outcome& o) {
-    if (c.r.stream) co_return co_await reply_stream(f, stream, c, o);
+awaitable<bool> CompletionRun::reply(const Outcome& o) {
+    if (c.r.stream) co_return co_await reply_stream(o);
     if (o.failed) co_return co_await error(f, stream, req, failure(o.error_code));
     std::string body;
     if (c.resp) {
         const ResponseOutcome ro = response_outcome(c, o);
-        body = response_json(c.resp->rr, c.id, c.created, f.opts_.model_id, &ro)
+        body = response_json(c.resp->rr, c.id, c.created, f.opts.model_id, &ro)
                    .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     } else {
-        body = completion_json(c.r, c.id, c.created, f.opts_.model_id, o.texts, o.u);
+        body = completion_json(c.r, c.id, c.created, f.opts.model_id, o.texts, o.u);
     }
     auto res = make_response(http::status::ok, std::move(body), req);
     beast::error_code ec;
@@ -674,7 +679,7 @@ awaitable<bool> FrontSession::reply(Front& f, beast::tcp_stream& stream, const R
 
 // The stream's last events: each choice's rest and finish reason (or the error),
 // usage if asked, [DONE], and the last chunk.
-awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o) {
+awaitable<bool> CompletionRun::reply_stream(const Outcome& o) {
     if (c.client_gone) co_return false;
     bool ok = true;
     if (o.failed && c.resp) {  // a Responses stream's error event, and its end
@@ -701,12 +706,12 @@ awaitable<bool> FrontSession::reply_stream(Front& f, beast::tcp_stream& stream, 
         for (size_t ci = 0; ok && ci < c.ch.size(); ++ci) {
             Choice::Piece piece = c.ch[ci].take(true);
             ok = co_await write_event(stream,
-                                      chunk_json(c.r, c.id, c.created, f.opts_.model_id, static_cast<int>(ci),
+                                      chunk_json(c.r, c.id, c.created, f.opts.model_id, static_cast<int>(ci),
                                                  piece.text, c.ch[ci].reason(), false, c.ch[ci].unsent(), piece.calls),
                                       c.event_id());
         }
         if (ok && c.r.include_usage)
-            ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts_.model_id, o.u));
+            ok = co_await write_event(stream, usage_chunk_json(c.r, c.id, c.created, f.opts.model_id, o.u));
     }
     if (ok) ok = co_await write_event(stream, "[DONE]");
     if (!ok) co_return false;

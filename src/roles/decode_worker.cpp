@@ -94,7 +94,7 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
 
 // Preemption by recompute: the sequence's KV is dropped and its request goes back to
 // QUEUED with its output so far, owned by its client, which sends it to prefill again
-// (FrontSession::read_choice); prefill computes prompt + output (its re-drive path) and
+// (CompletionRun::read_choice); prefill computes prompt + output (its re-drive path) and
 // the request continues token-identically (the invariance contract: chunking and
 // batching never change a sequence's logits; sampling is keyed by seed and position).
 // It keeps its place: its prefill deadline counts from its first submission. False

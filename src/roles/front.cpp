@@ -1,4 +1,4 @@
-#include "roles/front_session.h"
+#include "roles/front_impl.h"
 
 #include "base/log.h"
 
@@ -8,45 +8,67 @@
 
 namespace duet {
 
-Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
-    : impl_(std::make_unique<Impl>()), inst_(inst), self_(self), tok_(tok), tmpl_(std::move(tmpl)),
-      opts_(std::move(o)), key_(opts_.api_key), router_(inst, /*redrive=*/false) {
-    opts_.api_key.clear();  // only its digest stays (key_)
-    admission_ = AdmissionControl(opts_.admission);
+Front::Impl::Impl(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
+    : inst(inst),
+      self(self),
+      tok(tok),
+      tmpl(std::move(tmpl)),
+      opts(std::move(o)),
+      key(opts.api_key),
+      router(inst, /*redrive=*/false) {
+    opts.api_key.clear();  // only its digest stays (key)
+    admission = AdmissionControl(opts.admission);
 }
 
-AdmissionDecision Front::admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t key, QueueAt& at) {
-    std::lock_guard<std::mutex> lock(sched_mu_);
+Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
+    : impl_(std::make_unique<Impl>(inst, self, tok, std::move(tmpl), std::move(o))) {}
+Front::~Front() = default;  // Impl's destructor stops it
+Status Front::start() { return impl_->start(); }
+uint16_t Front::port() const { return impl_->port; }
+void Front::drain() { impl_->draining.store(true, std::memory_order_relaxed); }  // a flag: orders nothing
+void Front::cancel_all() { impl_->cancel_all(); }
+void Front::stop() { impl_->stop(); }
+size_t Front::in_flight() const { return impl_->in_flight.load(std::memory_order_relaxed); }
+uint64_t Front::loop_alive_ns() const { return impl_->loop_alive_ns.load(std::memory_order_relaxed); }
+bool Front::send(shm::ReqRef r) { return impl_->send(r); }
+FrontCounters& Front::counters() { return impl_->counters; }
+PrefillRouter& Front::router() { return impl_->router; }
+void Front::set_contexts(ContextService* c) { impl_->opts.contexts = c; }
+bool Front::release_ended_orphan() { return impl_->release_ended_orphan(); }
+
+AdmissionDecision Front::Impl::admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t retry_key,
+                                            QueueAt& at) {
+    std::lock_guard<std::mutex> lock(sched_mu);
     const uint64_t now = shm::monotonic_ns();
-    const bool returning = retries_.returning(key, now);
-    const double n = prefill_workers_;
-    const MeasuredRate r = admission_rate(c, {prefill_rate_.rate() * n, prefill_rate_.recent() * n},
-                                          {prefill_wide_rate_.rate() * n, prefill_wide_rate_.recent() * n});
-    AdmissionDecision d = admission_.decide(c, tokens, queue_, r.best, r.recent, &kv_, returning);
+    const bool returning = retries.returning(retry_key, now);
+    const double n = prefill_workers;
+    const MeasuredRate r = admission_rate(c, {prefill_rate.rate() * n, prefill_rate.recent() * n},
+                                          {prefill_wide_rate.rate() * n, prefill_wide_rate.recent() * n});
+    AdmissionDecision d = admission.decide(c, tokens, queue, r.best, r.recent, &kv, returning);
     if (d.admit && tokens > 0) {  // (none: a context's KV covers the prompt; it never leaves)
-        queue_.pending[static_cast<size_t>(c)] += tokens;
+        queue.pending[static_cast<size_t>(c)] += tokens;
         // Prefill's order key as the worker will compute it (from the whole prompt's
         // length, and the table's submit time, a moment later: the order among these
         // is the same).
-        const uint64_t ttft = admission_.options().slo.of(c).ttft_ns;
-        at = queue_.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft,
-                                                      static_cast<uint64_t>(prompt_length), kDeadlineNsPerToken),
-                                    tokens);
+        const uint64_t ttft = admission.options().slo.of(c).ttft_ns;
+        at = queue.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft,
+                                                     static_cast<uint64_t>(prompt_length), kDeadlineNsPerToken),
+                                   tokens);
     }
-    retries_.judged(key, now, returning, d);
+    retries.judged(retry_key, now, returning, d);
     return d;
 }
 
-void Front::queue_left(SloClass c, int64_t tokens, QueueAt at) {
-    std::lock_guard<std::mutex> lock(sched_mu_);
-    queue_.pending[static_cast<size_t>(c)] -= tokens;
-    queue_.prompts.erase(at);
+void Front::Impl::queue_left(SloClass c, int64_t tokens, QueueAt at) {
+    std::lock_guard<std::mutex> lock(sched_mu);
+    queue.pending[static_cast<size_t>(c)] -= tokens;
+    queue.prompts.erase(at);
 }
 
-void Front::sample_prefill_work() {
-    shm::Registry& reg = inst_.registry();
-    std::lock_guard<std::mutex> lock(sched_mu_);
-    work_seen_.resize(reg.n_slots(), {0, 0, 0, 0, 0});
+void Front::Impl::sample_prefill_work() {
+    shm::Registry& reg = inst.registry();
+    std::lock_guard<std::mutex> lock(sched_mu);
+    work_seen.resize(reg.n_slots(), {0, 0, 0, 0, 0});
     uint32_t running = 0;
     for (uint32_t s = 0; s < reg.n_slots(); ++s) {
         if (!reg.running_as(s, shm::Role::Prefill)) continue;
@@ -57,29 +79,29 @@ void Front::sample_prefill_work() {
         const std::array<uint64_t, 4> now = {
             ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed),
             ps.wide_busy_ns.load(std::memory_order_relaxed), ps.wide_tokens.load(std::memory_order_relaxed)};
-        std::array<uint64_t, 5>& seen = work_seen_[s];
+        std::array<uint64_t, 5>& seen = work_seen[s];
         const uint64_t gen = reg.current(s).gen;
         if (seen[0] != gen) seen = {gen, 0, 0, 0, 0};  // a new process here: its counters started at 0
         for (size_t k = 0; k < 2; ++k) {
             const uint64_t busy = now[2 * k], tokens = now[2 * k + 1];
             if (busy >= seen[1 + 2 * k] && tokens >= seen[2 + 2 * k])
-                (k == 0 ? prefill_rate_ : prefill_wide_rate_)
+                (k == 0 ? prefill_rate : prefill_wide_rate)
                     .add(busy - seen[1 + 2 * k], static_cast<int64_t>(tokens - seen[2 + 2 * k]));
             seen[1 + 2 * k] = busy;
             seen[2 + 2 * k] = tokens;
         }
     }
-    prefill_workers_ = std::max<uint32_t>(1, running);
+    prefill_workers = std::max<uint32_t>(1, running);
 }
 
-void Front::sample_kv() {
+void Front::Impl::sample_kv() {
     KvView v;
-    const shm::InstanceConfig& cfg = inst_.config();
-    const int32_t ctx_user = opts_.contexts ? opts_.contexts->arena_user() : -1;
+    const shm::InstanceConfig& cfg = inst.config();
+    const int32_t ctx_user = opts.contexts ? opts.contexts->arena_user() : -1;
     // The decode workers' arenas: where admitted requests hold blocks until they end
     // (a prefill-only arena, kv_split, only while their prompts are computed).
     for (const uint32_t a : decode_arenas(cfg)) {
-        const shm::ArenaCensus c = inst_.arena(a).census();
+        const shm::ArenaCensus c = inst.arena(a).census();
         int64_t held = c.held;
         // Idle contexts give way to requests (ContextService::make_room): their blocks
         // are not the arena's load. (References, not blocks: a block a context shares
@@ -89,8 +111,8 @@ void Front::sample_kv() {
         v.used += held;
         v.total += c.total;
     }
-    const shm::RequestTable& t = inst_.requests();
-    const double itl = itl_s_.load(std::memory_order_relaxed);
+    const shm::RequestTable& t = inst.requests();
+    const double itl = itl_s.load(std::memory_order_relaxed);
     const uint64_t per_token_ns = static_cast<uint64_t>((itl > 0 ? itl : 0.05) * 1e9);
     const int64_t bt = std::max<int64_t>(1, cfg.requests.block_tokens);
     for (uint32_t s = 0; s < t.n_slots(); ++s) {
@@ -101,69 +123,67 @@ void Front::sample_kv() {
         const int64_t left = std::max<int64_t>(0, static_cast<int64_t>(request_params(t, s).max_tokens) - out);
         v.running.push_back({(tokens + bt - 1) / bt, static_cast<uint64_t>(left) * per_token_ns});
     }
-    std::lock_guard<std::mutex> lock(sched_mu_);
-    kv_ = std::move(v);
+    std::lock_guard<std::mutex> lock(sched_mu);
+    kv = std::move(v);
 }
 
-Front::~Front() { stop(); }
-
-Status Front::start() {
+Status Front::Impl::start() {
     beast::error_code ec;
-    auto addr = asio::ip::make_address(opts_.host, ec);
-    if (ec) return make_error("--host {}: {}", opts_.host, ec.message());
-    tcp::endpoint ep{addr, opts_.port};
-    impl_->acceptor.open(ep.protocol(), ec);
-    if (!ec) impl_->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) impl_->acceptor.bind(ep, ec);
-    if (!ec) impl_->acceptor.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) return make_error("cannot listen on {}:{}: {}", opts_.host, opts_.port, ec.message());
-    port_ = impl_->acceptor.local_endpoint().port();
-    responses_ = std::make_unique<ResponseStore>(opts_.responses_dir, opts_.responses_max);
+    auto addr = asio::ip::make_address(opts.host, ec);
+    if (ec) return make_error("--host {}: {}", opts.host, ec.message());
+    tcp::endpoint ep{addr, opts.port};
+    acceptor.open(ep.protocol(), ec);
+    if (!ec) acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor.bind(ep, ec);
+    if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return make_error("cannot listen on {}:{}: {}", opts.host, opts.port, ec.message());
+    port = acceptor.local_endpoint().port();
+    responses = std::make_unique<ResponseStore>(opts.responses_dir, opts.responses_max);
     std::vector<std::string> skipped;
-    if (Status st = responses_->open(skipped); !st) return make_error("responses: {}", st.error().message);
+    if (Status st = responses->open(skipped); !st) return make_error("responses: {}", st.error().message);
     for (const std::string& name : skipped)
         log::warning(fmt::format("responses: {} is not a stored response; left as it is", name));
     // Contexts of responses that were never stored (the process died between the two),
     // or whose record was removed: nothing refers to them.
-    if (opts_.contexts && !opts_.responses_dir.empty()) {
-        const std::vector<std::string> kept = responses_->ids();
+    if (opts.contexts && !opts.responses_dir.empty()) {
+        const std::vector<std::string> kept = responses->ids();
         const std::set<std::string> known(kept.begin(), kept.end());
         size_t swept = 0;
-        for (const ContextInfo& i : opts_.contexts->store().list())
+        for (const ContextInfo& i : opts.contexts->store().list())
             if (i.id.rfind("resp_", 0) == 0 && !known.count(i.id) &&
-                opts_.contexts->handle("DELETE", "/v1/contexts/" + i.id, "", "").status < 400)
+                opts.contexts->handle("DELETE", "/v1/contexts/" + i.id, "", "").status < 400)
                 ++swept;
         if (swept) log::notice(fmt::format("responses: {} contexts no stored response refers to, removed", swept));
     }
-    if (opts_.responses_dir.empty())
+    if (opts.responses_dir.empty())
         log::info(fmt::format("stored responses are kept in memory (at most {}; --contexts-dir keeps them durable)",
-                              opts_.responses_max));
+                              opts.responses_max));
     else
-        log::info(fmt::format("stored responses are durable contexts ({} read back, at most {})", responses_->size(),
-                              opts_.responses_max));
+        log::info(fmt::format("stored responses are durable contexts ({} read back, at most {})", responses->size(),
+                              opts.responses_max));
     adopt_orphans();  // before the first connection: a client may come back at once
-    asio::co_spawn(impl_->io, FrontSession::listen(*this), asio::detached);
-    loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);
-    asio::co_spawn(impl_->io, FrontSession::tick(*this), asio::detached);
-    quit_.store(false, std::memory_order_relaxed);  // before the notifier thread starts (thread creation orders it)
-    notifier_ = std::thread([this] { notify_loop(); });
-    for (int i = 0; i < std::max(1, opts_.io_threads); ++i) threads_.emplace_back([this] { impl_->io.run(); });
+    asio::co_spawn(io, listen(*this), asio::detached);
+    loop_alive_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+    asio::co_spawn(io, tick(*this), asio::detached);
+    quit.store(false, std::memory_order_relaxed);  // before the notifier thread starts (thread creation orders it)
+    notifier = std::thread([this] { notify_loop(); });
+    for (int i = 0; i < std::max(1, opts.io_threads); ++i) threads.emplace_back([this] { io.run(); });
     return {};
 }
 
 // Sleeps on this process's doorbell, which prefill and decode ring after writing
 // tokens or changing a request's state; wakes the coroutines whose slots changed.
 // Every 50 ms, sends requests stranded on a dead prefill worker's ring to a live one.
-void Front::notify_loop() {
-    shm::Doorbell& bell = inst_.registry().doorbell(self_.slot);
-    const shm::RequestTable& t = inst_.requests();
+void Front::Impl::notify_loop() {
+    shm::Doorbell& bell = inst.registry().doorbell(self.slot);
+    const shm::RequestTable& t = inst.requests();
     uint64_t next_rescue = 0;
-    while (!quit_.load(std::memory_order_relaxed)) {
-        shm::doorbell_wait(bell, [&] { return impl_->any_changed(t) || quit_.load(std::memory_order_relaxed); }, 64,
-                           2'000'000);
-        impl_->wake_changed(t);
+    while (!quit.load(std::memory_order_relaxed)) {
+        shm::doorbell_wait(
+            bell, [&] { return any_changed(t) || quit.load(std::memory_order_relaxed); }, 64, 2'000'000);
+        wake_changed(t);
         if (const uint64_t now = shm::monotonic_ns(); now >= next_rescue) {
-            router_.resend_stranded();
+            router.resend_stranded();
             expire_orphans(now);
             sample_prefill_work();
             sample_kv();
@@ -172,19 +192,20 @@ void Front::notify_loop() {
     }
 }
 
-void Front::stop() {
-    if (notifier_.joinable()) {
-        quit_.store(true, std::memory_order_relaxed);  // a flag: nothing is published with it; the doorbell wakes the loop
-        shm::doorbell_ring(inst_.registry().doorbell(self_.slot));
-        notifier_.join();
+void Front::Impl::stop() {
+    if (notifier.joinable()) {
+        quit.store(true,
+                   std::memory_order_relaxed);  // a flag: nothing is published with it; the doorbell wakes the loop
+        shm::doorbell_ring(inst.registry().doorbell(self.slot));
+        notifier.join();
     }
-    impl_->io.stop();
-    for (std::thread& t : threads_) t.join();
-    threads_.clear();
+    io.stop();
+    for (std::thread& t : threads) t.join();
+    threads.clear();
 }
 
-void Front::cancel_all() {
-    shm::RequestTable& t = inst_.requests();
+void Front::Impl::cancel_all() {
+    shm::RequestTable& t = inst.requests();
     for (uint32_t s = 0; s < t.n_slots(); ++s) {
         shm::ReqState st = t.state(s);
         if (st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding)
@@ -192,28 +213,27 @@ void Front::cancel_all() {
     }
 }
 
-bool Front::send(shm::ReqRef r) { return router_.send(r); }
-
 // Preempted by decode (DecodeWorker::preempt: recompute or swap): back in QUEUED, ours, at an
 // attempt this front has not sent. It goes to prefill again, with its output so far.
-void Front::resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt) {
-    shm::RequestTable& t = inst_.requests();
+void Front::Impl::resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt) {
+    shm::RequestTable& t = inst.requests();
     if (t.current(r.slot).gen != r.gen || t.state(r.slot) != shm::ReqState::Queued ||
-        t.owner_slot(r.slot) != static_cast<int32_t>(self_.slot) || t.attempt(r.slot) == sent_attempt)
+        t.owner_slot(r.slot) != static_cast<int32_t>(self.slot) || t.attempt(r.slot) == sent_attempt)
         return;
     sent_attempt = t.attempt(r.slot);
     // Relaxed: written before the transition to QUEUED, whose acquire load state() made.
     if (t.slot(r.slot).n_swapped.load(std::memory_order_relaxed) > 0)
-        counters_.preempted_swap.fetch_add(1, std::memory_order_relaxed);
+        counters.preempted_swap.fetch_add(1, std::memory_order_relaxed);
     else
-        counters_.preempted.fetch_add(1, std::memory_order_relaxed);
+        counters.preempted.fetch_add(1, std::memory_order_relaxed);
     (void)send(r);
 }
 
-awaitable<void> FrontSession::tick(Front& f) {
+awaitable<void> front_detail::tick(Front::Impl& f) {
     asio::steady_timer timer(co_await asio::this_coro::executor);
     for (;;) {
-        f.loop_alive_ns_.store(shm::monotonic_ns(), std::memory_order_relaxed);  // a reading for the watchdog; orders nothing
+        f.loop_alive_ns.store(shm::monotonic_ns(),
+                              std::memory_order_relaxed);  // a reading for the watchdog; orders nothing
         timer.expires_after(std::chrono::milliseconds(100));
         beast::error_code ec;
         co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
@@ -221,12 +241,12 @@ awaitable<void> FrontSession::tick(Front& f) {
     }
 }
 
-awaitable<void> FrontSession::listen(Front& f) {
+awaitable<void> front_detail::listen(Front::Impl& f) {
     for (;;) {
         beast::error_code ec;
         // Each connection on its own strand: the notifier posts to it.
-        tcp::socket s = co_await f.impl_->acceptor.async_accept(asio::make_strand(f.impl_->io),
-                                                                 asio::redirect_error(use_awaitable, ec));
+        tcp::socket s =
+            co_await f.acceptor.async_accept(asio::make_strand(f.io), asio::redirect_error(use_awaitable, ec));
         if (ec) {
             if (ec == asio::error::operation_aborted) co_return;
             continue;
@@ -236,7 +256,7 @@ awaitable<void> FrontSession::listen(Front& f) {
     }
 }
 
-awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
+awaitable<void> front_detail::serve(Front::Impl& f, tcp::socket sock) {
     beast::tcp_stream stream(std::move(sock));
     beast::flat_buffer buf;
     for (;;) {
@@ -244,19 +264,19 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
         // spooled to a file; every other body is read into memory, up to
         // max_body_bytes.
         http::request_parser<http::empty_body> head;
-        const uint64_t blob_limit = f.opts_.contexts ? f.opts_.contexts->max_blob_bytes() : 0;
-        head.body_limit(std::max<uint64_t>(f.opts_.max_body_bytes, blob_limit));
+        const uint64_t blob_limit = f.opts.contexts ? f.opts.contexts->max_blob_bytes() : 0;
+        head.body_limit(std::max<uint64_t>(f.opts.max_body_bytes, blob_limit));
         stream.expires_after(std::chrono::seconds(60));  // a slow or idle client
         beast::error_code ec;
         co_await http::async_read_header(stream, buf, head, asio::redirect_error(use_awaitable, ec));
-        const bool import = !ec && f.opts_.contexts && head.get().method() == http::verb::post &&
+        const bool import = !ec && f.opts.contexts && head.get().method() == http::verb::post &&
                             target_path(head.get().target()) == "/v1/contexts/import";
-        const uint64_t limit = import ? blob_limit : f.opts_.max_body_bytes;
+        const uint64_t limit = import ? blob_limit : f.opts.max_body_bytes;
         // (A header whose Content-Length passes the parser's limit is whole: Beast
         // says body_limit right after it.)
         const bool have_head = !ec || ec == http::error::body_limit;
         if (have_head && !open_route(f, target_path(head.get().target())) &&
-            !f.key_.allows(sv(head.get()[http::field::authorization]))) {
+            !f.key.allows(sv(head.get()[http::field::authorization]))) {
             // Refused from its header, before any limit on its body is told or the body
             // read; the connection closes (the body is not read).
             Request dummy;
@@ -301,8 +321,8 @@ awaitable<void> FrontSession::serve(Front& f, tcp::socket sock) {
 }
 
 // 401 in OpenAI's error JSON, with the challenge (RFC 6750).
-awaitable<bool> FrontSession::unauthorized(Front& f, beast::tcp_stream& stream, const Request& req) {
-    f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+awaitable<bool> front_detail::unauthorized(Front::Impl& f, beast::tcp_stream& stream, const Request& req) {
+    f.counters.errors.fetch_add(1, std::memory_order_relaxed);
     ApiError e = api_error(401, "invalid_request_error",
                            "a valid API key is required: send \"Authorization: Bearer <key>\" (duet serve --api-key, "
                            "DUET_API_KEY)",
@@ -315,7 +335,7 @@ awaitable<bool> FrontSession::unauthorized(Front& f, beast::tcp_stream& stream, 
 }
 
 // 413, and the connection closes (the rest of the body is not read).
-awaitable<void> FrontSession::too_large(beast::tcp_stream& stream, uint64_t limit) {
+awaitable<void> front_detail::too_large(beast::tcp_stream& stream, uint64_t limit) {
     Request dummy;
     ApiError e = api_error(413, "invalid_request_error", fmt::format("the request body is larger than {} bytes", limit));
     auto res = make_response(http::status::payload_too_large, error_json(e), dummy);
@@ -326,9 +346,9 @@ awaitable<void> FrontSession::too_large(beast::tcp_stream& stream, uint64_t limi
 
 // POST /v1/contexts/import?id=...: the body (a KV blob) written to a spool file as
 // it arrives, then imported on the store thread, which removes the file.
-awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
+awaitable<bool> front_detail::import_blob(Front::Impl& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
                                           http::request_parser<http::empty_body>& head, uint64_t limit) {
-    ContextService& svc = *f.opts_.contexts;
+    ContextService& svc = *f.opts.contexts;
     const std::string spool = svc.spool_path();
     http::request_parser<http::file_body> parser{std::move(head)};
     parser.body_limit(limit);
@@ -353,8 +373,8 @@ awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, b
     req.keep_alive(parser.get().keep_alive());
     const std::string query = target_query(parser.get().target());
     ApiReply reply = co_await asio::co_spawn(
-        f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc.import_file(query, spool); }, use_awaitable);
-    if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+        f.store, [&]() -> awaitable<ApiReply> { co_return svc.import_file(query, spool); }, use_awaitable);
+    if (reply.status >= 400) f.counters.errors.fetch_add(1, std::memory_order_relaxed);
     const bool ok = co_await write_response(stream, req, status_of(reply.status), std::move(reply.body),
                                             "application/json", reply.status == 429 ? 1000 : 0);
     co_return ok && req.keep_alive();
@@ -362,13 +382,14 @@ awaitable<bool> FrontSession::import_blob(Front& f, beast::tcp_stream& stream, b
 
 // GET /v1/contexts/{id}/export: the blob written on the store thread, then sent as
 // the body; its spool file is removed once open (the open file is what is sent).
-awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id) {
-    ContextService& svc = *f.opts_.contexts;
+awaitable<bool> front_detail::export_blob(Front::Impl& f, beast::tcp_stream& stream, Request& req,
+                                          const std::string& id) {
+    ContextService& svc = *f.opts.contexts;
     auto file = co_await asio::co_spawn(
-        f.impl_->store, [&]() -> awaitable<std::variant<std::string, ApiReply>> { co_return svc.export_file(id); },
+        f.store, [&]() -> awaitable<std::variant<std::string, ApiReply>> { co_return svc.export_file(id); },
         use_awaitable);
     if (auto* e = std::get_if<ApiReply>(&file)) {
-        f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+        f.counters.errors.fetch_add(1, std::memory_order_relaxed);
         co_return co_await write_response(stream, req, status_of(e->status), std::move(e->body), "application/json",
                                           e->status == 429 ? 1000 : 0);
     }
@@ -391,53 +412,57 @@ awaitable<bool> FrontSession::export_blob(Front& f, beast::tcp_stream& stream, R
 
 // Liveness and readiness are open (probes carry no key); /metrics with
 // --public-metrics; everything else asks for the key when there is one.
-bool FrontSession::open_route(const Front& f, std::string_view path) {
-    return path == "/health" || path == "/ready" || path == "/readiness" || (path == "/metrics" && f.opts_.public_metrics);
+bool front_detail::open_route(const Front::Impl& f, std::string_view path) {
+    return path == "/health" || path == "/ready" || path == "/readiness" ||
+           (path == "/metrics" && f.opts.public_metrics);
 }
 
-awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Request& req) {
+awaitable<bool> front_detail::handle(Front::Impl& f, beast::tcp_stream& stream, Request& req) {
     const std::string path = target_path(req.target());
     const bool get = req.method() == http::verb::get, post = req.method() == http::verb::post;
     const std::string js = "application/json";
-    if (!open_route(f, path) && !f.key_.allows(sv(req[http::field::authorization])))
+    if (!open_route(f, path) && !f.key.allows(sv(req[http::field::authorization])))
         co_return co_await unauthorized(f, stream, req);
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions")) {
         // A retry of a request a dead front took (the same X-Request-Id): its answer.
-        if (auto id = orphan_of_xid(f, std::string(req["X-Request-Id"]))) co_return co_await resume(f, stream, req, *id, false);
-        co_return co_await completion(f, stream, req, path == "/v1/chat/completions");
+        CompletionRun run(f, stream, req);
+        if (auto id = orphan_of_xid(f, std::string(req["X-Request-Id"]))) co_return co_await run.resume(*id, false);
+        co_return co_await run.start(path == "/v1/chat/completions");
     }
     if (post && path == "/v1/responses") co_return co_await responses(f, stream, req);
     if ((get || req.method() == http::verb::delete_) && path.rfind("/v1/responses/", 0) == 0 && path.size() > 14)
         co_return co_await stored_response(f, stream, req, path.substr(14));
-    if (get && path.rfind("/v1/requests/", 0) == 0 && path.size() > 20 && path.compare(path.size() - 7, 7, "/events") == 0)
-        co_return co_await resume(f, stream, req, path.substr(13, path.size() - 20), true);
+    if (get && path.rfind("/v1/requests/", 0) == 0 && path.size() > 20 &&
+        path.compare(path.size() - 7, 7, "/events") == 0) {
+        CompletionRun run(f, stream, req);
+        co_return co_await run.resume(path.substr(13, path.size() - 20), true);
+    }
     if (path == "/v1/contexts" || path.rfind("/v1/contexts/", 0) == 0) co_return co_await contexts(f, stream, req, path);
     if (get && path == "/health") co_return co_await write_response(stream, req, http::status::ok, std::string(R"({"status":"ok"})"), js, false);
     if (get && (path == "/ready" || path == "/readiness")) {
         // Ready while a worker of each role runs (requests are routed around one being
         // restarted).
-        const bool ready = !f.draining_.load(std::memory_order_relaxed) && workers_running(f.inst_);
+        const bool ready = !f.draining.load(std::memory_order_relaxed) && workers_running(f.inst);
         // A worker that failed its golden-logits check is not restarted: say why.
         std::string why;
-        if (f.inst_.registry().golden_failures() > 0)
-            why = "a worker failed its golden-logits check, not restarted: " + f.inst_.registry().golden_reason();
+        if (f.inst.registry().golden_failures() > 0)
+            why = "a worker failed its golden-logits check, not restarted: " + f.inst.registry().golden_reason();
         std::string answer = ready ? R"({"status":"ready"})" : R"({"status":"not ready"})";
         if (!why.empty()) answer = json{{"status", ready ? "ready" : "not ready"}, {"reason", why}}.dump();
         co_return co_await write_response(stream, req, ready ? http::status::ok : http::status::service_unavailable,
                                           std::move(answer), js, false);
     }
     if (get && path == "/v1/models") {
-        co_return co_await write_response(
-            stream, req, http::status::ok,
-            models_json(f.opts_.model_id, f.inst_.config().requests.max_tokens, f.tmpl_.name(),
-                        tool_format_name(tool_format_of(f.tmpl_.format()))),
-            js, false);
+        co_return co_await write_response(stream, req, http::status::ok,
+                                          models_json(f.opts.model_id, f.inst.config().requests.max_tokens,
+                                                      f.tmpl.name(), tool_format_name(tool_format_of(f.tmpl.format()))),
+                                          js, false);
     }
     if (get && path == "/metrics")
         co_return co_await write_response(stream, req, http::status::ok, metrics_text(metrics_snapshot(f)),
                                           "text/plain; version=0.0.4", false);
     if (post && (path == "/tokenize" || path == "/detokenize")) {
-        auto reply = token_route(f.tok_, path, req.body());
+        auto reply = token_route(f.tok, path, req.body());
         if (auto* e = std::get_if<ApiError>(&reply)) co_return co_await error(f, stream, req, *e);
         co_return co_await write_response(stream, req, http::status::ok, std::move(std::get<std::string>(reply)), js,
                                           false);
@@ -446,11 +471,11 @@ awaitable<bool> FrontSession::handle(Front& f, beast::tcp_stream& stream, Reques
                               fmt::format("no route for {} {}", std::string(req.method_string()), path), "", ""));
 }
 
-MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
-    const FrontCounters& c = f.counters_;
-    shm::Instance& inst = f.inst_;
+MetricsSnapshot front_detail::metrics_snapshot(Front::Impl& f) {
+    const FrontCounters& c = f.counters;
+    shm::Instance& inst = f.inst;
     MetricsSnapshot m;
-    if (f.opts_.contexts) m.contexts = &f.opts_.contexts->store().stats();
+    if (f.opts.contexts) m.contexts = &f.opts.contexts->store().stats();
     // Relaxed: counters for display, no order among them.
     m.requests = c.requests.load(std::memory_order_relaxed);
     m.errors = c.errors.load(std::memory_order_relaxed);
@@ -465,7 +490,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     m.timeouts = c.timeouts.load(std::memory_order_relaxed);
     m.preempted = c.preempted.load(std::memory_order_relaxed);
     m.preempted_swap = c.preempted_swap.load(std::memory_order_relaxed);
-    m.swapped_bytes = f.inst_.requests().swapped_bytes().load(std::memory_order_relaxed);
+    m.swapped_bytes = f.inst.requests().swapped_bytes().load(std::memory_order_relaxed);
     for (size_t k = 0; k < kSloClasses; ++k) {
         m.class_ttft[k] = &c.class_ttft[k];
         m.class_itl[k] = &c.class_itl[k];
@@ -473,12 +498,12 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
         m.class_met[k] = c.class_met[k].load(std::memory_order_relaxed);
     }
     {
-        std::lock_guard<std::mutex> lock(f.sched_mu_);
-        m.queued_tokens = f.queue_.pending;
-        m.prefill_rate = f.prefill_rate_.rate() * f.prefill_workers_;
-        m.prefill_rate_recent = f.prefill_rate_.recent() * f.prefill_workers_;
-        m.prefill_wide_rate = f.prefill_wide_rate_.rate() * f.prefill_workers_;
-        m.prefill_wide_rate_recent = f.prefill_wide_rate_.recent() * f.prefill_workers_;
+        std::lock_guard<std::mutex> lock(f.sched_mu);
+        m.queued_tokens = f.queue.pending;
+        m.prefill_rate = f.prefill_rate.rate() * f.prefill_workers;
+        m.prefill_rate_recent = f.prefill_rate.recent() * f.prefill_workers;
+        m.prefill_wide_rate = f.prefill_wide_rate.rate() * f.prefill_workers;
+        m.prefill_wide_rate_recent = f.prefill_wide_rate.recent() * f.prefill_workers;
     }
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
@@ -492,7 +517,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
     }
     m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
     m.golden_failures = inst.registry().golden_failures();
-    m.in_flight = f.in_flight();
+    m.in_flight = f.in_flight.load(std::memory_order_relaxed);
     for (size_t k = 0; k < inst.n_arenas(); ++k) {  // every arena (one per GPU on a GPU instance)
         const shm::ArenaCensus one = inst.arena(k).census();
         m.arenas.push_back({one.free, one.cached, one.held});
@@ -524,7 +549,7 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
         }
         return w;
     };
-    const std::vector<uint64_t> routed = f.router_.sent_counts();
+    const std::vector<uint64_t> routed = f.router.sent_counts();
     for (uint32_t p = 0; p < rings.n_prefill; ++p) {
         m.prefill.push_back(worker(shm::Role::Prefill, p, queued_for_prefill(inst, p)));
         m.prefill.back().routed = p < routed.size() ? routed[p] : 0;
@@ -538,8 +563,9 @@ MetricsSnapshot FrontSession::metrics_snapshot(Front& f) {
 
 // /v1/contexts routes: on the store thread (ContextService blocks), then back here
 // to write the reply.
-awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path) {
-    if (!f.opts_.contexts)
+awaitable<bool> front_detail::contexts(Front::Impl& f, beast::tcp_stream& stream, Request& req,
+                                       const std::string& path) {
+    if (!f.opts.contexts)
         co_return co_await error(f, stream, req,
                                  api_error(404, "not_found_error",
                                            "contexts are off on this server (duet serve --contexts-dir DIR)", "", ""));
@@ -547,17 +573,19 @@ awaitable<bool> FrontSession::contexts(Front& f, beast::tcp_stream& stream, Requ
         return path.size() > 13 + tail.size() && path.compare(path.size() - tail.size(), tail.size(), tail) == 0;
     };
     const std::string completions = "/completions", exported = "/export";
-    if (req.method() == http::verb::post && ends(completions))
-        co_return co_await completion(f, stream, req, false, path.substr(13, path.size() - 13 - completions.size()));
+    if (req.method() == http::verb::post && ends(completions)) {
+        CompletionRun run(f, stream, req);
+        co_return co_await run.start(false, path.substr(13, path.size() - 13 - completions.size()));
+    }
     if (req.method() == http::verb::get && ends(exported))
         co_return co_await export_blob(f, stream, req, path.substr(13, path.size() - 13 - exported.size()));
     const std::string query = target_query(req.target());
     const std::string method(req.method_string());
-    ContextService& svc = *f.opts_.contexts;
+    ContextService& svc = *f.opts.contexts;
     ApiReply reply = co_await asio::co_spawn(
-        f.impl_->store,
-        [&]() -> awaitable<ApiReply> { co_return svc.handle(method, path, query, req.body()); }, use_awaitable);
-    if (reply.status >= 400) f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
+        f.store, [&]() -> awaitable<ApiReply> { co_return svc.handle(method, path, query, req.body()); },
+        use_awaitable);
+    if (reply.status >= 400) f.counters.errors.fetch_add(1, std::memory_order_relaxed);
     co_return co_await write_response(stream, req, status_of(reply.status), std::move(reply.body), "application/json",
                                       reply.status == 429 ? 1000 : 0);
 }

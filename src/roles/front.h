@@ -8,19 +8,14 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "base/histogram.h"
 #include "base/result.h"
 #include "engine/scheduling.h"
 #include "model/chat_template.h"
 #include "model/tokenizer.h"
-#include "roles/api_key.h"
 #include "roles/recovery.h"
 #include "roles/routing.h"
 
@@ -87,89 +82,38 @@ public:
     ~Front();
     // Binds and starts the I/O threads.
     Status start();
-    uint16_t port() const { return port_; }
+    uint16_t port() const;
     // New requests get 503 from now on; running ones continue.
-    void drain() { draining_.store(true, std::memory_order_relaxed); }  // a flag: orders nothing
+    void drain();
     // Cancels every running request (after a drain's grace period).
     void cancel_all();
     void stop();
-    size_t in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
+    size_t in_flight() const;
     // When a timer on the event loop last ran (shm::monotonic_ns; every 100 ms while the
     // loop turns): what the systemd watchdog ping is conditioned on, so a wedged
     // event loop, not a side thread, decides it.
-    uint64_t loop_alive_ns() const { return loop_alive_ns_.load(std::memory_order_relaxed); }
+    uint64_t loop_alive_ns() const;
     // Sends a QUEUED request to a prefill worker (PrefillRouter::send: routed,
     // thread-safe). If its ring stays full for 2 s, fails the request instead and
     // returns false.
     bool send(shm::ReqRef r);
-    FrontCounters& counters() { return counters_; }
+    FrontCounters& counters();
     // The router of this process's rings (one producer: every sender in the front
     // shares it), for the context service; and the service, set before start().
-    PrefillRouter& router() { return router_; }
-    void set_contexts(ContextService* c) { opts_.contexts = c; }
+    PrefillRouter& router();
+    void set_contexts(ContextService* c);
 
     // Frees the slots of the stream kept longest for a resume whose choices have all
     // ended (resume.cpp); false: there was none. Whoever found no free request slot
     // calls it and tries again while it returns true.
     bool release_ended_orphan();
 
-private:
+    // The front's state and its parts (roles/front_impl.h), which only the front's
+    // own files see.
     struct Impl;
-    std::unique_ptr<Impl> impl_;
-    shm::Instance& inst_;
-    shm::ProcRef self_;
-    const Tokenizer& tok_;
-    ChatTemplate tmpl_;
-    FrontOptions opts_;
-    ApiKey key_;
-    uint16_t port_ = 0;
-    std::atomic<bool> draining_{false};
-    std::atomic<size_t> in_flight_{0};
-    PrefillRouter router_;
-    FrontCounters counters_;
-    std::unique_ptr<ResponseStore> responses_;  // opened by start()
-    std::vector<std::thread> threads_;
-    std::thread notifier_;
-    std::atomic<bool> quit_{false};
-    std::atomic<uint64_t> loop_alive_ns_{0};
-    // Admission (engine/scheduling.h) over the prompt tokens this front has admitted
-    // and prefill has not finished, per class, and prefill's measured rate.
-    std::mutex sched_mu_;
-    AdmissionControl admission_{AdmissionOptions{}};
-    PrefillRateMeter prefill_rate_;       // passes on prefill's own cores
-    PrefillRateMeter prefill_wide_rate_;  // passes with the partner's cores too (admission_rate)
-    QueueView queue_;
-    KvView kv_;  // A3's view of the arenas (sample_kv)
-    uint32_t prefill_workers_ = 1;  // running: the queue drains at their summed rate
-    // Each registry slot's work counters as last read: (generation, busy ns, tokens,
-    // wide busy ns, wide tokens).
-    std::vector<std::array<uint64_t, 5>> work_seen_;
-    RetryMemory retries_;  // prompts A1 refused (engine/scheduling.h)
-    // Decides; an admitted request's tokens (if any) join the queue, `at` its place
-    // in it (QueueView::prompts, by prefill's order key for a prompt of
-    // `prompt_length` tokens). `key`: the prompt's RetryMemory key.
-    using QueueAt = std::multimap<uint64_t, int64_t>::iterator;
-    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t key, QueueAt& at);
-    // They leave it: prefill is done with them (the first token came) or the request
-    // ended without one.
-    void queue_left(SloClass c, int64_t tokens, QueueAt at);
-    // Reads the running prefill workers' work counters into prefill_rate_ and
-    // prefill_wide_rate_ (the notifier thread, every 50 ms).
-    void sample_prefill_work();
-    // Reads the arenas' census and the running requests into kv_ (the notifier
-    // thread, every 50 ms): blocks held by requests (not the contexts', which give
-    // way), and each running request's blocks and time left at itl_s_ per token.
-    void sample_kv();
-    std::atomic<double> itl_s_{0};  // decode's time per token, an average over recent gaps (0: none seen)
-    // Sends a request decode preempted (QUEUED again, at an attempt other than
-    // `sent_attempt`, which it updates) back to prefill.
-    void resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt);
-    void notify_loop();
-    void adopt_orphans();
-    void expire_orphans(uint64_t now_ns);
-    void forget_orphan(const std::string& id);  // answered: nothing more to do for it
 
-    friend struct FrontSession;
+private:
+    std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace duet

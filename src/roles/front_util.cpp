@@ -1,5 +1,5 @@
-// The front's helpers (declared in front_session.h).
-#include "roles/front_session.h"
+// The front's helpers (declared in front_impl.h).
+#include "roles/front_impl.h"
 #include "roles/restart_policy.h"
 
 #include <sys/socket.h>

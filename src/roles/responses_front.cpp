@@ -1,8 +1,8 @@
 // /v1/responses in the front (roles/responses.h): a response runs as a chat
-// completion (FrontSession::completion, answered as a Response), on a context of its
+// completion (a CompletionRun, answered as a Response), on a context of its
 // own when stored with --contexts-dir, so that previous_response_id continues from
 // the stored KV; GET and DELETE /v1/responses/{id}.
-#include "roles/front_session.h"
+#include "roles/front_impl.h"
 
 #include <atomic>
 
@@ -28,7 +28,7 @@ ChatMessage output_message(const ResponseOutcome& o) {
 }
 
 // JSON bodies are built outside the coroutines (GCC 12 and braced initializers there:
-// front_session.h).
+// front_impl.h).
 std::string id_body(const std::string& id) { return nlohmann::json{{"id", id}}.dump(); }
 std::string deleted_body(const std::string& id) {
     return nlohmann::json{{"id", id}, {"object", "response"}, {"deleted", true}}.dump();
@@ -65,7 +65,7 @@ ApiError context_error(const ApiReply& r, const std::string& what) {
 
 }  // namespace
 
-ResponseOutcome FrontSession::response_outcome(const Completion& c, const Outcome& o) {
+ResponseOutcome front_detail::response_outcome(const Completion& c, const Outcome& o) {
     ResponseOutcome ro;
     // When it ended: once (the stored object, the reply and the stream's last event agree).
     if (c.resp->completed_at == 0) c.resp->completed_at = static_cast<int64_t>(time(nullptr));
@@ -80,15 +80,15 @@ ResponseOutcome FrontSession::response_outcome(const Completion& c, const Outcom
     return ro;
 }
 
-awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Request& req) {
-    if (f.draining_.load(std::memory_order_relaxed))
+awaitable<bool> front_detail::responses(Front::Impl& f, beast::tcp_stream& stream, Request& req) {
+    if (f.draining.load(std::memory_order_relaxed))
         co_return co_await error(f, stream, req, api_error(503, "server_error", "the server is shutting down", "", ""));
     auto parsed = parse_responses(req.body());
     if (auto* e = std::get_if<ApiError>(&parsed)) co_return co_await error(f, stream, req, *e);
     ResponseRun run;
     run.rr = std::move(std::get<ResponsesRequest>(parsed));
     ResponsesRequest& rr = run.rr;
-    ResponseStore& store = *f.responses_;
+    ResponseStore& store = *f.responses;
     std::optional<StoredResponse> prev;
     if (!rr.previous_response_id.empty()) {
         prev = store.get(rr.previous_response_id);
@@ -98,7 +98,7 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
                 api_error(404, "invalid_request_error",
                           fmt::format("Previous response with id '{}' not found (stored responses are kept up to "
                                       "--responses-max, {}{})",
-                                      rr.previous_response_id, f.opts_.responses_max,
+                                      rr.previous_response_id, f.opts.responses_max,
                                       store.durable() ? "" : ", in memory: --contexts-dir keeps them across restarts"),
                           "previous_response_id", "previous_response_not_found"));
     }
@@ -110,7 +110,7 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
     // What the completion is sent: the new input on the previous response's context
     // (forked for this one when it is stored), or the whole conversation, on a new
     // context of its own when stored durably, else as it is.
-    ContextService* svc = store.durable() ? f.opts_.contexts : nullptr;
+    ContextService* svc = store.durable() ? f.opts.contexts : nullptr;
     // The whole conversation, as rendered anew; checked as the chat completion will
     // read it before any context is touched (its errors name the Responses field).
     std::vector<ChatMessage> whole;
@@ -129,8 +129,7 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
     if (continues) {
         const std::string path = "/v1/contexts/" + prev->id;
         ApiReply r = co_await asio::co_spawn(
-            f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc->handle("GET", path, "", ""); },
-            use_awaitable);
+            f.store, [&]() -> awaitable<ApiReply> { co_return svc->handle("GET", path, "", ""); }, use_awaitable);
         continues = r.status == 200;
     }
     std::string ctx_method, ctx_path, ctx_body;  // the context call before the completion, if any
@@ -153,49 +152,51 @@ awaitable<bool> FrontSession::responses(Front& f, beast::tcp_stream& stream, Req
     }
     if (!ctx_path.empty()) {
         ApiReply r = co_await asio::co_spawn(
-            f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc->handle(ctx_method, ctx_path, "", ctx_body); },
+            f.store, [&]() -> awaitable<ApiReply> { co_return svc->handle(ctx_method, ctx_path, "", ctx_body); },
             use_awaitable);
         if (r.status == 404 && continues) {
             // The previous context went since it was looked at (deleted, pushed out):
             // the conversation is rendered anew on a new context.
             send = whole;
             r = co_await asio::co_spawn(
-                f.impl_->store,
-                [&]() -> awaitable<ApiReply> { co_return svc->handle("POST", "/v1/contexts", "", ctx_body); },
+                f.store, [&]() -> awaitable<ApiReply> { co_return svc->handle("POST", "/v1/contexts", "", ctx_body); },
                 use_awaitable);
         }
         if (r.status >= 400) co_return co_await error(f, stream, req, context_error(r, "storing the response"));
     }
     run.own_context = commit;
     req.body() = chat_body(rr.chat, send, context, commit);
-    const bool keep = co_await completion(f, stream, req, true, "", &run);
+    bool keep = false;
+    {  // its lease and returned KV are dropped as it ends, before its context goes
+        CompletionRun completion(f, stream, req);
+        keep = co_await completion.start(true, "", &run);
+    }
     // Not stored (it failed, or its client left): its context goes too.
     if (run.own_context && !store.get(run.id)) {
         const std::string path = "/v1/contexts/" + run.id;
         (void)co_await asio::co_spawn(
-            f.impl_->store, [&]() -> awaitable<ApiReply> { co_return svc->handle("DELETE", path, "", ""); },
-            use_awaitable);
+            f.store, [&]() -> awaitable<ApiReply> { co_return svc->handle("DELETE", path, "", ""); }, use_awaitable);
     }
     co_return keep;
 }
 
-awaitable<std::optional<ApiError>> FrontSession::store_response(Front& f, Completion& c, const Outcome& o) {
+awaitable<std::optional<ApiError>> CompletionRun::store_response(const Outcome& o) {
     ResponseRun& run = *c.resp;
     if (!run.rr.store) co_return std::nullopt;
     StoredResponse s;
     s.id = run.id;
     const ResponseOutcome ro = response_outcome(c, o);
-    s.response = response_json(run.rr, run.id, run.created, f.opts_.model_id, &ro);
+    s.response = response_json(run.rr, run.id, run.created, f.opts.model_id, &ro);
     s.history = run.convo;
     s.history.push_back(output_message(ro));
     s.shown = run.rr.shown;
     s.context = run.own_context;
-    ResponseStore& store = *f.responses_;
-    ContextService* svc = store.durable() ? f.opts_.contexts : nullptr;
+    ResponseStore& store = *f.responses;
+    ContextService* svc = store.durable() ? f.opts.contexts : nullptr;
     // On the store thread: a file written and synced, and the contexts of responses
     // it pushed out removed.
     auto done = co_await asio::co_spawn(
-        f.impl_->store,
+        f.store,
         [&]() -> awaitable<std::optional<ApiError>> {
             auto gone = store.put(s);
             if (!gone)
@@ -209,9 +210,9 @@ awaitable<std::optional<ApiError>> FrontSession::store_response(Front& f, Comple
     co_return done;
 }
 
-awaitable<bool> FrontSession::stored_response(Front& f, beast::tcp_stream& stream, Request& req,
+awaitable<bool> front_detail::stored_response(Front::Impl& f, beast::tcp_stream& stream, Request& req,
                                               const std::string& id) {
-    ResponseStore& store = *f.responses_;
+    ResponseStore& store = *f.responses;
     if (const std::string q = target_query(req.target()); !q.empty())
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error",
@@ -225,9 +226,9 @@ awaitable<bool> FrontSession::stored_response(Front& f, beast::tcp_stream& strea
         co_return co_await write_response(stream, req, http::status::ok,
                                           r->response.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
                                           "application/json", 0);
-    ContextService* svc = store.durable() ? f.opts_.contexts : nullptr;
+    ContextService* svc = store.durable() ? f.opts.contexts : nullptr;
     const bool removed = co_await asio::co_spawn(
-        f.impl_->store,
+        f.store,
         [&]() -> awaitable<bool> {
             const bool gone = store.remove(id);
             if (gone && svc && r->context) (void)svc->handle("DELETE", "/v1/contexts/" + id, "", "");

@@ -3,7 +3,7 @@
 // end (--resume-grace), and requests adopted from a dead front, answered again
 // (resume).
 #include "base/log.h"
-#include "roles/front_session.h"
+#include "roles/front_impl.h"
 
 namespace duet {
 
@@ -89,9 +89,9 @@ std::optional<FrontRecord> parse_front_record(const std::string& text) {
 // already closed) left nothing to resume (404). False: not resumable (no grace, no
 // front record, not a stream, or a context's or a response's: their commit belongs to
 // the connection that asked).
-bool FrontSession::keep_as_orphan(Front& f, Completion& c) {
-    if (!c.r.stream || f.opts_.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty() || c.resp) return false;
-    shm::RequestTable& t = f.inst_.requests();
+bool CompletionRun::keep_as_orphan() {
+    if (!c.r.stream || f.opts.resume_grace_ns == 0 || c.ch.empty() || !c.context.empty() || c.resp) return false;
+    shm::RequestTable& t = f.inst.requests();
     auto rec = t.front_data(c.ch[0].ref);
     if (!rec) return false;
     auto fr = parse_front_record(*rec);
@@ -99,41 +99,40 @@ bool FrontSession::keep_as_orphan(Front& f, Completion& c) {
     Orphan o;
     o.rec = std::move(*fr);
     o.since_ns = shm::monotonic_ns();
-    o.window_ns = f.opts_.resume_grace_ns;
+    o.window_ns = f.opts.resume_grace_ns;
     for (const Choice& ch : c.ch) o.attempts.push_back(ch.attempt);
-    std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
-    f.impl_->orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
+    std::lock_guard<std::mutex> lock(f.orphans_mu);
+    f.orphans.insert_or_assign(c.id, std::move(o));  // a resumed orphan's entry is replaced, unclaimed
     return true;
 }
 
 // A stream whose client disconnected before it ended: kept instead of cancelled
 // (keep_as_orphan). False: the caller cancels it.
-bool FrontSession::detach(Front& f, Completion& c) {
-    if (!keep_as_orphan(f, c)) return false;
+bool CompletionRun::detach() {
+    if (!keep_as_orphan()) return false;
     // It leaves the connection: the queue and in-flight counts as when it ends.
     if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
-    f.in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    f.in_flight.fetch_sub(1, std::memory_order_relaxed);
     c.detached = true;
     return true;
 }
 
-std::optional<std::string> FrontSession::orphan_of_xid(Front& f, const std::string& xid) {
+std::optional<std::string> front_detail::orphan_of_xid(Front::Impl& f, const std::string& xid) {
     if (xid.empty()) return std::nullopt;
-    std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
-    for (const auto& [id, o] : f.impl_->orphans)
+    std::lock_guard<std::mutex> lock(f.orphans_mu);
+    for (const auto& [id, o] : f.orphans)
         if (o.rec.xid == xid) return id;
     return std::nullopt;
 }
 
-awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
-                                     bool events) {
+awaitable<bool> CompletionRun::resume(const std::string& id, bool events) {
     std::optional<FrontRecord> fr;
     std::vector<uint32_t> attempts;  // each choice's attempt this front last sent
     bool busy = false;
     {
-        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
-        auto it = f.impl_->orphans.find(id);
-        if (it != f.impl_->orphans.end() && !it->second.expiring) {
+        std::lock_guard<std::mutex> lock(f.orphans_mu);
+        auto it = f.orphans.find(id);
+        if (it != f.orphans.end() && !it->second.expiring) {
             busy = it->second.claimed;
             if (!busy) {
                 it->second.claimed = true;
@@ -149,22 +148,22 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     if (!fr)
         co_return co_await error(
             f, stream, req,
-            api_error(
-                404, "not_found_error",
-                fmt::format("no request '{}' to resume: resumable are the requests of a front "
-                            "that died, for {} s after it, and streams, for {} s after "
-                            "their client disconnected or they ended",
-                            id, f.opts_.resume_window_ns / 1000000000ull, f.opts_.resume_grace_ns / 1000000000ull),
-                "", "request_not_found"));
+            api_error(404, "not_found_error",
+                      fmt::format("no request '{}' to resume: resumable are the requests of a front "
+                                  "that died, for {} s after it, and streams, for {} s after "
+                                  "their client disconnected or they ended",
+                                  id, f.opts.resume_window_ns / 1000000000ull, f.opts.resume_grace_ns / 1000000000ull),
+                      "", "request_not_found"));
     auto unclaim = [&](bool forget) {
-        std::lock_guard<std::mutex> lock(f.impl_->orphans_mu);
-        auto it = f.impl_->orphans.find(id);
-        if (it == f.impl_->orphans.end()) return;
-        if (forget) f.impl_->orphans.erase(it);
-        else it->second.claimed = false;
+        std::lock_guard<std::mutex> lock(f.orphans_mu);
+        auto it = f.orphans.find(id);
+        if (it == f.orphans.end()) return;
+        if (forget)
+            f.orphans.erase(it);
+        else
+            it->second.claimed = false;
     };
-    shm::RequestTable& t = f.inst_.requests();
-    Completion c;
+    shm::RequestTable& t = f.inst.requests();
     c.r = fr->r;
     c.chat = fr->chat;
     c.id = fr->id;
@@ -226,7 +225,7 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     }
     const uint64_t now = shm::monotonic_ns();
     for (size_t i = 0; i < fr->refs.size(); ++i) {
-        Choice ch(f.tok_, c.r.stop, static_cast<uint64_t>(c.r.min_tokens));
+        Choice ch(f.tok, c.r.stop, static_cast<uint64_t>(c.r.min_tokens));
         ch.ref = fr->refs[i];
         // The attempt sent last (by adoption, or again by expire_orphans): a later one
         // found QUEUED was preempted, and read_choice sends it.
@@ -244,10 +243,10 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
         out.resize(from[i]);
         ch.out = std::move(out);
         ch.have = from[i];
-        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok_, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
+        if (c.r.logprobs >= 0 || c.ranked()) read_logprobs(t, f.tok, ch, std::max(c.r.logprobs, 0), 0, ch.out.size());
         if (ch.feed(0, false)) ch.finish = finish_reason(Finish::StopString);
         if (!fr->tool_names.empty())
-            ch.tools = tool_parser(c.id, i, tool_format_of(f.tmpl_.format()), fr->tool_names, fr->tool_calls_only);
+            ch.tools = tool_parser(c.id, i, tool_format_of(f.tmpl.format()), fr->tool_names, fr->tool_calls_only);
         // Streamed: what was sent, through the calls' parser too; whole: the parser
         // takes the whole text at the end (finish).
         if (c.r.stream)
@@ -262,30 +261,29 @@ awaitable<bool> FrontSession::resume(Front& f, beast::tcp_stream& stream, Reques
     }
     for (Choice& ch : c.ch)
         if (!ch.finish.empty()) ch.cancel(t);  // its stop string is in what was sent
-    f.in_flight_.fetch_add(1, std::memory_order_relaxed);
+    f.in_flight.fetch_add(1, std::memory_order_relaxed);
     if (c.r.stream) co_await write_stream_head(stream, req, c);
-    co_await follow(f, stream, c);
-    co_return co_await end_completion(f, stream, req, c);  // forgets the orphan
+    co_await follow();
+    co_return co_await end_completion();  // forgets the orphan
 }
 
-void Front::forget_orphan(const std::string& id) {
-    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
-    impl_->orphans.erase(id);
+void Front::Impl::forget_orphan(const std::string& id) {
+    std::lock_guard<std::mutex> lock(orphans_mu);
+    orphans.erase(id);
 }
 
 // Kept streams hold their slots only while nobody else needs one: a submit that found
 // none frees the one kept longest whose choices have all ended and that no connection
 // is answering (its client, if it comes back, gets 404 as after the grace). Adopted
 // streams of a dead front too, not its context completions.
-bool Front::release_ended_orphan() {
-    shm::RequestTable& t = inst_.requests();
-    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
-    auto oldest = impl_->orphans.end();
-    for (auto it = impl_->orphans.begin(); it != impl_->orphans.end(); ++it) {
+bool Front::Impl::release_ended_orphan() {
+    shm::RequestTable& t = inst.requests();
+    std::lock_guard<std::mutex> lock(orphans_mu);
+    auto oldest = orphans.end();
+    for (auto it = orphans.begin(); it != orphans.end(); ++it) {
         const Orphan& o = it->second;
         // A context completion adopted from a dead front waits for its client's commit.
-        if (o.claimed || !o.rec.context.empty() ||
-            (oldest != impl_->orphans.end() && o.since_ns >= oldest->second.since_ns))
+        if (o.claimed || !o.rec.context.empty() || (oldest != orphans.end() && o.since_ns >= oldest->second.since_ns))
             continue;
         bool ended = true;
         for (shm::ReqRef r : o.rec.refs) {
@@ -295,58 +293,58 @@ bool Front::release_ended_orphan() {
         }
         if (ended) oldest = it;
     }
-    if (oldest == impl_->orphans.end()) return false;
+    if (oldest == orphans.end()) return false;
     for (shm::ReqRef r : oldest->second.rec.refs)
         if (t.current(r.slot).gen == r.gen) (void)t.transition(r, t.state(r.slot), shm::ReqState::Free);
-    impl_->orphans.erase(oldest);
+    orphans.erase(oldest);
     return true;
 }
 
 // Requests of a dead front with a front record: this process answers them from now
 // on (their client comes back, or the window passes). QUEUED ones are sent again (a
 // prefill worker drops a copy whose request it already took).
-void Front::adopt_orphans() {
-    shm::RequestTable& t = inst_.requests();
-    const shm::Registry& reg = inst_.registry();
+void Front::Impl::adopt_orphans() {
+    shm::RequestTable& t = inst.requests();
+    const shm::Registry& reg = inst.registry();
     std::vector<shm::ReqRef> queued;
     size_t n = 0;
     {
-        std::lock_guard<std::mutex> lock(impl_->orphans_mu);
+        std::lock_guard<std::mutex> lock(orphans_mu);
         const uint64_t now = shm::monotonic_ns();
         for (uint32_t s = 0; s < t.n_slots(); ++s) {
             if (t.state(s) == shm::ReqState::Free) continue;
             const uint64_t client = t.slot(s).client.load(std::memory_order_acquire);
-            if (client == 0 || client == self_.pack() || reg.alive(shm::ProcRef::unpack(client))) continue;
+            if (client == 0 || client == self.pack() || reg.alive(shm::ProcRef::unpack(client))) continue;
             auto rec = t.front_data(t.current(s));
             if (!rec) continue;
             auto fr = parse_front_record(*rec);
-            if (!fr || impl_->orphans.count(fr->id)) continue;
+            if (!fr || orphans.count(fr->id)) continue;
             // A context completion is answered by a front that can commit it; one
             // without contexts leaves it to the launcher's sweep.
-            if (!fr->context.empty() && !opts_.contexts) continue;
+            if (!fr->context.empty() && !opts.contexts) continue;
             for (shm::ReqRef r : fr->refs)
-                if (t.set_client(r, self_) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
+                if (t.set_client(r, self) && t.state(r.slot) == shm::ReqState::Queued) queued.push_back(r);
             Orphan o;
             o.since_ns = now;
-            o.window_ns = opts_.resume_window_ns;
+            o.window_ns = opts.resume_window_ns;
             for (shm::ReqRef r : fr->refs) o.attempts.push_back(t.attempt(r.slot));
             const std::string id = fr->id;
             o.rec = std::move(*fr);
-            impl_->orphans.emplace(id, std::move(o));
+            orphans.emplace(id, std::move(o));
             ++n;
         }
     }
     for (shm::ReqRef r : queued) (void)send(r);
     if (n)
         log::notice(fmt::format("adopted {} requests of a front that died (resumable for {} s)", n,
-                                opts_.resume_window_ns / 1000000000ull));
+                                opts.resume_window_ns / 1000000000ull));
 }
 
 // Orphans nobody came back for within the window: cancelled, then freed once ended.
-void Front::expire_orphans(uint64_t now) {
-    shm::RequestTable& t = inst_.requests();
-    std::lock_guard<std::mutex> lock(impl_->orphans_mu);
-    for (auto it = impl_->orphans.begin(); it != impl_->orphans.end();) {
+void Front::Impl::expire_orphans(uint64_t now) {
+    shm::RequestTable& t = inst.requests();
+    std::lock_guard<std::mutex> lock(orphans_mu);
+    for (auto it = orphans.begin(); it != orphans.end();) {
         Orphan& o = it->second;
         if (!o.claimed && !o.expiring)  // nobody follows it: a preempted choice is sent again here
             for (size_t i = 0; i < o.rec.refs.size() && i < o.attempts.size(); ++i)
@@ -362,10 +360,10 @@ void Front::expire_orphans(uint64_t now) {
             if (st == shm::ReqState::Free) continue;
             if (st == shm::ReqState::Finished || st == shm::ReqState::Failed || st == shm::ReqState::Cancelled) {
                 // A context completion's KV that came back to us: nobody commits it.
-                if (st == shm::ReqState::Finished && o.rec.return_kv && opts_.contexts &&
-                    t.slot(r.slot).kv_to.load(std::memory_order_relaxed) == self_.pack()) {
+                if (st == shm::ReqState::Finished && o.rec.return_kv && opts.contexts &&
+                    t.slot(r.slot).kv_to.load(std::memory_order_relaxed) == self.pack()) {
                     const uint32_t nb = t.slot(r.slot).n_blocks.load(std::memory_order_acquire);
-                    opts_.contexts->release(std::span<const int32_t>(t.blocks(r.slot), nb));
+                    opts.contexts->release(std::span<const int32_t>(t.blocks(r.slot), nb));
                 }
                 t.transition(r, st, shm::ReqState::Free);
                 continue;
@@ -377,9 +375,9 @@ void Front::expire_orphans(uint64_t now) {
             }
             ended = false;
         }
-        if (cancelled) counters_.cancelled.fetch_add(1, std::memory_order_relaxed);  // its client never came back
+        if (cancelled) counters.cancelled.fetch_add(1, std::memory_order_relaxed);  // its client never came back
         o.expiring = true;
-        it = ended ? impl_->orphans.erase(it) : std::next(it);
+        it = ended ? orphans.erase(it) : std::next(it);
     }
 }
 

@@ -1,7 +1,8 @@
-// The front's own parts, shared by its files and by nothing else: front.cpp (the
-// Front, its HTTP routes), completion.cpp (a completion from its parse to its reply),
-// resume.cpp (front records, detached streams, orphans adopted from a dead front)
-// and front_util.cpp (helpers). FrontSession is the friend of Front that runs them.
+// The front's own parts, shared by its files and by nothing else: Front::Impl (its
+// state) and front.cpp (its HTTP routes), completion.cpp (a CompletionRun, from its
+// parse to its reply), resume.cpp (front records, detached streams, orphans adopted
+// from a dead front), responses_front.cpp (/v1/responses) and front_util.cpp
+// (helpers).
 #pragma once
 
 #include <utility>  // Boost 1.74's asio/awaitable.hpp uses std::exchange without including it
@@ -12,14 +13,18 @@
 #include <unistd.h>
 
 #include <map>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <variant>
+#include <vector>
 
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_pool.h"
+#include "roles/api_key.h"
 #include "roles/context_api.h"
 #include "roles/metrics_text.h"
 #include "roles/openai.h"
@@ -71,20 +76,27 @@ struct FrontRecord {
     bool tool_calls_only = false;         // tool_choice required or named
 };
 
-// A request adopted from a dead front (Front::adopt_orphans), until its client comes
+// A request adopted from a dead front (Front::Impl::adopt_orphans), until its client comes
 // back for it or the resume window passes.
-// Or a stream of this front's whose client disconnected (FrontSession::detach), for
+// Or a stream of this front's whose client disconnected (CompletionRun::detach), for
 // --resume-grace.
 struct Orphan {
     FrontRecord rec;
-    uint64_t since_ns = 0;    // adopted, or detached
-    uint64_t window_ns = 0;   // how long from since_ns its client may come back
-    bool claimed = false;   // a connection is answering it
-    bool expiring = false;  // the window passed: cancelled, freed once every choice has ended
+    uint64_t since_ns = 0;           // adopted, or detached
+    uint64_t window_ns = 0;          // how long from since_ns its client may come back
+    bool claimed = false;            // a connection is answering it
+    bool expiring = false;           // the window passed: cancelled, freed once every choice has ended
     std::vector<uint32_t> attempts;  // each choice's attempt this front last sent (a preempted one is sent again)
 };
 
+// The front's state, and its work outside any one connection: the notifier thread,
+// admission's view of the queue and the arenas, the orphans a resume may claim.
+// The connections' coroutines (front.cpp's routes, a CompletionRun) run over it.
 struct Front::Impl {
+    Impl(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o);
+    ~Impl() { stop(); }
+
+    // First: destroyed last, after everything that may post to them.
     asio::io_context io;
     std::mutex orphans_mu;
     std::map<std::string, Orphan> orphans;  // by response id
@@ -93,6 +105,70 @@ struct Front::Impl {
     std::mutex mu;
     std::vector<std::shared_ptr<Waiter>> waiters;
 
+    shm::Instance& inst;
+    shm::ProcRef self;
+    const Tokenizer& tok;
+    ChatTemplate tmpl;
+    FrontOptions opts;
+    ApiKey key;
+    uint16_t port = 0;
+    std::atomic<bool> draining{false};
+    std::atomic<size_t> in_flight{0};
+    PrefillRouter router;
+    FrontCounters counters;
+    std::unique_ptr<ResponseStore> responses;  // opened by start()
+    std::vector<std::thread> threads;
+    std::thread notifier;
+    std::atomic<bool> quit{false};
+    std::atomic<uint64_t> loop_alive_ns{0};
+    // Admission (engine/scheduling.h) over the prompt tokens this front has admitted
+    // and prefill has not finished, per class, and prefill's measured rate.
+    std::mutex sched_mu;
+    AdmissionControl admission{AdmissionOptions{}};
+    PrefillRateMeter prefill_rate;       // passes on prefill's own cores
+    PrefillRateMeter prefill_wide_rate;  // passes with the partner's cores too (admission_rate)
+    QueueView queue;
+    KvView kv;                     // A3's view of the arenas (sample_kv)
+    uint32_t prefill_workers = 1;  // running: the queue drains at their summed rate
+    // Each registry slot's work counters as last read: (generation, busy ns, tokens,
+    // wide busy ns, wide tokens).
+    std::vector<std::array<uint64_t, 5>> work_seen;
+    RetryMemory retries;           // prompts A1 refused (engine/scheduling.h)
+    std::atomic<double> itl_s{0};  // decode's time per token, an average over recent gaps (0: none seen)
+
+    Status start();
+    void stop();
+    void cancel_all();
+    bool send(shm::ReqRef r) { return router.send(r); }
+    // Decides; an admitted request's tokens (if any) join the queue, `at` its place
+    // in it (QueueView::prompts, by prefill's order key for a prompt of
+    // `prompt_length` tokens). `retry_key`: the prompt's RetryMemory key.
+    using QueueAt = std::multimap<uint64_t, int64_t>::iterator;
+    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t retry_key, QueueAt& at);
+    // They leave it: prefill is done with them (the first token came) or the request
+    // ended without one.
+    void queue_left(SloClass c, int64_t tokens, QueueAt at);
+    // Reads the running prefill workers' work counters into prefill_rate and
+    // prefill_wide_rate (the notifier thread, every 50 ms).
+    void sample_prefill_work();
+    // Reads the arenas' census and the running requests into kv (the notifier
+    // thread, every 50 ms): blocks held by requests (not the contexts', which give
+    // way), and each running request's blocks and time left at itl_s per token.
+    void sample_kv();
+    // Sends a request decode preempted (QUEUED again, at an attempt other than
+    // `sent_attempt`, which it updates) back to prefill.
+    void resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt);
+    // Sleeps on this process's doorbell, which prefill and decode ring after writing
+    // tokens or changing a request's state; wakes the coroutines whose slots changed.
+    void notify_loop();
+    // Orphans (resume.cpp): adopted from a dead front, expired, forgotten once
+    // answered, released for a slot (Front::release_ended_orphan).
+    void adopt_orphans();
+    void expire_orphans(uint64_t now);
+    void forget_orphan(const std::string& id);
+    bool release_ended_orphan();
+
+    // The waiters (Waiter): a coroutine's, added before it sleeps.
     static bool changed(const shm::RequestTable& t, const Waiter& w) {
         return t.slot(w.slot).n_output.load(std::memory_order_acquire) != w.seen_out || t.state(w.slot) != w.seen_state;
     }
@@ -176,9 +252,9 @@ struct Choice {
     // was streamed (watch.text).
     StopWatch watch;
     std::vector<int32_t> out;
-    uint32_t have = 0;                             // output tokens read
-    uint32_t attempt = 0;                          // the request's attempt this front last sent
-    uint32_t sent_have = 0;                        // `have` when its last event was written (the event id)
+    uint32_t have = 0;                               // output tokens read
+    uint32_t attempt = 0;                            // the request's attempt this front last sent
+    uint32_t sent_have = 0;                          // `have` when its last event was written (the event id)
     shm::ReqState seen_state = shm::ReqState::Free;  // as last read
     std::string finish;
     bool first = true, done = false;
@@ -223,7 +299,7 @@ struct Choice {
     // Its finish reason as the client sees it: an answer of calls that ended by
     // itself ends with "tool_calls".
     std::string reason() const { return tools && !tools->calls().empty() && finish == "stop" ? "tool_calls" : finish; }
-    int64_t text_bytes = 0;         // bytes of the tokens so far (text_offset)
+    int64_t text_bytes = 0;  // bytes of the tokens so far (text_offset)
     std::vector<LogprobToken> unsent() const {
         if (lps_sent >= lps.size()) return {};
         return {lps.begin() + static_cast<std::ptrdiff_t>(lps_sent), lps.end()};
@@ -299,12 +375,13 @@ struct Completion {
     // front's queue (until its first token, or its end); its first token and gaps.
     SloClass cls = SloClass::Standard;
     int64_t queued = 0;
-    std::multimap<uint64_t, int64_t>::iterator queue_at{};  // its place in the queue while queued > 0 (Front::QueueAt)
+    std::multimap<uint64_t, int64_t>::iterator
+        queue_at{};  // its place in the queue while queued > 0 (Front::Impl::QueueAt)
     uint64_t first_ns = 0;
     double gap_sum = 0;
     int64_t gaps = 0;
-    std::string xid;          // the client's X-Request-Id ("": none)
-    std::string resumed_id;   // an orphan (adopted or detached) resumed: to forget when it ends
+    std::string xid;         // the client's X-Request-Id ("": none)
+    std::string resumed_id;  // an orphan (adopted or detached) resumed: to forget when it ends
     // Event id: each choice's output tokens read when its last event was written.
     std::string event_id() const {
         std::string e;
@@ -351,68 +428,89 @@ awaitable<void> write_stream_head(beast::tcp_stream& stream, const Request& req,
 
 using namespace front_detail;  // the front's files only include this header
 
-// The coroutines that serve one connection, and the steps of a completion; a friend
-// of Front.
-struct FrontSession {
-    static awaitable<bool> error(Front& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
-        f.counters_.errors.fetch_add(1, std::memory_order_relaxed);
-        const uint64_t retry = e.status == 429 || e.status == 503 ? (e.retry_after_ms ? e.retry_after_ms : 1000) : 0;
-        co_return co_await write_response(stream, req, status_of(e.status), error_json(e), "application/json", retry);
-    }
-    static awaitable<void> listen(Front& f);
-    static awaitable<void> tick(Front& f);
-    static awaitable<void> serve(Front& f, tcp::socket sock);
-    static awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
-    static awaitable<bool> unauthorized(Front& f, beast::tcp_stream& stream, const Request& req);
-    static bool open_route(const Front& f, std::string_view path);
-    static awaitable<bool> import_blob(Front& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
-                                       http::request_parser<http::empty_body>& head, uint64_t limit);
-    static awaitable<bool> export_blob(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
-    static awaitable<bool> handle(Front& f, beast::tcp_stream& stream, Request& req);
-    static MetricsSnapshot metrics_snapshot(Front& f);
+namespace front_detail {
 
-    // A completion, in the order it runs: parse and check the request, tokenize its
-    // prompt, put its choices in the request table and send them to prefill, follow
-    // them (streaming if asked) until all end, account for them, and reply.
-    static awaitable<bool> completion(Front& f, beast::tcp_stream& stream, Request& req, bool chat,
-                                      std::string context = "", ResponseRun* resp = nullptr);
-    // /v1/responses (responses_front.cpp): POST runs one (as a chat completion, on a
-    // context with --contexts-dir); GET and DELETE a stored one.
-    static awaitable<bool> responses(Front& f, beast::tcp_stream& stream, Request& req);
-    static awaitable<bool> stored_response(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id);
-    // A finished response stored (before its reply: acknowledged means stored); the
-    // error when it could not be.
-    static awaitable<std::optional<ApiError>> store_response(Front& f, Completion& c, const Outcome& o);
-    static ResponseOutcome response_outcome(const Completion& c, const Outcome& o);
-    static awaitable<bool> contexts(Front& f, beast::tcp_stream& stream, Request& req, const std::string& path);
-    static awaitable<std::optional<ApiError>> commit_context(Front& f, Completion& c);
-    static awaitable<bool> end_completion(Front& f, beast::tcp_stream& stream, Request& req, Completion& c);
-    static bool detach(Front& f, Completion& c);
-    static bool keep_as_orphan(Front& f, Completion& c);
-    static void take_returned_kv(Front& f, Completion& c);
-    static std::optional<ApiError> parse(Front& f, const Request& req, Completion& c);
-    static std::optional<ApiError> tokenize_prompt(Front& f, Completion& c);
+// The routes of one connection (front.cpp, responses_front.cpp, resume.cpp), over the
+// front's state.
+inline awaitable<bool> error(Front::Impl& f, beast::tcp_stream& stream, const Request& req, ApiError e) {
+    f.counters.errors.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t retry = e.status == 429 || e.status == 503 ? (e.retry_after_ms ? e.retry_after_ms : 1000) : 0;
+    co_return co_await write_response(stream, req, status_of(e.status), error_json(e), "application/json", retry);
+}
+awaitable<void> listen(Front::Impl& f);
+awaitable<void> tick(Front::Impl& f);
+awaitable<void> serve(Front::Impl& f, tcp::socket sock);
+awaitable<void> too_large(beast::tcp_stream& stream, uint64_t limit);
+awaitable<bool> unauthorized(Front::Impl& f, beast::tcp_stream& stream, const Request& req);
+bool open_route(const Front::Impl& f, std::string_view path);
+awaitable<bool> import_blob(Front::Impl& f, beast::tcp_stream& stream, beast::flat_buffer& buf,
+                            http::request_parser<http::empty_body>& head, uint64_t limit);
+awaitable<bool> export_blob(Front::Impl& f, beast::tcp_stream& stream, Request& req, const std::string& id);
+awaitable<bool> handle(Front::Impl& f, beast::tcp_stream& stream, Request& req);
+MetricsSnapshot metrics_snapshot(Front::Impl& f);
+// /v1/responses (responses_front.cpp): POST runs one (as a chat completion, on a
+// context with --contexts-dir); GET and DELETE a stored one.
+awaitable<bool> responses(Front::Impl& f, beast::tcp_stream& stream, Request& req);
+awaitable<bool> stored_response(Front::Impl& f, beast::tcp_stream& stream, Request& req, const std::string& id);
+ResponseOutcome response_outcome(const Completion& c, const Outcome& o);
+awaitable<bool> contexts(Front::Impl& f, beast::tcp_stream& stream, Request& req, const std::string& path);
+// The orphan a retry with this X-Request-Id resumes, if any.
+std::optional<std::string> orphan_of_xid(Front::Impl& f, const std::string& xid);
+
+}  // namespace front_detail
+
+// One completion, from its request to its reply, on the connection that asked: a
+// completion or chat completion, a context's completion, a /v1/responses request
+// (run as a chat completion), or a request a client came back for (resume). Its
+// steps are its members, in the order they run; `c` is what they share.
+class CompletionRun {
+public:
+    CompletionRun(Front::Impl& f, beast::tcp_stream& stream, Request& req) : f(f), stream(stream), req(req) {}
+    CompletionRun(const CompletionRun&) = delete;
+    CompletionRun& operator=(const CompletionRun&) = delete;
+
+    // A new completion: parse and check the request, tokenize its prompt, put its
+    // choices in the request table and send them to prefill, follow them (streaming
+    // if asked) until all end, account for them, and reply. True: the connection may
+    // serve another request.
+    awaitable<bool> start(bool chat, std::string context = "", ResponseRun* resp = nullptr);
+    // A request adopted from a dead front, or a stream kept for --resume-grace (an
+    // orphan), answered again: GET /v1/requests/{id}/events (events: an SSE stream
+    // from Last-Event-ID on), or a retry with the same X-Request-Id (the whole
+    // answer, as first asked). In resume.cpp.
+    awaitable<bool> resume(const std::string& id, bool events);
+
+private:
+    std::optional<ApiError> parse();
+    std::optional<ApiError> tokenize_prompt();
     // Its parameters, and its request data (c.data) when it has some.
-    static std::variant<RequestParams, ApiError> request_params_of(Front& f, Completion& c);
-    static std::optional<ApiError> admit(Front& f, Completion& c, RequestParams params);
-    static awaitable<void> follow(Front& f, beast::tcp_stream& stream, Completion& c);
-    static ChoiceStep read_choice(Front& f, Completion& c, Choice& ch);
-    static awaitable<void> stream_choice(Front& f, beast::tcp_stream& stream, Completion& c, size_t ci,
-                                         const ChoiceStep& step);
-    static bool settle_choice(Front& f, Completion& c, Choice& ch, const ChoiceStep& step);
-    static awaitable<void> wait_for_change(Front& f, Completion& c, const std::shared_ptr<asio::steady_timer>& timer);
+    std::variant<RequestParams, ApiError> request_params_of();
+    std::optional<ApiError> admit(RequestParams params);
+    awaitable<void> follow();
+    ChoiceStep read_choice(Choice& ch);
+    awaitable<void> stream_choice(size_t ci, const ChoiceStep& step);
+    bool settle_choice(Choice& ch, const ChoiceStep& step);
+    awaitable<void> wait_for_change(const std::shared_ptr<asio::steady_timer>& timer);
+    // Once every choice has ended: the commit or the store, then the reply.
+    awaitable<bool> end_completion();
+    void take_returned_kv();
+    awaitable<std::optional<ApiError>> commit_context();
+    // A finished response stored (before its reply: acknowledged means stored); the
+    // error when it could not be (responses_front.cpp).
+    awaitable<std::optional<ApiError>> store_response(const Outcome& o);
     // Accounts for the ended choices; frees their slots unless `keep` (kept for a
     // resume: keep_as_orphan).
-    static Outcome finish(Front& f, Completion& c, bool keep = false);
-    static awaitable<bool> reply_stream(Front& f, beast::tcp_stream& stream, Completion& c, const Outcome& o);
-    static awaitable<bool> reply(Front& f, beast::tcp_stream& stream, const Request& req, Completion& c,
-                                 const Outcome& o);
-    // A request adopted from a dead front, answered again: GET /v1/requests/{id}/events
-    // (an SSE stream from Last-Event-ID on), or a retry with the same X-Request-Id (the
-    // whole answer, as first asked).
-    static awaitable<bool> resume(Front& f, beast::tcp_stream& stream, Request& req, const std::string& id,
-                                  bool events);
-    static std::optional<std::string> orphan_of_xid(Front& f, const std::string& xid);
+    Outcome finish(bool keep = false);
+    awaitable<bool> reply(const Outcome& o);
+    awaitable<bool> reply_stream(const Outcome& o);
+    // Kept for a resume (resume.cpp): at its end, or when its client left.
+    bool keep_as_orphan();
+    bool detach();
+
+    Front::Impl& f;
+    beast::tcp_stream& stream;
+    Request& req;
+    Completion c;
 };
 
 }  // namespace duet
