@@ -252,10 +252,13 @@ int cmd_front(const FrontSettings& a) {
         fo.request_timeout_s = a.scheduling.request_timeout_s;
         fo.responses_max = static_cast<size_t>(a.responses_max);
         if (!a.contexts_dir.empty()) fo.responses_dir = a.contexts_dir + "/responses";
+        // Before the front: it outlives the front, whose coroutines (destroyed with its
+        // event loop, a request still running among them) hold blocks they give back
+        // to it.
+        std::unique_ptr<ContextService> contexts;
         Front front(*inst, *self, **tok, *tmpl, fo);
         log::info(fmt::format("chat template {}; tool calls in the {} format", tmpl->name(),
                               tool_format_name(tool_format_of(tmpl->format()))));
-        std::unique_ptr<ContextService> contexts;
         if (!a.contexts_dir.empty()) {
             std::error_code ec;
             std::filesystem::create_directories(a.contexts_dir, ec);
