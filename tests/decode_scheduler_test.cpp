@@ -265,6 +265,77 @@ TEST(DraftPace, GrowsOnKeptDraftsShrinksOnMissesAndBacksOffWhenNothingIsKept) {
     EXPECT_EQ(draft_budget(off, 0), 0);  // drafting off
 }
 
+// Which drafts run (engine/drafter.h trim_drafts): each expected count worked out
+// by hand from the rule in the header (a draft's chance accept^i against the pass's
+// tokens per position so far, (rows + chances) / (fixed + rows + drafts)).
+TEST(TrimDrafts, LikelyDraftsRunUnlikelyOnesOnlyWhereThePassIsCheap) {
+    struct Case {
+        const char* what;
+        std::vector<DraftRowView> rows;
+        double fixed;
+        std::vector<int> want;
+    };
+    const Case cases[] = {
+        // 1/5 = .2: .5 in; then 1.5/6 = .25, and .25 is not above it.
+        {"one row, even odds", {{8, 0.5}}, 4, {1}},
+        // .95^8 = .663 still beats (1 + .95 + ... + .95^7) / 12 = .561.
+        {"one row copying", {{8, 0.95}}, 4, {8}},
+        // 8/12 = .667: no even-odds draft beats what eight rows yield without one.
+        {"eight rows, even odds", std::vector<DraftRowView>(8, {4, 0.5}), 4, std::vector<int>(8, 0)},
+        // .9, .81, .729 in (ratio .685, .694, .696); .6561 is below .696, and so is .5.
+        {"eight rows, one copying",
+         {{4, 0.9}, {4, 0.5}, {4, 0.5}, {4, 0.5}, {4, 0.5}, {4, 0.5}, {4, 0.5}, {4, 0.5}},
+         4,
+         {3, 0, 0, 0, 0, 0, 0, 0}},
+        // A large fixed cost: 1/65; .3, .09, .027 in (1.417/68 = .0208), .0081 out.
+        {"one row, a costly pass", {{4, 0.3}}, 64, {3}},
+        // Nothing proposed, nothing run; a row with no chance runs none.
+        {"nothing proposed", {{0, 0.9}, {3, 0.0}}, 4, {0, 0}},
+    };
+    for (const Case& c : cases) {
+        std::vector<int> keep(c.rows.size(), 7);  // every entry is written
+        trim_drafts(c.rows, c.fixed, keep);
+        EXPECT_EQ(keep, c.want) << c.what;
+    }
+}
+
+// A sequence's acceptance (DraftOdds): a half before anything is seen; hits and
+// tries decay by 0.9 per try.
+TEST(DraftOdds, CountsHitsAndTriesAndForgetsOldOnes) {
+    DraftOdds o;
+    EXPECT_DOUBLE_EQ(o.accept(), 0.5);
+    o.seen(1, 1);
+    EXPECT_DOUBLE_EQ(o.accept(), 2.0 / 3.0);
+    o.seen(0, 1);  // hits .9, tries 1.9
+    EXPECT_DOUBLE_EQ(o.accept(), 1.9 / 3.9);
+    o.seen(0, 0);  // nothing tried: nothing changes
+    EXPECT_DOUBLE_EQ(o.accept(), 1.9 / 3.9);
+    DraftOdds row;
+    row.seen(3, 4);  // a verify row: three kept, the fourth not
+    EXPECT_DOUBLE_EQ(row.accept(), 4.0 / 6.0);
+}
+
+// The pass-time fit (PassCostModel): exact on a line, the prior until positions
+// vary, and never a cost that is not one.
+TEST(PassCostModel, FitsTheFixedCostInPositionsAndFallsBackToThePrior) {
+    PassCostModel line;
+    EXPECT_EQ(line.fixed(), PassCostModel::kPriorFixed);
+    for (int i = 0; i < 30; ++i) line.add(1 + i % 9, 800'000 + 200'000 * static_cast<uint64_t>(1 + i % 9));
+    EXPECT_NEAR(line.fixed(), 4.0, 1e-6);  // a = 800 us, b = 200 us
+
+    PassCostModel same;  // one stream, no drafts: every pass one position
+    for (int i = 0; i < 30; ++i) same.add(1, 1'000'000 + 1000 * static_cast<uint64_t>(i));
+    EXPECT_EQ(same.fixed(), PassCostModel::kPriorFixed);
+
+    PassCostModel falling;  // longer passes faster: noise, not a cost
+    for (int i = 0; i < 30; ++i) falling.add(1 + i % 9, 3'000'000 - 100'000 * static_cast<uint64_t>(1 + i % 9));
+    EXPECT_EQ(falling.fixed(), PassCostModel::kPriorFixed);
+
+    PassCostModel cheap;  // a / b = 0.1: clamped
+    for (int i = 0; i < 30; ++i) cheap.add(1 + i % 9, 100'000 + 1'000'000 * static_cast<uint64_t>(1 + i % 9));
+    EXPECT_EQ(cheap.fixed(), PassCostModel::kMinFixed);
+}
+
 // A request's "speculative" against the server's --draft-tokens (engine/drafter.h
 // draft_limit): every mode, with and without its own maximum, on servers with
 // drafting off and on.

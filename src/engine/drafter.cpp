@@ -1,6 +1,8 @@
 #include "engine/drafter.h"
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 
 namespace duet {
 
@@ -130,6 +132,60 @@ void draft_verified(DraftPace& p, int max_draft, int drafted, int accepted) {
         p.cap = 0;
         p.wait = probe ? p.backoff : 1;
         if (probe) p.backoff = std::min(DraftPace::kMaxWait, 2 * p.backoff);
+    }
+}
+
+void DraftOdds::seen(int kept, int tried) {
+    if (tried <= 0) return;
+    for (int i = 0; i < tried; ++i) {
+        hits *= kDecay;
+        tries *= kDecay;
+    }
+    hits += kept;
+    tries += tried;
+}
+
+void PassCostModel::add(int64_t positions, uint64_t ns) {
+    const double x = static_cast<double>(positions), y = static_cast<double>(ns);
+    n_ = kDecay * n_ + 1;
+    x_ = kDecay * x_ + x;
+    y_ = kDecay * y_ + y;
+    xx_ = kDecay * xx_ + x * x;
+    xy_ = kDecay * xy_ + x * y;
+}
+
+double PassCostModel::fixed() const {
+    if (n_ < 4) return kPriorFixed;
+    const double var = xx_ * n_ - x_ * x_;         // n^2 times the positions' variance
+    if (var < 0.25 * n_ * n_) return kPriorFixed;  // positions vary by less than half a position
+    const double b = (xy_ * n_ - x_ * y_) / var;
+    const double a = (y_ - b * x_) / n_;
+    if (!(b > 0) || !(a > 0)) return kPriorFixed;
+    return std::clamp(a / b, kMinFixed, kMaxFixed);
+}
+
+void trim_drafts(std::span<const DraftRowView> rows, double fixed, std::span<int> keep) {
+    struct Candidate {
+        double p;
+        size_t row;
+        int i;
+    };
+    std::vector<Candidate> all;
+    for (size_t r = 0; r < rows.size(); ++r) {
+        keep[r] = 0;
+        double p = 1;
+        for (int i = 1; i <= rows[r].drafts; ++i) all.push_back({p *= rows[r].accept, r, i});
+    }
+    std::sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+        return std::tie(b.p, a.row, a.i) < std::tie(a.p, b.row, b.i);
+    });
+    double tokens = static_cast<double>(rows.size()), cost = fixed + static_cast<double>(rows.size());
+    for (const Candidate& c : all) {
+        // Taken likeliest first, a row's drafts in order: its earlier ones are in.
+        if (c.p * cost <= tokens) break;
+        keep[c.row] = c.i;
+        tokens += c.p;
+        cost += 1;
     }
 }
 

@@ -93,6 +93,54 @@ struct DraftPace {
     int backoff = 1;  // the next wait after a failed probe
 };
 
+// A sequence's record of how its drafts fare: the chance that a drafted token is
+// kept when the drafts before it in the row were (its acceptance, alpha). Counted
+// from its verify rows (each kept draft a hit; the first one not kept a miss), and
+// from the first token of drafts it proposed but did not run, checked against the
+// token drawn next; older counts decay, so it follows a sequence whose output
+// changes from copying to writing. Starts at one half.
+struct DraftOdds {
+    static constexpr double kDecay = 0.9;  // per observation: about the last ten count
+    double hits = 0, tries = 0;
+    double accept() const { return (hits + 1.0) / (tries + 2.0); }
+    // `kept` hits in `tried` tries.
+    void seen(int kept, int tried);
+};
+
+// What a pass costs: time = a + b * positions, a and b fitted by least squares over
+// the worker's recent passes (each weighing kDecay of the next). fixed() is a / b:
+// the pass's fixed cost (weights read once, barriers) in positions. Until the
+// passes seen vary enough in positions to fit, or when a fit is not a cost (a or b
+// not positive), kPriorFixed: the figure measured on a 2-core CPU (a verify row of
+// 8 positions cost 2.41 one-position steps: a/b = 4, bench/RESULTS.md, "Many-row
+// CPU products").
+class PassCostModel {
+public:
+    static constexpr double kDecay = 0.98, kPriorFixed = 4.0, kMinFixed = 0.25, kMaxFixed = 64.0;
+    void add(int64_t positions, uint64_t ns);
+    double fixed() const;
+
+private:
+    double n_ = 0, x_ = 0, y_ = 0, xx_ = 0, xy_ = 0;
+};
+
+// One row's drafts as trim_drafts weighs them: how many it proposed, and its
+// acceptance (DraftOdds::accept).
+struct DraftRowView {
+    int drafts = 0;
+    double accept = 0;
+};
+
+// How many of its proposed drafts each row runs in the pass (into keep, one per
+// row), so that the pass yields the most tokens per unit of time: a row's i-th draft
+// (from 1) is kept with chance accept^i and costs one position of `fixed`'s unit.
+// Positions are taken likeliest first (a row's in order; ties by row), each only
+// while its chance beats the tokens per position the pass has so far, (rows + the
+// chances taken) / (fixed + rows + the drafts taken): with many rows or a large
+// fixed cost, only likely drafts run; alone and cheap, unlikely ones too. Never
+// changes the output (engine/decode_scheduler.h: a draft only costs positions).
+void trim_drafts(std::span<const DraftRowView> rows, double fixed, std::span<int> keep);
+
 // Where a sequence's drafts came from: its own tokens (PromptLookupDrafter) or the
 // worker's pool (NgramPool). Counted apart (duet_draft_tokens_total's drafter).
 enum class DraftSource : uint8_t { Sequence = 0, Pool = 1 };

@@ -282,9 +282,11 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
     const int64_t bt = pool_->layout().block_tokens;
     const uint64_t now = shm::monotonic_ns();
     std::vector<DecodeRowView> rows(active_.size());
+    std::vector<DraftRowView> proposed(active_.size());
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
         a.row.assign(1, a.output.back());
+        a.shadow = -1;
         // Drafts only where they can all be kept: within max_tokens (the newest draw
         // counts too) and the slot's token room.
         const size_t made = a.prompt.size() + a.output.size();
@@ -311,6 +313,16 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
             }
             a.row.resize(1 + got.tokens);
         }
+        proposed[i] = {static_cast<int>(a.row.size()) - 1, a.odds.accept()};
+    }
+    // The drafts worth their positions in this pass (trim_drafts); a proposal run
+    // not at all is still checked against the token drawn next (DraftOdds).
+    std::vector<int> keep(active_.size());
+    trim_drafts(proposed, pass_cost_.fixed(), keep);
+    for (size_t i = 0; i < active_.size(); ++i) {
+        Active& a = active_[i];
+        if (keep[i] == 0 && a.row.size() > 1) a.shadow = a.row[1];
+        a.row.resize(1 + static_cast<size_t>(keep[i]));
         const auto want = static_cast<int32_t>(a.row.size());
         rows[i] = {{a.admitted, a.seq.n_tokens(), a.params.class_rank()},
                    want,
@@ -359,7 +371,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     const int64_t kept_from = a.seq.n_tokens() - n;  // the positions before the row
     Finish f = Finish::None;
     int32_t j = 0, accepted = 0;  // tokens emitted; drafts among them
-    bool matched = true;
+    bool matched = true, missed = false;  // missed: a draft was not kept
     while (j < n && matched && f == Finish::None) {
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
                              a.prompt, a.output, a.stops.get());
@@ -372,9 +384,13 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
         // The draft at the next position is kept only if this draw picked it; if not,
         // this draw is its correction and the row ends here.
         matched = j < n && next == a.row[static_cast<size_t>(j)];
+        missed = j < n && !matched;
         accepted += matched ? 1 : 0;
     }
+    if (n == 1 && a.shadow >= 0 && j == 1) a.odds.seen(a.output.back() == a.shadow ? 1 : 0, 1);
+    a.shadow = -1;
     if (n > 1) {
+        a.odds.seen(accepted, accepted + (missed ? 1 : 0));
         draft_verified(a.pace, max_draft(a.params), n - 1, accepted);
         const int src = static_cast<int>(a.drafted_from);
         t.drafted(src).fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
@@ -464,6 +480,9 @@ Result<bool> DecodeWorker::step() {
         std::atomic<uint64_t>& avg = worker_stats(inst_->registry(), self_.slot).step_ns;  // C6's cost of a claim
         const uint64_t took = shm::monotonic_ns() - t0, was = avg.load(std::memory_order_relaxed);
         avg.store(was == 0 ? took : (3 * was + took) / 4, std::memory_order_relaxed);
+        int64_t positions = 0;
+        for (const SeqBatch& b : batch) positions += b.n_tokens;
+        if (st) pass_cost_.add(positions, took);
     }
     if (!st) {
         // Not a shortage: the blocks were taken. The newest request fails and the

@@ -32,6 +32,8 @@ private:
         std::vector<int32_t> row;      // the step's input: the newest output token, then its drafts
         DraftPace pace;                // how many tokens it drafts next (engine/drafter.h)
         DraftSource drafted_from = DraftSource::Sequence;  // where the row's drafts came from
+        DraftOdds odds;                                    // how its drafts fare (trim_drafts weighs them by it)
+        int32_t shadow = -1;  // the first draft of a proposal trimmed away: checked against the next token
     };
     uint64_t yield_budget() const;  // over active_ (engine/scheduling.h yield_budget_ns)
     // from[i] (active_ or parked_) ends in state `to`.
@@ -66,6 +68,9 @@ private:
     // (WorkerOptions::draft_pool_tokens; null: none).
     std::unique_ptr<NgramPool> pool_drafts_;
     std::vector<int32_t> pool_scratch_;  // its draft, before it is chosen
+    // This worker's passes' cost in positions (trim_drafts' `fixed`): measured on
+    // the passes it runs.
+    PassCostModel pass_cost_;
     // The most tokens a request drafts per step: its "speculative" over the server's
     // WorkerOptions::max_draft (engine/drafter.h draft_limit).
     int max_draft(const RequestParams& p) const { return draft_limit(p.draft_mode, p.max_draft, opts_.max_draft); }
