@@ -116,7 +116,10 @@ def run(server, jobs, streams, tokens):
     """{kind: (tokens after the first, seconds after the first, kept, checked, [texts])}"""
     p, port, duet = start(server, streams)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+        # Retried as the client retries by default (Retry-After): eight long prompts at
+        # once on a fresh duet, whose prefill rate is still being measured, may get
+        # admission's 429. Only the rate after the first token is measured.
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=8, timeout=600)
         model = c.models.list().data[0].id
         out = {}
         for kind in dict.fromkeys(k for k, _ in jobs):
