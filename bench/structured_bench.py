@@ -5,10 +5,14 @@ completion constrained by it, then the same prompt unconstrained with max_tokens
 to the constrained answer's length and ignore_eos (the same number of tokens, so
 the two differ only by the grammar). Decode rate: tokens from the second on over their
 time (the second is decode's first, after it took the request and, with a schema,
-compiled it: that gap is reported apart), one request at a time. Prints a Markdown table and the median
-ratio (the issue's goal: no more than 5% slower).
+compiled it: that gap is reported apart), one request at a time. Prints a Markdown
+table and the median ratio (the issue's goal: no more than 5% slower).
 
-Usage: structured_bench.py path/to/duet [--schemas N] [--threads T]
+With --llama BIN_DIR the same requests go to llama-server (the pinned build of
+scripts/build-llama-cpp) on the same model, threads and context, after duet, in
+the same run: its `response_format` json_schema is its grammar sampler's.
+
+Usage: structured_bench.py path/to/duet [--schemas N] [--llama BIN_DIR]
        (the venv's python: scripts/python-env)
 """
 import argparse
@@ -17,11 +21,12 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
-from duet_e2e import drain, listening_port, stop  # noqa: E402
+from duet_e2e import drain, free_port, listening_port, stop  # noqa: E402
 from schema_corpus import corpus  # noqa: E402
 
 
@@ -43,42 +48,88 @@ def rate(stream):
     return (len(times) - 2) / (times[-1] - times[1]), (times[1] - times[0]) * 1e3, tokens
 
 
+MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def start_duet(duet):
+    """(process, port) of `duet serve` with its defaults."""
+    p = subprocess.Popen([duet, "serve", "--port", "0", "--ctx", "1024", "--instance",
+                          f"duet-structured-bench-{os.getpid()}"], stderr=subprocess.PIPE, text=True)
+    port = listening_port(p)
+    drain(p)
+    return p, port
+
+
+def start_llama(bin_dir):
+    """(process, port) of llama-server on the same model, threads and context, one slot."""
+    port = free_port()
+    n = str(os.cpu_count())
+    p = subprocess.Popen([os.path.join(bin_dir, "llama-server"), "-m", MODEL, "-t", n, "-tb", n, "-np", "1",
+                          "-c", "1024", "--host", "127.0.0.1", "--port", str(port)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    drain(p)
+    for _ in range(1200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return p, port
+        except Exception:
+            if p.poll() is not None:
+                raise SystemExit("llama-server exited")
+            time.sleep(0.1)
+    raise SystemExit("llama-server did not start")
+
+
+def measure(port, schemas):
+    """Rows (schema, tokens, tok/s with, without, gap with, without) and the ratios."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = c.models.list().data[0].id
+    rows, ratios = [], []
+    for name, schema, prompt in corpus()[:schemas]:
+        msgs = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}]
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        opts = dict(model=model, messages=msgs, temperature=0, stream=True, stream_options={"include_usage": True})
+        try:
+            with_rate, with_gap, n = rate(c.chat.completions.create(max_tokens=400, response_format=rf, **opts))
+        except openai.BadRequestError:  # llama-server's converter refuses a schema
+            continue
+        if not with_rate or n < 8:
+            continue
+        free_rate, free_gap, m = rate(c.chat.completions.create(max_tokens=n, extra_body={"ignore_eos": True},
+                                                                **opts))
+        if not free_rate:
+            continue
+        ratios.append(with_rate / free_rate)
+        rows.append((name, n, with_rate, free_rate, with_gap, free_gap))
+    return rows, ratios
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("duet")
     ap.add_argument("--schemas", type=int, default=100)
+    ap.add_argument("--llama", help="llama-server's directory: the same requests after duet's")
     args = ap.parse_args()
-    server = subprocess.Popen([args.duet, "serve", "--port", "0", "--ctx", "1024", "--instance",
-                               f"duet-structured-bench-{os.getpid()}"], stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(server)
-        drain(server)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-        model = c.models.list().data[0].id
-        rows, ratios = [], []
-        for name, schema, prompt in corpus()[: args.schemas]:
-            msgs = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}]
-            rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-            opts = dict(model=model, messages=msgs, temperature=0, stream=True,
-                        stream_options={"include_usage": True})
-            with_rate, with_gap, n = rate(c.chat.completions.create(max_tokens=400, response_format=rf, **opts))
-            if not with_rate or n < 8:
-                continue
-            free_rate, free_gap, m = rate(c.chat.completions.create(max_tokens=n, extra_body={"ignore_eos": True},
-                                                                    **opts))
-            if not free_rate:
-                continue
-            ratios.append(with_rate / free_rate)
-            rows.append((name, n, with_rate, free_rate, with_gap, free_gap))
-        print("| schema | tokens | tok/s with schema | tok/s without | ratio | 1st→2nd token ms with | without |\n"
-              "|---|---:|---:|---:|---:|---:|---:|")
+    runs = [("duet", lambda: start_duet(args.duet))]
+    if args.llama:
+        runs.append(("llama-server", lambda: start_llama(args.llama)))
+    medians = []
+    for label, start in runs:
+        server, port = start()
+        try:
+            rows, ratios = measure(port, args.schemas)
+        finally:
+            stop(server)
+        print(f"\n{label}:\n\n| schema | tokens | tok/s with schema | tok/s without | ratio | 1st→2nd token ms with "
+              "| without |\n|---|---:|---:|---:|---:|---:|---:|")
         for name, n, w, f, wg, fg in rows:
             print(f"| {name} | {n} | {w:.1f} | {f:.1f} | {w / f:.3f} | {wg:.1f} | {fg:.1f} |")
-        print(f"\nmedian ratio (with / without) over {len(ratios)} schemas: {statistics.median(ratios):.3f}; "
-              f"median 1st→2nd token gap {statistics.median(r[4] for r in rows):.1f} ms with, "
-              f"{statistics.median(r[5] for r in rows):.1f} ms without")
-    finally:
-        stop(server)
+        medians.append((label, len(ratios), statistics.median(ratios), statistics.median(r[2] for r in rows),
+                        statistics.median(r[3] for r in rows), statistics.median(r[4] for r in rows),
+                        statistics.median(r[5] for r in rows)))
+    print("\n| server | schemas | median ratio with / without | median tok/s with | without "
+          "| median 1st→2nd token ms with | without |\n|---|---:|---:|---:|---:|---:|---:|")
+    for label, n, ratio, w, f, wg, fg in medians:
+        print(f"| {label} | {n} | {ratio:.3f} | {w:.1f} | {f:.1f} | {wg:.1f} | {fg:.1f} |")
 
 
 if __name__ == "__main__":
