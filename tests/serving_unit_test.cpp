@@ -291,9 +291,17 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
     EXPECT_EQ(spec.max_draft, 4);
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": {"max_draft": 16}})", false).max_draft, 16);
     EXPECT_EQ(parse_ok(R"({"prompt": "x", "speculative": {}})", false).draft_mode, DraftMode::Auto);
-    for (const char* bad :
-         {R"("auto")", R"({"mode": "fast"})", R"({"mode": "auto", "max_draft": 0})", R"({"max_draft": 17})",
-          R"({"max_draft": 2.5})", R"({"mode": "off", "max_draft": 2})", R"({"mode": "auto", "depth": 2})", "[1]"})
+    // "pool": the worker's pool of earlier outputs, on unless false (with any mode:
+    // a request that drafts nothing still keeps its output out of the pool).
+    EXPECT_TRUE(parse_ok(R"({"prompt": "x"})", false).draft_pool);
+    EXPECT_TRUE(parse_ok(R"({"prompt": "x", "speculative": {"pool": true}})", false).draft_pool);
+    const CompletionRequest no_pool =
+        parse_ok(R"({"prompt": "x", "speculative": {"mode": "off", "pool": false}})", false);
+    EXPECT_FALSE(no_pool.draft_pool);
+    EXPECT_EQ(no_pool.draft_mode, DraftMode::Off);
+    for (const char* bad : {R"("auto")", R"({"mode": "fast"})", R"({"mode": "auto", "max_draft": 0})",
+                            R"({"max_draft": 17})", R"({"max_draft": 2.5})", R"({"mode": "off", "max_draft": 2})",
+                            R"({"mode": "auto", "depth": 2})", "[1]", R"({"pool": "no"})", R"({"pool": 0})"})
         EXPECT_EQ(err(std::string(R"({"prompt": "x", "speculative": )") + bad + "}", false).param, "speculative")
             << bad;
 }

@@ -297,6 +297,7 @@ std::variant<RequestParams, ApiError> CompletionRun::request_params_of() {
     params.min_tokens = static_cast<uint32_t>(r.min_tokens);
     params.draft_mode = r.draft_mode;
     params.max_draft = static_cast<uint8_t>(r.max_draft);
+    params.no_draft_pool = r.draft_pool ? 0 : 1;
     RequestData data;
     for (const auto& [id, bias] : r.logit_bias) {
         if (id >= f.tok.n_vocab())

@@ -87,7 +87,7 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     a.seq.release(*pool_);
     forget_grammar(a.req);
     // What the model wrote (a cancelled request's part too) drafts for the next ones.
-    if (pool_drafts_ && to != shm::ReqState::Failed) pool_drafts_->add(a.output);
+    if (pool_drafts_ && to != shm::ReqState::Failed && !a.params.no_draft_pool) pool_drafts_->add(a.output);
     from[i] = std::move(from.back());
     from.pop_back();
 }
@@ -302,7 +302,7 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
             const std::span<int32_t> out = std::span(a.row).subspan(1);
             Proposal got = drafter_->draft(a.prompt, a.output, out);
             a.drafted_from = DraftSource::Sequence;
-            if (pool_drafts_ && got.matched < NgramPool::kMaxNgram) {
+            if (pool_drafts_ && !a.params.no_draft_pool && got.matched < NgramPool::kMaxNgram) {
                 pool_scratch_.resize(k);
                 const Proposal alt = pool_drafts_->draft(a.prompt, a.output, pool_scratch_);
                 if (alt.matched > got.matched) {

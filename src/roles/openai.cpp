@@ -387,14 +387,16 @@ Field read_scheduling(const json& j, CompletionRequest& r) {
 }
 
 // speculative (duet's extension, engine/drafter.h): {"mode": "auto" | "off",
-// "max_draft": 1..16}. Drafts never change the output; they change its speed.
+// "max_draft": 1..16, "pool": true | false}. Drafts never change the output; they
+// change its speed.
 Field read_speculative(const json& j, CompletionRequest& r) {
     auto it = j.find("speculative");
     if (it == j.end() || it->is_null()) return std::nullopt;
     if (!it->is_object())
-        return bad("speculative", R"('speculative' must be an object: {"mode": "auto" or "off", "max_draft": k})");
+        return bad("speculative",
+                   R"('speculative' must be an object: {"mode": "auto" or "off", "max_draft": k, "pool": bool})");
     for (const auto& [key, v] : it->items())
-        if (key != "mode" && key != "max_draft")
+        if (key != "mode" && key != "max_draft" && key != "pool")
             return bad("speculative", fmt::format("Unrecognized request argument supplied: speculative.{}", key));
     const auto mode = it->find("mode");
     if (mode != it->end() && !(mode->is_string() && (*mode == "auto" || *mode == "off")))
@@ -407,6 +409,10 @@ Field read_speculative(const json& j, CompletionRequest& r) {
             return bad("speculative",
                        fmt::format("'speculative.max_draft' must be an integer from 1 to {}", kMaxDraftTokens));
         r.max_draft = k->get<int>();
+    }
+    if (const auto p = it->find("pool"); p != it->end() && !p->is_null()) {
+        if (!p->is_boolean()) return bad("speculative", "'speculative.pool' must be a boolean");
+        r.draft_pool = p->get<bool>();
     }
     return std::nullopt;
 }

@@ -62,6 +62,8 @@ struct CompletionRequest {
     // (absent), none ("off"), or paced drafts up to max_draft ("auto"; 0: not given).
     DraftMode draft_mode = DraftMode::Server;
     int max_draft = 0;
+    bool draft_pool =
+        true;  // "pool": the decode worker's pool of earlier outputs, both ways (RequestParams::no_draft_pool)
     // The grammar the output follows (engine/grammar.h): from response_format
     // (json_object, json_schema), or llama.cpp's json_schema or grammar fields, the
     // one named by grammar_param.

@@ -28,8 +28,8 @@ namespace duet {
 // shm::InstanceConfig::user_protocol, so processes of different shapes refuse to
 // share an instance. 1: RequestParams with data_bytes, WorkerStats. 2: grammars
 // of kind StructuralTag (tool calls) in the request data. 3: stop strings in the
-// request data (the workers end requests on them).
-inline constexpr uint32_t kServingProtocol = 3;
+// request data (the workers end requests on them). 4: RequestParams::no_draft_pool.
+inline constexpr uint32_t kServingProtocol = 4;
 
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.
@@ -221,7 +221,13 @@ struct RequestParams {
     // or paced drafts up to max_draft (0: the server's depth, or kAutoDraftTokens).
     DraftMode draft_mode = DraftMode::Server;
     uint8_t max_draft = 0;
-    uint8_t draft_pad_[2] = {};
+    // Its "speculative.pool": false (1) keeps it out of the decode worker's pool of
+    // earlier outputs both ways: none of its drafts come from there, and its output
+    // is not added. The pool never changes an output, but it makes one request's
+    // speed depend on what others wrote: a client may not want its answers to time
+    // another's, or another's to time its own.
+    uint8_t no_draft_pool = 0;
+    uint8_t draft_pad_[1] = {};
 };
 static_assert(std::is_trivially_copyable_v<RequestParams> && sizeof(RequestParams) <= shm::kReqParamBytes);
 

@@ -11,8 +11,9 @@ time and all at once (verify rows batched with plain ones); a request's own
 "speculative" (auto on the server without drafts, off on the one with: the same
 outputs, and its usage.completion_tokens_details counts the drafts kept), and its
 refusals; an answer asked for again, drafted from the decode worker's pool of
-earlier outputs (--draft-pool-tokens); then a stream through a SIGKILL of decode in the middle of its verify
-steps, re-driven, identical.
+earlier outputs (--draft-pool-tokens), and a request's "pool": false, which keeps
+it out of the pool both ways; then a stream through a SIGKILL of decode in the
+middle of its verify steps, re-driven, identical.
 
 Usage: speculate_test.py path/to/duet   (run with the venv's python)
 """
@@ -166,6 +167,29 @@ finally:
 # The server's default: drafts on (8, paced).
 server, port, inst = start(None)
 try:
+    # "speculative": {"pool": false}, first, while the worker's pool is empty: an
+    # answer so asked is not added to it (asked again, nothing of it is drafted from
+    # the pool), and one so asked takes nothing from the pool even where it holds the
+    # answer; the output is the same every time.
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    private = dict(model=c.models.list().data[0].id, prompt="Describe a forest at dawn in a few sentences.",
+                   max_tokens=64, logprobs=2, temperature=0.8, seed=19, extra_body={"ignore_eos": True})
+    alone = c.completions.create(**{**private, "extra_body": {"ignore_eos": True, "speculative": {"pool": False}}})
+    pool0 = drafts(port, "accepted", "pool") + drafts(port, "rejected", "pool")
+    shared = c.completions.create(**private)  # the pool is empty still: nothing from it
+    pool1 = drafts(port, "accepted", "pool") + drafts(port, "rejected", "pool")
+    check(pool1 == pool0, f"an answer asked with pool false was drafted from the pool: {pool1 - pool0} tokens")
+    kept_out = c.completions.create(**{**private, "extra_body": {"ignore_eos": True, "speculative": {"pool": False}}})
+    pool2 = drafts(port, "accepted", "pool") + drafts(port, "rejected", "pool")
+    check(pool2 == pool1, f"a request with pool false drafted {pool2 - pool1} tokens from the pool")
+    kept0 = drafts(port, "accepted", "pool")
+    pooled = c.completions.create(**private)  # the pool holds `shared`'s answer now
+    from_pool = drafts(port, "accepted", "pool") - kept0
+    check(from_pool >= 16, f"asked again with the pool: {from_pool} drafted tokens kept from it")
+    for name, r in (("shared", shared), ("kept out", kept_out), ("pooled", pooled)):
+        check(outcome(r.choices[0]) == outcome(alone.choices[0]), f"pool false, then {name}: the output changed")
+    print(f"speculative pool false: not added to the pool, nothing drafted from it, identical; the same answer "
+          f"with the pool: {from_pool} drafted tokens kept from it")
     got_one, _ = run_all(port, 1)
     stopped_by_string = False
     accepted = drafts(port, "accepted")
