@@ -293,6 +293,24 @@ std::variant<RequestParams, ApiError> CompletionRun::request_params_of() {
     RequestParams params;
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
+    // Its prompt's KV, and with a second token the first one's position, fit one
+    // decode arena whole, or it can never run: with per-role arenas prefill would
+    // wait for room there forever; with one arena, prefill or decode would fail it.
+    {
+        const shm::InstanceConfig& cfg = f.inst.config();
+        const int64_t bt = std::max<int64_t>(1, cfg.requests.block_tokens);
+        int64_t most = 0;
+        for (const uint32_t a : decode_arenas(cfg))
+            most = std::max<int64_t>(most, static_cast<int64_t>(f.inst.arena(a).n_blocks()));
+        const int64_t positions = static_cast<int64_t>(c.prompt.size()) + (params.max_tokens > 1 ? 1 : 0);
+        if (most > 0 && positions > most * bt)
+            return api_error(400, "invalid_request_error",
+                             fmt::format("the prompt ({} tokens){} takes {} positions of KV; this server's KV cache "
+                                         "holds at most {} for one sequence ({} blocks of {})",
+                                         c.prompt.size(), params.max_tokens > 1 ? " and a second token" : "", positions,
+                                         most * bt, most, bt),
+                             c.chat ? "messages" : "prompt", "context_length_exceeded");
+    }
     params.stop_at_eog = r.ignore_eos ? 0 : 1;
     params.min_tokens = static_cast<uint32_t>(r.min_tokens);
     params.draft_mode = r.draft_mode;

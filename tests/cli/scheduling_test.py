@@ -327,6 +327,17 @@ def kv_pressure(swap):
     # on a loaded machine the last one sent could find the others holding it).
     with serving("-kv", "--slots", "8", "--kv-blocks", "24", "--admit-kv", "0",
                  *([] if swap else ["--swap-root", ""])) as (port, server):
+        # A request whose KV the whole arena cannot hold is refused at once, naming
+        # its prompt (it could never run): 384 prompt tokens fill the 24 blocks; a
+        # second token's position is one too many. The boundary cases run.
+        st, _, text = post(port, "/v1/completions", {"prompt": prompt_ids(7, 384), "max_tokens": 2})
+        err = json.loads(text).get("error", {}) if st != 200 else {}
+        check(st == 400 and err.get("param") == "prompt" and err.get("code") == "context_length_exceeded"
+              and "takes 385 positions" in err.get("message", "") and "at most 384" in err.get("message", ""),
+              f"384 prompt tokens and a second token in a 384-token arena: {st} {text}")
+        for n, m in ((384, 1), (383, 2)):
+            st, _, text = post(port, "/v1/completions", {"prompt": prompt_ids(7, n), "max_tokens": m})
+            check(st == 200, f"{n} prompt tokens, max_tokens {m}, in a 384-token arena: {st} {text}")
         bodies = [{"prompt": prompt_ids(300 + i, 40), "max_tokens": 140, "ignore_eos": True, "temperature": 0.8,
                    "seed": 11 + i, "priority": ["batch", "standard", "critical", "batch"][i]} for i in range(4)]
         alone = []
