@@ -299,6 +299,10 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
         parse_ok(R"({"prompt": "x", "speculative": {"mode": "off", "pool": false}})", false);
     EXPECT_FALSE(no_pool.draft_pool);
     EXPECT_EQ(no_pool.draft_mode, DraftMode::Off);
+    // "pool" alone changes nothing but the pool: the server's drafting stays.
+    const CompletionRequest pool_only = parse_ok(R"({"prompt": "x", "speculative": {"pool": false}})", false);
+    EXPECT_FALSE(pool_only.draft_pool);
+    EXPECT_EQ(pool_only.draft_mode, DraftMode::Server);
     for (const char* bad : {R"("auto")", R"({"mode": "fast"})", R"({"mode": "auto", "max_draft": 0})",
                             R"({"max_draft": 17})", R"({"max_draft": 2.5})", R"({"mode": "off", "max_draft": 2})",
                             R"({"mode": "auto", "depth": 2})", "[1]", R"({"pool": "no"})", R"({"pool": 0})"})

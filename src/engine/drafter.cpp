@@ -1,7 +1,6 @@
 #include "engine/drafter.h"
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
 
 namespace duet {

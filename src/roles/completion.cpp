@@ -294,8 +294,9 @@ std::variant<RequestParams, ApiError> CompletionRun::request_params_of() {
     params.sampling = r.sampling;
     params.max_tokens = static_cast<uint32_t>(r.max_tokens < 0 ? room : r.max_tokens);
     // Its prompt's KV, and with a second token the first one's position, fit one
-    // decode arena whole, or it can never run: with per-role arenas prefill would
-    // wait for room there forever; with one arena, prefill or decode would fail it.
+    // decode arena whole, or it can never run: prefill or decode would fail it after
+    // computing its prompt. (Every arena has the same number of blocks, serve_plan:
+    // the largest is the one.)
     {
         const shm::InstanceConfig& cfg = f.inst.config();
         const int64_t bt = std::max<int64_t>(1, cfg.requests.block_tokens);

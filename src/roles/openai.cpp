@@ -402,7 +402,10 @@ Field read_speculative(const json& j, CompletionRequest& r) {
     if (mode != it->end() && !(mode->is_string() && (*mode == "auto" || *mode == "off")))
         return bad("speculative", "'speculative.mode' must be \"auto\" or \"off\"");
     const bool off = mode != it->end() && *mode == "off";
-    r.draft_mode = off ? DraftMode::Off : DraftMode::Auto;
+    // Without a mode: auto ({} or a max_draft asks for drafts), except that "pool"
+    // alone leaves the server's drafting as it is (a GPU server's off stays off).
+    const bool pool_only = mode == it->end() && it->size() == 1 && it->contains("pool");
+    r.draft_mode = off ? DraftMode::Off : pool_only ? DraftMode::Server : DraftMode::Auto;
     if (const auto k = it->find("max_draft"); k != it->end() && !k->is_null()) {
         if (off) return bad("speculative", "'speculative.max_draft' cannot be used with mode \"off\"");
         if (!k->is_number_integer() || k->get<int64_t>() < 1 || k->get<int64_t>() > kMaxDraftTokens)
