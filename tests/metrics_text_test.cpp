@@ -32,7 +32,7 @@ MetricsSnapshot two_arenas_three_workers() {
     p1.claims_declined = 99;
     MetricsSnapshot::Worker d0;
     d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
-    d0.yields = 2, d0.yielded_ns = 250'000'000;
+    d0.yields = 2, d0.yielded_ns = 250'000'000, d0.pass_fixed_milli = 4250;
     s.prefill = {p0, p1};
     s.decode = {d0};
     return s;
@@ -155,6 +155,11 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_routed_total counter\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n"
+    "# HELP duet_worker_pass_fixed_positions A decode worker's passes' fixed cost (weights read, barriers) in "
+    "positions, fitted over its recent passes: how it weighs drafts (a draft runs while its chance of being kept "
+    "beats the pass's tokens per position).\n"
+    "# TYPE duet_worker_pass_fixed_positions gauge\n"
+    "duet_worker_pass_fixed_positions{role=\"decode\",worker=\"0\"} 4.25\n"
     "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not restarted; /ready says "
     "why).\n"
     "# TYPE duet_golden_check_failures_total counter\n"
@@ -218,6 +223,10 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# TYPE duet_worker_claims_missed_total counter\n"
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
                         "# TYPE duet_worker_routed_total counter\n"
+                        "# HELP duet_worker_pass_fixed_positions A decode worker's passes' fixed cost (weights "
+                        "read, barriers) in positions, fitted over its recent passes: how it weighs drafts (a "
+                        "draft runs while its chance of being kept beats the pass's tokens per position).\n"
+                        "# TYPE duet_worker_pass_fixed_positions gauge\n"
                         "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
                         "restarted; /ready says why).\n"
                         "# TYPE duet_golden_check_failures_total counter\n"
@@ -250,8 +259,8 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 35u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
-                                  // arenas, 11 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 36u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
+                                  // arenas, 12 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

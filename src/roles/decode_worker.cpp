@@ -482,7 +482,12 @@ Result<bool> DecodeWorker::step() {
         avg.store(was == 0 ? took : (3 * was + took) / 4, std::memory_order_relaxed);
         int64_t positions = 0;
         for (const SeqBatch& b : batch) positions += b.n_tokens;
-        if (st) pass_cost_.add(positions, took);
+        if (st) {
+            pass_cost_.add(positions, took);
+            worker_stats(inst_->registry(), self_.slot)
+                .pass_fixed_milli.store(static_cast<uint64_t>(pass_cost_.fixed() * 1000.0 + 0.5),
+                                        std::memory_order_relaxed);  // a gauge for /metrics
+        }
     }
     if (!st) {
         // Not a shortage: the blocks were taken. The newest request fails and the

@@ -546,6 +546,7 @@ MetricsSnapshot front_detail::metrics_snapshot(Front::Impl& f) {
             w.yielded_ns = ps.yielded_ns.load(std::memory_order_relaxed);
             w.claims_declined = ps.claims_declined.load(std::memory_order_relaxed);
             w.claims_unanswered = ps.claims_unanswered.load(std::memory_order_relaxed);
+            w.pass_fixed_milli = ps.pass_fixed_milli.load(std::memory_order_relaxed);
         }
         return w;
     };

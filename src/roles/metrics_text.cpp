@@ -109,7 +109,11 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                                 "Times a prefill worker's claim on decode's cores got none, and why: declined (decode "
                                 "had less time in hand than the pass needed) or unanswered (decode did not end its "
                                 "step in time); the pass computed on prefill's cores alone (--lend-cores)."),
-                routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker.");
+                routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker."),
+                fixed = family("duet_worker_pass_fixed_positions", "gauge",
+                               "A decode worker's passes' fixed cost (weights read, barriers) in positions, fitted "
+                               "over its recent passes: how it weighs drafts (a draft runs while its chance of "
+                               "being kept beats the pass's tokens per position).");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         if (w.spare) return;
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -130,6 +134,9 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         }
         yields += fmt::format("duet_worker_yielded_cores_total{} {}\n", labels, w.yields);
         yielded += fmt::format("duet_worker_yielded_seconds_total{} {}\n", labels, static_cast<double>(w.yielded_ns) / 1e9);
+        if (w.pass_fixed_milli > 0)
+            fixed += fmt::format("duet_worker_pass_fixed_positions{} {}\n", labels,
+                                 static_cast<double>(w.pass_fixed_milli) / 1000.0);
     };
     for (size_t p = 0; p < s.prefill.size(); ++p) {
         add("prefill", p, s.prefill[p]);
@@ -137,7 +144,7 @@ std::string metrics_workers(const MetricsSnapshot& s) {
             routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + missed + routed +
+    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + missed + routed + fixed +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);

@@ -56,6 +56,9 @@ struct WorkerStats {
     std::atomic<uint64_t> yields;
     std::atomic<uint64_t> yielded_ns;
     std::atomic<uint64_t> step_ns;
+    // Decode: its passes' fixed cost in positions as it weighs drafts (engine/drafter.h
+    // PassCostModel::fixed), in thousandths; 0 until its first pass.
+    std::atomic<uint64_t> pass_fixed_milli;
 };
 static_assert(std::is_standard_layout_v<WorkerStats>);
 static_assert(sizeof(WorkerStats) <= sizeof(shm::ProcSlot::role_page) && alignof(WorkerStats) <= 64);

@@ -229,6 +229,12 @@ try:
           f"{drafts(port, 'accepted', 'pool') - pool0} from the pool")
     print(f"an answer asked for again: identical, {kept} of its {second.usage.completion_tokens} tokens drafted "
           f"and kept ({drafts(port, 'accepted', 'pool') - pool0} from the worker's pool)")
+    # The pass cost the worker weighs drafts by, fitted over the passes above.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    m = re.search(r'^duet_worker_pass_fixed_positions\{role="decode",worker="0"\} ([0-9.]+)$', text, re.M)
+    check(m is not None and 0.25 <= float(m.group(1)) <= 64,
+          f"duet_worker_pass_fixed_positions: {m.group(1) if m else 'absent'} (0.25 to 64)")
+    print(f"decode's pass cost, fitted: {m.group(1)} positions")
     # A request that turns the server's drafting off: none for it, the same output.
     spec_jobs, got, kept, thrown = per_request(port, {"mode": "off"}, (0,))
     for (prompt, mode), g in zip(spec_jobs, got):
