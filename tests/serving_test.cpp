@@ -549,6 +549,67 @@ TEST(Serving, ACriticalHandOffTakesTheSlotOfABatchSequence) {
     w.stop_and_check_arena(sv);
 }
 
+// `duet instance` restarted on an instance its predecessor left running: take_over
+// recovers the dead supervisor's registry slot, makes the re-drive it owned and had
+// not sent its own and sends it; it refuses while another supervisor runs.
+TEST(Serving, ASupervisorTakesOverADeadOnesRequests) {
+    Serving sv;
+    sv.start();
+    if (::testing::Test::HasFatalFailure()) return;
+    shm::Registry& reg = sv.inst.registry();
+    shm::RequestTable& t = sv.inst.requests();
+    const pid_t gone = fork_run([] { return 0; });
+    ASSERT_GT(gone, 0);
+    ASSERT_EQ(wait_exit(gone), 0);  // reaped: a pid that no longer runs
+    auto dead = reg.claim(shm::Role::Launcher, -1, gone);
+    ASSERT_TRUE(dead.ok());
+    reg.set_running(*dead);
+    ASSERT_FALSE(reg.process_running(*dead));
+    // A request the dead supervisor re-drove (QUEUED, its own) and never sent; its
+    // client (the front) is alive.
+    RequestParams p;
+    p.sampling.temperature = 0.0f;
+    p.max_tokens = 4;
+    const std::vector<int32_t> prompt = {1, 2, 3, 4};
+    auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    ASSERT_TRUE(t.adopt(*r, *dead));
+    auto self = reg.claim(shm::Role::Launcher, -1, getpid());
+    ASSERT_TRUE(self.ok());
+    reg.set_running(*self);
+    std::vector<shm::ReqRef> sent;
+    {
+        Supervisor sup(sv.inst, *self, [&](shm::ReqRef q) { sent.push_back(q); });
+        auto from = sup.take_over();
+        ASSERT_TRUE(from.ok()) << from.error().message;
+        EXPECT_EQ(*from, std::vector<pid_t>{gone});
+    }
+    EXPECT_EQ(reg.state(dead->slot), shm::ProcState::Free) << "the dead supervisor's slot is recovered";
+    EXPECT_TRUE(t.is(*r, shm::ReqState::Queued));
+    EXPECT_EQ(t.owner_slot(r->slot), static_cast<int32_t>(self->slot)) << "the re-drive is the new supervisor's";
+    ASSERT_EQ(sent.size(), 1u) << "and sent again";
+    EXPECT_EQ(sent[0].slot, r->slot);
+    EXPECT_EQ(sent[0].gen, r->gen);
+
+    // Another supervisor that runs (this test's parent process stands for it): refused,
+    // naming it, and nothing is touched.
+    auto live = reg.claim(shm::Role::Launcher, -1, getppid());
+    ASSERT_TRUE(live.ok());
+    reg.set_running(*live);
+    sent.clear();
+    {
+        Supervisor sup(sv.inst, *self, [&](shm::ReqRef q) { sent.push_back(q); });
+        auto from = sup.take_over();
+        ASSERT_FALSE(from.ok());
+        EXPECT_NE(from.error().message.find(std::to_string(getppid())), std::string::npos) << from.error().message;
+    }
+    EXPECT_TRUE(sent.empty());
+    EXPECT_EQ(reg.state(live->slot), shm::ProcState::Running);
+    reg.release(*live);
+    reg.release(*self);
+    ASSERT_TRUE(t.transition(*r, shm::ReqState::Queued, shm::ReqState::Cancelled));
+}
+
 // The same with the real `duet prefill` and `duet decode` executables under the
 // Supervisor: a SIGKILLed decode is noticed, recovered, its requests re-driven and
 // the role restarted, and the streams still equal the engine's; SIGTERM stops both

@@ -460,7 +460,7 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
         !st)
         return fail(st.error().message);
     // The workers this machine runs: started with the target, and again with the
-    // instance when systemd restarts it (its roles stop with it: BindsTo=).
+    // instance when systemd restarts it after a stop (a crash leaves them running).
     const std::string wanted = "# duet systemd generate: the roles of this machine\n[Unit]\nWants=duet-front.service" + wants + "\n";
     for (const char* unit : {"duet.target", "duet-instance.service"})
         if (Status st = write_text(out / (std::string(unit) + ".d") / "roles.conf", wanted, drop_in_mode); !st)

@@ -173,11 +173,13 @@ Status Front::Impl::start() {
 
 // Sleeps on this process's doorbell, which prefill and decode ring after writing
 // tokens or changing a request's state; wakes the coroutines whose slots changed.
-// Every 50 ms, sends requests stranded on a dead prefill worker's ring to a live one.
+// Every 50 ms, sends requests stranded on a dead prefill worker's ring to a live one;
+// every 500 ms, adopts the requests of a front whose death was recovered only after
+// this one started (the instance's supervisor was down too, and is back).
 void Front::Impl::notify_loop() {
     shm::Doorbell& bell = inst.registry().doorbell(self.slot);
     const shm::RequestTable& t = inst.requests();
-    uint64_t next_rescue = 0;
+    uint64_t next_rescue = 0, next_adopt = shm::monotonic_ns() + 500'000'000;
     while (!quit.load(std::memory_order_relaxed)) {
         shm::doorbell_wait(
             bell, [&] { return any_changed(t) || quit.load(std::memory_order_relaxed); }, 64, 2'000'000);
@@ -188,6 +190,10 @@ void Front::Impl::notify_loop() {
             sample_prefill_work();
             sample_kv();
             next_rescue = now + 50'000'000;
+            if (now >= next_adopt) {
+                adopt_orphans();
+                next_adopt = now + 500'000'000;
+            }
         }
     }
 }

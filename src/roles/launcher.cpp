@@ -4,6 +4,7 @@
 
 #include "engine/scheduling.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -103,7 +104,9 @@ public:
           roles_(plan.roles),
           rebalancer_(RebalanceOptions{static_cast<uint64_t>(std::max(s.rebalance_s, 1)) * kSecond}) {}
 
-    int run(const std::string& model_id);
+    // taken_from: the pids of the supervisors whose instance this one took over
+    // (External only; empty when it created the instance).
+    int run(const std::string& model_id, const std::vector<pid_t>& taken_from);
 
 private:
     Status start_roles();
@@ -551,13 +554,34 @@ void Launcher::sweep_swap_dir() {
     }
 }
 
-int Launcher::run(const std::string& model_id) {
+int Launcher::run(const std::string& model_id, const std::vector<pid_t>& taken_from) {
     if (Status st = start_roles(); !st) {
         say(st.error().message);
         failed_ = true;
     }
     start_deadline_ = shm::monotonic_ns() + static_cast<uint64_t>(plan_.start_timeout_s) * kSecond;
-    if (external_) {
+    if (external_ && !taken_from.empty()) {
+        // Its predecessor died; the roles ran on. What that one held (the re-drives
+        // it had not sent) is ours now, and roles that died meanwhile are recovered
+        // by the first turn's poll.
+        start_deadline_ = UINT64_MAX;
+        if (auto took = sup_.take_over(); !took) {  // run_launcher looked first; defensive
+            say(took.error().message, log::Level::Error);
+            failed_ = true;
+        }
+        const shm::RequestTable& t = inst_.requests();
+        uint32_t busy = 0;
+        for (uint32_t s = 0; s < t.n_slots(); ++s) {
+            const shm::ReqState st = t.state(s);
+            busy += st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding;
+        }
+        SdNotify::get().ready(
+            fmt::format("instance {} taken over; {} requests in flight", plan_.layout.instance, busy));
+        say(fmt::format("instance {} taken over{}, whose roles ran on: {} requests in flight go on",
+                        plan_.layout.instance,
+                        taken_from.front() > 0 ? fmt::format(" from pid {} (gone)", taken_from.front()) : "", busy),
+            log::Level::Warning);
+    } else if (external_) {
         // Ready once the instance exists: the role units are ordered after this one.
         start_deadline_ = UINT64_MAX;
         SdNotify::get().ready(fmt::format("instance {} created; waiting for its roles' units", plan_.layout.instance));
@@ -572,6 +596,13 @@ int Launcher::run(const std::string& model_id) {
         turn(model_id);
         if (state_ != LaunchState::Done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
+    // Stopping: the roles systemd started do not stop with this unit (they outlive
+    // its crash: taken over), so a stop of the instance alone stops them here; under
+    // `systemctl stop duet.target` they stopped first (ordered after it).
+    if (external_) {
+        if (const size_t n = sup_.stop_registered(static_cast<int>(std::min(s_.grace_s + 5, 25)) * 1000); n > 0)
+            say(fmt::format("stopped the {} role(s) still running on the instance", n));
+    }
     sweep_orphans(inst_, 0);  // stopping: nobody will come back for them
     int rc = golden_failed_ ? kGoldenExitCode : failed_ ? 1 : 0;
     if (Status st = sup_.stop_all(10000); !st) {
@@ -579,6 +610,65 @@ int Launcher::run(const std::string& model_id) {
         if (rc == 0) rc = 1;  // a golden failure's 3 stays (the other worker may exit 3 too)
     }
     return rc;
+}
+
+// What `duet instance` found at its start: an instance whose segments live roles
+// still hold (inst set), taken over from the supervisors in `from`; or none (inst
+// empty: create it).
+struct TakenOver {
+    std::optional<Result<shm::Instance>> inst;
+    std::vector<pid_t> from;
+};
+
+// `duet instance` after its predecessor died (SIGKILL, the OOM killer, a crash): the
+// roles' units do not stop with the instance, so its segments are still held and
+// its requests still run. Attaching to them instead of creating new ones loses
+// nothing. An instance with GPU arenas cannot be: the fd keeper that hands their
+// device memory to a restarted worker died with its predecessor, so its roles are
+// stopped (their units restart them onto the new instance) and it is made afresh.
+// An error when another supervisor of it still runs, or when the live instance was
+// made with another configuration (the roles then run on: stop them first).
+Result<TakenOver> take_over_instance(const shm::InstanceConfig& cfg, const ServePlan& plan) {
+    TakenOver out;
+    if (!shm::Segment::in_use("duet." + cfg.name)) return out;
+    std::optional<Result<shm::Instance>> held(shm::Instance::open(cfg));
+    Result<shm::Instance>& live = *held;
+    if (!live) {
+        if (!shm::Segment::in_use("duet." + cfg.name)) return out;  // its last role went meanwhile: stale
+        return make_error(
+            "instance {} is held by running processes and cannot be taken over ({}); stop its roles "
+            "(systemctl stop duet.target) and start it again",
+            cfg.name, live.error().message);
+    }
+    shm::Registry& reg = live->registry();
+    std::vector<pid_t> roles;
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        const shm::ProcRef r = reg.current(s);
+        if (!reg.alive(r) || !reg.process_running(r)) {
+            if (reg.state(s) != shm::ProcState::Free &&
+                static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed)) == shm::Role::Launcher)
+                out.from.push_back(reg.pid(s));
+            continue;
+        }
+        if (static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed)) == shm::Role::Launcher)
+            return make_error("instance {} is supervised by a running process (pid {})", cfg.name, reg.pid(s));
+        roles.push_back(reg.pid(s));
+    }
+    if (!plan.gpus.empty()) {
+        say(fmt::format("instance {} is held by {} running role(s), but its GPU arenas' fd keeper died with its "
+                        "supervisor: stopping them (their units start them again) and making it afresh",
+                        cfg.name, roles.size()),
+            log::Level::Warning);
+        for (const pid_t pid : roles) kill(pid, SIGKILL);
+        held.reset();  // its mappings and locks: the segments are stale once the roles are gone
+        for (int i = 0; i < 3000 && shm::Segment::in_use("duet." + cfg.name); ++i)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        out.from.clear();
+        return out;  // create() replaces the stale segments, or says who holds them still
+    }
+    if (out.from.empty()) out.from.push_back(0);  // held by roles alone (its supervisor's slot was freed)
+    out.inst = std::move(held);
+    return out;
 }
 
 }  // namespace
@@ -596,22 +686,30 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
     // goes now. A named instance's stale segments are replaced when it starts again.
     if (const int stale = remove_stale_segments("serve-"); stale > 0)
         say(fmt::format("removed {} stale shared-memory segment(s) that no live process held", stale));
-    auto inst = shm::Instance::create(serve_instance_config(plan.layout, model));
+    const shm::InstanceConfig cfg = serve_instance_config(plan.layout, model);
+    auto taken = start == RoleStart::External ? take_over_instance(cfg, plan) : Result<TakenOver>(TakenOver{});
+    if (!taken) {
+        say(taken.error().message, log::Level::Error);
+        return 1;
+    }
+    auto inst = taken->inst ? std::move(*taken->inst) : shm::Instance::create(cfg);
     if (!inst) {
         say(inst.error().message);
         return 1;
     }
+    const bool adopted = !taken->from.empty();
     const KvLayout kl = CpuBackend::kv_layout(model, plan.layout.kv_dtype);
     const uint32_t blocks = inst->arena(0).n_blocks();
     say(fmt::format("KV {}, {} arena(s) of {} blocks ({:.2f} GiB, {} tokens) each", kv_dtype_name(kl.dtype),
                     inst->n_arenas(), blocks,
                     static_cast<double>(blocks) * static_cast<double>(kl.block_bytes()) / 1073741824.0,
                     static_cast<long long>(blocks) * kl.block_tokens));
-    if (plan.bind_arenas) bind_arenas(*inst, plan);
+    if (plan.bind_arenas && !adopted) bind_arenas(*inst, plan);
     // The workers' swap directory, empty (a previous run's blobs are of requests that
-    // are gone), and gone again at the end.
+    // are gone; a taken-over instance's are of its requests, kept), and gone again at
+    // the end.
     const std::string swap_dir = swap_dir_of(s, plan.layout.instance);
-    if (!swap_dir.empty()) {
+    if (!swap_dir.empty() && !adopted) {
         std::error_code ec;
         std::filesystem::remove_all(swap_dir, ec);
         std::filesystem::create_directories(swap_dir, ec);
@@ -627,8 +725,9 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
     } remove_swap{swap_dir};
     auto holds = hold_gpu_arenas(*inst, plan, kl);
     auto self = holds ? inst->registry().claim(shm::Role::Launcher, -1, getpid()) : Result<shm::ProcRef>(holds.error());
-    if (!self) {  // before any role started: nothing left behind
-        shm::Instance::unlink(plan.layout.instance);
+    if (!self) {  // before any role started: nothing left behind (a taken-over instance's roles run on)
+        if (!adopted) shm::Instance::unlink(plan.layout.instance);
+        remove_swap.dir.clear();
         say(self.error().message);
         return 1;
     }
@@ -636,7 +735,7 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
     int rc = 0;
     {
         Launcher l(*inst, *self, s, plan, argv, stop, start);
-        rc = l.run(std::filesystem::path(s.model).stem().string());
+        rc = l.run(std::filesystem::path(s.model).stem().string(), taken->from);
     }
     inst->registry().release(*self);
     shm::Instance::unlink(plan.layout.instance);

@@ -275,7 +275,9 @@ using ArgvBuilder = std::function<std::vector<std::string>(const RoleLaunch&)>;
 // How the roles are started: as the launcher's children (`duet serve`), or by
 // someone else (`duet instance`: systemd's units start front, prefill and decode;
 // the launcher creates the instance, holds it, recovers roles that die, and never
-// starts one).
+// starts one). An External launcher that finds its instance's segments held by
+// live roles (its predecessor was killed; their units do not stop with it) takes
+// that instance over instead: the requests in flight go on (src/roles/README.md).
 enum class RoleStart { Children, External };
 
 int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& model, const ArgvBuilder& argv,

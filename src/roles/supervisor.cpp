@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string_view>
 #include <thread>
@@ -189,6 +190,48 @@ std::vector<Supervisor::Event> Supervisor::poll_registry() {
         events.push_back(std::move(e));
     }
     return events;
+}
+
+Result<std::vector<pid_t>> Supervisor::take_over() {
+    shm::Registry& reg = inst_.registry();
+    std::vector<pid_t> from;
+    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+        if (s == front_.slot || reg.state(s) == shm::ProcState::Free) continue;
+        if (static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed)) != shm::Role::Launcher) continue;
+        const shm::ProcRef r = reg.current(s);
+        if (reg.state(s) != shm::ProcState::Dead && reg.process_running(r))
+            return make_error("instance {} is supervised by a running process (pid {}): not taking it over",
+                              inst_.config().name, reg.pid(s));
+        from.push_back(reg.pid(s));
+    }
+    for (const pid_t pid : from) (void)recover(pid);
+    return from;
+}
+
+size_t Supervisor::stop_registered(int grace_ms) {
+    shm::Registry& reg = inst_.registry();
+    const auto roles = [&] {
+        std::vector<shm::ProcRef> out;
+        for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+            const auto role = static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed));
+            if (role != shm::Role::Front && role != shm::Role::Prefill && role != shm::Role::Decode) continue;
+            const shm::ProcRef r = reg.current(s);
+            if (reg.alive(r) && reg.process_running(r)) out.push_back(r);
+        }
+        return out;
+    };
+    const std::vector<shm::ProcRef> live = roles();
+    for (const shm::ProcRef& r : live) kill(reg.pid(r.slot), SIGTERM);
+    const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(grace_ms) * 1000000ull;
+    std::vector<shm::ProcRef> left = roles();
+    while (!left.empty() && shm::monotonic_ns() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        left = roles();
+    }
+    for (const shm::ProcRef& r : left) kill(reg.pid(r.slot), SIGKILL);
+    for (int i = 0; i < 100 && !roles().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    (void)poll_registry();  // what the killed ones held
+    return live.size();
 }
 
 bool Supervisor::reap(Child& c, uint64_t deadline_ns) {

@@ -59,6 +59,17 @@ public:
     // pid and start time no longer match) is recovered, never restarted (its
     // process manager restarts it). Non-blocking; reads /proc once per live role.
     std::vector<Event> poll_registry();
+    // `duet instance` starting on an instance whose supervisor died while its roles
+    // ran on (their units do not stop with it): every other launcher's registry slot
+    // whose process is gone is recovered as a dead role's is (the re-drives it owned
+    // become ours and are sent again). An error naming the pid when another
+    // supervisor still runs. Returns the pids taken over from.
+    Result<std::vector<pid_t>> take_over();
+    // `duet instance` stopping cleanly: SIGTERM to every live front, prefill and
+    // decode process in the registry (their units do not stop with the instance);
+    // SIGKILL to those still registered after grace_ms; then recovers what they left.
+    // Returns how many it signalled.
+    size_t stop_registered(int grace_ms);
     // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
     // recovers whatever they left. Errors name roles that did not exit cleanly.
     Status stop_all(int grace_ms);

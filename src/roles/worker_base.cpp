@@ -68,19 +68,36 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     self_ = *self;
     // One process per (role, index): its rings have one consumer and one producer.
     shm::Registry& reg = inst.registry();
-    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
-        const shm::ProcSlot& ps = reg.slot(s);
-        const shm::ProcState st = reg.state(s);
-        if (s != self_.slot &&
-            (st == shm::ProcState::Starting || st == shm::ProcState::Running || st == shm::ProcState::Leaving) &&
-            // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
-            ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
-            ps.index.load(std::memory_order_relaxed) == o.index) {
-            reg.release(self_);
-            self_ = {};
-            return make_error("{} worker {} of instance {} is already running (pid {})", shm::role_name(role), o.index,
-                              inst.config().name, reg.pid(s));
+    const auto other = [&]() -> int32_t {
+        for (uint32_t s = 0; s < reg.n_slots(); ++s) {
+            const shm::ProcSlot& ps = reg.slot(s);
+            const shm::ProcState st = reg.state(s);
+            if (s != self_.slot &&
+                (st == shm::ProcState::Starting || st == shm::ProcState::Running || st == shm::ProcState::Leaving ||
+                 st == shm::ProcState::Dead) &&
+                // Relaxed: written before the slot's state, which reg.state() loaded with acquire.
+                ps.role.load(std::memory_order_relaxed) == static_cast<uint32_t>(role) &&
+                ps.index.load(std::memory_order_relaxed) == o.index)
+                return static_cast<int32_t>(s);
         }
+        return -1;
+    };
+    // A predecessor that died is recovered by the instance's supervisor within
+    // milliseconds, or once a supervisor runs again (one that died too is restarted
+    // by its unit and takes the instance over): this worker waits for that, as its
+    // rings must not have two consumers, but not for a live one.
+    int32_t prev = other();
+    for (int i = 0; i < 1500 && prev >= 0 && !reg.process_running(reg.current(static_cast<uint32_t>(prev))); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        prev = other();
+    }
+    if (prev >= 0) {
+        const bool running = reg.process_running(reg.current(static_cast<uint32_t>(prev)));
+        reg.release(self_);
+        self_ = {};
+        return make_error("{} worker {} of instance {} {} (pid {})", shm::role_name(role), o.index, inst.config().name,
+                          running ? "is already running" : "died, and no supervisor recovered it within 15 s",
+                          reg.pid(static_cast<uint32_t>(prev)));
     }
     reg.slot(self_.slot).numa.store(o.numa, std::memory_order_relaxed);
     arena_ = worker_arena(inst.config(), role, o.index);

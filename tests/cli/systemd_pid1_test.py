@@ -13,9 +13,13 @@
   NRestarts counts each death, and each worker comes back;
 - systemd's NRestarts of each unit equals the deaths the test made (no watchdog fired
   on a busy worker); the swap directory is in the units' CacheDirectory=;
-- SIGKILL of the instance: BindsTo= stops every role with it, its restart brings them
-  back (its Wants=), and a request after it is served (requests in flight then are
-  lost: the instance owns the segments; README says so);
+- SIGKILL of the instance under 8 streams: its roles run on (their Wants=; same
+  pids), systemd restarts it, it takes the live segments over, and every stream ends
+  as an undisturbed run; then the instance and the front killed at once (the front's
+  clients resume once both are back), and the instance and decode at once (decode's
+  unit restarts it before the instance is back: it waits for the recovery);
+- `systemctl stop duet-instance` alone stops its roles (exit 0, not restarted), and
+  the target starts them again;
 - the journal is the log: the instance's warning about a death, a notice for each
   request it re-drove with its DUET_REQUEST field, each role's lines under its own
   SYSLOG_IDENTIFIER (duet-decode, ...) and level;
@@ -333,17 +337,52 @@ try:
     print(f"NRestarts {counts}: the deaths this test made, no other; swap directory /var/cache/duet/duet-swap-duet "
           "(0700, duet), seen by the workers: ok")
 
-    # The instance: its roles are bound to it.
+    # The instance: its roles run on through its death, and its successor takes the
+    # requests in flight over.
+    inst = "duet-instance.service"
     workers = {u: main_pid(u) for u in ROLES}
-    before = restarts("duet-instance.service")
-    systemctl("kill", "-s", "SIGKILL", "--kill-who=main", "duet-instance.service")
-    wait_for("the instance and its roles back", lambda: restarts("duet-instance.service") == before + 1
-             and all_active() and ready(), 180)
+    before = restarts(inst)
+    t0 = time.monotonic()
+    # Streams long enough to outlast the restart (RestartSec=1): the new instance
+    # takes requests in flight over, which its journal line counts.
+    long = 3 * MAX_TOKENS
+    streams_through("SIGKILL of the instance", lambda: systemctl("kill", "-s", "SIGKILL", "--kill-who=main", inst), 500,
+                    max_tokens=long)
+    wait_for("the instance back", lambda: restarts(inst) == before + 1 and all_active() and ready(), 120)
     now = {u: main_pid(u) for u in ROLES}
-    check(all(now[u] != workers[u] for u in ROLES), f"every role started again with the instance: {workers} -> {now}")
-    st, out = call("POST", "/v1/completions", body(500, False))
-    check(st == 200, f"a request after the instance's restart: {st} {out[:200]}")
-    print("SIGKILL of the instance: its roles stopped with it (BindsTo=), all started again (its Wants=), serving: ok")
+    check(now[inst] != workers[inst] and all(now[u] == workers[u] for u in ROLES if u != inst),
+          f"only the instance restarted: {workers} -> {now}")
+    took = [int(m.group(1)) for e in journal_json("-u", inst, "-p", "warning")
+            if (m := re.search(r"taken over from pid \d+ \(gone\), whose roles ran on: (\d+) requests in flight",
+                               e.get("MESSAGE", "")))]
+    check(len(took) == 1 and took[0] > 0, f"the instance took requests in flight over: {took}\n{journal(20, '-u', inst)}")
+    print(f"SIGKILL of the instance: restarted (NRestarts {before + 1}), its roles ran on (same pids), it took the "
+          f"instance over with {took[0]} requests in flight; {N} streams identical ({time.monotonic() - t0:.1f} s): ok")
+
+    for other, offset in (("duet-front.service", 600), ("duet-decode@0.service", 700)):
+        before = {u: restarts(u) for u in (inst, other)}
+        t0 = time.monotonic()
+
+        def both():
+            systemctl("kill", "-s", "SIGKILL", "--kill-who=main", inst)
+            systemctl("kill", "-s", "SIGKILL", "--kill-who=main", other)
+        streams_through(f"SIGKILL of the instance and {other}", both, offset, max_tokens=long)
+        wait_for(f"the instance and {other} back",
+                 lambda: all(restarts(u) == before[u] + 1 for u in before) and all_active() and ready(), 120)
+        print(f"SIGKILL of the instance and {other} at once: both restarted, {N} streams identical "
+              f"({time.monotonic() - t0:.1f} s): ok")
+
+    # Stopped alone (an operator's `systemctl stop`, not a crash), it stops its roles.
+    systemctl("stop", inst)
+    for u in ROLES:
+        s = show(u, "ActiveState", "Result")
+        check(s["ActiveState"] == "inactive" and s["Result"] == "success", f"{u} after stopping the instance: {s}")
+    shm = inside("ls", "-A", "/dev/shm").stdout.split()
+    check(not shm, f"/dev/shm after stopping the instance: {shm}")
+    systemctl("start", "duet.target")
+    wait_for("serving again", lambda: all_active() and ready(), 120)
+    print("systemctl stop duet-instance: every role stopped with it (exit 0), /dev/shm empty; duet.target "
+          "starts them again: ok")
 
     # The golden gate under systemd: exit 3 is not restarted, and says why.
     unit = "duet-prefill@0.service"
