@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""A request its workers keep dying on fails alone (issue 35: "quarantine a request
+only when deaths follow it"), driven from outside as a crash would be:
+
+- `duet serve` with the scalar kernels, so that prefill holds a long prompt for
+  seconds; the prefill worker is SIGKILLed whenever it holds that request, three
+  times in a row, before it made a token;
+- the client gets a 500 that says why (its worker died 3 times in a row without
+  progress), the launcher's log says the request was failed, not re-driven;
+- a stream that was in decode meanwhile (never held by a dead worker) ends as an
+  undisturbed run of it, and the next request is served: nothing else failed, and
+  /metrics counts exactly the three restarts.
+
+Usage: poison_test.py path/to/duet
+"""
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from duet_e2e import check, check_restarts, drain, stop, time_scale
+
+DUET = sys.argv[1]
+SCALE = time_scale()
+proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "8", "--isa", "scalar",
+                         "--grace", "5"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+head = []
+for line in proc.stderr:
+    head.append(line)
+    if m := re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \S+, instance (\S+?)[,)]", line):
+        port, instance = int(m.group(1)), m.group(2)
+        break
+else:
+    check(False, "the server exited before listening:\n" + "".join(head))
+log = drain(proc, keep=400)
+
+
+def post(body, timeout=600):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout * SCALE) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def prefill_holding():
+    """The running prefill worker's pid while it holds work, else None."""
+    out = subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    for p in json.loads(out.stdout)["processes"]:
+        if p["role"] == "prefill" and p["state"] == "running" and p.get("load_items", 0) > 0:
+            return p["pid"]
+    return None
+
+
+try:
+    bystander_body = {"prompt": "The old lighthouse keeper said", "max_tokens": 48, "temperature": 0}
+    st, ref = post(bystander_body)
+    check(st == 200, f"the bystander's undisturbed run: {st} {ref}")
+    # A prompt of ~200 tokens: seconds of scalar prefill, each time it is taken.
+    poison_body = {"prompt": " ".join(f"entry {i} of the ledger," for i in range(25)), "max_tokens": 4,
+                   "temperature": 0}
+    got = {}
+    bystander = threading.Thread(target=lambda: got.update(by=post(bystander_body)))
+    bystander.start()
+    time.sleep(0.5)  # in decode before the poison request comes
+    poison = threading.Thread(target=lambda: got.update(poison=post(poison_body)))
+    poison.start()
+    killed = []
+    for k in range(3):
+        end = time.monotonic() + 120 * SCALE
+        pid = None
+        while time.monotonic() < end and (pid is None or pid in killed):
+            pid = prefill_holding()
+            time.sleep(0.05)
+        check(pid is not None and pid not in killed, f"death {k + 1}: no prefill worker took the request again")
+        subprocess.run(["kill", "-KILL", str(pid)])
+        killed.append(pid)
+    poison.join(300 * SCALE)
+    bystander.join(300 * SCALE)
+    st, body = got.get("poison", (None, None))
+    check(st == 500 and "died 3 times in a row" in body["error"]["message"],
+          f"the poison request after 3 deaths: {st} {body}")
+    check(any("failed, not re-driven" in l for l in log), "the launcher's log names the failed request:\n"
+          + "".join(list(log)[-10:]))
+    st, by = got.get("by", (None, None))
+    check(st == 200 and by["choices"][0]["text"] == ref["choices"][0]["text"],
+          f"the bystander stream: {st} {by} vs {ref}")
+    st, after = post({"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    check(st == 200, f"a request after the quarantine: {st} {after}")
+    check_restarts(port, 3)
+    print(f"poison request: prefill (pids {killed}) SIGKILLed each time it held it, failed alone at the third death "
+          "with a 500 naming why; the bystander identical, the next request served, 3 restarts: ok")
+finally:
+    stop(proc, grace=30, instance=instance if "instance" in dir() else None)
