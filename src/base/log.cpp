@@ -82,7 +82,8 @@ void line(Level level, std::string_view message, std::initializer_list<Field> fi
         field(d, "MESSAGE", std::string(who) + ": " + std::string(message));
         field(d, "PRIORITY", std::to_string(static_cast<int>(level)));
         field(d, "SYSLOG_IDENTIFIER", s.name.empty() ? std::string("duet") : "duet-" + s.name);
-        for (const Field& f : fields) field(d, f.first, f.second);
+        for (const Field& f : fields)
+            if (!f.second.empty()) field(d, f.first, f.second);  // an empty value: the field does not apply
         // A datagram journald refuses (too large: it then wants the data in a memfd)
         // is written to stderr, which is the journal too.
         if (send(s.journal, d.data(), d.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(d.size())) return;

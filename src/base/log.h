@@ -2,7 +2,7 @@
 // "duet <name>: <message>" on stderr, as it always was; when stderr is the journal
 // (systemd sets JOURNAL_STREAM to its device and inode), each line goes to journald
 // by its native protocol instead: MESSAGE, PRIORITY (the level), SYSLOG_IDENTIFIER
-// (duet-<name>) and the caller's fields (e.g. DUET_REQUEST), so that
+// (duet-<name>) and the caller's fields (e.g. DUET_REQUEST, DUET_REQUEST_ID), so that
 // `journalctl -u duet-decode@0 -p warning` shows an operator what happened and
 // `journalctl DUET_REQUEST=3.7` one request's story. A line journald refuses goes to
 // stderr.
@@ -22,7 +22,7 @@ enum class Level : int { Error = 3, Warning = 4, Notice = 5, Info = 6 };
 // "duet: ..."); set once at start, before other threads log.
 void set_name(std::string_view name);
 
-using Field = std::pair<std::string_view, std::string>;  // name: upper case, digits, '_'
+using Field = std::pair<std::string_view, std::string>;  // name: upper case, digits, '_'; empty value: left out
 
 void line(Level level, std::string_view message, std::initializer_list<Field> fields = {});
 

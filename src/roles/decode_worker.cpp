@@ -181,7 +181,7 @@ bool DecodeWorker::take_handoffs() {
             }
             parked_.push_back(std::move(a));
             if (!data) {  // honoured or refused: never run without it
-                log::error(data.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", h.req.slot, h.req.gen)}});
+                log::error(data.error().message, {request_field(h.req), request_id_field(inst_->requests(), h.req)});
                 t.slot(h.req.slot).error_code.store(static_cast<int32_t>(ReqError::Data), std::memory_order_relaxed);
                 finish(parked_, parked_.size() - 1, shm::ReqState::Failed);
                 inst_->registry().wake(shm::Role::Front);
@@ -256,7 +256,7 @@ uint32_t DecodeWorker::swap_out(Active& a) {
         if (Status st = backend_->sync(); !st) {
             log::warning(fmt::format("swap of request {}.{}: {} (it is computed again)", a.req.slot, a.req.gen,
                                      st.error().message),
-                         {{"DUET_REQUEST", fmt::format("{}.{}", a.req.slot, a.req.gen)}});
+                         {request_field(a.req), request_id_field(inst_->requests(), a.req)});
             return 0;
         }
     }
@@ -265,7 +265,7 @@ uint32_t DecodeWorker::swap_out(Active& a) {
     if (!h) {
         log::warning(fmt::format("swap of request {}.{} failed (it is computed again): {}", a.req.slot, a.req.gen,
                                  h.error().message),
-                     {{"DUET_REQUEST", fmt::format("{}.{}", a.req.slot, a.req.gen)}});
+                     {request_field(a.req), request_id_field(inst_->requests(), a.req)});
         return 0;
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -494,7 +494,7 @@ Result<bool> DecodeWorker::step() {
         // rest try again next step (a device left unusable ended the process).
         kv_->unreserve(batch);
         log::error(fmt::format("a step of {} sequences failed: {}", batch.size(), st.error().message),
-                   {{"DUET_REQUEST", fmt::format("{}.{}", active_.back().req.slot, active_.back().req.gen)}});
+                   {request_field(active_.back().req), request_id_field(inst_->requests(), active_.back().req)});
         t.slot(active_.back().req.slot).error_code.store(static_cast<int32_t>(ReqError::Decode), std::memory_order_relaxed);
         finish(active_.size() - 1, shm::ReqState::Failed);
         inst_->registry().wake(shm::Role::Front);

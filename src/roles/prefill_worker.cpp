@@ -149,7 +149,7 @@ void PrefillWorker::take(const WireMsg& m) {
         j.params = request_params(t, r.slot);
         auto data = read_request_data(t, r, j.params);
         if (!data) {  // honoured or refused: never run without it
-            log::error(data.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
+            log::error(data.error().message, {request_field(j.req), request_id_field(inst_->requests(), j.req)});
             j.swapped = slot.n_swapped.load(std::memory_order_relaxed);  // its blob goes too (fail: drop_swap)
             fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
@@ -172,7 +172,7 @@ void PrefillWorker::take(const WireMsg& m) {
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
             inst_->registry().wake(shm::Role::Front);
         } else if (Status st = prepare_grammar(r, j.data, j.output); !st) {
-            log::error(st.error().message, {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
+            log::error(st.error().message, {request_field(j.req), request_id_field(inst_->requests(), j.req)});
             j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
             fail(j, ReqError::Data);
             inst_->registry().wake(shm::Role::Front);
@@ -509,14 +509,14 @@ bool PrefillWorker::swap_in() {
             drop_swap(j);
             log::warning(fmt::format("request {}.{}: its swapped KV: {} (computed again)", j.req.slot, j.req.gen,
                                      im.error().message),
-                         {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
+                         {request_field(j.req), request_id_field(inst_->requests(), j.req)});
             continue;
         }
         if (im->tokens.size() != n || seq.n_tokens() != static_cast<int64_t>(n) ||
             !std::equal(im->tokens.begin(), im->tokens.end(), j.all.begin())) {
             log::warning(
                 fmt::format("request {}.{}: its swap blob holds other tokens (computed again)", j.req.slot, j.req.gen),
-                {{"DUET_REQUEST", fmt::format("{}.{}", j.req.slot, j.req.gen)}});
+                {request_field(j.req), request_id_field(inst_->requests(), j.req)});
             seq.release(*pool_);
             drop_swap(j);
             continue;

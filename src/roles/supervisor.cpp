@@ -85,17 +85,18 @@ shm::RecoveryReport Supervisor::recover(pid_t pid) {
         RequestDeaths& d = request_deaths_[key];
         if (counted.insert(key).second) {
             d = count_request_death(d, t.slot(q.slot).n_output.load(std::memory_order_acquire));
-            // Each request's story in the log (journalctl DUET_REQUEST=slot.gen).
+            // Each request's story in the log (journalctl DUET_REQUEST=slot.gen, or
+            // DUET_REQUEST_ID= the id its client was given).
             const std::string id = fmt::format("{}.{}", q.slot, q.gen);
             if (quarantined(d))
                 log::error(fmt::format("request {}: failed, not re-driven: the worker computing it died {} times in a "
                                        "row (pid {} the last) while its output stayed at {} tokens",
                                        id, d.deaths, pid, d.n_output),
-                           {{"DUET_REQUEST", id}});
+                           {request_field(q), request_id_field(t, q)});
             else
                 log::notice(fmt::format("request {}: re-driven at {} output tokens (pid {} died holding it)", id,
                                         d.n_output, pid),
-                            {{"DUET_REQUEST", id}});
+                            {request_field(q), request_id_field(t, q)});
         }
         return quarantined(d) ? static_cast<int32_t>(ReqError::Poison) : 0;
     };

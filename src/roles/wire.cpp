@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <nlohmann/json.hpp>
+
 #include "model/cpu_backend.h"
 
 namespace duet {
@@ -101,6 +103,17 @@ Status check_instance_workers(const shm::InstanceConfig& c) {
         return make_error("{} prefill and {} decode workers on {} GPUs: a pair per GPU", P, D, c.arenas.size());
     }
     return {};
+}
+
+log::Field request_field(shm::ReqRef r) { return {"DUET_REQUEST", fmt::format("{}.{}", r.slot, r.gen)}; }
+
+log::Field request_id_field(const shm::RequestTable& t, shm::ReqRef r) {
+    std::string id;
+    if (const auto rec = t.front_data(r)) {  // JSON (roles/front_impl.h FrontRecord); the id alone is read
+        const nlohmann::json j = nlohmann::json::parse(*rec, nullptr, false);
+        if (j.is_object() && j.contains("id") && j["id"].is_string()) id = j["id"].get<std::string>();
+    }
+    return {"DUET_REQUEST_ID", std::move(id)};
 }
 
 }  // namespace duet

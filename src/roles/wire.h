@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "base/log.h"
 #include "base/result.h"
 #include "engine/drafter.h"
 #include "engine/scheduling.h"
@@ -246,5 +247,12 @@ inline StopRules stop_rules(const RequestParams& p) { return {p.max_tokens, p.st
 // parameter), the sampled token first, then the `top` most likely, most likely first.
 // (The workers compute it: src/roles/decode_worker.cpp, prefill_worker.cpp.)
 void fill_logprobs(const float* logits, int64_t n_vocab, int32_t sampled, int top, shm::TokenLogprob* row);
+
+// The journal fields of a line about request r (base/log.h): DUET_REQUEST=<slot>.<
+// generation>, and DUET_REQUEST_ID=<the id its client was given> (cmpl-..., chatcmpl-...)
+// where the front recorded one (its front record; empty, so left out, where not), so
+// that `journalctl DUET_REQUEST_ID=cmpl-...` tells one client's request's story.
+log::Field request_field(shm::ReqRef r);
+log::Field request_id_field(const shm::RequestTable& t, shm::ReqRef r);
 
 }  // namespace duet

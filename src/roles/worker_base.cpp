@@ -226,7 +226,7 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
         auto mask = grammars().allowed(req_key(r), *d.grammar, output);
         if (!mask) {
             log::error(fmt::format("request {}.{}: {}", r.slot, r.gen, mask.error().message),
-                       {{"DUET_REQUEST", fmt::format("{}.{}", r.slot, r.gen)}});
+                       {request_field(r), request_id_field(inst_->requests(), r)});
             return -1;
         }
         allowed = *mask;
@@ -259,7 +259,7 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
         // Its bias may have banned every token the grammar allows: nothing can be chosen.
         if (d.grammar && apply_token_mask(banned_row_.data(), nv, allowed) == 0) {
             log::error(fmt::format("request {}.{}: no token its grammar allows is left", r.slot, r.gen),
-                       {{"DUET_REQUEST", fmt::format("{}.{}", r.slot, r.gen)}});
+                       {request_field(r), request_id_field(inst_->requests(), r)});
             return -1;
         }
         row = banned_row_.data();

@@ -21,7 +21,8 @@
 - `systemctl stop duet-instance` alone stops its roles (exit 0, not restarted), and
   the target starts them again;
 - the journal is the log: the instance's warning about a death, a notice for each
-  request it re-drove with its DUET_REQUEST field, each role's lines under its own
+  request it re-drove with its DUET_REQUEST field and the id its client was given
+  (DUET_REQUEST_ID), each role's lines under its own
   SYSLOG_IDENTIFIER (duet-decode, ...) and level;
 - a prefill worker on a model that fails its golden-logits check exits 3, systemd does
   not restart it (RestartPreventExitStatus=3) and reports its result, and /ready says
@@ -284,11 +285,18 @@ try:
           f"re-driven requests in the journal: {len(redriven)} notices, {counted} counted by the deaths")
     story = journal_json(f"DUET_REQUEST={redriven[0]['DUET_REQUEST']}")
     check(story and all(e["DUET_REQUEST"] == redriven[0]["DUET_REQUEST"] for e in story), f"one request's story: {story}")
+    # ... and by the id its client was given (the streams' completions: cmpl-...).
+    check(all(e.get("DUET_REQUEST_ID", "").startswith("cmpl-") for e in redriven),
+          f"DUET_REQUEST_ID on each re-drive notice: {[e.get('DUET_REQUEST_ID') for e in redriven]}")
+    by_id = journal_json(f"DUET_REQUEST_ID={redriven[0]['DUET_REQUEST_ID']}")
+    check(by_id and all(e["DUET_REQUEST_ID"] == redriven[0]["DUET_REQUEST_ID"] for e in by_id),
+          f"journalctl DUET_REQUEST_ID=: {by_id}")
     own = journal_json("-u", "duet-decode@0.service", "-t", "duet-decode")
     check(any("golden check passed" in e.get("MESSAGE", "") and e.get("PRIORITY") == "6" for e in own),
           f"decode's own lines as duet-decode: {[e.get('MESSAGE') for e in own][-3:]}")
     print(f"journal: two deaths at warning, {counted} re-driven requests each a notice with DUET_REQUEST "
-          f"(journalctl DUET_REQUEST={redriven[0]['DUET_REQUEST']}), duet-decode's own lines at info: ok")
+          f"(journalctl DUET_REQUEST={redriven[0]['DUET_REQUEST']}) and the client's id "
+          f"(DUET_REQUEST_ID={redriven[0]['DUET_REQUEST_ID']}), duet-decode's own lines at info: ok")
     killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
 
     # A burst: decode SIGKILLed five times in a row, each time once it is back.
