@@ -269,6 +269,32 @@ TEST(ToolCalls, TheGrammarTakesTheCallsTheChoiceAllowsAndNoOthers) {
         const Verdict two = run(a, add + "\n" + weather);
         EXPECT_EQ(two.takes && two.ends, parallel);
     }
+    // tool_choice auto with a response_format: calls alone, or content the schema
+    // takes alone.
+    const std::string schema = R"({"type": "object", "properties": {"answer": {"type": "integer"}},
+                                   "required": ["answer"], "additionalProperties": false})";
+    const std::string any_object = R"({"type": "object"})";
+    for (bool parallel : {true, false}) {
+        const std::string a = tool_grammar(ToolFormat::Hermes, tools(), autoc, parallel, &schema);
+        ASSERT_TRUE(check_grammar(GrammarSpec{GrammarKind::StructuralTag, a})) << a;
+        EXPECT_TRUE(run(a, add).ends);
+        EXPECT_TRUE(run(a, "{\"answer\": 42}").ends);
+        EXPECT_FALSE(run(a, "{\"answer\": \"x\"}").takes);  // the schema's type
+        EXPECT_FALSE(run(a, "Just text.").takes);           // no free text
+        EXPECT_FALSE(run(a, "Let me add.\n" + add).takes);  // nor text beside calls
+        const Verdict both = run(a, "{\"answer\": 42}\n" + add);
+        EXPECT_FALSE(both.takes && both.ends);  // content or calls, not both
+        const Verdict two = run(a, add + "\n" + weather);
+        EXPECT_EQ(two.takes && two.ends, parallel);
+        EXPECT_FALSE(run(a, s.begin("rm")).takes);
+        const std::string o = tool_grammar(ToolFormat::Hermes, tools(), autoc, parallel, &any_object);
+        ASSERT_TRUE(check_grammar(GrammarSpec{GrammarKind::StructuralTag, o})) << o;
+        EXPECT_TRUE(run(o, "{\"x\": [1, \"y\"]}").ends);
+        EXPECT_FALSE(run(o, "[1]").takes);
+    }
+    // Required and named give calls only: the content schema does not apply.
+    EXPECT_EQ(tool_grammar(ToolFormat::Hermes, tools(), required, true, &schema),
+              tool_grammar(ToolFormat::Hermes, tools(), required, true));
     // Llama 3's JSON calls.
     const ToolSyntax& l = tool_syntax(ToolFormat::Llama3Json);
     const std::string g = tool_grammar(ToolFormat::Llama3Json, tools(), required, false);

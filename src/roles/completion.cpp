@@ -219,10 +219,16 @@ std::optional<ApiError> CompletionRun::parse() {
                          c.r.calls_tools() ? "tools" : "messages");
     if (c.r.calls_tools()) {
         // The calls' grammar, in the model's format: a call, once opened, names an
-        // offered function and its arguments follow that function's schema.
+        // offered function and its arguments follow that function's schema. With a
+        // response_format, the content that schema takes is the alternative to calls.
         const ToolFormat tf = tool_format_of(f.tmpl.format());
-        c.r.grammar = GrammarSpec{GrammarKind::StructuralTag,
-                                  tool_grammar(tf, c.r.tools, c.r.tool_choice, c.r.parallel_tool_calls)};
+        std::optional<std::string> content;
+        if (c.r.grammar)
+            content = c.r.grammar->kind == GrammarKind::JsonObject ? std::string(R"({"type": "object"})")
+                                                                   : c.r.grammar->source;
+        c.r.grammar = GrammarSpec{
+            GrammarKind::StructuralTag,
+            tool_grammar(tf, c.r.tools, c.r.tool_choice, c.r.parallel_tool_calls, content ? &*content : nullptr)};
         c.r.grammar_param = "tools";
         if (Status st = check_grammar(*c.r.grammar); !st)
             return api_error(400, "invalid_request_error", "tools: " + st.error().message, "tools", "");

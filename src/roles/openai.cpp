@@ -528,8 +528,10 @@ Field read_tools(const nlohmann::ordered_json& o, CompletionRequest& r) {
         r.parallel_tool_calls = p->get<bool>();
     }
     if (r.calls_tools()) {
-        // One grammar per request: the calls' (the front makes it in the model's format).
-        if (r.grammar)
+        // One grammar per request: the calls' (the front makes it in the model's
+        // format), which takes a JSON schema for the content (response_format) as the
+        // alternative to calls; a GBNF grammar it cannot take.
+        if (r.grammar && r.grammar->kind != GrammarKind::JsonSchema && r.grammar->kind != GrammarKind::JsonObject)
             return bad(r.grammar_param, fmt::format("'{}' cannot be used with 'tools' so far (unless 'tool_choice' "
                                                     "is none)",
                                                     r.grammar_param));

@@ -77,7 +77,8 @@ std::string ToolSyntax::begin(std::string_view name) const {
 
 const ToolSyntax& tool_syntax(ToolFormat f) { return f == ToolFormat::Hermes ? kHermes : kLlama3; }
 
-std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const ToolChoice& choice, bool parallel) {
+std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const ToolChoice& choice, bool parallel,
+                         const std::string* content_schema) {
     const ToolSyntax& syn = tool_syntax(f);
     ojson tags = ojson::array();
     for (const ToolDef& t : tools) {
@@ -94,7 +95,21 @@ std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const Too
         tags.push_back(std::move(tag));
     }
     ojson format = ojson::object();
-    if (choice.mode == ToolChoiceMode::Auto) {
+    if (choice.mode == ToolChoiceMode::Auto && content_schema) {
+        // Calls (at least one), or the content the schema takes: one or the other.
+        ojson calls = ojson::object();
+        calls["type"] = "tags_with_separator";
+        calls["tags"] = std::move(tags);
+        calls["separator"] = std::string(syn.separator);
+        calls["at_least_one"] = true;
+        calls["stop_after_first"] = !parallel;
+        ojson content = ojson::object();
+        content["type"] = "json_schema";
+        content["json_schema"] = ojson::parse(*content_schema);
+        content["max_whitespace_cnt"] = kMaxWhitespace;
+        format["type"] = "or";
+        format["elements"] = ojson::array({std::move(calls), std::move(content)});
+    } else if (choice.mode == ToolChoiceMode::Auto) {
         // Free text until the trigger; then one of the calls.
         format["type"] = "triggered_tags";
         format["triggers"] = ojson::array({std::string(syn.trigger)});

@@ -67,7 +67,12 @@ const ToolSyntax& tool_syntax(ToolFormat f);
 
 // The grammar the output follows (an xgrammar structural tag, as JSON text) for
 // tool_choice auto, required or named (not none). parallel false: one call at most.
-std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const ToolChoice& choice, bool parallel);
+// content_schema (a JSON schema; the request's response_format): with tool_choice
+// auto the output is then either calls alone or content alone that the schema
+// takes (no text beside calls); required and named give calls only, so it does not
+// apply.
+std::string tool_grammar(ToolFormat f, std::span<const ToolDef> tools, const ToolChoice& choice, bool parallel,
+                         const std::string* content_schema = nullptr);
 
 // The conversation as the chat template takes it: the tool list added to the system
 // message (one is made from default_system when the first message is not a system

@@ -2,7 +2,8 @@
 """Tool calls through the official `openai` client against `duet serve` (SmolLM2:
 the hermes format): tool_choice required and a named function give calls whose
 arguments validate (the `jsonschema` package, not duet) against the function's
-schema, finish_reason "tool_calls"; parallel_tool_calls false gives one call; a
+schema, finish_reason "tool_calls"; auto with a response_format gives a call alone
+or content its schema takes alone; parallel_tool_calls false gives one call; a
 stream's delta.tool_calls reassemble byte for byte into the whole answer's calls,
 for every choice mode and for a call cut by max_tokens; a sampled request with a
 seed is the same twice; the whole flow (a call, the tool's result sent back as a
@@ -148,6 +149,31 @@ try:
     else:
         check(whole.message.content and whole.finish_reason == "stop", f"auto: {whole}")
 
+    # auto with a response_format: calls alone, or content its schema takes alone.
+    # Which one the model picks is its own; a bias on '<' (token 44, the first of
+    # "<tool_call>") takes each branch for sure: -100 bans calls, +100 opens one.
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "answer": {"type": "integer"}},
+              "required": ["city", "answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    kw = dict(base, tool_choice="auto", response_format=fmt, temperature=0, parallel_tool_calls=False)
+    content = same_as_whole(c, "auto + response_format, calls banned", **dict(kw, logit_bias={"44": -100}))
+    check(not content.message.tool_calls and content.finish_reason == "stop", f"content branch: {content}")
+    jsonschema.validate(json.loads(content.message.content), answer)
+    call = same_as_whole(c, "auto + response_format, a call opened", **dict(kw, logit_bias={"44": 100}))
+    check(call.finish_reason == "tool_calls" and call.message.content is None, f"call branch: {call}")
+    valid_calls(call.message.tool_calls, "auto + response_format")
+    check(len(call.message.tool_calls) == 1, f"parallel false: {call.message.tool_calls}")
+    free = c.chat.completions.create(**dict(base, tool_choice="auto", temperature=0,
+                                            response_format={"type": "json_object"})).choices[0]
+    if free.message.tool_calls:
+        valid_calls(free.message.tool_calls, "auto + json_object")
+    else:
+        check(isinstance(json.loads(free.message.content), dict), f"auto + json_object: {free}")
+    print(f"auto + response_format: content valid against its schema ({content.message.content}), or a call "
+          f"alone ({call.message.tool_calls[0].function.name}); json_object: "
+          f"{'a call' if free.message.tool_calls else 'an object'}: ok")
+
     # Sampled with a seed: the same twice, streamed or not; n = 2: calls in each choice.
     kw = dict(base, tool_choice="required", temperature=0.9, seed=11)
     a = c.chat.completions.create(**kw).choices[0].message.tool_calls
@@ -204,7 +230,7 @@ try:
     refused("tools", "uniqueItems", tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}])
     refused("tool_choice", "nope", tool_choice={"type": "function", "function": {"name": "nope"}})
-    refused("response_format", "tools", response_format={"type": "json_object"})
+    refused("grammar", "tools", extra_body={"grammar": 'root ::= "x"'})
     refused("messages", "tool_call_id", messages=MSGS + [{"role": "tool", "content": "x"}])
     print("refusals name the field: ok")
 
