@@ -167,7 +167,8 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option(kPrefillCutWindow, s.prefill_cut_window_s, kPrefillCutWindowHelp)
         ->capture_default_str()
         ->check(CLI::Range(0, 86400));
-    c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse cached prompt blocks");
+    c.add_flag(negated(kNoPrefixCache), s.prefix_cache,
+               "do not reuse cached KV blocks (of prompts, and of answers decode finished)");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
     c.add_flag(negated(kNoPassInterrupt), s.pass_interrupt, kPassInterruptHelp);
     c.add_option("--swap-root", s.swap_root,
@@ -274,7 +275,8 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(kPrefillCutWindow, s.prefill_cut_window_s, kPrefillCutWindowHelp)
         ->capture_default_str()
         ->check(CLI::Range(0, 86400));
-    c.add_flag(negated(kNoPrefixCache), s.prefix_cache, "do not reuse or publish cached prompt blocks");
+    c.add_flag(negated(kNoPrefixCache), s.prefix_cache,
+               "do not reuse or publish cached KV blocks (of prompts, and of finished answers)");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
     c.add_flag(negated(kNoPassInterrupt), s.pass_interrupt, kPassInterruptHelp);
 }

@@ -83,6 +83,12 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
             t.slot(a.req.slot).kv_to.store(client.pack(), std::memory_order_relaxed);  // published by the transition
         }
     }
+    // Its blocks, the answer's too, join the prefix cache before they go: a client
+    // that sends the conversation back (the next chat turn) finds the answer's KV as
+    // it finds the prompt's, instead of computing it again. KV is a function of the
+    // tokens alone (the invariance contract), so decode's is what prefill would make.
+    // (Not a return_kv request's: its blocks went to its client.)
+    if (to == shm::ReqState::Finished && !a.params.return_kv && opts_.prefix_cache) publish_blocks(a);
     t.transition(a.req, shm::ReqState::Decoding, to);
     a.seq.release(*pool_);
     forget_grammar(a.req);
@@ -90,6 +96,23 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     if (pool_drafts_ && to != shm::ReqState::Failed && !a.params.no_draft_pool) pool_drafts_->add(a.output);
     from[i] = std::move(from.back());
     from.pop_back();
+}
+
+void DecodeWorker::publish_blocks(const Active& a) {
+    const auto bt = static_cast<size_t>(pool_->layout().block_tokens);
+    const size_t valid = std::min(static_cast<size_t>(a.seq.n_tokens()), a.prompt.size() + a.output.size());
+    const size_t full = valid / bt;
+    if (full == 0) return;
+    std::vector<int32_t> all(a.prompt);
+    all.insert(all.end(), a.output.begin(), a.output.end());
+    std::vector<shm::BlockHash> hashes;
+    hashes.reserve(full);
+    shm::BlockHash h;
+    for (size_t i = 0; i < full; ++i) {
+        h = hasher_.hash(h, all.data() + i * bt, bt, model_->fingerprint(), {});
+        hashes.push_back(h);
+    }
+    (void)kv_->publish_prefix(a.seq, hashes, 0, static_cast<int64_t>(valid));
 }
 
 // Preemption by recompute: the sequence's KV is dropped and its request goes back to

@@ -39,6 +39,10 @@ private:
     // from[i] (active_ or parked_) ends in state `to`.
     void finish(std::vector<Active>& from, size_t i, shm::ReqState to);
     void finish(size_t i, shm::ReqState to) { finish(active_, i, to); }
+    // Registers the full blocks of a finished sequence (prompt and answer) in the
+    // arena's prefix index, as prefill does for the prompt's.
+    void publish_blocks(const Active& a);
+    shm::BlockHasher hasher_;
     // Writes a's KV to its swap blob when that is cheaper than recomputing it: the
     // positions written (0: it will be computed again).
     uint32_t swap_out(Active& a);

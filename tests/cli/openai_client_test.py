@@ -2,7 +2,8 @@
 """`duet serve` driven by the official `openai` Python client (PyPI, pinned in
 scripts/python-env), unchanged: chat and completions, streamed and not, agreeing
 with each other; usage; seed reproducibility at temperature > 0; and the client's
-own exception types for our error responses.
+own exception types for our error responses; a conversation sent back whole finds
+its first answer's blocks in the prefix cache, and answers as a server without one.
 
 Usage: openai_client_test.py path/to/duet   (run with the venv's python)
 """
@@ -18,7 +19,7 @@ import urllib.request
 
 import openai
 
-from duet_e2e import check_restarts, drain
+from duet_e2e import check_restarts, drain, listening_port
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-openai-test-{os.getpid()}"
@@ -61,6 +62,40 @@ try:
     check("".join(parts) == content, f"stream {''.join(parts)!r} != whole {content!r}")
     check(usage and usage.completion_tokens == whole.usage.completion_tokens, "stream usage")
     print("chat, streamed and whole: ok")
+
+    # A conversation sent back whole, as chat clients do: decode published the first
+    # answer's blocks, so the second turn takes them from the prefix cache (more than
+    # the first prompt's), and its answer is, token and logprob, the one a server
+    # without a prefix cache computes (KV depends on the tokens alone).
+    story = [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm."}]
+    t1 = c.chat.completions.create(model=model, messages=story, max_tokens=64, temperature=0)
+    check(t1.usage.completion_tokens >= 40, f"a first answer long enough to fill answer blocks: {t1.usage}")
+    story += [{"role": "assistant", "content": t1.choices[0].message.content},
+              {"role": "user", "content": "What happened next?"}]
+    kw = dict(model=model, messages=story, max_tokens=24, temperature=0.8, seed=3, logprobs=True, top_logprobs=2)
+    t2 = c.chat.completions.create(**kw)
+    cached = t2.usage.prompt_tokens_details.cached_tokens
+    check(cached > t1.usage.prompt_tokens, f"the first answer's blocks serve the second turn: {cached} cached, "
+                                           f"first prompt {t1.usage.prompt_tokens}, now {t2.usage.prompt_tokens}")
+    plain = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "512", "--no-prefix-cache", "--instance",
+                              INSTANCE + "-nc"], stderr=subprocess.PIPE, text=True)
+    try:
+        plain_port = listening_port(plain)
+        check(plain_port, "the server without a prefix cache did not start")
+        drain(plain)
+        pc = openai.OpenAI(base_url=f"http://127.0.0.1:{plain_port}/v1", api_key="none", max_retries=0)
+        want = pc.chat.completions.create(**kw)
+    finally:
+        plain.send_signal(signal.SIGTERM)
+        plain.wait(60)
+    check(want.usage.prompt_tokens_details.cached_tokens == 0, f"--no-prefix-cache: {want.usage}")
+    check(t2.choices[0].message.content == want.choices[0].message.content
+          and [(e.token, e.logprob) for e in t2.choices[0].logprobs.content]
+          == [(e.token, e.logprob) for e in want.choices[0].logprobs.content],
+          f"with the cached answer blocks: {t2.choices[0].message.content!r}; computed: "
+          f"{want.choices[0].message.content!r}")
+    print(f"a conversation sent back: {cached} of {t2.usage.prompt_tokens} prompt tokens cached (the first prompt "
+          f"had {t1.usage.prompt_tokens}), the answer identical to a server without a cache: ok")
 
     comp = c.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
     check(comp.choices[0].text and comp.choices[0].finish_reason in ("stop", "length"), "completion")
