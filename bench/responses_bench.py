@@ -15,7 +15,14 @@ to the first token. Before turn 6 each server is SIGKILLed (every process) and
 restarted, as after a crash: the responses continue from the contexts on disk, the
 history is computed again from nothing (the prefix cache is memory).
 
-Usage: responses_bench.py path/to/duet [--turns N] [--tokens T]
+With --llama BIN_DIR the history way runs a third time, on llama-server (the pinned
+build of scripts/build-llama-cpp; same model, threads, context; one slot, its prompt
+cache on as by default), which keeps nothing between requests (its /v1/responses
+stores no response: FACTS.md), so resending is how a client continues there; it is
+SIGKILLed and restarted before turn 6 too. Its "computed" is its own count of prompt
+tokens evaluated (timings.prompt_n).
+
+Usage: responses_bench.py path/to/duet [--turns N] [--tokens T] [--llama BIN_DIR]
        (the venv's python: scripts/python-env)
 """
 import argparse
@@ -26,11 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cli"))
-from duet_e2e import drain, kill_server  # noqa: E402
+from duet_e2e import drain, free_port, kill_server  # noqa: E402
 
 QUESTIONS = ["Tell me about the history of Paris.", "What about its museums?", "Which one is the largest?",
              "What can I see there?", "How long would a visit take?", "What else is nearby?",
@@ -59,6 +67,41 @@ class Server:
     def stop(self):
         self.p.send_signal(signal.SIGTERM)
         self.p.wait(60)
+
+
+class LlamaServer:
+    """llama-server on the default model, the machine's threads, one slot, 4096 of
+    context (duet's --ctx), answering what duet's Server does."""
+
+    def __init__(self, bin_dir):
+        self.port = free_port()
+        n = str(os.cpu_count())
+        self.p = subprocess.Popen([os.path.join(bin_dir, "llama-server"), "-m", MODEL, "-t", n, "-tb", n, "-np", "1",
+                                   "-c", "4096", "--host", "127.0.0.1", "--port", str(self.port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        drain(self.p)
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5)
+                break
+            except Exception:
+                if self.p.poll() is not None:
+                    raise SystemExit("llama-server exited")
+                time.sleep(0.1)
+        self.c = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                               timeout=600)
+        self.model = "default"
+
+    def kill(self):
+        self.p.kill()
+        self.p.wait()
+
+    def stop(self):
+        self.p.terminate()
+        self.p.wait(60)
+
+
+MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def run_responses(duet, turns, tokens):
@@ -90,21 +133,20 @@ def run_responses(duet, turns, tokens):
     return rows
 
 
-def run_history(duet, turns, tokens):
+def run_history(start, turns, tokens):
     """The conversation resent whole each turn (chat completions, each answer as it
-    came), on a server of its own, SIGKILLed and restarted before turn 6."""
-    cdir = tempfile.mkdtemp(prefix="duet-history-bench-")
-    instance = f"duet-history-bench-{os.getpid()}"
-    s = Server(duet, instance, cdir)
+    came), on a server of its own (start() makes it), SIGKILLed and restarted before
+    turn 6."""
+    s = start()
     rows = []
     history = [{"role": "system", "content": "You are a helpful guide."}]
     try:
         for t in range(turns):
             if t == 5:
                 s.kill()
-                s = Server(duet, instance, cdir)
+                s = start()
             history.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-            t0, first, usage, answer = time.perf_counter(), None, None, ""
+            t0, first, usage, answer, timings = time.perf_counter(), None, None, "", None
             for ev in s.c.chat.completions.create(model=s.model, messages=history, max_tokens=tokens, temperature=0,
                                                   stream=True, stream_options={"include_usage": True}):
                 for ch in ev.choices:
@@ -114,9 +156,11 @@ def run_history(duet, turns, tokens):
                         answer += ch.delta.content
                 if ev.usage:
                     usage = ev.usage
+                timings = (ev.model_extra or {}).get("timings", timings)  # llama-server's
             history.append({"role": "assistant", "content": answer})
             cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            rows.append((usage.prompt_tokens, usage.prompt_tokens - cached, first))
+            computed = timings["prompt_n"] if timings else usage.prompt_tokens - cached
+            rows.append((usage.prompt_tokens, computed, first))
     finally:
         s.stop()
     return rows
@@ -127,15 +171,31 @@ def main():
     ap.add_argument("duet")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--llama", help="llama-server's directory: the history way on it too, after duet's")
     args = ap.parse_args()
     resp = run_responses(args.duet, args.turns, args.tokens)
-    hist = run_history(args.duet, args.turns, args.tokens)
-    print("| turn | responses: input | computed | TTFT ms | history: input | computed | TTFT ms |")
-    print("|---|---|---|---|---|---|---|")
+    cdir = tempfile.mkdtemp(prefix="duet-history-bench-")
+    hist = run_history(lambda: Server(args.duet, f"duet-history-bench-{os.getpid()}", cdir), args.turns, args.tokens)
+    llama = run_history(lambda: LlamaServer(args.llama), args.turns, args.tokens) if args.llama else None
+    head = "| turn | responses: input | computed | TTFT ms | history: input | computed | TTFT ms |"
+    rule = "|---|---|---|---|---|---|---|"
+    if llama:
+        head += " llama-server history: input | computed | TTFT ms |"
+        rule += "---|---|---|"
+    print(head)
+    print(rule)
     for t, ((ri, rc, rt, _), (hi, hc, ht)) in enumerate(zip(resp, hist), 1):
         mark = " (after the SIGKILL)" if t == 6 else ""
-        print(f"| {t}{mark} | {ri} | {rc} | {rt * 1e3:.0f} | {hi} | {hc} | {ht * 1e3:.0f} |")
-    print(f"\ncomputed prompt tokens in all: responses {sum(r[1] for r in resp)}, history {sum(h[1] for h in hist)}")
+        row = f"| {t}{mark} | {ri} | {rc} | {rt * 1e3:.0f} | {hi} | {hc} | {ht * 1e3:.0f} |"
+        if llama:
+            li, lc, lt = llama[t - 1]
+            row += f" {li} | {lc} | {lt * 1e3:.0f} |"
+        print(row)
+    print(f"\ncomputed prompt tokens in all: responses {sum(r[1] for r in resp)}, history {sum(h[1] for h in hist)}"
+          + (f", llama-server history {sum(x[1] for x in llama)}" if llama else ""))
+    for name, rows in (("responses", resp), ("history", hist)) + ((("llama-server", llama),) if llama else ()):
+        tt = sorted(r[2] for r in rows[1:])
+        print(f"{name}: TTFT of turns 2-{len(rows)} median {tt[len(tt) // 2] * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
