@@ -107,6 +107,9 @@ public:
     // taken_from: the pids of the supervisors whose instance this one took over
     // (External only; empty when it created the instance).
     int run(const std::string& model_id, const std::vector<pid_t>& taken_from);
+    // run() found another supervisor of the instance running: it left its roles and
+    // segments alone, and so must its caller.
+    bool abandoned() const { return abandoned_; }
 
 private:
     Status start_roles();
@@ -126,6 +129,7 @@ private:
     Supervisor sup_;
     LaunchState state_ = LaunchState::Starting;
     bool failed_ = false;  // exit 1; also a stop request
+    bool abandoned_ = false;      // another supervisor runs: run() returned at once
     bool golden_failed_ = false;  // a worker failed its golden check: exit kGoldenExitCode
     bool front_exited_ = false, front_killed_ = false;
     uint64_t start_deadline_ = 0, drain_deadline_ = 0, next_sweep_ = 0, next_poll_ = 0, next_status_ = 0;
@@ -565,9 +569,12 @@ int Launcher::run(const std::string& model_id, const std::vector<pid_t>& taken_f
         // it had not sent) is ours now, and roles that died meanwhile are recovered
         // by the first turn's poll.
         start_deadline_ = UINT64_MAX;
-        if (auto took = sup_.take_over(); !took) {  // run_launcher looked first; defensive
+        if (auto took = sup_.take_over(); !took) {
+            // Another supervisor runs (started beside this one): the instance is its;
+            // this one leaves without touching its roles or its segments.
             say(took.error().message, log::Level::Error);
-            failed_ = true;
+            abandoned_ = true;
+            return 1;
         }
         const shm::RequestTable& t = inst_.requests();
         uint32_t busy = 0;
@@ -599,8 +606,9 @@ int Launcher::run(const std::string& model_id, const std::vector<pid_t>& taken_f
     // Stopping: the roles systemd started do not stop with this unit (they outlive
     // its crash: taken over), so a stop of the instance alone stops them here; under
     // `systemctl stop duet.target` they stopped first (ordered after it).
-    if (external_) {
-        if (const size_t n = sup_.stop_registered(static_cast<int>(std::min(s_.grace_s + 5, 25)) * 1000); n > 0)
+    if (external_ && !abandoned_) {
+        // The front's drain (--grace) and 10 s more, within the unit's TimeoutStopSec=.
+        if (const size_t n = sup_.stop_registered(std::min(s_.grace_s + 10, 45) * 1000, 10000); n > 0)
             say(fmt::format("stopped the {} role(s) still running on the instance", n));
     }
     sweep_orphans(inst_, 0);  // stopping: nobody will come back for them
@@ -727,17 +735,23 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
     auto self = holds ? inst->registry().claim(shm::Role::Launcher, -1, getpid()) : Result<shm::ProcRef>(holds.error());
     if (!self) {  // before any role started: nothing left behind (a taken-over instance's roles run on)
         if (!adopted) shm::Instance::unlink(plan.layout.instance);
-        remove_swap.dir.clear();
+        if (adopted) remove_swap.dir.clear();  // its blobs are the running requests'
         say(self.error().message);
         return 1;
     }
     inst->registry().set_running(*self);
     int rc = 0;
+    bool abandoned = false;
     {
         Launcher l(*inst, *self, s, plan, argv, stop, start);
         rc = l.run(std::filesystem::path(s.model).stem().string(), taken->from);
+        abandoned = l.abandoned();
     }
     inst->registry().release(*self);
+    if (abandoned) {  // another supervisor's instance: its segments and swap blobs stay
+        remove_swap.dir.clear();
+        return rc;
+    }
     shm::Instance::unlink(plan.layout.instance);
     say("stopped");
     return rc;

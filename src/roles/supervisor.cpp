@@ -209,30 +209,39 @@ Result<std::vector<pid_t>> Supervisor::take_over() {
     return from;
 }
 
-size_t Supervisor::stop_registered(int grace_ms) {
+size_t Supervisor::stop_registered(int front_grace_ms, int worker_grace_ms) {
     shm::Registry& reg = inst_.registry();
-    const auto roles = [&] {
+    const auto live = [&](bool fronts) {
         std::vector<shm::ProcRef> out;
         for (uint32_t s = 0; s < reg.n_slots(); ++s) {
             const auto role = static_cast<shm::Role>(reg.slot(s).role.load(std::memory_order_relaxed));
-            if (role != shm::Role::Front && role != shm::Role::Prefill && role != shm::Role::Decode) continue;
+            if (fronts ? role != shm::Role::Front : role != shm::Role::Prefill && role != shm::Role::Decode) continue;
             const shm::ProcRef r = reg.current(s);
             if (reg.alive(r) && reg.process_running(r)) out.push_back(r);
         }
         return out;
     };
-    const std::vector<shm::ProcRef> live = roles();
-    for (const shm::ProcRef& r : live) kill(reg.pid(r.slot), SIGTERM);
-    const uint64_t deadline = shm::monotonic_ns() + static_cast<uint64_t>(grace_ms) * 1000000ull;
-    std::vector<shm::ProcRef> left = roles();
-    while (!left.empty() && shm::monotonic_ns() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        left = roles();
+    size_t n = 0;
+    // The front first, while the workers still compute what it drains; then the
+    // workers, with nothing left to hand them.
+    for (const bool fronts : {true, false}) {
+        const std::vector<shm::ProcRef> now = live(fronts);
+        n += now.size();
+        for (const shm::ProcRef& r : now) kill(reg.pid(r.slot), SIGTERM);
+        const uint64_t deadline =
+            shm::monotonic_ns() + static_cast<uint64_t>(fronts ? front_grace_ms : worker_grace_ms) * 1000000ull;
+        std::vector<shm::ProcRef> left = live(fronts);
+        while (!left.empty() && shm::monotonic_ns() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            (void)poll_registry();  // a worker that dies meanwhile: its requests re-driven for the drain
+            left = live(fronts);
+        }
+        for (const shm::ProcRef& r : left) kill(reg.pid(r.slot), SIGKILL);
+        for (int i = 0; i < 100 && !live(fronts).empty(); ++i)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        (void)poll_registry();  // what the killed ones held
     }
-    for (const shm::ProcRef& r : left) kill(reg.pid(r.slot), SIGKILL);
-    for (int i = 0; i < 100 && !roles().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    (void)poll_registry();  // what the killed ones held
-    return live.size();
+    return n;
 }
 
 bool Supervisor::reap(Child& c, uint64_t deadline_ns) {

@@ -65,11 +65,12 @@ public:
     // become ours and are sent again). An error naming the pid when another
     // supervisor still runs. Returns the pids taken over from.
     Result<std::vector<pid_t>> take_over();
-    // `duet instance` stopping cleanly: SIGTERM to every live front, prefill and
-    // decode process in the registry (their units do not stop with the instance);
-    // SIGKILL to those still registered after grace_ms; then recovers what they left.
-    // Returns how many it signalled.
-    size_t stop_registered(int grace_ms);
+    // `duet instance` stopping cleanly: the live processes of the registry's roles
+    // (their units do not stop with the instance) get SIGTERM, the front first (its
+    // drain, front_grace_ms at most, while the workers still compute), then the
+    // prefill and decode workers (worker_grace_ms); one still registered past its
+    // time gets SIGKILL, and what it left is recovered. Returns how many it signalled.
+    size_t stop_registered(int front_grace_ms, int worker_grace_ms);
     // SIGTERM to every role; SIGKILL to those still running after grace_ms; then
     // recovers whatever they left. Errors name roles that did not exit cleanly.
     Status stop_all(int grace_ms);

@@ -18,7 +18,8 @@
   as an undisturbed run; then the instance and the front killed at once (the front's
   clients resume once both are back), and the instance and decode at once (decode's
   unit restarts it before the instance is back: it waits for the recovery);
-- `systemctl stop duet-instance` alone stops its roles (exit 0, not restarted), and
+- `systemctl stop duet-instance` alone, under 8 streams, stops its roles: the front
+  drains first (every stream ends whole), then the workers (exit 0, not restarted);
   the target starts them again;
 - the journal is the log: the instance's warning about a death, a notice for each
   request it re-drove with its DUET_REQUEST field and the id its client was given
@@ -380,8 +381,10 @@ try:
         print(f"SIGKILL of the instance and {other} at once: both restarted, {N} streams identical "
               f"({time.monotonic() - t0:.1f} s): ok")
 
-    # Stopped alone (an operator's `systemctl stop`, not a crash), it stops its roles.
-    systemctl("stop", inst)
+    # Stopped alone (an operator's `systemctl stop`, not a crash), it stops its roles:
+    # the front first, which drains its streams while the workers still compute them.
+    t0 = time.monotonic()
+    streams_through("systemctl stop duet-instance", lambda: systemctl("stop", inst), 800)
     for u in ROLES:
         s = show(u, "ActiveState", "Result")
         check(s["ActiveState"] == "inactive" and s["Result"] == "success", f"{u} after stopping the instance: {s}")
@@ -389,8 +392,9 @@ try:
     check(not shm, f"/dev/shm after stopping the instance: {shm}")
     systemctl("start", "duet.target")
     wait_for("serving again", lambda: all_active() and ready(), 120)
-    print("systemctl stop duet-instance: every role stopped with it (exit 0), /dev/shm empty; duet.target "
-          "starts them again: ok")
+    print(f"systemctl stop duet-instance under {N} streams: each ended whole (the front drained first), every "
+          f"role stopped with it (exit 0, not restarted), /dev/shm empty ({time.monotonic() - t0:.1f} s); "
+          "duet.target starts them again: ok")
 
     # The golden gate under systemd: exit 3 is not restarted, and says why.
     unit = "duet-prefill@0.service"
