@@ -131,7 +131,7 @@ TEST(Launcher, CpuPlanStartsWorkersThenTheFrontWithTheirSettings) {
     EXPECT_FALSE(pf.cpus.empty());
     const WorkerSettings& dc = worker(*p, "decode");
     EXPECT_EQ(dc.prefill_budget, WorkerSettings{}.prefill_budget) << "prefill's settings are not decode's";
-    EXPECT_TRUE(dc.prefix_cache);
+    EXPECT_FALSE(dc.prefix_cache) << "--no-prefix-cache: decode publishes no finished answers either";
     EXPECT_TRUE(dc.risk_claims);
     EXPECT_TRUE(dc.pass_interrupt);
     // Prefill and decode on cores of their own.

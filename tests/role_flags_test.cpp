@@ -61,6 +61,9 @@ TEST(RoleFlags, WorkerSettingsSurviveTheArgv) {
     d.draft_pool_tokens = 4096;
     RoleLaunch rd{"decode", "decode 3", d, {}, 1};
     EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);
+    d.prefix_cache = false;  // decode's too: it publishes no finished answers
+    rd.settings = d;
+    EXPECT_EQ(parse<WorkerSettings>(role_argv("/bin/duet", rd), false), d);
 
     WorkerSettings plain;  // defaults, no CPUs, no ISA
     plain.instance = "x";

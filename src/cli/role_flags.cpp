@@ -266,6 +266,8 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
         c.add_option(kDraftPool, s.draft_pool_tokens, kDraftPoolHelp)
             ->capture_default_str()
             ->check(CLI::Range(int64_t{0}, int64_t{1} << 26));
+        c.add_flag(negated(kNoPrefixCache), s.prefix_cache,
+                   "do not publish the KV blocks of finished answers in the prefix cache");
         return;
     }
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per forward pass (several requests packed)")
@@ -329,6 +331,7 @@ std::vector<std::string> role_argv(const std::string& exe, const RoleLaunch& r) 
         put(kMaxBatch, std::to_string(w.max_batch));
         if (w.max_draft != kDraftTokensUnset) put(kDraftTokens, std::to_string(w.max_draft));
         put(kDraftPool, std::to_string(w.draft_pool_tokens));
+        if (!w.prefix_cache) a.push_back(kNoPrefixCache);
     }
     if (r.role == "prefill") {
         put(kPrefillBudget, std::to_string(w.prefill_budget));

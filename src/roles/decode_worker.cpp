@@ -87,8 +87,10 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     // that sends the conversation back (the next chat turn) finds the answer's KV as
     // it finds the prompt's, instead of computing it again. KV is a function of the
     // tokens alone (the invariance contract), so decode's is what prefill would make.
-    // (Not a return_kv request's: its blocks went to its client.)
-    if (to == shm::ReqState::Finished && !a.params.return_kv && opts_.prefix_cache) publish_blocks(a);
+    // (Not a return_kv request's: its blocks went to its client. Not in an arena of
+    // decode's own, kv_split: prefill looks its prompts up in its arena alone.)
+    if (to == shm::ReqState::Finished && !a.params.return_kv && opts_.prefix_cache && !inst_->config().kv_split)
+        publish_blocks(a);
     t.transition(a.req, shm::ReqState::Decoding, to);
     a.seq.release(*pool_);
     forget_grammar(a.req);

@@ -138,7 +138,7 @@ struct WorkerSettings {
     int64_t prefill_budget = 512;  // prefill: tokens per forward pass
     int prefill_pass_ms = 250;     // prefill: a pass not led by a critical request is cut to this long (0: not cut)
     int prefill_cut_window_s = 60;  // prefill: ... only within this long of the last critical request (0: always)
-    bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks
+    bool prefix_cache = true;      // prefill: reuse and publish cached prompt blocks; decode: publish finished answers'
     bool risk_claims = true;       // prefill: WorkerOptions::risk_claims
     bool pass_interrupt = true;    // prefill: WorkerOptions::pass_interrupt
     std::string swap_dir;          // preempted requests' swapped KV (WorkerOptions::swap_dir; "": none)

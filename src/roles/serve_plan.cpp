@@ -178,6 +178,7 @@ std::vector<RoleLaunch> role_launches(const ServeSettings& s, const ServePlan& p
             ws.max_batch = s.max_batch;
             ws.max_draft = s.max_draft;
             ws.draft_pool_tokens = s.draft_pool_tokens;
+            ws.prefix_cache = s.prefix_cache;  // publishes finished answers' blocks
         }
         if (s.lend_cores && plan.gpus.empty()) ws.borrow_cpus = format_cpu_list(lent_cpus(placed, p));
         if (p.role == "prefill") {
