@@ -224,8 +224,11 @@ std::optional<ApiError> CompletionRun::parse() {
         const ToolFormat tf = tool_format_of(f.tmpl.format());
         std::optional<std::string> content;
         if (c.r.grammar)
-            content = c.r.grammar->kind == GrammarKind::JsonObject ? std::string(R"({"type": "object"})")
-                                                                   : c.r.grammar->source;
+            // (json_object: any object. A structural tag's schemas are strict, where an
+            // object without additionalProperties takes none: engine/grammar.cpp kAnyObject.)
+            content = c.r.grammar->kind == GrammarKind::JsonObject
+                          ? std::string(R"({"type": "object", "additionalProperties": true})")
+                          : c.r.grammar->source;
         c.r.grammar = GrammarSpec{
             GrammarKind::StructuralTag,
             tool_grammar(tf, c.r.tools, c.r.tool_choice, c.r.parallel_tool_calls, content ? &*content : nullptr)};

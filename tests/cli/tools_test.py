@@ -170,6 +170,13 @@ try:
         valid_calls(free.message.tool_calls, "auto + json_object")
     else:
         check(isinstance(json.loads(free.message.content), dict), f"auto + json_object: {free}")
+    # json_object's content is any object, not only {}: calls banned, a prompt that
+    # asks for fields.
+    obj = c.chat.completions.create(**dict(base, tool_choice="auto", temperature=0, logit_bias={"44": -100},
+                                           response_format={"type": "json_object"}, messages=[
+        {"role": "user", "content": "Describe Paris as a JSON object with the keys name, country and population."}]))
+    got = json.loads(obj.choices[0].message.content)
+    check(isinstance(got, dict) and got, f"auto + json_object, calls banned: {obj.choices[0]}")
     print(f"auto + response_format: content valid against its schema ({content.message.content}), or a call "
           f"alone ({call.message.tool_calls[0].function.name}); json_object: "
           f"{'a call' if free.message.tool_calls else 'an object'}: ok")
