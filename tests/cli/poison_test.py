@@ -68,10 +68,27 @@ try:
     # A prompt of ~200 tokens: seconds of scalar prefill, each time it is taken.
     poison_body = {"prompt": " ".join(f"entry {i} of the ledger," for i in range(25)), "max_tokens": 4,
                    "temperature": 0}
-    got = {}
-    bystander = threading.Thread(target=lambda: got.update(by=post(bystander_body)))
+    got, in_decode = {}, threading.Event()
+
+    def stream_bystander():
+        # Streamed: its first token comes from prefill, so once it is here prefill
+        # holds nothing of it, and only the poison request is there to be killed on.
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps(dict(bystander_body, stream=True)).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        text = ""
+        with urllib.request.urlopen(req, timeout=600 * SCALE) as r:
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text += json.loads(line[6:])["choices"][0].get("text") or ""
+                in_decode.set()
+        got["by"] = (r.status, {"choices": [{"text": text}]})
+    bystander = threading.Thread(target=stream_bystander)
     bystander.start()
-    time.sleep(0.5)  # in decode before the poison request comes
+    check(in_decode.wait(120 * SCALE), "the bystander's first token")
+    time.sleep(0.3)  # its hand-off settled
     poison = threading.Thread(target=lambda: got.update(poison=post(poison_body)))
     poison.start()
     killed = []
