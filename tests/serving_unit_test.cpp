@@ -249,9 +249,13 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
               "\"tools\": [" + tool + R"(], "tool_choice": "sometimes")"})
             EXPECT_EQ(err("{" + msgs + ", " + bad + "}", true).param, "tool_choice") << bad;
         EXPECT_EQ(err("{" + msgs + R"(, "parallel_tool_calls": true})", true).param, "parallel_tool_calls");
-        EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "response_format": {"type": "json_object"}})", true)
-                      .param,
-                  "response_format");
+        // A JSON schema for the content is the calls' alternative (roles/tool_calls.h);
+        // a GBNF grammar is not.
+        EXPECT_TRUE(
+            parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "response_format": {"type": "json_object"}})", true)
+                .grammar);
+        EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "grammar": "root ::= \"x\""})", true).param,
+                  "grammar");
         EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "ignore_eos": true})", true).param, "ignore_eos");
         // Not for completions.
         EXPECT_EQ(err(R"({"prompt": "x", "tools": [)" + tool + "]}", false).param, "tools");
