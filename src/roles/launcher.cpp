@@ -37,6 +37,16 @@ namespace {
 
 constexpr uint64_t kSecond = 1'000'000'000ull;
 
+// Requests QUEUED, PREFILLING or DECODING: not the ended ones a front keeps for a resume.
+uint32_t in_flight(const shm::RequestTable& t) {
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        const shm::ReqState st = t.state(s);
+        n += st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding;
+    }
+    return n;
+}
+
 // The launcher's lines: notices, unless a role died (warning) or cannot be served (error).
 void say(const std::string& m, log::Level level = log::Level::Notice) { log::line(level, m); }
 
@@ -514,12 +524,7 @@ void Launcher::turn(const std::string& model_id) {
     }
     if (state_ == LaunchState::Serving && now >= next_status_ && SdNotify::get().enabled()) {  // systemctl status
         const shm::RequestTable& t = inst_.requests();
-        uint32_t busy = 0;
-        for (uint32_t s = 0; s < t.n_slots(); ++s) {  // not the ended ones a front keeps for a resume
-            const shm::ReqState st = t.state(s);
-            busy += st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding;
-        }
-        SdNotify::get().status(fmt::format("serving: {} requests in flight, {} role restarts", busy,
+        SdNotify::get().status(fmt::format("serving: {} requests in flight, {} role restarts", in_flight(t),
                                            t.worker_restarts().load(std::memory_order_relaxed)));
         next_status_ = now + 2'000'000'000ull;
     }
@@ -576,12 +581,7 @@ int Launcher::run(const std::string& model_id, const std::vector<pid_t>& taken_f
             abandoned_ = true;
             return 1;
         }
-        const shm::RequestTable& t = inst_.requests();
-        uint32_t busy = 0;
-        for (uint32_t s = 0; s < t.n_slots(); ++s) {
-            const shm::ReqState st = t.state(s);
-            busy += st == shm::ReqState::Queued || st == shm::ReqState::Prefilling || st == shm::ReqState::Decoding;
-        }
+        const uint32_t busy = in_flight(inst_.requests());
         SdNotify::get().ready(
             fmt::format("instance {} taken over; {} requests in flight", plan_.layout.instance, busy));
         say(fmt::format("instance {} taken over{}, whose roles ran on: {} requests in flight go on",
