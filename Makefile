@@ -85,7 +85,7 @@ sanitize: deps model
 	  -E 'model_test_(scalar|avx2)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp|$(SAN_E2E_SKIP)|$(SAN_STAGED_SKIP)'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
-	  kv_log_fault_test kv_log_crash_test
+	  kv_log_fault_test kv_log_crash_test grammar_test
 	TSAN_OPTIONS=halt_on_error=1 DUET_TIME_SCALE=10 scripts/sanitizer-run build-tsan/sanitizer-logs -- bash -ec '\
 	  build-tsan/tests/thread_pool_test --gtest_brief=1; \
 	  build-tsan/tests/shm_test --gtest_brief=1; \
@@ -96,7 +96,8 @@ sanitize: deps model
 	  build-tsan/tests/kv_log_fault_test --gtest_brief=1; \
 	  build-tsan/tests/kv_log_crash_test --gtest_brief=1; \
 	  build-tsan/tests/model_test --gtest_brief=1 --gtest_filter="*ThreadCount*:*BadToken*:*Interrupted*"; \
-	  build-tsan/tests/tokenizer_test --gtest_brief=1'
+	  build-tsan/tests/tokenizer_test --gtest_brief=1; \
+	  build-tsan/tests/grammar_test --gtest_brief=1 --gtest_filter="*CompiledAhead*"'
 
 # The GGUF reader, the KV blob reader and KV log recovery under libFuzzer +
 # ASan/UBSan (clang), briefly. Longer runs:

@@ -179,8 +179,58 @@ TEST(Grammar, AMatcherFollowsAnyOutputExactly) {
     EXPECT_TRUE(std::all_of(after->begin(), after->end(), [](uint32_t w) { return w == 0; }));
     // A grammar that does not compile is an error, not an empty mask.
     EXPECT_FALSE(g.allowed(4, {GrammarKind::Ebnf, "root ::= "}, {}).ok());
-    EXPECT_EQ(g.stats().compiles, 1u) << "one schema, compiled once for all its requests";
+    EXPECT_EQ(g.stats().compiles, 2u) << "one schema, compiled once for all its requests, and the broken grammar";
     (void)done;
+}
+
+// Compiling ahead (decode, for requests still in prefill): the first allowed() of a
+// grammar compiled ahead compiles nothing on its own thread, and its masks are those
+// of a grammar compiled there; one still queued is compiled by allowed() itself, and
+// a grammar that fails ahead fails in allowed() as it would have.
+TEST(Grammar, AGrammarCompiledAheadIsTheOneAllowedCompiles) {
+    const GrammarSpec spec{GrammarKind::JsonSchema, kPerson};
+    GrammarSet ahead(tok(), tok().n_vocab());
+    ahead.prefetch(spec);
+    ahead.prefetch(spec);  // queued once
+    ahead.wait_prefetched();
+    GrammarSet::Stats s = ahead.stats();
+    EXPECT_EQ(s.ahead, 1u);
+    EXPECT_GT(s.ahead_ns, 0u);
+    GrammarSet here(tok(), tok().n_vocab());
+    const std::vector<int32_t> out = walk(here, 1, spec, {}, 10, 7);
+    for (size_t n = 0; n <= out.size(); ++n) {
+        const std::span<const int32_t> o(out.data(), n);
+        auto m = ahead.allowed(1, spec, o);
+        auto f = here.allowed(2, spec, o);
+        ASSERT_TRUE(m.ok() && f.ok());
+        EXPECT_TRUE(std::equal(m->begin(), m->end(), f->begin(), f->end())) << "after " << n << " tokens";
+        here.forget(2);
+    }
+    s = ahead.stats();
+    EXPECT_EQ(s.compiles, 0u) << "compiled ahead, not on the caller's thread";
+    EXPECT_EQ(s.ahead_used, 1u);
+    ahead.prefetch(spec);  // compiled already: nothing queued
+    ahead.wait_prefetched();
+    EXPECT_EQ(ahead.stats().ahead, 1u);
+    // A grammar that does not compile: the error comes from allowed(), as without a
+    // compile ahead.
+    const GrammarSpec broken{GrammarKind::Ebnf, "root ::= "};
+    ahead.prefetch(broken);
+    ahead.wait_prefetched();
+    EXPECT_FALSE(ahead.allowed(3, broken, {}).ok());
+    EXPECT_EQ(ahead.stats().compiles, 1u);
+    // Queued behind a long compile, then needed: allowed() compiles it itself (or
+    // takes it compiled ahead, if the thread got to it first); either way, once.
+    const GrammarSpec other{GrammarKind::JsonObject, ""};
+    const GrammarSpec third{GrammarKind::Ebnf, R"(root ::= "yes" | "no")"};
+    ahead.prefetch(other);
+    ahead.prefetch(third);
+    ASSERT_TRUE(ahead.allowed(4, third, {}).ok());
+    ahead.wait_prefetched();
+    s = ahead.stats();
+    EXPECT_EQ(s.compiles + s.ahead_used, 1u + 1u + 1u) << "kPerson ahead, broken here, third once";
+    ASSERT_TRUE(ahead.allowed(5, other, {}).ok());
+    EXPECT_EQ(ahead.stats().compiles + ahead.stats().ahead_used, 4u);
 }
 
 TEST(Grammar, AMaskBansExactlyTheTokensItDoesNotAllow) {

@@ -27,12 +27,14 @@ MetricsSnapshot two_arenas_three_workers() {
     MetricsSnapshot::Worker p0;
     p0.queued = 2, p0.up = true, p0.items = 1, p0.tokens = 40, p0.served = 9, p0.routed = 11;
     p0.claims_declined = 3, p0.claims_unanswered = 1;
+    p0.grammar_compiles = 2, p0.grammar_compile_ns = 12'000'000;
     MetricsSnapshot::Worker p1;  // being restarted: its gauges are not reported
     p1.queued = 0, p1.up = false, p1.items = 99, p1.tokens = 99, p1.served = 99, p1.routed = 4;
     p1.claims_declined = 99;
     MetricsSnapshot::Worker d0;
     d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
     d0.yields = 2, d0.yielded_ns = 250'000'000, d0.pass_fixed_milli = 4250;
+    d0.grammar_compile_ns = 500'000, d0.grammar_ahead = 2, d0.grammar_ahead_ns = 25'000'000;
     s.prefill = {p0, p1};
     s.decode = {d0};
     return s;
@@ -137,6 +139,21 @@ const char* const kTwoArenasThreeWorkers =
     "# TYPE duet_worker_borrowed_seconds_total counter\n"
     "duet_worker_borrowed_seconds_total{role=\"prefill\",worker=\"0\"} 0\n"
     "duet_worker_borrowed_seconds_total{role=\"decode\",worker=\"0\"} 1.5\n"
+    "# HELP duet_worker_grammar_compiles_total Grammars (response_format, tools) a worker compiled, by where: step "
+    "(in its serving thread: every request it held waited) or ahead (decode: in the background, for a request "
+    "still in prefill).\n"
+    "# TYPE duet_worker_grammar_compiles_total counter\n"
+    "duet_worker_grammar_compiles_total{role=\"prefill\",worker=\"0\",where=\"step\"} 2\n"
+    "duet_worker_grammar_compiles_total{role=\"prefill\",worker=\"0\",where=\"ahead\"} 0\n"
+    "duet_worker_grammar_compiles_total{role=\"decode\",worker=\"0\",where=\"step\"} 0\n"
+    "duet_worker_grammar_compiles_total{role=\"decode\",worker=\"0\",where=\"ahead\"} 2\n"
+    "# HELP duet_worker_grammar_compile_seconds_total Time a worker spent compiling grammars, by where (step: its "
+    "serving thread's time, waits for a compile ahead included; ahead: the background thread's).\n"
+    "# TYPE duet_worker_grammar_compile_seconds_total counter\n"
+    "duet_worker_grammar_compile_seconds_total{role=\"prefill\",worker=\"0\",where=\"step\"} 0.012\n"
+    "duet_worker_grammar_compile_seconds_total{role=\"prefill\",worker=\"0\",where=\"ahead\"} 0\n"
+    "duet_worker_grammar_compile_seconds_total{role=\"decode\",worker=\"0\",where=\"step\"} 0.0005\n"
+    "duet_worker_grammar_compile_seconds_total{role=\"decode\",worker=\"0\",where=\"ahead\"} 0.025\n"
     "# HELP duet_worker_yielded_cores_total Times a decode worker stepped aside so that a prefill pass computed "
     "on its cores too: one led by a critical request, or one for prompts at risk of their TTFT target "
     "(--lend-cores).\n"
@@ -209,6 +226,14 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# HELP duet_worker_borrowed_seconds_total Time a worker computed with the other role's "
                         "cores (--lend-cores).\n"
                         "# TYPE duet_worker_borrowed_seconds_total counter\n"
+                        "# HELP duet_worker_grammar_compiles_total Grammars (response_format, tools) a worker "
+                        "compiled, by where: step (in its serving thread: every request it held waited) or ahead "
+                        "(decode: in the background, for a request still in prefill).\n"
+                        "# TYPE duet_worker_grammar_compiles_total counter\n"
+                        "# HELP duet_worker_grammar_compile_seconds_total Time a worker spent compiling grammars, "
+                        "by where (step: its serving thread's time, waits for a compile ahead included; ahead: the "
+                        "background thread's).\n"
+                        "# TYPE duet_worker_grammar_compile_seconds_total counter\n"
                         "# HELP duet_worker_yielded_cores_total Times a decode worker stepped aside so that a "
                         "prefill pass computed on its cores too: one led by a critical request, or one for "
                         "prompts at risk of their TTFT target (--lend-cores).\n"
@@ -259,8 +284,8 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 36u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
-                                  // arenas, 12 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 38u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
+                                  // arenas, 14 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

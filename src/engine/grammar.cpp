@@ -1,9 +1,16 @@
 #include "engine/grammar.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 
 #include <xgrammar/xgrammar.h>
@@ -186,32 +193,104 @@ struct GrammarSet::Impl {
         uint64_t used = 0;
     };
 
+    static std::string key_of(const GrammarSpec& g) {
+        return std::to_string(static_cast<int>(g.kind)) + ":" + g.source;
+    }
+
+    // Compiles g (throws what xgrammar throws). One compile at a time in the process,
+    // the caller's or the background thread's: the two never contend for xgrammar's
+    // caches, and the process never computes on more cores than its own.
+    std::shared_ptr<xgrammar::CompiledGrammar> compile(const GrammarSpec& g) {
+        std::lock_guard<std::mutex> one(compile_mu);
+        switch (g.kind) {
+            case GrammarKind::JsonSchema:
+                return std::make_shared<xgrammar::CompiledGrammar>(
+                    compiler.CompileJSONSchema(g.source, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
+            case GrammarKind::JsonObject:
+                return std::make_shared<xgrammar::CompiledGrammar>(
+                    compiler.CompileJSONSchema(kAnyObject, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
+            case GrammarKind::Ebnf:
+                return std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(g.source, "root"));
+            case GrammarKind::StructuralTag:
+                return std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(grammar_of(g)));
+        }
+        throw std::runtime_error("unknown grammar kind");
+    }
+
+    // The caller's thread: g compiled, from the cache, from a compile ahead (waited
+    // for if it runs now), or compiled here.
     std::shared_ptr<xgrammar::CompiledGrammar> compiled(const GrammarSpec& g) {
-        const std::string key = std::to_string(static_cast<int>(g.kind)) + ":" + g.source;
+        const std::string key = key_of(g);
         if (auto it = cache.find(key); it != cache.end()) return it->second;
         const uint64_t t0 = shm::monotonic_ns();
         std::shared_ptr<xgrammar::CompiledGrammar> c;
-        switch (g.kind) {
-            case GrammarKind::JsonSchema:
-                c = std::make_shared<xgrammar::CompiledGrammar>(
-                    compiler.CompileJSONSchema(g.source, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
-                break;
-            case GrammarKind::JsonObject:
-                c = std::make_shared<xgrammar::CompiledGrammar>(
-                    compiler.CompileJSONSchema(kAnyObject, true, std::nullopt, std::nullopt, true, kMaxWhitespace));
-                break;
-            case GrammarKind::Ebnf:
-                c = std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(g.source, "root"));
-                break;
-            case GrammarKind::StructuralTag:
-                c = std::make_shared<xgrammar::CompiledGrammar>(compiler.CompileGrammar(grammar_of(g)));
-                break;
+        {
+            std::unique_lock<std::mutex> l(mu);
+            if (auto q = std::find_if(queue.begin(), queue.end(), [&](const auto& e) { return e.first == key; });
+                q != queue.end())
+                queue.erase(q);  // not started: compiled here, now
+            if (inflight == key) {
+                stats.ahead_waited += 1;
+                done_cv.wait(l, [&] { return inflight != key; });
+            }
+            if (auto r = ready.find(key); r != ready.end()) {
+                c = std::move(r->second);
+                ready.erase(r);
+                stats.ahead_used += 1;
+            }
         }
-        stats.compiles += 1;
-        stats.compile_ns += shm::monotonic_ns() - t0;
+        const auto spent = [&] {
+            std::lock_guard<std::mutex> l(mu);
+            stats.compile_ns += shm::monotonic_ns() - t0;
+        };
+        if (!c) {
+            {
+                std::lock_guard<std::mutex> l(mu);
+                stats.compiles += 1;  // tried, failed or not
+            }
+            try {
+                c = compile(g);
+            } catch (...) {
+                spent();
+                throw;
+            }
+        }
+        spent();
         if (cache.size() >= kMaxCached) cache.clear();  // a bound, not a policy: recompiling is correct
         cache.emplace(key, c);
         return c;
+    }
+
+    // The background thread: compiles what prefetch() queued, one at a time, into
+    // `ready`, at nice +10 (the worker's steps go first when both want the core).
+    void compile_ahead() {
+        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);  // this thread only
+        std::unique_lock<std::mutex> l(mu);
+        for (;;) {
+            work_cv.wait(l, [&] { return stop || !queue.empty(); });
+            if (stop) return;
+            auto [key, g] = std::move(queue.front());
+            queue.pop_front();
+            inflight = key;
+            l.unlock();
+            const uint64_t t0 = shm::monotonic_ns();
+            std::shared_ptr<xgrammar::CompiledGrammar> c;
+            try {
+                c = compile(g);
+            } catch (const std::exception&) {
+                // allowed() compiles it again and reports the error where it can.
+            }
+            const uint64_t ns = shm::monotonic_ns() - t0;
+            l.lock();
+            if (c) {
+                if (ready.size() >= kMaxCached) ready.clear();  // a bound: prefetching is never needed
+                ready.emplace(key, std::move(c));
+                stats.ahead += 1;
+                stats.ahead_ns += ns;
+            }
+            inflight.clear();
+            done_cv.notify_all();
+        }
     }
 
     static constexpr size_t kMaxCached = 64;
@@ -220,10 +299,21 @@ struct GrammarSet::Impl {
     int32_t n_vocab;
     xgrammar::TokenizerInfo info;
     xgrammar::GrammarCompiler compiler;
-    std::unordered_map<std::string, std::shared_ptr<xgrammar::CompiledGrammar>> cache;
+    std::unordered_map<std::string, std::shared_ptr<xgrammar::CompiledGrammar>> cache;  // the caller's thread
     std::unordered_map<uint64_t, std::unique_ptr<Matcher>> matchers;
     std::vector<int32_t> bits;  // the last mask (xgrammar's int32 words)
     uint64_t tick = 0;
+    std::mutex compile_mu;  // one compile at a time (compile())
+    // Compiling ahead. mu guards what follows and stats (the background thread counts
+    // its compiles there).
+    mutable std::mutex mu;
+    std::condition_variable work_cv;  // queued work, or stop
+    std::condition_variable done_cv;  // a compile ahead ended
+    std::deque<std::pair<std::string, GrammarSpec>> queue;
+    std::string inflight;  // the key being compiled ahead ("": none)
+    std::unordered_map<std::string, std::shared_ptr<xgrammar::CompiledGrammar>> ready;
+    bool stop = false;
+    std::thread thread;  // started by the first prefetch()
     Stats stats;
 };
 
@@ -231,12 +321,46 @@ GrammarSet::GrammarSet(const Tokenizer& tok, int32_t n_vocab) : impl_(std::make_
     impl_->bits.assign(static_cast<size_t>(xgrammar::GetBitmaskSize(n_vocab)), 0);
 }
 
-GrammarSet::~GrammarSet() = default;
+GrammarSet::~GrammarSet() {
+    Impl& s = *impl_;
+    {
+        std::lock_guard<std::mutex> l(s.mu);
+        s.stop = true;
+    }
+    s.work_cv.notify_all();
+    if (s.thread.joinable()) s.thread.join();  // after the compile it may be in
+}
 
 int32_t GrammarSet::n_vocab() const { return impl_->n_vocab; }
 size_t GrammarSet::n_matchers() const { return impl_->matchers.size(); }
-const GrammarSet::Stats& GrammarSet::stats() const { return impl_->stats; }
+GrammarSet::Stats GrammarSet::stats() const {
+    std::lock_guard<std::mutex> l(impl_->mu);
+    return impl_->stats;
+}
 void GrammarSet::forget(uint64_t key) { impl_->matchers.erase(key); }
+
+void GrammarSet::prefetch(const GrammarSpec& g) {
+    Impl& s = *impl_;
+    std::string key = Impl::key_of(g);
+    if (s.cache.contains(key)) return;
+    {
+        std::lock_guard<std::mutex> l(s.mu);
+        if (s.inflight == key || s.ready.contains(key) ||
+            std::any_of(s.queue.begin(), s.queue.end(), [&](const auto& e) { return e.first == key; }))
+            return;
+        // A bound on work queued ahead: the oldest goes (it is compiled when needed).
+        if (s.queue.size() >= Impl::kMaxCached) s.queue.pop_front();
+        s.queue.emplace_back(std::move(key), g);
+        if (!s.thread.joinable()) s.thread = std::thread([&s] { s.compile_ahead(); });
+    }
+    s.work_cv.notify_one();
+}
+
+void GrammarSet::wait_prefetched() {
+    Impl& s = *impl_;
+    std::unique_lock<std::mutex> l(s.mu);
+    while (!s.queue.empty() || !s.inflight.empty()) s.done_cv.wait_for(l, std::chrono::milliseconds(5));
+}
 
 Result<std::span<const uint32_t>> GrammarSet::allowed(uint64_t key, const GrammarSpec& g,
                                                       std::span<const int32_t> output) {

@@ -75,15 +75,30 @@ public:
     // Forgets request key's matcher (it ended, or left this process). Forgetting is
     // never needed for correctness: a matcher is rebuilt from the output.
     void forget(uint64_t key);
+    // Compiles grammar g ahead, on a background thread at a lower priority than the
+    // caller's, so that the allowed() that first needs it finds it compiled instead of
+    // compiling inside a step: for a request on its way here (decode: while prefill
+    // computes it). allowed() for a grammar still being compiled ahead waits for that
+    // compile; one queued and not yet started it compiles itself. A grammar compiled
+    // or queued already is not queued again. Never needed for correctness: a grammar
+    // that fails to compile ahead is compiled (and fails) in allowed().
+    void prefetch(const GrammarSpec& g);
+    // Returns once nothing is queued or being compiled ahead (tests).
+    void wait_prefetched();
     int32_t n_vocab() const;
     size_t n_matchers() const;
     // Compile and mask times, for /metrics and the benchmark.
     struct Stats {
+        // Compiles in allowed(), on the caller's thread (its step waited for them),
+        // and the time it spent in them or waiting for a compile ahead to end.
         uint64_t compiles = 0, compile_ns = 0;
+        // Compiles ahead (prefetch), on the background thread, and their time; used:
+        // how many allowed() found compiled ahead, waited: found still compiling.
+        uint64_t ahead = 0, ahead_ns = 0, ahead_used = 0, ahead_waited = 0;
         uint64_t masks = 0, mask_ns = 0;
         uint64_t fed = 0, rolled_back = 0;  // tokens accepted / undone to sync with outputs
     };
-    const Stats& stats() const;
+    Stats stats() const;
 
 private:
     struct Impl;

@@ -454,8 +454,29 @@ void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& ba
     }
 }
 
+void DecodeWorker::prefetch_grammars() {
+    const uint64_t now = shm::monotonic_ns();
+    if (now < next_prefetch_ns_) return;
+    next_prefetch_ns_ = now + 1'000'000;
+    const shm::RequestTable& t = inst_->requests();
+    if (prefetched_.size() != t.n_slots()) prefetched_.assign(t.n_slots(), UINT32_MAX);
+    for (uint32_t s = 0; s < t.n_slots(); ++s) {
+        const shm::ReqRef r = t.current(s);
+        if (prefetched_[s] == r.gen || !(t.is(r, shm::ReqState::Queued) || t.is(r, shm::ReqState::Prefilling)))
+            continue;
+        prefetched_[s] = r.gen;
+        const RequestParams p = request_params(t, s);
+        if (p.data_bytes == 0) continue;
+        // Read while the request is still this one (its data does not change until its
+        // slot is reused); one that ended meanwhile is passed over.
+        Result<RequestData> d = read_request_data(t, r, p);
+        if (d && d->grammar && t.current(s).gen == r.gen) grammars().prefetch(*d->grammar);
+    }
+}
+
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
+    prefetch_grammars();
     bool dropped = take_handoffs();
     publish_load();  // before the step: what it holds now, for routing while it runs
     dropped = end_cancelled(active_) || dropped;

@@ -54,6 +54,14 @@ private:
     // when parked requests found cancelled were ended.
     bool take_handoffs();
     bool end_cancelled(std::vector<Active>& from);  // from's cancelled requests ended; true if any
+    // The grammars of requests on their way (queued or in prefill), compiled ahead on
+    // GrammarSet's background thread, so that taking such a request does not stall
+    // the step of every other stream while its grammar compiles (each worker process
+    // compiles its own). At most once a millisecond; prefetched_: the generation of
+    // each request slot looked at (a request is looked at once).
+    void prefetch_grammars();
+    std::vector<uint32_t> prefetched_;
+    uint64_t next_prefetch_ns_ = 0;
     static std::vector<DecodeSeqView> views_of(const std::vector<Active>& v);  // for the decode policy
     // The step's plan (engine/decode_scheduler.h) over active_ and parked_, each
     // Active's row filled with its input (drafts included); available: the blocks a

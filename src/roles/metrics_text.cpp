@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -113,7 +114,14 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                 fixed = family("duet_worker_pass_fixed_positions", "gauge",
                                "A decode worker's passes' fixed cost (weights read, barriers) in positions, fitted "
                                "over its recent passes: how it weighs drafts (a draft runs while its chance of "
-                               "being kept beats the pass's tokens per position).");
+                               "being kept beats the pass's tokens per position)."),
+                compiles = family("duet_worker_grammar_compiles_total", "counter",
+                                  "Grammars (response_format, tools) a worker compiled, by where: step (in its "
+                                  "serving thread: every request it held waited) or ahead (decode: in the background, "
+                                  "for a request still in prefill)."),
+                compile_s = family("duet_worker_grammar_compile_seconds_total", "counter",
+                                   "Time a worker spent compiling grammars, by where (step: its serving thread's "
+                                   "time, waits for a compile ahead included; ahead: the background thread's).");
     auto add = [&](const char* role, size_t i, const MetricsSnapshot::Worker& w) {
         if (w.spare) return;
         const std::string labels = fmt::format("{{role=\"{}\",worker=\"{}\"}}", role, i);
@@ -126,6 +134,14 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         borrows += fmt::format("duet_worker_borrowed_cores_total{} {}\n", labels, w.borrows);
         borrowed += fmt::format("duet_worker_borrowed_seconds_total{} {}\n", labels,
                                 static_cast<double>(w.borrowed_ns) / 1e9);
+        for (const auto& [where, n, ns] : {std::tuple{"step", w.grammar_compiles, w.grammar_compile_ns},
+                                           std::tuple{"ahead", w.grammar_ahead, w.grammar_ahead_ns}}) {
+            compiles += fmt::format("duet_worker_grammar_compiles_total{{role=\"{}\",worker=\"{}\",where=\"{}\"}} {}\n",
+                                    role, i, where, n);
+            compile_s +=
+                fmt::format("duet_worker_grammar_compile_seconds_total{{role=\"{}\",worker=\"{}\",where=\"{}\"}} {}\n",
+                            role, i, where, static_cast<double>(ns) / 1e9);
+        }
         if (std::string_view(role) != "decode") {
             for (const auto& [why, n] : {std::pair{"declined", w.claims_declined}, {"unanswered", w.claims_unanswered}})
                 missed += fmt::format("duet_worker_claims_missed_total{{role=\"{}\",worker=\"{}\",why=\"{}\"}} {}\n",
@@ -144,7 +160,8 @@ std::string metrics_workers(const MetricsSnapshot& s) {
             routed += fmt::format("duet_worker_routed_total{{role=\"prefill\",worker=\"{}\"}} {}\n", p, s.prefill[p].routed);
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
-    return queue + up + items + tokens + served + borrows + borrowed + yields + yielded + missed + routed + fixed +
+    return queue + up + items + tokens + served + borrows + borrowed + compiles + compile_s + yields + yielded +
+           missed + routed + fixed +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);

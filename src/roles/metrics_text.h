@@ -46,6 +46,8 @@ struct MetricsSnapshot {
         uint64_t pass_fixed_milli = 0;          // decode: its passes' fixed cost in positions, x1000 (0: none yet)
         uint64_t claims_declined = 0, claims_unanswered = 0;  // prefill: claims that got no cores (claims.h)
         uint64_t routed = 0;  // prefill: requests this front sent it
+        // Grammars compiled in its serving thread and ahead (WorkerStats), and their time.
+        uint64_t grammar_compiles = 0, grammar_compile_ns = 0, grammar_ahead = 0, grammar_ahead_ns = 0;
     };
     std::vector<Worker> prefill, decode;
     // The latency histograms, not copied (their counts are atomics); a null one is

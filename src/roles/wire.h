@@ -30,8 +30,8 @@ namespace duet {
 // share an instance. 1: RequestParams with data_bytes, WorkerStats. 2: grammars
 // of kind StructuralTag (tool calls) in the request data. 3: stop strings in the
 // request data (the workers end requests on them). 4: RequestParams::no_draft_pool.
-// 5: WorkerStats::pass_fixed_milli.
-inline constexpr uint32_t kServingProtocol = 5;
+// 5: WorkerStats::pass_fixed_milli. 6: WorkerStats' grammar compile counters.
+inline constexpr uint32_t kServingProtocol = 6;
 
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.

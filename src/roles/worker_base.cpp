@@ -294,6 +294,13 @@ void WorkerBase::publish_load(uint32_t items, uint64_t tokens) {
     WorkerStats& s = worker_stats(inst_->registry(), self_.slot);
     s.load_items.store(items, std::memory_order_relaxed);
     s.load_tokens.store(tokens, std::memory_order_relaxed);
+    if (grammars_) {
+        const GrammarSet::Stats g = grammars_->stats();
+        s.grammar_compiles.store(g.compiles, std::memory_order_relaxed);
+        s.grammar_compile_ns.store(g.compile_ns, std::memory_order_relaxed);
+        s.grammar_ahead.store(g.ahead, std::memory_order_relaxed);
+        s.grammar_ahead_ns.store(g.ahead_ns, std::memory_order_relaxed);
+    }
 }
 
 bool WorkerBase::borrow_cores(shm::Role lender) {

@@ -41,6 +41,13 @@ struct WorkerStats {
     // (C6), or withdrawn unanswered (C3).
     std::atomic<uint64_t> claims_declined;
     std::atomic<uint64_t> claims_unanswered;
+    // Grammars it compiled (engine/grammar.h GrammarSet::Stats), and their time: in
+    // its serving thread (a step or pass waited for them, or for one compiled ahead
+    // to end) and ahead (decode: for requests still in prefill, in the background).
+    std::atomic<uint64_t> grammar_compiles;
+    std::atomic<uint64_t> grammar_compile_ns;
+    std::atomic<uint64_t> grammar_ahead;
+    std::atomic<uint64_t> grammar_ahead_ns;
     // The claim on a busy partner's cores (the rules are in src/roles/claims.h), on a
     // line of its own. Prefill: claim, the stamp of the claim it holds (0: none), and
     // claim_pass_ns, how long the claiming pass should take (0: led by a critical

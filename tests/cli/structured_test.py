@@ -119,6 +119,27 @@ try:
             cut.append(f"{name} sampled")
         return cut
 
+    # The first schema request, alone: prefill compiles its grammar before the first
+    # token, decode compiled it ahead meanwhile (GrammarSet::prefetch), so that taking
+    # the request did not stall decode's step.
+    def grammar_compiles():
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        return {(m[1], m[2]): int(m[3]) for m in re.finditer(
+            r'^duet_worker_grammar_compiles_total\{role="(\w+)",worker="0",where="(\w+)"\} (\d+)$', page, re.M)}
+    before = grammar_compiles()
+    check(before.get(("decode", "step")) == 0 and before.get(("decode", "ahead")) == 0,
+          f"/metrics before any schema: {before}")
+    name, schema, prompt = schemas[0]
+    first = c.chat.completions.create(
+        model=model, max_tokens=400, temperature=0,
+        messages=[{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}],
+        response_format={"type": "json_schema", "json_schema": {"name": "first", "schema": schema}}).choices[0]
+    check(first.finish_reason in ("stop", "length"), f"{name}: finish_reason {first.finish_reason}")
+    after = grammar_compiles()
+    check(after.get(("prefill", "step")) == 1 and after.get(("decode", "step")) == 0
+          and after.get(("decode", "ahead")) == 1, f"grammar compiles after the first schema request: {after}")
+    print(f"the first schema: compiled by prefill in its pass, by decode ahead: {after}")
+
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one_schema, i, *s) for i, s in enumerate(schemas)]
         try:
