@@ -17,9 +17,11 @@ Usage: structured_bench.py path/to/duet [--schemas N] [--llama BIN_DIR]
 """
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -103,12 +105,75 @@ def measure(port, schemas):
     return rows, ratios
 
 
+def grammar_metrics(port):
+    """/metrics' grammar compiles by (role, where): (count, seconds); {} if it has none."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    out = {}
+    for m in re.finditer(r'^duet_worker_grammar_compile(s|_seconds)_total\{role="(\w+)",worker="\d+",where="(\w+)"\} '
+                         r'(\S+)$', page, re.M):
+        n, sec = out.get((m[2], m[3]), (0, 0.0))
+        out[(m[2], m[3])] = (n + int(m[4]), sec) if m[1] == "s" else (n, sec + float(m[4]))
+    return out
+
+
+def bystander(port, schemas, constrained):
+    """A plain greedy stream's gaps between tokens (ms) while the corpus's requests run
+    one after another beside it, with their schema (constrained) or without: what a
+    request's grammar costs the other streams of its decode worker."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = c.models.list().data[0].id
+    runs, running, done = [], threading.Event(), threading.Event()
+
+    def stream():
+        while not done.is_set():  # re-issued when it reaches the context's end
+            runs.append([])
+            for ev in c.completions.create(model=model, prompt="Once upon a time", max_tokens=900, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+                runs[-1].append(time.perf_counter())
+                running.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=stream)
+    t.start()
+    running.wait(60)
+    time.sleep(0.2)
+    start = time.perf_counter()
+    for name, schema, prompt in corpus()[:schemas]:
+        msgs = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}]
+        kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}) \
+            if constrained else {}
+        c.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=16, **kw)
+    end = time.perf_counter()
+    done.set()
+    t.join()
+    return sorted((b - a) * 1e3 for times in runs for a, b in zip(times, times[1:]) if start <= a and b <= end)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("duet")
     ap.add_argument("--schemas", type=int, default=100)
     ap.add_argument("--llama", help="llama-server's directory: the same requests after duet's")
+    ap.add_argument("--bystander", action="store_true",
+                    help="instead: a plain stream's inter-token gaps while the schemas' requests run beside it, "
+                         "with their schemas and without (each on a fresh server, so every schema is new to it)")
     args = ap.parse_args()
+    if args.bystander:
+        print("| requests beside it | gaps | p50 ms | p90 | p99 | max | grammar compiles: decode step (s) | "
+              "decode ahead (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        for constrained in (False, True):
+            server, port = start_duet(args.duet)
+            try:
+                g = bystander(port, args.schemas, constrained)
+                m = grammar_metrics(port)
+            finally:
+                stop(server)
+            q = lambda f: g[min(len(g) - 1, int(f * len(g)))]  # noqa: E731
+            step, ahead = m.get(("decode", "step"), (None, None)), m.get(("decode", "ahead"), (None, None))
+            fmt = lambda v: "-" if v[0] is None else f"{v[0]} ({v[1]:.3f})"  # noqa: E731
+            print(f"| {'with schemas' if constrained else 'without'} | {len(g)} | {q(0.5):.2f} | {q(0.9):.2f} | "
+                  f"{q(0.99):.2f} | {g[-1]:.2f} | {fmt(step)} | {fmt(ahead)} |")
+        return
     runs = [("duet", lambda: start_duet(args.duet))]
     if args.llama:
         runs.append(("llama-server", lambda: start_llama(args.llama)))
