@@ -1224,6 +1224,11 @@ TEST(RowOps, QuantizedAttentionMatchesFloat64AtEveryIsa) {
                         mag += std::fabs(e);
                     }
                     ASSERT_NEAR(sc[j], 0.125 * dot, 1e-6 * mag) << isa_str(isa) << " head_dim " << head_dim << " j " << j;
+                    // A key's score does not depend on the keys computed beside it.
+                    float alone = 0;
+                    attn_scores_q(isa, t, q.data(), k.data() + j * stride, ks.data() + j, stride, 1, head_dim, 0.125f,
+                                  &alone);
+                    ASSERT_EQ(bits(alone), bits(sc[j])) << isa_str(isa) << " head_dim " << head_dim << " j " << j;
                 }
                 std::vector<float> out = out0;
                 attn_accum_q(isa, t, p.data(), v.data(), vs.data(), stride, n, head_dim, out.data());
