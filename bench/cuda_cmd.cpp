@@ -2,8 +2,9 @@
 
 #include <cstdio>
 
-#include "kv/kv_pool.h"
+#include "base/trace.h"
 #include "engine/backends.h"
+#include "kv/kv_pool.h"
 
 #if DUET_HAVE_CUDA
 #include "bench/cuda_bench.h"
@@ -48,7 +49,20 @@ int cmd_bench_cuda(const CudaBenchArgs& a) {
         }
         *flag = false;
     }
+    // The backend's ranges and the device's own timings of each pass (base/trace.h).
+    if (!a.trace.empty()) {
+        Status st = trace::start_file(a.trace);
+        if (st) st = trace::open(a.trace, "bench cuda");
+        if (!st) {
+            std::fprintf(stderr, "duet bench cuda: --trace: %s\n", st.error().message.c_str());
+            return 2;
+        }
+    }
     auto j = run_cuda_bench(o);
+    if (!a.trace.empty()) {
+        if (Status st = trace::finish_file(a.trace); !st)
+            std::fprintf(stderr, "duet bench cuda: --trace: %s\n", st.error().message.c_str());
+    }
     if (!j) {
         std::fprintf(stderr, "duet bench cuda: %s\n", j.error().message.c_str());
         return 1;

@@ -17,6 +17,7 @@ struct CudaBenchArgs {
     std::string kv_dtype = "f16";
     bool json = false;
     std::string json_out;  // also write the JSON here
+    std::string trace;     // a trace file (base/trace.h); empty: none
     std::vector<std::string> skip;  // figures left out: sampled, eager, qgemv, copies
 };
 

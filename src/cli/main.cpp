@@ -21,6 +21,7 @@
 #include "cli/serve.h"
 #include "cli/shm_status.h"
 #include "cli/topo.h"
+#include "cli/trace_cli.h"
 #include "cli/worker_roles.h"
 
 using namespace duet;
@@ -192,6 +193,9 @@ void add_bench(CLI::App& app, Store& store, int& rc, const std::string& default_
     c_bc->add_option("--kv-dtype", cb.kv_dtype, "KV cache values: f16, int8 or fp8")->capture_default_str();
     c_bc->add_flag("--json", cb.json, "print one JSON object");
     c_bc->add_option("--json-out", cb.json_out, "also write the JSON to this file");
+    c_bc->add_option("--trace", cb.trace,
+                     "write the backend's ranges and the device's timings of each pass to this file (Chrome "
+                     "trace-event JSON: Perfetto, duet trace summary)");
     c_bc->add_option(
             "--skip", cb.skip,
             "figures to leave out (a model at real size in a device check's minutes): sampled, eager, qgemv, copies")
@@ -411,6 +415,19 @@ void add_inspect_state(CLI::App& app, Store& store, int& rc, const std::string& 
     c_kvi->callback([&kv_file = kv_file, &kv_json = kv_json, &rc = rc] { rc = cmd_kv_inspect(kv_file, kv_json); });
     c_kvv->callback([&kv_dir = kv_dir, &rc = rc] { rc = cmd_kv_verify(kv_dir); });
     c_topo->callback([&topo = topo, &rc = rc] { rc = cmd_topo(topo); });
+
+    // duet trace summary
+    auto& trace_file = keep<std::string>(store);
+    auto& trace_json = keep<bool>(store);
+    CLI::App* c_trace = app.add_subcommand("trace", "trace files (duet serve --trace, DUET_TRACE)");
+    c_trace->require_subcommand(1);
+    CLI::App* c_ts = c_trace->add_subcommand(
+        "summary", "each process's ranges in a trace file: count, total, mean, p50, p99 and largest duration");
+    c_ts->add_option("file", trace_file, "a trace file (Chrome trace-event JSON)")->required();
+    c_ts->add_flag("--json", trace_json, "print a JSON array");
+    c_ts->callback([&trace_file = trace_file, &trace_json = trace_json, &rc = rc] {
+        rc = cmd_trace_summary(trace_file, trace_json);
+    });
 }
 
 // duet serve, duet front, duet prefill, duet decode
@@ -420,6 +437,9 @@ void add_serving(CLI::App& app, Store& store, int& rc, const std::string& defaul
     serve.model = default_model;
     CLI::App* c_serve = app.add_subcommand("serve", "serve the OpenAI API: front, prefill and decode processes");
     add_serve_flags(*c_serve, serve);
+    c_serve->add_option("--trace", serve.trace,
+                        "write every role's ranges (decode steps and their phases, prefill passes, hand-offs) to this "
+                        "file as Chrome trace-event JSON (Perfetto; duet trace summary)");
     auto& front = keep<FrontSettings>(store);
     front.model = default_model;
     CLI::App* c_front = app.add_subcommand("front", "the HTTP front (OpenAI API) of a running instance");

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/trace.h"
 #include "cli/role_flags.h"
 #include "engine/backends.h"
 #include "engine/golden.h"
@@ -196,7 +197,19 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
     // argument would show in every process listing).
     if (!s.api_key.empty() && ::setenv("DUET_API_KEY", s.api_key.c_str(), 1) != 0)
         return fail(fmt::format("DUET_API_KEY: {}", std::strerror(errno)));
-    return run_launcher(s, prep->plan, *prep->model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop, start);
+    // The trace file: started afresh, each role opens it from DUET_TRACE (and roles
+    // restarted later too), closed once they are all gone.
+    if (!s.trace.empty()) {
+        if (Status st = trace::start_file(s.trace); !st) return fail("--trace: " + st.error().message);
+        if (::setenv("DUET_TRACE", s.trace.c_str(), 1) != 0)
+            return fail(fmt::format("DUET_TRACE: {}", std::strerror(errno)));
+    }
+    const int rc = run_launcher(
+        s, prep->plan, *prep->model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop, start);
+    if (!s.trace.empty()) {
+        if (Status st = trace::finish_file(s.trace); !st) log::error("--trace: " + st.error().message);
+    }
+    return rc;
 }
 
 int cmd_front(const FrontSettings& a) {
@@ -205,6 +218,7 @@ int cmd_front(const FrontSettings& a) {
         log::error(m);
         return 1;
     };
+    if (Status st = trace::open_from_env("front"); !st) return fail("DUET_TRACE: " + st.error().message);
     SdNotify& sd = SdNotify::init();
     sd.status("attaching to instance " + a.instance);
     auto inst = shm::Instance::attach(a.instance);

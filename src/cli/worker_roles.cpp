@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "base/log.h"
+#include "base/trace.h"
 #include "engine/engine.h"
 #include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
@@ -17,6 +18,10 @@ namespace duet {
 int cmd_worker(const WorkerSettings& a, bool prefill) {
     const char* role = prefill ? "prefill" : "decode";
     log::set_name(role);
+    if (Status st = trace::open_from_env(fmt::format("{} {}", role, a.index)); !st) {
+        log::error("DUET_TRACE: " + st.error().message);
+        return 1;
+    }
     SdNotify& sd = SdNotify::init();
     sd.status(fmt::format("attaching to instance {}", a.instance));
     auto inst = shm::Instance::attach(a.instance);

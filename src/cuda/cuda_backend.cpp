@@ -142,9 +142,40 @@ struct CudaBackend::Impl {
 
     bool copy_failed = false;  // a copy-on-write block copy could not be queued: fatal (see fatal())
 
+    // The device's own timings of a pass, for a trace file (base/trace.h): events
+    // around the forward (graph or eager) and around what follows it up to the
+    // read-back (sampling, argmax, copies), made when a trace is first open.
+    cudaEvent_t timing[3] = {};
+    bool timed = false;  // this pass recorded them
+    // Records timing[k] on the stream when a trace file is open (a failure only
+    // leaves the pass untimed).
+    void mark(int k) {
+        if (k == 0) timed = false;
+        if (!trace::active()) return;
+        if (timing[0] == nullptr)
+            for (cudaEvent_t& e : timing)
+                if (cudaEventCreate(&e) != cudaSuccess) return;
+        timed = cudaEventRecord(timing[k], stream) == cudaSuccess && (k == 0 || timed);
+    }
+    // After the stream's synchronization: the two intervals as events on the "gpu"
+    // track, ending when the host saw the stream finish (the device's durations; their
+    // placement is late by the synchronization's wake-up at most).
+    void trace_timings(bool graph) {
+        float fwd_ms = 0, rest_ms = 0;
+        if (!timed || cudaEventElapsedTime(&fwd_ms, timing[0], timing[1]) != cudaSuccess ||
+            cudaEventElapsedTime(&rest_ms, timing[1], timing[2]) != cudaSuccess)
+            return;
+        const uint64_t end = trace::now_ns();
+        const auto fwd = static_cast<uint64_t>(fwd_ms * 1e6), rest = static_cast<uint64_t>(rest_ms * 1e6);
+        trace::event(graph ? "gpu decode step (graph)" : "gpu forward", end - rest - fwd, fwd, "gpu");
+        trace::event("gpu sample, argmax, copy back", end - rest, rest, "gpu");
+    }
+
     ~Impl() {
         if (stream) cudaStreamSynchronize(stream);
         if (copy_stream) cudaStreamSynchronize(copy_stream);
+        for (cudaEvent_t e : timing)
+            if (e) cudaEventDestroy(e);
         for (cudaEvent_t e : layer_done) cudaEventDestroy(e);
         if (copy_stream) cudaStreamDestroy(copy_stream);
         for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
@@ -735,6 +766,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
     std::copy(tiles.begin(), tiles.end(), h + l.tiles());
     DUET_CUDA_TRY(cudaMemcpyAsync(a.in.as<int32_t>(), h, l.count() * 4, cudaMemcpyHostToDevice, stream));
 
+    mark(0);
     {
         trace::Range range(graph ? "cuda decode step (graph)" : "cuda forward");
         if (graph) {
@@ -762,6 +794,7 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
             return st;
         }
     }
+    mark(1);
     const size_t row_bytes = static_cast<size_t>(c.n_vocab) * sizeof(float);
     bool skip_any = false;
     if (argmax) {
@@ -803,7 +836,9 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
         }
         if (Status st = flush(); !st) return st;
     }
+    mark(2);
     DUET_CUDA_TRY(cudaStreamSynchronize(stream));
+    trace_timings(graph);
     if (argmax && !sampled.empty()) return finish_samples(a, *argmax);
     return {};
 }

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -477,7 +478,11 @@ void DecodeWorker::prefetch_grammars() {
 Result<bool> DecodeWorker::step() {
     shm::RequestTable& t = inst_->requests();
     prefetch_grammars();
+    const uint64_t take0 = trace::active() ? trace::now_ns() : 0;
+    const uint64_t served = worker_stats(inst_->registry(), self_.slot).served.load(std::memory_order_relaxed);
     bool dropped = take_handoffs();
+    if (take0 != 0 && worker_stats(inst_->registry(), self_.slot).served.load(std::memory_order_relaxed) != served)
+        trace::span("decode take", take0, trace::now_ns());  // hand-offs accepted (an idle poll is no range)
     publish_load();  // before the step: what it holds now, for routing while it runs
     dropped = end_cancelled(active_) || dropped;
     if (active_.empty()) {
@@ -485,6 +490,8 @@ Result<bool> DecodeWorker::step() {
         if (dropped) inst_->registry().wake(shm::Role::Front);  // the cancellations are visible
         return false;
     }
+    trace::Range step_range("decode step");
+    std::optional<trace::Range> phase(std::in_place, "decode plan");
     // The step's blocks first (KvCacheManager). The allocator's count allowed the
     // plan, yet the arena is shared: blocks gone meanwhile make the step planned
     // again with what is there now (drafts go first), then as a shortage (no new
@@ -516,9 +523,10 @@ Result<bool> DecodeWorker::step() {
         a.fresh = false;
     }
     Status st;
+    phase.reset();
     {
         yield_to_claim(yield_budget());
-        trace::Range range("decode step");
+        trace::Range range("decode forward");
         const bool lent = borrow_cores(shm::Role::Prefill);
         const uint64_t t0 = shm::monotonic_ns();
         st = backend_->forward_pick(batch, logits_, picks_);
@@ -546,6 +554,7 @@ Result<bool> DecodeWorker::step() {
         inst_->registry().wake(shm::Role::Front);
         return true;
     }
+    phase.emplace("decode emit");
     const int64_t nv = backend_->n_vocab();
     std::vector<std::pair<size_t, shm::ReqState>> done;
     int64_t r = 0;  // the pass's output row of the entry

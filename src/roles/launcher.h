@@ -116,6 +116,9 @@ struct ServeSettings {
     // The API key (Bearer) every route but /health and /ready asks for ("": none).
     // Given to the front through its environment (DUET_API_KEY), never its argv.
     std::string api_key;
+    // `duet serve --trace FILE`: every role process writes its ranges there
+    // (src/base/trace.h; handed down as DUET_TRACE). Empty: none.
+    std::string trace;
     bool public_metrics = false;  // /metrics without the key
     int resume_window_s = 30;     // a dead front's requests wait this long for their clients (kResumeWindowNs)
     int resume_grace_s = 5;       // a stream whose client left waits this long for it (kResumeGraceNs)

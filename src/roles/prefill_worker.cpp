@@ -690,7 +690,9 @@ void PrefillWorker::pass_done(const Pass& p) {
 Result<bool> PrefillWorker::step() {
     settle();
     if (jobs_.empty()) sched_.ran();
+    const uint64_t admit0 = trace::active() ? trace::now_ns() : 0;
     const bool took = !sched_.short_of_kv() && admit();
+    if (took && admit0 != 0) trace::span("prefill admit", admit0, trace::now_ns());  // an idle poll is no range
     const bool dropped = drop_cancelled();
     if (jobs_.empty()) {
         if (dropped) publish_load();
@@ -758,8 +760,11 @@ Result<bool> PrefillWorker::step() {
         inst_->requests().passes_interrupted().fetch_add(1, std::memory_order_relaxed);
         return true;
     }
-    if (st) pass_done(p);
-    else pass_failed(p, st);
+    if (st) {
+        trace::Range range("prefill pass end");  // blocks published, first tokens sampled and handed off
+        pass_done(p);
+    } else
+        pass_failed(p, st);
     return true;
 }
 
