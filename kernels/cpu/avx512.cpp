@@ -1902,6 +1902,72 @@ void attn_accum_f16(const float* p, const uint16_t* v, size_t stride, int64_t n,
 }
 
 // scale * (k_scale[j] * dot_row(q, k_j)) per key, lane by lane (dot_rows).
+// A span's rows over one KV block: its first n_max keys (or values) converted to f32
+// once (cvtph is exact) into kf, a row of `pitch` floats each; the rows then compute
+// from kf with the same masked loads giving the same values, so each row's bits are
+// those of the one-row kernel. Small blocks only (up to 16 rows of at most 256).
+namespace {
+constexpr int64_t kRowsKeys = 16, kRowsDim = 256;
+int64_t block_rows(int64_t rows, const int64_t* n) {
+    int64_t m = 0;
+    for (int64_t r = 0; r < rows; ++r) m = std::max(m, n[r]);
+    return m;
+}
+void to_f32(const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, int64_t pitch, float* kf) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t e = 0; e < head_dim; e += 16)
+            _mm512_storeu_ps(kf + j * pitch + e,
+                             load16_f16(k + static_cast<size_t>(j) * stride + e, tail_mask(head_dim - e)));
+}
+}  // namespace
+
+void attn_scores_f16_rows(const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
+                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride) {
+    const int64_t n_max = block_rows(rows, n);
+    if (rows < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
+        for (int64_t r = 0; r < rows; ++r)
+            if (n[r] > 0) attn_scores_f16(q + r * q_stride, k, stride, n[r], head_dim, scale, scores + r * s_stride);
+        return;
+    }
+    alignas(64) float kf[kRowsKeys * kRowsDim];
+    const int64_t pitch = (head_dim + 15) / 16 * 16;
+    to_f32(k, stride, n_max, head_dim, pitch, kf);
+    const __m512 sv = _mm512_set1_ps(scale);
+    const auto load = [&](int64_t j, int64_t e, __mmask16 m) { return _mm512_maskz_loadu_ps(m, kf + j * pitch + e); };
+    const auto post = [&](int64_t, __m512 h) { return _mm512_mul_ps(sv, h); };
+    for (int64_t r = 0; r < rows; ++r) {
+        if (n[r] <= 0) continue;
+        const float* qr = q + r * q_stride;
+        float* sr = scores + r * s_stride;
+        if (head_dim == 64)
+            dot_rows<2>(qr, head_dim, n[r], load, post, sr);
+        else if (head_dim == 128)
+            dot_rows<4>(qr, head_dim, n[r], load, post, sr);
+        else
+            dot_rows<0>(qr, head_dim, n[r], load, post, sr);
+    }
+}
+
+void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
+                         size_t stride, int64_t head_dim, float* out, size_t out_stride) {
+    const int64_t n_max = block_rows(rows, n);
+    if (rows < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
+        for (int64_t r = 0; r < rows; ++r)
+            if (n[r] > 0) attn_accum_f16(p + r * p_stride, v, stride, n[r], head_dim, out + r * out_stride);
+        return;
+    }
+    alignas(64) float vf[kRowsKeys * kRowsDim];
+    const int64_t pitch = (head_dim + 15) / 16 * 16;
+    to_f32(v, stride, n_max, head_dim, pitch, vf);
+    for (int64_t r = 0; r < rows; ++r) {
+        if (n[r] <= 0) continue;
+        const float* pr = p + r * p_stride;
+        accum_rows(
+            n[r], head_dim, out + r * out_stride, [&](int64_t j) { return pr[j]; },
+            [&](int64_t j, int64_t e, __mmask16 m) { return _mm512_maskz_loadu_ps(m, vf + j * pitch + e); });
+    }
+}
+
 void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_scale, size_t stride, int64_t n,
                    int64_t head_dim, float scale, float* scores) {
     const __m512 sv = _mm512_set1_ps(scale);

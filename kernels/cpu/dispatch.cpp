@@ -315,6 +315,28 @@ void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, i
     DUET_ROUTE(isa, attn_accum_f16(p, v, stride, n, head_dim, out));
 }
 
+void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
+                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride) {
+    check_isa(isa);
+#if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
+    if (isa == Isa::Avx512)
+        return avx512::attn_scores_f16_rows(q, q_stride, rows, n, k, stride, head_dim, scale, scores, s_stride);
+#endif
+    for (int64_t r = 0; r < rows; ++r)
+        if (n[r] > 0) attn_scores_f16(isa, q + r * q_stride, k, stride, n[r], head_dim, scale, scores + r * s_stride);
+}
+
+void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
+                         size_t stride, int64_t head_dim, float* out, size_t out_stride) {
+    check_isa(isa);
+#if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
+    if (isa == Isa::Avx512)
+        return avx512::attn_accum_f16_rows(p, p_stride, rows, n, v, stride, head_dim, out, out_stride);
+#endif
+    for (int64_t r = 0; r < rows; ++r)
+        if (n[r] > 0) attn_accum_f16(isa, p + r * p_stride, v, stride, n[r], head_dim, out + r * out_stride);
+}
+
 float fp8_e4m3_to_fp32(uint8_t b) { return kFp8E4M3[b]; }
 
 uint8_t fp32_to_fp8_e4m3(float f) {

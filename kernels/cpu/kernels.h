@@ -85,6 +85,16 @@ void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, 
                      float scale, float* scores);
 void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
                     float* out);
+// The same for the rows of a span that read one KV block (a prefill chunk, a verify
+// row): row r's query at q + r * q_stride meets the block's first n[r] keys (0: none),
+// its scores at scores + r * s_stride; its probabilities at p + r * p_stride weigh
+// the first n[r] values into out + r * out_stride. Each row's results are bit for
+// bit what attn_scores_f16 / attn_accum_f16 give it alone; the AVX-512 level
+// converts the block's f16 values once for all the rows.
+void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
+                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride);
+void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
+                         size_t stride, int64_t head_dim, float* out, size_t out_stride);
 
 // Quantized KV rows (src/kv/kv_pool.h KvDtype): a row of n values is n bytes and
 // one f32 scale, value = scale * decode(byte).

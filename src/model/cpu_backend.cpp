@@ -360,17 +360,25 @@ void CpuBackend::run(int tid, int nth) {
                 const int64_t n_max = s.pos[first + rows - 1] + 1;
                 auto n_ctx = [&](int64_t r) { return s.pos[first + r] + 1; };
                 auto row_sc = [&](int64_t r) { return sc + static_cast<size_t>(r) * row_step; };
+                // The keys of block j each row sees (0: none yet).
+                int64_t seen[kAttnRows];
+                auto block_keys = [&](int64_t j) {
+                    for (int64_t r = 0; r < rows; ++r) seen[r] = std::clamp<int64_t>(n_ctx(r) - j, 0, bt);
+                };
                 for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
+                    if (!quant) {  // the block's keys converted once for the span's rows
+                        block_keys(j);
+                        cpu::attn_scores_f16_rows(isa, q + first * Q + h * HD, static_cast<size_t>(Q), rows, seen,
+                                                  pool_.k16(b, li, kvh), HD, HD, scale, row_sc(0) + j, row_step);
+                        continue;
+                    }
                     for (int64_t r = 0; r < rows; ++r) {
                         if (j >= n_ctx(r)) continue;
                         const int64_t n = std::min<int64_t>(bt, n_ctx(r) - j);
                         const float* qh = q + (first + r) * Q + h * HD;
-                        if (!quant)
-                            cpu::attn_scores_f16(isa, qh, pool_.k16(b, li, kvh), HD, n, HD, scale, row_sc(r) + j);
-                        else
-                            cpu::attn_scores_q(isa, qt, qh, pool_.k(b, li, kvh), pool_.k_scales(b, li, kvh), HD, n, HD,
-                                               scale, row_sc(r) + j);
+                        cpu::attn_scores_q(isa, qt, qh, pool_.k(b, li, kvh), pool_.k_scales(b, li, kvh), HD, n, HD,
+                                           scale, row_sc(r) + j);
                     }
                 }
                 for (int64_t r = 0; r < rows; ++r) {
@@ -381,15 +389,18 @@ void CpuBackend::run(int tid, int nth) {
                 }
                 for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
+                    if (!quant) {
+                        block_keys(j);
+                        cpu::attn_accum_f16_rows(isa, row_sc(0) + j, row_step, rows, seen, pool_.v16(b, li, kvh), HD,
+                                                 HD, att + first * Q + h * HD, static_cast<size_t>(Q));
+                        continue;
+                    }
                     for (int64_t r = 0; r < rows; ++r) {
                         if (j >= n_ctx(r)) continue;
                         const int64_t n = std::min<int64_t>(bt, n_ctx(r) - j);
                         float* out = att + (first + r) * Q + h * HD;
-                        if (!quant)
-                            cpu::attn_accum_f16(isa, row_sc(r) + j, pool_.v16(b, li, kvh), HD, n, HD, out);
-                        else
-                            cpu::attn_accum_q(isa, qt, row_sc(r) + j, pool_.v(b, li, kvh), pool_.v_scales(b, li, kvh),
-                                              HD, n, HD, out);
+                        cpu::attn_accum_q(isa, qt, row_sc(r) + j, pool_.v(b, li, kvh), pool_.v_scales(b, li, kvh), HD,
+                                          n, HD, out);
                     }
                 }
             }
