@@ -72,8 +72,9 @@ void put_us(std::string& out, uint64_t ns) {
     out.append(b, static_cast<size_t>(n));
 }
 
-// A JSON string's characters: printable ASCII but '"' and '\\' as they are, the rest
-// escaped (process names come from flags).
+// A JSON string's characters: printable ASCII as it is, '"' and '\\' and control
+// characters escaped, any other byte '?' (process names are ASCII; a byte of a UTF-8
+// sequence alone would make the file invalid JSON).
 void put_json_string(std::string& out, const std::string& s) {
     out += '"';
     for (const char c : s) {
@@ -84,6 +85,8 @@ void put_json_string(std::string& out, const std::string& s) {
             char b[8];
             std::snprintf(b, sizeof b, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
             out += b;
+        } else if (static_cast<unsigned char>(c) >= 0x7F) {
+            out += '?';
         } else {
             out += c;
         }
@@ -124,20 +127,31 @@ long this_tid() {
     return tid;
 }
 
-// Opens path for appending; creates it with the array's opening if it is not there
-// (O_EXCL: of processes opening it at once, one writes the opening).
-Result<int> open_file(const std::string& path) {
-    int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-        if (!write_all(fd, kOpening, std::strlen(kOpening))) {
-            const int e = errno;
-            ::close(fd);
-            return make_error("trace file {}: {}", path, std::strerror(e));
-        }
-        return fd;
+// Creates path holding the array's opening unless it exists: the opening is written
+// to a file of this process's own, which is then linked into place, so that of
+// processes starting at once none can append before the opening is there.
+Status create_file(const std::string& path) {
+    const std::string tmp = path + ".opening." + std::to_string(::getpid());
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return make_error("trace file {}: {}", tmp, std::strerror(errno));
+    const bool ok = write_all(fd, kOpening, std::strlen(kOpening));
+    const int e = errno;
+    ::close(fd);
+    if (!ok) {
+        ::unlink(tmp.c_str());
+        return make_error("trace file {}: {}", tmp, std::strerror(e));
     }
-    if (errno != EEXIST) return make_error("trace file {}: {}", path, std::strerror(errno));
-    fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    const int linked = ::link(tmp.c_str(), path.c_str());
+    const int le = errno;
+    ::unlink(tmp.c_str());
+    if (linked != 0 && le != EEXIST) return make_error("trace file {}: {}", path, std::strerror(le));
+    return {};
+}
+
+// Opens path for appending, created with the array's opening if it is not there.
+Result<int> open_file(const std::string& path) {
+    if (Status st = create_file(path); !st) return st.error();
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
     if (fd < 0) return make_error("trace file {}: {}", path, std::strerror(errno));
     return fd;
 }
@@ -179,10 +193,7 @@ Range::~Range() {
 Status start_file(const std::string& path) {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT)
         return make_error("trace file {}: {}", path, std::strerror(errno));
-    auto fd = open_file(path);
-    if (!fd) return fd.error();
-    ::close(*fd);
-    return {};
+    return create_file(path);
 }
 
 Status open(const std::string& path, const std::string& process) {

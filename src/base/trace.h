@@ -4,14 +4,16 @@
 //   header-only NVTX v3 is found (DUET_NVTX); a range then costs one predictable
 //   branch while no tool is attached.
 // - duet's own trace file, in Chrome's trace-event JSON (it opens in Perfetto and
-//   chrome://tracing): on when the process opened one (`duet serve --trace FILE`,
-//   `duet bench model --trace FILE`, or DUET_TRACE=FILE for any duet process). Each
+//   chrome://tracing): on when the process opened one (`duet serve --trace FILE` for
+//   its roles, `duet bench cuda --trace FILE`, or DUET_TRACE=FILE in the environment
+//   of a front, prefill or decode process: a systemd unit's). Each
 //   range is then a complete event ("ph":"X") with the process's pid and the
 //   thread's tid; events are buffered per process and appended to the file in whole
 //   lines (O_APPEND: the processes of one instance share it), at most every 200 ms
 //   or 64 KiB and at exit. Timestamps are CLOCK_MONOTONIC microseconds, one clock for
-//   every process of the machine. A process killed loses at most its last 200 ms.
-//   `duet trace summary FILE` tabulates a file (src/cli/trace_cli.h).
+//   every process of the machine. A process killed loses at most its last 200 ms;
+//   one killed inside a write can leave its last line torn, which `duet trace
+//   summary FILE` (src/cli/trace_cli.h) skips and Perfetto does not (delete it).
 // The file is a JSON array: the first process to open it writes "[", and
 // finish_file() closes it ("]") once every process writing to it is gone; a file
 // not closed (a killed server) ends in ",\n", which the trace-event format allows

@@ -1,7 +1,8 @@
 // `duet trace summary FILE [--json]`: a trace file (src/base/trace.h: Chrome's
 // trace-event JSON, written with --trace or DUET_TRACE) as a table: per process name
-// and range name, how many, total, mean, p50, p99 and largest duration. A file that
-// was not closed (its writer killed: it ends in ",") is read too.
+// and range name, how many, total, mean, p50, p99 (nearest rank) and largest
+// duration. A file that was not closed (its writer killed: it ends in ",") is read
+// too, and a line a killed writer tore is skipped and counted on stderr.
 #pragma once
 
 #include <string>
@@ -18,8 +19,10 @@ struct TraceRow {
 };
 
 // The rows of a trace file's text, by process (in name order), then by total time,
-// largest first. Errors: not a trace-event JSON array.
-Result<std::vector<TraceRow>> summarize_trace(const std::string& text);
+// largest first: a whole trace-event JSON document, or duet's file read line by
+// line (not closed, or with torn lines: how many were skipped into *torn). Errors:
+// no event parses.
+Result<std::vector<TraceRow>> summarize_trace(const std::string& text, size_t* torn = nullptr);
 
 int cmd_trace_summary(const std::string& file, bool json);
 

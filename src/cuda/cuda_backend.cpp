@@ -147,24 +147,37 @@ struct CudaBackend::Impl {
     // read-back (sampling, argmax, copies), made when a trace is first open.
     cudaEvent_t timing[3] = {};
     bool timed = false;  // this pass recorded them
-    // Records timing[k] on the stream when a trace file is open (a failure only
-    // leaves the pass untimed).
+    // Records timing[k] on the stream when a trace file is open. A failure only
+    // leaves the pass untimed: its error is cleared (the kernels' launch checks read
+    // cudaGetLastError), and the events are made all three or none.
     void mark(int k) {
         if (k == 0) timed = false;
-        if (!trace::active()) return;
-        if (timing[0] == nullptr)
-            for (cudaEvent_t& e : timing)
-                if (cudaEventCreate(&e) != cudaSuccess) return;
-        timed = cudaEventRecord(timing[k], stream) == cudaSuccess && (k == 0 || timed);
+        if (!trace::active() || (k > 0 && !timed)) return;
+        if (timing[0] == nullptr) {
+            for (cudaEvent_t& e : timing) {
+                if (cudaEventCreate(&e) == cudaSuccess) continue;
+                (void)cudaGetLastError();
+                for (cudaEvent_t& m : timing) {
+                    if (m) cudaEventDestroy(m);
+                    m = nullptr;
+                }
+                return;
+            }
+        }
+        timed = cudaEventRecord(timing[k], stream) == cudaSuccess;
+        if (!timed) (void)cudaGetLastError();
     }
     // After the stream's synchronization: the two intervals as events on the "gpu"
     // track, ending when the host saw the stream finish (the device's durations; their
     // placement is late by the synchronization's wake-up at most).
     void trace_timings(bool graph) {
         float fwd_ms = 0, rest_ms = 0;
-        if (!timed || cudaEventElapsedTime(&fwd_ms, timing[0], timing[1]) != cudaSuccess ||
-            cudaEventElapsedTime(&rest_ms, timing[1], timing[2]) != cudaSuccess)
+        if (!timed) return;
+        if (cudaEventElapsedTime(&fwd_ms, timing[0], timing[1]) != cudaSuccess ||
+            cudaEventElapsedTime(&rest_ms, timing[1], timing[2]) != cudaSuccess) {
+            (void)cudaGetLastError();
             return;
+        }
         const uint64_t end = trace::now_ns();
         const auto fwd = static_cast<uint64_t>(fwd_ms * 1e6), rest = static_cast<uint64_t>(rest_ms * 1e6);
         trace::event(graph ? "gpu decode step (graph)" : "gpu forward", end - rest - fwd, fwd, "gpu");

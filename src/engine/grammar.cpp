@@ -1,15 +1,12 @@
 #include "engine/grammar.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -262,9 +259,10 @@ struct GrammarSet::Impl {
     }
 
     // The background thread: compiles what prefetch() queued, one at a time, into
-    // `ready`, at nice +10 (the worker's steps go first when both want the core).
+    // `ready`. At the worker's own priority: a lower one (nice +10 was tried) made the
+    // serving thread that waits for it, or for compile_mu, wait on a thread that the
+    // other role's threads (lent cores) or its own steps starve.
     void compile_ahead() {
-        setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);  // this thread only
         std::unique_lock<std::mutex> l(mu);
         for (;;) {
             work_cv.wait(l, [&] { return stop || !queue.empty(); });
@@ -277,14 +275,22 @@ struct GrammarSet::Impl {
             std::shared_ptr<xgrammar::CompiledGrammar> c;
             try {
                 c = compile(g);
-            } catch (const std::exception&) {
+            } catch (...) {
                 // allowed() compiles it again and reports the error where it can.
             }
             const uint64_t ns = shm::monotonic_ns() - t0;
             l.lock();
             if (c) {
-                if (ready.size() >= kMaxCached) ready.clear();  // a bound: prefetching is never needed
+                // A bound (grammars of requests that never came: cancelled, failed,
+                // taken by another worker): the oldest go first.
+                while (ready.size() >= kMaxCached && !ready_order.empty()) {
+                    ready.erase(ready_order.front());
+                    ready_order.pop_front();
+                }
+                if (ready_order.size() >= 4 * kMaxCached)  // keys taken by allowed() meanwhile
+                    std::erase_if(ready_order, [&](const std::string& k) { return !ready.contains(k); });
                 ready.emplace(key, std::move(c));
+                ready_order.push_back(key);
                 stats.ahead += 1;
                 stats.ahead_ns += ns;
             }
@@ -304,16 +310,19 @@ struct GrammarSet::Impl {
     std::vector<int32_t> bits;  // the last mask (xgrammar's int32 words)
     uint64_t tick = 0;
     std::mutex compile_mu;  // one compile at a time (compile())
-    // Compiling ahead. mu guards what follows and stats (the background thread counts
-    // its compiles there).
+    // Compiling ahead. mu guards what follows and the compile counters of stats.
     mutable std::mutex mu;
     std::condition_variable work_cv;  // queued work, or stop
     std::condition_variable done_cv;  // a compile ahead ended
     std::deque<std::pair<std::string, GrammarSpec>> queue;
     std::string inflight;  // the key being compiled ahead ("": none)
     std::unordered_map<std::string, std::shared_ptr<xgrammar::CompiledGrammar>> ready;
+    std::deque<std::string> ready_order;  // ready's keys, oldest first (some may be gone)
     bool stop = false;
-    std::thread thread;  // started by the first prefetch()
+    bool no_thread = false;  // the thread could not be started: no compiling ahead
+    std::thread thread;      // started by the first prefetch()
+    // The caller's thread writes masks, mask_ns, fed and rolled_back without mu (stats()
+    // is called on that thread); the rest under mu.
     Stats stats;
 };
 
@@ -345,13 +354,22 @@ void GrammarSet::prefetch(const GrammarSpec& g) {
     if (s.cache.contains(key)) return;
     {
         std::lock_guard<std::mutex> l(s.mu);
-        if (s.inflight == key || s.ready.contains(key) ||
+        if (s.no_thread || s.inflight == key || s.ready.contains(key) ||
             std::any_of(s.queue.begin(), s.queue.end(), [&](const auto& e) { return e.first == key; }))
             return;
-        // A bound on work queued ahead: the oldest goes (it is compiled when needed).
-        if (s.queue.size() >= Impl::kMaxCached) s.queue.pop_front();
+        // A bound on work queued ahead: past it, nothing more is queued (those queued
+        // first are nearest to being needed; the rest are compiled when needed).
+        if (s.queue.size() >= Impl::kMaxCached) return;
         s.queue.emplace_back(std::move(key), g);
-        if (!s.thread.joinable()) s.thread = std::thread([&s] { s.compile_ahead(); });
+        if (!s.thread.joinable()) {
+            try {
+                s.thread = std::thread([&s] { s.compile_ahead(); });
+            } catch (const std::system_error&) {  // no thread to be had (a limit): compiled when needed
+                s.queue.clear();
+                s.no_thread = true;
+                return;
+            }
+        }
     }
     s.work_cv.notify_one();
 }

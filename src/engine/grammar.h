@@ -75,13 +75,15 @@ public:
     // Forgets request key's matcher (it ended, or left this process). Forgetting is
     // never needed for correctness: a matcher is rebuilt from the output.
     void forget(uint64_t key);
-    // Compiles grammar g ahead, on a background thread at a lower priority than the
-    // caller's, so that the allowed() that first needs it finds it compiled instead of
-    // compiling inside a step: for a request on its way here (decode: while prefill
-    // computes it). allowed() for a grammar still being compiled ahead waits for that
-    // compile; one queued and not yet started it compiles itself. A grammar compiled
-    // or queued already is not queued again. Never needed for correctness: a grammar
-    // that fails to compile ahead is compiled (and fails) in allowed().
+    // Compiles grammar g ahead, on a background thread (at the caller's priority; one
+    // compile at a time in the process, its or the caller's), so that the allowed()
+    // that first needs it finds it compiled instead of compiling inside a step: for a
+    // request on its way here (decode: while prefill computes it). allowed() for a
+    // grammar still being compiled ahead waits for that compile; one queued and not
+    // yet started it compiles itself. A grammar compiled or queued already is not
+    // queued again; past 64 queued, none is. Never needed for correctness: a grammar
+    // that fails to compile ahead is compiled (and fails) in allowed(), and where no
+    // thread can be started nothing is compiled ahead.
     void prefetch(const GrammarSpec& g);
     // Returns once nothing is queued or being compiled ahead (tests).
     void wait_prefetched();

@@ -465,13 +465,18 @@ void DecodeWorker::prefetch_grammars() {
         const shm::ReqRef r = t.current(s);
         if (prefetched_[s] == r.gen || !(t.is(r, shm::ReqState::Queued) || t.is(r, shm::ReqState::Prefilling)))
             continue;
-        prefetched_[s] = r.gen;
         const RequestParams p = request_params(t, s);
-        if (p.data_bytes == 0) continue;
+        if (p.data_bytes == 0) {
+            prefetched_[s] = r.gen;
+            continue;
+        }
         // Read while the request is still this one (its data does not change until its
-        // slot is reused); one that ended meanwhile is passed over.
+        // slot is reused, and ext_data checks its generation); one that cannot be read
+        // now is looked at again at the next scan.
         Result<RequestData> d = read_request_data(t, r, p);
-        if (d && d->grammar && t.current(s).gen == r.gen) grammars().prefetch(*d->grammar);
+        if (!d || t.current(s).gen != r.gen) continue;
+        prefetched_[s] = r.gen;
+        if (d->grammar) grammars().prefetch(*d->grammar);
     }
 }
 
@@ -526,10 +531,12 @@ Result<bool> DecodeWorker::step() {
     phase.reset();
     {
         yield_to_claim(yield_budget());
-        trace::Range range("decode forward");
         const bool lent = borrow_cores(shm::Role::Prefill);
         const uint64_t t0 = shm::monotonic_ns();
-        st = backend_->forward_pick(batch, logits_, picks_);
+        {
+            trace::Range range("decode forward");
+            st = backend_->forward_pick(batch, logits_, picks_);
+        }
         if (lent) borrowed(t0);
         std::atomic<uint64_t>& avg = worker_stats(inst_->registry(), self_.slot).step_ns;  // C6's cost of a claim
         const uint64_t took = shm::monotonic_ns() - t0, was = avg.load(std::memory_order_relaxed);
