@@ -45,6 +45,18 @@ def listening_port(proc):
     return None
 
 
+def listening_port_and_instance(proc):
+    """(port, instance) that `duet serve` (started with stderr=PIPE, text=True)
+    announces; fails the test with what it printed if it exits first."""
+    head = []
+    for line in proc.stderr:
+        head.append(line)
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \S+, instance (\S+?)[,)]", line)
+        if m:
+            return int(m.group(1)), m.group(2)
+    check(False, "the server exited before listening:\n" + "".join(head))
+
+
 # Extra `duet serve` arguments for every e2e server: with other e2e servers starting
 # on the same two cores (under sanitizers, or a loaded release run: responses_e2e on
 # 2026-12-06), the roles' start (each worker's golden check first) can pass the

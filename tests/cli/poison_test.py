@@ -14,7 +14,6 @@ only when deaths follow it"), driven from outside as a crash would be:
 Usage: poison_test.py path/to/duet
 """
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -23,20 +22,13 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check, check_restarts, drain, stop, time_scale
+from duet_e2e import check, check_restarts, drain, listening_port_and_instance, stop, time_scale
 
 DUET = sys.argv[1]
 SCALE = time_scale()
 proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "8", "--isa", "scalar",
                          "--grace", "5"], stderr=subprocess.PIPE, text=True, start_new_session=True)
-head = []
-for line in proc.stderr:
-    head.append(line)
-    if m := re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \S+, instance (\S+?)[,)]", line):
-        port, instance = int(m.group(1)), m.group(2)
-        break
-else:
-    check(False, "the server exited before listening:\n" + "".join(head))
+port, instance = listening_port_and_instance(proc)
 log = drain(proc, keep=400)
 
 

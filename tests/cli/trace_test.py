@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.request
 
-from duet_e2e import START_TIMEOUT, check, drain, stop, time_scale
+from duet_e2e import START_TIMEOUT, check, drain, listening_port_and_instance, stop, time_scale
 
 DUET = sys.argv[1]
 SCALE = time_scale()
@@ -32,14 +32,7 @@ tmp = tempfile.mkdtemp(prefix="duet-trace-")
 path = os.path.join(tmp, "serve.json")
 proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--trace", path, *START_TIMEOUT],
                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-head = []
-for line in proc.stderr:
-    head.append(line)
-    if m := re.search(r"listening on http://127\.0\.0\.1:(\d+) \(model \S+, instance (\S+?)[,)]", line):
-        port, instance = int(m.group(1)), m.group(2)
-        break
-else:
-    check(False, "the server exited before listening:\n" + "".join(head))
+port, instance = listening_port_and_instance(proc)
 drain(proc)
 
 
