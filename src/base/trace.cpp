@@ -94,6 +94,8 @@ void put_json_string(std::string& out, const std::string& s) {
     out += '"';
 }
 
+// A complete event into the buffer, which is written out when due (kFlushBytes,
+// kFlushNs). Called with the lock held.
 void add_complete(Sink& s, const char* what, uint64_t t0, uint64_t t1, long tid) {
     std::string& o = s.buf;
     o += "{\"name\":\"";
@@ -107,6 +109,8 @@ void add_complete(Sink& s, const char* what, uint64_t t0, uint64_t t1, long tid)
     o += ",\"tid\":";
     o += std::to_string(tid);
     o += "},\n";
+    const uint64_t now = now_ns();
+    if (o.size() >= kFlushBytes || now - s.flushed_ns >= kFlushNs) flush_locked(s, now);
 }
 
 void add_metadata(Sink& s, const char* kind, long tid, const std::string& name) {
@@ -181,13 +185,7 @@ Range::~Range() {
 #if DUET_NVTX
     nvtxRangePop();
 #endif
-    if (t0_ == 0) return;
-    Sink& s = sink();
-    const uint64_t t1 = now_ns();
-    std::lock_guard<std::mutex> l(s.mu);
-    if (s.fd < 0) return;
-    add_complete(s, what_, t0_, t1, this_tid());
-    if (s.buf.size() >= kFlushBytes || t1 - s.flushed_ns >= kFlushNs) flush_locked(s, t1);
+    if (t0_ != 0) span(what_, t0_, now_ns());
 }
 
 Status start_file(const std::string& path) {
@@ -231,8 +229,6 @@ void span(const char* what, uint64_t start_ns, uint64_t end_ns) {
     std::lock_guard<std::mutex> l(s.mu);
     if (s.fd < 0) return;
     add_complete(s, what, start_ns, end_ns, this_tid());
-    const uint64_t now = now_ns();
-    if (s.buf.size() >= kFlushBytes || now - s.flushed_ns >= kFlushNs) flush_locked(s, now);
 }
 
 void event(const char* what, uint64_t start_ns, uint64_t dur_ns, const char* track) {
@@ -245,8 +241,6 @@ void event(const char* what, uint64_t start_ns, uint64_t dur_ns, const char* tra
     const long tid = (1L << 22) + 1 + static_cast<long>(it->second);
     if (fresh) add_metadata(s, "thread_name", tid, track);
     add_complete(s, what, start_ns, start_ns + dur_ns, tid);
-    const uint64_t now = now_ns();
-    if (s.buf.size() >= kFlushBytes || now - s.flushed_ns >= kFlushNs) flush_locked(s, now);
 }
 
 void flush() {
