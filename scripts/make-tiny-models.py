@@ -9,7 +9,7 @@ output, head_dim = n_embd / n_head, GQA 3, full rotary). Each model here
 exercises paths it does not: qwen2 biases and NEOX RoPE, an untied output head,
 rope_freqs factors, partial rotary, head_dim != n_embd / n_head, GQA ratios 1, 2
 and 4, and every weight type the engine claims (F32, F16, BF16, Q4_0, Q4_1,
-Q8_0, Q4_K, Q6_K).
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 For each model DIR gets <name>.gguf and <name>.json. The json holds the token ids,
 the hyper-parameters the file declares, the rotary inverse frequencies, and the
@@ -81,6 +81,36 @@ def rand_q4_k(rng, rows, cols, sigma):
     return blk.reshape(rows, -1)
 
 
+def rand_q5_k(rng, rows, cols, sigma):
+    """Random valid Q5_K blocks: Q4_K's with 5-bit values (a random qh bit each).
+    q averages 15.5 (standard deviation 9.2), so m ~ 31/32 sc with dmin = 16 d keeps
+    each sub-block's mean near 0; d is set for a standard deviation near sigma."""
+    assert cols % QK_K == 0
+    nb = rows * cols // QK_K
+    d = (sigma / (47.5 * 9.2)) * rng.uniform(0.7, 1.3, nb)
+    dmin = 16.0 * d
+    sc = rng.integers(32, 64, (nb, 8))
+    m = np.clip(np.round(sc * 15.5 / 16.0) + rng.integers(-2, 3, (nb, 8)), 0, 63).astype(np.int64)
+    scales = np.zeros((nb, 12), np.uint8)
+    for j in range(4):
+        scales[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
+        scales[:, j + 4] = (m[:, j] & 63) | ((m[:, j + 4] >> 4) << 6)
+        scales[:, j + 8] = (sc[:, j + 4] & 15) | ((m[:, j + 4] & 15) << 4)
+    blk = np.concatenate(
+        [
+            d.astype(np.float16).view(np.uint8).reshape(nb, 2),
+            dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
+            scales,
+            rng.integers(0, 256, (nb, 32 + 128), dtype=np.uint8),  # qh[32], qs[128]
+        ],
+        axis=1,
+    )
+    assert blk.shape[1] == 176
+    usc, um = gguf.quants.Q4_K.get_scale_min(scales)
+    assert (usc == sc).all() and (um == m).all()
+    return blk.reshape(rows, -1)
+
+
 def rand_q6_k(rng, rows, cols, sigma):
     """Random valid Q6_K blocks: random 6-bit values (ql, qh), 16 signed scales of
     magnitude 8..32, d set for a standard deviation near sigma."""
@@ -106,6 +136,10 @@ def make_weight(rng, qt, rows, cols, sigma):
     """A [rows, cols] weight (cols contiguous) as the array GGUFWriter stores."""
     if qt == QT.Q4_K:
         return rand_q4_k(rng, rows, cols, sigma)
+    if qt == QT.Q5_K:
+        return rand_q5_k(rng, rows, cols, sigma)
+    if qt == QT.Q8_1:  # an activation type, never a weight: only the loader's refusal reads it
+        return rng.integers(0, 256, (rows, cols // 32 * gguf.GGML_QUANT_SIZES[qt][1]), dtype=np.uint8)
     if qt == QT.Q6_K:
         return rand_q6_k(rng, rows, cols, sigma)
     w = rng.normal(0.0, sigma, (rows, cols)).astype(np.float32)
@@ -113,7 +147,7 @@ def make_weight(rng, qt, rows, cols, sigma):
         return w
     if qt == QT.F16:
         return w.astype(np.float16)
-    return quantize(w, qt)  # BF16, Q4_0, Q4_1, Q8_0: uint8 [rows, row bytes]
+    return quantize(w, qt)  # BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: uint8 [rows, row bytes]
 
 
 # ---------------------------------------------------------------------------
@@ -137,12 +171,22 @@ MODELS = [
          types=dict(attn_q=QT.Q4_K, attn_k=QT.Q6_K, attn_v=QT.Q4_K, attn_output=QT.Q6_K,
                     ffn_gate=QT.Q4_K, ffn_up=QT.Q6_K, ffn_down=QT.Q4_K),
          embd_type=QT.Q6_K, seed=1),
+    # Q5_K_M's mix: Q5_K for most matrices and the (tied) embedding, Q6_K for
+    # attn_v and ffn_down.
+    spec("llama-q5k-q6k", "llama", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=384,
+         types=dict(attn_v=QT.Q6_K, ffn_down=QT.Q6_K), default_type=QT.Q5_K, embd_type=QT.Q5_K, seed=7),
     # Q4_0 / Q8_0 with Q4_1 mixed in (so Q8_0 and Q8_1 activations alternate
     # within a layer), untied Q6_K output head, GQA 4.
     spec("llama-q40-q80-untied", "llama", n_embd=256, n_ff=384, n_head=8, n_head_kv=2,
          types=dict(attn_q=QT.Q4_0, attn_k=QT.Q8_0, attn_v=QT.Q4_1, attn_output=QT.Q8_0,
                     ffn_gate=QT.Q4_0, ffn_up=QT.Q4_1, ffn_down=QT.Q8_0),
          embd_type=QT.Q8_0, output_type=QT.Q6_K, seed=2),
+    # Q5_0 and Q5_1: what llama.cpp writes for Q4_K_M / Q5_K_M matrices whose rows
+    # are not a multiple of 256 (SmolLM2's 576), with Q8_0 for the embedding.
+    spec("llama-q50-q51", "llama", n_embd=192, n_ff=320, n_head=6, n_head_kv=2,
+         types=dict(attn_q=QT.Q5_0, attn_k=QT.Q5_1, attn_v=QT.Q8_0, attn_output=QT.Q5_1,
+                    ffn_gate=QT.Q5_0, ffn_up=QT.Q5_1, ffn_down=QT.Q5_0),
+         embd_type=QT.Q8_0, seed=8),
     # qwen2: q/k/v biases, NEOX RoPE, F16 weights, tied output.
     spec("qwen2-f16-bias", "qwen2", n_vocab=300, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
          default_type=QT.F16, embd_type=QT.F16, bias=True, rope_base=1000000.0, rms_eps=1e-6, seed=3),
@@ -275,15 +319,15 @@ class GgufModel:
             self.meta[k] = f.contents()
         self.t = {}      # name -> float64 array [rows, cols] (numpy order: ne reversed)
         self.type = {}   # name -> GGMLQuantizationType
-        self.q4_1_min = {}  # Q4_1 name -> [rows, blocks] block minimums m (for the noise model)
+        self.q4_1_min = {}  # Q4_1 / Q5_1 name -> [rows, blocks] block minimums m (for the noise model)
         for t in r.tensors:
             raw = np.asarray(t.data)
             a = dequantize(raw, t.tensor_type).astype(np.float64)
             ne = [int(x) for x in t.shape]  # ne[0] first
             self.t[t.name] = a.reshape(list(reversed(ne)) if len(ne) > 1 else ne)
             self.type[t.name] = QT(t.tensor_type)
-            if t.tensor_type == QT.Q4_1:
-                blocks = raw.reshape(-1, 20)  # f16 d, f16 m, 16 bytes of nibbles
+            if t.tensor_type in (QT.Q4_1, QT.Q5_1):
+                blocks = raw.reshape(-1, 20 if t.tensor_type == QT.Q4_1 else 24)  # f16 d, f16 m, then the values
                 self.q4_1_min[t.name] = blocks[:, 2:4].copy().view(np.float16).astype(np.float64).reshape(ne[1], -1)
         arch = self.meta["general.architecture"]
         g = lambda k, d=None: self.meta.get(f"{arch}.{k}", d)
@@ -314,8 +358,8 @@ class GgufModel:
 # its code nor duet's), so a test can tell how far from the exact logits an
 # engine that rounds like llama.cpp is expected to land. Before a product with
 # quantized weights the activations are rounded to 8 bits: per 32 values for
-# Q4_0 / Q8_0 (Q8_0: d = f16(amax/127)) and Q4_1 (Q8_1: also s = f16(d * sum q),
-# which meets the weight block minimum), per 256 for Q4_K / Q6_K (Q8_K: d =
+# Q4_0 / Q5_0 / Q8_0 (Q8_0: d = f16(amax/127)) and Q4_1 / Q5_1 (Q8_1: also s = f16(d * sum q),
+# which meets the weight block minimum), per 256 for the K-quants (Q8_K: d =
 # amax/127 in f32), q = round-half-even(x * 127/amax) in f32. Q, K and V are
 # rounded to f16 (K/V cache in f16) and so are the attention probabilities.
 
@@ -345,14 +389,14 @@ def matmul(m, x, name, sim):
     if not sim:
         return x @ W.T
     qt = m.type[name]
-    if qt in (QT.Q4_0, QT.Q8_0, QT.Q4_1):
+    if qt in (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_1, QT.Q5_1):
         q, d = q8_round(x, 32, True)
         y = (q * d).reshape(x.shape) @ W.T
-        if qt == QT.Q4_1:  # the minimum term meets s = f16(d * sum q), not sum(q * d)
+        if qt in (QT.Q4_1, QT.Q5_1):  # the minimum term meets s = f16(d * sum q), not sum(q * d)
             e = f16(d[..., 0] * q.sum(axis=-1)) - d[..., 0] * q.sum(axis=-1)  # [T, blocks]
             y = y + e @ m.q4_1_min[name].T
         return y
-    if qt in (QT.Q4_K, QT.Q6_K):
+    if qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         q, d = q8_round(x, QK_K, False)
         return (q * d).reshape(x.shape) @ W.T
     return x.astype(np.float32).astype(np.float64) @ W.T  # F32 / F16 / BF16: f32 activations
@@ -428,8 +472,8 @@ BAD = [
      "metadata key 'llama.block_count' is missing"),
     ("bad-key-type", BASE_BAD, dict(kv={"{arch}.attention.head_count": ("str", "4")}),
      "metadata key 'llama.attention.head_count' should be an integer"),
-    ("bad-weight-type", BASE_BAD, dict(type={"blk.0.ffn_down.weight": QT.Q5_0}),
-     "tensor 'blk.0.ffn_down.weight' has type 6 (Q5_0), which duet does not support"),
+    ("bad-weight-type", BASE_BAD, dict(type={"blk.0.ffn_down.weight": QT.Q8_1}),
+     "tensor 'blk.0.ffn_down.weight' has type 9 (Q8_1), which duet does not support"),
     ("bad-rot-dim", BASE_BAD, dict(kv={"{arch}.rope.dimension_count": ("u32", 48)}),
      "rope dimension 48 does not fit head size 16"),
     ("bad-norm-type", BASE_BAD, dict(type={"blk.0.attn_norm.weight": QT.F16}),

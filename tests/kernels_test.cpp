@@ -103,6 +103,9 @@ TEST(Isa, VecDotTypes) {
     EXPECT_EQ(vec_dot_type(DType::Q8_0), DType::Q8_0);
     EXPECT_EQ(vec_dot_type(DType::Q4_1), DType::Q8_1);
     EXPECT_EQ(vec_dot_type(DType::Q4_K), DType::Q8_K);
+    EXPECT_EQ(vec_dot_type(DType::Q5_K), DType::Q8_K);
+    EXPECT_EQ(vec_dot_type(DType::Q5_0), DType::Q8_0);
+    EXPECT_EQ(vec_dot_type(DType::Q5_1), DType::Q8_1);
     EXPECT_EQ(vec_dot_type(DType::Q6_K), DType::Q8_K);
     EXPECT_EQ(vec_dot_type(DType::F16), DType::F32);
     EXPECT_EQ(vec_dot_type(DType::BF16), DType::F32);
@@ -340,6 +343,72 @@ TEST(Dequantize, Q4_K) {
     }
 }
 
+// Q5_0 / Q5_1 blocks from 32 chosen 5-bit values: value i has its low 4 bits in
+// qs[i % 16] (low nibble for i < 16, high for i >= 16) and its fifth bit at bit
+// i of the little-endian qh.
+template <class Blk>
+void pack_q5(const int* q, Blk* blk) {
+    uint32_t qh = 0;
+    for (int i = 0; i < 32; ++i) {
+        uint8_t& qs = blk->qs[i % 16];
+        qs = static_cast<uint8_t>(qs | ((q[i] & 15) << (i < 16 ? 0 : 4)));
+        qh |= static_cast<uint32_t>(q[i] >> 4) << i;
+    }
+    std::memcpy(blk->qh, &qh, 4);
+}
+
+TEST(Dequantize, Q5_0AndQ5_1) {
+    int q[64];
+    std::mt19937 rng(6);
+    for (int& v : q) v = static_cast<int>(rng() % 32);
+    q[0] = 31;
+    q[31] = 16;
+    q[32] = 0;
+    q[63] = 15;
+    BlockQ5_0 b0[2];
+    BlockQ5_1 b1[2];
+    std::memset(b0, 0, sizeof b0);
+    std::memset(b1, 0, sizeof b1);
+    for (int k = 0; k < 2; ++k) {
+        pack_q5(q + 32 * k, &b0[k]);
+        pack_q5(q + 32 * k, &b1[k]);
+        b0[k].d = b1[k].d = k == 0 ? 0x3000 : 0x2C00;  // 0.125, 0.0625
+        b1[k].m = k == 0 ? 0xBC00 : 0x3800;            // -1, 0.5
+    }
+    std::vector<float> y(64);
+    dequantize_row(DType::Q5_0, b0, y.data(), 64);
+    for (int i = 0; i < 64; ++i) EXPECT_EQ(y[i], (i < 32 ? 0.125 : 0.0625) * (q[i] - 16)) << i;
+    dequantize_row(DType::Q5_1, b1, y.data(), 64);
+    for (int i = 0; i < 64; ++i) EXPECT_EQ(y[i], (i < 32 ? 0.125 : 0.0625) * q[i] + (i < 32 ? -1.0 : 0.5)) << i;
+}
+
+TEST(Dequantize, Q5_K) {
+    // Q4_K's scales and mins (distinct high bits) and 256 chosen 5-bit values:
+    // value 32j + l (sub-block j) has its low 4 bits in qs[32(j / 2) + l] (low
+    // nibble for even j, high for odd) and its fifth bit at bit j of qh[l].
+    const int sc[8] = {63, 2, 17, 33, 62, 48, 5, 21};
+    const int mn[8] = {9, 63, 40, 2, 16, 35, 60, 3};
+    int q[256];
+    std::mt19937 rng(4);
+    for (int& v : q) v = static_cast<int>(rng() % 32);
+    q[0] = 31;
+    q[255] = 16;
+    BlockQ5_K blk;
+    std::memset(&blk, 0, sizeof blk);
+    blk.d = 0x3000;     // 0.125
+    blk.dmin = 0x2C00;  // 0.0625
+    pack_q4k_scales(sc, mn, blk.scales);
+    for (int e = 0; e < 256; ++e) {
+        const int j = e / 32, l = e % 32;
+        uint8_t& qs = blk.qs[32 * (j / 2) + l];
+        qs = static_cast<uint8_t>(qs | ((q[e] & 15) << (j % 2 ? 4 : 0)));
+        blk.qh[l] = static_cast<uint8_t>(blk.qh[l] | ((q[e] >> 4) << j));
+    }
+    std::vector<float> y(256);
+    dequantize_row(DType::Q5_K, &blk, y.data(), 256);
+    for (int e = 0; e < 256; ++e) EXPECT_EQ(y[e], 0.125 * sc[e / 32] * q[e] - 0.0625 * mn[e / 32]) << e;
+}
+
 TEST(Dequantize, Q6_K) {
     // Build a block from 256 chosen 6-bit values: value e = 128h + 32k + l has
     // its low 4 bits in ql[64h + l + 32(k & 1)] (low nibble for k < 2, high
@@ -472,14 +541,29 @@ std::vector<uint8_t> make_weights(DType t, int64_t rows, int64_t n_in, size_t st
     std::mt19937 rng(seed);
     for (int64_t r = 0; r < rows; ++r) {
         uint8_t* row = w.data() + static_cast<size_t>(r) * stride;
-        if (t == DType::Q4_K || t == DType::Q6_K) {
+        if (t == DType::Q5_0 || t == DType::Q5_1) {
+            // Random values and fifth bits; d (and Q5_1's m, centring the row) drawn.
+            for (size_t i = 0; i < row_bytes(t, n_in); ++i) row[i] = static_cast<uint8_t>(rng());
+            const size_t bb = dtype_block_bytes(t);
+            for (int64_t b = 0; b < n_in / 32; ++b) {
+                const float d = std::uniform_real_distribution<float>(0.001f, 0.01f)(rng);
+                const uint16_t dh = fp32_to_fp16(d), mh = fp32_to_fp16(-15.5f * d);
+                std::memcpy(row + static_cast<size_t>(b) * bb, &dh, 2);
+                if (t == DType::Q5_1) std::memcpy(row + static_cast<size_t>(b) * bb + 2, &mh, 2);
+            }
+        } else if (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) {
             for (size_t i = 0; i < row_bytes(t, n_in); ++i) row[i] = static_cast<uint8_t>(rng());
             for (int64_t b = 0; b < n_in / 256; ++b) {
                 const uint16_t d = fp32_to_fp16(std::uniform_real_distribution<float>(0.001f, 0.01f)(rng));
+                const uint16_t dmin = fp32_to_fp16(std::uniform_real_distribution<float>(0.001f, 0.01f)(rng));
                 if (t == DType::Q4_K) {
                     BlockQ4_K* blk = reinterpret_cast<BlockQ4_K*>(row) + b;
                     blk->d = d;
-                    blk->dmin = fp32_to_fp16(std::uniform_real_distribution<float>(0.001f, 0.01f)(rng));
+                    blk->dmin = dmin;
+                } else if (t == DType::Q5_K) {
+                    BlockQ5_K* blk = reinterpret_cast<BlockQ5_K*>(row) + b;
+                    blk->d = d;
+                    blk->dmin = dmin;
                 } else {
                     reinterpret_cast<BlockQ6_K*>(row)[b].d = d;
                 }
@@ -532,7 +616,7 @@ void reference_matmul(DType wt, const std::vector<uint8_t>& w, size_t ws, const 
 
 std::vector<MatCase> mat_cases() {
     std::vector<MatCase> c;
-    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0}) {
         c.push_back({t, 32, 5, 1});
         c.push_back({t, 96, 19, 3});
         c.push_back({t, 544, 21, 11});  // 17 blocks: a partial group and chunk
@@ -545,7 +629,7 @@ std::vector<MatCase> mat_cases() {
         c.push_back({t, 33, 13, 5});
         c.push_back({t, 576, 17, 4});
     }
-    for (DType t : {DType::Q4_K, DType::Q6_K}) {
+    for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
         c.push_back({t, 256, 7, 3});
         c.push_back({t, 1536, 11, 5});
     }
@@ -563,13 +647,18 @@ TEST(Matmul, MatchesFloat64ReferenceAndScalarAtEveryIsa) {
         reference_matmul(mc.wtype, w, ws, xq, xs, mc.n_in, mc.rows, mc.n_tok, &ref, &mag);
         // Q4_1 uses s = f16(d * sum q) for the min term: allow its rounding.
         std::vector<double> extra(ref.size(), 0.0);
-        if (mc.wtype == DType::Q4_1) {
+        if (mc.wtype == DType::Q4_1 || mc.wtype == DType::Q5_1) {
+            const size_t bb = dtype_block_bytes(mc.wtype);  // m at bytes 2-3 of both layouts
             for (int t = 0; t < mc.n_tok; ++t) {
                 const BlockQ8_1* xb = reinterpret_cast<const BlockQ8_1*>(xq.data() + static_cast<size_t>(t) * xs);
                 for (int64_t r = 0; r < mc.rows; ++r) {
-                    const BlockQ4_1* wb = reinterpret_cast<const BlockQ4_1*>(w.data() + static_cast<size_t>(r) * ws);
+                    const uint8_t* wb = w.data() + static_cast<size_t>(r) * ws;
                     double e = 0;
-                    for (int64_t b = 0; b < mc.n_in / 32; ++b) e += std::fabs(fp16_to_fp32(wb[b].m) * fp16_to_fp32(xb[b].s));
+                    for (int64_t b = 0; b < mc.n_in / 32; ++b) {
+                        uint16_t m;
+                        std::memcpy(&m, wb + static_cast<size_t>(b) * bb + 2, 2);
+                        e += std::fabs(fp16_to_fp32(m) * fp16_to_fp32(xb[b].s));
+                    }
                     extra[static_cast<size_t>(t) * mc.rows + r] = e * std::ldexp(1.0, -10);
                 }
             }
@@ -591,7 +680,7 @@ TEST(Matmul, MatchesFloat64ReferenceAndScalarAtEveryIsa) {
                     ASSERT_NEAR(got, ref[i], tol) << dtype_name(mc.wtype) << " " << isa_str(isa) << " n_in " << mc.n_in
                                                   << " r " << r << " t " << t;
                     ASSERT_NEAR(got, sc, 2e-6 * mag[i] + 1e-30) << dtype_name(mc.wtype) << " " << isa_str(isa);
-                    if (mc.wtype == DType::Q4_K || mc.wtype == DType::Q6_K) {
+                    if (mc.wtype == DType::Q4_K || mc.wtype == DType::Q5_K || mc.wtype == DType::Q6_K) {
                         // Exact integer sums + the scalar float expression: equal bits.
                         ASSERT_EQ(bits(got), bits(sc)) << dtype_name(mc.wtype) << " " << isa_str(isa);
                     }
@@ -611,10 +700,11 @@ TEST(Matmul, BatchInvariantAtEveryIsa) {
         DType t;
         int64_t n_in, rows;
     };
-    const Shape shapes[] = {{DType::Q4_1, 576, 41},  {DType::Q4_1, 1536, 12}, {DType::Q4_0, 544, 23},
-                            {DType::Q8_0, 576, 29},  {DType::Q8_0, 96, 9},    {DType::F16, 100, 27},
-                            {DType::F32, 64, 19},    {DType::BF16, 35, 10},   {DType::Q4_K, 512, 13},
-                            {DType::Q6_K, 256, 11}};
+    const Shape shapes[] = {{DType::Q4_1, 576, 41}, {DType::Q4_1, 1536, 12}, {DType::Q4_0, 544, 23},
+                            {DType::Q8_0, 576, 29}, {DType::Q8_0, 96, 9},    {DType::F16, 100, 27},
+                            {DType::F32, 64, 19},   {DType::BF16, 35, 10},   {DType::Q4_K, 512, 13},
+                            {DType::Q6_K, 256, 11}, {DType::Q5_K, 768, 13},  {DType::Q5_0, 544, 23},
+                            {DType::Q5_1, 576, 41}};
     constexpr int kTok = 19;
     for (const Shape& s : shapes) {
         const DType xt = vec_dot_type(s.t);
@@ -658,12 +748,13 @@ TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
     };
     // Q4 / Q8_0 widths: full chunks and a short tail (576 = 16 + 2 blocks), full
     // chunks only (1536), a partial chunk (672 = 16 + 5 blocks), only a tail (32, 64).
-    const Shape shapes[] = {{DType::Q4_0, 576, 37},  {DType::Q4_1, 576, 37},  {DType::Q8_0, 576, 37},
-                            {DType::Q4_0, 1536, 19}, {DType::Q4_1, 1536, 19}, {DType::Q8_0, 1536, 19},
-                            {DType::Q4_0, 672, 23},  {DType::Q4_1, 672, 23},  {DType::Q8_0, 672, 23},
-                            {DType::Q4_1, 32, 9},    {DType::Q4_0, 64, 9},    {DType::Q8_0, 64, 9},
-                            {DType::Q4_K, 512, 37},  {DType::Q6_K, 512, 37},  {DType::F16, 100, 37},
-                            {DType::BF16, 100, 37},  {DType::F32, 100, 37}};
+    const Shape shapes[] = {
+        {DType::Q4_0, 576, 37},  {DType::Q4_1, 576, 37},  {DType::Q8_0, 576, 37}, {DType::Q4_0, 1536, 19},
+        {DType::Q4_1, 1536, 19}, {DType::Q8_0, 1536, 19}, {DType::Q4_0, 672, 23}, {DType::Q4_1, 672, 23},
+        {DType::Q8_0, 672, 23},  {DType::Q4_1, 32, 9},    {DType::Q4_0, 64, 9},   {DType::Q8_0, 64, 9},
+        {DType::Q4_K, 512, 37},  {DType::Q6_K, 512, 37},  {DType::F16, 100, 37},  {DType::BF16, 100, 37},
+        {DType::F32, 100, 37},   {DType::Q5_K, 512, 37},  {DType::Q5_0, 576, 37}, {DType::Q5_1, 576, 37},
+        {DType::Q5_0, 1536, 19}, {DType::Q5_1, 672, 23}};
     constexpr int kMaxTok = 512;
     std::vector<int> counts;
     for (int n = 1; n <= 16; ++n) counts.push_back(n);
@@ -695,8 +786,8 @@ TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
 // and each (row, token) equals its value from a one-token, one-row call.
 TEST(Matmul, RandomShapesAgreeAndAreBatchInvariant) {
     std::mt19937 rng(2024);
-    const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::F32, DType::BF16,
-                           DType::Q4_K, DType::Q6_K};
+    const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16,  DType::F32, DType::BF16,
+                           DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::Q5_0, DType::Q5_1};
     for (int trial = 0; trial < 48; ++trial) {
         const DType t = types[trial % std::size(types)];
         const int64_t be = dtype_block_elems(t) == 1 ? 1 : dtype_block_elems(t);
@@ -721,7 +812,8 @@ TEST(Matmul, RandomShapesAgreeAndAreBatchInvariant) {
             for (int tk = 0; tk < n_tok; ++tk) {
                 for (int64_t r = r0; r < r1; ++r) {
                     const size_t i = static_cast<size_t>(tk) * rows + r;
-                    const double extra = t == DType::Q4_1 ? 2e-3 * mag[i] : 0.0;  // s = f16(d * sum q)
+                    const double extra =
+                        t == DType::Q4_1 || t == DType::Q5_1 ? 2e-3 * mag[i] : 0.0;  // s = f16(d * sum q)
                     ASSERT_NEAR(y[i], ref[i], 2e-5 * mag[i] + extra + 1e-30)
                         << dtype_name(t) << " " << isa_str(isa) << " n_in " << n_in << " r " << r << " t " << tk;
                 }
@@ -784,7 +876,8 @@ TEST(Matmul, ShortTailRowsInDecodeEqualOneRowCallsAndTiles) {
                                                                 << " rows [" << rg.r0 << ", " << rg.r1 << ") r " << r;
                             ASSERT_EQ(bits(y[i]), bits(tiled[i]))
                                 << dtype_name(t) << " " << isa_str(isa) << " nb " << nb << " r " << r;
-                            const double extra = t == DType::Q4_1 ? 2e-3 * mag[i] : 0.0;  // s = f16(d * sum q)
+                            const double extra =
+                                t == DType::Q4_1 || t == DType::Q5_1 ? 2e-3 * mag[i] : 0.0;  // s = f16(d * sum q)
                             ASSERT_NEAR(y[i], ref[i], 2e-5 * mag[i] + extra + 1e-30)
                                 << dtype_name(t) << " " << isa_str(isa);
                         }
@@ -826,7 +919,8 @@ class Guarded {
 // padded load) faults here, not only under a sanitizer. Prefetches may reach
 // past the rows; they never fault.
 TEST(Matmul, ReadsNothingOutsideItsRows) {
-    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::Q4_K, DType::Q6_K}) {
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::F16, DType::Q4_K,
+                    DType::Q5_K, DType::Q6_K}) {
         const DType xt = vec_dot_type(t);
         const int64_t be = dtype_block_elems(t);
         for (int64_t n_in : {be, 2 * be, 17 * be, 18 * be, 48 * be}) {

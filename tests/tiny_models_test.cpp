@@ -1,9 +1,9 @@
 // The model paths the real default model does not exercise, on tiny random
 // models against a float64 reference: qwen2 (q/k/v biases, NEOX RoPE), an untied
 // output head, rope_freqs factors, partial rotary, head_dim != n_embd / n_head,
-// GQA ratios 1, 2 and 4, and the weight types F32, F16, BF16, Q4_0, Q4_1, Q8_0,
-// Q4_K and Q6_K, at every instruction set this CPU has. Also the loader's
-// rejection of broken files.
+// GQA ratios 1, 2, 3 and 4, and the weight types F32, F16, BF16, Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, at every instruction set this CPU has. Also
+// the loader's rejection of broken files.
 //
 // The models and the reference logits come from scripts/make-tiny-models.py,
 // which CTest runs first (fixture tiny_models) into DUET_TINY_MODELS. The
@@ -63,6 +63,8 @@ json load_json(const std::string& file) {
 // avx512 (one figure where all three agree to the digits shown), then the noise
 // model vs exact:
 //   llama-q4k-q6k                0.206 / 0.0385               noise 0.182 / 0.0385
+//   llama-q5k-q6k (2026-12-07)   0.171 / 0.0316               noise 0.183 / 0.0318
+//   llama-q50-q51 (2026-12-07)   0.139 / 0.0235 0.0234 0.0234 noise 0.125 / 0.0233
 //   llama-q40-q80-untied         0.065 / 0.0140               noise 0.057 / 0.0141
 //   llama-q41-ropefreqs-partial  0.082 0.078 0.092 / 0.0208   noise 0.080 / 0.0207
 //   llama-q80-mha                0.101 0.108 0.101 / 0.0247 0.0253 0.0247
@@ -93,6 +95,8 @@ constexpr double kMaxNoiseFloat = 0.012, kRmsNoiseFloat = 0.002;
 
 const TinyModel kModels[] = {
     {"llama-q4k-q6k", false},
+    {"llama-q5k-q6k", false},
+    {"llama-q50-q51", false},
     {"llama-q40-q80-untied", false},
     {"qwen2-f16-bias", true},
     {"llama-bf16-f32-headdim", true},

@@ -5,15 +5,17 @@
 // tile it sits in; tiles only interleave independent (row, token) chains.
 // - F32/F16/BF16 weights: one 8-lane accumulator over k in steps of 8, then
 //   hsum(acc) (fixed tree), then the n_in % 8 tail added in order.
-// - Q4_0, Q8_0: acc += cvt(int lane sums of block b) * (d_w d_x), block by
-//   block; result hsum(acc).
-// - Q4_1: the same, plus a scalar sm += m_w s_x per block; result hsum(acc) + sm.
-// - Q4_K, Q6_K: exact integer sums per super-block, then the scalar level's
+// - Q4_0, Q5_0, Q8_0: acc += cvt(int lane sums of block b) * (d_w d_x), block
+//   by block; result hsum(acc).
+// - Q4_1, Q5_1: the same, plus a scalar sm += m_w s_x per block; result
+//   hsum(acc) + sm.
+// - Q4_K, Q5_K, Q6_K: exact integer sums per super-block, then the scalar level's
 //   own float expression, so these agree bit for bit with Isa::Scalar.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "kernels/cpu/kernels_impl.h"
 
@@ -231,11 +233,11 @@ void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void
 }
 
 // ---------------------------------------------------------------------------
-// Q4_0, Q4_1, Q8_0 weights, T tokens at a time (T <= kTile). Activation scales
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights, T tokens at a time (T <= kTile). Activation scales
 // are converted to float once per call into scratch, block-major per tile of
 // tokens: xd[b * kTile + j] (d of token j's block b; and Q8_1's s after them), so
 // that for each weight row one pass over its block scales forms every product
-// d_w * d_x of the tile with one vector multiply per block (and Q4_1's min terms
+// d_w * d_x of the tile with one vector multiply per block (and Q4_1/Q5_1 min terms
 // m_w * s_x, summed per token in a vector lane), and the main loop spends per
 // (block, token) only the integer dot, a conversion and one FMA. Per (row,
 // token) the operations and their order are those of a one-token call.
@@ -243,6 +245,40 @@ void matmul_float(DType t, const void* w, size_t w_stride, int64_t n, const void
 constexpr int kTile = 8;
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
+
+// The types with a block minimum (Q8_1 activations, whose s meets it).
+template <DType W>
+constexpr bool has_min() {
+    return W == DType::Q4_1 || W == DType::Q5_1;
+}
+inline bool has_min(DType t) { return t == DType::Q4_1 || t == DType::Q5_1; }
+
+template <DType W>
+constexpr size_t x_block_bytes() {
+    return has_min<W>() ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
+}
+template <DType W>
+constexpr size_t w_block_bytes() {
+    switch (W) {
+        case DType::Q4_0: return sizeof(BlockQ4_0);
+        case DType::Q4_1: return sizeof(BlockQ4_1);
+        case DType::Q5_0: return sizeof(BlockQ5_0);
+        case DType::Q5_1: return sizeof(BlockQ5_1);
+        default: return sizeof(BlockQ8_0);
+    }
+}
+
+// A Q5 block's fifth bits as bytes: byte i is 0x10 where bit i of the
+// little-endian 32-bit qh is set, else 0.
+inline __m256i q5_high_bits(const uint8_t* qh) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of qh
+        _mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2,
+                                                                    2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);  // byte i tests bit i % 8
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
 
 // 16 bytes of nibbles to 32 bytes, low nibbles first: a broadcast load (no ALU
 // work), a shift of the upper half only, a mask.
@@ -261,44 +297,53 @@ inline __m256 row_scales(const char* wr, int64_t nb, const float* xd, float* dd)
     __m256 sm = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const float* xb = xd + b * kTile;
-        if constexpr (W == DType::Q4_1) {
-            const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
+        const char* blk = wr + static_cast<size_t>(b) * w_block_bytes<W>();  // d (and m) first in every layout
+        if constexpr (has_min<W>()) {
             // d and m (adjacent f16s) in one conversion.
             int32_t dm_bits;
-            std::memcpy(&dm_bits, &blk->d, 4);
+            std::memcpy(&dm_bits, blk, 4);
             const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
             const __m256 dw = _mm256_broadcastss_ps(dm);
             const __m256 mw = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
             _mm256_store_ps(dd + b * kTile, _mm256_mul_ps(dw, _mm256_load_ps(xb)));
             sm = _mm256_add_ps(sm, _mm256_mul_ps(mw, _mm256_load_ps(xb + nb * kTile)));
         } else {
-            const uint16_t d = W == DType::Q4_0 ? reinterpret_cast<const BlockQ4_0*>(wr)[b].d
-                                                : reinterpret_cast<const BlockQ8_0*>(wr)[b].d;
+            uint16_t d;
+            std::memcpy(&d, blk, 2);
             _mm256_store_ps(dd + b * kTile, _mm256_mul_ps(_mm256_set1_ps(h2f(d)), _mm256_load_ps(xb)));
         }
     }
     return sm;
 }
 
-// One block of one weight row: its 32 values as bytes for maddubs (Q4_1's
-// unsigned nibbles; Q4_0's and Q8_0's magnitudes, with their signs in `sw`) and
-// its scale d_w (and Q4_1's min m_w).
+// One block of one weight row: its 32 values as bytes for maddubs (Q4_1's and
+// Q5_1's unsigned values; Q4_0's, Q5_0's and Q8_0's magnitudes, with their signs
+// in `sw`) and its scale d_w (and Q4_1's / Q5_1's min m_w).
 template <DType W>
 inline __m256i weight_block(const char* wr, int64_t b, __m256i* sw, float* dw, float* mw) {
-    if constexpr (W == DType::Q4_1) {
-        const BlockQ4_1* blk = reinterpret_cast<const BlockQ4_1*>(wr) + b;
+    if constexpr (has_min<W>()) {
+        const char* blk = wr + static_cast<size_t>(b) * w_block_bytes<W>();
         // d and m (adjacent f16s) in one conversion.
         int32_t dm_bits;
-        std::memcpy(&dm_bits, &blk->d, 4);
+        std::memcpy(&dm_bits, blk, 4);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
         *dw = _mm_cvtss_f32(dm);
         *mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-        return nibbles32(blk->qs);
+        if constexpr (W == DType::Q5_1) {
+            const BlockQ5_1* q5 = reinterpret_cast<const BlockQ5_1*>(blk);
+            return _mm256_or_si256(nibbles32(q5->qs), q5_high_bits(q5->qh));
+        } else {
+            return nibbles32(reinterpret_cast<const BlockQ4_1*>(blk)->qs);
+        }
     } else {
         __m256i wv;
         if constexpr (W == DType::Q4_0) {
             const BlockQ4_0* blk = reinterpret_cast<const BlockQ4_0*>(wr) + b;
             wv = _mm256_sub_epi8(nibbles32(blk->qs), _mm256_set1_epi8(8));
+            *dw = h2f(blk->d);
+        } else if constexpr (W == DType::Q5_0) {
+            const BlockQ5_0* blk = reinterpret_cast<const BlockQ5_0*>(wr) + b;
+            wv = _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk->qs), q5_high_bits(blk->qh)), _mm256_set1_epi8(16));
             *dw = h2f(blk->d);
         } else {
             const BlockQ8_0* blk = reinterpret_cast<const BlockQ8_0*>(wr) + b;
@@ -311,24 +356,14 @@ inline __m256i weight_block(const char* wr, int64_t b, __m256i* sw, float* dw, f
 }
 
 // The integer dot of a weight block with a token's block, as 8 int32 lanes
-// converted to float. Q4_0 and Q8_0 are signed, so |w| * sign(x, w) feeds maddubs
-// (at most 2 * 128 * 127 per pair: no saturation); Q4_1's nibbles are unsigned
-// (2 * 15 * 127).
+// converted to float. Q4_0, Q5_0 and Q8_0 are signed, so |w| * sign(x, w) feeds
+// maddubs (at most 2 * 128 * 127 per pair: no saturation); Q4_1's and Q5_1's
+// values are unsigned (2 * 31 * 127).
 template <DType W>
 inline __m256 block_dot(__m256i wv, __m256i sw, const int8_t* xq) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    const __m256i u =
-        W == DType::Q4_1 ? _mm256_maddubs_epi16(wv, xv) : _mm256_maddubs_epi16(wv, _mm256_sign_epi8(xv, sw));
+    const __m256i u = has_min<W>() ? _mm256_maddubs_epi16(wv, xv) : _mm256_maddubs_epi16(wv, _mm256_sign_epi8(xv, sw));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(u, ones16()));
-}
-
-template <DType W>
-constexpr size_t x_block_bytes() {
-    return W == DType::Q4_1 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
-}
-template <DType W>
-constexpr size_t w_block_bytes() {
-    return W == DType::Q4_1 ? sizeof(BlockQ4_1) : W == DType::Q4_0 ? sizeof(BlockQ4_0) : sizeof(BlockQ8_0);
 }
 
 // T <= 4 tokens, one row: the scale products inline (a pass over the row's
@@ -353,13 +388,13 @@ void q32_row_inline(const char* w, size_t w_stride, int64_t nb, const int8_t* co
         const __m256i wv = weight_block<W>(wr, b, &sw, &dw, &mw);
         for (int j = 0; j < T; ++j) {
             const float d = dw * xd[b * kTile + j];
-            if constexpr (W == DType::Q4_1) sm[j] += mw * xd[(nb + b) * kTile + j];
+            if constexpr (has_min<W>()) sm[j] += mw * xd[(nb + b) * kTile + j];
             acc[j] = _mm256_fmadd_ps(block_dot<W>(wv, sw, xq[j] + b * xblk), _mm256_set1_ps(d), acc[j]);
         }
     }
     for (int j = 0; j < T; ++j) {
         const float v = hsum(acc[j]);
-        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
+        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = has_min<W>() ? v + sm[j] : v;
     }
 }
 
@@ -387,15 +422,15 @@ void q32_row_prepass(const char* w, size_t w_stride, int64_t nb, const int8_t* c
     }
     for (int j = 0; j < T; ++j) {
         const float v = hsum(acc[j]);
-        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q4_1 ? v + sm[j] : v;
+        y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = has_min<W>() ? v + sm[j] : v;
     }
 }
 
-// Rows [r0, r1) against T tokens of Q8_0 (Q8_1 for Q4_1) activations.
+// Rows [r0, r1) against T tokens of Q8_0 (Q8_1 for Q4_1 and Q5_1) activations.
 template <int T, DType W>
 void q32_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, const float* xd, float* dd,
               float* y, size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
-    constexpr size_t xoff = W == DType::Q4_1 ? offsetof(BlockQ8_1, qs) : offsetof(BlockQ8_0, qs);
+    constexpr size_t xoff = has_min<W>() ? offsetof(BlockQ8_1, qs) : offsetof(BlockQ8_0, qs);
     const int8_t* xq[T];
     for (int j = 0; j < T; ++j) xq[j] = reinterpret_cast<const int8_t*>(x + static_cast<size_t>(j) * x_stride + xoff);
     for (int64_t r = r0; r < r1; ++r) {
@@ -416,6 +451,12 @@ void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, 
         case DType::Q4_0:
             q32_rows<T, DType::Q4_0>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch);
             return;
+        case DType::Q5_0:
+            q32_rows<T, DType::Q5_0>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch);
+            return;
+        case DType::Q5_1:
+            q32_rows<T, DType::Q5_1>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch);
+            return;
         default: q32_rows<T, DType::Q8_0>(w, w_stride, nb, x, x_stride, xd, dd, y, ldy, r0, r1, prefetch); return;
     }
 }
@@ -423,7 +464,7 @@ void q_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, 
 void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
                 float* y, size_t ldy, int64_t r0, int64_t r1) {
     const int64_t nb = n_in / kQK;
-    const int per_tok = t == DType::Q4_1 ? 2 : 1;  // scales per block per token
+    const int per_tok = has_min(t) ? 2 : 1;  // scales per block per token
     const int n_tiles = (n_tok + kTile - 1) / kTile;
     const size_t tile_floats = static_cast<size_t>(nb) * kTile * per_tok;
     // The tiles' activation scales, then one row's scale products (dd).
@@ -434,7 +475,7 @@ void matmul_q32(DType t, const void* w, size_t w_stride, int64_t n_in, const voi
     const char* xb = static_cast<const char*>(xq);
     for (int j = 0; j < n_tok; ++j) {
         float* f = xf + static_cast<size_t>(j / kTile) * tile_floats + j % kTile;
-        if (t == DType::Q4_1) {
+        if (has_min(t)) {
             const BlockQ8_1* xr = reinterpret_cast<const BlockQ8_1*>(xb + static_cast<size_t>(j) * xq_stride);
             for (int64_t b = 0; b < nb; ++b) {
                 f[b * kTile] = h2f(xr[b].d);
@@ -478,19 +519,21 @@ inline int hsum128_i32(__m128i s) {
     return _mm_cvtsi128_si32(s);
 }
 
-// Q4_K x Q8_K, T tokens: each super-block's nibbles, scales and mins are unpacked
-// once for the T tokens. Per (row, token) the integer sums are exact and the float
-// step is the scalar level's expression, super-block by super-block, so every
-// tile (and Isa::Scalar) gives the same bits.
-template <int T>
-void q4_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
-               int64_t r0, int64_t r1, bool prefetch) {
+// Q4_K or Q5_K (Blk) x Q8_K, T tokens: each super-block's values, scales and mins
+// are unpacked once for the T tokens. Per (row, token) the integer sums are exact
+// and the float step is the scalar level's expression, super-block by super-block,
+// so every tile (and Isa::Scalar) gives the same bits.
+template <class Blk, int T>
+void q45_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
+                int64_t r0, int64_t r1, bool prefetch) {
+    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
     const BlockQ8_K* xr[T];
     for (int j = 0; j < T; ++j) xr[j] = reinterpret_cast<const BlockQ8_K*>(x + static_cast<size_t>(j) * x_stride);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m16 = _mm256_set1_epi8(0x10);
     for (int64_t r = r0; r < r1; ++r) {
-        const BlockQ4_K* wr = reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * w_stride);
-        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(BlockQ4_K));
+        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
+        if (prefetch) prefetch_row(wr, static_cast<size_t>(nb) * sizeof(Blk));
         float s[T];
         for (int j = 0; j < T; ++j) s[j] = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -498,16 +541,24 @@ void q4_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t
             q4k_scales_mins(wr[b].scales, sc, mn);
             __m256i acc[T];
             for (int j = 0; j < T; ++j) acc[j] = _mm256_setzero_si256();
+            __m256i qh = _mm256_setzero_si256();  // Q5_K: qh >> 2c, bits 0 and 1 for chunk c
+            if constexpr (kFive) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh));
             for (int c = 0; c < 4; ++c) {
                 const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
-                const __m256i lo = _mm256_and_si256(q, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                __m256i lo = _mm256_and_si256(q, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if constexpr (kFive) {
+                    // Word shifts keep each byte's bit in its byte once masked to 0x10.
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
+                    qh = _mm256_srli_epi16(qh, 2);
+                }
                 const __m256i s0 = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
                 const __m256i s1 = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
                 for (int j = 0; j < T; ++j) {
                     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs + 64 * c));
                     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].qs + 64 * c + 32));
-                    // maddubs pairs are at most 2 * 15 * 127; times a 6-bit scale in madd.
+                    // maddubs pairs are at most 2 * 31 * 128; times a 6-bit scale in madd.
                     const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0);
                     const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1);
                     acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(p0, p1));
@@ -590,7 +641,9 @@ template <int T>
 void k_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
             int64_t r0, int64_t r1, bool prefetch) {
     if (t == DType::Q4_K)
-        q4_k_rows<T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
+        q45_k_rows<BlockQ4_K, T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
+    else if (t == DType::Q5_K)
+        q45_k_rows<BlockQ5_K, T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
     else
         q6_k_rows<T>(w, w_stride, nb, x, x_stride, y, ldy, r0, r1, prefetch);
 }
@@ -704,12 +757,14 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
         case DType::F32: case DType::F16: case DType::BF16:
             matmul_float(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
             return;
-        case DType::Q4_0: case DType::Q4_1: case DType::Q8_0:
-            matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
-            return;
-        case DType::Q4_K: case DType::Q6_K:
-            matmul_k(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
-            return;
+        case DType::Q4_0:
+        case DType::Q4_1:
+        case DType::Q5_0:
+        case DType::Q5_1:
+        case DType::Q8_0: matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
+        case DType::Q4_K:
+        case DType::Q5_K:
+        case DType::Q6_K: matmul_k(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
         default: kernel_fail("matmul: unsupported weight type");
     }
 }

@@ -1318,10 +1318,16 @@ inline __m512i q4k_min_sums(const BlockQ8_K* const* xr, int64_t b, const __m512i
     return hsum_quads_epi32(add_halves8_epi32(v[0], v[1]), add_halves8_epi32(v[2], v[3]));
 }
 
-template <int T>
-__attribute__((noinline)) void q4k_tiles(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr,
-                                         float* y, size_t ldy, int64_t r0, int64_t r1) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+// Q4_K or Q5_K (Blk): dpbusd's sums of four products are at most 4 * 31 * 128, so
+// packssdw keeps them exact.
+template <class Blk, int T>
+__attribute__((noinline)) void q45k_tiles(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr,
+                                          float* y, size_t ldy, int64_t r0, int64_t r1) {
+    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
+    // Q5_K's fifth bits for chunk c: bit 2c of qh[l] (low nibbles, lower half) and
+    // bit 2c + 1 (high nibbles, upper half), moved to bit 4 of each byte from qh >> 2c.
+    const __m512i sh5 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(3), 1);
     // packssdw(P_2q, P_2q+1) holds, in 128-bit lane k, sub-block 4q + k / 2's sums
     // (words 0-3) and 4q + 2 + k / 2's (words 4-7): the scale words to match.
     alignas(64) uint16_t ia[32], ib[32], im[32];
@@ -1333,7 +1339,7 @@ __attribute__((noinline)) void q4k_tiles(const char* w, size_t w_stride, int64_t
     }
     const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib), idx_m = _mm512_load_si512(im);
     for (int64_t r = r0; r < r1; ++r) {
-        const BlockQ4_K* wr = reinterpret_cast<const BlockQ4_K*>(w + static_cast<size_t>(r) * w_stride);
+        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
         __m512 s = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             alignas(16) uint8_t sc[16], mn[16];
@@ -1348,6 +1354,12 @@ __attribute__((noinline)) void q4k_tiles(const char* w, size_t w_stride, int64_t
             for (int c = 0; c < 4; ++c) {
                 const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
                 q[c] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+            }
+            if constexpr (kFive) {
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh));
+                __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+                for (int c = 0; c < 4; ++c, qh = _mm512_srli_epi16(qh, 2))
+                    q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_sllv_epi16(qh, sh5), m16));
             }
             __m512i sums[8];
             for (int j = 0; j < 8; ++j) {
@@ -1444,7 +1456,9 @@ template <int T>
 void k_tiles(DType t, const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr, float* y, size_t ldy,
              int64_t r0, int64_t r1) {
     if (t == DType::Q4_K) {
-        q4k_tiles<T>(w, w_stride, nb, xr, y, ldy, r0, r1);
+        q45k_tiles<BlockQ4_K, T>(w, w_stride, nb, xr, y, ldy, r0, r1);
+    } else if (t == DType::Q5_K) {
+        q45k_tiles<BlockQ5_K, T>(w, w_stride, nb, xr, y, ldy, r0, r1);
     } else {
         q6k_tiles<T>(w, w_stride, nb, xr, y, ldy, r0, r1);
     }
@@ -1654,10 +1668,11 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
             matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
             return;
         case DType::Q4_K:
+        case DType::Q5_K:
         case DType::Q6_K:
             // Both levels give the scalar level's bits, so the faster one is taken:
-            // AVX2's for one token (streaming weights) and for Q4_K pairs.
-            if (n_tok >= (wtype == DType::Q4_K ? 3 : 2)) {
+            // AVX2's for one token (streaming weights) and for Q4_K / Q5_K pairs.
+            if (n_tok >= (wtype == DType::Q6_K ? 2 : 3)) {
                 matmul_k_tiles(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
             } else {
                 avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);

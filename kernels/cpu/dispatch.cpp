@@ -96,9 +96,14 @@ uint16_t fp32_to_bf16(float f) { return float_to_bf16(f); }
 
 DType vec_dot_type(DType w) {
     switch (w) {
-        case DType::Q4_0: case DType::Q8_0: return DType::Q8_0;
-        case DType::Q4_1: return DType::Q8_1;
-        case DType::Q4_K: case DType::Q6_K: return DType::Q8_K;
+        case DType::Q4_0:
+        case DType::Q5_0:
+        case DType::Q8_0: return DType::Q8_0;
+        case DType::Q4_1:
+        case DType::Q5_1: return DType::Q8_1;
+        case DType::Q4_K:
+        case DType::Q5_K:
+        case DType::Q6_K: return DType::Q8_K;
         default: return DType::F32;
     }
 }
@@ -144,6 +149,35 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
             }
             return;
         }
+        case DType::Q5_0:
+        case DType::Q5_1: {
+            // Value j: nibble j (low nibbles first) with bit j of qh as its fifth bit;
+            // Q5_0: d * (q - 16), Q5_1: d * q + m.
+            const size_t bytes = dtype_block_bytes(t);
+            const uint8_t* p = static_cast<const uint8_t*>(src);
+            for (int64_t i = 0; i < nb; ++i, dst += kQK, p += bytes) {
+                uint16_t dh, mh = 0;
+                uint32_t qh;
+                std::memcpy(&dh, p, 2);
+                if (t == DType::Q5_1) std::memcpy(&mh, p + 2, 2);
+                const uint8_t* after = p + (t == DType::Q5_1 ? 4 : 2);
+                std::memcpy(&qh, after, 4);
+                const uint8_t* qs = after + 4;
+                const float d = half_to_float(dh), m = half_to_float(mh);
+                for (int j = 0; j < kQK / 2; ++j) {
+                    const int q0 = (qs[j] & 15) | static_cast<int>(((qh >> j) & 1) << 4);
+                    const int q1 = (qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1) << 4);
+                    if (t == DType::Q5_0) {
+                        dst[j] = static_cast<float>(q0 - 16) * d;
+                        dst[j + 16] = static_cast<float>(q1 - 16) * d;
+                    } else {
+                        dst[j] = static_cast<float>(q0) * d + m;
+                        dst[j + 16] = static_cast<float>(q1) * d + m;
+                    }
+                }
+            }
+            return;
+        }
         case DType::Q8_0: {
             const BlockQ8_0* b = static_cast<const BlockQ8_0*>(src);
             for (int64_t i = 0; i < nb; ++i, dst += kQK) {
@@ -183,6 +217,29 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
                     const uint8_t* q = b[i].qs + 32 * c;
                     for (int l = 0; l < 32; ++l) *dst++ = d0 * static_cast<float>(q[l] & 15) - mm0;
                     for (int l = 0; l < 32; ++l) *dst++ = d1 * static_cast<float>(q[l] >> 4) - mm1;
+                }
+            }
+            return;
+        }
+        case DType::Q5_K: {
+            // Q4_K's order, with bit j of qh[l] as the fifth bit of value l of
+            // sub-block j.
+            const BlockQ5_K* b = static_cast<const BlockQ5_K*>(src);
+            for (int64_t i = 0; i < nb; ++i) {
+                const float d = half_to_float(b[i].d);
+                const float dmin = half_to_float(b[i].dmin);
+                for (int c = 0; c < 4; ++c) {
+                    int sc0, m0, sc1, m1;
+                    q4k_scale_min(2 * c, b[i].scales, &sc0, &m0);
+                    q4k_scale_min(2 * c + 1, b[i].scales, &sc1, &m1);
+                    const float d0 = d * static_cast<float>(sc0), mm0 = dmin * static_cast<float>(m0);
+                    const float d1 = d * static_cast<float>(sc1), mm1 = dmin * static_cast<float>(m1);
+                    const uint8_t* q = b[i].qs + 32 * c;
+                    const uint8_t* qh = b[i].qh;
+                    for (int l = 0; l < 32; ++l)
+                        *dst++ = d0 * static_cast<float>((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - mm0;
+                    for (int l = 0; l < 32; ++l)
+                        *dst++ = d1 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - mm1;
                 }
             }
             return;
@@ -247,9 +304,9 @@ void quantize_row(Isa isa, DType t, const float* src, void* dst, int64_t n) {
 void matmul(Isa isa, DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq,
             size_t xq_stride, int n_tok, float* y, size_t ldy, int64_t r0, int64_t r1) {
     check_isa(isa);
-    const bool ok = wtype == DType::F32 || wtype == DType::F16 || wtype == DType::BF16 ||
-                    wtype == DType::Q4_0 || wtype == DType::Q4_1 || wtype == DType::Q8_0 ||
-                    wtype == DType::Q4_K || wtype == DType::Q6_K;
+    const bool ok = wtype == DType::F32 || wtype == DType::F16 || wtype == DType::BF16 || wtype == DType::Q4_0 ||
+                    wtype == DType::Q4_1 || wtype == DType::Q5_0 || wtype == DType::Q5_1 || wtype == DType::Q8_0 ||
+                    wtype == DType::Q4_K || wtype == DType::Q5_K || wtype == DType::Q6_K;
     if (!ok) kernel_fail("matmul: unsupported weight type");
     if (n_in <= 0 || n_in % dtype_block_elems(wtype) != 0) kernel_fail("matmul: n_in must be a positive multiple of the weight block");
     if (r1 <= r0 || n_tok <= 0) return;

@@ -38,7 +38,8 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n);
 void quantize_row(Isa isa, DType t, const float* src, void* dst, int64_t n);
 
 // The type activations are quantized to before a product with weights of type w:
-// Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K, F32 otherwise.
+// Q8_0 for Q4_0, Q5_0 and Q8_0, Q8_1 for Q4_1 and Q5_1, Q8_K for the K-quants,
+// F32 otherwise.
 DType vec_dot_type(DType w);
 
 // y[t * ldy + r] = sum_k W[r][k] * X[t][k] for r in [r0, r1), t in [0, n_tok).

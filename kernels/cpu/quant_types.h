@@ -37,6 +37,19 @@ struct BlockQ4_1 {
     uint16_t m;  // f16 minimum
     uint8_t qs[kQK / 2];
 };
+// Q5_0 / Q5_1: Q4_0 / Q4_1 with a fifth bit per value: bit i of qh (little-endian)
+// is the top bit of value i (values 0-15: low nibbles of qs, 16-31: high nibbles).
+struct BlockQ5_0 {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[kQK / 2];
+};
+struct BlockQ5_1 {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qh[4];
+    uint8_t qs[kQK / 2];
+};
 struct BlockQ8_0 {
     uint16_t d;
     int8_t qs[kQK];
@@ -50,6 +63,15 @@ struct BlockQ4_K {
     uint16_t d;
     uint16_t dmin;
     uint8_t scales[12];  // 8 six-bit scales and 8 six-bit mins, packed
+    uint8_t qs[kQKK / 2];
+};
+// Q5_K: Q4_K's scales and mins, with a fifth bit per value: value l of sub-block j
+// (0..7) is its Q4_K nibble | bit j of qh[l] << 4.
+struct BlockQ5_K {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qh[kQKK / 8];
     uint8_t qs[kQKK / 2];
 };
 struct BlockQ6_K {
@@ -67,9 +89,12 @@ struct BlockQ8_K {
 
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
+static_assert(sizeof(BlockQ5_0) == 22);
+static_assert(sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
 static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 
@@ -77,8 +102,16 @@ static_assert(sizeof(BlockQ8_K) == 292);
 inline constexpr int64_t dtype_block_elems(DType t) {
     switch (t) {
         case DType::F32: case DType::F16: case DType::BF16: return 1;
-        case DType::Q4_0: case DType::Q4_1: case DType::Q8_0: case DType::Q8_1: return kQK;
-        case DType::Q4_K: case DType::Q6_K: case DType::Q8_K: return kQKK;
+        case DType::Q4_0:
+        case DType::Q4_1:
+        case DType::Q5_0:
+        case DType::Q5_1:
+        case DType::Q8_0:
+        case DType::Q8_1: return kQK;
+        case DType::Q4_K:
+        case DType::Q5_K:
+        case DType::Q6_K:
+        case DType::Q8_K: return kQKK;
         default: return 0;
     }
 }
@@ -90,9 +123,12 @@ inline constexpr size_t dtype_block_bytes(DType t) {
         case DType::F16: case DType::BF16: return 2;
         case DType::Q4_0: return sizeof(BlockQ4_0);
         case DType::Q4_1: return sizeof(BlockQ4_1);
+        case DType::Q5_0: return sizeof(BlockQ5_0);
+        case DType::Q5_1: return sizeof(BlockQ5_1);
         case DType::Q8_0: return sizeof(BlockQ8_0);
         case DType::Q8_1: return sizeof(BlockQ8_1);
         case DType::Q4_K: return sizeof(BlockQ4_K);
+        case DType::Q5_K: return sizeof(BlockQ5_K);
         case DType::Q6_K: return sizeof(BlockQ6_K);
         case DType::Q8_K: return sizeof(BlockQ8_K);
         default: return 0;

@@ -207,6 +207,34 @@ float dot_q4_1(const BlockQ4_1* w, const BlockQ8_1* x, int64_t nb) {
     return sd + sm;
 }
 
+// Value i of a Q5 block: its nibble with bit i of qh on top.
+inline int q5_value(const uint8_t* qs, const uint8_t* qh, int i) {
+    const int nib = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+    return nib | (((qh[i / 8] >> (i % 8)) & 1) << 4);
+}
+
+// Q4_0's and Q4_1's expressions with 5-bit values.
+float dot_q5_0(const BlockQ5_0* w, const BlockQ8_0* x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int isum = 0;
+        for (int i = 0; i < kQK; ++i) isum += (q5_value(w[b].qs, w[b].qh, i) - 16) * x[b].qs[i];
+        s += (half_to_float(w[b].d) * half_to_float(x[b].d)) * static_cast<float>(isum);
+    }
+    return s;
+}
+
+float dot_q5_1(const BlockQ5_1* w, const BlockQ8_1* x, int64_t nb) {
+    float sd = 0.0f, sm = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int isum = 0;
+        for (int i = 0; i < kQK; ++i) isum += q5_value(w[b].qs, w[b].qh, i) * x[b].qs[i];
+        sd += (half_to_float(w[b].d) * half_to_float(x[b].d)) * static_cast<float>(isum);
+        sm += half_to_float(w[b].m) * half_to_float(x[b].s);
+    }
+    return sd + sm;
+}
+
 float dot_q8_0(const BlockQ8_0* w, const BlockQ8_0* x, int64_t nb) {
     float s = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
@@ -230,6 +258,32 @@ float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
             const int shift = 4 * (j % 2);
             int dot = 0;
             for (int l = 0; l < 32; ++l) dot += ((q[l] >> shift) & 15) * x[b].qs[32 * j + l];
+            sumi += sc * dot;
+            summ += mn * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        }
+        const float d = half_to_float(w[b].d) * x[b].d;
+        const float dm = half_to_float(w[b].dmin) * x[b].d;
+        s += d * static_cast<float>(sumi) - dm * static_cast<float>(summ);
+    }
+    return s;
+}
+
+// Q4_K's expression with 5-bit values: bit j of qh[l] is the top bit of value l
+// of sub-block j.
+float dot_q5_k(const BlockQ5_K* w, const BlockQ8_K* x, int64_t nb) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            q4k_scale_min(j, w[b].scales, &sc, &mn);
+            const uint8_t* q = w[b].qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            int dot = 0;
+            for (int l = 0; l < 32; ++l) {
+                const int v = ((q[l] >> shift) & 15) | (((w[b].qh[l] >> j) & 1) << 4);
+                dot += v * x[b].qs[32 * j + l];
+            }
             sumi += sc * dot;
             summ += mn * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
         }
@@ -276,10 +330,16 @@ float dot_row(DType wtype, const void* w, const void* x, int64_t n_in) {
             return dot_q4_0(static_cast<const BlockQ4_0*>(w), static_cast<const BlockQ8_0*>(x), n_in / kQK);
         case DType::Q4_1:
             return dot_q4_1(static_cast<const BlockQ4_1*>(w), static_cast<const BlockQ8_1*>(x), n_in / kQK);
+        case DType::Q5_0:
+            return dot_q5_0(static_cast<const BlockQ5_0*>(w), static_cast<const BlockQ8_0*>(x), n_in / kQK);
+        case DType::Q5_1:
+            return dot_q5_1(static_cast<const BlockQ5_1*>(w), static_cast<const BlockQ8_1*>(x), n_in / kQK);
         case DType::Q8_0:
             return dot_q8_0(static_cast<const BlockQ8_0*>(w), static_cast<const BlockQ8_0*>(x), n_in / kQK);
         case DType::Q4_K:
             return dot_q4_k(static_cast<const BlockQ4_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
+        case DType::Q5_K:
+            return dot_q5_k(static_cast<const BlockQ5_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
         case DType::Q6_K:
             return dot_q6_k(static_cast<const BlockQ6_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
         default: kernel_fail("matmul: unsupported weight type");

@@ -273,9 +273,10 @@ Status GgufFile::parse_all() {
             return make_error("truncated tensor '{}' at offset {}", t.name, r.pos());
         t.type = static_cast<DType>(type);
         if (!dtype_supported(t.type) || t.type == DType::Q8_1 || t.type == DType::Q8_K)
-            return make_error("tensor '{}' has type {} ({}), which duet does not support "
-                              "(supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
-                              t.name, type, dtype_name(t.type));
+            return make_error(
+                "tensor '{}' has type {} ({}), which duet does not support "
+                "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
+                t.name, type, dtype_name(t.type));
         if (t.ne[0] % dtype_block_elems(t.type) != 0)
             return make_error("tensor '{}' row length {} is not a multiple of the {} block size {}",
                               t.name, t.ne[0], dtype_name(t.type), dtype_block_elems(t.type));

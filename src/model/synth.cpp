@@ -224,6 +224,16 @@ void fill_row(const Tensor& t, Rng& r, uint8_t* out) {
                 fill_codes(blk->qs, sizeof blk->qs);
             }
             break;
+        case DType::Q5_K:  // Q4_K's scales and mins; 5-bit codes (standard deviation 9.2, mean 15.5)
+            for (int64_t b = 0; b < nb; ++b) {
+                auto* blk = reinterpret_cast<BlockQ5_K*>(out) + b;
+                blk->d = f16(t.sigma / (9.2f * 17.0f));
+                blk->dmin = f16(15.5f * t.sigma / (9.2f * 17.0f));
+                std::memset(blk->scales, 0x21, sizeof blk->scales);
+                fill_codes(blk->qh, sizeof blk->qh);
+                fill_codes(blk->qs, sizeof blk->qs);
+            }
+            break;
         case DType::Q6_K:  // d * scale * (q - 32), scale 16: standard deviation 18.5 * 16 d
             for (int64_t b = 0; b < nb; ++b) {
                 auto* blk = reinterpret_cast<BlockQ6_K*>(out) + b;
