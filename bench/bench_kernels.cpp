@@ -77,7 +77,7 @@ std::unique_ptr<AlignedBuf> make_matrix(DType t, int64_t rows, int64_t n_in) {
     const std::vector<float> f = random_floats(static_cast<size_t>(n_in) * 4, 1);
     for (int64_t r = 0; r < rows; ++r) {
         const float* src = f.data() + static_cast<size_t>(r % 4) * static_cast<size_t>(n_in);
-        if (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K) {
+        if (t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::Q5_0 || t == DType::Q5_1) {
             std::mt19937 rng(static_cast<uint32_t>(r));
             for (size_t i = 0; i < rb; ++i) m->p[static_cast<size_t>(r) * rb + i] = static_cast<uint8_t>(rng() & 0x3F);
         } else {
@@ -455,13 +455,14 @@ int main(int argc, char** argv) {
         DType t;
         int64_t n_in, rows;
     };
-    const Shape decode[] = {{DType::Q4_1, 576, 576}, {DType::Q4_1, 576, 1536},  {DType::Q4_1, 1536, 576},
-                            {DType::Q4_1, 576, 192}, {DType::Q8_0, 576, 49152}, {DType::Q4_0, 576, 1536},
-                            {DType::F16, 576, 1536}, {DType::Q4_K, 1536, 576},  {DType::Q5_K, 1536, 576},
-                            {DType::Q6_K, 1536, 576}};
+    const Shape decode[] = {{DType::Q4_1, 576, 576},  {DType::Q4_1, 576, 1536},  {DType::Q4_1, 1536, 576},
+                            {DType::Q4_1, 576, 192},  {DType::Q8_0, 576, 49152}, {DType::Q4_0, 576, 1536},
+                            {DType::F16, 576, 1536},  {DType::Q4_K, 1536, 576},  {DType::Q5_K, 1536, 576},
+                            {DType::Q6_K, 1536, 576}, {DType::Q5_0, 576, 1536},  {DType::Q5_1, 576, 1536}};
     const Shape prefill[] = {{DType::Q4_1, 576, 576},  {DType::Q4_1, 576, 1536}, {DType::Q4_1, 1536, 576},
                              {DType::Q8_0, 576, 1536}, {DType::Q4_0, 576, 1536}, {DType::Q4_K, 1536, 576},
-                             {DType::Q5_K, 1536, 576}, {DType::Q6_K, 1536, 576}};
+                             {DType::Q5_K, 1536, 576}, {DType::Q6_K, 1536, 576}, {DType::Q5_0, 576, 1536},
+                             {DType::Q5_1, 576, 1536}};
     for (Isa isa : isas) {
         const std::string in = duet::cpu::isa_name(isa);
         for (const Shape& s : decode) {

@@ -781,6 +781,36 @@ TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
     }
 }
 
+// Q5_0 / Q5_1 at the AVX-512 level: AVX2's rows for up to 3 tokens, tiles of two
+// tokens per register beyond, which repeat AVX2's operations per (row, token). So
+// both levels give the same bits for every token count (the level's contract
+// needs only the one-token bits; this pins the tiles' order to AVX2's).
+TEST(Matmul, Q5TilesGiveAvx2sBits) {
+    if (!isa_supported(Isa::Avx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
+    struct Shape {
+        DType t;
+        int64_t n_in, rows;
+    };
+    const Shape shapes[] = {
+        {DType::Q5_0, 576, 37}, {DType::Q5_1, 576, 37}, {DType::Q5_0, 32, 9}, {DType::Q5_1, 544, 23}};
+    for (const Shape& s : shapes) {
+        const DType xt = vec_dot_type(s.t);
+        const size_t ws = row_bytes(s.t, s.n_in), xs = row_bytes(xt, s.n_in);
+        const std::vector<uint8_t> w = make_weights(s.t, s.rows, s.n_in, ws, 13);
+        const std::vector<uint8_t> x = make_acts(Isa::Avx2, xt, 64, s.n_in, xs, 5);
+        ASSERT_EQ(x, make_acts(Isa::Avx512, xt, 64, s.n_in, xs, 5));
+        const size_t ldy = static_cast<size_t>(s.rows);
+        for (int n : {1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 31, 64}) {
+            std::vector<float> a(ldy * static_cast<size_t>(n), NAN), b(a.size(), NAN);
+            matmul(Isa::Avx2, s.t, w.data(), ws, s.n_in, x.data(), xs, n, a.data(), ldy, 0, s.rows);
+            matmul(Isa::Avx512, s.t, w.data(), ws, s.n_in, x.data(), xs, n, b.data(), ldy, 0, s.rows);
+            for (size_t i = 0; i < a.size(); ++i)
+                ASSERT_EQ(bits(b[i]), bits(a[i])) << dtype_name(s.t) << " n_in " << s.n_in << " tokens " << n
+                                                  << " token " << i / ldy << " row " << i % ldy;
+        }
+    }
+}
+
 // Random shapes (block counts that hit every tail length, odd row ranges,
 // padded strides): every level agrees with the scalar level within rounding,
 // and each (row, token) equals its value from a one-token, one-row call.

@@ -1496,6 +1496,152 @@ void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const
     }
 }
 
+// ---------------------------------------------------------------------------
+// Q5_0 / Q5_1 weights (what llama.cpp writes for the K-quant mixes' rows that
+// are not a multiple of 256). Passes of up to 3 tokens run AVX2's rows; longer
+// ones these tiles, which unpack a row's block once for up to 8 tokens, two
+// tokens to a register (one per 256-bit half), and repeat AVX2's operations for
+// each (row, token): acc = fma(cvt(the 8 lane sums of block b), d_w d_x, acc)
+// block by block, AVX2's hsum of acc, plus Q5_1's sm += m_w s_x block by block.
+// So every token count gives the bits AVX2's kernels give.
+
+// One block of a tile's n <= 8 tokens, in P = (n + 1) / 2 pairs: token j in half
+// j / P of pair j % P; a missing token's half is zeros.
+inline int q5_pairs(int n) { return (n + 1) / 2; }
+
+struct alignas(64) Q5XBlock {
+    int8_t q[4][64];      // pair p: the 32 values of its low half's token, then its high half's
+    int32_t corr[4][16];  // Q5_0: -16 * the sum of each 4 values of q (dpbusd's lanes); Q5_1: unused
+    float dx[4][16];      // pair p: its tokens' d, each in the 8 lanes of its half
+    float s[8];           // Q5_1: each token's s
+    float pad[8];
+};
+static_assert(sizeof(Q5XBlock) == 832);
+
+template <DType W>
+void repack_q5x(const char* xq, size_t xq_stride, int n, int64_t nb, Q5XBlock* out) {
+    std::memset(static_cast<void*>(out), 0, static_cast<size_t>(nb) * sizeof(Q5XBlock));
+    const __m512i ones = _mm512_set1_epi8(1), m16 = _mm512_set1_epi16(-16);
+    const int pairs = q5_pairs(n);
+    for (int j = 0; j < n; ++j) {
+        const int p = j % pairs, half = j / pairs;
+        for (int64_t b = 0; b < nb; ++b) {
+            Q5XBlock& o = out[b];
+            uint16_t d;
+            if constexpr (W == DType::Q5_1) {
+                const BlockQ8_1& x = reinterpret_cast<const BlockQ8_1*>(xq + static_cast<size_t>(j) * xq_stride)[b];
+                std::memcpy(o.q[p] + 32 * half, x.qs, 32);
+                d = x.d;
+                o.s[j] = h2f(x.s);
+            } else {
+                const BlockQ8_0& x = reinterpret_cast<const BlockQ8_0*>(xq + static_cast<size_t>(j) * xq_stride)[b];
+                std::memcpy(o.q[p] + 32 * half, x.qs, 32);
+                d = x.d;
+            }
+            for (int l = 0; l < 8; ++l) o.dx[p][8 * half + l] = h2f(d);
+        }
+    }
+    if constexpr (W == DType::Q5_0) {
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int p = 0; p < 4; ++p) {
+                const __m512i q = _mm512_load_si512(out[b].q[p]);
+                _mm512_store_si512(out[b].corr[p], _mm512_madd_epi16(_mm512_maddubs_epi16(ones, q), m16));
+            }
+        }
+    }
+}
+
+// A Q5 block's 32 values (0-31) as bytes, in both 256-bit halves.
+template <DType W>
+inline __m512i q5_values(const uint8_t* blk) {
+    const uint8_t* qh = blk + (W == DType::Q5_1 ? 4 : 2);
+    uint32_t h;
+    std::memcpy(&h, qh, 4);
+    // 128-bit lanes: the 16 bytes of nibbles, shifted by 0 / 4 / 0 / 4: values 0-15, 16-31, 0-15, 16-31.
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 4)));
+    const __m512i nib =
+        _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+    const __mmask64 k = static_cast<__mmask64>(h) | (static_cast<__mmask64>(h) << 32);  // byte i: bit i % 32
+    return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10)));
+}
+
+// avx2.cpp's hsum of 8 floats, the same operations in the same order.
+inline float hsum8_as_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Rows [r0, r1) against a tile of n tokens in P = q5_pairs(n) pairs.
+template <DType W, int P>
+__attribute__((noinline)) void q5_tiles(const char* w, size_t w_stride, int64_t nb, const Q5XBlock* xt, float* y,
+                                        size_t ldy, int n, int64_t r0, int64_t r1) {
+    constexpr size_t bb = W == DType::Q5_1 ? sizeof(BlockQ5_1) : sizeof(BlockQ5_0);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
+        __m512 acc[P];
+        for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+        __m256 sm = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = wr + static_cast<size_t>(b) * bb;
+            const __m512i u = q5_values<W>(blk);
+            const Q5XBlock& x = xt[b];
+            uint16_t dh;
+            std::memcpy(&dh, blk, 2);
+            const __m512 dw = _mm512_set1_ps(h2f(dh));
+            for (int p = 0; p < P; ++p) {
+                const __m512i c = W == DType::Q5_0 ? _mm512_load_si512(x.corr[p]) : _mm512_setzero_si512();
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, u, _mm512_load_si512(x.q[p])));
+                acc[p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_load_ps(x.dx[p])), acc[p]);
+            }
+            if constexpr (W == DType::Q5_1) {
+                uint16_t mh;
+                std::memcpy(&mh, blk + 2, 2);
+                sm = _mm256_add_ps(sm, _mm256_mul_ps(_mm256_set1_ps(h2f(mh)), _mm256_load_ps(x.s)));
+            }
+        }
+        alignas(32) float smv[8];
+        _mm256_store_ps(smv, sm);
+        for (int j = 0; j < n; ++j) {
+            const __m512& a = acc[j % P];
+            const float v = hsum8_as_avx2(j < P ? _mm512_castps512_ps256(a) : _mm512_extractf32x8_ps(a, 1));
+            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q5_1 ? v + smv[j] : v;
+        }
+    }
+}
+
+template <DType W>
+void matmul_q5(const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok, float* y,
+               size_t ldy, int64_t r0, int64_t r1) {
+    constexpr int kT = 8;
+    const int64_t nb = n_in / kQK;
+    const char* wb = static_cast<const char*>(w);
+    const char* xb = static_cast<const char*>(xq);
+    const int n_tiles = (n_tok + kT - 1) / kT;
+    Scratch scratch(static_cast<size_t>(n_tiles) * static_cast<size_t>(nb) * sizeof(Q5XBlock));
+    Q5XBlock* xt = reinterpret_cast<Q5XBlock*>(scratch.data());
+    for (int t = 0; t < n_tiles; ++t) {
+        repack_q5x<W>(xb + static_cast<size_t>(t) * kT * xq_stride, xq_stride, std::min(kT, n_tok - t * kT), nb,
+                      xt + static_cast<size_t>(t) * nb);
+    }
+    const int64_t rb = n_tok <= kT ? r1 - r0 : row_block(w_stride);
+    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+        const int64_t b1 = std::min(r1, b0 + rb);
+        for (int t = 0; t < n_tiles; ++t) {
+            const int n = std::min(kT, n_tok - t * kT);
+            const Q5XBlock* x = xt + static_cast<size_t>(t) * nb;
+            float* yt = y + static_cast<size_t>(t) * kT * ldy;
+            switch (q5_pairs(n)) {
+                case 4: q5_tiles<W, 4>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
+                case 3: q5_tiles<W, 3>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
+                case 2: q5_tiles<W, 2>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
+                default: q5_tiles<W, 1>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
+            }
+        }
+    }
+}
+
 // Passes of 2 or 3 tokens run the one-token layout's kernels with a row's sums
 // for all the tokens at once (q4_rows, q8_rows): their work per row is less
 // than a tile's transposition, tail gathering and hsum8 for so few tokens,
@@ -1666,6 +1812,18 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
     switch (wtype) {
         case DType::Q4_0: case DType::Q4_1: case DType::Q8_0:
             matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            return;
+        case DType::Q5_0:
+        case DType::Q5_1:
+            // AVX2's rows for a few tokens (streaming weights), the tiles above
+            // for more: the same bits.
+            if (n_tok <= kFewTokens) {
+                avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            } else if (wtype == DType::Q5_0) {
+                matmul_q5<DType::Q5_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            } else {
+                matmul_q5<DType::Q5_1>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+            }
             return;
         case DType::Q4_K:
         case DType::Q5_K:
