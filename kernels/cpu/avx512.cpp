@@ -35,7 +35,8 @@
 //
 // F32/F16/BF16 weights use the AVX2 level's kernels (same results as
 // Isa::Avx2); the K-quants too for one token, and tiles of their own for more
-// (see "K-quants" below; every level gives the scalar level's bits for them).
+// (see "K-quants" below; every level gives the scalar level's bits for them);
+// Q5_0 / Q5_1 too for up to 3 tokens, and tiles with AVX2's bits for more.
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
 // (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
