@@ -12,7 +12,11 @@ With --llama BIN_DIR the same requests go to llama-server (the pinned build of
 scripts/build-llama-cpp) on the same model, threads and context, after duet, in
 the same run: its `response_format` json_schema is its grammar sampler's.
 
+With --bystander: a plain stream's inter-token gaps while the schemas' requests
+run beside it; with --prompt-bystander: plain prompts' times to first token.
+
 Usage: structured_bench.py path/to/duet [--schemas N] [--llama BIN_DIR]
+       [--bystander | --prompt-bystander]
        (the venv's python: scripts/python-env)
 """
 import argparse
@@ -149,6 +153,38 @@ def bystander(port, schemas, constrained):
     return sorted((b - a) * 1e3 for times in runs for a, b in zip(times, times[1:]) if start <= a and b <= end)
 
 
+def prompt_bystander(port, schemas, constrained):
+    """Plain prompts' times to first token (ms; ~300-token prompts, each new to the
+    prefix cache, one token asked) while the corpus's requests run beside them, with
+    their schema (constrained) or without: what a request's grammar costs the other
+    prompts in prefill's hands."""
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    model = c.models.list().data[0].id
+    times, done = [], threading.Event()
+    body = " ".join(f"Item {k} is a short line of plain text." for k in range(30))
+
+    def prompts():
+        k = 0
+        while not done.is_set():
+            k += 1
+            t0 = time.perf_counter()
+            c.completions.create(model=model, prompt=f"Request {k}. {body}", max_tokens=1, temperature=0)
+            times.append((t0, time.perf_counter()))
+    t = threading.Thread(target=prompts)
+    t.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    for name, schema, prompt in corpus()[:schemas]:
+        msgs = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}]
+        kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}) \
+            if constrained else {}
+        c.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=4, **kw)
+    end = time.perf_counter()
+    done.set()
+    t.join()
+    return sorted((b - a) * 1e3 for a, b in times if start <= a and b <= end)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("duet")
@@ -157,7 +193,26 @@ def main():
     ap.add_argument("--bystander", action="store_true",
                     help="instead: a plain stream's inter-token gaps while the schemas' requests run beside it, "
                          "with their schemas and without (each on a fresh server, so every schema is new to it)")
+    ap.add_argument("--prompt-bystander", action="store_true",
+                    help="instead: plain prompts' times to first token while the schemas' requests run beside "
+                         "them, with their schemas and without (each on a fresh server)")
     args = ap.parse_args()
+    if args.prompt_bystander:
+        print("| requests beside them | prompts | p50 ms | p90 | max | grammar compiles: prefill step (s) | "
+              "prefill ahead (s) |\n|---|---:|---:|---:|---:|---:|---:|")
+        for constrained in (False, True):
+            server, port = start_duet(args.duet)
+            try:
+                g = prompt_bystander(port, args.schemas, constrained)
+                m = grammar_metrics(port)
+            finally:
+                stop(server)
+            q = lambda f: g[min(len(g) - 1, int(f * len(g)))]  # noqa: E731
+            step, ahead = m.get(("prefill", "step"), (None, None)), m.get(("prefill", "ahead"), (None, None))
+            fmt = lambda v: "-" if v[0] is None else f"{v[0]} ({v[1]:.3f})"  # noqa: E731
+            print(f"| {'with schemas' if constrained else 'without'} | {len(g)} | {q(0.5):.1f} | {q(0.9):.1f} | "
+                  f"{g[-1]:.1f} | {fmt(step)} | {fmt(ahead)} |")
+        return
     if args.bystander:
         print("| requests beside it | gaps | p50 ms | p90 | p99 | max | grammar compiles: decode step (s) | "
               "decode ahead (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -171,12 +171,12 @@ void PrefillWorker::take(const WireMsg& m) {
             slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
             t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
             inst_->registry().wake(shm::Role::Front);
-        } else if (Status st = prepare_grammar(r, j.data, j.output); !st) {
-            log::error(st.error().message, {request_field(j.req), request_id_field(inst_->requests(), j.req)});
-            j.swapped = slot.n_swapped.load(std::memory_order_relaxed);
-            fail(j, ReqError::Data);
-            inst_->registry().wake(shm::Role::Front);
         } else {
+            // Its grammar compiles on GrammarSet's thread while its prompt is computed,
+            // not here, where every other prompt in hand would wait for it; the first
+            // token's draw takes it (or waits for the rest of the compile), and one
+            // that fails to compile fails the request there (draw: Finish::Failed).
+            if (j.data.grammar) grammars().prefetch(*j.data.grammar);
             j.all = j.prompt;
             j.all.insert(j.all.end(), j.output.begin(), j.output.end());
             if (j.params.given_tokens > 0) take_given(j);
