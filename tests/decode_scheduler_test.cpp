@@ -315,6 +315,44 @@ TEST(DraftOdds, CountsHitsAndTriesAndForgetsOldOnes) {
     EXPECT_DOUBLE_EQ(row.accept(), 4.0 / 6.0);
 }
 
+// The records a decode worker keeps for the sequences it preempted (DraftMemory):
+// taken back once, by the same request only; at most kMax, the oldest kept going
+// first, and a record kept again counts from its newest keep.
+TEST(DraftMemory, GivesBackWhatWasKeptOnceAndForgetsTheOldest) {
+    DraftMemory m;
+    DraftRecord r;
+    r.pace.cap = 3;
+    r.odds.seen(2, 3);
+    m.keep(7, r);
+    EXPECT_FALSE(m.take(8).has_value());  // another request
+    const auto got = m.take(7);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->pace.cap, 3);
+    EXPECT_DOUBLE_EQ(got->odds.accept(), r.odds.accept());
+    EXPECT_FALSE(m.take(7).has_value());  // once
+    EXPECT_EQ(m.size(), 0u);
+
+    // Key 0 kept first, then kMax others: key 0 is pushed out, key 1 stays. Key 1
+    // kept again meanwhile would have stayed too; here key 2 is, at the end.
+    DraftMemory b;
+    for (uint64_t k = 0; k < DraftMemory::kMax; ++k) b.keep(k, r);
+    EXPECT_EQ(b.size(), DraftMemory::kMax);
+    DraftRecord again = r;
+    again.pace.cap = 9;
+    b.keep(2, again);                  // kept again: now the newest
+    b.keep(DraftMemory::kMax, r);      // pushes out key 0
+    b.keep(DraftMemory::kMax + 1, r);  // key 1
+    b.keep(DraftMemory::kMax + 2, r);  // not key 2 (its first keep is stale): key 3
+    EXPECT_EQ(b.size(), DraftMemory::kMax);
+    EXPECT_FALSE(b.take(0).has_value());
+    EXPECT_FALSE(b.take(1).has_value());
+    EXPECT_FALSE(b.take(3).has_value());
+    const auto two = b.take(2);
+    ASSERT_TRUE(two.has_value());
+    EXPECT_EQ(two->pace.cap, 9);
+    EXPECT_TRUE(b.take(4).has_value());
+}
+
 // The pass-time fit (PassCostModel): exact on a line, the prior until positions
 // vary, and never a cost that is not one.
 TEST(PassCostModel, FitsTheFixedCostInPositionsAndFallsBackToThePrior) {

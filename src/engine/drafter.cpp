@@ -144,6 +144,27 @@ void DraftOdds::seen(int kept, int tried) {
     tries += tried;
 }
 
+void DraftMemory::keep(uint64_t key, const DraftRecord& r) {
+    const uint64_t seq = next_seq_++;
+    records_.insert_or_assign(key, Kept{r, seq});
+    order_.emplace_back(key, seq);
+    // The oldest go first; stale entries of order_ go as they reach its front.
+    while (records_.size() > kMax || (!order_.empty() && order_.size() > 2 * kMax)) {
+        const auto [k, q] = order_.front();
+        order_.pop_front();
+        auto it = records_.find(k);
+        if (it != records_.end() && it->second.seq == q) records_.erase(it);
+    }
+}
+
+std::optional<DraftRecord> DraftMemory::take(uint64_t key) {
+    auto it = records_.find(key);
+    if (it == records_.end()) return std::nullopt;
+    const DraftRecord r = it->second.record;
+    records_.erase(it);
+    return r;
+}
+
 void PassCostModel::add(int64_t positions, uint64_t ns) {
     const double x = static_cast<double>(positions), y = static_cast<double>(ns);
     n_ = kDecay * n_ + 1;

@@ -8,7 +8,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <optional>
 #include <span>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace duet {
@@ -105,6 +109,35 @@ struct DraftOdds {
     double accept() const { return (hits + 1.0) / (tries + 2.0); }
     // `kept` hits in `tried` tries.
     void seen(int kept, int tried);
+};
+
+// What a decode worker knew of the drafts of sequences it preempted (their pace and
+// odds), kept for their return, so that a sequence swapped or recomputed does not
+// start again from no record (a half, drafting at its maximum). Keyed by request
+// (slot and generation); a sequence that comes back to another worker, or never,
+// leaves its entry until kMax newer ones pushed it out (oldest first).
+struct DraftRecord {
+    DraftPace pace;
+    DraftOdds odds;
+};
+class DraftMemory {
+public:
+    static constexpr size_t kMax = 1024;  // records (about 100 bytes each with the map and order)
+    void keep(uint64_t key, const DraftRecord& r);
+    // The record kept for key, taken out (nullopt: none).
+    std::optional<DraftRecord> take(uint64_t key);
+    size_t size() const { return records_.size(); }
+
+private:
+    struct Kept {
+        DraftRecord record;
+        uint64_t seq;  // its place in order_
+    };
+    std::unordered_map<uint64_t, Kept> records_;
+    // (key, seq) in the order kept; an entry whose record was taken or kept again
+    // since (another seq) stays until it reaches the front, and erases nothing.
+    std::deque<std::pair<uint64_t, uint64_t>> order_;
+    uint64_t next_seq_ = 0;
 };
 
 // What a pass costs: time = a + b * positions, a and b fitted by least squares over

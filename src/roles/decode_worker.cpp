@@ -139,6 +139,7 @@ bool DecodeWorker::preempt(std::vector<Active>& from, size_t i) {
         return false;
     }
     a.seq.release(*pool_);
+    draft_memory_.keep(req_key(a.req), {a.pace, a.odds});
     from[i] = std::move(from.back());
     from.pop_back();
     return true;
@@ -197,6 +198,10 @@ bool DecodeWorker::take_handoffs() {
             // Its order is its first submission's time: a request preempted and back
             // again keeps its place (it is not the newest, so not the next victim).
             a.admitted = t.slot(h.req.slot).submit_ns;
+            if (const auto kept = draft_memory_.take(req_key(h.req))) {  // preempted here before: drafting as it was
+                a.pace = kept->pace;
+                a.odds = kept->odds;
+            }
             Result<RequestData> data = read_request_data(t, h.req, a.params);
             if (data) {
                 a.data = std::move(data).value();

@@ -76,6 +76,9 @@ private:
     // The step's batch for a Run plan: each row's input and who picks its tokens.
     void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
     std::unique_ptr<Drafter> drafter_;
+    // The draft records (pace, odds) of the sequences it preempted, back with them
+    // when they return here (preempt keeps, take_handoffs takes).
+    DraftMemory draft_memory_;
     // The outputs this worker finished, a corpus for the drafts of every sequence
     // (WorkerOptions::draft_pool_tokens; null: none).
     std::unique_ptr<NgramPool> pool_drafts_;
