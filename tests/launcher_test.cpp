@@ -266,6 +266,22 @@ TEST(Launcher, BadSettingsAreRefusedByName) {
     refused(s, gpu_facts({{0, 8 * kGiB}}), "cuda:0: no room for KV");
 }
 
+// --mps (roles/mps.h) is for a GPU's processes: refused on the CPU, planned on GPUs
+// with nothing else changed (the launcher starts the daemon, not the plan).
+TEST(Launcher, MpsIsForGpus) {
+    ServeSettings s;
+    s.mps = true;
+    auto cpu = plan_serve(s, cpu_facts());
+    ASSERT_FALSE(cpu.ok());
+    EXPECT_NE(cpu.error().message.find("--mps: CUDA MPS shares a GPU"), std::string::npos) << cpu.error().message;
+    auto gpu = plan_serve(s, gpu_facts({{0, 80 * kGiB}}));
+    ASSERT_TRUE(gpu.ok()) << gpu.error().message;
+    s.mps = false;
+    auto plain = plan_serve(s, gpu_facts({{0, 80 * kGiB}}));
+    ASSERT_TRUE(plain.ok());
+    EXPECT_EQ(gpu->roles.size(), plain->roles.size());
+}
+
 // --rebalance: the layout gets spare indices (ServeLayout::rebalance); only where a
 // worker can take another's cores in the other role.
 TEST(Launcher, RebalanceNeedsThreeCpuWorkersAndOneArena) {

@@ -171,6 +171,10 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
                "do not reuse cached KV blocks (of prompts, and of answers decode finished)");
     c.add_flag(negated(kNoRiskClaims), s.risk_claims, kRiskClaimsHelp);
     c.add_flag(negated(kNoPassInterrupt), s.pass_interrupt, kPassInterruptHelp);
+    c.add_flag("--mps", s.mps,
+               "GPUs: run their processes under CUDA MPS, so that prefill's and decode's kernels share each GPU at "
+               "once instead of by time slices (duet serve: a control daemon of the instance's own, "
+               "nvidia-cuda-mps-control -d; systemd generate: the units use duet-mps.service)");
     c.add_option("--swap-root", s.swap_root,
                  "decode swaps a preempted request's KV to <root>/duet-swap-<instance> when that costs less than "
                  "computing it again (GPU KV through page-locked host memory; \"\": always recompute)")

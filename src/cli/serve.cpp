@@ -31,6 +31,7 @@
 #include "model/tokenizer.h"
 #include "roles/context_api.h"
 #include "roles/front.h"
+#include "roles/mps.h"
 #include "roles/sd_notify.h"
 #include "roles/stop_signal.h"
 #include "roles/tool_calls.h"
@@ -204,8 +205,25 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
         if (::setenv("DUET_TRACE", s.trace.c_str(), 1) != 0)
             return fail(fmt::format("DUET_TRACE: {}", std::strerror(errno)));
     }
+    // --mps: the daemon before any role starts (each reads the directory from its
+    // environment when it first touches CUDA), stopped once they are all gone.
+    std::optional<MpsDaemon> mps;
+    if (s.mps) {
+        if (start == RoleStart::External)
+            return fail("--mps: under systemd, duet-mps.service runs the daemon (duet systemd generate --mps)");
+        std::error_code tec;
+        const std::filesystem::path root = std::filesystem::temp_directory_path(tec);
+        auto d = MpsDaemon::start(((tec ? "/tmp" : root) / ("duet-mps-" + prep->plan.layout.instance)).string());
+        if (!d) return fail(d.error().message);
+        mps.emplace(std::move(d).value());
+        if (Status st = mps->export_env(); !st) return fail(st.error().message);
+        log::notice(fmt::format("--mps: control daemon up, pipes in {}", mps->pipe_dir()));
+    }
     const int rc = run_launcher(
         s, prep->plan, *prep->model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop, start);
+    if (mps) {
+        if (Status st = mps->stop(); !st) log::error(st.error().message);
+    }
     if (!s.trace.empty()) {
         if (Status st = trace::finish_file(s.trace); !st) log::error("--trace: " + st.error().message);
     }
@@ -337,6 +355,8 @@ namespace {
 
 // The units' CacheDirectory=duet (duet-instance, duet-prefill@, duet-decode@).
 constexpr const char* kSystemdSwapRoot = "/var/cache/duet";
+// duet-mps.service's RuntimeDirectory=: the MPS control daemon's pipes and logs.
+constexpr const char* kSystemdMpsDir = "/run/duet-mps";
 
 Status write_text(const std::filesystem::path& path, const std::string& text, std::filesystem::perms mode) {
     std::error_code ec;
@@ -447,11 +467,17 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
     env += fmt::format("DUET_MODEL={}\nDUET_INSTANCE={}\nDUET_HOST={}\nDUET_PORT={}\n", env_quote(s.model),
                        env_quote(s.instance), env_quote(s.host), s.port);
     env += "DUET_INSTANCE_ARGS=" + env_quote(inst_args) + "\n";
-    std::string wants;
+    // --mps: duet-mps.service runs the control daemon; every role finds it here.
+    if (s.mps)
+        env += fmt::format("CUDA_MPS_PIPE_DIRECTORY={}/pipe\nCUDA_MPS_LOG_DIRECTORY={}/log\n", kSystemdMpsDir,
+                           kSystemdMpsDir);
+    std::string wants = s.mps ? " duet-mps.service" : "";
     const auto drop_in_mode = rw;
     for (const RoleLaunch& r : plan.roles) {
         const std::vector<std::string> argv = role_argv(a.exe, r);
-        std::string conf = "# duet systemd generate: where this role runs on this machine (duet topo)\n[Service]\n";
+        std::string conf = "# duet systemd generate: where this role runs on this machine (duet topo)\n";
+        if (s.mps) conf += "[Unit]\nAfter=duet-mps.service\n";  // its CUDA contexts open under the daemon
+        conf += "[Service]\n";
         std::string unit;
         if (r.role == "front") {
             env += "DUET_FRONT_ARGS=" + env_quote(args_without(argv, {"--instance", "--model", "--host", "--port"})) + "\n";

@@ -119,6 +119,9 @@ struct ServeSettings {
     // `duet serve --trace FILE`: every role process writes its ranges there
     // (src/base/trace.h; handed down as DUET_TRACE). Empty: none.
     std::string trace;
+    // `duet serve --mps`: a CUDA MPS control daemon for the instance's GPU processes
+    // (roles/mps.h), pipes and logs under $TMPDIR (or /tmp)/duet-mps-<instance>.
+    bool mps = false;
     bool public_metrics = false;  // /metrics without the key
     int resume_window_s = 30;     // a dead front's requests wait this long for their clients (kResumeWindowNs)
     int resume_grace_s = 5;       // a stream whose client left waits this long for it (kResumeGraceNs)

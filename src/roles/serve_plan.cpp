@@ -245,6 +245,10 @@ Result<ServePlan> plan_serve(const ServeSettings& s, const ServeFacts& f) {
     if (!s.contexts_dir.empty() && s.prefill_workers + s.decode_workers >= static_cast<int>(kMaxServeWorkers))
         return make_error("--contexts-dir: the front takes a user of the KV arena: at most {} workers in all",
                           kMaxServeWorkers - 1);
+    if (s.mps && f.gpus.empty())
+        return make_error(
+            "--mps: CUDA MPS shares a GPU between processes; this instance runs on the CPU "
+            "(--device cuda:N)");
     if (s.rebalance_s < 0) return make_error("--rebalance {}: seconds, 0 (never) or more", s.rebalance_s);
     if (s.rebalance_s > 0 && !f.gpus.empty())
         return make_error("--rebalance: workers change role on CPU serving only (a GPU's form of it is planned)");

@@ -24,9 +24,11 @@ Usage: gpu_serve_test.py path/to/duet
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -163,6 +165,23 @@ def main():
     st.serving(q8, lambda port, server: on_gpu(port, server, q8, n_arenas=2, kv_dtype="int8"),
                ("--device", "cuda:0,cuda:0", "--kv-arenas", "per-role", "--kv-dtype", "int8", *M))
     print("the same with an int8 KV cache: ok")
+    # Under CUDA MPS (--mps): the launcher's own control daemon; the roles' CUDA
+    # contexts open under its server (server.log appears), the same checks hold, and
+    # the daemon is gone after SIGTERM (its control no longer answers).
+    if shutil.which("nvidia-cuda-mps-control"):
+        mps = INSTANCE + "-mps"
+        home = os.path.join(tempfile.gettempdir(), f"duet-mps-{mps}")
+        st.serving(mps, lambda port, server: on_gpu(port, server, mps), ("--device", "cuda:0", "--mps", *M))
+        logs = os.listdir(os.path.join(home, "log"))
+        st.check("server.log" in logs, f"--mps: no MPS server started (its logs: {logs})")
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(home, "pipe"),
+                   CUDA_MPS_LOG_DIRECTORY=os.path.join(home, "log"))
+        q = subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", env=env, capture_output=True,
+                           text=True, timeout=30)
+        st.check(q.returncode != 0, f"--mps: the daemon still answers after SIGTERM: {q.stdout}{q.stderr}")
+        print("the same under CUDA MPS (--mps): its server ran the roles, the daemon gone at exit: ok")
+    else:
+        not_run("mps", "no nvidia-cuda-mps-control here: --mps")
     # Two GPUs: prefill on cuda:0, decode on cuda:1, each hand-off copied over NVLink
     # (or staged through host memory without peer access).
     if subprocess.run([DUET, "run", "--device", "cuda:1", "-p", "Hi", "-n", "1", *M], capture_output=True).returncode == 0:

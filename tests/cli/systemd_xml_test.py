@@ -126,3 +126,33 @@ g = subprocess.run([DUET, "systemd", "generate", "--out", tempfile.mkdtemp(), "-
                     "--gpu-memory", "32"], capture_output=True, text=True)
 check(g.returncode != 0 and "only with --xml" in g.stderr, f"--gpu-memory without --xml: {g.stderr}")
 print("refused with the reason: cuda:16 (the export has 16), no GPU memory in the export, --gpu-memory alone: ok")
+
+# --mps: the units use duet-mps.service (the MPS control daemon): every role wants it
+# through the target and the instance, starts after it, and finds its pipes in
+# duet.env; without --mps none of that. On the CPU --mps is refused.
+g, out = generate("cuda:0,cuda:15", "--gpu-memory", "32", "--mps")
+check(g.returncode == 0, f"generate --mps: {g.stdout}{g.stderr}")
+with open(os.path.join(out, "duet.env")) as f:
+    env = f.read()
+check("CUDA_MPS_PIPE_DIRECTORY=/run/duet-mps/pipe\n" in env and "CUDA_MPS_LOG_DIRECTORY=/run/duet-mps/log\n" in env,
+      f"duet.env names the daemon's directories: {env}")
+with open(os.path.join(out, "duet-mps.service")) as f:
+    mps_unit = f.read()
+check("ExecStart=/usr/bin/nvidia-cuda-mps-control -d" in mps_unit and "RuntimeDirectory=duet-mps" in mps_unit
+      and "Environment=CUDA_MPS_PIPE_DIRECTORY=/run/duet-mps/pipe" in mps_unit, "duet-mps.service written")
+for unit in ("duet.target", "duet-instance.service"):
+    with open(os.path.join(out, unit + ".d", "roles.conf")) as f:
+        check("duet-mps.service" in field(f.read(), "Wants").split(), f"{unit} wants duet-mps.service")
+for i in range(2):
+    for role in ("prefill", "decode"):
+        conf = drop_in(out, f"duet-{role}@{i}.service")
+        check(field(conf, "After") == "duet-mps.service" and "[Unit]" in conf and "[Service]" in conf,
+              f"duet-{role}@{i} starts after the daemon: {conf}")
+g, out = generate("cuda:0,cuda:15", "--gpu-memory", "32")
+with open(os.path.join(out, "duet.env")) as f:
+    check("CUDA_MPS" not in f.read(), "without --mps duet.env names no daemon")
+check(field(drop_in(out, "duet-prefill@0.service"), "After") is None, "without --mps no After=")
+g = subprocess.run([DUET, "systemd", "generate", "--out", tempfile.mkdtemp(), "--model", MODEL, "--port", "8080",
+                    "--mps"], capture_output=True, text=True)
+check(g.returncode != 0 and "--mps: CUDA MPS shares a GPU" in g.stderr, f"--mps on the CPU: {g.stderr}")
+print("--mps: duet-mps.service wanted, the roles after it, its pipes in duet.env; refused on the CPU: ok")
