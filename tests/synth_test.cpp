@@ -45,8 +45,8 @@ TEST(Synth, ShapesHaveTheirModelsPublishedParameterCounts) {
 
 TEST(Synth, EveryTypeReadsBackRunsAndTokenizes) {
     const std::string dir = ::testing::TempDir();
-    for (DType type : {DType::BF16, DType::F16, DType::F32, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K,
-                       DType::Q5_K, DType::Q6_K}) {
+    for (DType type : {DType::BF16, DType::F16, DType::F32, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
+                       DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
         SCOPED_TRACE(dtype_name(type));
         SynthOptions o;
         o.shape = *synth_shape("tiny");

@@ -470,14 +470,15 @@ int cmd_model_synth(const std::string& shape, const std::string& type, int64_t l
     o.layers = layers;
     o.seed = seed;
     bool found = false;
-    for (DType t : {DType::BF16, DType::F16, DType::F32, DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K,
-                    DType::Q5_K, DType::Q6_K}) {
+    for (DType t : {DType::BF16, DType::F16, DType::F32, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
+                    DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
         std::string n = dtype_name(t);
         for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
         if (n == type) o.type = t, found = true;
     }
     if (!found) {
-        std::fprintf(stderr, "duet: no weight type '%s' (bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k)\n",
+        std::fprintf(stderr,
+                     "duet: no weight type '%s' (bf16, f16, f32, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)\n",
                      type.c_str());
         return 2;
     }

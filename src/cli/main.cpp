@@ -128,7 +128,9 @@ void add_inspect_model(CLI::App& app, Store& store, int& rc, const std::string& 
     CLI::App* c_synth = c_model->add_subcommand(
         "synth", "write a GGUF of a real model's exact shape with seeded random weights (speed figures, no network)");
     c_synth->add_option("--shape", sy.shape, "llama3-8b, llama3-70b, smollm2-135m or tiny")->capture_default_str();
-    c_synth->add_option("--type", sy.type, "every matrix's type: bf16, f16, f32, q4_0, q4_1, q8_0, q4_k, q5_k, q6_k")
+    c_synth
+        ->add_option("--type", sy.type,
+                     "every matrix's type: bf16, f16, f32, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k")
         ->capture_default_str();
     c_synth->add_option("--layers", sy.layers, "layers (a slice of the shape; default: all of them)")
         ->check(CLI::Range(int64_t{0}, int64_t{1000}));

@@ -224,6 +224,23 @@ void fill_row(const Tensor& t, Rng& r, uint8_t* out) {
                 fill_codes(blk->qs, sizeof blk->qs);
             }
             break;
+        case DType::Q5_0:  // d * (q - 16), q uniform in 0..31: standard deviation 9.2 d
+            for (int64_t b = 0; b < nb; ++b) {
+                auto* blk = reinterpret_cast<BlockQ5_0*>(out) + b;
+                blk->d = f16(t.sigma / 9.2f);
+                fill_codes(blk->qh, sizeof blk->qh);
+                fill_codes(blk->qs, sizeof blk->qs);
+            }
+            break;
+        case DType::Q5_1:  // d * q + m, centred
+            for (int64_t b = 0; b < nb; ++b) {
+                auto* blk = reinterpret_cast<BlockQ5_1*>(out) + b;
+                blk->d = f16(t.sigma / 9.2f);
+                blk->m = f16(-15.5f * t.sigma / 9.2f);
+                fill_codes(blk->qh, sizeof blk->qh);
+                fill_codes(blk->qs, sizeof blk->qs);
+            }
+            break;
         case DType::Q5_K:  // Q4_K's scales and mins; 5-bit codes (standard deviation 9.2, mean 15.5)
             for (int64_t b = 0; b < nb; ++b) {
                 auto* blk = reinterpret_cast<BlockQ5_K*>(out) + b;
