@@ -3,7 +3,8 @@
 an exact float64 forward pass (scripts/make-tiny-models.py's, weights dequantized
 by gguf-py). For each raw prompt (no chat template) the next token's five most
 likely tokens and their probabilities, from each; then the largest gap between
-duet's and llama.cpp's probability of a token both list.
+duet's and llama.cpp's probability of a token either lists (0 where one does not
+list it), and on how many prompts their most likely token is the same.
 
 Neither engine matches the float64 pass: both round activations to 8 bits before
 each product with quantized weights. What this shows is that duet reads a weight
@@ -100,7 +101,7 @@ def main():
     }
     ref = reference_module()
     m = ref.GgufModel(a.model)
-    gap = 0.0
+    gap, same_top1 = 0.0, 0
     for i, p in enumerate(PROMPTS):
         ids = json.loads(subprocess.check_output([a.duet, "tokenize", "-m", a.model, p], text=True))
         logits = ref.forward(m, ids)[-1]
@@ -110,10 +111,13 @@ def main():
         print(f"  float64   {[round(float(v), 3) for v in np.sort(prob)[::-1][:5]]}")
         for name, rows in got.items():
             print(f"  {name:9} {[round(v, 3) for v in sorted(rows[i].values(), reverse=True)]}")
-        for t, v in got["duet"][i].items():
-            if t in got["llama.cpp"][i]:
-                gap = max(gap, abs(v - got["llama.cpp"][i][t]))
-    print(json.dumps({"model": os.path.basename(a.model), "max_prob_gap_duet_llama_cpp": round(gap, 4)}))
+        # Over the tokens either lists: one the other does not list counts at 0 there.
+        d, l = got["duet"][i], got["llama.cpp"][i]
+        for t in set(d) | set(l):
+            gap = max(gap, abs(d.get(t, 0.0) - l.get(t, 0.0)))
+        same_top1 += max(d, key=d.get) == max(l, key=l.get)
+    print(json.dumps({"model": os.path.basename(a.model), "max_prob_gap_duet_llama_cpp": round(gap, 4),
+                      "same_top1": f"{same_top1} of {len(PROMPTS)}"}))
 
 
 if __name__ == "__main__":

@@ -160,16 +160,19 @@ def prompt_bystander(port, schemas, constrained):
     prompts in prefill's hands."""
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     model = c.models.list().data[0].id
-    times, done = [], threading.Event()
+    times, done, errors = [], threading.Event(), []
     body = " ".join(f"Item {k} is a short line of plain text." for k in range(30))
 
     def prompts():
         k = 0
-        while not done.is_set():
-            k += 1
-            t0 = time.perf_counter()
-            c.completions.create(model=model, prompt=f"Request {k}. {body}", max_tokens=1, temperature=0)
-            times.append((t0, time.perf_counter()))
+        try:
+            while not done.is_set():
+                k += 1
+                t0 = time.perf_counter()
+                c.completions.create(model=model, prompt=f"Request {k}. {body}", max_tokens=1, temperature=0)
+                times.append((t0, time.perf_counter()))
+        except Exception as e:  # noqa: BLE001  (reported below, not lost with the thread)
+            errors.append(e)
     t = threading.Thread(target=prompts)
     t.start()
     time.sleep(0.5)
@@ -182,7 +185,12 @@ def prompt_bystander(port, schemas, constrained):
     end = time.perf_counter()
     done.set()
     t.join()
-    return sorted((b - a) * 1e3 for a, b in times if start <= a and b <= end)
+    if errors:
+        raise RuntimeError(f"a plain prompt failed: {errors[0]!r}")
+    got = sorted((b - a) * 1e3 for a, b in times if start <= a and b <= end)
+    if not got:
+        raise RuntimeError("no plain prompt ended while the schema requests ran")
+    return got
 
 
 def main():
