@@ -185,6 +185,23 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
         return 1;
     };
     const std::atomic<bool>& stop = StopSignal::install();
+    // --mps: the daemon first, its directories in this environment before anything
+    // touches CUDA (prepare_serve queries the GPUs) and for every role started from
+    // here; stopped once they are all gone. (On the CPU plan_serve refuses --mps.)
+    std::optional<MpsDaemon> mps;
+    if (settings.mps && settings.device != "cpu") {
+        if (start == RoleStart::External)
+            return fail("--mps: under systemd, duet-mps.service runs the daemon (duet systemd generate --mps)");
+        std::error_code tec;
+        const std::filesystem::path tmp = std::filesystem::temp_directory_path(tec);
+        auto d = MpsDaemon::start(
+            tec ? "/tmp" : tmp.string(),
+            "duet-mps-" + (settings.instance.empty() ? std::string("serve") : settings.instance) + "-");
+        if (!d) return fail(d.error().message);
+        mps.emplace(std::move(d).value());
+        if (Status st = mps->export_env(); !st) return fail(st.error().message);
+        log::notice(fmt::format("--mps: control daemon {} up, pipes in {}", mps->pid(), mps->pipe_dir()));
+    }
     auto prep = prepare_serve(settings, /*pick_port=*/true);
     if (!prep) return fail(prep.error().message);
     const ServeSettings& s = prep->s;
@@ -204,20 +221,6 @@ int cmd_serve(const ServeSettings& settings, RoleStart start) {
         if (Status st = trace::start_file(s.trace); !st) return fail("--trace: " + st.error().message);
         if (::setenv("DUET_TRACE", s.trace.c_str(), 1) != 0)
             return fail(fmt::format("DUET_TRACE: {}", std::strerror(errno)));
-    }
-    // --mps: the daemon before any role starts (each reads the directory from its
-    // environment when it first touches CUDA), stopped once they are all gone.
-    std::optional<MpsDaemon> mps;
-    if (s.mps) {
-        if (start == RoleStart::External)
-            return fail("--mps: under systemd, duet-mps.service runs the daemon (duet systemd generate --mps)");
-        std::error_code tec;
-        const std::filesystem::path root = std::filesystem::temp_directory_path(tec);
-        auto d = MpsDaemon::start(((tec ? "/tmp" : root) / ("duet-mps-" + prep->plan.layout.instance)).string());
-        if (!d) return fail(d.error().message);
-        mps.emplace(std::move(d).value());
-        if (Status st = mps->export_env(); !st) return fail(st.error().message);
-        log::notice(fmt::format("--mps: control daemon up, pipes in {}", mps->pipe_dir()));
     }
     const int rc = run_launcher(
         s, prep->plan, *prep->model, [&](const RoleLaunch& r) { return role_argv(exe, r); }, stop, start);
@@ -501,7 +504,10 @@ int cmd_systemd_generate(const ServeSettings& settings, const SystemdArgs& a) {
         return fail(st.error().message);
     // The workers this machine runs: started with the target, and again with the
     // instance when systemd restarts it after a stop (a crash leaves them running).
-    const std::string wanted = "# duet systemd generate: the roles of this machine\n[Unit]\nWants=duet-front.service" + wants + "\n";
+    // With --mps the instance also starts after the daemon (it may open CUDA contexts:
+    // the legacy IPC arenas' holder).
+    const std::string wanted = "# duet systemd generate: the roles of this machine\n[Unit]\nWants=duet-front.service" +
+                               wants + "\n" + (s.mps ? "After=duet-mps.service\n" : "");
     for (const char* unit : {"duet.target", "duet-instance.service"})
         if (Status st = write_text(out / (std::string(unit) + ".d") / "roles.conf", wanted, drop_in_mode); !st)
             return fail(st.error().message);

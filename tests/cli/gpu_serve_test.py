@@ -21,6 +21,7 @@ are within 0.3 in log-probability (a near tie), never otherwise.
 
 Usage: gpu_serve_test.py path/to/duet
 """
+import glob
 import json
 import os
 import re
@@ -165,21 +166,34 @@ def main():
     st.serving(q8, lambda port, server: on_gpu(port, server, q8, n_arenas=2, kv_dtype="int8"),
                ("--device", "cuda:0,cuda:0", "--kv-arenas", "per-role", "--kv-dtype", "int8", *M))
     print("the same with an int8 KV cache: ok")
-    # Under CUDA MPS (--mps): the launcher's own control daemon; the roles' CUDA
-    # contexts open under its server (server.log appears), the same checks hold, and
-    # the daemon is gone after SIGTERM (its control no longer answers).
+    # Under CUDA MPS (--mps): the launcher's own control daemon, in a private
+    # directory of its own; the roles' CUDA contexts open under its server
+    # (server.log appears there while serving), the same checks hold, and at exit the
+    # daemon has ended and its directory is gone.
     if shutil.which("nvidia-cuda-mps-control"):
         mps = INSTANCE + "-mps"
-        home = os.path.join(tempfile.gettempdir(), f"duet-mps-{mps}")
-        st.serving(mps, lambda port, server: on_gpu(port, server, mps), ("--device", "cuda:0", "--mps", *M))
-        logs = os.listdir(os.path.join(home, "log"))
-        st.check("server.log" in logs, f"--mps: no MPS server started (its logs: {logs})")
-        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(home, "pipe"),
-                   CUDA_MPS_LOG_DIRECTORY=os.path.join(home, "log"))
-        q = subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", env=env, capture_output=True,
-                           text=True, timeout=30)
-        st.check(q.returncode != 0, f"--mps: the daemon still answers after SIGTERM: {q.stdout}{q.stderr}")
-        print("the same under CUDA MPS (--mps): its server ran the roles, the daemon gone at exit: ok")
+        pattern = os.path.join(tempfile.gettempdir(), f"duet-mps-{mps}-*")
+        seen = {}
+
+        def server_log_while_serving(port, server):
+            for _ in range(600):
+                if st.request(port, "GET", "/ready")[0] == 200:
+                    break
+                time.sleep(0.1)
+            homes = glob.glob(pattern)
+            st.check(len(homes) == 1, f"--mps: the daemon's directory: {homes}")
+            # A completion, so that both roles have opened their contexts.
+            code, _ = st.request(port, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            st.check(code == 200, f"--mps: completion {code}")
+            logs = os.listdir(os.path.join(homes[0], "log"))
+            st.check("server.log" in logs, f"--mps: no MPS server started (its logs: {logs})")
+            seen["home"] = homes[0]
+            on_gpu(port, server, mps)
+
+        st.serving(mps, server_log_while_serving, ("--device", "cuda:0", "--mps", *M))
+        st.check(not os.path.exists(seen["home"]), f"--mps: {seen['home']} left after exit")
+        st.check(not glob.glob(pattern), f"--mps: left after exit: {glob.glob(pattern)}")
+        print("the same under CUDA MPS (--mps): its server ran the roles; daemon and directory gone at exit: ok")
     else:
         not_run("mps", "no nvidia-cuda-mps-control here: --mps")
     # Two GPUs: prefill on cuda:0, decode on cuda:1, each hand-off copied over NVLink

@@ -142,7 +142,9 @@ check("ExecStart=/usr/bin/nvidia-cuda-mps-control -d" in mps_unit and "RuntimeDi
       and "Environment=CUDA_MPS_PIPE_DIRECTORY=/run/duet-mps/pipe" in mps_unit, "duet-mps.service written")
 for unit in ("duet.target", "duet-instance.service"):
     with open(os.path.join(out, unit + ".d", "roles.conf")) as f:
-        check("duet-mps.service" in field(f.read(), "Wants").split(), f"{unit} wants duet-mps.service")
+        conf = f.read()
+    check("duet-mps.service" in field(conf, "Wants").split() and field(conf, "After") == "duet-mps.service",
+          f"{unit} wants duet-mps.service and starts after it: {conf}")
 for i in range(2):
     for role in ("prefill", "decode"):
         conf = drop_in(out, f"duet-{role}@{i}.service")
@@ -152,6 +154,8 @@ g, out = generate("cuda:0,cuda:15", "--gpu-memory", "32")
 with open(os.path.join(out, "duet.env")) as f:
     check("CUDA_MPS" not in f.read(), "without --mps duet.env names no daemon")
 check(field(drop_in(out, "duet-prefill@0.service"), "After") is None, "without --mps no After=")
+with open(os.path.join(out, "duet-instance.service.d", "roles.conf")) as f:
+    check("duet-mps" not in f.read(), "without --mps the instance neither wants nor follows duet-mps.service")
 g = subprocess.run([DUET, "systemd", "generate", "--out", tempfile.mkdtemp(), "--model", MODEL, "--port", "8080",
                     "--mps"], capture_output=True, text=True)
 check(g.returncode != 0 and "--mps: CUDA MPS shares a GPU" in g.stderr, f"--mps on the CPU: {g.stderr}")
