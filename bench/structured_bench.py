@@ -205,37 +205,26 @@ def main():
                     help="instead: plain prompts' times to first token while the schemas' requests run beside "
                          "them, with their schemas and without (each on a fresh server)")
     args = ap.parse_args()
-    if args.prompt_bystander:
-        print("| requests beside them | prompts | p50 ms | p90 | max | grammar compiles: prefill step (s) | "
-              "prefill ahead (s) |\n|---|---:|---:|---:|---:|---:|---:|")
+    if args.prompt_bystander or args.bystander:
+        # (what is measured, its unit's name, the role whose compiles matter, quantiles)
+        measure_fn, unit, role, qs, digits = (
+            (prompt_bystander, "prompts", "prefill", (0.5, 0.9), 1) if args.prompt_bystander
+            else (bystander, "gaps", "decode", (0.5, 0.9, 0.99), 2))
+        heads = " | ".join(["p50 ms"] + [f"p{round(f * 100)}" for f in qs[1:]])
+        print(f"| requests beside | {unit} | {heads} | max | grammar compiles: {role} step (s) | {role} ahead (s) |\n"
+              f"|---|---:|{'---:|' * len(qs)}---:|---:|---:|")
         for constrained in (False, True):
             server, port = start_duet(args.duet)
             try:
-                g = prompt_bystander(port, args.schemas, constrained)
+                g = measure_fn(port, args.schemas, constrained)
                 m = grammar_metrics(port)
             finally:
                 stop(server)
-            q = lambda f: g[min(len(g) - 1, int(f * len(g)))]  # noqa: E731
-            step, ahead = m.get(("prefill", "step"), (None, None)), m.get(("prefill", "ahead"), (None, None))
+            cells = " | ".join(f"{g[min(len(g) - 1, int(f * len(g)))]:.{digits}f}" for f in qs)
+            step, ahead = m.get((role, "step"), (None, None)), m.get((role, "ahead"), (None, None))
             fmt = lambda v: "-" if v[0] is None else f"{v[0]} ({v[1]:.3f})"  # noqa: E731
-            print(f"| {'with schemas' if constrained else 'without'} | {len(g)} | {q(0.5):.1f} | {q(0.9):.1f} | "
-                  f"{g[-1]:.1f} | {fmt(step)} | {fmt(ahead)} |")
-        return
-    if args.bystander:
-        print("| requests beside it | gaps | p50 ms | p90 | p99 | max | grammar compiles: decode step (s) | "
-              "decode ahead (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-        for constrained in (False, True):
-            server, port = start_duet(args.duet)
-            try:
-                g = bystander(port, args.schemas, constrained)
-                m = grammar_metrics(port)
-            finally:
-                stop(server)
-            q = lambda f: g[min(len(g) - 1, int(f * len(g)))]  # noqa: E731
-            step, ahead = m.get(("decode", "step"), (None, None)), m.get(("decode", "ahead"), (None, None))
-            fmt = lambda v: "-" if v[0] is None else f"{v[0]} ({v[1]:.3f})"  # noqa: E731
-            print(f"| {'with schemas' if constrained else 'without'} | {len(g)} | {q(0.5):.2f} | {q(0.9):.2f} | "
-                  f"{q(0.99):.2f} | {g[-1]:.2f} | {fmt(step)} | {fmt(ahead)} |")
+            print(f"| {'with schemas' if constrained else 'without'} | {len(g)} | {cells} | {g[-1]:.{digits}f} | "
+                  f"{fmt(step)} | {fmt(ahead)} |")
         return
     runs = [("duet", lambda: start_duet(args.duet))]
     if args.llama:

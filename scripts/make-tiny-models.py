@@ -49,17 +49,20 @@ QK_K = 256
 # Weight construction
 
 
-def rand_q4_k(rng, rows, cols, sigma):
-    """Random valid Q4_K blocks (gguf-py cannot quantize to Q4_K; any valid block
-    is a valid weight). Per 32-value sub-block: value = d*sc*q - dmin*m with q a
-    random nibble; sc in [32, 63] and m ~ 15/16 sc with dmin = 8 d keep each
-    sub-block's mean near 0; d is set for a standard deviation near sigma."""
-    assert cols % QK_K == 0
+def rand_q45_k(rng, rows, cols, sigma, bits):
+    """Random valid Q4_K (bits 4) or Q5_K (bits 5) blocks (gguf-py cannot quantize
+    to them; any valid block is a valid weight). Per 32-value sub-block: value =
+    d*sc*q - dmin*m with q random (Q5_K: a random qh bit on top of the nibble); sc
+    in [32, 63] and m ~ sc * mean(q) / (dmin / d), with dmin = 8 d (Q4_K) or 16 d
+    (Q5_K), keep each sub-block's mean near 0; d is set for a standard deviation
+    near sigma (q's is 4.6 or 9.2)."""
+    assert cols % QK_K == 0 and bits in (4, 5)
     nb = rows * cols // QK_K
-    d = (sigma / (47.5 * 4.6)) * rng.uniform(0.7, 1.3, nb)
-    dmin = 8.0 * d
+    q_mean, q_sd, dmin_d = (7.5, 4.6, 8.0) if bits == 4 else (15.5, 9.2, 16.0)
+    d = (sigma / (47.5 * q_sd)) * rng.uniform(0.7, 1.3, nb)
+    dmin = dmin_d * d
     sc = rng.integers(32, 64, (nb, 8))
-    m = np.clip(np.round(sc * 7.5 / 8.0) + rng.integers(-2, 3, (nb, 8)), 0, 63).astype(np.int64)
+    m = np.clip(np.round(sc * q_mean / dmin_d) + rng.integers(-2, 3, (nb, 8)), 0, 63).astype(np.int64)
     scales = np.zeros((nb, 12), np.uint8)
     for j in range(4):  # the 6-bit packing of ggml's get_scale_min_k4
         scales[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
@@ -70,42 +73,12 @@ def rand_q4_k(rng, rows, cols, sigma):
             d.astype(np.float16).view(np.uint8).reshape(nb, 2),
             dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
             scales,
-            rng.integers(0, 256, (nb, 128), dtype=np.uint8),
+            rng.integers(0, 256, (nb, 128 if bits == 4 else 32 + 128), dtype=np.uint8),  # (Q5_K: qh[32]) qs[128]
         ],
         axis=1,
     )
-    assert blk.shape[1] == 144
+    assert blk.shape[1] == (144 if bits == 4 else 176)
     # The packing round-trips through gguf-py's own unpacking.
-    usc, um = gguf.quants.Q4_K.get_scale_min(scales)
-    assert (usc == sc).all() and (um == m).all()
-    return blk.reshape(rows, -1)
-
-
-def rand_q5_k(rng, rows, cols, sigma):
-    """Random valid Q5_K blocks: Q4_K's with 5-bit values (a random qh bit each).
-    q averages 15.5 (standard deviation 9.2), so m ~ 31/32 sc with dmin = 16 d keeps
-    each sub-block's mean near 0; d is set for a standard deviation near sigma."""
-    assert cols % QK_K == 0
-    nb = rows * cols // QK_K
-    d = (sigma / (47.5 * 9.2)) * rng.uniform(0.7, 1.3, nb)
-    dmin = 16.0 * d
-    sc = rng.integers(32, 64, (nb, 8))
-    m = np.clip(np.round(sc * 15.5 / 16.0) + rng.integers(-2, 3, (nb, 8)), 0, 63).astype(np.int64)
-    scales = np.zeros((nb, 12), np.uint8)
-    for j in range(4):
-        scales[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
-        scales[:, j + 4] = (m[:, j] & 63) | ((m[:, j + 4] >> 4) << 6)
-        scales[:, j + 8] = (sc[:, j + 4] & 15) | ((m[:, j + 4] & 15) << 4)
-    blk = np.concatenate(
-        [
-            d.astype(np.float16).view(np.uint8).reshape(nb, 2),
-            dmin.astype(np.float16).view(np.uint8).reshape(nb, 2),
-            scales,
-            rng.integers(0, 256, (nb, 32 + 128), dtype=np.uint8),  # qh[32], qs[128]
-        ],
-        axis=1,
-    )
-    assert blk.shape[1] == 176
     usc, um = gguf.quants.Q4_K.get_scale_min(scales)
     assert (usc == sc).all() and (um == m).all()
     return blk.reshape(rows, -1)
@@ -134,10 +107,8 @@ def rand_q6_k(rng, rows, cols, sigma):
 
 def make_weight(rng, qt, rows, cols, sigma):
     """A [rows, cols] weight (cols contiguous) as the array GGUFWriter stores."""
-    if qt == QT.Q4_K:
-        return rand_q4_k(rng, rows, cols, sigma)
-    if qt == QT.Q5_K:
-        return rand_q5_k(rng, rows, cols, sigma)
+    if qt in (QT.Q4_K, QT.Q5_K):
+        return rand_q45_k(rng, rows, cols, sigma, 4 if qt == QT.Q4_K else 5)
     if qt == QT.Q8_1:  # an activation type, never a weight: only the loader's refusal reads it
         return rng.integers(0, 256, (rows, cols // 32 * gguf.GGML_QUANT_SIZES[qt][1]), dtype=np.uint8)
     if qt == QT.Q6_K:
