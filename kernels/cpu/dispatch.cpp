@@ -201,45 +201,32 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
             }
             return;
         }
-        case DType::Q4_K: {
-            // 4 chunks of 64 values; chunk c: 32 low nibbles of qs[32c..32c+32)
-            // with scale/min 2c, then the 32 high nibbles with scale/min 2c+1.
-            const BlockQ4_K* b = static_cast<const BlockQ4_K*>(src);
-            for (int64_t i = 0; i < nb; ++i) {
-                const float d = half_to_float(b[i].d);
-                const float dmin = half_to_float(b[i].dmin);
-                for (int c = 0; c < 4; ++c) {
-                    int sc0, m0, sc1, m1;
-                    q4k_scale_min(2 * c, b[i].scales, &sc0, &m0);
-                    q4k_scale_min(2 * c + 1, b[i].scales, &sc1, &m1);
-                    const float d0 = d * static_cast<float>(sc0), mm0 = dmin * static_cast<float>(m0);
-                    const float d1 = d * static_cast<float>(sc1), mm1 = dmin * static_cast<float>(m1);
-                    const uint8_t* q = b[i].qs + 32 * c;
-                    for (int l = 0; l < 32; ++l) *dst++ = d0 * static_cast<float>(q[l] & 15) - mm0;
-                    for (int l = 0; l < 32; ++l) *dst++ = d1 * static_cast<float>(q[l] >> 4) - mm1;
-                }
-            }
-            return;
-        }
+        case DType::Q4_K:
         case DType::Q5_K: {
-            // Q4_K's order, with bit j of qh[l] as the fifth bit of value l of
-            // sub-block j.
-            const BlockQ5_K* b = static_cast<const BlockQ5_K*>(src);
-            for (int64_t i = 0; i < nb; ++i) {
-                const float d = half_to_float(b[i].d);
-                const float dmin = half_to_float(b[i].dmin);
+            // 4 chunks of 64 values; chunk c: 32 low nibbles of qs[32c..32c+32)
+            // with scale/min 2c, then the 32 high nibbles with scale/min 2c+1
+            // (Q5_K: with bit 2c, resp. 2c+1, of qh[l] as value l's fifth bit).
+            const bool five = t == DType::Q5_K;
+            const size_t bytes = dtype_block_bytes(t);
+            const uint8_t* p = static_cast<const uint8_t*>(src);
+            for (int64_t i = 0; i < nb; ++i, p += bytes) {
+                // d, dmin and scales lead both layouts; Q5_K's qh[32] precedes its qs.
+                const BlockQ4_K* head = reinterpret_cast<const BlockQ4_K*>(p);
+                const uint8_t* qh = five ? reinterpret_cast<const BlockQ5_K*>(p)->qh : nullptr;
+                const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(p)->qs : head->qs;
+                const float d = half_to_float(head->d);
+                const float dmin = half_to_float(head->dmin);
                 for (int c = 0; c < 4; ++c) {
                     int sc0, m0, sc1, m1;
-                    q4k_scale_min(2 * c, b[i].scales, &sc0, &m0);
-                    q4k_scale_min(2 * c + 1, b[i].scales, &sc1, &m1);
+                    q4k_scale_min(2 * c, head->scales, &sc0, &m0);
+                    q4k_scale_min(2 * c + 1, head->scales, &sc1, &m1);
                     const float d0 = d * static_cast<float>(sc0), mm0 = dmin * static_cast<float>(m0);
                     const float d1 = d * static_cast<float>(sc1), mm1 = dmin * static_cast<float>(m1);
-                    const uint8_t* q = b[i].qs + 32 * c;
-                    const uint8_t* qh = b[i].qh;
+                    const uint8_t* q = qs + 32 * c;
+                    auto high = [&](int l, int bit) { return five ? ((qh[l] >> bit) & 1) << 4 : 0; };
+                    for (int l = 0; l < 32; ++l) *dst++ = d0 * static_cast<float>((q[l] & 15) | high(l, 2 * c)) - mm0;
                     for (int l = 0; l < 32; ++l)
-                        *dst++ = d0 * static_cast<float>((q[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) - mm0;
-                    for (int l = 0; l < 32; ++l)
-                        *dst++ = d1 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) - mm1;
+                        *dst++ = d1 * static_cast<float>((q[l] >> 4) | high(l, 2 * c + 1)) - mm1;
                 }
             }
             return;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/cpu/kernels_impl.h"
 
@@ -245,32 +246,11 @@ float dot_q8_0(const BlockQ8_0* w, const BlockQ8_0* x, int64_t nb) {
     return s;
 }
 
-// Per super-block: d_x (d_w sum_j sc_j S_j) - d_x (dmin_w sum_j m_j X_j), S_j the
-// integer dot of sub-block j, X_j the sum of its activations (from bsums).
-float dot_q4_k(const BlockQ4_K* w, const BlockQ8_K* x, int64_t nb) {
-    float s = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        int sumi = 0, summ = 0;
-        for (int j = 0; j < 8; ++j) {
-            int sc, mn;
-            q4k_scale_min(j, w[b].scales, &sc, &mn);
-            const uint8_t* q = w[b].qs + 32 * (j / 2);
-            const int shift = 4 * (j % 2);
-            int dot = 0;
-            for (int l = 0; l < 32; ++l) dot += ((q[l] >> shift) & 15) * x[b].qs[32 * j + l];
-            sumi += sc * dot;
-            summ += mn * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
-        }
-        const float d = half_to_float(w[b].d) * x[b].d;
-        const float dm = half_to_float(w[b].dmin) * x[b].d;
-        s += d * static_cast<float>(sumi) - dm * static_cast<float>(summ);
-    }
-    return s;
-}
-
-// Q4_K's expression with 5-bit values: bit j of qh[l] is the top bit of value l
-// of sub-block j.
-float dot_q5_k(const BlockQ5_K* w, const BlockQ8_K* x, int64_t nb) {
+// Q4_K or Q5_K (Blk), per super-block: d_x (d_w sum_j sc_j S_j) - d_x (dmin_w sum_j
+// m_j X_j), S_j the integer dot of sub-block j, X_j the sum of its activations (from
+// bsums). Q5_K's values have bit j of qh[l] on top (value l of sub-block j).
+template <class Blk>
+float dot_q45_k(const Blk* w, const BlockQ8_K* x, int64_t nb) {
     float s = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
         int sumi = 0, summ = 0;
@@ -281,7 +261,8 @@ float dot_q5_k(const BlockQ5_K* w, const BlockQ8_K* x, int64_t nb) {
             const int shift = 4 * (j % 2);
             int dot = 0;
             for (int l = 0; l < 32; ++l) {
-                const int v = ((q[l] >> shift) & 15) | (((w[b].qh[l] >> j) & 1) << 4);
+                int v = (q[l] >> shift) & 15;
+                if constexpr (std::is_same_v<Blk, BlockQ5_K>) v |= ((w[b].qh[l] >> j) & 1) << 4;
                 dot += v * x[b].qs[32 * j + l];
             }
             sumi += sc * dot;
@@ -337,9 +318,9 @@ float dot_row(DType wtype, const void* w, const void* x, int64_t n_in) {
         case DType::Q8_0:
             return dot_q8_0(static_cast<const BlockQ8_0*>(w), static_cast<const BlockQ8_0*>(x), n_in / kQK);
         case DType::Q4_K:
-            return dot_q4_k(static_cast<const BlockQ4_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
+            return dot_q45_k(static_cast<const BlockQ4_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
         case DType::Q5_K:
-            return dot_q5_k(static_cast<const BlockQ5_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
+            return dot_q45_k(static_cast<const BlockQ5_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
         case DType::Q6_K:
             return dot_q6_k(static_cast<const BlockQ6_K*>(w), static_cast<const BlockQ8_K*>(x), n_in / kQKK);
         default: kernel_fail("matmul: unsupported weight type");
