@@ -106,7 +106,12 @@ try:
     st, body = got.get("poison", (None, None))
     check(st == 500 and "died 3 times in a row" in body["error"]["message"],
           f"the poison request after 3 deaths: {st} {body}")
-    check(any("failed, not re-driven" in l for l in log), "the launcher's log names the failed request:\n"
+    # The launcher logs the failure before the front can answer it, but the log is
+    # read by drain's thread, which a loaded machine may not have run yet: wait for it.
+    named = time.monotonic() + 30 * SCALE
+    while not any("failed, not re-driven" in l for l in list(log)) and time.monotonic() < named:
+        time.sleep(0.05)
+    check(any("failed, not re-driven" in l for l in list(log)), "the launcher's log names the failed request:\n"
           + "".join(list(log)[-10:]))
     st, by = got.get("by", (None, None))
     check(st == 200 and "choices" in by and by["choices"][0]["text"] == ref["choices"][0]["text"],
