@@ -169,7 +169,14 @@ inline float load1(const void* w, DType t, int64_t k) {
     }
 }
 
-template <int R, int T>
+// Streamed rows (decode, `prefetch`): each row's line kFloatAheadL2 bytes ahead is
+// asked into L2, and kFloatAheadL1 ahead into L1, as the row reaches each 64 bytes
+// (spread among its own loads, as avx512.cpp's prefetch_ahead; a burst per row block
+// left 8 interleaved rows at 10 GB/s a core on F16, Zen 4). Prefetches never fault
+// and change no result.
+constexpr size_t kFloatAheadL2 = 12288, kFloatAheadL1 = 1024;
+
+template <int R, int T, bool Prefetch = false>
 void float_tile(DType t, const char* w, size_t w_stride, int64_t n, const char* x, size_t x_stride, float* y,
                 size_t ldy, int64_t r) {
     const void* wr[R];
@@ -180,7 +187,17 @@ void float_tile(DType t, const char* w, size_t w_stride, int64_t n, const char* 
     for (int i = 0; i < R; ++i)
         for (int j = 0; j < T; ++j) acc[i][j] = _mm256_setzero_ps();
     const int64_t n8 = n & ~int64_t{7};
+    const int64_t esize = t == DType::F32 ? 4 : 2;
     for (int64_t k = 0; k < n8; k += 8) {
+        if constexpr (Prefetch) {
+            if ((k * esize) % 64 == 0) {
+                for (int i = 0; i < R; ++i) {
+                    const char* at = static_cast<const char*>(wr[i]) + k * esize;
+                    _mm_prefetch(at + kFloatAheadL2, _MM_HINT_T1);
+                    _mm_prefetch(at + kFloatAheadL1, _MM_HINT_T0);
+                }
+            }
+        }
         __m256 xv[T];
         for (int j = 0; j < T; ++j) xv[j] = _mm256_loadu_ps(xr[j] + k);
         for (int i = 0; i < R; ++i) {
@@ -202,11 +219,13 @@ template <int T>
 void float_rows(DType t, const char* w, size_t w_stride, int64_t n, const char* x, size_t x_stride, float* y,
                 size_t ldy, int64_t r0, int64_t r1, bool prefetch) {
     constexpr int R = T == 1 ? 8 : 4;
-    const size_t row_bytes = static_cast<size_t>(n) * (t == DType::F32 ? 4 : 2);
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-        if (prefetch) prefetch_row(w + static_cast<size_t>(r) * w_stride, R * row_bytes);
-        float_tile<R, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+        if (prefetch) {
+            float_tile<R, T, true>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+        } else {
+            float_tile<R, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
+        }
     }
     for (; r < r1; ++r) float_tile<1, T>(t, w, w_stride, n, x, x_stride, y, ldy, r);
 }
