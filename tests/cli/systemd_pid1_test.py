@@ -275,11 +275,23 @@ try:
     # The journal is the log: the instance's warning about each death, a notice for
     # each request it re-drove (as many as its warnings count; the DUET_REQUEST field
     # finds one request's story), the roles' own lines by name and level.
-    warnings = journal_json("-u", "duet-instance.service", "-p", "warning")
-    gone = [e for e in warnings if "(pid" in e.get("MESSAGE", "") and "is gone" in e["MESSAGE"]]
-    check(len(gone) == 2 and all(e.get("PRIORITY") == "4" and e.get("SYSLOG_IDENTIFIER") == "duet-serve" for e in gone),
-          f"journalctl -u duet-instance -p warning: {[e.get('MESSAGE') for e in warnings][-5:]}")
-    counted = sum(int(re.search(r"re-drove (\d+) requests", e["MESSAGE"]).group(1)) for e in gone)
+    def deaths(n_kills):
+        warnings = journal_json("-u", "duet-instance.service", "-p", "warning")
+        gone = [e for e in warnings if "(pid" in e.get("MESSAGE", "") and "is gone" in e["MESSAGE"]]
+        check(len(gone) == n_kills and
+              all(e.get("PRIORITY") == "4" and e.get("SYSLOG_IDENTIFIER") == "duet-serve" for e in gone),
+              f"journalctl -u duet-instance -p warning: {[e.get('MESSAGE') for e in warnings][-5:]}")
+        return sum(int(re.search(r"re-drove (\d+) requests", e["MESSAGE"]).group(1)) for e in gone)
+    kills = 2
+    counted = deaths(kills)
+    # A kill re-drives only what its worker held at that instant: with the answers in
+    # the prefix cache and the draft pool (the references ran first), the streams can
+    # pass through a worker between the first event and the kill. Then decode is
+    # killed again, on other prompts, until a death has re-driven something to look at.
+    while counted == 0 and kills < 5:
+        killed_and_back("duet-decode@0.service", "SIGKILL", "SIGKILL of decode, again", 1000 + 10 * kills)
+        kills += 1
+        counted = deaths(kills)
     redriven = [e for e in journal_json("-u", "duet-instance.service")
                 if "DUET_REQUEST" in e and "re-driven" in e.get("MESSAGE", "")]
     check(counted > 0 and len(redriven) >= counted and all(e.get("PRIORITY") == "5" for e in redriven),
@@ -295,7 +307,7 @@ try:
     own = journal_json("-u", "duet-decode@0.service", "-t", "duet-decode")
     check(any("golden check passed" in e.get("MESSAGE", "") and e.get("PRIORITY") == "6" for e in own),
           f"decode's own lines as duet-decode: {[e.get('MESSAGE') for e in own][-3:]}")
-    print(f"journal: two deaths at warning, {counted} re-driven requests each a notice with DUET_REQUEST "
+    print(f"journal: {kills} deaths at warning, {counted} re-driven requests each a notice with DUET_REQUEST "
           f"(journalctl DUET_REQUEST={redriven[0]['DUET_REQUEST']}) and the client's id "
           f"(DUET_REQUEST_ID={redriven[0]['DUET_REQUEST_ID']}), duet-decode's own lines at info: ok")
     killed_and_back("duet-front.service", "SIGKILL", "SIGKILL of the front", 200)
@@ -339,7 +351,7 @@ try:
     # (`systemctl restart` starts the front's count again.)
     counts = {u: restarts(u) for u in ROLES}
     check(counts == {"duet-instance.service": 0, "duet-front.service": 0, "duet-prefill@0.service": 1,
-                     "duet-decode@0.service": 7}, f"NRestarts: {counts}")
+                     "duet-decode@0.service": 7 + kills - 2}, f"NRestarts: {counts} ({kills - 2} kills again)")
     swap = inside("stat", "-c", "%a %U", "/var/cache/duet/duet-swap-duet")
     check(swap.returncode == 0 and swap.stdout.split() == ["700", "duet"], f"the swap directory: {swap.stdout}{swap.stderr}")
     check("no swap directory" not in journal(400), "a worker does not see the swap directory")
