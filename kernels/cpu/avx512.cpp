@@ -1515,7 +1515,6 @@ struct alignas(64) Q5XBlock {
     int32_t corr[4][16];  // Q5_0: -16 * the sum of each 4 values of q (dpbusd's lanes); Q5_1: unused
     float dx[4][16];      // pair p: its tokens' d, each in the 8 lanes of its half
     float s[8];           // Q5_1: each token's s
-    float pad[8];
 };
 static_assert(sizeof(Q5XBlock) == 832);
 
