@@ -33,10 +33,11 @@
 // "Tiles" below): the same numbers, with each weight chunk transposed once.
 // Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
-// F32/F16/BF16 weights use the AVX2 level's kernels (same results as
-// Isa::Avx2); the K-quants too for one token, and tiles of their own for more
-// (see "K-quants" below; every level gives the scalar level's bits for them);
-// Q5_0 / Q5_1 too for up to 3 tokens, and tiles with AVX2's bits for more.
+// Q5_0 / Q5_1 run Q4's tiles with a fifth bit, for every token count (see
+// "Q5_0 / Q5_1" below). F32/F16/BF16 weights use the AVX2 level's kernels
+// (same results as Isa::Avx2); the K-quants too for one token, and tiles of
+// their own for more (see "K-quants" below; every level gives the scalar
+// level's bits for them).
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
 // (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
@@ -346,6 +347,16 @@ alignas(64) constexpr uint16_t kQ80Dm[32] = {0, 0, 0, 0, 17, 17, 17, 17, 0, 0, 0
                                              0, 0, 0, 0, 0,  0,  0,  0,  0, 0, 0, 0, 0,  0,  0,  0};
 alignas(64) constexpr uint16_t kQ80D[32] = {0, 0, 0, 0, 0, 0, 0, 0, 17, 17, 17, 17, 17, 17, 17, 17,
                                             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+// Q5_0, 22-byte blocks: block k = words 11k..11k+10: d, qh (2 words), 8 words of
+// nibbles. A group of four is 88 bytes, so block 3's fields lie past the first 64.
+alignas(64) constexpr uint16_t kQ50Qs[32] = {3,  4,  5,  6,  7,  8,  9,  10, 14, 15, 16, 17, 18, 19, 20, 21,
+                                             25, 26, 27, 28, 29, 30, 31, 32, 36, 37, 38, 39, 40, 41, 42, 43};
+alignas(64) constexpr uint16_t kQ50Dm[32] = {0, 0, 0, 0, 11, 11, 11, 11, 22, 22, 22, 22, 33, 33, 33, 33,
+                                             0, 0, 0, 0, 0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+// Q5_1, 24-byte blocks: block k = dwords 6k..6k+5: (d, m), qh, 4 dwords of nibbles.
+alignas(64) constexpr uint32_t kQ51Qs[16] = {2, 3, 4, 5, 8, 9, 10, 11, 14, 15, 16, 17, 20, 21, 22, 23};
+alignas(64) constexpr uint16_t kQ51Dm[32] = {0, 0, 0, 0, 12, 12, 12, 12, 24, 24, 24, 24, 36, 36, 36, 36,
+                                             1, 1, 1, 1, 13, 13, 13, 13, 25, 25, 25, 25, 37, 37, 37, 37};
 
 // Loads the n bytes of a Q4 weight group into A (first 64) and B (the rest). Full groups use plain loads; a row's last, partial group uses
 // masked loads so nothing past the row is touched.
@@ -379,13 +390,41 @@ inline void load_group(const uint8_t* p, int n, __m512i* a, __m512i* b) {
 
 template <DType W>
 struct Q4Traits {
-    static constexpr int kBlockBytes = W == DType::Q4_1 ? 20 : 18;
+    static constexpr int kBlockBytes = W == DType::Q4_1   ? 20
+                                       : W == DType::Q4_0 ? 18
+                                       : W == DType::Q5_1 ? 24
+                                       : W == DType::Q5_0 ? 22
+                                                          : 34;
+    // Where a block's 16 bytes of nibbles start (Q5: after d [, m] and qh).
+    static constexpr int kQsOffset = W == DType::Q4_1 ? 4 : W == DType::Q4_0 ? 2 : W == DType::Q5_1 ? 8 : 6;
 };
+
+// Q5_0 / Q5_1 run Q4's tiles with a fifth bit (see "Q5_0 / Q5_1" below).
+template <DType W>
+constexpr bool kQ5 = W == DType::Q5_0 || W == DType::Q5_1;
+// Weights d * q + m: the row's result adds m_w * s_x per block (Q8_1 activations).
+template <DType W>
+constexpr bool kWithMin = W == DType::Q4_1 || W == DType::Q5_1;
+// Weights d * (q - o), o = 8 (Q4_0) or 16 (Q5_0): the unsigned q meet the
+// activations, and a lane starts from -o * (the sum of its activations).
+template <DType W>
+constexpr int kInitScale = W == DType::Q4_0   ? -8
+                           : W == DType::Q5_0 ? -16
+                                              : 0;
+
+// Blocks whose fields are all dword-aligned (20 and 24 bytes) are gathered
+// with a dword permute.
+template <DType W>
+constexpr bool kDwordBlocks = W == DType::Q4_1 || W == DType::Q5_1;
 
 template <DType W>
 inline __m512i q4_idx_qs() {
     if constexpr (W == DType::Q4_1) {
         return idx_dwords(kQ41Qs);
+    } else if constexpr (W == DType::Q5_1) {
+        return idx_dwords(kQ51Qs);
+    } else if constexpr (W == DType::Q5_0) {
+        return idx_words(kQ50Qs);
     } else {
         return idx_words(kQ40Qs);
     }
@@ -395,7 +434,7 @@ inline __m512i q4_idx_qs() {
 // k's 16 bytes in 128-bit lane k, or with the tail index, see q4_tails8.
 template <DType W>
 inline __m512i q4_gather_qs(const __m512i& a, const __m512i& idx, const __m512i& b) {
-    if constexpr (W == DType::Q4_1) {
+    if constexpr (kDwordBlocks<W>) {
         return _mm512_permutex2var_epi32(a, idx, b);
     } else {
         return _mm512_permutex2var_epi16(a, idx, b);
@@ -540,7 +579,7 @@ inline __m512i q4_tail_group(const uint8_t* ta, __mmask64 ka, const uint8_t* tb,
 template <DType W>
 inline __m512 q4_tail_values(const __m512i& s, const __m512i& dm, const __m512& dx, const __m512& sx) {
     const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
-    if constexpr (W == DType::Q4_1) {
+    if constexpr (kWithMin<W>) {
         const __m512 mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
         return _mm512_fmadd_ps(mw, sx, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx)));
     } else {
@@ -902,27 +941,47 @@ using XtChunk = std::conditional_t<W == DType::Q8_0, XtChunk8, XtChunk4>;
 template <DType W>
 using XChunk = std::conditional_t<W == DType::Q8_0, XChunk8, XChunk4>;
 
-// A tile's activations (n tokens): the tokens' full chunks transposed, chunk c
-// of token j at [c * n + j] (one base address for a chunk's n tokens); then
-// each token's last, partial chunk, if any, in the layout q4_chunk_tail and
-// q8_chunk_tail read; then, for Q4 rows with short tails, the tile's XtTail4.
+// The transposed chunks of a row of nb blocks: its full chunks, and for Q5 its
+// last, partial chunk too (3-15 blocks; 1-2 are a short tail).
+template <DType W>
+int64_t tile_chunks(int64_t nb) {
+    return nb / 16 + (kQ5<W> && nb % 16 != 0 && !q4_short_tail_rows(nb) ? 1 : 0);
+}
+
+// A tile's activations (n tokens): the tokens' transposed chunks, chunk c of
+// token j at [c * n + j] (one base address for a chunk's n tokens); then, for
+// Q4 and Q8_0, each token's last, partial chunk, if any, in the layout
+// q4_chunk_tail and q8_chunk_tail read; then, for Q4 and Q5 rows with short
+// tails, the tile's XtTail4.
 template <DType W>
 size_t tile_bytes(int64_t nb, int n) {
     const bool short_tails = W != DType::Q8_0 && q4_short_tail_rows(nb);
-    return static_cast<size_t>(n) * (static_cast<size_t>(nb / 16) * sizeof(XtChunk<W>) +
-                                     (nb % 16 != 0 && !short_tails ? sizeof(XChunk<W>) : 0)) +
+    const bool partial = nb % 16 != 0 && !short_tails && !kQ5<W>;
+    return static_cast<size_t>(n) *
+               (static_cast<size_t>(tile_chunks<W>(nb)) * sizeof(XtChunk<W>) + (partial ? sizeof(XChunk<W>) : 0)) +
            (short_tails ? sizeof(XtTail4) : 0);
 }
 
 template <DType W>
 void repack_tile(const void* xrow, int64_t nb, uint8_t* out, size_t chunk_stride, uint8_t* tail) {
-    using XBlock = std::conditional_t<W == DType::Q4_1, BlockQ8_1, BlockQ8_0>;
+    using XBlock = std::conditional_t<kWithMin<W>, BlockQ8_1, BlockQ8_0>;
     const XBlock* x = static_cast<const XBlock*>(xrow);
     const int64_t nfull = nb / 16;
-    for (int64_t c = 0; c < nfull; ++c) {
+    for (int64_t c = 0; c < tile_chunks<W>(nb); ++c) {
         XtChunk<W>& ch = *reinterpret_cast<XtChunk<W>*>(out + static_cast<size_t>(c) * chunk_stride);
         for (int lane = 0; lane < 16; ++lane) {
             const int bl = W == DType::Q8_0 ? q8_lane_block(lane) : q4_lane_block(lane);
+            if constexpr (kQ5<W>) {
+                if (16 * c + bl >= nb) {  // the partial chunk: a missing block's lane is zeros
+                    for (int i = 0; i < 4; ++i) {
+                        std::memset(ch.lo[i] + 4 * lane, 0, 4);
+                        std::memset(ch.hi[i] + 4 * lane, 0, 4);
+                    }
+                    ch.init[lane] = 0;
+                    ch.dx[lane] = ch.sx[lane] = 0.0f;
+                    continue;
+                }
+            }
             const XBlock& b = x[16 * c + bl];
             int32_t sum = 0;
             for (int t = 0; t < kQK; ++t) sum += b.qs[t];
@@ -935,8 +994,8 @@ void repack_tile(const void* xrow, int64_t nb, uint8_t* out, size_t chunk_stride
                     std::memcpy(ch.lo[i] + 4 * lane, b.qs + 4 * i, 4);
                     std::memcpy(ch.hi[i] + 4 * lane, b.qs + 16 + 4 * i, 4);
                 }
-                ch.init[lane] = W == DType::Q4_0 ? -8 * sum : 0;
-                if constexpr (W == DType::Q4_1) {
+                ch.init[lane] = kInitScale<W> * sum;
+                if constexpr (kWithMin<W>) {
                     ch.sx[lane] = h2f(b.s);
                 } else {
                     ch.sx[lane] = 0.0f;
@@ -944,13 +1003,12 @@ void repack_tile(const void* xrow, int64_t nb, uint8_t* out, size_t chunk_stride
             }
         }
     }
-    // (Q4 rows with short tails take them from XtTail4 instead.)
-    if (nb % 16 != 0 && (W == DType::Q8_0 || !q4_short_tail_rows(nb))) {
-        if constexpr (W == DType::Q8_0) {
-            repack_q8(x + 16 * nfull, nb % 16, tail);
-        } else {
-            repack_q4<W>(x + 16 * nfull, nb % 16, tail);
-        }
+    // Rows with short tails take them from XtTail4 instead; Q5's partial chunk
+    // is the last of the chunks above.
+    if constexpr (W == DType::Q8_0) {
+        if (nb % 16 != 0) repack_q8(x + 16 * nfull, nb % 16, tail);
+    } else if constexpr (!kQ5<W>) {
+        if (nb % 16 != 0 && !q4_short_tail_rows(nb)) repack_q4<W>(x + 16 * nfull, nb % 16, tail);
     }
 }
 
@@ -962,18 +1020,26 @@ struct Q4Cols {
     __m512 dw, mw;
 };
 
+// A 4 x 4 dword transpose in each 128-bit lane k: v[i]'s dword g = q[g]'s dword
+// i. With q[g] holding block 4g + k in lane k, dword lane 4k + g of every v[i]
+// holds block 4g + k = q4_lane_block(4k + g).
+inline void transpose_dwords4(const __m512i* q, __m512i* v) {
+    const __m512i t0 = _mm512_unpacklo_epi32(q[0], q[1]), t1 = _mm512_unpackhi_epi32(q[0], q[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(q[2], q[3]), t3 = _mm512_unpackhi_epi32(q[2], q[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2);
+    v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3);
+    v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 template <DType W>
 inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, RowPrefetch pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
     __m512i q[4];  // 128-bit lane k: block 4g + k, dword i = its bytes 4i..4i+3
     for (int g = 0; g < 4; ++g) q[g] = q4_full_group<W>(wc, g, idx_qs, idx_dm, &dm, pf);
-    // A 4 x 4 dword transpose in each 128-bit lane k: column i's dword g = q[g]'s dword i,
-    // so lane 4k + g holds block 4g + k = q4_lane_block(4k + g).
-    const __m512i t0 = _mm512_unpacklo_epi32(q[0], q[1]), t1 = _mm512_unpackhi_epi32(q[0], q[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(q[2], q[3]), t3 = _mm512_unpackhi_epi32(q[2], q[3]);
-    const __m512i v[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                          _mm512_unpackhi_epi64(t1, t3)};
+    __m512i v[4];
+    transpose_dwords4(q, v);
     for (int i = 0; i < 4; ++i) {
         k->lo[i] = _mm512_and_si512(v[i], m4);
         k->hi[i] = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), m4);
@@ -987,7 +1053,7 @@ inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx
 template <DType W, int T>
 inline void q4_tile_chunk(const Q4Cols& k, const XtChunk4* xt, __m512* acc) {
     __m512i s[T];
-    for (int j = 0; j < T; ++j) s[j] = W == DType::Q4_0 ? _mm512_load_si512(xt[j].init) : _mm512_setzero_si512();
+    for (int j = 0; j < T; ++j) s[j] = kInitScale<W> != 0 ? _mm512_load_si512(xt[j].init) : _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
         for (int j = 0; j < T; ++j) {
             s[j] = _mm512_dpbusd_epi32(s[j], k.lo[i], _mm512_load_si512(xt[j].lo[i]));
@@ -997,8 +1063,97 @@ inline void q4_tile_chunk(const Q4Cols& k, const XtChunk4* xt, __m512* acc) {
     for (int j = 0; j < T; ++j) {
         const XtChunk4& x = xt[j];
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(k.dw, _mm512_load_ps(x.dx)), acc[j]);
-        if constexpr (W == DType::Q4_1) acc[j] = _mm512_fmadd_ps(k.mw, _mm512_load_ps(x.sx), acc[j]);
+        if constexpr (kWithMin<W>) acc[j] = _mm512_fmadd_ps(k.mw, _mm512_load_ps(x.sx), acc[j]);
     }
+}
+
+// Q5_0 / Q5_1 weights (what llama.cpp writes for the K-quant mixes' rows that
+// are not a multiple of 256): a Q5 block is a Q4 block (d [, m] and 16 bytes
+// of nibbles, value i low in byte i, value 16 + i high) plus qh, the values'
+// fifth bits (bit i: value i). They run Q4's tiles and Q4's numbers with
+// values 0-31: the same activation layout (XtChunk4, XtTail4), Q5_0's offset
+// 16 in the lanes' start (kInitScale), Q5_1's m_w s_x term, the same float
+// step, short tails and hsum. Unlike Q4 they take these tiles for every token
+// count, one included, and their partial chunk (3-15 blocks) is a chunk whose
+// missing blocks are zeros (masked loads; zero activations, d and s): a lane
+// summing 8 products of values up to 31 leaves no room for pair_sum's int16
+// in the one-token layout, so there is no second layout to agree with.
+//
+// The fifth bits join the values before the transposition: group g's nibbles
+// gathered with block k's 16 bytes in 128-bit lane k, byte i of that lane is
+// value i (low nibble) and 16 + i (high), so the low and high halves of block
+// k's qh, side by side in a 64-bit mask, say which bytes add 16. The masks
+// are built from the four qh words in general registers, beside the vector work.
+
+// One group's values (nbg = 4 blocks, or 1-3 of a partial chunk; the rest
+// zeros) with block k's in 128-bit lane k: lo byte 16k + i = value i, hi byte
+// 16k + i = value 16 + i. Merges the blocks' scales into dm (as q4_full_group).
+template <DType W, bool kFull>
+inline void q5_group(const uint8_t* p, int nbg, int g, const __m512i& idx_qs, const __m512i& idx_dm, __m512i* dm,
+                     __m512i* lo, __m512i* hi) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    constexpr int kQh = W == DType::Q5_1 ? 4 : 2;  // qh's offset in a block
+    __m512i a, b;
+    if constexpr (kFull) {
+        a = _mm512_loadu_si512(p);
+        b = _mm512_maskz_loadu_epi8(bytes_mask(4 * kBB - 64), p + 64);
+    } else {
+        const int n = nbg * kBB;
+        a = _mm512_maskz_loadu_epi8(bytes_mask(std::min(n, 64)), p);
+        b = n > 64 ? _mm512_maskz_loadu_epi8(bytes_mask(n - 64), p + 64) : _mm512_setzero_si512();
+    }
+    // Block 3's scales lie past the first 64 bytes: a two-source permute, then merged.
+    const __mmask32 mask = kWithMin<W> ? (0x11111111u << g) : (0x1111u << g);
+    *dm = _mm512_mask_mov_epi16(*dm, mask, _mm512_permutex2var_epi16(a, idx_dm, b));
+    const __m512i qs = q4_gather_qs<W>(a, idx_qs, b);
+    uint32_t h[4] = {0, 0, 0, 0};
+    for (int k = 0; k < (kFull ? 4 : nbg); ++k) std::memcpy(&h[k], p + k * kBB + kQh, 4);
+    const uint64_t mlo = (h[0] & 0xFFFFu) | static_cast<uint64_t>(h[1] & 0xFFFFu) << 16 |
+                         static_cast<uint64_t>(h[2] & 0xFFFFu) << 32 | static_cast<uint64_t>(h[3]) << 48;
+    const uint64_t mhi = (h[0] >> 16) | static_cast<uint64_t>(h[1] >> 16) << 16 |
+                         static_cast<uint64_t>(h[2] >> 16) << 32 | static_cast<uint64_t>(h[3] >> 16) << 48;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(0x10);
+    const __m512i l = _mm512_and_si512(qs, m4), u = _mm512_and_si512(_mm512_srli_epi16(qs, 4), m4);
+    *lo = _mm512_mask_add_epi8(l, mlo, l, b16);
+    *hi = _mm512_mask_add_epi8(u, mhi, u, b16);
+}
+
+// One row's chunk of nbc blocks (16: kFull), transposed as q4_cols leaves Q4's.
+template <DType W, bool kFull>
+inline void q5_cols(const uint8_t* wc, int nbc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k,
+                    RowPrefetch pf) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    __m512i dm = _mm512_setzero_si512();
+    __m512i lo[4], hi[4];
+    for (int g = 0; g < 4; ++g) {
+        if constexpr (kFull) {
+            // One line per 64 bytes of the chunk (352 for Q5_0, 384 for Q5_1).
+            prefetch_ahead(wc + 64 * g, pf);
+            if (g == 3) {
+                prefetch_ahead(wc + 256, pf);
+                prefetch_ahead(wc + 320, pf);
+            }
+            q5_group<W, true>(wc + 4 * g * kBB, 4, g, idx_qs, idx_dm, &dm, &lo[g], &hi[g]);
+        } else {
+            const int nbg = std::clamp(nbc - 4 * g, 0, 4);
+            if (nbg == 0) {
+                lo[g] = hi[g] = _mm512_setzero_si512();
+            } else {
+                q5_group<W, false>(wc + 4 * g * kBB, nbg, g, idx_qs, idx_dm, &dm, &lo[g], &hi[g]);
+            }
+        }
+    }
+    transpose_dwords4(lo, k->lo);
+    transpose_dwords4(hi, k->hi);
+    k->dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    k->mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
+}
+
+// A short tail's fifth bits for column c of q4_tail_tile (lanes 0-7: tail block
+// 0's values sh..sh+3 in their 4 bytes, lanes 8-15: block 1's).
+inline __mmask64 q5_tail_bits(uint32_t h0, uint32_t h1, int sh) {
+    return static_cast<__mmask64>(((h0 >> sh) & 0xFu) * 0x11111111u) |
+           static_cast<__mmask64>(((h1 >> sh) & 0xFu) * 0x11111111u) << 32;
 }
 
 struct Q8Cols {
@@ -1058,7 +1213,7 @@ inline void q8_tile_chunk(const Q8Cols& k, const XtChunk8* xt, __m512* acc) {
 
 template <DType W>
 void repack_tail_tokens(const uint8_t* xq, size_t xq_stride, int n, int64_t nb, XtTail4* out) {
-    using XBlock = std::conditional_t<W == DType::Q4_1, BlockQ8_1, BlockQ8_0>;
+    using XBlock = std::conditional_t<kWithMin<W>, BlockQ8_1, BlockQ8_0>;
     std::memset(out, 0, sizeof *out);
     const int64_t nfull = nb / 16;
     for (int lane = 0; lane < 16; ++lane) {
@@ -1071,9 +1226,9 @@ void repack_tail_tokens(const uint8_t* xq, size_t xq_stride, int n, int64_t nb, 
             std::memcpy(out->lo[i] + 4 * lane, b.qs + 4 * i, 4);
             std::memcpy(out->hi[i] + 4 * lane, b.qs + 16 + 4 * i, 4);
         }
-        out->init[lane] = W == DType::Q4_0 ? -8 * sum : 0;
+        out->init[lane] = kInitScale<W> * sum;
         out->dx[lane] = h2f(b.d);
-        if constexpr (W == DType::Q4_1) out->sx[lane] = h2f(b.s);
+        if constexpr (kWithMin<W>) out->sx[lane] = h2f(b.s);
     }
 }
 
@@ -1083,13 +1238,14 @@ template <DType W>
 struct Q4TailIdx {
     __m512i col[4], dm;
     __mmask64 bytes;
-    explicit Q4TailIdx(int ntail) : bytes(bytes_mask(ntail * Q4Traits<W>::kBlockBytes)) {
+    int ntail;
+    explicit Q4TailIdx(int n) : bytes(bytes_mask(n * Q4Traits<W>::kBlockBytes)), ntail(n) {
         constexpr int kBB = Q4Traits<W>::kBlockBytes;
         alignas(64) uint16_t c[32], d[32];
         for (int i = 0; i < 4; ++i) {
             for (int lane = 0; lane < 16; ++lane) {
-                // Block t's quant bytes start at t * kBB + (Q4_1: 4, Q4_0: 2); dword i of them.
-                const int first = (lane / 8) * kBB + (W == DType::Q4_1 ? 4 : 2) + 4 * i;
+                // Block t's quant bytes start at t * kBB + kQsOffset; dword i of them.
+                const int first = (lane / 8) * kBB + Q4Traits<W>::kQsOffset + 4 * i;
                 c[2 * lane] = static_cast<uint16_t>(first / 2);
                 c[2 * lane + 1] = static_cast<uint16_t>(first / 2 + 1);
             }
@@ -1097,7 +1253,7 @@ struct Q4TailIdx {
         }
         for (int lane = 0; lane < 16; ++lane) {
             d[lane] = static_cast<uint16_t>((lane / 8) * kBB / 2);
-            d[16 + lane] = static_cast<uint16_t>((lane / 8) * kBB / 2 + 1);  // Q4_1's m (unused for Q4_0)
+            d[16 + lane] = static_cast<uint16_t>((lane / 8) * kBB / 2 + 1);  // m (unused for Q4_0, Q5_0)
         }
         dm = _mm512_load_si512(d);
     }
@@ -1108,14 +1264,78 @@ template <DType W>
 inline __m512 q4_tail_tile(const uint8_t* t, const Q4TailIdx<W>& ti, const XtTail4& x) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i a = _mm512_maskz_loadu_epi8(ti.bytes, t);
-    __m512i s = W == DType::Q4_0 ? _mm512_load_si512(x.init) : _mm512_setzero_si512();
+    // Two chains of vpdpbusd (low and high nibbles), added at the end: exact integers.
+    __m512i s = kInitScale<W> != 0 ? _mm512_load_si512(x.init) : _mm512_setzero_si512();
+    __m512i s2 = _mm512_setzero_si512();
+    uint32_t h0 = 0, h1 = 0;  // Q5: the tail blocks' fifth bits
+    if constexpr (kQ5<W>) {
+        constexpr int kQh = W == DType::Q5_1 ? 4 : 2;
+        std::memcpy(&h0, t + kQh, 4);
+        if (ti.ntail == 2) std::memcpy(&h1, t + Q4Traits<W>::kBlockBytes + kQh, 4);
+    }
     for (int i = 0; i < 4; ++i) {
         const __m512i v = _mm512_permutexvar_epi16(ti.col[i], a);
-        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(v, m4), _mm512_load_si512(x.lo[i]));
-        s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_load_si512(x.hi[i]));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if constexpr (kQ5<W>) {
+            const __m512i b16 = _mm512_set1_epi8(0x10);
+            lo = _mm512_mask_add_epi8(lo, q5_tail_bits(h0, h1, 4 * i), lo, b16);
+            hi = _mm512_mask_add_epi8(hi, q5_tail_bits(h0, h1, 16 + 4 * i), hi, b16);
+        }
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_load_si512(x.lo[i]));
+        s2 = _mm512_dpbusd_epi32(s2, hi, _mm512_load_si512(x.hi[i]));
     }
+    s = _mm512_add_epi32(s, s2);
     // Block 1's lanes of a row with one tail block: quants, d and m all zero (masked load).
     const __m512i dm = _mm512_permutexvar_epi16(ti.dm, a);
+    const __m512 v = q4_tail_values<W>(s, dm, _mm512_load_ps(x.dx), _mm512_load_ps(x.sx));
+    return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+}
+
+// One token against the short tails of rows 0..n-1 (n <= 8, row i's at t +
+// i * stride): q4_tail_tile's lanes and numbers with rows in place of tokens.
+// Lane 8b + i holds row i's tail block b, gathered, against x, whose lanes
+// 8b + i all hold the token's tail block b (repack_tail_tokens of one token at
+// stride 0). Returns v_0 + v_1 of row i in lane i, the bits q4_tail_tile gives
+// a tile's token for that row. Decode with tail blocks one row at a time spent
+// a quarter of its Q5 time there.
+template <DType W>
+inline __m512 q5_tails8(const uint8_t* t, size_t stride, int n, int ntail, const XtTail4& x) {
+    static_assert(kQ5<W>);
+    constexpr int kQh = W == DType::Q5_1 ? 4 : 2;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i off = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), _mm512_set1_epi32(static_cast<int>(stride))),
+        _mm512_mullo_epi32(_mm512_srli_epi32(lane, 3), _mm512_set1_epi32(Q4Traits<W>::kBlockBytes)));
+    const unsigned rows = (1u << n) - 1;
+    const __mmask16 on = static_cast<__mmask16>(ntail == 2 ? rows | rows << 8 : rows);  // masked-off lanes read nothing
+    const __m512i zero = _mm512_setzero_si512();
+    auto gather = [&](int at) {
+        return _mm512_mask_i32gather_epi32(zero, on, _mm512_add_epi32(off, _mm512_set1_epi32(at)), t, 1);
+    };
+    const __m512i h = gather(kQh);
+    const __m512i dmw = gather(0);  // d, and Q5_1's m, of each lane's block
+    const __m512i dm = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(dmw)),
+                                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(dmw, 16)), 1);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(0x10);
+    __m512i s = kInitScale<W> != 0 ? _mm512_load_si512(x.init) : zero;
+    for (int c = 0; c < 4; ++c) {
+        const __m512i q = gather(Q4Traits<W>::kQsOffset + 4 * c);
+        // Byte k of a lane's column c: values 4c + k (low nibble) and 16 + 4c + k
+        // (high), whose fifth bits are bit k + 4 (c & 1) of qh's byte c / 2 and 2 + c / 2.
+        const __m512i pat = _mm512_set1_epi32(c % 2 == 0 ? 0x08040201 : static_cast<int>(0x80402010u));
+        const __m512i lo_src = _mm512_set1_epi32(0x01010101 * (c / 2)),
+                      hi_src = _mm512_set1_epi32(0x01010101 * (2 + c / 2));
+        const __m512i idx =
+            _mm512_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0,
+                              0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+        const __mmask64 klo = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, _mm512_add_epi8(idx, lo_src)), pat);
+        const __mmask64 khi = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, _mm512_add_epi8(idx, hi_src)), pat);
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        lo = _mm512_mask_add_epi8(lo, klo, lo, b16);
+        hi = _mm512_mask_add_epi8(hi, khi, hi, b16);
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_load_si512(x.lo[c]));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_load_si512(x.hi[c]));
+    }
     const __m512 v = q4_tail_values<W>(s, dm, _mm512_load_ps(x.dx), _mm512_load_ps(x.sx));
     return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
 }
@@ -1129,6 +1349,8 @@ struct TileConsts {
         : idx_qs(W == DType::Q8_0 ? _mm512_setzero_si512() : q4_idx_qs<W>()),
           idx_dm(idx_words(W == DType::Q8_0   ? kQ80Dm
                            : W == DType::Q4_1 ? kQ41Dm
+                           : W == DType::Q5_1 ? kQ51Dm
+                           : W == DType::Q5_0 ? kQ50Dm
                                               : kQ40Dm)),
           idx_d(idx_words(kQ80D)),
           tail(static_cast<int>(nb % 16)) {}
@@ -1158,6 +1380,19 @@ __attribute__((always_inline)) inline void tile_row(const char* w, size_t w_stri
             q8_tile_chunk<T>(k, xt + c * T, acc);
         }
         if (ntail != 0) q8_chunk_tail<T>(tail, ntail, xo, 0, kc.idx_d, acc);
+    } else if constexpr (kQ5<W>) {
+        for (int64_t c = 0; c < nfull; ++c) {
+            Q4Cols k;
+            q5_cols<W, true>(wr + c * 16 * kBB, 16, kc.idx_qs, kc.idx_dm, &k, pf);
+            q4_tile_chunk<W, T>(k, xt + c * T, acc);
+        }
+        if (q4_short_tail_rows(nb)) {
+            tails = q4_tail_tile<W>(tail, kc.tail, *xtail);
+        } else if (ntail != 0) {
+            Q4Cols k;
+            q5_cols<W, false>(tail, static_cast<int>(ntail), kc.idx_qs, kc.idx_dm, &k, pf);
+            q4_tile_chunk<W, T>(k, xt + nfull * T, acc);
+        }
     } else {
         for (int64_t c = 0; c < nfull; ++c) {
             Q4Cols k;
@@ -1171,6 +1406,11 @@ __attribute__((always_inline)) inline void tile_row(const char* w, size_t w_stri
         }
     }
     // hsum8 gives each lane hsum's bits; a short tail's sums are then added, y = hsum(acc) + (v_0 + v_1).
+    if constexpr (T == 1) {
+        const float h = hsum(acc[0]);
+        y[r] = W != DType::Q8_0 && q4_short_tail_rows(nb) ? h + _mm512_cvtss_f32(tails) : h;
+        return;
+    }
     __m512 h = hsum8(acc);
     if (W != DType::Q8_0 && q4_short_tail_rows(nb)) h = _mm512_add_ps(h, tails);
     alignas(64) float out[16];
@@ -1181,9 +1421,8 @@ __attribute__((always_inline)) inline void tile_row(const char* w, size_t w_stri
 template <DType W, int T>
 __attribute__((noinline)) void tiles(const char* w, size_t w_stride, int64_t nb, const uint8_t* xp, float* y,
                                      size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
-    const int64_t nfull = nb / 16;
     const XtChunk<W>* xt = reinterpret_cast<const XtChunk<W>*>(xp);
-    const uint8_t* tails = xp + static_cast<size_t>(nfull) * T * sizeof(XtChunk<W>);
+    const uint8_t* tails = xp + static_cast<size_t>(tile_chunks<W>(nb)) * T * sizeof(XtChunk<W>);
     const XChunk<W>* xo[T];
     for (int j = 0; j < T; ++j) xo[j] = reinterpret_cast<const XChunk<W>*>(tails) + j;
     const XtTail4* xtail = reinterpret_cast<const XtTail4*>(tails);
@@ -1214,7 +1453,6 @@ void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, 
                   size_t ldy, int64_t r0, int64_t r1) {
     constexpr int kT = 8;
     const int64_t nb = n_in / kQK;
-    const int64_t nfull = nb / 16;
     const bool short_tails = W != DType::Q8_0 && q4_short_tail_rows(nb);
     const int n_tiles = (n_tok + kT - 1) / kT;
     const char* wb = static_cast<const char*>(w);
@@ -1233,7 +1471,7 @@ void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, 
     for (int i = 0; i < n_tiles; ++i) {
         const int n = std::min(kT, n_tok - i * kT);
         uint8_t* base = tile_at(i);
-        uint8_t* tails = base + static_cast<size_t>(nfull) * n * sizeof(XtChunk<W>);
+        uint8_t* tails = base + static_cast<size_t>(tile_chunks<W>(nb)) * n * sizeof(XtChunk<W>);
         for (int j = 0; j < n; ++j) {
             const char* xr = xb + static_cast<size_t>(i * kT + j) * xq_stride;
             repack_tile<W>(xr, nb, base + static_cast<size_t>(j) * sizeof(XtChunk<W>), n * sizeof(XtChunk<W>),
@@ -1254,6 +1492,69 @@ void matmul_tiles(const void* w, size_t w_stride, int64_t n_in, const void* xq, 
                               y + static_cast<size_t>(i) * kT * ldy, ldy, b0, b1, pf_last);
         }
     }
+}
+
+// One token against Q5 rows (decode), 8 rows at a time: each row's chunks as
+// tile_row<W, 1> runs them, the 8 sums in one hsum8 (lane i = hsum of row i),
+// and the rows' short tails in one q5_tails8. The bits of tiles<W, 1>.
+template <DType W>
+__attribute__((noinline)) void q5_rows_t1(const char* w, size_t w_stride, int64_t nb, const XtChunk4* xt,
+                                          const XtTail4& xtail, float* y, int64_t r0, int64_t r1, uintptr_t pf_last) {
+    constexpr int kBB = Q4Traits<W>::kBlockBytes;
+    const int64_t nfull = nb / 16;
+    const int ntail = static_cast<int>(nb % 16);
+    const bool short_tail = q4_short_tail_rows(nb);
+    const size_t row_bytes = static_cast<size_t>(nb) * kBB;
+    const __m512i idx_qs = q4_idx_qs<W>();
+    const __m512i idx_dm = idx_words(W == DType::Q5_1 ? kQ51Dm : kQ50Dm);
+    for (int64_t b0 = r0; b0 < r1; b0 += 8) {
+        const int n = static_cast<int>(std::min<int64_t>(8, r1 - b0));
+        const uint8_t* wb = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(b0) * w_stride);
+        __m512 acc[8];
+        for (int i = 0; i < 8; ++i) {
+            acc[i] = _mm512_setzero_ps();
+            if (i >= n) continue;
+            const uint8_t* wr = wb + static_cast<size_t>(i) * w_stride;
+            const RowPrefetch pf = row_prefetch(wr, row_bytes, pf_last);
+            prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
+            for (int64_t c = 0; c < nfull; ++c) {
+                Q4Cols k;
+                q5_cols<W, true>(wr + c * 16 * kBB, 16, idx_qs, idx_dm, &k, pf);
+                q4_tile_chunk<W, 1>(k, xt + c, &acc[i]);
+            }
+            if (!short_tail && ntail != 0) {
+                Q4Cols k;
+                q5_cols<W, false>(wr + nfull * 16 * kBB, ntail, idx_qs, idx_dm, &k, pf);
+                q4_tile_chunk<W, 1>(k, xt + nfull, &acc[i]);
+            }
+        }
+        __m512 h = hsum8(acc);
+        if (short_tail) h = _mm512_add_ps(h, q5_tails8<W>(wb + nfull * 16 * kBB, w_stride, n, ntail, xtail));
+        _mm512_mask_storeu_ps(y + b0, static_cast<__mmask16>((1u << n) - 1), h);
+    }
+}
+
+// Q5_0 / Q5_1: tiles, and for one token q5_rows_t1 (see "Q5_0 / Q5_1").
+template <DType W>
+void matmul_q5(const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok, float* y,
+               size_t ldy, int64_t r0, int64_t r1) {
+    if (n_tok > 1) {
+        matmul_tiles<W>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    const int64_t nb = n_in / kQK;
+    const char* wb = static_cast<const char*>(w);
+    const uintptr_t pf_last = r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
+    if (pf_last != 0) {
+        prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
+    }
+    Scratch scratch(static_cast<size_t>(tile_chunks<W>(nb)) * sizeof(XtChunk4) + sizeof(XtTail4));
+    XtChunk4* xt = reinterpret_cast<XtChunk4*>(scratch.data());
+    XtTail4* xtail = reinterpret_cast<XtTail4*>(xt + tile_chunks<W>(nb));
+    repack_tile<W>(xq, nb, scratch.data(), sizeof(XtChunk4), nullptr);
+    // The token's tail blocks in all 8 lanes of each: 8 "tokens" at stride 0.
+    if (q4_short_tail_rows(nb)) repack_tail_tokens<W>(static_cast<const uint8_t*>(xq), 0, 8, nb, xtail);
+    q5_rows_t1<W>(wb, w_stride, nb, xt, *xtail, y, r0, r1, pf_last);
 }
 
 // ---------------------------------------------------------------------------
@@ -1497,151 +1798,6 @@ void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const
     }
 }
 
-// ---------------------------------------------------------------------------
-// Q5_0 / Q5_1 weights (what llama.cpp writes for the K-quant mixes' rows that
-// are not a multiple of 256). Passes of up to 3 tokens run AVX2's rows; longer
-// ones these tiles, which unpack a row's block once for up to 8 tokens, two
-// tokens to a register (one per 256-bit half), and repeat AVX2's operations for
-// each (row, token): acc = fma(cvt(the 8 lane sums of block b), d_w d_x, acc)
-// block by block, AVX2's hsum of acc, plus Q5_1's sm += m_w s_x block by block.
-// So every token count gives the bits AVX2's kernels give.
-
-// One block of a tile's n <= 8 tokens, in P = (n + 1) / 2 pairs: token j in half
-// j / P of pair j % P; a missing token's half is zeros.
-inline int q5_pairs(int n) { return (n + 1) / 2; }
-
-struct alignas(64) Q5XBlock {
-    int8_t q[4][64];      // pair p: the 32 values of its low half's token, then its high half's
-    int32_t corr[4][16];  // Q5_0: -16 * the sum of each 4 values of q (dpbusd's lanes); Q5_1: unused
-    float dx[4][16];      // pair p: its tokens' d, each in the 8 lanes of its half
-    float s[8];           // Q5_1: each token's s
-};
-static_assert(sizeof(Q5XBlock) == 832);
-
-template <DType W>
-void repack_q5x(const char* xq, size_t xq_stride, int n, int64_t nb, Q5XBlock* out) {
-    std::memset(static_cast<void*>(out), 0, static_cast<size_t>(nb) * sizeof(Q5XBlock));
-    const __m512i ones = _mm512_set1_epi8(1), m16 = _mm512_set1_epi16(-16);
-    const int pairs = q5_pairs(n);
-    for (int j = 0; j < n; ++j) {
-        const int p = j % pairs, half = j / pairs;
-        for (int64_t b = 0; b < nb; ++b) {
-            Q5XBlock& o = out[b];
-            uint16_t d;
-            if constexpr (W == DType::Q5_1) {
-                const BlockQ8_1& x = reinterpret_cast<const BlockQ8_1*>(xq + static_cast<size_t>(j) * xq_stride)[b];
-                std::memcpy(o.q[p] + 32 * half, x.qs, 32);
-                d = x.d;
-                o.s[j] = h2f(x.s);
-            } else {
-                const BlockQ8_0& x = reinterpret_cast<const BlockQ8_0*>(xq + static_cast<size_t>(j) * xq_stride)[b];
-                std::memcpy(o.q[p] + 32 * half, x.qs, 32);
-                d = x.d;
-            }
-            for (int l = 0; l < 8; ++l) o.dx[p][8 * half + l] = h2f(d);
-        }
-    }
-    if constexpr (W == DType::Q5_0) {
-        for (int64_t b = 0; b < nb; ++b) {
-            for (int p = 0; p < 4; ++p) {
-                const __m512i q = _mm512_load_si512(out[b].q[p]);
-                _mm512_store_si512(out[b].corr[p], _mm512_madd_epi16(_mm512_maddubs_epi16(ones, q), m16));
-            }
-        }
-    }
-}
-
-// A Q5 block's 32 values (0-31) as bytes, in both 256-bit halves.
-template <DType W>
-inline __m512i q5_values(const uint8_t* blk) {
-    const uint8_t* qh = blk + (W == DType::Q5_1 ? 4 : 2);
-    uint32_t h;
-    std::memcpy(&h, qh, 4);
-    // 128-bit lanes: the 16 bytes of nibbles, shifted by 0 / 4 / 0 / 4: values 0-15, 16-31, 0-15, 16-31.
-    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 4)));
-    const __m512i nib =
-        _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
-    const __mmask64 k = static_cast<__mmask64>(h) | (static_cast<__mmask64>(h) << 32);  // byte i: bit i % 32
-    return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10)));
-}
-
-// avx2.cpp's hsum of 8 floats, the same operations in the same order.
-inline float hsum8_as_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// Rows [r0, r1) against a tile of n tokens in P = q5_pairs(n) pairs.
-template <DType W, int P>
-__attribute__((noinline)) void q5_tiles(const char* w, size_t w_stride, int64_t nb, const Q5XBlock* xt, float* y,
-                                        size_t ldy, int n, int64_t r0, int64_t r1) {
-    constexpr size_t bb = W == DType::Q5_1 ? sizeof(BlockQ5_1) : sizeof(BlockQ5_0);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        __m512 acc[P];
-        for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
-        __m256 sm = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* blk = wr + static_cast<size_t>(b) * bb;
-            const __m512i u = q5_values<W>(blk);
-            const Q5XBlock& x = xt[b];
-            uint16_t dh;
-            std::memcpy(&dh, blk, 2);
-            const __m512 dw = _mm512_set1_ps(h2f(dh));
-            for (int p = 0; p < P; ++p) {
-                const __m512i c = W == DType::Q5_0 ? _mm512_load_si512(x.corr[p]) : _mm512_setzero_si512();
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, u, _mm512_load_si512(x.q[p])));
-                acc[p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_load_ps(x.dx[p])), acc[p]);
-            }
-            if constexpr (W == DType::Q5_1) {
-                uint16_t mh;
-                std::memcpy(&mh, blk + 2, 2);
-                sm = _mm256_add_ps(sm, _mm256_mul_ps(_mm256_set1_ps(h2f(mh)), _mm256_load_ps(x.s)));
-            }
-        }
-        alignas(32) float smv[8];
-        _mm256_store_ps(smv, sm);
-        for (int j = 0; j < n; ++j) {
-            const __m512& a = acc[j % P];
-            const float v = hsum8_as_avx2(j < P ? _mm512_castps512_ps256(a) : _mm512_extractf32x8_ps(a, 1));
-            y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = W == DType::Q5_1 ? v + smv[j] : v;
-        }
-    }
-}
-
-template <DType W>
-void matmul_q5(const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok, float* y,
-               size_t ldy, int64_t r0, int64_t r1) {
-    constexpr int kT = 8;
-    const int64_t nb = n_in / kQK;
-    const char* wb = static_cast<const char*>(w);
-    const char* xb = static_cast<const char*>(xq);
-    const int n_tiles = (n_tok + kT - 1) / kT;
-    Scratch scratch(static_cast<size_t>(n_tiles) * static_cast<size_t>(nb) * sizeof(Q5XBlock));
-    Q5XBlock* xt = reinterpret_cast<Q5XBlock*>(scratch.data());
-    for (int t = 0; t < n_tiles; ++t) {
-        repack_q5x<W>(xb + static_cast<size_t>(t) * kT * xq_stride, xq_stride, std::min(kT, n_tok - t * kT), nb,
-                      xt + static_cast<size_t>(t) * nb);
-    }
-    const int64_t rb = n_tok <= kT ? r1 - r0 : row_block(w_stride);
-    for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-        const int64_t b1 = std::min(r1, b0 + rb);
-        for (int t = 0; t < n_tiles; ++t) {
-            const int n = std::min(kT, n_tok - t * kT);
-            const Q5XBlock* x = xt + static_cast<size_t>(t) * nb;
-            float* yt = y + static_cast<size_t>(t) * kT * ldy;
-            switch (q5_pairs(n)) {
-                case 4: q5_tiles<W, 4>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
-                case 3: q5_tiles<W, 3>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
-                case 2: q5_tiles<W, 2>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
-                default: q5_tiles<W, 1>(wb, w_stride, nb, x, yt, ldy, n, b0, b1); break;
-            }
-        }
-    }
-}
-
 // Passes of 2 or 3 tokens run the one-token layout's kernels with a row's sums
 // for all the tokens at once (q4_rows, q8_rows): their work per row is less
 // than a tile's transposition, tail gathering and hsum8 for so few tokens,
@@ -1813,18 +1969,8 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
         case DType::Q4_0: case DType::Q4_1: case DType::Q8_0:
             matmul_q32(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
             return;
-        case DType::Q5_0:
-        case DType::Q5_1:
-            // AVX2's rows for a few tokens (streaming weights), the tiles above
-            // for more: the same bits.
-            if (n_tok <= kFewTokens) {
-                avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
-            } else if (wtype == DType::Q5_0) {
-                matmul_q5<DType::Q5_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
-            } else {
-                matmul_q5<DType::Q5_1>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
-            }
-            return;
+        case DType::Q5_0: matmul_q5<DType::Q5_0>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
+        case DType::Q5_1: matmul_q5<DType::Q5_1>(w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1); return;
         case DType::Q4_K:
         case DType::Q5_K:
         case DType::Q6_K:
