@@ -1558,8 +1558,8 @@ void matmul_q5(const void* w, size_t w_stride, int64_t n_in, const void* xq, siz
 }
 
 // ---------------------------------------------------------------------------
-// K-quants: tiles of one row x up to 8 tokens, for passes of several tokens
-// (one token runs the AVX2 level's kernels, tuned for streaming weights).
+// K-quants: one token (decode) streams its rows through k_rows_t1 below; passes
+// of several tokens run tiles of one row x up to 8 tokens (2 tokens, AVX2's kernels).
 //
 // Each super-block's exact integer sums come from vpdpbusd on the row's values
 // unpacked once for the tile (64 per vector, in the order the activations'
@@ -1618,6 +1618,195 @@ inline __m512i q4k_min_sums(const BlockQ8_K* const* xr, int64_t b, const __m512i
                          : _mm512_setzero_si512();
     }
     return hsum_quads_epi32(add_halves8_epi32(v[0], v[1]), add_halves8_epi32(v[2], v[3]));
+}
+
+// One token. AVX2's kernels formed a super-block's sums 32 values a vector and
+// its scales, mins and float step in general registers, and reached 50% (Q4_K)
+// and 43% (Q6_K) of the weight-read floor on a Llama-3-8B-shaped slice, where
+// Q4_0 and Q4_1 read at the floor: the K-quant matrices that make up most of a
+// Q4_K_M model decoded at half the speed memory allows. These take 64 values a
+// vector (vpmaddubsw, then vpmaddwd with each sub-block's scale), the scales as
+// one vector, and one reduction for the super-block's two integer sums; the
+// float step is still the scalar level's expression, in the same IEEE operations.
+
+// A token's Q8_K super-block for Q4_K / Q5_K rows: quants in the order of a row's
+// values in q45k_rows_t1 (vector k: sub-blocks kSub[k][0] then kSub[k][1]),
+// sub-block sums (bsums[2j] + bsums[2j + 1]) and d.
+struct alignas(64) XK45 {
+    int8_t q[4][64];
+    int16_t bs[8];
+    float d;
+};
+static_assert(sizeof(XK45) == 320);
+
+// Q4_K's qs[64c + i]: value i of sub-block 2 (2c + i / 32) (low nibble) and of
+// sub-block 2 (2c + i / 32) + 1 (high): vector 2c holds low nibbles, 2c + 1 high.
+constexpr int kSub[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+
+void repack_xk45(const BlockQ8_K* x, int64_t nb, XK45* out) {
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int k = 0; k < 4; ++k) {
+            for (int h = 0; h < 2; ++h) std::memcpy(out[b].q[k] + 32 * h, x[b].qs + 32 * kSub[k][h], 32);
+        }
+        for (int j = 0; j < 8; ++j) out[b].bs[j] = static_cast<int16_t>(x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+        out[b].d = x[b].d;
+    }
+}
+
+// Words 0-15 take word a of the source, 16-31 word b.
+inline __m512i idx_halves(int a, int b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(a))),
+                              _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+}
+
+// Words 0-15 = a, 16-31 = b (variable shift counts per 256-bit half).
+inline __m512i counts_halves(int a, int b) { return idx_halves(a, b); }
+
+// The 4 int32 lanes of a and the 4 of b, totalled: [sum a, sum b] (exact).
+inline __m128i total2_epi32(const __m128i& a, const __m128i& b) {
+    const __m128i t = _mm_hadd_epi32(a, b);
+    return _mm_hadd_epi32(t, t);
+}
+
+inline __m128i fold512_epi32(const __m512i& v) {
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+inline void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
+    const uint8_t* p = static_cast<const uint8_t*>(blk);
+    for (size_t o = 0; o < bytes; o += 64) prefetch_ahead(p + o, pf);
+}
+
+template <class Blk>
+__attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int64_t nb, const XK45* x, float* y,
+                                            int64_t r0, int64_t r1, uintptr_t pf_last) {
+    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
+    __m512i idx_sc[4];
+    for (int k = 0; k < 4; ++k) idx_sc[k] = idx_halves(kSub[k][0], kSub[k][1]);
+    // Q5_K: bit j of qh[l] to bit 4 of byte l, for sub-blocks kSub[k]: left by
+    // 4 - j (j <= 4) or right by j - 4, in words (a byte's own bit lands there).
+    const __m512i sh_l0 = counts_halves(4, 2), sh_l1 = counts_halves(3, 1);
+    const __m512i sh_r2 = counts_halves(0, 2), sh_r3 = counts_halves(1, 3);
+    for (int64_t r = r0; r < r1; ++r) {
+        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
+        const RowPrefetch pf =
+            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const Blk& B = wr[b];
+            const XK45& X = x[b];
+            prefetch_block(&B, sizeof(Blk), pf);
+            alignas(8) uint8_t sc[8], mn[8];
+            q4k_scales_mins(B.scales, sc, mn);
+            const __m512i scw =
+                _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+            const __m512i q0 = _mm512_loadu_si512(B.qs), q1 = _mm512_loadu_si512(B.qs + 64);
+            __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                            _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+            if constexpr (kFive) {
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh)));
+                v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_sllv_epi16(qh, sh_l0), m16));
+                v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_sllv_epi16(qh, sh_l1), m16));
+                v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_srlv_epi16(qh, sh_r2), m16));
+                v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srlv_epi16(qh, sh_r3), m16));
+            }
+            // Pairs of products at most 2 * 31 * 128, times a 6-bit scale: exact.
+            __m512i p[4];
+            for (int k = 0; k < 4; ++k) {
+                p[k] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], _mm512_load_si512(X.q[k])),
+                                         _mm512_permutexvar_epi16(idx_sc[k], scw));
+            }
+            const __m512i acc = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+            const __m128i mins =
+                _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))),
+                               _mm_load_si128(reinterpret_cast<const __m128i*>(X.bs)));
+            const __m128i t = total2_epi32(fold512_epi32(acc), mins);  // [sumi, summ, ...]
+            const float sumi = static_cast<float>(_mm_cvtsi128_si32(t));
+            const float summ = static_cast<float>(_mm_extract_epi32(t, 1));
+            const float d = h2f(B.d) * X.d;
+            const float dm = h2f(B.dmin) * X.d;
+            s += d * sumi - dm * summ;
+        }
+        y[r] = s;
+    }
+}
+
+__attribute__((noinline)) void q6k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x, float* y,
+                                           int64_t r0, int64_t r1, uintptr_t pf_last) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    // Half h of a super-block: ql[64h..64h+63] and qh[32h..32h+31] (in both 256-bit
+    // halves) give values 0-63 (low nibbles, qh bits 0-1 / 2-3) and 64-127 (high
+    // nibbles, bits 4-5 / 6-7) of the half; groups of 16 values share a scale.
+    const __m512i sh_lo = counts_halves(4, 2), sh_hi = counts_halves(0, 2);
+    __m512i idx_sc[2][2];
+    for (int h = 0; h < 2; ++h) {
+        for (int k = 0; k < 2; ++k) {
+            alignas(64) uint16_t ix[32];
+            for (int i = 0; i < 32; ++i) ix[i] = static_cast<uint16_t>(8 * h + 4 * k + i / 8);
+            idx_sc[h][k] = _mm512_load_si512(ix);
+        }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
+        const RowPrefetch pf =
+            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
+        float s = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const BlockQ6_K& B = wr[b];
+            const BlockQ8_K& X = x[b];
+            prefetch_block(&B, sizeof(BlockQ6_K), pf);
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
+            const __m512i scw = _mm512_zextsi256_si512(sc);
+            __m512i acc = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h) {
+                const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
+                const __m512i qh =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
+                const __m512i lo =
+                    _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                   _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+                // Pairs of products at most 2 * 63 * 128, times an 8-bit scale: exact.
+                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(X.qs + 128 * h)),
+                                                     _mm512_permutexvar_epi16(idx_sc[h][0], scw));
+                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(X.qs + 128 * h + 64)),
+                                                     _mm512_permutexvar_epi16(idx_sc[h][1], scw));
+                acc = _mm512_add_epi32(acc, _mm512_add_epi32(p0, p1));
+            }
+            const __m256i corr = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
+            const __m128i c4 = _mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1));
+            const __m128i t = total2_epi32(fold512_epi32(acc), c4);  // [sum sc q6 q8, sum sc bsums, ...]
+            const int sumi = _mm_cvtsi128_si32(t) - 32 * _mm_extract_epi32(t, 1);
+            s += (h2f(B.d) * X.d) * static_cast<float>(sumi);
+        }
+        y[r] = s;
+    }
+}
+
+// One token against K-quant rows [r0, r1): the rows stream from memory once.
+void matmul_k_t1(DType t, const void* w, size_t w_stride, int64_t n_in, const void* xq, float* y, int64_t r0,
+                 int64_t r1) {
+    const int64_t nb = n_in / kQKK;
+    const char* wb = static_cast<const char*>(w);
+    const uintptr_t pf_last = r1 > r0 ? reinterpret_cast<uintptr_t>(wb + static_cast<size_t>(r1) * w_stride) - 1 : 0;
+    if (pf_last != 0) {
+        prefetch_start(reinterpret_cast<const uint8_t*>(wb + static_cast<size_t>(r0) * w_stride), pf_last);
+    }
+    const BlockQ8_K* x = static_cast<const BlockQ8_K*>(xq);
+    if (t == DType::Q6_K) {
+        q6k_rows_t1(wb, w_stride, nb, x, y, r0, r1, pf_last);
+        return;
+    }
+    Scratch scratch(static_cast<size_t>(nb) * sizeof(XK45));
+    XK45* xk = reinterpret_cast<XK45*>(scratch.data());
+    repack_xk45(x, nb, xk);
+    if (t == DType::Q4_K) {
+        q45k_rows_t1<BlockQ4_K>(wb, w_stride, nb, xk, y, r0, r1, pf_last);
+    } else {
+        q45k_rows_t1<BlockQ5_K>(wb, w_stride, nb, xk, y, r0, r1, pf_last);
+    }
 }
 
 // Q4_K or Q5_K (Blk): dpbusd's sums of four products are at most 4 * 31 * 128, so
@@ -1974,9 +2163,11 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
         case DType::Q4_K:
         case DType::Q5_K:
         case DType::Q6_K:
-            // Both levels give the scalar level's bits, so the faster one is taken:
-            // AVX2's for one token (streaming weights) and for Q4_K / Q5_K pairs.
-            if (n_tok >= (wtype == DType::Q6_K ? 2 : 3)) {
+            // Every level gives the scalar level's bits, so the fastest is taken:
+            // rows for one token, AVX2's kernels for Q4_K / Q5_K pairs, tiles beyond.
+            if (n_tok == 1) {
+                matmul_k_t1(wtype, w, w_stride, n_in, xq, y, r0, r1);
+            } else if (n_tok >= (wtype == DType::Q6_K ? 2 : 3)) {
                 matmul_k_tiles(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
             } else {
                 avx2::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
