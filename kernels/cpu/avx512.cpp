@@ -1678,55 +1678,84 @@ inline void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
     for (size_t o = 0; o < bytes; o += 64) prefetch_ahead(p + o, pf);
 }
 
+// A super-block's two integer sums, folded to 4 lanes each: sum_j sc_j S_j (*si)
+// and sum_j mn_j X_j (*mi).
+template <class Blk>
+inline void q45k_block_t1(const Blk& B, const XK45& X, const __m512i* idx_sc, const __m512i* sh, __m128i* si,
+                          __m128i* mi) {
+    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
+    alignas(8) uint8_t sc[8], mn[8];
+    q4k_scales_mins(B.scales, sc, mn);
+    const __m512i scw =
+        _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m512i q0 = _mm512_loadu_si512(B.qs), q1 = _mm512_loadu_si512(B.qs + 64);
+    __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), _mm512_and_si512(q1, m4),
+                    _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+    if constexpr (kFive) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh)));
+        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_sllv_epi16(qh, sh[0]), m16));
+        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_sllv_epi16(qh, sh[1]), m16));
+        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_srlv_epi16(qh, sh[2]), m16));
+        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srlv_epi16(qh, sh[3]), m16));
+    }
+    // Pairs of products at most 2 * 31 * 128, times a 6-bit scale: exact.
+    __m512i p[4];
+    for (int k = 0; k < 4; ++k) {
+        p[k] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], _mm512_load_si512(X.q[k])),
+                                 _mm512_permutexvar_epi16(idx_sc[k], scw));
+    }
+    *si = fold512_epi32(_mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3])));
+    *mi = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))),
+                         _mm_load_si128(reinterpret_cast<const __m128i*>(X.bs)));
+}
+
+// Super-blocks two at a time: one reduction and one set of float operations for
+// both, each lane the scalar level's operation for its super-block, and the two
+// terms added to s in order (the scalar expression's sequence of roundings).
 template <class Blk>
 __attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int64_t nb, const XK45* x, float* y,
                                             int64_t r0, int64_t r1, uintptr_t pf_last) {
-    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
     __m512i idx_sc[4];
     for (int k = 0; k < 4; ++k) idx_sc[k] = idx_halves(kSub[k][0], kSub[k][1]);
     // Q5_K: bit j of qh[l] to bit 4 of byte l, for sub-blocks kSub[k]: left by
     // 4 - j (j <= 4) or right by j - 4, in words (a byte's own bit lands there).
-    const __m512i sh_l0 = counts_halves(4, 2), sh_l1 = counts_halves(3, 1);
-    const __m512i sh_r2 = counts_halves(0, 2), sh_r3 = counts_halves(1, 3);
+    const __m512i sh[4] = {counts_halves(4, 2), counts_halves(3, 1), counts_halves(0, 2), counts_halves(1, 3)};
     for (int64_t r = r0; r < r1; ++r) {
         const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf =
             row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
         float s = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const Blk& B = wr[b];
-            const XK45& X = x[b];
-            prefetch_block(&B, sizeof(Blk), pf);
-            alignas(8) uint8_t sc[8], mn[8];
-            q4k_scales_mins(B.scales, sc, mn);
-            const __m512i scw =
-                _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-            const __m512i q0 = _mm512_loadu_si512(B.qs), q1 = _mm512_loadu_si512(B.qs + 64);
-            __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
-                            _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
-            if constexpr (kFive) {
-                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh)));
-                v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_sllv_epi16(qh, sh_l0), m16));
-                v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_sllv_epi16(qh, sh_l1), m16));
-                v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_srlv_epi16(qh, sh_r2), m16));
-                v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srlv_epi16(qh, sh_r3), m16));
-            }
-            // Pairs of products at most 2 * 31 * 128, times a 6-bit scale: exact.
-            __m512i p[4];
-            for (int k = 0; k < 4; ++k) {
-                p[k] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], _mm512_load_si512(X.q[k])),
-                                         _mm512_permutexvar_epi16(idx_sc[k], scw));
-            }
-            const __m512i acc = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
-            const __m128i mins =
-                _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))),
-                               _mm_load_si128(reinterpret_cast<const __m128i*>(X.bs)));
-            const __m128i t = total2_epi32(fold512_epi32(acc), mins);  // [sumi, summ, ...]
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            prefetch_block(&wr[b], 2 * sizeof(Blk), pf);
+            __m128i si0, mi0, si1, mi1;
+            q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si0, &mi0);
+            q45k_block_t1<Blk>(wr[b + 1], x[b + 1], idx_sc, sh, &si1, &mi1);
+            // [sumi_0, sumi_1, summ_0, summ_1]
+            const __m128 f = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(mi0, mi1)));
+            uint32_t dd0, dd1;  // (d, dmin) of each
+            std::memcpy(&dd0, &wr[b].d, 4);
+            std::memcpy(&dd1, &wr[b + 1].d, 4);
+            // [d_0, dmin_0, d_1, dmin_1] -> [d_0, d_1, dmin_0, dmin_1]
+            const __m128 dwp =
+                _mm_permute_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
+                               _MM_SHUFFLE(3, 1, 2, 0));
+            const __m128 xd = _mm_setr_ps(x[b].d, x[b + 1].d, x[b].d, x[b + 1].d);
+            const __m128 prod = _mm_mul_ps(_mm_mul_ps(dwp, xd), f);  // [d s_i, d s_i, dm s_m, dm s_m]
+            const __m128 t = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));
+            s += _mm_cvtss_f32(t);
+            s += _mm_cvtss_f32(_mm_movehdup_ps(t));
+        }
+        for (; b < nb; ++b) {
+            prefetch_block(&wr[b], sizeof(Blk), pf);
+            __m128i si, mi;
+            q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si, &mi);
+            const __m128i t = total2_epi32(si, mi);  // [sumi, summ, ...]
             const float sumi = static_cast<float>(_mm_cvtsi128_si32(t));
             const float summ = static_cast<float>(_mm_extract_epi32(t, 1));
-            const float d = h2f(B.d) * X.d;
-            const float dm = h2f(B.dmin) * X.d;
+            const float d = h2f(wr[b].d) * x[b].d;
+            const float dm = h2f(wr[b].dmin) * x[b].d;
             s += d * sumi - dm * summ;
         }
         y[r] = s;
