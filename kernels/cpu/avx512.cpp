@@ -1680,25 +1680,41 @@ inline void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
 
 // A super-block's two integer sums, folded to 4 lanes each: sum_j sc_j S_j (*si)
 // and sum_j mn_j X_j (*mi).
+// Q5_K: bit j of qh[l] to bit 4 of byte l, for sub-blocks kSub[k]: left by
+// 4 - j (j <= 4) or right by j - 4, in words (a byte's own bit lands there).
+struct Q5kShifts {
+    __m512i sh[4];
+    Q5kShifts() : sh{counts_halves(4, 2), counts_halves(3, 1), counts_halves(0, 2), counts_halves(1, 3)} {}
+};
+
+// A Q4_K / Q5_K super-block's 256 values (0-31) as bytes: vector k holds
+// sub-block kSub[k][0]'s 32 values, then kSub[k][1]'s.
 template <class Blk>
-inline void q45k_block_t1(const Blk& B, const XK45& X, const __m512i* idx_sc, const __m512i* sh, __m128i* si,
-                          __m128i* mi) {
-    constexpr bool kFive = std::is_same_v<Blk, BlockQ5_K>;
+inline void q45k_values(const Blk& B, const Q5kShifts& q5, __m512i* v) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m16 = _mm512_set1_epi8(0x10);
+    const __m512i q0 = _mm512_loadu_si512(B.qs), q1 = _mm512_loadu_si512(B.qs + 64);
+    v[0] = _mm512_and_si512(q0, m4);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+    v[2] = _mm512_and_si512(q1, m4);
+    v[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+    if constexpr (std::is_same_v<Blk, BlockQ5_K>) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh)));
+        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_sllv_epi16(qh, q5.sh[0]), m16));
+        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_sllv_epi16(qh, q5.sh[1]), m16));
+        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_srlv_epi16(qh, q5.sh[2]), m16));
+        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srlv_epi16(qh, q5.sh[3]), m16));
+    }
+}
+
+template <class Blk>
+inline void q45k_block_t1(const Blk& B, const XK45& X, const __m512i* idx_sc, const Q5kShifts& q5, __m128i* si,
+                          __m128i* mi) {
     alignas(8) uint8_t sc[8], mn[8];
     q4k_scales_mins(B.scales, sc, mn);
     const __m512i scw =
         _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-    const __m512i q0 = _mm512_loadu_si512(B.qs), q1 = _mm512_loadu_si512(B.qs + 64);
-    __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), _mm512_and_si512(q1, m4),
-                    _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
-    if constexpr (kFive) {
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh)));
-        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_sllv_epi16(qh, sh[0]), m16));
-        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_sllv_epi16(qh, sh[1]), m16));
-        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_srlv_epi16(qh, sh[2]), m16));
-        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srlv_epi16(qh, sh[3]), m16));
-    }
+    __m512i v[4];
+    q45k_values<Blk>(B, q5, v);
     // Pairs of products at most 2 * 31 * 128, times a 6-bit scale: exact.
     __m512i p[4];
     for (int k = 0; k < 4; ++k) {
@@ -1718,9 +1734,7 @@ __attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int6
                                             int64_t r0, int64_t r1, uintptr_t pf_last) {
     __m512i idx_sc[4];
     for (int k = 0; k < 4; ++k) idx_sc[k] = idx_halves(kSub[k][0], kSub[k][1]);
-    // Q5_K: bit j of qh[l] to bit 4 of byte l, for sub-blocks kSub[k]: left by
-    // 4 - j (j <= 4) or right by j - 4, in words (a byte's own bit lands there).
-    const __m512i sh[4] = {counts_halves(4, 2), counts_halves(3, 1), counts_halves(0, 2), counts_halves(1, 3)};
+    const Q5kShifts sh;
     for (int64_t r = r0; r < r1; ++r) {
         const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf =
@@ -1972,6 +1986,163 @@ __attribute__((noinline)) void q6k_tiles(const char* w, size_t w_stride, int64_t
     }
 }
 
+// Tiles of 16 tokens, one token per lane (passes of 16 tokens or more). The
+// tiles above keep a token's sums in a vector's lanes and pay per token for
+// the sub-block scales (packssdw, vpmaddwd / vpdpwssd), a horizontal sum and
+// the min sums: about twice Q4_1's work per value. Here a row's super-block
+// is unpacked once into bytes, each 4 of its values are broadcast to all 16
+// lanes and meet the 16 tokens' matching quants (one vpdpbusd: the token's
+// 4-product sum in its lane), a sub-block's sums are multiplied by its scale
+// once for all the tokens (vpmulld), the min and bsums terms are vpmaddwd of
+// the tokens' sums against the broadcast scale pairs, and the float step is
+// the scalar level's expression with the tokens in the lanes. No horizontal
+// sum at all; the integer sums are exact, so the bits are Isa::Scalar's.
+
+// A 16-token tile's super-block: q[m], lane t: token t's 4 quants meeting
+// dword m of the row's unpacked values (q45k_values' order for Q4_K / Q5_K,
+// the natural order for Q6_K); bs[i], lane t: the words that meet scale pair
+// i (Q4_K / Q5_K: sub-block sums 2i and 2i + 1; Q6_K: bsums 2i and 2i + 1); d.
+struct alignas(64) XK16 {
+    int8_t q[64][64];
+    int16_t bs[8][32];
+    float d[16];
+};
+static_assert(sizeof(XK16) == 4672);
+
+// Where dword m of a row's unpacked values starts among the natural values.
+inline int xk16_value(bool ksub, int m) { return ksub ? 32 * kSub[m / 16][(m % 16) / 8] + 4 * (m % 8) : 4 * m; }
+
+void repack_xk16(bool ksub, const BlockQ8_K* const* xr, int64_t nb, XK16* out) {
+    for (int64_t b = 0; b < nb; ++b) {
+        XK16& o = out[b];
+        for (int m = 0; m < 64; ++m) {
+            const int v = xk16_value(ksub, m);
+            for (int t = 0; t < 16; ++t) std::memcpy(o.q[m] + 4 * t, xr[t][b].qs + v, 4);
+        }
+        for (int i = 0; i < 8; ++i) {
+            for (int t = 0; t < 16; ++t) {
+                const int16_t* bs = xr[t][b].bsums;
+                for (int e = 0; e < 2; ++e) {
+                    const int j = 2 * i + e;
+                    o.bs[i][2 * t + e] =
+                        ksub ? (i < 4 ? static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]) : int16_t{0}) : bs[j];
+                }
+            }
+        }
+        for (int t = 0; t < 16; ++t) o.d[t] = xr[t][b].d;
+    }
+}
+
+// The compiler would keep the unpacked values in registers and extract each
+// dword to broadcast it (two shuffles per vpdpbusd); after this it reads them
+// back from memory, where a broadcast is part of the load.
+inline void read_back(const int32_t* p) { asm volatile("" : : "r"(p) : "memory"); }
+
+// Rows [r0, r1) against a 16-token tile; y[t * ldy + r].
+inline void store_tokens16(const __m512& s, float* y, size_t ldy, int64_t r) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, s);
+    for (int t = 0; t < 16; ++t) y[static_cast<size_t>(t) * ldy + static_cast<size_t>(r)] = out[t];
+}
+
+template <class Blk>
+__attribute__((noinline)) void q45k_tiles16(const char* w, size_t w_stride, int64_t nb, const XK16* x, float* y,
+                                            size_t ldy, int64_t r0, int64_t r1) {
+    const Q5kShifts q5;
+    for (int64_t r = r0; r < r1; ++r) {
+        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const Blk& B = wr[b];
+            const XK16& X = x[b];
+            alignas(64) int32_t vals[64];
+            __m512i v[4];
+            q45k_values<Blk>(B, q5, v);
+            for (int k = 0; k < 4; ++k) _mm512_store_si512(vals + 16 * k, v[k]);
+            read_back(vals);
+            alignas(8) uint8_t sc[8], mn[8];
+            q4k_scales_mins(B.scales, sc, mn);
+            alignas(32) int32_t sc32[8];
+            alignas(16) int32_t mnp[4];  // (mn 2i, mn 2i + 1) as words
+            _mm256_store_si256(reinterpret_cast<__m256i*>(sc32),
+                               _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+            _mm_store_si128(reinterpret_cast<__m128i*>(mnp),
+                            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+            __m512i tot = _mm512_setzero_si512();
+            for (int k = 0; k < 4; ++k) {
+                for (int h = 0; h < 2; ++h) {
+                    // Sub-block kSub[k][h]: dwords 16k + 8h .. + 7, two chains.
+                    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+                    for (int i = 0; i < 8; i += 2) {
+                        const int m = 16 * k + 8 * h + i;
+                        a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(vals[m]), _mm512_load_si512(X.q[m]));
+                        a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(vals[m + 1]), _mm512_load_si512(X.q[m + 1]));
+                    }
+                    tot = _mm512_add_epi32(
+                        tot, _mm512_mullo_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(sc32[kSub[k][h]])));
+                }
+            }
+            __m512i summ = _mm512_madd_epi16(_mm512_load_si512(X.bs[0]), _mm512_set1_epi32(mnp[0]));
+            for (int i = 1; i < 4; ++i)
+                summ = _mm512_add_epi32(summ, _mm512_madd_epi16(_mm512_load_si512(X.bs[i]), _mm512_set1_epi32(mnp[i])));
+            const __m512 xd = _mm512_load_ps(X.d);
+            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(B.d)), xd);
+            const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(h2f(B.dmin)), xd);
+            s = _mm512_add_ps(s, _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(tot)),
+                                               _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ))));
+        }
+        store_tokens16(s, y, ldy, r);
+    }
+}
+
+__attribute__((noinline)) void q6k_tiles16(const char* w, size_t w_stride, int64_t nb, const XK16* x, float* y,
+                                           size_t ldy, int64_t r0, int64_t r1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i sh_lo = counts_halves(4, 2), sh_hi = counts_halves(0, 2);  // as q6k_rows_t1
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const BlockQ6_K& B = wr[b];
+            const XK16& X = x[b];
+            alignas(64) int32_t vals[64];  // the 256 values (0-63) in order
+            for (int h = 0; h < 2; ++h) {
+                const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
+                const __m512i qh =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
+                _mm512_store_si512(vals + 32 * h, _mm512_or_si512(_mm512_and_si512(l, m4),
+                                                                  _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30)));
+                _mm512_store_si512(vals + 32 * h + 16,
+                                   _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                   _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30)));
+            }
+            const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales));
+            alignas(64) int32_t sc32[16];
+            alignas(32) int32_t scp[8];  // (scale 2i, scale 2i + 1) as words
+            _mm512_store_si512(sc32, _mm512_cvtepi8_epi32(sc8));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(scp), _mm256_cvtepi8_epi16(sc8));
+            read_back(vals);
+            __m512i tot = _mm512_setzero_si512();
+            for (int g = 0; g < 16; ++g) {  // groups of 16 values: dwords 4g .. 4g + 3
+                __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(vals[4 * g]),
+                                                 _mm512_load_si512(X.q[4 * g]));
+                __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(vals[4 * g + 1]),
+                                                 _mm512_load_si512(X.q[4 * g + 1]));
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(vals[4 * g + 2]), _mm512_load_si512(X.q[4 * g + 2]));
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(vals[4 * g + 3]), _mm512_load_si512(X.q[4 * g + 3]));
+                tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(sc32[g])));
+            }
+            __m512i corr = _mm512_madd_epi16(_mm512_load_si512(X.bs[0]), _mm512_set1_epi32(scp[0]));
+            for (int i = 1; i < 8; ++i)
+                corr = _mm512_add_epi32(corr, _mm512_madd_epi16(_mm512_load_si512(X.bs[i]), _mm512_set1_epi32(scp[i])));
+            const __m512i sumi = _mm512_sub_epi32(tot, _mm512_slli_epi32(corr, 5));
+            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(B.d)), _mm512_load_ps(X.d));
+            s = _mm512_add_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sumi)));
+        }
+        store_tokens16(s, y, ldy, r);
+    }
+}
+
 template <int T>
 void k_tiles(DType t, const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* const* xr, float* y, size_t ldy,
              int64_t r0, int64_t r1) {
@@ -1993,9 +2164,28 @@ void matmul_k_tiles(DType t, const void* w, size_t w_stride, int64_t n_in, const
     const char* wb = static_cast<const char*>(w);
     const char* xb = static_cast<const char*>(xq);
     const int64_t rb = n_tok <= kT ? r1 - r0 : row_block(w_stride);
+    // Tokens [0, 16 * n16) in 16-token tiles (q45k_tiles16, q6k_tiles16), the rest in tiles of up to 8.
+    const int n16 = n_tok / 16;
+    Scratch scratch(static_cast<size_t>(n16) * static_cast<size_t>(nb) * sizeof(XK16));
+    XK16* x16 = reinterpret_cast<XK16*>(scratch.data());
+    for (int i = 0; i < n16; ++i) {
+        const BlockQ8_K* xr[16];
+        for (int j = 0; j < 16; ++j)
+            xr[j] = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(16 * i + j) * xq_stride);
+        repack_xk16(t != DType::Q6_K, xr, nb, x16 + static_cast<size_t>(i) * static_cast<size_t>(nb));
+    }
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
         const int64_t b1 = std::min(r1, b0 + rb);
-        for (int t0 = 0; t0 < n_tok; t0 += kT) {
+        for (int i = 0; i < n16; ++i) {
+            const XK16* xt = x16 + static_cast<size_t>(i) * static_cast<size_t>(nb);
+            float* yt = y + static_cast<size_t>(16 * i) * ldy;
+            switch (t) {
+                case DType::Q4_K: q45k_tiles16<BlockQ4_K>(wb, w_stride, nb, xt, yt, ldy, b0, b1); break;
+                case DType::Q5_K: q45k_tiles16<BlockQ5_K>(wb, w_stride, nb, xt, yt, ldy, b0, b1); break;
+                default: q6k_tiles16(wb, w_stride, nb, xt, yt, ldy, b0, b1); break;
+            }
+        }
+        for (int t0 = 16 * n16; t0 < n_tok; t0 += kT) {
             const BlockQ8_K* xr[kT];
             for (int j = 0; j < kT; ++j) {
                 xr[j] = reinterpret_cast<const BlockQ8_K*>(xb + static_cast<size_t>(std::min(t0 + j, n_tok - 1)) *
