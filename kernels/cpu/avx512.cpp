@@ -1776,53 +1776,82 @@ __attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int6
     }
 }
 
-__attribute__((noinline)) void q6k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x, float* y,
-                                           int64_t r0, int64_t r1, uintptr_t pf_last) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    // Half h of a super-block: ql[64h..64h+63] and qh[32h..32h+31] (in both 256-bit
-    // halves) give values 0-63 (low nibbles, qh bits 0-1 / 2-3) and 64-127 (high
-    // nibbles, bits 4-5 / 6-7) of the half; groups of 16 values share a scale.
-    const __m512i sh_lo = counts_halves(4, 2), sh_hi = counts_halves(0, 2);
-    __m512i idx_sc[2][2];
-    for (int h = 0; h < 2; ++h) {
-        for (int k = 0; k < 2; ++k) {
-            alignas(64) uint16_t ix[32];
-            for (int i = 0; i < 32; ++i) ix[i] = static_cast<uint16_t>(8 * h + 4 * k + i / 8);
-            idx_sc[h][k] = _mm512_load_si512(ix);
+// The constants of q6k_block_t1. Half h of a super-block: ql[64h..64h+63] and
+// qh[32h..32h+31] (in both 256-bit halves) give values 0-63 (low nibbles, qh
+// bits 0-1 / 2-3) and 64-127 (high nibbles, bits 4-5 / 6-7) of the half; groups
+// of 16 values share a scale.
+struct Q6kConsts {
+    __m512i sh_lo, sh_hi, idx_sc[2][2];
+    Q6kConsts() : sh_lo(counts_halves(4, 2)), sh_hi(counts_halves(0, 2)) {
+        for (int h = 0; h < 2; ++h) {
+            for (int k = 0; k < 2; ++k) {
+                alignas(64) uint16_t ix[32];
+                for (int i = 0; i < 32; ++i) ix[i] = static_cast<uint16_t>(8 * h + 4 * k + i / 8);
+                idx_sc[h][k] = _mm512_load_si512(ix);
+            }
         }
     }
+};
+
+// A Q6_K super-block's two integer sums, folded to 4 lanes each: sum_g sc_g
+// sum q6 q8 (*si) and sum_g sc_g bsums_g (*ci).
+inline void q6k_block_t1(const BlockQ6_K& B, const BlockQ8_K& X, const Q6kConsts& kc, __m128i* si, __m128i* ci) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
+    const __m512i scw = _mm512_zextsi256_si512(sc);
+    __m512i acc = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
+        const __m512i lo =
+            _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, kc.sh_lo), m30));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, kc.sh_hi), m30));
+        // Pairs of products at most 2 * 63 * 128, times an 8-bit scale: exact.
+        const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(X.qs + 128 * h)),
+                                             _mm512_permutexvar_epi16(kc.idx_sc[h][0], scw));
+        const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(X.qs + 128 * h + 64)),
+                                             _mm512_permutexvar_epi16(kc.idx_sc[h][1], scw));
+        acc = _mm512_add_epi32(acc, _mm512_add_epi32(p0, p1));
+    }
+    const __m256i corr = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
+    *si = fold512_epi32(acc);
+    *ci = _mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1));
+}
+
+// Super-blocks two at a time, as q45k_rows_t1: sumi = si - 32 ci, then the
+// scalar level's (d_w d_x) float(sumi) per lane, added to s in order.
+__attribute__((noinline)) void q6k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x, float* y,
+                                           int64_t r0, int64_t r1, uintptr_t pf_last) {
+    const Q6kConsts kc;
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf =
             row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
         float s = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const BlockQ6_K& B = wr[b];
-            const BlockQ8_K& X = x[b];
-            prefetch_block(&B, sizeof(BlockQ6_K), pf);
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
-            const __m512i scw = _mm512_zextsi256_si512(sc);
-            __m512i acc = _mm512_setzero_si512();
-            for (int h = 0; h < 2; ++h) {
-                const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
-                const __m512i qh =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
-                const __m512i lo =
-                    _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
-                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                                   _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
-                // Pairs of products at most 2 * 63 * 128, times an 8-bit scale: exact.
-                const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(X.qs + 128 * h)),
-                                                     _mm512_permutexvar_epi16(idx_sc[h][0], scw));
-                const __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512(X.qs + 128 * h + 64)),
-                                                     _mm512_permutexvar_epi16(idx_sc[h][1], scw));
-                acc = _mm512_add_epi32(acc, _mm512_add_epi32(p0, p1));
-            }
-            const __m256i corr = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
-            const __m128i c4 = _mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1));
-            const __m128i t = total2_epi32(fold512_epi32(acc), c4);  // [sum sc q6 q8, sum sc bsums, ...]
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            prefetch_block(&wr[b], 2 * sizeof(BlockQ6_K), pf);
+            __m128i si0, ci0, si1, ci1;
+            q6k_block_t1(wr[b], x[b], kc, &si0, &ci0);
+            q6k_block_t1(wr[b + 1], x[b + 1], kc, &si1, &ci1);
+            const __m128i t =
+                _mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(ci0, ci1));              // [si0, si1, ci0, ci1]
+            const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
+            const __m128 dw = _mm_cvtph_ps(
+                _mm_set_epi16(0, 0, 0, 0, 0, 0, static_cast<int16_t>(wr[b + 1].d), static_cast<int16_t>(wr[b].d)));
+            const __m128 v =
+                _mm_mul_ps(_mm_mul_ps(dw, _mm_setr_ps(x[b].d, x[b + 1].d, 0.0f, 0.0f)), _mm_cvtepi32_ps(sumi));
+            s += _mm_cvtss_f32(v);
+            s += _mm_cvtss_f32(_mm_movehdup_ps(v));
+        }
+        for (; b < nb; ++b) {
+            prefetch_block(&wr[b], sizeof(BlockQ6_K), pf);
+            __m128i si, ci;
+            q6k_block_t1(wr[b], x[b], kc, &si, &ci);
+            const __m128i t = total2_epi32(si, ci);  // [sum sc q6 q8, sum sc bsums, ...]
             const int sumi = _mm_cvtsi128_si32(t) - 32 * _mm_extract_epi32(t, 1);
-            s += (h2f(B.d) * X.d) * static_cast<float>(sumi);
+            s += (h2f(wr[b].d) * x[b].d) * static_cast<float>(sumi);
         }
         y[r] = s;
     }
