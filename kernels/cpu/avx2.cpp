@@ -656,6 +656,177 @@ void q6_k_rows(const char* w, size_t w_stride, int64_t nb, const char* x, size_t
     }
 }
 
+// One token (decode). q45_k_rows<Blk, 1> and q6_k_rows<1> built each scale
+// vector from a general register (two or three operations per 32 values) and
+// reduced a super-block's integer sums one by one, and the rows ran at 50-60%
+// of what a Q4_0 row streams at. These splat the scales from one register
+// (vpshufb), reduce two super-blocks' sums together and run their float steps
+// in the lanes of one vector: each lane the scalar level's operations for its
+// super-block, added to the row's sum in order, so the bits stay Isa::Scalar's.
+// Rows are prefetched as the float rows are (kFloatAheadL2 / kFloatAheadL1).
+
+inline void prefetch_spread(const void* blk, size_t bytes) {
+    const char* p = static_cast<const char*>(blk);
+    for (size_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(p + o + kFloatAheadL2, _MM_HINT_T1);
+        _mm_prefetch(p + o + kFloatAheadL1, _MM_HINT_T0);
+    }
+}
+
+// vpshufb controls: every word of the result takes word j (of its 128-bit lane).
+inline __m256i splat_word(int lo, int hi) {
+    return _mm256_setr_m128i(_mm_set1_epi16(static_cast<int16_t>(0x0101 * (2 * lo) + 0x0100)),
+                             _mm_set1_epi16(static_cast<int16_t>(0x0101 * (2 * hi) + 0x0100)));
+}
+
+// [sum a, sum b, sum c, sum d] of four 4-lane vectors (exact).
+inline __m128i totals4(const __m128i& a, const __m128i& b, const __m128i& c, const __m128i& d) {
+    return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
+}
+
+inline __m128i fold256(const __m256i& v) {
+    return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+// A Q4_K / Q5_K super-block's two integer sums, 4 lanes each: sum_j sc_j S_j and
+// sum_j mn_j X_j.
+template <class Blk>
+inline void q45k_block_t1(const Blk& B, const BlockQ8_K& X, const __m256i* splat, __m128i* si, __m128i* mi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m16 = _mm256_set1_epi8(0x10);
+    alignas(8) uint8_t sc[8], mn[8];
+    q4k_scales_mins(B.scales, sc, mn);
+    const __m256i scw =
+        _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (std::is_same_v<Blk, BlockQ5_K>) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh));
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * c));
+        __m256i lo = _mm256_and_si256(q, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if constexpr (std::is_same_v<Blk, BlockQ5_K>) {
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), m16));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), m16));
+            qh = _mm256_srli_epi16(qh, 2);
+        }
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.qs + 64 * c));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.qs + 64 * c + 32));
+        // maddubs pairs are at most 2 * 31 * 128; times a 6-bit scale in madd.
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_shuffle_epi8(scw, splat[2 * c]));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_shuffle_epi8(scw, splat[2 * c + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
+    }
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(X.bsums));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(X.bsums + 8));
+    *si = fold256(acc);
+    *mi = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))),
+                         _mm_hadd_epi16(b0, b1));
+}
+
+// The two super-blocks' float steps: s += d w_0 - dm m_0, then s += d w_1 - dm m_1
+// (t = [sumi_0, sumi_1, summ_0, summ_1]).
+inline float q45k_pair_float(float s, const __m128i& t, uint16_t d0, uint16_t dmin0, uint16_t d1, uint16_t dmin1,
+                             float xd0, float xd1) {
+    const __m128 dw =
+        _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(d0), static_cast<int16_t>(d1), static_cast<int16_t>(dmin0),
+                                    static_cast<int16_t>(dmin1), 0, 0, 0, 0));
+    const __m128 prod = _mm_mul_ps(_mm_mul_ps(dw, _mm_setr_ps(xd0, xd1, xd0, xd1)), _mm_cvtepi32_ps(t));
+    const __m128 v = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));  // lanes 0, 1
+    s += _mm_cvtss_f32(v);
+    s += _mm_cvtss_f32(_mm_movehdup_ps(v));
+    return s;
+}
+
+template <class Blk>
+void q45k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x, float* y, int64_t r0, int64_t r1) {
+    __m256i splat[8];
+    for (int j = 0; j < 8; ++j) splat[j] = splat_word(j, j);
+    for (int64_t r = r0; r < r1; ++r) {
+        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
+        float s = 0.0f;
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            prefetch_spread(&wr[b], 2 * sizeof(Blk));
+            __m128i si0, mi0, si1, mi1;
+            q45k_block_t1<Blk>(wr[b], x[b], splat, &si0, &mi0);
+            q45k_block_t1<Blk>(wr[b + 1], x[b + 1], splat, &si1, &mi1);
+            s = q45k_pair_float(s, totals4(si0, si1, mi0, mi1), wr[b].d, wr[b].dmin, wr[b + 1].d, wr[b + 1].dmin,
+                                x[b].d, x[b + 1].d);
+        }
+        for (; b < nb; ++b) {
+            __m128i si, mi;
+            q45k_block_t1<Blk>(wr[b], x[b], splat, &si, &mi);
+            const __m128i t = totals4(si, mi, si, mi);  // [sumi, summ, ...]
+            const float d = half_to_float(wr[b].d) * x[b].d;
+            const float dm = half_to_float(wr[b].dmin) * x[b].d;
+            s += d * static_cast<float>(_mm_cvtsi128_si32(t)) - dm * static_cast<float>(_mm_extract_epi32(t, 1));
+        }
+        y[r] = s;
+    }
+}
+
+// A Q6_K super-block's two integer sums, 4 lanes each: sum_g sc_g sum q6 q8 and
+// sum_g sc_g bsums_g.
+inline void q6k_block_t1(const BlockQ6_K& B, const BlockQ8_K& X, const __m256i* splat, __m128i* si, __m128i* ci) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+        // Scales 8h..8h+7 in both 128-bit lanes: q[k] takes 8h + 2k (first 16 values), 8h + 2k + 1.
+        const __m256i sch = _mm256_permute4x64_epi64(sc16, h == 0 ? 0x44 : 0xEE);
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.ql + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        for (int k = 0; k < 4; ++k) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.qs + 128 * h + 32 * k));
+            // maddubs pairs <= 2 * 63 * 127, times an 8-bit scale.
+            acc = _mm256_add_epi32(
+                acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), _mm256_shuffle_epi8(sch, splat[k])));
+        }
+    }
+    const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
+    *si = fold256(acc);
+    *ci = fold256(corr);
+}
+
+void q6k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x, float* y, int64_t r0, int64_t r1) {
+    __m256i splat[4];
+    for (int k = 0; k < 4; ++k) splat[k] = splat_word(2 * k, 2 * k + 1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
+        float s = 0.0f;
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            prefetch_spread(&wr[b], 2 * sizeof(BlockQ6_K));
+            __m128i si0, ci0, si1, ci1;
+            q6k_block_t1(wr[b], x[b], splat, &si0, &ci0);
+            q6k_block_t1(wr[b + 1], x[b + 1], splat, &si1, &ci1);
+            const __m128i t = totals4(si0, si1, ci0, ci1);
+            const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
+            const __m128 dw = _mm_cvtph_ps(
+                _mm_setr_epi16(static_cast<int16_t>(wr[b].d), static_cast<int16_t>(wr[b + 1].d), 0, 0, 0, 0, 0, 0));
+            const __m128 v =
+                _mm_mul_ps(_mm_mul_ps(dw, _mm_setr_ps(x[b].d, x[b + 1].d, 0.0f, 0.0f)), _mm_cvtepi32_ps(sumi));
+            s += _mm_cvtss_f32(v);
+            s += _mm_cvtss_f32(_mm_movehdup_ps(v));
+        }
+        for (; b < nb; ++b) {
+            __m128i si, ci;
+            q6k_block_t1(wr[b], x[b], splat, &si, &ci);
+            const __m128i t = totals4(si, ci, si, ci);
+            const int sumi = _mm_cvtsi128_si32(t) - 32 * _mm_extract_epi32(t, 1);
+            s += (half_to_float(wr[b].d) * x[b].d) * static_cast<float>(sumi);
+        }
+        y[r] = s;
+    }
+}
+
 template <int T>
 void k_rows(DType t, const char* w, size_t w_stride, int64_t nb, const char* x, size_t x_stride, float* y, size_t ldy,
             int64_t r0, int64_t r1, bool prefetch) {
@@ -673,6 +844,14 @@ void matmul_k(DType t, const void* w, size_t w_stride, int64_t n_in, const void*
     const int64_t nb = n_in / kQKK;
     const char* wb = static_cast<const char*>(w);
     const char* xb = static_cast<const char*>(xq);
+    if (n_tok == 1) {
+        const BlockQ8_K* x = static_cast<const BlockQ8_K*>(xq);
+        switch (t) {
+            case DType::Q4_K: q45k_rows_t1<BlockQ4_K>(wb, w_stride, nb, x, y, r0, r1); return;
+            case DType::Q5_K: q45k_rows_t1<BlockQ5_K>(wb, w_stride, nb, x, y, r0, r1); return;
+            default: q6k_rows_t1(wb, w_stride, nb, x, y, r0, r1); return;
+        }
+    }
     const bool single_pass = n_tok <= kT;  // decode: weights stream from memory once
     const int64_t rb = single_pass ? r1 - r0 : row_block(w_stride);
     for (int64_t b0 = r0; b0 < r1; b0 += rb) {
