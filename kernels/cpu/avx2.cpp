@@ -770,10 +770,11 @@ void q45k_rows_t1(const char* w, size_t w_stride, int64_t nb, const BlockQ8_K* x
 inline void q6k_block_t1(const BlockQ6_K& B, const BlockQ8_K& X, const __m256i* splat, __m128i* si, __m128i* ci) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
+    // Scales 8h..8h+7 in both 128-bit lanes: half h's q[k] takes 8h + 2k (first 16 values), 8h + 2k + 1.
+    const __m256i sch2[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xEE)};
     __m256i acc = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
-        // Scales 8h..8h+7 in both 128-bit lanes: q[k] takes 8h + 2k (first 16 values), 8h + 2k + 1.
-        const __m256i sch = _mm256_permute4x64_epi64(sc16, h == 0 ? 0x44 : 0xEE);
+        const __m256i sch = sch2[h];
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.ql + 64 * h + 32));
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h));
