@@ -34,10 +34,11 @@
 // Decode (one pass over the rows) prefetches rows ahead (see prefetch_ahead).
 //
 // Q5_0 / Q5_1 run Q4's tiles with a fifth bit, for every token count (see
-// "Q5_0 / Q5_1" below). F32/F16/BF16 weights use the AVX2 level's kernels
-// (same results as Isa::Avx2); the K-quants too for one token, and tiles of
-// their own for more (see "K-quants" below; every level gives the scalar
-// level's bits for them).
+// "Q5_0 / Q5_1" below). The K-quants have kernels of their own: rows for 1-3
+// tokens, tiles of 4-5 tokens, and lane tiles (one token per lane) of 6-8 and
+// 16 (see "K-quants" below; every level gives the scalar level's bits for
+// them). F32/F16/BF16 weights use the AVX2 level's kernels (same results as
+// Isa::Avx2).
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
 // (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
@@ -1563,8 +1564,10 @@ void matmul_q5(const void* w, size_t w_stride, int64_t n_in, const void* xq, siz
 }
 
 // ---------------------------------------------------------------------------
-// K-quants: one token (decode) streams its rows through k_rows_t1 below; passes
-// of several tokens run tiles of one row x up to 8 tokens (2 tokens, AVX2's kernels).
+// K-quants: passes of 1-3 tokens stream their rows once (q45k_rows_t1 /
+// q6k_rows_t1 and the _tn rows below); 4-5 tokens run the tiles of one row x
+// up to 8 tokens described here; 6-8 and 16 tokens the lane tiles further down
+// (matmul_k_tiles chooses).
 //
 // Each super-block's exact integer sums come from vpdpbusd on the row's values
 // unpacked once for the tile (64 per vector, in the order the activations'
