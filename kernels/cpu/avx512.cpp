@@ -1661,14 +1661,12 @@ void repack_xk45(const BlockQ8_K* x, int64_t nb, XK45* out) {
     }
 }
 
-// Words 0-15 take word a of the source, 16-31 word b.
+// Words 0-15 = a, 16-31 = b: permute indices (words 0-15 take word a of the
+// source, 16-31 word b), or variable shift counts per 256-bit half.
 inline __m512i idx_halves(int a, int b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(a))),
                               _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
 }
-
-// Words 0-15 = a, 16-31 = b (variable shift counts per 256-bit half).
-inline __m512i counts_halves(int a, int b) { return idx_halves(a, b); }
 
 // The 4 int32 lanes of a and the 4 of b, totalled: [sum a, sum b] (exact).
 inline __m128i total2_epi32(const __m128i& a, const __m128i& b) {
@@ -1692,7 +1690,7 @@ inline void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
 // 4 - j (j <= 4) or right by j - 4, in words (a byte's own bit lands there).
 struct Q5kShifts {
     __m512i sh[4];
-    Q5kShifts() : sh{counts_halves(4, 2), counts_halves(3, 1), counts_halves(0, 2), counts_halves(1, 3)} {}
+    Q5kShifts() : sh{idx_halves(4, 2), idx_halves(3, 1), idx_halves(0, 2), idx_halves(1, 3)} {}
 };
 
 // A Q4_K / Q5_K super-block's 256 values (0-31) as bytes: vector k holds
@@ -1790,7 +1788,7 @@ __attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int6
 // of 16 values share a scale.
 struct Q6kConsts {
     __m512i sh_lo, sh_hi, idx_sc[2][2];
-    Q6kConsts() : sh_lo(counts_halves(4, 2)), sh_hi(counts_halves(0, 2)) {
+    Q6kConsts() : sh_lo(idx_halves(4, 2)), sh_hi(idx_halves(0, 2)) {
         for (int h = 0; h < 2; ++h) {
             for (int k = 0; k < 2; ++k) {
                 alignas(64) uint16_t ix[32];
@@ -1801,20 +1799,25 @@ struct Q6kConsts {
     }
 };
 
+// Half h of a Q6_K super-block as bytes 0-63: *lo = its values 0-63, *hi = 64-127.
+inline void q6k_half(const BlockQ6_K& B, int h, const __m512i& sh_lo, const __m512i& sh_hi, __m512i* lo, __m512i* hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
+    *lo = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                          _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+}
+
 // A Q6_K super-block's two integer sums, folded to 4 lanes each: sum_g sc_g
 // sum q6 q8 (*si) and sum_g sc_g bsums_g (*ci).
 inline void q6k_block_t1(const BlockQ6_K& B, const BlockQ8_K& X, const Q6kConsts& kc, __m128i* si, __m128i* ci) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
     const __m512i scw = _mm512_zextsi256_si512(sc);
     __m512i acc = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
-        const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
-        const __m512i lo =
-            _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, kc.sh_lo), m30));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                           _mm512_and_si512(_mm512_srlv_epi16(qh, kc.sh_hi), m30));
+        __m512i lo, hi;
+        q6k_half(B, h, kc.sh_lo, kc.sh_hi, &lo, &hi);
         // Pairs of products at most 2 * 63 * 128, times an 8-bit scale: exact.
         const __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(X.qs + 128 * h)),
                                              _mm512_permutexvar_epi16(kc.idx_sc[h][0], scw));
@@ -1928,7 +1931,6 @@ __attribute__((noinline)) void q6k_rows_tn(const char* w, size_t w_stride, int64
                                            float* y, size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
     static_assert(T == 2 || T == 3);
     const Q6kConsts kc;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf =
@@ -1941,13 +1943,7 @@ __attribute__((noinline)) void q6k_rows_tn(const char* w, size_t w_stride, int64
             const __m512i scw = _mm512_zextsi256_si512(sc);
             __m512i q[2][2], scv[2][2];
             for (int h = 0; h < 2; ++h) {
-                const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
-                const __m512i qh =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
-                q[h][0] =
-                    _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, kc.sh_lo), m30));
-                q[h][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi16(qh, kc.sh_hi), m30));
+                q6k_half(B, h, kc.sh_lo, kc.sh_hi, &q[h][0], &q[h][1]);
                 for (int k = 0; k < 2; ++k) scv[h][k] = _mm512_permutexvar_epi16(kc.idx_sc[h][k], scw);
             }
             __m128i si[T], ci[T];
@@ -2352,8 +2348,7 @@ template <int L>
 __attribute__((noinline)) void q6k_tiles_l(const char* w, size_t w_stride, int64_t nb, const XKL<L>* x, int n, float* y,
                                            size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
     using V = Lanes<L>;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i sh_lo = counts_halves(4, 2), sh_hi = counts_halves(0, 2);  // as q6k_rows_t1
+    const __m512i sh_lo = idx_halves(4, 2), sh_hi = idx_halves(0, 2);  // as q6k_rows_t1
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
         const RowPrefetch pf =
@@ -2365,14 +2360,10 @@ __attribute__((noinline)) void q6k_tiles_l(const char* w, size_t w_stride, int64
             prefetch_block(&B, sizeof(BlockQ6_K), pf);
             alignas(64) int32_t vals[64];  // the 256 values (0-63) in order
             for (int h = 0; h < 2; ++h) {
-                const __m512i l = _mm512_loadu_si512(B.ql + 64 * h);
-                const __m512i qh =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * h)));
-                _mm512_store_si512(vals + 32 * h, _mm512_or_si512(_mm512_and_si512(l, m4),
-                                                                  _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30)));
-                _mm512_store_si512(vals + 32 * h + 16,
-                                   _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                                   _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30)));
+                __m512i lo, hi;
+                q6k_half(B, h, sh_lo, sh_hi, &lo, &hi);
+                _mm512_store_si512(vals + 32 * h, lo);
+                _mm512_store_si512(vals + 32 * h + 16, hi);
             }
             const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales));
             alignas(64) int32_t sc32[16];
