@@ -184,13 +184,18 @@ inline RowPrefetch row_prefetch(const uint8_t* row, size_t bytes, uintptr_t last
             last != 0 && end + kPrefetchL1 <= last + 1 ? kPrefetchL1 : 0};
 }
 
-inline void prefetch_ahead(const uint8_t* p, RowPrefetch pf) {
+// always_inline: GCC's pure-const pass deems a function of prefetches alone
+// const, and a call to a const function whose result is unused is deleted
+// where the early inliner has not inlined it (the K-quant lane tiles lost all
+// their prefetches that way, an 8-sequence pass 76 -> 90 ms).
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, RowPrefetch pf) {
     _mm_prefetch(reinterpret_cast<const char*>(p + pf.l2), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(p + pf.l1), _MM_HINT_T0);
 }
 
 // prefetch_ahead for bytes [from, to) of a row (the part its chunks do not cover).
-inline void prefetch_ahead_rest(const uint8_t* row, size_t from, size_t to, RowPrefetch pf) {
+inline __attribute__((always_inline)) void prefetch_ahead_rest(const uint8_t* row, size_t from, size_t to,
+                                                               RowPrefetch pf) {
     for (size_t off = from; off < to; off += 64) prefetch_ahead(row + off, pf);
 }
 
@@ -1679,7 +1684,8 @@ inline __m128i fold512_epi32(const __m512i& v) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-inline void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
+// always_inline: see prefetch_ahead.
+inline __attribute__((always_inline)) void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
     const uint8_t* p = static_cast<const uint8_t*>(blk);
     for (size_t o = 0; o < bytes; o += 64) prefetch_ahead(p + o, pf);
 }
@@ -2293,100 +2299,173 @@ inline void store_tokens(const typename Lanes<L>::F& s, int n, float* y, size_t 
     for (int t = 0; t < n; ++t) y[static_cast<size_t>(t) * ldy + static_cast<size_t>(r)] = out[t];
 }
 
+// A Q4_K / Q5_K super-block unpacked for a lane tile: its 256 values (0-31)
+// as dwords in q45k_values' order, the 6-bit scales as dwords, the mins as
+// word pairs (mn 2i, mn 2i + 1).
+struct alignas(64) Q45kUnpacked {
+    int32_t vals[64];
+    int32_t sc32[8];
+    int32_t mnp[4];
+};
+
+template <class Blk>
+inline void q45k_unpack(const Blk& B, const Q5kShifts& q5, Q45kUnpacked* u) {
+    __m512i v[4];
+    q45k_values<Blk>(B, q5, v);
+    for (int k = 0; k < 4; ++k) _mm512_store_si512(u->vals + 16 * k, v[k]);
+    alignas(8) uint8_t sc[8], mn[8];
+    q4k_scales_mins(B.scales, sc, mn);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->sc32),
+                       _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    _mm_store_si128(reinterpret_cast<__m128i*>(u->mnp),
+                    _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+}
+
+// Rows r .. r + R - 1 of a lane tile. Each activation load feeds R rows'
+// vpdpbusd: a 16-lane tile's activations (74 KB at 4096 values) outgrow L1, so
+// one row at a time reads them from L2 once per row. Each row's integer and
+// float operations are those of one row alone, in the same order. Only
+// 8-lane tiles prefetch: 16-lane ones run in passes of 16+ tokens, whose rows
+// come in blocks that stay in L2 (pf_last 0), and a prefetch at distance 0
+// still costs an issue slot.
+template <class Blk, int L, int R>
+inline __attribute__((always_inline)) void q45k_tile_rows(const char* w, size_t w_stride, int64_t nb, const XKL<L>* x,
+                                                          int n, float* y, size_t ldy, int64_t r, uintptr_t pf_last,
+                                                          const Q5kShifts& q5) {
+    using V = Lanes<L>;
+    const Blk* wr[R];
+    RowPrefetch pf[R];
+    typename V::F s[R];
+    for (int j = 0; j < R; ++j) {
+        wr[j] = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r + j) * w_stride);
+        pf[j] = row_prefetch(reinterpret_cast<const uint8_t*>(wr[j]), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
+        s[j] = V::fzero();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        const XKL<L>& X = x[b];
+        Q45kUnpacked u[R];
+        for (int j = 0; j < R; ++j) {
+            if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(Blk), pf[j]);
+            q45k_unpack<Blk>(wr[j][b], q5, &u[j]);
+        }
+        read_back(u[0].vals);
+        typename V::I tot[R];
+        for (int j = 0; j < R; ++j) tot[j] = V::zero();
+        for (int k = 0; k < 4; ++k) {
+            for (int h = 0; h < 2; ++h) {
+                // Sub-block kSub[k][h]: dwords 16k + 8h .. + 7, two chains.
+                typename V::I a0[R], a1[R];
+                for (int j = 0; j < R; ++j) a0[j] = a1[j] = V::zero();
+                for (int i = 0; i < 8; i += 2) {
+                    const int m = 16 * k + 8 * h + i;
+                    const typename V::I x0 = V::load(X.q[m]), x1 = V::load(X.q[m + 1]);
+                    for (int j = 0; j < R; ++j) {
+                        a0[j] = V::dpbusd(a0[j], V::set1(u[j].vals[m]), x0);
+                        a1[j] = V::dpbusd(a1[j], V::set1(u[j].vals[m + 1]), x1);
+                    }
+                }
+                for (int j = 0; j < R; ++j)
+                    tot[j] = V::add(tot[j], V::mullo(V::add(a0[j], a1[j]), V::set1(u[j].sc32[kSub[k][h]])));
+            }
+        }
+        const typename V::F xd = V::fload(X.d);
+        for (int j = 0; j < R; ++j) {
+            typename V::I summ = V::madd(V::load(X.bs[0]), V::set1(u[j].mnp[0]));
+            for (int i = 1; i < 4; ++i) summ = V::add(summ, V::madd(V::load(X.bs[i]), V::set1(u[j].mnp[i])));
+            const typename V::F d = V::fmul(V::fset1(h2f(wr[j][b].d)), xd);
+            const typename V::F dm = V::fmul(V::fset1(h2f(wr[j][b].dmin)), xd);
+            s[j] = V::fadd(s[j], V::fsub(V::fmul(d, V::cvt(tot[j])), V::fmul(dm, V::cvt(summ))));
+        }
+    }
+    for (int j = 0; j < R; ++j) store_tokens<L>(s[j], n, y, ldy, r + j);
+}
+
 template <class Blk, int L>
 __attribute__((noinline)) void q45k_tiles_l(const char* w, size_t w_stride, int64_t nb, const XKL<L>* x, int n,
                                             float* y, size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
-    using V = Lanes<L>;
     const Q5kShifts q5;
-    for (int64_t r = r0; r < r1; ++r) {
-        const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
-        typename V::F s = V::fzero();
-        for (int64_t b = 0; b < nb; ++b) {
-            const Blk& B = wr[b];
-            const XKL<L>& X = x[b];
-            prefetch_block(&B, sizeof(Blk), pf);
-            alignas(64) int32_t vals[64];
-            __m512i v[4];
-            q45k_values<Blk>(B, q5, v);
-            for (int k = 0; k < 4; ++k) _mm512_store_si512(vals + 16 * k, v[k]);
-            read_back(vals);
-            alignas(8) uint8_t sc[8], mn[8];
-            q4k_scales_mins(B.scales, sc, mn);
-            alignas(32) int32_t sc32[8];
-            alignas(16) int32_t mnp[4];  // (mn 2i, mn 2i + 1) as words
-            _mm256_store_si256(reinterpret_cast<__m256i*>(sc32),
-                               _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-            _mm_store_si128(reinterpret_cast<__m128i*>(mnp),
-                            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
-            typename V::I tot = V::zero();
-            for (int k = 0; k < 4; ++k) {
-                for (int h = 0; h < 2; ++h) {
-                    // Sub-block kSub[k][h]: dwords 16k + 8h .. + 7, two chains.
-                    typename V::I a0 = V::zero(), a1 = V::zero();
-                    for (int i = 0; i < 8; i += 2) {
-                        const int m = 16 * k + 8 * h + i;
-                        a0 = V::dpbusd(a0, V::set1(vals[m]), V::load(X.q[m]));
-                        a1 = V::dpbusd(a1, V::set1(vals[m + 1]), V::load(X.q[m + 1]));
-                    }
-                    tot = V::add(tot, V::mullo(V::add(a0, a1), V::set1(sc32[kSub[k][h]])));
-                }
-            }
-            typename V::I summ = V::madd(V::load(X.bs[0]), V::set1(mnp[0]));
-            for (int i = 1; i < 4; ++i) summ = V::add(summ, V::madd(V::load(X.bs[i]), V::set1(mnp[i])));
-            const typename V::F xd = V::fload(X.d);
-            const typename V::F d = V::fmul(V::fset1(h2f(B.d)), xd);
-            const typename V::F dm = V::fmul(V::fset1(h2f(B.dmin)), xd);
-            s = V::fadd(s, V::fsub(V::fmul(d, V::cvt(tot)), V::fmul(dm, V::cvt(summ))));
-        }
-        store_tokens<L>(s, n, y, ldy, r);
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) q45k_tile_rows<Blk, L, 2>(w, w_stride, nb, x, n, y, ldy, r, pf_last, q5);
+    for (; r < r1; ++r) q45k_tile_rows<Blk, L, 1>(w, w_stride, nb, x, n, y, ldy, r, pf_last, q5);
+}
+
+// A Q6_K super-block unpacked for a lane tile: its 256 values (0-63) as dwords
+// in order, the 8-bit scales as dwords and as word pairs (scale 2i, 2i + 1).
+struct alignas(64) Q6kUnpacked {
+    int32_t vals[64];
+    int32_t sc32[16];
+    int32_t scp[8];
+    float d;
+};
+
+inline void q6k_unpack(const BlockQ6_K& B, const __m512i& sh_lo, const __m512i& sh_hi, Q6kUnpacked* u) {
+    for (int h = 0; h < 2; ++h) {
+        __m512i lo, hi;
+        q6k_half(B, h, sh_lo, sh_hi, &lo, &hi);
+        _mm512_store_si512(u->vals + 32 * h, lo);
+        _mm512_store_si512(u->vals + 32 * h + 16, hi);
     }
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales));
+    _mm512_store_si512(u->sc32, _mm512_cvtepi8_epi32(sc8));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->scp), _mm256_cvtepi8_epi16(sc8));
+    u->d = h2f(B.d);
+}
+
+// Rows r .. r + R - 1 of a Q6_K lane tile, as q45k_tile_rows.
+template <int L, int R>
+inline __attribute__((always_inline)) void q6k_tile_rows(const char* w, size_t w_stride, int64_t nb, const XKL<L>* x,
+                                                         int n, float* y, size_t ldy, int64_t r, uintptr_t pf_last,
+                                                         const __m512i& sh_lo, const __m512i& sh_hi) {
+    using V = Lanes<L>;
+    const BlockQ6_K* wr[R];
+    RowPrefetch pf[R];
+    typename V::F s[R];
+    for (int j = 0; j < R; ++j) {
+        wr[j] = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r + j) * w_stride);
+        pf[j] =
+            row_prefetch(reinterpret_cast<const uint8_t*>(wr[j]), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
+        s[j] = V::fzero();
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        const XKL<L>& X = x[b];
+        Q6kUnpacked u[R];
+        for (int j = 0; j < R; ++j) {
+            if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(BlockQ6_K), pf[j]);
+            q6k_unpack(wr[j][b], sh_lo, sh_hi, &u[j]);
+        }
+        read_back(u[0].vals);
+        typename V::I tot[R];
+        for (int j = 0; j < R; ++j) tot[j] = V::zero();
+        for (int g = 0; g < 16; ++g) {  // groups of 16 values: dwords 4g .. 4g + 3
+            const typename V::I x0 = V::load(X.q[4 * g]), x1 = V::load(X.q[4 * g + 1]);
+            const typename V::I x2 = V::load(X.q[4 * g + 2]), x3 = V::load(X.q[4 * g + 3]);
+            for (int j = 0; j < R; ++j) {
+                typename V::I a0 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g]), x0);
+                typename V::I a1 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g + 1]), x1);
+                a0 = V::dpbusd(a0, V::set1(u[j].vals[4 * g + 2]), x2);
+                a1 = V::dpbusd(a1, V::set1(u[j].vals[4 * g + 3]), x3);
+                tot[j] = V::add(tot[j], V::mullo(V::add(a0, a1), V::set1(u[j].sc32[g])));
+            }
+        }
+        const typename V::F xd = V::fload(X.d);
+        for (int j = 0; j < R; ++j) {
+            typename V::I corr = V::madd(V::load(X.bs[0]), V::set1(u[j].scp[0]));
+            for (int i = 1; i < 8; ++i) corr = V::add(corr, V::madd(V::load(X.bs[i]), V::set1(u[j].scp[i])));
+            const typename V::I sumi = V::sub(tot[j], V::slli5(corr));
+            const typename V::F d = V::fmul(V::fset1(u[j].d), xd);
+            s[j] = V::fadd(s[j], V::fmul(d, V::cvt(sumi)));
+        }
+    }
+    for (int j = 0; j < R; ++j) store_tokens<L>(s[j], n, y, ldy, r + j);
 }
 
 template <int L>
 __attribute__((noinline)) void q6k_tiles_l(const char* w, size_t w_stride, int64_t nb, const XKL<L>* x, int n, float* y,
                                            size_t ldy, int64_t r0, int64_t r1, uintptr_t pf_last) {
-    using V = Lanes<L>;
     const __m512i sh_lo = idx_halves(4, 2), sh_hi = idx_halves(0, 2);  // as q6k_rows_t1
-    for (int64_t r = r0; r < r1; ++r) {
-        const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
-        typename V::F s = V::fzero();
-        for (int64_t b = 0; b < nb; ++b) {
-            const BlockQ6_K& B = wr[b];
-            const XKL<L>& X = x[b];
-            prefetch_block(&B, sizeof(BlockQ6_K), pf);
-            alignas(64) int32_t vals[64];  // the 256 values (0-63) in order
-            for (int h = 0; h < 2; ++h) {
-                __m512i lo, hi;
-                q6k_half(B, h, sh_lo, sh_hi, &lo, &hi);
-                _mm512_store_si512(vals + 32 * h, lo);
-                _mm512_store_si512(vals + 32 * h + 16, hi);
-            }
-            const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales));
-            alignas(64) int32_t sc32[16];
-            alignas(32) int32_t scp[8];  // (scale 2i, scale 2i + 1) as words
-            _mm512_store_si512(sc32, _mm512_cvtepi8_epi32(sc8));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(scp), _mm256_cvtepi8_epi16(sc8));
-            read_back(vals);
-            typename V::I tot = V::zero();
-            for (int g = 0; g < 16; ++g) {  // groups of 16 values: dwords 4g .. 4g + 3
-                typename V::I a0 = V::dpbusd(V::zero(), V::set1(vals[4 * g]), V::load(X.q[4 * g]));
-                typename V::I a1 = V::dpbusd(V::zero(), V::set1(vals[4 * g + 1]), V::load(X.q[4 * g + 1]));
-                a0 = V::dpbusd(a0, V::set1(vals[4 * g + 2]), V::load(X.q[4 * g + 2]));
-                a1 = V::dpbusd(a1, V::set1(vals[4 * g + 3]), V::load(X.q[4 * g + 3]));
-                tot = V::add(tot, V::mullo(V::add(a0, a1), V::set1(sc32[g])));
-            }
-            typename V::I corr = V::madd(V::load(X.bs[0]), V::set1(scp[0]));
-            for (int i = 1; i < 8; ++i) corr = V::add(corr, V::madd(V::load(X.bs[i]), V::set1(scp[i])));
-            const typename V::I sumi = V::sub(tot, V::slli5(corr));
-            const typename V::F d = V::fmul(V::fset1(h2f(B.d)), V::fload(X.d));
-            s = V::fadd(s, V::fmul(d, V::cvt(sumi)));
-        }
-        store_tokens<L>(s, n, y, ldy, r);
-    }
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) q6k_tile_rows<L, 2>(w, w_stride, nb, x, n, y, ldy, r, pf_last, sh_lo, sh_hi);
+    for (; r < r1; ++r) q6k_tile_rows<L, 1>(w, w_stride, nb, x, n, y, ldy, r, pf_last, sh_lo, sh_hi);
 }
 
 template <int T>
