@@ -124,6 +124,40 @@ TEST(Model, LogitsAreBitwiseIndependentOfChunking) {
     EXPECT_EQ(0, std::memcmp(whole.data(), sevens.data(), whole.size() * sizeof(float)));
 }
 
+// The last layer runs its output projection and MLP only for the rows whose
+// logits are wanted (CpuBackend::run): a prompt's last row must equal that row
+// of an all-rows pass, whether the pass is short (per-thread copies) or long,
+// and a prompt fed in chunks that each keep one row must leave the KV that
+// continues exactly.
+TEST(Model, RowsWithoutLogitsSkipTheLastLayerExactly) {
+    Engine& e = engine();
+    const int64_t nv = e.model().config().n_vocab;
+    const size_t row = static_cast<size_t>(nv) * sizeof(float);
+    for (int n : {5, 40}) {
+        const auto toks = prompt_ids(n, 21 + n);
+        const auto all = run_chunked(e, toks, n);
+        ASSERT_EQ(all.size(), static_cast<size_t>(n * nv));
+        std::vector<float> l;
+        KvSeq s;
+        SeqBatch b{&s, toks.data(), n, false};
+        ASSERT_TRUE(e.backend().forward({&b, 1}, l).ok());
+        ASSERT_EQ(l.size(), static_cast<size_t>(nv));
+        EXPECT_EQ(0, std::memcmp(all.data() + static_cast<size_t>(n - 1) * nv, l.data(), row)) << n << " tokens";
+        s.release(e.pool());
+        // Chunks of up to 3 (each wanting its last row), then the last token alone.
+        KvSeq c;
+        for (int i = 0; i + 1 < n; i += 3) {
+            const int k = std::min(3, n - 1 - i);
+            SeqBatch ch{&c, toks.data() + i, k, false};
+            ASSERT_TRUE(e.backend().forward({&ch, 1}, l).ok());
+        }
+        SeqBatch last{&c, toks.data() + n - 1, 1, false};
+        ASSERT_TRUE(e.backend().forward({&last, 1}, l).ok());
+        EXPECT_EQ(0, std::memcmp(all.data() + static_cast<size_t>(n - 1) * nv, l.data(), row)) << n << " in chunks";
+        c.release(e.pool());
+    }
+}
+
 // ...nor on how many threads compute it: the kernels split work by output rows and
 // heads, never a reduction across threads. (Cores lent between roles change a
 // worker's thread count from one pass to the next; a request's KV and logits must

@@ -54,7 +54,9 @@ struct CpuBackend::Scratch {
     float* logits = nullptr;
 
     // x, xn, hs and xq hold one copy per thread when `replicate` (see run()).
-    Buf x, xn, hs, q, k, v, att, tmp, gate, up, xq, scores;
+    // x_out / att_out: the rows of x / att that the last layer keeps (see run()),
+    // x_out also per thread when `replicate`.
+    Buf x, xn, hs, q, k, v, att, tmp, gate, up, xq, scores, x_out, att_out;
     bool replicate = false;
     size_t xq_stride = 0;
     int64_t scores_n = 0;  // floats of attention scores per row ([kAttnRows][threads] rows)
@@ -178,6 +180,10 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.gate.get(sizeof(float) * T * F);
     s.up.get(sizeof(float) * T * F);
     s.xq.get(s.xq_stride * copies * T);
+    if (const int64_t n_out = static_cast<int64_t>(s.out_rows.size()); n_out > 0 && n_out < T) {
+        s.x_out.get(sizeof(float) * copies * n_out * E);
+        s.att_out.get(sizeof(float) * n_out * Q);
+    }
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
     s.scores_n = (max_ctx + 15) / 16 * 16;
@@ -239,7 +245,8 @@ void CpuBackend::run(int tid, int nth) {
     const bool rep = s.replicate;
     int64_t t0, t1;  // this thread's tokens for shared writes
     ThreadPool::split(T, tid, nth, t0, t1);
-    const int64_t r0 = rep ? 0 : t0, r1 = rep ? T : t1;  // rows of the per-token work
+    int64_t r0 = rep ? 0 : t0, r1 = rep ? T : t1;  // rows of the per-token work
+    int64_t rows_in = T;                           // rows the products take
     const size_t priv = rep ? static_cast<size_t>(tid) : 0;
     float* x = s.x.as<float>() + priv * T * E;
     float* xn = s.xn.as<float>() + priv * T * E;
@@ -249,6 +256,8 @@ void CpuBackend::run(int tid, int nth) {
     float* k = s.k.as<float>();
     float* v = s.v.as<float>();
     float* att = s.att.as<float>();
+    const int64_t n_out = static_cast<int64_t>(s.out_rows.size());
+    bool pruned = false;  // x's row r is output row r (else token s.out_rows[r])
     float* tmp = s.tmp.as<float>();
     float* gate = s.gate.as<float>();
     float* up = s.up.as<float>();
@@ -270,7 +279,7 @@ void CpuBackend::run(int tid, int nth) {
             cpu::matmul(isa, w->type, w->data, w->row_bytes(), w->ne[0], xq, xqs, static_cast<int>(n_tok), y,
                         static_cast<size_t>(rows), w0, w1);
     };
-    auto matmul = [&](const GgufTensor* w, float* y) { matmul_n(w, y, T); };
+    auto matmul = [&](const GgufTensor* w, float* y) { matmul_n(w, y, rows_in); };
     // Products of the same input with two matrices, re-quantizing between them
     // only when their activation types differ.
     auto requantize_if = [&](const GgufTensor* prev, const GgufTensor* next, const float* src, int64_t n) {
@@ -407,6 +416,30 @@ void CpuBackend::run(int tid, int nth) {
         }
         threads_.barrier();
 
+        // The last layer's output projection and MLP serve only the rows whose
+        // logits are wanted (a prompt's last token): the other rows' K and V
+        // are written and nothing reads their results. llama.cpp prunes the
+        // same rows. Each kept row's values come from the same row-wise
+        // operations, so its logits are unchanged.
+        if (l == c.n_layer - 1 && n_out < T) {
+            if (n_out == 0) return;  // every thread alike (no entry asks for no row today)
+            float* x_out = s.x_out.as<float>() + priv * n_out * E;
+            float* att_out = s.att_out.as<float>();
+            int64_t o0, o1;
+            ThreadPool::split(n_out, tid, nth, o0, o1);
+            for (int64_t r = rep ? 0 : o0; r < (rep ? n_out : o1); ++r)
+                std::memcpy(x_out + r * E, x + s.out_rows[static_cast<size_t>(r)] * E, sizeof(float) * E);
+            for (int64_t r = o0; r < o1; ++r)
+                std::memcpy(att_out + r * Q, att + s.out_rows[static_cast<size_t>(r)] * Q, sizeof(float) * Q);
+            threads_.barrier();
+            x = x_out;
+            att = att_out;
+            rows_in = n_out;
+            r0 = rep ? 0 : o0;
+            r1 = rep ? n_out : o1;
+            pruned = true;
+        }
+
         // Output projection.
         quantize(att, Q, w.wo);
         sync_rows();
@@ -438,13 +471,13 @@ void CpuBackend::run(int tid, int nth) {
     // Output head for the rows whose logits are wanted; output row r is packed at
     // row r of xn / xq.
     sync_rows();  // split: x rows change hands (tokens above, output rows below)
-    const int64_t n_out = static_cast<int64_t>(s.out_rows.size());
     const GgufTensor* out = &model_.output();
     int64_t o0 = 0, o1 = n_out;
     if (!rep) ThreadPool::split(n_out, tid, nth, o0, o1);
     const DType vt = cpu::vec_dot_type(out->type);
     for (int64_t r = o0; r < o1; ++r) {
-        cpu::rms_norm(isa, x + s.out_rows[r] * E, f32(&model_.output_norm()), xn + r * E, E, eps);
+        const int64_t xr = pruned ? r : s.out_rows[static_cast<size_t>(r)];
+        cpu::rms_norm(isa, x + xr * E, f32(&model_.output_norm()), xn + r * E, E, eps);
         cpu::quantize_row(isa, vt, xn + r * E, xq + r * xqs, E);
     }
     sync_rows();
