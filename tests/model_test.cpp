@@ -156,6 +156,18 @@ TEST(Model, RowsWithoutLogitsSkipTheLastLayerExactly) {
         EXPECT_EQ(0, std::memcmp(all.data() + static_cast<size_t>(n - 1) * nv, l.data(), row)) << n << " in chunks";
         c.release(e.pool());
     }
+    // Several kept rows in one short pass: two 3-token entries keep rows 2 and 5.
+    const auto a = prompt_ids(3, 31), b = prompt_ids(3, 32);
+    const auto a_all = run_chunked(e, a, 3), b_all = run_chunked(e, b, 3);
+    KvSeq sa, sb;
+    SeqBatch two[2] = {{&sa, a.data(), 3, false}, {&sb, b.data(), 3, false}};
+    std::vector<float> l;
+    ASSERT_TRUE(e.backend().forward(two, l).ok());
+    ASSERT_EQ(l.size(), static_cast<size_t>(2 * nv));
+    EXPECT_EQ(0, std::memcmp(a_all.data() + 2 * nv, l.data(), row));
+    EXPECT_EQ(0, std::memcmp(b_all.data() + 2 * nv, l.data() + nv, row));
+    sa.release(e.pool());
+    sb.release(e.pool());
 }
 
 // ...nor on how many threads compute it: the kernels split work by output rows and
