@@ -638,16 +638,21 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     std::vector<shm::ReqRef> reqs;
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
     shm::RequestTable& t = sv.inst.requests();
-    // Decode holds the first request once it has made 4 tokens. Both workers start
-    // with a golden check: under ASan on a loaded 2-core machine that passed a fixed
-    // 10 s (2026-12-05), decode was killed holding nothing, and the check below
-    // failed. The wait follows DUET_TIME_SCALE and fails rather than kill too early.
-    const uint64_t until = shm::monotonic_ns() + test_time::scaled_ns(30'000'000'000ull);
-    while (shm::monotonic_ns() < until && t.slot(reqs[0].slot).n_output.load() < 4) {
-        sup.poll();
-        usleep(500);
-    }
-    ASSERT_GE(t.slot(reqs[0].slot).n_output.load(), 4u) << "the first request made no 4 tokens in time";
+    // Decode holds the first request once it has made 4 tokens. Every decode
+    // worker starts with a golden check: under ASan on a loaded 2-core machine that
+    // passed a fixed 10 s (2026-12-05 for the first worker, 2026-12-07 for the
+    // restarted one), decode was killed holding nothing, and the check after the
+    // kill failed. The wait follows DUET_TIME_SCALE and fails rather than kill too
+    // early.
+    auto await_four_tokens = [&](shm::ReqRef r) {
+        const uint64_t until = shm::monotonic_ns() + test_time::scaled_ns(30'000'000'000ull);
+        while (shm::monotonic_ns() < until && t.slot(r.slot).n_output.load() < 4) {
+            sup.poll();
+            usleep(500);
+        }
+        return t.slot(r.slot).n_output.load() >= 4;
+    };
+    ASSERT_TRUE(await_four_tokens(reqs[0])) << "the first request made no 4 tokens in time";
     pid_t dec = sup.pid_of("decode");
     ASSERT_GT(dec, 0);
     kill(dec, SIGKILL);
@@ -668,10 +673,7 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     // registry slot, so they are recovered and re-driven like a crash's.
     reqs.clear();
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
-    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) {
-        sup.poll();
-        usleep(500);
-    }
+    ASSERT_TRUE(await_four_tokens(reqs[0])) << "the first request made no 4 tokens in time (decode restarted)";
     dec = sup.pid_of("decode");
     ASSERT_GT(dec, 0);
     kill(dec, SIGTERM);
