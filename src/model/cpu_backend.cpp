@@ -214,7 +214,7 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     s.gate.get(sizeof(float) * T * F);
     s.up.get(sizeof(float) * T * F);
     s.xq.get(s.xq_stride * copies * T);
-    if (const int64_t n_out = static_cast<int64_t>(s.out_rows.size()); n_out > 0 && n_out < T) {
+    if (const int64_t n_out = static_cast<int64_t>(s.out_rows.size()); n_out < T) {
         s.x_out.get(sizeof(float) * copies * n_out * E);
         s.att_out.get(sizeof(float) * n_out * Q);
     }
@@ -458,8 +458,7 @@ void CpuBackend::run(int tid, int nth) {
         // are written and nothing reads their results. llama.cpp prunes the
         // same rows. Each kept row's values come from the same row-wise
         // operations, so its logits are unchanged.
-        if (l == c.n_layer - 1 && n_out < T) {
-            if (n_out == 0) return;  // every thread alike (no entry asks for no row today)
+        if (l == c.n_layer - 1 && n_out < T) {  // n_out >= 1: every entry's last row
             float* x_out = s.x_out.as<float>() + priv * n_out * E;
             float* att_out = s.att_out.as<float>();
             int64_t o0, o1;
