@@ -178,10 +178,49 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int32_t int8_peak_vnni(in
     return _mm512_reduce_add_epi32(s);
 }
 
+// AMX: four independent 16 x 16 int32 accumulators, each TDPBSSD 16 x 64 by 64 x 16
+// bytes (16384 products), operands in tiles. Isa::Amx's kernels use K = 32 (one
+// block) per TDPBSSD, so they can reach at most half of this.
+struct alignas(64) AmxPeakConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+__attribute__((target("amx-tile,amx-int8"))) int32_t int8_peak_amx(int64_t iters) {
+    static const AmxPeakConfig cfg;
+    alignas(64) static int8_t ops[16 * 64];
+    alignas(64) int32_t out[16 * 16];
+    for (int i = 0; i < 16 * 64; ++i) ops[i] = static_cast<int8_t>(i % 7 - 3);
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ops, 64);
+    _tile_loadd(5, ops, 64);
+    _tile_loadd(6, ops, 64);
+    _tile_loadd(7, ops, 64);
+    for (int64_t it = 0; it < iters; ++it) {
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
+}
+
 void BM_Int8Peak(benchmark::State& st, Isa isa) {
     constexpr int64_t kIters = 1 << 16;
-    for (auto _ : st) benchmark::DoNotOptimize(isa == Isa::Avx512 ? int8_peak_vnni(kIters) : int8_peak_avx2(kIters));
-    const int64_t per_iter = isa == Isa::Avx512 ? 8 * 64 : 8 * 32;  // products per loop iteration
+    for (auto _ : st) {
+        benchmark::DoNotOptimize(isa == Isa::Amx      ? int8_peak_amx(kIters / 64)
+                                 : isa == Isa::Avx512 ? int8_peak_vnni(kIters)
+                                                      : int8_peak_avx2(kIters));
+    }
+    // products per loop iteration
+    const int64_t per_iter = isa == Isa::Amx ? 4 * 16384 / 64 : isa == Isa::Avx512 ? 8 * 64 : 8 * 32;
     st.counters["ops"] =
         benchmark::Counter(2.0 * static_cast<double>(per_iter * kIters) * static_cast<double>(st.iterations()),
                            benchmark::Counter::kIsRate);
@@ -442,7 +481,7 @@ void BM_Quantize(benchmark::State& st, Isa isa, DType t, int64_t n) {
 
 int main(int argc, char** argv) {
     std::vector<Isa> isas;
-    for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx}) {
         if (duet::cpu::isa_supported(i) && static_cast<int>(i) <= static_cast<int>(duet::cpu::isa_best())) isas.push_back(i);
     }
     // CPU time, not wall time: the build machines are shared, and a descheduled
@@ -465,16 +504,20 @@ int main(int argc, char** argv) {
                              {DType::Q5_1, 576, 1536}};
     for (Isa isa : isas) {
         const std::string in = duet::cpu::isa_name(isa);
+        // Amx decodes as Avx512 (its tiles start at 16 tokens): its prefill and peak only.
         for (const Shape& s : decode) {
+            if (isa == Isa::Amx) break;
             if (isa == Isa::Scalar && s.t != DType::Q4_1) continue;
             const std::string name = "Decode/" + in + "/" + duet::dtype_name(s.t) + "/" + std::to_string(s.n_in) + "x" +
                                      std::to_string(s.rows);
             benchmark::RegisterBenchmark(name.c_str(), BM_Decode, isa, s.t, s.n_in, s.rows)
                 ->Unit(benchmark::kMicrosecond);
         }
-        benchmark::RegisterBenchmark(("DecodeStep/" + in + "/SmolLM2-135M").c_str(), BM_DecodeStep, isa)
-            ->Unit(benchmark::kMillisecond);
-        if (isa != Isa::Scalar) {
+        if (isa != Isa::Amx) {
+            benchmark::RegisterBenchmark(("DecodeStep/" + in + "/SmolLM2-135M").c_str(), BM_DecodeStep, isa)
+                ->Unit(benchmark::kMillisecond);
+        }
+        if (isa != Isa::Scalar && isa != Isa::Amx) {
             for (int nth : {1, 2}) {
                 const std::string name = "L3Decode/" + in + "/threads:" + std::to_string(nth);
                 benchmark::RegisterBenchmark(name.c_str(), BM_L3Decode, isa, nth)

@@ -22,7 +22,7 @@ namespace {
 
 std::vector<Isa> supported_isas() {
     std::vector<Isa> v;
-    for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    for (Isa i : {Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Amx}) {
         if (isa_supported(i)) v.push_back(i);
     }
     return v;
@@ -83,7 +83,17 @@ TEST(Isa, Avx512KernelsRunHere) {
     if (!isa_supported(Isa::Avx512))
         DUET_SKIP_UNLESS_REQUIRED("avx512", "this CPU or build lacks AVX-512 F/BW/VL/DQ/VNNI: the AVX-512 kernels "
                                             "did not run");
-    EXPECT_EQ(isa_best(), Isa::Avx512);
+    EXPECT_GE(static_cast<int>(isa_best()), static_cast<int>(Isa::Avx512));
+}
+
+TEST(Isa, AmxKernelsRunHere) {
+    if (!isa_supported(Isa::Amx))
+        DUET_SKIP_UNLESS_REQUIRED("amx",
+                                  "this CPU, its OS or this build lacks AMX-TILE/AMX-INT8 (or refused the tile "
+                                  "state): the AMX products did not run");
+    EXPECT_TRUE(isa_supported(Isa::Avx512));
+    EXPECT_EQ(isa_best(), Isa::Amx);
+    EXPECT_STREQ(isa_name(Isa::Amx), "amx");
 }
 
 TEST(Isa, EnvironmentCapsBest) {
@@ -780,6 +790,47 @@ TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
                                                         << " token " << i / ldy << " row " << i % ldy;
             }
         }
+    }
+}
+
+// AMX is the AVX-512 level on tiles (kernels.h): for every 32-value weight type,
+// each kind of row end (full chunks, short tails of 1-2 blocks, partial chunks,
+// rows of a tail alone), row ranges that start off a strip of 16 and end in a
+// ragged one, token counts around the 16-token tile and past a token block, padded
+// strides: every output equals Avx512's bit for bit, and nothing outside [r0, r1)
+// is written.
+TEST(Matmul, AmxGivesTheAvx512Bits) {
+    if (!isa_supported(Isa::Amx)) GTEST_SKIP() << "no AMX here (Isa.AmxKernelsRunHere says why)";
+    struct Shape {
+        DType t;
+        int64_t blocks, rows, r0;
+        int n_tok;
+    };
+    std::vector<Shape> shapes;
+    for (DType t : {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0}) {
+        for (int64_t blocks : {1, 2, 3, 16, 17, 18, 21, 31, 32, 48}) {
+            shapes.push_back({t, blocks, 37, 5, 33});
+            shapes.push_back({t, blocks, 16, 0, 16});
+        }
+        shapes.push_back({t, 18, 48, 0, 100});
+        shapes.push_back({t, 48, 21, 3, 47});
+        // 256 blocks: a token tile's activations are 160 KiB, so 113 tokens take two token blocks.
+        shapes.push_back({t, 256, 20, 0, 113});
+    }
+    for (const Shape& s : shapes) {
+        const int64_t n_in = 32 * s.blocks;
+        const DType xt = vec_dot_type(s.t);
+        const size_t ws = row_bytes(s.t, n_in) + (s.rows % 2 ? 64 : 0);
+        const size_t xs = row_bytes(xt, n_in) + (s.n_tok % 2 ? 32 : 0);
+        const std::vector<uint8_t> w = make_weights(s.t, s.rows, n_in, ws, 5);
+        const std::vector<uint8_t> x = make_acts(Isa::Avx512, xt, s.n_tok, n_in, xs, 13);
+        const size_t ldy = static_cast<size_t>(s.rows) + 2;
+        std::vector<float> ya(ldy * static_cast<size_t>(s.n_tok), -7.0f), yb = ya;
+        matmul(Isa::Avx512, s.t, w.data(), ws, n_in, x.data(), xs, s.n_tok, ya.data(), ldy, s.r0, s.rows);
+        matmul(Isa::Amx, s.t, w.data(), ws, n_in, x.data(), xs, s.n_tok, yb.data(), ldy, s.r0, s.rows);
+        for (size_t i = 0; i < ya.size(); ++i)
+            ASSERT_EQ(bits(yb[i]), bits(ya[i])) << dtype_name(s.t) << " blocks " << s.blocks << " rows " << s.rows
+                                                << " tokens " << s.n_tok << " token " << i / ldy << " row " << i % ldy;
     }
 }
 

@@ -29,12 +29,16 @@ using namespace duet;
     const char* cap = std::getenv("DUET_ISA");
     if (!cap || !*cap) return true;
     const std::string level(cap);
-    const cpu::Isa want = level == "avx512" ? cpu::Isa::Avx512 : level == "avx2" ? cpu::Isa::Avx2 : cpu::Isa::Scalar;
+    const cpu::Isa want = level == "amx"      ? cpu::Isa::Amx
+                          : level == "avx512" ? cpu::Isa::Avx512
+                          : level == "avx2"   ? cpu::Isa::Avx2
+                                              : cpu::Isa::Scalar;
     // This CPU's best level is what the default run (no DUET_ISA) already ran: the
     // suite again under its name would prove nothing new.
-    const cpu::Isa best = cpu::isa_supported(cpu::Isa::Avx512) ? cpu::Isa::Avx512
-                          : cpu::isa_supported(cpu::Isa::Avx2) ? cpu::Isa::Avx2
-                                                               : cpu::Isa::Scalar;
+    const cpu::Isa best = cpu::isa_supported(cpu::Isa::Amx)      ? cpu::Isa::Amx
+                          : cpu::isa_supported(cpu::Isa::Avx512) ? cpu::Isa::Avx512
+                          : cpu::isa_supported(cpu::Isa::Avx2)   ? cpu::Isa::Avx2
+                                                                 : cpu::Isa::Scalar;
     if (want == best) {
         std::fprintf(stderr, "SKIPPED: DUET_ISA=%s is this CPU's best level: the default run of the suite was it\n",
                      cap);

@@ -127,7 +127,7 @@ std::string param_name(const testing::TestParamInfo<Param>& p) {
 std::vector<Param> all_params() {
     std::vector<Param> v;
     for (const TinyModel& m : kModels)
-        for (cpu::Isa isa : {cpu::Isa::Scalar, cpu::Isa::Avx2, cpu::Isa::Avx512}) v.push_back({m, isa});
+        for (cpu::Isa isa : {cpu::Isa::Scalar, cpu::Isa::Avx2, cpu::Isa::Avx512, cpu::Isa::Amx}) v.push_back({m, isa});
     return v;
 }
 

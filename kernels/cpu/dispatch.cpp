@@ -1,6 +1,8 @@
 // Run-time choice of instruction set, argument checks, and the kernels that
 // have a single (scalar) implementation: conversions and dequantization.
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -23,13 +25,31 @@ bool cpu_has_f16c() {
     return (c & (1u << 29)) != 0;
 }
 
+// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25), their state enabled in
+// XCR0 (bits 17, 18: XTILECFG, XTILEDATA), and Linux's permission for this process
+// to use the 8 KiB of tile data (arch_prctl ARCH_REQ_XCOMP_PERM; refused where the
+// kernel predates 5.16 or a sigaltstack is too small).
+bool amx_usable() {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if ((d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || (c & (1u << 27)) == 0) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
 struct IsaInfo {
     bool avx2 = false;
     bool avx512 = false;
+    bool amx = false;
     Isa best = Isa::Scalar;
 };
 
-// Detected once; DUET_ISA=scalar|avx2|avx512 caps `best` (tests, benchmarks).
+// Detected once; DUET_ISA=scalar|avx2|avx512|amx caps `best` (tests, benchmarks).
 const IsaInfo& isa_info() {
     static const IsaInfo info = [] {
         IsaInfo r;
@@ -39,8 +59,9 @@ const IsaInfo& isa_info() {
         r.avx512 = r.avx2 && __builtin_cpu_supports("avx512f") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+        r.amx = r.avx512 && amx_usable();
 #endif
-        r.best = r.avx512 ? Isa::Avx512 : r.avx2 ? Isa::Avx2 : Isa::Scalar;
+        r.best = r.amx ? Isa::Amx : r.avx512 ? Isa::Avx512 : r.avx2 ? Isa::Avx2 : Isa::Scalar;
         if (const char* cap = std::getenv("DUET_ISA"); cap != nullptr && *cap != '\0') {
             Isa want;
             if (std::strcmp(cap, "scalar") == 0) {
@@ -49,9 +70,11 @@ const IsaInfo& isa_info() {
                 want = Isa::Avx2;
             } else if (std::strcmp(cap, "avx512") == 0) {
                 want = Isa::Avx512;
+            } else if (std::strcmp(cap, "amx") == 0) {
+                want = Isa::Amx;
             } else {
                 std::fprintf(stderr,
-                             "duet: DUET_ISA=%s is not one of scalar, avx2, avx512; "
+                             "duet: DUET_ISA=%s is not one of scalar, avx2, avx512, amx; "
                              "ignoring it and using %s\n",
                              cap, isa_name(r.best));
                 return r;
@@ -74,6 +97,7 @@ const char* isa_name(Isa isa) {
         case Isa::Scalar: return "scalar";
         case Isa::Avx2: return "avx2";
         case Isa::Avx512: return "avx512";
+        case Isa::Amx: return "amx";
     }
     return "unknown";
 }
@@ -83,6 +107,7 @@ bool isa_supported(Isa isa) {
         case Isa::Scalar: return true;
         case Isa::Avx2: return isa_info().avx2;
         case Isa::Avx512: return isa_info().avx512;
+        case Isa::Amx: return isa_info().amx;
     }
     return false;
 }
@@ -268,12 +293,13 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
 // Routing. Checks that are cheap and catch caller mistakes live here, once.
 
 #if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
-#define DUET_ROUTE(isa, call)                           \
-    switch (isa) {                                      \
-        case Isa::Avx512: return avx512::call;          \
-        case Isa::Avx2: return avx2::call;              \
-        case Isa::Scalar: break;                        \
-    }                                                   \
+#define DUET_ROUTE(isa, call)                  \
+    switch (isa) {                             \
+        case Isa::Amx:                         \
+        case Isa::Avx512: return avx512::call; \
+        case Isa::Avx2: return avx2::call;     \
+        case Isa::Scalar: break;               \
+    }                                          \
     return scalar::call
 #else
 #define DUET_ROUTE(isa, call) return scalar::call
@@ -297,6 +323,9 @@ void matmul(Isa isa, DType wtype, const void* w, size_t w_stride, int64_t n_in, 
     if (!ok) kernel_fail("matmul: unsupported weight type");
     if (n_in <= 0 || n_in % dtype_block_elems(wtype) != 0) kernel_fail("matmul: n_in must be a positive multiple of the weight block");
     if (r1 <= r0 || n_tok <= 0) return;
+#if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
+    if (isa == Isa::Amx) return amx::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+#endif
     DUET_ROUTE(isa, matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1));
 }
 
@@ -363,7 +392,7 @@ void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, int64_t rows
                           size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride) {
     check_isa(isa);
 #if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
-    if (isa == Isa::Avx512)
+    if (isa == Isa::Avx512 || isa == Isa::Amx)
         return avx512::attn_scores_f16_rows(q, q_stride, rows, n, k, stride, head_dim, scale, scores, s_stride);
 #endif
     for (int64_t r = 0; r < rows; ++r)
@@ -374,7 +403,7 @@ void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t rows,
                          size_t stride, int64_t head_dim, float* out, size_t out_stride) {
     check_isa(isa);
 #if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
-    if (isa == Isa::Avx512)
+    if (isa == Isa::Avx512 || isa == Isa::Amx)
         return avx512::attn_accum_f16_rows(p, p_stride, rows, n, v, stride, head_dim, out, out_stride);
 #endif
     for (int64_t r = 0; r < rows; ++r)

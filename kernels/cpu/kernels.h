@@ -19,6 +19,10 @@ enum class Isa : int {
     Scalar = 0,  // portable C++, the reference the SIMD levels are tested against
     Avx2 = 1,    // AVX2 + FMA + F16C
     Avx512 = 2,  // AVX-512 F/BW/VL/DQ + VNNI
+    // Avx512 with AMX-TILE + AMX-INT8 (and the tile state granted by the OS): the
+    // AVX-512 level's numbers bit for bit, its quantized products for 16+ tokens on
+    // tiles. Not a level of its own results: it and Avx512 agree on every output.
+    Amx = 3,
 };
 
 const char* isa_name(Isa isa);

@@ -98,6 +98,13 @@ void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t rows, const in
                          size_t stride, int64_t head_dim, float* out, size_t out_stride);
 }  // namespace avx512
 
+// The AVX-512 level's quantized products on AMX tiles (amx.cpp): avx512::matmul's
+// bits, for passes of 16 tokens or more.
+namespace amx {
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+            float* y, size_t ldy, int64_t r0, int64_t r1);
+}  // namespace amx
+
 // ---------------------------------------------------------------------------
 // Scalar helpers shared by all levels.
 

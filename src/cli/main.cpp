@@ -64,7 +64,7 @@ void add_run(CLI::App& app, Store& store, int& rc, const std::string& default_mo
     c_run->add_option("-t,--threads", run.engine.threads, "compute threads (default: one per CPU)");
     c_run->add_option("--cpus", run.cpus, "pin threads to these CPUs, e.g. 0-3");
     c_run->add_option("--ctx", run.engine.n_ctx, "context size in tokens (default: min(model, 4096))");
-    c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c_run->add_option("--isa", run.engine.isa, "kernel level: scalar, avx2, avx512, amx (default: best)");
     c_run->add_option("--device", run.engine.device, "cpu, or cuda:N (a build with CUDA)")->capture_default_str();
     c_run->add_flag("!--no-cuda-graphs", run.engine.cuda_graphs, "run every CUDA pass eagerly");
     c_run->add_flag(

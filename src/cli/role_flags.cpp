@@ -157,7 +157,7 @@ void add_serve_flags(CLI::App& c, ServeSettings& s) {
     c.add_option("--front-cpus", s.front_cpus, "pin the front here (default: the hwloc plan)");
     c.add_option("--prefill-cpus", s.prefill_cpus, "pin prefill here (default: the hwloc plan, duet topo)");
     c.add_option("--decode-cpus", s.decode_cpus, "pin decode here; disjoint from prefill");
-    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512, amx (default: best)");
     c.add_option(kGolden, s.golden, kGoldenHelp)->capture_default_str();
     c.add_option(kChatTemplate, s.chat_template, "override the chat template");
     c.add_option(kPrefillBudget, s.prefill_budget, "tokens per prefill forward pass (several requests packed)")
@@ -255,7 +255,7 @@ void add_worker_flags(CLI::App& c, WorkerSettings& s, bool prefill) {
     c.add_option(with_short("-m", kModel), s.model, "GGUF model file (the instance's)")->capture_default_str();
     c.add_option(with_short("-t", kThreads), s.threads, "compute threads")->capture_default_str();
     c.add_option(kCpus, s.cpus, "pin threads to these CPUs");
-    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512 (default: best)");
+    c.add_option(kIsa, s.isa, "kernel level: scalar, avx2, avx512, amx (default: best)");
     c.add_option(kIndex, s.index, "which of the instance's workers of this role")->capture_default_str();
     c.add_option(kNuma, s.numa, "the NUMA node of --cpus (routing prefers a decode worker on prefill's node)");
     c.add_option(kDevice, s.device, "cpu, or cuda:N (the instance's KV arena on that GPU)")->capture_default_str();

@@ -18,14 +18,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 Result<cpu::Isa> parse_isa(const std::string& name) {
-    cpu::Isa isa;
     if (name.empty()) return cpu::isa_best();
-    if (name == "scalar") isa = cpu::Isa::Scalar;
-    else if (name == "avx2") isa = cpu::Isa::Avx2;
-    else if (name == "avx512") isa = cpu::Isa::Avx512;
-    else return make_error("unknown ISA '{}': expected scalar, avx2 or avx512", name);
-    if (!cpu::isa_supported(isa)) return make_error("this CPU (or build) does not support {}", name);
-    return isa;
+    for (cpu::Isa isa : {cpu::Isa::Scalar, cpu::Isa::Avx2, cpu::Isa::Avx512, cpu::Isa::Amx}) {
+        if (name != cpu::isa_name(isa)) continue;
+        if (!cpu::isa_supported(isa)) return make_error("this CPU (or build) does not support {}", name);
+        return isa;
+    }
+    return make_error("unknown ISA '{}': expected scalar, avx2, avx512 or amx", name);
 }
 
 Engine::~Engine() {

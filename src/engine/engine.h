@@ -27,7 +27,7 @@ struct EngineOptions {
     int threads = 0;              // 0: one per CPU in `cpus`, or all online CPUs
     std::vector<int> cpus;        // pin threads here; empty: no pinning
     int64_t n_ctx = 0;            // KV capacity in tokens; 0: min(model's, 4096)
-    std::string isa;              // "", "scalar", "avx2", "avx512"
+    std::string isa;              // "", "scalar", "avx2", "avx512", "amx"
     std::string instance;         // shm instance name (segments duet.<name>); "": run-<pid>-<n>
     bool huge_pages = true;       // for the KV data segment, when the system has them
     std::string device = "cpu";   // "cpu" or "cuda:N" (a build with DUET_CUDA)
@@ -92,7 +92,7 @@ private:
     Sampler sampler_;
 };
 
-// Parses "scalar" / "avx2" / "avx512" / "" (best); an Error when the CPU lacks it.
+// Parses "scalar" / "avx2" / "avx512" / "amx" / "" (best); an Error when the CPU lacks it.
 Result<cpu::Isa> parse_isa(const std::string& name);
 
 }  // namespace duet

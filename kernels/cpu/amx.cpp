@@ -1,0 +1,377 @@
+// AMX (Intel's tile unit, AMX-TILE + AMX-INT8) for the AVX-512 level's 32-value
+// block products: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights against 16 tokens at a
+// time. It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
+// with a faster way to its numbers, never a level of its own numbers: any row or
+// token the tiles do not cover goes to avx512::matmul, and a sequence's logits do
+// not depend on which of the two computed a row.
+//
+// Why that holds. avx512.cpp's reduction for one (row, token) is, per 32-value
+// block b, the exact integer dot S_b, then per "lane" l of a 16-lane accumulator
+// (lane l takes block 16c + q4_lane_block(l) of each chunk c, or q8_lane_block(l)
+// for Q8_0), in chunk order:
+//   acc_l = fma(float(S_b), d_w * d_x, acc_l)          [Q4_1, Q5_1: then
+//   acc_l = fma(m_w, s_x, acc_l)]
+// and the result is hsum(acc) (the pinned tree l + l+8, + 4, + 2, + 1), plus
+// (v_0 + v_1) for a Q4-family row ending in one or two blocks past its chunks
+// (a "short tail": v_t = float(S_t) * (d_w * d_x) [, then fma(m_w, s_x, .)]).
+// Every float operation there is per lane, so it does not care where the
+// accumulator lives: here acc_l of 16 rows x 16 tokens sits in 16 registers,
+// one per row, a lane per token, and TDPBSSD gives the S_b of the 16 x 16 at
+// once (C[row][token], K = 32: one block; exact int32 sums). The same
+// operations in the same order, with d_w broadcast and d_x a vector, then the
+// tree across the 16 lanes' accumulators, elementwise.
+//
+// Blocks missing from a partial last chunk (3-15 blocks) are zeros there: their
+// step adds fma(0, 0, acc) = acc (acc is never -0: it starts at +0 and an exact
+// sum that is zero rounds to +0), so here they are skipped. Q8_0 rows with a
+// partial chunk are not taken (avx512 reduces that chunk per pair of 4-value
+// sums, not per block): their calls run avx512::matmul.
+//
+// Operands: A = the weights, 16 rows x 32 bytes of one block (Q8_0: straight from
+// the row, stride w_stride; the 4- and 5-bit types: unpacked once per strip of 16
+// rows into signed bytes, the offset 8 / 16 subtracted); B = the activations of
+// 16 tokens, 8 rows of 64 bytes (token m's bytes 4r..4r+3 at row r, column 4m),
+// transposed once per call; C = 16 x 16 int32, stored and read back as vectors.
+// GCC 12's AVX-512 headers: see avx512.cpp (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/kernels_impl.h"
+
+namespace duet::cpu::amx {
+
+namespace {
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+constexpr int q4_lane_block(int lane) { return 4 * (lane % 4) + lane / 4; }
+constexpr int q8_lane_block(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane / 4) % 2; }
+
+template <DType W>
+constexpr bool kWithMin = W == DType::Q4_1 || W == DType::Q5_1;
+template <DType W>
+constexpr bool kQ5 = W == DType::Q5_0 || W == DType::Q5_1;
+template <DType W>
+constexpr int kBlockBytes = W == DType::Q4_0   ? 18
+                            : W == DType::Q4_1 ? 20
+                            : W == DType::Q5_0 ? 22
+                            : W == DType::Q5_1 ? 24
+                                               : 34;
+// The activations' block: Q8_1 (d, s, 32 quants) for weights with a minimum, else Q8_0.
+template <DType W>
+constexpr int kXBlockBytes = kWithMin<W> ? 36 : 34;
+
+// The tile palette: tmm0-1 C (16 x 16 int32), tmm2-3 A (16 rows x 32 bytes),
+// tmm4-5 B (8 rows x 64 bytes); two of each so that two blocks are in flight.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+TileConfig tile_config() {
+    TileConfig c;
+    for (int t = 0; t < 2; ++t) {
+        c.colsb[t] = 64, c.rows[t] = 16;
+        c.colsb[2 + t] = 32, c.rows[2 + t] = 16;
+        c.colsb[4 + t] = 64, c.rows[4 + t] = 8;
+    }
+    return c;
+}
+
+// Grows, never shrinks; one per thread (the thread pool's workers call matmul
+// concurrently). malloc, not std::vector: see kernels_impl.h.
+struct ScratchBuf {
+    uint8_t* p = nullptr;
+    size_t n = 0;
+    ~ScratchBuf() { std::free(p); }
+    uint8_t* get(size_t want) {
+        if (want > n) {
+            std::free(p);
+            n = (want + 4095) & ~size_t{4095};
+            p = static_cast<uint8_t*>(std::aligned_alloc(64, n));
+            if (p == nullptr) kernel_fail("matmul (amx): out of memory for scratch");
+        }
+        return p;
+    }
+};
+thread_local ScratchBuf t_scratch;
+
+// A token tile's activations for one block: B (512 bytes), then d_x and s_x of
+// its 16 tokens (zeros for a missing token).
+constexpr size_t kXTileBlock = 512 + 64 + 64;
+// A strip's weights for one block: A (16 rows x 32 signed bytes), then d_w and m_w
+// of its 16 rows.
+constexpr size_t kWStripBlock = 512 + 64 + 64;
+
+// Tokens [t0, t0 + 16) of xq into nb blocks of kXTileBlock at out: B's rows by
+// gathers (dword r of the 16 tokens' block), the scales as floats.
+template <DType W>
+void repack_tokens(const uint8_t* xq, size_t xq_stride, int t0, int64_t nb, uint8_t* out) {
+    constexpr int kQ = kWithMin<W> ? 4 : 2;  // the quants' offset in an activation block
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = x0 + static_cast<size_t>(b) * kXBlockBytes<W>;
+        uint8_t* o = out + static_cast<size_t>(b) * kXTileBlock;
+        for (int r = 0; r < 8; ++r) {
+            _mm512_store_si512(o + 64 * r, _mm512_i32gather_epi32(idx, blk + kQ + 4 * r, 1));
+        }
+        // d (and Q8_1's s) of each token: the block's first dword.
+        const __m512i hdr = _mm512_i32gather_epi32(idx, blk, 1);
+        _mm512_store_ps(o + 512, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hdr)));
+        if constexpr (kWithMin<W>) {
+            _mm512_store_ps(o + 576, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hdr, 16))));
+        } else {
+            _mm512_store_ps(o + 576, _mm512_setzero_ps());
+        }
+    }
+}
+
+// Rows [n0, n0 + 16) of the weights into nb blocks of kWStripBlock at out: the
+// values as signed bytes (value i of block b at byte 32n + i), d_w and m_w.
+template <DType W>
+void unpack_strip(const uint8_t* w, size_t w_stride, int64_t nb, uint8_t* out) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i off = _mm256_set1_epi8(W == DType::Q4_0 ? 8 : W == DType::Q5_0 ? 16 : 0);
+    const __m256i b16 = _mm256_set1_epi8(16);
+    for (int n = 0; n < 16; ++n) {
+        const uint8_t* row = w + static_cast<size_t>(n) * w_stride;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = row + static_cast<size_t>(b) * kBlockBytes<W>;
+            uint8_t* o = out + static_cast<size_t>(b) * kWStripBlock;
+            uint16_t d;
+            std::memcpy(&d, blk, 2);
+            reinterpret_cast<float*>(o + 512)[n] = h2f(d);
+            if constexpr (kWithMin<W>) {
+                uint16_t m;
+                std::memcpy(&m, blk + 2, 2);
+                reinterpret_cast<float*>(o + 576)[n] = h2f(m);
+            }
+            if constexpr (W == DType::Q8_0) continue;
+            constexpr int kQs = W == DType::Q4_0 ? 2 : W == DType::Q4_1 ? 4 : W == DType::Q5_0 ? 6 : 8;
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kQs));
+            const __m128i lo = _mm_and_si128(q, m4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            if constexpr (kQ5<W>) {
+                uint32_t qh;
+                std::memcpy(&qh, blk + (W == DType::Q5_1 ? 4 : 2), 4);
+                v = _mm256_mask_add_epi8(v, static_cast<__mmask32>(qh), v, b16);
+            }
+            v = _mm256_sub_epi8(v, off);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * n), v);
+        }
+    }
+}
+
+// One block's float step for the 16 rows: acc[n] (a lane per token) from the
+// stored C (row n: the 16 tokens' S).
+template <DType W>
+inline void block_step(const int32_t* cs, const uint8_t* wblk, const uint8_t* xblk, __m512* acc) {
+    const float* dw = reinterpret_cast<const float*>(wblk + 512);
+    const float* mw = reinterpret_cast<const float*>(wblk + 576);
+    const __m512 dx = _mm512_load_ps(xblk + 512);
+    const __m512 sx = _mm512_load_ps(xblk + 576);
+    for (int n = 0; n < 16; ++n) {
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(cs + 16 * n));
+        acc[n] = _mm512_fmadd_ps(s, _mm512_mul_ps(_mm512_set1_ps(dw[n]), dx), acc[n]);
+        if constexpr (kWithMin<W>) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(mw[n]), sx, acc[n]);
+    }
+}
+
+// A block's A operand: the unpacked strip, or (Q8_0) the rows themselves.
+template <DType W>
+struct AOperand {
+    const uint8_t* strip;  // unpack_strip's output
+    const uint8_t* rows;   // Q8_0: row n0
+    size_t w_stride;
+    const void* ptr(int64_t b) const {
+        if constexpr (W == DType::Q8_0) return rows + static_cast<size_t>(b) * 34 + 2;
+        return strip + static_cast<size_t>(b) * kWStripBlock;
+    }
+    size_t stride() const { return W == DType::Q8_0 ? w_stride : 32; }
+};
+
+// 16 rows x 16 tokens: out[n] holds row n's results, a lane per token.
+// hsum's tree (l + l+8, then + 4, + 2, + 1) read as a binary tree over the lanes
+// in this order: adjacent leaves pair up, then adjacent pairs, and so on, each
+// sum left + right. Taking the lanes in this order, the sums fold as they come,
+// with at most four partial sums waiting.
+constexpr int kTreeOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// 16 rows x 16 tokens: out[n] holds row n's results, a lane per token. stack:
+// 4 x 16 vectors of scratch; cbuf: 2 KiB.
+template <DType W>
+void tile_16x16(const AOperand<W>& a, const uint8_t* strip, const uint8_t* xt, int64_t nb, __m512* out, int32_t* cbuf,
+                __m512* stack) {
+    const bool short_tail = W != DType::Q8_0 && (nb % 16 == 1 || nb % 16 == 2);
+    // Blocks that go through the chunk lanes: all of them, but a short tail.
+    const int64_t nb_chunked = short_tail ? nb - nb % 16 : nb;
+    const int64_t nchunks = (nb_chunked + 15) / 16;
+    auto wblk = [&](int64_t b) { return strip + static_cast<size_t>(b) * kWStripBlock; };
+    auto xblk = [&](int64_t b) { return xt + static_cast<size_t>(b) * kXTileBlock; };
+    int level[4];
+    int depth = 0;
+    for (int i = 0; i < 16; ++i) {
+        const int l = kTreeOrder[i];
+        const int beta = W == DType::Q8_0 ? q8_lane_block(l) : q4_lane_block(l);
+        __m512 acc[16];
+        for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 1 < nchunks && 16 * (c + 1) + beta < nb_chunked; c += 2) {
+            const int64_t b0 = 16 * c + beta, b1 = b0 + 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, a.ptr(b0), a.stride());
+            _tile_loadd(4, xblk(b0), 64);
+            _tile_loadd(3, a.ptr(b1), a.stride());
+            _tile_loadd(5, xblk(b1), 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 5);
+            _tile_stored(0, cbuf, 64);
+            _tile_stored(1, cbuf + 256, 64);
+            block_step<W>(cbuf, wblk(b0), xblk(b0), acc);
+            block_step<W>(cbuf + 256, wblk(b1), xblk(b1), acc);
+        }
+        for (; c < nchunks && 16 * c + beta < nb_chunked; ++c) {
+            const int64_t b0 = 16 * c + beta;
+            _tile_zero(0);
+            _tile_loadd(2, a.ptr(b0), a.stride());
+            _tile_loadd(4, xblk(b0), 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_stored(0, cbuf, 64);
+            block_step<W>(cbuf, wblk(b0), xblk(b0), acc);
+        }
+        // Fold: while the waiting sum on top is at this one's level, left + right.
+        int lev = 0;
+        while (depth > 0 && level[depth - 1] == lev) {
+            const __m512* left = stack + 16 * (depth - 1);
+            for (int n = 0; n < 16; ++n) acc[n] = _mm512_add_ps(left[n], acc[n]);
+            --depth;
+            ++lev;
+        }
+        if (i == 15) {
+            for (int n = 0; n < 16; ++n) out[n] = acc[n];
+            break;
+        }
+        for (int n = 0; n < 16; ++n) stack[16 * depth + n] = acc[n];
+        level[depth++] = lev;
+    }
+    if (!short_tail) return;
+    // v_t = float(S_t) * (d_w * d_x) [, fma(m_w, s_x, .)]; y = h + (v_0 + v_1).
+    __m512 v[2][16];
+    for (int t = 0; t < 2; ++t) {
+        for (int n = 0; n < 16; ++n) v[t][n] = _mm512_setzero_ps();
+        const int64_t b = nb_chunked + t;
+        if (b >= nb) continue;
+        _tile_zero(0);
+        _tile_loadd(2, a.ptr(b), a.stride());
+        _tile_loadd(4, xblk(b), 64);
+        _tile_dpbssd(0, 2, 4);
+        _tile_stored(0, cbuf, 64);
+        const float* dw = reinterpret_cast<const float*>(wblk(b) + 512);
+        const float* mw = reinterpret_cast<const float*>(wblk(b) + 576);
+        const __m512 dx = _mm512_load_ps(xblk(b) + 512);
+        const __m512 sx = _mm512_load_ps(xblk(b) + 576);
+        for (int n = 0; n < 16; ++n) {
+            const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * n));
+            v[t][n] = _mm512_mul_ps(s, _mm512_mul_ps(_mm512_set1_ps(dw[n]), dx));
+            if constexpr (kWithMin<W>) v[t][n] = _mm512_fmadd_ps(_mm512_set1_ps(mw[n]), sx, v[t][n]);
+        }
+    }
+    for (int n = 0; n < 16; ++n) out[n] = _mm512_add_ps(out[n], _mm512_add_ps(v[0][n], v[1][n]));
+}
+
+// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
+template <DType W>
+void matmul_tiles(const uint8_t* w, size_t w_stride, int64_t nb, const uint8_t* xq, size_t xq_stride, int nt, float* y,
+                  size_t ldy, int64_t r0, int64_t r1) {
+    // Token blocks whose repacked activations stay within about 1 MiB (L2), so that
+    // each strip of weights is unpacked once per token block.
+    const size_t tile_bytes = static_cast<size_t>(nb) * kXTileBlock;
+    const int tiles_per_block = static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes));
+    const int n_tiles = nt / 16;
+    const int tb = std::min(tiles_per_block, n_tiles);
+    const size_t strip_bytes = static_cast<size_t>(nb) * kWStripBlock;
+    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 2048 + 4 * 16 * 64 + 16 * 64);
+    uint8_t* strip = base;
+    uint8_t* xts = strip + strip_bytes;
+    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
+    __m512* stack = reinterpret_cast<__m512*>(reinterpret_cast<uint8_t*>(cbuf) + 2048);
+    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(stack) + 4 * 16 * 64);
+    const TileConfig cfg = tile_config();
+    _tile_loadconfig(&cfg);
+    // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int t0 = 0; t0 < n_tiles; t0 += tb) {
+        const int nti = std::min(tb, n_tiles - t0);
+        for (int i = 0; i < nti; ++i) {
+            repack_tokens<W>(xq, xq_stride, 16 * (t0 + i), nb, xts + static_cast<size_t>(i) * tile_bytes);
+        }
+        for (int64_t n0 = r0; n0 < r1; n0 += 16) {
+            const uint8_t* rows = w + static_cast<size_t>(n0) * w_stride;
+            unpack_strip<W>(rows, w_stride, nb, strip);
+            const AOperand<W> a{strip, rows, w_stride};
+            for (int i = 0; i < nti; ++i) {
+                __m512 out[16];
+                tile_16x16<W>(a, strip, xts + static_cast<size_t>(i) * tile_bytes, nb, out, cbuf, stack);
+                // out[n] lane m -> y[(token) * ldy + row]
+                for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
+                for (int m = 0; m < 16; ++m) {
+                    float* yr = y + static_cast<size_t>(16 * (t0 + i) + m) * ldy + static_cast<size_t>(n0);
+                    _mm512_storeu_ps(yr, _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(m)), ybuf, 4));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+}  // namespace
+
+// The fewest tokens worth a tile (see bench/RESULTS.md, "AMX").
+constexpr int kMinTokens = 16;
+
+void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
+            float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const int64_t nb = n_in / kQK;
+    const bool type_ok = wtype == DType::Q4_0 || wtype == DType::Q4_1 || wtype == DType::Q5_0 || wtype == DType::Q5_1 ||
+                         (wtype == DType::Q8_0 && nb % 16 == 0);
+    const int nt = n_tok / 16 * 16;
+    const int64_t nr = (r1 - r0) / 16 * 16;
+    if (!type_ok || n_tok < kMinTokens || nr == 0 || dtype_block_elems(wtype) != kQK) {
+        avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
+        return;
+    }
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    const uint8_t* xb = static_cast<const uint8_t*>(xq);
+    switch (wtype) {
+        case DType::Q4_0: matmul_tiles<DType::Q4_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        case DType::Q4_1: matmul_tiles<DType::Q4_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        case DType::Q5_0: matmul_tiles<DType::Q5_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        case DType::Q5_1: matmul_tiles<DType::Q5_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        default: matmul_tiles<DType::Q8_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+    }
+    if (r0 + nr < r1) avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0 + nr, r1);
+    if (nt < n_tok) {
+        avx512::matmul(wtype, w, w_stride, n_in, xb + static_cast<size_t>(nt) * xq_stride, xq_stride, n_tok - nt,
+                       y + static_cast<size_t>(nt) * ldy, ldy, r0, r0 + nr);
+    }
+}
+
+}  // namespace duet::cpu::amx
