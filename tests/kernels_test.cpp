@@ -793,9 +793,9 @@ TEST(Matmul, EveryRowCountGivesTheOneTokenBits) {
     }
 }
 
-// AMX is the AVX-512 level on tiles (kernels.h): for every 32-value weight type,
+// AMX is the AVX-512 level on tiles (kernels.h): for every quantized weight type,
 // each kind of row end (full chunks, short tails of 1-2 blocks, partial chunks,
-// rows of a tail alone), row ranges that start off a strip of 16 and end in a
+// rows of a tail alone; K-quant rows of 1-34 super-blocks), row ranges that start off a strip of 16 and end in a
 // ragged one, token counts around the 16-token tile and past a token block, padded
 // strides: every output equals Avx512's bit for bit, and nothing outside [r0, r1)
 // is written.
@@ -817,8 +817,16 @@ TEST(Matmul, AmxGivesTheAvx512Bits) {
         // 256 blocks: a token tile's activations are 160 KiB, so 113 tokens take two token blocks.
         shapes.push_back({t, 256, 20, 0, 113});
     }
+    // K-quants: blocks of 256 values; 34 super-blocks take two token blocks at 113 tokens.
+    for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+        for (int64_t blocks : {1, 2, 6}) {
+            shapes.push_back({t, blocks, 37, 5, 33});
+            shapes.push_back({t, blocks, 16, 0, 16});
+        }
+        shapes.push_back({t, 34, 20, 0, 113});
+    }
     for (const Shape& s : shapes) {
-        const int64_t n_in = 32 * s.blocks;
+        const int64_t n_in = dtype_block_elems(s.t) * s.blocks;
         const DType xt = vec_dot_type(s.t);
         const size_t ws = row_bytes(s.t, n_in) + (s.rows % 2 ? 64 : 0);
         const size_t xs = row_bytes(xt, n_in) + (s.n_tok % 2 ? 32 : 0);

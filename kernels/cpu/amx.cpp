@@ -1,6 +1,7 @@
-// AMX (Intel's tile unit, AMX-TILE + AMX-INT8) for the AVX-512 level's 32-value
-// block products: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights against 16 tokens at a
-// time. It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
+// AMX (Intel's tile unit, AMX-TILE + AMX-INT8) for the AVX-512 level's quantized
+// products: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights against 16 tokens
+// at a time (Q4_K / Q5_K: see "Q4_K / Q5_K" below; Q6_K's 16-value groups are not
+// taken yet). It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
 // with a faster way to its numbers, never a level of its own numbers: any row or
 // token the tiles do not cover goes to avx512::matmul, and a sequence's logits do
 // not depend on which of the two computed a row.
@@ -44,7 +45,9 @@
 #endif
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/kernels_impl.h"
 
@@ -342,6 +345,179 @@ void matmul_tiles(const uint8_t* w, size_t w_stride, int64_t nb, const uint8_t* 
     _tile_release();
 }
 
+// ---------------------------------------------------------------------------
+// Q4_K / Q5_K. Every level gives the scalar level's bits for these: per
+// super-block, the exact integers sumi = sum_j sc_j S_j and summ = sum_j m_j X_j
+// (S_j: sub-block j's dot, X_j its activations' sum from bsums), then
+//   s = s + (d_w d_x * float(sumi) - dmin_w d_x * float(summ))
+// in super-block order. Here the S_j of 16 rows x 16 tokens come from one TDPBSSD
+// per sub-block; sumi and summ are integer sums (vpmulld, vpmaddwd: any order
+// gives the same integers), and the float expression runs per row on a vector
+// of 16 tokens.
+
+// A strip's super-block: A of the 8 sub-blocks (16 rows x 32 values), the scales
+// sc[j][n] as int32, the mins as int16 pairs (m_2k, m_2k+1) per row, d_w, dmin_w.
+constexpr size_t kKStripA = 0, kKStripSc = 4096, kKStripMn = 4608, kKStripD = 4864, kKStripDmin = 4928;
+constexpr size_t kKStripBlock = 4992;
+// A token tile's super-block: B of the 8 sub-blocks (8 rows x 64 bytes each), the
+// activation sums as int16 pairs (X_2k, X_2k+1) per token, d_x.
+constexpr size_t kKTileB = 0, kKTileX = 4096, kKTileD = 4352;
+constexpr size_t kKTileBlock = 4416;
+
+template <DType W>
+void unpack_strip_k(const uint8_t* w, size_t w_stride, int64_t nsb, uint8_t* out) {
+    using Blk = std::conditional_t<W == DType::Q5_K, BlockQ5_K, BlockQ4_K>;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b16 = _mm256_set1_epi8(16);
+    for (int n = 0; n < 16; ++n) {
+        const Blk* row = reinterpret_cast<const Blk*>(w + static_cast<size_t>(n) * w_stride);
+        for (int64_t b = 0; b < nsb; ++b) {
+            const Blk& blk = row[b];
+            uint8_t* o = out + static_cast<size_t>(b) * kKStripBlock;
+            uint8_t sc[8], mn[8];
+            q4k_scales_mins(blk.scales, sc, mn);
+            for (int j = 0; j < 8; ++j) reinterpret_cast<int32_t*>(o + kKStripSc)[16 * j + n] = sc[j];
+            for (int k = 0; k < 4; ++k) {
+                reinterpret_cast<uint32_t*>(o + kKStripMn)[16 * k + n] =
+                    static_cast<uint32_t>(mn[2 * k]) | static_cast<uint32_t>(mn[2 * k + 1]) << 16;
+            }
+            reinterpret_cast<float*>(o + kKStripD)[n] = h2f(blk.d);
+            reinterpret_cast<float*>(o + kKStripDmin)[n] = h2f(blk.dmin);
+            __m256i qh = _mm256_setzero_si256();
+            if constexpr (W == DType::Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh));
+            for (int k = 0; k < 4; ++k) {
+                // Sub-blocks 2k (low nibbles) and 2k + 1 (high) share 32 bytes of qs.
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs + 32 * k));
+                __m256i lo = _mm256_and_si256(q, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if constexpr (W == DType::Q5_K) {
+                    const __mmask32 blo = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * k))));
+                    const __mmask32 bhi =
+                        _mm256_test_epi8_mask(qh, _mm256_set1_epi8(static_cast<char>(1 << (2 * k + 1))));
+                    lo = _mm256_mask_add_epi8(lo, blo, lo, b16);
+                    hi = _mm256_mask_add_epi8(hi, bhi, hi, b16);
+                }
+                _mm256_store_si256(reinterpret_cast<__m256i*>(o + kKStripA + 512 * (2 * k) + 32 * n), lo);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(o + kKStripA + 512 * (2 * k + 1) + 32 * n), hi);
+            }
+        }
+    }
+}
+
+// Tokens [t0, t0 + 16) of Q8_K activations into nsb super-blocks of kKTileBlock.
+void repack_tokens_k(const uint8_t* xq, size_t xq_stride, int t0, int64_t nsb, uint8_t* out) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t* blk = x0 + static_cast<size_t>(b) * sizeof(BlockQ8_K);
+        uint8_t* o = out + static_cast<size_t>(b) * kKTileBlock;
+        // B row r % 8 of sub-block r / 8: bytes 4r .. 4r + 3 of each token's quants.
+        for (int r = 0; r < 64; ++r) {
+            _mm512_store_si512(o + kKTileB + 64 * r,
+                               _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, qs) + 4 * r, 1));
+        }
+        // X_2k = bsums[4k] + bsums[4k + 1], X_2k+1 = bsums[4k + 2] + bsums[4k + 3]
+        // (|X| <= 32 * 128: int16), as a pair per token.
+        for (int k = 0; k < 4; ++k) {
+            const __m512i lo = _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, bsums) + 8 * k, 1);
+            const __m512i hi = _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, bsums) + 8 * k + 4, 1);
+            const __m512i x0s =
+                _mm512_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(lo, 16), 16), _mm512_srai_epi32(lo, 16));
+            const __m512i x1s =
+                _mm512_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(hi, 16), 16), _mm512_srai_epi32(hi, 16));
+            const __m512i pair =
+                _mm512_or_si512(_mm512_and_si512(x0s, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(x1s, 16));
+            _mm512_store_si512(o + kKTileX + 64 * k, pair);
+        }
+        _mm512_store_ps(o + kKTileD, _mm512_castsi512_ps(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, d), 1)));
+    }
+}
+
+// 16 rows x 16 tokens over nsb super-blocks: out[n] = row n's results, a lane per
+// token. cbuf: 8 KiB.
+inline void tile_16x16_k(const uint8_t* strip, const uint8_t* xt, int64_t nsb, __m512* out, int32_t* cbuf) {
+    for (int n = 0; n < 16; ++n) out[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t* sb = strip + static_cast<size_t>(b) * kKStripBlock;
+        const uint8_t* xb = xt + static_cast<size_t>(b) * kKTileBlock;
+        for (int j = 0; j < 8; j += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, sb + kKStripA + 512 * j, 32);
+            _tile_loadd(4, xb + kKTileB + 512 * j, 64);
+            _tile_loadd(3, sb + kKStripA + 512 * (j + 1), 32);
+            _tile_loadd(5, xb + kKTileB + 512 * (j + 1), 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 5);
+            _tile_stored(0, cbuf + 256 * j, 64);
+            _tile_stored(1, cbuf + 256 * (j + 1), 64);
+        }
+        const int32_t* sc = reinterpret_cast<const int32_t*>(sb + kKStripSc);
+        const int32_t* mn = reinterpret_cast<const int32_t*>(sb + kKStripMn);
+        const float* dw = reinterpret_cast<const float*>(sb + kKStripD);
+        const float* dmin = reinterpret_cast<const float*>(sb + kKStripDmin);
+        const __m512 dx = _mm512_load_ps(xb + kKTileD);
+        __m512i xp[4];
+        for (int k = 0; k < 4; ++k) xp[k] = _mm512_load_si512(xb + kKTileX + 64 * k);
+        for (int n = 0; n < 16; ++n) {
+            __m512i sumi = _mm512_mullo_epi32(_mm512_load_si512(cbuf + 16 * n), _mm512_set1_epi32(sc[n]));
+            for (int j = 1; j < 8; ++j) {
+                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_load_si512(cbuf + 256 * j + 16 * n),
+                                                                 _mm512_set1_epi32(sc[16 * j + n])));
+            }
+            __m512i summ = _mm512_madd_epi16(xp[0], _mm512_set1_epi32(mn[n]));
+            for (int k = 1; k < 4; ++k) {
+                summ = _mm512_add_epi32(summ, _mm512_madd_epi16(xp[k], _mm512_set1_epi32(mn[16 * k + n])));
+            }
+            // s + (d * float(sumi) - dm * float(summ)), d = d_w * d_x, dm = dmin_w * d_x.
+            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(dw[n]), dx);
+            const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(dmin[n]), dx);
+            const __m512 t =
+                _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(sumi)), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(summ)));
+            out[n] = _mm512_add_ps(out[n], t);
+        }
+    }
+}
+
+// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
+template <DType W>
+void matmul_tiles_k(const uint8_t* w, size_t w_stride, int64_t nsb, const uint8_t* xq, size_t xq_stride, int nt,
+                    float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const size_t tile_bytes = static_cast<size_t>(nsb) * kKTileBlock;
+    const int n_tiles = nt / 16;
+    const int tb = std::min(static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes)), n_tiles);
+    const size_t strip_bytes = static_cast<size_t>(nsb) * kKStripBlock;
+    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 8192 + 16 * 64);
+    uint8_t* strip = base;
+    uint8_t* xts = strip + strip_bytes;
+    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
+    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(cbuf) + 8192);
+    const TileConfig cfg = tile_config();
+    _tile_loadconfig(&cfg);
+    // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int t0 = 0; t0 < n_tiles; t0 += tb) {
+        const int nti = std::min(tb, n_tiles - t0);
+        for (int i = 0; i < nti; ++i) {
+            repack_tokens_k(xq, xq_stride, 16 * (t0 + i), nsb, xts + static_cast<size_t>(i) * tile_bytes);
+        }
+        for (int64_t n0 = r0; n0 < r1; n0 += 16) {
+            unpack_strip_k<W>(w + static_cast<size_t>(n0) * w_stride, w_stride, nsb, strip);
+            for (int i = 0; i < nti; ++i) {
+                __m512 out[16];
+                tile_16x16_k(strip, xts + static_cast<size_t>(i) * tile_bytes, nsb, out, cbuf);
+                for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
+                for (int m = 0; m < 16; ++m) {
+                    float* yr = y + static_cast<size_t>(16 * (t0 + i) + m) * ldy + static_cast<size_t>(n0);
+                    _mm512_storeu_ps(yr, _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(m)), ybuf, 4));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
 }  // namespace
 
 // The fewest tokens worth a tile (see bench/RESULTS.md, "AMX").
@@ -351,10 +527,10 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
             float* y, size_t ldy, int64_t r0, int64_t r1) {
     const int64_t nb = n_in / kQK;
     const bool type_ok = wtype == DType::Q4_0 || wtype == DType::Q4_1 || wtype == DType::Q5_0 || wtype == DType::Q5_1 ||
-                         (wtype == DType::Q8_0 && nb % 16 == 0);
+                         (wtype == DType::Q8_0 && nb % 16 == 0) || wtype == DType::Q4_K || wtype == DType::Q5_K;
     const int nt = n_tok / 16 * 16;
     const int64_t nr = (r1 - r0) / 16 * 16;
-    if (!type_ok || n_tok < kMinTokens || nr == 0 || dtype_block_elems(wtype) != kQK) {
+    if (!type_ok || n_tok < kMinTokens || nr == 0) {
         avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
         return;
     }
@@ -365,6 +541,12 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
         case DType::Q4_1: matmul_tiles<DType::Q4_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
         case DType::Q5_0: matmul_tiles<DType::Q5_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
         case DType::Q5_1: matmul_tiles<DType::Q5_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        case DType::Q4_K:
+            matmul_tiles_k<DType::Q4_K>(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr);
+            break;
+        case DType::Q5_K:
+            matmul_tiles_k<DType::Q5_K>(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr);
+            break;
         default: matmul_tiles<DType::Q8_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
     }
     if (r0 + nr < r1) avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0 + nr, r1);
