@@ -528,7 +528,7 @@ int main(int argc, char** argv) {
         if (isa == Isa::Scalar) continue;
         benchmark::RegisterBenchmark(("Int8Peak/" + in).c_str(), BM_Int8Peak, isa)->Unit(benchmark::kMicrosecond);
         for (const Shape& s : prefill) {
-            for (int n_tok : {1, 2, 4, 8, 16, 64, 512}) {
+            for (int n_tok : {1, 2, 4, 8, 16, 32, 64, 512}) {
                 const std::string name = "Prefill/" + in + "/" + duet::dtype_name(s.t) + "/" + std::to_string(s.n_in) +
                                          "x" + std::to_string(s.rows) + "/" + std::to_string(n_tok);
                 benchmark::RegisterBenchmark(name.c_str(), BM_Prefill, isa, s.t, s.n_in, s.rows, n_tok)

@@ -824,6 +824,7 @@ TEST(Matmul, AmxGivesTheAvx512Bits) {
             shapes.push_back({t, blocks, 16, 0, 16});
         }
         shapes.push_back({t, 34, 20, 0, 113});
+        shapes.push_back({t, 2, 37, 5, 65});  // past Q6_K's threshold (48 tokens)
     }
     for (const Shape& s : shapes) {
         const int64_t n_in = dtype_block_elems(s.t) * s.blocks;

@@ -1,7 +1,6 @@
 // AMX (Intel's tile unit, AMX-TILE + AMX-INT8) for the AVX-512 level's quantized
-// products: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights against 16 tokens
-// at a time (Q4_K / Q5_K: see "Q4_K / Q5_K" below; Q6_K's 16-value groups are not
-// taken yet). It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
+// products: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants (see "Q4_K / Q5_K" and
+// "Q6_K" below) against 16 tokens at a time. It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
 // with a faster way to its numbers, never a level of its own numbers: any row or
 // token the tiles do not cover goes to avx512::matmul, and a sequence's logits do
 // not depend on which of the two computed a row.
@@ -518,19 +517,189 @@ void matmul_tiles_k(const uint8_t* w, size_t w_stride, int64_t nsb, const uint8_
     _tile_release();
 }
 
+// ---------------------------------------------------------------------------
+// Q6_K: per super-block the exact sumi = sum_g sc_g (S_g - 32 X_g) over 16 groups
+// of 16 values (S_g the group's dot with values 0-63, X_g its activations' sum),
+// then s = s + (d_w d_x) * float(sumi): the scalar level's bits, as every level
+// gives them. One TDPBSSD per group (K = 16, a tile palette of its own);
+// sum_g sc_g S_g by vpmulld, 32 sum_g sc_g X_g by vpmaddwd.
+
+// A strip's super-block: A of the 16 groups (16 rows x 16 values), sc[g][n] as
+// int32, the scales as int16 pairs (sc_2k, sc_2k+1) per row, d_w.
+constexpr size_t kQ6StripA = 0, kQ6StripSc = 4096, kQ6StripScp = 5120, kQ6StripD = 5632;
+constexpr size_t kQ6StripBlock = 5696;
+// A token tile's super-block: B of the 16 groups (4 rows x 64 bytes), the bsums as
+// int16 pairs (X_2k, X_2k+1) per token, d_x.
+constexpr size_t kQ6TileB = 0, kQ6TileX = 4096, kQ6TileD = 4608;
+constexpr size_t kQ6TileBlock = 4672;
+
+TileConfig tile_config_q6() {
+    TileConfig c;
+    for (int t = 0; t < 2; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 2; t < 4; ++t) c.colsb[t] = 16, c.rows[t] = 16;
+    for (int t = 4; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = 4;
+    return c;
+}
+
+void unpack_strip_q6(const uint8_t* w, size_t w_stride, int64_t nsb, uint8_t* out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 16; ++n) {
+        const BlockQ6_K* row = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(n) * w_stride);
+        for (int64_t b = 0; b < nsb; ++b) {
+            const BlockQ6_K& blk = row[b];
+            uint8_t* o = out + static_cast<size_t>(b) * kQ6StripBlock;
+            for (int g = 0; g < 16; ++g) reinterpret_cast<int32_t*>(o + kQ6StripSc)[16 * g + n] = blk.scales[g];
+            for (int k = 0; k < 8; ++k) {
+                reinterpret_cast<uint32_t*>(o + kQ6StripScp)[16 * k + n] =
+                    static_cast<uint16_t>(blk.scales[2 * k]) |
+                    static_cast<uint32_t>(static_cast<uint16_t>(blk.scales[2 * k + 1])) << 16;
+            }
+            reinterpret_cast<float*>(o + kQ6StripD)[n] = h2f(blk.d);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * h));
+                const __m256i bq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * h + 32));
+                const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * h));
+                auto hi2 = [&](int sh) {
+                    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, sh), m3), 4);
+                };
+                // Values 128h + 32q + l, q = 0..3: groups 8h + 2q (l < 16) and 8h + 2q + 1.
+                const __m256i v[4] = {
+                    _mm256_or_si256(_mm256_and_si256(a, m4), hi2(0)),
+                    _mm256_or_si256(_mm256_and_si256(bq, m4), hi2(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), hi2(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), m4), hi2(6)),
+                };
+                for (int q = 0; q < 4; ++q) {
+                    const int g = 8 * h + 2 * q;
+                    _mm_store_si128(reinterpret_cast<__m128i*>(o + kQ6StripA + 256 * g + 16 * n),
+                                    _mm256_castsi256_si128(v[q]));
+                    _mm_store_si128(reinterpret_cast<__m128i*>(o + kQ6StripA + 256 * (g + 1) + 16 * n),
+                                    _mm256_extracti128_si256(v[q], 1));
+                }
+            }
+        }
+    }
+}
+
+void repack_tokens_q6(const uint8_t* xq, size_t xq_stride, int t0, int64_t nsb, uint8_t* out) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t* blk = x0 + static_cast<size_t>(b) * sizeof(BlockQ8_K);
+        uint8_t* o = out + static_cast<size_t>(b) * kQ6TileBlock;
+        // B row r % 4 of group r / 4: bytes 4r .. 4r + 3 of each token's quants.
+        for (int r = 0; r < 64; ++r) {
+            _mm512_store_si512(o + kQ6TileB + 64 * r,
+                               _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, qs) + 4 * r, 1));
+        }
+        for (int k = 0; k < 8; ++k) {
+            _mm512_store_si512(o + kQ6TileX + 64 * k,
+                               _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, bsums) + 4 * k, 1));
+        }
+        _mm512_store_ps(o + kQ6TileD,
+                        _mm512_castsi512_ps(_mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, d), 1)));
+    }
+}
+
+// 16 rows x 16 tokens over nsb super-blocks: out[n] = row n's results, a lane per
+// token. cbuf: 16 KiB.
+inline void tile_16x16_q6(const uint8_t* strip, const uint8_t* xt, int64_t nsb, __m512* out, int32_t* cbuf) {
+    for (int n = 0; n < 16; ++n) out[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+        const uint8_t* sb = strip + static_cast<size_t>(b) * kQ6StripBlock;
+        const uint8_t* xb = xt + static_cast<size_t>(b) * kQ6TileBlock;
+        for (int g = 0; g < 16; g += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, sb + kQ6StripA + 256 * g, 16);
+            _tile_loadd(4, xb + kQ6TileB + 256 * g, 64);
+            _tile_loadd(3, sb + kQ6StripA + 256 * (g + 1), 16);
+            _tile_loadd(5, xb + kQ6TileB + 256 * (g + 1), 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 5);
+            _tile_stored(0, cbuf + 256 * g, 64);
+            _tile_stored(1, cbuf + 256 * (g + 1), 64);
+        }
+        const int32_t* sc = reinterpret_cast<const int32_t*>(sb + kQ6StripSc);
+        const int32_t* scp = reinterpret_cast<const int32_t*>(sb + kQ6StripScp);
+        const float* dw = reinterpret_cast<const float*>(sb + kQ6StripD);
+        const __m512 dx = _mm512_load_ps(xb + kQ6TileD);
+        for (int n = 0; n < 16; ++n) {
+            __m512i sumi = _mm512_mullo_epi32(_mm512_load_si512(cbuf + 16 * n), _mm512_set1_epi32(sc[n]));
+            for (int g = 1; g < 16; ++g) {
+                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_load_si512(cbuf + 256 * g + 16 * n),
+                                                                 _mm512_set1_epi32(sc[16 * g + n])));
+            }
+            __m512i corr = _mm512_madd_epi16(_mm512_load_si512(xb + kQ6TileX), _mm512_set1_epi32(scp[n]));
+            for (int k = 1; k < 8; ++k) {
+                corr = _mm512_add_epi32(corr, _mm512_madd_epi16(_mm512_load_si512(xb + kQ6TileX + 64 * k),
+                                                                _mm512_set1_epi32(scp[16 * k + n])));
+            }
+            sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(corr, 5));
+            // s + (d_w * d_x) * float(sumi)
+            out[n] = _mm512_add_ps(out[n],
+                                   _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dw[n]), dx), _mm512_cvtepi32_ps(sumi)));
+        }
+    }
+}
+
+// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
+void matmul_tiles_q6(const uint8_t* w, size_t w_stride, int64_t nsb, const uint8_t* xq, size_t xq_stride, int nt,
+                     float* y, size_t ldy, int64_t r0, int64_t r1) {
+    const size_t tile_bytes = static_cast<size_t>(nsb) * kQ6TileBlock;
+    const int n_tiles = nt / 16;
+    const int tb = std::min(static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes)), n_tiles);
+    const size_t strip_bytes = static_cast<size_t>(nsb) * kQ6StripBlock;
+    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 16384 + 16 * 64);
+    uint8_t* strip = base;
+    uint8_t* xts = strip + strip_bytes;
+    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
+    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(cbuf) + 16384);
+    const TileConfig cfg = tile_config_q6();
+    _tile_loadconfig(&cfg);
+    // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
+    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int t0 = 0; t0 < n_tiles; t0 += tb) {
+        const int nti = std::min(tb, n_tiles - t0);
+        for (int i = 0; i < nti; ++i) {
+            repack_tokens_q6(xq, xq_stride, 16 * (t0 + i), nsb, xts + static_cast<size_t>(i) * tile_bytes);
+        }
+        for (int64_t n0 = r0; n0 < r1; n0 += 16) {
+            unpack_strip_q6(w + static_cast<size_t>(n0) * w_stride, w_stride, nsb, strip);
+            for (int i = 0; i < nti; ++i) {
+                __m512 out[16];
+                tile_16x16_q6(strip, xts + static_cast<size_t>(i) * tile_bytes, nsb, out, cbuf);
+                for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
+                for (int m = 0; m < 16; ++m) {
+                    float* yr = y + static_cast<size_t>(16 * (t0 + i) + m) * ldy + static_cast<size_t>(n0);
+                    _mm512_storeu_ps(yr, _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(m)), ybuf, 4));
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
 }  // namespace
 
-// The fewest tokens worth a tile (see bench/RESULTS.md, "AMX").
+// The fewest tokens worth tiles (bench_kernels Prefill/amx against Prefill/avx512,
+// bench/RESULTS.md "AMX tiles"): from 16 the tiles tie or win for every type but
+// Q6_K, whose 16-value groups cost two tile operations per 32 values; it ties at
+// 32 tokens and wins from 64.
 constexpr int kMinTokens = 16;
+constexpr int kMinTokensQ6K = 48;
 
 void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const void* xq, size_t xq_stride, int n_tok,
             float* y, size_t ldy, int64_t r0, int64_t r1) {
     const int64_t nb = n_in / kQK;
     const bool type_ok = wtype == DType::Q4_0 || wtype == DType::Q4_1 || wtype == DType::Q5_0 || wtype == DType::Q5_1 ||
-                         (wtype == DType::Q8_0 && nb % 16 == 0) || wtype == DType::Q4_K || wtype == DType::Q5_K;
+                         (wtype == DType::Q8_0 && nb % 16 == 0) || wtype == DType::Q4_K || wtype == DType::Q5_K ||
+                         wtype == DType::Q6_K;
     const int nt = n_tok / 16 * 16;
     const int64_t nr = (r1 - r0) / 16 * 16;
-    if (!type_ok || n_tok < kMinTokens || nr == 0) {
+    if (!type_ok || n_tok < (wtype == DType::Q6_K ? kMinTokensQ6K : kMinTokens) || nr == 0) {
         avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0, r1);
         return;
     }
@@ -547,6 +716,7 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
         case DType::Q5_K:
             matmul_tiles_k<DType::Q5_K>(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr);
             break;
+        case DType::Q6_K: matmul_tiles_q6(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
         default: matmul_tiles<DType::Q8_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
     }
     if (r0 + nr < r1) avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0 + nr, r1);
