@@ -1,9 +1,10 @@
 // AMX (Intel's tile unit, AMX-TILE + AMX-INT8) for the AVX-512 level's quantized
 // products: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants (see "Q4_K / Q5_K" and
-// "Q6_K" below) against 16 tokens at a time. It gives avx512::matmul's bits exactly, so Isa::Amx is the AVX-512 level
-// with a faster way to its numbers, never a level of its own numbers: any row or
-// token the tiles do not cover goes to avx512::matmul, and a sequence's logits do
-// not depend on which of the two computed a row.
+// "Q6_K" below) against 16 tokens at a time. It gives avx512::matmul's bits
+// exactly, so Isa::Amx is the AVX-512 level with a faster way to its numbers,
+// never a level of its own numbers: any row or token the tiles do not cover goes
+// to avx512::matmul, and a sequence's logits do not depend on which of the two
+// computed a row.
 //
 // Why that holds. avx512.cpp's reduction for one (row, token) is, per 32-value
 // block b, the exact integer dot S_b, then per "lane" l of a 16-lane accumulator
@@ -32,6 +33,14 @@
 // rows into signed bytes, the offset 8 / 16 subtracted); B = the activations of
 // 16 tokens, 8 rows of 64 bytes (token m's bytes 4r..4r+3 at row r, column 4m),
 // transposed once per call; C = 16 x 16 int32, stored and read back as vectors.
+//
+// What bounds it (Intel Xeon, 2026-12-07): a TDPBSSD and the store of its C take
+// about 5 ns each, and the float steps of a block (16 x cvt, mul, fma) about as
+// long again; the tile unit and the vector units did not overlap in a
+// microbenchmark (tile work, then 64 float steps: the sum of the two alone), so
+// neither 2 x 2 tile blocking (C of two strips x two token tiles per loaded A and
+// B) nor issuing block k + 1's tiles before block k's float steps changed the
+// time; both were tried and dropped.
 // GCC 12's AVX-512 headers: see avx512.cpp (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
