@@ -819,12 +819,13 @@ TEST(Matmul, AmxGivesTheAvx512Bits) {
     }
     // K-quants: blocks of 256 values; 34 super-blocks take two token blocks at 113 tokens.
     for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+        // Q6_K takes tiles from 48 tokens: its shapes start there.
+        const int lo = t == DType::Q6_K ? 48 : 16, hi = t == DType::Q6_K ? 65 : 33;
         for (int64_t blocks : {1, 2, 6}) {
-            shapes.push_back({t, blocks, 37, 5, 33});
-            shapes.push_back({t, blocks, 16, 0, 16});
+            shapes.push_back({t, blocks, 37, 5, hi});
+            shapes.push_back({t, blocks, 16, 0, lo});
         }
         shapes.push_back({t, 34, 20, 0, 113});
-        shapes.push_back({t, 2, 37, 5, 65});  // past Q6_K's threshold (48 tokens)
     }
     for (const Shape& s : shapes) {
         const int64_t n_in = dtype_block_elems(s.t) * s.blocks;
@@ -986,7 +987,8 @@ TEST(Matmul, ReadsNothingOutsideItsRows) {
         const DType xt = vec_dot_type(t);
         const int64_t be = dtype_block_elems(t);
         for (int64_t n_in : {be, 2 * be, 17 * be, 18 * be, 21 * be, 48 * be}) {
-            for (int n_tok : {1, 3, 9}) {
+            // 48 tokens: AMX tiles where the CPU has them (Q6_K's threshold included).
+            for (int n_tok : {1, 3, 9, 48}) {
                 const int64_t rows = 21;
                 const size_t ws = row_bytes(t, n_in), xs = row_bytes(xt, n_in);
                 const std::vector<uint8_t> w = make_weights(t, rows, n_in, ws, 7);
