@@ -82,7 +82,7 @@ sanitize: deps model
 	DUET_CONTEXT_OPS=40 DUET_CONTEXT_FUZZ=100 DUET_E2E_SUBSET=1 DUET_TIME_SCALE=4 \
 	  scripts/sanitizer-run build-asan/sanitizer-logs -- \
 	  ctest --test-dir build-asan --output-on-failure -j $(JOBS) -LE 'soak|fuzz|gpu' \
-	  -E 'model_test_(scalar|avx2)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp|$(SAN_E2E_SKIP)|$(SAN_STAGED_SKIP)'
+	  -E 'model_test_(scalar|avx2|avx512)|Model\.QuantizedKvLogitsStayCloseToExact|Model\.GreedyContinuationsMatchLlamaCpp|$(SAN_E2E_SKIP)|$(SAN_STAGED_SKIP)'
 	@test -f build-tsan/build.ninja || cmake -S . -B build-tsan $(SAN_CMAKE) -DDUET_SANITIZE=thread >/dev/null
 	cmake --build build-tsan -j $(JOBS) --target thread_pool_test model_test tokenizer_test shm_test shm_fd_test shm_stress_test shm_kill_test shm_handoff_test \
 	  kv_log_fault_test kv_log_crash_test grammar_test
