@@ -65,9 +65,6 @@ namespace {
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
-constexpr int q4_lane_block(int lane) { return 4 * (lane % 4) + lane / 4; }
-constexpr int q8_lane_block(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane / 4) % 2; }
-
 template <DType W>
 constexpr bool kWithMin = W == DType::Q4_1 || W == DType::Q5_1;
 template <DType W>
@@ -307,40 +304,39 @@ void tile_16x16(const AOperand<W>& a, const uint8_t* strip, const uint8_t* xt, i
     for (int n = 0; n < 16; ++n) out[n] = _mm512_add_ps(out[n], _mm512_add_ps(v[0][n], v[1][n]));
 }
 
-// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
-template <DType W>
-void matmul_tiles(const uint8_t* w, size_t w_stride, int64_t nb, const uint8_t* xq, size_t xq_stride, int nt, float* y,
-                  size_t ldy, int64_t r0, int64_t r1) {
-    // Token blocks whose repacked activations stay within about 1 MiB (L2), so that
-    // each strip of weights is unpacked once per token block.
-    const size_t tile_bytes = static_cast<size_t>(nb) * kXTileBlock;
-    const int tiles_per_block = static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes));
+// The driver every format shares, over rows [r0, r1) (a multiple of 16) x tokens
+// [0, nt) (a multiple of 16): token blocks whose repacked activations stay within
+// about 1 MiB (L2), strips of 16 rows unpacked once per token block, and 16 x 16
+// tiles whose results (a vector per row, a lane per token) are transposed into y.
+// A format F gives: tile_bytes() (a token tile's repacked activations),
+// strip_bytes() (a strip's unpacked weights), work_bytes() (its tile function's
+// scratch), config() (its tile palette), repack(xq, xq_stride, t0, out),
+// unpack(rows, w_stride, strip) and tile(rows, w_stride, strip, xt, out, work);
+// all sizes multiples of 64.
+template <class F>
+void run_tiles(const F& f, const uint8_t* w, size_t w_stride, const uint8_t* xq, size_t xq_stride, int nt, float* y,
+               size_t ldy, int64_t r0, int64_t r1) {
+    const size_t tile_bytes = f.tile_bytes(), strip_bytes = f.strip_bytes(), work_bytes = f.work_bytes();
     const int n_tiles = nt / 16;
-    const int tb = std::min(tiles_per_block, n_tiles);
-    const size_t strip_bytes = static_cast<size_t>(nb) * kWStripBlock;
-    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 2048 + 4 * 16 * 64 + 16 * 64);
-    uint8_t* strip = base;
+    const int tb = std::min(static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes)), n_tiles);
+    uint8_t* strip = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + work_bytes + 16 * 64);
     uint8_t* xts = strip + strip_bytes;
-    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
-    __m512* stack = reinterpret_cast<__m512*>(reinterpret_cast<uint8_t*>(cbuf) + 2048);
-    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(stack) + 4 * 16 * 64);
-    const TileConfig cfg = tile_config();
+    uint8_t* work = xts + static_cast<size_t>(tb) * tile_bytes;
+    float* ybuf = reinterpret_cast<float*>(work + work_bytes);
+    const TileConfig cfg = f.config();
     _tile_loadconfig(&cfg);
     // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
     const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (int t0 = 0; t0 < n_tiles; t0 += tb) {
         const int nti = std::min(tb, n_tiles - t0);
-        for (int i = 0; i < nti; ++i) {
-            repack_tokens<W>(xq, xq_stride, 16 * (t0 + i), nb, xts + static_cast<size_t>(i) * tile_bytes);
-        }
+        for (int i = 0; i < nti; ++i) f.repack(xq, xq_stride, 16 * (t0 + i), xts + static_cast<size_t>(i) * tile_bytes);
         for (int64_t n0 = r0; n0 < r1; n0 += 16) {
             const uint8_t* rows = w + static_cast<size_t>(n0) * w_stride;
-            unpack_strip<W>(rows, w_stride, nb, strip);
-            const AOperand<W> a{strip, rows, w_stride};
+            f.unpack(rows, w_stride, strip);
             for (int i = 0; i < nti; ++i) {
                 __m512 out[16];
-                tile_16x16<W>(a, strip, xts + static_cast<size_t>(i) * tile_bytes, nb, out, cbuf, stack);
+                f.tile(rows, w_stride, strip, xts + static_cast<size_t>(i) * tile_bytes, out, work);
                 // out[n] lane m -> y[(token) * ldy + row]
                 for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
                 for (int m = 0; m < 16; ++m) {
@@ -352,6 +348,27 @@ void matmul_tiles(const uint8_t* w, size_t w_stride, int64_t nb, const uint8_t* 
     }
     _tile_release();
 }
+
+// The 32-value block types for run_tiles; work: C (2 KiB) and the fold's stack.
+template <DType W>
+struct Q32Format {
+    int64_t nb;
+    size_t tile_bytes() const { return static_cast<size_t>(nb) * kXTileBlock; }
+    size_t strip_bytes() const { return static_cast<size_t>(nb) * kWStripBlock; }
+    size_t work_bytes() const { return 2048 + 4 * 16 * 64; }
+    TileConfig config() const { return tile_config(); }
+    void repack(const uint8_t* xq, size_t xq_stride, int t0, uint8_t* out) const {
+        repack_tokens<W>(xq, xq_stride, t0, nb, out);
+    }
+    void unpack(const uint8_t* rows, size_t w_stride, uint8_t* strip) const {
+        unpack_strip<W>(rows, w_stride, nb, strip);
+    }
+    void tile(const uint8_t* rows, size_t w_stride, const uint8_t* strip, const uint8_t* xt, __m512* out,
+              uint8_t* work) const {
+        const AOperand<W> a{strip, rows, w_stride};
+        tile_16x16<W>(a, strip, xt, nb, out, reinterpret_cast<int32_t*>(work), reinterpret_cast<__m512*>(work + 2048));
+    }
+};
 
 // ---------------------------------------------------------------------------
 // Q4_K / Q5_K. Every level gives the scalar level's bits for these: per
@@ -487,44 +504,24 @@ inline void tile_16x16_k(const uint8_t* strip, const uint8_t* xt, int64_t nsb, _
     }
 }
 
-// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
+// Q4_K / Q5_K for run_tiles; work: the 8 sub-blocks' C.
 template <DType W>
-void matmul_tiles_k(const uint8_t* w, size_t w_stride, int64_t nsb, const uint8_t* xq, size_t xq_stride, int nt,
-                    float* y, size_t ldy, int64_t r0, int64_t r1) {
-    const size_t tile_bytes = static_cast<size_t>(nsb) * kKTileBlock;
-    const int n_tiles = nt / 16;
-    const int tb = std::min(static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes)), n_tiles);
-    const size_t strip_bytes = static_cast<size_t>(nsb) * kKStripBlock;
-    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 8192 + 16 * 64);
-    uint8_t* strip = base;
-    uint8_t* xts = strip + strip_bytes;
-    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
-    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(cbuf) + 8192);
-    const TileConfig cfg = tile_config();
-    _tile_loadconfig(&cfg);
-    // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
-                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    for (int t0 = 0; t0 < n_tiles; t0 += tb) {
-        const int nti = std::min(tb, n_tiles - t0);
-        for (int i = 0; i < nti; ++i) {
-            repack_tokens_k(xq, xq_stride, 16 * (t0 + i), nsb, xts + static_cast<size_t>(i) * tile_bytes);
-        }
-        for (int64_t n0 = r0; n0 < r1; n0 += 16) {
-            unpack_strip_k<W>(w + static_cast<size_t>(n0) * w_stride, w_stride, nsb, strip);
-            for (int i = 0; i < nti; ++i) {
-                __m512 out[16];
-                tile_16x16_k(strip, xts + static_cast<size_t>(i) * tile_bytes, nsb, out, cbuf);
-                for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
-                for (int m = 0; m < 16; ++m) {
-                    float* yr = y + static_cast<size_t>(16 * (t0 + i) + m) * ldy + static_cast<size_t>(n0);
-                    _mm512_storeu_ps(yr, _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(m)), ybuf, 4));
-                }
-            }
-        }
+struct KFormat {
+    int64_t nsb;
+    size_t tile_bytes() const { return static_cast<size_t>(nsb) * kKTileBlock; }
+    size_t strip_bytes() const { return static_cast<size_t>(nsb) * kKStripBlock; }
+    size_t work_bytes() const { return 8192; }
+    TileConfig config() const { return tile_config(); }
+    void repack(const uint8_t* xq, size_t xq_stride, int t0, uint8_t* out) const {
+        repack_tokens_k(xq, xq_stride, t0, nsb, out);
     }
-    _tile_release();
-}
+    void unpack(const uint8_t* rows, size_t w_stride, uint8_t* strip) const {
+        unpack_strip_k<W>(rows, w_stride, nsb, strip);
+    }
+    void tile(const uint8_t*, size_t, const uint8_t* strip, const uint8_t* xt, __m512* out, uint8_t* work) const {
+        tile_16x16_k(strip, xt, nsb, out, reinterpret_cast<int32_t*>(work));
+    }
+};
 
 // ---------------------------------------------------------------------------
 // Q6_K: per super-block the exact sumi = sum_g sc_g (S_g - 32 X_g) over 16 groups
@@ -653,43 +650,23 @@ inline void tile_16x16_q6(const uint8_t* strip, const uint8_t* xt, int64_t nsb, 
     }
 }
 
-// Rows [r0, r1) (a multiple of 16) x tokens [0, nt) (a multiple of 16).
-void matmul_tiles_q6(const uint8_t* w, size_t w_stride, int64_t nsb, const uint8_t* xq, size_t xq_stride, int nt,
-                     float* y, size_t ldy, int64_t r0, int64_t r1) {
-    const size_t tile_bytes = static_cast<size_t>(nsb) * kQ6TileBlock;
-    const int n_tiles = nt / 16;
-    const int tb = std::min(static_cast<int>(std::max<size_t>(1, (size_t{1} << 20) / tile_bytes)), n_tiles);
-    const size_t strip_bytes = static_cast<size_t>(nsb) * kQ6StripBlock;
-    uint8_t* base = t_scratch.get(strip_bytes + static_cast<size_t>(tb) * tile_bytes + 16384 + 16 * 64);
-    uint8_t* strip = base;
-    uint8_t* xts = strip + strip_bytes;
-    int32_t* cbuf = reinterpret_cast<int32_t*>(xts + static_cast<size_t>(tb) * tile_bytes);
-    float* ybuf = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(cbuf) + 16384);
-    const TileConfig cfg = tile_config_q6();
-    _tile_loadconfig(&cfg);
-    // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
-                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    for (int t0 = 0; t0 < n_tiles; t0 += tb) {
-        const int nti = std::min(tb, n_tiles - t0);
-        for (int i = 0; i < nti; ++i) {
-            repack_tokens_q6(xq, xq_stride, 16 * (t0 + i), nsb, xts + static_cast<size_t>(i) * tile_bytes);
-        }
-        for (int64_t n0 = r0; n0 < r1; n0 += 16) {
-            unpack_strip_q6(w + static_cast<size_t>(n0) * w_stride, w_stride, nsb, strip);
-            for (int i = 0; i < nti; ++i) {
-                __m512 out[16];
-                tile_16x16_q6(strip, xts + static_cast<size_t>(i) * tile_bytes, nsb, out, cbuf);
-                for (int n = 0; n < 16; ++n) _mm512_store_ps(ybuf + 16 * n, out[n]);
-                for (int m = 0; m < 16; ++m) {
-                    float* yr = y + static_cast<size_t>(16 * (t0 + i) + m) * ldy + static_cast<size_t>(n0);
-                    _mm512_storeu_ps(yr, _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(m)), ybuf, 4));
-                }
-            }
-        }
+// Q6_K for run_tiles; work: the 16 groups' C.
+struct Q6Format {
+    int64_t nsb;
+    size_t tile_bytes() const { return static_cast<size_t>(nsb) * kQ6TileBlock; }
+    size_t strip_bytes() const { return static_cast<size_t>(nsb) * kQ6StripBlock; }
+    size_t work_bytes() const { return 16384; }
+    TileConfig config() const { return tile_config_q6(); }
+    void repack(const uint8_t* xq, size_t xq_stride, int t0, uint8_t* out) const {
+        repack_tokens_q6(xq, xq_stride, t0, nsb, out);
     }
-    _tile_release();
-}
+    void unpack(const uint8_t* rows, size_t w_stride, uint8_t* strip) const {
+        unpack_strip_q6(rows, w_stride, nsb, strip);
+    }
+    void tile(const uint8_t*, size_t, const uint8_t* strip, const uint8_t* xt, __m512* out, uint8_t* work) const {
+        tile_16x16_q6(strip, xt, nsb, out, reinterpret_cast<int32_t*>(work));
+    }
+};
 
 }  // namespace
 
@@ -714,19 +691,17 @@ void matmul(DType wtype, const void* w, size_t w_stride, int64_t n_in, const voi
     }
     const uint8_t* wb = static_cast<const uint8_t*>(w);
     const uint8_t* xb = static_cast<const uint8_t*>(xq);
+    const int64_t r1t = r0 + nr, nsb = n_in / kQKK;
+    auto run = [&](const auto& f) { run_tiles(f, wb, w_stride, xb, xq_stride, nt, y, ldy, r0, r1t); };
     switch (wtype) {
-        case DType::Q4_0: matmul_tiles<DType::Q4_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
-        case DType::Q4_1: matmul_tiles<DType::Q4_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
-        case DType::Q5_0: matmul_tiles<DType::Q5_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
-        case DType::Q5_1: matmul_tiles<DType::Q5_1>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
-        case DType::Q4_K:
-            matmul_tiles_k<DType::Q4_K>(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr);
-            break;
-        case DType::Q5_K:
-            matmul_tiles_k<DType::Q5_K>(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr);
-            break;
-        case DType::Q6_K: matmul_tiles_q6(wb, w_stride, n_in / kQKK, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
-        default: matmul_tiles<DType::Q8_0>(wb, w_stride, nb, xb, xq_stride, nt, y, ldy, r0, r0 + nr); break;
+        case DType::Q4_0: run(Q32Format<DType::Q4_0>{nb}); break;
+        case DType::Q4_1: run(Q32Format<DType::Q4_1>{nb}); break;
+        case DType::Q5_0: run(Q32Format<DType::Q5_0>{nb}); break;
+        case DType::Q5_1: run(Q32Format<DType::Q5_1>{nb}); break;
+        case DType::Q4_K: run(KFormat<DType::Q4_K>{nsb}); break;
+        case DType::Q5_K: run(KFormat<DType::Q5_K>{nsb}); break;
+        case DType::Q6_K: run(Q6Format{nsb}); break;
+        default: run(Q32Format<DType::Q8_0>{nb}); break;
     }
     if (r0 + nr < r1) avx512::matmul(wtype, w, w_stride, n_in, xq, xq_stride, n_tok, y, ldy, r0 + nr, r1);
     if (nt < n_tok) {

@@ -913,8 +913,7 @@ __attribute__((noinline)) void q8_rows_t1(const char* w, size_t w_stride, int64_
 // in the same order: a (row, token) gets the same bits from a tile as from the
 // one-token kernels.
 
-constexpr int q4_lane_block(int lane) { return 4 * (lane % 4) + lane / 4; }
-constexpr int q8_lane_block(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane / 4) % 2; }
+// q4_lane_block, q8_lane_block: kernels_impl.h (amx.cpp keeps these orders too).
 
 struct alignas(64) XtChunk4 {
     int8_t lo[4][64];  // [i][4L + t]: quant 4i + t of block q4_lane_block(L)

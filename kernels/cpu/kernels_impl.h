@@ -187,6 +187,12 @@ static inline void q4k_scale_min(int j, const uint8_t* s, int* sc, int* mn) {
     }
 }
 
+// The AVX-512 level's accumulator lanes for 32-value blocks: lane l of a chunk's
+// 16-lane float accumulator takes block q4_lane_block(l) (Q4_0, Q4_1, Q5_0, Q5_1)
+// or q8_lane_block(l) (Q8_0) of each chunk of 16 (avx512.cpp; amx.cpp keeps them).
+static inline constexpr int q4_lane_block(int lane) { return 4 * (lane % 4) + lane / 4; }
+static inline constexpr int q8_lane_block(int lane) { return 8 * (lane / 8) + 2 * (lane % 4) + (lane / 4) % 2; }
+
 // The 8 six-bit scales and the 8 six-bit mins of a Q4_K super-block, all at once:
 // the packing q4k_scale_min unpacks one at a time, as four 32-bit word operations
 // (byte k of each word is sub-block k's or k + 4's value). Every level's K-quant
