@@ -41,16 +41,7 @@
 // neither 2 x 2 tile blocking (C of two strips x two token tiles per loaded A and
 // B) nor issuing block k + 1's tiles before block k's float steps changed the
 // time; both were tried and dropped.
-// GCC 12's AVX-512 headers: see avx512.cpp (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/cpu/immintrin_avx512.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -201,6 +192,22 @@ inline void block_step(const int32_t* cs, const uint8_t* wblk, const uint8_t* xb
     }
 }
 
+// Two independent products on tiles 0, 2, 4 and 1, 3, 5: C0 = A0 B0 into c0,
+// C1 = A1 B1 into c1 (A's 16 rows at a_stride, B's at 64 bytes).
+inline void two_products(const void* a0, const void* a1, size_t a_stride, const void* b0, const void* b1, int32_t* c0,
+                         int32_t* c1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a0, a_stride);
+    _tile_loadd(4, b0, 64);
+    _tile_loadd(3, a1, a_stride);
+    _tile_loadd(5, b1, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+}
+
 // A block's A operand: the unpacked strip, or (Q8_0) the rows themselves.
 template <DType W>
 struct AOperand {
@@ -242,16 +249,7 @@ void tile_16x16(const AOperand<W>& a, const uint8_t* strip, const uint8_t* xt, i
         int64_t c = 0;
         for (; c + 1 < nchunks && 16 * (c + 1) + beta < nb_chunked; c += 2) {
             const int64_t b0 = 16 * c + beta, b1 = b0 + 16;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(2, a.ptr(b0), a.stride());
-            _tile_loadd(4, xblk(b0), 64);
-            _tile_loadd(3, a.ptr(b1), a.stride());
-            _tile_loadd(5, xblk(b1), 64);
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbssd(1, 3, 5);
-            _tile_stored(0, cbuf, 64);
-            _tile_stored(1, cbuf + 256, 64);
+            two_products(a.ptr(b0), a.ptr(b1), a.stride(), xblk(b0), xblk(b1), cbuf, cbuf + 256);
             block_step<W>(cbuf, wblk(b0), xblk(b0), acc);
             block_step<W>(cbuf + 256, wblk(b1), xblk(b1), acc);
         }
@@ -466,16 +464,8 @@ inline void tile_16x16_k(const uint8_t* strip, const uint8_t* xt, int64_t nsb, _
         const uint8_t* sb = strip + static_cast<size_t>(b) * kKStripBlock;
         const uint8_t* xb = xt + static_cast<size_t>(b) * kKTileBlock;
         for (int j = 0; j < 8; j += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(2, sb + kKStripA + 512 * j, 32);
-            _tile_loadd(4, xb + kKTileB + 512 * j, 64);
-            _tile_loadd(3, sb + kKStripA + 512 * (j + 1), 32);
-            _tile_loadd(5, xb + kKTileB + 512 * (j + 1), 64);
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbssd(1, 3, 5);
-            _tile_stored(0, cbuf + 256 * j, 64);
-            _tile_stored(1, cbuf + 256 * (j + 1), 64);
+            two_products(sb + kKStripA + 512 * j, sb + kKStripA + 512 * (j + 1), 32, xb + kKTileB + 512 * j,
+                         xb + kKTileB + 512 * (j + 1), cbuf + 256 * j, cbuf + 256 * (j + 1));
         }
         const int32_t* sc = reinterpret_cast<const int32_t*>(sb + kKStripSc);
         const int32_t* mn = reinterpret_cast<const int32_t*>(sb + kKStripMn);
@@ -616,16 +606,8 @@ inline void tile_16x16_q6(const uint8_t* strip, const uint8_t* xt, int64_t nsb, 
         const uint8_t* sb = strip + static_cast<size_t>(b) * kQ6StripBlock;
         const uint8_t* xb = xt + static_cast<size_t>(b) * kQ6TileBlock;
         for (int g = 0; g < 16; g += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(2, sb + kQ6StripA + 256 * g, 16);
-            _tile_loadd(4, xb + kQ6TileB + 256 * g, 64);
-            _tile_loadd(3, sb + kQ6StripA + 256 * (g + 1), 16);
-            _tile_loadd(5, xb + kQ6TileB + 256 * (g + 1), 64);
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbssd(1, 3, 5);
-            _tile_stored(0, cbuf + 256 * g, 64);
-            _tile_stored(1, cbuf + 256 * (g + 1), 64);
+            two_products(sb + kQ6StripA + 256 * g, sb + kQ6StripA + 256 * (g + 1), 16, xb + kQ6TileB + 256 * g,
+                         xb + kQ6TileB + 256 * (g + 1), cbuf + 256 * g, cbuf + 256 * (g + 1));
         }
         const int32_t* sc = reinterpret_cast<const int32_t*>(sb + kQ6StripSc);
         const int32_t* scp = reinterpret_cast<const int32_t*>(sb + kQ6StripScp);

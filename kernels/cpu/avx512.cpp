@@ -40,18 +40,7 @@
 // them). F32/F16/BF16 weights use the AVX2 level's kernels (same results as
 // Isa::Avx2).
 
-// GCC 12's AVX-512 headers initialise "undefined" vectors from themselves
-// (`__m512 __Y = __Y;`), which -Wmaybe-uninitialized reports once inlined
-// (GCC bug 105593, fixed in 13). The warning is about the header, not us.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/cpu/immintrin_avx512.h"
 
 #include <algorithm>
 #include <type_traits>
