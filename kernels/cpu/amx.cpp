@@ -56,6 +56,21 @@ namespace {
 
 inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
 
+// Lane i = i * stride: the offsets of 16 consecutive rows, for gathers.
+inline __m512i lane_offsets(size_t stride) {
+    return _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(stride)),
+                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// A Q8_K super-block's quants of 16 tokens (rows at idx from blk) as 64 rows of 64
+// bytes, row r holding each token's bytes 4r .. 4r + 3 (token m at 4m): the B
+// tiles of Q4_K / Q5_K's sub-blocks (8 rows each) and of Q6_K's groups (4 each).
+inline void gather_q8k_quants(const uint8_t* blk, const __m512i& idx, uint8_t* out) {
+    for (int r = 0; r < 64; ++r) {
+        _mm512_store_si512(out + 64 * r, _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, qs) + 4 * r, 1));
+    }
+}
+
 template <DType W>
 constexpr bool kWithMin = W == DType::Q4_1 || W == DType::Q5_1;
 template <DType W>
@@ -120,8 +135,7 @@ constexpr size_t kWStripBlock = 512 + 64 + 64;
 template <DType W>
 void repack_tokens(const uint8_t* xq, size_t xq_stride, int t0, int64_t nb, uint8_t* out) {
     constexpr int kQ = kWithMin<W> ? 4 : 2;  // the quants' offset in an activation block
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i idx = lane_offsets(xq_stride);
     const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = x0 + static_cast<size_t>(b) * kXBlockBytes<W>;
@@ -324,8 +338,7 @@ void run_tiles(const F& f, const uint8_t* w, size_t w_stride, const uint8_t* xq,
     const TileConfig cfg = f.config();
     _tile_loadconfig(&cfg);
     // Lane i of a gather from ybuf: row i's value (ybuf + 16 i + m for token m).
-    const __m512i rows16 = _mm512_mullo_epi32(_mm512_set1_epi32(16),
-                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i rows16 = lane_offsets(16);
     for (int t0 = 0; t0 < n_tiles; t0 += tb) {
         const int nti = std::min(tb, n_tiles - t0);
         for (int i = 0; i < nti; ++i) f.repack(xq, xq_stride, 16 * (t0 + i), xts + static_cast<size_t>(i) * tile_bytes);
@@ -428,17 +441,12 @@ void unpack_strip_k(const uint8_t* w, size_t w_stride, int64_t nsb, uint8_t* out
 
 // Tokens [t0, t0 + 16) of Q8_K activations into nsb super-blocks of kKTileBlock.
 void repack_tokens_k(const uint8_t* xq, size_t xq_stride, int t0, int64_t nsb, uint8_t* out) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i idx = lane_offsets(xq_stride);
     const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t* blk = x0 + static_cast<size_t>(b) * sizeof(BlockQ8_K);
         uint8_t* o = out + static_cast<size_t>(b) * kKTileBlock;
-        // B row r % 8 of sub-block r / 8: bytes 4r .. 4r + 3 of each token's quants.
-        for (int r = 0; r < 64; ++r) {
-            _mm512_store_si512(o + kKTileB + 64 * r,
-                               _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, qs) + 4 * r, 1));
-        }
+        gather_q8k_quants(blk, idx, o + kKTileB);
         // X_2k = bsums[4k] + bsums[4k + 1], X_2k+1 = bsums[4k + 2] + bsums[4k + 3]
         // (|X| <= 32 * 128: int16), as a pair per token.
         for (int k = 0; k < 4; ++k) {
@@ -578,17 +586,12 @@ void unpack_strip_q6(const uint8_t* w, size_t w_stride, int64_t nsb, uint8_t* ou
 }
 
 void repack_tokens_q6(const uint8_t* xq, size_t xq_stride, int t0, int64_t nsb, uint8_t* out) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int32_t>(xq_stride)),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i idx = lane_offsets(xq_stride);
     const uint8_t* x0 = xq + static_cast<size_t>(t0) * xq_stride;
     for (int64_t b = 0; b < nsb; ++b) {
         const uint8_t* blk = x0 + static_cast<size_t>(b) * sizeof(BlockQ8_K);
         uint8_t* o = out + static_cast<size_t>(b) * kQ6TileBlock;
-        // B row r % 4 of group r / 4: bytes 4r .. 4r + 3 of each token's quants.
-        for (int r = 0; r < 64; ++r) {
-            _mm512_store_si512(o + kQ6TileB + 64 * r,
-                               _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, qs) + 4 * r, 1));
-        }
+        gather_q8k_quants(blk, idx, o + kQ6TileB);
         for (int k = 0; k < 8; ++k) {
             _mm512_store_si512(o + kQ6TileX + 64 * k,
                                _mm512_i32gather_epi32(idx, blk + offsetof(BlockQ8_K, bsums) + 4 * k, 1));
