@@ -14,6 +14,7 @@
 
 #include "engine/grammar.h"
 #include "model/gguf.h"
+#include "model/sampler.h"
 #include "model/tokenizer.h"
 
 namespace duet {

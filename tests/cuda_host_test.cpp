@@ -8,6 +8,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <limits>
+
 #include "cuda/cuda_arena.h"
 #include "cuda/sample_inputs.h"
 #include "kernels/cuda/device.h"
@@ -190,8 +192,9 @@ TEST(Device, SampleRowsCarryTheCpuSamplersDerivedParameters) {
     p.repetition_penalty = 1.2f;
     p.seed = 99;
     const std::vector<int32_t> prompt = {4, 8}, output = {8, 15};
-    std::vector<cuda::SampleEdit> edits = {{1, 1, 0.5f}};  // an earlier row's
-    const cuda::SampleRow r = sample_row_for(SampleRequest{&p, prompt, output, 6}, 3, 100, edits);
+    std::vector<cuda::SampleEdit> edits = {{1, 1, 0.5f, 0.0f}};  // an earlier row's
+    std::vector<uint32_t> masks;
+    const cuda::SampleRow r = sample_row_for(SampleRequest{&p, prompt, output, 6}, 3, 100, edits, masks);
     EXPECT_EQ(r.row, 3);
     EXPECT_EQ(r.inv_temp, 1.0f / 0.7f);
     EXPECT_EQ(r.top_k, 20);
@@ -213,7 +216,50 @@ TEST(Device, SampleRowsCarryTheCpuSamplersDerivedParameters) {
     }
     p.temperature = 0;
     p.min_p = 0;
-    const cuda::SampleRow g = sample_row_for(SampleRequest{&p, {}, {}, 0}, 0, 100, edits);
+    const cuda::SampleRow g = sample_row_for(SampleRequest{&p, {}, {}, 0}, 0, 100, edits, masks);
     EXPECT_EQ(g.inv_temp, 0.0f) << "greedy";
     EXPECT_EQ(g.min_p_on, 0);
+    EXPECT_EQ(r.mask_begin, -1);
+    EXPECT_EQ(g.mask_begin, -1);
+    EXPECT_TRUE(masks.empty()) << "no constraints, no bitset";
+}
+
+// A row's constraints reach the device sampler as the CPU applies them: one edit per
+// token in id order, a penalized token's edit carrying its bias (token_adds' sum, or
+// -inf where banned) beside its penalties, a token with a bias alone an edit with
+// no penalty; the allowed bitset appended after the earlier rows' and widened to
+// n_vocab bits with words that allow nothing.
+TEST(Device, SampleRowsCarryTheConstraintsAsEditsAndABitset) {
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.repetition_penalty = 1.2f;
+    p.frequency_penalty = 0.5f;
+    const std::vector<int32_t> prompt = {4, 8}, output = {8, 15};
+    const std::vector<TokenBias> bias = {{15, 2.0f}, {50, -1.0f}, {50, -0.5f}, {3, 9.0f}, {120, 1.0f}};
+    const std::vector<int32_t> banned = {99, 8};
+    const std::vector<uint32_t> allowed = {0xF0F0F0F0u, 0x1u};   // 2 of the 4 words of 100 tokens
+    std::vector<cuda::SampleEdit> edits = {{1, 1, 0.5f, 0.0f}};  // an earlier row's
+    std::vector<uint32_t> masks = {7u};                          // an earlier row's word
+    SampleRequest s{&p, prompt, output, 2};
+    s.constraints = TokenConstraints{bias, banned, allowed};
+    const cuda::SampleRow r = sample_row_for(s, 1, 100, edits, masks);
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    struct Want {
+        int32_t token, rep;
+        float sub, add;
+    };
+    const float out_sub = 0.5f * 1;  // 8 and 15 once each in the output, no presence penalty
+    const std::vector<Want> want = {{3, 0, 0.0f, 9.0f},     {4, 1, 0.0f, 0.0f},   {8, 1, out_sub, kBanned},
+                                    {15, 1, out_sub, 2.0f}, {50, 0, 0.0f, -1.5f}, {99, 0, 0.0f, kBanned}};
+    ASSERT_EQ(r.edit_begin, 1);
+    ASSERT_EQ(r.edit_count, static_cast<int32_t>(want.size()));
+    for (size_t i = 0; i < want.size(); ++i) {
+        const cuda::SampleEdit& e = edits[1 + i];
+        EXPECT_EQ(e.token, want[i].token) << i;
+        EXPECT_EQ(e.rep, want[i].rep) << i;
+        EXPECT_EQ(e.sub, want[i].sub) << i;
+        EXPECT_EQ(e.add, want[i].add) << i;
+    }
+    ASSERT_EQ(r.mask_begin, 1);
+    EXPECT_EQ(masks, (std::vector<uint32_t>{7u, 0xF0F0F0F0u, 0x1u, 0u, 0u}));
 }

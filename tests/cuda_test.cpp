@@ -722,10 +722,11 @@ TEST(CudaSample, PicksTheCpuSamplersTokens) {
     std::vector<float> logits;
     std::vector<cu::SampleRow> rows;
     std::vector<cu::SampleEdit> edits;
+    std::vector<uint32_t> masks;
     std::vector<duet::SampleRequest> reqs;
     std::vector<duet::SamplingParams> keep;  // stable storage for the requests' params
     if (quick) bases = {bases[1], bases[2]};
-    keep.reserve(params.size() * bases.size() * draws + 2);
+    keep.reserve(params.size() * bases.size() * (draws + 4) + 2);
     std::vector<int32_t> want;
     duet::Sampler cpu;
     // How many of the best candidates a top-p cut keeps (the whole row sorted).
@@ -757,11 +758,41 @@ TEST(CudaSample, PicksTheCpuSamplersTokens) {
                 const duet::SampleRequest r{&keep.back(), prompt, output, 3 + d};
                 const int32_t row = static_cast<int32_t>(logits.size() / nv);
                 logits.insert(logits.end(), bases[b].begin(), bases[b].end());
-                rows.push_back(duet::sample_row_for(r, row, nv, edits));
+                rows.push_back(duet::sample_row_for(r, row, nv, edits, masks));
                 const bool host = p0.temperature > 0 && p0.top_p < 1.0f && (p0.top_k == 0 || p0.top_k > cu::kSampleMaxSorted) &&
                                   top_p_prefix(bases[b], keep.back()) > cu::kSampleMaxSorted;
                 want.push_back(host ? -1 : cpu.sample(bases[b].data(), nv, *r.params, r.prompt, r.output, r.index));
             }
+    // Constrained rows (a request's logit_bias, min_tokens' bans, a grammar's bitset):
+    // against the CPU sampler under the same constraints, over every base and the
+    // parameters whose sorting the kernel does (no top-p without a top-k), with a
+    // dense and a sparse bitset, and a bitset that allows nothing (-1 from both).
+    std::vector<duet::TokenBias> bias = {{6018, 4.0f}, {11, -100.0f}, {48000, 2.5f}, {6018, 1.5f}, {30000, 100.0f}};
+    const std::vector<int32_t> banned = {0, 2, 777};
+    std::vector<std::vector<uint32_t>> allowed(3, std::vector<uint32_t>(static_cast<size_t>((nv + 31) / 32)));
+    {
+        std::mt19937 rng(84);
+        for (auto& w : allowed[0]) w = ~static_cast<uint32_t>(rng() & rng());                 // most tokens
+        for (auto& w : allowed[1]) w = static_cast<uint32_t>(rng() & rng() & rng() & rng());  // a few
+        // allowed[2]: nothing.
+    }
+    for (size_t b = 0; b < bases.size(); ++b)
+        for (size_t pi = 0; pi < params.size(); pi += quick ? 7 : 1) {
+            const duet::SamplingParams& p0 = params[pi];
+            if (p0.top_p < 1.0f && p0.top_k == 0) continue;
+            for (int variant = 0; variant < 4; ++variant) {
+                keep.push_back(p0);
+                keep.back().seed = 5000 + 10 * b + static_cast<uint64_t>(variant);
+                duet::SampleRequest r{&keep.back(), prompt, output, 2};
+                r.constraints.bias = bias;
+                if (variant != 1) r.constraints.banned = banned;
+                if (variant >= 1) r.constraints.allowed = allowed[static_cast<size_t>(variant - 1)];
+                const int32_t row = static_cast<int32_t>(logits.size() / nv);
+                logits.insert(logits.end(), bases[b].begin(), bases[b].end());
+                rows.push_back(duet::sample_row_for(r, row, nv, edits, masks));
+                want.push_back(cpu.sample(bases[b].data(), nv, *r.params, r.prompt, r.output, r.index, r.constraints));
+            }
+        }
     // The two rows left to the host.
     for (const auto& [k, tp] : {std::pair<int, float>{5000, 1.0f}, {0, 0.999f}}) {
         keep.push_back({});
@@ -771,16 +802,17 @@ TEST(CudaSample, PicksTheCpuSamplersTokens) {
         const int32_t row = static_cast<int32_t>(logits.size() / nv);
         const std::vector<float> tied(nv, 0.5f);
         logits.insert(logits.end(), tied.begin(), tied.end());
-        rows.push_back(duet::sample_row_for(r, row, nv, edits));
+        rows.push_back(duet::sample_row_for(r, row, nv, edits, masks));
         want.push_back(-1);
     }
     const int n = static_cast<int>(rows.size());
     DeviceBuf<float> dl(logits);
     DeviceBuf<cu::SampleRow> drows(rows);
     DeviceBuf<cu::SampleEdit> dedits(edits);
+    DeviceBuf<uint32_t> dmasks(masks);
     DeviceBuf<int32_t> dpicks(std::vector<int32_t>(static_cast<size_t>(n), -7));
     DeviceBuf<uint8_t> ws(std::vector<uint8_t>(cu::sample_workspace_bytes(n, nv)));
-    ASSERT_EQ(cu::sample_rows(dl.p, nv, drows.p, n, dedits.p, dpicks.p, ws.p, nullptr), cudaSuccess);
+    ASSERT_EQ(cu::sample_rows(dl.p, nv, drows.p, n, dedits.p, dmasks.p, dpicks.p, ws.p, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<int32_t> got = dpicks.get(static_cast<size_t>(n));
     int bad = 0;

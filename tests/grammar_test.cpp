@@ -233,23 +233,6 @@ TEST(Grammar, AGrammarCompiledAheadIsTheOneAllowedCompiles) {
     EXPECT_EQ(ahead.stats().compiles + ahead.stats().ahead_used, 4u);
 }
 
-TEST(Grammar, AMaskBansExactlyTheTokensItDoesNotAllow) {
-    constexpr float kBanned = -std::numeric_limits<float>::infinity();
-    const int64_t n = 70;  // two whole words and 6 bits of a third
-    std::vector<uint32_t> bits = {0xFFFFFFFFu, 0x00000000u, 0b100101u};
-    std::vector<float> row(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = static_cast<float>(i);
-    row[3] = kBanned;  // banned already (a bias of -100 after min_tokens, say)
-    EXPECT_EQ(apply_token_mask(row.data(), n, bits), 31 + 3);
-    for (int64_t i = 0; i < n; ++i) {
-        const bool allowed = i < 32 ? i != 3 : i >= 64 && ((0b100101u >> (i - 64)) & 1u);
-        EXPECT_EQ(row[static_cast<size_t>(i)], allowed ? static_cast<float>(i) : kBanned) << i;
-    }
-    std::vector<float> one = {1, 2, 3};
-    EXPECT_EQ(apply_token_mask(one.data(), 3, std::vector<uint32_t>{0}), 0) << "nothing allowed: nothing left";
-    EXPECT_EQ(one, std::vector<float>(3, kBanned));
-}
-
 TEST(Grammar, WhatXgrammarWouldDropOrApproximateIsRefused) {
     auto ok = [](GrammarKind k, const char* s) { return check_grammar({k, s}).ok(); };
     EXPECT_TRUE(ok(GrammarKind::JsonSchema, kPerson));

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -236,4 +237,119 @@ TEST(Sampler, PenaltyEditsListEachTouchedTokenOnce) {
     EXPECT_EQ(s.sample(l.data(), 100, g, prompt, output, 0), 3);
     l[50] = 0.8f;
     EXPECT_EQ(s.sample(l.data(), 100, g, prompt, output, 0), 50);
+}
+
+TEST(Sampler, AMaskBansExactlyTheTokensItDoesNotAllow) {
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    const int64_t n = 70;  // two whole words and 6 bits of a third
+    std::vector<uint32_t> bits = {0xFFFFFFFFu, 0x00000000u, 0b100101u};
+    std::vector<float> row(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) row[static_cast<size_t>(i)] = static_cast<float>(i);
+    row[3] = kBanned;  // banned already (a bias of -100 after min_tokens, say)
+    EXPECT_EQ(apply_token_mask(row.data(), n, bits), 31 + 3);
+    for (int64_t i = 0; i < n; ++i) {
+        const bool allowed = i < 32 ? i != 3 : i >= 64 && ((0b100101u >> (i - 64)) & 1u);
+        EXPECT_EQ(row[static_cast<size_t>(i)], allowed ? static_cast<float>(i) : kBanned) << i;
+    }
+    std::vector<float> one = {1, 2, 3};
+    EXPECT_EQ(apply_token_mask(one.data(), 3, std::vector<uint32_t>{0}), 0) << "nothing allowed: nothing left";
+    EXPECT_EQ(one, std::vector<float>(3, kBanned));
+}
+
+// Constraints as the worker applied them on the host before they reached the
+// sampler (and a GPU sampler): the row copied, each bias added, the banned tokens
+// -inf, the tokens the bitset lacks -inf, then the plain sampler with its penalties;
+// -1 when nothing is left. Random rows, bias tables, bans and bitsets over greedy,
+// tempered, top-k / top-p / min-p and penalized parameters.
+TEST(Sampler, ConstraintsPickWhatTheRowEditedByHandGives) {
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    std::mt19937 rng(11);
+    Sampler s, plain;
+    int picked = 0, none = 0;
+    for (int round = 0; round < 400; ++round) {
+        const int64_t nv = std::vector<int64_t>{5, 64, 70, 1000}[static_cast<size_t>(round % 4)];
+        std::normal_distribution<float> z(0.0f, 2.0f);
+        std::vector<float> row(static_cast<size_t>(nv));
+        for (float& x : row) x = z(rng);
+        SamplingParams p;
+        p.temperature = std::vector<float>{0.0f, 0.7f, 1.3f}[static_cast<size_t>(round % 3)];
+        if (p.temperature > 0 && round % 5 == 1) p.top_k = 7;
+        if (p.temperature > 0 && round % 7 == 2) p.top_p = 0.8f;
+        if (p.temperature > 0 && round % 11 == 3) p.min_p = 0.05f;
+        if (round % 2 == 1) {
+            p.repetition_penalty = 1.3f;
+            p.frequency_penalty = 0.4f;
+        }
+        p.seed = static_cast<uint64_t>(round);
+        std::uniform_int_distribution<int32_t> tok(-2, static_cast<int32_t>(nv) + 2);
+        std::vector<int32_t> prompt(8), output(5);
+        for (auto& t : prompt) t = tok(rng) % static_cast<int32_t>(nv);
+        for (auto& t : output) t = tok(rng) % static_cast<int32_t>(nv);
+        // Distinct bias tokens (one bias each), some out of range.
+        std::vector<TokenBias> bias;
+        std::vector<char> used(static_cast<size_t>(nv) + 8, 0);
+        for (int i = 0, n = static_cast<int>(rng() % 6); i < n; ++i) {
+            const int32_t t = tok(rng);
+            if (t >= 0 && used[static_cast<size_t>(t)]++) continue;
+            bias.push_back({t, std::uniform_real_distribution<float>(-100.0f, 100.0f)(rng)});
+        }
+        std::vector<int32_t> banned;
+        if (round % 3 != 0) banned = {tok(rng), tok(rng)};
+        std::vector<uint32_t> allowed;
+        if (round % 4 >= 2) {
+            allowed.resize(static_cast<size_t>((nv + 31) / 32));
+            const uint32_t density = rng() % 3;  // all but a few, about half, or a few
+            for (auto& w : allowed)
+                w = density == 0   ? ~(1u << (rng() % 32))
+                    : density == 1 ? static_cast<uint32_t>(rng())
+                                   : static_cast<uint32_t>(rng() & rng() & rng());
+            if (round % 40 == 6) std::fill(allowed.begin(), allowed.end(), 0u);  // nothing allowed
+        }
+        std::vector<float> edited = row;
+        for (const TokenBias& b : bias)
+            if (b.token >= 0 && b.token < nv) edited[static_cast<size_t>(b.token)] += b.bias;
+        for (int32_t t : banned)
+            if (t >= 0 && t < nv) edited[static_cast<size_t>(t)] = kBanned;
+        bool any = false;
+        for (int64_t t = 0; t < nv; ++t) {
+            float& x = edited[static_cast<size_t>(t)];
+            if (!allowed.empty() && !((allowed[static_cast<size_t>(t / 32)] >> (t % 32)) & 1u)) x = kBanned;
+            any = any || x > kBanned;
+        }
+        const int32_t want = any ? plain.sample(edited.data(), nv, p, prompt, output, 9) : -1;
+        const TokenConstraints c{bias, banned, allowed};
+        const std::vector<float> before = row;
+        EXPECT_EQ(s.sample(row.data(), nv, p, prompt, output, 9, c), want) << "round " << round;
+        EXPECT_EQ(row, before) << "the row is not changed";
+        ++(want < 0 ? none : picked);
+    }
+    EXPECT_GT(none, 0);
+    EXPECT_GT(picked, 300);
+}
+
+// The bias and bans as one addition per token: in id order, a token's biases summed,
+// a banned token -inf whatever its bias, ids outside the vocabulary left out.
+TEST(Sampler, TokenAddsSumEachTokensBiasesAndBanOverAll) {
+    const std::vector<TokenBias> bias = {{9, 1.5f}, {2, -3.0f}, {9, 0.25f}, {100, 5.0f}, {-1, 5.0f}, {4, 7.0f}};
+    const std::vector<int32_t> banned = {4, 0, 100, 0};
+    std::vector<TokenAdd> a;
+    token_adds(TokenConstraints{bias, banned, {}}, 100, a);
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    ASSERT_EQ(a.size(), 4u);
+    EXPECT_EQ(a[0].token, 0);
+    EXPECT_EQ(a[0].add, kBanned);
+    EXPECT_EQ(a[1].token, 2);
+    EXPECT_EQ(a[1].add, -3.0f);
+    EXPECT_EQ(a[2].token, 4);
+    EXPECT_EQ(a[2].add, kBanned) << "banned over its bias";
+    EXPECT_EQ(a[3].token, 9);
+    EXPECT_EQ(a[3].add, 1.75f);
+    // The sampler adds each sum once: with the sum, 9 wins over 10 by a hair.
+    std::vector<float> row(100, 0.0f);
+    row[10] = 1.74f;
+    Sampler s;
+    SamplingParams g;
+    g.temperature = 0;
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{bias, banned, {}}), 9);
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{}), 10);
 }

@@ -214,25 +214,34 @@ __device__ int first_reaching(int n, float mx, double div, double reach, bool st
 
 // 1024 threads a block: the bounds keep the registers within 64 a thread (without
 // them nvcc takes 82 and every launch fails for lack of resources).
-__global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, int64_t nv, const SampleRow* rows, const SampleEdit* edits,
-                              int32_t* picks, float* work) {
+__global__ void __launch_bounds__(kThreads)
+    sample_kernel(const float* logits, int64_t nv, const SampleRow* rows, const SampleEdit* edits,
+                  const uint32_t* masks, int32_t* picks, float* work) {
     __shared__ Shared sh;
     const SampleRow r = rows[blockIdx.x];
     const float* l = logits + static_cast<int64_t>(r.row) * nv;
     float* w = work + static_cast<int64_t>(blockIdx.x) * nv;
-    for (int64_t i = threadIdx.x; i < nv; i += kThreads) w[i] = l[i];
+    if (r.mask_begin >= 0) {  // the tokens its bitset does not allow: -inf
+        const uint32_t* m = masks + r.mask_begin;
+        for (int64_t i = threadIdx.x; i < nv; i += kThreads) w[i] = (m[i >> 5] >> (i & 31)) & 1u ? l[i] : -INFINITY;
+    } else {
+        for (int64_t i = threadIdx.x; i < nv; i += kThreads) w[i] = l[i];
+    }
     __syncthreads();
-    // Penalties (one edit per distinct token: no two threads write one entry).
+    // Bias, bans and penalties (one edit per distinct token: no two threads write one
+    // entry).
     for (int e = threadIdx.x; e < r.edit_count; e += kThreads) {
         const SampleEdit ed = edits[r.edit_begin + e];
         float x = w[ed.token];
+        if (ed.add != 0.0f) x = __fadd_rn(x, ed.add);
         if (ed.rep) x = x > 0 ? __fdiv_rn(x, r.rep) : __fmul_rn(x, r.rep);
         w[ed.token] = __fsub_rn(x, ed.sub);
     }
     __syncthreads();
     if (r.inv_temp == 0.0f) {  // greedy
         block_best(w, nv, sh);
-        if (threadIdx.x == 0) picks[blockIdx.x] = sh.imax;
+        // Every logit -inf: nothing to choose (the host says so).
+        if (threadIdx.x == 0) picks[blockIdx.x] = sh.fmax == -INFINITY ? -1 : sh.imax;
         return;
     }
     for (int64_t i = threadIdx.x; i < nv; i += kThreads) w[i] = __fmul_rn(w[i], r.inv_temp);
@@ -257,6 +266,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* logits, i
     } else {
         block_best(w, nv, sh);
         mx = sh.fmax;
+    }
+    if (mx == -INFINITY) {  // every candidate -inf: nothing to choose (the host says so)
+        if (threadIdx.x == 0) picks[blockIdx.x] = -1;
+        return;
     }
     // The normalizer over the candidates.
     double sum = 0;
@@ -370,11 +383,13 @@ size_t sample_workspace_bytes(int n_rows, int64_t n_vocab) {
     return static_cast<size_t>(n_rows > 0 ? n_rows : 0) * static_cast<size_t>(n_vocab) * sizeof(float);
 }
 
-cudaError_t sample_rows(const float* logits, int64_t n_vocab, const SampleRow* rows, int n_rows, const SampleEdit* edits,
-                        int32_t* picks, void* workspace, cudaStream_t stream) {
+cudaError_t sample_rows(const float* logits, int64_t n_vocab, const SampleRow* rows, int n_rows,
+                        const SampleEdit* edits, const uint32_t* masks, int32_t* picks, void* workspace,
+                        cudaStream_t stream) {
     if (n_rows <= 0) return cudaSuccess;
     if (n_vocab <= 0 || n_vocab > INT_MAX) return cudaErrorInvalidValue;
-    sample_kernel<<<n_rows, kThreads, 0, stream>>>(logits, n_vocab, rows, edits, picks, static_cast<float*>(workspace));
+    sample_kernel<<<n_rows, kThreads, 0, stream>>>(logits, n_vocab, rows, edits, masks, picks,
+                                                   static_cast<float*>(workspace));
     return cudaGetLastError();
 }
 

@@ -233,6 +233,7 @@ struct CudaBackend::Impl {
     std::vector<int32_t> sampled_picks;
     std::vector<cuda::SampleRow> sample_rows_h;  // the step's inputs, before staging
     std::vector<cuda::SampleEdit> sample_edits_h;
+    std::vector<uint32_t> sample_masks_h;
     std::vector<float> fallback_row;
     Sampler host_sampler;
     Status enqueue_samples(std::span<SeqBatch> batch, const Acts& a);
@@ -856,7 +857,8 @@ Status CudaBackend::Impl::pass(std::span<SeqBatch> batch, int64_t T, int64_t n_o
     return {};
 }
 
-cuda::SampleRow sample_row_for(const SampleRequest& s, int32_t row, int64_t n_vocab, std::vector<cuda::SampleEdit>& edits) {
+cuda::SampleRow sample_row_for(const SampleRequest& s, int32_t row, int64_t n_vocab,
+                               std::vector<cuda::SampleEdit>& edits, std::vector<uint32_t>& masks) {
     const SamplingParams& p = *s.params;
     cuda::SampleRow x;
     x.row = row;
@@ -867,11 +869,36 @@ cuda::SampleRow sample_row_for(const SampleRequest& s, int32_t row, int64_t n_vo
     x.log_min_p = x.min_p_on ? std::log(p.min_p) : 0.0f;
     x.rep = p.repetition_penalty;
     x.u = sample_uniform(p.seed, s.index);
+    // The penalties and the constraints' additions merged, one edit per token (both
+    // lists are in id order).
     thread_local std::vector<PenaltyEdit> pe;
+    thread_local std::vector<TokenAdd> adds;
     penalty_edits(p, n_vocab, s.prompt, s.output, pe);
+    token_adds(s.constraints, n_vocab, adds);
     x.edit_begin = static_cast<int32_t>(edits.size());
-    x.edit_count = static_cast<int32_t>(pe.size());
-    for (const PenaltyEdit& e : pe) edits.push_back({e.token, e.rep, e.sub});
+    size_t i = 0, j = 0;
+    while (i < pe.size() || j < adds.size()) {
+        if (j == adds.size() || (i < pe.size() && pe[i].token < adds[j].token)) {
+            edits.push_back({pe[i].token, pe[i].rep, pe[i].sub, 0.0f});
+            ++i;
+        } else if (i == pe.size() || adds[j].token < pe[i].token) {
+            edits.push_back({adds[j].token, 0, 0.0f, adds[j].add});
+            ++j;
+        } else {
+            edits.push_back({pe[i].token, pe[i].rep, pe[i].sub, adds[j].add});
+            ++i;
+            ++j;
+        }
+    }
+    x.edit_count = static_cast<int32_t>(edits.size()) - x.edit_begin;
+    if (!s.constraints.allowed.empty()) {
+        // n_vocab bits, words the request's bitset lacks none allowed.
+        const size_t words = static_cast<size_t>((n_vocab + 31) / 32);
+        x.mask_begin = static_cast<int32_t>(masks.size());
+        const std::span<const uint32_t> a = s.constraints.allowed;
+        masks.insert(masks.end(), a.begin(), a.begin() + static_cast<std::ptrdiff_t>(std::min(words, a.size())));
+        masks.resize(static_cast<size_t>(x.mask_begin) + words, 0u);
+    }
     return x;
 }
 
@@ -888,11 +915,17 @@ Status CudaBackend::Impl::enqueue_samples(std::span<SeqBatch> batch, const Acts&
     // min_p, in float), its draw, and its penalties as edits.
     std::vector<cuda::SampleRow>& rows = sample_rows_h;
     std::vector<cuda::SampleEdit>& edits = sample_edits_h;
+    std::vector<uint32_t>& masks = sample_masks_h;
     rows.clear();
     edits.clear();
-    for (const auto& [row, s] : sampled) rows.push_back(sample_row_for(*s, static_cast<int32_t>(row), nv, edits));
+    masks.clear();
+    for (const auto& [row, s] : sampled)
+        rows.push_back(sample_row_for(*s, static_cast<int32_t>(row), nv, edits, masks));
+    // One upload: the rows, their edits, their bitsets (a grammar's: n_vocab / 8 bytes
+    // a row, against 4 n_vocab for its logits to the host).
     const size_t rows_bytes = (rows.size() * sizeof(cuda::SampleRow) + 255) / 256 * 256;
-    const size_t bytes = rows_bytes + edits.size() * sizeof(cuda::SampleEdit);
+    const size_t edits_bytes = (edits.size() * sizeof(cuda::SampleEdit) + 255) / 256 * 256;
+    const size_t bytes = rows_bytes + edits_bytes + masks.size() * sizeof(uint32_t);
     if (Status st = sample_in.reserve(bytes); !st) return st;
     if (Status st = sample_dev.reserve(bytes); !st) return st;
     const int n = static_cast<int>(rows.size());
@@ -901,12 +934,16 @@ Status CudaBackend::Impl::enqueue_samples(std::span<SeqBatch> batch, const Acts&
     auto* h = sample_in.as<uint8_t>();
     std::memcpy(h, rows.data(), rows.size() * sizeof(cuda::SampleRow));
     std::memcpy(h + rows_bytes, edits.data(), edits.size() * sizeof(cuda::SampleEdit));
+    std::memcpy(h + rows_bytes + edits_bytes, masks.data(), masks.size() * sizeof(uint32_t));
     DUET_CUDA_TRY(cudaMemcpyAsync(sample_dev.as<uint8_t>(), h, bytes, cudaMemcpyHostToDevice, stream));
     {
         trace::Range range("cuda sample");
-        DUET_CUDA_TRY(cuda::sample_rows(a.logits.as<float>(), nv, reinterpret_cast<const cuda::SampleRow*>(sample_dev.as<uint8_t>()),
-                                        n, reinterpret_cast<const cuda::SampleEdit*>(sample_dev.as<uint8_t>() + rows_bytes),
-                                        sample_out.as<int32_t>(), sample_ws.as<void>(), stream));
+        uint8_t* d = sample_dev.as<uint8_t>();
+        DUET_CUDA_TRY(
+            cuda::sample_rows(a.logits.as<float>(), nv, reinterpret_cast<const cuda::SampleRow*>(d), n,
+                              reinterpret_cast<const cuda::SampleEdit*>(d + rows_bytes),
+                              masks.empty() ? nullptr : reinterpret_cast<const uint32_t*>(d + rows_bytes + edits_bytes),
+                              sample_out.as<int32_t>(), sample_ws.as<void>(), stream));
     }
     sampled_picks.resize(rows.size());
     DUET_CUDA_TRY(cudaMemcpyAsync(sampled_picks.data(), sample_out.as<int32_t>(), rows.size() * sizeof(int32_t),
@@ -920,11 +957,13 @@ Status CudaBackend::Impl::finish_samples(const Acts& a, std::vector<int32_t>& pi
         const auto& [row, s] = sampled[i];
         int32_t pick = sampled_picks[i];
         if (pick < 0) {
-            // Candidates beyond what the kernel sorts: this row on the host.
             fallback_row.resize(static_cast<size_t>(nv));
             DUET_CUDA_TRY(cudaMemcpy(fallback_row.data(), a.logits.as<float>() + row * static_cast<size_t>(nv),
                                      static_cast<size_t>(nv) * sizeof(float), cudaMemcpyDeviceToHost));
-            pick = host_sampler.sample(fallback_row.data(), nv, *s->params, s->prompt, s->output, s->index);
+            // Candidates beyond what the kernel sorts, or nothing its constraints
+            // allow (-1 again: the caller fails the request).
+            pick = host_sampler.sample(fallback_row.data(), nv, *s->params, s->prompt, s->output, s->index,
+                                       s->constraints);
         }
         if (pick >= nv) return make_error("device sampling picked token {} of a vocabulary of {}", pick, nv);
         picks[row] = pick;

@@ -69,26 +69,6 @@ xgrammar::Grammar grammar_of(const duet::GrammarSpec& g) {
 
 }  // namespace
 
-int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits) {
-    constexpr float kBanned = -std::numeric_limits<float>::infinity();
-    int64_t left = 0;
-    for (int64_t w = 0; w * 32 < n; ++w) {
-        const int64_t lo = w * 32, hi = std::min<int64_t>(n, lo + 32);
-        const uint32_t word = static_cast<size_t>(w) < bits.size() ? bits[static_cast<size_t>(w)] : 0;
-        if (word == 0) {
-            std::fill(row + lo, row + hi, kBanned);
-            continue;
-        }
-        for (int64_t i = lo; i < hi; ++i) {
-            if ((word >> (i - lo)) & 1u)
-                left += row[i] > kBanned;  // (a NaN is no choice either)
-            else
-                row[i] = kBanned;
-        }
-    }
-    return left;
-}
-
 // Whether an EBNF source has "[ max_tokens =" or "[ max_chars =" (a rule's budget
 // attribute; blanks allowed around the name). (Not std::regex: GCC 12 warns inside
 // it under ASan, and this needs none.)

@@ -50,11 +50,8 @@ struct GrammarSpec {
 // (thread-safe; 256 sources).
 Status check_grammar(const GrammarSpec& g);
 
-// Bans, in a row of n logits, every token the mask (GrammarSet::allowed) does not
-// allow: its logit becomes -inf. Returns how many allowed tokens keep a logit above
-// -inf (0: nothing can be chosen). Word by word: a word of none allowed is filled,
-// one of all allowed is left.
-int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits);
+// (A mask from GrammarSet::allowed is applied to a row by model/sampler.h
+// apply_token_mask.)
 
 // One process's grammars over one vocabulary: compiled ones cached by their source,
 // and the matcher of each request it picks tokens for.

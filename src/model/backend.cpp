@@ -19,8 +19,8 @@ Status Backend::forward_pick(std::span<SeqBatch> batch, std::vector<float>& logi
         r += static_cast<size_t>(b.output_rows());
         if (b.sample && b.n_tokens > 0) {
             const SampleRequest& s = *b.sample;
-            picks[r - 1] = host_sampler_.sample(logits.data() + (r - 1) * static_cast<size_t>(nv), nv, *s.params, s.prompt,
-                                                s.output, s.index);
+            picks[r - 1] = host_sampler_.sample(logits.data() + (r - 1) * static_cast<size_t>(nv), nv, *s.params,
+                                                s.prompt, s.output, s.index, s.constraints);
         }
     }
     return {};

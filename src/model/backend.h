@@ -20,6 +20,7 @@ struct SampleRequest {
     const SamplingParams* params = nullptr;
     std::span<const int32_t> prompt, output;  // the request's tokens so far (penalties)
     uint64_t index = 0;                        // the output position being sampled
+    TokenConstraints constraints{};            // bias, bans, allowed tokens (empty: none)
 };
 
 // One sequence's share of a batch: tokens at positions [kv->n_tokens(),
@@ -52,7 +53,8 @@ public:
     // not depend on the rest of the batch nor on how its tokens were chunked.
     virtual Status forward(std::span<SeqBatch> batch, std::vector<float>& logits) = 0;
     // forward(), also giving a pick for every output row: the sampled token for the
-    // row of an entry with `sample`, else the index of the row's largest logit, the
+    // row of an entry with `sample` (Sampler::sample under its constraints; -1 where
+    // they leave nothing to choose), else the index of the row's largest logit, the
     // lowest on ties (the sampler's greedy pick). Rows of argmax_only or sample
     // entries may be left out of `logits`. The default computes the picks from
     // forward's logits on the host.

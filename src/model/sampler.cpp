@@ -89,6 +89,81 @@ void penalty_edits(const SamplingParams& p, int64_t n_vocab, std::span<const int
     }
 }
 
+int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits) {
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    int64_t left = 0;
+    for (int64_t w = 0; w * 32 < n; ++w) {
+        const int64_t lo = w * 32, hi = std::min<int64_t>(n, lo + 32);
+        const uint32_t word = static_cast<size_t>(w) < bits.size() ? bits[static_cast<size_t>(w)] : 0;
+        if (word == 0) {
+            std::fill(row + lo, row + hi, kBanned);
+            continue;
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+            if ((word >> (i - lo)) & 1u)
+                left += row[i] > kBanned;  // (a NaN is no choice either)
+            else
+                row[i] = kBanned;
+        }
+    }
+    return left;
+}
+
+void token_adds(const TokenConstraints& c, int64_t n_vocab, std::vector<TokenAdd>& out) {
+    out.clear();
+    for (const TokenBias& b : c.bias)
+        if (b.token >= 0 && b.token < n_vocab) out.push_back({b.token, b.bias});
+    // Stable: a token's biases are summed in the order the request gave them.
+    std::stable_sort(out.begin(), out.end(), [](const TokenAdd& a, const TokenAdd& b) { return a.token < b.token; });
+    size_t n = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+        if (n > 0 && out[n - 1].token == out[i].token)
+            out[n - 1].add += out[i].add;
+        else
+            out[n++] = out[i];
+    }
+    out.resize(n);
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    for (int32_t t : c.banned) {
+        if (t < 0 || t >= n_vocab) continue;
+        auto it = std::lower_bound(out.begin(), out.end(), t, [](const TokenAdd& a, int32_t x) { return a.token < x; });
+        if (it != out.end() && it->token == t)
+            it->add = kBanned;
+        else
+            out.insert(it, {t, kBanned});
+    }
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n_vocab, const SamplingParams& p, std::span<const int32_t> prompt,
+                        std::span<const int32_t> output, uint64_t index, const TokenConstraints& c) {
+    if (c.empty()) return sample(logits, n_vocab, p, prompt, output, index);
+    constexpr float kBanned = -std::numeric_limits<float>::infinity();
+    if (c.bias.empty() && c.banned.empty() && p.temperature <= 0.0f && !has_penalties(p)) {
+        // Greedy under a bitset alone: the argmax over its set bits (what the general
+        // path below picks, the lowest id on a tie, without copying the row).
+        int32_t best = -1;
+        float best_v = kBanned;
+        for (size_t w = 0; w < c.allowed.size(); ++w)
+            for (uint32_t word = c.allowed[w]; word != 0; word &= word - 1) {
+                const int64_t i = static_cast<int64_t>(w) * 32 + __builtin_ctz(word);
+                if (i >= n_vocab) break;
+                if (logits[i] > best_v) {
+                    best_v = logits[i];
+                    best = static_cast<int32_t>(i);
+                }
+            }
+        return best;
+    }
+    constrained_.assign(logits, logits + n_vocab);
+    if (!c.allowed.empty()) apply_token_mask(constrained_.data(), n_vocab, c.allowed);
+    token_adds(c, n_vocab, adds_);
+    for (const TokenAdd& a : adds_) constrained_[static_cast<size_t>(a.token)] += a.add;
+    bool any = false;  // (a NaN is no choice either)
+    for (int64_t t = 0; t < n_vocab && !any; ++t) any = constrained_[static_cast<size_t>(t)] > kBanned;
+    if (!any) return -1;
+    return sample(constrained_.data(), n_vocab, p, prompt, output, index);
+}
+
 int32_t Sampler::sample(const float* logits, int64_t n_vocab, const SamplingParams& p,
                         std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index) {
     const float* l = logits;

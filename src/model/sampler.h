@@ -48,12 +48,50 @@ bool has_penalties(const SamplingParams& p);
 void penalty_edits(const SamplingParams& p, int64_t n_vocab, std::span<const int32_t> prompt,
                    std::span<const int32_t> output, std::vector<PenaltyEdit>& out);
 
+// A bias on one token's logit (OpenAI's logit_bias).
+struct TokenBias {
+    int32_t token = 0;
+    float bias = 0;
+    friend bool operator==(const TokenBias&, const TokenBias&) = default;
+};
+
+// What a request allows its next token to be, applied to the raw logits before the
+// penalties and the sampler's own steps, the same on the CPU and on a GPU (a GPU
+// sampler gets token_adds' list and the same bitset). Ids outside the vocabulary are
+// ignored.
+struct TokenConstraints {
+    std::span<const TokenBias> bias;    // added to these tokens' logits
+    std::span<const int32_t> banned;    // these may not be picked (min_tokens' end-of-generation tokens)
+    std::span<const uint32_t> allowed;  // empty: every token; else bit t % 32 of word t / 32 set: t may be picked
+    bool empty() const { return bias.empty() && banned.empty() && allowed.empty(); }
+};
+
+// Bans, in a row of n logits, every token the bitset (as TokenConstraints::allowed,
+// non-empty; a grammar's GrammarSet::allowed) does not allow: its logit becomes
+// -inf. Returns how many allowed tokens keep a logit above -inf (0: nothing can be
+// chosen). Word by word: a word of none allowed is filled, one of all allowed is left.
+int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits);
+
+// The bias and bans as one addition per token, in id order: a token's biases summed
+// in list order (a float sum, then added once), a banned token's -inf. The CPU sampler
+// adds these to the raw logits; a GPU sampler merges them into its edits.
+struct TokenAdd {
+    int32_t token;
+    float add;
+};
+void token_adds(const TokenConstraints& c, int64_t n_vocab, std::vector<TokenAdd>& out);
+
 class Sampler {
 public:
     // Picks a token from logits[n_vocab]. prompt and output are the request's
     // tokens so far (for penalties); index is the output position being sampled.
     int32_t sample(const float* logits, int64_t n_vocab, const SamplingParams& p,
                    std::span<const int32_t> prompt, std::span<const int32_t> output, uint64_t index);
+    // The same pick under constraints: the tokens `allowed` lacks set to -inf, then
+    // token_adds' additions, then sample() as above (penalties on the results). -1:
+    // no token is left above -inf (nothing can be chosen). The logits are not changed.
+    int32_t sample(const float* logits, int64_t n_vocab, const SamplingParams& p, std::span<const int32_t> prompt,
+                   std::span<const int32_t> output, uint64_t index, const TokenConstraints& c);
 
 private:
     struct Cand {
@@ -63,6 +101,8 @@ private:
     std::vector<Cand> cand_;
     std::vector<float> work_;
     std::vector<PenaltyEdit> edits_;
+    std::vector<float> constrained_;  // the row under constraints
+    std::vector<TokenAdd> adds_;
 };
 
 }  // namespace duet

@@ -404,6 +404,10 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     int32_t j = 0, accepted = 0;  // tokens emitted; drafts among them
     bool matched = true, missed = false;  // missed: a draft was not kept
     while (j < n && matched && f == Finish::None) {
+        if (!host && picks[j] < 0) {  // the backend's sampler: its constraints left nothing to choose
+            log_no_token(a.req, "no token its grammar allows is left");
+            return Finish::Failed;
+        }
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
                              a.prompt, a.output, a.stops.get());
         if (d.finish == Finish::Failed) return Finish::Failed;  // nothing emitted at this position
@@ -439,21 +443,35 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
 void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch) {
     batch.clear();
     samples_.resize(active_.size());
+    masks_.resize(active_.size());
     for (const DecodeRow& r : plan.rows) {
         Active& a = active_[r.seq];
         a.row.resize(static_cast<size_t>(r.n_tokens));
         // Without log-probabilities the backend picks the token (a GPU backend then
-        // copies no logits for it): the argmax alone for greedy without penalties,
-        // else the sampler's pick for this request and position. The host picks
-        // for a bias, while min_tokens bans end-of-generation tokens (pick()), and
-        // for a verify row, whose every position is drawn in turn.
+        // copies no logits for it): the argmax alone for greedy without penalties or
+        // constraints, else the sampler's pick for this request and position under
+        // its constraints (bias, min_tokens' bans, its grammar's mask: on a GPU, on
+        // the device). The host picks for a verify row, whose every position is
+        // drawn in turn, and where the grammar could not be followed (pick() says
+        // why and the request fails).
         const SamplingParams& sp = a.params.sampling;
-        const bool host = r.n_tokens > 1 || a.params.logprobs >= 0 || a.params.n_bias > 0 || a.data.grammar ||
-                          eog_banned(stop_rules(a.params), a.output.size());
-        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && !host;
+        bool host = r.n_tokens > 1 || a.params.logprobs >= 0;
+        TokenConstraints c;
+        if (!host) {
+            auto got = constraints(a.req, a.params, a.data, a.output);
+            host = !got;
+            if (got) {
+                c = *got;
+                if (!c.allowed.empty()) {  // the grammar's mask lasts until its next call: kept for the pass
+                    masks_[r.seq].assign(c.allowed.begin(), c.allowed.end());
+                    c.allowed = masks_[r.seq];
+                }
+            }
+        }
+        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && c.empty() && !host;
         SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
         if (!argmax_only && !host) {
-            samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size()};
+            samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size(), c};
             b.sample = &samples_[r.seq];
         }
         batch.push_back(b);

@@ -75,6 +75,7 @@ private:
     Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
     // The step's batch for a Run plan: each row's input and who picks its tokens.
     void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
+    std::vector<std::vector<uint32_t>> masks_;  // per active sequence: its grammar's mask for the pass
     std::unique_ptr<Drafter> drafter_;
     // The draft records (pace, odds) of the sequences it preempted, back with them
     // when they return here (preempt keeps, take_handoffs takes).

@@ -30,8 +30,8 @@ namespace duet {
 inline constexpr uint32_t kRequestDataVersion = 1;
 
 struct RequestData {
-    // logit_bias (OpenAI's): added to these tokens' logits before each pick, on the
-    // host (WorkerBase::pick); RequestParams::n_bias counts them.
+    // logit_bias (OpenAI's): added to these tokens' logits before each pick
+    // (WorkerBase::constraints); RequestParams::n_bias counts them.
     std::vector<RequestParams::Bias> bias;
     // A grammar its output must follow (response_format and the like): the tokens it
     // does not allow next are banned before each pick (engine/grammar.h).

@@ -208,12 +208,9 @@ struct RequestParams {
     void bind_arena(uint32_t a) { arena_plus_one = a + 1; }
     int32_t bound_arena() const { return static_cast<int32_t>(arena_plus_one) - 1; }
     // logit_bias (OpenAI's): its entries, whose table is in the request's data
-    // (roles/request_data.h); a worker picks such a request's tokens on the host.
-    struct Bias {
-        int32_t token = 0;
-        float bias = 0;
-        friend bool operator==(const Bias&, const Bias&) = default;
-    };
+    // (roles/request_data.h), applied where the token is picked (model/sampler.h
+    // TokenConstraints; on a GPU, on the device).
+    using Bias = TokenBias;
     uint32_t n_bias = 0;
     // Bytes of the request's data in its slot (shm::RequestTable::set_ext_data), 0:
     // none. A worker that cannot read exactly that much, undamaged, fails the

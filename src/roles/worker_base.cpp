@@ -217,54 +217,35 @@ void WorkerBase::forget_grammar(shm::ReqRef r) {
     if (grammars_) grammars_->forget(req_key(r));
 }
 
-int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
-                         std::span<const int32_t> prompt, std::span<const int32_t> output) {
-    const int64_t nv = backend_->n_vocab();
-    const bool ban = eog_banned(stop_rules(p), output.size());
-    std::span<const uint32_t> allowed;  // with a grammar: the tokens it allows next
+Result<TokenConstraints> WorkerBase::constraints(shm::ReqRef r, const RequestParams& p, const RequestData& d,
+                                                 std::span<const int32_t> output) {
+    TokenConstraints c;
+    c.bias = d.bias;
+    if (eog_banned(stop_rules(p), output.size())) c.banned = eog_ids_;
     if (d.grammar) {
         auto mask = grammars().allowed(req_key(r), *d.grammar, output);
-        if (!mask) {
-            log::error(fmt::format("request {}.{}: {}", r.slot, r.gen, mask.error().message),
-                       {request_field(r), request_id_field(inst_->requests(), r)});
-            return -1;
-        }
-        allowed = *mask;
+        if (!mask) return mask.error();
+        c.allowed = *mask;
     }
-    if (d.grammar && d.bias.empty() && !ban && p.sampling.temperature <= 0.0f && !has_penalties(p.sampling)) {
-        // Greedy under a grammar: the argmax over the tokens it allows, read from the
-        // mask's set bits (what the general path below picks, lowest id on a tie,
-        // without copying and banning the whole row).
-        int32_t best = -1;
-        float best_v = -std::numeric_limits<float>::infinity();
-        for (size_t w = 0; w < allowed.size(); ++w)
-            for (uint32_t word = allowed[w]; word != 0; word &= word - 1) {
-                const int64_t i = static_cast<int64_t>(w) * 32 + std::countr_zero(word);
-                if (i >= nv) break;
-                if (row[i] > best_v) {
-                    best_v = row[i];
-                    best = static_cast<int32_t>(i);
-                }
-            }
-        return best;  // -1: nothing the grammar allows has a logit above -inf
+    return c;
+}
+
+void WorkerBase::log_no_token(shm::ReqRef r, std::string_view why) const {
+    log::error(fmt::format("request {}.{}: {}", r.slot, r.gen, why),
+               {request_field(r), request_id_field(inst_->requests(), r)});
+}
+
+int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
+                         std::span<const int32_t> prompt, std::span<const int32_t> output) {
+    auto c = constraints(r, p, d, output);
+    if (!c) {
+        log_no_token(r, c.error().message);
+        return -1;
     }
-    if (ban || !d.bias.empty() || d.grammar) {
-        constexpr float kBanned = -std::numeric_limits<float>::infinity();
-        banned_row_.assign(row, row + nv);
-        for (const RequestParams::Bias& b : d.bias)
-            if (b.token >= 0 && b.token < nv) banned_row_[static_cast<size_t>(b.token)] += b.bias;
-        if (ban)
-            for (int32_t id : eog_ids_)
-                if (id < nv) banned_row_[static_cast<size_t>(id)] = kBanned;
-        // Its bias may have banned every token the grammar allows: nothing can be chosen.
-        if (d.grammar && apply_token_mask(banned_row_.data(), nv, allowed) == 0) {
-            log::error(fmt::format("request {}.{}: no token its grammar allows is left", r.slot, r.gen),
-                       {request_field(r), request_id_field(inst_->requests(), r)});
-            return -1;
-        }
-        row = banned_row_.data();
-    }
-    return sampler_.sample(row, nv, p.sampling, prompt, output, output.size());
+    const int32_t t = sampler_.sample(row, backend_->n_vocab(), p.sampling, prompt, output, output.size(), *c);
+    // Its bias or bans may have left no token its grammar allows: nothing can be chosen.
+    if (t < 0) log_no_token(r, "no token its grammar allows is left");
+    return t;
 }
 
 WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p,

@@ -151,14 +151,22 @@ protected:
     virtual bool has_work() = 0;
     // Load gauges in this process's registry slot, for routing.
     void publish_load(uint32_t items, uint64_t tokens);
+    // What request r allows its next token to be after `output`: its logit_bias,
+    // end-of-generation tokens banned while its min_tokens is not reached
+    // (engine/token_step.h eog_banned), and with a grammar the tokens it allows next
+    // (engine/grammar.h; the matcher brought to the output). The bitset holds until
+    // the next call for any request (the grammars' one buffer), the rest while the
+    // request's data does. Error: its grammar could not be followed.
+    Result<TokenConstraints> constraints(shm::ReqRef r, const RequestParams& p, const RequestData& d,
+                                         std::span<const int32_t> output);
     // A request's next token from its logits row on the host: the sampler's pick for
-    // its position, after its logit_bias is added, while its min_tokens is not
-    // reached end-of-generation tokens banned (engine/token_step.h eog_banned), and
-    // with a grammar every token it does not allow next banned (engine/grammar.h).
-    // The row is not changed. -1: its grammar could not be followed (the request
-    // fails).
+    // its position under constraints(). The row is not changed. -1: nothing could be
+    // chosen (its grammar could not be followed, or its bias left no token it allows;
+    // logged; the request fails).
     int32_t pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
                  std::span<const int32_t> prompt, std::span<const int32_t> output);
+    // Logs why request r has no next token (its grammar, its constraints).
+    void log_no_token(shm::ReqRef r, std::string_view why) const;
     // Before a request with a grammar runs here: its grammar compiled (or found in the
     // cache) and its matcher brought to the output so far, so that a grammar this
     // worker cannot follow fails the request when it is taken, and the compile time is
@@ -222,8 +230,7 @@ protected:
     std::unique_ptr<KvCacheManager> kv_;  // takes each pass's blocks before it runs
     std::unique_ptr<Tokenizer> tok_;
     Sampler sampler_;
-    std::vector<int32_t> eog_ids_;   // tok_->eog_ids(): banned while min_tokens is not reached
-    std::vector<float> banned_row_;  // pick()'s copy of a row with them banned
+    std::vector<int32_t> eog_ids_;          // tok_->eog_ids(): banned while min_tokens is not reached
     std::unique_ptr<GrammarSet> grammars_;  // made at the first request with a grammar
     std::vector<float> logits_;
     std::vector<int32_t> picks_;          // per output row, from forward_pick

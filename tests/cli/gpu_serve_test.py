@@ -11,7 +11,8 @@ block comes back; SIGTERM stops it all and leaves nothing in /dev/shm. The same 
 legacy CUDA IPC sharing, and with per-role arenas on the one GPU (prefill's and
 decode's, each hand-off copied between them layer by layer: the path of a hand-off
 between two GPUs, which needs a second GPU to run for real), and those per-role
-arenas with an int8 KV cache.
+arenas with an int8 KV cache. Requests with a logit_bias, a min_tokens or a JSON
+schema, sampled on the device, give the host sampler's tokens.
 
 "The same text" on a GPU: cuBLAS may pick another algorithm for another batch size
 (a batch of 12 against a batch of 1), so logits differ in the last bits and a greedy
@@ -72,6 +73,48 @@ def same_or_near_tie(port, prompt, params, got, what):
     return False
 
 
+def constrained_on_device(port):
+    """Decode samples a request with a logit_bias, a min_tokens not yet reached or a
+    JSON schema on the device (the bias and bans as edits, the grammar's mask as a
+    bitset; no logits copied); asking for log-probabilities sends the same request's
+    rows to the host sampler instead. Both must give the same tokens: greedy and
+    seeded, one request at a time (the same pass sizes, so the same logits)."""
+    def tokenize(text):
+        code, body = st.request(port, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+        st.check(code == 200, f"tokenize: {code} {body}")
+        return json.loads(body)["tokens"]
+
+    prompt = "The capital of France is"
+    code, body = st.request(port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    st.check(code == 200, f"completion: {code} {body}")
+    first = tokenize(json.loads(body)["choices"][0]["text"])[0]
+    blue = tokenize(" blue")[0]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "people": {"type": "integer"}},
+              "required": ["city", "people"], "additionalProperties": False}
+    cases = [
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 12, "logit_bias": {str(first): -100}}),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 12, "logit_bias": {str(blue): 100}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 24,
+                                  "min_tokens": 16}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Paris as JSON."}], "max_tokens": 48,
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "city", "schema": schema}}}),
+    ]
+    for path, body in cases:
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+            req = dict(body, **sampling)
+            host = dict(req, logprobs=1) if path == "/v1/completions" else dict(req, logprobs=True, top_logprobs=1)
+            texts = []
+            for r in (req, host):
+                code, out = st.request(port, "POST", path, r)
+                st.check(code == 200, f"{path} {r}: {code} {out}")
+                ch = json.loads(out)["choices"][0]
+                texts.append((ch["text"] if "text" in ch else ch["message"]["content"], ch["finish_reason"]))
+            st.check(texts[0] == texts[1], f"{path} {req}: the device's {texts[0]!r} != the host's {texts[1]!r}")
+    print(f"logit_bias, min_tokens and a JSON schema sampled on the device: the host sampler's tokens "
+          f"({2 * len(cases)} requests): ok")
+
+
 def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, decode_on="cuda:0", kv_dtype="f16"):
     for _ in range(600):
         if st.request(port, "GET", "/ready")[0] == 200:
@@ -106,6 +149,8 @@ def on_gpu(port, server, instance=INSTANCE, weights_shared=True, n_arenas=1, dec
         # One sequence on both sides (batch 1, graph bucket 1): the same kernels, the same text.
         st.check(text == run[:-1], f"{prompt!r}: server {text!r} != duet run {run[:-1]!r}")
     print("greedy completions on the GPU (prefill and decode processes) equal duet run --device cuda:0: ok")
+    if instance == INSTANCE:
+        constrained_on_device(port)
 
     # Concurrent streams, and a decode worker killed while it holds them.
     prompts = [f"Story {i}: the shared arena on the GPU holds every block, and" for i in range(12)]
