@@ -726,7 +726,7 @@ TEST(CudaSample, PicksTheCpuSamplersTokens) {
     std::vector<duet::SampleRequest> reqs;
     std::vector<duet::SamplingParams> keep;  // stable storage for the requests' params
     if (quick) bases = {bases[1], bases[2]};
-    keep.reserve(params.size() * bases.size() * (draws + 4) + 2);
+    keep.reserve(params.size() * bases.size() * (draws + 5) + 2);
     std::vector<int32_t> want;
     duet::Sampler cpu;
     // How many of the best candidates a top-p cut keeps (the whole row sorted).
@@ -764,23 +764,31 @@ TEST(CudaSample, PicksTheCpuSamplersTokens) {
                 want.push_back(host ? -1 : cpu.sample(bases[b].data(), nv, *r.params, r.prompt, r.output, r.index));
             }
     // Constrained rows (a request's logit_bias, min_tokens' bans, a grammar's bitset):
-    // against the CPU sampler under the same constraints, over every base and the
-    // parameters whose sorting the kernel does (no top-p without a top-k), with a
-    // dense and a sparse bitset, and a bitset that allows nothing (-1 from both).
-    std::vector<duet::TokenBias> bias = {{6018, 4.0f}, {11, -100.0f}, {48000, 2.5f}, {6018, 1.5f}, {30000, 100.0f}};
+    // against the CPU sampler under the same constraints, over every base and
+    // parameter set, with no bitset, a dense one, a sparse one (1 in 16), one of 20
+    // tokens (fewer than a top-k of 40, the usual grammar state) and one that allows
+    // nothing (-1 from both). The biases are small enough that the mask, the bans and
+    // the sampling decide, not one forced token. Top-p without top-k only under the
+    // sparse bitsets (a wider one may need more sorting than the kernel does).
+    std::vector<duet::TokenBias> bias = {{6018, 4.0f}, {11, -100.0f}, {48000, 2.5f}, {6018, 1.5f}, {30000, 3.0f}};
     const std::vector<int32_t> banned = {0, 2, 777};
-    std::vector<std::vector<uint32_t>> allowed(3, std::vector<uint32_t>(static_cast<size_t>((nv + 31) / 32)));
+    std::vector<std::vector<uint32_t>> allowed(4, std::vector<uint32_t>(static_cast<size_t>((nv + 31) / 32)));
     {
         std::mt19937 rng(84);
         for (auto& w : allowed[0]) w = ~static_cast<uint32_t>(rng() & rng());                 // most tokens
-        for (auto& w : allowed[1]) w = static_cast<uint32_t>(rng() & rng() & rng() & rng());  // a few
-        // allowed[2]: nothing.
+        for (auto& w : allowed[1]) w = static_cast<uint32_t>(rng() & rng() & rng() & rng());  // 1 in 16
+        for (int i = 0; i < 20; ++i) {  // 20 tokens, the bias's among them
+            const uint32_t t = i < 3 ? std::vector<uint32_t>{6018, 48000, 30000}[static_cast<size_t>(i)]
+                                     : static_cast<uint32_t>(rng() % static_cast<uint32_t>(nv));
+            allowed[2][t / 32] |= 1u << (t % 32);
+        }
+        // allowed[3]: nothing.
     }
     for (size_t b = 0; b < bases.size(); ++b)
         for (size_t pi = 0; pi < params.size(); pi += quick ? 7 : 1) {
             const duet::SamplingParams& p0 = params[pi];
-            if (p0.top_p < 1.0f && p0.top_k == 0) continue;
-            for (int variant = 0; variant < 4; ++variant) {
+            for (int variant = 0; variant < 5; ++variant) {
+                if (p0.top_p < 1.0f && p0.top_k == 0 && variant < 2) continue;
                 keep.push_back(p0);
                 keep.back().seed = 5000 + 10 * b + static_cast<uint64_t>(variant);
                 duet::SampleRequest r{&keep.back(), prompt, output, 2};

@@ -344,12 +344,24 @@ TEST(Sampler, TokenAddsSumEachTokensBiasesAndBanOverAll) {
     EXPECT_EQ(a[2].add, kBanned) << "banned over its bias";
     EXPECT_EQ(a[3].token, 9);
     EXPECT_EQ(a[3].add, 1.75f);
-    // The sampler adds each sum once: with the sum, 9 wins over 10 by a hair.
+    // The sampler adds each sum once: token 9's 0.0173 + (1.5 + 0.3) rounds below
+    // (0.0173 + 1.5) + 0.3, which token 10 holds, so 10 wins (added one after the
+    // other, 9 would tie it and win as the lower id). A ban sets -inf whatever the
+    // logit, +inf included.
+    const std::vector<TokenBias> twice = {{9, 1.5f}, {9, 0.3f}};
     std::vector<float> row(100, 0.0f);
-    row[10] = 1.74f;
+    row[9] = 0.0173f;
+    const float one_by_one = (row[9] + 1.5f) + 0.3f;
+    ASSERT_LT(row[9] + (1.5f + 0.3f), one_by_one) << "the case must tell the two orders apart";
+    row[10] = one_by_one;
     Sampler s;
     SamplingParams g;
     g.temperature = 0;
-    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{bias, banned, {}}), 9);
-    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{}), 10);
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{twice, {}, {}}), 10);
+    row[10] = 0.0f;
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{twice, {}, {}}), 9);
+    row[4] = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{bias, banned, {}}), 9) << "4 is banned";
+    EXPECT_EQ(apply_token_add(std::numeric_limits<float>::quiet_NaN(), kBanned), kBanned);
+    EXPECT_EQ(s.sample(row.data(), 100, g, {}, {}, 0, TokenConstraints{}), 4);
 }

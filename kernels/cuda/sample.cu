@@ -233,7 +233,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = threadIdx.x; e < r.edit_count; e += kThreads) {
         const SampleEdit ed = edits[r.edit_begin + e];
         float x = w[ed.token];
-        if (ed.add != 0.0f) x = __fadd_rn(x, ed.add);
+        if (ed.add == -INFINITY)
+            x = -INFINITY;  // a ban, whatever the logit (model/sampler.h apply_token_add)
+        else if (ed.add != 0.0f)
+            x = __fadd_rn(x, ed.add);
         if (ed.rep) x = x > 0 ? __fdiv_rn(x, r.rep) : __fmul_rn(x, r.rep);
         w[ed.token] = __fsub_rn(x, ed.sub);
     }
@@ -338,8 +341,19 @@ __global__ void __launch_bounds__(kThreads)
             __syncthreads();
         }
     }
-    // The draw: the first candidate, in order, whose running sum passes u * total.
+    // The draw: the first candidate, in order, whose running sum passes u * total. A
+    // candidate of logit -inf (banned, masked, filtered) weighs nothing and is never
+    // drawn, not even where the running sums' rounding (the block's order is not the
+    // CPU's) would let the draw land on it, nor as the fallback.
     if (sorted) {
+        // Sorted best first: the -inf candidates are the list's tail; cut it.
+        if (threadIdx.x == 0) sh.pick = static_cast<int>(n);
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += kThreads)
+            if (sh.cl[i] == -INFINITY) atomicMin(&sh.pick, i);
+        __syncthreads();
+        n = sh.pick;  // >= 1: the best candidate is above -inf (checked above)
+        __syncthreads();
         double total = 0;
         // The total first (the same scan, reaching nothing), then the target.
         first_reaching(static_cast<int>(n), mx, 1.0, INFINITY, true, &total, sh);
@@ -352,7 +366,7 @@ __global__ void __launch_bounds__(kThreads)
     double mine = 0;
     int last = -1;  // the last kept token in my chunk
     for (int64_t i = lo; i < hi; ++i)
-        if (w[i] != -INFINITY || !r.min_p_on) {
+        if (w[i] != -INFINITY) {
             mine += weight(w[i], mx);
             last = static_cast<int>(i);
         }
@@ -366,7 +380,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (last >= 0) atomicMax(&sh.imax, last);
     for (int64_t i = lo; i < hi; ++i) {
-        if (r.min_p_on && w[i] == -INFINITY) continue;
+        if (w[i] == -INFINITY) continue;
         c += weight(w[i], mx);
         if (target < c) {
             atomicMin(&sh.pick, static_cast<int>(i));

@@ -40,7 +40,8 @@ struct SampleRow {
 
 // One token's edit, applied after the mask: logit = rep(logit + add) - sub, where
 // rep divides a positive logit by the row's repetition penalty and multiplies a
-// negative one (when rep is set), and add is left out when 0.
+// negative one (when rep is set), add is left out when 0, and an add of -inf (a
+// ban) sets the logit to -inf (model/sampler.h apply_token_add).
 struct SampleEdit {
     int32_t token;
     int32_t rep;

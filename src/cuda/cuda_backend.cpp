@@ -933,8 +933,8 @@ Status CudaBackend::Impl::enqueue_samples(std::span<SeqBatch> batch, const Acts&
     if (Status st = sample_out.reserve(rows.size() * sizeof(int32_t)); !st) return st;
     auto* h = sample_in.as<uint8_t>();
     std::memcpy(h, rows.data(), rows.size() * sizeof(cuda::SampleRow));
-    std::memcpy(h + rows_bytes, edits.data(), edits.size() * sizeof(cuda::SampleEdit));
-    std::memcpy(h + rows_bytes + edits_bytes, masks.data(), masks.size() * sizeof(uint32_t));
+    if (!edits.empty()) std::memcpy(h + rows_bytes, edits.data(), edits.size() * sizeof(cuda::SampleEdit));
+    if (!masks.empty()) std::memcpy(h + rows_bytes + edits_bytes, masks.data(), masks.size() * sizeof(uint32_t));
     DUET_CUDA_TRY(cudaMemcpyAsync(sample_dev.as<uint8_t>(), h, bytes, cudaMemcpyHostToDevice, stream));
     {
         trace::Range range("cuda sample");

@@ -157,7 +157,10 @@ int32_t Sampler::sample(const float* logits, int64_t n_vocab, const SamplingPara
     constrained_.assign(logits, logits + n_vocab);
     if (!c.allowed.empty()) apply_token_mask(constrained_.data(), n_vocab, c.allowed);
     token_adds(c, n_vocab, adds_);
-    for (const TokenAdd& a : adds_) constrained_[static_cast<size_t>(a.token)] += a.add;
+    for (const TokenAdd& a : adds_) {
+        float& x = constrained_[static_cast<size_t>(a.token)];
+        x = apply_token_add(x, a.add);
+    }
     bool any = false;  // (a NaN is no choice either)
     for (int64_t t = 0; t < n_vocab && !any; ++t) any = constrained_[static_cast<size_t>(t)] > kBanned;
     if (!any) return -1;

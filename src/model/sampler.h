@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -72,14 +73,19 @@ struct TokenConstraints {
 // chosen). Word by word: a word of none allowed is filled, one of all allowed is left.
 int64_t apply_token_mask(float* row, int64_t n, std::span<const uint32_t> bits);
 
-// The bias and bans as one addition per token, in id order: a token's biases summed
-// in list order (a float sum, then added once), a banned token's -inf. The CPU sampler
-// adds these to the raw logits; a GPU sampler merges them into its edits.
+// The bias and bans as one edit per token, in id order: a token's biases summed in
+// list order (a float sum, then added once), a banned token's add -inf, which sets
+// its logit to -inf (whatever the logit was). The CPU sampler applies these to the
+// raw logits (apply_token_add); a GPU sampler merges them into its edits.
 struct TokenAdd {
     int32_t token;
     float add;
 };
 void token_adds(const TokenConstraints& c, int64_t n_vocab, std::vector<TokenAdd>& out);
+// A logit after a TokenAdd: -inf for a ban, x + add otherwise (x itself for add 0).
+inline float apply_token_add(float x, float add) {
+    return add == -std::numeric_limits<float>::infinity() ? add : add != 0.0f ? x + add : x;
+}
 
 class Sampler {
 public:

@@ -405,7 +405,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     bool matched = true, missed = false;  // missed: a draft was not kept
     while (j < n && matched && f == Finish::None) {
         if (!host && picks[j] < 0) {  // the backend's sampler: its constraints left nothing to choose
-            log_no_token(a.req, "no token its grammar allows is left");
+            log_no_token(a.req, "no token is left that its grammar, bias and bans allow");
             return Finish::Failed;
         }
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,
@@ -442,11 +442,20 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
 
 void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch) {
     batch.clear();
-    samples_.resize(active_.size());
-    masks_.resize(active_.size());
     for (const DecodeRow& r : plan.rows) {
         Active& a = active_[r.seq];
         a.row.resize(static_cast<size_t>(r.n_tokens));
+        batch.push_back(SeqBatch{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1});
+    }
+}
+
+void DecodeWorker::choose_pickers(const DecodeStep& plan, std::span<SeqBatch> batch) {
+    samples_.resize(active_.size());
+    masks_.resize(active_.size());
+    for (size_t k = 0; k < plan.rows.size(); ++k) {
+        const DecodeRow& r = plan.rows[k];
+        Active& a = active_[r.seq];
+        SeqBatch& b = batch[k];
         // Without log-probabilities the backend picks the token (a GPU backend then
         // copies no logits for it): the argmax alone for greedy without penalties or
         // constraints, else the sampler's pick for this request and position under
@@ -468,13 +477,12 @@ void DecodeWorker::build_batch(const DecodeStep& plan, std::vector<SeqBatch>& ba
                 }
             }
         }
-        const bool argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && c.empty() && !host;
-        SeqBatch b{&a.seq, a.row.data(), r.n_tokens, r.n_tokens > 1, argmax_only};
-        if (!argmax_only && !host) {
+        b.argmax_only = sp.temperature <= 0.0f && !has_penalties(sp) && c.empty() && !host;
+        b.sample = nullptr;
+        if (!b.argmax_only && !host) {
             samples_[r.seq] = SampleRequest{&sp, a.prompt, a.output, a.output.size(), c};
             b.sample = &samples_[r.seq];
         }
-        batch.push_back(b);
     }
 }
 
@@ -540,6 +548,7 @@ Result<bool> DecodeWorker::step() {
         make_room(plan);
         return true;
     }
+    choose_pickers(plan, batch);  // once the blocks are there (a grammar's mask is made once a step)
     const uint64_t step_ns = shm::monotonic_ns();
     for (Active& a : active_) {
         a.kv_wait_since = 0;

@@ -73,8 +73,11 @@ private:
     // each drawn as plain decoding draws it, a draft kept while it matches, the rest
     // of the row's KV dropped. The Finish that ends it, or None.
     Finish emit(Active& a, const float* rows, const int32_t* picks, bool host, int32_t n);
-    // The step's batch for a Run plan: each row's input and who picks its tokens.
+    // The step's batch for a Run plan: each row's input.
     void build_batch(const DecodeStep& plan, std::vector<SeqBatch>& batch);
+    // Who picks each row's tokens (the backend: argmax or its sampler under the
+    // request's constraints; or the host), for the batch build_batch made of plan.
+    void choose_pickers(const DecodeStep& plan, std::span<SeqBatch> batch);
     std::vector<std::vector<uint32_t>> masks_;  // per active sequence: its grammar's mask for the pass
     std::unique_ptr<Drafter> drafter_;
     // The draft records (pace, odds) of the sequences it preempted, back with them
