@@ -1156,10 +1156,12 @@ TEST(RowOps, F16Attention) {
     }
 }
 
-// A span's rows over one KV block (attn_*_f16_rows) equal each row's one-row kernel
-// bit for bit: every row count up to 8, rows that see none, some or all of the
-// block's keys (causal spans), blocks of 16 keys and of more (the fallback), at every
-// level the machine has.
+// A span's rows over one KV block (attn_*_f16_rows), for one query head or several
+// sharing the block's KV head, equal each (head, row)'s one-row kernel bit for bit:
+// every row count up to 8, 1 to 4 heads (pair counts that leave 0, 1 and 2 pairs over
+// the AVX-512 level's threes), rows that see none, some or all of the block's keys
+// (causal spans), blocks of 16 keys and of more (the fallback), at every level the
+// machine has.
 TEST(RowOps, SpanRowsOverABlockEqualTheOneRowKernels) {
     for (int64_t head_dim : {64, 128, 80, 7}) {
         for (int64_t keys : {16, 5, 21}) {
@@ -1167,35 +1169,42 @@ TEST(RowOps, SpanRowsOverABlockEqualTheOneRowKernels) {
             const std::vector<float> kf = random_floats(stride * static_cast<size_t>(keys), 31, -2, 2);
             std::vector<uint16_t> kv(kf.size());
             for (size_t i = 0; i < kf.size(); ++i) kv[i] = fp32_to_fp16(kf[i]);
-            for (int64_t rows = 1; rows <= 8; ++rows) {
-                const size_t q_stride = static_cast<size_t>(head_dim) * 2 + 1, s_stride = 40, o_stride = q_stride;
-                const std::vector<float> q = random_floats(q_stride * static_cast<size_t>(rows), 32, -2, 2);
-                const std::vector<float> p = random_floats(s_stride * static_cast<size_t>(rows), 33, 0, 1);
-                const std::vector<float> out0 = random_floats(o_stride * static_cast<size_t>(rows), 34);
-                std::vector<int64_t> n(static_cast<size_t>(rows));
-                for (int64_t r = 0; r < rows; ++r)
-                    n[r] = std::clamp<int64_t>(keys - rows + 1 + r - (r == 1 ? 9 : 0), 0, keys);
-                for (Isa isa : supported_isas()) {
-                    std::vector<float> got(s_stride * static_cast<size_t>(rows), -7.0f), want = got;
-                    attn_scores_f16_rows(isa, q.data(), q_stride, rows, n.data(), kv.data(), stride, head_dim, 0.125f,
-                                         got.data(), s_stride);
+            for (int64_t heads = 1; heads <= 4; ++heads)
+                for (int64_t rows = 1; rows <= 8; ++rows) {
+                    const size_t q_stride = static_cast<size_t>(head_dim) * 2 + 1, s_stride = 40, o_stride = q_stride;
+                    const size_t q_head = q_stride * static_cast<size_t>(rows) + 5;  // head g's rows after g's
+                    const size_t pairs = static_cast<size_t>(heads * rows);
+                    const std::vector<float> q = random_floats(q_head * static_cast<size_t>(heads), 32, -2, 2);
+                    const std::vector<float> p = random_floats(s_stride * pairs, 33, 0, 1);
+                    const std::vector<float> out0 = random_floats(q_head * static_cast<size_t>(heads), 34);
+                    std::vector<int64_t> n(static_cast<size_t>(rows));
                     for (int64_t r = 0; r < rows; ++r)
-                        if (n[r] > 0)
-                            attn_scores_f16(isa, q.data() + r * q_stride, kv.data(), stride, n[r], head_dim, 0.125f,
-                                            want.data() + r * s_stride);
-                    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
-                        << isa_str(isa) << " head_dim " << head_dim << " keys " << keys << " rows " << rows;
-                    std::vector<float> acc = out0, acc_want = out0;
-                    attn_accum_f16_rows(isa, p.data(), s_stride, rows, n.data(), kv.data(), stride, head_dim,
-                                        acc.data(), o_stride);
-                    for (int64_t r = 0; r < rows; ++r)
-                        if (n[r] > 0)
-                            attn_accum_f16(isa, p.data() + r * s_stride, kv.data(), stride, n[r], head_dim,
-                                           acc_want.data() + r * o_stride);
-                    ASSERT_EQ(0, std::memcmp(acc.data(), acc_want.data(), acc.size() * 4))
-                        << isa_str(isa) << " head_dim " << head_dim << " keys " << keys << " rows " << rows;
+                        n[r] = std::clamp<int64_t>(keys - rows + 1 + r - (r == 1 ? 9 : 0), 0, keys);
+                    for (Isa isa : supported_isas()) {
+                        std::vector<float> got(s_stride * pairs, -7.0f), want = got;
+                        attn_scores_f16_rows(isa, q.data(), q_stride, q_head, heads, rows, n.data(), kv.data(), stride,
+                                             head_dim, 0.125f, got.data(), s_stride);
+                        for (int64_t g = 0; g < heads; ++g)
+                            for (int64_t r = 0; r < rows; ++r)
+                                if (n[r] > 0)
+                                    attn_scores_f16(isa, q.data() + g * q_head + r * q_stride, kv.data(), stride, n[r],
+                                                    head_dim, 0.125f, want.data() + (g * rows + r) * s_stride);
+                        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+                            << isa_str(isa) << " head_dim " << head_dim << " keys " << keys << " heads " << heads
+                            << " rows " << rows;
+                        std::vector<float> acc = out0, acc_want = out0;
+                        attn_accum_f16_rows(isa, p.data(), s_stride, heads, rows, n.data(), kv.data(), stride, head_dim,
+                                            acc.data(), o_stride, q_head);
+                        for (int64_t g = 0; g < heads; ++g)
+                            for (int64_t r = 0; r < rows; ++r)
+                                if (n[r] > 0)
+                                    attn_accum_f16(isa, p.data() + (g * rows + r) * s_stride, kv.data(), stride, n[r],
+                                                   head_dim, acc_want.data() + g * q_head + r * o_stride);
+                        ASSERT_EQ(0, std::memcmp(acc.data(), acc_want.data(), acc.size() * 4))
+                            << isa_str(isa) << " head_dim " << head_dim << " keys " << keys << " heads " << heads
+                            << " rows " << rows;
+                    }
                 }
-            }
         }
     }
 }

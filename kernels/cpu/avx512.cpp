@@ -3008,12 +3008,16 @@ void to_f32(const uint16_t* k, size_t stride, int64_t n, int64_t head_dim, int64
 }
 }  // namespace
 
-void attn_scores_f16_rows(const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
-                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride) {
+void attn_scores_f16_rows(const float* q, size_t q_stride, size_t q_head, int64_t heads, int64_t rows, const int64_t* n,
+                          const uint16_t* k, size_t stride, int64_t head_dim, float scale, float* scores,
+                          size_t s_stride) {
     const int64_t n_max = block_rows(rows, n);
-    if (rows < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
-        for (int64_t r = 0; r < rows; ++r)
-            if (n[r] > 0) attn_scores_f16(q + r * q_stride, k, stride, n[r], head_dim, scale, scores + r * s_stride);
+    const int64_t pairs = heads * rows;  // pair i: head i / rows, row i % rows
+    auto q_of = [&](int64_t i) { return q + (i / rows) * q_head + (i % rows) * q_stride; };
+    if (pairs < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
+        for (int64_t i = 0; i < pairs; ++i)
+            if (n[i % rows] > 0)
+                attn_scores_f16(q_of(i), k, stride, n[i % rows], head_dim, scale, scores + i * s_stride);
         return;
     }
     alignas(64) float kf[kRowsKeys * kRowsDim];
@@ -3022,35 +3026,91 @@ void attn_scores_f16_rows(const float* q, size_t q_stride, int64_t rows, const i
     const __m512 sv = _mm512_set1_ps(scale);
     const auto load = [&](int64_t j, int64_t e, __mmask16 m) { return _mm512_maskz_loadu_ps(m, kf + j * pitch + e); };
     const auto post = [&](int64_t, __m512 h) { return _mm512_mul_ps(sv, h); };
-    for (int64_t r = 0; r < rows; ++r) {
-        if (n[r] <= 0) continue;
-        const float* qr = q + r * q_stride;
-        float* sr = scores + r * s_stride;
+    for (int64_t i = 0; i < pairs; ++i) {
+        const int64_t nr = n[i % rows];
+        if (nr <= 0) continue;
+        const float* qr = q_of(i);
+        float* sr = scores + i * s_stride;
         if (head_dim == 64)
-            dot_rows<2>(qr, head_dim, n[r], load, post, sr);
+            dot_rows<2>(qr, head_dim, nr, load, post, sr);
         else if (head_dim == 128)
-            dot_rows<4>(qr, head_dim, n[r], load, post, sr);
+            dot_rows<4>(qr, head_dim, nr, load, post, sr);
         else
-            dot_rows<0>(qr, head_dim, n[r], load, post, sr);
+            dot_rows<0>(qr, head_dim, nr, load, post, sr);
     }
 }
 
-void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
-                         size_t stride, int64_t head_dim, float* out, size_t out_stride) {
+namespace {
+// M (head, row) pairs' value sums over one converted block of 64-wide values (vf,
+// rows `pitch` floats apart), their fma chains interleaved: pair t's out[e] =
+// fma(p_t[j], v_j[e], out[e]) for j = 0 .. n_t - 1 in order, as accum_rows gives it.
+template <int M>
+void accum_pairs64(const float* const* p, const int64_t* n, float* const* out, const float* vf, int64_t pitch) {
+    __m512 o[M][4];
+    int64_t jmax = 0;
+    for (int t = 0; t < M; ++t) {
+        for (int c = 0; c < 4; ++c) o[t][c] = _mm512_loadu_ps(out[t] + 16 * c);
+        jmax = std::max(jmax, n[t]);
+    }
+    for (int64_t j = 0; j < jmax; ++j) {
+        const float* vr = vf + j * pitch;
+        const __m512 v0 = _mm512_load_ps(vr), v1 = _mm512_load_ps(vr + 16), v2 = _mm512_load_ps(vr + 32),
+                     v3 = _mm512_load_ps(vr + 48);
+        for (int t = 0; t < M; ++t) {
+            if (j >= n[t]) continue;
+            const __m512 a = _mm512_set1_ps(p[t][j]);
+            o[t][0] = _mm512_fmadd_ps(a, v0, o[t][0]);
+            o[t][1] = _mm512_fmadd_ps(a, v1, o[t][1]);
+            o[t][2] = _mm512_fmadd_ps(a, v2, o[t][2]);
+            o[t][3] = _mm512_fmadd_ps(a, v3, o[t][3]);
+        }
+    }
+    for (int t = 0; t < M; ++t)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out[t] + 16 * c, o[t][c]);
+}
+}  // namespace
+
+void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t heads, int64_t rows, const int64_t* n,
+                         const uint16_t* v, size_t stride, int64_t head_dim, float* out, size_t out_stride,
+                         size_t out_head) {
     const int64_t n_max = block_rows(rows, n);
-    if (rows < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
-        for (int64_t r = 0; r < rows; ++r)
-            if (n[r] > 0) attn_accum_f16(p + r * p_stride, v, stride, n[r], head_dim, out + r * out_stride);
+    const int64_t pairs = heads * rows;  // pair i: head i / rows, row i % rows
+    auto out_of = [&](int64_t i) { return out + (i / rows) * out_head + (i % rows) * out_stride; };
+    if (pairs < 2 || n_max > kRowsKeys || head_dim > kRowsDim) {
+        for (int64_t i = 0; i < pairs; ++i)
+            if (n[i % rows] > 0) attn_accum_f16(p + i * p_stride, v, stride, n[i % rows], head_dim, out_of(i));
         return;
     }
     alignas(64) float vf[kRowsKeys * kRowsDim];
     const int64_t pitch = (head_dim + 15) / 16 * 16;
     to_f32(v, stride, n_max, head_dim, pitch, vf);
-    for (int64_t r = 0; r < rows; ++r) {
-        if (n[r] <= 0) continue;
-        const float* pr = p + r * p_stride;
+    if (head_dim == 64) {
+        // Three pairs at a time: twelve independent chains hide the fma latency that
+        // bounds one pair's four.
+        const float* pp[3];
+        int64_t nn[3];
+        float* oo[3];
+        int m = 0;
+        for (int64_t i = 0; i < pairs; ++i) {
+            if (n[i % rows] <= 0) continue;
+            pp[m] = p + i * p_stride;
+            nn[m] = n[i % rows];
+            oo[m] = out_of(i);
+            if (++m == 3) {
+                accum_pairs64<3>(pp, nn, oo, vf, pitch);
+                m = 0;
+            }
+        }
+        if (m == 2) accum_pairs64<2>(pp, nn, oo, vf, pitch);
+        if (m == 1) accum_pairs64<1>(pp, nn, oo, vf, pitch);
+        return;
+    }
+    for (int64_t i = 0; i < pairs; ++i) {
+        const int64_t nr = n[i % rows];
+        if (nr <= 0) continue;
+        const float* pr = p + i * p_stride;
         accum_rows(
-            n[r], head_dim, out + r * out_stride, [&](int64_t j) { return pr[j]; },
+            nr, head_dim, out_of(i), [&](int64_t j) { return pr[j]; },
             [&](int64_t j, int64_t e, __mmask16 m) { return _mm512_maskz_loadu_ps(m, vf + j * pitch + e); });
     }
 }

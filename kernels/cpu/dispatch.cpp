@@ -388,26 +388,35 @@ void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, i
     DUET_ROUTE(isa, attn_accum_f16(p, v, stride, n, head_dim, out));
 }
 
-void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
-                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride) {
+void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, size_t q_head, int64_t heads, int64_t rows,
+                          const int64_t* n, const uint16_t* k, size_t stride, int64_t head_dim, float scale,
+                          float* scores, size_t s_stride) {
     check_isa(isa);
 #if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
     if (isa == Isa::Avx512 || isa == Isa::Amx)
-        return avx512::attn_scores_f16_rows(q, q_stride, rows, n, k, stride, head_dim, scale, scores, s_stride);
+        return avx512::attn_scores_f16_rows(q, q_stride, q_head, heads, rows, n, k, stride, head_dim, scale, scores,
+                                            s_stride);
 #endif
-    for (int64_t r = 0; r < rows; ++r)
-        if (n[r] > 0) attn_scores_f16(isa, q + r * q_stride, k, stride, n[r], head_dim, scale, scores + r * s_stride);
+    for (int64_t g = 0; g < heads; ++g)
+        for (int64_t r = 0; r < rows; ++r)
+            if (n[r] > 0)
+                attn_scores_f16(isa, q + g * q_head + r * q_stride, k, stride, n[r], head_dim, scale,
+                                scores + (g * rows + r) * s_stride);
 }
 
-void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
-                         size_t stride, int64_t head_dim, float* out, size_t out_stride) {
+void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t heads, int64_t rows, const int64_t* n,
+                         const uint16_t* v, size_t stride, int64_t head_dim, float* out, size_t out_stride,
+                         size_t out_head) {
     check_isa(isa);
 #if defined(__x86_64__) && !defined(DUET_KERNELS_SCALAR_ONLY)
     if (isa == Isa::Avx512 || isa == Isa::Amx)
-        return avx512::attn_accum_f16_rows(p, p_stride, rows, n, v, stride, head_dim, out, out_stride);
+        return avx512::attn_accum_f16_rows(p, p_stride, heads, rows, n, v, stride, head_dim, out, out_stride, out_head);
 #endif
-    for (int64_t r = 0; r < rows; ++r)
-        if (n[r] > 0) attn_accum_f16(isa, p + r * p_stride, v, stride, n[r], head_dim, out + r * out_stride);
+    for (int64_t g = 0; g < heads; ++g)
+        for (int64_t r = 0; r < rows; ++r)
+            if (n[r] > 0)
+                attn_accum_f16(isa, p + (g * rows + r) * p_stride, v, stride, n[r], head_dim,
+                               out + g * out_head + r * out_stride);
 }
 
 float fp8_e4m3_to_fp32(uint8_t b) { return kFp8E4M3[b]; }

@@ -91,15 +91,20 @@ void attn_scores_f16(Isa isa, const float* q, const uint16_t* k, size_t stride, 
 void attn_accum_f16(Isa isa, const float* p, const uint16_t* v, size_t stride, int64_t n, int64_t head_dim,
                     float* out);
 // The same for the rows of a span that read one KV block (a prefill chunk, a verify
-// row): row r's query at q + r * q_stride meets the block's first n[r] keys (0: none),
-// its scores at scores + r * s_stride; its probabilities at p + r * p_stride weigh
-// the first n[r] values into out + r * out_stride. Each row's results are bit for
-// bit what attn_scores_f16 / attn_accum_f16 give it alone; the AVX-512 level
-// converts the block's f16 values once for all the rows.
-void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
-                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride);
-void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
-                         size_t stride, int64_t head_dim, float* out, size_t out_stride);
+// row), for `heads` query heads that share the block's KV head (grouped-query
+// attention): head g's row r has its query at q + g * q_head + r * q_stride, meets
+// the block's first n[r] keys (0: none), its scores at scores + (g * rows + r) *
+// s_stride; its probabilities at p + (g * rows + r) * p_stride weigh the first n[r]
+// values into out + g * out_head + r * out_stride. Each (head, row)'s results are
+// bit for bit what attn_scores_f16 / attn_accum_f16 give it alone; the AVX-512
+// level converts the block's f16 values once for all of them, and interleaves up to
+// three of them's value sums (each a chain of dependent fmas).
+void attn_scores_f16_rows(Isa isa, const float* q, size_t q_stride, size_t q_head, int64_t heads, int64_t rows,
+                          const int64_t* n, const uint16_t* k, size_t stride, int64_t head_dim, float scale,
+                          float* scores, size_t s_stride);
+void attn_accum_f16_rows(Isa isa, const float* p, size_t p_stride, int64_t heads, int64_t rows, const int64_t* n,
+                         const uint16_t* v, size_t stride, int64_t head_dim, float* out, size_t out_stride,
+                         size_t out_head);
 
 // Quantized KV rows (src/kv/kv_pool.h KvDtype): a row of n values is n bytes and
 // one f32 scale, value = scale * decode(byte).

@@ -92,10 +92,12 @@ void attn_scores_q(KvQuant t, const float* q, const uint8_t* k, const float* k_s
                    int64_t head_dim, float scale, float* scores);
 void attn_accum_q(KvQuant t, const float* p, const uint8_t* v, const float* v_scale, size_t stride, int64_t n,
                   int64_t head_dim, float* out);
-void attn_scores_f16_rows(const float* q, size_t q_stride, int64_t rows, const int64_t* n, const uint16_t* k,
-                          size_t stride, int64_t head_dim, float scale, float* scores, size_t s_stride);
-void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t rows, const int64_t* n, const uint16_t* v,
-                         size_t stride, int64_t head_dim, float* out, size_t out_stride);
+void attn_scores_f16_rows(const float* q, size_t q_stride, size_t q_head, int64_t heads, int64_t rows, const int64_t* n,
+                          const uint16_t* k, size_t stride, int64_t head_dim, float scale, float* scores,
+                          size_t s_stride);
+void attn_accum_f16_rows(const float* p, size_t p_stride, int64_t heads, int64_t rows, const int64_t* n,
+                         const uint16_t* v, size_t stride, int64_t head_dim, float* out, size_t out_stride,
+                         size_t out_head);
 }  // namespace avx512
 
 // The AVX-512 level's quantized products on AMX tiles (amx.cpp): avx512::matmul's

@@ -85,6 +85,11 @@ struct CpuBackend::Scratch {
     // sequence, at most kAttnRows long ({first token, count}).
     std::vector<std::pair<int64_t, int64_t>> spans;
     std::vector<int64_t> span_end;  // keys the spans' rows read, spans 0..i (split_items)
+    // Query heads per attention item: those of one KV head (an f16 cache converts
+    // each block once for them all) where that leaves every thread four items or
+    // more, else one (a lone sequence's 9 heads split 5 / 4 over two threads, its
+    // 3 groups 2 / 1).
+    int64_t heads_per_item = 1;
     float* logits = nullptr;
 
     // x, xn, hs and xq hold one copy per thread when `replicate` (see run()).
@@ -93,7 +98,7 @@ struct CpuBackend::Scratch {
     Buf x, xn, hs, q, k, v, att, tmp, gate, up, xq, scores, x_out, att_out;
     bool replicate = false;
     size_t xq_stride = 0;
-    int64_t scores_n = 0;  // floats of attention scores per row ([kAttnRows][threads] rows)
+    int64_t scores_n = 0;  // floats of attention scores per row ([kAttnRows x group][threads] rows)
     // set_interrupt's check, for this pass (null: none); stop[l]: stop before layer
     // l (written by thread 0 before the last barrier of layer l - 1, read by every
     // thread after it).
@@ -221,7 +226,9 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
     s.scores_n = (max_ctx + 15) / 16 * 16;
-    s.scores.get(sizeof(float) * threads_.size() * kAttnRows * s.scores_n);
+    // Rows of scores per thread: an item's rows, times its heads (those of one KV head).
+    s.scores.get(sizeof(float) * threads_.size() * kAttnRows * static_cast<size_t>(c.n_head / c.n_head_kv) *
+                 s.scores_n);
     // Spans as long as leave every thread four items or more; any length gives
     // the same results (see run()).
     int64_t span_rows = kAttnRows;
@@ -237,6 +244,9 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
         s.span_end.push_back(cost);
         i += n;
     }
+    const bool group_heads =
+        !pool_.layout().quantized() && static_cast<int64_t>(s.spans.size()) * c.n_head_kv >= min_items;
+    s.heads_per_item = group_heads ? c.n_head / c.n_head_kv : 1;
 
     s.interrupt = interrupt_ ? &interrupt_ : nullptr;
     s.stop.assign(static_cast<size_t>(c.n_layer) + 1, 0);
@@ -382,15 +392,17 @@ void CpuBackend::run(int tid, int nth) {
         }
         threads_.barrier();
 
-        // Attention: one (span, head) item at a time, a span being up to kAttnRows
-        // consecutive tokens of one sequence (a verify row, a prefill chunk): each
-        // KV block (16 positions) is read once for all the span's rows that reach
-        // it. Every (token, head) still meets its positions in order through the
-        // same kernel calls, one block per call, so its result is what it would be
-        // alone.
+        // Attention: one (span, heads) item at a time, a span being up to kAttnRows
+        // consecutive tokens of one sequence (a verify row, a prefill chunk), the
+        // heads those of one KV head on an f16 cache (`hpi` of them: each KV block is
+        // converted once for them all), one head on a quantized one: each KV block
+        // (16 positions) is read once for all the item's rows that reach it. Every
+        // (token, head) still meets its positions in order through the same
+        // arithmetic, one block per call, so its result is what it would be alone.
         {
+            const int64_t hpi = s.heads_per_item;
             int64_t a0, a1;
-            split_items(s.span_end, NH, tid, nth, &a0, &a1);
+            split_items(s.span_end, NH / hpi, tid, nth, &a0, &a1);
             // Row r of this thread's span at [r][tid]: the threads' first rows side by
             // side, as when every item was one row (measured: a decode step of a
             // Llama-3-8B-shaped Q6_K slice ran 9% slower with each thread's rows
@@ -398,8 +410,8 @@ void CpuBackend::run(int tid, int nth) {
             float* sc = s.scores.as<float>() + static_cast<size_t>(tid) * s.scores_n;
             const size_t row_step = static_cast<size_t>(nth) * s.scores_n;
             for (int64_t it = a0; it < a1; ++it) {
-                const auto [first, rows] = s.spans[static_cast<size_t>(it / NH)];
-                const int64_t h = it % NH;
+                const auto [first, rows] = s.spans[static_cast<size_t>(it / (NH / hpi))];
+                const int64_t h = it % (NH / hpi) * hpi;  // the item's first head
                 const int32_t kvh = static_cast<int32_t>(h / group);
                 const std::vector<int32_t>& blocks = s.seqs[s.seq[first]]->blocks();
                 // Positions grow along a span: its last row sees the most.
@@ -413,10 +425,11 @@ void CpuBackend::run(int tid, int nth) {
                 };
                 for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
-                    if (!quant) {  // the block's keys converted once for the span's rows
+                    if (!quant) {  // the block's keys converted once for the item's heads and rows
                         block_keys(j);
-                        cpu::attn_scores_f16_rows(isa, q + first * Q + h * HD, static_cast<size_t>(Q), rows, seen,
-                                                  pool_.k16(b, li, kvh), HD, HD, scale, row_sc(0) + j, row_step);
+                        cpu::attn_scores_f16_rows(isa, q + first * Q + h * HD, static_cast<size_t>(Q),
+                                                  static_cast<size_t>(HD), hpi, rows, seen, pool_.k16(b, li, kvh), HD,
+                                                  HD, scale, row_sc(0) + j, row_step);
                         continue;
                     }
                     for (int64_t r = 0; r < rows; ++r) {
@@ -427,18 +440,21 @@ void CpuBackend::run(int tid, int nth) {
                                            scale, row_sc(r) + j);
                     }
                 }
-                for (int64_t r = 0; r < rows; ++r) {
-                    cpu::softmax(isa, row_sc(r), n_ctx(r));
-                    // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
-                    cpu::round_fp16(isa, row_sc(r), n_ctx(r));
-                    std::memset(att + (first + r) * Q + h * HD, 0, sizeof(float) * HD);
-                }
+                // Head h + g's row r: scores row g * rows + r.
+                for (int64_t g = 0; g < hpi; ++g)
+                    for (int64_t r = 0; r < rows; ++r) {
+                        cpu::softmax(isa, row_sc(g * rows + r), n_ctx(r));
+                        // Probabilities meet f16 V rows: rounded to f16 as llama.cpp does.
+                        cpu::round_fp16(isa, row_sc(g * rows + r), n_ctx(r));
+                        std::memset(att + (first + r) * Q + (h + g) * HD, 0, sizeof(float) * HD);
+                    }
                 for (int64_t j = 0; j < n_max; j += bt) {
                     const int32_t b = blocks[j / bt];
                     if (!quant) {
                         block_keys(j);
-                        cpu::attn_accum_f16_rows(isa, row_sc(0) + j, row_step, rows, seen, pool_.v16(b, li, kvh), HD,
-                                                 HD, att + first * Q + h * HD, static_cast<size_t>(Q));
+                        cpu::attn_accum_f16_rows(isa, row_sc(0) + j, row_step, hpi, rows, seen, pool_.v16(b, li, kvh),
+                                                 HD, HD, att + first * Q + h * HD, static_cast<size_t>(Q),
+                                                 static_cast<size_t>(HD));
                         continue;
                     }
                     for (int64_t r = 0; r < rows; ++r) {
