@@ -226,9 +226,6 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     int64_t max_ctx = 0;
     for (const SeqBatch& b : batch) max_ctx = std::max(max_ctx, b.kv->n_tokens() + b.n_tokens);
     s.scores_n = (max_ctx + 15) / 16 * 16;
-    // Rows of scores per thread: an item's rows, times its heads (those of one KV head).
-    s.scores.get(sizeof(float) * threads_.size() * kAttnRows * static_cast<size_t>(c.n_head / c.n_head_kv) *
-                 s.scores_n);
     // Spans as long as leave every thread four items or more; any length gives
     // the same results (see run()).
     int64_t span_rows = kAttnRows;
@@ -247,6 +244,8 @@ Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits
     const bool group_heads =
         !pool_.layout().quantized() && static_cast<int64_t>(s.spans.size()) * c.n_head_kv >= min_items;
     s.heads_per_item = group_heads ? c.n_head / c.n_head_kv : 1;
+    // Rows of scores per thread: an item's rows, times its heads.
+    s.scores.get(sizeof(float) * threads_.size() * kAttnRows * static_cast<size_t>(s.heads_per_item) * s.scores_n);
 
     s.interrupt = interrupt_ ? &interrupt_ : nullptr;
     s.stop.assign(static_cast<size_t>(c.n_layer) + 1, 0);
