@@ -405,7 +405,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
     bool matched = true, missed = false;  // missed: a draft was not kept
     while (j < n && matched && f == Finish::None) {
         if (!host && picks[j] < 0) {  // the backend's sampler: its constraints left nothing to choose
-            log_no_token(a.req, "no token is left that its grammar, bias and bans allow");
+            log_no_token(a.req);
             return Finish::Failed;
         }
         const Drawn d = draw(rows + static_cast<int64_t>(j) * nv, host ? -1 : picks[j], a.req, a.params, a.data,

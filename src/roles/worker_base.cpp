@@ -244,7 +244,7 @@ int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p
     }
     const int32_t t = sampler_.sample(row, backend_->n_vocab(), p.sampling, prompt, output, output.size(), *c);
     // Its bias or bans may have left no token its grammar allows: nothing can be chosen.
-    if (t < 0) log_no_token(r, "no token is left that its grammar, bias and bans allow");
+    if (t < 0) log_no_token(r);
     return t;
 }
 

@@ -165,8 +165,10 @@ protected:
     // logged; the request fails).
     int32_t pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
                  std::span<const int32_t> prompt, std::span<const int32_t> output);
-    // Logs why request r has no next token (its grammar, its constraints).
-    void log_no_token(shm::ReqRef r, std::string_view why) const;
+    // Logs why request r has no next token: its grammar's error, or (the default)
+    // that its constraints left nothing to choose.
+    void log_no_token(shm::ReqRef r,
+                      std::string_view why = "no token is left that its grammar, bias and bans allow") const;
     // Before a request with a grammar runs here: its grammar compiled (or found in the
     // cache) and its matcher brought to the output so far, so that a grammar this
     // worker cannot follow fails the request when it is taken, and the compile time is
