@@ -2,9 +2,10 @@
 """A request its workers keep dying on fails alone (issue 35: "quarantine a request
 only when deaths follow it"), driven from outside as a crash would be:
 
-- `duet serve` with the scalar kernels, so that prefill holds a long prompt for
-  seconds; the prefill worker is SIGKILLed whenever it holds that request, three
-  times in a row, before it made a token;
+- `duet serve` with the scalar kernels and no prefix cache, so that prefill holds a
+  long prompt for seconds each time it takes it; the prefill worker is SIGKILLed
+  whenever it holds that request (/metrics says it holds one, /proc gives its pid),
+  three times in a row, before it made a token;
 - the client gets a 500 that says why (its worker died 3 times in a row without
   progress), the launcher's log says the request was failed, not re-driven;
 - a stream that was in decode meanwhile (never held by a dead worker) ends as an
@@ -14,6 +15,7 @@ only when deaths follow it"), driven from outside as a crash would be:
 Usage: poison_test.py path/to/duet
 """
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -26,8 +28,12 @@ from duet_e2e import check, check_restarts, drain, listening_port_and_instance, 
 
 DUET = sys.argv[1]
 SCALE = time_scale()
+# No prefix cache: each pass publishes the prompt's full blocks, and a worker that takes
+# the request again after a death would find all but the last few tokens there, hold it
+# for a short pass, and be done between two looks of the loop below (seen under load at
+# the third death). Without it every take computes the whole prompt again: seconds.
 proc = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--slots", "8", "--isa", "scalar",
-                         "--grace", "5"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         "--grace", "5", "--no-prefix-cache"], stderr=subprocess.PIPE, text=True, start_new_session=True)
 port, instance = listening_port_and_instance(proc)
 log = drain(proc, keep=400)
 
@@ -42,15 +48,44 @@ def post(body, timeout=600):
         return e.code, json.loads(e.read())
 
 
-def prefill_holding():
-    """The running prefill worker's pid while it holds work, else None."""
-    out = subprocess.run([DUET, "shm", "status", instance, "--json"], capture_output=True, text=True)
-    if out.returncode != 0:
-        return None
-    for p in json.loads(out.stdout)["processes"]:
-        if p["role"] == "prefill" and p["state"] == "running" and p.get("load_items", 0) > 0:
-            return p["pid"]
+last_status = ["(none yet)"]
+
+
+def prefill_pid():
+    """The live prefill worker's pid, from /proc: a child of the launcher whose
+    arguments begin `duet prefill` (a killed one not yet reaped has none)."""
+    import os
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...
+        if fields[0] != "Z" and int(fields[1]) == proc.pid and len(argv) > 1 and argv[1] == b"prefill":
+            return int(d)
     return None
+
+
+def prefill_holding():
+    """The running prefill worker's pid while it holds work, else None. Looked up
+    without starting a process (/metrics' duet_worker_requests, then /proc): a
+    `duet shm status` a look waited seconds to be scheduled on a loaded machine
+    (CI, 2026-12-07: the request was prefilled and answered between two looks)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError as e:
+        last_status[0] = f"/metrics: {e}"
+        return None
+    m = re.search(r'^duet_worker_requests\{role="prefill",worker="0"\} (\d+)$', text, re.M)
+    pid = prefill_pid()
+    last_status[0] = f"prefill requests {m.group(1) if m else '(not up)'}, pid {pid}"
+    return pid if m and int(m.group(1)) > 0 else None
 
 
 try:
@@ -99,10 +134,15 @@ try:
     for k in range(3):
         end = time.monotonic() + 120 * SCALE
         pid = None
-        while time.monotonic() < end and (pid is None or pid in killed):
+        while time.monotonic() < end and (pid is None or pid in killed) and poison.is_alive():
             pid = prefill_holding()
             time.sleep(0.05)
-        check(pid is not None and pid not in killed, f"death {k + 1}: no prefill worker took the request again")
+        # Said whole where it fails: whether the request was answered meanwhile (by
+        # then it can never be held again), what the workers last showed, the log's end.
+        check(pid is not None and pid not in killed,
+              f"death {k + 1}: no prefill worker took the request again; the request "
+              + (f"was answered: {got.get('poison')}" if not poison.is_alive() else "is still waiting")
+              + f"; last status: {last_status[0]}; the log's end:\n" + "".join(list(log)[-20:]))
         subprocess.run(["kill", "-KILL", str(pid)])
         killed.append(pid)
     poison.join(300 * SCALE)
