@@ -303,5 +303,66 @@ TEST(Grammar, KeywordsOutsideTheHonouredSetAreNamedWithWhereTheyAre) {
               "'$id' at /properties/a is not supported below the root");
 }
 
+// An allOf of object schemas: merged into the one object schema it means, which is
+// what the grammar engine compiles (it reads an allOf of one only). Expected schemas
+// are written out by hand.
+TEST(Grammar, AnAllOfOfObjectSchemasIsMergedIntoTheOneItMeans) {
+    using ojson = nlohmann::ordered_json;
+    auto merged = [](const char* s) {
+        ojson j = ojson::parse(s);
+        EXPECT_EQ(unsupported_schema_keyword(nlohmann::json::parse(s)), std::nullopt) << s;
+        if (auto e = merge_object_all_of(j)) return "error: " + *e;
+        return j.dump();
+    };
+    // Properties in the order they first come, required names of every branch.
+    EXPECT_EQ(merged(R"({"description": "d", "allOf": [
+        {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "required": ["b"]},
+        {"properties": {"c": {"type": "boolean"}, "a": {"type": "integer"}}, "required": ["c", "b"], "title": "t"}]})"),
+              R"({"description":"d","type":"object","properties":{"b":{"type":"string"},"a":{"type":"integer"},)"
+              R"("c":{"type":"boolean"}},"required":["b","c"]})");
+    // A $ref branch; $defs stay for the refs inside; a closed branch closes the
+    // merge and drops what it does not list.
+    EXPECT_EQ(merged(R"({"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"},
+        "note": {"type": "string"}}, "required": ["id"], "additionalProperties": false}},
+        "allOf": [{"$ref": "#/$defs/base"}, {"type": "object", "properties": {"id": {"type": "integer"},
+        "extra": {"type": "string"}}}]})"),
+              R"({"$defs":{"base":{"type":"object","properties":{"id":{"type":"integer"},"note":{"type":"string"}},)"
+              R"("required":["id"],"additionalProperties":false}},"type":"object","properties":{"id":{"type":)"
+              R"("integer"},"note":{"type":"string"}},"required":["id"],"additionalProperties":false})");
+    // A property in several branches: its schemas merged in turn where they are
+    // objects' (nested allOfs first), refused where they differ otherwise.
+    EXPECT_EQ(merged(R"({"type": "object", "properties": {"p": {"allOf": [
+        {"type": "object", "properties": {"x": {"type": "integer"}}},
+        {"allOf": [{"type": "object", "properties": {"x": {"type": "object", "properties": {"u": {"type": "null"}}}}},
+                   {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]}]}]}}})"),
+              "error: 'allOf' at /properties/p/allOf/1/properties/x: the schema at "
+              "/properties/p/allOf/1/properties/x/allOf/0 is not an object's (only objects are merged)");
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "object", "properties": {"o": {"type": "object", "properties": {"u":
+        {"type": "null"}}}}}, {"type": "object", "properties": {"o": {"type": "object", "properties": {"v":
+        {"type": "null"}}, "required": ["v"]}}, "additionalProperties": true}]})"),
+              R"({"type":"object","properties":{"o":{"type":"object","properties":{"u":{"type":"null"},"v":{"type":)"
+              R"("null"}},"required":["v"]}},"additionalProperties":true})");
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "integer"}]})"), R"({"allOf":[{"type":"integer"}]})") << "one branch";
+    // What a merge cannot keep exact: refused, naming where.
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "object", "properties": {"a": {"type": "string"}},
+        "additionalProperties": false}, {"type": "object", "properties": {"b": {"type": "string"}},
+        "required": ["b"]}]})"),
+              "error: 'allOf' at / requires 'b', which a branch with 'additionalProperties': false does not list: no "
+              "object is valid");
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "object"}, {"type": "object", "minProperties": 1}]})"),
+              "error: 'allOf' at /: 'minProperties' at /allOf/1 is not merged (only objects' properties, required and "
+              "additionalProperties are)");
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 9}]})"),
+              "error: 'allOf' at /: 'minimum' at /allOf/0 is not merged (only objects' properties, required and "
+              "additionalProperties are)");
+    EXPECT_EQ(merged(R"({"allOf": [{"type": "object"}, false]})"),
+              "error: 'allOf' at / has the schema false at /allOf/1: no value is valid");
+    // What it merged compiles exactly.
+    ojson j = ojson::parse(R"({"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]})");
+    ASSERT_EQ(merge_object_all_of(j), std::nullopt);
+    EXPECT_TRUE(check_grammar({GrammarKind::JsonSchema, j.dump()}).ok());
+}
+
 }  // namespace
 }  // namespace duet

@@ -213,6 +213,13 @@ TEST(OpenAiParse, EveryFieldIsHonouredOrRefusedNamingIt) {
                 R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "integer"}}}}}]})",
             true);
         EXPECT_EQ(r.tools[0].parameters, R"({"properties":{"x":{"type":"integer"}},"type":"object"})");
+        // An allOf of object schemas: the one object schema it means (json_schema_check.h).
+        r = parse_ok(
+            "{" + msgs +
+                R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "string"}}, "required": ["x"]}]}}}]})",
+            true);
+        EXPECT_EQ(r.tools[0].parameters,
+                  R"({"type":"object","properties":{"x":{"type":"integer"},"y":{"type":"string"}},"required":["x"]})");
         // Stop strings could cut a call.
         EXPECT_EQ(err("{" + msgs + R"(, "tools": [)" + tool + R"(], "stop": ["\n"]})", true).param, "stop");
         parse_ok("{" + msgs + R"(, "tools": [)" + tool + R"(], "tool_choice": "none", "stop": ["\n"]})", true);

@@ -2,8 +2,9 @@
 // xgrammar underneath), checked before a request is admitted: any keyword outside
 // this set is refused with a 400 naming it and where it is, never skipped. (What
 // xgrammar itself would approximate — minLength with a pattern, multipleOf on a
-// number, an allOf of several schemas, a oneOf whose branches overlap — is refused
-// by check_grammar() from its warnings.)
+// number, an allOf of several schemas other than objects', a oneOf whose branches
+// overlap — is refused by check_grammar() from its warnings. An allOf of object
+// schemas is merged first: merge_object_all_of below.)
 //
 // Honoured: type (a name or a list), properties, required, additionalProperties,
 // patternProperties, propertyNames, minProperties, maxProperties,
@@ -37,5 +38,17 @@ namespace duet {
 // naming it and its JSON pointer ("'uniqueItems' at /properties/tags is not
 // supported"); nullopt when every keyword is.
 std::optional<std::string> unsupported_schema_keyword(const nlohmann::json& schema);
+
+// Every `allOf` of several object schemas in `schema` (one unsupported_schema_keyword
+// passed), rewritten in place as the one object schema it means, since the grammar
+// engine reads an allOf of one schema only: the properties of every branch in the
+// order they first come (a property in several branches: their schemas merged the
+// same way, or one of them where all are equal), the `required` names of every
+// branch, and where a branch closes the object (`additionalProperties: false`) only
+// the properties it lists, closed again. A branch may be a `$ref` into the root's
+// `$defs` / `definitions`; annotations beside the allOf stay. Anything else in a
+// branch (patternProperties, minProperties, a non-object type, ...) or a merge that
+// leaves a required property out: not nullopt but why, naming where.
+std::optional<std::string> merge_object_all_of(nlohmann::ordered_json& schema);
 
 }  // namespace duet

@@ -485,10 +485,15 @@ Field read_tools(const nlohmann::ordered_json& o, CompletionRequest& r) {
             // an object.
             if (params.is_object() && !params.contains("type") && (params.empty() || params.contains("properties")))
                 params["type"] = "object";
-            if (!params.is_object() || params.value("type", ojson()) != "object")
+            // An allOf of object schemas at the root is an object's schema once merged.
+            const bool all_of = params.is_object() && params.contains("allOf");
+            if (!all_of && (!params.is_object() || params.value("type", ojson()) != "object"))
                 return wrong("'function.parameters' must be a JSON schema with \"type\": \"object\" at its root");
             if (auto e = unsupported_schema_keyword(json::parse(params.dump())))
                 return wrong(fmt::format("function.parameters: {}", *e));
+            if (auto e = merge_object_all_of(params)) return wrong(fmt::format("function.parameters: {}", *e));
+            if (params.value("type", ojson()) != "object")
+                return wrong("'function.parameters' must be a JSON schema with \"type\": \"object\" at its root");
             d.parameters = params.dump();
             if (Status st = check_grammar(GrammarSpec{GrammarKind::JsonSchema, d.parameters}); !st)
                 return wrong(fmt::format("function.parameters: {}", st.error().message));
@@ -670,7 +675,12 @@ std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body
         const nlohmann::ordered_json* s = &o;
         for (const char* k : r.grammar_param == "json_schema" ? kTop : kNested)
             if (s->is_object() && s->contains(k)) s = &(*s)[k];
-        if (s != &o) r.grammar->source = s->dump();
+        if (s != &o) {
+            nlohmann::ordered_json schema = *s;
+            if (auto e = merge_object_all_of(schema))
+                return bad(r.grammar_param, fmt::format("{}: {}", r.grammar_param, *e));
+            r.grammar->source = schema.dump();
+        }
     }
     // The grammar the workers will compile, checked as they will compile it.
     if (r.grammar)

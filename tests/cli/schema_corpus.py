@@ -90,6 +90,15 @@ def corpus():
     add("one-of-tagged", {"oneOf": [obj({"kind": {"const": "cat"}, "name": NAME}),
                                     obj({"kind": {"const": "dog"}, "age": AGE})]}, "A pet, tagged with its kind.")
     add("all-of-one", {"allOf": [obj({"n": AGE})]}, "A number field.")
+    # (Several object schemas: merged into one before the grammar is built,
+    # roles/json_schema_check.h merge_object_all_of; the output is checked against
+    # the allOf as written.)
+    add("all-of-objects", {"allOf": [obj({"name": NAME}, extra=None),
+                                     {"properties": {"age": AGE}, "required": ["age", "name"]}]},
+        "A person: a name and an age.")
+    add("all-of-ref", {"$defs": {"base": obj({"id": AGE}, extra=None)},
+                       "allOf": [{"$ref": "#/$defs/base"}, obj({"id": AGE, "color": COLOR}, required=["color"])]},
+        "An item with an id and a colour.")
     add("nullable-field", obj({"v": {"anyOf": [AGE, {"type": "null"}]}}), "A value or null.")
     # References.
     defs = {"$defs": {"pt": obj({"x": AGE, "y": AGE})}}
