@@ -3,7 +3,8 @@
 the hermes format): tool_choice required and a named function give calls whose
 arguments validate (the `jsonschema` package, not duet) against the function's
 schema, finish_reason "tool_calls"; auto with a response_format gives a call alone
-or content its schema takes alone; parallel_tool_calls false gives one call; a
+or content its schema takes alone; parallel_tool_calls false gives one call, and a
+question that needs two calls gets both in one answer (their results sent back); a
 stream's delta.tool_calls reassemble byte for byte into the whole answer's calls,
 for every choice mode and for a call cut by max_tokens; a sampled request with a
 seed is the same twice; the whole flow (a call, the tool's result sent back as a
@@ -218,6 +219,26 @@ try:
     check(plain.usage.prompt_tokens == final.usage.prompt_tokens < again.usage.prompt_tokens,
           "the tool list is shown with tool_choice auto, left out with none and without tools")
     print(f"the flow: call, tool result, final answer ({final.choices[0].message.content[:60]!r}...): ok")
+
+    # Parallel calls: a question that needs two gets two in one answer (greedy: the
+    # model's own choice, the same every run), streamed as indexes 0 and 1 that
+    # reassemble into the whole answer's; both results sent back, a final answer.
+    two_cities = [MSGS[0], {"role": "user", "content": "What is the weather in Paris and in London, in celsius?"}]
+    pair = same_as_whole(c, "parallel calls", **dict(base, messages=two_cities, tool_choice="required",
+                                                     parallel_tool_calls=True, temperature=0))
+    calls = pair.message.tool_calls or []
+    check(pair.finish_reason == "tool_calls" and len(calls) >= 2, f"parallel calls: {pair}")
+    valid_calls(calls, "parallel calls", {"get_weather"})
+    check(len({t.id for t in calls}) == len(calls), f"parallel calls: ids {[t.id for t in calls]}")
+    cities = {json.loads(t.function.arguments)["city"] for t in calls}
+    check({"Paris", "London"} <= cities, f"parallel calls: one for each city: {cities}")
+    history = two_cities + [pair.message.model_dump(exclude_none=True)]
+    for t, temp in zip(calls, (18, 11, 9, 7)):
+        history.append({"role": "tool", "tool_call_id": t.id, "content": json.dumps({"temperature": temp})})
+    final = c.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none", temperature=0,
+                                      max_tokens=60)
+    check(final.choices[0].message.content and not final.choices[0].message.tool_calls, f"final: {final}")
+    print(f"parallel calls: {len(calls)} in one answer ({sorted(cities)}), streamed = whole, both results back: ok")
 
     # tool_choice none: text only, the tools not shown.
     none = c.chat.completions.create(**dict(base, tool_choice="none", temperature=0, max_tokens=30))
