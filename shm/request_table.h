@@ -228,7 +228,7 @@ public:
     // CAS from `from` to `to` at r's generation; false if the slot is elsewhere (or
     // the transition is not allowed). Every request that is not FREE has an owner:
     // new_owner, when valid, becomes it; otherwise the owner stays.
-    bool transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner = {});
+    [[nodiscard]] bool transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner = {});
     // Makes new_owner the owner without changing the state (a recoverer adopting a
     // dead worker's finished requests, so their clients can still read them).
     bool adopt(ReqRef r, ProcRef new_owner);

@@ -138,7 +138,7 @@ struct Serving {
         std::vector<int32_t> out;
         EXPECT_TRUE(t.is(r, shm::ReqState::Finished)) << "request " << r.slot << " is " << shm::req_state_name(t.state(r.slot));
         (void)t.read_output(r, 0, out);
-        t.transition(r, shm::ReqState::Finished, shm::ReqState::Free);
+        EXPECT_TRUE(t.transition(r, shm::ReqState::Finished, shm::ReqState::Free));
         return out;
     }
 
@@ -405,8 +405,8 @@ TEST(Serving, ALoneDecodeSequenceGetsTheBlocksOfAPromptThatWaits) {
     ASSERT_TRUE(t.is(b, shm::ReqState::Finished)) << "B is " << shm::req_state_name(t.state(b.slot));
     EXPECT_EQ(sv.output(a), want[0]);
     EXPECT_EQ(sv.output(b), want[1]);
-    t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
-    t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
+    EXPECT_TRUE(t.transition(a, shm::ReqState::Finished, shm::ReqState::Free));
+    EXPECT_TRUE(t.transition(b, shm::ReqState::Finished, shm::ReqState::Free));
     w.stop_and_check_arena(sv);
 }
 
@@ -465,8 +465,8 @@ TEST(Serving, APreemptedRequestIsSwappedOutAndReadBackNotComputedAgain) {
             computed += worker_stats(sv.inst.registry(), s).work_tokens.load();
     EXPECT_EQ(computed, pa.size() + pb.size() + swaps) << "a swapped request was computed again";
     EXPECT_EQ(t.slot(b.slot).n_swapped.load(), 0u);
-    t.transition(a, shm::ReqState::Finished, shm::ReqState::Free);
-    t.transition(b, shm::ReqState::Finished, shm::ReqState::Free);
+    EXPECT_TRUE(t.transition(a, shm::ReqState::Finished, shm::ReqState::Free));
+    EXPECT_TRUE(t.transition(b, shm::ReqState::Finished, shm::ReqState::Free));
     w.stop_and_check_arena(sv);
     // Each blob was removed once read back.
     std::error_code ec;
@@ -544,7 +544,7 @@ TEST(Serving, ACriticalHandOffTakesTheSlotOfABatchSequence) {
     for (size_t i = 0; i < order.size(); ++i) {
         ASSERT_TRUE(t.is(order[i], shm::ReqState::Finished)) << i << " is " << shm::req_state_name(t.state(order[i].slot));
         EXPECT_EQ(sv.output(order[i]), want[i]) << "request " << i;
-        t.transition(order[i], shm::ReqState::Finished, shm::ReqState::Free);
+        EXPECT_TRUE(t.transition(order[i], shm::ReqState::Finished, shm::ReqState::Free));
     }
     w.stop_and_check_arena(sv);
 }

@@ -136,7 +136,7 @@ int prefill_worker(World& w) {
             std::vector<int32_t> toks(t.tokens(r.slot), t.tokens(r.slot) + t.slot(r.slot).n_prompt.load());
             auto outs = t.read_output(r, 0, toks);
             if (outs.ok() && *outs >= w.max_new(r.slot)) {  // re-driven after its last token was written
-                t.transition(r, ReqState::Prefilling, ReqState::Finished);
+                (void)t.transition(r, ReqState::Prefilling, ReqState::Finished);
                 in.release(1);
                 continue;
             }
@@ -149,7 +149,7 @@ int prefill_worker(World& w) {
                 return 6;
             const uint32_t att = t.attempt(r.slot);
             if (*outs + 1 >= w.max_new(r.slot)) {
-                t.transition(r, ReqState::Prefilling, ReqState::Finished);
+                (void)t.transition(r, ReqState::Prefilling, ReqState::Finished);
                 arena.unref(*user, blocks.data(), static_cast<uint32_t>(blocks.size()));
             } else {
                 Msg h{r.slot, r.gen, att, me->slot, me->gen, *user, {}};
@@ -211,7 +211,7 @@ int decode_worker(World& w) {
             int32_t next = next_of(kv_sum(w, a.blocks, pos + 1));
             if (!t.append_output(a.r, &next, 1).ok()) return 6;
             if (*no + 1 >= w.max_new(a.r.slot)) {
-                t.transition(a.r, ReqState::Decoding, ReqState::Finished);
+                (void)t.transition(a.r, ReqState::Decoding, ReqState::Finished);
                 arena.unref(*user, a.blocks.data(), static_cast<uint32_t>(a.blocks.size()));
                 active[i] = std::move(active.back());
                 active.pop_back();

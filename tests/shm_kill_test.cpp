@@ -168,7 +168,7 @@ int victim(World& w, uint64_t seed, uint64_t clean_ops) {
                     int32_t t = static_cast<int32_t>(r);
                     (void)req.append_output(q, &t, 1);
                 }
-                req.transition(q, s, to, *me);
+                (void)req.transition(q, s, to, *me);
                 if (to == ReqState::Free) {
                     mine[i] = mine.back();
                     mine.pop_back();
@@ -202,9 +202,9 @@ int victim(World& w, uint64_t seed, uint64_t clean_ops) {
     for (ReqRef q : mine) {
         ReqState s = req.state(q.slot);
         if (s == ReqState::Queued || s == ReqState::Prefilling || s == ReqState::Decoding)
-            req.transition(q, s, ReqState::Cancelled);
+            (void)req.transition(q, s, ReqState::Cancelled);
         s = req.state(q.slot);
-        req.transition(q, s, ReqState::Free);
+        (void)req.transition(q, s, ReqState::Free);
     }
     arena.leave(*u);
     reg.release(*me);

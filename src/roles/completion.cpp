@@ -432,9 +432,9 @@ std::optional<ApiError> CompletionRun::admit(RequestParams params) {
         if (sub && offer)
             (void)t.offer_blocks(*sub, c.lease.blocks.data(), static_cast<uint32_t>(c.lease.blocks.size()));
         if (!sub) {
-            for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them
-                t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
-                t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
+            for (size_t k = 0; k < i; ++k) {  // not sent yet: nobody else knows them, the CASes hold
+                (void)t.transition(c.ch[k].ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                (void)t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters.rejected_busy.fetch_add(1, std::memory_order_relaxed);
             f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
@@ -641,7 +641,7 @@ Outcome CompletionRun::finish(bool keep) {
             o.failed = true;
             o.error_code = t.slot(ch.ref.slot).error_code.load(std::memory_order_relaxed);
         }
-        if (!keep) t.transition(ch.ref, ch.final_state, shm::ReqState::Free);
+        if (!keep) (void)t.transition(ch.ref, ch.final_state, shm::ReqState::Free);  // ended: the front's alone
         // A stream's closing chunk still sends the logprobs not streamed yet (unsent):
         // keep them; a whole reply takes them.
         o.texts.push_back({(c.r.stream ? "" : c.echo) + ch.watch.text.text(),

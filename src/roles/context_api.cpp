@@ -75,7 +75,7 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
     // A failed offer leaves the table empty: prefill then computes every position.
     if (!seq.blocks().empty()) (void)t.offer_blocks(*r, seq.blocks().data(), static_cast<uint32_t>(seq.blocks().size()));
     if (!router_.send(*r)) {
-        t.transition(*r, shm::ReqState::Failed, shm::ReqState::Free);
+        (void)t.transition(*r, shm::ReqState::Failed, shm::ReqState::Free);  // send() failed it: the front's alone
         return make_error("no prefill worker took the context's computation");
     }
     shm::ReqState st;
@@ -131,7 +131,7 @@ Status ServingCompute::extend(KvSeq& seq, std::span<const int32_t> tokens, std::
         out = make_error("prefill failed the context's computation ({})",
                          t.slot(r->slot).error_code.load(std::memory_order_relaxed));
     }
-    t.transition(*r, st, shm::ReqState::Free);
+    (void)t.transition(*r, st, shm::ReqState::Free);  // ended: the front's alone
     return out;
 }
 

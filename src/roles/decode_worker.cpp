@@ -92,7 +92,9 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     // decode's own, kv_split: prefill looks its prompts up in its arena alone.)
     if (to == shm::ReqState::Finished && !a.params.return_kv && opts_.prefix_cache && !inst_->config().kv_split)
         publish_blocks(a);
-    t.transition(a.req, shm::ReqState::Decoding, to);
+    // (A recoverer that took this worker for dead may hold the request now: its
+    // KV here is released all the same.)
+    (void)t.transition(a.req, shm::ReqState::Decoding, to);
     a.seq.release(*pool_);
     forget_grammar(a.req);
     // What the model wrote (a cancelled request's part too) drafts for the next ones.

@@ -307,7 +307,8 @@ struct Choice {
     // Asks the worker to stop; a request no worker has taken yet is cancelled here.
     void cancel(shm::RequestTable& t) const {
         t.cancel(ref);
-        t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
+        // (Not queued any more: the worker holding it sees the cancel flag.)
+        (void)t.transition(ref, shm::ReqState::Queued, shm::ReqState::Cancelled);
     }
 };
 

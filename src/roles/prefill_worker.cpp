@@ -169,7 +169,7 @@ void PrefillWorker::take(const WireMsg& m) {
         if (no && stopped && said != Finish::Eog) said = Finish::StopString;
         if (said != Finish::None) {
             slot.end_code.store(static_cast<uint32_t>(said), std::memory_order_relaxed);  // published by the transition
-            t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);
+            (void)t.transition(r, shm::ReqState::Prefilling, shm::ReqState::Finished);    // (else not ours: dropped)
             inst_->registry().wake(shm::Role::Front);
         } else {
             // Its grammar compiles on GrammarSet's thread while its prompt is computed,
@@ -336,7 +336,7 @@ void PrefillWorker::fail(Job& j, ReqError why) {
     shm::RequestTable& t = inst_->requests();
     drop_swap(j);  // while the slot is still this request's
     t.slot(j.req.slot).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
-    t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);
+    (void)t.transition(j.req, shm::ReqState::Prefilling, shm::ReqState::Failed);  // (else not ours: dropped)
     release(j);
 }
 
@@ -374,14 +374,18 @@ void PrefillWorker::complete(Job& j, const float* logits) {
         fail(j);
     } else if (j.params.keep_kv) {
         give_kv_to_client(j);
-        t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
+        // (Else not ours any more: a recoverer took it.)
+        (void)t.transition(r, shm::ReqState::Prefilling,
+                           t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
         release(j);
     } else if (const Finish f = drawn.finish; f != Finish::None || t.cancelled(r)) {
         t.slot(r.slot).end_code.store(static_cast<uint32_t>(f), std::memory_order_relaxed);  // published below
         // return_kv (the table names our blocks already, appended above): as decode's
         // finish, a FINISHED request's table names exactly what the client holds.
         if (j.params.return_kv && !t.cancelled(r) && (copied || !give_kv_to_client(j))) (void)t.reset_blocks(r);
-        t.transition(r, shm::ReqState::Prefilling, t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
+        // (Else not ours any more: a recoverer took it.)
+        (void)t.transition(r, shm::ReqState::Prefilling,
+                           t.cancelled(r) ? shm::ReqState::Cancelled : shm::ReqState::Finished);
         release(j);
     } else {
         const uint32_t att = t.attempt(r.slot);
@@ -411,7 +415,7 @@ bool PrefillWorker::drop_cancelled() {
     for (size_t i = 0; i < jobs_.size();) {
         if (t.cancelled(jobs_[i].req)) {
             drop_swap(jobs_[i]);  // while the slot is still this request's
-            t.transition(jobs_[i].req, shm::ReqState::Prefilling, shm::ReqState::Cancelled);
+            (void)t.transition(jobs_[i].req, shm::ReqState::Prefilling, shm::ReqState::Cancelled);  // (else not ours)
             release(jobs_[i]);
             jobs_.erase(jobs_.begin() + static_cast<std::ptrdiff_t>(i));
             dropped = true;

@@ -9,7 +9,7 @@ void fail_in_flight(shm::Instance& inst, ReqError why) {
         for (shm::ReqState from : {shm::ReqState::Queued, shm::ReqState::Prefilling, shm::ReqState::Decoding}) {
             if (t.state(s) != from) continue;
             t.slot(s).error_code.store(static_cast<int32_t>(why), std::memory_order_relaxed);
-            t.transition(r, from, shm::ReqState::Failed);
+            (void)t.transition(r, from, shm::ReqState::Failed);  // (moved meanwhile: its mover ends it)
         }
     }
     inst.registry().wake(shm::Role::Front);

@@ -365,12 +365,13 @@ void Front::Impl::expire_orphans(uint64_t now) {
                     const uint32_t nb = t.slot(r.slot).n_blocks.load(std::memory_order_acquire);
                     opts.contexts->release(std::span<const int32_t>(t.blocks(r.slot), nb));
                 }
-                t.transition(r, st, shm::ReqState::Free);
+                (void)t.transition(r, st, shm::ReqState::Free);  // ended: the front's alone
                 continue;
             }
             if (!o.expiring) {
                 t.cancel(r);
-                t.transition(r, shm::ReqState::Queued, shm::ReqState::Cancelled);
+                // (Not queued any more: the worker holding it sees the cancel flag.)
+                (void)t.transition(r, shm::ReqState::Queued, shm::ReqState::Cancelled);
                 cancelled = true;
             }
             ended = false;

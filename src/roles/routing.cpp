@@ -191,7 +191,7 @@ bool PrefillRouter::send(shm::ReqRef r) {
         // Bound to an arena no prefill worker computes in: computed elsewhere, its
         // offered blocks would name another arena's. Refused instead.
         t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NoWorker), std::memory_order_relaxed);
-        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+        (void)t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);  // (cancelled meanwhile: ended too)
         return false;
     }
     const uint32_t p = c.worker;
@@ -202,7 +202,7 @@ bool PrefillRouter::send(shm::ReqRef r) {
     inst_.registry().wake(shm::Role::Prefill, static_cast<int32_t>(p));
     if (!sent) {
         t.slot(r.slot).error_code.store(static_cast<int32_t>(ReqError::NotSent), std::memory_order_relaxed);
-        t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);
+        (void)t.transition(r, shm::ReqState::Queued, shm::ReqState::Failed);  // (cancelled meanwhile: ended too)
         return false;
     }
     ++sent_[p];
