@@ -51,7 +51,7 @@ struct Bench {
     ContextStoreOptions opts;
 
     Bench(const Model& m, int n_threads, int32_t n_blocks, const std::string& dir) : model(m), threads(n_threads) {
-        pool = std::move(KvPool::create(CpuBackend::kv_layout(m, KvDtype::F16), n_blocks)).value();
+        pool = std::move(KvPool::create(kv_layout(m, KvDtype::F16), n_blocks)).value();
         backend = std::make_unique<CpuBackend>(m, *pool, threads, cpu::isa_best());
         kv = std::make_unique<KvCacheManager>(*pool);
         compute = std::make_unique<BackendCompute>(*backend, *kv, 512);

@@ -619,7 +619,7 @@ Result<nlohmann::json> run_cuda_bench(const CudaBenchOptions& o) {
     auto model = Model::load(o.model);
     if (!model) return model.error();
     const Model& m = **model;
-    const KvLayout layout = CpuBackend::kv_layout(m, o.kv_dtype);
+    const KvLayout layout = kv_layout(m, o.kv_dtype);
     j["kv_dtype"] = kv_dtype_name(o.kv_dtype);
     const int bt = layout.block_tokens;
     const int max_b = *std::max_element(o.batches.begin(), o.batches.end());

@@ -381,7 +381,7 @@ int cmd_bench_kv(const KvBenchArgs& a) {
     const KvIdentity id = measure_fingerprints(m, out);
     measure_crc(out);
 
-    const KvLayout layout = CpuBackend::kv_layout(m, *dt);
+    const KvLayout layout = kv_layout(m, *dt);
     const int32_t bt = layout.block_tokens;
     const int32_t n_blocks = 2 * ((a.tokens + bt - 1) / bt) + 64;
     auto pool = KvPool::create(layout, n_blocks);

@@ -153,7 +153,7 @@ struct Rig {
     shm::ContextTable* table = nullptr;  // C6: the records of contexts that are not durable
     Rig(const std::string& d, int32_t n_blocks, int64_t budget = 24, uint64_t disk_max = 0)
         : dir(d), max_disk_bytes(disk_max) {
-        const KvLayout layout = CpuBackend::kv_layout(model(), KvDtype::F16);
+        const KvLayout layout = kv_layout(model(), KvDtype::F16);
         if (kStaged) {
             fence.bytes = layout.block_bytes() * static_cast<size_t>(n_blocks);
             arena_mem = ::mmap(nullptr, fence.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -168,7 +168,7 @@ struct Rig {
             pool = std::move(KvPool::create(layout, n_blocks)).value();
         }
         backend = std::make_unique<CpuBackend>(model(), *pool, threads, cpu::isa_best());
-        ref_pool = std::move(KvPool::create(CpuBackend::kv_layout(model(), KvDtype::F16), 64)).value();
+        ref_pool = std::move(KvPool::create(kv_layout(model(), KvDtype::F16), 64)).value();
         ref_backend = std::make_unique<CpuBackend>(model(), *ref_pool, threads, cpu::isa_best());
         kv = std::make_unique<KvCacheManager>(*pool);
         compute = std::make_unique<BackendCompute>(*backend, *kv, budget);
@@ -337,7 +337,7 @@ TEST(Contexts, ARestartRestoresFromTheLogWithoutPrefill) {
     EXPECT_EQ(l[0].id, "long");
     EXPECT_EQ(l[0].n_tokens, 300);
     EXPECT_FALSE(l[0].resident) << "restored on first use";
-    EXPECT_GT(l[0].disk_bytes, 300u * CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token());
+    EXPECT_GT(l[0].disk_bytes, 300u * kv_layout(model(), KvDtype::F16).bytes_per_token());
     ContextUsage r;
     auto logits = rig.store->next_logits("long", &r);
     ASSERT_TRUE(logits.ok()) << logits.error().message;
@@ -512,7 +512,7 @@ TEST(Contexts, ATornTailIsCutAndACorruptLogIsRefusedAlone) {
     // "torn": its last record cut in half, as a crash mid-write leaves it.
     const std::string torn = d.path + "/torn.kvlog";
     const auto size = std::filesystem::file_size(torn);
-    const uint64_t last = (70 - 40) * CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token();
+    const uint64_t last = (70 - 40) * kv_layout(model(), KvDtype::F16).bytes_per_token();
     std::filesystem::resize_file(torn, size - last / 2);
     // "bad": a byte of its first record flipped (a later commit follows: corruption).
     {
@@ -629,7 +629,7 @@ TEST(Contexts, ATornEditLeavesTheContextAsItWas) {
         EXPECT_EQ(rig.store->tokens("e")->size(), 40u);
     }
     const std::string log = d.path + "/e.kvlog";
-    const uint64_t edit_bytes = 10 * CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token();
+    const uint64_t edit_bytes = 10 * kv_layout(model(), KvDtype::F16).bytes_per_token();
     std::filesystem::resize_file(log, std::filesystem::file_size(log) - edit_bytes / 2);
     Rig rig(d.path, 128);
     EXPECT_EQ(*rig.store->tokens("e"), before);
@@ -638,7 +638,7 @@ TEST(Contexts, ATornEditLeavesTheContextAsItWas) {
 
 TEST(Contexts, TheDiskLimitRefusesWritesAndChangesNothing) {
     TmpDir d;
-    const uint64_t bpt = CpuBackend::kv_layout(model(), KvDtype::F16).bytes_per_token();
+    const uint64_t bpt = kv_layout(model(), KvDtype::F16).bytes_per_token();
     Rig rig(d.path, 128, 24, 100 * bpt);  // room for about 100 positions of logs
     std::mt19937 rng(17);
     ASSERT_TRUE(rig.store->create("a", ids(rng, 60), true).ok());

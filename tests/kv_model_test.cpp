@@ -145,7 +145,7 @@ TEST(KvRestore, BlobAndLogGiveBitwiseTheSameLogits) {
     TmpDir dir;
     for (KvDtype dt : {KvDtype::F16, KvDtype::Int8, KvDtype::Fp8}) {
         SCOPED_TRACE(kv_dtype_name(dt));
-        const KvLayout layout = CpuBackend::kv_layout(m, dt);
+        const KvLayout layout = kv_layout(m, dt);
         auto pool = std::move(KvPool::create(layout, 64)).value();
         CpuBackend be(m, *pool, threads, cpu::isa_best());
         const std::vector<int32_t> toks = prompt_ids(83, static_cast<int>(dt) + 1);  // 5 blocks and 3 tokens

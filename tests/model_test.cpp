@@ -184,7 +184,7 @@ TEST(Model, LogitsAreBitwiseIndependentOfThreadCount) {
     auto toks = prompt_ids(40, 5), other = prompt_ids(23, 6);
     auto run = [&](int n_threads, int chunk) {
         ThreadPool threads(n_threads);
-        auto pool = KvPool::create(CpuBackend::kv_layout(m, KvDtype::F16), 64);
+        auto pool = KvPool::create(kv_layout(m, KvDtype::F16), 64);
         EXPECT_TRUE(pool.ok());
         CpuBackend b(m, **pool, threads, engine().isa());
         KvSeq a, c;
@@ -224,7 +224,7 @@ TEST(Model, AnInterruptedPassLeavesTheBatchAsBeforeAndRunsAgainExactly) {
     const Model& m = engine().model();
     const int64_t n_layer = m.config().n_layer;
     ThreadPool threads(2);
-    auto pool = KvPool::create(CpuBackend::kv_layout(m, KvDtype::F16), 64);
+    auto pool = KvPool::create(kv_layout(m, KvDtype::F16), 64);
     ASSERT_TRUE(pool.ok());
     CpuBackend b(m, **pool, threads, engine().isa());
     auto toks = prompt_ids(50, 9);

@@ -686,7 +686,7 @@ TEST(GpuServing, PerRoleArenasSplitTheKvAndHandOffToAnyDecodeWorker) {
     EXPECT_EQ(c.arenas[0].n_users, 2u) << "the prefill workers";
     EXPECT_EQ(c.arenas[1].n_users, 5u) << "the decode workers, and every prefill worker handing off into it";
     EXPECT_EQ(c.arenas[0].n_blocks, c.arenas[1].n_blocks);
-    const uint64_t block_bytes = CpuBackend::kv_layout(**model).block_bytes();
+    const uint64_t block_bytes = kv_layout(**model).block_bytes();
     EXPECT_EQ(c.cpu_kv_bytes, 2 * block_bytes * c.arenas[0].n_blocks);
     EXPECT_FALSE(ServeRings::of(c).paired);
     EXPECT_EQ(c.n_rings, 2u * 2 + 2 * 3);

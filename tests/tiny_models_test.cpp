@@ -178,7 +178,7 @@ TEST_P(TinyModelLogits, MatchFloat64Reference) {
     auto m = Model::load(tiny_path(std::string(p.model.name) + ".gguf"));
     ASSERT_TRUE(m.ok()) << m.error().message;
     const Model& model = **m;
-    auto pool = KvPool::create(CpuBackend::kv_layout(model), 8);
+    auto pool = KvPool::create(kv_layout(model), 8);
     ASSERT_TRUE(pool.ok()) << pool.error().message;
     ThreadPool threads(2);
     CpuBackend backend(model, **pool, threads, p.isa);

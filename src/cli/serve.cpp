@@ -25,8 +25,8 @@
 #include "engine/backends.h"
 #include "engine/golden.h"
 #include "kv/shm_kv.h"
+#include "model/backend.h"
 #include "model/chat_template.h"
-#include "model/cpu_backend.h"
 #include "model/gpu_plan.h"
 #include "model/tokenizer.h"
 #include "roles/context_api.h"
@@ -112,7 +112,7 @@ Result<ServeFacts> serve_facts(const ServeSettings& s, const Model& model, const
     f.n_ctx_train = model.config().n_ctx_train;
     auto dtype = parse_kv_dtype(s.kv_dtype);
     if (!dtype) return make_error("--kv-dtype: {}", dtype.error().message);
-    f.kv = CpuBackend::kv_layout(model, *dtype);
+    f.kv = kv_layout(model, *dtype);
     if (!gpus.empty()) f.gpu_weight_bytes = bf16_weight_bytes(model);
     f.model_file_bytes = model.file().file_size();
     f.pid = static_cast<int>(getpid());

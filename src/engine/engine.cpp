@@ -61,7 +61,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineOptions& opts) {
     e->n_ctx_ = n_ctx;
     auto dtype = parse_kv_dtype(opts.kv_dtype);
     if (!dtype) return dtype.error();
-    KvLayout layout = CpuBackend::kv_layout(*e->model_, *dtype);
+    KvLayout layout = kv_layout(*e->model_, *dtype);
     ShmKvOptions so;
     static std::atomic<int> n_engines{0};
     if (opts.instance.empty()) {

@@ -1,5 +1,7 @@
 #include "model/backend.h"
 
+#include "model/model.h"
+
 namespace duet {
 
 Status Backend::forward_pick(std::span<SeqBatch> batch, std::vector<float>& logits, std::vector<int32_t>& picks) {
@@ -28,6 +30,17 @@ Status Backend::forward_pick(std::span<SeqBatch> batch, std::vector<float>& logi
 
 Status Backend::forward_export(std::span<SeqBatch>, std::vector<float>&, const KvExport&) {
     return make_error("this backend cannot copy KV into another arena");
+}
+
+KvLayout kv_layout(const Model& model, KvDtype dtype, int32_t block_tokens) {
+    const ModelConfig& c = model.config();
+    KvLayout l;
+    l.n_layer = static_cast<int32_t>(c.n_layer);
+    l.n_head_kv = static_cast<int32_t>(c.n_head_kv);
+    l.head_dim = static_cast<int32_t>(c.head_dim);
+    l.block_tokens = block_tokens;
+    l.dtype = dtype;
+    return l;
 }
 
 }  // namespace duet

@@ -15,6 +15,8 @@
 
 namespace duet {
 
+class Model;
+
 // What sampling a sequence's next token needs (Sampler::sample's arguments but the row).
 struct SampleRequest {
     const SamplingParams* params = nullptr;
@@ -81,5 +83,10 @@ public:
 protected:
     Sampler host_sampler_;  // forward_pick's host sampling
 };
+
+// The KV layout a model needs (its layers, KV heads and head size), values stored as
+// dtype, block_tokens positions a block: what every backend's cache and every arena
+// of its serving instance are made with.
+KvLayout kv_layout(const Model& model, KvDtype dtype = KvDtype::F16, int32_t block_tokens = 16);
 
 }  // namespace duet

@@ -147,17 +147,6 @@ Status CpuBackend::forward_export(std::span<SeqBatch> batch, std::vector<float>&
     return {};
 }
 
-KvLayout CpuBackend::kv_layout(const Model& model, KvDtype dtype, int32_t block_tokens) {
-    const ModelConfig& c = model.config();
-    KvLayout l;
-    l.n_layer = static_cast<int32_t>(c.n_layer);
-    l.n_head_kv = static_cast<int32_t>(c.n_head_kv);
-    l.head_dim = static_cast<int32_t>(c.head_dim);
-    l.block_tokens = block_tokens;
-    l.dtype = dtype;
-    return l;
-}
-
 Status CpuBackend::forward(std::span<SeqBatch> batch, std::vector<float>& logits) {
     Scratch& s = *s_;
     const ModelConfig& c = model_.config();

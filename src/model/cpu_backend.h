@@ -26,9 +26,6 @@ public:
     int64_t n_vocab() const override;
     cpu::Isa isa() const { return isa_; }
 
-    // The KV layout this model needs, its values stored as dtype.
-    static KvLayout kv_layout(const Model& model, KvDtype dtype = KvDtype::F16, int32_t block_tokens = 16);
-
 private:
     struct Scratch;
     void run(int tid, int nth);

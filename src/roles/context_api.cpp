@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/backends.h"
-#include "model/cpu_backend.h"
+#include "model/backend.h"
 #include "model/fingerprint.h"
 #include "roles/openai.h"
 #include "roles/wire.h"
@@ -309,7 +309,7 @@ Result<std::unique_ptr<ContextService>> ContextService::open(shm::Instance& inst
     if (!dtype) return dtype.error();
     auto alloc = std::make_unique<ShmBlockAllocator>(inst.arena(kContextArena), s->user_);
     s->alloc_ = alloc.get();
-    const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
+    const KvLayout layout = kv_layout(model, *dtype);
     if (gpu) {
         // Device memory this process does not compute in: the store works on the
         // arena's host mirror, its blocks copied on the store thread (kv_stage.h).

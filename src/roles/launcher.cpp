@@ -19,7 +19,7 @@
 #include "engine/backends.h"
 #include "engine/golden.h"
 #include "kv/shm_kv.h"
-#include "model/cpu_backend.h"
+#include "model/backend.h"
 #include "model/gpu_plan.h"
 #include "roles/rebalance.h"
 #include "roles/recovery.h"
@@ -706,7 +706,7 @@ int run_launcher(const ServeSettings& s, const ServePlan& plan, const Model& mod
         return 1;
     }
     const bool adopted = !taken->from.empty();
-    const KvLayout kl = CpuBackend::kv_layout(model, plan.layout.kv_dtype);
+    const KvLayout kl = kv_layout(model, plan.layout.kv_dtype);
     const uint32_t blocks = inst->arena(0).n_blocks();
     say(fmt::format("KV {}, {} arena(s) of {} blocks ({:.2f} GiB, {} tokens) each", kv_dtype_name(kl.dtype),
                     inst->n_arenas(), blocks,

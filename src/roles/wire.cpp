@@ -4,12 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/cpu_backend.h"
+#include "model/backend.h"
 
 namespace duet {
 
 shm::InstanceConfig serve_instance_config(const ServeLayout& l, const Model& model) {
-    KvLayout kv = CpuBackend::kv_layout(model, l.kv_dtype);
+    KvLayout kv = kv_layout(model, l.kv_dtype);
     const uint64_t block_bytes = kv.block_bytes();
     uint64_t blocks = l.n_blocks;
     if (blocks == 0) {

@@ -109,7 +109,7 @@ Status WorkerBase::init(shm::Instance& inst, const Model& model, shm::Role role,
     alloc_ = alloc.get();
     auto dtype = kv_dtype_from(inst.config().kv_dtype);
     if (!dtype) return make_error("instance {}: {}", inst.config().name, dtype.error().message);
-    const KvLayout layout = CpuBackend::kv_layout(model, *dtype);
+    const KvLayout layout = kv_layout(model, *dtype);
     own_threads_ = std::max(1, o.threads);
     index_ = o.index;
     role_ = role;
