@@ -1,8 +1,9 @@
 // The one place that knows which backends this build has: the CPU backend always,
-// the CUDA backend (src/cuda) in a build with DUET_HAVE_CUDA. Everything above the
-// engine (the workers, the launcher, the one-process Engine) makes backends and the
-// device memory their KV pools live in through these functions and never names a
-// CUDA type, so in the product `#if DUET_HAVE_CUDA` appears in src/cuda and here
+// the CUDA backend (src/cuda) in a build with CUDA. Everything above the engine (the
+// workers, the launcher, the one-process Engine) makes backends and the device
+// memory their KV pools live in through these functions and never names a CUDA
+// type. Which GPU half is built is CMake's choice of file (backends_cuda.cpp or
+// backends_no_cuda.cpp), so in the product `#if DUET_HAVE_CUDA` appears in src/cuda
 // only (bench/cuda_cmd.cpp, a benchmark, has its own).
 //
 // In a build without CUDA every device query answers "no GPU" and every GPU request
@@ -95,5 +96,9 @@ struct MadeBackend {
 // The backend for `o.device` over `pool` (whose memory must be on that device).
 // Errors: a GPU in a build without CUDA, no such GPU, the CUDA backend's errors.
 Result<MadeBackend> make_backend(const Model& model, KvPool& pool, const BackendOptions& o);
+// make_backend for a GPU: the CUDA backend, or (a build without CUDA) an error that
+// says so. Defined by backends_cuda.cpp or backends_no_cuda.cpp, whichever CMake
+// compiled.
+Result<MadeBackend> make_gpu_backend(const Model& model, KvPool& pool, const BackendOptions& o);
 
 }  // namespace duet
