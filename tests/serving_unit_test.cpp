@@ -351,6 +351,49 @@ TEST(OpenAiParse, ChoicesLogprobsAndTokenPrompts) {
     EXPECT_EQ(parse_err(R"({"prompt": "x", "ignore_eos": 1})", false), "ignore_eos");
 }
 
+// The whole request in one pass: a context (a chat body's, or the route's) and its
+// commit, a context completion without a prompt, and the class from the body's
+// priority or the route's header.
+TEST(OpenAiParse, ContextCommitAndClassComeWithTheBody) {
+    auto with = [](const std::string& body, bool chat, CompletionRoute route) {
+        auto r = parse_completion(body, chat, route);
+        if (auto* e = std::get_if<ApiError>(&r)) {
+            CompletionRequest failed;
+            failed.model = "error: " + e->param;
+            return failed;
+        }
+        return std::get<CompletionRequest>(r);
+    };
+    const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+    CompletionRequest r = with("{" + msgs + R"(, "context": "c1", "commit": false})", true, {});
+    EXPECT_EQ(r.context, "c1");
+    EXPECT_FALSE(r.commit);
+    r = with("{" + msgs + "}", true, {});
+    EXPECT_EQ(r.context, "");
+    EXPECT_TRUE(r.commit);
+    EXPECT_EQ(with("{" + msgs + R"(, "commit": false})", true, {}).model, "error: commit")
+        << "commit without a context";
+    EXPECT_EQ(with("{" + msgs + R"(, "context": ""})", true, {}).model, "error: context");
+    EXPECT_EQ(with("{" + msgs + R"(, "context": "c1", "commit": "no"})", true, {}).model, "error: commit");
+    EXPECT_EQ(with(R"({"prompt": "x", "context": "c1"})", false, {}).model, "error: context")
+        << "a completion's context is its route's";
+    // The route's context: the body may leave the prompt out (the context continues).
+    r = with(R"({"max_tokens": 2, "commit": false})", false, {"doc", ""});
+    EXPECT_EQ(r.context, "doc");
+    EXPECT_FALSE(r.commit);
+    EXPECT_TRUE(r.continues_context);
+    EXPECT_TRUE(with(R"({"prompt": ""})", false, {"doc", ""}).continues_context);
+    r = with(R"({"prompt": "more"})", false, {"doc", ""});
+    EXPECT_FALSE(r.continues_context);
+    EXPECT_EQ(r.prompt, "more");
+    EXPECT_EQ(with(R"({"max_tokens": 2})", false, {}).model, "error: prompt") << "no context: a prompt is required";
+    // The class: the body's priority, else the header, else standard.
+    EXPECT_EQ(with(R"({"prompt": "x"})", false, {}).slo, SloClass::Standard);
+    EXPECT_EQ(with(R"({"prompt": "x"})", false, {"", "batch"}).slo, SloClass::Batch);
+    EXPECT_EQ(with(R"({"prompt": "x", "priority": "critical"})", false, {"", "batch"}).slo, SloClass::Critical);
+    EXPECT_EQ(with(R"({"prompt": "x"})", false, {"", "urgent"}).model, "error: ") << "a bad header";
+}
+
 TEST(OpenAiJson, LogprobsInBothApis) {
     LogprobToken t{"He", -0.5f, {{"He", -0.5f}, {"Hi", -1.25f}}, 0};
     LogprobToken u{"llo", -0.25f, {{"llo", -0.25f}, {"y", -2.0f}}, 2};

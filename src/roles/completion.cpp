@@ -60,35 +60,15 @@ awaitable<bool> CompletionRun::start(bool chat, std::string context, ResponseRun
     if (c.xid.size() > 200)
         co_return co_await error(f, stream, req,
                                  api_error(400, "invalid_request_error", "X-Request-Id: at most 200 characters", "", ""));
-    // The contexts API's own fields, taken out of the body before the OpenAI parse:
-    // "context" (chat completions; the openai client's extra_body) names the context
-    // the messages join, "commit" says whether the completion joins it. (A plain
-    // completion has neither: its body is parsed once, by parse.)
-    nlohmann::json body;
-    if (chat || !c.context.empty()) body = nlohmann::json::parse(req.body(), nullptr, false);
-    bool edited = false;
-    if (chat && body.is_object() && body.contains("context") && !body["context"].is_null()) {
-        if (!body["context"].is_string() || body["context"].get<std::string>().empty())
-            co_return co_await error(f, stream, req,
-                                     api_error(400, "invalid_request_error", "context: a context's id", "context"));
-        if (!f.opts.contexts)
-            co_return co_await error(f, stream, req,
-                                     api_error(404, "not_found_error",
-                                               "contexts are off on this server (duet serve --contexts-dir DIR)",
-                                               "context"));
-        c.context = body["context"].get<std::string>();
-        body.erase("context");
-        edited = true;
-    }
+    // The whole request (parse_completion: one pass over the body, with the route's
+    // context and the priority header), then what the server's state decides.
+    if (auto e = parse()) co_return co_await error(f, stream, req, *e);
     if (!c.context.empty()) {
-        if (body.is_object() && body.contains("commit")) {
-            if (!body["commit"].is_boolean())
-                co_return co_await error(f, stream, req,
-                                         api_error(400, "invalid_request_error", "commit: a boolean", "commit", ""));
-            c.commit = body["commit"].get<bool>();
-            body.erase("commit");
-            edited = true;
-        }
+        if (!f.opts.contexts)
+            co_return co_await error(
+                f, stream, req,
+                api_error(404, "not_found_error", "contexts are off on this server (duet serve --contexts-dir DIR)",
+                          "context"));
         ContextService& svc = *f.opts.contexts;
         auto kv = co_await asio::co_spawn(
             f.store, [&]() -> awaitable<std::variant<ContextKv, ApiReply>> { co_return svc.lease(c.context); },
@@ -102,26 +82,18 @@ awaitable<bool> CompletionRun::start(bool chat, std::string context, ResponseRun
         c.lease.valid = got.valid;
         c.context_tokens = std::move(got.tokens);
         c.context_len = c.context_tokens.size();
-        // No prompt: the completion continues the context itself. The OpenAI parse
-        // wants a prompt: the context's last token is moved into it.
-        const bool no_prompt = !chat && body.is_object() && (!body.contains("prompt") || body["prompt"] == "" ||
-                                                    (body["prompt"].is_array() && body["prompt"].empty()));
-        if (no_prompt && !c.context_tokens.empty()) {
-            body["prompt"] = nlohmann::json::array({c.context_tokens.back()});
+        // No prompt: the completion continues the context itself, its last token
+        // moved into the prompt.
+        if (c.r.continues_context) {
+            if (c.context_tokens.empty())
+                co_return co_await error(f, stream, req,
+                                         api_error(400, "invalid_request_error",
+                                                   "'prompt' is required: the context is empty, there is nothing to "
+                                                   "continue",
+                                                   "prompt", ""));
+            c.r.prompt_ids = {c.context_tokens.back()};
             c.context_tokens.pop_back();
-            edited = true;
         }
-    }
-    if (edited) req.body() = body.dump();
-    if (auto e = parse()) co_return co_await error(f, stream, req, *e);
-    // Its class: the body's "priority", else the X-Duet-Priority header, else standard.
-    if (c.r.priority) {
-        c.cls = *c.r.priority;
-    } else if (const auto h = req["X-Duet-Priority"]; !h.empty()) {
-        auto cls = parse_priority(std::string_view(h.data(), h.size()));
-        if (!cls) co_return co_await error(f, stream, req, api_error(400, "invalid_request_error",
-                                                                     "X-Duet-Priority: " + cls.error().message, "", ""));
-        c.cls = *cls;
     }
     if (!c.context.empty() && c.r.n != 1)
         co_return co_await error(f, stream, req,
@@ -205,9 +177,13 @@ awaitable<bool> CompletionRun::end_completion() {
 std::optional<ApiError> CompletionRun::parse() {
     if (f.draining.load(std::memory_order_relaxed))
         return api_error(503, "server_error", "the server is shutting down", "", "");
-    auto parsed = parse_completion(req.body(), c.chat);
+    const auto priority = req["X-Duet-Priority"];
+    auto parsed = parse_completion(req.body(), c.chat, {c.context, std::string_view(priority.data(), priority.size())});
     if (auto* e = std::get_if<ApiError>(&parsed)) return *e;
     c.r = std::move(std::get<CompletionRequest>(parsed));
+    c.context = c.r.context;
+    c.commit = c.r.commit;
+    c.cls = c.r.slo;
     if (!c.r.model.empty() && c.r.model != f.opts.model_id)
         return api_error(404, "invalid_request_error",
                          fmt::format("the model '{}' does not exist; this server has '{}'", c.r.model, f.opts.model_id),

@@ -163,8 +163,29 @@ std::optional<ApiError> read_chat_messages(const json& j, std::vector<ChatMessag
 namespace {
 
 // Completions: a string, an array of one string, or token ids.
+// duet's contexts: the route's context, or a chat body's "context"; "commit" only
+// where a context is named.
+Field read_context(const json& j, const CompletionRoute& route, CompletionRequest& r) {
+    r.context = std::string(route.context);
+    if (auto it = j.find("context"); it != j.end() && !it->is_null()) {
+        if (!it->is_string() || it->get<std::string>().empty()) return bad("context", "context: a context's id");
+        r.context = it->get<std::string>();
+    }
+    if (auto it = j.find("commit"); it != j.end() && !it->is_null()) {
+        if (r.context.empty()) return bad("commit", "'commit' is for a context's completions: name a 'context'");
+        if (!it->is_boolean()) return bad("commit", "commit: a boolean");
+        r.commit = it->get<bool>();
+    }
+    return std::nullopt;
+}
+
 Field read_prompt(const json& j, CompletionRequest& r) {
     auto it = j.find("prompt");
+    // A context's completion without a prompt continues the context itself.
+    if (!r.context.empty() && (it == j.end() || it->is_null() || *it == "" || (it->is_array() && it->empty()))) {
+        r.continues_context = true;
+        return std::nullopt;
+    }
     if (it == j.end()) return bad("prompt", "'prompt' is required");
     if (it->is_string()) {
         r.prompt = it->get<std::string>();
@@ -589,6 +610,8 @@ constexpr FieldRule kFields[] = {
     {"priority", kBoth, Does::Honour, ""},     // duet (engine/scheduling.h)
     {"timeout", kBoth, Does::Honour, ""},      // duet
     {"speculative", kBoth, Does::Honour, ""},  // duet (engine/drafter.h)
+    {"context", kChat, Does::Honour, ""},      // duet (engine/contexts.h; a context's route names its own)
+    {"commit", kBoth, Does::Honour, ""},       // duet, beside a context
     {"user", kBoth, Does::Ignore, ""},
     {"safety_identifier", kChat, Does::Ignore, ""},
     {"prompt_cache_key", kChat, Does::Ignore, ""},  // a cache hint: duet's prefix cache needs none
@@ -652,24 +675,36 @@ std::string error_json(const ApiError& e) {
     return j.dump();
 }
 
-std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat) {
-    json j = json::parse(body, nullptr, false);
-    if (j.is_discarded()) return bad("", "the request body is not valid JSON");
-    if (!j.is_object()) return bad("", "the request body must be a JSON object");
+std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat,
+                                                           const CompletionRoute& route) {
+    // Parsed once, in the client's key order (ordered_json: a schema's properties and
+    // a function's parameters are the order its output writes them in, where json
+    // sorts them), and read through a copy of the tree as json.
+    const auto o = nlohmann::ordered_json::parse(body, nullptr, false);
+    if (o.is_discarded()) return bad("", "the request body is not valid JSON");
+    if (!o.is_object()) return bad("", "the request body must be a JSON object");
+    const json j = o;
     if (auto e = check_fields(j, chat)) return *e;
     CompletionRequest r;
     r.chat = chat;
+    if (auto e = read_context(j, route, r)) return *e;
     if (auto e = read_model(j, r)) return *e;
     if (auto e = chat ? read_messages(j, r) : read_prompt(j, r)) return *e;
     for (auto read : {read_sampling, read_stop, read_min_tokens, read_logit_bias, read_stream, read_choices,
                       read_echo_best_of, read_scheduling, read_speculative, read_grammar})
         if (auto e = read(j, r)) return *e;
+    // The class: the body's "priority", else the route's header, else standard.
+    if (r.priority) {
+        r.slo = *r.priority;
+    } else if (!route.priority.empty()) {
+        auto cls = parse_priority(route.priority);
+        if (!cls) return bad("", "X-Duet-Priority: " + cls.error().message);
+        r.slo = *cls;
+    }
     if (chat && (j.contains("tools") || j.contains("tool_choice") || j.contains("parallel_tool_calls")))
-        if (auto e = read_tools(nlohmann::ordered_json::parse(body), r)) return *e;
+        if (auto e = read_tools(o, r)) return *e;
     if (r.grammar && r.grammar->kind == GrammarKind::JsonSchema) {
-        // The schema as the client wrote it: its properties in their order, which is
-        // the order the output writes them in (json sorts keys; ordered_json keeps them).
-        const auto o = nlohmann::ordered_json::parse(body, nullptr, false);
+        // The schema as the client wrote it: its properties in their order.
         static const std::vector<const char*> kTop = {"json_schema"},
                                               kNested = {"response_format", "json_schema", "schema"};
         const nlohmann::ordered_json* s = &o;

@@ -77,6 +77,16 @@ struct CompletionRequest {
     bool parallel_tool_calls = true;
     // Whether the messages hold tool calls or tool results (rendered in the tool format).
     bool tool_messages = false;
+    // duet's contexts (engine/contexts.h): the context the completion joins, from its
+    // route (/v1/contexts/{id}/completions) or a chat body's "context" ("" for none);
+    // whether it joins it ("commit", only beside a context); and, for a completion
+    // of a context with no prompt, that it continues the context itself (the front
+    // moves the context's last token into the prompt once it has the context).
+    std::string context;
+    bool commit = true;
+    bool continues_context = false;
+    // The request's class: "priority", else the X-Duet-Priority header, else standard.
+    SloClass slo = SloClass::Standard;
     bool calls_tools() const { return !tools.empty() && tool_choice.mode != ToolChoiceMode::None; }
 };
 inline constexpr int kMaxChoices = 16;
@@ -87,7 +97,19 @@ inline constexpr int kMaxTopLogprobs = 20;  // = shm::kMaxTopLogprobs
 // logit_bias, ...: docs/API.md has the table) or, where OpenAI's service ignores it
 // too (user, metadata, ...), ignored; an unknown field is a 400 "Unrecognized
 // request argument supplied: NAME", as OpenAI answers.
-std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat);
+// What a completion request says beside its body: the context its route names
+// (/v1/contexts/{id}/completions; "" for the OpenAI routes) and its X-Duet-Priority
+// header ("" when absent).
+struct CompletionRoute {
+    std::string_view context;
+    std::string_view priority;
+};
+// The whole request, in one pass over the body (parsed once): the body's fields, the
+// context and commit (a chat body's "context", or the route's), and the class (the
+// body's "priority", else the route's header). What the server's state decides (the
+// model it serves, whether contexts are on) is the caller's.
+std::variant<CompletionRequest, ApiError> parse_completion(std::string_view body, bool chat,
+                                                           const CompletionRoute& route = {});
 
 // The "messages" of a body object (chat completions, contexts) into out: each a
 // role and a text content (a string, or text parts); with `tools`, also assistant
