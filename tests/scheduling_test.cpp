@@ -92,7 +92,7 @@ TEST(Scheduling, AdmissionPredictsAtTheSlowerRate) {
     q.pending = {0, 0, 1000};
     auto d = a.decide(SloClass::Batch, 10, q, 1000, 200);  // A2: (1000 - 600) / 200 tokens/s
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.refusal, Refusal::Queue);
     EXPECT_EQ(d.retry_after_ms, 2000u);
     d = a.decide(SloClass::Batch, 10, q, 1000, 4000);  // a faster recent window: the best rate is the slower
     EXPECT_EQ(d.retry_after_ms, 400u);
@@ -104,7 +104,7 @@ TEST(Scheduling, AdmissionPredictsAtTheSlowerRate) {
     EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{400, 0, 0}}, 1000, 500).admit);
     d = a1.decide(SloClass::Critical, 10, {{600, 0, 0}}, 1000, 500);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "ttft");
+    EXPECT_EQ(d.refusal, Refusal::Ttft);
     EXPECT_EQ(d.predicted_ttft_ns, 1'220'000'000u);
     EXPECT_EQ(d.retry_after_ms, 220u);
     EXPECT_TRUE(a1.decide(SloClass::Critical, 10, {{600, 0, 0}}, 1000, 0).admit);  // no recent window: the best
@@ -151,7 +151,7 @@ TEST(Scheduling, A1RefusesWhatCannotMeetItsTargetAndSaysWhenItWould) {
     // to 2000 - 100 = 1900 tokens: (3500 - 1900) / 1000 = 1.6 s.
     d = a.decide(SloClass::Standard, 100, q, 1000);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "ttft");
+    EXPECT_EQ(d.refusal, Refusal::Ttft);
     EXPECT_EQ(d.retry_after_ms, 1600u);
     EXPECT_EQ(retry_after_seconds(d.retry_after_ms), 2u);
     // Batch: 23500 + 100 = 23.6 s > 10 s; the room is 10000 - 100: (23500 - 9900) / 1000 = 13.6 s.
@@ -187,7 +187,7 @@ TEST(Scheduling, A2WatermarksHaveHysteresisAndSpareCriticalWork) {
     q.pending = {0, 1000, 0};  // at the high mark: refused
     auto d = a.decide(SloClass::Batch, 50, q, 100);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.refusal, Refusal::Queue);
     EXPECT_EQ(d.retry_after_ms, 4000u);  // (1000 - 600) / 100 tokens/s
     EXPECT_TRUE(a.over_watermark());
     EXPECT_TRUE(a.decide(SloClass::Critical, 50, q, 100).admit);  // judged by A1 alone
@@ -228,7 +228,7 @@ TEST(Scheduling, A2RetryAfterWaitsForThePromptsThatBringTheQueueUnderTheLowMark)
     v.prompts = {{1, 400}, {2, 300}, {3, 300}};
     auto d = a.decide(SloClass::Standard, 50, v, 100);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.refusal, Refusal::Queue);
     EXPECT_EQ(d.retry_after_ms, 4000u);  // the first prompt's 400 tokens bring it to 600
     v.prompts = {{1, 300}, {2, 300}, {3, 400}};
     EXPECT_EQ(a.decide(SloClass::Standard, 50, v, 100).retry_after_ms, 6000u);  // 700 after one, 400 after two
@@ -245,7 +245,7 @@ TEST(Scheduling, ACriticalPromptThatCannotMeetItsTargetIsBoundByTheWatermark) {
     EXPECT_TRUE(a.decide(SloClass::Critical, 50, q, 100).admit);  // 0.5 s alone: A1 judges it (nothing ahead)
     auto d = a.decide(SloClass::Critical, 500, q, 100);           // 5 s alone > 1 s
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.refusal, Refusal::Queue);
     EXPECT_EQ(d.retry_after_ms, 6000u);  // (1200 - 600) / 100 tokens/s
     q.pending = {0, 600, 0};             // under the low mark: admitted
     EXPECT_TRUE(a.decide(SloClass::Critical, 500, q, 100).admit);
@@ -268,7 +268,7 @@ TEST(Scheduling, A3KvWatermarksHaveHysteresisAndARetryAfterFromTheRunningRequest
     kv.used = 95;  // at the high mark
     auto d = a.decide(SloClass::Batch, 50, q, 100, 0, &kv);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "kv");
+    EXPECT_EQ(d.refusal, Refusal::Kv);
     // 95 - 6 (at 0.5 s) = 89, - 5 (at 2 s) = 84 <= 85: 2 s.
     EXPECT_EQ(d.retry_after_ms, 2000u);
     EXPECT_TRUE(a.over_kv_watermark());
@@ -436,9 +436,9 @@ TEST(Scheduling, APromptA1RefusedIsNotJudgedByA1WhenItComesBack) {
     RetryMemory m(4, 100 * ms);
     AdmissionDecision yes, a1, a2;
     a1.admit = a2.admit = false;
-    a1.reason = "ttft";
+    a1.refusal = Refusal::Ttft;
     a1.retry_after_ms = 500;
-    a2.reason = "queue";
+    a2.refusal = Refusal::Queue;
     a2.retry_after_ms = 2000;
     EXPECT_FALSE(m.returning(k, 0));  // never refused
     m.judged(k, 1000 * ms, false, a2);  // A2's refusal of a prompt A1 never refused: nothing remembered
@@ -476,10 +476,10 @@ TEST(Scheduling, APromptA1RefusedIsNotJudgedByA1WhenItComesBack) {
     QueueView q{{0, 3000, 0}};
     auto d = a.decide(SloClass::Standard, 100, q, 1000);  // 3.1 s > 2 s
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "ttft");
+    EXPECT_EQ(d.refusal, Refusal::Ttft);
     EXPECT_TRUE(a.decide(SloClass::Standard, 100, q, 1000, 0, nullptr, true).admit);
     q.pending = {0, 4000, 0};  // over the high watermark: A2 refuses, returning or not
     d = a.decide(SloClass::Standard, 100, q, 1000, 0, nullptr, true);
     EXPECT_FALSE(d.admit);
-    EXPECT_EQ(d.reason, "queue");
+    EXPECT_EQ(d.refusal, Refusal::Queue);
 }

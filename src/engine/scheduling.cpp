@@ -178,6 +178,16 @@ void RetryMemory::refused(uint64_t key, uint64_t now_ns, uint64_t retry_after_ms
     until_.push_back({key, until, now_ns});
 }
 
+const char* refusal_name(Refusal r) {
+    switch (r) {
+        case Refusal::None: return "";
+        case Refusal::Ttft: return "ttft";
+        case Refusal::Queue: return "queue";
+        case Refusal::Kv: return "kv";
+    }
+    return "";
+}
+
 bool RetryMemory::returning(uint64_t key, uint64_t now_ns) const {
     for (const Entry& e : until_)
         if (e.key == key) return now_ns <= e.until_ns;
@@ -186,7 +196,8 @@ bool RetryMemory::returning(uint64_t key, uint64_t now_ns) const {
 
 void RetryMemory::judged(uint64_t key, uint64_t now_ns, bool returning, const AdmissionDecision& d) {
     if (d.admit) std::erase_if(until_, [&](const Entry& e) { return e.key == key; });
-    else if (d.reason == "ttft" || returning) refused(key, now_ns, d.retry_after_ms);
+    else if (d.refusal == Refusal::Ttft || returning)
+        refused(key, now_ns, d.retry_after_ms);
 }
 
 AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, const QueueView& q, double rate,
@@ -219,7 +230,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     const bool watermarked = c != SloClass::Critical || (rate > 0 && !can_meet);
     if (over_ && watermarked) {
         d.admit = false;
-        d.reason = "queue";
+        d.refusal = Refusal::Queue;
         const double s =
             rate > 0 ? static_cast<double>(queue_drain_tokens(q.prompts, total, o_.queue_low)) / rate : 1.0;
         d.retry_after_ms = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(s * 1000)));
@@ -228,7 +239,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     if (kv_on) {
         if (kv_over_ && watermarked) {
             d.admit = false;
-            d.reason = "kv";
+            d.refusal = Refusal::Kv;
             const uint64_t ns = kv_drain_ns(kv->running, kv->used, kv_low);
             // Nothing running frees enough (the blocks are held elsewhere): a second,
             // the next look.
@@ -244,7 +255,7 @@ AdmissionDecision AdmissionControl::decide(SloClass c, int64_t prompt_tokens, co
     // judge a prompt it refused before that came back in time (RetryMemory).
     if (!returning && rate > 0 && ahead > 0 && can_meet && static_cast<double>(ahead + prompt_tokens) / rate > target_s) {
         d.admit = false;
-        d.reason = "ttft";
+        d.refusal = Refusal::Ttft;
         // The queue ahead must shrink to what leaves room for this prompt.
         const double room = std::max(0.0, rate * target_s - static_cast<double>(prompt_tokens));
         const double s = std::max(0.0, static_cast<double>(ahead) - room) / rate;

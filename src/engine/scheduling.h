@@ -245,9 +245,13 @@ uint64_t kv_drain_ns(std::vector<RunningKv> running, int64_t used, int64_t targe
 // refusals in a row under ASan.
 int64_t queue_drain_tokens(const std::multimap<uint64_t, int64_t>& prompts, int64_t total, int64_t target);
 
+// Why admission refused a request: the rule that did (A1, A2, A3 above).
+enum class Refusal : uint8_t { None, Ttft, Queue, Kv };
+const char* refusal_name(Refusal r);  // "", "ttft", "queue", "kv"
+
 struct AdmissionDecision {
     bool admit = true;
-    std::string reason;            // why not: "ttft" (A1), "queue" (A2) or "kv" (A3)
+    Refusal refusal = Refusal::None;  // why not
     uint64_t predicted_ttft_ns = 0;  // 0 when the rate is not known yet
     uint64_t retry_after_ms = 0;
 };

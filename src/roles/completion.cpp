@@ -351,34 +351,19 @@ std::optional<ApiError> CompletionRun::admit(RequestParams params) {
     const auto given = static_cast<int64_t>(c.lease.blocks.empty() ? 0 : std::min<int64_t>(c.lease.valid, static_cast<int64_t>(c.prompt.size())));
     const auto prompt_tokens = (static_cast<int64_t>(c.prompt.size()) - given) * std::max(1, c.r.n);
     const AdmissionDecision d =
-        f.admit_tokens(c.cls, prompt_tokens, static_cast<int64_t>(c.prompt.size()),
-                       RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
+        f.admission.admit(c.cls, prompt_tokens, static_cast<int64_t>(c.prompt.size()),
+                          RetryMemory::key(c.cls, c.prompt.data(), c.prompt.size()), c.queue_at);
     if (!d.admit) {
-        (d.reason == "queue" ? f.counters.rejected_queue
-         : d.reason == "kv"  ? f.counters.rejected_kv
-                             : f.counters.rejected_ttft)
+        (d.refusal == Refusal::Queue ? f.counters.rejected_queue
+         : d.refusal == Refusal::Kv  ? f.counters.rejected_kv
+                                     : f.counters.rejected_ttft)
             .fetch_add(1, std::memory_order_relaxed);
-        std::string msg =
-            d.reason == "queue" ? fmt::format("the server's prefill queue is full ({} class); retry in {} ms",
-                                              slo_class_name(c.cls), d.retry_after_ms)
-            : d.reason == "kv"  ? fmt::format(
-                                      "the server's KV cache is full ({} class: critical requests only until "
-                                       "running ones end); retry in {} ms",
-                                      slo_class_name(c.cls), d.retry_after_ms)
-                               : fmt::format(
-                                     "a first token within the {} class's {} ms is not possible now "
-                                     "(predicted {} ms); retry in {} ms",
-                                     slo_class_name(c.cls), f.opts.admission.slo.of(c.cls).ttft_ns / 1000000,
-                                     d.predicted_ttft_ns / 1000000, d.retry_after_ms);
-        ApiError e = api_error(429, "rate_limit_error", msg, "",
-                               d.reason == "queue" ? "queue_full" : d.reason == "kv" ? "kv_full" : "slo_unreachable");
-        e.retry_after_ms = d.retry_after_ms;
-        return e;
+        return f.admission.refusal_error(c.cls, d);
     }
     c.queued = prompt_tokens;
     params.slo_class = c.cls;
-    params.ttft_target_ns = f.opts.admission.slo.of(c.cls).ttft_ns;
-    params.itl_target_ns = f.opts.admission.slo.of(c.cls).itl_ns;
+    params.ttft_target_ns = f.admission.options().slo.of(c.cls).ttft_ns;
+    params.itl_target_ns = f.admission.options().slo.of(c.cls).itl_ns;
     c.ch =
         std::vector<Choice>(static_cast<size_t>(c.r.n), Choice(f.tok, c.r.stop, static_cast<uint64_t>(c.r.min_tokens)));
     if (c.r.calls_tools()) {
@@ -413,7 +398,7 @@ std::optional<ApiError> CompletionRun::admit(RequestParams params) {
                 (void)t.transition(c.ch[k].ref, shm::ReqState::Cancelled, shm::ReqState::Free);
             }
             f.counters.rejected_busy.fetch_add(1, std::memory_order_relaxed);
-            f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+            f.admission.left(c.cls, std::exchange(c.queued, 0), c.queue_at);
             return api_error(429, "rate_limit_error", "the server is at capacity; retry shortly", "", "");
         }
         c.ch[i].ref = *sub;
@@ -485,17 +470,14 @@ ChoiceStep CompletionRun::read_choice(Choice& ch) {
                 f.counters.class_ttft[static_cast<size_t>(c.cls)].observe(seconds_between(c.arrived, step.seen_ns));
             }
             if (c.queued > 0)  // prefill is done with the prompt: it leaves the queue
-                f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+                f.admission.left(c.cls, std::exchange(c.queued, 0), c.queue_at);
         } else {  // several tokens at once share the gap
             const double gap = seconds_between(ch.last_token_ns, step.seen_ns) / static_cast<double>(ch.out.size() - before);
             for (size_t i = before; i < ch.out.size(); ++i) {
                 f.counters.itl.observe(gap);
                 f.counters.class_itl[static_cast<size_t>(c.cls)].observe(gap);
             }
-            // A3's time per token: an average over recent gaps (a racy update loses
-            // one gap at most).
-            const double was = f.itl_s.load(std::memory_order_relaxed);
-            f.itl_s.store(was > 0 ? 0.95 * was + 0.05 * gap : gap, std::memory_order_relaxed);
+            f.admission.observe_itl(gap);  // A3's time per token
             c.gap_sum += gap * static_cast<double>(ch.out.size() - before);
             c.gaps += static_cast<int64_t>(ch.out.size() - before);
         }
@@ -647,13 +629,13 @@ Outcome CompletionRun::finish(bool keep) {
     else
         f.counters.finished.fetch_add(1, std::memory_order_relaxed);
     // Ended without a first token: its prompt leaves the queue unmeasured.
-    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+    if (c.queued > 0) f.admission.left(c.cls, std::exchange(c.queued, 0), c.queue_at);
     // SLO attainment: a completion that ended without failing meets its class's
     // targets when its first token came within the TTFT target and its tokens, on
     // average, within the ITL target.
     if (!o.failed && c.first_ns != 0) {
         const size_t k = static_cast<size_t>(c.cls);
-        const SloTarget& target = f.opts.admission.slo.of(c.cls);
+        const SloTarget& target = f.admission.options().slo.of(c.cls);
         const bool met = c.first_ns - c.arrived <= target.ttft_ns &&
                          (c.gaps == 0 || c.gap_sum / static_cast<double>(c.gaps) <= static_cast<double>(target.itl_ns) / 1e9);
         f.counters.class_done[k].fetch_add(1, std::memory_order_relaxed);

@@ -15,9 +15,9 @@ Front::Impl::Impl(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, 
       tmpl(std::move(tmpl)),
       opts(std::move(o)),
       key(opts.api_key),
-      router(inst, /*redrive=*/false) {
+      router(inst, /*redrive=*/false),
+      admission(opts.admission) {
     opts.api_key.clear();  // only its digest stays (key)
-    admission = AdmissionControl(opts.admission);
 }
 
 Front::Front(shm::Instance& inst, shm::ProcRef self, const Tokenizer& tok, ChatTemplate tmpl, FrontOptions o)
@@ -35,97 +35,6 @@ FrontCounters& Front::counters() { return impl_->counters; }
 PrefillRouter& Front::router() { return impl_->router; }
 void Front::set_contexts(ContextService* c) { impl_->opts.contexts = c; }
 bool Front::release_ended_orphan() { return impl_->release_ended_orphan(); }
-
-AdmissionDecision Front::Impl::admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t retry_key,
-                                            QueueAt& at) {
-    std::lock_guard<std::mutex> lock(sched_mu);
-    const uint64_t now = shm::monotonic_ns();
-    const bool returning = retries.returning(retry_key, now);
-    const double n = prefill_workers;
-    const MeasuredRate r = admission_rate(c, {prefill_rate.rate() * n, prefill_rate.recent() * n},
-                                          {prefill_wide_rate.rate() * n, prefill_wide_rate.recent() * n});
-    AdmissionDecision d = admission.decide(c, tokens, queue, r.best, r.recent, &kv, returning);
-    if (d.admit && tokens > 0) {  // (none: a context's KV covers the prompt; it never leaves)
-        queue.pending[static_cast<size_t>(c)] += tokens;
-        // Prefill's order key as the worker will compute it (from the whole prompt's
-        // length, and the table's submit time, a moment later: the order among these
-        // is the same).
-        const uint64_t ttft = admission.options().slo.of(c).ttft_ns;
-        at = queue.prompts.emplace(prefill_order_key(now, static_cast<uint32_t>(c), ttft,
-                                                     static_cast<uint64_t>(prompt_length), kDeadlineNsPerToken),
-                                   tokens);
-    }
-    retries.judged(retry_key, now, returning, d);
-    return d;
-}
-
-void Front::Impl::queue_left(SloClass c, int64_t tokens, QueueAt at) {
-    std::lock_guard<std::mutex> lock(sched_mu);
-    queue.pending[static_cast<size_t>(c)] -= tokens;
-    queue.prompts.erase(at);
-}
-
-void Front::Impl::sample_prefill_work() {
-    shm::Registry& reg = inst.registry();
-    std::lock_guard<std::mutex> lock(sched_mu);
-    work_seen.resize(reg.n_slots(), {0, 0, 0, 0, 0});
-    uint32_t running = 0;
-    for (uint32_t s = 0; s < reg.n_slots(); ++s) {
-        if (!reg.running_as(s, shm::Role::Prefill)) continue;
-        const WorkerStats& ps = worker_stats(reg, s);
-        ++running;
-        // Two counters read one after the other: a pass's time may be seen before its
-        // tokens; the next reading has them (a window holds many readings).
-        const std::array<uint64_t, 4> now = {
-            ps.busy_ns.load(std::memory_order_relaxed), ps.work_tokens.load(std::memory_order_relaxed),
-            ps.wide_busy_ns.load(std::memory_order_relaxed), ps.wide_tokens.load(std::memory_order_relaxed)};
-        std::array<uint64_t, 5>& seen = work_seen[s];
-        const uint64_t gen = reg.current(s).gen;
-        if (seen[0] != gen) seen = {gen, 0, 0, 0, 0};  // a new process here: its counters started at 0
-        for (size_t k = 0; k < 2; ++k) {
-            const uint64_t busy = now[2 * k], tokens = now[2 * k + 1];
-            if (busy >= seen[1 + 2 * k] && tokens >= seen[2 + 2 * k])
-                (k == 0 ? prefill_rate : prefill_wide_rate)
-                    .add(busy - seen[1 + 2 * k], static_cast<int64_t>(tokens - seen[2 + 2 * k]));
-            seen[1 + 2 * k] = busy;
-            seen[2 + 2 * k] = tokens;
-        }
-    }
-    prefill_workers = std::max<uint32_t>(1, running);
-}
-
-void Front::Impl::sample_kv() {
-    KvView v;
-    const shm::InstanceConfig& cfg = inst.config();
-    const int32_t ctx_user = opts.contexts ? opts.contexts->arena_user() : -1;
-    // The decode workers' arenas: where admitted requests hold blocks until they end
-    // (a prefill-only arena, kv_split, only while their prompts are computed).
-    for (const uint32_t a : decode_arenas(cfg)) {
-        const shm::ArenaCensus c = inst.arena(a).census();
-        int64_t held = c.held;
-        // Idle contexts give way to requests (ContextService::make_room): their blocks
-        // are not the arena's load. (References, not blocks: a block a context shares
-        // with a request counts for neither, an underestimate of a few blocks.)
-        if (a == kContextArena && ctx_user >= 0)
-            held -= std::min<int64_t>(held, static_cast<int64_t>(c.refs_by_user[static_cast<size_t>(ctx_user)]));
-        v.used += held;
-        v.total += c.total;
-    }
-    const shm::RequestTable& t = inst.requests();
-    const double itl = itl_s.load(std::memory_order_relaxed);
-    const uint64_t per_token_ns = static_cast<uint64_t>((itl > 0 ? itl : 0.05) * 1e9);
-    const int64_t bt = std::max<int64_t>(1, cfg.requests.block_tokens);
-    for (uint32_t s = 0; s < t.n_slots(); ++s) {
-        if (t.state(s) != shm::ReqState::Decoding) continue;
-        const shm::ReqSlot& r = t.slot(s);
-        const int64_t out = r.n_output.load(std::memory_order_relaxed);
-        const int64_t tokens = r.n_prompt.load(std::memory_order_relaxed) + out;
-        const int64_t left = std::max<int64_t>(0, static_cast<int64_t>(request_params(t, s).max_tokens) - out);
-        v.running.push_back({(tokens + bt - 1) / bt, static_cast<uint64_t>(left) * per_token_ns});
-    }
-    std::lock_guard<std::mutex> lock(sched_mu);
-    kv = std::move(v);
-}
 
 Status Front::Impl::start() {
     beast::error_code ec;
@@ -187,8 +96,8 @@ void Front::Impl::notify_loop() {
         if (const uint64_t now = shm::monotonic_ns(); now >= next_rescue) {
             router.resend_stranded();
             expire_orphans(now);
-            sample_prefill_work();
-            sample_kv();
+            admission.sample_prefill_work(inst.registry());
+            admission.sample_kv(inst, opts.contexts);
             next_rescue = now + 50'000'000;
             if (now >= next_adopt) {
                 adopt_orphans();
@@ -503,14 +412,12 @@ MetricsSnapshot front_detail::metrics_snapshot(Front::Impl& f) {
         m.class_done[k] = c.class_done[k].load(std::memory_order_relaxed);
         m.class_met[k] = c.class_met[k].load(std::memory_order_relaxed);
     }
-    {
-        std::lock_guard<std::mutex> lock(f.sched_mu);
-        m.queued_tokens = f.queue.pending;
-        m.prefill_rate = f.prefill_rate.rate() * f.prefill_workers;
-        m.prefill_rate_recent = f.prefill_rate.recent() * f.prefill_workers;
-        m.prefill_wide_rate = f.prefill_wide_rate.rate() * f.prefill_workers;
-        m.prefill_wide_rate_recent = f.prefill_wide_rate.recent() * f.prefill_workers;
-    }
+    const FrontAdmission::Snapshot adm = f.admission.snapshot();
+    m.queued_tokens = adm.queued;
+    m.prefill_rate = adm.rate;
+    m.prefill_rate_recent = adm.rate_recent;
+    m.prefill_wide_rate = adm.wide_rate;
+    m.prefill_wide_rate_recent = adm.wide_rate_recent;
     m.tokens = c.tokens.load(std::memory_order_relaxed);
     m.prompt_tokens = c.prompt_tokens.load(std::memory_order_relaxed);
     m.worker_restarts = inst.requests().worker_restarts().load(std::memory_order_relaxed);

@@ -26,6 +26,7 @@
 #include "kv/kv_pool.h"
 #include "roles/api_key.h"
 #include "roles/context_api.h"
+#include "roles/front_admission.h"
 #include "roles/metrics_text.h"
 #include "roles/openai.h"
 #include "roles/recovery.h"
@@ -121,40 +122,12 @@ struct Front::Impl {
     std::thread notifier;
     std::atomic<bool> quit{false};
     std::atomic<uint64_t> loop_alive_ns{0};
-    // Admission (engine/scheduling.h) over the prompt tokens this front has admitted
-    // and prefill has not finished, per class, and prefill's measured rate.
-    std::mutex sched_mu;
-    AdmissionControl admission{AdmissionOptions{}};
-    PrefillRateMeter prefill_rate;       // passes on prefill's own cores
-    PrefillRateMeter prefill_wide_rate;  // passes with the partner's cores too (admission_rate)
-    QueueView queue;
-    KvView kv;                     // A3's view of the arenas (sample_kv)
-    uint32_t prefill_workers = 1;  // running: the queue drains at their summed rate
-    // Each registry slot's work counters as last read: (generation, busy ns, tokens,
-    // wide busy ns, wide tokens).
-    std::vector<std::array<uint64_t, 5>> work_seen;
-    RetryMemory retries;           // prompts A1 refused (engine/scheduling.h)
-    std::atomic<double> itl_s{0};  // decode's time per token, an average over recent gaps (0: none seen)
+    FrontAdmission admission;  // engine/scheduling.h's rules over this front's queue (front_admission.h)
 
     Status start();
     void stop();
     void cancel_all();
     bool send(shm::ReqRef r) { return router.send(r); }
-    // Decides; an admitted request's tokens (if any) join the queue, `at` its place
-    // in it (QueueView::prompts, by prefill's order key for a prompt of
-    // `prompt_length` tokens). `retry_key`: the prompt's RetryMemory key.
-    using QueueAt = std::multimap<uint64_t, int64_t>::iterator;
-    AdmissionDecision admit_tokens(SloClass c, int64_t tokens, int64_t prompt_length, uint64_t retry_key, QueueAt& at);
-    // They leave it: prefill is done with them (the first token came) or the request
-    // ended without one.
-    void queue_left(SloClass c, int64_t tokens, QueueAt at);
-    // Reads the running prefill workers' work counters into prefill_rate and
-    // prefill_wide_rate (the notifier thread, every 50 ms).
-    void sample_prefill_work();
-    // Reads the arenas' census and the running requests into kv (the notifier
-    // thread, every 50 ms): blocks held by requests (not the contexts', which give
-    // way), and each running request's blocks and time left at itl_s per token.
-    void sample_kv();
     // Sends a request decode preempted (QUEUED again, at an attempt other than
     // `sent_attempt`, which it updates) back to prefill.
     void resend_if_preempted(shm::ReqRef r, uint32_t& sent_attempt);
@@ -377,7 +350,7 @@ struct Completion {
     SloClass cls = SloClass::Standard;
     int64_t queued = 0;
     std::multimap<uint64_t, int64_t>::iterator
-        queue_at{};  // its place in the queue while queued > 0 (Front::Impl::QueueAt)
+        queue_at{};  // its place in the queue while queued > 0 (FrontAdmission::QueueAt)
     uint64_t first_ns = 0;
     double gap_sum = 0;
     int64_t gaps = 0;

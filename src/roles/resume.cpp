@@ -111,7 +111,7 @@ bool CompletionRun::keep_as_orphan() {
 bool CompletionRun::detach() {
     if (!keep_as_orphan()) return false;
     // It leaves the connection: the queue and in-flight counts as when it ends.
-    if (c.queued > 0) f.queue_left(c.cls, std::exchange(c.queued, 0), c.queue_at);
+    if (c.queued > 0) f.admission.left(c.cls, std::exchange(c.queued, 0), c.queue_at);
     f.in_flight.fetch_sub(1, std::memory_order_relaxed);
     c.detached = true;
     return true;
