@@ -53,5 +53,42 @@ TEST(TokenStep, FinishReasonsAreOpenAisWords) {
     EXPECT_EQ(finish_reason(Finish::None), "");
 }
 
+// emit: the backend's pick passes through to the stop rule; otherwise the greedy
+// draw under the constraints (the row's order written out by hand: 3 > 1 > 0 > 2),
+// and nothing left to choose is Failed.
+TEST(TokenStep, EmitPicksUnderTheRulesThenAppliesTheStopRule) {
+    const float row[4] = {0.5f, 2.0f, -1.0f, 3.0f};
+    Sampler sampler;
+    const SamplingParams greedy;  // temperature 0
+    const std::vector<int32_t> prompt = {7}, output = {1, 2};
+    auto eog3 = [](int32_t t) { return t == 3; };
+    TokenRules rules{StopRules{16, true}, {}};
+    auto at = [&](int32_t picked, const TokenRules& r, const std::vector<int32_t>& out) {
+        return emit(sampler, row, 4, picked, greedy, r, prompt, out, eog3);
+    };
+    Emitted e = at(-1, rules, output);
+    EXPECT_EQ(e.token, 3);
+    EXPECT_EQ(e.finish, Finish::Eog) << "3 is the eog here";
+    e = at(0, rules, output);  // a backend's pick is taken as it is
+    EXPECT_EQ(e.token, 0);
+    EXPECT_EQ(e.finish, Finish::None);
+    const int32_t eog_ids[] = {3};
+    const TokenBias plus10[] = {{0, 10.0f}};
+    const uint32_t none[] = {0};
+    rules.constraints.banned = eog_ids;  // min_tokens' ban
+    e = at(-1, rules, output);
+    EXPECT_EQ(e.token, 1);
+    EXPECT_EQ(e.finish, Finish::None);
+    rules.constraints.bias = plus10;
+    EXPECT_EQ(at(-1, rules, output).token, 0) << "a bias of +10 lifts 0 over 1";
+    rules.stop.max_tokens = 3;  // the third output is the last
+    EXPECT_EQ(at(-1, rules, output).finish, Finish::Length);
+    rules.constraints = {};
+    rules.constraints.allowed = none;  // a grammar's set that allows nothing
+    e = at(-1, rules, output);
+    EXPECT_EQ(e.token, -1);
+    EXPECT_EQ(e.finish, Finish::Failed);
+}
+
 }  // namespace
 }  // namespace duet

@@ -129,16 +129,19 @@ Result<GenerateStats> Engine::generate(const std::vector<int32_t>& prompt, const
     const int64_t budget = std::min(opts.max_tokens, n_ctx_ - st.prompt_tokens);
     auto t1 = t0;
     while (st.generated < budget) {
-        int32_t id = sampler_.sample(logits.data(), backend_->n_vocab(), opts.sampling, prompt, out,
-                                     static_cast<uint64_t>(st.generated));
+        // The token path's one step (token_step.h), as a serving worker takes it.
+        const TokenRules rules{StopRules{static_cast<uint64_t>(budget), opts.stop_at_eog}, {}};
+        const Emitted e = emit(sampler_, logits.data(), backend_->n_vocab(), -1, opts.sampling, rules, prompt, out,
+                               [&](int32_t x) { return tok_->is_eog(x); });
+        if (e.finish == Finish::Failed) return fail(make_error("no token could be chosen"));
+        const int32_t id = e.token;
+        const Finish f = e.finish;
         if (st.generated == 0) {
             st.prompt_seconds = seconds_since(t0);
             t1 = std::chrono::steady_clock::now();
         }
         out.push_back(id);
         ++st.generated;
-        const Finish f = check_stop(StopRules{static_cast<uint64_t>(budget), opts.stop_at_eog}, tok_->is_eog(id),
-                                    static_cast<size_t>(st.generated));
         if (!on_token(id)) break;
         if (f != Finish::None) {
             st.finish = f;

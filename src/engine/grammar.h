@@ -1,6 +1,6 @@
 // Grammar-constrained decoding: a request's grammar (a JSON schema, any JSON
 // object, or an EBNF grammar) as the set of tokens it allows next, applied where a
-// token is chosen (roles/worker_base.cpp WorkerBase::pick) by setting every other
+// token is chosen (roles/worker_base.cpp WorkerBase::draw) by setting every other
 // token's logit to -inf before sampling.
 //
 // The engine is xgrammar's C++ core (Apache-2.0; fetched and compiled by

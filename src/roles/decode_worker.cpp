@@ -463,7 +463,7 @@ void DecodeWorker::choose_pickers(const DecodeStep& plan, std::span<SeqBatch> ba
         // constraints, else the sampler's pick for this request and position under
         // its constraints (bias, min_tokens' bans, its grammar's mask: on a GPU, on
         // the device). The host picks for a verify row, whose every position is
-        // drawn in turn, and where the grammar could not be followed (pick() says
+        // drawn in turn, and where the grammar could not be followed (draw() says
         // why and the request fails).
         const SamplingParams& sp = a.params.sampling;
         bool host = r.n_tokens > 1 || a.params.logprobs >= 0;
@@ -604,7 +604,7 @@ Result<bool> DecodeWorker::step() {
         const bool host = !b.argmax_only && !b.sample;
         const Finish f = emit(active_[i], logits_.data() + r * nv, picks_.data() + r, host, b.n_tokens);
         r += b.output_rows();
-        if (f == Finish::Failed) {  // its grammar could not be followed (pick() said why)
+        if (f == Finish::Failed) {  // its grammar could not be followed (draw() said why)
             t.slot(active_[i].req.slot)
                 .error_code.store(static_cast<int32_t>(ReqError::Data),
                                   std::memory_order_relaxed);  // published by finish

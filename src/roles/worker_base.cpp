@@ -235,31 +235,31 @@ void WorkerBase::log_no_token(shm::ReqRef r, std::string_view why) const {
                {request_field(r), request_id_field(inst_->requests(), r)});
 }
 
-int32_t WorkerBase::pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
-                         std::span<const int32_t> prompt, std::span<const int32_t> output) {
-    auto c = constraints(r, p, d, output);
-    if (!c) {
-        log_no_token(r, c.error().message);
-        return -1;
-    }
-    const int32_t t = sampler_.sample(row, backend_->n_vocab(), p.sampling, prompt, output, output.size(), *c);
-    // Its bias or bans may have left no token its grammar allows: nothing can be chosen.
-    if (t < 0) log_no_token(r);
-    return t;
-}
-
 WorkerBase::Drawn WorkerBase::draw(const float* row, int32_t picked, shm::ReqRef r, const RequestParams& p,
                                    const RequestData& d, std::span<const int32_t> prompt,
                                    std::span<const int32_t> output, StopWatch* stops) {
     const shm::RequestTable& t = inst_->requests();
-    const int32_t next = picked >= 0 ? picked : pick(row, r, p, d, prompt, output);
-    if (next < 0) return {-1, Finish::Failed};
+    TokenRules rules{stop_rules(p), {}};
+    if (picked < 0) {  // the host picks: under the request's constraints
+        auto c = constraints(r, p, d, output);
+        if (!c) {
+            log_no_token(r, c.error().message);
+            return {-1, Finish::Failed};
+        }
+        rules.constraints = *c;
+    }
+    const Emitted e = emit(sampler_, row, backend_->n_vocab(), picked, p.sampling, rules, prompt, output,
+                           [&](int32_t x) { return tok_->is_eog(x); });
+    if (e.finish == Finish::Failed) {
+        log_no_token(r);  // its bias or bans left no token its grammar allows
+        return {-1, Finish::Failed};
+    }
     if (p.logprobs >= 0 && prompt.size() + output.size() < t.max_tokens())
-        fill_logprobs(row, backend_->n_vocab(), next, p.logprobs,
+        fill_logprobs(row, backend_->n_vocab(), e.token, p.logprobs,
                       t.logprobs(r.slot, static_cast<uint32_t>(output.size())));
-    Finish f = check_stop(stop_rules(p), tok_->is_eog(next), output.size() + 1);
-    if (stops && stops->push(next, output.size() + 1) && f != Finish::Eog) f = Finish::StopString;
-    return {next, f};
+    Finish f = e.finish;
+    if (stops && stops->push(e.token, output.size() + 1) && f != Finish::Eog) f = Finish::StopString;
+    return {e.token, f};
 }
 
 std::unique_ptr<StopWatch> WorkerBase::watch_stops(const RequestParams& p, const RequestData& d,

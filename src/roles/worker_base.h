@@ -159,12 +159,6 @@ protected:
     // request's data does. Error: its grammar could not be followed.
     Result<TokenConstraints> constraints(shm::ReqRef r, const RequestParams& p, const RequestData& d,
                                          std::span<const int32_t> output);
-    // A request's next token from its logits row on the host: the sampler's pick for
-    // its position under constraints(). The row is not changed. -1: nothing could be
-    // chosen (its grammar could not be followed, or its bias left no token it allows;
-    // logged; the request fails).
-    int32_t pick(const float* row, shm::ReqRef r, const RequestParams& p, const RequestData& d,
-                 std::span<const int32_t> prompt, std::span<const int32_t> output);
     // Logs why request r has no next token: its grammar's error, or (the default)
     // that its constraints left nothing to choose.
     void log_no_token(shm::ReqRef r,
@@ -176,12 +170,14 @@ protected:
     Status prepare_grammar(shm::ReqRef r, const RequestData& d, std::span<const int32_t> output);
     void forget_grammar(shm::ReqRef r);
     GrammarSet& grammars();
-    // The one way a token is decided, for prefill's first token and each of decode's:
-    // the backend's pick (picked >= 0) or pick()'s, its log-probabilities into request
-    // r's slot when asked, and the stop rule's verdict with it as the next output
-    // (engine/token_step.h check_stop). Appending it is the caller's (its slot write
-    // comes with blocks or drafts). Finish::Failed (token -1): pick() could not
-    // follow the request's grammar; the caller fails the request (ReqError::Data).
+    // A request's next token, for prefill's first token and each of decode's: the
+    // token path's one step (engine/token_step.h emit: the backend's pick when
+    // picked >= 0, else the sampler's under the request's TokenRules, stop_rules and
+    // constraints()), its log-probabilities into request r's slot when asked, and a
+    // stop string it completes. Appending it is the caller's (its slot write comes
+    // with blocks or drafts). Finish::Failed (token -1): nothing could be chosen
+    // (its grammar could not be followed, or its bias left no token it allows;
+    // logged); the caller fails the request (ReqError::Data).
     struct Drawn {
         int32_t token;
         Finish finish;
