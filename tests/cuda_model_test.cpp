@@ -243,19 +243,24 @@ TEST(CudaModel, AVerifyRowGivesTheLogitsOfSingleSteps) {
             singles.push_back(l);
         }
         ref.release(e->pool());
-        for (int32_t k = 1; k <= 8; ++k) {
-            KvSeq sv = prefilled(prefix), so = prefilled(other);
-            SeqBatch rows[2] = {{&so, other.data() + 39, 1, false}, {&sv, cont.data(), k, true}};
-            ASSERT_TRUE(e->backend().forward(rows, l).ok());
-            ASSERT_EQ(l.size(), static_cast<size_t>((1 + k) * nv));
-            for (int32_t j = 0; j < k; ++j) {
-                const std::vector<float> row(l.begin() + (1 + j) * nv, l.begin() + (2 + j) * nv);
-                EXPECT_LT(rms_diff(singles[j], row) / rms(singles[j]), 1e-3) << "k = " << k << ", position " << j;
-                EXPECT_EQ(argmax(singles[j].data(), nv), argmax(row.data(), nv)) << "k = " << k << ", position " << j;
+        for (int32_t k = 1; k <= 8; ++k)
+            for (const bool alone : {true, false}) {
+                KvSeq sv = prefilled(prefix), so = prefilled(other);
+                SeqBatch rows[2] = {{&so, other.data() + 39, 1, false}, {&sv, cont.data(), k, true}};
+                const std::span<SeqBatch> batch = alone ? std::span<SeqBatch>(rows + 1, 1) : std::span<SeqBatch>(rows);
+                ASSERT_TRUE(e->backend().forward(batch, l).ok());
+                const int32_t first = alone ? 0 : 1;  // the verify row's first logits row
+                ASSERT_EQ(l.size(), static_cast<size_t>((first + k) * nv));
+                for (int32_t j = 0; j < k; ++j) {
+                    const std::vector<float> row(l.begin() + (first + j) * nv, l.begin() + (first + j + 1) * nv);
+                    EXPECT_LT(rms_diff(singles[j], row) / rms(singles[j]), 1e-3)
+                        << "k = " << k << ", position " << j << (alone ? ", alone" : ", beside a one-token row");
+                    EXPECT_EQ(argmax(singles[j].data(), nv), argmax(row.data(), nv))
+                        << "k = " << k << ", position " << j << (alone ? ", alone" : ", beside a one-token row");
+                }
+                sv.release(e->pool());
+                so.release(e->pool());
             }
-            sv.release(e->pool());
-            so.release(e->pool());
-        }
     });
 }
 
