@@ -160,7 +160,10 @@ struct RequestTableHeader {
     std::atomic<uint64_t> drafted[kDraftSources];
     std::atomic<uint64_t> drafts_accepted[kDraftSources];
     uint32_t ext_bytes;  // RequestTableConfig::ext_bytes
-    uint8_t spare[20];   // room for more counters (zeroed by init)
+    uint8_t pad[4];
+    // Verify rows decode ran (a row of the newest token and its drafts), by where
+    // the drafts came from.
+    std::atomic<uint64_t> verify_rows[kDraftSources];
 };
 static_assert(sizeof(RequestTableHeader) == 128);
 
@@ -184,6 +187,7 @@ public:
     // source < RequestTableHeader::kDraftSources.
     std::atomic<uint64_t>& drafted(int source) const { return h_->drafted[source]; }
     std::atomic<uint64_t>& drafts_accepted(int source) const { return h_->drafts_accepted[source]; }
+    std::atomic<uint64_t>& verify_rows(int source) const { return h_->verify_rows[source]; }
     ReqSlot& slot(uint32_t i) const {
         return *reinterpret_cast<ReqSlot*>(reinterpret_cast<uint8_t*>(h_ + 1) + i * h_->slot_bytes);
     }

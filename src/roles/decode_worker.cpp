@@ -430,6 +430,7 @@ Finish DecodeWorker::emit(Active& a, const float* rows, const int32_t* picks, bo
         a.odds.seen(accepted, accepted + (missed ? 1 : 0));
         draft_verified(a.pace, max_draft(a.params), n - 1, accepted);
         const int src = static_cast<int>(a.drafted_from);
+        t.verify_rows(src).fetch_add(1, std::memory_order_relaxed);
         t.drafted(src).fetch_add(static_cast<uint64_t>(n - 1), std::memory_order_relaxed);
         t.drafts_accepted(src).fetch_add(static_cast<uint64_t>(accepted), std::memory_order_relaxed);
         shm::ReqSlot& s = t.slot(a.req.slot);

@@ -427,6 +427,7 @@ MetricsSnapshot front_detail::metrics_snapshot(Front::Impl& f) {
     for (int i = 0; i < kDraftSources; ++i) {
         m.drafted[i] = inst.requests().drafted(i).load(std::memory_order_relaxed);
         m.drafts_accepted[i] = inst.requests().drafts_accepted(i).load(std::memory_order_relaxed);
+        m.verify_rows[i] = inst.requests().verify_rows(i).load(std::memory_order_relaxed);
     }
     m.redriven = inst.requests().redriven().load(std::memory_order_relaxed);
     m.golden_failures = inst.registry().golden_failures();

@@ -68,6 +68,11 @@ std::string metrics_counters(const MetricsSnapshot& s) {
             "duet_draft_tokens_total{{drafter=\"{0}\",outcome=\"rejected\"}} {2}\n",
             d, s.drafts_accepted[i], s.drafted[i] - std::min(s.drafted[i], s.drafts_accepted[i]));
     }
+    m += family("duet_verify_rows_total", "counter",
+                "Verify rows decode ran (the newest token and its drafts, in a step's pass), by drafter.");
+    for (int i = 0; i < kDraftSources; ++i)
+        m += fmt::format("duet_verify_rows_total{{drafter=\"{}\"}} {}\n",
+                         draft_source_name(static_cast<DraftSource>(i)), s.verify_rows[i]);
     return m;
 }
 

@@ -24,7 +24,7 @@ struct MetricsSnapshot {
     uint64_t passes_interrupted = 0;  // prefill passes stopped for a critical request
     // Decode's drafted tokens checked in verify rows, and kept, by where they came
     // from (engine/drafter.h DraftSource).
-    std::array<uint64_t, kDraftSources> drafted{}, drafts_accepted{};
+    std::array<uint64_t, kDraftSources> drafted{}, drafts_accepted{}, verify_rows{};
     uint64_t golden_failures = 0;  // workers whose golden-logits check failed
     uint64_t in_flight = 0;
     // Each KV arena's blocks, in arena order (one per GPU on a GPU instance, one per
