@@ -5,7 +5,8 @@ position picked it, so the output, token for token and logprob for logprob, is t
 output without drafts. Driven through the official `openai` client against two
 servers, one with --draft-tokens 0 (the reference) and one with the default (drafts
 on, 8 paced: the default is what is tested): input-grounded prompts
-(where drafts are accepted; /metrics proves they were) and open ones, greedy and
+(where drafts are accepted; /metrics proves they were) and open ones, and a
+context's completion drafted from the context's own tokens, greedy and
 seeded sampling, penalties, logit_bias, min_tokens, stop strings, logprobs, one at a
 time and all at once (verify rows batched with plain ones); a request's own
 "speculative" (auto on the server without drafts, off on the one with: the same
@@ -22,8 +23,10 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 
@@ -57,8 +60,10 @@ def start(draft):
     by default on the CPU."""
     inst = f"duet-speculate-test-{os.getpid()}-{draft}"
     flags = [] if draft is None else ["--draft-tokens", str(draft)]
-    p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags, *START_TIMEOUT],
-                         stderr=subprocess.PIPE, text=True)
+    contexts = tempfile.mkdtemp(prefix="duet-speculate-test-")  # removed once the server stopped
+    p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags,
+                          "--contexts-dir", contexts, *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
+    p.contexts_dir = contexts
     port = listening_port(p)
     check(port, f"the server with --draft-tokens {draft} did not start")
     drain(p)
@@ -141,6 +146,33 @@ def drafts(port, outcome, drafter=None):
     return total
 
 
+# A context's own tokens are the drafts' corpus (the drafter reads the sequence's whole
+# prompt, which a context completion starts with): a context holding a passage, and a
+# completion of it that writes the passage again, with a prompt of its own that does
+# not hold it.
+PASSAGE = ("The lighthouse stood on the northern cape, where the cliffs met the sea. Every night the keeper "
+           "climbed its ninety steps, lit the lamp, and watched the ships pass safely into the harbour.")
+CONTEXT = {"id": "passage", "prompt": "Passage: " + PASSAGE + "\n\n"}
+ON_CONTEXT = {"prompt": "The passage again, word for word: The lighthouse", "max_tokens": 40, "temperature": 0,
+              "logprobs": 2, "commit": False}
+
+
+def on_context(port):
+    """The context created, then its completion: (text, finish reason, log-probs), and
+    the drafted tokens it kept."""
+    for method, path, body in (("POST", "/v1/contexts", CONTEXT), ("POST", "/v1/contexts/passage/completions",
+                                                                    ON_CONTEXT)):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     method=method, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+    ch = out["choices"][0]
+    lp = ch["logprobs"]
+    return ((ch["text"], ch["finish_reason"], lp["tokens"], lp["token_logprobs"],
+             [sorted(t.items()) for t in lp["top_logprobs"]]),
+            out["usage"]["completion_tokens_details"]["accepted_prediction_tokens"])
+
+
 KILLED = dict(prompt=GROUNDED[0] * 3 + " cherry,", max_tokens=160, temperature=0.8, seed=3,
               extra_body={"ignore_eos": True})
 
@@ -150,6 +182,7 @@ try:
     want_one, jobs = run_all(port, 1)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
+    want_context, _ = on_context(port)
     check(drafts(port, "accepted") == 0, "no drafts with --draft-tokens 0")
     # A request's own "speculative" on a server whose drafting is off: drafts for it
     # (its usage counts them), the same output as without.
@@ -163,6 +196,7 @@ try:
         print(f"speculative {spec} on a server without drafts: identical, {kept} drafted tokens kept, {thrown} thrown")
 finally:
     stop(server)
+    shutil.rmtree(server.contexts_dir, ignore_errors=True)
 
 # The server's default: drafts on (8, paced).
 server, port, inst = start(None)
@@ -190,6 +224,11 @@ try:
         check(outcome(r.choices[0]) == outcome(alone.choices[0]), f"pool false, then {name}: the output changed")
     print(f"speculative pool false: not added to the pool, nothing drafted from it, identical; the same answer "
           f"with the pool: {from_pool} drafted tokens kept from it")
+    got_context, kept = on_context(port)
+    check(got_context == want_context, f"a context's completion: with drafts {got_context[0]!r}, without "
+          f"{want_context[0]!r}")
+    check(kept >= 8, f"a context's completion that writes its passage again: {kept} drafted tokens kept")
+    print(f"a context's completion: identical, {kept} of its tokens drafted from the context's own and kept")
     got_one, _ = run_all(port, 1)
     stopped_by_string = False
     accepted = drafts(port, "accepted")
@@ -204,7 +243,10 @@ try:
             stopped_by_string = True
     check(stopped_by_string, "a completion ended by a stop string")
     check(accepted >= (20 if os.environ.get("DUET_E2E_SUBSET") else 100), f"drafts were checked and kept: {accepted} accepted, {rejected} rejected")
-    print(f"{len(jobs)} completions one at a time: identical with drafts ({accepted} accepted, {rejected} rejected)")
+    rows = sum(metric(port, f'duet_verify_rows_total{{drafter="{d}"}}') or 0 for d in ("sequence", "pool"))
+    check(0 < rows <= accepted + rejected, f"duet_verify_rows_total {rows}: rows of 1 to 16 drafts each")
+    print(f"{len(jobs)} completions one at a time: identical with drafts ({accepted} accepted, {rejected} rejected, "
+          f"{rows} verify rows)")
     got_all, _ = run_all(port, 8)
     for (prompt, mode), w, g in zip(jobs, want_one, got_all):
         check(w == g, f"eight at a time, {mode} on {prompt[:40]!r}: with drafts {g[0]!r}, without {w[0]!r}")
@@ -263,4 +305,5 @@ try:
     check_restarts(port, 1)
 finally:
     stop(server)
+    shutil.rmtree(server.contexts_dir, ignore_errors=True)
 print("ok")
