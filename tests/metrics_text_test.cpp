@@ -19,7 +19,7 @@ MetricsSnapshot two_arenas_three_workers() {
     s.tokens = 120, s.prompt_tokens = 55, s.worker_restarts = 1, s.redriven = 2, s.in_flight = 5;
     s.role_changes_to_prefill = 1, s.role_changes_to_decode = 2;
     s.passes_interrupted = 3;
-    s.drafted = {10, 6}, s.drafts_accepted = {7, 6};
+    s.drafted = {10, 6}, s.drafts_accepted = {7, 6}, s.verify_rows = {4, 1};
     s.golden_failures = 1;
     s.arenas = {{10, 3, 2}, {20, 1, 4}};
     s.kv_dtype = "int8";
@@ -96,6 +96,11 @@ const char* const kTwoArenasThreeWorkers =
     "duet_draft_tokens_total{drafter=\"sequence\",outcome=\"rejected\"} 3\n"
     "duet_draft_tokens_total{drafter=\"pool\",outcome=\"accepted\"} 6\n"
     "duet_draft_tokens_total{drafter=\"pool\",outcome=\"rejected\"} 0\n"
+    "# HELP duet_verify_rows_total Verify rows decode ran (the newest token and its drafts, in a step's pass), by "
+    "drafter.\n"
+    "# TYPE duet_verify_rows_total counter\n"
+    "duet_verify_rows_total{drafter=\"sequence\"} 4\n"
+    "duet_verify_rows_total{drafter=\"pool\"} 1\n"
     "# HELP duet_kv_arena_blocks KV blocks of each arena by state.\n"
     "# TYPE duet_kv_arena_blocks gauge\n"
     "duet_kv_arena_blocks{arena=\"0\",state=\"free\"} 10\n"
@@ -284,8 +289,8 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 38u);  // 15 front families (role changes, interrupted passes, drafts among them), 2 of
-                                  // arenas, 14 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 39u);  // 16 front families (role changes, interrupted passes, drafts, verify rows among
+                                  // them), 2 of arenas, 14 of workers, golden, 1 histogram, 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5
