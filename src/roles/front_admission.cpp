@@ -1,7 +1,6 @@
 #include "roles/front_admission.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include <fmt/format.h>
 

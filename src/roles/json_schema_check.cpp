@@ -184,26 +184,16 @@ using ojson = nlohmann::ordered_json;
 constexpr std::string_view kMergeable[] = {"type", "properties", "required", "additionalProperties"};
 
 // The schema a local "$ref" names ("#/$defs/x", "#/definitions/x"; the check
-// refused any other kind before), or null.
+// refused any other kind before), or null: the fragment read as a JSON pointer
+// (nlohmann's, which undoes RFC 6901's "~0" and "~1").
 const ojson* referenced(const ojson& root, const std::string& ref) {
-    for (std::string_view prefix : {"#/$defs/", "#/definitions/"})
-        if (ref.rfind(prefix, 0) == 0) {
-            const std::string_view map = prefix.substr(2, prefix.size() - 3);
-            // The name as a pointer part: "~1" is "/", "~0" is "~" (RFC 6901).
-            std::string name;
-            for (size_t i = prefix.size(); i < ref.size(); ++i) {
-                if (ref[i] == '~' && i + 1 < ref.size() && (ref[i + 1] == '0' || ref[i + 1] == '1')) {
-                    name += ref[++i] == '0' ? '~' : '/';
-                } else {
-                    name += ref[i];
-                }
-            }
-            auto m = root.find(std::string(map));
-            if (m == root.end() || !m->is_object()) return nullptr;
-            auto it = m->find(name);
-            return it == m->end() ? nullptr : &*it;
-        }
-    return nullptr;
+    if (ref.rfind("#/$defs/", 0) != 0 && ref.rfind("#/definitions/", 0) != 0) return nullptr;
+    try {
+        const ojson::json_pointer p(ref.substr(1));
+        return root.contains(p) ? &root.at(p) : nullptr;
+    } catch (const nlohmann::json::exception&) {  // a malformed escape
+        return nullptr;
+    }
 }
 
 std::optional<std::string> merge_all_of(ojson& s, const ojson& root, const std::string& at, int depth);
