@@ -182,9 +182,37 @@ inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, RowP
     _mm_prefetch(reinterpret_cast<const char*>(p + pf.l1), _MM_HINT_T0);
 }
 
+// A row all of whose prefetched lines lie inside the call's rows (every row of
+// a decode call but those in its last kPrefetchL2 bytes) prefetches at the two
+// constant distances: an immediate displacement, no register per distance.
+// With RowPrefetch's distances in registers for every row, the Intel AMX host's
+// one-token products ran slower (bench_kernels Decode/avx512, mean of three
+// alternated runs: Q4_1 576x1536 61.3 against 53.6 us, Q8_0 576x49152 3063
+// against 2791 us; SmolLM2 tg128 2 threads 306 against 339 tokens/s).
+// RowPrefetch is kept for the rows near a call's end, for the lane tiles'
+// 16-lane rows and for tile_row.
+struct PfAhead {};
+inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p, PfAhead) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL1), _MM_HINT_T0);
+}
+
+// f(PfAhead{}) where both of the row's prefetches stay inside the call's rows
+// (kPrefetchL1 < kPrefetchL2), else f(row_prefetch(...)): a row's work is
+// instantiated for both, and the choice is made once per row.
+template <class F>
+inline __attribute__((always_inline)) void with_row_prefetch(const uint8_t* row, size_t bytes, uintptr_t last, F&& f) {
+    const RowPrefetch pf = row_prefetch(row, bytes, last);
+    if (pf.l2 != 0) {
+        f(PfAhead{});
+    } else {
+        f(pf);
+    }
+}
+
 // prefetch_ahead for bytes [from, to) of a row (the part its chunks do not cover).
-inline __attribute__((always_inline)) void prefetch_ahead_rest(const uint8_t* row, size_t from, size_t to,
-                                                               RowPrefetch pf) {
+template <class Pf>
+inline __attribute__((always_inline)) void prefetch_ahead_rest(const uint8_t* row, size_t from, size_t to, Pf pf) {
     for (size_t off = from; off < to; off += 64) prefetch_ahead(row + off, pf);
 }
 
@@ -465,9 +493,9 @@ inline void q4_chunk_float(const __m512i& dm, const __m512i& s, const XChunk4& x
 // Group g (blocks 4g..4g+3) of a full chunk: prefetches its line(s) ahead,
 // merges its scales into dm and returns its quants with block 4g + k's 16
 // bytes in 128-bit lane k.
-template <DType W>
+template <DType W, class Pf>
 inline __m512i q4_full_group(const uint8_t* wc, int g, const __m512i& idx_qs, const __m512i& idx_dm, __m512i* dm,
-                             RowPrefetch pf) {
+                             Pf pf) {
     constexpr int kBB = Q4Traits<W>::kBlockBytes;
     // One line per 64 bytes of the chunk (320 for Q4_1, 288 for Q4_0).
     prefetch_ahead(wc + 64 * g, pf);
@@ -486,9 +514,9 @@ inline __m512i q4_full_group(const uint8_t* wc, int g, const __m512i& idx_qs, co
 }
 
 // A full chunk (16 blocks) of one row against T tokens.
-template <DType W, int T>
+template <DType W, int T, class Pf>
 inline void q4_chunk_full(const uint8_t* wc, const XChunk4* const* xc, int64_t c, const __m512i& idx_qs,
-                          const __m512i& idx_dm, __m512* acc, RowPrefetch pf) {
+                          const __m512i& idx_dm, __m512* acc, Pf pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
     __m512i l01[T], l23[T];
@@ -677,11 +705,14 @@ __attribute__((noinline)) void q4_rows(const char* w, size_t w_stride, int64_t n
     if (short_tail) q4_tail_token_scales<T>(xc, nfull, dx4, sx4);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
-        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc, pf);
+        with_row_prefetch(
+            wr, static_cast<size_t>(nb) * kBB, pf_last, [&](auto pf) __attribute__((always_inline)) {
+                prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
+                for (int64_t c = 0; c < nfull; ++c)
+                    q4_chunk_full<W, T>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, acc, pf);
+            });
         const uint8_t* tail = wr + nfull * 16 * kBB;
         float tails[T] = {};
         if (short_tail) {
@@ -721,11 +752,13 @@ __attribute__((noinline)) void q4_rows_t1(const char* w, size_t w_stride, int64_
             acc[i] = _mm512_setzero_ps();
             if (i >= n) continue;
             const uint8_t* wr = wb + static_cast<size_t>(i) * w_stride;
-            const RowPrefetch pf = row_prefetch(wr, row_bytes, pf_last);
-            prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
-            for (int64_t c = 0; c < nfull; ++c) {
-                q4_chunk_full<W, 1>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, &acc[i], pf);
-            }
+            with_row_prefetch(
+                wr, row_bytes, pf_last, [&](auto pf) __attribute__((always_inline)) {
+                    prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
+                    for (int64_t c = 0; c < nfull; ++c) {
+                        q4_chunk_full<W, 1>(wr + c * 16 * kBB, xc, c, idx_qs, idx_dm, &acc[i], pf);
+                    }
+                });
             if (!short_tail && ntail != 0) {
                 q4_chunk_tail<W, 1>(wr + nfull * 16 * kBB, ntail, xc, nfull, idx_qs, idx_dm, &acc[i]);
             }
@@ -760,9 +793,9 @@ inline __m512i add_unpack64(const __m512i& a, const __m512i& b) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-template <int T>
-inline void q8_chunk_full(const uint8_t* wc, const XChunk8* const* xc, int64_t c, const __m512i& idx_dm,
-                          __m512* acc, RowPrefetch pf) {
+template <int T, class Pf>
+inline void q8_chunk_full(const uint8_t* wc, const XChunk8* const* xc, int64_t c, const __m512i& idx_dm, __m512* acc,
+                          Pf pf) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i dm = _mm512_setzero_si512();
     // Pair p's weights (w + 128 as unsigned bytes); merges its two d into dm.
@@ -841,11 +874,13 @@ __attribute__((noinline)) void q8_rows(const char* w, size_t w_stride, int64_t n
     for (int j = 0; j < T; ++j) xc[j] = reinterpret_cast<const XChunk8*>(xp + static_cast<size_t>(j) * xp_stride);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * 34, pf_last);
-        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
         __m512 acc[T];
         for (int j = 0; j < T; ++j) acc[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+        with_row_prefetch(
+            wr, static_cast<size_t>(nb) * 34, pf_last, [&](auto pf) __attribute__((always_inline)) {
+                prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
+                for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<T>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+            });
         if (ntail != 0) q8_chunk_tail<T>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
         for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = hsum(acc[j]);
     }
@@ -863,10 +898,12 @@ __attribute__((noinline)) void q8_rows_t1(const char* w, size_t w_stride, int64_
     int64_t b0 = r0;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * 34, pf_last);
-        prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
         __m512 acc[1] = {_mm512_setzero_ps()};
-        for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<1>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+        with_row_prefetch(
+            wr, static_cast<size_t>(nb) * 34, pf_last, [&](auto pf) __attribute__((always_inline)) {
+                prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * 34, static_cast<size_t>(nb) * 34, pf);
+                for (int64_t c = 0; c < nfull; ++c) q8_chunk_full<1>(wr + c * 16 * 34, xc, c, idx_dm, acc, pf);
+            });
         if (ntail != 0) q8_chunk_tail<1>(wr + nfull * 16 * 34, ntail, xc, nfull, idx_d, acc);
         accs[r - b0] = acc[0];
         if (r - b0 == 15 || r == r1 - 1) {
@@ -1031,8 +1068,8 @@ inline void transpose_dwords4(const __m512i* q, __m512i* v) {
     v[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-template <DType W>
-inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, RowPrefetch pf) {
+template <DType W, class Pf>
+inline void q4_cols(const uint8_t* wc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, Pf pf) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i dm = _mm512_setzero_si512();
     __m512i q[4];  // 128-bit lane k: block 4g + k, dword i = its bytes 4i..4i+3
@@ -1118,9 +1155,8 @@ inline void q5_group(const uint8_t* p, int nbg, int g, const __m512i& idx_qs, co
 }
 
 // One row's chunk of nbc blocks (16: kFull), transposed as q4_cols leaves Q4's.
-template <DType W, bool kFull>
-inline void q5_cols(const uint8_t* wc, int nbc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k,
-                    RowPrefetch pf) {
+template <DType W, bool kFull, class Pf>
+inline void q5_cols(const uint8_t* wc, int nbc, const __m512i& idx_qs, const __m512i& idx_dm, Q4Cols* k, Pf pf) {
     constexpr int kBB = Q4Traits<W>::kBlockBytes;
     __m512i dm = _mm512_setzero_si512();
     __m512i lo[4], hi[4];
@@ -1160,7 +1196,8 @@ struct Q8Cols {
     __m512 dw;
 };
 
-inline void q8_cols(const uint8_t* wc, const __m512i& idx_dm, Q8Cols* k, RowPrefetch pf) {
+template <class Pf>
+inline void q8_cols(const uint8_t* wc, const __m512i& idx_dm, Q8Cols* k, Pf pf) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i dm = _mm512_setzero_si512();
     __m512i pr[8];  // pair p: block 2p's 8 dwords in lanes 0-7, block 2p + 1's in 8-15 (w + 128)
@@ -1366,12 +1403,14 @@ __attribute__((always_inline)) inline void tile_row(const char* w, size_t w_stri
     const int64_t nfull = nb / 16;
     const int64_t ntail = nb % 16;
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(w + static_cast<size_t>(r) * w_stride);
-    const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
-    prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
     const uint8_t* tail = wr + nfull * 16 * kBB;
     __m512 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
     __m512 tails = _mm512_setzero_ps();
+    // Tiles keep RowPrefetch for every row: with_row_prefetch's second copy of the
+    // row made 4-8-token passes 5-14% slower (bench_kernels, Intel AMX host).
+    const RowPrefetch pf = row_prefetch(wr, static_cast<size_t>(nb) * kBB, pf_last);
+    prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, static_cast<size_t>(nb) * kBB, pf);
     if constexpr (W == DType::Q8_0) {
         for (int64_t c = 0; c < nfull; ++c) {
             Q8Cols k;
@@ -1514,18 +1553,20 @@ __attribute__((noinline)) void q5_rows_t1(const char* w, size_t w_stride, int64_
             acc[i] = _mm512_setzero_ps();
             if (i >= n) continue;
             const uint8_t* wr = wb + static_cast<size_t>(i) * w_stride;
-            const RowPrefetch pf = row_prefetch(wr, row_bytes, pf_last);
-            prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
-            for (int64_t c = 0; c < nfull; ++c) {
-                Q4Cols k;
-                q5_cols<W, true>(wr + c * 16 * kBB, 16, idx_qs, idx_dm, &k, pf);
-                q4_tile_chunk<W, 1>(k, xt + c, &acc[i]);
-            }
-            if (!short_tail && ntail != 0) {
-                Q4Cols k;
-                q5_cols<W, false>(wr + nfull * 16 * kBB, ntail, idx_qs, idx_dm, &k, pf);
-                q4_tile_chunk<W, 1>(k, xt + nfull, &acc[i]);
-            }
+            with_row_prefetch(
+                wr, row_bytes, pf_last, [&](auto pf) __attribute__((always_inline)) {
+                    prefetch_ahead_rest(wr, static_cast<size_t>(nfull) * 16 * kBB, row_bytes, pf);
+                    for (int64_t c = 0; c < nfull; ++c) {
+                        Q4Cols k;
+                        q5_cols<W, true>(wr + c * 16 * kBB, 16, idx_qs, idx_dm, &k, pf);
+                        q4_tile_chunk<W, 1>(k, xt + c, &acc[i]);
+                    }
+                    if (!short_tail && ntail != 0) {
+                        Q4Cols k;
+                        q5_cols<W, false>(wr + nfull * 16 * kBB, ntail, idx_qs, idx_dm, &k, pf);
+                        q4_tile_chunk<W, 1>(k, xt + nfull, &acc[i]);
+                    }
+                });
         }
         __m512 h = hsum8(acc);
         if (short_tail) h = _mm512_add_ps(h, q5_tails8<W>(wb + nfull * 16 * kBB, w_stride, n, ntail, xtail));
@@ -1673,7 +1714,8 @@ inline __m128i fold512_epi32(const __m512i& v) {
 }
 
 // always_inline: see prefetch_ahead.
-inline __attribute__((always_inline)) void prefetch_block(const void* blk, size_t bytes, RowPrefetch pf) {
+template <class Pf>
+inline __attribute__((always_inline)) void prefetch_block(const void* blk, size_t bytes, Pf pf) {
     const uint8_t* p = static_cast<const uint8_t*>(blk);
     for (size_t o = 0; o < bytes; o += 64) prefetch_ahead(p + o, pf);
 }
@@ -1737,42 +1779,45 @@ __attribute__((noinline)) void q45k_rows_t1(const char* w, size_t w_stride, int6
     const Q5kShifts sh;
     for (int64_t r = r0; r < r1; ++r) {
         const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
-        float s = 0.0f;
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            prefetch_block(&wr[b], 2 * sizeof(Blk), pf);
-            __m128i si0, mi0, si1, mi1;
-            q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si0, &mi0);
-            q45k_block_t1<Blk>(wr[b + 1], x[b + 1], idx_sc, sh, &si1, &mi1);
-            // [sumi_0, sumi_1, summ_0, summ_1]
-            const __m128 f = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(mi0, mi1)));
-            uint32_t dd0, dd1;  // (d, dmin) of each
-            std::memcpy(&dd0, &wr[b].d, 4);
-            std::memcpy(&dd1, &wr[b + 1].d, 4);
-            // [d_0, dmin_0, d_1, dmin_1] -> [d_0, d_1, dmin_0, dmin_1]
-            const __m128 dwp =
-                _mm_permute_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
-                               _MM_SHUFFLE(3, 1, 2, 0));
-            const __m128 xd = _mm_setr_ps(x[b].d, x[b + 1].d, x[b].d, x[b + 1].d);
-            const __m128 prod = _mm_mul_ps(_mm_mul_ps(dwp, xd), f);  // [d s_i, d s_i, dm s_m, dm s_m]
-            const __m128 t = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));
-            s += _mm_cvtss_f32(t);
-            s += _mm_cvtss_f32(_mm_movehdup_ps(t));
-        }
-        for (; b < nb; ++b) {
-            prefetch_block(&wr[b], sizeof(Blk), pf);
-            __m128i si, mi;
-            q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si, &mi);
-            const __m128i t = total2_epi32(si, mi);  // [sumi, summ, ...]
-            const float sumi = static_cast<float>(_mm_cvtsi128_si32(t));
-            const float summ = static_cast<float>(_mm_extract_epi32(t, 1));
-            const float d = h2f(wr[b].d) * x[b].d;
-            const float dm = h2f(wr[b].dmin) * x[b].d;
-            s += d * sumi - dm * summ;
-        }
-        y[r] = s;
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                float s = 0.0f;
+                int64_t b = 0;
+                for (; b + 2 <= nb; b += 2) {
+                    prefetch_block(&wr[b], 2 * sizeof(Blk), pf);
+                    __m128i si0, mi0, si1, mi1;
+                    q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si0, &mi0);
+                    q45k_block_t1<Blk>(wr[b + 1], x[b + 1], idx_sc, sh, &si1, &mi1);
+                    // [sumi_0, sumi_1, summ_0, summ_1]
+                    const __m128 f =
+                        _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(mi0, mi1)));
+                    uint32_t dd0, dd1;  // (d, dmin) of each
+                    std::memcpy(&dd0, &wr[b].d, 4);
+                    std::memcpy(&dd1, &wr[b + 1].d, 4);
+                    // [d_0, dmin_0, d_1, dmin_1] -> [d_0, d_1, dmin_0, dmin_1]
+                    const __m128 dwp =
+                        _mm_permute_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(dd1), static_cast<int>(dd0))),
+                                       _MM_SHUFFLE(3, 1, 2, 0));
+                    const __m128 xd = _mm_setr_ps(x[b].d, x[b + 1].d, x[b].d, x[b + 1].d);
+                    const __m128 prod = _mm_mul_ps(_mm_mul_ps(dwp, xd), f);  // [d s_i, d s_i, dm s_m, dm s_m]
+                    const __m128 t = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));
+                    s += _mm_cvtss_f32(t);
+                    s += _mm_cvtss_f32(_mm_movehdup_ps(t));
+                }
+                for (; b < nb; ++b) {
+                    prefetch_block(&wr[b], sizeof(Blk), pf);
+                    __m128i si, mi;
+                    q45k_block_t1<Blk>(wr[b], x[b], idx_sc, sh, &si, &mi);
+                    const __m128i t = total2_epi32(si, mi);  // [sumi, summ, ...]
+                    const float sumi = static_cast<float>(_mm_cvtsi128_si32(t));
+                    const float summ = static_cast<float>(_mm_extract_epi32(t, 1));
+                    const float d = h2f(wr[b].d) * x[b].d;
+                    const float dm = h2f(wr[b].dmin) * x[b].d;
+                    s += d * sumi - dm * summ;
+                }
+                y[r] = s;
+            });
     }
 }
 
@@ -1831,34 +1876,36 @@ __attribute__((noinline)) void q6k_rows_t1(const char* w, size_t w_stride, int64
     const Q6kConsts kc;
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
-        float s = 0.0f;
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            prefetch_block(&wr[b], 2 * sizeof(BlockQ6_K), pf);
-            __m128i si0, ci0, si1, ci1;
-            q6k_block_t1(wr[b], x[b], kc, &si0, &ci0);
-            q6k_block_t1(wr[b + 1], x[b + 1], kc, &si1, &ci1);
-            const __m128i t =
-                _mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(ci0, ci1));              // [si0, si1, ci0, ci1]
-            const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
-            const __m128 dw = _mm_cvtph_ps(
-                _mm_set_epi16(0, 0, 0, 0, 0, 0, static_cast<int16_t>(wr[b + 1].d), static_cast<int16_t>(wr[b].d)));
-            const __m128 v =
-                _mm_mul_ps(_mm_mul_ps(dw, _mm_setr_ps(x[b].d, x[b + 1].d, 0.0f, 0.0f)), _mm_cvtepi32_ps(sumi));
-            s += _mm_cvtss_f32(v);
-            s += _mm_cvtss_f32(_mm_movehdup_ps(v));
-        }
-        for (; b < nb; ++b) {
-            prefetch_block(&wr[b], sizeof(BlockQ6_K), pf);
-            __m128i si, ci;
-            q6k_block_t1(wr[b], x[b], kc, &si, &ci);
-            const __m128i t = total2_epi32(si, ci);  // [sum sc q6 q8, sum sc bsums, ...]
-            const int sumi = _mm_cvtsi128_si32(t) - 32 * _mm_extract_epi32(t, 1);
-            s += (h2f(wr[b].d) * x[b].d) * static_cast<float>(sumi);
-        }
-        y[r] = s;
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                float s = 0.0f;
+                int64_t b = 0;
+                for (; b + 2 <= nb; b += 2) {
+                    prefetch_block(&wr[b], 2 * sizeof(BlockQ6_K), pf);
+                    __m128i si0, ci0, si1, ci1;
+                    q6k_block_t1(wr[b], x[b], kc, &si0, &ci0);
+                    q6k_block_t1(wr[b + 1], x[b + 1], kc, &si1, &ci1);
+                    const __m128i t =
+                        _mm_hadd_epi32(_mm_hadd_epi32(si0, si1), _mm_hadd_epi32(ci0, ci1));  // [si0, si1, ci0, ci1]
+                    const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
+                    const __m128 dw = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, 0, static_cast<int16_t>(wr[b + 1].d),
+                                                                 static_cast<int16_t>(wr[b].d)));
+                    const __m128 v =
+                        _mm_mul_ps(_mm_mul_ps(dw, _mm_setr_ps(x[b].d, x[b + 1].d, 0.0f, 0.0f)), _mm_cvtepi32_ps(sumi));
+                    s += _mm_cvtss_f32(v);
+                    s += _mm_cvtss_f32(_mm_movehdup_ps(v));
+                }
+                for (; b < nb; ++b) {
+                    prefetch_block(&wr[b], sizeof(BlockQ6_K), pf);
+                    __m128i si, ci;
+                    q6k_block_t1(wr[b], x[b], kc, &si, &ci);
+                    const __m128i t = total2_epi32(si, ci);  // [sum sc q6 q8, sum sc bsums, ...]
+                    const int sumi = _mm_cvtsi128_si32(t) - 32 * _mm_extract_epi32(t, 1);
+                    s += (h2f(wr[b].d) * x[b].d) * static_cast<float>(sumi);
+                }
+                y[r] = s;
+            });
     }
 }
 
@@ -1877,46 +1924,50 @@ __attribute__((noinline)) void q45k_rows_tn(const char* w, size_t w_stride, int6
     const Q5kShifts q5;
     for (int64_t r = r0; r < r1; ++r) {
         const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
-        float s[T] = {};
-        for (int64_t b = 0; b < nb; ++b) {
-            const Blk& B = wr[b];
-            prefetch_block(&B, sizeof(Blk), pf);
-            alignas(8) uint8_t sc[8], mn[8];
-            q4k_scales_mins(B.scales, sc, mn);
-            const __m512i scw =
-                _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-            __m512i v[4], scv[4];
-            q45k_values<Blk>(B, q5, v);
-            for (int k = 0; k < 4; ++k) scv[k] = _mm512_permutexvar_epi16(idx_sc[k], scw);
-            __m128i si[T], mi[T];
-            for (int j = 0; j < T; ++j) {
-                const XK45& X = x[j][b];
-                __m512i p[4];
-                for (int k = 0; k < 4; ++k)
-                    p[k] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], _mm512_load_si512(X.q[k])), scv[k]);
-                si[j] = fold512_epi32(_mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3])));
-                mi[j] = _mm_madd_epi16(mins, _mm_load_si128(reinterpret_cast<const __m128i*>(X.bs)));
-            }
-            const float dw = h2f(B.d), dmw = h2f(B.dmin);
-            // Tokens 0 and 1: [sumi_0, sumi_1, summ_0, summ_1].
-            const __m128 f =
-                _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(si[0], si[1]), _mm_hadd_epi32(mi[0], mi[1])));
-            const __m128 dd =
-                _mm_mul_ps(_mm_setr_ps(dw, dw, dmw, dmw), _mm_setr_ps(x[0][b].d, x[1][b].d, x[0][b].d, x[1][b].d));
-            const __m128 prod = _mm_mul_ps(dd, f);
-            const __m128 t01 = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));
-            s[0] += _mm_cvtss_f32(t01);
-            s[1] += _mm_cvtss_f32(_mm_movehdup_ps(t01));
-            if constexpr (T == 3) {
-                const __m128i t = total2_epi32(si[2], mi[2]);
-                const float d = dw * x[2][b].d, dm = dmw * x[2][b].d;
-                s[2] += d * static_cast<float>(_mm_cvtsi128_si32(t)) - dm * static_cast<float>(_mm_extract_epi32(t, 1));
-            }
-        }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                float s[T] = {};
+                for (int64_t b = 0; b < nb; ++b) {
+                    const Blk& B = wr[b];
+                    prefetch_block(&B, sizeof(Blk), pf);
+                    alignas(8) uint8_t sc[8], mn[8];
+                    q4k_scales_mins(B.scales, sc, mn);
+                    const __m512i scw = _mm512_zextsi128_si512(
+                        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+                    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+                    __m512i v[4], scv[4];
+                    q45k_values<Blk>(B, q5, v);
+                    for (int k = 0; k < 4; ++k) scv[k] = _mm512_permutexvar_epi16(idx_sc[k], scw);
+                    __m128i si[T], mi[T];
+                    for (int j = 0; j < T; ++j) {
+                        const XK45& X = x[j][b];
+                        __m512i p[4];
+                        for (int k = 0; k < 4; ++k)
+                            p[k] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], _mm512_load_si512(X.q[k])), scv[k]);
+                        si[j] =
+                            fold512_epi32(_mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3])));
+                        mi[j] = _mm_madd_epi16(mins, _mm_load_si128(reinterpret_cast<const __m128i*>(X.bs)));
+                    }
+                    const float dw = h2f(B.d), dmw = h2f(B.dmin);
+                    // Tokens 0 and 1: [sumi_0, sumi_1, summ_0, summ_1].
+                    const __m128 f =
+                        _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(si[0], si[1]), _mm_hadd_epi32(mi[0], mi[1])));
+                    const __m128 dd = _mm_mul_ps(_mm_setr_ps(dw, dw, dmw, dmw),
+                                                 _mm_setr_ps(x[0][b].d, x[1][b].d, x[0][b].d, x[1][b].d));
+                    const __m128 prod = _mm_mul_ps(dd, f);
+                    const __m128 t01 = _mm_sub_ps(prod, _mm_movehl_ps(prod, prod));
+                    s[0] += _mm_cvtss_f32(t01);
+                    s[1] += _mm_cvtss_f32(_mm_movehdup_ps(t01));
+                    if constexpr (T == 3) {
+                        const __m128i t = total2_epi32(si[2], mi[2]);
+                        const float d = dw * x[2][b].d, dm = dmw * x[2][b].d;
+                        s[2] += d * static_cast<float>(_mm_cvtsi128_si32(t)) -
+                                dm * static_cast<float>(_mm_extract_epi32(t, 1));
+                    }
+                }
+                for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
+            });
     }
 }
 
@@ -1927,50 +1978,54 @@ __attribute__((noinline)) void q6k_rows_tn(const char* w, size_t w_stride, int64
     const Q6kConsts kc;
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
-        float s[T] = {};
-        for (int64_t b = 0; b < nb; ++b) {
-            const BlockQ6_K& B = wr[b];
-            prefetch_block(&B, sizeof(BlockQ6_K), pf);
-            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
-            const __m512i scw = _mm512_zextsi256_si512(sc);
-            __m512i q[2][2], scv[2][2];
-            for (int h = 0; h < 2; ++h) {
-                q6k_half(B, h, kc.sh_lo, kc.sh_hi, &q[h][0], &q[h][1]);
-                for (int k = 0; k < 2; ++k) scv[h][k] = _mm512_permutexvar_epi16(kc.idx_sc[h][k], scw);
-            }
-            __m128i si[T], ci[T];
-            for (int j = 0; j < T; ++j) {
-                const BlockQ8_K& X = x[j][b];
-                __m512i acc = _mm512_setzero_si512();
-                for (int h = 0; h < 2; ++h) {
-                    for (int k = 0; k < 2; ++k) {
-                        acc = _mm512_add_epi32(
-                            acc,
-                            _mm512_madd_epi16(
-                                _mm512_maddubs_epi16(q[h][k], _mm512_loadu_si512(X.qs + 128 * h + 64 * k)), scv[h][k]));
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                float s[T] = {};
+                for (int64_t b = 0; b < nb; ++b) {
+                    const BlockQ6_K& B = wr[b];
+                    prefetch_block(&B, sizeof(BlockQ6_K), pf);
+                    const __m256i sc =
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.scales)));
+                    const __m512i scw = _mm512_zextsi256_si512(sc);
+                    __m512i q[2][2], scv[2][2];
+                    for (int h = 0; h < 2; ++h) {
+                        q6k_half(B, h, kc.sh_lo, kc.sh_hi, &q[h][0], &q[h][1]);
+                        for (int k = 0; k < 2; ++k) scv[h][k] = _mm512_permutexvar_epi16(kc.idx_sc[h][k], scw);
+                    }
+                    __m128i si[T], ci[T];
+                    for (int j = 0; j < T; ++j) {
+                        const BlockQ8_K& X = x[j][b];
+                        __m512i acc = _mm512_setzero_si512();
+                        for (int h = 0; h < 2; ++h) {
+                            for (int k = 0; k < 2; ++k) {
+                                acc = _mm512_add_epi32(
+                                    acc, _mm512_madd_epi16(
+                                             _mm512_maddubs_epi16(q[h][k], _mm512_loadu_si512(X.qs + 128 * h + 64 * k)),
+                                             scv[h][k]));
+                            }
+                        }
+                        const __m256i corr =
+                            _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
+                        si[j] = fold512_epi32(acc);
+                        ci[j] = _mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1));
+                    }
+                    const float dw = h2f(B.d);
+                    const __m128i t = _mm_hadd_epi32(_mm_hadd_epi32(si[0], si[1]), _mm_hadd_epi32(ci[0], ci[1]));
+                    const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
+                    const __m128 v =
+                        _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(dw), _mm_setr_ps(x[0][b].d, x[1][b].d, 0.0f, 0.0f)),
+                                   _mm_cvtepi32_ps(sumi));
+                    s[0] += _mm_cvtss_f32(v);
+                    s[1] += _mm_cvtss_f32(_mm_movehdup_ps(v));
+                    if constexpr (T == 3) {
+                        const __m128i t2 = total2_epi32(si[2], ci[2]);
+                        const int sumi2 = _mm_cvtsi128_si32(t2) - 32 * _mm_extract_epi32(t2, 1);
+                        s[2] += (dw * x[2][b].d) * static_cast<float>(sumi2);
                     }
                 }
-                const __m256i corr =
-                    _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.bsums)));
-                si[j] = fold512_epi32(acc);
-                ci[j] = _mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1));
-            }
-            const float dw = h2f(B.d);
-            const __m128i t = _mm_hadd_epi32(_mm_hadd_epi32(si[0], si[1]), _mm_hadd_epi32(ci[0], ci[1]));
-            const __m128i sumi = _mm_sub_epi32(t, _mm_slli_epi32(_mm_unpackhi_epi64(t, t), 5));  // lanes 0, 1
-            const __m128 v = _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(dw), _mm_setr_ps(x[0][b].d, x[1][b].d, 0.0f, 0.0f)),
-                                        _mm_cvtepi32_ps(sumi));
-            s[0] += _mm_cvtss_f32(v);
-            s[1] += _mm_cvtss_f32(_mm_movehdup_ps(v));
-            if constexpr (T == 3) {
-                const __m128i t2 = total2_epi32(si[2], ci[2]);
-                const int sumi2 = _mm_cvtsi128_si32(t2) - 32 * _mm_extract_epi32(t2, 1);
-                s[2] += (dw * x[2][b].d) * static_cast<float>(sumi2);
-            }
-        }
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
+                for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = s[j];
+            });
     }
 }
 
@@ -2057,53 +2112,56 @@ __attribute__((noinline)) void q45k_tiles(const char* w, size_t w_stride, int64_
     const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib), idx_m = _mm512_load_si512(im);
     for (int64_t r = r0; r < r1; ++r) {
         const Blk* wr = reinterpret_cast<const Blk*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            prefetch_block(&wr[b], sizeof(Blk), pf);
-            alignas(16) uint8_t sc[16], mn[16];
-            q4k_scales_mins(wr[b].scales, sc, mn);
-            const __m512i scw =
-                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-            const __m512i mnw =
-                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
-            const __m512i sa = _mm512_permutexvar_epi16(idx_a, scw), sb = _mm512_permutexvar_epi16(idx_b, scw);
-            const __m512i mins = _mm512_permutexvar_epi16(idx_m, mnw);
-            __m512i q[4];  // values 64c..64c+63: sub-block 2c (low nibbles), 2c + 1 (high)
-            for (int c = 0; c < 4; ++c) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
-                q[c] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
-            }
-            if constexpr (kFive) {
-                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh));
-                __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-                for (int c = 0; c < 4; ++c, qh = _mm512_srli_epi16(qh, 2))
-                    q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_sllv_epi16(qh, sh5), m16));
-            }
-            __m512i sums[8];
-            for (int j = 0; j < 8; ++j) {
-                if (j >= T) {
-                    sums[j] = _mm512_setzero_si512();
-                    continue;
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(Blk),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                __m512 s = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; ++b) {
+                    prefetch_block(&wr[b], sizeof(Blk), pf);
+                    alignas(16) uint8_t sc[16], mn[16];
+                    q4k_scales_mins(wr[b].scales, sc, mn);
+                    const __m512i scw = _mm512_castsi128_si512(
+                        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+                    const __m512i mnw = _mm512_castsi128_si512(
+                        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+                    const __m512i sa = _mm512_permutexvar_epi16(idx_a, scw), sb = _mm512_permutexvar_epi16(idx_b, scw);
+                    const __m512i mins = _mm512_permutexvar_epi16(idx_m, mnw);
+                    __m512i q[4];  // values 64c..64c+63: sub-block 2c (low nibbles), 2c + 1 (high)
+                    for (int c = 0; c < 4; ++c) {
+                        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qs + 32 * c));
+                        q[c] = _mm512_and_si512(
+                            _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), m4);
+                    }
+                    if constexpr (kFive) {
+                        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh));
+                        __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+                        for (int c = 0; c < 4; ++c, qh = _mm512_srli_epi16(qh, 2))
+                            q[c] = _mm512_or_si512(q[c], _mm512_and_si512(_mm512_sllv_epi16(qh, sh5), m16));
+                    }
+                    __m512i sums[8];
+                    for (int j = 0; j < 8; ++j) {
+                        if (j >= T) {
+                            sums[j] = _mm512_setzero_si512();
+                            continue;
+                        }
+                        const int8_t* xq = xr[j][b].qs;
+                        __m512i p[4];
+                        for (int c = 0; c < 4; ++c)
+                            p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512(xq + 64 * c));
+                        sums[j] = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p[0], p[1]), sa),
+                                                      _mm512_packs_epi32(p[2], p[3]), sb);
+                    }
+                    const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
+                    const __m512 summ = _mm512_cvtepi32_ps(q4k_min_sums<T>(xr, b, mins));
+                    const __m512 xd = tokens_d<T>(xr, b);
+                    const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), xd);
+                    const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].dmin)), xd);
+                    s = _mm512_add_ps(s, _mm512_sub_ps(_mm512_mul_ps(d, sumi), _mm512_mul_ps(dm, summ)));
                 }
-                const int8_t* xq = xr[j][b].qs;
-                __m512i p[4];
-                for (int c = 0; c < 4; ++c)
-                    p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512(xq + 64 * c));
-                sums[j] = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p[0], p[1]), sa),
-                                              _mm512_packs_epi32(p[2], p[3]), sb);
-            }
-            const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
-            const __m512 summ = _mm512_cvtepi32_ps(q4k_min_sums<T>(xr, b, mins));
-            const __m512 xd = tokens_d<T>(xr, b);
-            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), xd);
-            const __m512 dm = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].dmin)), xd);
-            s = _mm512_add_ps(s, _mm512_sub_ps(_mm512_mul_ps(d, sumi), _mm512_mul_ps(dm, summ)));
-        }
-        alignas(64) float out[16];
-        _mm512_store_ps(out, s);
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+                alignas(64) float out[16];
+                _mm512_store_ps(out, s);
+                for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+            });
     }
 }
 
@@ -2125,53 +2183,55 @@ __attribute__((noinline)) void q6k_tiles(const char* w, size_t w_stride, int64_t
     const __m512i idx0 = _mm512_load_si512(i0), idx1 = _mm512_load_si512(i1);
     for (int64_t r = r0; r < r1; ++r) {
         const BlockQ6_K* wr = reinterpret_cast<const BlockQ6_K*>(w + static_cast<size_t>(r) * w_stride);
-        const RowPrefetch pf =
-            row_prefetch(reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            prefetch_block(&wr[b], sizeof(BlockQ6_K), pf);
-            const __m512i scw = _mm512_castsi256_si512(
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[b].scales))));
-            const __m512i s0 = _mm512_permutexvar_epi16(idx0, scw), s1 = _mm512_permutexvar_epi16(idx1, scw);
-            // -32 * sum_g scale_g * bsums_g, from the bsums' 16 words in lanes 0-7.
-            const __m512i corr = _mm512_mullo_epi16(scw, _mm512_set1_epi16(-32));
-            __m512i q[2][2];  // [h][p]: values 128h + 64p .. + 63
-            for (int h = 0; h < 2; ++h) {
-                const __m512i l = _mm512_loadu_si512(wr[b].ql + 64 * h);
-                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh + 32 * h));
-                const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-                q[h][0] =
-                    _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(qh2, sh_lo), m30));
-                q[h][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi16(qh2, sh_hi), m30));
-            }
-            __m512i sums[8];
-            for (int j = 0; j < 8; ++j) {
-                if (j >= T) {
-                    sums[j] = _mm512_setzero_si512();
-                    continue;
-                }
-                const int8_t* xq = xr[j][b].qs;
-                __m512i p[2][2];
-                for (int h = 0; h < 2; ++h) {
-                    for (int pp = 0; pp < 2; ++pp) {
-                        p[h][pp] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[h][pp],
-                                                       _mm512_loadu_si512(xq + 128 * h + 64 * pp));
+        with_row_prefetch(
+            reinterpret_cast<const uint8_t*>(wr), static_cast<size_t>(nb) * sizeof(BlockQ6_K),
+            pf_last, [&](auto pf) __attribute__((always_inline)) {
+                __m512 s = _mm512_setzero_ps();
+                for (int64_t b = 0; b < nb; ++b) {
+                    prefetch_block(&wr[b], sizeof(BlockQ6_K), pf);
+                    const __m512i scw = _mm512_castsi256_si512(
+                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[b].scales))));
+                    const __m512i s0 = _mm512_permutexvar_epi16(idx0, scw), s1 = _mm512_permutexvar_epi16(idx1, scw);
+                    // -32 * sum_g scale_g * bsums_g, from the bsums' 16 words in lanes 0-7.
+                    const __m512i corr = _mm512_mullo_epi16(scw, _mm512_set1_epi16(-32));
+                    __m512i q[2][2];  // [h][p]: values 128h + 64p .. + 63
+                    for (int h = 0; h < 2; ++h) {
+                        const __m512i l = _mm512_loadu_si512(wr[b].ql + 64 * h);
+                        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[b].qh + 32 * h));
+                        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+                        q[h][0] = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                                  _mm512_and_si512(_mm512_sllv_epi16(qh2, sh_lo), m30));
+                        q[h][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                  _mm512_and_si512(_mm512_srlv_epi16(qh2, sh_hi), m30));
                     }
+                    __m512i sums[8];
+                    for (int j = 0; j < 8; ++j) {
+                        if (j >= T) {
+                            sums[j] = _mm512_setzero_si512();
+                            continue;
+                        }
+                        const int8_t* xq = xr[j][b].qs;
+                        __m512i p[2][2];
+                        for (int h = 0; h < 2; ++h) {
+                            for (int pp = 0; pp < 2; ++pp) {
+                                p[h][pp] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[h][pp],
+                                                               _mm512_loadu_si512(xq + 128 * h + 64 * pp));
+                            }
+                        }
+                        const __m512i bs = _mm512_zextsi256_si512(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].bsums)));
+                        __m512i acc = _mm512_madd_epi16(bs, corr);
+                        acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[0][0], p[0][1]), s0);
+                        sums[j] = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[1][0], p[1][1]), s1);
+                    }
+                    const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
+                    const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), tokens_d<T>(xr, b));
+                    s = _mm512_add_ps(s, _mm512_mul_ps(d, sumi));
                 }
-                const __m512i bs =
-                    _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[j][b].bsums)));
-                __m512i acc = _mm512_madd_epi16(bs, corr);
-                acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[0][0], p[0][1]), s0);
-                sums[j] = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[1][0], p[1][1]), s1);
-            }
-            const __m512 sumi = _mm512_cvtepi32_ps(hsum8_epi32(sums));
-            const __m512 d = _mm512_mul_ps(_mm512_set1_ps(h2f(wr[b].d)), tokens_d<T>(xr, b));
-            s = _mm512_add_ps(s, _mm512_mul_ps(d, sumi));
-        }
-        alignas(64) float out[16];
-        _mm512_store_ps(out, s);
-        for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+                alignas(64) float out[16];
+                _mm512_store_ps(out, s);
+                for (int j = 0; j < T; ++j) y[static_cast<size_t>(j) * ldy + static_cast<size_t>(r)] = out[j];
+            });
     }
 }
 
@@ -2329,41 +2389,53 @@ inline __attribute__((always_inline)) void q45k_tile_rows(const char* w, size_t 
         pf[j] = row_prefetch(reinterpret_cast<const uint8_t*>(wr[j]), static_cast<size_t>(nb) * sizeof(Blk), pf_last);
         s[j] = V::fzero();
     }
-    for (int64_t b = 0; b < nb; ++b) {
-        const XKL<L>& X = x[b];
-        Q45kUnpacked u[R];
-        for (int j = 0; j < R; ++j) {
-            if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(Blk), pf[j]);
-            q45k_unpack<Blk>(wr[j][b], q5, &u[j]);
-        }
-        read_back(u[0].vals);
-        typename V::I tot[R];
-        for (int j = 0; j < R; ++j) tot[j] = V::zero();
-        for (int k = 0; k < 4; ++k) {
-            for (int h = 0; h < 2; ++h) {
-                // Sub-block kSub[k][h]: dwords 16k + 8h .. + 7, two chains.
-                typename V::I a0[R], a1[R];
-                for (int j = 0; j < R; ++j) a0[j] = a1[j] = V::zero();
-                for (int i = 0; i < 8; i += 2) {
-                    const int m = 16 * k + 8 * h + i;
-                    const typename V::I x0 = V::load(X.q[m]), x1 = V::load(X.q[m + 1]);
-                    for (int j = 0; j < R; ++j) {
-                        a0[j] = V::dpbusd(a0[j], V::set1(u[j].vals[m]), x0);
-                        a1[j] = V::dpbusd(a1[j], V::set1(u[j].vals[m + 1]), x1);
+    // Rows follow each other: where the last one's lines stay inside, all do.
+    auto run = [&](auto pick) __attribute__((always_inline)) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const XKL<L>& X = x[b];
+            Q45kUnpacked u[R];
+            for (int j = 0; j < R; ++j) {
+                if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(Blk), pick(j));
+                q45k_unpack<Blk>(wr[j][b], q5, &u[j]);
+            }
+            read_back(u[0].vals);
+            typename V::I tot[R];
+            for (int j = 0; j < R; ++j) tot[j] = V::zero();
+            for (int k = 0; k < 4; ++k) {
+                for (int h = 0; h < 2; ++h) {
+                    // Sub-block kSub[k][h]: dwords 16k + 8h .. + 7, two chains.
+                    typename V::I a0[R], a1[R];
+                    for (int j = 0; j < R; ++j) a0[j] = a1[j] = V::zero();
+                    for (int i = 0; i < 8; i += 2) {
+                        const int m = 16 * k + 8 * h + i;
+                        const typename V::I x0 = V::load(X.q[m]), x1 = V::load(X.q[m + 1]);
+                        for (int j = 0; j < R; ++j) {
+                            a0[j] = V::dpbusd(a0[j], V::set1(u[j].vals[m]), x0);
+                            a1[j] = V::dpbusd(a1[j], V::set1(u[j].vals[m + 1]), x1);
+                        }
                     }
+                    for (int j = 0; j < R; ++j)
+                        tot[j] = V::add(tot[j], V::mullo(V::add(a0[j], a1[j]), V::set1(u[j].sc32[kSub[k][h]])));
                 }
-                for (int j = 0; j < R; ++j)
-                    tot[j] = V::add(tot[j], V::mullo(V::add(a0[j], a1[j]), V::set1(u[j].sc32[kSub[k][h]])));
+            }
+            const typename V::F xd = V::fload(X.d);
+            for (int j = 0; j < R; ++j) {
+                typename V::I summ = V::madd(V::load(X.bs[0]), V::set1(u[j].mnp[0]));
+                for (int i = 1; i < 4; ++i) summ = V::add(summ, V::madd(V::load(X.bs[i]), V::set1(u[j].mnp[i])));
+                const typename V::F d = V::fmul(V::fset1(h2f(wr[j][b].d)), xd);
+                const typename V::F dm = V::fmul(V::fset1(h2f(wr[j][b].dmin)), xd);
+                s[j] = V::fadd(s[j], V::fsub(V::fmul(d, V::cvt(tot[j])), V::fmul(dm, V::cvt(summ))));
             }
         }
-        const typename V::F xd = V::fload(X.d);
-        for (int j = 0; j < R; ++j) {
-            typename V::I summ = V::madd(V::load(X.bs[0]), V::set1(u[j].mnp[0]));
-            for (int i = 1; i < 4; ++i) summ = V::add(summ, V::madd(V::load(X.bs[i]), V::set1(u[j].mnp[i])));
-            const typename V::F d = V::fmul(V::fset1(h2f(wr[j][b].d)), xd);
-            const typename V::F dm = V::fmul(V::fset1(h2f(wr[j][b].dmin)), xd);
-            s[j] = V::fadd(s[j], V::fsub(V::fmul(d, V::cvt(tot[j])), V::fmul(dm, V::cvt(summ))));
+    };
+    if constexpr (L == 8) {
+        if (pf[R - 1].l2 != 0) {
+            run([](int) { return PfAhead{}; });
+        } else {
+            run([&](int j) { return pf[j]; });
         }
+    } else {
+        run([&](int j) { return pf[j]; });
     }
     for (int j = 0; j < R; ++j) store_tokens<L>(s[j], n, y, ldy, r + j);
 }
@@ -2414,35 +2486,47 @@ inline __attribute__((always_inline)) void q6k_tile_rows(const char* w, size_t w
             row_prefetch(reinterpret_cast<const uint8_t*>(wr[j]), static_cast<size_t>(nb) * sizeof(BlockQ6_K), pf_last);
         s[j] = V::fzero();
     }
-    for (int64_t b = 0; b < nb; ++b) {
-        const XKL<L>& X = x[b];
-        Q6kUnpacked u[R];
-        for (int j = 0; j < R; ++j) {
-            if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(BlockQ6_K), pf[j]);
-            q6k_unpack(wr[j][b], sh_lo, sh_hi, &u[j]);
-        }
-        read_back(u[0].vals);
-        typename V::I tot[R];
-        for (int j = 0; j < R; ++j) tot[j] = V::zero();
-        for (int g = 0; g < 16; ++g) {  // groups of 16 values: dwords 4g .. 4g + 3
-            const typename V::I x0 = V::load(X.q[4 * g]), x1 = V::load(X.q[4 * g + 1]);
-            const typename V::I x2 = V::load(X.q[4 * g + 2]), x3 = V::load(X.q[4 * g + 3]);
+    // Rows follow each other: where the last one's lines stay inside, all do.
+    auto run = [&](auto pick) __attribute__((always_inline)) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const XKL<L>& X = x[b];
+            Q6kUnpacked u[R];
             for (int j = 0; j < R; ++j) {
-                typename V::I a0 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g]), x0);
-                typename V::I a1 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g + 1]), x1);
-                a0 = V::dpbusd(a0, V::set1(u[j].vals[4 * g + 2]), x2);
-                a1 = V::dpbusd(a1, V::set1(u[j].vals[4 * g + 3]), x3);
-                tot[j] = V::add(tot[j], V::mullo(V::add(a0, a1), V::set1(u[j].sc32[g])));
+                if constexpr (L == 8) prefetch_block(&wr[j][b], sizeof(BlockQ6_K), pick(j));
+                q6k_unpack(wr[j][b], sh_lo, sh_hi, &u[j]);
+            }
+            read_back(u[0].vals);
+            typename V::I tot[R];
+            for (int j = 0; j < R; ++j) tot[j] = V::zero();
+            for (int g = 0; g < 16; ++g) {  // groups of 16 values: dwords 4g .. 4g + 3
+                const typename V::I x0 = V::load(X.q[4 * g]), x1 = V::load(X.q[4 * g + 1]);
+                const typename V::I x2 = V::load(X.q[4 * g + 2]), x3 = V::load(X.q[4 * g + 3]);
+                for (int j = 0; j < R; ++j) {
+                    typename V::I a0 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g]), x0);
+                    typename V::I a1 = V::dpbusd(V::zero(), V::set1(u[j].vals[4 * g + 1]), x1);
+                    a0 = V::dpbusd(a0, V::set1(u[j].vals[4 * g + 2]), x2);
+                    a1 = V::dpbusd(a1, V::set1(u[j].vals[4 * g + 3]), x3);
+                    tot[j] = V::add(tot[j], V::mullo(V::add(a0, a1), V::set1(u[j].sc32[g])));
+                }
+            }
+            const typename V::F xd = V::fload(X.d);
+            for (int j = 0; j < R; ++j) {
+                typename V::I corr = V::madd(V::load(X.bs[0]), V::set1(u[j].scp[0]));
+                for (int i = 1; i < 8; ++i) corr = V::add(corr, V::madd(V::load(X.bs[i]), V::set1(u[j].scp[i])));
+                const typename V::I sumi = V::sub(tot[j], V::slli5(corr));
+                const typename V::F d = V::fmul(V::fset1(u[j].d), xd);
+                s[j] = V::fadd(s[j], V::fmul(d, V::cvt(sumi)));
             }
         }
-        const typename V::F xd = V::fload(X.d);
-        for (int j = 0; j < R; ++j) {
-            typename V::I corr = V::madd(V::load(X.bs[0]), V::set1(u[j].scp[0]));
-            for (int i = 1; i < 8; ++i) corr = V::add(corr, V::madd(V::load(X.bs[i]), V::set1(u[j].scp[i])));
-            const typename V::I sumi = V::sub(tot[j], V::slli5(corr));
-            const typename V::F d = V::fmul(V::fset1(u[j].d), xd);
-            s[j] = V::fadd(s[j], V::fmul(d, V::cvt(sumi)));
+    };
+    if constexpr (L == 8) {
+        if (pf[R - 1].l2 != 0) {
+            run([](int) { return PfAhead{}; });
+        } else {
+            run([&](int j) { return pf[j]; });
         }
+    } else {
+        run([&](int j) { return pf[j]; });
     }
     for (int j = 0; j < R; ++j) store_tokens<L>(s[j], n, y, ldy, r + j);
 }
