@@ -294,9 +294,98 @@ TEST(TrimDrafts, LikelyDraftsRunUnlikelyOnesOnlyWhereThePassIsCheap) {
     };
     for (const Case& c : cases) {
         std::vector<int> keep(c.rows.size(), 7);  // every entry is written
-        trim_drafts(c.rows, c.fixed, keep);
+        // A line: a pass of rows + k positions costs fixed + rows + k.
+        std::vector<double> cost;
+        int drafts = 0;
+        for (const DraftRowView& r : c.rows) drafts += r.drafts;
+        for (int k = 0; k <= drafts; ++k) cost.push_back(c.fixed + static_cast<double>(c.rows.size() + k));
+        trim_drafts(c.rows, cost, keep);
         EXPECT_EQ(keep, c.want) << c.what;
     }
+}
+
+// Costs that are not a line (trim_drafts picks the best number of drafts, not the
+// first where one more does not pay): each expected count worked out by hand.
+TEST(TrimDrafts, APassWhoseCostStepsUpRunsDraftsOnlyWhereEnoughPayForTheStep) {
+    // Eight rows at 7.5 (ms): 8 / 7.5 = 1.067 tokens per ms. With .92 drafts each at
+    // the AMX host's measured steepness (a position past 8 at 18.1 / 16 = 1.13 ms,
+    // more than 7.5 / 8), no number of them pays: 9 rows yield 8.92 / 8.63 = 1.034.
+    const std::vector<DraftRowView> eight(8, {4, 0.92});
+    std::vector<double> steep;
+    for (int k = 0; k <= 32; ++k) steep.push_back(7.5 + 1.13 * k);
+    std::vector<int> keep(8, 7);
+    trim_drafts(eight, steep, keep);
+    EXPECT_EQ(keep, std::vector<int>(8, 0));
+
+    // A step: the first draft costs 4 (a new tile), the next seven 0.1 each.
+    // Greedy would stop at the step (1 row: 1.95 / 5 < 1 / 1); the best prefix is all
+    // eight of the one row's drafts at .95: (1 + 6.40) / (5 + 0.7) = 1.30 > 1.
+    const std::vector<DraftRowView> one(1, {8, 0.95});
+    std::vector<double> step = {1.0};
+    for (int k = 1; k <= 8; ++k) step.push_back(5.0 + 0.1 * (k - 1));
+    std::vector<int> keep1(1, 7);
+    trim_drafts(one, step, keep1);
+    EXPECT_EQ(keep1, std::vector<int>{8});
+
+    // Equal yields: the fewest drafts. Two rows, one draft each at 1.0; a pass of
+    // 3 or 4 positions costs in proportion to them (2 / 2 = 3 / 3 = 4 / 4).
+    const std::vector<DraftRowView> sure(2, {1, 1.0});
+    std::vector<int> keep2(2, 7);
+    trim_drafts(sure, std::vector<double>{2.0, 3.0, 4.0}, keep2);
+    EXPECT_EQ(keep2, (std::vector<int>{0, 0}));
+
+    // No costs given: nothing runs.
+    std::vector<int> keep3(1, 7);
+    trim_drafts(one, std::span<const double>{}, keep3);
+    EXPECT_EQ(keep3, std::vector<int>{0});
+}
+
+// The per-size times (PassCostModel::costs): a size seen is its decayed mean; sizes
+// between seen ones are read on the line between them; beyond, the prior's shape
+// (kPriorFixed + positions), below from the nearest seen size and above from the
+// cheapest in that shape; never decreasing; a held-up pass clipped.
+TEST(PassCostModel, CostsBySizeFromThePassesSeen) {
+    PassCostModel none;
+    std::vector<double> c(3);
+    none.costs(1, c);  // the prior alone: 4 + s
+    EXPECT_EQ(c, (std::vector<double>{5.0, 6.0, 7.0}));
+
+    PassCostModel m;
+    m.add(8, 7'000'000);
+    m.add(8, 8'000'000);  // mean (0.8 * 7 + 8) / 1.8 ms
+    m.add(16, 18'000'000);
+    const double eight = (0.8 * 7'000'000 + 8'000'000) / 1.8;
+    std::vector<double> got(25);
+    m.costs(6, got);                                // sizes 6 .. 30
+    EXPECT_DOUBLE_EQ(got[0], eight * 10.0 / 12.0);  // below: 6 from 8 by (4 + 6) / (4 + 8)
+    EXPECT_DOUBLE_EQ(got[1], eight * 11.0 / 12.0);
+    EXPECT_DOUBLE_EQ(got[2], eight);
+    EXPECT_DOUBLE_EQ(got[6], eight + (18'000'000 - eight) * 4.0 / 8.0);  // size 12, between
+    EXPECT_DOUBLE_EQ(got[10], 18'000'000);
+    // Above every seen size: from the one cheapest in the prior's shape, 8
+    // (eight / 12 = 0.62 ms against 18 / 20 = 0.9 ms for 16), but never below 16's.
+    EXPECT_DOUBLE_EQ(got[11], 18'000'000);           // 17: eight * 21 / 12 = 13.0 ms
+    EXPECT_DOUBLE_EQ(got[24], eight * 34.0 / 12.0);  // 30: 21.1 ms
+
+    PassCostModel noisy;  // a larger pass measured cheaper: the smaller one's cost
+    noisy.add(2, 5'000'000);
+    noisy.add(3, 4'000'000);
+    std::vector<double> n(2);
+    noisy.costs(2, n);
+    EXPECT_EQ(n, (std::vector<double>{5'000'000, 5'000'000}));
+
+    PassCostModel held;  // a pass held up counts as kMaxJump times its size's mean
+    held.add(4, 1'000'000);
+    held.add(4, 10'000'000);
+    std::vector<double> h4(1);
+    held.costs(4, h4);
+    EXPECT_DOUBLE_EQ(h4[0], (0.8 * 1'000'000 + 2'000'000) / 1.8);
+
+    PassCostModel huge;  // passes past kMaxSize count as kMaxSize
+    huge.add(PassCostModel::kMaxSize + 100, 9'000'000);
+    std::vector<double> h(1);
+    huge.costs(PassCostModel::kMaxSize + 5, h);
+    EXPECT_EQ(h[0], 9'000'000);
 }
 
 // A sequence's acceptance (DraftOdds): a half before anything is seen; hits and

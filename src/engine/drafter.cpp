@@ -1,6 +1,7 @@
 #include "engine/drafter.h"
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 namespace duet {
@@ -172,6 +173,18 @@ void PassCostModel::add(int64_t positions, uint64_t ns) {
     y_ = kDecay * y_ + y;
     xx_ = kDecay * xx_ + x * x;
     xy_ = kDecay * xy_ + x * y;
+    if (positions < 1) return;
+    const auto i = static_cast<size_t>(std::min(positions, kMaxSize) - 1);
+    if (size_n_.size() <= i) {
+        size_n_.resize(i + 1, 0.0);
+        size_ns_.resize(i + 1, 0.0);
+    }
+    // A pass the OS or a neighbour held up counts as kMaxJump times the size's mean
+    // at most: one such pass would otherwise raise the size's cost, and with it
+    // every larger size's (costs() never decreases), for several passes.
+    const double m = size_n_[i] >= 1 ? size_ns_[i] / size_n_[i] : 0;
+    size_ns_[i] = kSizeDecay * size_ns_[i] + (m > 0 ? std::min(y, kMaxJump * m) : y);
+    size_n_[i] = kSizeDecay * size_n_[i] + 1;
 }
 
 double PassCostModel::fixed() const {
@@ -184,7 +197,57 @@ double PassCostModel::fixed() const {
     return std::clamp(a / b, kMinFixed, kMaxFixed);
 }
 
-void trim_drafts(std::span<const DraftRowView> rows, double fixed, std::span<int> keep) {
+void PassCostModel::costs(int64_t first, std::span<double> out) const {
+    const auto sizes = static_cast<int64_t>(size_n_.size());
+    const auto seen = [&](int64_t s) { return s >= 1 && s <= sizes && size_n_[static_cast<size_t>(s - 1)] > 0; };
+    const auto mean = [&](int64_t s) {
+        return size_ns_[static_cast<size_t>(s - 1)] / size_n_[static_cast<size_t>(s - 1)];
+    };
+    const auto shape = [](int64_t a) { return kPriorFixed + static_cast<double>(a); };
+    // lo: the nearest seen size at or below s; best: the seen size at or below s
+    // that costs least in the prior's shape (mean / shape), the anchor of sizes
+    // above every seen one; hi: the nearest seen size at or above s (0: none).
+    int64_t lo = 0, best = 0, hi = 0;
+    const int64_t start = std::min(first, kMaxSize);
+    for (int64_t t = 1; t < start; ++t) {
+        if (!seen(t)) continue;
+        lo = t;
+        if (best == 0 || mean(t) / shape(t) < mean(best) / shape(best)) best = t;
+    }
+    double prev = 0;
+    for (size_t k = 0; k < out.size(); ++k) {
+        const int64_t s = std::min(first + static_cast<int64_t>(k), kMaxSize);
+        if (seen(s)) {
+            lo = s;
+            if (best == 0 || mean(s) / shape(s) < mean(best) / shape(best)) best = s;
+        }
+        if (hi != -1 && hi < s) {
+            hi = -1;  // none above, unless one is found
+            for (int64_t t = s; t <= sizes; ++t) {
+                if (seen(t)) {
+                    hi = t;
+                    break;
+                }
+            }
+        }
+        double c;
+        if (lo == s) {
+            c = mean(s);
+        } else if (lo != 0 && hi > 0) {
+            c = mean(lo) + (mean(hi) - mean(lo)) * static_cast<double>(s - lo) / static_cast<double>(hi - lo);
+        } else if (lo != 0) {
+            c = mean(best) * shape(s) / shape(best);
+        } else if (hi > 0) {
+            c = mean(hi) * shape(s) / shape(hi);
+        } else {
+            c = shape(s);  // nothing seen: the prior's line, in its own unit
+        }
+        prev = k == 0 ? c : std::max(prev, c);
+        out[k] = prev;
+    }
+}
+
+void trim_drafts(std::span<const DraftRowView> rows, std::span<const double> cost, std::span<int> keep) {
     struct Candidate {
         double p;
         size_t row;
@@ -199,14 +262,21 @@ void trim_drafts(std::span<const DraftRowView> rows, double fixed, std::span<int
     std::sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
         return std::tie(b.p, a.row, a.i) < std::tie(a.p, b.row, b.i);
     });
-    double tokens = static_cast<double>(rows.size()), cost = fixed + static_cast<double>(rows.size());
-    for (const Candidate& c : all) {
-        // Taken likeliest first, a row's drafts in order: its earlier ones are in.
-        if (c.p * cost <= tokens) break;
-        keep[c.row] = c.i;
-        tokens += c.p;
-        cost += 1;
+    if (cost.empty()) return;
+    // The best prefix: tokens / cost compared as tokens * other cost, so that equal
+    // yields stay equal whatever the rounding of a division.
+    const size_t n = std::min(all.size(), cost.size() - 1);
+    double tokens = static_cast<double>(rows.size()), best_tokens = tokens;
+    size_t best = 0;
+    for (size_t k = 1; k <= n; ++k) {
+        tokens += all[k - 1].p;
+        if (tokens * cost[best] > best_tokens * cost[k]) {
+            best = k;
+            best_tokens = tokens;
+        }
     }
+    // Taken likeliest first, a row's drafts in order: its earlier ones are in.
+    for (size_t k = 0; k < best; ++k) keep[all[k].row] = std::max(keep[all[k].row], all[k].i);
 }
 
 }  // namespace duet

@@ -140,21 +140,43 @@ private:
     uint64_t next_seq_ = 0;
 };
 
-// What a pass costs: time = a + b * positions, a and b fitted by least squares over
-// the worker's recent passes (each weighing kDecay of the next). fixed() is a / b:
-// the pass's fixed cost (weights read once, barriers) in positions. Until the
-// passes seen vary enough in positions to fit, or when a fit is not a cost (a or b
-// not positive), kPriorFixed: the figure measured on a 2-core CPU (a verify row of
-// 8 positions cost 2.41 one-position steps: a/b = 4, bench/RESULTS.md, "Many-row
-// CPU products").
+// What a pass costs. Two views of the worker's recent passes (each weighing kDecay
+// of the next):
+// - fixed(): time = a + b * positions fitted by least squares, a / b (the pass's
+//   fixed cost, weights read once and barriers, in positions). Until the passes
+//   seen vary enough in positions to fit, or when a fit is not a cost (a or b not
+//   positive), kPriorFixed: the figure measured on a 2-core CPU (a verify row of 8
+//   positions cost 2.41 one-position steps: a/b = 4, bench/RESULTS.md, "Many-row
+//   CPU products"). A gauge on /metrics.
+// - costs(): the time of a pass of each number of positions, from the passes of
+//   that size (their mean, each weighing kSizeDecay of the next one of the size).
+//   A line does not fit a CPU's passes: a product's cost steps where its kernels
+//   change (8-token tiles), and past 8 rows a position can cost more than at 8
+//   (an 8-row pass 7.5 ms and a 16-row one 18.1 ms on the AMX host, where the
+//   line's 1.4 positions of fixed cost let eight streams draft and lose 7%).
+//   Sizes not seen yet are read between the nearest seen ones (linearly), and
+//   beyond them by the prior's shape, time proportional to kPriorFixed +
+//   positions: below every seen size from the nearest one, above from the seen
+//   size cheapest in that shape. So a size above every seen one looks as cheap as
+//   the best seen (not as the largest, which may sit just past a step: 9 rows
+//   cost 1.44x 8 on the AMX host, 32 rows 3.2x), trim_drafts tries it where it
+//   would pay, and learns what it costs.
 class PassCostModel {
 public:
     static constexpr double kDecay = 0.98, kPriorFixed = 4.0, kMinFixed = 0.25, kMaxFixed = 64.0;
+    static constexpr double kSizeDecay = 0.8;  // about the last five passes of a size count
+    static constexpr double kMaxJump = 2.0;    // a pass counts as at most this times its size's mean
+    static constexpr int64_t kMaxSize = 2048;  // larger passes are counted as this size
     void add(int64_t positions, uint64_t ns);
     double fixed() const;
+    // out[k]: the time (ns) of a pass of first + k positions (first >= 1), never
+    // less than out[k - 1] (noise aside, more positions do not cost less).
+    void costs(int64_t first, std::span<double> out) const;
 
 private:
     double n_ = 0, x_ = 0, y_ = 0, xx_ = 0, xy_ = 0;
+    // Per size s (index s - 1): decayed sums of time and of count.
+    std::vector<double> size_ns_, size_n_;
 };
 
 // One row's drafts as trim_drafts weighs them: how many it proposed, and its
@@ -166,13 +188,15 @@ struct DraftRowView {
 
 // How many of its proposed drafts each row runs in the pass (into keep, one per
 // row), so that the pass yields the most tokens per unit of time: a row's i-th draft
-// (from 1) is kept with chance accept^i and costs one position of `fixed`'s unit.
-// Positions are taken likeliest first (a row's in order; ties by row), each only
-// while its chance beats the tokens per position the pass has so far, (rows + the
-// chances taken) / (fixed + rows + the drafts taken): with many rows or a large
-// fixed cost, only likely drafts run; alone and cheap, unlikely ones too. Never
-// changes the output (engine/decode_scheduler.h: a draft only costs positions).
-void trim_drafts(std::span<const DraftRowView> rows, double fixed, std::span<int> keep);
+// (from 1) is kept with chance accept^i. cost[k] is the time of the pass with k
+// drafts (rows.size() + k positions), for k up to the drafts proposed. Drafts are
+// ordered likeliest first (a row's in order; ties by row), and the pass runs the
+// first k of them for the k that gives the most (rows + their chances) / cost[k],
+// the fewest where several give as much: with many rows or a steep cost, only likely
+// drafts run; alone and cheap, unlikely ones too; and a pass whose cost steps up
+// runs none past the step unless enough follow to pay for it. Never changes the
+// output (engine/decode_scheduler.h: a draft only costs positions).
+void trim_drafts(std::span<const DraftRowView> rows, std::span<const double> cost, std::span<int> keep);
 
 // Where a sequence's drafts came from: its own tokens (PromptLookupDrafter) or the
 // worker's pool (NgramPool). Counted apart (duet_draft_tokens_total's drafter).

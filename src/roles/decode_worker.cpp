@@ -351,7 +351,11 @@ DecodeStep DecodeWorker::plan_step(int64_t available) {
     // The drafts worth their positions in this pass (trim_drafts); a proposal run
     // not at all is still checked against the token drawn next (DraftOdds).
     std::vector<int> keep(active_.size());
-    trim_drafts(proposed, pass_cost_.fixed(), keep);
+    size_t drafts = 0;
+    for (const DraftRowView& v : proposed) drafts += static_cast<size_t>(v.drafts);
+    std::vector<double> cost(drafts + 1);
+    pass_cost_.costs(std::max<int64_t>(1, static_cast<int64_t>(active_.size())), cost);
+    trim_drafts(proposed, cost, keep);
     for (size_t i = 0; i < active_.size(); ++i) {
         Active& a = active_[i];
         if (keep[i] == 0 && a.row.size() > 1) a.shadow = a.row[1];

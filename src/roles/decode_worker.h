@@ -87,8 +87,8 @@ private:
     // (WorkerOptions::draft_pool_tokens; null: none).
     std::unique_ptr<NgramPool> pool_drafts_;
     std::vector<int32_t> pool_scratch_;  // its draft, before it is chosen
-    // This worker's passes' cost in positions (trim_drafts' `fixed`): measured on
-    // the passes it runs.
+    // What this worker's passes cost by their positions (trim_drafts' `cost`):
+    // measured on the passes it runs.
     PassCostModel pass_cost_;
     // The most tokens a request drafts per step: its "speculative" over the server's
     // WorkerOptions::max_draft (engine/drafter.h draft_limit).
