@@ -33,8 +33,9 @@ namespace duet::shm {
 // 128 bytes); 17: end codes in request slots; 18: draft counters; 19: request data
 // (ReqExtHeader); 20: process slots keep identity and an opaque role page (the
 // serving counters left for src/roles/worker_stats.h), the users' protocol in the
-// configuration; 21: per-request draft counts in request slots; 22: draft counters by source.
-inline constexpr uint32_t kLayoutVersion = 22;
+// configuration; 21: per-request draft counts in request slots; 22: draft counters by source;
+// 23: role pages of four lines.
+inline constexpr uint32_t kLayoutVersion = 23;
 
 inline constexpr uint32_t kMaxArenas = 16;
 

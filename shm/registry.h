@@ -47,7 +47,7 @@ struct ProcRef {
 // The opaque page of a process slot: its user's own fields (the serving roles'
 // load gauges and work counters: src/roles/worker_stats.h), zeroed by each claim.
 // Words, so that a claim zeroes them with atomic stores while others still read.
-inline constexpr size_t kRolePageWords = 24;
+inline constexpr size_t kRolePageWords = 32;
 
 struct alignas(64) ProcSlot {
     std::atomic<uint64_t> state_gen;  // (pid << 32) | (generation << 8) | ProcState
@@ -57,11 +57,11 @@ struct alignas(64) ProcSlot {
     std::atomic<int32_t> numa;    // the NUMA node of its CPUs (-1: not known); set once at start
     std::atomic<uint64_t> start_ticks;   // (/proc/<pid>/stat starttime << 24) | its generation: tells a reused pid apart
     std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, the same clock in every process
-    // Written and read by the process's role alone (Registry::role_page); three lines.
+    // Written and read by the process's role alone (Registry::role_page); four lines.
     alignas(64) std::atomic<uint64_t> role_page[kRolePageWords];
     alignas(64) Doorbell doorbell;  // wakes this process; on a line of its own
 };
-static_assert(sizeof(ProcSlot) == 320);
+static_assert(sizeof(ProcSlot) == 384);
 
 struct RegistryHeader {
     uint32_t magic;

@@ -34,6 +34,7 @@ MetricsSnapshot two_arenas_three_workers() {
     MetricsSnapshot::Worker d0;
     d0.queued = 1, d0.up = true, d0.items = 3, d0.tokens = 70, d0.served = 8, d0.borrows = 5, d0.borrowed_ns = 1'500'000'000;
     d0.yields = 2, d0.yielded_ns = 250'000'000, d0.pass_fixed_milli = 4250;
+    d0.draft_pool_tokens = 1234, d0.draft_pool_bytes = 9'437'184;
     d0.grammar_compile_ns = 500'000, d0.grammar_ahead = 2, d0.grammar_ahead_ns = 25'000'000;
     s.prefill = {p0, p1};
     s.decode = {d0};
@@ -178,10 +179,18 @@ const char* const kTwoArenasThreeWorkers =
     "duet_worker_routed_total{role=\"prefill\",worker=\"0\"} 11\n"
     "duet_worker_routed_total{role=\"prefill\",worker=\"1\"} 4\n"
     "# HELP duet_worker_pass_fixed_positions A decode worker's passes' fixed cost (weights read, barriers) in "
-    "positions, fitted over its recent passes: how it weighs drafts (a draft runs while its chance of being kept "
-    "beats the pass's tokens per position).\n"
+    "positions, from a line fitted over its recent passes (drafts are weighed by each pass size's measured cost, "
+    "not by this line).\n"
     "# TYPE duet_worker_pass_fixed_positions gauge\n"
     "duet_worker_pass_fixed_positions{role=\"decode\",worker=\"0\"} 4.25\n"
+    "# HELP duet_draft_pool_tokens Tokens a decode worker's draft pool holds now: the outputs it finished, the last "
+    "--draft-pool-tokens of them.\n"
+    "# TYPE duet_draft_pool_tokens gauge\n"
+    "duet_draft_pool_tokens{role=\"decode\",worker=\"0\"} 1234\n"
+    "# HELP duet_draft_pool_bytes Memory of a decode worker's draft pool (its ring and index), fixed when the worker "
+    "starts.\n"
+    "# TYPE duet_draft_pool_bytes gauge\n"
+    "duet_draft_pool_bytes{role=\"decode\",worker=\"0\"} 9437184\n"
     "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not restarted; /ready says "
     "why).\n"
     "# TYPE duet_golden_check_failures_total counter\n"
@@ -254,9 +263,15 @@ TEST(MetricsText, NoWorkersAndNoArenasLeaveOnlyTheHelpAndTypeLines) {
                         "# HELP duet_worker_routed_total Requests this front sent to a prefill worker.\n"
                         "# TYPE duet_worker_routed_total counter\n"
                         "# HELP duet_worker_pass_fixed_positions A decode worker's passes' fixed cost (weights "
-                        "read, barriers) in positions, fitted over its recent passes: how it weighs drafts (a "
-                        "draft runs while its chance of being kept beats the pass's tokens per position).\n"
+                        "read, barriers) in positions, from a line fitted over its recent passes (drafts are "
+                        "weighed by each pass size's measured cost, not by this line).\n"
                         "# TYPE duet_worker_pass_fixed_positions gauge\n"
+                        "# HELP duet_draft_pool_tokens Tokens a decode worker's draft pool holds now: the outputs "
+                        "it finished, the last --draft-pool-tokens of them.\n"
+                        "# TYPE duet_draft_pool_tokens gauge\n"
+                        "# HELP duet_draft_pool_bytes Memory of a decode worker's draft pool (its ring and index), "
+                        "fixed when the worker starts.\n"
+                        "# TYPE duet_draft_pool_bytes gauge\n"
                         "# HELP duet_golden_check_failures_total Workers whose golden-logits check failed (not "
                         "restarted; /ready says why).\n"
                         "# TYPE duet_golden_check_failures_total counter\n"
@@ -289,8 +304,9 @@ TEST(MetricsText, EveryFamilyHasHelpThenType) {
         EXPECT_EQ(lines[i - 1].rfind("# HELP " + name + " ", 0), 0u) << lines[i];
         EXPECT_TRUE(seen.insert(name).second) << name << " twice";
     }
-    EXPECT_EQ(seen.size(), 39u);  // 16 front families (role changes, interrupted passes, drafts, verify rows among
-                                  // them), 2 of arenas, 14 of workers, golden, 1 histogram, 5 of contexts
+    EXPECT_EQ(seen.size(), 41u);  // 16 front families (role changes, interrupted passes, drafts, verify rows among
+                                  // them), 2 of arenas, 16 of workers (2 of the draft pool), golden, 1 histogram,
+                                  // 5 of contexts
 }
 
 // Bucket bounds as Prometheus' own clients print them (Go's shortest form): the 1-2-5

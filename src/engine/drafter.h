@@ -6,6 +6,7 @@
 // contract) picked it.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -71,8 +72,11 @@ public:
     Proposal draft(std::span<const int32_t> prompt, std::span<const int32_t> output,
                    std::span<int32_t> out) const override;
     size_t memory_bytes() const { return ring_.size() * sizeof(int32_t) + index_.size() * sizeof(uint64_t); }
-    // Tokens added so far (the ring holds the last capacity() of them).
+    // Tokens added so far (the ring holds the last capacity() of them), and the
+    // tokens it holds now (separators between sequences count as one each).
     uint64_t added() const { return end_; }
+    size_t capacity() const { return ring_.size(); }
+    size_t held() const { return static_cast<size_t>(std::min<uint64_t>(end_, ring_.size())); }
 
 private:
     static constexpr int32_t kSeparator = -1;  // between two sequences: nothing follows across it

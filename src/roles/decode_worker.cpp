@@ -41,8 +41,11 @@ Result<std::unique_ptr<DecodeWorker>> DecodeWorker::create(shm::Instance& inst, 
         .max_items.store(static_cast<uint64_t>(std::max(1, o.max_batch)), std::memory_order_relaxed);
     // Always there: a request may ask for drafts where the server's default is off.
     w->drafter_ = std::make_unique<PromptLookupDrafter>();
-    if (o.draft_pool_tokens > 0)
+    if (o.draft_pool_tokens > 0) {
         w->pool_drafts_ = std::make_unique<NgramPool>(static_cast<size_t>(o.draft_pool_tokens));
+        worker_stats(inst.registry(), w->self_.slot)
+            .draft_pool_bytes.store(w->pool_drafts_->memory_bytes(), std::memory_order_relaxed);
+    }
     w->publish_load();
     return w;
 }
@@ -98,7 +101,11 @@ void DecodeWorker::finish(std::vector<Active>& from, size_t i, shm::ReqState to)
     a.seq.release(*pool_);
     forget_grammar(a.req);
     // What the model wrote (a cancelled request's part too) drafts for the next ones.
-    if (pool_drafts_ && to != shm::ReqState::Failed && !a.params.no_draft_pool) pool_drafts_->add(a.output);
+    if (pool_drafts_ && to != shm::ReqState::Failed && !a.params.no_draft_pool) {
+        pool_drafts_->add(a.output);
+        worker_stats(inst_->registry(), self_.slot)
+            .draft_pool_tokens.store(pool_drafts_->held(), std::memory_order_relaxed);
+    }
     from[i] = std::move(from.back());
     from.pop_back();
 }

@@ -461,6 +461,8 @@ MetricsSnapshot front_detail::metrics_snapshot(Front::Impl& f) {
             w.claims_declined = ps.claims_declined.load(std::memory_order_relaxed);
             w.claims_unanswered = ps.claims_unanswered.load(std::memory_order_relaxed);
             w.pass_fixed_milli = ps.pass_fixed_milli.load(std::memory_order_relaxed);
+            w.draft_pool_tokens = ps.draft_pool_tokens.load(std::memory_order_relaxed);
+            w.draft_pool_bytes = ps.draft_pool_bytes.load(std::memory_order_relaxed);
             w.grammar_compiles = ps.grammar_compiles.load(std::memory_order_relaxed);
             w.grammar_compile_ns = ps.grammar_compile_ns.load(std::memory_order_relaxed);
             w.grammar_ahead = ps.grammar_ahead.load(std::memory_order_relaxed);

@@ -117,9 +117,15 @@ std::string metrics_workers(const MetricsSnapshot& s) {
                                 "step in time); the pass computed on prefill's cores alone (--lend-cores)."),
                 routed = family("duet_worker_routed_total", "counter", "Requests this front sent to a prefill worker."),
                 fixed = family("duet_worker_pass_fixed_positions", "gauge",
-                               "A decode worker's passes' fixed cost (weights read, barriers) in positions, fitted "
-                               "over its recent passes: how it weighs drafts (a draft runs while its chance of "
-                               "being kept beats the pass's tokens per position)."),
+                               "A decode worker's passes' fixed cost (weights read, barriers) in positions, from a "
+                               "line fitted over its recent passes (drafts are weighed by each pass size's "
+                               "measured cost, not by this line)."),
+                pool_tokens = family("duet_draft_pool_tokens", "gauge",
+                                     "Tokens a decode worker's draft pool holds now: the outputs it finished, the "
+                                     "last --draft-pool-tokens of them."),
+                pool_bytes = family("duet_draft_pool_bytes", "gauge",
+                                    "Memory of a decode worker's draft pool (its ring and index), fixed when the "
+                                    "worker starts."),
                 compiles = family("duet_worker_grammar_compiles_total", "counter",
                                   "Grammars (response_format, tools) a worker compiled, by where: step (in its "
                                   "serving thread: every request it held waited) or ahead (decode: in the background, "
@@ -158,6 +164,10 @@ std::string metrics_workers(const MetricsSnapshot& s) {
         if (w.pass_fixed_milli > 0)
             fixed += fmt::format("duet_worker_pass_fixed_positions{} {}\n", labels,
                                  static_cast<double>(w.pass_fixed_milli) / 1000.0);
+        if (w.draft_pool_bytes > 0) {
+            pool_tokens += fmt::format("duet_draft_pool_tokens{} {}\n", labels, w.draft_pool_tokens);
+            pool_bytes += fmt::format("duet_draft_pool_bytes{} {}\n", labels, w.draft_pool_bytes);
+        }
     };
     for (size_t p = 0; p < s.prefill.size(); ++p) {
         add("prefill", p, s.prefill[p]);
@@ -166,7 +176,7 @@ std::string metrics_workers(const MetricsSnapshot& s) {
     }
     for (size_t d = 0; d < s.decode.size(); ++d) add("decode", d, s.decode[d]);
     return queue + up + items + tokens + served + borrows + borrowed + compiles + compile_s + yields + yielded +
-           missed + routed + fixed +
+           missed + routed + fixed + pool_tokens + pool_bytes +
            family("duet_golden_check_failures_total", "counter",
                   "Workers whose golden-logits check failed (not restarted; /ready says why).") +
            fmt::format("duet_golden_check_failures_total {}\n", s.golden_failures);

@@ -44,6 +44,7 @@ struct MetricsSnapshot {
         uint64_t borrows = 0, borrowed_ns = 0;  // the other role's cores taken, and time computed with them
         uint64_t yields = 0, yielded_ns = 0;    // decode: times it stepped aside for a claim, and for how long
         uint64_t pass_fixed_milli = 0;          // decode: its passes' fixed cost in positions, x1000 (0: none yet)
+        uint64_t draft_pool_tokens = 0, draft_pool_bytes = 0;  // decode: its draft pool (bytes 0: none)
         uint64_t claims_declined = 0, claims_unanswered = 0;  // prefill: claims that got no cores (claims.h)
         uint64_t routed = 0;  // prefill: requests this front sent it
         // Grammars compiled in its serving thread and ahead (WorkerStats), and their time.

@@ -31,7 +31,8 @@ namespace duet {
 // of kind StructuralTag (tool calls) in the request data. 3: stop strings in the
 // request data (the workers end requests on them). 4: RequestParams::no_draft_pool.
 // 5: WorkerStats::pass_fixed_milli. 6: WorkerStats' grammar compile counters.
-inline constexpr uint32_t kServingProtocol = 6;
+// 7: WorkerStats' draft pool gauges.
+inline constexpr uint32_t kServingProtocol = 7;
 
 // Every process of the CPU device's KV arena is one of its users (shm::kArenaMaxUsers):
 // prefill and decode workers together.

@@ -66,6 +66,10 @@ struct WorkerStats {
     // Decode: its passes' fixed cost in positions as it weighs drafts (engine/drafter.h
     // PassCostModel::fixed), in thousandths; 0 until its first pass.
     std::atomic<uint64_t> pass_fixed_milli;
+    // Decode: its draft pool (engine/drafter.h NgramPool): the tokens it holds now
+    // and its memory, fixed when the worker starts (0: no pool).
+    std::atomic<uint64_t> draft_pool_tokens;
+    std::atomic<uint64_t> draft_pool_bytes;
 };
 static_assert(std::is_standard_layout_v<WorkerStats>);
 static_assert(sizeof(WorkerStats) <= sizeof(shm::ProcSlot::role_page) && alignof(WorkerStats) <= 64);

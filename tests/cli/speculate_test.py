@@ -13,8 +13,10 @@ time and all at once (verify rows batched with plain ones); a request's own
 outputs, and its usage.completion_tokens_details counts the drafts kept), and its
 refusals; an answer asked for again, drafted from the decode worker's pool of
 earlier outputs (--draft-pool-tokens), and a request's "pool": false, which keeps
-it out of the pool both ways; then a stream through a SIGKILL of decode in the
-middle of its verify steps, re-driven, identical.
+it out of the pool both ways; the reference server's 512-token pool after a run
+six times its size (duet_draft_pool_tokens full, duet_draft_pool_bytes as at
+start, an answer asked again still drafted from it); then a stream through a
+SIGKILL of decode in the middle of its verify steps, re-driven, identical.
 
 Usage: speculate_test.py path/to/duet   (run with the venv's python)
 """
@@ -27,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 
@@ -55,11 +58,11 @@ if os.environ.get("DUET_E2E_SUBSET"):
     MODES = [MODES[0], MODES[4], MODES[5]]
 
 
-def start(draft):
+def start(draft, more=()):
     """`duet serve` with --draft-tokens `draft`, or (None) without it: drafts are on
-    by default on the CPU."""
+    by default on the CPU; `more`: further flags."""
     inst = f"duet-speculate-test-{os.getpid()}-{draft}"
-    flags = [] if draft is None else ["--draft-tokens", str(draft)]
+    flags = ([] if draft is None else ["--draft-tokens", str(draft)]) + list(more)
     contexts = tempfile.mkdtemp(prefix="duet-speculate-test-")  # removed once the server stopped
     p = subprocess.Popen([DUET, "serve", "--port", "0", "--ctx", "1024", "--instance", inst, *flags,
                           "--contexts-dir", contexts, *START_TIMEOUT], stderr=subprocess.PIPE, text=True)
@@ -176,9 +179,20 @@ def on_context(port):
 KILLED = dict(prompt=GROUNDED[0] * 3 + " cherry,", max_tokens=160, temperature=0.8, seed=3,
               extra_body={"ignore_eos": True})
 
-# The reference: no drafts.
-server, port, _ = start(0)
+# The reference: no drafts; its worker's pool (which only requests that ask for
+# drafts use here) holds 512 tokens, so that the run below fills it six times over.
+POOL = 512
+POOL_TOKENS = 'duet_draft_pool_tokens{role="decode",worker="0"}'
+POOL_BYTES = 'duet_draft_pool_bytes{role="decode",worker="0"}'
+server, port, _ = start(0, ("--draft-pool-tokens", str(POOL)))
 try:
+    deadline = time.monotonic() + 120
+    while not metric(port, POOL_BYTES) and time.monotonic() < deadline:  # the decode worker starting
+        time.sleep(0.2)
+    pool_bytes = metric(port, POOL_BYTES) or 0
+    # README's bound: 36 bytes a token (9 MiB for the default 2^18), fixed at start.
+    check(0 < pool_bytes <= 36 * POOL and metric(port, POOL_TOKENS) == 0,
+          f"a fresh {POOL}-token pool: {pool_bytes} bytes, {metric(port, POOL_TOKENS)} tokens")
     want_one, jobs = run_all(port, 1)
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     want_killed = c.completions.create(model=c.models.list().data[0].id, **KILLED).choices[0].text
@@ -194,6 +208,21 @@ try:
             check(w == g, f"speculative {spec}, {mode} on {prompt[:40]!r}: {g} != without {w}")
         check(kept > 0, f"speculative {spec} on a server without drafts: none kept ({thrown} thrown)")
         print(f"speculative {spec} on a server without drafts: identical, {kept} drafted tokens kept, {thrown} thrown")
+    # The pool after some 3000 tokens of answers went through it: full, no larger, and
+    # still drafting (an answer asked for again comes from it: its ring wrapped).
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    again = dict(model=c.models.list().data[0].id, prompt="Name three rivers of Europe and one fact about each.",
+                 max_tokens=64, extra_body={"ignore_eos": True, "speculative": {"mode": "auto"}})
+    first = c.completions.create(**again)
+    kept0 = drafts(port, "accepted", "pool")
+    second = c.completions.create(**again)
+    from_pool = drafts(port, "accepted", "pool") - kept0
+    check(second.choices[0].text == first.choices[0].text, "asked again: the answer changed")
+    check(metric(port, POOL_TOKENS) == POOL and metric(port, POOL_BYTES) == pool_bytes and from_pool >= 16,
+          f"after the run: the pool holds {metric(port, POOL_TOKENS)} tokens in {metric(port, POOL_BYTES)} bytes "
+          f"(at start {pool_bytes}); an answer asked again: {from_pool} drafted tokens kept from it")
+    print(f"the {POOL}-token pool after the run: full, {pool_bytes} bytes as at start, "
+          f"{from_pool} tokens of an answer asked again drafted from it")
 finally:
     stop(server)
     shutil.rmtree(server.contexts_dir, ignore_errors=True)
