@@ -363,9 +363,9 @@ TEST(PassCostModel, CostsBySizeFromThePassesSeen) {
     EXPECT_DOUBLE_EQ(got[6], eight + (18'000'000 - eight) * 4.0 / 8.0);  // size 12, between
     EXPECT_DOUBLE_EQ(got[10], 18'000'000);
     // Above every seen size: from the one cheapest in the prior's shape, 8
-    // (eight / 12 = 0.62 ms against 18 / 20 = 0.9 ms for 16), but never below 16's.
-    EXPECT_DOUBLE_EQ(got[11], 18'000'000);           // 17: eight * 21 / 12 = 13.0 ms
-    EXPECT_DOUBLE_EQ(got[24], eight * 34.0 / 12.0);  // 30: 21.1 ms
+    // (eight / 12 = 0.63 ms against 18 / 20 = 0.9 ms for 16), but never below 16's.
+    EXPECT_DOUBLE_EQ(got[11], 18'000'000);           // 17: eight * 21 / 12 = 13.2 ms
+    EXPECT_DOUBLE_EQ(got[24], eight * 34.0 / 12.0);  // 30: 21.4 ms
 
     PassCostModel noisy;  // a larger pass measured cheaper: the smaller one's cost
     noisy.add(2, 5'000'000);
@@ -381,11 +381,24 @@ TEST(PassCostModel, CostsBySizeFromThePassesSeen) {
     held.costs(4, h4);
     EXPECT_DOUBLE_EQ(h4[0], (0.8 * 1'000'000 + 2'000'000) / 1.8);
 
-    PassCostModel huge;  // passes past kMaxSize count as kMaxSize
+    // The first pass of a size is clipped too, at kMaxJump times what the other
+    // sizes say it costs: 9 from 8 by the shape, 10 ms * 13 / 12.
+    PassCostModel first;
+    first.add(8, 10'000'000);
+    first.add(9, 50'000'000);
+    std::vector<double> f9(1);
+    first.costs(9, f9);
+    EXPECT_DOUBLE_EQ(f9[0], 2 * 10'000'000 * 13.0 / 12.0);
+
+    // Passes past kMaxSize count as kMaxSize by the shape, and larger sizes cost
+    // more by it: (4 + 2048) / (4 + 2148) of 9 ms for 2048, then 2053, 2054.
+    PassCostModel huge;
     huge.add(PassCostModel::kMaxSize + 100, 9'000'000);
-    std::vector<double> h(1);
+    const double at_max = 9'000'000 * 2052.0 / 2152.0;
+    std::vector<double> h(2);
     huge.costs(PassCostModel::kMaxSize + 5, h);
-    EXPECT_EQ(h[0], 9'000'000);
+    EXPECT_DOUBLE_EQ(h[0], at_max * 2057.0 / 2052.0);
+    EXPECT_DOUBLE_EQ(h[1], at_max * 2058.0 / 2052.0);
 }
 
 // A sequence's acceptance (DraftOdds): a half before anything is seen; hits and

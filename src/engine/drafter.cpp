@@ -174,16 +174,22 @@ void PassCostModel::add(int64_t positions, uint64_t ns) {
     xx_ = kDecay * xx_ + x * x;
     xy_ = kDecay * xy_ + x * y;
     if (positions < 1) return;
-    const auto i = static_cast<size_t>(std::min(positions, kMaxSize) - 1);
+    const int64_t s = std::min(positions, kMaxSize);
+    // A larger pass counts as kMaxSize's by the prior's shape.
+    const double t = y * (kPriorFixed + static_cast<double>(s)) / (kPriorFixed + x);
+    // A pass the OS or a neighbour held up counts as kMaxJump times what its size
+    // costs at most (its mean, or for a size not seen yet what costs() reads for
+    // it from the others): one such pass would otherwise raise the size's cost,
+    // and with it every larger size's (costs() never decreases), and a size
+    // thought dear is seldom run again to correct it.
+    double expect = 0;
+    if (!size_n_.empty()) costs(s, std::span<double>(&expect, 1));
+    const auto i = static_cast<size_t>(s - 1);
     if (size_n_.size() <= i) {
         size_n_.resize(i + 1, 0.0);
         size_ns_.resize(i + 1, 0.0);
     }
-    // A pass the OS or a neighbour held up counts as kMaxJump times the size's mean
-    // at most: one such pass would otherwise raise the size's cost, and with it
-    // every larger size's (costs() never decreases), for several passes.
-    const double m = size_n_[i] >= 1 ? size_ns_[i] / size_n_[i] : 0;
-    size_ns_[i] = kSizeDecay * size_ns_[i] + (m > 0 ? std::min(y, kMaxJump * m) : y);
+    size_ns_[i] = kSizeDecay * size_ns_[i] + (expect > 0 ? std::min(t, kMaxJump * expect) : t);
     size_n_[i] = kSizeDecay * size_n_[i] + 1;
 }
 
@@ -216,7 +222,7 @@ void PassCostModel::costs(int64_t first, std::span<double> out) const {
     }
     double prev = 0;
     for (size_t k = 0; k < out.size(); ++k) {
-        const int64_t s = std::min(first + static_cast<int64_t>(k), kMaxSize);
+        const int64_t wanted = first + static_cast<int64_t>(k), s = std::min(wanted, kMaxSize);
         if (seen(s)) {
             lo = s;
             if (best == 0 || mean(s) / shape(s) < mean(best) / shape(best)) best = s;
@@ -242,6 +248,7 @@ void PassCostModel::costs(int64_t first, std::span<double> out) const {
         } else {
             c = shape(s);  // nothing seen: the prior's line, in its own unit
         }
+        if (wanted > s) c *= shape(wanted) / shape(s);  // past kMaxSize: by the prior's shape
         prev = k == 0 ? c : std::max(prev, c);
         out[k] = prev;
     }

@@ -170,7 +170,7 @@ public:
     static constexpr double kDecay = 0.98, kPriorFixed = 4.0, kMinFixed = 0.25, kMaxFixed = 64.0;
     static constexpr double kSizeDecay = 0.8;  // about the last five passes of a size count
     static constexpr double kMaxJump = 2.0;    // a pass counts as at most this times its size's mean
-    static constexpr int64_t kMaxSize = 2048;  // larger passes are counted as this size
+    static constexpr int64_t kMaxSize = 2048;  // sizes measured apart; larger ones scaled from it by the shape
     void add(int64_t positions, uint64_t ns);
     double fixed() const;
     // out[k]: the time (ns) of a pass of first + k positions (first >= 1), never
