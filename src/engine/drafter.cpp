@@ -1,7 +1,6 @@
 #include "engine/drafter.h"
 
 #include <algorithm>
-#include <limits>
 #include <tuple>
 
 namespace duet {
@@ -210,9 +209,10 @@ void PassCostModel::costs(int64_t first, std::span<double> out) const {
         return size_ns_[static_cast<size_t>(s - 1)] / size_n_[static_cast<size_t>(s - 1)];
     };
     const auto shape = [](int64_t a) { return kPriorFixed + static_cast<double>(a); };
-    // lo: the nearest seen size at or below s; best: the seen size at or below s
-    // that costs least in the prior's shape (mean / shape), the anchor of sizes
-    // above every seen one; hi: the nearest seen size at or above s (0: none).
+    // lo: the nearest seen size at or below s (0: none); best: the seen size at or
+    // below s that costs least in the prior's shape (mean / shape), the anchor of
+    // sizes above every seen one; hi: the nearest seen size at or above s (0: not
+    // looked for yet, -1: none).
     int64_t lo = 0, best = 0, hi = 0;
     const int64_t start = std::min(first, kMaxSize);
     for (int64_t t = 1; t < start; ++t) {
