@@ -296,31 +296,37 @@ Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive,
         int32_t u = a.user_of(dead);
         if (u >= 0) rep.refs_dropped += a.recover_user(static_cast<uint32_t>(u));
     }
-    // The dead process changes nothing now, but a live one may race a transition (a
-    // front cancelling): a request whose CAS lost is seen again on the next pass.
+    // The dead process changes nothing now, but live ones still act: a decode
+    // worker may commit a hand-off the dead prefill sent (its exact CAS makes the
+    // request the decode's), a front may cancel. So each request is first taken
+    // from the dead owner with an exact CAS, and only then re-driven or failed: a
+    // request the scan saw but a live process took meanwhile is not the dead one's.
     for (int pass = 0; pass < 8; ++pass) {
         const std::vector<ReqRef> owned = requests_.owned_by(dead.slot);
         if (owned.empty()) break;
         for (ReqRef q : owned) {
-            ReqState st = requests_.state(q.slot);
-            switch (st) {
-            case ReqState::Free:
+            if (requests_.state(q.slot) == ReqState::Free) {  // reserved by the dead: nobody else acts on it
                 rep.unreserved += requests_.unreserve(q);
-                break;
-            case ReqState::Prefilling:
-            case ReqState::Decoding:
-                if (const int32_t code = redrive && fail_code ? fail_code(q) : 0; code != 0) {
-                    requests_.slot(q.slot).error_code.store(code, std::memory_order_relaxed);  // before the transition
-                    rep.failed += requests_.transition(q, st, ReqState::Failed, by);
-                } else if (redrive) {
-                    (void)requests_.reset_blocks(q);  // its block references were just dropped
-                    rep.redriven += requests_.transition(q, st, ReqState::Queued, by);
-                } else {
-                    rep.failed += requests_.transition(q, st, ReqState::Failed, by);
-                }
-                break;
-            default:  // QUEUED, FINISHED, FAILED, CANCELLED: the recoverer owns them now
-                rep.adopted += requests_.adopt(q, by);
+                continue;
+            }
+            if (!requests_.adopt(q, dead, by)) continue;  // taken by a live process, or reused
+            const ReqState st = requests_.state(q.slot);
+            switch (st) {
+                case ReqState::Prefilling:
+                case ReqState::Decoding:
+                    if (const int32_t code = redrive && fail_code ? fail_code(q) : 0; code != 0) {
+                        requests_.slot(q.slot).error_code.store(code,
+                                                                std::memory_order_relaxed);  // before the transition
+                        rep.failed += requests_.transition(q, st, ReqState::Failed, by);
+                    } else if (redrive) {
+                        (void)requests_.reset_blocks(q);  // its block references were just dropped
+                        rep.redriven += requests_.transition(q, st, ReqState::Queued, by);
+                    } else {
+                        rep.failed += requests_.transition(q, st, ReqState::Failed, by);
+                    }
+                    break;
+                default:  // QUEUED, FINISHED, FAILED, CANCELLED: the recoverer owns them now
+                    ++rep.adopted;
             }
         }
     }

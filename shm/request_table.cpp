@@ -257,12 +257,12 @@ bool RequestTable::transition(ReqRef r, ReqState from, ReqState to, ProcRef new_
     }
 }
 
-bool RequestTable::adopt(ReqRef r, ProcRef new_owner) {
-    if (r.slot >= h_->n_slots || !new_owner.valid()) return false;
+bool RequestTable::adopt(ReqRef r, ProcRef from, ProcRef new_owner) {
+    if (r.slot >= h_->n_slots || !from.valid() || !new_owner.valid()) return false;
     ReqSlot& s = slot(r.slot);
     uint64_t w = s.state_gen.load(std::memory_order_relaxed);
     for (;;) {
-        if (gen_of(w) != r.gen || state_of(w) == ReqState::Free) return false;
+        if (gen_of(w) != r.gen || state_of(w) == ReqState::Free || owner_of(w) != from.slot + 1) return false;
         // acq_rel: as transition().
         if (s.state_gen.compare_exchange_weak(w, pack_sg(r.gen, new_owner.slot + 1, state_of(w)) | (w & kAttemptMask),
                                               std::memory_order_acq_rel, std::memory_order_relaxed))

@@ -233,9 +233,10 @@ public:
     // the transition is not allowed). Every request that is not FREE has an owner:
     // new_owner, when valid, becomes it; otherwise the owner stays.
     [[nodiscard]] bool transition(ReqRef r, ReqState from, ReqState to, ProcRef new_owner = {});
-    // Makes new_owner the owner without changing the state (a recoverer adopting a
-    // dead worker's finished requests, so their clients can still read them).
-    bool adopt(ReqRef r, ProcRef new_owner);
+    // Makes new_owner the owner without changing the state or the attempt, only
+    // while `from` owns r (a recoverer taking a dead worker's requests: one that a
+    // live process took meanwhile, as a hand-off's commit does, is left alone).
+    bool adopt(ReqRef r, ProcRef from, ProcRef new_owner);
     ReqState state(uint32_t slot) const;
     // The attempt (0-255, wrapping): bumped whenever a running request goes back to
     // QUEUED, so messages about an earlier attempt are recognisably stale.

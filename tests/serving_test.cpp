@@ -573,7 +573,7 @@ TEST(Serving, ASupervisorTakesOverADeadOnesRequests) {
     const std::vector<int32_t> prompt = {1, 2, 3, 4};
     auto r = t.submit(sv.front, prompt.data(), static_cast<uint32_t>(prompt.size()), &p, sizeof p);
     ASSERT_TRUE(r.ok()) << r.error().message;
-    ASSERT_TRUE(t.adopt(*r, *dead));
+    ASSERT_TRUE(t.adopt(*r, sv.front, *dead));
     auto self = reg.claim(shm::Role::Launcher, -1, getpid());
     ASSERT_TRUE(self.ok());
     reg.set_running(*self);

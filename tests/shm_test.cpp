@@ -841,6 +841,26 @@ TEST_F(Requests, OwnedByFindsADeadWorkersRequestsForReDrive) {
     (void)b;
 }
 
+// Recovery takes a dead worker's requests with adopt(): one that a live process
+// took after the scan (a decode committing the dead prefill's hand-off) must stay
+// the live one's, or recovery re-drives a request that is still being decoded.
+TEST_F(Requests, AdoptTakesARequestOnlyFromTheOwnerItNames) {
+    const ProcRef decode{2, 1};
+    int32_t p[2] = {1, 2};
+    auto r = table.submit(front, p, 2, nullptr, 0);
+    ASSERT_TRUE(table.transition(*r, ReqState::Queued, ReqState::Prefilling, worker));
+    int32_t b[2] = {10, 11};
+    ASSERT_TRUE(table.append_blocks(*r, b, 2).ok());
+    const uint32_t att = table.attempt(r->slot);
+    ASSERT_TRUE(table.commit(*r, att, ReqState::Prefilling, worker, ReqState::Decoding, decode));
+    EXPECT_FALSE(table.adopt(*r, worker, front)) << "the worker no longer owns it";
+    EXPECT_TRUE(table.is_with(*r, att, ReqState::Decoding, decode));
+    EXPECT_EQ(table.slot(r->slot).n_blocks.load(), 2u);
+    EXPECT_TRUE(table.adopt(*r, decode, front));
+    EXPECT_TRUE(table.is_with(*r, att, ReqState::Decoding, front)) << "state and attempt kept";
+    EXPECT_FALSE(table.adopt(*r, decode, worker)) << "nor from an owner that was";
+}
+
 TEST_F(Requests, AReservationOfADeadSubmitterIsFoundAndUndone) {
     auto r = table.reserve(worker);  // the submitter "dies" here, before queue()
     ASSERT_TRUE(r.ok());
@@ -899,7 +919,7 @@ TEST_F(Requests, AdoptCancelBlocksAndReadsAfterReuse) {
     ASSERT_TRUE(table.transition(*r, ReqState::Prefilling, ReqState::Finished));
     EXPECT_FALSE(table.append_blocks(*r, b2, 1).ok()) << "a finished request takes no blocks";
     // The worker died: the front adopts the finished request so its client can read it.
-    EXPECT_TRUE(table.adopt(*r, front));
+    EXPECT_TRUE(table.adopt(*r, worker, front));
     EXPECT_EQ(table.owner_slot(r->slot), 0);
     std::vector<int32_t> got;
     EXPECT_EQ(*table.read_output(*r, 0, got), 1u);
@@ -911,7 +931,7 @@ TEST_F(Requests, AdoptCancelBlocksAndReadsAfterReuse) {
     got.clear();
     EXPECT_FALSE(table.read_output(old, 0, got).ok());
     EXPECT_TRUE(got.empty());
-    EXPECT_FALSE(table.adopt(old, worker));
+    EXPECT_FALSE(table.adopt(old, front, worker));
     // A late cancel of an older generation never replaces a newer one's.
     ReqRef now = table.current(old.slot);
     table.cancel(now);
