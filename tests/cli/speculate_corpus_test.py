@@ -11,7 +11,9 @@ with drafts on (the default) as from one with --draft-tokens 0:
     on the verify rows, greedy;
   - the reference server runs decode on one core (--no-lend-cores), the other lends
     it prefill's (two threads while prompts are not being computed): the invariance
-    contract says a thread count changes no logit.
+    contract says a thread count changes no logit. /metrics must show that decode
+    computed on two threads for much of the one-at-a-time run, or the comparison
+    of thread counts did not happen.
 
 The drafts must be there to test anything: /metrics counts the kept ones, and the
 input-grounded prompts must keep many.
@@ -24,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import openai
@@ -58,6 +61,12 @@ def kept_drafts(port):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     return sum(int(v) for v in re.findall(r'^duet_draft_tokens_total\{drafter="\w+",outcome="accepted"\} (\d+)$',
                                           text, re.M))
+
+
+def decode_borrowed_seconds(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return sum(float(v) for v in re.findall(r'^duet_worker_borrowed_seconds_total\{role="decode",worker="\d+"\} (\S+)$',
+                                            text, re.M))
 
 
 def outcome(r):
@@ -106,14 +115,20 @@ print(f"reference: {len(todo)} completions, drafts off, decode on one core")
 server, port = start("spec")
 try:
     for parallel in (1, 8):
-        before = kept_drafts(port)
+        before, borrowed, t0 = kept_drafts(port), decode_borrowed_seconds(port), time.monotonic()
         got = run(port, todo, parallel)
+        wall, borrowed = time.monotonic() - t0, decode_borrowed_seconds(port) - borrowed
         for (i, mode), w, g in zip(todo, want, got):
             check(w == g, f"{ROWS[i]['kind']} prompt {i}, mode {mode}, {parallel} at a time: with drafts\n{g[0]!r}\n"
                           f"without\n{w[0]!r}")
         kept = kept_drafts(port) - before
         check(kept >= len(todo) * 4, f"{parallel} at a time: only {kept} drafted tokens kept")
-        print(f"{len(todo)} completions {parallel} at a time: identical with drafts on ({kept} drafted tokens kept)")
+        if parallel == 1:
+            check(borrowed >= 0.25 * wall,
+                  f"decode computed on prefill's core too for {borrowed:.1f} s of {wall:.1f} s: too little for a "
+                  "comparison of one thread with two")
+        print(f"{len(todo)} completions {parallel} at a time: identical with drafts on ({kept} drafted tokens kept; "
+              f"decode on two threads for {borrowed:.1f} s of {wall:.1f} s)")
     check_restarts(port, 0)
 finally:
     stop(server)
