@@ -140,7 +140,7 @@ try:
         # The kill comes once both retriers are in flight, every stream has its first
         # event (its id: the front has it) and every stream has 3 (tokens: cut
         # mid-stream), or, sooner, once the stream furthest on has a third of its
-        # tokens: the first prompt prefilled runs alone while the others are
+        # tokens (counted by the events' ids): the first prompt prefilled runs alone while the others are
         # prefilled, and under a sanitizer on a loaded machine it ended before the last
         # one had 3 events (CI of 2026-12-03). Then the others are cut while queued or
         # prefilled; both kinds resume.
@@ -165,9 +165,14 @@ try:
                     count("started")
                 elif state["n"] == 3:
                     count("mid")
-                if state["n"] > seen["lead"]:
+                # The lead in tokens (the id: the output tokens the event covers), not
+                # events: drafts kept from the reference runs' outputs bring several
+                # tokens an event, and the first stream prefilled could end in fewer
+                # events than a third of its tokens.
+                made = int(ev_id.split(".")[0]) if ev_id else 0
+                if made > seen["lead"]:
                     with progress:
-                        seen["lead"] = max(seen["lead"], state["n"])
+                        seen["lead"] = max(seen["lead"], made)
                         progress.notify_all()
             text, done = "", False
             try:

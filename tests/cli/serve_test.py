@@ -334,7 +334,12 @@ def burst(port, server):
     # third within a minute, with a backoff: roles/restart_policy.h), the stream ends
     # exactly as an undisturbed run, and the server serves on.
     instance = INSTANCE + "-g"
-    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    # Drafts off: kept from the reference's output (decode's pool) and from the
+    # story's own repeats, they brought the 200 tokens several a step, and a loaded
+    # machine's look (`duet shm status`) could let the stream end before the fifth
+    # kill. The burst tests restarts, not drafts (speculate_e2e kills decode mid-verify).
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "speculative": {"mode": "off"}}
     ref = json.loads(request(port, "POST", "/v1/completions", body)[1])["choices"][0]["text"]
     texts, done = [""], threading.Event()
 
@@ -627,19 +632,32 @@ def run(port, server):
                 break
             time.sleep(0.05)
         check(reclaimable() == baseline, f"every KV block free or cached again: {reclaimable()}")
-    got = {}
-    seen = threading.Event()
-    t = threading.Thread(target=lambda: got.update(text=stream(
-        port, "/v1/chat/completions", dict(story, stream=True), lambda txt: len(txt) > 40 and seen.set())[0]))
-    t.start()
-    check(seen.wait(120 * time_scale()), "the stream did not start")  # decode is producing tokens now
-    decode = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "decode"]
-    check(len(decode) == 1, f"one decode worker: {decode}")
-    os.kill(decode[0], signal.SIGKILL)
-    t.join(120 * time_scale())
-    check(got.get("text") == want, f"after the kill: {got.get('text', '')[:120]!r}... != {want[:120]!r}...")
-    restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
-    check(restarts >= 1 and redriven >= 1, f"metrics: restarts {restarts}, redriven {redriven}")
+    # The look (40 characters in, decode's pid) and the kill are not one act: decode
+    # drafts the story from the reference's output in its pool and may finish it in
+    # between on a loaded machine. A kill that re-drove nothing is tried again on a
+    # fresh stream, three times at most.
+    redriven0 = counter(port, "duet_requests_redriven_total")
+    for attempt in range(3):
+        got = {}
+        seen = threading.Event()
+        t = threading.Thread(target=lambda: got.update(text=stream(
+            port, "/v1/chat/completions", dict(story, stream=True), lambda txt: len(txt) > 40 and seen.set())[0]))
+        t.start()
+        check(seen.wait(120 * time_scale()), "the stream did not start")  # decode is producing tokens now
+        decode = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "decode" and p["state"] == "running"]
+        check(len(decode) == 1, f"one running decode worker: {decode}")
+        os.kill(decode[0], signal.SIGKILL)
+        t.join(120 * time_scale())
+        check(got.get("text") == want, f"after the kill: {got.get('text', '')[:120]!r}... != {want[:120]!r}...")
+        restarts, redriven = counter(port, "duet_worker_restarts_total"), counter(port, "duet_requests_redriven_total")
+        if redriven > redriven0:
+            break
+        print(f"attempt {attempt + 1}: the stream ended before decode's kill; again", flush=True)
+        for _ in range(600):  # until the restarted decode runs
+            if any(p["role"] == "decode" and p["state"] == "running" for p in shm_processes()["processes"]):
+                break
+            time.sleep(0.1)
+    check(restarts >= 1 and redriven > redriven0, f"metrics: restarts {restarts}, redriven {redriven}")
     wait_reclaimed()
     print(f"decode killed mid-stream: identical text, {restarts} restart(s), {redriven} re-drive(s): ok")
 

@@ -313,25 +313,42 @@ try:
         check(w == g, f"speculative off, {mode} on {prompt[:40]!r}: {g} != without drafts {w}")
     check(kept == 0 and thrown == 0, f"speculative off: {kept} drafted tokens kept, {thrown} thrown")
     print("speculative off on a server with drafts: none drafted, identical")
-    # Decode killed while it verifies drafts for the stream: re-driven, identical.
+    # Decode killed while it verifies drafts for the stream: re-driven, identical. A
+    # look (decode holds the stream, drafts were kept) and its kill are not one act:
+    # a stream that decode finished in between (the client reads its events late on
+    # a loaded machine), or never seen held, is asked for again, three times at most.
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
-    decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
-    redriven = metric(port, "duet_requests_redriven_total")
-    base = drafts(port, "accepted")
-    parts, killed = [], None
-    for ev in c.completions.create(model=c.models.list().data[0].id, stream=True, **KILLED):
-        parts.extend(ch.text for ch in ev.choices)
-        if killed is None and len(parts) >= 8:
-            now = drafts(port, "accepted")
-            if metric(port, 'duet_worker_requests{role="decode",worker="0"}') == 1 and now > base:
-                os.kill(decode[0], signal.SIGKILL)
-                killed = len(parts)
-    check(killed is not None, "decode never held the stream while verifying its drafts")
-    check("".join(parts) == want_killed, f"after decode's SIGKILL: {''.join(parts)!r} != {want_killed!r}")
-    check(metric(port, "duet_requests_redriven_total") == redriven + 1, "the stream was re-driven")
+    kills, killed = 0, None
+    for attempt in range(3):
+        decode = []
+        for _ in range(600):  # a decode restarted after a missed kill: once it runs again
+            out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
+            decode = [p["pid"] for p in json.loads(out.stdout)["processes"]
+                      if p["role"] == "decode" and p["state"] == "running"]
+            if decode:
+                break
+            time.sleep(0.1)
+        check(len(decode) == 1, f"one running decode worker: {decode}")
+        redriven = metric(port, "duet_requests_redriven_total")
+        base = drafts(port, "accepted")
+        parts, killed = [], None
+        for ev in c.completions.create(model=c.models.list().data[0].id, stream=True, **KILLED):
+            parts.extend(ch.text for ch in ev.choices)
+            if killed is None and len(parts) >= 8:
+                now = drafts(port, "accepted")
+                if metric(port, 'duet_worker_requests{role="decode",worker="0"}') == 1 and now > base:
+                    os.kill(decode[0], signal.SIGKILL)
+                    killed = len(parts)
+                    kills += 1
+        check("".join(parts) == want_killed, f"after decode's SIGKILL: {''.join(parts)!r} != {want_killed!r}")
+        if killed is not None and metric(port, "duet_requests_redriven_total") == redriven + 1:
+            break
+        print(f"attempt {attempt + 1}: " + ("the kill came after decode let the stream go" if killed is not None
+                                             else "decode was never seen holding the stream") + "; again")
+        killed = None
+    check(killed is not None, "three attempts: decode was never killed while it held the stream verifying drafts")
     print(f"a stream through decode's SIGKILL at {killed} parts, drafts on: re-driven, identical")
-    check_restarts(port, 1)
+    check_restarts(port, kills)
 finally:
     stop(server)
     shutil.rmtree(server.contexts_dir, ignore_errors=True)
