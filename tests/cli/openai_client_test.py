@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import openai
@@ -360,23 +361,40 @@ try:
     biased = dict(model=model, prompt="The capital of France is", max_tokens=200, temperature=0.8, seed=3,
                   logit_bias=bias, extra_body={"ignore_eos": True})
     want = c.completions.create(**biased).choices[0].text
-    out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True, check=True)
-    decode = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == "decode"]
-    redriven = metric("duet_requests_redriven_total")
-    parts, killed = [], None
-    for ev in c.completions.create(stream=True, **biased):
-        parts.extend(ch.text for ch in ev.choices)
-        if killed is None:
-            held = metric('duet_worker_requests{role="decode",worker="0"}')
-            made = metric('duet_worker_tokens{role="decode",worker="0"}')
-            if held == 1:
-                os.kill(decode[0], signal.SIGKILL)
-                killed = made
-    check(killed is not None, "decode never held the biased request")
-    check("".join(parts) == want, f"after decode's SIGKILL: {''.join(parts)!r} != {want!r}")
-    check(metric("duet_requests_redriven_total") == redriven + 1, "the biased request was re-driven")
+    # A look and its kill are not one act: a stream that decode finished in between
+    # (drafted from `want` in its pool, on a loaded machine) is asked for again,
+    # three times at most.
+    kills = 0
+    for attempt in range(3):
+        decode = []
+        for _ in range(600):  # a decode restarted after a missed kill: once it runs again
+            out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True,
+                                 check=True)
+            decode = [p["pid"] for p in json.loads(out.stdout)["processes"]
+                      if p["role"] == "decode" and p["state"] == "running"]
+            if decode:
+                break
+            time.sleep(0.1)
+        check(len(decode) == 1, f"one running decode worker: {decode}")
+        redriven = metric("duet_requests_redriven_total")
+        parts, killed = [], None
+        for ev in c.completions.create(stream=True, **biased):
+            parts.extend(ch.text for ch in ev.choices)
+            if killed is None:
+                held = metric('duet_worker_requests{role="decode",worker="0"}')
+                made = metric('duet_worker_tokens{role="decode",worker="0"}')
+                if held == 1:
+                    os.kill(decode[0], signal.SIGKILL)
+                    killed = made
+                    kills += 1
+        check("".join(parts) == want, f"after decode's SIGKILL: {''.join(parts)!r} != {want!r}")
+        if killed is not None and metric("duet_requests_redriven_total") == redriven + 1:
+            break
+        print(f"attempt {attempt + 1}: the biased stream was not killed in decode's hands; again", flush=True)
+        killed = None
+    check(killed is not None, "three attempts: decode was never killed while it held the biased request")
     print(f"logit_bias through decode's SIGKILL (at {killed} tokens held): re-driven, identical: ok")
-    check_restarts(port, 1)
+    check_restarts(port, kills)
 finally:
     server.send_signal(signal.SIGTERM)
     rc = server.wait(60)
