@@ -24,6 +24,18 @@ using namespace duet::shm::testing;
 
 namespace {
 
+// Polls every step_us until done() holds or limit_ms (widened by DUET_TIME_SCALE:
+// the sanitizer runs on a loaded 2-core machine) passed; whether it held.
+template <typename F>
+bool poll_until(F done, uint64_t limit_ms, useconds_t step_us = 500) {
+    const uint64_t until = shm::monotonic_ns() + test_time::scaled_ns(limit_ms * 1'000'000);
+    while (!done()) {
+        if (shm::monotonic_ns() >= until) return false;
+        usleep(step_us);
+    }
+    return true;
+}
+
 const std::vector<std::string> kPrompts = {
     "The capital of France is",
     "def fibonacci(n):",
@@ -272,7 +284,7 @@ TEST(Serving, PrefillAndDecodeProcessesMatchTheEngineAndSurviveKills) {
         for (auto& p : prompts) reqs.push_back(sv.submit(p));
         shm::RequestTable& t = sv.inst.requests();
         if (kill_decode) {  // wait until some tokens have been produced by decode
-            for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+            (void)poll_until([&] { return t.slot(reqs[0].slot).n_output.load() >= 4; }, 10'000);
         } else {
             usleep(2000);
         }
@@ -657,10 +669,12 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     ASSERT_GT(dec, 0);
     kill(dec, SIGKILL);
     std::vector<Supervisor::Event> ev;
-    for (int i = 0; i < 5000 && ev.empty(); ++i) {
-        ev = sup.poll();
-        usleep(1000);
-    }
+    (void)poll_until(
+        [&] {
+            ev = sup.poll();
+            return !ev.empty();
+        },
+        5'000, 1000);
     ASSERT_EQ(ev.size(), 1u);
     EXPECT_EQ(ev[0].role, "decode");
     EXPECT_TRUE(WIFSIGNALED(ev[0].status) && WTERMSIG(ev[0].status) == SIGKILL);
@@ -678,10 +692,12 @@ TEST(Serving, SupervisedWorkerExecutablesRecoverAndStopCleanly) {
     ASSERT_GT(dec, 0);
     kill(dec, SIGTERM);
     ev.clear();
-    for (int i = 0; i < 5000 && ev.empty(); ++i) {
-        ev = sup.poll();
-        usleep(1000);
-    }
+    (void)poll_until(
+        [&] {
+            ev = sup.poll();
+            return !ev.empty();
+        },
+        5'000, 1000);
     ASSERT_EQ(ev.size(), 1u);
     EXPECT_TRUE(WIFEXITED(ev[0].status) && WEXITSTATUS(ev[0].status) == 0);
     EXPECT_GT(ev[0].recovered.redriven, 0u) << "decode held requests when it stopped";
@@ -763,7 +779,7 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     // SIGKILL the decode worker holding a request mid-stream: re-driven, identical.
     reqs.clear();
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
-    for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+    (void)poll_until([&] { return t.slot(reqs[0].slot).n_output.load() >= 4; }, 10'000);
     int k = -1;  // a decode worker holding one of them now
     for (const shm::ReqRef& r : reqs) {
         const int32_t owner = t.owner_slot(r.slot);
@@ -787,7 +803,7 @@ TEST(Serving, RequestsAreRoutedAmongSeveralPrefillAndDecodeWorkers) {
     kill(dec[j], SIGSTOP);
     reqs.clear();
     for (auto& p : prompts) reqs.push_back(sv.submit(p));
-    for (int i = 0; i < 20000 && queued_for_decode(sv.inst, static_cast<uint32_t>(j)) == 0; ++i) usleep(500);
+    (void)poll_until([&] { return queued_for_decode(sv.inst, static_cast<uint32_t>(j)) != 0; }, 10'000);
     ASSERT_GT(queued_for_decode(sv.inst, static_cast<uint32_t>(j)), 0u) << "nothing was handed to the stopped worker";
     kill(dec[j], SIGKILL);
     EXPECT_EQ(wait_exit(dec[j]), 128 + SIGKILL);
@@ -875,7 +891,7 @@ TEST(Serving, PerRoleArenasCopyEachHandOffIntoDecodesArena) {
         pid_t* victim = &prefill;
         uint32_t index = 0;
         if (kill_decode) {
-            for (int i = 0; i < 20000 && t.slot(reqs[0].slot).n_output.load() < 4; ++i) usleep(500);
+            (void)poll_until([&] { return t.slot(reqs[0].slot).n_output.load() >= 4; }, 10'000);
             const int32_t owner = t.owner_slot(reqs[0].slot);
             for (uint32_t d = 0; d < 2; ++d)
                 if (owner >= 0 && reg.pid(static_cast<uint32_t>(owner)) == dec[d]) {

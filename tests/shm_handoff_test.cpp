@@ -245,7 +245,7 @@ TEST(ShmHandoff, RequestsSurviveWorkerKillsWithExactOutputsAndNoLeakedBlock) {
     std::map<uint32_t, std::pair<ReqRef, std::vector<int32_t>>> inflight;  // slot -> (request, expected)
     uint32_t submitted = 0, verified = 0, kills = 0, redriven = 0;
     uint64_t next_kill = monotonic_ns() + 10'000'000;
-    const uint64_t deadline = monotonic_ns() + 120'000'000'000ull;
+    const uint64_t deadline = monotonic_ns() + duet::test_time::scaled_ns(120'000'000'000ull);
     auto send = [&](ReqRef r) {
         Msg m{r.slot, r.gen, 0, 0, 0, 0, {}};
         while (!to_prefill.try_push(m)) std::this_thread::sleep_for(std::chrono::microseconds(50));
