@@ -97,6 +97,36 @@ def not_run(what, why):
     print(f"not run: {why}")
 
 
+def child_pids(launcher_pid, role):
+    """The live processes of `role` ("prefill", "decode", "front") that the launcher
+    `launcher_pid` started, from /proc: its threads' `children` files, then each
+    child's arguments (`duet <role> ...`; a zombie, or a child not yet exec'd, is
+    left out). A handful of files, no process started: a look that ran `duet shm
+    status` took seconds on a loaded machine, long enough for what it looked for to
+    change before the test acted on it."""
+    import os
+    kids = []
+    try:
+        for task in os.listdir(f"/proc/{launcher_pid}/task"):
+            with open(f"/proc/{launcher_pid}/task/{task}/children") as f:
+                kids += f.read().split()
+    except OSError:
+        pass
+    out = []
+    for d in kids:
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...
+        if fields[0] != "Z" and int(fields[1]) == launcher_pid and len(argv) > 1 and argv[1] == role.encode():
+            out.append(int(d))
+    return out
+
+
 def drain(proc, keep=200):
     """Reads the rest of proc.stderr (text) on a daemon thread, so that a server that
     logs a lot never blocks on a full pipe; returns the list of its last `keep` lines."""

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import check, check_restarts, drain, listening_port_and_instance, stop, time_scale
+from duet_e2e import check, check_restarts, child_pids, drain, listening_port_and_instance, stop, time_scale
 
 DUET = sys.argv[1]
 SCALE = time_scale()
@@ -57,30 +57,9 @@ last_status = ["(none yet)"]
 
 
 def prefill_pid():
-    """The live prefill worker's pid, from /proc: a child of the launcher whose
-    arguments begin `duet prefill` (a killed one not yet reaped has none). The
-    launcher's children are listed by its threads' `children` files, so a look reads
-    a handful of files, not every process's (a scan of /proc took long enough on a
-    loaded machine for the request to leave prefill between the look and the kill)."""
-    kids = []
-    try:
-        for task in os.listdir(f"/proc/{proc.pid}/task"):
-            with open(f"/proc/{proc.pid}/task/{task}/children") as f:
-                kids += f.read().split()
-    except OSError:
-        pass
-    for d in kids:
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, ...
-        if fields[0] != "Z" and int(fields[1]) == proc.pid and len(argv) > 1 and argv[1] == b"prefill":
-            return int(d)
-    return None
+    """The live prefill worker's pid (duet_e2e.child_pids), or None."""
+    pids = child_pids(proc.pid, "prefill")
+    return pids[0] if pids else None
 
 
 def prefill_holding():

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import START_TIMEOUT, check_restarts, time_scale
+from duet_e2e import START_TIMEOUT, check_restarts, child_pids, time_scale
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-serve-test-{os.getpid()}"
@@ -383,8 +383,12 @@ def cannot_start(port, server):
     os.kill(first[0], signal.SIGKILL)  # then each new one while it starts
     killed.add(first[0])
     deadline = time.time() + 120 * time_scale()
+    # Each new one as soon as the launcher has started it (from /proc, no process
+    # started for the look): a look through `duet shm status` could take longer
+    # than a start on a loaded machine, and a worker that came to run before its
+    # kill is one that started, which resets the launcher's count of failed starts.
     while len(killed) < 6 and time.time() < deadline and server.poll() is None:
-        for p in decode_pids(instance, "starting"):
+        for p in child_pids(server.pid, "decode"):
             if p not in killed:
                 os.kill(p, signal.SIGKILL)
                 killed.add(p)
