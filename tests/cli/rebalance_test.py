@@ -222,7 +222,13 @@ def main():
         m = LEAVES.search(line)
         if m and not killed:
             killed.append(m.groups())
-            os.kill(int(m.group(2)), signal.SIGKILL)
+            try:
+                os.kill(int(m.group(2)), signal.SIGKILL)
+            except ProcessLookupError:
+                # Gone already: this reader ran late and the worker, quiet, was retired
+                # (the "stopping already" case below). Raised here, it would end the
+                # thread that reads the log.
+                pass
 
     srv = Server(INSTANCE, 2, hook)
     server, lines = srv.proc, srv.lines
