@@ -309,3 +309,124 @@ TEST(ShmHandoff, RequestsSurviveWorkerKillsWithExactOutputsAndNoLeakedBlock) {
     EXPECT_EQ(w.inst.arena(0).unindexed_free(), 0u);
     for (uint32_t s = 0; s < t.n_slots(); ++s) EXPECT_EQ(t.state(s), ReqState::Free) << "slot " << s;
 }
+
+// Recovery of a dead prefill racing a decode's commit of the hand-off it sent
+// (shm/README.md, "Hand-off between processes"): the decode took its references
+// before recovery dropped the prefill's, and commits while recovery runs. Recovery
+// once scanned the dead process's requests and then re-drove each with a CAS blind
+// to its owner: a commit landing between the two was undone, the request sent
+// back to QUEUED with its block table emptied while the decode went on with it
+// (CI, 2026-12-07: a request's second token was wrong in the test above). Here the
+// commit is timed into recovery on purpose: the decode waits until the dead slot is
+// marked DEAD, then a random delay within the time recovery takes (a large request
+// table makes its scan long), so many commits land mid-recovery. Exactly one side
+// must win every time.
+TEST(ShmHandoff, ARecoveryRacingAHandOffsCommitLeavesTheRequestToOneOfThem) {
+    InstanceConfig cfg;
+    cfg.name = unique_name("horace");
+    cfg.registry_slots = 8;
+    cfg.n_rings = 1;
+    cfg.ring_capacity = 64;
+    cfg.requests.n_slots = 2048;  // the scan after the request's slot takes tens of microseconds
+    cfg.requests.max_tokens = 32;
+    cfg.requests.block_tokens = kBlockTokens;
+    cfg.arenas.push_back(ArenaConfig{64, 4, 0});
+    cfg.cpu_kv_bytes = sizeof(uint64_t) * kBlockTokens * 64;
+    auto in = Instance::create(cfg);
+    ASSERT_TRUE(in.ok()) << in.error().message;
+    Instance inst = std::move(*in);
+    struct Unlink {
+        std::string name;
+        ~Unlink() { Instance::unlink(name); }
+    } unlink_at_end{cfg.name};
+    Registry& reg = inst.registry();
+    RequestTable& t = inst.requests();
+    KvArena arena = inst.arena(0);
+    auto front = reg.claim(Role::Front, -1, getpid());
+    auto decode = reg.claim(Role::Decode, -1, getpid());
+    ASSERT_TRUE(front.ok() && decode.ok());
+    reg.set_running(*front);
+    reg.set_running(*decode);
+    auto du = arena.join(*decode);
+    ASSERT_TRUE(du.ok());
+    const pid_t gone = fork_run([] { return 0; });
+    ASSERT_EQ(wait_exit(gone), 0);  // reaped: a pid no process has now
+
+    std::mt19937_64 rng(7);
+    // At least `rounds`, and on until each side has won a few times (a loaded
+    // machine can delay the decode's thread past many recoveries), within a cap.
+    const int rounds = static_cast<int>(scaled(1500)), cap = 4 * rounds;
+    int decode_won = 0, recovery_won = 0, i = 0;
+    uint64_t recover_ns = 0;
+    for (; i < cap && (i < rounds || decode_won < 5 || recovery_won < 5); ++i) {
+        auto dead = reg.claim(Role::Prefill, -1, gone);
+        ASSERT_TRUE(dead.ok()) << dead.error().message;
+        reg.set_running(*dead);
+        auto pu = arena.join(*dead);
+        ASSERT_TRUE(pu.ok());
+        const int32_t prompt[3] = {1, 2, 3};
+        auto r = t.submit(*front, prompt, 3, nullptr, 0);
+        ASSERT_TRUE(r.ok()) << r.error().message;
+        ASSERT_TRUE(t.transition(*r, ReqState::Queued, ReqState::Prefilling, *dead));
+        int32_t blocks[2];
+        ASSERT_TRUE(arena.alloc(*pu, 2, blocks));
+        ASSERT_TRUE(t.append_blocks(*r, blocks, 2).ok());
+        const Handoff h{*r, t.attempt(r->slot), *dead, *pu};
+
+        // The decode: its references first (the prefill still holds the blocks), then
+        // the commit, timed into the recovery that follows.
+        std::atomic<int> shared{0};
+        bool committed = false;
+        // Within the time a recovery has taken so far (the first rounds: 60 us).
+        const uint64_t span = i == 0 ? 60'000 : recover_ns / static_cast<uint64_t>(i) + 1;
+        const uint64_t delay_ns = rng() % span;
+        std::thread d([&] {
+            int n = 0;
+            for (int32_t b : blocks) n += arena.share(h.from_user, *du, b);
+            shared.store(n, std::memory_order_release);
+            shared.notify_one();
+            if (n != 2) return;
+            // Spinning, to see DEAD at once; yielding now and then, so that a loaded
+            // machine that put both threads on one core still runs the recovery.
+            for (uint32_t spins = 1; reg.state(h.from.slot) == ProcState::Running; ++spins)
+                if (spins % 4096 == 0) std::this_thread::yield();
+            const uint64_t at = monotonic_ns() + delay_ns;
+            while (monotonic_ns() < at) {}
+            committed = t.commit(h.req, h.attempt, ReqState::Prefilling, h.from, ReqState::Decoding, *decode);
+            if (!committed) arena.unref(*du, blocks, 2);
+        });
+        shared.wait(0, std::memory_order_acquire);  // asleep: the decode's thread may need this core
+        ASSERT_EQ(shared.load(), 2);
+        const uint64_t t0 = monotonic_ns();
+        auto rep = inst.recover(*dead, *front, true);
+        recover_ns += monotonic_ns() - t0;
+        d.join();
+        ASSERT_TRUE(rep.ok()) << rep.error().message;
+        if (committed) {
+            ++decode_won;
+            ASSERT_TRUE(t.is_with(*r, h.attempt, ReqState::Decoding, *decode))
+                << "round " << i << ": recovery took a request the decode had committed (state "
+                << req_state_name(t.state(r->slot)) << ", owner " << t.owner_slot(r->slot) << ")";
+            ASSERT_EQ(t.slot(r->slot).n_blocks.load(), 2u) << "round " << i << ": its block table was emptied";
+            EXPECT_EQ(rep->redriven, 0u);
+            arena.unref(*du, blocks, 2);
+            ASSERT_TRUE(t.transition(*r, ReqState::Decoding, ReqState::Finished));
+            ASSERT_TRUE(t.transition(*r, ReqState::Finished, ReqState::Free));
+        } else {
+            ++recovery_won;
+            ASSERT_TRUE(t.is(*r, ReqState::Queued)) << "round " << i << ": " << req_state_name(t.state(r->slot));
+            EXPECT_EQ(t.owner_slot(r->slot), static_cast<int32_t>(front->slot));
+            EXPECT_EQ(t.slot(r->slot).n_blocks.load(), 0u);
+            EXPECT_EQ(rep->redriven, 1u);
+            ASSERT_TRUE(t.transition(*r, ReqState::Queued, ReqState::Cancelled));
+            ASSERT_TRUE(t.transition(*r, ReqState::Cancelled, ReqState::Free));
+        }
+        ArenaCensus c = arena.census();
+        ASSERT_EQ(c.free, c.total) << "round " << i << ": " << c.held << " blocks still held";
+    }
+    std::printf("%d rounds: the decode's commit won %d, recovery %d; a recovery took %.1f us\n", i, decode_won,
+                recovery_won, static_cast<double>(recover_ns) / i / 1000);
+    EXPECT_GT(decode_won, 0);
+    EXPECT_GT(recovery_won, 0);
+    arena.leave(*du);
+}
