@@ -315,8 +315,8 @@ Result<RecoveryReport> Instance::recover(ProcRef dead, ProcRef by, bool redrive,
                 case ReqState::Prefilling:
                 case ReqState::Decoding:
                     if (const int32_t code = redrive && fail_code ? fail_code(q) : 0; code != 0) {
-                        requests_.slot(q.slot).error_code.store(code,
-                                                                std::memory_order_relaxed);  // before the transition
+                        // The code before the transition, which publishes it.
+                        requests_.slot(q.slot).error_code.store(code, std::memory_order_relaxed);
                         rep.failed += requests_.transition(q, st, ReqState::Failed, by);
                     } else if (redrive) {
                         (void)requests_.reset_blocks(q);  // its block references were just dropped
