@@ -127,6 +127,22 @@ def child_pids(launcher_pid, role):
     return out
 
 
+def running_workers(duet, instance, role, wait_s=60):
+    """The pids of `role` workers of `instance` that run (not those starting), by `duet
+    shm status`; waits up to wait_s (widened by the time scale) for at least one: a
+    worker restarted after a kill loads and checks its model first."""
+    import json
+    import subprocess
+    import time
+    end = time.monotonic() + wait_s * time_scale()
+    while True:
+        out = subprocess.run([duet, "shm", "status", instance, "--json"], capture_output=True, text=True, check=True)
+        pids = [p["pid"] for p in json.loads(out.stdout)["processes"] if p["role"] == role and p["state"] == "running"]
+        if pids or time.monotonic() > end:
+            return pids
+        time.sleep(0.1)
+
+
 def drain(proc, keep=200):
     """Reads the rest of proc.stderr (text) on a daemon thread, so that a server that
     logs a lot never blocks on a full pipe; returns the list of its last `keep` lines."""

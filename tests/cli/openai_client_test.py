@@ -15,12 +15,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
 import openai
 
-from duet_e2e import check_restarts, drain, listening_port
+from duet_e2e import check_restarts, drain, listening_port, running_workers
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-openai-test-{os.getpid()}"
@@ -366,15 +365,7 @@ try:
     # three times at most.
     kills = 0
     for attempt in range(3):
-        decode = []
-        for _ in range(600):  # a decode restarted after a missed kill: once it runs again
-            out = subprocess.run([DUET, "shm", "status", INSTANCE, "--json"], capture_output=True, text=True,
-                                 check=True)
-            decode = [p["pid"] for p in json.loads(out.stdout)["processes"]
-                      if p["role"] == "decode" and p["state"] == "running"]
-            if decode:
-                break
-            time.sleep(0.1)
+        decode = running_workers(DUET, INSTANCE, "decode")  # after a missed kill: its successor, once it runs
         check(len(decode) == 1, f"one running decode worker: {decode}")
         redriven = metric("duet_requests_redriven_total")
         parts, killed = [], None

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_e2e import START_TIMEOUT, check_restarts, child_pids, time_scale
+from duet_e2e import START_TIMEOUT, check_restarts, child_pids, running_workers, time_scale
 
 DUET = sys.argv[1]
 INSTANCE = f"duet-serve-test-{os.getpid()}"
@@ -648,7 +648,7 @@ def run(port, server):
             port, "/v1/chat/completions", dict(story, stream=True), lambda txt: len(txt) > 40 and seen.set())[0]))
         t.start()
         check(seen.wait(120 * time_scale()), "the stream did not start")  # decode is producing tokens now
-        decode = [p["pid"] for p in shm_processes()["processes"] if p["role"] == "decode" and p["state"] == "running"]
+        decode = running_workers(DUET, INSTANCE, "decode")
         check(len(decode) == 1, f"one running decode worker: {decode}")
         os.kill(decode[0], signal.SIGKILL)
         t.join(120 * time_scale())
@@ -657,10 +657,6 @@ def run(port, server):
         if redriven > redriven0:
             break
         print(f"attempt {attempt + 1}: the stream ended before decode's kill; again", flush=True)
-        for _ in range(600):  # until the restarted decode runs
-            if any(p["role"] == "decode" and p["state"] == "running" for p in shm_processes()["processes"]):
-                break
-            time.sleep(0.1)
     check(restarts >= 1 and redriven > redriven0, f"metrics: restarts {restarts}, redriven {redriven}")
     wait_reclaimed()
     print(f"decode killed mid-stream: identical text, {restarts} restart(s), {redriven} re-drive(s): ok")

@@ -35,7 +35,7 @@ import urllib.request
 
 import openai
 
-from duet_e2e import START_TIMEOUT, check, check_restarts, drain, listening_port, stop
+from duet_e2e import START_TIMEOUT, check, check_restarts, drain, listening_port, running_workers, stop
 from speculate_prompts import GROUNDED, OPEN
 
 DUET = sys.argv[1]
@@ -320,14 +320,7 @@ try:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
     kills, killed = 0, None
     for attempt in range(3):
-        decode = []
-        for _ in range(600):  # a decode restarted after a missed kill: once it runs again
-            out = subprocess.run([DUET, "shm", "status", inst, "--json"], capture_output=True, text=True, check=True)
-            decode = [p["pid"] for p in json.loads(out.stdout)["processes"]
-                      if p["role"] == "decode" and p["state"] == "running"]
-            if decode:
-                break
-            time.sleep(0.1)
+        decode = running_workers(DUET, inst, "decode")  # after a missed kill: its successor, once it runs
         check(len(decode) == 1, f"one running decode worker: {decode}")
         redriven = metric(port, "duet_requests_redriven_total")
         base = drafts(port, "accepted")
