@@ -140,10 +140,10 @@ try:
         # The kill comes once both retriers are in flight, every stream has its first
         # event (its id: the front has it) and every stream has 3 (tokens: cut
         # mid-stream), or, sooner, once the stream furthest on has a third of its
-        # tokens (counted by the events' ids): the first prompt prefilled runs alone while the others are
-        # prefilled, and under a sanitizer on a loaded machine it ended before the last
-        # one had 3 events (CI of 2026-12-03). Then the others are cut while queued or
-        # prefilled; both kinds resume.
+        # tokens (counted by the events' ids): the first prompt prefilled runs alone
+        # while the others are prefilled, and under a sanitizer on a loaded machine it
+        # ended before the last one had 3 events (CI of 2026-12-03). Then the others
+        # are cut while queued or prefilled; both kinds resume.
         progress = threading.Condition()
         seen = {"started": 0, "mid": 0, "retriers": 0, "lead": 0}
         cut_at = [0] * (N_STREAMS + 1)  # events each stream had when cut
